@@ -1,0 +1,115 @@
+"""The chunk walk (CONTRACT.md §2): which patches share one ``load_weights`` call.
+
+This is the only place the walk exists. The loader and every inspection helper call
+:func:`plan_chunks`, so what a notebook shows is what the loader does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import PatchTypeError, PatchValueError
+from .patch import CheckpointWeightPatch, staged_nbytes
+
+__all__ = ["DEFAULT_MAX_CHUNK_BYTES", "Chunk", "plan_chunks"]
+
+DEFAULT_MAX_CHUNK_BYTES = 512 << 20
+"""512 MiB, the contract's default budget for one ``load_weights`` call."""
+
+ClosedBy = Literal["budget", "repeated name", "end"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One ``load_weights`` call of a load.
+
+    - ``index``: 0-based position of the call in the load.
+    - ``positions``: the patches it carries, as positions in the caller's input order.
+    - ``names``: their checkpoint names, in the same order.
+    - ``bytes``: staged bytes of the call (sum of ``prod(shape) * itemsize``).
+    - ``closed_by``: why the chunk ended: ``"budget"`` (the next patch would have pushed
+      it past ``max_chunk_bytes``), ``"repeated name"`` (the next patch names a weight this
+      chunk already holds; reported first when both apply, because it closes the chunk
+      whatever the budget) or ``"end"`` (the last chunk).
+    - ``over_budget``: True for a single patch larger than the budget, which travels alone.
+    """
+
+    index: int
+    positions: tuple[int, ...]
+    names: tuple[str, ...]
+    bytes: int
+    closed_by: ClosedBy
+    over_budget: bool = False
+
+
+def plan_chunks(
+    patches: Iterable[CheckpointWeightPatch],
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    *,
+    positions: Sequence[int] | None = None,
+) -> list[Chunk]:
+    """Return the ``load_weights`` calls a load of ``patches`` makes, in order.
+
+    Walks the patches in input order; before adding a patch the current chunk is closed if
+    it is non-empty and either its bytes plus the patch's staged bytes exceed
+    ``max_chunk_bytes`` or it already holds a patch with the same name. A patch larger
+    than the budget therefore travels alone, and a repeated name always starts a new call.
+
+    Needs only each patch's ``name``, ``shape`` and ``dtype``: nothing is staged or moved.
+    ``positions`` relabels the patches (the loader passes the caller's positions after
+    dropping tied aliases); it defaults to ``0..len-1``.
+
+    >>> import torch
+    >>> p = CheckpointWeightPatch("w", (4,), torch.float32, torch.zeros(4))
+    >>> [(c.positions, c.closed_by) for c in plan_chunks([p, p], max_chunk_bytes=1024)]
+    [((0,), 'repeated name'), ((1,), 'end')]
+    """
+    if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
+        raise PatchTypeError(
+            f"max_chunk_bytes must be an int, got {type(max_chunk_bytes).__name__}",
+            reason="max_chunk_bytes type", value=max_chunk_bytes,
+        )
+    if max_chunk_bytes <= 0:
+        raise PatchValueError(
+            f"max_chunk_bytes must be positive, got {max_chunk_bytes}",
+            reason="max_chunk_bytes", value=max_chunk_bytes,
+        )
+    patches = list(patches)
+    if positions is None:
+        positions = range(len(patches))
+    chunks: list[Chunk] = []
+    cur_pos: list[int] = []
+    cur_names: list[str] = []
+    cur_seen: set[str] = set()
+    cur_bytes = 0
+
+    def close(reason: ClosedBy) -> None:
+        nonlocal cur_pos, cur_names, cur_seen, cur_bytes
+        chunks.append(
+            Chunk(
+                index=len(chunks),
+                positions=tuple(cur_pos),
+                names=tuple(cur_names),
+                bytes=cur_bytes,
+                closed_by=reason,
+                over_budget=cur_bytes > max_chunk_bytes,
+            )
+        )
+        cur_pos, cur_names, cur_seen, cur_bytes = [], [], set(), 0
+
+    for pos, patch in zip(positions, patches):
+        nbytes = staged_nbytes(patch)
+        if cur_pos:
+            if patch.name in cur_seen:
+                close("repeated name")
+            elif cur_bytes + nbytes > max_chunk_bytes:
+                close("budget")
+        cur_pos.append(pos)
+        cur_names.append(patch.name)
+        cur_seen.add(patch.name)
+        cur_bytes += nbytes
+    if cur_pos:
+        close("end")
+    return chunks

@@ -1,0 +1,62 @@
+"""The one exception family patchkit raises.
+
+Every error is also the builtin type the contract names (``ValueError``, ``TypeError``,
+``NotImplementedError``), so code written against vLLM's loader that catches those keeps
+working, and code that wants only patchkit's errors catches :class:`PatchError`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ContractViolation",
+    "PatchError",
+    "PatchTypeError",
+    "PatchValueError",
+]
+
+
+class PatchError(Exception):
+    """Base of every error patchkit raises about patches or loaders.
+
+    Attributes a caller can rely on (``None`` where they do not apply):
+
+    - ``position``: index of the offending patch in the caller's input order;
+    - ``name``: that patch's checkpoint name;
+    - ``reason``: a short machine-readable reason, e.g. ``"NaN"``, ``"out-of-range"``,
+      ``"duplicate"``, ``"mixed"``, ``"overlapping runtime views"``;
+    - ``value``: one offending value (an index, a count, a dtype, an op name).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        position: int | None = None,
+        name: str | None = None,
+        reason: str | None = None,
+        value: object = None,
+    ) -> None:
+        super().__init__(message)
+        self.position = position
+        self.name = name
+        self.reason = reason
+        self.value = value
+
+
+class PatchValueError(PatchError, ValueError):
+    """A patch, or an argument of the call, has a bad value."""
+
+
+class PatchTypeError(PatchError, TypeError):
+    """A patch, or an argument of the call, has a bad type (a dtype, an index dtype)."""
+
+
+class ContractViolation(PatchError, NotImplementedError):
+    """A model's ``load_weights`` did something a sparse (NaN-masked) load cannot support."""
+
+
+def where(position: int | None, name: str | None) -> str:
+    """``"patch 3 ('model.norm.weight')"``: how messages name a patch."""
+    if position is None:
+        return f"patch {name!r}"
+    return f"patch {position} ({name!r})"

@@ -1,0 +1,546 @@
+"""Seeing and shaping the writes a ``load_weights`` call makes (CONTRACT.md §4-5).
+
+A :class:`WriteSession` spans one load. For each ``load_weights`` call it enters a
+:class:`torch.utils._python_dispatch.TorchDispatchMode`. Dispatch modes live on a
+per-thread stack, so the interception is active only on the calling thread and only for
+the duration of the call; ``torch.Tensor.copy_`` itself is never replaced. The mode sees
+every ATen op, so it sees every way a loader can write: ``copy_`` on a slice, slice
+assignment (``param.data[0:2] = w`` is ``slice`` + ``copy_``), ``index_put_``, ``fill_``,
+``out=`` ops.
+
+A write matters when it mutates a *runtime tensor*: storage owned by one of the model's
+parameters or buffers (:class:`RuntimeIndex`). Inside a sparse call such a write is
+either a same-shaped floating-point ``copy_``, which is NaN-merged, or it is rejected
+before it writes. Every runtime write can also be saved before it happens (for
+``transactional=True`` and before/after deltas) and reported to a recorder (for
+inspection); observing never changes a value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import ContractViolation, where
+
+__all__ = [
+    "Region",
+    "RuntimeIndex",
+    "SavedRegion",
+    "WriteEvent",
+    "WriteRecorder",
+    "WriteSession",
+    "bits",
+]
+
+_aten = torch.ops.aten
+_COPY = _aten.copy_.default
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as integers of the same width, for bit-exact comparison.
+
+    ``bits(a) != bits(b)`` counts ``0.0`` vs ``-0.0`` as different and two equal NaN
+    payloads as equal, unlike ``a != b``.
+    """
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        if t.dtype.is_complex:
+            t = torch.view_as_real(t)
+        return t.view(_INT_OF_SIZE[t.element_size()])
+    return t
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int | None, int]:
+    s = t.untyped_storage()
+    return (t.device.type, t.device.index, s.data_ptr())
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where a view sits in its storage: byte offset, shape, element strides, itemsize."""
+
+    key: tuple
+    byte_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    itemsize: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Region:
+        return cls(
+            _storage_key(t),
+            t.storage_offset() * t.element_size(),
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.element_size(),
+        )
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def extent(self) -> tuple[int, int]:
+        """``[start, end)`` in bytes: the smallest byte range holding every element."""
+        if self.numel == 0:
+            return (self.byte_offset, self.byte_offset)
+        last = sum((d - 1) * s for d, s in zip(self.shape, self.stride))
+        return (self.byte_offset, self.byte_offset + (last + 1) * self.itemsize)
+
+    def overlaps(self, other: Region) -> bool:
+        """True when the two views share at least one byte of memory (exact)."""
+        if self.key != other.key or self.numel == 0 or other.numel == 0:
+            return False
+        a0, a1 = self.extent()
+        b0, b1 = other.extent()
+        if a1 <= b0 or b1 <= a0:
+            return False
+        if self == other:
+            return True
+        step = self.itemsize
+        if step != other.itemsize or (self.byte_offset - other.byte_offset) % step:
+            return True  # reinterpreted storage: the extents overlap, call it an overlap
+        # Extents meet (e.g. two column slices of one matrix): mark one view's elements in
+        # a scratch mask over the shared extent and look for the other's.
+        lo = min(a0, b0) // step
+        mask = torch.zeros(max(a1, b1) // step - lo, dtype=torch.bool)
+        mask.as_strided(self.shape, self.stride, self.byte_offset // step - lo).fill_(True)
+        theirs = mask.as_strided(other.shape, other.stride, other.byte_offset // step - lo)
+        return bool(theirs.any())
+
+
+@dataclass(frozen=True)
+class _Owner:
+    name: str
+    tensor: torch.Tensor
+    byte_start: int
+    byte_end: int
+
+
+class RuntimeIndex:
+    """Which parameter or buffer owns a piece of storage: the one lookup patchkit has.
+
+    Built from ``model.named_parameters(remove_duplicate=False)`` and
+    ``named_buffers(remove_duplicate=False)``; a tensor registered under several names
+    (tied weights) is reported under the first. Tensors that share one storage at
+    different offsets (a flat weight buffer) are told apart by byte range.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._owners: dict[tuple, list[_Owner]] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        named = list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)
+        )
+        for name, t in named:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            self.tensors[name] = t
+            if t.numel() == 0:
+                continue
+            start = t.storage_offset() * t.element_size()
+            owner = _Owner(name, t, start, start + t.numel() * t.element_size())
+            self._owners.setdefault(_storage_key(t), []).append(owner)
+
+    def bindings(self) -> dict[str, torch.Tensor]:
+        """A detached view of every runtime tensor's current storage (no copy).
+
+        Compare with :meth:`rebound` after a loader call to notice ``param.data = w``.
+        """
+        return {n: t.detach() for n, t in self.tensors.items()}
+
+    def rebound(self, bindings: dict[str, torch.Tensor]) -> list[str]:
+        """Names whose storage is no longer the one recorded in ``bindings``."""
+        return [
+            n
+            for n, t in self.tensors.items()
+            if t.untyped_storage().data_ptr() != bindings[n].untyped_storage().data_ptr()
+        ]
+
+    def owner(self, t: torch.Tensor) -> tuple[str, torch.Tensor, int] | None:
+        """``(name, runtime tensor, element offset of t in it)`` or ``None``.
+
+        ``None`` means ``t`` is not runtime storage (a scratch buffer, a staged tensor).
+        """
+        owners = self._owners.get(_storage_key(t))
+        if not owners:
+            return None
+        b = t.storage_offset() * t.element_size()
+        for o in owners:
+            if o.byte_start <= b < o.byte_end:
+                return o.name, o.tensor, (b - o.byte_start) // o.tensor.element_size()
+        return owners[0].name, owners[0].tensor, (b - owners[0].byte_start) // t.element_size()
+
+
+@dataclass
+class WriteEvent:
+    """One write into a runtime tensor, as the session saw it.
+
+    ``chunk`` is the load's call number; ``op`` the ATen op (``"aten::copy_"``);
+    ``target`` and ``target_offset`` the runtime tensor and the flat element offset of the
+    written view in it; ``shape`` and ``elements`` the written view. When the source is
+    (a view of) a staged patch tensor, ``position``/``name`` name that patch and
+    ``checkpoint_offset`` is the flat element offset of the source view in the checkpoint
+    tensor; otherwise they are ``None``. ``changed`` counts elements whose bits changed,
+    when the session was asked to count.
+    """
+
+    chunk: int
+    op: str
+    target: str
+    target_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    elements: int
+    position: int | None = None
+    name: str | None = None
+    checkpoint_offset: int | None = None
+    changed: int | None = None
+
+
+@dataclass
+class SavedRegion:
+    """A runtime region as it was before its first write during the load."""
+
+    target: str
+    target_offset: int
+    view: torch.Tensor = field(repr=False)
+    before: torch.Tensor = field(repr=False)
+
+
+class WriteRecorder(Protocol):
+    """What an observer of a load implements (``patchkit.inspect`` is one)."""
+
+    def on_call_start(self, chunk: int, staged: Sequence[tuple[str, torch.Tensor]]) -> None: ...
+
+    def on_write(self, event: WriteEvent) -> None: ...
+
+    def on_call_end(self, chunk: int, returned: Any, seconds: float, error: bool) -> None: ...
+
+
+class _Provenance:
+    """Which staged patch a tensor's storage came from, and at what element offset."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, tuple[int, str, int]] = {}
+
+    def clear(self) -> None:
+        self._by_key.clear()
+
+    def add_staged(self, position: int, name: str, staged: torch.Tensor) -> None:
+        if staged.numel():
+            self._by_key[_storage_key(staged)] = (position, name, staged.storage_offset())
+
+    def lookup(self, t: torch.Tensor) -> tuple[int, str, int] | None:
+        hit = self._by_key.get(_storage_key(t))
+        if hit is None:
+            return None
+        pos, name, base = hit
+        return pos, name, t.storage_offset() - base
+
+    def derive(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` is an element-for-element copy of ``src`` (a cast, a clone, a scratch copy)."""
+        hit = self.lookup(src)
+        if hit is not None and src.is_contiguous() and out.is_contiguous() and out.numel():
+            pos, name, off = hit
+            self._by_key[_storage_key(out)] = (pos, name, out.storage_offset() - off)
+
+
+# Ops whose output is an element-for-element copy of their first input (``.to()``,
+# ``.clone()``, ``.contiguous()`` reach the dispatcher as these).
+_ELEMENTWISE_COPIES = {_aten._to_copy.default, _aten.clone.default}
+
+
+def _mutated_args(func: torch._ops.OpOverload, cache: dict) -> tuple:
+    got = cache.get(func)
+    if got is None:
+        got = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        cache[func] = got
+    return got
+
+
+def _op_name(func: torch._ops.OpOverload) -> str:
+    return func._schema.name + ("" if func._overloadname == "default" else "." + func._overloadname)
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, session: WriteSession) -> None:
+        super().__init__()
+        self.s = session
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        s = self.s
+        for a in args[:2]:
+            if isinstance(a, torch.Tensor):
+                hit = s.provenance.lookup(a)
+                if hit is not None:
+                    s._last_patch = hit[:2]
+        mutated = _mutated_args(func, s._schema_cache)
+        if not mutated:
+            out = func(*args, **kwargs)
+            if s.track_sources and func in _ELEMENTWISE_COPIES and isinstance(out, torch.Tensor):
+                s.provenance.derive(args[0], out)
+            return out
+        targets = []
+        for i, argname in mutated:
+            v = args[i] if i < len(args) else kwargs.get(argname)
+            for t in v if isinstance(v, list | tuple) else (v,):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    own = s.index.owner(t)
+                    if own is not None:
+                        targets.append((t, own))
+        if not targets:
+            out = func(*args, **kwargs)
+            if s.track_sources and func is _COPY:
+                s.provenance.derive(args[1], args[0])
+            return out
+        return s._runtime_write(func, args, kwargs, targets)
+
+
+class WriteSession:
+    """The interception state of one load.
+
+    - ``sparse`` calls NaN-merge same-shaped floating-point ``copy_`` into runtime tensors
+      and reject every other runtime write, overlapping destinations within a call, and
+      a call that reports names without writing (CONTRACT §4).
+    - ``save_regions``: save each runtime region before its first write of the load;
+      :meth:`restore` puts every saved region back bit for bit (``transactional=True``).
+    - ``recorder``: told of every call and every runtime write (inspection).
+    - ``count_changes``: count the elements whose bits each write changed.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        save_regions: bool = False,
+        recorder: WriteRecorder | None = None,
+        count_changes: bool = False,
+    ) -> None:
+        self.index = RuntimeIndex(model)
+        self.save_regions = save_regions
+        self.recorder = recorder
+        self.count_changes = count_changes
+        # Knowing which patch fed a write costs a set lookup per op; errors and reports
+        # both name the patch, so it is always on.
+        self.track_sources = True
+        self.provenance = _Provenance()
+        self.saved: list[SavedRegion] = []
+        self._saved_regions: set[Region] = set()
+        self._schema_cache: dict = {}
+        self._sparse = False
+        self._chunk = -1
+        self._call_regions: list[Region] = []
+        self._call_writes = 0
+        self._last_patch: tuple[int, str] | None = None
+
+    # -- one load_weights call -------------------------------------------------------
+
+    @contextlib.contextmanager
+    def call(
+        self,
+        chunk: int,
+        staged: Sequence[tuple[str, torch.Tensor]],
+        positions: Sequence[int],
+        *,
+        sparse: bool,
+    ) -> Iterator[_CallResult]:
+        """Intercept the writes of one ``load_weights`` call made inside the block.
+
+        The caller stores the call's return value in the yielded object's ``returned``.
+        """
+        self._sparse = sparse
+        self._chunk = chunk
+        self._call_regions = []
+        self._call_writes = 0
+        self._last_patch = None
+        self.provenance.clear()
+        if self.track_sources:
+            for pos, (name, t) in zip(positions, staged):
+                self.provenance.add_staged(pos, name, t)
+        result = _CallResult()
+        bindings = self.index.bindings() if sparse else None
+        if self.recorder is not None:
+            self.recorder.on_call_start(chunk, staged)
+        t0 = time.perf_counter()
+        error = True
+        try:
+            with _Mode(self):
+                yield result
+            if sparse:
+                self._check_after_sparse_call(bindings, result.returned, staged, positions)
+            error = False
+        finally:
+            if self.recorder is not None:
+                self.recorder.on_call_end(chunk, result.returned, time.perf_counter() - t0, error)
+            self._sparse = False
+
+    def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
+        rebound = self.index.rebound(bindings)
+        if rebound:
+            # Put the original storage back: the rebound tensors hold NaN-masked data.
+            for n in rebound:
+                self.index.tensors[n].data = bindings[n]
+            raise ContractViolation(
+                f"load_weights (call {self._chunk}, "
+                f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))}) "
+                f"replaced the storage of runtime tensor {rebound[0]!r} (e.g. `param.data = w`) "
+                "instead of copying into it; a sparse load needs same-shaped floating-point "
+                "copy_ into the existing storage. The original storage was put back",
+                position=positions[0], name=staged[0][0], reason="rebinding", value=rebound[0],
+            )
+        if self._call_writes == 0 and (returned is None or len(list(returned)) > 0):
+            said = "returned None" if returned is None else f"returned {sorted(returned)!r}"
+            raise ContractViolation(
+                f"load_weights (call {self._chunk}, "
+                f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))}) {said} "
+                "without copying into any runtime parameter or buffer; a sparse load cannot "
+                "tell what it did. A loader that owns none of these weights returns an empty "
+                "collection",
+                position=positions[0], name=staged[0][0], reason="without copying",
+                value=returned,
+            )
+
+    # -- a write into runtime storage --------------------------------------------------
+
+    def _runtime_write(self, func, args, kwargs, targets):
+        op = _op_name(func)
+        is_copy = func is _COPY
+        if self._sparse:
+            self._check_sparse_write(func, op, args, targets)
+        for t, (tname, _, off) in targets:
+            self._save(t, tname, off)
+        befores = (
+            [bits(t).clone() for t, _ in targets]
+            if self.count_changes
+            else None
+        )
+        if self._sparse:
+            dest, src = args[0], args[1]
+            cast = src.to(device=dest.device, dtype=dest.dtype)
+            merged = torch.where(torch.isnan(cast), dest, cast)
+            out = func(dest, merged, *args[2:], **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        self._call_writes += 1
+        if self.recorder is not None:
+            src = args[1] if is_copy else None
+            hit = self.provenance.lookup(src) if isinstance(src, torch.Tensor) else None
+            for k, (t, (tname, _, off)) in enumerate(targets):
+                changed = None
+                if befores is not None:
+                    changed = int((bits(t) != befores[k]).sum())
+                self.recorder.on_write(
+                    WriteEvent(
+                        chunk=self._chunk,
+                        op=op,
+                        target=tname,
+                        target_offset=off,
+                        shape=tuple(t.shape),
+                        stride=tuple(t.stride()),
+                        elements=t.numel(),
+                        position=hit[0] if hit else None,
+                        name=hit[1] if hit else None,
+                        checkpoint_offset=hit[2] if hit else None,
+                        changed=changed,
+                    )
+                )
+        return out
+
+    def _check_sparse_write(self, func, op, args, targets) -> None:
+        """CONTRACT §4 strict checks, before the write: raise and nothing is written."""
+        dest, (tname, _, toff) = targets[0]
+        src = args[1] if func is _COPY and len(args) > 1 else None
+        hit = self.provenance.lookup(src) if isinstance(src, torch.Tensor) else None
+        pos, name = (hit[0], hit[1]) if hit else self._last_patch or (None, None)
+        who = f"{where(pos, name)}, " if name is not None else ""
+        at = f"load_weights (call {self._chunk}, {who}runtime tensor {tname!r})"
+        if func is not _COPY:
+            raise ContractViolation(
+                f"{at} wrote with {op}; a sparse (NaN-masked) load supports only "
+                "same-shaped floating-point copy_ into parameters and buffers. This op "
+                "wrote nothing",
+                position=pos, name=name, reason="unsupported op", value=op,
+            )
+        if (
+            not isinstance(src, torch.Tensor)
+            or tuple(src.shape) != tuple(dest.shape)
+            or not src.is_floating_point()
+            or not dest.is_floating_point()
+        ):
+            got = (
+                f"{tuple(src.shape)} {src.dtype}"
+                if isinstance(src, torch.Tensor)
+                else type(src).__name__
+            )
+            raise ContractViolation(
+                f"{at} copied a {got} source into a {tuple(dest.shape)} {dest.dtype} view; "
+                "a sparse load needs same-shaped floating-point copy_ (no broadcasting, no "
+                "integer storage). This copy wrote nothing",
+                position=pos, name=name, reason="same-shaped floating-point",
+                value=(tuple(src.shape) if isinstance(src, torch.Tensor) else None,
+                       tuple(dest.shape)),
+            )
+        region = Region.of(dest)
+        for earlier in self._call_regions:
+            if region.overlaps(earlier):
+                raise ContractViolation(
+                    f"{at} wrote a {tuple(dest.shape)} view at element {toff} that overlaps "
+                    "a view written earlier in the same call: overlapping runtime views "
+                    "cannot be NaN-merged. The first write stays applied; this one wrote "
+                    "nothing",
+                    position=pos, name=name, reason="overlapping runtime views", value=toff,
+                )
+        self._call_regions.append(region)
+
+    def _save(self, t: torch.Tensor, target: str, offset: int) -> None:
+        if not self.save_regions:
+            return
+        region = Region.of(t)
+        if region in self._saved_regions:
+            return
+        self._saved_regions.add(region)
+        self.saved.append(SavedRegion(target, offset, t, t.clone()))
+
+    # -- the whole load ------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Put every saved region back as it was before the load's first write into it.
+
+        Regions are restored newest first, so where two saved regions overlap the older
+        (earlier) contents win. Runs outside any interception.
+        """
+        with torch.no_grad():
+            for saved in reversed(self.saved):
+                saved.view.copy_(saved.before)
+
+    def discard(self) -> None:
+        """Forget the saved regions (the load succeeded)."""
+        self.saved.clear()
+        self._saved_regions.clear()
+
+
+class _CallResult:
+    __slots__ = ("returned",)
+
+    def __init__(self) -> None:
+        self.returned: Any = None

@@ -1,0 +1,173 @@
+"""``load_checkpoint_weight_patches``: validate → canonicalise → plan → stage → load."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
+from .errors import PatchTypeError
+from .intercept import WriteRecorder, WriteSession
+from .patch import CheckpointWeightPatch, validate_patches
+from .staging import stage
+
+__all__ = ["canonicalize_tied", "load_checkpoint_weight_patches"]
+
+
+def load_checkpoint_weight_patches(
+    model: torch.nn.Module,
+    patches: Iterable[CheckpointWeightPatch],
+    *,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    validate_unique_indices: bool = True,
+    transactional: bool = False,
+) -> set[str]:
+    """Apply checkpoint-coordinate patches through ``model.load_weights``.
+
+    The contract (``CONTRACT.md``), in short:
+
+    1. ``patches`` (any iterable, read once) is validated completely before the first
+       loader call; a failure raises :class:`ValueError`/:class:`TypeError` naming the
+       patch (position and name), the reason and one offending value, and the model is
+       untouched. Dense and sparse patches cannot be mixed in one call.
+    2. Patches are grouped into ``load_weights`` calls in input order by
+       :func:`~patchkit.plan_chunks`: a chunk closes before a patch that would push it past
+       ``max_chunk_bytes`` (staged bytes) or that repeats a name already in it.
+    3. Each patch is staged as a checkpoint-shaped tensor of its dtype on the device of
+       its values: dense values viewed as ``shape``; sparse values written into a
+       NaN-filled tensor. Each chunk is one ``model.load_weights([(name, tensor), ...])``.
+    4. During sparse calls, and only on this thread, same-shaped floating-point ``copy_``
+       into the model's parameters and buffers keeps the runtime value wherever the source
+       is NaN; any other write into runtime storage, overlapping destinations within one
+       call, or a call that reports names without writing raise
+       :class:`NotImplementedError` before that write happens.
+    5. ``transactional=False`` (the default, as in vLLM): a loader failure leaves the
+       writes made so far in place and propagates unchanged. **[patchkit]**
+       ``transactional=True``: every runtime region is saved before its first write, and
+       any exception restores them all bit for bit before it propagates. The extra memory
+       is the size of the regions written.
+    6. **[patchkit]** A patch naming the alias of a tied parameter is renamed to the
+       canonical (first registered) name, or dropped when the canonical name is patched
+       in the same call.
+
+    Returns the union of the names the ``load_weights`` calls returned (a call returning
+    ``None`` adds nothing). An empty ``patches`` makes no call and returns ``set()``.
+    Runs under :func:`torch.no_grad`.
+    """
+    return run_load(
+        model,
+        patches,
+        max_chunk_bytes=max_chunk_bytes,
+        validate_unique_indices=validate_unique_indices,
+        transactional=transactional,
+    )
+
+
+def run_load(
+    model: torch.nn.Module,
+    patches: Iterable[CheckpointWeightPatch],
+    *,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    validate_unique_indices: bool = True,
+    transactional: bool = False,
+    recorder: WriteRecorder | None = None,
+    save_regions: bool = False,
+    session_out: list | None = None,
+) -> set[str]:
+    """The loader with its observation hooks (used by :mod:`patchkit.inspect`).
+
+    ``recorder`` is told of every call and runtime write; ``save_regions`` keeps the
+    before-values of every written region (``transactional`` implies it);
+    ``session_out``, when given, receives the :class:`~patchkit.intercept.WriteSession`
+    so the caller can read the saved regions after the load.
+    """
+    with torch.no_grad():
+        patches = list(patches)
+        kind = validate_patches(
+            patches,
+            max_chunk_bytes=max_chunk_bytes,
+            validate_unique_indices=validate_unique_indices,
+        )
+        if kind is None:
+            return set()
+        load_weights = getattr(model, "load_weights", None)
+        if not callable(load_weights):
+            raise PatchTypeError(
+                f"model {type(model).__name__} has no load_weights(weights) method; the "
+                "contract applies patches through the model's own checkpoint loader",
+                reason="no load_weights", value=type(model).__name__,
+            )
+        kept, positions = canonicalize_tied(model, patches)
+        chunks = plan_chunks(kept, max_chunk_bytes, positions=positions)
+        by_position = dict(zip(positions, kept))
+        sparse = kind == "sparse"
+        session = None
+        if sparse or transactional or recorder is not None or save_regions:
+            session = WriteSession(
+                model,
+                save_regions=transactional or save_regions,
+                recorder=recorder,
+                count_changes=recorder is not None,
+            )
+            if session_out is not None:
+                session_out.append(session)
+        loaded: set[str] = set()
+        try:
+            for chunk in chunks:
+                staged = [(by_position[p].name, stage(by_position[p])) for p in chunk.positions]
+                if session is None:
+                    returned = load_weights(staged)
+                else:
+                    with session.call(chunk.index, staged, chunk.positions, sparse=sparse) as r:
+                        r.returned = returned = load_weights(staged)
+                if returned is not None:
+                    loaded.update(returned)
+                del staged
+        except BaseException:
+            if transactional and session is not None:
+                session.restore()
+                session.discard()
+            raise
+        if transactional and session is not None and not save_regions:
+            session.discard()
+        return loaded
+
+
+def canonicalize_tied(
+    model: torch.nn.Module, patches: Sequence[CheckpointWeightPatch]
+) -> tuple[list[CheckpointWeightPatch], list[int]]:
+    """CONTRACT §6: rename or drop patches that name the alias of a tied parameter.
+
+    A Parameter registered under several names (a tied input embedding and ``lm_head``)
+    has its first registered name as canonical. A patch naming an alias becomes a patch
+    for the canonical name, unless a patch for the canonical name is in the same call,
+    in which case it is dropped (the shared storage is written once). Returns the kept
+    patches and their positions in the input.
+    """
+    canonical: dict[int, str] = {}
+    alias_of: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first = canonical.setdefault(id(p), name)
+        if first != name:
+            alias_of[name] = first
+    if not alias_of:
+        return list(patches), list(range(len(patches)))
+    names = {p.name for p in patches}
+    kept: list[CheckpointWeightPatch] = []
+    positions: list[int] = []
+    for i, p in enumerate(patches):
+        target = alias_of.get(p.name)
+        if target is None:
+            kept.append(p)
+        elif target in names:
+            continue
+        else:
+            kept.append(p._replace(name=target) if hasattr(p, "_replace") else _renamed(p, target))
+        positions.append(i)
+    return kept, positions
+
+
+def _renamed(p: Any, name: str) -> CheckpointWeightPatch:
+    return CheckpointWeightPatch(name, *tuple(p)[1:])

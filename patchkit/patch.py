@@ -1,0 +1,301 @@
+"""The patch record and its validation (CONTRACT.md §1).
+
+Everything here runs before the first ``load_weights`` call: a patch list that fails
+any check leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from .errors import PatchTypeError, PatchValueError, where
+
+__all__ = [
+    "CheckpointWeightPatch",
+    "is_sparse",
+    "numel",
+    "staged_nbytes",
+    "validate_patches",
+]
+
+
+class CheckpointWeightPatch(NamedTuple):
+    """One update of one checkpoint weight, in checkpoint coordinates.
+
+    - ``name``: the checkpoint weight name handed to ``model.load_weights``.
+    - ``shape``: the full checkpoint tensor shape (``()`` is a scalar).
+    - ``dtype``: the checkpoint dtype; the staged tensor has this dtype.
+    - ``values``: 1-D. Dense: the whole tensor flattened row-major. Sparse: the new
+      values at ``indices``.
+    - ``indices``: ``None`` for a dense replacement, else a 1-D int32/int64 tensor of flat
+      positions into the full tensor.
+
+    An immutable NamedTuple: positional construction, ``._replace`` and unpacking work.
+
+    >>> p = CheckpointWeightPatch("w", (2, 2), torch.float32, torch.zeros(4))
+    >>> p.indices is None
+    True
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+
+
+def is_sparse(patch: CheckpointWeightPatch) -> bool:
+    """True when the patch carries ``indices`` (a NaN-masked sparse update)."""
+    return patch.indices is not None
+
+
+def numel(patch: CheckpointWeightPatch) -> int:
+    """Elements of the full checkpoint tensor (``prod(shape)``; 1 for a scalar)."""
+    return math.prod(int(d) for d in patch.shape)
+
+
+def staged_nbytes(patch: CheckpointWeightPatch) -> int:
+    """Bytes of the staged checkpoint tensor: ``prod(shape) * itemsize(dtype)``.
+
+    A sparse patch costs the same as a dense one: its staging tensor is full size.
+    """
+    return numel(patch) * patch.dtype.itemsize
+
+
+def _check_structure(position: int, patch: object) -> None:
+    """CONTRACT §1.2: the cheap per-patch checks, on metadata only (no device work)."""
+    if not isinstance(patch, tuple) or len(patch) != 5:
+        raise PatchTypeError(
+            f"patch {position}: expected a CheckpointWeightPatch "
+            f"(name, shape, dtype, values, indices), got {type(patch).__name__}",
+            position=position,
+            reason="not a patch",
+            value=type(patch).__name__,
+        )
+    name, shape, dtype, values, indices = patch
+    at = where(position, name)
+    if not isinstance(name, str):
+        raise PatchTypeError(
+            f"{at}: name must be a str, got {type(name).__name__}",
+            position=position, name=None, reason="name type", value=name,
+        )
+    if name == "":
+        raise PatchValueError(
+            f"{at}: name is empty", position=position, name=name, reason="empty name", value=name
+        )
+    if not isinstance(dtype, torch.dtype):
+        raise PatchTypeError(
+            f"{at}: dtype must be a torch.dtype, got {dtype!r} ({type(dtype).__name__})",
+            position=position, name=name, reason="dtype type", value=dtype,
+        )
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise PatchTypeError(
+            f"{at}: shape must be a tuple of ints, got {shape!r}",
+            position=position, name=name, reason="shape type", value=shape,
+        ) from None
+    try:
+        if any(isinstance(d, bool) for d in dims):
+            raise TypeError
+        dims = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise PatchTypeError(
+            f"{at}: shape must be a tuple of ints, got {shape!r}",
+            position=position, name=name, reason="shape type", value=shape,
+        ) from None
+    for d in dims:
+        if d < 0:
+            raise PatchValueError(
+                f"{at}: shape has a negative dimension: {dims}",
+                position=position, name=name, reason="negative dimension", value=d,
+            )
+    if not isinstance(values, torch.Tensor):
+        raise PatchTypeError(
+            f"{at}: values must be a torch.Tensor, got {type(values).__name__}",
+            position=position, name=name, reason="values type", value=type(values).__name__,
+        )
+    if values.ndim != 1:
+        raise PatchValueError(
+            f"{at}: values must be 1-D, got shape {tuple(values.shape)}",
+            position=position, name=name, reason="values not 1-D", value=tuple(values.shape),
+        )
+    n = math.prod(dims)
+    if indices is None:
+        if values.numel() != n:
+            raise PatchValueError(
+                f"{at}: a dense patch needs prod(shape) = {n} values for shape {dims}, "
+                f"got {values.numel()}",
+                position=position, name=name, reason="dense count", value=values.numel(),
+            )
+        return
+    if not dtype.is_floating_point:
+        raise PatchTypeError(
+            f"{at}: a sparse patch needs a floating-point dtype (NaN marks 'unchanged'), "
+            f"got {dtype}; send this weight dense",
+            position=position, name=name, reason="sparse dtype", value=dtype,
+        )
+    if not isinstance(indices, torch.Tensor):
+        raise PatchTypeError(
+            f"{at}: indices must be a torch.Tensor or None, got {type(indices).__name__}",
+            position=position, name=name, reason="indices type", value=type(indices).__name__,
+        )
+    if indices.ndim != 1:
+        raise PatchValueError(
+            f"{at}: indices must be 1-D, got shape {tuple(indices.shape)}",
+            position=position, name=name, reason="indices not 1-D", value=tuple(indices.shape),
+        )
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise PatchTypeError(
+            f"{at}: indices must be int32 or int64, got {indices.dtype}",
+            position=position, name=name, reason="indices dtype", value=indices.dtype,
+        )
+    if indices.numel() != values.numel():
+        raise PatchValueError(
+            f"{at}: {indices.numel()} indices but {values.numel()} values",
+            position=position, name=name, reason="length mismatch", value=indices.numel(),
+        )
+
+
+# Per-patch flags computed on the device in one pass; the host reads them once per device.
+_NAN, _OOB, _DUP = 0, 1, 2
+_REASONS = ("NaN", "out-of-range", "duplicate")
+
+
+def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
+    """Three booleans (NaN, out-of-range, duplicate) on the device of ``patch.values``.
+
+    No host synchronisation happens here: the caller stacks the flags of all patches on
+    one device and reads them with a single transfer.
+    """
+    values, indices = patch.values, patch.indices
+    device = values.device
+    n = numel(patch)
+    idx = indices.to(device=device, dtype=torch.int64, non_blocking=True)
+    if values.is_floating_point() or values.is_complex():
+        has_nan = torch.isnan(values).any()
+    else:
+        has_nan = torch.zeros((), dtype=torch.bool, device=device)
+    oob = ((idx < 0) | (idx >= n)).any()
+    if not unique or idx.numel() < 2:
+        dup = torch.zeros((), dtype=torch.bool, device=device)
+    elif _sort_is_cheaper(idx.numel(), n):
+        s = torch.sort(idx).values
+        dup = (s[1:] == s[:-1]).any()
+    else:
+        # A mark per element of the full tensor: O(numel) bytes, no sort. Indices are
+        # clamped so that an out-of-range index (already flagged) cannot fault a kernel.
+        marks = torch.zeros(n, dtype=torch.bool, device=device)
+        marks[idx.clamp(0, n - 1)] = True
+        dup = marks.sum() != idx.numel()
+    return torch.stack((has_nan, oob, dup))
+
+
+def _sort_is_cheaper(nnz: int, n: int) -> bool:
+    # Sorting costs ~nnz*log2(nnz) element moves; marking costs a pass over all n elements
+    # (fill, scatter, reduce). The constant favours marking: a sort moves 8-byte keys.
+    return nnz * max(1, nnz.bit_length()) * 4 < n
+
+
+def _first_offending_index(patch: CheckpointWeightPatch, reason: str) -> int:
+    """The failure path only: find one offending index (or value position) of ``reason``."""
+    values, indices = patch.values, patch.indices
+    idx = indices.to(device=values.device, dtype=torch.int64)
+    if reason == "NaN":
+        pos = int(torch.nonzero(torch.isnan(values))[0, 0])
+        return int(idx[pos])
+    if reason == "out-of-range":
+        pos = int(torch.nonzero((idx < 0) | (idx >= numel(patch)))[0, 0])
+        return int(idx[pos])
+    s = torch.sort(idx).values
+    pos = int(torch.nonzero(s[1:] == s[:-1])[0, 0])
+    return int(s[pos])
+
+
+def validate_patches(
+    patches: Sequence[CheckpointWeightPatch],
+    *,
+    max_chunk_bytes: int | None = None,
+    validate_unique_indices: bool = True,
+    positions: Sequence[int] | None = None,
+) -> str | None:
+    """Run every check of CONTRACT §1, in the contract's order; return the call's kind.
+
+    Returns ``"dense"``, ``"sparse"`` or ``None`` for an empty list. Raises
+    :class:`~patchkit.errors.PatchValueError` / :class:`~patchkit.errors.PatchTypeError`
+    naming the first offending patch (its position in ``positions``, default the input
+    order), the reason and one offending value. The sparse value checks (NaN,
+    out-of-range, duplicate) run on the device that holds each patch's values, and the
+    host waits once per device; the search for an offending index happens only after that
+    combined check has failed.
+    """
+    if positions is None:
+        positions = range(len(patches))
+    if max_chunk_bytes is not None:
+        if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
+            raise PatchTypeError(
+                f"max_chunk_bytes must be an int, got {type(max_chunk_bytes).__name__}",
+                reason="max_chunk_bytes type", value=max_chunk_bytes,
+            )
+        if max_chunk_bytes <= 0:
+            raise PatchValueError(
+                f"max_chunk_bytes must be positive, got {max_chunk_bytes}",
+                reason="max_chunk_bytes", value=max_chunk_bytes,
+            )
+    for pos, patch in zip(positions, patches):
+        _check_structure(pos, patch)
+    if not patches:
+        return None
+    sparse = [is_sparse(p) for p in patches]
+    if any(sparse) and not all(sparse):
+        first_dense = next(i for i, s in enumerate(sparse) if not s)
+        first_sparse = next(i for i, s in enumerate(sparse) if s)
+        i = max(first_dense, first_sparse)
+        kind = "dense" if i == first_dense else "sparse"
+        raise PatchValueError(
+            f"{where(positions[i], patches[i].name)}: dense and sparse patches cannot be "
+            f"mixed in one call (patch {positions[min(first_dense, first_sparse)]} is "
+            f"{'sparse' if kind == 'dense' else 'dense'}, this one is {kind}); "
+            "split them into two calls",
+            position=positions[i], name=patches[i].name, reason="mixed", value=kind,
+        )
+    if not sparse[0]:
+        return "dense"
+
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(patches):
+        by_device.setdefault(p.values.device, []).append(i)
+    first_bad: tuple[int, str] | None = None
+    for members in by_device.values():
+        flags = torch.stack([_sparse_flags(patches[i], validate_unique_indices) for i in members])
+        flags = flags.cpu()  # the one host wait for this device
+        if not bool(flags.any()):
+            continue
+        for row, i in enumerate(members):
+            hit = flags[row].nonzero()
+            if hit.numel():
+                cand = (i, _REASONS[int(hit[0, 0])])
+                if first_bad is None or cand[0] < first_bad[0]:
+                    first_bad = cand
+                break
+    if first_bad is not None:
+        i, reason = first_bad
+        p = patches[i]
+        bad = _first_offending_index(p, reason)
+        text = {
+            "NaN": f"a NaN among the values at index {bad} (NaN means 'unchanged', so it "
+            "cannot be sent sparsely; send this weight dense)",
+            "out-of-range": f"index {bad} is out of range for shape {tuple(p.shape)} "
+            f"({numel(p)} elements)",
+            "duplicate": f"index {bad} appears more than once",
+        }[reason]
+        raise PatchValueError(
+            f"{where(positions[i], p.name)}: {text}",
+            position=positions[i], name=p.name, reason=reason, value=bad,
+        )
+    return "sparse"

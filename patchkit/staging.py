@@ -1,0 +1,30 @@
+"""Staging (CONTRACT.md §3): the checkpoint-shaped tensor handed to ``load_weights``."""
+
+from __future__ import annotations
+
+import torch
+
+from .patch import CheckpointWeightPatch
+
+__all__ = ["stage"]
+
+
+def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
+    """Return the checkpoint-shaped tensor for one (validated) patch.
+
+    - Dense: ``values`` cast to ``dtype`` and viewed as ``shape`` (no copy when ``values``
+      already has that dtype and is contiguous).
+    - Sparse: a tensor of ``shape`` and ``dtype`` filled with NaN, with ``values`` (cast to
+      ``dtype``) written at ``indices``; positions left NaN mean "keep the runtime value".
+
+    The staged tensor lives on the device of ``values``.
+    """
+    _, shape, dtype, values, indices = patch
+    shape = tuple(int(d) for d in shape)
+    if indices is None:
+        return values.to(dtype).reshape(shape)
+    staged = torch.full(shape, float("nan"), dtype=dtype, device=values.device)
+    if indices.numel():
+        idx = indices.to(device=values.device, dtype=torch.int64)
+        staged.view(-1).index_copy_(0, idx, values.to(dtype))
+    return staged
