@@ -1,0 +1,953 @@
+"""Small models whose ``load_weights`` behaves like a vLLM model's, on CPU and GPU alike.
+
+vLLM does not run on a CPU-only machine, so the tutorials, tests and the command line
+use these stand-ins. Each one is an :class:`torch.nn.Module` with a
+``load_weights(weights) -> set[str]`` method that takes ``(checkpoint name, tensor)``
+pairs, maps every checkpoint tensor to its runtime place and copies it there with
+``copy_``, the way vLLM's loaders do.
+
+- :class:`PlainModel`: checkpoint name == parameter name, ``param.data.copy_(w)``.
+- :class:`TinyLlamaRuntime`: a Llama-shaped model laid out as vLLM lays it out on one
+  tensor-parallel rank (packed ``qkv_proj`` and ``gate_up_proj``, column- and
+  row-parallel shards, vocabulary-parallel embedding and ``lm_head``, optionally tied),
+  loading Hugging Face checkpoint names made by :func:`tiny_llama_checkpoint`;
+  :func:`gather_checkpoint` turns the runtimes of all ranks back into that checkpoint.
+- Loaders that break the sparse-load contract (CONTRACT.md §4), one per clause, in
+  :data:`BROKEN_LOADERS`, and :class:`FailingModel`, a loader that raises part-way (for
+  partial-update and ``transactional=True`` demonstrations).
+
+Everything here is deterministic and imports torch only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+__all__ = [
+    "BROKEN_LOADERS",
+    "FailingModel",
+    "OverlappingDestinationsModel",
+    "PlainModel",
+    "ReportsWithoutWritingModel",
+    "ShapeMismatchModel",
+    "TinyLlamaConfig",
+    "TinyLlamaRuntime",
+    "UnknownWeightError",
+    "WritesThenFillsModel",
+    "WritesTwiceModel",
+    "gather_checkpoint",
+    "tiny_llama_checkpoint",
+    "tiny_llama_shapes",
+]
+
+DeviceLike = torch.device | str | int
+
+
+class UnknownWeightError(KeyError):
+    """A checkpoint name that a toy model's ``load_weights`` does not know.
+
+    A :class:`KeyError` (as a failed lookup in vLLM's ``params_dict[name]`` is) whose
+    message reads as plain text; ``.name`` is the offending checkpoint name. It pickles.
+    """
+
+    def __init__(self, name: str, model: str = "model", hint: str = "") -> None:
+        self.name = name
+        self.model = model
+        self.hint = hint
+        self.message = f"{model}.load_weights: unknown checkpoint weight {name!r}" + (
+            f"; {hint}" if hint else ""
+        )
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.model, self.hint))
+
+
+# --------------------------------------------------------------------------------------
+# Building modules from dotted names
+# --------------------------------------------------------------------------------------
+
+
+def _register(root: nn.Module, dotted: str, param: nn.Parameter) -> None:
+    """Register ``param`` under the dotted name ``dotted``, creating plain parent modules.
+
+    ``named_parameters()`` then reports exactly ``dotted``.
+    """
+    parts = dotted.split(".")
+    if any(p == "" for p in parts):
+        raise ValueError(f"parameter name {dotted!r} has an empty part")
+    module = root
+    for i, part in enumerate(parts[:-1]):
+        child = module._modules.get(part)
+        if child is None:
+            if part in module._parameters or hasattr(module, part):
+                raise ValueError(
+                    f"parameter name {dotted!r}: {'.'.join(parts[: i + 1])!r} is already a "
+                    "parameter or attribute, so it cannot also be a module"
+                )
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    leaf = parts[-1]
+    if leaf in module._parameters or leaf in module._modules or hasattr(module, leaf):
+        raise ValueError(
+            f"parameter name {dotted!r} clashes with an existing parameter, module or "
+            "attribute of that name"
+        )
+    module.register_parameter(leaf, param)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _as_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"shape of {name!r} must be a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape of {name!r} has a negative dimension: {dims}")
+    return dims
+
+
+# --------------------------------------------------------------------------------------
+# The plain model
+# --------------------------------------------------------------------------------------
+
+
+class PlainModel(nn.Module):
+    """Checkpoint name == parameter name; ``load_weights`` does ``param.data.copy_(w)``.
+
+    ``shapes`` maps checkpoint names (dots allowed: ``"model.layers.0.mlp.weight"``) to
+    shapes. Every parameter is created with ``dtype`` on ``device``, filled with ``fill``,
+    ``requires_grad=False``, in the order of ``shapes``, inside plain parent modules made
+    from the dotted names; ``named_parameters()`` reports exactly the checkpoint names.
+    Their order is ``nn.Module`` order (a module's own parameters before its
+    submodules'), which is the order of ``shapes`` whenever ``shapes`` is itself in module
+    order, as a ``state_dict()`` is. A name that is a prefix module of
+    another (``"a"`` and ``"a.b"``) or clashes with an ``nn.Module`` attribute raises
+    :class:`ValueError`.
+
+    ``load_weights(weights)`` copies each ``(name, tensor)`` into the parameter of that
+    name (one ``copy_`` per tensor; ``copy_`` casts dtype and device; the shapes must be
+    equal, else :class:`ValueError`) and returns the set of names it loaded. An unknown
+    name raises :class:`UnknownWeightError` (a :class:`KeyError`) before anything of that
+    entry is written; entries before it in the same call stay written.
+    """
+
+    def __init__(
+        self,
+        shapes: Mapping[str, Sequence[int]],
+        dtype: torch.dtype = torch.float32,
+        device: DeviceLike = "cpu",
+        fill: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.checkpoint_shapes: dict[str, tuple[int, ...]] = {
+            name: _as_shape(name, s) for name, s in shapes.items()
+        }
+        self._by_name: dict[str, nn.Parameter] = {}
+        for name, shape in self.checkpoint_shapes.items():
+            param = _frozen(
+                torch.full(self._runtime_shape(shape), fill, dtype=dtype, device=device)
+            )
+            _register(self, name, param)
+            self._by_name[name] = param
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        state: Mapping[str, torch.Tensor],
+        dtype: torch.dtype | None = None,
+        device: DeviceLike | None = None,
+    ) -> PlainModel:
+        """A model with ``state``'s names and shapes, holding a copy of its values.
+
+        ``dtype``/``device`` default to those of the first tensor.
+        """
+        first = next(iter(state.values()), None)
+        if dtype is None:
+            dtype = first.dtype if first is not None else torch.float32
+        if device is None:
+            device = first.device if first is not None else "cpu"
+        model = cls({n: tuple(t.shape) for n, t in state.items()}, dtype=dtype, device=device)
+        with torch.no_grad():
+            model.load_weights(state.items())
+        return model
+
+    def _runtime_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The runtime parameter shape for a checkpoint shape (the identity here)."""
+        return shape
+
+    def _param(self, name: str) -> nn.Parameter:
+        param = self._by_name.get(name)
+        if param is None:
+            known = ", ".join(repr(n) for n in list(self._by_name)[:5])
+            raise UnknownWeightError(name, type(self).__name__, f"known names: {known}, ...")
+        return param
+
+    def _check_shape(self, name: str, w: torch.Tensor) -> None:
+        want = self.checkpoint_shapes[name]
+        if tuple(w.shape) != want:
+            raise ValueError(
+                f"{type(self).__name__}.load_weights: checkpoint weight {name!r} has shape "
+                f"{tuple(w.shape)}, expected {want}"
+            )
+
+    def load_one(self, name: str, param: nn.Parameter, w: torch.Tensor) -> None:
+        """Write one checkpoint tensor into its parameter (subclasses change this)."""
+        param.data.copy_(w)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy each ``(name, tensor)`` into the parameter of that name; return the names."""
+        loaded: set[str] = set()
+        for name, w in weights:
+            param = self._param(name)
+            self._check_shape(name, w)
+            self.load_one(name, param, w)
+            loaded.add(name)
+        return loaded
+
+
+# --------------------------------------------------------------------------------------
+# Loaders that break the sparse contract (CONTRACT.md §4), and one that fails
+# --------------------------------------------------------------------------------------
+
+
+class WritesTwiceModel(PlainModel):
+    """Copies every checkpoint tensor into its parameter twice in one call.
+
+    Breaks CONTRACT §4: "Two copies within one ``load_weights`` call whose destinations
+    overlap in memory → ``NotImplementedError`` ("overlapping runtime views") at the
+    second; the first stays applied." Dense loads give the same result as
+    :class:`PlainModel`.
+    """
+
+    CLAUSE: ClassVar[str] = (
+        "Two copies within one load_weights call whose destinations overlap in memory "
+        '→ NotImplementedError ("overlapping runtime views") at the second; the first '
+        "stays applied."
+    )
+    REASON: ClassVar[str] = "overlapping runtime views"
+
+    def load_one(self, name: str, param: nn.Parameter, w: torch.Tensor) -> None:
+        param.data.copy_(w)
+        param.data.copy_(w)  # e.g. a loader that "re-applies" after a post-processing hook
+
+
+class WritesThenFillsModel(PlainModel):
+    """Pads every weight with ``pad_rows`` extra rows and zero-fills them after copying.
+
+    This is what a vocabulary-parallel embedding with a padded vocabulary does: copy the
+    checkpoint rows into the first rows, then ``fill_(0)`` the padding rows. Runtime
+    parameters have shape ``(rows + pad_rows, *rest)``; scalar weights are not padded (and
+    not filled). Breaks CONTRACT §4: "Any other in-place write into runtime storage
+    (``fill_``, ``zero_``, ...) → ``NotImplementedError`` naming the op; it writes
+    nothing." In a sparse load the copy is applied and the ``fill_`` is rejected.
+    """
+
+    CLAUSE: ClassVar[str] = (
+        "Any other in-place write into runtime storage (fill_, zero_, add_, index_put_/"
+        "__setitem__ with advanced indexing, an out= op, ...) → NotImplementedError naming "
+        "the op; it writes nothing."
+    )
+    REASON: ClassVar[str] = "unsupported op"
+
+    def __init__(
+        self,
+        shapes: Mapping[str, Sequence[int]],
+        dtype: torch.dtype = torch.float32,
+        device: DeviceLike = "cpu",
+        fill: float = 0.0,
+        *,
+        pad_rows: int = 1,
+    ) -> None:
+        if pad_rows < 1:
+            raise ValueError(f"pad_rows must be at least 1, got {pad_rows}")
+        self.pad_rows = pad_rows
+        super().__init__(shapes, dtype=dtype, device=device, fill=fill)
+
+    def _runtime_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if not shape:
+            return shape
+        return (shape[0] + self.pad_rows, *shape[1:])
+
+    def load_one(self, name: str, param: nn.Parameter, w: torch.Tensor) -> None:
+        if w.ndim == 0:
+            param.data.copy_(w)
+            return
+        rows = w.shape[0]
+        param.data.narrow(0, 0, rows).copy_(w)
+        param.data.narrow(0, rows, self.pad_rows).fill_(0)
+
+
+class ShapeMismatchModel(PlainModel):
+    """Keeps every weight with an extra leading dimension of 1 and copies by broadcasting.
+
+    Runtime parameters have shape ``(1, *checkpoint_shape)``; ``load_weights`` does
+    ``param.data.copy_(w)``, which broadcasts the checkpoint tensor. Breaks CONTRACT §4:
+    "A ``copy_`` into a runtime tensor whose shape differs from the source's, or where
+    either side is not floating point → ``NotImplementedError`` ("same-shaped
+    floating-point"), raised before that copy writes anything." Dense loads work.
+    """
+
+    CLAUSE: ClassVar[str] = (
+        "A copy_ into a runtime tensor whose shape differs from the source's, or where "
+        'either side is not floating point → NotImplementedError ("same-shaped '
+        'floating-point"), raised before that copy writes anything.'
+    )
+    REASON: ClassVar[str] = "same-shaped floating-point"
+
+    def _runtime_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (1, *shape)
+
+
+class ReportsWithoutWritingModel(PlainModel):
+    """Stashes the checkpoint tensors to apply later and reports them as loaded.
+
+    ``load_weights`` keeps a clone of each tensor in ``pending`` (no runtime write) and
+    returns the names; :meth:`apply_pending` copies them into the parameters afterwards.
+    Breaks CONTRACT §4: "A loader call that returns ``None`` or some names but copied
+    nothing into runtime storage → ``NotImplementedError`` ("without copying")." (In a
+    sparse load the stash would hold NaN-filled tensors, and applying them later would
+    write NaN everywhere the patch did not touch.)
+    """
+
+    CLAUSE: ClassVar[str] = (
+        "A loader call that returns None or some names but copied nothing into runtime "
+        'storage → NotImplementedError ("without copying").'
+    )
+    REASON: ClassVar[str] = "without copying"
+
+    def __init__(
+        self,
+        shapes: Mapping[str, Sequence[int]],
+        dtype: torch.dtype = torch.float32,
+        device: DeviceLike = "cpu",
+        fill: float = 0.0,
+    ) -> None:
+        super().__init__(shapes, dtype=dtype, device=device, fill=fill)
+        self.pending: dict[str, torch.Tensor] = {}
+
+    def load_one(self, name: str, param: nn.Parameter, w: torch.Tensor) -> None:
+        self.pending[name] = w.clone()
+
+    def apply_pending(self) -> set[str]:
+        """Copy every stashed tensor into its parameter, empty the stash, return the names."""
+        done = set(self.pending)
+        with torch.no_grad():
+            for name, w in self.pending.items():
+                self._by_name[name].data.copy_(w)
+        self.pending.clear()
+        return done
+
+
+class OverlappingDestinationsModel(nn.Module):
+    """Packs every weight into one flat parameter, with offsets that overlap.
+
+    All checkpoint weights live in one 1-D parameter ``flat_weight``; weight ``i`` is the
+    view of ``numel(shape_i)`` elements starting ``overlap`` elements before weight
+    ``i - 1`` ends (an off-by-``overlap`` offset bug in a packing table). Two different
+    checkpoint names therefore land in overlapping views of one parameter. Breaks
+    CONTRACT §4: "Two copies within one ``load_weights`` call whose destinations overlap
+    in memory → ``NotImplementedError`` ("overlapping runtime views") at the second."
+    A sparse load of a single weight per call is not rejected (nothing overlaps within
+    the call); dense loads work and the later weight wins on the shared elements.
+
+    Every weight but the last needs at least ``overlap`` elements (:class:`ValueError`
+    otherwise).
+    :meth:`view` returns the runtime view of a checkpoint name.
+    """
+
+    CLAUSE: ClassVar[str] = WritesTwiceModel.CLAUSE
+    REASON: ClassVar[str] = "overlapping runtime views"
+
+    def __init__(
+        self,
+        shapes: Mapping[str, Sequence[int]],
+        dtype: torch.dtype = torch.float32,
+        device: DeviceLike = "cpu",
+        fill: float = 0.0,
+        *,
+        overlap: int = 1,
+    ) -> None:
+        super().__init__()
+        if overlap < 1:
+            raise ValueError(f"overlap must be at least 1, got {overlap}")
+        self.overlap = overlap
+        self.checkpoint_shapes = {name: _as_shape(name, s) for name, s in shapes.items()}
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        end = 0
+        names = list(self.checkpoint_shapes)
+        for name, shape in self.checkpoint_shapes.items():
+            n = math.prod(shape)
+            if n < overlap and name != names[-1]:
+                raise ValueError(
+                    f"weight {name!r} has {n} elements; OverlappingDestinationsModel needs "
+                    f"at least overlap={overlap} in every weight but the last"
+                )
+            self.offsets[name] = offset
+            end = max(end, offset + n)
+            offset = offset + n - overlap
+        self.flat_weight = _frozen(torch.full((end,), fill, dtype=dtype, device=device))
+
+    def view(self, name: str) -> torch.Tensor:
+        """The runtime view (of ``flat_weight.data``) that checkpoint weight ``name`` fills."""
+        if name not in self.offsets:
+            raise UnknownWeightError(name, type(self).__name__)
+        shape = self.checkpoint_shapes[name]
+        return self.flat_weight.data.narrow(0, self.offsets[name], math.prod(shape)).view(shape)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy each tensor into its (overlapping) view of ``flat_weight``; return the names."""
+        loaded: set[str] = set()
+        for name, w in weights:
+            dest = self.view(name)
+            if tuple(w.shape) != tuple(dest.shape):
+                raise ValueError(
+                    f"OverlappingDestinationsModel.load_weights: {name!r} has shape "
+                    f"{tuple(w.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(w)
+            loaded.add(name)
+        return loaded
+
+
+class FailingModel(PlainModel):
+    """A :class:`PlainModel` whose loader raises ``RuntimeError`` when it meets ``fail_on``.
+
+    Entries before ``fail_on`` in the same call (and earlier calls) are copied normally;
+    the entry named ``fail_on`` raises before it writes anything. This breaks no clause
+    of the contract: it shows partial updates (CONTRACT §5) and ``transactional=True``.
+    ``calls`` counts the ``load_weights`` calls made.
+    """
+
+    def __init__(
+        self,
+        shapes: Mapping[str, Sequence[int]],
+        dtype: torch.dtype = torch.float32,
+        device: DeviceLike = "cpu",
+        fill: float = 0.0,
+        *,
+        fail_on: str,
+    ) -> None:
+        super().__init__(shapes, dtype=dtype, device=device, fill=fill)
+        if fail_on not in self.checkpoint_shapes:
+            raise ValueError(f"fail_on={fail_on!r} is not one of the model's weights")
+        self.fail_on = fail_on
+        self.calls = 0
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Like :meth:`PlainModel.load_weights`, raising ``RuntimeError`` at ``fail_on``."""
+        self.calls += 1
+        loaded: set[str] = set()
+        for name, w in weights:
+            param = self._param(name)
+            if name == self.fail_on:
+                raise RuntimeError(
+                    f"FailingModel.load_weights: simulated failure at {name!r} (after "
+                    f"loading {sorted(loaded)!r} in this call)"
+                )
+            self._check_shape(name, w)
+            self.load_one(name, param, w)
+            loaded.add(name)
+        return loaded
+
+
+BROKEN_LOADERS: dict[str, type[nn.Module]] = {
+    "writes_twice": WritesTwiceModel,
+    "writes_then_fills": WritesThenFillsModel,
+    "shape_mismatch": ShapeMismatchModel,
+    "reports_without_writing": ReportsWithoutWritingModel,
+    "overlapping_destinations": OverlappingDestinationsModel,
+}
+"""One loader per way of breaking the sparse contract: short name → class.
+
+Every class is built as ``cls(shapes, dtype=..., device=..., fill=...)``, has a
+``load_weights`` that works for dense loads, and carries ``CLAUSE`` (the sentence of
+CONTRACT.md §4 it breaks) and ``REASON`` (the ``.reason`` of the
+:class:`~patchkit.ContractViolation` a sparse load raises). The overlapping-destinations
+loader is rejected only when at least two of its weights travel in one call.
+"""
+
+
+# --------------------------------------------------------------------------------------
+# The tiny Llama: configuration and checkpoint
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TinyLlamaConfig:
+    """Shape of a tiny Llama-style decoder. The defaults load in milliseconds.
+
+    ``head_dim`` is ``hidden_size // num_heads``. Construction raises :class:`ValueError`
+    when a size is not a positive int, ``num_heads`` does not divide ``hidden_size`` or
+    ``num_kv_heads`` does not divide ``num_heads``.
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for field_name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+        ):
+            v = getattr(self, field_name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TinyLlamaConfig.{field_name} must be a positive int, got {v!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(
+                "TinyLlamaConfig.tie_word_embeddings must be a bool, got "
+                f"{self.tie_word_embeddings!r}"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"TinyLlamaConfig: num_heads={self.num_heads} must divide "
+                f"hidden_size={self.hidden_size}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"TinyLlamaConfig: num_kv_heads={self.num_kv_heads} must divide "
+                f"num_heads={self.num_heads} (grouped-query attention)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """``hidden_size // num_heads``."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def q_size(self) -> int:
+        """Rows of ``q_proj``: ``num_heads * head_dim``."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Rows of ``k_proj`` and of ``v_proj``: ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+
+def tiny_llama_shapes(config: TinyLlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face checkpoint names → full shapes, in Hugging Face module order.
+
+    Order: ``model.embed_tokens.weight``; per layer ``self_attn.{q,k,v,o}_proj.weight``,
+    ``mlp.{gate,up,down}_proj.weight``, ``input_layernorm.weight``,
+    ``post_attention_layernorm.weight``; ``model.norm.weight``; ``lm_head.weight`` unless
+    ``tie_word_embeddings``.
+    """
+    c = config
+    h = c.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "self_attn.q_proj.weight"] = (c.q_size, h)
+        shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, h)
+        shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, c.q_size)
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    return shapes
+
+
+def tiny_llama_checkpoint(
+    config: TinyLlamaConfig | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, torch.Tensor]:
+    """A full checkpoint with Hugging Face Llama names, on the CPU, in ``dtype``.
+
+    Keys and order are :func:`tiny_llama_shapes`. Values are drawn in float32 from a CPU
+    :class:`torch.Generator` seeded with ``seed`` (in key order) and cast to ``dtype``:
+    the same ``(config, seed, dtype)`` gives bit-identical tensors, different seeds give
+    different tensors. Norm weights are ``1 + 0.1 * N(0, 1)``; every other weight is
+    ``N(0, 1) / sqrt(fan_in)`` (embedding: ``0.02 * N(0, 1)``). Every tensor is contiguous
+    and owns its storage.
+    """
+    config = TinyLlamaConfig() if config is None else config
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in tiny_llama_shapes(config).items():
+        x = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if len(shape) == 1:
+            x = 1.0 + 0.1 * x
+        elif name == "model.embed_tokens.weight":
+            x = 0.02 * x
+        else:
+            x = x / math.sqrt(shape[1])
+        out[name] = x.to(dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# The tiny Llama runtime: one tensor-parallel rank, vLLM layout
+# --------------------------------------------------------------------------------------
+
+
+class _Weight(nn.Module):
+    """A module holding one ``weight`` parameter (a linear layer, a norm, an embedding)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+
+class _Attention(nn.Module):
+    def __init__(self, qkv: nn.Parameter, o: nn.Parameter) -> None:
+        super().__init__()
+        self.qkv_proj = _Weight(qkv)
+        self.o_proj = _Weight(o)
+
+
+class _MLP(nn.Module):
+    def __init__(self, gate_up: nn.Parameter, down: nn.Parameter) -> None:
+        super().__init__()
+        self.gate_up_proj = _Weight(gate_up)
+        self.down_proj = _Weight(down)
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, make: _ParamFactory) -> None:
+        super().__init__()
+        self.self_attn = _Attention(make.qkv(), make.row_parallel("o"))
+        self.mlp = _MLP(make.gate_up(), make.row_parallel("down"))
+        self.input_layernorm = _Weight(make.replicated())
+        self.post_attention_layernorm = _Weight(make.replicated())
+
+
+class _Model(nn.Module):
+    def __init__(self, make: _ParamFactory, num_layers: int) -> None:
+        super().__init__()
+        self.embed_tokens = _Weight(make.vocab_parallel())
+        self.layers = nn.ModuleList(_DecoderLayer(make) for _ in range(num_layers))
+        self.norm = _Weight(make.replicated())
+
+
+class _ParamFactory:
+    """Makes one rank's parameters, each with the ``weight_loader`` vLLM would attach."""
+
+    def __init__(self, rt: TinyLlamaRuntime, dtype: torch.dtype, device: DeviceLike) -> None:
+        self.rt = rt
+        self.dtype = dtype
+        self.device = device
+
+    def _new(self, shape: tuple[int, ...], loader) -> nn.Parameter:
+        p = _frozen(torch.zeros(shape, dtype=self.dtype, device=self.device))
+        p.weight_loader = loader  # type: ignore[attr-defined]
+        return p
+
+    def vocab_parallel(self) -> nn.Parameter:
+        rt = self.rt
+        return self._new((rt.vocab_per_rank, rt.config.hidden_size), rt._load_output_shard)
+
+    def qkv(self) -> nn.Parameter:
+        rt = self.rt
+        rows = rt.q_per_rank + 2 * rt.kv_per_rank
+        return self._new((rows, rt.config.hidden_size), rt._load_qkv)
+
+    def gate_up(self) -> nn.Parameter:
+        rt = self.rt
+        return self._new((2 * rt.intermediate_per_rank, rt.config.hidden_size), rt._load_gate_up)
+
+    def row_parallel(self, which: str) -> nn.Parameter:
+        rt = self.rt
+        cols = rt.q_per_rank if which == "o" else rt.intermediate_per_rank
+        return self._new((rt.config.hidden_size, cols), rt._load_input_shard)
+
+    def replicated(self) -> nn.Parameter:
+        rt = self.rt
+        return self._new((rt.config.hidden_size,), rt._load_replicated)
+
+
+# (runtime parameter part, checkpoint part, shard id): vLLM's "stacked params mapping".
+_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class TinyLlamaRuntime(nn.Module):
+    """One tensor-parallel rank of a tiny Llama, with vLLM's parameter layout and loader.
+
+    Parameters (names as :meth:`named_parameters` reports them; ``*`` = per layer
+    ``model.layers.{i}``), each ``requires_grad=False``, zero-initialised, in ``dtype`` on
+    ``device``:
+
+    ========================================  ==============================================
+    ``model.embed_tokens.weight``             rows ``[r*V/T, (r+1)*V/T)`` of the embedding
+    ``*.self_attn.qkv_proj.weight``           ``[q shard r; k shard r; v shard r]`` (rows)
+    ``*.self_attn.o_proj.weight``             columns shard ``r`` of ``o_proj`` (row-parallel)
+    ``*.mlp.gate_up_proj.weight``             ``[gate shard r; up shard r]`` (rows)
+    ``*.mlp.down_proj.weight``                columns shard ``r`` of ``down_proj``
+    ``*.input_layernorm.weight``, ``*.post_attention_layernorm.weight``, ``model.norm.weight``
+                                              replicated
+    ``lm_head.weight``                        rows shard ``r`` (vocabulary-parallel); with
+                                              ``tie_word_embeddings`` the same Parameter as
+                                              ``model.embed_tokens.weight``, registered
+                                              after it
+    ========================================  ==============================================
+
+    ``tp_size`` must divide ``num_heads``, ``num_kv_heads``, ``intermediate_size`` and
+    ``vocab_size`` (:class:`ValueError` otherwise; replicating kv heads over ranks, as vLLM
+    does when ``tp_size > num_kv_heads``, is not modelled). Each parameter carries a
+    ``weight_loader(param, loaded_weight, shard_id=None)`` attribute, as in vLLM.
+    """
+
+    def __init__(
+        self,
+        config: TinyLlamaConfig | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.bfloat16,
+        device: DeviceLike = "cpu",
+    ) -> None:
+        super().__init__()
+        config = TinyLlamaConfig() if config is None else config
+        if not isinstance(config, TinyLlamaConfig):
+            raise TypeError(f"config must be a TinyLlamaConfig, got {type(config).__name__}")
+        for arg, v in (("tp_size", tp_size), ("tp_rank", tp_rank)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{arg} must be an int, got {v!r}")
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be at least 1, got {tp_size}")
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+        if config.num_heads % tp_size:
+            raise ValueError(f"tp_size={tp_size} must divide num_heads={config.num_heads}")
+        if config.num_kv_heads % tp_size:
+            more = (
+                "; replicating kv heads across ranks (what vLLM does when tp_size > "
+                "num_kv_heads) is out of scope for this toy model"
+                if tp_size > config.num_kv_heads
+                else ""
+            )
+            raise ValueError(
+                f"tp_size={tp_size} must divide num_kv_heads={config.num_kv_heads}{more}"
+            )
+        for field_name in ("intermediate_size", "vocab_size"):
+            v = getattr(config, field_name)
+            if v % tp_size:
+                raise ValueError(f"tp_size={tp_size} must divide {field_name}={v}")
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        #: Rows of this rank's q shard / k (and v) shard, columns of its o_proj shard.
+        self.q_per_rank = config.q_size // tp_size
+        self.kv_per_rank = config.kv_size // tp_size
+        #: Rows of this rank's gate (and up) shard, columns of its down_proj shard.
+        self.intermediate_per_rank = config.intermediate_size // tp_size
+        #: Rows of this rank's embedding and lm_head shards.
+        self.vocab_per_rank = config.vocab_size // tp_size
+
+        make = _ParamFactory(self, dtype, device)
+        self.model = _Model(make, config.num_layers)
+        if config.tie_word_embeddings:
+            self.lm_head = _Weight(self.model.embed_tokens.weight)
+        else:
+            self.lm_head = _Weight(make.vocab_parallel())
+        self._shapes = tiny_llama_shapes(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the parameters (all share one)."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the parameters (all share one)."""
+        return self.model.embed_tokens.weight.device
+
+    # -- weight loaders: each narrows the checkpoint tensor and makes exactly one copy_ --
+
+    def _load_output_shard(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Rows (output dim) shard ``tp_rank``: embedding, lm_head."""
+        size = param.shape[0]
+        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+
+    def _load_input_shard(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Columns (input dim) shard ``tp_rank``: row-parallel o_proj, down_proj."""
+        size = param.shape[1]
+        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * size, size))
+
+    def _load_replicated(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        param.data.copy_(loaded_weight)
+
+    def _load_qkv(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object) -> None:
+        q, kv = self.q_per_rank, self.kv_per_rank
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        src = loaded_weight.narrow(0, self.tp_rank * size, size)
+        param.data.narrow(0, offset, size).copy_(src)
+
+    def _load_gate_up(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object
+    ) -> None:
+        size = self.intermediate_per_rank
+        src = loaded_weight.narrow(0, self.tp_rank * size, size)
+        param.data.narrow(0, shard_id * size, size).copy_(src)
+
+    # -- the loader ------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face-named checkpoint tensors into this rank's parameters.
+
+        For each ``(name, tensor)`` (full checkpoint shape, any floating dtype, any
+        device): ``q/k/v_proj`` go into their slice of ``qkv_proj`` and ``gate/up_proj``
+        into theirs of ``gate_up_proj`` (the stacked-params mapping), every other name
+        into the parameter of the same name, through that parameter's ``weight_loader``,
+        which narrows the checkpoint tensor to this rank's shard and makes exactly one
+        ``copy_`` into a view of the parameter (``copy_`` casts dtype and device).
+
+        With ``tie_word_embeddings`` an ``lm_head.weight`` entry is skipped and not
+        returned, as in vLLM. A name the model does not have raises
+        :class:`UnknownWeightError` (a :class:`KeyError`); a tensor of the wrong shape
+        raises :class:`ValueError`; both before that entry writes anything (earlier
+        entries stay written). Returns the set of checkpoint names loaded.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        tied = self.config.tie_word_embeddings
+        loaded: set[str] = set()
+        for name, w in weights:
+            if tied and name == "lm_head.weight":
+                continue
+            want = self._shapes.get(name)
+            if want is None:
+                raise UnknownWeightError(
+                    name,
+                    "TinyLlamaRuntime",
+                    f"the checkpoint of this config has the names of tiny_llama_shapes() "
+                    f"({len(self._shapes)} weights, {self.config.num_layers} layers)",
+                )
+            if tuple(w.shape) != want:
+                raise ValueError(
+                    f"TinyLlamaRuntime.load_weights: checkpoint weight {name!r} has shape "
+                    f"{tuple(w.shape)}, expected {want}"
+                )
+            parts = name.split(".")
+            for param_part, ckpt_part, shard_id in _STACKED_PARAMS:
+                if ckpt_part in parts:
+                    parts[parts.index(ckpt_part)] = param_part
+                    param = params[".".join(parts)]
+                    param.weight_loader(param, w, shard_id)
+                    break
+            else:
+                param = params[name]
+                param.weight_loader(param, w)
+            loaded.add(name)
+        return loaded
+
+
+def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.Tensor]:
+    """Reassemble the full checkpoint from the runtimes of all tensor-parallel ranks.
+
+    ``runtimes`` are ranks ``0..T-1`` of one ``tp_size == T``, in rank order, with one
+    config and one dtype (:class:`ValueError` otherwise). The result has the keys and
+    order of :func:`tiny_llama_checkpoint` for that config, full checkpoint shapes, the
+    runtimes' dtype, on the CPU, in fresh tensors (no storage shared with a runtime). A
+    replicated weight (the norms) must be bit-identical on every rank, else
+    :class:`ValueError` names it and the first rank that differs.
+    """
+    rts = list(runtimes)
+    if not rts:
+        raise ValueError("gather_checkpoint needs the runtimes of all ranks, got none")
+    first = rts[0]
+    for i, rt in enumerate(rts):
+        if not isinstance(rt, TinyLlamaRuntime):
+            raise ValueError(f"runtimes[{i}] is a {type(rt).__name__}, not a TinyLlamaRuntime")
+        if rt.config != first.config:
+            raise ValueError(f"runtimes[{i}] has a different config: {rt.config} vs {first.config}")
+        if rt.dtype != first.dtype:
+            raise ValueError(f"runtimes[{i}] has dtype {rt.dtype}, runtimes[0] has {first.dtype}")
+        if rt.tp_size != len(rts):
+            raise ValueError(
+                f"runtimes[{i}] has tp_size={rt.tp_size} but {len(rts)} runtimes were given; "
+                "pass every rank once, in rank order"
+            )
+        if rt.tp_rank != i:
+            raise ValueError(
+                f"runtimes[{i}] is rank {rt.tp_rank}; pass every rank once, in rank order"
+            )
+    c = first.config
+    per_rank = [
+        {n: p.detach().to("cpu") for n, p in rt.named_parameters(remove_duplicate=False)}
+        for rt in rts
+    ]
+
+    def rows(pname: str, start: int, size: int) -> torch.Tensor:
+        return torch.cat([ps[pname].narrow(0, start, size) for ps in per_rank], dim=0)
+
+    def cols(pname: str) -> torch.Tensor:
+        return torch.cat([ps[pname] for ps in per_rank], dim=1)
+
+    def replicated(name: str) -> torch.Tensor:
+        base = per_rank[0][name]
+        for r, ps in enumerate(per_rank[1:], start=1):
+            if not torch.equal(ps[name].view(_int_dtype(base)), base.view(_int_dtype(base))):
+                raise ValueError(
+                    f"replicated weight {name!r} differs between rank 0 and rank {r}"
+                )
+        return base.clone()
+
+    q, kv, inter = first.q_per_rank, first.kv_per_rank, first.intermediate_per_rank
+    out: dict[str, torch.Tensor] = {}
+    for name in tiny_llama_shapes(c):
+        parts = name.split(".")
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = rows(name, 0, first.vocab_per_rank)
+            continue
+        if parts[-2] in ("norm", "input_layernorm", "post_attention_layernorm"):
+            out[name] = replicated(name)
+            continue
+        prefix = ".".join(parts[:3])
+        kind = parts[-2]
+        if kind == "q_proj":
+            out[name] = rows(f"{prefix}.self_attn.qkv_proj.weight", 0, q)
+        elif kind == "k_proj":
+            out[name] = rows(f"{prefix}.self_attn.qkv_proj.weight", q, kv)
+        elif kind == "v_proj":
+            out[name] = rows(f"{prefix}.self_attn.qkv_proj.weight", q + kv, kv)
+        elif kind == "gate_proj":
+            out[name] = rows(f"{prefix}.mlp.gate_up_proj.weight", 0, inter)
+        elif kind == "up_proj":
+            out[name] = rows(f"{prefix}.mlp.gate_up_proj.weight", inter, inter)
+        else:  # o_proj, down_proj: row-parallel, sharded on columns
+            out[name] = cols(name)
+    return out
+
+
+def _int_dtype(t: torch.Tensor) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]

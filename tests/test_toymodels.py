@@ -1,0 +1,652 @@
+"""Tests for patchkit.toymodels: the vLLM-style stand-in models and the broken loaders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import patchkit
+from patchkit import CheckpointWeightPatch, ContractViolation, load_checkpoint_weight_patches
+from patchkit.toymodels import (
+    BROKEN_LOADERS,
+    FailingModel,
+    OverlappingDestinationsModel,
+    PlainModel,
+    ReportsWithoutWritingModel,
+    ShapeMismatchModel,
+    TinyLlamaConfig,
+    TinyLlamaRuntime,
+    UnknownWeightError,
+    WritesThenFillsModel,
+    WritesTwiceModel,
+    gather_checkpoint,
+    tiny_llama_checkpoint,
+    tiny_llama_shapes,
+)
+
+# Divisible by tp_size 1, 2 and 4 (heads 8, kv heads 4, intermediate 128, vocab 256).
+TP4 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+           num_kv_heads=4)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a.cpu()), bits(b.cpu()))
+
+
+def assert_same_checkpoint(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        assert same_bits(got[name], want[name]), name
+
+
+def dense(ckpt: dict) -> list[CheckpointWeightPatch]:
+    return [CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.flatten()) for n, t in ckpt.items()]
+
+
+def load_ranks(config, tp_size, ckpt, **kw) -> list[TinyLlamaRuntime]:
+    ranks = [TinyLlamaRuntime(config, r, tp_size, **kw) for r in range(tp_size)]
+    for rt in ranks:
+        rt.load_weights(ckpt.items())
+    return ranks
+
+
+# --------------------------------------------------------------------------------------
+# config and checkpoint
+# --------------------------------------------------------------------------------------
+
+
+def test_default_config_is_tiny_and_consistent():
+    c = TinyLlamaConfig()
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
+            c.num_kv_heads, c.tie_word_embeddings) == (256, 64, 128, 2, 4, 2, False)
+    assert (c.head_dim, c.q_size, c.kv_size) == (16, 64, 32)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(hidden_size=60, num_heads=8), "must divide hidden_size"),
+        (dict(num_heads=4, num_kv_heads=3), "must divide num_heads"),
+        (dict(vocab_size=0), "vocab_size must be a positive int"),
+        (dict(num_layers=-1), "num_layers"),
+        (dict(intermediate_size=2.0), "intermediate_size"),
+        (dict(num_heads=True), "num_heads"),
+        (dict(tie_word_embeddings=1), "tie_word_embeddings"),
+    ],
+)
+def test_bad_config_raises_value_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TinyLlamaConfig(**kw)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_checkpoint_names_shapes_order(tied):
+    c = TinyLlamaConfig(num_layers=2, tie_word_embeddings=tied)
+    ckpt = tiny_llama_checkpoint(c)
+    layer = [
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+    ]
+    want = ["model.embed_tokens.weight"]
+    want += [f"model.layers.{i}.{n}" for i in range(2) for n in layer]
+    want += ["model.norm.weight"] + ([] if tied else ["lm_head.weight"])
+    assert list(ckpt) == want
+    assert list(tiny_llama_shapes(c)) == want
+    h, hd = 64, 16
+    expect = {
+        "model.embed_tokens.weight": (256, h),
+        "model.layers.1.self_attn.q_proj.weight": (4 * hd, h),
+        "model.layers.1.self_attn.k_proj.weight": (2 * hd, h),
+        "model.layers.1.self_attn.v_proj.weight": (2 * hd, h),
+        "model.layers.1.self_attn.o_proj.weight": (h, 4 * hd),
+        "model.layers.1.mlp.gate_proj.weight": (128, h),
+        "model.layers.1.mlp.up_proj.weight": (128, h),
+        "model.layers.1.mlp.down_proj.weight": (h, 128),
+        "model.layers.1.input_layernorm.weight": (h,),
+        "model.norm.weight": (h,),
+    }
+    for name, shape in expect.items():
+        assert tuple(ckpt[name].shape) == shape, name
+    for name, t in ckpt.items():
+        assert t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
+        assert tiny_llama_shapes(c)[name] == tuple(t.shape)
+        assert torch.isfinite(t.float()).all()
+
+
+def test_checkpoint_is_deterministic_per_seed():
+    c = TinyLlamaConfig()
+    a, b = tiny_llama_checkpoint(c, seed=3), tiny_llama_checkpoint(c, seed=3)
+    assert_same_checkpoint(a, b)
+    other = tiny_llama_checkpoint(c, seed=4)
+    for name in a:
+        assert not same_bits(a[name], other[name]), name
+    # no two weights of one checkpoint are the same tensor
+    assert not same_bits(a["model.layers.0.mlp.gate_proj.weight"],
+                         a["model.layers.0.mlp.up_proj.weight"])
+    f32 = tiny_llama_checkpoint(c, seed=3, dtype=torch.float32)
+    assert all(t.dtype == torch.float32 for t in f32.values())
+    assert same_bits(f32["model.norm.weight"].to(torch.bfloat16), a["model.norm.weight"])
+
+
+# --------------------------------------------------------------------------------------
+# the runtime layout
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, tp, match",
+    [
+        (dict(num_heads=4, num_kv_heads=2), 4, "num_kv_heads=2; replicating kv heads"),
+        (dict(num_heads=12, num_kv_heads=6, hidden_size=48), 4, "num_kv_heads=6$"),
+        (dict(num_heads=6, num_kv_heads=6, hidden_size=48), 4, "num_heads"),
+        (dict(intermediate_size=130), 4, "intermediate_size"),
+        (dict(vocab_size=250), 4, "vocab_size"),
+    ],
+)
+def test_runtime_rejects_indivisible_tp(kw, tp, match):
+    c = TinyLlamaConfig(**{**TP4, **kw})
+    with pytest.raises(ValueError, match=match):
+        TinyLlamaRuntime(c, 0, tp)
+
+
+def test_kv_head_error_says_replication_is_out_of_scope():
+    with pytest.raises(ValueError, match="out of scope"):
+        TinyLlamaRuntime(TinyLlamaConfig(num_heads=4, num_kv_heads=1), 0, 2)
+
+
+@pytest.mark.parametrize("rank, size", [(2, 2), (-1, 2), (0, 0)])
+def test_runtime_rejects_bad_rank(rank, size):
+    with pytest.raises(ValueError):
+        TinyLlamaRuntime(TinyLlamaConfig(**TP4), rank, size)
+
+
+def test_runtime_parameter_names_and_shapes():
+    c = TinyLlamaConfig(**TP4)
+    rt = TinyLlamaRuntime(c, 1, 2, dtype=torch.float16)
+    shapes = {n: tuple(p.shape) for n, p in rt.named_parameters(remove_duplicate=False)}
+    hd = c.head_dim
+    want = {"model.embed_tokens.weight": (128, 64)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        want[p + "self_attn.qkv_proj.weight"] = ((8 + 2 * 4) * hd // 2, 64)
+        want[p + "self_attn.o_proj.weight"] = (64, 8 * hd // 2)
+        want[p + "mlp.gate_up_proj.weight"] = (2 * 64, 64)
+        want[p + "mlp.down_proj.weight"] = (64, 64)
+        want[p + "input_layernorm.weight"] = (64,)
+        want[p + "post_attention_layernorm.weight"] = (64,)
+    want["model.norm.weight"] = (64,)
+    want["lm_head.weight"] = (128, 64)
+    assert shapes == want
+    assert list(shapes) == list(want)
+    for p in rt.parameters():
+        assert p.dtype == torch.float16 and not p.requires_grad and callable(p.weight_loader)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_then_gather_is_bit_exact(tp_size, tied):
+    c = TinyLlamaConfig(**TP4, tie_word_embeddings=tied)
+    ckpt = tiny_llama_checkpoint(c, seed=tp_size)
+    ranks = [TinyLlamaRuntime(c, r, tp_size) for r in range(tp_size)]
+    for rt in ranks:
+        assert rt.load_weights(iter(ckpt.items())) == set(ckpt)
+    got = gather_checkpoint(ranks)
+    assert_same_checkpoint(got, ckpt)
+    # fresh CPU tensors: writing the gathered copy leaves the runtime alone
+    got["model.norm.weight"].zero_()
+    assert same_bits(ranks[0].model.norm.weight.data, ckpt["model.norm.weight"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_casts_dtype_and_device(device):
+    c = TinyLlamaConfig(**TP4)
+    ckpt = tiny_llama_checkpoint(c, seed=1, dtype=torch.float32)
+    ranks = load_ranks(c, 2, ckpt, dtype=torch.float64, device=device)
+    assert all(p.device.type == device for rt in ranks for p in rt.parameters())
+    got = gather_checkpoint(ranks)
+    assert all(t.device.type == "cpu" and t.dtype == torch.float64 for t in got.values())
+    assert_same_checkpoint(got, {n: t.double() for n, t in ckpt.items()})
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_packing_and_sharding_on_each_rank(tp_size):
+    c = TinyLlamaConfig(**TP4)
+    ckpt = tiny_llama_checkpoint(c, seed=7)
+    ranks = load_ranks(c, tp_size, ckpt)
+    q, kv, inter, voc = c.q_size // tp_size, c.kv_size // tp_size, 128 // tp_size, 256 // tp_size
+    for r, rt in enumerate(ranks):
+        ps = dict(rt.named_parameters())
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            qkv = ps[p + "self_attn.qkv_proj.weight"]
+            want = torch.cat([
+                ckpt[p + "self_attn.q_proj.weight"][r * q:(r + 1) * q],
+                ckpt[p + "self_attn.k_proj.weight"][r * kv:(r + 1) * kv],
+                ckpt[p + "self_attn.v_proj.weight"][r * kv:(r + 1) * kv],
+            ])
+            assert same_bits(qkv.data, want)
+            gate_up = ps[p + "mlp.gate_up_proj.weight"]
+            want = torch.cat([
+                ckpt[p + "mlp.gate_proj.weight"][r * inter:(r + 1) * inter],
+                ckpt[p + "mlp.up_proj.weight"][r * inter:(r + 1) * inter],
+            ])
+            assert same_bits(gate_up.data, want)
+            assert same_bits(ps[p + "self_attn.o_proj.weight"].data,
+                             ckpt[p + "self_attn.o_proj.weight"][:, r * q:(r + 1) * q])
+            assert same_bits(ps[p + "mlp.down_proj.weight"].data,
+                             ckpt[p + "mlp.down_proj.weight"][:, r * inter:(r + 1) * inter])
+            assert same_bits(ps[p + "input_layernorm.weight"].data,
+                             ckpt[p + "input_layernorm.weight"])
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert same_bits(ps[name].data, ckpt[name][r * voc:(r + 1) * voc])
+        assert same_bits(ps["model.norm.weight"].data, ckpt["model.norm.weight"])
+
+
+class _CopySpy(TorchDispatchMode):
+    """Records every mutating op: (op, destination storage pointer, source storage pointer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+            src = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
+            self.writes.append((
+                func._schema.name,
+                args[0].untyped_storage().data_ptr(),
+                None if src is None else src.untyped_storage().data_ptr(),
+            ))
+        return func(*args, **(kwargs or {}))
+
+
+def test_exactly_one_copy_per_checkpoint_tensor_from_a_view_of_it():
+    c = TinyLlamaConfig(**TP4)
+    ckpt = tiny_llama_checkpoint(c, dtype=torch.float32)
+    rt = TinyLlamaRuntime(c, 1, 2)
+    runtime = {p.untyped_storage().data_ptr() for p in rt.parameters()}
+    with torch.no_grad(), _CopySpy() as spy:
+        rt.load_weights(ckpt.items())
+    assert [w[0] for w in spy.writes] == ["aten::copy_"] * len(ckpt)
+    for (_, dest, src), t in zip(spy.writes, ckpt.values()):
+        assert dest in runtime
+        assert src == t.untyped_storage().data_ptr()  # a narrow of the checkpoint, no clone
+
+
+# --------------------------------------------------------------------------------------
+# tied embeddings
+# --------------------------------------------------------------------------------------
+
+
+def test_tied_lm_head_is_the_embedding_parameter():
+    c = TinyLlamaConfig(**TP4, tie_word_embeddings=True)
+    rt = TinyLlamaRuntime(c, 0, 2)
+    assert rt.lm_head.weight is rt.model.embed_tokens.weight
+    names = [n for n, _ in rt.named_parameters(remove_duplicate=False)]
+    assert names[0] == "model.embed_tokens.weight"
+    assert names[-1] == "lm_head.weight"
+    assert names.count("lm_head.weight") == 1
+    assert "lm_head.weight" not in dict(rt.named_parameters())
+
+
+def test_tied_runtime_skips_lm_head_entry():
+    c = TinyLlamaConfig(**TP4, tie_word_embeddings=True)
+    ckpt = tiny_llama_checkpoint(c)
+    rt = TinyLlamaRuntime(c)
+    rt.load_weights(ckpt.items())
+    other = torch.randn(256, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
+    assert rt.load_weights([("lm_head.weight", other)]) == set()
+    assert same_bits(rt.model.embed_tokens.weight.data, ckpt["model.embed_tokens.weight"])
+
+
+def test_tied_alias_patch_is_renamed_by_patchkit():
+    c = TinyLlamaConfig(**TP4, tie_word_embeddings=True)
+    rt = TinyLlamaRuntime(c, 1, 2)
+    new = torch.randn(256, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = load_checkpoint_weight_patches(
+        rt, [CheckpointWeightPatch("lm_head.weight", (256, 64), torch.bfloat16, new.flatten())]
+    )
+    assert got == {"model.embed_tokens.weight"}
+    assert same_bits(rt.lm_head.weight.data, new[128:])
+
+
+# --------------------------------------------------------------------------------------
+# through patchkit's loader
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_dense_patches_through_patchkit_equal_direct_load(tied):
+    c = TinyLlamaConfig(**TP4, tie_word_embeddings=tied)
+    ckpt = tiny_llama_checkpoint(c, seed=11)
+    direct = load_ranks(c, 2, ckpt)
+    via = [TinyLlamaRuntime(c, r, 2) for r in range(2)]
+    for rt in via:
+        got = load_checkpoint_weight_patches(rt, dense(ckpt), max_chunk_bytes=40_000)
+        assert got == set(ckpt)
+    assert len(patchkit.plan_chunks(dense(ckpt), 40_000)) > 3  # really several calls
+    assert_same_checkpoint(gather_checkpoint(via), gather_checkpoint(direct))
+    assert_same_checkpoint(gather_checkpoint(via), ckpt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparse_patch_changes_only_chosen_elements(device):
+    c = TinyLlamaConfig(**TP4)
+    ckpt = tiny_llama_checkpoint(c, seed=2)
+    ranks = load_ranks(c, 2, ckpt, device=device)
+    g = torch.Generator().manual_seed(0)
+    chosen = ["model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",
+              "model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.up_proj.weight",
+              "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"]
+    patches, expected = [], {n: t.clone() for n, t in ckpt.items()}
+    for name in chosen:
+        n = ckpt[name].numel()
+        idx = torch.randperm(n, generator=g)[: max(1, n // 50)]
+        vals = (torch.randn(idx.numel(), generator=g) + 5.0).bfloat16()
+        patches.append(CheckpointWeightPatch(name, tuple(ckpt[name].shape), torch.bfloat16,
+                                             vals.to(device), idx.to(device)))
+        expected[name].view(-1)[idx] = vals
+    for rt in ranks:
+        assert load_checkpoint_weight_patches(rt, patches, max_chunk_bytes=50_000) == set(chosen)
+    got = gather_checkpoint(ranks)
+    assert_same_checkpoint(got, expected)
+    changed = sum(int((bits(got[n]) != bits(ckpt[n])).sum()) for n in ckpt)
+    assert changed == sum(p.indices.numel() for p in patches)
+
+
+# --------------------------------------------------------------------------------------
+# errors of the runtime loader and of gather_checkpoint
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["model.layers.2.self_attn.q_proj.weight", "model.layers.0.self_attn.qkv_proj.weight",
+     "model.embed.weight", "lm_head.bias", "q_proj"],
+)
+def test_unknown_name_raises_naming_it(name):
+    rt = TinyLlamaRuntime(TinyLlamaConfig())
+    with pytest.raises(KeyError) as info:
+        rt.load_weights([(name, torch.zeros(64, 64))])
+    assert isinstance(info.value, UnknownWeightError)
+    assert info.value.name == name and repr(name) in str(info.value)
+
+
+def test_unknown_weight_error_pickles():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(UnknownWeightError("x.weight", "M", "a hint")))
+    assert isinstance(e, KeyError) and e.name == "x.weight"
+    assert str(e) == "M.load_weights: unknown checkpoint weight 'x.weight'; a hint"
+
+
+def test_runtime_dtype_and_device_follow_the_parameters():
+    rt = TinyLlamaRuntime(TinyLlamaConfig())
+    assert (rt.dtype, rt.device) == (torch.bfloat16, torch.device("cpu"))
+    rt.to(torch.float32)
+    assert rt.dtype == torch.float32
+
+
+def test_wrong_shape_raises_before_writing():
+    rt = TinyLlamaRuntime(TinyLlamaConfig())
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+        rt.load_weights([("model.norm.weight", torch.ones(63))])
+    assert not rt.model.norm.weight.data.any()
+
+
+def test_gather_validates_its_ranks():
+    c = TinyLlamaConfig(**TP4)
+    r0, r1 = TinyLlamaRuntime(c, 0, 2), TinyLlamaRuntime(c, 1, 2)
+    with pytest.raises(ValueError, match="rank order"):
+        gather_checkpoint([r1, r0])
+    with pytest.raises(ValueError, match="tp_size"):
+        gather_checkpoint([r0])
+    with pytest.raises(ValueError):
+        gather_checkpoint([])
+    with pytest.raises(ValueError, match="config"):
+        gather_checkpoint([r0, TinyLlamaRuntime(TinyLlamaConfig(**{**TP4, "num_layers": 1}), 1, 2)])
+    with pytest.raises(ValueError, match="dtype"):
+        gather_checkpoint([r0, TinyLlamaRuntime(c, 1, 2, dtype=torch.float32)])
+    r1.model.layers[0].input_layernorm.weight.data.fill_(1.0)
+    with pytest.raises(ValueError, match=r"input_layernorm.*rank 1"):
+        gather_checkpoint([r0, r1])
+
+
+# --------------------------------------------------------------------------------------
+# the plain model
+# --------------------------------------------------------------------------------------
+
+SHAPES = {
+    "embed.weight": (6, 4),
+    "layers.0.proj.weight": (4, 4),
+    "layers.1.proj.weight": (4, 4),
+    "norm.weight": (4,),
+    "scale": (),
+}
+
+
+def state(seed: int = 0, shapes=SHAPES) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def sparse_of(new: dict, nnz: int = 2) -> list[CheckpointWeightPatch]:
+    out = []
+    for n, t in new.items():
+        k = min(nnz, t.numel())
+        idx = torch.arange(k, dtype=torch.int64)
+        out.append(CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.flatten()[:k], idx))
+    return out
+
+
+def test_plain_model_names_and_load():
+    m = PlainModel(SHAPES, fill=1.5)
+    # exact names; a module's own parameters come before its submodules' (nn.Module order)
+    got = [(n, tuple(p.shape)) for n, p in m.named_parameters()]
+    assert got == [("scale", ())] + [(n, s) for n, s in SHAPES.items() if n != "scale"]
+    assert m.get_parameter("layers.0.proj.weight").shape == (4, 4)
+    assert all(bool((p == 1.5).all()) and not p.requires_grad for p in m.parameters())
+    sd = state(1)
+    assert m.load_weights(sd.items()) == set(SHAPES)
+    for n, p in m.named_parameters():
+        assert same_bits(p.data, sd[n])
+    with pytest.raises(KeyError, match="nope"):
+        m.load_weights([("nope", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        m.load_weights([("norm.weight", torch.zeros(5))])
+
+
+def test_plain_model_from_a_llama_checkpoint_keeps_its_order():
+    ckpt = tiny_llama_checkpoint(TinyLlamaConfig(num_layers=3))
+    m = PlainModel.from_state_dict(ckpt)
+    assert [n for n, _ in m.named_parameters()] == list(ckpt)
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+    assert same_bits(m.get_parameter("model.layers.2.mlp.up_proj.weight").data,
+                     ckpt["model.layers.2.mlp.up_proj.weight"])
+
+
+def test_plain_model_from_state_dict_and_sparse():
+    sd = state(2)
+    m = PlainModel.from_state_dict(sd)
+    assert all(same_bits(p.data, sd[n]) for n, p in m.named_parameters())
+    vals = torch.tensor([7.0, -0.0])
+    p = CheckpointWeightPatch("layers.1.proj.weight", (4, 4), torch.float32, vals,
+                              torch.tensor([5, 15]))
+    assert load_checkpoint_weight_patches(m, [p]) == {"layers.1.proj.weight"}
+    want = sd["layers.1.proj.weight"].clone()
+    want.view(-1)[torch.tensor([5, 15])] = vals
+    assert same_bits(m.get_parameter("layers.1.proj.weight").data, want)
+
+
+@pytest.mark.parametrize("shapes", [{"a": (1,), "a.b": (1,)}, {"a.b": (1,), "a": (1,)},
+                                    {"a..b": (1,)}, {"training": (1,)}, {"x": (-1,)}])
+def test_plain_model_rejects_bad_names(shapes):
+    with pytest.raises(ValueError):
+        PlainModel(shapes)
+
+
+# --------------------------------------------------------------------------------------
+# loaders that break the sparse contract
+# --------------------------------------------------------------------------------------
+
+EXPECTED_REASONS = {
+    "writes_twice": (WritesTwiceModel, "overlapping runtime views"),
+    "writes_then_fills": (WritesThenFillsModel, "unsupported op"),
+    "shape_mismatch": (ShapeMismatchModel, "same-shaped floating-point"),
+    "reports_without_writing": (ReportsWithoutWritingModel, "without copying"),
+    "overlapping_destinations": (OverlappingDestinationsModel, "overlapping runtime views"),
+}
+
+
+def test_broken_loaders_table():
+    assert set(BROKEN_LOADERS) == set(EXPECTED_REASONS)
+    for key, cls in BROKEN_LOADERS.items():
+        want_cls, want_reason = EXPECTED_REASONS[key]
+        assert cls is want_cls
+        assert want_reason == cls.REASON
+        assert cls.CLAUSE and "NotImplementedError" in cls.CLAUSE
+        assert cls.__doc__ and "CONTRACT" in cls.__doc__
+
+
+@pytest.mark.parametrize("key", list(EXPECTED_REASONS))
+def test_broken_loader_rejected_by_sparse_load(key):
+    cls, reason = EXPECTED_REASONS[key]
+    m = cls(SHAPES)
+    with pytest.raises(NotImplementedError) as info:
+        load_checkpoint_weight_patches(m, sparse_of(state(3)))
+    assert isinstance(info.value, ContractViolation)
+    assert info.value.reason == reason
+
+
+@pytest.mark.parametrize("key", list(EXPECTED_REASONS))
+def test_broken_loader_runs_dense(key):
+    cls, _ = EXPECTED_REASONS[key]
+    m = cls(SHAPES)
+    sd = state(4)
+    assert load_checkpoint_weight_patches(m, dense(sd)) == set(SHAPES)
+
+
+def test_broken_loaders_dense_effects():
+    sd = state(5)
+    twice = WritesTwiceModel(SHAPES)
+    twice.load_weights(sd.items())
+    assert all(same_bits(p.data, sd[n]) for n, p in twice.named_parameters())
+
+    fills = WritesThenFillsModel(SHAPES, fill=3.0, pad_rows=2)
+    assert tuple(fills.embed.weight.shape) == (8, 4)
+    assert tuple(fills.scale.shape) == ()
+    fills.load_weights(sd.items())
+    assert same_bits(fills.embed.weight.data[:6], sd["embed.weight"])
+    assert not fills.embed.weight.data[6:].any()
+
+    bcast = ShapeMismatchModel(SHAPES)
+    assert tuple(bcast.norm.weight.shape) == (1, 4)
+    bcast.load_weights(sd.items())
+    assert same_bits(bcast.norm.weight.data[0], sd["norm.weight"])
+
+    stash = ReportsWithoutWritingModel(SHAPES)
+    assert stash.load_weights(sd.items()) == set(SHAPES)
+    assert not any(p.any() for p in stash.parameters())
+    assert stash.apply_pending() == set(SHAPES)
+    assert all(same_bits(p.data, sd[n]) for n, p in stash.named_parameters())
+
+    flat = OverlappingDestinationsModel(SHAPES)
+    assert [n for n, _ in flat.named_parameters()] == ["flat_weight"]
+    assert flat.flat_weight.numel() == sum(t.numel() for t in sd.values()) - 4
+    flat.load_weights(sd.items())
+    # the last weight wins on the shared element; the others keep all but their last
+    assert same_bits(flat.view("scale"), sd["scale"])
+    assert same_bits(flat.view("embed.weight").flatten()[:-1], sd["embed.weight"].flatten()[:-1])
+    assert same_bits(flat.view("embed.weight").flatten()[-1],
+                     sd["layers.0.proj.weight"].flatten()[0])
+
+
+def test_overlapping_destinations_sparse_single_weight_per_call_passes():
+    m = OverlappingDestinationsModel(SHAPES)
+    patches = sparse_of(state(6))
+    assert load_checkpoint_weight_patches(m, patches, max_chunk_bytes=1) == set(SHAPES)
+
+
+def test_sparse_rejection_keeps_first_write_and_writes_nothing_after():
+    sd = state(7)
+    m = WritesThenFillsModel({"w": (3, 2)}, fill=2.0)
+    idx = torch.tensor([0, 5])
+    p = CheckpointWeightPatch("w", (3, 2), torch.float32, sd["embed.weight"][0, :2], idx)
+    with pytest.raises(ContractViolation, match="fill_"):
+        load_checkpoint_weight_patches(m, [p])
+    w = m.w.data
+    assert w.view(-1)[0] == sd["embed.weight"][0, 0] and w.view(-1)[5] == sd["embed.weight"][0, 1]
+    assert bool((w.view(-1)[1:5] == 2.0).all()) and bool((w[3] == 2.0).all())  # pad not zeroed
+
+
+def test_broken_loader_constructor_checks():
+    with pytest.raises(ValueError):
+        WritesThenFillsModel(SHAPES, pad_rows=0)
+    with pytest.raises(ValueError):
+        OverlappingDestinationsModel(SHAPES, overlap=0)
+    with pytest.raises(ValueError, match="scale"):
+        OverlappingDestinationsModel({"scale": (), "big": (4,)}, overlap=2)
+    OverlappingDestinationsModel({"big": (4,), "scale": ()}, overlap=2)  # last may be small
+    with pytest.raises(KeyError):
+        OverlappingDestinationsModel(SHAPES).load_weights([("zzz", torch.zeros(1))])
+
+
+# --------------------------------------------------------------------------------------
+# the failing loader: partial updates and transactional loads
+# --------------------------------------------------------------------------------------
+
+
+def test_failing_model_leaves_partial_update():
+    sd = state(8)
+    m = FailingModel(SHAPES, fail_on="layers.1.proj.weight")
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        load_checkpoint_weight_patches(m, dense(sd))
+    names = list(SHAPES)
+    k = names.index("layers.1.proj.weight")
+    params = dict(m.named_parameters())
+    assert all(same_bits(params[n].data, sd[n]) for n in names[:k])
+    assert all(not params[n].data.any() for n in names[k:])
+    with pytest.raises(ValueError):
+        FailingModel(SHAPES, fail_on="missing")
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_failing_model_transactional_restores(sparse):
+    sd = state(9)
+    m = FailingModel(SHAPES, fill=0.25, fail_on="norm.weight")
+    patches = sparse_of(sd) if sparse else dense(sd)
+    with pytest.raises(RuntimeError):
+        load_checkpoint_weight_patches(m, patches, max_chunk_bytes=64, transactional=True)
+    assert m.calls > 1
+    assert all(bool((p == 0.25).all()) for p in m.parameters())
+
+
+# --------------------------------------------------------------------------------------
+# hygiene
+# --------------------------------------------------------------------------------------
+
+
+def test_module_imports_torch_only():
+    import ast
+    import pathlib
+
+    import patchkit.toymodels as toymodels
+
+    tree = ast.parse(pathlib.Path(toymodels.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert imported <= {"__future__", "math", "collections", "dataclasses", "typing", "torch"}
+    assert all(hasattr(toymodels, n) for n in toymodels.__all__)
