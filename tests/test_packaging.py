@@ -1,0 +1,78 @@
+"""The packaging promises: one set of dependencies, a light import, a true README."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# conda and PyPI spell a few packages differently.
+CONDA_NAME = {"torch": "pytorch"}
+
+
+def _split(req: str) -> tuple[str, str]:
+    m = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*(.*)$", req)
+    assert m, req
+    return m.group(1).lower(), m.group(2).replace(" ", "")
+
+
+def test_environment_yml_installs_the_same_set_as_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = [project["dependencies"]]
+    wanted += [project["optional-dependencies"][k] for k in ("notebooks", "dev")]
+    pip_side = {}
+    for reqs in wanted:
+        for r in reqs:
+            name, spec = _split(r)
+            pip_side[CONDA_NAME.get(name, name)] = spec
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda_side = {}
+    for dep in env["dependencies"]:
+        if isinstance(dep, str):
+            name, spec = _split(dep)
+            if name not in ("python", "pip"):
+                conda_side[name] = spec
+    assert conda_side == pip_side
+
+
+def test_import_patchkit_loads_torch_only():
+    code = (
+        "import sys, patchkit\n"
+        "heavy = {'matplotlib', 'pandas', 'ipywidgets', 'IPython', 'safetensors'}\n"
+        "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.strip()
+    assert out == "[]"
+
+
+def test_public_names_are_exported_and_documented():
+    import patchkit
+
+    for name in patchkit.__all__:
+        obj = getattr(patchkit, name)
+        if callable(obj) or isinstance(obj, type):
+            assert obj.__doc__ and obj.__doc__.strip(), f"{name} has no docstring"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in readme
+    assert re.search(r"^make test$", ci, re.M)
+
+
+def test_docs_contract_is_the_shared_spec():
+    shared = ROOT.parent / "shared" / "CONTRACT.md"
+    if not shared.exists():
+        import pytest
+
+        pytest.skip("no ../shared beside this checkout (only the project's machines have it)")
+    assert (ROOT / "docs" / "CONTRACT.md").read_text() == shared.read_text()
