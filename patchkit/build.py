@@ -1,0 +1,580 @@
+"""Making patches: dense from a state dict, sparse from a bit-level diff, random sparse
+patches of a given density, splitting one patch into several, and a realistic
+optimizer-step generator for RL weight-sync experiments.
+
+Imports torch only. Every function returns :class:`~patchkit.CheckpointWeightPatch`
+records that pass :func:`patchkit.patch.validate_patches`.
+
+Choices a caller can rely on:
+
+- A bit-level diff treats an element as changed when its bits differ, so ``0.0 -> -0.0``
+  is a change and two NaNs with the same payload are equal.
+- Sparse patches carry *new absolute values* (never deltas) and sorted, unique indices.
+- A weight whose changed elements include a NaN cannot travel sparsely (NaN means
+  "unchanged" in a staged tensor): :func:`sparse_patches_from_diff` raises and says to
+  send those weights dense.
+- Index dtype: ``torch.int32`` is the default; asking for int32 for a tensor whose
+  largest flat position does not fit (more than ``2**31`` elements) raises
+  :class:`~patchkit.errors.PatchValueError`; ``index_dtype=None`` picks int32 where it
+  fits and int64 elsewhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+import torch
+
+from .errors import PatchTypeError, PatchValueError, where
+from .patch import CheckpointWeightPatch, numel, validate_patches
+
+__all__ = [
+    "AdamLikeTrainer",
+    "changed_fraction",
+    "dense_patches",
+    "random_sparse_patch",
+    "sparse_patches_from_diff",
+    "split_patch",
+    "wire_bytes",
+]
+
+_INT32_MAX = 2**31 - 1
+
+# Signed integer dtype of each element width, for bit-level comparison.
+_BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+Pattern = Literal["uniform", "rows", "blocks"]
+_PATTERNS = ("uniform", "rows", "blocks")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous 1-D tensor (a view when ``t`` is already contiguous)."""
+    return t.detach().contiguous().reshape(-1)
+
+
+def _bits(flat: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a contiguous 1-D tensor, one row per element.
+
+    Widths 1/2/4/8 bytes come back as a 1-D signed-int view; other widths (complex128,
+    bool is width 1) as an ``(n, itemsize)`` uint8 view.
+    """
+    bits_dtype = _BITS_DTYPE.get(flat.element_size())
+    if bits_dtype is not None:
+        return flat.view(bits_dtype)
+    return flat.view(torch.uint8).reshape(flat.numel(), flat.element_size())
+
+
+def _changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """1-D bool mask of the flat positions whose bits differ."""
+    b, a = _bits(_flat(before)), _bits(_flat(after))
+    ne = b != a
+    return ne if ne.ndim == 1 else ne.any(dim=1)
+
+
+def _index_dtype_for(n: int, index_dtype: torch.dtype | None, name: str) -> torch.dtype:
+    """The index dtype for a tensor of ``n`` elements (see the module docstring)."""
+    fits32 = n - 1 <= _INT32_MAX
+    if index_dtype is None:
+        return torch.int32 if fits32 else torch.int64
+    if index_dtype == torch.int32 and not fits32:
+        raise PatchValueError(
+            f"weight {name!r} has {n} elements: its flat positions do not fit in int32; "
+            "pass index_dtype=torch.int64 (or None to use int64 only where needed)",
+            name=name, reason="index dtype", value=n,
+        )
+    return index_dtype
+
+
+def _check_index_dtype(index_dtype: object, *, allow_none: bool) -> None:
+    ok = index_dtype in (torch.int32, torch.int64) or (allow_none and index_dtype is None)
+    if not ok:
+        raise PatchTypeError(
+            f"index_dtype must be torch.int32 or torch.int64"
+            f"{' or None' if allow_none else ''}, got {index_dtype!r}",
+            reason="index dtype", value=index_dtype,
+        )
+
+
+def _as_patch(p: object) -> object:
+    """A plain 5-tuple becomes a CheckpointWeightPatch; anything else is left for validation."""
+    if isinstance(p, tuple) and not isinstance(p, CheckpointWeightPatch) and len(p) == 5:
+        return CheckpointWeightPatch(*p)
+    return p
+
+
+def _check_int(value: object, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PatchTypeError(
+            f"{what} must be an int, got {type(value).__name__}", reason=what, value=value
+        )
+    if value < minimum:
+        raise PatchValueError(f"{what} must be >= {minimum}, got {value}", reason=what, value=value)
+    return value
+
+
+# --------------------------------------------------------------------------- dense
+
+
+def dense_patches(
+    state_dict: Mapping[str, torch.Tensor], *, clone: bool = False
+) -> list[CheckpointWeightPatch]:
+    """One dense patch per entry of ``state_dict``, in the dict's order.
+
+    Each patch has the tensor's shape and dtype and its values flattened row-major. The
+    values are a view of the tensor when it is contiguous (no copy) unless ``clone`` is
+    True; pass ``clone=True`` when the tensors will be modified in place before the patches
+    are used. Tensors keep their device.
+    """
+    out: list[CheckpointWeightPatch] = []
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise PatchTypeError(
+                f"state_dict[{name!r}] must be a torch.Tensor, got {type(t).__name__}",
+                name=name, reason="values type", value=type(t).__name__,
+            )
+        values = _flat(t)
+        if clone:
+            values = values.clone()
+        out.append(CheckpointWeightPatch(name, tuple(t.shape), t.dtype, values))
+    return out
+
+
+# --------------------------------------------------------------------------- sparse diff
+
+
+def sparse_patches_from_diff(
+    before: Mapping[str, torch.Tensor],
+    after: Mapping[str, torch.Tensor],
+    *,
+    index_dtype: torch.dtype | None = torch.int32,
+) -> list[CheckpointWeightPatch]:
+    """Sparse patches that turn ``before`` into ``after``, found by comparing bits.
+
+    What a caller can rely on:
+
+    - An element is changed when its bits differ (tensors are viewed as same-width
+      integers): ``0.0 -> -0.0`` is a change; equal values with equal bits are not; two
+      NaNs with the same payload are equal. Infinities and subnormals travel bit-exact.
+    - One patch per weight that has at least one changed element, in ``after``'s key
+      order. Its values are the new values (taken from ``after``, in ``after``'s dtype) and
+      its indices the sorted flat positions of the changed elements.
+    - ``index_dtype`` (default ``torch.int32``): int32 for a tensor with more than
+      ``2**31`` elements raises :class:`~patchkit.errors.PatchValueError` (before any
+      diff is computed); ``None`` picks int32 where it fits, int64 elsewhere.
+    - ``before`` is moved to the device of ``after`` where they differ; patches live on
+      ``after``'s device.
+
+    Raises :class:`~patchkit.errors.PatchValueError` (a ``ValueError``) when the two
+    dicts name different weights, or a weight's shape or dtype differs (naming the weight
+    and both values), and when changed elements have NaN as their new value (NaN is the
+    "unchanged" sentinel of a sparse load): the message names every such weight with its
+    count and says to send those weights dense. Raises
+    :class:`~patchkit.errors.PatchTypeError` (a ``TypeError``) when a weight with a
+    non-floating dtype (an integer buffer, say) changed: a sparse patch needs a dtype that
+    has NaN, so send it dense. Unchanged non-floating weights are skipped silently.
+    """
+    _check_index_dtype(index_dtype, allow_none=True)
+    missing = [k for k in before if k not in after]
+    extra = [k for k in after if k not in before]
+    if missing or extra:
+        first = (missing or extra)[0]
+        raise PatchValueError(
+            "before and after name different weights: "
+            f"only in before: {missing}; only in after: {extra}",
+            name=first, reason="names differ", value=(missing, extra),
+        )
+    plan: list[tuple[str, torch.Tensor, torch.Tensor, torch.dtype]] = []
+    for name, a in after.items():
+        b = before[name]
+        for label, t in (("before", b), ("after", a)):
+            if not isinstance(t, torch.Tensor):
+                raise PatchTypeError(
+                    f"{label}[{name!r}] must be a torch.Tensor, got {type(t).__name__}",
+                    name=name, reason="values type", value=type(t).__name__,
+                )
+        if tuple(b.shape) != tuple(a.shape):
+            raise PatchValueError(
+                f"weight {name!r} changed shape: before {tuple(b.shape)}, "
+                f"after {tuple(a.shape)}",
+                name=name, reason="shape differs", value=(tuple(b.shape), tuple(a.shape)),
+            )
+        if b.dtype != a.dtype:
+            raise PatchValueError(
+                f"weight {name!r} changed dtype: before {b.dtype}, after {a.dtype}",
+                name=name, reason="dtype differs", value=(b.dtype, a.dtype),
+            )
+        idx_dtype = _index_dtype_for(a.numel(), index_dtype, name)
+        plan.append((name, b, a, idx_dtype))
+
+    patches: list[CheckpointWeightPatch] = []
+    nan_counts: dict[str, int] = {}
+    not_float: dict[str, int] = {}
+    for name, b, a, idx_dtype in plan:
+        if b.device != a.device:
+            b = b.to(a.device)
+        mask = _changed_mask(b, a)
+        idx = torch.nonzero(mask).reshape(-1)  # ascending
+        nnz = idx.numel()
+        if nnz == 0:
+            continue
+        if not a.dtype.is_floating_point:
+            not_float[name] = nnz
+            continue
+        values = _flat(a).index_select(0, idx)
+        n_nan = int(torch.isnan(values).sum())
+        if n_nan:
+            nan_counts[name] = n_nan
+            continue
+        patches.append(
+            CheckpointWeightPatch(name, tuple(a.shape), a.dtype, values, idx.to(idx_dtype))
+        )
+
+    def listing(counts: dict[str, int], what: str) -> str:
+        return ", ".join(f"{n!r} ({c} {what})" for n, c in counts.items())
+
+    if not_float:
+        first = next(iter(not_float))
+        extra_nan = (
+            f"; also NaN new values in {listing(nan_counts, 'NaN')}" if nan_counts else ""
+        )
+        raise PatchTypeError(
+            "a sparse patch needs a floating-point dtype (NaN marks 'unchanged'), but these "
+            f"non-floating weights changed: {listing(not_float, 'changed')}; send them "
+            f"dense (dense_patches){extra_nan}",
+            name=first, reason="sparse dtype", value=dict(not_float),
+        )
+    if nan_counts:
+        first = next(iter(nan_counts))
+        raise PatchValueError(
+            "changed elements with a NaN new value cannot be sent sparsely (NaN means "
+            f"'unchanged'): {listing(nan_counts, 'NaN')}; send those weights dense "
+            "(dense_patches)",
+            name=first, reason="NaN", value=dict(nan_counts),
+        )
+    return patches
+
+
+def changed_fraction(
+    before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]
+) -> float:
+    """Fraction of elements (over all weights of ``after``) whose bits changed.
+
+    The same notion of change as :func:`sparse_patches_from_diff`, but it never raises
+    for NaN or non-floating weights. Names, shapes and dtypes must match (else
+    :class:`~patchkit.errors.PatchValueError`). Returns 0.0 for dicts with no elements.
+    """
+    if set(before) != set(after):
+        raise PatchValueError(
+            "before and after name different weights", reason="names differ",
+            value=(sorted(set(before) - set(after)), sorted(set(after) - set(before))),
+        )
+    changed = total = 0
+    for name, a in after.items():
+        b = before[name]
+        if tuple(b.shape) != tuple(a.shape) or b.dtype != a.dtype:
+            raise PatchValueError(
+                f"weight {name!r}: before is {tuple(b.shape)} {b.dtype}, "
+                f"after is {tuple(a.shape)} {a.dtype}",
+                name=name, reason="shape or dtype differs",
+                value=((tuple(b.shape), b.dtype), (tuple(a.shape), a.dtype)),
+            )
+        changed += int(_changed_mask(b.to(a.device), a).sum())
+        total += a.numel()
+    return changed / total if total else 0.0
+
+
+# --------------------------------------------------------------------------- random
+
+
+def _view_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D view used by the ``rows`` and ``blocks`` patterns."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], math.prod(shape[1:])
+
+
+def _distinct_positions(n: int, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``k`` distinct positions in ``[0, n)``, uniformly at random, sorted (int64, CPU)."""
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if 8 * k >= n:
+        return torch.sort(torch.randperm(n, generator=generator)[:k]).values
+    # Sparse case: sample with replacement and deduplicate; O(k log k), never O(n).
+    found = torch.empty(0, dtype=torch.int64)
+    while found.numel() < k:
+        need = k - found.numel()
+        draw = torch.randint(0, n, (need + need // 4 + 16,), generator=generator)
+        found = torch.unique(torch.cat((found, draw)))
+    if found.numel() > k:
+        keep = torch.randperm(found.numel(), generator=generator)[:k]
+        found = found[torch.sort(keep).values]
+    return found
+
+
+def random_sparse_patch(
+    name: str,
+    shape: Iterable[int],
+    dtype: torch.dtype,
+    density: float,
+    *,
+    pattern: Pattern = "uniform",
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    index_dtype: torch.dtype = torch.int64,
+    block: int = 16,
+    std: float = 1.0,
+) -> CheckpointWeightPatch:
+    """A random sparse patch of roughly ``density``, for density experiments.
+
+    Changed positions, by ``pattern``, on the 2-D view ``(shape[0], prod(shape[1:]))``
+    (a 1-D tensor of length n is viewed as ``(1, n)``, a scalar as ``(1, 1)``):
+
+    - ``"uniform"``: exactly ``round(density * numel)`` distinct positions (Python's
+      ``round``: halves go to the even neighbour), uniformly at random.
+    - ``"rows"``: ``round(density * rows)`` whole rows of the 2-D view.
+    - ``"blocks"``: the view is tiled by ``min(block, rows) x min(block, cols)`` blocks
+      (edge blocks are cut short) and ``round(density * number_of_blocks)`` of them
+      change. The changed fraction equals the block fraction exactly when both
+      dimensions are multiples of the block size. Costs O(numel) memory for a mask.
+
+    Values are ``std``-scaled standard normal numbers drawn from ``generator`` on the CPU
+    (``None``: torch's global CPU generator), cast to ``dtype`` and then moved with the
+    indices to ``device``; a value whose cast is NaN (a format without infinities,
+    e.g. ``float8_e4m3fnuz``, far out of range) is replaced by 0, so values are never
+    NaN. Indices are sorted, distinct, of ``index_dtype`` (int64 by default). The same
+    generator state gives the same patch.
+
+    Raises :class:`~patchkit.errors.PatchValueError` for a density outside [0, 1], an
+    unknown pattern, or a tensor too large for int32 indices;
+    :class:`~patchkit.errors.PatchTypeError` for a non-floating ``dtype`` (a sparse patch
+    needs NaN).
+    """
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise PatchValueError(f"shape has a negative dimension: {shape}", name=name,
+                              reason="negative dimension", value=shape)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise PatchTypeError(
+            f"a sparse patch needs a floating-point dtype (NaN marks 'unchanged'), got {dtype!r}",
+            name=name, reason="sparse dtype", value=dtype,
+        )
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not (
+        0.0 <= density <= 1.0
+    ):
+        raise PatchValueError(f"density must be a number in [0, 1], got {density!r}",
+                              name=name, reason="density", value=density)
+    if pattern not in _PATTERNS:
+        raise PatchValueError(f"pattern must be one of {_PATTERNS}, got {pattern!r}",
+                              name=name, reason="pattern", value=pattern)
+    _check_index_dtype(index_dtype, allow_none=False)
+    block = _check_int(block, "block", 1)
+    n = math.prod(shape)
+    idx_dtype = _index_dtype_for(n, index_dtype, name)
+    rows, cols = _view_2d(shape)
+
+    if pattern == "uniform":
+        idx = _distinct_positions(n, round(density * n), generator)
+    elif pattern == "rows":
+        r = round(density * rows)
+        chosen = torch.sort(torch.randperm(rows, generator=generator)[:r]).values
+        idx = (chosen[:, None] * cols + torch.arange(cols)[None, :]).reshape(-1)
+    else:
+        bh, bw = max(1, min(block, rows)), max(1, min(block, cols))
+        gr, gc = -(-rows // bh), -(-cols // bw)
+        k = round(density * gr * gc)
+        grid = torch.zeros(gr * gc, dtype=torch.bool)
+        grid[torch.randperm(gr * gc, generator=generator)[:k]] = True
+        mask = grid.reshape(gr, gc).repeat_interleave(bh, 0)[:rows]
+        mask = mask.repeat_interleave(bw, 1)[:, :cols]
+        idx = torch.nonzero(mask.reshape(-1)).reshape(-1)
+
+    values = (torch.randn(idx.numel(), generator=generator) * std).to(dtype)
+    nan = torch.isnan(values)
+    if bool(nan.any()):
+        values = torch.where(nan, torch.zeros((), dtype=dtype), values)
+    return CheckpointWeightPatch(
+        name, shape, dtype, values.to(device), idx.to(idx_dtype).to(device)
+    )
+
+
+# --------------------------------------------------------------------------- split
+
+
+def split_patch(
+    patch: CheckpointWeightPatch, parts: int, *, index_dtype: torch.dtype | None = None
+) -> list[CheckpointWeightPatch]:
+    """Split one patch into same-name **sparse** patches; applying them in order (one
+    ``load_checkpoint_weight_patches`` call, where each repeated name starts a new
+    ``load_weights`` call) has the same effect as applying ``patch``.
+
+    - Sparse ``patch``: its (indices, values) pairs, in their stored order, are cut into
+      ``parts`` contiguous groups whose sizes differ by at most one; index and value
+      dtypes are kept. ``parts == 1`` returns ``[patch]``.
+    - Dense ``patch``: its flat positions ``0..numel-1`` are cut into ``parts``
+      contiguous ranges, each becoming a sparse patch (indices ``arange(start, stop)`` of
+      ``index_dtype``; ``None`` = int32 where it fits), so the parts of several dense
+      patches can go in one call (a call cannot mix dense and sparse). This needs a
+      floating-point dtype (:class:`~patchkit.errors.PatchTypeError` otherwise) and values
+      that are not NaN once cast to ``dtype`` (:class:`~patchkit.errors.PatchValueError`:
+      such a weight must stay dense).
+    - Empty parts are dropped: with ``parts`` larger than the number of elements you get
+      one part per element. A patch with no elements gives one (empty, sparse) part, so
+      the result is never empty.
+
+    Parts share memory with ``patch.values``/``patch.indices`` where possible (slices).
+    ``parts`` must be an int >= 1. The patch is validated first
+    (:func:`~patchkit.patch.validate_patches`).
+    """
+    parts = _check_int(parts, "parts", 1)
+    _check_index_dtype(index_dtype, allow_none=True)
+    patch = _as_patch(patch)
+    validate_patches([patch])
+    name, _, dtype, values, indices = patch
+    if indices is not None:
+        if parts == 1:
+            return [patch]
+        nnz = values.numel()
+        if nnz == 0:
+            return [patch]
+        groups = zip(torch.tensor_split(values, parts), torch.tensor_split(indices, parts))
+        return [patch._replace(values=v, indices=i) for v, i in groups if v.numel()]
+
+    if not dtype.is_floating_point:
+        raise PatchTypeError(
+            f"{where(None, name)}: splitting a dense patch makes sparse parts, which need a "
+            f"floating-point dtype (NaN marks 'unchanged'), got {dtype}",
+            name=name, reason="sparse dtype", value=dtype,
+        )
+    n = numel(patch)
+    cast_nan = int(torch.isnan(values.to(dtype)).sum()) if n else 0
+    if cast_nan:
+        raise PatchValueError(
+            f"{where(None, name)}: {cast_nan} values are NaN (as {dtype}); NaN cannot be sent "
+            "sparsely, so this weight cannot be split: send it dense",
+            name=name, reason="NaN", value=cast_nan,
+        )
+    idx_dtype = _index_dtype_for(n, index_dtype, name)
+    if n == 0:
+        empty = torch.empty(0, dtype=idx_dtype, device=values.device)
+        return [patch._replace(indices=empty)]
+    bounds = [(n * j) // parts for j in range(parts + 1)]
+    out = []
+    for start, stop in itertools.pairwise(bounds):
+        if stop > start:
+            idx = torch.arange(start, stop, dtype=idx_dtype, device=values.device)
+            out.append(patch._replace(values=values[start:stop], indices=idx))
+    return out
+
+
+# --------------------------------------------------------------------------- wire bytes
+
+
+def wire_bytes(patches: CheckpointWeightPatch | Iterable[CheckpointWeightPatch]) -> int:
+    """Bytes a transport carries for ``patches`` (one patch or an iterable of them).
+
+    Dense: ``values.numel() * values.element_size()``. Sparse: that plus the same for
+    ``indices``. Counts the tensors actually held (their dtypes), not the checkpoint
+    dtype, and no per-patch framing (names, shapes).
+    """
+    if isinstance(patches, CheckpointWeightPatch):
+        patches = [patches]
+    total = 0
+    for _, _, _, values, indices in patches:
+        total += values.numel() * values.element_size()
+        if indices is not None:
+            total += indices.numel() * indices.element_size()
+    return total
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class AdamLikeTrainer:
+    """A deterministic stand-in for an RL trainer: Adam on fp32 master weights.
+
+    Holds fp32 master copies of the floating-point tensors of ``state_dict`` (usually
+    bf16), Adam moments ``m`` and ``v``, and a seeded CPU generator. Each :meth:`step`
+    draws a pseudo-gradient ``grad_std * N(0, 1)`` per tensor from that generator (on the
+    CPU, in ``state_dict`` order, then moved to the tensor's device), applies
+
+    ``m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g``
+    ``w -= lr * (m / (1-b1**t)) / (sqrt(v / (1-b2**t)) + eps) + lr * weight_decay * w``
+
+    and returns a new state dict: the master weights cast back to each tensor's original
+    dtype, in the original key order (non-floating tensors are returned unchanged and
+    never trained). The returned tensors are fresh (the trainer never writes into them),
+    so consecutive results can be diffed.
+
+    Why this is realistic: each master weight moves by about ``lr`` per step, but a bf16
+    element changes only when the master crosses a bf16 rounding boundary, so at small
+    learning rates only a few percent of bf16 elements change per step, as reported for
+    real RL runs. Two trainers built with the same arguments produce the same steps.
+    """
+
+    def __init__(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        lr: float = 1e-6,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        grad_std: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        self.lr = float(lr)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.grad_std = float(grad_std)
+        self.step_count = 0
+        self._generator = torch.Generator(device="cpu").manual_seed(int(seed))
+        self._dtypes = {k: t.dtype for k, t in state_dict.items()}
+        self._fixed: dict[str, torch.Tensor] = {}
+        self.master: dict[str, torch.Tensor] = {}
+        self._m: dict[str, torch.Tensor] = {}
+        self._v: dict[str, torch.Tensor] = {}
+        for k, t in state_dict.items():
+            if t.dtype.is_floating_point:
+                self.master[k] = t.detach().to(torch.float32, copy=True)
+                self._m[k] = torch.zeros_like(self.master[k])
+                self._v[k] = torch.zeros_like(self.master[k])
+            else:
+                self._fixed[k] = t.detach().clone()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights in their original dtypes and key order (fresh tensors)."""
+        out: dict[str, torch.Tensor] = {}
+        for k, dtype in self._dtypes.items():
+            if k in self.master:
+                out[k] = self.master[k].to(dtype, copy=True)
+            else:
+                out[k] = self._fixed[k].clone()
+        return out
+
+    @torch.no_grad()
+    def step(self) -> dict[str, torch.Tensor]:
+        """Apply one Adam-like update and return the new state dict (see the class doc)."""
+        self.step_count += 1
+        t = self.step_count
+        b1, b2 = self.betas
+        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+        for k, w in self.master.items():
+            g = torch.randn(w.shape, generator=self._generator, dtype=torch.float32)
+            g = (g * self.grad_std).to(w.device)
+            m, v = self._m[k], self._v[k]
+            m.mul_(b1).add_(g, alpha=1.0 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            update = (m / bc1) / ((v / bc2).sqrt_().add_(self.eps))
+            if self.weight_decay:
+                update.add_(w, alpha=self.weight_decay)
+            w.sub_(update, alpha=self.lr)
+        return self.state_dict()

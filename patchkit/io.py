@@ -1,0 +1,624 @@
+"""Patch files: an ordered list of patches in one safetensors file (never pickle).
+
+Layout (format version 1):
+
+- tensors ``"{i:06d}.values"`` for every patch ``i`` and ``"{i:06d}.indices"`` for every
+  sparse one, stored with their own dtypes (values may have another dtype than the
+  patch's checkpoint dtype; both are kept);
+- in the safetensors ``__metadata__``, under the reserved key ``"patchkit"``, a JSON
+  object ``{"format": "patchkit.patches", "version": 1, "patches": [...]}`` listing,
+  in order, each patch's ``name``, ``shape``, checkpoint ``dtype`` (torch name, e.g.
+  ``"bfloat16"``), ``kind`` (``"dense"``/``"sparse"``), ``nnz`` (values carried),
+  ``values_dtype`` and ``indices_dtype`` (``null`` for dense);
+- user metadata (``dict[str, str]``) under its own keys beside it.
+
+Reading a file checks the header against the tensors before anything is loaded; a
+missing, truncated, foreign or inconsistent file raises
+:class:`~patchkit.errors.PatchValueError` (a ``ValueError``) naming the file and the
+problem, never a raw safetensors or JSON exception. ``safetensors`` is imported inside
+the functions that need it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+
+from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
+from .errors import PatchError, PatchTypeError, PatchValueError, where
+from .patch import CheckpointWeightPatch, validate_patches
+
+__all__ = [
+    "FORMAT_KEY",
+    "FORMAT_VERSION",
+    "PatchFileEntry",
+    "format_bytes",
+    "load_patches",
+    "print_patch_file_summary",
+    "read_patch_index",
+    "read_patch_metadata",
+    "save_patches",
+    "storable_dtypes",
+]
+
+FORMAT_KEY = "patchkit"
+"""The reserved ``__metadata__`` key holding patchkit's JSON header."""
+
+FORMAT_NAME = "patchkit.patches"
+FORMAT_VERSION = 1
+"""The version this module writes; it reads this version only."""
+
+# safetensors dtype code -> torch dtype name (only those this torch has are used).
+_CODE_TO_NAME = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "C64": "complex64",
+}
+_CODE_TO_DTYPE: dict[str, torch.dtype] = {
+    code: getattr(torch, name)
+    for code, name in _CODE_TO_NAME.items()
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_TO_CODE = {dtype: code for code, dtype in _CODE_TO_DTYPE.items()}
+
+
+def storable_dtypes() -> frozenset[torch.dtype]:
+    """The tensor dtypes a patch file can hold for ``values`` (and indices: int32/int64).
+
+    The dtypes both this torch and the safetensors format know: float64/32/16, bfloat16,
+    the float8 types this torch has, signed and unsigned integers, bool and complex64.
+    A patch's checkpoint ``dtype`` may be any torch dtype: it is stored by name.
+    """
+    return frozenset(_DTYPE_TO_CODE)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: object) -> torch.dtype | None:
+    if not isinstance(name, str) or not name or name.startswith("_"):
+        return None
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _key(i: int, part: str) -> str:
+    return f"{i:06d}.{part}"
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise PatchTypeError(
+            f"metadata must be a dict[str, str], got {type(metadata).__name__}",
+            reason="metadata type", value=type(metadata).__name__,
+        )
+    out: dict[str, str] = {}
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise PatchTypeError(
+                f"metadata keys and values must be str, got {k!r}: {v!r} "
+                f"({type(k).__name__}: {type(v).__name__})",
+                reason="metadata type", value=k,
+            )
+        if k == FORMAT_KEY:
+            raise PatchValueError(
+                f"metadata key {FORMAT_KEY!r} is reserved for patchkit's own header",
+                reason="reserved metadata key", value=k,
+            )
+        out[k] = v
+    return out
+
+
+def save_patches(
+    path: str | os.PathLike[str],
+    patches: Iterable[CheckpointWeightPatch],
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write ``patches`` (an ordered list, dense and sparse mixed, names may repeat) to
+    one safetensors file at ``path``.
+
+    Each patch is validated first (:func:`~patchkit.patch.validate_patches`, one patch
+    at a time: dense and sparse may share a file, but a sparse patch with a NaN value,
+    an out-of-range or a duplicate index is refused). ``metadata`` is a ``dict[str, str]``
+    (other key or value types: :class:`~patchkit.errors.PatchTypeError`; the key
+    ``"patchkit"`` is reserved: :class:`~patchkit.errors.PatchValueError`). Values whose
+    dtype is not in :func:`storable_dtypes` raise :class:`~patchkit.errors.PatchTypeError`.
+
+    Tensors are copied to the CPU (and made contiguous, and unshared where two patches
+    share memory) as needed; the caller's tensors are never modified. The file is
+    written to a temporary name beside ``path`` and renamed into place, so a failed save
+    leaves no partial file. :func:`load_patches` returns equal patches, bit for bit, in
+    the same order.
+    """
+    from safetensors.torch import save_file
+
+    user = _check_metadata(metadata)
+    patches = [
+        CheckpointWeightPatch(*p)
+        if isinstance(p, tuple) and not isinstance(p, CheckpointWeightPatch) and len(p) == 5
+        else p
+        for p in patches
+    ]
+    for i, p in enumerate(patches):
+        validate_patches([p], positions=[i])
+
+    tensors: dict[str, torch.Tensor] = {}
+    entries: list[dict[str, Any]] = []
+    seen_storage: set[tuple[torch.device, int]] = set()
+
+    def prepare(t: torch.Tensor, at: str, what: str) -> torch.Tensor:
+        if t.dtype not in _DTYPE_TO_CODE:
+            raise PatchTypeError(
+                f"{at}: {what} of dtype {t.dtype} cannot be stored in a patch file "
+                f"(storable: {sorted(_dtype_name(d) for d in _DTYPE_TO_CODE)})",
+                reason="unstorable dtype", value=t.dtype,
+            )
+        t = t.detach().to("cpu").contiguous()
+        if t.numel():
+            key = (t.device, t.untyped_storage().data_ptr())
+            if key in seen_storage:
+                t = t.clone()
+            else:
+                seen_storage.add(key)
+        return t
+
+    for i, p in enumerate(patches):
+        at = where(i, p.name)
+        sparse = p.indices is not None
+        tensors[_key(i, "values")] = prepare(p.values, at, "values")
+        if sparse:
+            tensors[_key(i, "indices")] = prepare(p.indices, at, "indices")
+        entries.append(
+            {
+                "name": p.name,
+                "shape": [int(d) for d in p.shape],
+                "dtype": _dtype_name(p.dtype),
+                "kind": "sparse" if sparse else "dense",
+                "nnz": int(p.values.numel()),
+                "values_dtype": _dtype_name(p.values.dtype),
+                "indices_dtype": _dtype_name(p.indices.dtype) if sparse else None,
+            }
+        )
+    header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "patches": entries}
+    meta = {FORMAT_KEY: json.dumps(header, separators=(",", ":")), **user}
+
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".patchkit-", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class PatchFileEntry:
+    """One patch of a patch file, as its header describes it (no tensor data read).
+
+    ``nnz`` is the number of values carried (``numel`` for a dense patch);
+    ``wire_bytes`` the bytes of its values plus indices.
+    """
+
+    position: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sparse: bool
+    nnz: int
+    values_dtype: torch.dtype
+    indices_dtype: torch.dtype | None
+
+    @property
+    def kind(self) -> str:
+        """``"sparse"`` or ``"dense"``."""
+        return "sparse" if self.sparse else "dense"
+
+    @property
+    def numel(self) -> int:
+        """Elements of the full checkpoint tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def density(self) -> float | None:
+        """``nnz / numel``; ``None`` for a tensor with no elements."""
+        n = self.numel
+        return self.nnz / n if n else None
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes of values plus indices, as :func:`patchkit.build.wire_bytes` counts them."""
+        b = self.nnz * self.values_dtype.itemsize
+        if self.indices_dtype is not None:
+            b += self.nnz * self.indices_dtype.itemsize
+        return b
+
+
+class _Bad(Exception):
+    """Internal: a problem with the file, turned into a PatchValueError naming it."""
+
+
+def _fail(path: str, problem: str, reason: str = "bad patch file") -> PatchValueError:
+    return PatchValueError(f"patch file {path!r}: {problem}", reason=reason, value=path)
+
+
+def _open(path: str, device: str = "cpu") -> Any:
+    """``safe_open`` with every failure turned into a PatchValueError naming the file."""
+    from safetensors import safe_open
+
+    if not os.path.exists(path):
+        raise _fail(path, "no such file", "missing")
+    if not os.path.isfile(path):
+        raise _fail(path, "not a regular file", "not a file")
+    try:
+        return safe_open(path, framework="pt", device=device)
+    except Exception as e:
+        raise _fail(
+            path,
+            f"not a readable safetensors file (truncated, corrupt or another format): {e}",
+            "not safetensors",
+        ) from None
+
+
+def _user_metadata(raw: Mapping[str, str] | None) -> dict[str, str]:
+    return {k: v for k, v in (raw or {}).items() if k != FORMAT_KEY}
+
+
+def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
+    """Check a patchkit header against the file's tensors; return its entries."""
+    raw = f.metadata() or {}
+    text = raw.get(FORMAT_KEY)
+    if text is None:
+        raise _fail(
+            path,
+            f"not a patchkit patch file (a safetensors file without the {FORMAT_KEY!r} "
+            "header entry)",
+            "foreign",
+        )
+    try:
+        header = json.loads(text)
+    except ValueError as e:
+        raise _fail(path, f"the {FORMAT_KEY!r} header is not valid JSON ({e})", "header") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
+        raise _fail(path, f"the {FORMAT_KEY!r} header is not a patchkit patch list", "header")
+    version = header.get("version")
+    if version != FORMAT_VERSION:
+        raise _fail(
+            path,
+            f"format version {version!r} is not supported (this patchkit reads version "
+            f"{FORMAT_VERSION})",
+            "version",
+        )
+    items = header.get("patches")
+    if not isinstance(items, list):
+        raise _fail(path, "the header's 'patches' is not a list", "header")
+
+    keys = set(f.keys())
+    expected: set[str] = set()
+    entries: list[PatchFileEntry] = []
+    for i, item in enumerate(items):
+        at = f"patch {i}"
+        if not isinstance(item, dict):
+            raise _fail(path, f"{at}: header entry is not an object", "header")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise _fail(path, f"{at}: name must be a non-empty string, got {name!r}", "header")
+        at = where(i, name)
+        shape = item.get("shape")
+        if not isinstance(shape, list) or any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
+        ):
+            raise _fail(path, f"{at}: shape must be a list of non-negative ints, got {shape!r}",
+                        "header")
+        dtype = _dtype_from_name(item.get("dtype"))
+        if dtype is None:
+            raise _fail(path, f"{at}: unknown dtype {item.get('dtype')!r}", "dtype")
+        kind = item.get("kind")
+        if kind not in ("dense", "sparse"):
+            raise _fail(path, f"{at}: kind must be 'dense' or 'sparse', got {kind!r}", "header")
+        sparse = kind == "sparse"
+        nnz = item.get("nnz")
+        if isinstance(nnz, bool) or not isinstance(nnz, int) or nnz < 0:
+            raise _fail(path, f"{at}: nnz must be a non-negative int, got {nnz!r}", "header")
+
+        vkey = _key(i, "values")
+        expected.add(vkey)
+        if vkey not in keys:
+            raise _fail(path, f"{at}: tensor {vkey!r} is missing", "missing key")
+        values_dtype = _tensor_dtype(path, f, vkey, at)
+        if _dtype_name(values_dtype) != item.get("values_dtype"):
+            raise _fail(
+                path,
+                f"{at}: values are {_dtype_name(values_dtype)} but the header says "
+                f"{item.get('values_dtype')!r}",
+                "dtype",
+            )
+        vshape = f.get_slice(vkey).get_shape()
+        if len(vshape) != 1 or vshape[0] != nnz:
+            raise _fail(path, f"{at}: values have shape {list(vshape)}, the header says "
+                        f"[{nnz}]", "count")
+        n = math.prod(shape)
+        indices_dtype = None
+        if sparse:
+            if not dtype.is_floating_point:
+                raise _fail(path, f"{at}: a sparse patch with non-floating dtype {dtype}",
+                            "dtype")
+            ikey = _key(i, "indices")
+            expected.add(ikey)
+            if ikey not in keys:
+                raise _fail(path, f"{at}: tensor {ikey!r} is missing", "missing key")
+            indices_dtype = _tensor_dtype(path, f, ikey, at)
+            if indices_dtype not in (torch.int32, torch.int64) or _dtype_name(
+                indices_dtype
+            ) != item.get("indices_dtype"):
+                raise _fail(
+                    path,
+                    f"{at}: indices are {_dtype_name(indices_dtype)}, the header says "
+                    f"{item.get('indices_dtype')!r} (int32 or int64 expected)",
+                    "dtype",
+                )
+            ishape = f.get_slice(ikey).get_shape()
+            if len(ishape) != 1 or ishape[0] != nnz:
+                raise _fail(path, f"{at}: {list(ishape)} indices for {nnz} values", "count")
+        elif nnz != n:
+            raise _fail(path, f"{at}: a dense patch of shape {tuple(shape)} needs {n} values, "
+                        f"the file holds {nnz}", "count")
+        entries.append(PatchFileEntry(i, name, tuple(shape), dtype, sparse, nnz,
+                                      values_dtype, indices_dtype))
+    extra = sorted(keys - expected)
+    if extra:
+        raise _fail(path, f"tensors not described by the header: {extra[:5]}"
+                    f"{' ...' if len(extra) > 5 else ''}", "extra key")
+    return entries
+
+
+def _tensor_dtype(path: str, f: Any, key: str, at: str) -> torch.dtype:
+    code = f.get_slice(key).get_dtype()
+    dtype = _CODE_TO_DTYPE.get(code)
+    if dtype is None:
+        raise _fail(path, f"{at}: tensor {key!r} has unknown dtype {code!r}", "dtype")
+    return dtype
+
+
+def read_patch_index(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
+    """Describe every patch of a patch file from its header, without reading tensor data.
+
+    The header is checked against the tensors' own dtypes and shapes (counts, kinds,
+    dtypes, missing or extra tensors); value-level checks (NaN, index range) need
+    :func:`load_patches`. Raises :class:`~patchkit.errors.PatchValueError` naming the
+    file and the problem.
+    """
+    path = os.fspath(path)
+    f = _open(path)
+    try:
+        with f:
+            return _parse_index(path, f)
+    except PatchValueError:
+        raise
+    except Exception as e:  # a safetensors error while reading the header
+        raise _fail(path, f"unreadable: {e}") from None
+
+
+def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The user metadata of a patch file (``patchkit``'s own header key left out).
+
+    The file is checked as by :func:`read_patch_index`.
+    """
+    path = os.fspath(path)
+    f = _open(path)
+    try:
+        with f:
+            _parse_index(path, f)
+            return _user_metadata(f.metadata())
+    except PatchValueError:
+        raise
+    except Exception as e:
+        raise _fail(path, f"unreadable: {e}") from None
+
+
+def load_patches(
+    path: str | os.PathLike[str], *, device: torch.device | str = "cpu"
+) -> list[CheckpointWeightPatch]:
+    """Read the ordered patch list of a patch file onto ``device``.
+
+    Returns patches equal, bit for bit, to those saved (names, shapes, checkpoint
+    dtypes, values and indices with their dtypes), in the saved order. The file is
+    checked before data is read (see :func:`read_patch_index`) and the patches are
+    validated after (:func:`~patchkit.patch.validate_patches`, dense and sparse
+    separately); every problem raises :class:`~patchkit.errors.PatchValueError` naming
+    the file, never a raw safetensors or JSON exception.
+    """
+    path = os.fspath(path)
+    device = str(torch.device(device))
+    f = _open(path, device)
+    try:
+        with f:
+            entries = _parse_index(path, f)
+            patches = []
+            for e in entries:
+                values = f.get_tensor(_key(e.position, "values"))
+                indices = f.get_tensor(_key(e.position, "indices")) if e.sparse else None
+                patches.append(CheckpointWeightPatch(e.name, e.shape, e.dtype, values, indices))
+    except PatchValueError:
+        raise
+    except Exception as e:
+        raise _fail(path, f"unreadable: {e}") from None
+    for sparse in (False, True):
+        group = [i for i, p in enumerate(patches) if (p.indices is not None) == sparse]
+        try:
+            validate_patches([patches[i] for i in group], positions=group)
+        except PatchError as e:
+            raise PatchValueError(
+                f"patch file {path!r}: {e}", position=e.position, name=e.name,
+                reason=e.reason, value=e.value,
+            ) from None
+    return patches
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable binary size: ``"512 B"``, ``"1.5 KiB"``, ``"512 MiB"``, ``"1.18 GiB"``.
+
+    At most three significant digits past the unit change; exact values lose trailing
+    zeros. Negative numbers keep their sign.
+    """
+    if n < 0:
+        return "-" + format_bytes(-n)
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            break
+    digits = 0 if value >= 100 else 1 if value >= 10 else 2
+    text = f"{value:.{digits}f}"
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return f"{text} {unit}"
+
+
+def _positions_text(positions: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    out = []
+    for r in [header, *rows]:
+        cells = [r[c].rjust(widths[c]) if c in right else r[c].ljust(widths[c])
+                 for c in range(len(header))]
+        out.append("  " + "  ".join(cells).rstrip())
+    return out
+
+
+def _percent(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.3g}%"
+
+
+def print_patch_file_summary(
+    path: str | os.PathLike[str],
+    *,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    file: TextIO | None = None,
+) -> int:
+    """Print a plain-text summary of a patch file; return an exit code.
+
+    Reads only the file's header (no tensor data). Prints, to ``file`` (default
+    stdout): the patch count and user metadata; one row per patch (position, name,
+    kind, shape, dtype, changed elements (values carried; ``numel`` for dense), density,
+    bytes on the wire) and a total row; then the chunk plan for ``max_chunk_bytes`` from
+    :func:`~patchkit.chunking.plan_chunks` (call, patch positions, staged bytes, why the
+    call closed). A load cannot mix dense and sparse patches, so a file holding both is
+    planned as two loads, the dense patches first.
+
+    Returns 0; a bad file (or a bad budget) prints ``error: ...`` to stderr and returns 2.
+    """
+    out = sys.stdout if file is None else file
+    path = os.fspath(path)
+    try:
+        entries = read_patch_index(path)
+        meta = read_patch_metadata(path)
+        groups = [(kind, [e for e in entries if e.kind == kind]) for kind in ("dense", "sparse")]
+        groups = [(k, g) for k, g in groups if g]
+        plans = []
+        for kind, group in groups:
+            stand_ins = [
+                CheckpointWeightPatch(e.name, e.shape, e.dtype, torch.empty(0, device="meta"))
+                for e in group
+            ]
+            plans.append((kind, plan_chunks(stand_ins, max_chunk_bytes,
+                                            positions=[e.position for e in group])))
+    except (PatchError, ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    n_sparse = sum(e.sparse for e in entries)
+    print(f"patch file: {path}", file=out)
+    print(f"{len(entries)} patches ({n_sparse} sparse, {len(entries) - n_sparse} dense), "
+          f"format {FORMAT_NAME} v{FORMAT_VERSION}", file=out)
+    if meta:
+        print("metadata:", file=out)
+        for k, v in meta.items():
+            print(f"  {k}: {v}", file=out)
+    if not entries:
+        print("no patches: a load makes no load_weights call", file=out)
+        return 0
+
+    print("", file=out)
+    header = ["#", "name", "kind", "shape", "dtype", "changed", "density", "wire bytes"]
+    rows = []
+    for e in entries:
+        rows.append([str(e.position), e.name, e.kind, str(tuple(e.shape)), _dtype_name(e.dtype),
+                     str(e.nnz), _percent(e.density), format_bytes(e.wire_bytes)])
+    total_n = sum(e.numel for e in entries)
+    total_nnz = sum(e.nnz for e in entries)
+    rows.append(["", "total", "", "", "", str(total_nnz),
+                 _percent(total_nnz / total_n if total_n else None),
+                 format_bytes(sum(e.wire_bytes for e in entries))])
+    for line in _table(header, rows, right={0, 5, 6, 7}):
+        print(line, file=out)
+
+    for kind, chunks in plans:
+        print("", file=out)
+        label = f" ({kind} patches; one load)" if len(plans) > 1 else ""
+        print(f"chunk plan for max_chunk_bytes = {max_chunk_bytes} "
+              f"({format_bytes(max_chunk_bytes)}){label}: {len(chunks)} load_weights "
+              f"call{'s' if len(chunks) != 1 else ''}", file=out)
+        crows = []
+        for c in chunks:
+            closed = c.closed_by + (" (over budget: travels alone)" if c.over_budget else "")
+            crows.append([str(c.index), _positions_text(c.positions), format_bytes(c.bytes),
+                          closed])
+        for line in _table(["call", "patches", "staged bytes", "closed by"], crows,
+                           right={0, 2}):
+            print(line, file=out)
+    return 0

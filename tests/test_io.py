@@ -1,0 +1,486 @@
+"""Tests of patchkit.io: patch files (safetensors), their checks, and the inspect summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import safetensors
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from patchkit.__main__ import main
+from patchkit.build import dense_patches, random_sparse_patch, split_patch, wire_bytes
+from patchkit.chunking import plan_chunks
+from patchkit.errors import PatchTypeError, PatchValueError
+from patchkit.io import (
+    FORMAT_KEY,
+    format_bytes,
+    load_patches,
+    print_patch_file_summary,
+    read_patch_index,
+    read_patch_metadata,
+    save_patches,
+    storable_dtypes,
+)
+from patchkit.loader import load_checkpoint_weight_patches
+from patchkit.patch import CheckpointWeightPatch
+
+FLOATS = [
+    d
+    for d in (
+        getattr(torch, n, None)
+        for n in (
+            "float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e4m3fnuz",
+            "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+        )
+    )
+    if d is not None and d in storable_dtypes()
+]
+INTS = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same_patches(got, want) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert isinstance(g, CheckpointWeightPatch), i
+        assert (g.name, g.shape, g.dtype) == (w.name, tuple(w.shape), w.dtype), i
+        assert g.values.dtype == w.values.dtype and g.values.shape == w.values.shape, i
+        assert torch.equal(bits(g.values), bits(w.values)), i
+        assert (g.indices is None) == (w.indices is None), i
+        if w.indices is not None:
+            assert g.indices.dtype == w.indices.dtype, i
+            assert torch.equal(g.indices, w.indices), i
+
+
+def random_bits(n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """``n`` elements of ``dtype`` with uniformly random bits (NaN payloads included)."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def sample_files(tmp: str) -> dict[str, str]:
+    """A valid file, and the bytes it was made from, for tampering."""
+    g = torch.Generator().manual_seed(0)
+    ps = [
+        random_sparse_patch("w", (8, 8), torch.bfloat16, 0.25, generator=g),
+        CheckpointWeightPatch("d", (2, 3), torch.float32, torch.arange(6.0)),
+    ]
+    path = os.path.join(tmp, "good.safetensors")
+    save_patches(path, ps, metadata={"step": "7"})
+    return {"path": path}
+
+
+def rewrite(src: str, dst: str, *, tensors=None, header=None, meta=None) -> str:
+    """Copy a patch file with its tensors / JSON header / metadata changed by callbacks."""
+    with safetensors.safe_open(src, "pt") as f:
+        ts = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        md = dict(f.metadata())
+    if tensors is not None:
+        ts = tensors(ts)
+    if header is not None:
+        md[FORMAT_KEY] = header(json.loads(md[FORMAT_KEY]))
+        if not isinstance(md[FORMAT_KEY], str):
+            md[FORMAT_KEY] = json.dumps(md[FORMAT_KEY])
+    if meta is not None:
+        md = meta(md)
+    save_file(ts, dst, metadata=md)
+    return dst
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@st.composite
+def patch_lists(draw):
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    n = draw(st.integers(0, 6))
+    out = []
+    for _ in range(n):
+        name = draw(st.sampled_from(["w", "model.layers.0.mlp.up_proj.weight", "é", "b"]))
+        shape = draw(st.sampled_from([(), (0,), (3, 0), (5,), (2, 3), (2, 1, 4)]))
+        size = math.prod(shape)
+        sparse = draw(st.booleans())
+        if sparse:
+            dtype = draw(st.sampled_from(FLOATS))
+            vdtype = draw(st.sampled_from([dtype, torch.float32]))
+            k = draw(st.integers(0, size))
+            idx = torch.randperm(size, generator=g)[:k]
+            idx = idx.to(draw(st.sampled_from([torch.int32, torch.int64])))
+            values = random_bits(k, vdtype, g)
+            values = torch.where(torch.isnan(values.float()), torch.zeros(k, dtype=vdtype), values)
+            out.append(CheckpointWeightPatch(name, shape, dtype, values, idx))
+        else:
+            dtype = draw(st.sampled_from(FLOATS + INTS))
+            vdtype = draw(st.sampled_from([dtype, dtype, torch.float32]))
+            out.append(CheckpointWeightPatch(name, shape, dtype, random_bits(size, vdtype, g)))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(patches=patch_lists(), meta=st.dictionaries(st.text(max_size=5).filter(
+    lambda k: k != FORMAT_KEY), st.text(max_size=8), max_size=3))
+def test_round_trip_bit_exact(patches, meta):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "p.safetensors")
+        save_patches(path, patches, metadata=meta)
+        assert_same_patches(load_patches(path), patches)
+        assert read_patch_metadata(path) == meta
+        index = read_patch_index(path)
+        assert [e.name for e in index] == [p.name for p in patches]
+        assert [e.wire_bytes for e in index] == [wire_bytes(p) for p in patches]
+        assert sorted(os.listdir(tmp)) == ["p.safetensors"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_round_trip_each_float_dtype_with_special_values(dtype, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    dense_vals = random_bits(64, dtype, g)  # NaN payloads, infinities, -0.0, subnormals
+    sp = random_sparse_patch("s", (16, 4), dtype, 0.5, generator=g, index_dtype=torch.int32)
+    ps = [CheckpointWeightPatch("d", (4, 16), dtype, dense_vals), sp, sp]  # shared storage
+    path = tmp_path / "p.safetensors"
+    save_patches(path, ps)
+    assert_same_patches(load_patches(str(path)), ps)
+
+
+def test_round_trip_non_contiguous_and_shared_values(tmp_path):
+    base = torch.arange(20.0)
+    strided = base[::2]  # non-contiguous view
+    ps = [
+        CheckpointWeightPatch("a", (10,), torch.float32, strided),
+        CheckpointWeightPatch("b", (2, 5), torch.float32, base[:10]),
+        CheckpointWeightPatch("c", (10,), torch.float32, base[10:]),
+    ]
+    ps += split_patch(CheckpointWeightPatch("d", (20,), torch.float32, base), 4)
+    before = base.clone()
+    save_patches(tmp_path / "p.safetensors", ps)
+    assert torch.equal(base, before)
+    assert_same_patches(load_patches(tmp_path / "p.safetensors", device=torch.device("cpu")), ps)
+
+
+def test_empty_list_round_trip(tmp_path):
+    save_patches(tmp_path / "e.safetensors", [], metadata={"a": "b"})
+    assert load_patches(tmp_path / "e.safetensors") == []
+    assert read_patch_metadata(tmp_path / "e.safetensors") == {"a": "b"}
+
+
+def test_loaded_patches_apply(tmp_path):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+        def load_weights(self, weights):
+            for n, t in weights:
+                getattr(self, n).data.copy_(t)
+            return {n for n, _ in weights}
+
+    p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.tensor([1.0, -0.0]),
+                              torch.tensor([15, 2], dtype=torch.int32))
+    save_patches(tmp_path / "p.safetensors", [p])
+    m = M()
+    assert load_checkpoint_weight_patches(m, load_patches(tmp_path / "p.safetensors")) == {"w"}
+    assert m.w.view(-1)[15] == 1.0 and torch.signbit(m.w.view(-1)[2])
+
+
+# --------------------------------------------------------------------------- saving checks
+
+
+def test_metadata_checks(tmp_path):
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.zeros(1))]
+    with pytest.raises(TypeError):
+        save_patches(tmp_path / "a", p, metadata={"k": 1})
+    with pytest.raises(TypeError):
+        save_patches(tmp_path / "a", p, metadata={2: "v"})
+    with pytest.raises(TypeError):
+        save_patches(tmp_path / "a", p, metadata=[("k", "v")])
+    with pytest.raises(ValueError, match="reserved"):
+        save_patches(tmp_path / "a", p, metadata={FORMAT_KEY: "x"})
+    assert not (tmp_path / "a").exists()
+
+
+def test_save_validates_patches(tmp_path):
+    nan = CheckpointWeightPatch("w", (4,), torch.float32, torch.tensor([float("nan")]),
+                                torch.tensor([1]))
+    ok = CheckpointWeightPatch("v", (1,), torch.float32, torch.zeros(1))
+    with pytest.raises(PatchValueError, match=r"patch 1 \('w'\).*NaN") as info:
+        save_patches(tmp_path / "a", [ok, nan])
+    assert info.value.position == 1
+    with pytest.raises(ValueError, match="out of range"):
+        oob = nan._replace(values=torch.ones(1), indices=torch.tensor([4]))
+        save_patches(tmp_path / "a", [oob])
+    with pytest.raises(ValueError):
+        save_patches(tmp_path / "a", [ok._replace(shape=(2,))])
+    c128 = torch.complex128
+    with pytest.raises(TypeError, match="cannot be stored"):
+        save_patches(tmp_path / "a", [CheckpointWeightPatch("c", (1,), c128,
+                                                            torch.zeros(1, dtype=c128))])
+    with pytest.raises(TypeError, match="patch 0"):
+        save_patches(tmp_path / "a", ["not a patch"])
+    save_patches(tmp_path / "t", [(*ok,)])  # a plain 5-tuple is accepted
+    assert_same_patches(load_patches(tmp_path / "t"), [ok])
+    assert not (tmp_path / "a").exists()
+
+
+def test_failed_save_leaves_old_file_and_no_temporary(tmp_path, monkeypatch):
+    import safetensors.torch as st_torch
+
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    save_patches(path, p)
+    old = path.read_bytes()
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(st_torch, "save_file", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_patches(path, [p[0]._replace(values=torch.zeros(1))])
+    assert path.read_bytes() == old
+    assert os.listdir(tmp_path) == ["p.safetensors"]
+
+
+# --------------------------------------------------------------------------- bad files
+
+
+def _bad(path, match: str) -> None:
+    """Every reader refuses ``path`` with a PatchValueError naming it and ``match``."""
+    for reader in (load_patches, read_patch_index, read_patch_metadata):
+        with pytest.raises(PatchValueError, match=match) as info:
+            reader(path)
+        assert str(path) in str(info.value)
+        e = info.value
+        assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__)
+
+
+def test_missing_and_directory(tmp_path):
+    _bad(str(tmp_path / "nope.safetensors"), "no such file")
+    _bad(str(tmp_path), "not a regular file")
+
+
+@pytest.mark.parametrize("cut", [0, 3, 8, 20, 100, -1, -17])
+def test_truncated(tmp_path, cut):
+    good = sample_files(str(tmp_path))["path"]
+    with open(good, "rb") as fh:
+        data = fh.read()
+    bad = tmp_path / "cut.safetensors"
+    bad.write_bytes(data[:cut])
+    _bad(str(bad), "not a readable safetensors file")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"hello world, not a tensor file",
+        b'{"a": 1}',
+        b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ",
+    ],
+)
+def test_not_safetensors(tmp_path, content):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(content)
+    _bad(str(bad), "safetensors")
+
+
+def test_foreign_safetensors(tmp_path):
+    plain = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(3)}, plain)
+    _bad(str(plain), "not a patchkit patch file")
+    save_file({"w": torch.zeros(3)}, plain, metadata={"format": "pt"})
+    _bad(str(plain), "not a patchkit patch file")
+
+
+def _set(i, **kv):
+    def change(h):
+        h["patches"][i].update(kv)
+        return h
+
+    return change
+
+
+TAMPERS = {
+    "invalid json": (dict(header=lambda h: "{not json"), "not valid JSON"),
+    "not an object": (dict(header=lambda h: "[1, 2]"), "not a patchkit patch list"),
+    "wrong format": (dict(header=lambda h: {**h, "format": "other"}), "not a patchkit patch list"),
+    "future version": (dict(header=lambda h: {**h, "version": 99}), "version 99"),
+    "patches not a list": (dict(header=lambda h: {**h, "patches": {}}), "not a list"),
+    "entry not object": (dict(header=lambda h: {**h, "patches": [1, 2]}), "not an object"),
+    "empty name": (dict(header=_set(0, name="")), "name"),
+    "bad shape": (dict(header=_set(0, shape=[8, -8])), "shape"),
+    "bool shape": (dict(header=_set(1, shape=[True, 6])), "shape"),
+    "unknown dtype": (dict(header=_set(0, dtype="float99")), "unknown dtype 'float99'"),
+    "private attr dtype": (dict(header=_set(0, dtype="_C")), "unknown dtype"),
+    "non-dtype attr": (dict(header=_set(0, dtype="zeros")), "unknown dtype"),
+    "bad kind": (dict(header=_set(0, kind="delta")), "kind"),
+    "nnz mismatch": (dict(header=_set(0, nnz=3)), "values have shape"),
+    "values dtype mismatch": (dict(header=_set(1, values_dtype="float16")), "header says"),
+    "indices dtype mismatch": (dict(header=_set(0, indices_dtype="int32")), "indices are"),
+    "dense shape mismatch": (dict(header=_set(1, shape=[2, 4])), "needs 8 values"),
+    "sparse int dtype": (dict(header=_set(0, dtype="int16")), "non-floating"),
+    "dense marked sparse": (dict(header=_set(1, kind="sparse")), "000001.indices' is missing"),
+    "missing values": (dict(tensors=lambda t: {k: v for k, v in t.items()
+                                               if k != "000001.values"}), "missing"),
+    "missing indices": (dict(tensors=lambda t: {k: v for k, v in t.items()
+                                                if k != "000000.indices"}), "missing"),
+    "extra tensor": (dict(tensors=lambda t: {**t, "junk": torch.zeros(1)}), "not described"),
+    "index count": (dict(tensors=lambda t: {**t, "000000.indices": t["000000.indices"][:-1]}),
+                    "indices for"),
+    "values count": (dict(tensors=lambda t: {**t, "000001.values": torch.zeros(5)}),
+                     "values have shape"),
+    "2-D values": (dict(tensors=lambda t: {**t, "000001.values": torch.zeros(2, 3)}),
+                   "values have shape"),
+    "float indices": (dict(tensors=lambda t: {**t, "000000.indices": t["000000.indices"].float()},
+                           header=_set(0, indices_dtype="float32")), "int32 or int64"),
+    "index out of range": (dict(tensors=lambda t: {**t, "000000.indices":
+                                                   t["000000.indices"] + 64}), "out of range"),
+    "duplicate index": (dict(tensors=lambda t: {**t, "000000.indices":
+                                                t["000000.indices"] * 0}), "more than once"),
+    "NaN in sparse": (dict(tensors=lambda t: {**t, "000000.values":
+                                              t["000000.values"] * float("nan")}), "NaN"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERS))
+def test_inconsistent_files(tmp_path, case):
+    good = sample_files(str(tmp_path))["path"]
+    change, match = TAMPERS[case]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"), **change)
+    with pytest.raises(PatchValueError, match=match) as info:
+        load_patches(bad)
+    assert bad in str(info.value)
+    assert type(info.value) is PatchValueError
+
+
+def test_value_checks_need_a_full_load(tmp_path):
+    """The header readers do not read data, so a bad index shows on load only."""
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  tensors=lambda t: {**t, "000000.indices": t["000000.indices"] + 64})
+    assert len(read_patch_index(bad)) == 2
+    with pytest.raises(PatchValueError, match=r"patch 0 \('w'\).*out of range"):
+        load_patches(bad)
+
+
+def test_good_sample_reads(tmp_path):
+    good = sample_files(str(tmp_path))["path"]
+    assert read_patch_metadata(good) == {"step": "7"}
+    index = read_patch_index(good)
+    assert [(e.kind, e.nnz, e.density) for e in index] == [("sparse", 16, 0.25),
+                                                           ("dense", 6, 1.0)]
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def test_format_bytes():
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(1023) == "1023 B"
+    assert format_bytes(1024) == "1 KiB"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(10 * 1024 + 512) == "10.5 KiB"
+    assert format_bytes(512 << 20) == "512 MiB"
+    assert format_bytes(1234567) == "1.18 MiB"
+    assert format_bytes(3 << 30) == "3 GiB"
+    assert format_bytes(5 << 40) == "5 TiB"
+    assert format_bytes(-2048) == "-2 KiB"
+
+
+def _summary_file(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    sp = random_sparse_patch("model.embed.weight", (64, 32), torch.bfloat16, 0.125, generator=g)
+    ps = [sp, *split_patch(sp, 2)]
+    ps += dense_patches({"model.norm.weight": torch.ones(32), "scalar": torch.tensor(2.0),
+                         "empty": torch.zeros(0, 4)})
+    path = tmp_path / "p.safetensors"
+    save_patches(path, ps, metadata={"run": "abc", "step": "12"})
+    return str(path), ps
+
+
+def test_summary_table_and_plan(tmp_path, capsys):
+    path, ps = _summary_file(tmp_path)
+    assert print_patch_file_summary(path, max_chunk_bytes=6000) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    lines = out.splitlines()
+    assert "6 patches (3 sparse, 3 dense)" in out
+    assert "run: abc" in out and "step: 12" in out
+    row0 = next(line for line in lines if line.split()[:2] == ["0", "model.embed.weight"])
+    assert row0.split() == ["0", "model.embed.weight", "sparse", "(64,", "32)", "bfloat16",
+                            "256", "12.5%", *format_bytes(wire_bytes(ps[0])).split()]
+    row5 = next(line for line in lines if line.split()[:2] == ["5", "empty"])
+    assert row5.split()[-4:] == ["0", "-", "0", "B"]
+    total = next(line for line in lines if line.split()[:1] == ["total"])
+    assert total.split()[-2:] == format_bytes(wire_bytes(ps)).split()
+    # the plan printed is plan_chunks' plan, per kind
+    sparse_plan = plan_chunks([p for p in ps if p.indices is not None], 6000,
+                              positions=[0, 1, 2])
+    assert [c.closed_by for c in sparse_plan] == ["repeated name", "repeated name", "end"]
+    assert "chunk plan for max_chunk_bytes = 6000 (5.86 KiB) (sparse patches; one load): " \
+           "3 load_weights calls" in out
+    assert "(dense patches; one load): 1 load_weights call\n" in out
+    assert "repeated name" in out and "3-5" in out
+
+
+def test_summary_over_budget_and_cli(tmp_path, capsys):
+    path, _ = _summary_file(tmp_path)
+    assert main(["inspect", path, "--max-chunk-bytes", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "over budget: travels alone" in out
+    assert main(["inspect", str(tmp_path / "missing.safetensors")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "error:" in err and "no such file" in err
+    assert main(["inspect", path, "--max-chunk-bytes", "0"]) == 2
+    assert "max_chunk_bytes" in capsys.readouterr().err
+
+
+def test_summary_bad_file_and_empty_file(tmp_path, capsys):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"nope")
+    assert print_patch_file_summary(str(bad)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and str(bad) in err
+    save_patches(tmp_path / "e.safetensors", [])
+    assert print_patch_file_summary(str(tmp_path / "e.safetensors")) == 0
+    assert "no patches" in capsys.readouterr().out
+
+
+def test_summary_file_argument(tmp_path, capsys):
+    import io
+
+    path, _ = _summary_file(tmp_path)
+    buf = io.StringIO()
+    assert print_patch_file_summary(path, file=buf) == 0
+    assert capsys.readouterr().out == ""
+    assert "model.embed.weight" in buf.getvalue()
+
+
+def test_cli_subprocess(tmp_path):
+    path, _ = _summary_file(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    ok = subprocess.run([sys.executable, "-m", "patchkit", "inspect", path], capture_output=True,
+                        text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "model.norm.weight" in ok.stdout and "512 MiB" in ok.stdout
+
+
+def test_storable_dtypes():
+    s = storable_dtypes()
+    assert {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32,
+            torch.int64} <= s
+    assert torch.complex128 not in s
+    assert isinstance(PatchTypeError("x"), TypeError)
