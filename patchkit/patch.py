@@ -182,7 +182,8 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
     else:
         has_nan = torch.zeros((), dtype=torch.bool, device=device)
     oob = ((idx < 0) | (idx >= n)).any()
-    if not unique or idx.numel() < 2:
+    if not unique or idx.numel() < 2 or n == 0:
+        # n == 0: every index is out of range (flagged above); nothing to mark.
         dup = torch.zeros((), dtype=torch.bool, device=device)
     elif _sort_is_cheaper(idx.numel(), n):
         s = torch.sort(idx).values

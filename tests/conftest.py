@@ -1,0 +1,168 @@
+"""Which loader the contract suite tests, and the fixtures every contract test uses.
+
+The suite in ``tests/contract`` pins CONTRACT.md. It runs against patchkit by default and
+against any other implementation with the same signature, e.g. vLLM's::
+
+    pytest tests/contract \
+      --loader=vllm.model_executor.model_loader.checkpoint_weight_patch:load_checkpoint_weight_patches
+
+``--loader=module:function`` wins over the environment variable ``PATCHKIT_LOADER``
+(same syntax); with neither, patchkit's loader is under test. The ``Patch`` fixture is the
+selected module's ``CheckpointWeightPatch`` when it has one, else patchkit's.
+
+Tests marked ``patchkit_only`` pin behaviour only patchkit promises (the **[patchkit]**
+clauses of CONTRACT.md, ``plan_chunks``, error attributes, ``transactional``, tied
+weights, the strict §4 checks, the rebinding check); they are skipped when another
+loader is selected.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import pytest
+
+import patchkit
+
+pytest_plugins = ["pytester"]
+
+ENV_VAR = "PATCHKIT_LOADER"
+DEFAULT_LOADER = "patchkit:load_checkpoint_weight_patches"
+PATCHKIT_ONLY = "patchkit_only"
+
+
+@dataclass(frozen=True)
+class SelectedLoader:
+    """The implementation under test."""
+
+    spec: str
+    function: Callable
+    patch_type: type
+    is_patchkit: bool
+
+
+def resolve_loader(spec: str | None, *, search_path: Iterable[str] = ()) -> SelectedLoader:
+    """Turn ``"module:function"`` (``None``/empty: patchkit's) into the loader under test.
+
+    ``function`` may be dotted (``module:Class.method``). When ``module`` cannot be
+    imported as it stands, it is tried again with ``search_path`` (the rootdir, the
+    current directory) in front of ``sys.path``. A bad spec is a usage error.
+    """
+    spec = (spec or "").strip() or DEFAULT_LOADER
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise pytest.UsageError(
+            f"--loader/{ENV_VAR} must look like 'package.module:function', got {spec!r}"
+        )
+    module = _import(module_name, list(search_path), spec)
+    function: object = module
+    for part in attr.split("."):
+        try:
+            function = getattr(function, part)
+        except AttributeError:
+            raise pytest.UsageError(
+                f"--loader/{ENV_VAR} {spec!r}: {module_name} has no attribute {attr!r}"
+            ) from None
+    if not callable(function):
+        raise pytest.UsageError(f"--loader/{ENV_VAR} {spec!r}: {attr!r} is not callable")
+    patch_type = getattr(module, "CheckpointWeightPatch", None)
+    if not isinstance(patch_type, type):
+        patch_type = patchkit.CheckpointWeightPatch
+    return SelectedLoader(
+        spec=spec,
+        function=function,
+        patch_type=patch_type,
+        is_patchkit=function is patchkit.load_checkpoint_weight_patches,
+    )
+
+
+def _import(module_name: str, search_path: list[str], spec: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as first:
+        extra = [p for p in search_path if p not in sys.path]
+        if not extra:
+            raise pytest.UsageError(f"--loader/{ENV_VAR} {spec!r}: {first}") from None
+        sys.path[:0] = extra
+        try:
+            return importlib.import_module(module_name)
+        except ModuleNotFoundError as second:
+            raise pytest.UsageError(f"--loader/{ENV_VAR} {spec!r}: {second}") from None
+        finally:
+            for p in extra:
+                sys.path.remove(p)
+
+
+_SELECTED = pytest.StashKey[SelectedLoader]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--loader",
+        action="store",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help=(
+            "load_checkpoint_weight_patches implementation the contract suite tests "
+            f"(default: ${ENV_VAR}, else {DEFAULT_LOADER})"
+        ),
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{PATCHKIT_ONLY}: behaviour that only patchkit promises "
+        "(skipped when another loader is under test)",
+    )
+    spec = config.getoption("--loader") or os.environ.get(ENV_VAR) or DEFAULT_LOADER
+    config.stash[_SELECTED] = resolve_loader(
+        spec, search_path=(str(config.rootpath), os.getcwd())
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    selected = config.stash[_SELECTED]
+    return f"contract loader under test: {selected.spec}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    selected = config.stash[_SELECTED]
+    if selected.is_patchkit:
+        return
+    skip = pytest.mark.skip(
+        reason=f"patchkit-only behaviour; the loader under test is {selected.spec}"
+    )
+    for item in items:
+        if item.get_closest_marker(PATCHKIT_ONLY) is not None:
+            item.add_marker(skip)
+
+
+# Session-scoped so that hypothesis tests can use them (they never change within a run).
+
+
+@pytest.fixture(scope="session")
+def selected_loader(pytestconfig: pytest.Config) -> SelectedLoader:
+    return pytestconfig.stash[_SELECTED]
+
+
+@pytest.fixture(scope="session")
+def load(selected_loader: SelectedLoader) -> Callable:
+    """The ``load_checkpoint_weight_patches`` under test."""
+    return selected_loader.function
+
+
+@pytest.fixture(scope="session")
+def Patch(selected_loader: SelectedLoader) -> type:
+    """The ``CheckpointWeightPatch`` of the implementation under test."""
+    return selected_loader.patch_type
+
+
+@pytest.fixture(scope="session")
+def patchkit_selected(selected_loader: SelectedLoader) -> bool:
+    """True when patchkit's own loader is under test (its extensions can be checked)."""
+    return selected_loader.is_patchkit

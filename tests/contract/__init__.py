@@ -1,0 +1,1 @@
+"""The contract suite: CONTRACT.md clause by clause (see ``tests/conftest.py``)."""

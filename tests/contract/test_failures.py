@@ -1,0 +1,231 @@
+"""CONTRACT §5: a loader that raises part-way.
+
+By default the writes made so far stay (earlier calls and the earlier part of the failing
+call) and the exception propagates unchanged. **[patchkit]** ``transactional=True``
+restores every written region bit for bit before the exception propagates.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import patchkit
+from patchkit.intercept import WriteSession
+
+from ._models import NAN, RecordingModel, assert_untouched, same_bits, snapshot
+
+NAMES = "abcd"
+
+
+class Boom(Exception):
+    pass
+
+
+def weird_start(k: int) -> torch.Tensor:
+    """Starting values with bits a careless restore would lose: -0.0, NaN, a subnormal."""
+    return torch.tensor([k + 0.5, -0.0, NAN, 1e-42, -float(k)])
+
+
+def failing_model(fail_at: tuple[int, str], error: BaseException, **kwargs) -> RecordingModel:
+    """Raises ``error`` when call ``fail_at[0]`` reaches the entry named ``fail_at[1]``."""
+
+    def hook(model, call, name, staged):
+        if (call, name) == fail_at:
+            raise error
+
+    return RecordingModel({n: weird_start(k) for k, n in enumerate(NAMES)}, hook=hook, **kwargs)
+
+
+def patches_for(mk, kind: str, names=NAMES):
+    out = []
+    for k, n in enumerate(names):
+        if kind == "dense":
+            out.append(mk.dense(n, torch.full((5,), 10.0 + k)))
+        else:
+            out.append(mk.sparse(n, (5,), [0, 3], [10.0 + k, 20.0 + k]))
+    return out
+
+
+def expected_written(kind: str, k: int) -> torch.Tensor:
+    if kind == "dense":
+        return torch.full((5,), 10.0 + k)
+    t = weird_start(k)
+    t[[0, 3]] = torch.tensor([10.0 + k, 20.0 + k])
+    return t
+
+
+# Where the failure happens: (budget, (call, name) that raises, names written before it).
+WHERE = [
+    pytest.param(1 << 20, (0, "c"), "ab", id="mid-chunk"),
+    pytest.param(1 << 20, (0, "a"), "", id="first entry"),
+    pytest.param(20, (2, "c"), "ab", id="later chunk"),
+    pytest.param(40, (1, "d"), "abc", id="mid later chunk"),
+]
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+@pytest.mark.parametrize(("budget", "fail_at", "written"), WHERE)
+def test_failure_keeps_earlier_writes_and_propagates_unchanged(
+    load, mk, kind, budget, fail_at, written
+):
+    error = Boom("loader bug")
+    m = failing_model(fail_at, error)
+    with pytest.raises(Boom) as excinfo:
+        load(m, patches_for(mk, kind), max_chunk_bytes=budget)
+    assert excinfo.value is error
+    assert type(excinfo.value) is Boom
+    for k, n in enumerate(NAMES):
+        want = expected_written(kind, k) if n in written else weird_start(k)
+        assert same_bits(getattr(m, n).detach(), want), n
+
+
+def test_failure_propagates_builtin_exceptions_unwrapped(load, mk):
+    error = KeyError("qkv_proj")
+    m = failing_model((0, "b"), error)
+    with pytest.raises(KeyError) as excinfo:
+        load(m, patches_for(mk, "sparse"))
+    assert excinfo.value is error and excinfo.value.__cause__ is None
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+@pytest.mark.parametrize(("budget", "fail_at", "written"), WHERE)
+def test_transactional_failure_restores_everything_bit_for_bit(
+    load, mk, kind, budget, fail_at, written
+):
+    error = Boom("loader bug")
+    m = failing_model(fail_at, error)
+    before = snapshot(m)
+    with pytest.raises(Boom) as excinfo:
+        load(m, patches_for(mk, kind), max_chunk_bytes=budget, transactional=True)
+    assert excinfo.value is error
+    assert_untouched(m, before)
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_transactional_restores_a_region_written_twice_before_the_failure(load, mk, kind):
+    m = failing_model((1, "b"), Boom())
+    before = snapshot(m)
+    if kind == "dense":
+        patches = [mk.dense("a", torch.full((5,), 1.0)), mk.dense("a", torch.full((5,), 2.0))]
+    else:
+        patches = [
+            mk.sparse("a", (5,), [0, 1], [1.0, 1.0]),
+            mk.sparse("a", (5,), [1, 2], [2.0, 2.0]),
+        ]
+    patches.append(patches_for(mk, kind, "b")[0])
+    with pytest.raises(Boom):
+        load(m, patches, transactional=True)
+    assert m.names_per_call() == [["a"], ["a", "b"]]
+    assert_untouched(m, before)
+
+
+@pytest.mark.patchkit_only
+def test_transactional_restores_overlapping_regions_written_in_any_order(load, mk):
+    # Rows 0:2, then all of w, then rows 1:3: three different, overlapping regions.
+    class Regions(RecordingModel):
+        def load_weights(self, weights):
+            super().load_weights([])
+            for name, w in weights:
+                if name == "top":
+                    self.w.data[0:2].copy_(w[0:2])
+                elif name == "all":
+                    self.w.copy_(w)
+                elif name == "bottom":
+                    self.w.data[1:3].copy_(w[1:3])
+                else:
+                    raise Boom()
+            return {"w"}
+
+    start = torch.tensor([[NAN, -0.0], [1e-42, 4.0], [5.0, -6.0]])
+    for kind in ("dense", "sparse"):
+        m = Regions({"w": start})
+        before = snapshot(m)
+        if kind == "dense":
+            patches = [mk.dense(n, torch.full((3, 2), float(k))) for k, n in
+                       enumerate(["top", "all", "bottom", "fail"])]
+        else:
+            patches = [mk.sparse(n, (3, 2), [k, 5 - k], [7.0, 8.0]) for k, n in
+                       enumerate(["top", "all", "bottom", "fail"])]
+        with pytest.raises(Boom):
+            load(m, patches, max_chunk_bytes=24, transactional=True)
+        assert len(m.calls) == 4
+        assert_untouched(m, before)
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize(
+    ("violation", "match"),
+    [
+        pytest.param(lambda m, w: m.c.fill_(0.0), "fill_", id="fill_"),
+        pytest.param(lambda m, w: m.c.copy_(w[0]), "same-shaped", id="broadcast"),
+        pytest.param(lambda m, w: m.a.copy_(w), "overlapping", id="overlap"),
+    ],
+)
+def test_transactional_restores_after_a_contract_violation_mid_call(load, mk, violation, match):
+    class Violating(RecordingModel):
+        def load_weights(self, weights):
+            super().load_weights([])
+            for name, w in weights:
+                if name == "c":
+                    violation(self, w)
+                getattr(self, name).copy_(w)
+            return {n for n, _ in weights}
+
+    m = Violating({n: weird_start(k) for k, n in enumerate(NAMES)})
+    before = snapshot(m)
+    with pytest.raises(NotImplementedError, match=match) as excinfo:
+        load(m, patches_for(mk, "sparse"), transactional=True)
+    assert isinstance(excinfo.value, patchkit.ContractViolation)
+    assert_untouched(m, before)
+
+
+@pytest.mark.patchkit_only
+def test_transactional_restores_on_keyboard_interrupt(load, mk):
+    m = failing_model((1, "b"), KeyboardInterrupt())
+    before = snapshot(m)
+    with pytest.raises(KeyboardInterrupt):
+        load(m, patches_for(mk, "sparse"), max_chunk_bytes=20, transactional=True)
+    assert_untouched(m, before)
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_transactional_success_keeps_the_writes(load, mk, kind):
+    m = failing_model((-1, ""), Boom())
+    assert load(m, patches_for(mk, kind), max_chunk_bytes=20, transactional=True) == set(NAMES)
+    for k, n in enumerate(NAMES):
+        assert same_bits(getattr(m, n).detach(), expected_written(kind, k))
+
+
+@pytest.mark.patchkit_only
+def test_transactional_saves_only_the_regions_written(load, mk, monkeypatch):
+    saved_bytes = []
+    restore = WriteSession.restore
+
+    def spy(self):
+        saved_bytes.append(sum(s.before.numel() * s.before.element_size() for s in self.saved))
+        restore(self)
+
+    monkeypatch.setattr(WriteSession, "restore", spy)
+
+    class Big(RecordingModel):
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.big.data[0:2].copy_(w[0:2])  # 2 rows of 1000 float32 = 8000 bytes
+            raise Boom()
+
+    m = Big({"big": torch.zeros(100, 1000), "other": torch.zeros(100, 1000)})
+    with pytest.raises(Boom):
+        load(m, [mk.sparse("big", (100, 1000), [5], [1.0])], transactional=True)
+    assert saved_bytes == [2 * 1000 * 4]
+    assert m.big.detach().eq(0).all()
+
+
+@pytest.mark.patchkit_only
+def test_transactional_dense_load_only_observes_and_writes_nan_as_sent(load, mk):
+    m = RecordingModel({"a": torch.ones(3)})
+    load(m, [mk.dense("a", torch.tensor([NAN, 2.0, -0.0]))], transactional=True)
+    assert same_bits(m.a.detach(), torch.tensor([NAN, 2.0, -0.0]))

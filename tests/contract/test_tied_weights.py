@@ -1,0 +1,114 @@
+"""CONTRACT §6 **[patchkit]**: one Parameter under two names (tied embedding and lm_head).
+
+The first registered name is canonical. A patch naming the alias is renamed to it, or
+dropped when a patch for the canonical name is in the same call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from patchkit import plan_chunks
+
+from ._models import TiedModel, same_bits
+
+pytestmark = pytest.mark.patchkit_only
+
+CANON, ALIAS = "embed_tokens.weight", "lm_head.weight"
+SHAPE = (5, 3)
+
+
+def start() -> torch.Tensor:
+    return TiedModel().embed_tokens.weight.detach().clone()
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_alias_is_renamed_to_the_canonical_name(load, mk, kind):
+    m = TiedModel()
+    if kind == "dense":
+        patch = mk.dense(ALIAS, torch.full(SHAPE, 2.0))
+    else:
+        patch = mk.sparse(ALIAS, SHAPE, [0, 14], [-1.0, -2.0])
+    assert load(m, [patch]) == {CANON}
+    assert m.calls == [[CANON]]
+    expected = start()
+    if kind == "dense":
+        expected.fill_(2.0)
+    else:
+        expected.view(-1)[[0, 14]] = torch.tensor([-1.0, -2.0])
+    assert same_bits(m.embed_tokens.weight.detach(), expected)
+    assert m.lm_head.weight is m.embed_tokens.weight
+
+
+@pytest.mark.parametrize("alias_first", [True, False])
+def test_alias_is_dropped_when_the_canonical_name_is_in_the_same_call(load, mk, alias_first):
+    m = TiedModel()
+    canon = mk.sparse(CANON, SHAPE, [1], [7.0])
+    alias = mk.sparse(ALIAS, SHAPE, [2], [9.0])
+    patches = [alias, canon] if alias_first else [canon, alias]
+    assert load(m, patches) == {CANON}
+    assert m.calls == [[CANON]]  # one call, one entry: no overlapping writes
+    expected = start()
+    expected.view(-1)[1] = 7.0
+    assert same_bits(m.embed_tokens.weight.detach(), expected)
+
+
+def test_alias_is_dropped_even_when_the_budget_would_separate_them(load, mk):
+    m = TiedModel()
+    patches = [
+        mk.dense(CANON, torch.ones(SHAPE)),
+        mk.dense("norm", torch.zeros(3)),
+        mk.dense(ALIAS, torch.full(SHAPE, 5.0)),
+    ]
+    load(m, patches, max_chunk_bytes=60)
+    assert m.calls == [[CANON], ["norm"]]
+    assert m.embed_tokens.weight.detach().eq(1.0).all()
+
+
+def test_repeated_alias_patches_chunk_as_one_name(load, mk):
+    m = TiedModel()
+    patches = [
+        mk.sparse(ALIAS, SHAPE, [0], [1.0]),
+        mk.sparse("norm", (3,), [0], [0.5]),
+        mk.sparse(ALIAS, SHAPE, [0], [2.0]),
+    ]
+    load(m, patches)
+    assert m.calls == [[CANON, "norm"], [CANON]]
+    assert m.embed_tokens.weight[0, 0].item() == 2.0
+
+
+def test_chunk_plan_of_the_kept_patches_keeps_caller_positions(load, mk):
+    from patchkit.loader import canonicalize_tied
+
+    m = TiedModel()
+    patches = [
+        mk.sparse("norm", (3,), [0], [0.5]),
+        mk.sparse(ALIAS, SHAPE, [0], [1.0]),
+        mk.sparse(CANON, SHAPE, [1], [2.0]),
+    ]
+    kept, positions = canonicalize_tied(m, patches)
+    assert positions == [0, 2]
+    assert [p.name for p in kept] == ["norm", CANON]
+    chunks = plan_chunks(kept, 1 << 20, positions=positions)
+    assert [c.positions for c in chunks] == [(0, 2)]
+    load(m, patches)
+    assert m.calls == [["norm", CANON]]
+
+
+def test_alias_patches_are_still_validated(load, mk):
+    m = TiedModel()
+    before = start()
+    with pytest.raises(ValueError) as excinfo:
+        load(m, [mk.sparse(CANON, SHAPE, [1], [7.0]), mk.sparse(ALIAS, SHAPE, [99], [1.0])])
+    assert excinfo.value.position == 1
+    assert m.calls == []
+    assert same_bits(m.embed_tokens.weight.detach(), before)
+
+
+def test_untied_models_keep_every_name(load, mk):
+    m = TiedModel()
+    m.lm_head.weight = torch.nn.Parameter(torch.zeros(SHAPE))  # untie
+    load(m, [mk.sparse(CANON, SHAPE, [1], [7.0]), mk.sparse(ALIAS, SHAPE, [2], [9.0])])
+    assert m.calls == [[CANON, ALIAS]]
+    assert m.lm_head.weight.view(-1)[2].item() == 9.0
