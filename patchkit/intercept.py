@@ -210,6 +210,8 @@ class WriteEvent:
     name: str | None = None
     checkpoint_offset: int | None = None
     changed: int | None = None
+    source_shape: tuple[int, ...] | None = None
+    source_stride: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -282,6 +284,13 @@ def _op_name(func: torch._ops.OpOverload) -> str:
 
 
 class _Mode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # By default torch wraps __torch_dispatch__ in a dynamo "disable", which imports
+        # torch._dynamo (about 3 s on these CPUs) the first time a mode is used. Loaders do
+        # not compile inside load_weights, so the first sparse load skips that import.
+        return False
+
     def __init__(self, session: WriteSession) -> None:
         super().__init__()
         self.s = session
@@ -427,13 +436,15 @@ class WriteSession:
         is_copy = func is _COPY
         if self._sparse:
             self._check_sparse_write(func, op, args, targets)
-        for t, (tname, _, off) in targets:
-            self._save(t, tname, off)
-        befores = (
-            [bits(t).clone() for t, _ in targets]
-            if self.count_changes
-            else None
-        )
+        saved = [self._save(t, tname, off) for t, (tname, _, off) in targets]
+        befores = None
+        if self.count_changes:
+            # The region's saved copy is its value right now when it was saved just
+            # above; only a second write into a region needs a transient copy.
+            befores = [
+                bits(b) if b is not None else bits(t).clone()
+                for b, (t, _) in zip(saved, targets)
+            ]
         if self._sparse:
             dest, src = args[0], args[1]
             cast = src.to(device=dest.device, dtype=dest.dtype)
@@ -462,6 +473,8 @@ class WriteSession:
                         name=hit[1] if hit else None,
                         checkpoint_offset=hit[2] if hit else None,
                         changed=changed,
+                        source_shape=tuple(src.shape) if hit else None,
+                        source_stride=tuple(src.stride()) if hit else None,
                     )
                 )
         return out
@@ -512,14 +525,17 @@ class WriteSession:
                 )
         self._call_regions.append(region)
 
-    def _save(self, t: torch.Tensor, target: str, offset: int) -> None:
+    def _save(self, t: torch.Tensor, target: str, offset: int) -> torch.Tensor | None:
+        """Save ``t``'s region unless already saved; return the new copy, else None."""
         if not self.save_regions:
-            return
+            return None
         region = Region.of(t)
         if region in self._saved_regions:
-            return
+            return None
         self._saved_regions.add(region)
-        self.saved.append(SavedRegion(target, offset, t, t.clone()))
+        before = t.clone()
+        self.saved.append(SavedRegion(target, offset, t, before))
+        return before
 
     # -- the whole load ------------------------------------------------------------------
 

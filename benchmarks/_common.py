@@ -1,0 +1,82 @@
+"""Shared helpers of the benchmark scripts: timing, peak memory, tables."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["fmt_table", "median_seconds", "peak_extra_bytes", "sync", "vllm_loader"]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs, after one warm-up run."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        gc.collect()
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated by ``fn`` above what was allocated when it started.
+
+    CUDA: the caching allocator's peak counter. CPU: the profiler's allocation and free
+    events, replayed in time order (the profiler slows the run, so this is measured in a
+    separate run from the timing).
+    """
+    gc.collect()
+    if device.type == "cuda":
+        sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def vllm_loader() -> Callable | None:
+    """vLLM's ``load_checkpoint_weight_patches`` when vLLM is importable, else None."""
+    try:
+        mod = importlib.import_module("vllm.model_executor.model_loader.checkpoint_weight_patch")
+    except Exception:
+        return None
+    return getattr(mod, "load_checkpoint_weight_patches", None)
+
+
+def fmt_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text (Markdown-compatible) table."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for k, r in enumerate(cells):
+        lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
+        if k == 0:
+            lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)

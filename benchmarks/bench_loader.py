@@ -1,0 +1,139 @@
+"""Loader speed and memory, side by side with the floor for the same work.
+
+For dense and sparse (0.1 %, 1 %, 10 %) patches of fp32 and bf16 tensors of 1 M, 16 M and
+64 M elements, through a plain ``param.data.copy_(w)`` loader, prints:
+
+- patchkit: ``load_checkpoint_weight_patches`` (validation, staging, interception);
+- floor: the same values written directly: ``flat.index_copy_(0, idx, values)`` for
+  sparse, ``param.copy_(values)`` for dense; what this work costs on this machine;
+- ratio = patchkit / floor;
+- vLLM's function of the same name, from the same run, when vLLM is importable;
+- peak extra memory of the patchkit load (bytes allocated above the starting point),
+  next to the staged size (a full checkpoint-shaped tensor, also for sparse patches).
+
+Usage: ``python benchmarks/bench_loader.py [--quick] [--device cuda] [--repeats N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import fmt_table, median_seconds, peak_extra_bytes, vllm_loader
+
+import patchkit
+from patchkit import CheckpointWeightPatch
+
+
+class OneParam(torch.nn.Module):
+    """One parameter; ``load_weights`` copies the checkpoint tensor into it."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(
+            torch.randn(shape, generator=g).to(dtype).to(device), requires_grad=False
+        )
+
+    def load_weights(self, weights):
+        names = set()
+        for name, t in weights:
+            self.w.data.copy_(t)
+            names.add(name)
+        return names
+
+
+def make_patch(shape, dtype, density, device) -> CheckpointWeightPatch:
+    n = 1
+    for d in shape:
+        n *= d
+    g = torch.Generator().manual_seed(1)
+    if density is None:
+        values = torch.randn(n, generator=g).to(dtype)
+        return CheckpointWeightPatch("w", shape, dtype, values.to(device))
+    nnz = max(1, round(density * n))
+    idx = torch.randperm(n, generator=g)[:nnz].sort().values
+    values = torch.randn(nnz, generator=g).to(dtype)
+    return CheckpointWeightPatch("w", shape, dtype, values.to(device), idx.to(device))
+
+
+def floor_fn(model: OneParam, patch: CheckpointWeightPatch):
+    if patch.indices is None:
+        def dense():
+            model.w.data.copy_(patch.values.view(patch.shape))
+        return dense
+    idx = patch.indices.long()
+
+    def sparse():
+        model.w.data.view(-1).index_copy_(0, idx, patch.values)
+    return sparse
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    sizes = [(64, 64), (256, 256)] if args.quick else [(1024, 1024), (4096, 4096), (8192, 8192)]
+    repeats = 1 if args.quick else args.repeats
+    vllm = vllm_loader()
+    rows = []
+    for shape in sizes:
+        n = shape[0] * shape[1]
+        for dtype in (torch.float32, torch.bfloat16):
+            for density in (None, 0.001, 0.01, 0.1):
+                model = OneParam(shape, dtype, device)
+                patch = make_patch(shape, dtype, density, device)
+
+                def ours(model=model, patch=patch):
+                    patchkit.load_checkpoint_weight_patches(model, [patch])
+
+                t_ours = median_seconds(ours, device, repeats)
+                t_floor = median_seconds(floor_fn(model, patch), device, repeats)
+                t_vllm = None
+                if vllm is not None:
+                    def theirs(model=model, patch=patch):
+                        vllm(model, [patch])
+                    t_vllm = median_seconds(theirs, device, repeats)
+                peak = peak_extra_bytes(ours, device)
+                staged = n * dtype.itemsize
+                rows.append(
+                    [
+                        "dense" if density is None else f"sparse {density:.1%}",
+                        str(dtype).removeprefix("torch."),
+                        f"{n / 2**20:.0f} Mi" if n >= 2**20 else f"{n / 2**10:.0f} Ki",
+                        f"{t_ours * 1e3:.2f}",
+                        f"{t_floor * 1e3:.2f}",
+                        f"{t_ours / t_floor:.1f}x",
+                        "n/a" if t_vllm is None else f"{t_vllm * 1e3:.2f}",
+                        f"{peak / 2**20:.1f}",
+                        f"{staged / 2**20:.1f}",
+                    ]
+                )
+                print(".", end="", flush=True, file=sys.stderr)
+                del model, patch
+    print(file=sys.stderr)
+    print(
+        f"load_checkpoint_weight_patches on {device.type}, median of {repeats}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(
+        fmt_table(
+            [
+                "patch", "dtype", "elements", "patchkit ms", "floor ms", "ratio",
+                "vLLM ms", "peak extra MiB", "staged MiB",
+            ],
+            rows,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

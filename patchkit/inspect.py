@@ -1,0 +1,572 @@
+"""See what a load did: :func:`inspect_load` runs a real load and records it.
+
+Imports pandas (on first use of this module; ``import patchkit`` does not load it).
+
+What a report costs: the load runs with write interception on (dense calls too), every
+runtime region is saved once before its first write (the same mechanism as
+``transactional=True``), and each write is compared bitwise with its region's previous
+value, which needs one transient copy of that write's destination. Extra memory is
+therefore the bytes written, plus one destination; never a copy of the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+
+from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
+from .density import density_map, region_text
+from .intercept import SavedRegion, WriteEvent, WriteSession, bits
+from .loader import canonicalize_tied, run_load
+from .patch import CheckpointWeightPatch, numel, staged_nbytes
+
+__all__ = ["LoadReport", "density_map", "inspect_load", "patch_summary"]
+
+
+def _kind(p: CheckpointWeightPatch) -> str:
+    return "dense" if p.indices is None else "sparse"
+
+
+def _nnz(p: CheckpointWeightPatch) -> int:
+    return numel(p) if p.indices is None else int(p.indices.numel())
+
+
+def _wire(p: CheckpointWeightPatch) -> int:
+    n = p.values.numel() * p.values.element_size()
+    if p.indices is not None:
+        n += p.indices.numel() * p.indices.element_size()
+    return n
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def patch_summary(patches: Iterable[CheckpointWeightPatch]) -> pd.DataFrame:
+    """One row per patch, in input order: what it is and what it costs.
+
+    Columns: ``position``, ``name``, ``kind`` (dense/sparse), ``shape``, ``dtype``,
+    ``numel``, ``nnz`` (elements written: all of them for dense), ``density``
+    (``nnz / numel``), ``wire_bytes`` (values plus indices as held), ``staged_bytes``
+    (the full checkpoint-shaped tensor). Needs no model and loads nothing.
+    """
+    rows = []
+    for i, p in enumerate(patches):
+        n = numel(p)
+        nnz = _nnz(p)
+        rows.append(
+            {
+                "position": i,
+                "name": p.name,
+                "kind": _kind(p),
+                "shape": tuple(int(d) for d in p.shape),
+                "dtype": _dtype(p.dtype),
+                "numel": n,
+                "nnz": nnz,
+                "density": (nnz / n) if n else 0.0,
+                "wire_bytes": _wire(p),
+                "staged_bytes": staged_nbytes(p),
+            }
+        )
+    cols = [
+        "position", "name", "kind", "shape", "dtype", "numel", "nnz", "density",
+        "wire_bytes", "staged_bytes",
+    ]
+    return pd.DataFrame(rows, columns=cols)
+
+
+class _Recorder:
+    """Collects calls and writes from a :class:`~patchkit.intercept.WriteSession`."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.events: list[WriteEvent] = []
+        self._sent: list[str] = []
+        self._writes_at_start = 0
+
+    def on_call_start(self, chunk: int, staged: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self._sent = [n for n, _ in staged]
+        self._writes_at_start = len(self.events)
+
+    def on_write(self, event: WriteEvent) -> None:
+        self.events.append(event)
+
+    def on_call_end(self, chunk: int, returned: Any, seconds: float, error: bool) -> None:
+        self.calls.append(
+            {
+                "chunk": chunk,
+                "names": tuple(self._sent),
+                "returned": None if returned is None else tuple(sorted(returned)),
+                "writes": len(self.events) - self._writes_at_start,
+                "seconds": seconds,
+                "error": error,
+            }
+        )
+
+
+@dataclass
+class LoadReport:
+    """What one load did, as pandas tables (and figures, through its ``plot_*`` methods).
+
+    - ``chunks``: one row per input patch, in input order: ``chunk`` (the ``load_weights``
+      call that carried it, ``<NA>`` for a dropped tied alias), ``position``, ``name``
+      (as sent), ``kind``, ``shape``, ``dtype``, ``numel``, ``nnz``, ``density``,
+      ``bytes`` (staged), ``closed_by`` (why its chunk ended: ``budget``,
+      ``repeated name``, ``end``), ``note`` (tied-weight renames and drops). Taken from
+      :func:`~patchkit.plan_chunks`, the function the loader itself uses.
+    - ``calls``: one row per ``load_weights`` call: ``chunk``, ``names`` sent,
+      ``returned`` names (``None`` when the loader returned None), ``writes`` into runtime
+      tensors, ``seconds``, ``error`` (the call raised).
+    - ``writes``: one row per write into a runtime tensor: ``chunk``, ``position`` and
+      ``name`` of the patch that fed it (``None`` when the source could not be traced to
+      a staged tensor), ``checkpoint_offset`` (flat element offset of the source region
+      in the checkpoint tensor), ``checkpoint_region`` (slice notation), ``target`` (the
+      runtime parameter or buffer), ``target_offset``, ``target_region``, ``shape``,
+      ``elements``, ``changed`` (elements whose bits changed), ``op``.
+    - ``deltas``: indexed by runtime tensor name, one row per touched tensor:
+      ``elements`` written (each counted once), ``changed`` (bitwise, against the value
+      before the load), ``max_abs``, ``mean_abs`` (over the written elements) and
+      ``rel_l2`` (``||after - before|| / ||before||`` over the written elements).
+    - ``error``: the exception the load raised, or ``None``.
+
+    ``before(target)`` and ``after(target)`` give the runtime tensor before and after the
+    load (CPU copies; elements never written are taken from the current value).
+    """
+
+    chunks: pd.DataFrame
+    calls: pd.DataFrame
+    writes: pd.DataFrame
+    deltas: pd.DataFrame
+    patches: list[CheckpointWeightPatch] = field(repr=False)
+    plan: list[Chunk] = field(repr=False)
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    loaded: set[str] = field(default_factory=set)
+    error: BaseException | None = None
+    _saved: list[SavedRegion] = field(default_factory=list, repr=False)
+    _runtime: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    # -- values ----------------------------------------------------------------------
+
+    def after(self, target: str) -> torch.Tensor:
+        """The runtime tensor ``target`` as it is now (a CPU copy)."""
+        return self._runtime[target].detach().to("cpu", copy=True)
+
+    def before(self, target: str) -> torch.Tensor:
+        """The runtime tensor ``target`` as it was before the load (a CPU copy).
+
+        Rebuilt from the current value and the saved regions (newest first, so where
+        saved regions overlap the oldest contents win).
+        """
+        t = self._runtime[target]
+        out = t.detach().to("cpu", copy=True)
+        flat = out.reshape(-1)
+        base = t.storage_offset()
+        for s in reversed([s for s in self._saved if s.target == target]):
+            view = flat.as_strided(
+                s.view.shape, s.view.stride(), s.view.storage_offset() - base
+            )
+            view.copy_(s.before.to("cpu"))
+        return out
+
+    # -- summaries ---------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """Headline numbers: patches, calls, staged bytes, elements written and changed."""
+        return {
+            "patches": len(self.patches),
+            "kind": self.chunks["kind"].iloc[0] if len(self.chunks) else None,
+            "load_weights calls": len(self.calls),
+            "staged bytes": int(self.chunks["bytes"].sum()) if len(self.chunks) else 0,
+            "max_chunk_bytes": self.max_chunk_bytes,
+            "runtime writes": len(self.writes),
+            "elements written": int(self.deltas["elements"].sum()) if len(self.deltas) else 0,
+            "elements changed": int(self.deltas["changed"].sum()) if len(self.deltas) else 0,
+            "names loaded": len(self.loaded),
+            "error": None if self.error is None else type(self.error).__name__,
+        }
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        head = ", ".join(f"{k}={v}" for k, v in s.items() if v is not None)
+        parts = [f"LoadReport({head})"]
+        with pd.option_context("display.width", 120, "display.max_columns", 20):
+            parts.append("chunks:\n" + self.chunks.drop(columns=["note"]).to_string(index=False))
+            if len(self.deltas):
+                parts.append("deltas:\n" + self.deltas.round(6).to_string())
+        return "\n\n".join(parts)
+
+    def _repr_html_(self) -> str:
+        s = self.summary()
+        rows = "".join(
+            f"<tr><th style='text-align:left'>{k}</th><td>{_human(k, v)}</td></tr>"
+            for k, v in s.items()
+            if v is not None
+        )
+        out = [f"<div><b>LoadReport</b><table>{rows}</table>"]
+        # No timings here: a rendered report must be the same on every run and machine
+        # (notebook outputs are compared); ``report.calls.seconds`` has them.
+        tables = (
+            ("chunks", self.chunks),
+            ("calls", self.calls.drop(columns=["seconds"])),
+            ("deltas", self.deltas),
+        )
+        for title, df in tables:
+            if len(df):
+                out.append(f"<details open><summary>{title} (first rows)</summary>")
+                html = df.head(8).to_html(index=title == "deltas", float_format="{:.4g}".format)
+                out.append(html)
+                out.append("</details>")
+        out.append("</div>")
+        return "".join(out)
+
+    # -- figures (matplotlib on first use) ---------------------------------------------------
+
+    def plot_chunks(self, **kw):
+        """Staged bytes per ``load_weights`` call and why each ended (see patchkit.plot)."""
+        from . import plot
+
+        return plot.plot_chunks(self, **kw)
+
+    def plot_density(self, patch_or_name, **kw):
+        """Where a sparse patch's changes sit, as a heat map (see patchkit.plot)."""
+        from . import plot
+
+        if isinstance(patch_or_name, str):
+            matches = [p for p in self.patches if p.name == patch_or_name]
+            if not matches:
+                raise KeyError(f"no patch named {patch_or_name!r} in this report")
+            patch_or_name = matches[0]
+        return plot.plot_density(patch_or_name, **kw)
+
+    def plot_placement(self, **kw):
+        """Checkpoint regions → runtime regions (see patchkit.plot)."""
+        from . import plot
+
+        return plot.plot_placement(self, **kw)
+
+    def plot_delta(self, target: str, **kw):
+        """Before / after / Δ heat maps and a Δ histogram of one runtime tensor."""
+        from . import plot
+
+        return plot.plot_delta(self, target, **kw)
+
+    def explore(self):
+        """An ipywidgets explorer of this report (see patchkit.widgets)."""
+        from . import widgets
+
+        return widgets.explore(self)
+
+
+def _human(key: str, v: Any) -> str:
+    if "bytes" in key and isinstance(v, int):
+        return human_bytes(v)
+    return str(v)
+
+
+def human_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def inspect_load(
+    model: torch.nn.Module,
+    patches: Iterable[CheckpointWeightPatch],
+    *,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    validate_unique_indices: bool = True,
+    transactional: bool = False,
+    loader: Callable[..., Any] | None = None,
+) -> LoadReport:
+    """Run a real load of ``patches`` into ``model`` and return what happened.
+
+    With ``loader=None`` the load is patchkit's own
+    :func:`~patchkit.load_checkpoint_weight_patches`, with the same arguments and the same
+    effect on the model. With ``loader=`` any callable of that signature (vLLM's, say)
+    runs instead and patchkit only observes it: ``model.load_weights`` is wrapped for
+    the duration to record each call, and writes into runtime tensors are watched on this
+    thread, never changed.
+
+    Failures: if the load raises, the exception propagates unchanged with the partial
+    report attached as ``exc.report`` (the writes made so far stay, unless
+    ``transactional=True`` restored them).
+
+    Memory: see the module docstring (the bytes written, never the whole model).
+    """
+    patches = list(patches)
+    rec = _Recorder()
+    sessions: list[WriteSession] = []
+    kept, positions = canonicalize_tied(model, patches)
+    try:
+        plan = plan_chunks(kept, max_chunk_bytes, positions=positions)
+    except Exception:
+        plan = []
+    error: BaseException | None = None
+    loaded: set[str] = set()
+    try:
+        if loader is None:
+            loaded = run_load(
+                model,
+                patches,
+                max_chunk_bytes=max_chunk_bytes,
+                validate_unique_indices=validate_unique_indices,
+                transactional=transactional,
+                recorder=rec,
+                save_regions=True,
+                session_out=sessions,
+            )
+        else:
+            loaded = _observe_foreign(
+                model, patches, plan, rec, sessions, loader,
+                max_chunk_bytes=max_chunk_bytes,
+                validate_unique_indices=validate_unique_indices,
+                transactional=transactional,
+            )
+        loaded = set(loaded or ())
+    except BaseException as exc:
+        error = exc
+    report = _build_report(
+        model, patches, kept, positions, plan, rec, sessions, max_chunk_bytes, loaded, error
+    )
+    if error is not None:
+        error.report = report  # type: ignore[attr-defined]
+        raise error
+    return report
+
+
+def _observe_foreign(
+    model, patches, plan, rec, sessions, loader, **kwargs
+) -> set[str]:
+    session = WriteSession(model, save_regions=True, recorder=rec, count_changes=True)
+    sessions.append(session)
+    original = model.load_weights
+    had_instance_attr = "load_weights" in vars(model)
+    counter = {"i": 0}
+
+    def recording_load_weights(weights, *a, **kw):
+        staged = list(weights)
+        i = counter["i"]
+        counter["i"] += 1
+        names = [n for n, _ in staged]
+        if i < len(plan) and list(plan[i].names) == names:
+            pos = plan[i].positions
+        else:
+            pos = [p for p, _ in _match_positions(patches, names)]
+        with session.call(i, staged, pos, sparse=False) as r:
+            r.returned = out = original(staged, *a, **kw)
+        return out
+
+    model.load_weights = recording_load_weights
+    try:
+        with torch.no_grad():
+            return loader(model, patches, **kwargs)
+    finally:
+        if had_instance_attr:
+            model.load_weights = original
+        else:
+            del model.load_weights
+
+
+def _match_positions(patches, names):
+    used: set[int] = set()
+    out = []
+    for n in names:
+        for i, p in enumerate(patches):
+            if i not in used and p.name == n:
+                used.add(i)
+                out.append((i, n))
+                break
+        else:
+            out.append((-1, n))
+    return out
+
+
+def _build_report(
+    model, patches, kept, positions, plan, rec, sessions, max_chunk_bytes, loaded, error
+) -> LoadReport:
+    chunk_of: dict[int, Chunk] = {}
+    for c in plan:
+        for p in c.positions:
+            chunk_of[p] = c
+    sent_name = dict(zip(positions, (p.name for p in kept)))
+    rows = []
+    for i, p in enumerate(patches):
+        c = chunk_of.get(i)
+        n = numel(p)
+        nnz = _nnz(p)
+        note = ""
+        if i not in sent_name:
+            note = "dropped: tied alias of a weight patched in the same call"
+        elif sent_name[i] != p.name:
+            note = f"renamed from {p.name!r} (tied alias)"
+        rows.append(
+            {
+                "chunk": None if c is None else c.index,
+                "position": i,
+                "name": sent_name.get(i, p.name),
+                "kind": _kind(p),
+                "shape": tuple(int(d) for d in p.shape),
+                "dtype": _dtype(p.dtype),
+                "numel": n,
+                "nnz": nnz,
+                "density": nnz / n if n else 0.0,
+                "bytes": staged_nbytes(p),
+                "closed_by": None if c is None else c.closed_by,
+                "note": note,
+            }
+        )
+    chunks = pd.DataFrame(
+        rows,
+        columns=[
+            "chunk", "position", "name", "kind", "shape", "dtype", "numel", "nnz",
+            "density", "bytes", "closed_by", "note",
+        ],
+    )
+    chunks["chunk"] = chunks["chunk"].astype("Int64")
+    calls = pd.DataFrame(
+        rec.calls, columns=["chunk", "names", "returned", "writes", "seconds", "error"]
+    )
+    index = sessions[0].index if sessions else None
+    runtime = dict(index.tensors) if index is not None else {}
+    shapes_by_pos = {i: tuple(int(d) for d in p.shape) for i, p in enumerate(patches)}
+    wrows = []
+    for ev in rec.events:
+        ck_region = None
+        if ev.position is not None and ev.position in shapes_by_pos:
+            ck_region = region_text(
+                shapes_by_pos[ev.position], ev.checkpoint_offset,
+                ev.source_shape or ev.shape, ev.source_stride,
+            )
+        tgt = runtime.get(ev.target)
+        tg_region = (
+            region_text(tuple(tgt.shape), ev.target_offset, ev.shape, ev.stride)
+            if tgt is not None
+            else None
+        )
+        wrows.append(
+            {
+                "chunk": ev.chunk,
+                "position": ev.position,
+                "name": ev.name,
+                "checkpoint_offset": ev.checkpoint_offset,
+                "checkpoint_region": ck_region,
+                "target": ev.target,
+                "target_offset": ev.target_offset,
+                "target_region": tg_region,
+                "shape": ev.shape,
+                "elements": ev.elements,
+                "changed": ev.changed,
+                "op": ev.op,
+            }
+        )
+    writes = pd.DataFrame(
+        wrows,
+        columns=[
+            "chunk", "position", "name", "checkpoint_offset", "checkpoint_region", "target",
+            "target_offset", "target_region", "shape", "elements", "changed", "op",
+        ],
+    )
+    for col in ("position", "checkpoint_offset"):
+        writes[col] = writes[col].astype("Int64")
+    saved = sessions[0].saved if sessions else []
+    deltas = _deltas(saved, runtime)
+    return LoadReport(
+        chunks=chunks,
+        calls=calls,
+        writes=writes,
+        deltas=deltas,
+        patches=patches,
+        plan=plan,
+        max_chunk_bytes=max_chunk_bytes,
+        loaded=set(loaded),
+        error=error,
+        _saved=list(saved),
+        _runtime=runtime,
+    )
+
+
+_BLOCK = 1 << 22  # elements per step of the delta statistics: bounds their scratch memory
+
+
+def _deltas(saved: list[SavedRegion], runtime: dict[str, torch.Tensor]) -> pd.DataFrame:
+    """Per touched runtime tensor: elements written once each, bitwise changes, |Δ| stats.
+
+    Works block by block over the saved regions, so its scratch memory is bounded by the
+    block size, whatever the size of the writes.
+    """
+    by_target: dict[str, list[SavedRegion]] = {}
+    for s in saved:
+        by_target.setdefault(s.target, []).append(s)
+    rows = []
+    for target, regions in by_target.items():
+        t = runtime[target]
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if len(regions) == 1 or not _any_overlap(regions):
+            parts = [(s.before.reshape(-1), s.view.reshape(-1)) for s in regions]
+        else:
+            # Overlapping saved regions: the oldest saved value is the true "before" of
+            # each element. Walk the regions oldest first and keep elements not yet seen.
+            span = t.untyped_storage().nbytes() // t.element_size()
+            seen = torch.zeros(span, dtype=torch.bool, device=t.device)
+            flat = t.detach().as_strided((span,), (1,), 0)
+            for s in regions:
+                idx = _flat_index(s.view)
+                fresh = ~seen[idx]
+                seen[idx] = True
+                parts.append((s.before.reshape(-1)[fresh], flat[idx][fresh]))
+        elements = changed = 0
+        max_abs = sum_abs = sum_d2 = sum_b2 = 0.0
+        for before, after in parts:
+            for lo in range(0, before.numel(), _BLOCK):
+                b = before[lo : lo + _BLOCK]
+                a = after[lo : lo + _BLOCK]
+                elements += b.numel()
+                diff = bits(b) != bits(a)
+                changed += int(diff.sum())
+                b64 = b.double()
+                sum_b2 += float(torch.where(torch.isfinite(b64), b64, 0).square().sum())
+                if bool(diff.any()):
+                    d = (a[diff].double() - b[diff].double()).abs()
+                    d = torch.where(torch.isfinite(d), d, 0)
+                    max_abs = max(max_abs, float(d.max()))
+                    sum_abs += float(d.sum())
+                    sum_d2 += float(d.square().sum())
+        dn, bn = math.sqrt(sum_d2), math.sqrt(sum_b2)
+        rows.append(
+            {
+                "target": target,
+                "elements": elements,
+                "changed": changed,
+                "max_abs": max_abs,
+                "mean_abs": sum_abs / elements if elements else 0.0,
+                "rel_l2": dn / bn if bn > 0 else (0.0 if dn == 0 else math.inf),
+            }
+        )
+    cols = ["target", "elements", "changed", "max_abs", "mean_abs", "rel_l2"]
+    return pd.DataFrame(rows, columns=cols).set_index("target")
+
+
+def _any_overlap(regions: list[SavedRegion]) -> bool:
+    from .intercept import Region
+
+    rs = [Region.of(s.view) for s in regions]
+    return any(rs[i].overlaps(rs[j]) for i in range(len(rs)) for j in range(i))
+
+
+def _flat_index(view: torch.Tensor) -> torch.Tensor:
+    """Storage element offsets of every element of ``view``, in its iteration order."""
+    idx = torch.tensor(view.storage_offset(), dtype=torch.int64, device=view.device)
+    for d, s in zip(view.shape, view.stride()):
+        idx = idx.unsqueeze(-1) + torch.arange(d, device=view.device, dtype=torch.int64) * s
+    return idx.reshape(-1)

@@ -1,0 +1,250 @@
+"""inspect_load: the report's tables agree with what the loader really did."""
+
+from __future__ import annotations
+
+import typing
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import patchkit
+from patchkit import CheckpointWeightPatch, inspect_load, patch_summary, plan_chunks
+from patchkit.intercept import bits
+
+
+class Packed(torch.nn.Module):
+    """q, k, v (4x4 each) packed into one (12, 4) parameter; a norm of 4."""
+
+    SLOT: typing.ClassVar[dict[str, int]] = {"q": 0, "k": 4, "v": 8}
+
+    def __init__(self, dtype=torch.float32) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.qkv = torch.nn.Parameter(torch.randn(12, 4, generator=g).to(dtype), False)
+        self.norm = torch.nn.Parameter(torch.ones(4, dtype=dtype), False)
+        self.calls: list[list[str]] = []
+
+    def load_weights(self, weights):
+        names = []
+        for name, t in weights:
+            names.append(name)
+            if name == "norm":
+                self.norm.data.copy_(t)
+            else:
+                off = self.SLOT[name]
+                self.qkv.data.narrow(0, off, 4).copy_(t)
+        self.calls.append(names)
+        return set(names)
+
+
+def dense(name, t):
+    return CheckpointWeightPatch(name, tuple(t.shape), t.dtype, t.reshape(-1).clone())
+
+
+def sparse(name, shape, idx, vals, dtype=torch.float32):
+    return CheckpointWeightPatch(
+        name, shape, dtype, torch.tensor(vals, dtype=dtype), torch.tensor(idx, dtype=torch.int64)
+    )
+
+
+def test_writes_table_places_each_checkpoint_tensor_in_its_packed_slice():
+    m = Packed()
+    g = torch.Generator().manual_seed(1)
+    ps = [dense(n, torch.randn(4, 4, generator=g)) for n in "qkv"]
+    r = inspect_load(m, ps)
+    w = r.writes.set_index("name")
+    assert list(w.index) == ["q", "k", "v"]
+    assert list(w["target"]) == ["qkv"] * 3
+    assert list(w["target_offset"]) == [0, 16, 32]
+    assert list(w["target_region"]) == ["[0:4, :]", "[4:8, :]", "[8:12, :]"]
+    assert list(w["checkpoint_region"]) == ["[:, :]"] * 3
+    assert list(w["position"]) == [0, 1, 2]
+    assert (w["elements"] == 16).all()
+
+
+def test_deltas_count_exactly_the_elements_whose_bits_changed():
+    m = Packed()
+    before = m.qkv.detach().clone()
+    # Three values into k: one equal to the current value (no change), two different.
+    k_now = before[4:8].reshape(-1)
+    p = sparse("k", (4, 4), [0, 5, 15], [float(k_now[0]), 123.0, -7.5])
+    r = inspect_load(m, [p])
+    assert r.deltas.loc["qkv", "changed"] == 2
+    assert r.deltas.loc["qkv", "elements"] == 16  # the loader copies the whole k slice
+    assert r.writes["changed"].tolist() == [2]
+    truth = int((bits(before) != bits(m.qkv.detach())).sum())
+    assert truth == 2
+    assert r.deltas.loc["qkv", "max_abs"] == max(
+        abs(123.0 - float(k_now[5])), abs(-7.5 - float(k_now[15]))
+    )
+
+
+def test_before_and_after_rebuild_the_runtime_tensor_around_the_load():
+    m = Packed()
+    before = m.qkv.detach().clone()
+    ps = [sparse("v", (4, 4), [1], [9.0]), sparse("v", (4, 4), [1, 2], [10.0, 11.0])]
+    r = inspect_load(m, ps)
+    assert torch.equal(bits(r.before("qkv")), bits(before))
+    assert torch.equal(bits(r.after("qkv")), bits(m.qkv.detach()))
+    assert r.after("qkv")[8, 1] == 10.0  # later patch wins
+    # The same region was written twice: counted once in elements, changed vs the start.
+    assert r.deltas.loc["qkv", "elements"] == 16
+    assert r.deltas.loc["qkv", "changed"] == 2
+
+
+def test_overlapping_regions_of_one_tensor_count_each_element_once():
+    class Halves(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(8), False)
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                lo = 0 if name == "a" else 2  # a writes 0:6, b writes 2:8
+                self.w.data[lo : lo + 6].copy_(t)
+            return {n for n, _ in weights}
+
+    m = Halves()
+    ps = [dense("a", torch.ones(6)), dense("b", torch.full((6,), 2.0))]
+    r = inspect_load(m, ps)
+    assert r.deltas.loc["w", "elements"] == 8
+    assert r.deltas.loc["w", "changed"] == 8
+    assert torch.equal(r.before("w"), torch.zeros(8))
+
+
+def test_chunks_table_is_the_plan_and_calls_table_is_what_the_loader_did():
+    m = Packed()
+    g = torch.Generator().manual_seed(2)
+    ps = [dense(n, torch.randn(4, 4, generator=g)) for n in ["q", "k", "q", "v"]]
+    r = inspect_load(m, ps, max_chunk_bytes=100)
+    plan = plan_chunks(ps, 100)
+    assert r.chunks["chunk"].tolist() == [c.index for c in plan for _ in c.positions]
+    assert r.chunks.groupby("chunk")["closed_by"].first().tolist() == [c.closed_by for c in plan]
+    assert [list(n) for n in r.calls["names"]] == m.calls == [list(c.names) for c in plan]
+    assert r.calls["writes"].tolist() == [len(c.positions) for c in plan]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    names=st.lists(st.sampled_from(["q", "k", "v", "norm"]), min_size=1, max_size=8),
+    budget=st.integers(min_value=1, max_value=300),
+)
+def test_reported_chunks_and_calls_agree_with_the_loaders_real_calls(names, budget):
+    m = Packed()
+    ps = [
+        dense(n, torch.full((4,) if n == "norm" else (4, 4), float(i)))
+        for i, n in enumerate(names)
+    ]
+    r = inspect_load(m, ps, max_chunk_bytes=budget)
+    plain = Packed()
+    patchkit.load_checkpoint_weight_patches(plain, ps, max_chunk_bytes=budget)
+    assert [list(x) for x in r.calls["names"]] == m.calls == plain.calls
+    per_chunk = r.chunks.groupby("chunk")["name"].apply(list).tolist()
+    assert per_chunk == m.calls
+    assert torch.equal(m.qkv, plain.qkv) and torch.equal(m.norm, plain.norm)
+
+
+def test_patch_summary_reports_density_and_bytes():
+    ps = [
+        dense("norm", torch.ones(4)),
+        sparse("k", (4, 4), [0, 3], [1.0, 2.0], dtype=torch.bfloat16),
+    ]
+    df = patch_summary(ps)
+    assert df["kind"].tolist() == ["dense", "sparse"]
+    assert df["nnz"].tolist() == [4, 2]
+    assert df["density"].tolist() == [1.0, 2 / 16]
+    assert df["staged_bytes"].tolist() == [16, 32]
+    assert df["wire_bytes"].tolist() == [16, 2 * 2 + 2 * 8]
+
+
+def test_a_failed_load_raises_with_the_partial_report_attached():
+    m = Packed()
+    ps = [dense("q", torch.ones(4, 4)), dense("nope", torch.ones(4, 4))]
+    try:
+        inspect_load(m, ps, max_chunk_bytes=64)
+    except KeyError as exc:
+        report = exc.report
+    else:
+        raise AssertionError("the load should have raised")
+    assert report.error is not None
+    assert report.calls["error"].tolist() == [False, True]
+    assert report.writes["name"].tolist() == ["q"]
+    assert (m.qkv[0:4] == 1).all()  # not transactional: the first chunk stays
+
+
+def test_transactional_report_restores_and_says_so():
+    m = Packed()
+    before = m.qkv.detach().clone()
+    ps = [dense("q", torch.ones(4, 4)), dense("nope", torch.ones(4, 4))]
+    try:
+        inspect_load(m, ps, max_chunk_bytes=64, transactional=True)
+    except KeyError as exc:
+        assert exc.report.writes["name"].tolist() == ["q"]
+    assert torch.equal(bits(m.qkv.detach()), bits(before))
+
+
+def test_report_renders_in_a_terminal_and_a_notebook_without_timings():
+    m = Packed()
+    r = inspect_load(m, [sparse("q", (4, 4), [0], [5.0])])
+    text = repr(r)
+    assert "LoadReport(" in text and "load_weights calls=1" in text
+    html = r._repr_html_()
+    assert "<table" in html and "seconds" not in html
+    assert r.summary()["elements changed"] == 1
+
+
+# -- observing another loader -------------------------------------------------------------
+
+
+def vllm_style_loader(
+    model, patches, *, max_chunk_bytes=512 << 20, validate_unique_indices=True,
+    transactional=False,
+):
+    """A stand-in for vLLM 0.33's approach, written for this test: while a sparse chunk
+    loads, ``torch.Tensor.copy_`` is replaced process-wide by a NaN-merging copy."""
+    patches = list(patches)
+    is_sparse = bool(patches) and patches[0].indices is not None
+    names = set()
+    for chunk in plan_chunks(patches, max_chunk_bytes):
+        staged = []
+        for pos in chunk.positions:
+            p = patches[pos]
+            if p.indices is None:
+                staged.append((p.name, p.values.to(p.dtype).reshape(p.shape)))
+            else:
+                t = torch.full(p.shape, float("nan"), dtype=p.dtype)
+                t.view(-1)[p.indices.long()] = p.values.to(p.dtype)
+                staged.append((p.name, t))
+        original = torch.Tensor.copy_
+
+        def merging_copy(dst, src, non_blocking=False, original=original):
+            src = src.to(dst.dtype)
+            return original(dst, torch.where(torch.isnan(src), dst, src), non_blocking)
+
+        if is_sparse:
+            torch.Tensor.copy_ = merging_copy
+        try:
+            out = model.load_weights(staged)
+        finally:
+            torch.Tensor.copy_ = original
+        names |= set(out or ())
+    return names
+
+
+def test_observing_a_foreign_loader_agrees_with_the_builtin_loader():
+    ps = [
+        sparse("q", (4, 4), [0, 7], [1.5, -2.0]),
+        sparse("v", (4, 4), [3], [4.0]),
+        sparse("q", (4, 4), [7, 8], [3.0, 5.0]),
+    ]
+    ours_model, theirs_model = Packed(), Packed()
+    ours = inspect_load(ours_model, ps, max_chunk_bytes=128)
+    theirs = inspect_load(theirs_model, ps, max_chunk_bytes=128, loader=vllm_style_loader)
+    assert torch.equal(bits(ours_model.qkv.detach()), bits(theirs_model.qkv.detach()))
+    assert theirs.calls["names"].tolist() == ours.calls["names"].tolist()
+    assert theirs.deltas["changed"].to_dict() == ours.deltas["changed"].to_dict()
+    assert theirs.writes[["chunk", "target", "target_region", "changed"]].equals(
+        ours.writes[["chunk", "target", "target_region", "changed"]]
+    )
+    assert "load_weights" not in vars(theirs_model)  # the wrapper is gone
