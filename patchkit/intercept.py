@@ -417,7 +417,12 @@ class WriteSession:
                 "copy_ into the existing storage. The original storage was put back",
                 position=positions[0], name=staged[0][0], reason="rebinding", value=rebound[0],
             )
-        if self._call_writes == 0 and (returned is None or len(list(returned)) > 0):
+        nothing_to_write = all(t.numel() == 0 for _, t in staged)
+        if (
+            self._call_writes == 0
+            and not nothing_to_write
+            and (returned is None or len(list(returned)) > 0)
+        ):
             said = "returned None" if returned is None else f"returned {sorted(returned)!r}"
             raise ContractViolation(
                 f"load_weights (call {self._chunk}, "
@@ -448,7 +453,10 @@ class WriteSession:
         if self._sparse:
             dest, src = args[0], args[1]
             cast = src.to(device=dest.device, dtype=dest.dtype)
-            merged = torch.where(torch.isnan(cast), dest, cast)
+            # Merge on the bits: exact for every float dtype (payloads, -0.0, subnormals),
+            # and no float kernels are needed for dtypes that lack them (float8 on CPU).
+            keep = torch.isnan(cast if cast.element_size() > 1 else cast.float())
+            merged = torch.where(keep, bits(dest), bits(cast)).view(dest.dtype)
             out = func(dest, merged, *args[2:], **kwargs)
         else:
             out = func(*args, **kwargs)

@@ -84,7 +84,7 @@ def run_load(
     so the caller can read the saved regions after the load.
     """
     with torch.no_grad():
-        patches = list(patches)
+        patches = [_as_patch(p) for p in patches]
         kind = validate_patches(
             patches,
             max_chunk_bytes=max_chunk_bytes,
@@ -164,10 +164,14 @@ def canonicalize_tied(
         elif target in names:
             continue
         else:
-            kept.append(p._replace(name=target) if hasattr(p, "_replace") else _renamed(p, target))
+            kept.append(p._replace(name=target))
         positions.append(i)
     return kept, positions
 
 
-def _renamed(p: Any, name: str) -> CheckpointWeightPatch:
-    return CheckpointWeightPatch(name, *tuple(p)[1:])
+def _as_patch(p: Any) -> Any:
+    """A plain 5-tuple becomes a :class:`CheckpointWeightPatch`; anything else is kept
+    as it is (another implementation's NamedTuple, or a bad value validation reports)."""
+    if type(p) is tuple and len(p) == 5:
+        return CheckpointWeightPatch(*p)
+    return p

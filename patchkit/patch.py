@@ -178,7 +178,10 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
     n = numel(patch)
     idx = indices.to(device=device, dtype=torch.int64, non_blocking=True)
     if values.is_floating_point() or values.is_complex():
-        has_nan = torch.isnan(values).any()
+        # Check the values as they will be staged: a finite value can become NaN in the
+        # cast (float8 "fnuz" types overflow to NaN) and would then silently mean "keep".
+        cast = values if values.dtype == patch.dtype else values.to(patch.dtype)
+        has_nan = torch.isnan(cast if cast.element_size() > 1 else cast.float()).any()
     else:
         has_nan = torch.zeros((), dtype=torch.bool, device=device)
     oob = ((idx < 0) | (idx >= n)).any()
@@ -208,7 +211,8 @@ def _first_offending_index(patch: CheckpointWeightPatch, reason: str) -> int:
     values, indices = patch.values, patch.indices
     idx = indices.to(device=values.device, dtype=torch.int64)
     if reason == "NaN":
-        pos = int(torch.nonzero(torch.isnan(values))[0, 0])
+        cast = values.to(patch.dtype).float()
+        pos = int(torch.nonzero(torch.isnan(cast))[0, 0])
         return int(idx[pos])
     if reason == "out-of-range":
         pos = int(torch.nonzero((idx < 0) | (idx >= numel(patch)))[0, 0])
@@ -288,9 +292,15 @@ def validate_patches(
         i, reason = first_bad
         p = patches[i]
         bad = _first_offending_index(p, reason)
+        nan_text = f"a NaN among the values at index {bad}"
+        if p.values.dtype != p.dtype:
+            pos = int(torch.nonzero(p.indices.to(p.values.device) == bad)[0, 0])
+            v = p.values[pos]
+            if not bool(torch.isnan(v.float())):
+                nan_text = f"value {float(v)!r} at index {bad} becomes NaN when cast to {p.dtype}"
         text = {
-            "NaN": f"a NaN among the values at index {bad} (NaN means 'unchanged', so it "
-            "cannot be sent sparsely; send this weight dense)",
+            "NaN": f"{nan_text} (NaN means 'unchanged', so it cannot be sent sparsely; "
+            "send this weight dense)",
             "out-of-range": f"index {bad} is out of range for shape {tuple(p.shape)} "
             f"({numel(p)} elements)",
             "duplicate": f"index {bad} appears more than once",

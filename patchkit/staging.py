@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .intercept import bits
 from .patch import CheckpointWeightPatch
 
 __all__ = ["stage"]
@@ -26,5 +27,7 @@ def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
     staged = torch.full(shape, float("nan"), dtype=dtype, device=values.device)
     if indices.numel():
         idx = indices.to(device=values.device, dtype=torch.int64)
-        staged.view(-1).index_copy_(0, idx, values.to(dtype))
+        # Scatter the bits, not the numbers: the same for every float dtype, and it works
+        # for dtypes whose index_copy_ kernel is missing on some devices (float8 on CPU).
+        bits(staged).view(-1).index_copy_(0, idx, bits(values.to(dtype)))
     return staged

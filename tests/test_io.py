@@ -122,7 +122,10 @@ def patch_lists(draw):
             idx = torch.randperm(size, generator=g)[:k]
             idx = idx.to(draw(st.sampled_from([torch.int32, torch.int64])))
             values = random_bits(k, vdtype, g)
-            values = torch.where(torch.isnan(values.float()), torch.zeros(k, dtype=vdtype), values)
+            # NaN means "unchanged": neither the values nor their cast to the patch dtype
+            # may hold one (a float32 value can overflow to NaN in the fnuz float8 types).
+            nan = torch.isnan(values.float()) | torch.isnan(values.to(dtype).float())
+            values = torch.where(nan, torch.zeros(k, dtype=vdtype), values)
             out.append(CheckpointWeightPatch(name, shape, dtype, values, idx))
         else:
             dtype = draw(st.sampled_from(FLOATS + INTS))

@@ -1,0 +1,46 @@
+"""Edges of the dtype and shape space: float8, casts that make NaN, empty tensors, tuples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from patchkit.intercept import bits
+from patchkit.toymodels import PlainModel
+
+
+def test_sparse_float8_patch_loads_bit_exact_on_cpu(load, Patch):
+    m = PlainModel({"w": (6,)}, dtype=torch.float8_e4m3fn)
+    before = m.w.detach().clone()
+    vals = torch.tensor([0.5, -2.0], dtype=torch.float8_e4m3fn)
+    load(m, [Patch("w", (6,), torch.float8_e4m3fn, vals, torch.tensor([1, 4]))])
+    want = before.clone()
+    want[torch.tensor([1, 4])] = vals
+    assert torch.equal(bits(m.w.detach()), bits(want))
+
+
+@pytest.mark.patchkit_only
+def test_a_value_that_becomes_nan_in_the_cast_is_rejected_before_loading(load, Patch):
+    # 1e6 overflows float8_e4m3fnuz, whose overflow value is NaN: staged, it would mean
+    # "unchanged" and the element would silently keep its old value.
+    m = PlainModel({"w": (4,)}, dtype=torch.float32)
+    p = Patch("w", (4,), torch.float8_e4m3fnuz, torch.tensor([1.0, 1e6]), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="becomes NaN when cast") as info:
+        load(m, [p])
+    assert info.value.reason == "NaN" and info.value.value == 2
+    assert torch.equal(m.w.detach(), torch.zeros(4))
+
+
+def test_sparse_patch_of_a_zero_size_weight_is_a_no_op(load, Patch):
+    m = PlainModel({"e": (0, 3), "w": (2,)})
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert load(m, [Patch("e", (0, 3), torch.float32, torch.zeros(0), empty)]) == {"e"}
+
+
+@pytest.mark.patchkit_only
+def test_plain_five_tuples_are_accepted_as_patches(load):
+    m = PlainModel({"w": (3,)})
+    load(m, [("w", (3,), torch.float32, torch.tensor([1.0, 2.0, 3.0]), None)])
+    assert m.w.tolist() == [1.0, 2.0, 3.0]
+    load(m, [("w", (3,), torch.float32, torch.tensor([9.0]), torch.tensor([1]))])
+    assert m.w.tolist() == [1.0, 9.0, 3.0]
