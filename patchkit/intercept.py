@@ -453,11 +453,12 @@ class WriteSession:
         if self._sparse:
             dest, src = args[0], args[1]
             cast = src.to(device=dest.device, dtype=dest.dtype)
-            # Merge on the bits: exact for every float dtype (payloads, -0.0, subnormals),
-            # and no float kernels are needed for dtypes that lack them (float8 on CPU).
+            # Merge on the bits, in place: exact for every float dtype (payloads, -0.0,
+            # subnormals), no float kernels needed where a dtype lacks them (float8 on
+            # CPU), and no destination-sized temporary beyond the 1-byte mask.
             keep = torch.isnan(cast if cast.element_size() > 1 else cast.float())
-            merged = torch.where(keep, bits(dest), bits(cast)).view(dest.dtype)
-            out = func(dest, merged, *args[2:], **kwargs)
+            torch.where(keep, bits(dest), bits(cast), out=bits(dest))
+            out = dest
         else:
             out = func(*args, **kwargs)
         self._call_writes += 1
