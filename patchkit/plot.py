@@ -1,0 +1,796 @@
+"""Figures of a load: chunk plans, patch density, placement, before/after deltas.
+
+Imports matplotlib (``import patchkit`` does not; :class:`~patchkit.inspect.LoadReport`
+imports this module on the first call of a ``plot_*`` method).
+
+How the figures display. Every function returns a :class:`matplotlib.figure.Figure`
+built *without* pyplot (:class:`ReportFigure`, a ``Figure`` subclass): nothing is
+registered with pyplot, nothing is ever shown by patchkit, no GUI window opens in a
+script, and no figure is left open behind the caller's back. In a notebook a figure that
+is the cell's last expression appears exactly once: IPython renders it through
+:meth:`ReportFigure._repr_png_` (or through the inline backend's own formatter for
+figures, when pyplot has already activated it; IPython uses one or the other, never
+both). A plain ``Figure`` made without pyplot would show as ``<Figure size ...>`` text in
+a fresh kernel, and a pyplot figure that is not closed would be drawn a second time by
+the inline backend at the end of the cell. A figure that is not the last expression is
+not shown: call ``display(fig)``, or ``fig.savefig(path)`` to write it.
+
+Everything is deterministic (no timestamps, no randomness) and uses the user's words:
+checkpoint vs runtime coordinates, patch, chunk, staged bytes, write, delta. Big tensors
+are downsampled to a bounded number of pixels; density maps come from the indices
+(O(nnz)), never from a materialised tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import math
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import torch
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
+
+from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
+from .density import density_map, grid_shape
+from .inspect import human_bytes
+from .intercept import bits
+from .patch import CheckpointWeightPatch, numel, staged_nbytes
+
+if TYPE_CHECKING:
+    from .inspect import LoadReport
+
+__all__ = [
+    "MAX_BINS",
+    "ReportFigure",
+    "plot_chunks",
+    "plot_delta",
+    "plot_density",
+    "plot_placement",
+    "pool_max_abs",
+    "pool_mean",
+    "region_rects",
+    "to_png",
+    "written_mask",
+]
+
+MAX_BINS = 1024
+"""Most blocks per axis of any heat map: images stay under a million pixels."""
+
+MAX_TARGETS = 6
+"""Runtime tensors :func:`plot_placement` draws when not told which."""
+
+_MAX_WRITES = 64  # writes drawn per runtime tensor; the rest are counted in a note
+_MAX_SOURCES = 8  # checkpoint tensors drawn beside one runtime tensor
+_MAX_LEGEND = 12
+_MAX_ANNOTATED_CALLS = 60
+
+_REASON_STYLE = {
+    # colour, hatch: distinguishable in greyscale and for colour-blind readers
+    "budget": ("#4C72B0", ""),
+    "repeated name": ("#DD8452", "\\\\"),
+    "end": ("#55A868", ".."),
+}
+_OVER_BUDGET = "#C44E52"
+
+
+class ReportFigure(Figure):
+    """A :class:`~matplotlib.figure.Figure` that renders itself once in a notebook.
+
+    It is an ordinary ``Figure`` (``savefig``, ``axes``, ``get_axes`` all work); the only
+    addition is :meth:`_repr_png_`, which IPython calls to display it.
+    """
+
+    def _repr_png_(self) -> bytes:
+        return to_png(self)
+
+
+def to_png(fig: Figure, dpi: float = 100) -> bytes:
+    """The figure as PNG bytes (no version or time metadata in the file).
+
+    Drawn once at the figure's size: patchkit's figures use constrained layout, which
+    already fits their contents, so a "tight" bounding box (a second draw) is not needed.
+    """
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def _new_figure(width: float, height: float) -> ReportFigure:
+    # A fixed dpi keeps the text/plain repr ("<ReportFigure size WxH ...>") the same
+    # whatever rcParams a notebook has set, so stored notebook outputs stay comparable.
+    return ReportFigure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+# -- shared helpers ------------------------------------------------------------------------
+
+
+class _BytesLocator(Locator):
+    """Ticks at round numbers of the largest binary unit below the top (KiB, MiB, ...)."""
+
+    def __call__(self) -> Sequence[float]:
+        vmin, vmax = self.axis.get_view_interval()
+        return self.tick_values(vmin, vmax)
+
+    def tick_values(self, vmin: float, vmax: float) -> Sequence[float]:
+        top = max(abs(vmin), abs(vmax), 1.0)
+        k = 0
+        while k < 3 and top >= 1024 ** (k + 1):
+            k += 1
+        unit = 1024**k
+        inner = MaxNLocator(nbins=6, steps=[1, 2, 2.5, 4, 5, 10])
+        return inner.tick_values(vmin / unit, vmax / unit) * unit
+
+
+def _bytes_tick(v: float, _pos: Any = None) -> str:
+    return human_bytes(v).replace(".0 ", " ")
+
+
+def _short(name: str, n: int = 24, parts: int = 3) -> str:
+    """A checkpoint name cut to its last ``parts`` dotted components and ``n`` characters.
+
+    ``model.layers.0.self_attn.q_proj.weight`` → ``…self_attn.q_proj.weight``: the tail
+    says what the tensor is; the layer prefix is shared by its neighbours.
+    """
+    pieces = name.split(".")
+    if len(pieces) > parts:
+        name = "…" + ".".join(pieces[-parts:])
+    return name if len(name) <= n else "…" + name[-(n - 1) :]
+
+
+def _tag(name: str) -> str:
+    """The most telling dotted component: ``model.layers.0.mlp.up_proj.weight`` → ``up_proj``."""
+    pieces = name.split(".")
+    if len(pieces) > 1 and pieces[-1] in ("weight", "bias"):
+        pieces = pieces[:-1]
+    return pieces[-1]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3g} %"
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(int(d)) for d in shape) + (",)" if len(shape) == 1 else ")")
+
+
+def _cap_bins(bins: Sequence[int], rows: int, cols: int) -> tuple[int, int]:
+    br = max(1, min(int(bins[0]), MAX_BINS, max(rows, 1)))
+    bc = max(1, min(int(bins[1]), MAX_BINS, max(cols, 1)))
+    return br, bc
+
+
+def _axis_words(ndim: int, side: str) -> tuple[str, str]:
+    """(x label, y label) of the 2-D view :func:`~patchkit.density.grid_shape` draws."""
+    if ndim == 0:
+        return f"{side} scalar", ""
+    if ndim == 1:
+        return f"{side} element", ""
+    if ndim == 2:
+        return f"{side} column", f"{side} row"
+    return f"{side} column (dim {ndim - 1})", f"{side} row (dims 0–{ndim - 2} flattened)"
+
+
+def _extent(rows: int, cols: int) -> tuple[float, float, float, float]:
+    return (0.0, float(max(cols, 1)), float(max(rows, 1)), 0.0)
+
+
+# -- chunk plans ---------------------------------------------------------------------------
+
+
+def _plan_for(
+    source: LoadReport | Sequence[CheckpointWeightPatch], max_chunk_bytes: int | None
+) -> tuple[list[CheckpointWeightPatch], list[Chunk], int]:
+    """(patches by input position, plan, budget) for a report or a list of patches.
+
+    A report's own plan is used unless another ``max_chunk_bytes`` is asked for; then the
+    patches the report's load actually sent (tied aliases dropped or renamed) are planned
+    again with :func:`~patchkit.plan_chunks`, exactly as the loader would.
+    """
+    if hasattr(source, "plan") and hasattr(source, "patches"):
+        patches = list(source.patches)
+        if max_chunk_bytes is None or max_chunk_bytes == source.max_chunk_bytes:
+            return patches, list(source.plan), int(source.max_chunk_bytes)
+        positions = [p for c in source.plan for p in c.positions]
+        names = [n for c in source.plan for n in c.names]
+        sent = [patches[i]._replace(name=n) for i, n in zip(positions, names)]
+        return patches, plan_chunks(sent, max_chunk_bytes, positions=positions), max_chunk_bytes
+    patches = list(source)
+    budget = DEFAULT_MAX_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes
+    return patches, plan_chunks(patches, budget), budget
+
+
+def plot_chunks(
+    report_or_patches: LoadReport | Sequence[CheckpointWeightPatch],
+    max_chunk_bytes: int | None = None,
+    *,
+    ax: Axes | None = None,
+) -> Figure:
+    """Staged bytes per ``load_weights`` call, and why each call ended.
+
+    ``report_or_patches`` is a :class:`~patchkit.inspect.LoadReport` (its plan and budget;
+    a different ``max_chunk_bytes`` re-plans the patches it sent) or a list of patches
+    (planned with :func:`~patchkit.plan_chunks` and ``max_chunk_bytes``, default 512 MiB;
+    nothing is staged or loaded).
+
+    What the figure holds, for a caller that reads it back: one stacked bar per call at
+    x = call index, one :class:`~matplotlib.patches.Rectangle` per patch with height its
+    staged bytes and gid ``"segment <call> <position>"``; the dashed budget line
+    (gid ``"budget"``, y = ``max_chunk_bytes``; above the visible range when the budget
+    dwarfs every call, with a note saying so); one annotation per call (gid
+    ``"closed_by"``, text ``budget`` / ``repeated name`` / ``end``) for up to 60 calls,
+    beyond which the bar colours and hatches (see the legend) carry the reason; an
+    ``"over budget"`` annotation (gid ``"over_budget"``) on a single patch larger than
+    the budget. Returns ``ax.figure`` when ``ax`` is given, else a new
+    :class:`ReportFigure`.
+    """
+    patches, plan, budget = _plan_for(report_or_patches, max_chunk_bytes)
+    if ax is None:
+        fig: Figure = _new_figure(max(6.0, min(14.0, 3.0 + 0.45 * len(plan))), 4.2)
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+    n_sent = sum(len(c.positions) for c in plan)
+    total = sum(c.bytes for c in plan)
+    calls = f"{len(plan)} load_weights call{'s' if len(plan) != 1 else ''}"
+    ax.set_title(
+        f"Chunk plan: {n_sent} patches, {human_bytes(total)} staged → {calls}\n"
+        f"max_chunk_bytes = {human_bytes(budget)}",
+        fontsize=10,
+    )
+    ax.set_xlabel("load_weights call")
+    ax.set_ylabel("staged bytes")
+    if not plan:
+        ax.text(0.5, 0.5, "no patches", transform=ax.transAxes, ha="center", va="center")
+        return fig
+
+    tallest = max(c.bytes for c in plan) or 1
+    budget_off_scale = budget > 8 * tallest
+    top = (tallest if budget_off_scale else max(tallest, budget)) * 1.22
+    # Label a segment with its patch name only where the text fits inside it: the bar is
+    # 0.8 of a call's width, the axes about 0.6 of the figure, 7-pt text ~4 pt a character.
+    bar_in = 0.8 * 0.6 * fig.get_figwidth() * ax.get_position().width / max(len(plan), 1)
+    label_chars = int(bar_in * 72 / 4.5)
+    label_min = 0.07 * top
+    for c in plan:
+        colour, hatch = _REASON_STYLE[c.closed_by]
+        bottom = 0
+        for k, pos in enumerate(c.positions):
+            height = staged_nbytes(patches[pos])
+            ax.add_patch(
+                Rectangle(
+                    (c.index - 0.4, bottom), 0.8, height,
+                    facecolor=colour, alpha=0.95 if k % 2 == 0 else 0.7,
+                    edgecolor=_OVER_BUDGET if c.over_budget else "white",
+                    linewidth=2.0 if c.over_budget else 0.8,
+                    hatch="xx" if c.over_budget else hatch,
+                    gid=f"segment {c.index} {pos}",
+                )
+            )
+            tag = _tag(c.names[k])
+            if len(tag) <= label_chars and height >= label_min:
+                ax.text(
+                    c.index, bottom + height / 2, tag,
+                    ha="center", va="center", fontsize=7, color="white", clip_on=True,
+                    gid="segment label",
+                )
+            bottom += height
+        if len(plan) <= _MAX_ANNOTATED_CALLS:
+            ax.annotate(
+                c.closed_by, xy=(c.index, c.bytes), xytext=(0, 3), textcoords="offset points",
+                ha="center", va="bottom", fontsize=8, rotation=90 if bar_in * 72 < 60 else 0,
+                gid="closed_by",
+            )
+        if c.over_budget:
+            ax.annotate(
+                "over budget", xy=(c.index, min(c.bytes, top) / 2), ha="center", va="center",
+                fontsize=7, color=_OVER_BUDGET, fontweight="bold", rotation=90,
+                bbox={"boxstyle": "round,pad=0.2", "facecolor": "white",
+                      "edgecolor": _OVER_BUDGET},
+                gid="over_budget",
+            )
+    ax.axhline(budget, linestyle="--", color="0.15", linewidth=1.2, gid="budget")
+    if budget_off_scale:
+        ax.text(
+            0.99, 0.98, f"max_chunk_bytes = {human_bytes(budget)} (above this scale)",
+            transform=ax.transAxes, ha="right", va="top", fontsize=8, color="0.15",
+        )
+    ax.set_xlim(-0.7, len(plan) - 0.3)
+    ax.set_ylim(0, top)
+    ax.yaxis.set_major_locator(_BytesLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(_bytes_tick))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(len(plan), 20)))
+    reasons = [r for r in _REASON_STYLE if any(c.closed_by == r for c in plan)]
+    handles: list[Any] = [
+        Patch(facecolor=_REASON_STYLE[r][0], hatch=_REASON_STYLE[r][1], label=f"closed by {r}")
+        for r in reasons
+    ]
+    handles.append(
+        Line2D([], [], linestyle="--", color="0.15",
+               label=f"max_chunk_bytes ({human_bytes(budget)})")
+    )
+    if any(c.over_budget for c in plan):
+        handles.append(
+            Patch(facecolor="white", edgecolor=_OVER_BUDGET, hatch="xx", linewidth=2,
+                  label="one patch over budget (travels alone)")
+        )
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+              frameon=False)
+    return fig
+
+
+# -- density -------------------------------------------------------------------------------
+
+
+def plot_density(
+    patch: CheckpointWeightPatch,
+    bins: tuple[int, int] = (128, 128),
+    *,
+    ax: Axes | None = None,
+) -> Figure:
+    """Where a patch's changes sit: a heat map of :func:`~patchkit.density.density_map`.
+
+    The tensor is drawn as its 2-D view (rows × last dimension) in checkpoint
+    coordinates: the image's extent is the real row and column range, so tick labels are
+    checkpoint row and column numbers. ``bins`` is capped at :data:`MAX_BINS` per axis
+    (and at the tensor's rows/columns); the single image (``ax.images[0]``) holds exactly
+    ``density_map(patch, capped bins)``, colour scale from 0 to the densest block, with a
+    colorbar. Cost is that of :func:`density_map`: O(nnz), so a 128256 × 2560 patch at
+    1 % density draws in about a second. A dense patch is uniformly 1.
+    """
+    rows, cols = grid_shape(patch.shape)
+    br, bc = _cap_bins(bins, rows, cols)
+    dmap = density_map(patch, (br, bc)).numpy()
+    if ax is None:
+        fig: Figure = _new_figure(7.5, 5.2)
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+    top = float(dmap.max()) if dmap.size else 0.0
+    im = ax.imshow(
+        dmap, cmap="viridis", vmin=0.0, vmax=top if top > 0 else 1.0,
+        interpolation="nearest", aspect="auto", extent=_extent(rows, cols),
+    )
+    fig.colorbar(im, ax=ax, label="fraction of elements changed per block")
+    n = numel(patch)
+    nnz = n if patch.indices is None else int(patch.indices.numel())
+    kind = "dense" if patch.indices is None else "sparse"
+    ax.set_title(
+        f"{patch.name}  {_shape_text(patch.shape)} {str(patch.dtype).removeprefix('torch.')}\n"
+        f"{kind}: nnz {nnz:,} of {n:,} ({_pct(nnz / n if n else 0.0)}); "
+        f"{br} × {bc} blocks",
+        fontsize=10,
+    )
+    xlabel, ylabel = _axis_words(len(patch.shape), "checkpoint")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(patch.shape) < 2:
+        ax.set_yticks([])
+    else:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
+
+
+# -- placement -----------------------------------------------------------------------------
+
+_BOX = re.compile(r"^\[(.*)\]$")
+_SPAN = re.compile(r"^(\d+) elements from (\d+)$")
+Rect = tuple[int, int, int, int]  # row0, row1, col0, col1 in the 2-D view
+
+
+def _span_rects(offset: int, n: int, cols: int) -> list[Rect]:
+    """A contiguous flat range of a row-major grid as at most three rectangles."""
+    if n <= 0 or cols <= 0:
+        return []
+    r0, c0 = divmod(offset, cols)
+    r1, c1 = divmod(offset + n, cols)
+    if r0 == r1:
+        return [(r0, r0 + 1, c0, c1)]
+    out = []
+    if c0:
+        out.append((r0, r0 + 1, c0, cols))
+        r0 += 1
+    if r1 > r0:
+        out.append((r0, r1, 0, cols))
+    if c1:
+        out.append((r1, r1 + 1, 0, c1))
+    return out
+
+
+def region_rects(text: str | None, shape: Sequence[int]) -> tuple[list[Rect], bool]:
+    """Rectangles ``(row0, row1, col0, col1)`` of a region in the 2-D view of ``shape``.
+
+    ``text`` is :func:`~patchkit.density.region_text` notation. A box (``"[0:4, :]"``,
+    ``"[:, 4:8]"``, ``"[2:6]"``, ``"[]"``) gives its exact rectangles and ``True``. Text
+    of the form ``"<n> elements from <offset>"`` (a region that is not a box) gives the
+    rectangles of the flat range ``[offset, offset + n)`` and ``False``: exact when the
+    region was contiguous, an outline of where it starts and ends otherwise. ``None`` or
+    unreadable text gives ``([], False)``.
+    """
+    dims = tuple(int(d) for d in shape)
+    cols = grid_shape(dims)[1]
+    if text is None:
+        return [], False
+    m = _SPAN.match(text)
+    if m:
+        return _span_rects(int(m.group(2)), int(m.group(1)), cols), False
+    m = _BOX.match(text)
+    if m is None:
+        return [], False
+    inner = m.group(1).strip()
+    parts = [p.strip() for p in inner.split(",")] if inner else []
+    if len(parts) != len(dims):
+        return [], False
+    bounds = []
+    for part, d in zip(parts, dims):
+        if part == ":":
+            bounds.append((0, d))
+            continue
+        a, _, b = part.partition(":")
+        try:
+            bounds.append((int(a), int(b)))
+        except ValueError:
+            return [], False
+    if not dims:
+        return [(0, 1, 0, 1)], True
+    c0, c1 = bounds[-1]
+    if len(dims) == 1:
+        return [(0, 1, c0, c1)], True
+    lead, lead_dims = bounds[:-1], dims[:-1]
+    # Rows of the view fold the leading dims: the box is one rectangle when every leading
+    # dim after the first is whole, else one rectangle per run of consecutive rows.
+    inner_rows = math.prod(lead_dims[1:])
+    if all(b == (0, d) for b, d in zip(lead[1:], lead_dims[1:])):
+        return [(lead[0][0] * inner_rows, lead[0][1] * inner_rows, c0, c1)], True
+    strides = [math.prod(lead_dims[i + 1 :]) for i in range(len(lead_dims))]
+    outer = [range(a, b) for a, b in lead[:-1]]
+    if math.prod(len(r) for r in outer) > 4096:
+        first = sum(a * s for (a, _), s in zip(lead, strides))
+        last = sum((b - 1) * s for (_, b), s in zip(lead, strides))
+        return [(first, last + 1, c0, c1)], False
+    a_last, b_last = lead[-1]
+    out = []
+    for idx in itertools.product(*outer):
+        base = sum(i * s for i, s in zip(idx, strides))
+        out.append((base + a_last, base + b_last, c0, c1))
+    return out, True
+
+
+def _write_colour(k: int) -> Any:
+    from matplotlib import colormaps
+
+    return colormaps["tab10"](k % 10)
+
+
+def plot_placement(
+    report: LoadReport,
+    targets: Sequence[str] | None = None,
+    *,
+    max_targets: int = MAX_TARGETS,
+) -> Figure:
+    """Checkpoint regions → runtime regions: where each write landed, in 2-D.
+
+    One row per runtime tensor (default: the tensors written, in the order first
+    written, at most ``max_targets``, with a note naming how many were left out). Right:
+    the runtime tensor in its own (row, column) coordinates, one rectangle per write
+    (gid ``"write <i> runtime"``, ``i`` the row label of ``report.writes``), so packed
+    q/k/v show as horizontal bands of ``qkv_proj`` and column slices as vertical bands.
+    Left: each checkpoint tensor that fed it, drawn as a unit square (so tensors of any
+    size are legible) with the region read filled in the write's colour (gid
+    ``"write <i> checkpoint"``, coordinates as fractions of that tensor's rows and
+    columns): a row-parallel shard narrowed on the input dimension shows as a vertical
+    band. The legend gives each write as ``#position name [checkpoint region] → [runtime
+    region]``. A region that is not a box is drawn hatched and dashed (see
+    :func:`region_rects`). At most 64 writes per tensor and 8 checkpoint tensors per
+    row are drawn; a note counts the rest.
+    """
+    writes = report.writes
+    written = list(dict.fromkeys(t for t in writes["target"] if t is not None))
+    if targets is None:
+        chosen = written[:max_targets]
+        left_out = len(written) - len(chosen)
+    else:
+        chosen = list(targets)
+        left_out = 0
+        unknown = [t for t in chosen if t not in report._runtime]
+        if unknown:
+            known = ", ".join(repr(t) for t in list(report._runtime)[:8])
+            raise KeyError(f"no runtime tensor {unknown[0]!r} in this report (known: {known})")
+    if not chosen:
+        fig = _new_figure(8, 2.5)
+        ax = fig.add_subplot()
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "no runtime writes recorded", ha="center", va="center")
+        return fig
+
+    fig = _new_figure(13.0, 0.8 + 2.6 * len(chosen))
+    axes = fig.subplots(len(chosen), 2, squeeze=False, width_ratios=[1.0, 2.4])
+    title = "Placement: checkpoint regions → runtime regions"
+    if left_out:
+        title += (
+            f"\n(showing {len(chosen)} of {len(written)} runtime tensors written; "
+            "pass targets=[...] for others)"
+        )
+    fig.suptitle(title, fontsize=11)
+    shapes = {i: tuple(int(d) for d in p.shape) for i, p in enumerate(report.patches)}
+    for row, target in enumerate(chosen):
+        _draw_target(axes[row][0], axes[row][1], target, report, writes, shapes)
+    return fig
+
+
+def _draw_target(ax_ck: Axes, ax_rt: Axes, target: str, report: LoadReport, writes: Any,
+                 shapes: dict[int, tuple[int, ...]]) -> None:
+    tshape = tuple(int(d) for d in report._runtime[target].shape)
+    rows, cols = grid_shape(tshape)
+    mine = writes[writes["target"] == target]
+    shown = mine.iloc[:_MAX_WRITES]
+
+    # Sources: one colour per patch position, in order of first write.
+    sources: list[Any] = list(dict.fromkeys(
+        None if pd.isna(p) else int(p) for p in shown["position"]
+    ))
+    colour = {pos: _write_colour(k) for k, pos in enumerate(sources)}
+    traced = [p for p in sources if p is not None and p in shapes]
+    slot = {pos: k for k, pos in enumerate(traced[:_MAX_SOURCES])}
+
+    ax_rt.add_patch(Rectangle((0, 0), max(cols, 1), max(rows, 1), facecolor="0.94",
+                              edgecolor="0.3", linewidth=1.0))
+    handles: list[Any] = []
+    for i, w in shown.iterrows():
+        pos = None if pd.isna(w["position"]) else int(w["position"])
+        c = colour[pos]
+        rects, exact = region_rects(w["target_region"], tshape)
+        style = {} if exact else {"hatch": "//", "linestyle": "--"}
+        for r0, r1, c0, c1 in rects:
+            ax_rt.add_patch(Rectangle(
+                (c0, r0), c1 - c0, r1 - r0, facecolor=(*c[:3], 0.55), edgecolor=c,
+                linewidth=1.2, gid=f"write {i} runtime", **style,
+            ))
+        if rects and _big_enough(rects[0], rows, cols):
+            r0, r1, c0, c1 = rects[0]
+            ax_rt.text((c0 + c1) / 2, (r0 + r1) / 2, _short(_name_of(w), 24, parts=2),
+                       ha="center", va="center", fontsize=8, clip_on=True)
+        if len(handles) < _MAX_LEGEND:
+            src = "untraced source" if pos is None else f"#{pos} {_short(_name_of(w), 30)}"
+            handles.append(Patch(facecolor=(*c[:3], 0.55), edgecolor=c, **style,
+                                 label=f"{src} {w['checkpoint_region'] or ''}"
+                                 f" → {w['target_region']}"))
+        if pos in slot:
+            ck_rects, ck_exact = region_rects(w["checkpoint_region"], shapes[pos])
+            ck_rows, ck_cols = grid_shape(shapes[pos])
+            y0 = slot[pos] * 1.25
+            for r0, r1, c0, c1 in ck_rects:
+                ax_ck.add_patch(Rectangle(
+                    (c0 / max(ck_cols, 1), y0 + r0 / max(ck_rows, 1)),
+                    (c1 - c0) / max(ck_cols, 1), (r1 - r0) / max(ck_rows, 1),
+                    facecolor=(*c[:3], 0.55), edgecolor=c, linewidth=1.2,
+                    gid=f"write {i} checkpoint",
+                    **({} if ck_exact else {"hatch": "//", "linestyle": "--"}),
+                ))
+    extra = len(mine) - len(shown)
+    if len(mine) > len(handles):
+        handles.append(Patch(facecolor="none", edgecolor="none",
+                             label=f"… {len(mine) - len(handles)} more writes"
+                             + (f" ({extra} not drawn)" if extra else "")))
+
+    ax_rt.set_xlim(0, max(cols, 1))
+    ax_rt.set_ylim(max(rows, 1), 0)
+    xlabel, ylabel = _axis_words(len(tshape), "runtime")
+    ax_rt.set_xlabel(xlabel)
+    ax_rt.set_ylabel(ylabel)
+    ax_rt.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(tshape) < 2:
+        ax_rt.set_yticks([])
+    else:
+        ax_rt.yaxis.set_major_locator(MaxNLocator(integer=True))
+    n_el = int(mine["elements"].sum()) if len(mine) else 0
+    ax_rt.set_title(
+        f"runtime {target} {_shape_text(tshape)}: {len(mine)} write"
+        f"{'s' if len(mine) != 1 else ''}, {n_el:,} elements",
+        fontsize=9,
+    )
+    if handles:
+        ax_rt.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                     fontsize=7, frameon=False)
+    else:
+        ax_rt.text(0.5, 0.5, "not written", transform=ax_rt.transAxes, ha="center",
+                   va="center", color="0.3")
+
+    # Checkpoint side: one unit square per source tensor, stacked top to bottom.
+    for k in slot.values():
+        ax_ck.add_patch(Rectangle((0, k * 1.25), 1, 1, facecolor="0.94", edgecolor="0.3",
+                                  linewidth=1.0, zorder=0.5))
+    n_src = max(len(slot), 1)
+    ax_ck.set_xlim(0, 1)
+    ax_ck.set_ylim(n_src * 1.25 - 0.25, 0)
+    ax_ck.set_yticks([k * 1.25 + 0.5 for k in slot.values()])
+    ax_ck.set_yticklabels(
+        [f"{_short(report.patches[p].name, 24, parts=2)}\n{_shape_text(shapes[p])}" for p in slot],
+        fontsize=7,
+    )
+    ax_ck.set_xticks([0, 0.5, 1])
+    ax_ck.set_xticklabels(["0", "½", "all"], fontsize=7)
+    ax_ck.set_xlabel("checkpoint columns (fraction)", fontsize=8)
+    ax_ck.set_title("checkpoint tensors: region read", fontsize=9)
+    if len(traced) > len(slot):
+        ax_ck.set_title(
+            f"checkpoint tensors: region read ({len(slot)} of {len(traced)} shown)", fontsize=9
+        )
+    if not slot:
+        ax_ck.text(0.5, 0.5, "no traced source", transform=ax_ck.transAxes, ha="center",
+                   va="center", color="0.3")
+
+
+def _name_of(write: Any) -> str:
+    return "?" if pd.isna(write["name"]) else str(write["name"])
+
+
+def _big_enough(rect: Rect, rows: int, cols: int) -> bool:
+    r0, r1, c0, c1 = rect
+    return (r1 - r0) / max(rows, 1) >= 0.12 and (c1 - c0) / max(cols, 1) >= 0.08
+
+
+# -- deltas --------------------------------------------------------------------------------
+
+
+def _as_grid(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a float numpy array in its 2-D view (float64 stays float64)."""
+    if t.is_complex():
+        t = t.real
+    t = t.to(torch.float64) if t.dtype in (torch.float64, torch.int64, torch.int32) else t.float()
+    return t.reshape(grid_shape(tuple(t.shape))).numpy()
+
+
+def _starts(n: int, b: int) -> np.ndarray:
+    """First index of each of ``b`` blocks over ``n`` (as :func:`density_map` cuts them)."""
+    return (np.arange(b, dtype=np.int64) * n + b - 1) // b
+
+
+def pool_mean(x: np.ndarray, br: int, bc: int) -> np.ndarray:
+    """Block means of a 2-D array over ``br`` × ``bc`` blocks (identity when not smaller)."""
+    rows, cols = x.shape
+    if (br, bc) == (rows, cols):
+        return x.astype(np.float64)
+    rs, cs = _starts(rows, br), _starts(cols, bc)
+    sums = np.add.reduceat(np.add.reduceat(x, rs, axis=0, dtype=np.float64), cs, axis=1)
+    counts = np.outer(np.diff(np.append(rs, rows)), np.diff(np.append(cs, cols)))
+    return sums / counts
+
+
+def pool_max_abs(x: np.ndarray, br: int, bc: int) -> np.ndarray:
+    """Per block, the signed value of largest magnitude (identity when not smaller).
+
+    Unlike a mean, a single large change in a big block stays visible.
+    """
+    rows, cols = x.shape
+    if (br, bc) == (rows, cols):
+        return x.astype(np.float64)
+    rs, cs = _starts(rows, br), _starts(cols, bc)
+    hi = np.maximum.reduceat(np.maximum.reduceat(x, rs, axis=0), cs, axis=1)
+    lo = np.minimum.reduceat(np.minimum.reduceat(x, rs, axis=0), cs, axis=1)
+    return np.where(np.abs(hi) >= np.abs(lo), hi, lo).astype(np.float64)
+
+
+def written_mask(report: LoadReport, target: str) -> torch.Tensor:
+    """Flat bool mask over ``target``'s elements: True where the load wrote (CPU).
+
+    Built from the regions the report saved before their first write, with the same
+    layout rule as :meth:`LoadReport.before`.
+    """
+    t = report._runtime[target]
+    mask = torch.zeros(t.numel(), dtype=torch.bool)
+    base = t.storage_offset()
+    for s in report._saved:
+        if s.target == target:
+            mask.as_strided(
+                tuple(s.view.shape), tuple(s.view.stride()), s.view.storage_offset() - base
+            ).fill_(True)
+    return mask
+
+
+def plot_delta(
+    report: LoadReport,
+    target: str,
+    bins: tuple[int, int] = (128, 128),
+    *,
+    changed_only: bool = False,
+    hist_bins: int = 60,
+) -> Figure:
+    """Before, after and Δ = after − before of one runtime tensor, and a Δ histogram.
+
+    Heat maps are in runtime (row, column) coordinates of the tensor's 2-D view; a tensor
+    with more rows or columns than ``bins`` (capped at :data:`MAX_BINS`) is cut into
+    blocks as :func:`~patchkit.density.density_map` cuts them. ``axes[0..2].images[0]``
+    hold: before and after as block means (:func:`pool_mean`, one shared colour scale),
+    and Δ as the signed largest-magnitude value per block (:func:`pool_max_abs`) on a
+    symmetric diverging scale; unpooled (the exact values) when the tensor fits.
+    ``axes[3]`` is a histogram (log y) of Δ over the elements the load wrote, each
+    counted once (so its counts total ``report.deltas.loc[target, "elements"]``), or over
+    those whose bits changed with ``changed_only=True``; non-finite Δ are left out and
+    counted in the title. Uses :meth:`LoadReport.before` / :meth:`LoadReport.after`.
+    """
+    if target not in report._runtime:
+        known = ", ".join(repr(t) for t in list(report._runtime)[:8])
+        raise KeyError(f"no runtime tensor {target!r} in this report (known: {known})")
+    before_t, after_t = report.before(target), report.after(target)
+    shape = tuple(int(d) for d in before_t.shape)
+    before, after = _as_grid(before_t), _as_grid(after_t)
+    delta = after - before
+    rows, cols = before.shape
+    br, bc = _cap_bins(bins, rows, cols)
+    pooled = (br, bc) != (rows, cols)
+    b_img, a_img = pool_mean(before, br, bc), pool_mean(after, br, bc)
+    d_img = pool_max_abs(delta, br, bc)
+
+    fig = _new_figure(17.0, 4.4)
+    axes = fig.subplots(1, 4, width_ratios=[1, 1, 1, 1.1])
+    both = np.concatenate([b_img.ravel(), a_img.ravel()])
+    both = both[np.isfinite(both)]
+    lo, hi = (float(both.min()), float(both.max())) if both.size else (0.0, 1.0)
+    if lo == hi:
+        lo, hi = lo - 0.5, hi + 0.5
+    finite_d = d_img[np.isfinite(d_img)]
+    m = float(np.abs(finite_d).max()) if finite_d.size else 0.0
+    m = m if m > 0 else 1.0
+    xlabel, ylabel = _axis_words(len(shape), "runtime")
+    how = f" ({br} × {bc} block means)" if pooled else ""
+    panels = [
+        (b_img, f"before{how}", "viridis", lo, hi, "value"),
+        (a_img, f"after{how}", "viridis", lo, hi, "value"),
+        (d_img, "Δ = after − before" + (" (largest |Δ| per block)" if pooled else ""),
+         "RdBu_r", -m, m, "Δ"),
+    ]
+    for ax, (img, title, cmap, vmin, vmax, label) in zip(axes[:3], panels):
+        im = ax.imshow(img, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest",
+                       aspect="auto", extent=_extent(rows, cols))
+        fig.colorbar(im, ax=ax, label=label, shrink=0.9)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if len(shape) < 2:
+            ax.set_yticks([])
+
+    mask = written_mask(report, target).numpy()
+    if changed_only:
+        flat_b = bits(before_t.reshape(-1))
+        flat_a = bits(after_t.reshape(-1))
+        mask = mask & (flat_b != flat_a).numpy()
+    dw = delta.reshape(-1)[mask]
+    finite = np.isfinite(dw)
+    ax = axes[3]
+    what = "changed" if changed_only else "written"
+    if dw.size and finite.any():
+        ax.hist(dw[finite], bins=hist_bins, log=True, color="#4C72B0")
+    else:
+        ax.text(0.5, 0.5, f"no {what} elements", transform=ax.transAxes, ha="center",
+                va="center", color="0.3")
+    note = f"; {int((~finite).sum()):,} non-finite left out" if (~finite).any() else ""
+    if dw.size and finite.any():
+        # Counts, not powers of ten: plain labels on major and minor ticks, none below 1.
+        ax.set_ylim(bottom=0.8)
+        ax.yaxis.set_major_formatter(LogFormatter())
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    ax.set_title(f"Δ over {int(finite.sum()):,} {what} elements{note}", fontsize=9)
+    ax.set_xlabel("Δ = after − before")
+    ax.set_ylabel("elements (log scale)")
+
+    head = f"{target} {_shape_text(shape)} {str(before_t.dtype).removeprefix('torch.')}"
+    if target in report.deltas.index:
+        row = report.deltas.loc[target]
+        head += (
+            f": {int(row['elements']):,} elements written, {int(row['changed']):,} changed, "
+            f"max |Δ| {row['max_abs']:.3g}, relative L2 change {row['rel_l2']:.3g}"
+        )
+    else:
+        head += ": not written by this load"
+    fig.suptitle(head, fontsize=10)
+    return fig

@@ -1,0 +1,251 @@
+"""ipywidgets explorers of a load, built on :mod:`patchkit.plot`.
+
+Imports ipywidgets and matplotlib (``import patchkit`` does not; ``report.explore()``
+imports this module on first use).
+
+How the widgets write their output: each redraw *sets* the ``outputs`` of an
+:class:`ipywidgets.Output` (a PNG ``display_data`` per figure, a ``stdout`` stream for
+text) instead of capturing prints with ``with out:`` or calling ``clear_output()``,
+which route through the kernel's current message and behave differently between
+JupyterLab, Notebook, Voilà and a test run. Setting the model state behaves the same
+everywhere, replaces the previous view in one update (no flicker), and leaves the
+result readable from code: ``w.output.outputs``.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+try:
+    import ipywidgets as W
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "patchkit.widgets needs ipywidgets: pip install 'patchkit[notebooks]'"
+    ) from exc
+
+from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk
+from .inspect import human_bytes
+from .patch import CheckpointWeightPatch, staged_nbytes
+from .plot import _plan_for, plot_chunks, plot_delta, plot_density, plot_placement, to_png
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .inspect import LoadReport
+
+__all__ = [
+    "ChunkPlanner",
+    "ReportExplorer",
+    "chunk_planner",
+    "explore",
+    "figure_output",
+    "plan_text",
+    "text_output",
+]
+
+_MAX_CALL_LINES = 40
+
+
+def figure_output(fig: Figure) -> dict[str, Any]:
+    """A figure as one ``display_data`` output (PNG, base64, as notebooks store it)."""
+    return {
+        "output_type": "display_data",
+        "data": {
+            "image/png": base64.b64encode(to_png(fig)).decode("ascii"),
+            "text/plain": repr(fig),
+        },
+        "metadata": {},
+    }
+
+
+def text_output(text: str) -> dict[str, Any]:
+    """Text as one ``stdout`` stream output."""
+    return {"output_type": "stream", "name": "stdout", "text": text}
+
+
+def plan_text(plan: Sequence[Chunk], budget: int) -> str:
+    """The plan in words: one line per ``load_weights`` call and why it closed."""
+    n = sum(len(c.positions) for c in plan)
+    total = sum(c.bytes for c in plan)
+    head = (
+        f"max_chunk_bytes = {human_bytes(budget)}: {n} patches, {human_bytes(total)} staged "
+        f"→ {len(plan)} load_weights call{'s' if len(plan) != 1 else ''}"
+    )
+    lines = [head]
+    for c in plan[:_MAX_CALL_LINES]:
+        names = ", ".join(c.names[:4]) + (f", … (+{len(c.names) - 4})" if len(c.names) > 4 else "")
+        over = ", over budget (travels alone)" if c.over_budget else ""
+        lines.append(
+            f"  call {c.index}: {len(c.positions)} patch{'es' if len(c.positions) != 1 else ''}"
+            f" ({names}), {human_bytes(c.bytes)}, closed by {c.closed_by}{over}"
+        )
+    if len(plan) > _MAX_CALL_LINES:
+        lines.append(f"  … {len(plan) - _MAX_CALL_LINES} more calls")
+    return "\n".join(lines) + "\n"
+
+
+def _slider_range(
+    sizes: Sequence[int], wanted: int | None
+) -> tuple[float, float, float]:
+    """(low, high, start) in bytes for the budget slider."""
+    positive = [s for s in sizes if s > 0]
+    low = max(1.0, min(positive) / 2) if positive else 1.0
+    high = max(2.0 * sum(positive), 4.0 * low)
+    if wanted is not None:
+        low, high = min(low, float(wanted)), max(high, float(wanted))
+        return low, high, float(wanted)
+    # Any budget at or above the total gives the plan the default gives, so the default is
+    # clipped into range without changing the plan.
+    return low, high, min(float(DEFAULT_MAX_CHUNK_BYTES), high)
+
+
+class ChunkPlanner(W.VBox):
+    """A ``max_chunk_bytes`` slider over a list of patches, redrawing the chunk plan.
+
+    Attributes a caller can use: ``slider`` (a :class:`ipywidgets.FloatLogSlider` over
+    bytes; set ``slider.value`` to move it), ``readout`` (a Label with the budget in
+    human bytes), ``output`` (an :class:`ipywidgets.Output` whose ``outputs`` are the plan
+    figure of :func:`~patchkit.plot.plot_chunks` and the text of :func:`plan_text`),
+    ``plan`` (the current list of :class:`~patchkit.Chunk`) and ``max_chunk_bytes`` (the
+    slider's value as an int). Nothing is staged or loaded.
+    """
+
+    def __init__(
+        self,
+        patches: LoadReport | Sequence[CheckpointWeightPatch],
+        max_chunk_bytes: int | None = None,
+    ) -> None:
+        self.source = patches if hasattr(patches, "plan") else list(patches)
+        if hasattr(patches, "plan"):
+            sizes = [staged_nbytes(p) for p in patches.patches]
+            wanted = max_chunk_bytes if max_chunk_bytes is not None else patches.max_chunk_bytes
+        else:
+            sizes = [staged_nbytes(p) for p in self.source]
+            wanted = max_chunk_bytes
+        low, high, start = _slider_range(sizes, wanted)
+        lo_exp, hi_exp = math.log2(low), math.log2(high)
+        self.slider = W.FloatLogSlider(
+            value=start, base=2, min=lo_exp, max=hi_exp, step=(hi_exp - lo_exp) / 200,
+            description="max_chunk_bytes", readout=False, continuous_update=False,
+            style={"description_width": "initial"}, layout=W.Layout(width="60%"),
+        )
+        self.readout = W.Label()
+        self.output = W.Output()
+        self.plan: list[Chunk] = []
+        super().__init__([W.HBox([self.slider, self.readout]), self.output])
+        self.slider.observe(self._on_change, names="value")
+        self.redraw()
+
+    def __repr__(self) -> str:
+        # Short and stable: a notebook stores it as the widget's text/plain output (the
+        # default would spell out every child, PNG data included).
+        return f"ChunkPlanner(max_chunk_bytes={self.max_chunk_bytes}, calls={len(self.plan)})"
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        """The budget the slider shows, in whole bytes (at least 1)."""
+        return max(1, round(self.slider.value))
+
+    def _on_change(self, _change: Any) -> None:
+        self.redraw()
+
+    def redraw(self) -> None:
+        """Re-plan at the slider's budget and replace the output (figure, then text)."""
+        budget = self.max_chunk_bytes
+        self.readout.value = human_bytes(budget)
+        _, self.plan, budget = _plan_for(self.source, budget)
+        fig = plot_chunks(self.source, max_chunk_bytes=budget)
+        self.output.outputs = (figure_output(fig), text_output(plan_text(self.plan, budget)))
+
+
+def chunk_planner(
+    patches: LoadReport | Sequence[CheckpointWeightPatch],
+    max_chunk_bytes: int | None = None,
+) -> ChunkPlanner:
+    """A widget to try ``max_chunk_bytes`` values on ``patches`` (see :class:`ChunkPlanner`).
+
+    The slider is logarithmic, from half the smallest patch's staged bytes to twice the
+    total (widened to include ``max_chunk_bytes`` when given; with ``None`` it starts at
+    the default budget clipped to that range, which plans the same calls). A
+    :class:`~patchkit.inspect.LoadReport` may be passed instead of patches: the patches
+    its load sent are planned, tied aliases dropped as the loader drops them.
+    """
+    return ChunkPlanner(patches, max_chunk_bytes)
+
+
+class ReportExplorer(W.VBox):
+    """Pick a patch or a runtime tensor of a report and see its figures and table rows.
+
+    Attributes: ``dropdown`` (values ``("patch", position)`` and ``("runtime", name)``;
+    labels ``"patch 3: name"`` and ``"runtime: name"``), ``output`` (an
+    :class:`ipywidgets.Output`: for a patch its density map and its ``report.chunks``
+    row; for a runtime tensor its placement and delta figures, its ``report.writes`` rows
+    and its ``report.deltas`` row), ``planner`` (a :class:`ChunkPlanner` over the
+    report's patches) and ``report``.
+    """
+
+    def __init__(self, report: LoadReport) -> None:
+        self.report = report
+        options: list[tuple[str, tuple[str, Any]]] = [
+            (f"patch {i}: {p.name}", ("patch", i)) for i, p in enumerate(report.patches)
+        ]
+        options += [(f"runtime: {t}", ("runtime", t)) for t in report.deltas.index]
+        self.dropdown = W.Dropdown(
+            options=options, description="show", layout=W.Layout(width="60%")
+        )
+        self.output = W.Output()
+        self.planner = ChunkPlanner(report)
+        head = W.HTML(
+            f"<b>LoadReport</b>: {len(report.patches)} patches, {len(report.calls)} "
+            f"load_weights calls, {len(report.writes)} runtime writes"
+        )
+        super().__init__([head, self.dropdown, self.output, W.HTML("<b>chunk plan</b>"),
+                          self.planner])
+        self.dropdown.observe(self._on_change, names="value")
+        self.redraw()
+
+    def __repr__(self) -> str:
+        return (
+            f"ReportExplorer(patches={len(self.report.patches)}, "
+            f"runtime tensors={len(self.report.deltas)})"
+        )
+
+    def _on_change(self, _change: Any) -> None:
+        self.redraw()
+
+    def redraw(self) -> None:
+        """Replace the output with the views of the dropdown's current choice."""
+        choice = self.dropdown.value
+        r = self.report
+        if choice is None:
+            self.output.outputs = (text_output("nothing to show: the report has no patches\n"),)
+            return
+        kind, key = choice
+        if kind == "patch":
+            row = r.chunks[r.chunks["position"] == key]
+            self.output.outputs = (
+                figure_output(plot_density(r.patches[key])),
+                text_output(row.drop(columns=["note"]).to_string(index=False) + "\n"
+                            + "".join(f"note: {n}\n" for n in row["note"] if n)),
+            )
+            return
+        writes = r.writes[r.writes["target"] == key]
+        cols = ["chunk", "position", "name", "checkpoint_region", "target_region",
+                "elements", "changed"]
+        self.output.outputs = (
+            figure_output(plot_placement(r, targets=[key])),
+            figure_output(plot_delta(r, key)),
+            text_output(
+                f"writes into {key}:\n{writes[cols].head(20).to_string(index=False)}\n"
+                + (f"… {len(writes) - 20} more writes\n" if len(writes) > 20 else "")
+                + f"\ndelta:\n{r.deltas.loc[[key]].to_string()}\n"
+            ),
+        )
+
+
+def explore(report: LoadReport) -> ReportExplorer:
+    """An explorer of ``report`` (see :class:`ReportExplorer`); display it in a notebook."""
+    return ReportExplorer(report)

@@ -1,0 +1,423 @@
+"""patchkit.plot: the figures hold the data of the load they draw.
+
+Figures are checked headless through what sits on their axes (rectangles, lines,
+annotations, image arrays), never through pixels.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import matplotlib
+import numpy as np
+import pytest
+import torch
+from matplotlib.figure import Figure
+from torch import nn
+
+from patchkit import CheckpointWeightPatch, plan_chunks
+from patchkit.density import density_map
+from patchkit.inspect import inspect_load
+from patchkit.patch import staged_nbytes
+from patchkit.plot import (
+    MAX_BINS,
+    plot_chunks,
+    plot_delta,
+    plot_density,
+    plot_placement,
+    region_rects,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _headless():
+    matplotlib.use("Agg")
+
+
+class Shards(nn.Module):
+    """A vLLM-like loader on tensor-parallel rank ``rank`` of 2.
+
+    - ``q``, ``k``, ``v`` (4 × 8 each) are packed into the rows of ``qkv`` (12 × 8);
+    - ``o`` (8 × 8) is row-parallel: this rank keeps input columns ``[4r, 4r + 4)``;
+    - ``a`` and ``c`` (6 × 4) are packed side by side into the columns of ``w`` (6 × 8);
+    - ``e`` (10,) is copied into a flat range of ``w`` that is not a box;
+    - ``norm`` (8,) is copied whole.
+    """
+
+    def __init__(self, rank: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.rank = rank
+        self.qkv = nn.Parameter(torch.randn(12, 8, generator=g), requires_grad=False)
+        self.o = nn.Parameter(torch.randn(8, 4, generator=g), requires_grad=False)
+        self.w = nn.Parameter(torch.randn(6, 8, generator=g), requires_grad=False)
+        self.norm = nn.Parameter(torch.ones(8), requires_grad=False)
+
+    def load_weights(self, weights):
+        names = set()
+        for name, t in weights:
+            if name in ("q", "k", "v"):
+                self.qkv.data.narrow(0, 4 * "qkv".index(name), 4).copy_(t)
+            elif name == "o":
+                self.o.data.copy_(t.narrow(1, 4 * self.rank, 4))
+            elif name == "a":
+                self.w.data[:, 0:4].copy_(t)
+            elif name == "c":
+                self.w.data[:, 4:8].copy_(t)
+            elif name == "e":
+                self.w.data.view(-1)[3:13].copy_(t)
+            elif name == "norm":
+                self.norm.data.copy_(t)
+            names.add(name)
+        return names
+
+
+SHAPES = {"q": (4, 8), "k": (4, 8), "v": (4, 8), "o": (8, 8), "a": (6, 4), "c": (6, 4),
+          "e": (10,), "norm": (8,)}
+
+
+def dense(name: str, seed: int) -> CheckpointWeightPatch:
+    shape = SHAPES[name]
+    g = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape))
+    return CheckpointWeightPatch(name, shape, torch.float32, torch.randn(n, generator=g))
+
+
+def sparse(name: str, idx: list[int], vals: list[float]) -> CheckpointWeightPatch:
+    return CheckpointWeightPatch(
+        name, SHAPES[name], torch.float32, torch.tensor(vals), torch.tensor(idx)
+    )
+
+
+def load(names: str | list[str], rank: int = 0, **kw):
+    names = names.split() if isinstance(names, str) else names
+    patches = [dense(n, i) for i, n in enumerate(names)]
+    return inspect_load(Shards(rank), patches, **kw), patches
+
+
+def rects_by_gid(fig: Figure, prefix: str) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for ax in fig.axes:
+        for p in ax.patches:
+            gid = p.get_gid()
+            if gid and gid.startswith(prefix):
+                out.setdefault(gid, []).append(p)
+    return out
+
+
+def extent(rect) -> tuple[float, float, float, float]:
+    """(x0, x1, y0, y1) of a Rectangle."""
+    x, y = rect.get_xy()
+    return (x, x + rect.get_width(), y, y + rect.get_height())
+
+
+# -- plot_chunks ---------------------------------------------------------------------------
+
+
+def chunk_patches() -> list[CheckpointWeightPatch]:
+    # q, k, v: 128 B each; o: 256 B; norm: 32 B. At 300 B: [q k] closed by the repeated
+    # q, [q] and [o] by the budget, [v norm] by the end.
+    return [dense(n, i) for i, n in enumerate(["q", "k", "q", "o", "v", "norm"])]
+
+
+def bar_totals(fig: Figure) -> dict[int, int]:
+    totals: dict[int, int] = {}
+    for gid, rects in rects_by_gid(fig, "segment ").items():
+        call = int(gid.split()[1])
+        totals[call] = totals.get(call, 0) + sum(r.get_height() for r in rects)
+    return totals
+
+
+def test_bar_heights_are_the_staged_bytes_of_each_loader_call():
+    ps = chunk_patches()
+    plan = plan_chunks(ps, 300)
+    fig = plot_chunks(ps, max_chunk_bytes=300)
+    assert isinstance(fig, Figure)
+    assert bar_totals(fig) == {c.index: c.bytes for c in plan}
+    segments = rects_by_gid(fig, "segment ")
+    for c in plan:
+        for pos in c.positions:
+            (rect,) = segments[f"segment {c.index} {pos}"]
+            assert rect.get_height() == staged_nbytes(ps[pos])
+
+
+def test_budget_line_is_drawn_at_max_chunk_bytes():
+    fig = plot_chunks(chunk_patches(), max_chunk_bytes=300)
+    (line,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "budget"]
+    assert list(line.get_ydata()) == [300, 300]
+    assert line.get_linestyle() == "--"
+
+
+def test_each_call_is_annotated_with_why_it_closed():
+    ps = chunk_patches()
+    plan = plan_chunks(ps, 300)
+    fig = plot_chunks(ps, max_chunk_bytes=300)
+    texts = [t.get_text() for t in fig.axes[0].texts if t.get_gid() == "closed_by"]
+    assert texts == [c.closed_by for c in plan]
+    assert {"budget", "repeated name", "end"} <= set(texts)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "closed by repeated name" in legend and "closed by budget" in legend
+
+
+def test_a_patch_larger_than_the_budget_is_flagged_over_budget():
+    ps = chunk_patches()
+    plan = plan_chunks(ps, 200)  # o (256 B) travels alone, over budget
+    over = [c.index for c in plan if c.over_budget]
+    assert over
+    fig = plot_chunks(ps, max_chunk_bytes=200)
+    flagged = [t for t in fig.axes[0].texts if t.get_gid() == "over_budget"]
+    assert [round(t.xy[0]) for t in flagged] == over
+    (rect,) = rects_by_gid(fig, f"segment {over[0]} ")[f"segment {over[0]} 3"]
+    assert rect.get_hatch() == "xx"
+
+
+def test_report_plan_is_drawn_and_a_new_budget_replans_what_was_sent():
+    report, ps = load("q k v o", max_chunk_bytes=300)
+    fig = report.plot_chunks()
+    assert bar_totals(fig) == {c.index: c.bytes for c in report.plan}
+    (line,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "budget"]
+    assert line.get_ydata()[0] == 300
+    fig = plot_chunks(report, max_chunk_bytes=10_000)
+    assert bar_totals(fig) == {0: sum(staged_nbytes(p) for p in ps)}
+
+
+def test_bytes_axis_reads_in_binary_units():
+    big = [CheckpointWeightPatch(f"w{i}", (1024, 256), torch.float32, torch.zeros(1024 * 256))
+           for i in range(3)]  # 1 MiB each
+    fig = plot_chunks(big, max_chunk_bytes=2 << 20)
+    fig.draw_without_rendering()
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert any(lab.endswith("MiB") for lab in labels), labels
+    assert "1 MiB" in labels and "2 MiB" in labels
+
+
+def test_empty_patch_list_draws_an_empty_plan():
+    fig = plot_chunks([], max_chunk_bytes=100)
+    assert bar_totals(fig) == {}
+    assert any(t.get_text() == "no patches" for t in fig.axes[0].texts)
+
+
+# -- plot_density --------------------------------------------------------------------------
+
+
+def test_density_image_is_the_density_map_in_checkpoint_coordinates():
+    idx = [0, 1, 2, 9, 40, 41, 63]
+    p = CheckpointWeightPatch("w", (8, 8), torch.float32, torch.ones(len(idx)),
+                              torch.tensor(idx))
+    fig = plot_density(p, bins=(4, 2))
+    im = fig.axes[0].images[0]
+    np.testing.assert_array_equal(im.get_array(), density_map(p, (4, 2)).numpy())
+    assert im.get_extent() == [0.0, 8.0, 8.0, 0.0]  # real checkpoint rows and columns
+    assert len(fig.axes) == 2  # the heat map and its colorbar
+    assert fig.axes[1].get_ylabel() == "fraction of elements changed per block"
+    title = fig.axes[0].get_title()
+    assert "w" in title and "(8, 8)" in title and "nnz 7 of 64" in title
+
+
+def test_density_bins_are_capped_to_a_bounded_image():
+    n = 3000 * 2000
+    p = CheckpointWeightPatch("big", (3000, 2000), torch.float32, torch.ones(3),
+                              torch.tensor([0, n // 2, n - 1]))
+    fig = plot_density(p, bins=(5000, 5000))
+    assert fig.axes[0].images[0].get_array().shape == (MAX_BINS, MAX_BINS)
+    small = CheckpointWeightPatch("s", (3, 5), torch.float32, torch.zeros(15))
+    assert plot_density(small, bins=(64, 64)).axes[0].images[0].get_array().shape == (3, 5)
+
+
+def test_density_of_a_128256_by_2560_patch_at_one_percent():
+    n = 128256 * 2560
+    idx = torch.arange(0, n, 100)  # exactly 1 % of the elements, spread evenly
+    p = CheckpointWeightPatch("embed_tokens.weight", (128256, 2560), torch.bfloat16,
+                              torch.ones(idx.numel(), dtype=torch.bfloat16), idx)
+    fig = plot_density(p)
+    img = np.asarray(fig.axes[0].images[0].get_array())
+    assert img.shape == (128, 128)
+    np.testing.assert_allclose(img, 0.01, atol=1e-3)
+    assert "128256" in fig.axes[0].get_title()
+
+
+# -- plot_placement ------------------------------------------------------------------------
+
+
+def test_region_rects_reads_slice_notation_into_view_rectangles():
+    assert region_rects("[0:4, :]", (12, 8)) == ([(0, 4, 0, 8)], True)
+    assert region_rects("[:, 4:8]", (6, 8)) == ([(0, 6, 4, 8)], True)
+    assert region_rects("[2:5]", (10,)) == ([(0, 1, 2, 5)], True)
+    assert region_rects("[]", ()) == ([(0, 1, 0, 1)], True)
+    # 3-D: rows fold the leading dims; a box over the middle dim is one run per outer index
+    assert region_rects("[1:2, :, 0:2]", (2, 3, 4)) == ([(3, 6, 0, 2)], True)
+    assert region_rects("[:, 1:3, :]", (2, 3, 4)) == ([(1, 3, 0, 4), (4, 6, 0, 4)], True)
+    # not a box: the flat range, flagged as such
+    assert region_rects("10 elements from 3", (6, 8)) == (
+        [(0, 1, 3, 8), (1, 2, 0, 5)], False
+    )
+    assert region_rects(None, (4, 4)) == ([], False)
+
+
+def test_placement_puts_q_k_v_into_row_bands_of_the_packed_qkv():
+    report, _ = load("q k v")
+    fig = plot_placement(report)
+    runtime = rects_by_gid(fig, "write ")
+    writes = report.writes
+    for i, w in writes.iterrows():
+        slot = "qkv".index(w["name"])
+        (rt,) = runtime[f"write {i} runtime"]
+        assert extent(rt) == (0, 8, 4 * slot, 4 * slot + 4)
+        (ck,) = runtime[f"write {i} checkpoint"]  # whole q/k/v read: a full unit square
+        x0, x1, y0, y1 = extent(ck)
+        assert (x0, x1, y1 - y0) == (0, 1, 1)
+    legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    assert legend == ["#0 q [:, :] → [0:4, :]", "#1 k [:, :] → [4:8, :]",
+                      "#2 v [:, :] → [8:12, :]"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_placement_shows_a_row_parallel_shard_as_a_column_band_of_the_checkpoint(rank):
+    report, _ = load("o", rank=rank)
+    (i,) = report.writes.index
+    fig = plot_placement(report)
+    rects = rects_by_gid(fig, "write ")
+    (ck,) = rects[f"write {i} checkpoint"]
+    assert extent(ck) == (0.5 * rank, 0.5 * rank + 0.5, 0.0, 1.0)  # columns 4r:4r+4 of 8
+    (rt,) = rects[f"write {i} runtime"]
+    assert extent(rt) == (0, 4, 0, 8)  # fills this rank's (8, 4) shard
+
+
+def test_placement_shows_column_slices_as_vertical_bands_of_the_runtime_tensor():
+    report, _ = load("a c")
+    fig = plot_placement(report)
+    rects = rects_by_gid(fig, "write ")
+    bands = [extent(rects[f"write {i} runtime"][0]) for i in report.writes.index]
+    assert bands == [(0, 4, 0, 6), (4, 8, 0, 6)]
+
+
+def test_placement_draws_a_non_box_region_as_its_flat_range_hatched():
+    report, _ = load("e")
+    (i,) = report.writes.index
+    assert report.writes.loc[i, "target_region"] == "10 elements from 3"
+    rects = rects_by_gid(plot_placement(report), "write ")[f"write {i} runtime"]
+    assert sum(r.get_width() * r.get_height() for r in rects) == 10
+    assert all(r.get_hatch() == "//" for r in rects)
+
+
+def test_placement_draws_one_row_per_target_and_caps_the_default():
+    report, _ = load("q o a norm")
+    fig = plot_placement(report)
+    assert len(fig.axes) == 2 * 4
+    assert [ax.get_title().split()[1] for ax in fig.axes[1::2]] == ["qkv", "o", "w", "norm"]
+    fig = plot_placement(report, max_targets=2)
+    assert len(fig.axes) == 4
+    assert "showing 2 of 4 runtime tensors" in fig.get_suptitle()
+    fig = plot_placement(report, targets=["norm"])
+    assert fig.axes[1].get_title().startswith("runtime norm (8,)")
+
+
+def test_placement_of_an_unknown_target_names_it():
+    report, _ = load("q")
+    with pytest.raises(KeyError, match="nope"):
+        plot_placement(report, targets=["nope"])
+
+
+# -- plot_delta ----------------------------------------------------------------------------
+
+
+def test_delta_images_are_before_after_and_their_difference():
+    report, _ = load("q k")
+    before, after = report.before("qkv").numpy(), report.after("qkv").numpy()
+    fig = plot_delta(report, "qkv")
+    b, a, d = (np.asarray(ax.images[0].get_array()) for ax in fig.axes if ax.images)
+    np.testing.assert_array_equal(b, before)
+    np.testing.assert_array_equal(a, after)
+    np.testing.assert_array_equal(d, after - before)
+    assert not np.all(d[8:] != 0)  # v was not written: its rows did not change
+    lo, hi = [ax for ax in fig.axes if ax.images][2].images[0].get_clim()
+    assert lo == -hi and hi == np.abs(after - before).max()
+
+
+def _blocks(n: int, b: int) -> np.ndarray:
+    return (np.arange(n) * b) // n  # block of each row, as density_map cuts them
+
+
+def test_delta_of_a_big_tensor_is_pooled_by_the_density_map_blocks():
+    class Big(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Parameter(torch.zeros(300, 200), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.emb.data.copy_(t)
+            return {"emb"}
+
+    idx = torch.tensor([0, 5, 201, 30_000, 59_999])
+    vals = torch.tensor([1.0, -3.0, 2.0, 0.5, -0.25])
+    p = CheckpointWeightPatch("emb", (300, 200), torch.float32, vals, idx)
+    report = inspect_load(Big(), [p])
+    fig = plot_delta(report, "emb", bins=(16, 16))
+    images = [np.asarray(ax.images[0].get_array()) for ax in fig.axes if ax.images]
+    assert [im.shape for im in images] == [(16, 16)] * 3
+    delta = (report.after("emb") - report.before("emb")).numpy()
+    rb, cb = _blocks(300, 16), _blocks(200, 16)
+    want = np.zeros((16, 16))
+    mean = np.zeros((16, 16))
+    for i in range(16):
+        for j in range(16):
+            block = delta[np.ix_(rb == i, cb == j)]
+            want[i, j] = block.flat[np.argmax(np.abs(block))]
+            mean[i, j] = report.after("emb").numpy()[np.ix_(rb == i, cb == j)].mean(
+                dtype=np.float64
+            )
+    np.testing.assert_array_equal(images[2], want)
+    np.testing.assert_allclose(images[1], mean, rtol=1e-12)
+    assert images[2][0, 0] == -3.0  # the larger of the two changes in block (0, 0)
+
+
+def test_delta_histogram_counts_the_written_elements_each_once():
+    model = Shards()
+    keep = float(model.qkv[4, 0])  # k's first element: written with its own value
+    patches = [sparse("k", [0, 5, 31], [keep, 2.0, -1.0]), sparse("q", [3], [7.0])]
+    report = inspect_load(model, patches)
+    row = report.deltas.loc["qkv"]
+    assert (row["elements"], row["changed"]) == (64, 3)
+    fig = plot_delta(report, "qkv")
+    hist = fig.axes[3]
+    assert sum(p.get_height() for p in hist.patches) == 64
+    assert hist.get_yscale() == "log"
+    fig = plot_delta(report, "qkv", changed_only=True)
+    assert sum(p.get_height() for p in fig.axes[3].patches) == 3
+    assert "3 changed elements" in fig.axes[3].get_title()
+
+
+def test_delta_of_an_unknown_target_names_it():
+    report, _ = load("q")
+    with pytest.raises(KeyError, match="nope"):
+        plot_delta(report, "nope")
+
+
+# -- display -------------------------------------------------------------------------------
+
+
+def test_figures_render_as_png_once_and_stay_out_of_pyplot():
+    import matplotlib.pyplot as plt
+
+    from patchkit.plot import ReportFigure
+
+    report, _ = load("q k")
+    open_before = plt.get_fignums()
+    figs = [report.plot_chunks(), report.plot_density("q"), report.plot_placement(),
+            report.plot_delta("qkv")]
+    assert plt.get_fignums() == open_before  # nothing for the inline backend to re-show
+    assert all(isinstance(fig, ReportFigure) for fig in figs)
+    png = figs[0]._repr_png_()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert png == report.plot_chunks()._repr_png_()  # deterministic: no time, no seed
+
+
+def test_plotting_never_imports_pyplot(monkeypatch):
+    # With pyplot made unimportable, every figure must still build and render.
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    report, _ = load("q k")
+    figs = [report.plot_chunks(), report.plot_density("q"), report.plot_placement(),
+            report.plot_delta("qkv")]
+    assert len(figs) == 4
+    assert figs[0]._repr_png_().startswith(b"\x89PNG")

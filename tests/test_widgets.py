@@ -1,0 +1,152 @@
+"""patchkit.widgets: moving a control redraws the output from the new state."""
+
+from __future__ import annotations
+
+import base64
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from patchkit import CheckpointWeightPatch, plan_chunks
+from patchkit.inspect import human_bytes, inspect_load
+from patchkit.widgets import ChunkPlanner, ReportExplorer, chunk_planner, explore
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+class Packed(nn.Module):
+    """q, k, v (4 × 8) packed into the rows of ``qkv`` (12 × 8); ``norm`` (8,) as is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.qkv = nn.Parameter(torch.randn(12, 8, generator=g), requires_grad=False)
+        self.norm = nn.Parameter(torch.ones(8), requires_grad=False)
+
+    def load_weights(self, weights):
+        names = set()
+        for name, t in weights:
+            if name == "norm":
+                self.norm.data.copy_(t)
+            else:
+                self.qkv.data.narrow(0, 4 * "qkv".index(name), 4).copy_(t)
+            names.add(name)
+        return names
+
+
+def dense(name: str, seed: int) -> CheckpointWeightPatch:
+    shape = (8,) if name == "norm" else (4, 8)
+    g = torch.Generator().manual_seed(seed)
+    return CheckpointWeightPatch(name, shape, torch.float32,
+                                 torch.randn(math.prod(shape), generator=g))
+
+
+def patches() -> list[CheckpointWeightPatch]:
+    return [dense(n, i) for i, n in enumerate(["q", "k", "v", "norm"])]  # 128 B ×3, 32 B
+
+
+def texts(out) -> str:
+    return "".join(o["text"] for o in out.outputs if o["output_type"] == "stream")
+
+
+def images(out) -> list[bytes]:
+    return [base64.b64decode(o["data"]["image/png"]) for o in out.outputs
+            if o["output_type"] == "display_data"]
+
+
+# -- chunk_planner -------------------------------------------------------------------------
+
+
+def test_planner_redraws_the_plan_when_the_budget_slider_moves():
+    ps = patches()
+    w = chunk_planner(ps, max_chunk_bytes=1024)
+    assert isinstance(w, ChunkPlanner)
+    assert "→ 1 load_weights call\n" in texts(w.output)
+    first = images(w.output)
+    assert len(first) == 1 and first[0].startswith(PNG)
+
+    w.slider.value = 200
+    assert w.max_chunk_bytes == 200
+    assert w.plan == plan_chunks(ps, 200)
+    assert len(w.plan) == 3
+    text = texts(w.output)
+    assert "max_chunk_bytes = 200 B" in text and "→ 3 load_weights calls" in text
+    assert "call 0: 1 patch (q), 128 B, closed by budget" in text
+    assert "call 2: 2 patches (v, norm), 160 B, closed by end" in text
+    assert images(w.output) != first
+    assert w.readout.value == "200 B"
+
+
+def test_planner_flags_a_patch_over_the_budget():
+    w = chunk_planner(patches(), max_chunk_bytes=1024)
+    w.slider.value = 100
+    assert "over budget (travels alone)" in texts(w.output)
+
+
+def test_planner_slider_spans_half_the_smallest_patch_to_twice_the_total():
+    w = chunk_planner(patches())
+    assert 2**w.slider.min == pytest.approx(32 / 2)  # norm: 8 float32
+    assert 2**w.slider.max == pytest.approx(2 * (3 * 128 + 32))
+    # no budget given: the default (512 MiB) clipped into range, which plans the same calls
+    assert w.max_chunk_bytes == 2 * (3 * 128 + 32)
+    assert [c.positions for c in w.plan] == [(0, 1, 2, 3)]
+
+
+def test_planner_of_a_report_starts_from_the_report_plan():
+    report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
+    w = chunk_planner(report)
+    assert w.max_chunk_bytes == 300
+    assert w.plan == report.plan
+    assert f"→ {len(report.plan)} load_weights calls" in texts(w.output)
+
+
+# -- explore -------------------------------------------------------------------------------
+
+
+def test_explore_shows_a_patch_density_map_and_its_summary_row():
+    report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
+    w = explore(report)
+    assert isinstance(w, ReportExplorer)
+    assert w.dropdown.value == ("patch", 0)
+    assert [o["output_type"] for o in w.output.outputs] == ["display_data", "stream"]
+    assert " q " in texts(w.output) and "budget" in texts(w.output)
+    first = images(w.output)
+
+    w.dropdown.value = ("patch", 3)
+    assert " norm " in texts(w.output) and " q " not in texts(w.output)
+    assert images(w.output) != first
+
+
+def test_explore_shows_placement_delta_and_rows_of_a_runtime_tensor():
+    report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
+    w = explore(report)
+    labels = [label for label, _ in w.dropdown.options]
+    assert labels == ["patch 0: q", "patch 1: k", "patch 2: v", "patch 3: norm",
+                      "runtime: qkv", "runtime: norm"]
+    w.dropdown.value = ("runtime", "qkv")
+    kinds = [o["output_type"] for o in w.output.outputs]
+    assert kinds == ["display_data", "display_data", "stream"]  # placement, delta, rows
+    assert all(png.startswith(PNG) for png in images(w.output))
+    text = texts(w.output)
+    assert "writes into qkv" in text and "[8:12, :]" in text
+    assert "delta:" in text and "96" in text  # 3 × 32 elements written
+
+
+def test_explore_planner_moves_independently_of_the_dropdown():
+    report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
+    w = explore(report)
+    before = w.output.outputs
+    w.planner.slider.value = 800  # more than the 416 B staged in all
+    assert w.planner.plan == plan_chunks(report.patches, 800)
+    assert "→ 1 load_weights call\n" in texts(w.planner.output)
+    assert w.output.outputs == before
+    assert human_bytes(w.planner.max_chunk_bytes) == w.planner.readout.value
+
+
+def test_widgets_have_a_short_stable_text_repr():
+    report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
+    w = explore(report)
+    assert repr(w) == "ReportExplorer(patches=4, runtime tensors=2)"
+    assert repr(w.planner) == "ChunkPlanner(max_chunk_bytes=300, calls=2)"
