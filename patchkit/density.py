@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .patch import CheckpointWeightPatch, numel
@@ -86,17 +88,39 @@ def region_text(
         strides.append(acc)
         acc *= d
     strides = tuple(reversed(strides))
-    if view_stride is not None and len(view_shape) == len(full_shape) and all(
-        s == fs or v == 1 for v, s, fs in zip(view_shape, view_stride, strides)
-    ):
+    sizes = _box_sizes(strides, view_shape, view_stride) if view_stride is not None else None
+    if sizes is not None:
         start, rest = [], offset
         for fs in strides:
             start.append(rest // fs if fs else 0)
             rest = rest % fs if fs else rest
-        parts = []
-        for b, v, d in zip(start, view_shape, full_shape):
-            parts.append(":" if (b == 0 and v == d) else f"{b}:{b + v}")
-        return "[" + ", ".join(parts) + "]"
+        if all(b + v <= d for b, v, d in zip(start, sizes, full_shape)):
+            parts = []
+            for b, v, d in zip(start, sizes, full_shape):
+                parts.append(":" if (b == 0 and v == d) else f"{b}:{b + v}")
+            return "[" + ", ".join(parts) + "]"
     if full_shape == () and n == 1:
         return "[]"
     return f"{n} elements from {offset}"
+
+
+def _box_sizes(
+    full_strides: tuple[int, ...], view_shape: tuple[int, ...], view_stride: Sequence[int]
+) -> list[int] | None:
+    """Per full dimension, the view's extent, when the view is a box of the full tensor.
+
+    Each view dimension longer than 1 must step like one full dimension, in order; full
+    dimensions the view does not step along (``w[3]`` drops one) get extent 1.
+    """
+    sizes = [1] * len(full_strides)
+    j = 0
+    for v, st in zip(view_shape, view_stride):
+        if v == 1:
+            continue
+        while j < len(full_strides) and full_strides[j] != st:
+            j += 1
+        if j == len(full_strides):
+            return None
+        sizes[j] = v
+        j += 1
+    return sizes

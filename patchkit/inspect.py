@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -25,7 +25,12 @@ from .intercept import SavedRegion, WriteEvent, WriteSession, bits
 from .loader import canonicalize_tied, run_load
 from .patch import CheckpointWeightPatch, numel, staged_nbytes
 
-__all__ = ["LoadReport", "density_map", "inspect_load", "patch_summary"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .widgets import ReportExplorer
+
+__all__ = ["LoadReport", "density_map", "human_bytes", "inspect_load", "patch_summary"]
 
 
 def _kind(p: CheckpointWeightPatch) -> str:
@@ -127,7 +132,8 @@ class LoadReport:
       a staged tensor), ``checkpoint_offset`` (flat element offset of the source region
       in the checkpoint tensor), ``checkpoint_region`` (slice notation), ``target`` (the
       runtime parameter or buffer), ``target_offset``, ``target_region``, ``shape``,
-      ``elements``, ``changed`` (elements whose bits changed), ``op``.
+      ``elements``, ``changed`` (elements whose bits changed), ``op``, and the element
+      strides of both views (``checkpoint_stride``, ``target_stride``).
     - ``deltas``: indexed by runtime tensor name, one row per touched tensor:
       ``elements`` written (each counted once), ``changed`` (bitwise, against the value
       before the load), ``max_abs``, ``mean_abs`` (over the written elements) and
@@ -152,9 +158,36 @@ class LoadReport:
 
     # -- values ----------------------------------------------------------------------
 
+    @property
+    def targets(self) -> dict[str, tuple[int, ...]]:
+        """Every runtime tensor of the model (parameters and buffers) and its shape."""
+        return {n: tuple(t.shape) for n, t in self._runtime.items()}
+
+    def _tensor(self, target: str) -> torch.Tensor:
+        try:
+            return self._runtime[target]
+        except KeyError:
+            known = ", ".join(repr(t) for t in list(self._runtime)[:8])
+            raise KeyError(
+                f"{target!r} is not a runtime tensor of this model (some are: {known})"
+            ) from None
+
+    def written(self, target: str) -> torch.Tensor:
+        """Bool mask shaped like ``target`` (CPU): True where the load wrote."""
+        t = self._tensor(target)
+        mask = torch.zeros(t.numel(), dtype=torch.bool)
+        base = t.storage_offset()
+        for s in self._saved:
+            if s.target == target:
+                view = mask.as_strided(
+                    tuple(s.view.shape), tuple(s.view.stride()), s.view.storage_offset() - base
+                )
+                view.fill_(True)
+        return mask.view(t.shape)
+
     def after(self, target: str) -> torch.Tensor:
         """The runtime tensor ``target`` as it is now (a CPU copy)."""
-        return self._runtime[target].detach().to("cpu", copy=True)
+        return self._tensor(target).detach().to("cpu", copy=True)
 
     def before(self, target: str) -> torch.Tensor:
         """The runtime tensor ``target`` as it was before the load (a CPU copy).
@@ -162,7 +195,7 @@ class LoadReport:
         Rebuilt from the current value and the saved regions (newest first, so where
         saved regions overlap the oldest contents win).
         """
-        t = self._runtime[target]
+        t = self._tensor(target)
         out = t.detach().to("cpu", copy=True)
         flat = out.reshape(-1)
         base = t.storage_offset()
@@ -226,13 +259,13 @@ class LoadReport:
 
     # -- figures (matplotlib on first use) ---------------------------------------------------
 
-    def plot_chunks(self, **kw):
+    def plot_chunks(self, **kw) -> Figure:
         """Staged bytes per ``load_weights`` call and why each ended (see patchkit.plot)."""
         from . import plot
 
         return plot.plot_chunks(self, **kw)
 
-    def plot_density(self, patch_or_name, **kw):
+    def plot_density(self, patch_or_name: CheckpointWeightPatch | str, **kw) -> Figure:
         """Where a sparse patch's changes sit, as a heat map (see patchkit.plot)."""
         from . import plot
 
@@ -243,19 +276,19 @@ class LoadReport:
             patch_or_name = matches[0]
         return plot.plot_density(patch_or_name, **kw)
 
-    def plot_placement(self, **kw):
+    def plot_placement(self, **kw) -> Figure:
         """Checkpoint regions → runtime regions (see patchkit.plot)."""
         from . import plot
 
         return plot.plot_placement(self, **kw)
 
-    def plot_delta(self, target: str, **kw):
+    def plot_delta(self, target: str, **kw) -> Figure:
         """Before / after / Δ heat maps and a Δ histogram of one runtime tensor."""
         from . import plot
 
         return plot.plot_delta(self, target, **kw)
 
-    def explore(self):
+    def explore(self) -> ReportExplorer:
         """An ipywidgets explorer of this report (see patchkit.widgets)."""
         from . import widgets
 
@@ -468,6 +501,8 @@ def _build_report(
                 "elements": ev.elements,
                 "changed": ev.changed,
                 "op": ev.op,
+                "checkpoint_stride": ev.source_stride,
+                "target_stride": ev.stride,
             }
         )
     writes = pd.DataFrame(
@@ -475,6 +510,7 @@ def _build_report(
         columns=[
             "chunk", "position", "name", "checkpoint_offset", "checkpoint_region", "target",
             "target_offset", "target_region", "shape", "elements", "changed", "op",
+            "checkpoint_stride", "target_stride",
         ],
     )
     for col in ("position", "checkpoint_offset"):

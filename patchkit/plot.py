@@ -501,9 +501,9 @@ def plot_placement(
     else:
         chosen = list(targets)
         left_out = 0
-        unknown = [t for t in chosen if t not in report._runtime]
+        unknown = [t for t in chosen if t not in report.targets]
         if unknown:
-            known = ", ".join(repr(t) for t in list(report._runtime)[:8])
+            known = ", ".join(repr(t) for t in list(report.targets)[:8])
             raise KeyError(f"no runtime tensor {unknown[0]!r} in this report (known: {known})")
     if not chosen:
         fig = _new_figure(8, 2.5)
@@ -529,7 +529,7 @@ def plot_placement(
 
 def _draw_target(ax_ck: Axes, ax_rt: Axes, target: str, report: LoadReport, writes: Any,
                  shapes: dict[int, tuple[int, ...]]) -> None:
-    tshape = tuple(int(d) for d in report._runtime[target].shape)
+    tshape = tuple(int(d) for d in report.targets[target])
     rows, cols = grid_shape(tshape)
     mine = writes[writes["target"] == target]
     shown = mine.iloc[:_MAX_WRITES]
@@ -681,20 +681,8 @@ def pool_max_abs(x: np.ndarray, br: int, bc: int) -> np.ndarray:
 
 
 def written_mask(report: LoadReport, target: str) -> torch.Tensor:
-    """Flat bool mask over ``target``'s elements: True where the load wrote (CPU).
-
-    Built from the regions the report saved before their first write, with the same
-    layout rule as :meth:`LoadReport.before`.
-    """
-    t = report._runtime[target]
-    mask = torch.zeros(t.numel(), dtype=torch.bool)
-    base = t.storage_offset()
-    for s in report._saved:
-        if s.target == target:
-            mask.as_strided(
-                tuple(s.view.shape), tuple(s.view.stride()), s.view.storage_offset() - base
-            ).fill_(True)
-    return mask
+    """Flat bool mask over ``target``'s elements: True where the load wrote (CPU)."""
+    return report.written(target).reshape(-1)
 
 
 def plot_delta(
@@ -718,8 +706,8 @@ def plot_delta(
     those whose bits changed with ``changed_only=True``; non-finite Δ are left out and
     counted in the title. Uses :meth:`LoadReport.before` / :meth:`LoadReport.after`.
     """
-    if target not in report._runtime:
-        known = ", ".join(repr(t) for t in list(report._runtime)[:8])
+    if target not in report.targets:
+        known = ", ".join(repr(t) for t in list(report.targets)[:8])
         raise KeyError(f"no runtime tensor {target!r} in this report (known: {known})")
     before_t, after_t = report.before(target), report.after(target)
     shape = tuple(int(d) for d in before_t.shape)

@@ -248,3 +248,24 @@ def test_observing_a_foreign_loader_agrees_with_the_builtin_loader():
         ours.writes[["chunk", "target", "target_region", "changed"]]
     )
     assert "load_weights" not in vars(theirs_model)  # the wrapper is gone
+
+
+def test_written_mask_and_targets_describe_the_runtime_side():
+    m = Packed()
+    r = inspect_load(m, [sparse("k", (4, 4), [0], [5.0])])
+    assert r.targets == {"qkv": (12, 4), "norm": (4,)}
+    mask = r.written("qkv")
+    assert mask.shape == (12, 4)
+    assert mask[4:8].all() and not mask[:4].any() and not mask[8:].any()
+    assert not r.written("norm").any()
+
+
+def test_region_text_names_boxes_also_when_the_view_drops_a_dimension():
+    from patchkit.density import region_text
+
+    assert region_text((8, 4), 8, (2, 4), (4, 1)) == "[2:4, :]"
+    assert region_text((8, 4), 2, (8, 2), (4, 1)) == "[:, 2:4]"
+    assert region_text((8, 4), 12, (4,), (1,)) == "[3:4, :]"  # w[3]
+    assert region_text((8, 4), 13, (2,), (1,)) == "[3:4, 1:3]"  # w[3, 1:3]
+    assert region_text((8, 4), 2, (3,), (4,)) == "[0:3, 2:3]"  # w[0:3, 2]
+    assert region_text((8, 4), 3, (5,), (1,)) == "5 elements from 3"  # wraps a row
