@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.bootstrapped
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench notebooks
 
 $(STAMP): pyproject.toml scripts/bootstrap
 	scripts/bootstrap
@@ -19,3 +19,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_loader.py
+
+# Re-execute the tutorial notebooks in place (when a change to their story is intended).
+notebooks: $(STAMP)
+	$(PY) scripts/execute-notebooks

@@ -2,25 +2,86 @@
 
 The loader (:func:`load_checkpoint_weight_patches`) and its record
 (:class:`CheckpointWeightPatch`) follow the contract of the function of the same name in
-vLLM; :func:`plan_chunks` shows which patches share a ``load_weights`` call. Everything
-here imports torch only: plotting, tables and widgets load on first use.
+vLLM (``docs/CONTRACT.md``); :func:`plan_chunks` shows which patches share a
+``load_weights`` call. :func:`inspect_load` runs a load and reports what it did.
+Patches are made by :func:`dense_patches`, :func:`sparse_patches_from_diff`,
+:func:`random_sparse_patch` and :func:`split_patch`, and stored by :func:`save_patches`;
+small vLLM-style models to load into live in :mod:`patchkit.toymodels`.
+
+``import patchkit`` imports torch only: pandas (for :func:`inspect_load`,
+:class:`LoadReport`, :func:`patch_summary`), matplotlib (``patchkit.plot``) and
+ipywidgets (``patchkit.widgets``) load on first use.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .build import (
+    AdamLikeTrainer,
+    changed_fraction,
+    dense_patches,
+    random_sparse_patch,
+    sparse_patches_from_diff,
+    split_patch,
+    wire_bytes,
+)
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
+from .density import density_map
 from .errors import ContractViolation, PatchError, PatchTypeError, PatchValueError
+from .io import load_patches, read_patch_metadata, save_patches
 from .loader import load_checkpoint_weight_patches
 from .patch import CheckpointWeightPatch
+from .staging import stage
+from .units import format_bytes
 
 __version__ = "0.1.0"
 
+# Public names that live in modules with heavier imports: loaded on first access.
+_LAZY = {
+    "inspect_load": "inspect",
+    "LoadReport": "inspect",
+    "patch_summary": "inspect",
+}
+
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
+    "AdamLikeTrainer",
     "CheckpointWeightPatch",
     "Chunk",
     "ContractViolation",
+    "LoadReport",
     "PatchError",
     "PatchTypeError",
     "PatchValueError",
+    "changed_fraction",
+    "dense_patches",
+    "density_map",
+    "format_bytes",
+    "inspect_load",
     "load_checkpoint_weight_patches",
+    "load_patches",
+    "patch_summary",
     "plan_chunks",
+    "random_sparse_patch",
+    "read_patch_metadata",
+    "save_patches",
+    "sparse_patches_from_diff",
+    "split_patch",
+    "stage",
+    "wire_bytes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'patchkit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

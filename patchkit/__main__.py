@@ -1,4 +1,4 @@
-"""Command line: ``python -m patchkit {demo,inspect} ...``."""
+"""Command line: ``python -m patchkit {tour,demo,inspect} ...``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     run_demo(device=args.device)
     return 0
+
+
+def _cmd_tour(args: argparse.Namespace) -> int:
+    from .tour import run_tour
+
+    return 0 if run_tour(args.out, device=args.device).ok else 1
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -32,6 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     demo.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     demo.set_defaults(run=_cmd_demo)
+
+    tour = sub.add_parser(
+        "tour", help="dense, sparse and repeated-name loads, written as figures + index.html"
+    )
+    tour.add_argument("--out", default="patchkit-tour", help="folder (default patchkit-tour/)")
+    tour.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    tour.set_defaults(run=_cmd_tour)
 
     insp = sub.add_parser("inspect", help="summarise a patch file (.safetensors)")
     insp.add_argument("file")

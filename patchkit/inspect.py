@@ -24,13 +24,14 @@ from .density import density_map, region_text
 from .intercept import SavedRegion, WriteEvent, WriteSession, bits
 from .loader import canonicalize_tied, run_load
 from .patch import CheckpointWeightPatch, numel, staged_nbytes
+from .units import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from .widgets import ReportExplorer
 
-__all__ = ["LoadReport", "density_map", "human_bytes", "inspect_load", "patch_summary"]
+__all__ = ["LoadReport", "density_map", "inspect_load", "patch_summary"]
 
 
 def _kind(p: CheckpointWeightPatch) -> str:
@@ -297,17 +298,8 @@ class LoadReport:
 
 def _human(key: str, v: Any) -> str:
     if "bytes" in key and isinstance(v, int):
-        return human_bytes(v)
+        return format_bytes(v)
     return str(v)
-
-
-def human_bytes(n: float) -> str:
-    """``1536 -> '1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 # ------------------------------------------------------------------------------------------

@@ -431,7 +431,7 @@ class WriteSession:
                 "tell what it did. A loader that owns none of these weights returns an empty "
                 "collection",
                 position=positions[0], name=staged[0][0], reason="without copying",
-                value=returned,
+                value=None if returned is None else tuple(sorted(returned)),
             )
 
     # -- a write into runtime storage --------------------------------------------------

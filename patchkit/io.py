@@ -35,12 +35,12 @@ import torch
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
 from .errors import PatchError, PatchTypeError, PatchValueError, where
 from .patch import CheckpointWeightPatch, validate_patches
+from .units import format_bytes
 
 __all__ = [
     "FORMAT_KEY",
     "FORMAT_VERSION",
     "PatchFileEntry",
-    "format_bytes",
     "load_patches",
     "print_patch_file_summary",
     "read_patch_index",
@@ -493,28 +493,6 @@ def load_patches(
 
 
 # --------------------------------------------------------------------------- summary
-
-
-def format_bytes(n: int) -> str:
-    """Human-readable binary size: ``"512 B"``, ``"1.5 KiB"``, ``"512 MiB"``, ``"1.18 GiB"``.
-
-    At most three significant digits past the unit change; exact values lose trailing
-    zeros. Negative numbers keep their sign.
-    """
-    if n < 0:
-        return "-" + format_bytes(-n)
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024 or unit == "PiB":
-            break
-    digits = 0 if value >= 100 else 1 if value >= 10 else 2
-    text = f"{value:.{digits}f}"
-    if "." in text:
-        text = text.rstrip("0").rstrip(".")
-    return f"{text} {unit}"
 
 
 def _positions_text(positions: Iterable[int]) -> str:

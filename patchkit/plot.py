@@ -41,9 +41,9 @@ from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import density_map, grid_shape
-from .inspect import human_bytes
 from .intercept import bits
 from .patch import CheckpointWeightPatch, numel, staged_nbytes
+from .units import format_bytes
 
 if TYPE_CHECKING:
     from .inspect import LoadReport
@@ -131,7 +131,7 @@ class _BytesLocator(Locator):
 
 
 def _bytes_tick(v: float, _pos: Any = None) -> str:
-    return human_bytes(v).replace(".0 ", " ")
+    return format_bytes(v).replace(".0 ", " ")
 
 
 def _short(name: str, n: int = 24, parts: int = 3) -> str:
@@ -242,8 +242,8 @@ def plot_chunks(
     total = sum(c.bytes for c in plan)
     calls = f"{len(plan)} load_weights call{'s' if len(plan) != 1 else ''}"
     ax.set_title(
-        f"Chunk plan: {n_sent} patches, {human_bytes(total)} staged → {calls}\n"
-        f"max_chunk_bytes = {human_bytes(budget)}",
+        f"Chunk plan: {n_sent} patches, {format_bytes(total)} staged → {calls}\n"
+        f"max_chunk_bytes = {format_bytes(budget)}",
         fontsize=10,
     )
     ax.set_xlabel("load_weights call")
@@ -300,7 +300,7 @@ def plot_chunks(
     ax.axhline(budget, linestyle="--", color="0.15", linewidth=1.2, gid="budget")
     if budget_off_scale:
         ax.text(
-            0.99, 0.98, f"max_chunk_bytes = {human_bytes(budget)} (above this scale)",
+            0.99, 0.98, f"max_chunk_bytes = {format_bytes(budget)} (above this scale)",
             transform=ax.transAxes, ha="right", va="top", fontsize=8, color="0.15",
         )
     ax.set_xlim(-0.7, len(plan) - 0.3)
@@ -315,7 +315,7 @@ def plot_chunks(
     ]
     handles.append(
         Line2D([], [], linestyle="--", color="0.15",
-               label=f"max_chunk_bytes ({human_bytes(budget)})")
+               label=f"max_chunk_bytes ({format_bytes(budget)})")
     )
     if any(c.over_budget for c in plan):
         handles.append(

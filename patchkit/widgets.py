@@ -27,9 +27,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk
-from .inspect import human_bytes
 from .patch import CheckpointWeightPatch, staged_nbytes
 from .plot import _plan_for, plot_chunks, plot_delta, plot_density, plot_placement, to_png
+from .units import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -71,7 +71,7 @@ def plan_text(plan: Sequence[Chunk], budget: int) -> str:
     n = sum(len(c.positions) for c in plan)
     total = sum(c.bytes for c in plan)
     head = (
-        f"max_chunk_bytes = {human_bytes(budget)}: {n} patches, {human_bytes(total)} staged "
+        f"max_chunk_bytes = {format_bytes(budget)}: {n} patches, {format_bytes(total)} staged "
         f"→ {len(plan)} load_weights call{'s' if len(plan) != 1 else ''}"
     )
     lines = [head]
@@ -80,7 +80,7 @@ def plan_text(plan: Sequence[Chunk], budget: int) -> str:
         over = ", over budget (travels alone)" if c.over_budget else ""
         lines.append(
             f"  call {c.index}: {len(c.positions)} patch{'es' if len(c.positions) != 1 else ''}"
-            f" ({names}), {human_bytes(c.bytes)}, closed by {c.closed_by}{over}"
+            f" ({names}), {format_bytes(c.bytes)}, closed by {c.closed_by}{over}"
         )
     if len(plan) > _MAX_CALL_LINES:
         lines.append(f"  … {len(plan) - _MAX_CALL_LINES} more calls")
@@ -155,7 +155,7 @@ class ChunkPlanner(W.VBox):
     def redraw(self) -> None:
         """Re-plan at the slider's budget and replace the output (figure, then text)."""
         budget = self.max_chunk_bytes
-        self.readout.value = human_bytes(budget)
+        self.readout.value = format_bytes(budget)
         _, self.plan, budget = _plan_for(self.source, budget)
         fig = plot_chunks(self.source, max_chunk_bytes=budget)
         self.output.outputs = (figure_output(fig), text_output(plan_text(self.plan, budget)))

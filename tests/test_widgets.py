@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from patchkit import CheckpointWeightPatch, plan_chunks
-from patchkit.inspect import human_bytes, inspect_load
+from patchkit import CheckpointWeightPatch, format_bytes, inspect_load, plan_chunks
 from patchkit.widgets import ChunkPlanner, ReportExplorer, chunk_planner, explore
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -142,7 +141,7 @@ def test_explore_planner_moves_independently_of_the_dropdown():
     assert w.planner.plan == plan_chunks(report.patches, 800)
     assert "→ 1 load_weights call\n" in texts(w.planner.output)
     assert w.output.outputs == before
-    assert human_bytes(w.planner.max_chunk_bytes) == w.planner.readout.value
+    assert format_bytes(w.planner.max_chunk_bytes) == w.planner.readout.value
 
 
 def test_widgets_have_a_short_stable_text_repr():
