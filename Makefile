@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.bootstrapped
 
-.PHONY: demo test lint bench notebooks
+.PHONY: tour demo test lint bench notebooks readme-figures
 
 $(STAMP): pyproject.toml scripts/bootstrap
 	scripts/bootstrap
@@ -23,3 +23,14 @@ bench: $(STAMP)
 # Re-execute the tutorial notebooks in place (when a change to their story is intended).
 notebooks: $(STAMP)
 	$(PY) scripts/execute-notebooks
+
+# The main job: a report of dense, sparse and repeated-name loads in patchkit-tour/.
+tour: $(STAMP)
+	$(PY) -m patchkit tour
+
+# The two figures the README shows, from the tour.
+readme-figures: $(STAMP)
+	$(PY) -m patchkit tour --out build/tour
+	mkdir -p docs/figures
+	cp build/tour/dense_placement_rank0.png docs/figures/placement.png
+	cp build/tour/sparse_delta_qkv_rank0.png docs/figures/delta.png

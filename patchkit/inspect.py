@@ -226,7 +226,7 @@ class LoadReport:
 
     def __repr__(self) -> str:
         s = self.summary()
-        head = ", ".join(f"{k}={v}" for k, v in s.items() if v is not None)
+        head = ", ".join(f"{k}={_human(k, v)}" for k, v in s.items() if v is not None)
         parts = [f"LoadReport({head})"]
         with pd.option_context("display.width", 120, "display.max_columns", 20):
             parts.append("chunks:\n" + self.chunks.drop(columns=["note"]).to_string(index=False))

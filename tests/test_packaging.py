@@ -76,3 +76,21 @@ def test_docs_contract_is_the_shared_spec():
 
         pytest.skip("no ../shared beside this checkout (only the project's machines have it)")
     assert (ROOT / "docs" / "CONTRACT.md").read_text() == shared.read_text()
+
+
+def test_readme_example_runs_and_prints_what_the_readme_says(capsys):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Ten lines", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    shown = section.split("```text\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md", "exec"), {})
+    got = capsys.readouterr().out
+    assert [line.rstrip() for line in got.strip().splitlines()] == [
+        line.rstrip() for line in shown.strip().splitlines()
+    ]
+
+
+def test_readme_figures_exist():
+    readme = (ROOT / "README.md").read_text()
+    for path in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme):
+        assert (ROOT / path).exists(), path
