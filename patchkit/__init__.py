@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .bitwise import same_bits, same_state
 from .build import (
     AdamLikeTrainer,
     changed_fraction,
@@ -66,6 +67,8 @@ __all__ = [
     "plan_chunks",
     "random_sparse_patch",
     "read_patch_metadata",
+    "same_bits",
+    "same_state",
     "save_patches",
     "sparse_patches_from_diff",
     "split_patch",

@@ -28,6 +28,7 @@ from typing import Literal
 
 import torch
 
+from .bitwise import changed_mask
 from .errors import PatchTypeError, PatchValueError, where
 from .patch import CheckpointWeightPatch, numel, validate_patches
 
@@ -43,8 +44,6 @@ __all__ = [
 
 _INT32_MAX = 2**31 - 1
 
-# Signed integer dtype of each element width, for bit-level comparison.
-_BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 Pattern = Literal["uniform", "rows", "blocks"]
 _PATTERNS = ("uniform", "rows", "blocks")
@@ -56,25 +55,6 @@ _PATTERNS = ("uniform", "rows", "blocks")
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous 1-D tensor (a view when ``t`` is already contiguous)."""
     return t.detach().contiguous().reshape(-1)
-
-
-def _bits(flat: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a contiguous 1-D tensor, one row per element.
-
-    Widths 1/2/4/8 bytes come back as a 1-D signed-int view; other widths (complex128,
-    bool is width 1) as an ``(n, itemsize)`` uint8 view.
-    """
-    bits_dtype = _BITS_DTYPE.get(flat.element_size())
-    if bits_dtype is not None:
-        return flat.view(bits_dtype)
-    return flat.view(torch.uint8).reshape(flat.numel(), flat.element_size())
-
-
-def _changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """1-D bool mask of the flat positions whose bits differ."""
-    b, a = _bits(_flat(before)), _bits(_flat(after))
-    ne = b != a
-    return ne if ne.ndim == 1 else ne.any(dim=1)
 
 
 def _index_dtype_for(n: int, index_dtype: torch.dtype | None, name: str) -> torch.dtype:
@@ -218,7 +198,7 @@ def sparse_patches_from_diff(
     for name, b, a, idx_dtype in plan:
         if b.device != a.device:
             b = b.to(a.device)
-        mask = _changed_mask(b, a)
+        mask = changed_mask(b, a).reshape(-1)
         idx = torch.nonzero(mask).reshape(-1)  # ascending
         nnz = idx.numel()
         if nnz == 0:
@@ -284,7 +264,7 @@ def changed_fraction(
                 name=name, reason="shape or dtype differs",
                 value=((tuple(b.shape), b.dtype), (tuple(a.shape), a.dtype)),
             )
-        changed += int(_changed_mask(b.to(a.device), a).sum())
+        changed += int(changed_mask(b, a).sum())
         total += a.numel()
     return changed / total if total else 0.0
 

@@ -13,17 +13,13 @@ from collections.abc import Callable
 
 import torch
 
+from .bitwise import same_state
 from .build import dense_patches, sparse_patches_from_diff
 from .chunking import plan_chunks
-from .intercept import bits
 from .patch import CheckpointWeightPatch
 from .toymodels import TinyLlamaConfig, TinyLlamaRuntime, gather_checkpoint, tiny_llama_checkpoint
 
 __all__ = ["run_demo"]
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(bits(a[k]), bits(b[k])) for k in a)
 
 
 def _yes(ok: bool) -> str:
@@ -60,7 +56,7 @@ def run_demo(device: str | None = None, echo: Callable[[str], None] = print) -> 
         why = ", ".join(f"{k} x{v}" for k, v in reasons.items())
         echo(f"   rank {r}: {len(report.calls)} load_weights calls (closed by {why}), "
              f"{len(report.loaded)} names loaded, {len(report.writes)} runtime writes")
-    same = _same(gather_checkpoint(ranks), ckpt)
+    same = same_state(gather_checkpoint(ranks), ckpt)
     ok &= same
     echo(f"   ranks gathered back == checkpoint, bit for bit: {_yes(same)}")
 
@@ -88,7 +84,7 @@ def run_demo(device: str | None = None, echo: Callable[[str], None] = print) -> 
                                "elements", "changed"]]
         for line in table.to_string(index=False).splitlines():
             echo("     " + line)
-    same = _same(gather_checkpoint(ranks), new)
+    same = same_state(gather_checkpoint(ranks), new)
     ok &= same
     echo(f"   ranks gathered back == new checkpoint, bit for bit (all else untouched): "
          f"{_yes(same)}")

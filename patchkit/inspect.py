@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
+from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import density_map, region_text
-from .intercept import SavedRegion, WriteEvent, WriteSession, bits
+from .intercept import SavedRegion, WriteEvent, WriteSession
 from .loader import canonicalize_tied, run_load
 from .patch import CheckpointWeightPatch, numel, staged_nbytes
 from .units import format_bytes

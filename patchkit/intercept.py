@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .bitwise import bits
 from .errors import ContractViolation, where
 
 __all__ = [
@@ -36,29 +37,10 @@ __all__ = [
     "WriteEvent",
     "WriteRecorder",
     "WriteSession",
-    "bits",
 ]
 
 _aten = torch.ops.aten
 _COPY = _aten.copy_.default
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` reinterpreted as integers of the same width, for bit-exact comparison.
-
-    ``bits(a) != bits(b)`` counts ``0.0`` vs ``-0.0`` as different and two equal NaN
-    payloads as equal, unlike ``a != b``.
-    """
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        if t.dtype.is_complex:
-            t = torch.view_as_real(t)
-        return t.view(_INT_OF_SIZE[t.element_size()])
-    return t
-
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int | None, int]:
     s = t.untyped_storage()

@@ -39,9 +39,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 
+from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import density_map, grid_shape
-from .intercept import bits
 from .patch import CheckpointWeightPatch, numel, staged_nbytes
 from .units import format_bytes
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .intercept import bits
+from .bitwise import bits
 from .patch import CheckpointWeightPatch
 
 __all__ = ["stage"]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .bitwise import bits, same_state
 from .build import dense_patches, sparse_patches_from_diff
-from .intercept import bits
 from .patch import CheckpointWeightPatch
 from .toymodels import TinyLlamaConfig, TinyLlamaRuntime, gather_checkpoint, tiny_llama_checkpoint
 
@@ -37,10 +37,6 @@ class TourResult:
     @property
     def ok(self) -> bool:
         return all(self.checks.values())
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(bits(a[k]), bits(b[k])) for k in a)
 
 
 def _sparse_step(ckpt: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
@@ -112,7 +108,8 @@ def run_tour(
     progress(0)
     patches = [p._replace(values=p.values.to(dev)) for p in dense_patches(ckpt)]
     reports = [inspect_load(rt, patches, max_chunk_bytes=DENSE_BUDGET) for rt in ranks]
-    result.checks["dense: ranks gathered == checkpoint"] = _same(gather_checkpoint(ranks), ckpt)
+    gathered = gather_checkpoint(ranks)
+    result.checks["dense: ranks gathered == checkpoint"] = same_state(gathered, ckpt)
     progress(1)
     figs = [save(reports[0].plot_chunks(), "dense_chunks"),
             save(reports[0].plot_placement(), "dense_placement_rank0"),
@@ -134,7 +131,7 @@ def run_tour(
     sparse = [p._replace(values=p.values.to(dev), indices=p.indices.to(dev))
               for p in sparse_patches_from_diff(ckpt, new)]
     reports = [inspect_load(rt, sparse) for rt in ranks]
-    result.checks["sparse: ranks gathered == new checkpoint"] = _same(
+    result.checks["sparse: ranks gathered == new checkpoint"] = same_state(
         gather_checkpoint(ranks), new
     )
     progress(3)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import patchkit
 from patchkit import CheckpointWeightPatch, inspect_load, patch_summary, plan_chunks
-from patchkit.intercept import bits
+from patchkit.bitwise import bits
 
 
 class Packed(torch.nn.Module):

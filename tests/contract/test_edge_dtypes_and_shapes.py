@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from patchkit.intercept import bits
+from patchkit.bitwise import bits
 from patchkit.toymodels import PlainModel
 
 

@@ -1,0 +1,45 @@
+"""Bit-level views and comparisons: what "bit for bit" means everywhere in patchkit."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["bits", "changed_mask", "same_bits", "same_state"]
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as integers of the same width (a view, no copy).
+
+    ``bits(a) != bits(b)`` counts ``0.0`` vs ``-0.0`` as different and two NaNs with the
+    same payload as equal, unlike ``a != b``. Complex tensors gain a trailing dimension of
+    2 (real, imaginary); integer tensors come back as they are.
+    """
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.dtype.is_complex:
+        t = torch.view_as_real(t)
+    if t.dtype.is_floating_point:
+        return t.view(_INT_OF_SIZE[t.element_size()])
+    return t
+
+
+def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """Bool tensor shaped like ``after``: True where the bits differ from ``before``."""
+    ne = bits(before.to(after.device)) != bits(after)
+    return ne.any(dim=-1) if after.dtype.is_complex else ne
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` have the same shape, dtype and bits (any devices)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(bits(a.detach().cpu()), bits(b.detach().cpu()))
+
+
+def same_state(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+    """True when two state dicts have the same names and every tensor the same bits."""
+    return a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
