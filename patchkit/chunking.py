@@ -10,8 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import PatchTypeError, PatchValueError
-from .patch import CheckpointWeightPatch, staged_nbytes
+from .patch import CheckpointWeightPatch, check_max_chunk_bytes, staged_nbytes
 
 __all__ = ["DEFAULT_MAX_CHUNK_BYTES", "Chunk", "plan_chunks"]
 
@@ -66,16 +65,7 @@ def plan_chunks(
     >>> [(c.positions, c.closed_by) for c in plan_chunks([p, p], max_chunk_bytes=1024)]
     [((0,), 'repeated name'), ((1,), 'end')]
     """
-    if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
-        raise PatchTypeError(
-            f"max_chunk_bytes must be an int, got {type(max_chunk_bytes).__name__}",
-            reason="max_chunk_bytes type", value=max_chunk_bytes,
-        )
-    if max_chunk_bytes <= 0:
-        raise PatchValueError(
-            f"max_chunk_bytes must be positive, got {max_chunk_bytes}",
-            reason="max_chunk_bytes", value=max_chunk_bytes,
-        )
+    check_max_chunk_bytes(max_chunk_bytes)
     patches = list(patches)
     if positions is None:
         positions = range(len(patches))

@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 
 from .bitwise import bits
+from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import density_map, region_text
 from .intercept import SavedRegion, WriteEvent, WriteSession
@@ -41,13 +42,6 @@ def _kind(p: CheckpointWeightPatch) -> str:
 
 def _nnz(p: CheckpointWeightPatch) -> int:
     return numel(p) if p.indices is None else int(p.indices.numel())
-
-
-def _wire(p: CheckpointWeightPatch) -> int:
-    n = p.values.numel() * p.values.element_size()
-    if p.indices is not None:
-        n += p.indices.numel() * p.indices.element_size()
-    return n
 
 
 def _dtype(d: torch.dtype) -> str:
@@ -76,7 +70,7 @@ def patch_summary(patches: Iterable[CheckpointWeightPatch]) -> pd.DataFrame:
                 "numel": n,
                 "nnz": nnz,
                 "density": (nnz / n) if n else 0.0,
-                "wire_bytes": _wire(p),
+                "wire_bytes": wire_bytes(p),
                 "staged_bytes": staged_nbytes(p),
             }
         )
@@ -426,39 +420,22 @@ def _build_report(
         for p in c.positions:
             chunk_of[p] = c
     sent_name = dict(zip(positions, (p.name for p in kept)))
-    rows = []
+    notes = []
     for i, p in enumerate(patches):
-        c = chunk_of.get(i)
-        n = numel(p)
-        nnz = _nnz(p)
-        note = ""
         if i not in sent_name:
-            note = "dropped: tied alias of a weight patched in the same call"
+            notes.append("dropped: tied alias of a weight patched in the same call")
         elif sent_name[i] != p.name:
-            note = f"renamed from {p.name!r} (tied alias)"
-        rows.append(
-            {
-                "chunk": None if c is None else c.index,
-                "position": i,
-                "name": sent_name.get(i, p.name),
-                "kind": _kind(p),
-                "shape": tuple(int(d) for d in p.shape),
-                "dtype": _dtype(p.dtype),
-                "numel": n,
-                "nnz": nnz,
-                "density": nnz / n if n else 0.0,
-                "bytes": staged_nbytes(p),
-                "closed_by": None if c is None else c.closed_by,
-                "note": note,
-            }
-        )
-    chunks = pd.DataFrame(
-        rows,
-        columns=[
-            "chunk", "position", "name", "kind", "shape", "dtype", "numel", "nnz",
-            "density", "bytes", "closed_by", "note",
-        ],
-    )
+            notes.append(f"renamed from {p.name!r} (tied alias)")
+        else:
+            notes.append("")
+    chunks = patch_summary(patches).rename(columns={"staged_bytes": "bytes"})
+    chunks["name"] = [sent_name.get(i, p.name) for i, p in enumerate(patches)]
+    chunks.insert(0, "chunk", [chunk_of[i].index if i in chunk_of else None
+                               for i in range(len(patches))])
+    chunks["closed_by"] = [chunk_of[i].closed_by if i in chunk_of else None
+                           for i in range(len(patches))]
+    chunks["note"] = notes
+    chunks = chunks.drop(columns=["wire_bytes"])
     chunks["chunk"] = chunks["chunk"].astype("Int64")
     calls = pd.DataFrame(
         rec.calls, columns=["chunk", "names", "returned", "writes", "seconds", "error"]

@@ -17,6 +17,7 @@ from .errors import PatchTypeError, PatchValueError, where
 
 __all__ = [
     "CheckpointWeightPatch",
+    "check_max_chunk_bytes",
     "is_sparse",
     "numel",
     "staged_nbytes",
@@ -222,6 +223,20 @@ def _first_offending_index(patch: CheckpointWeightPatch, reason: str) -> int:
     return int(s[pos])
 
 
+def check_max_chunk_bytes(max_chunk_bytes: object) -> None:
+    """CONTRACT §1.1: the budget is a positive int (``TypeError``/``ValueError`` otherwise)."""
+    if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
+        raise PatchTypeError(
+            f"max_chunk_bytes must be an int, got {type(max_chunk_bytes).__name__}",
+            reason="max_chunk_bytes type", value=max_chunk_bytes,
+        )
+    if max_chunk_bytes <= 0:
+        raise PatchValueError(
+            f"max_chunk_bytes must be positive, got {max_chunk_bytes}",
+            reason="max_chunk_bytes", value=max_chunk_bytes,
+        )
+
+
 def validate_patches(
     patches: Sequence[CheckpointWeightPatch],
     *,
@@ -242,16 +257,7 @@ def validate_patches(
     if positions is None:
         positions = range(len(patches))
     if max_chunk_bytes is not None:
-        if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
-            raise PatchTypeError(
-                f"max_chunk_bytes must be an int, got {type(max_chunk_bytes).__name__}",
-                reason="max_chunk_bytes type", value=max_chunk_bytes,
-            )
-        if max_chunk_bytes <= 0:
-            raise PatchValueError(
-                f"max_chunk_bytes must be positive, got {max_chunk_bytes}",
-                reason="max_chunk_bytes", value=max_chunk_bytes,
-            )
+        check_max_chunk_bytes(max_chunk_bytes)
     for pos, patch in zip(positions, patches):
         _check_structure(pos, patch)
     if not patches:

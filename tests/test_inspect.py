@@ -269,3 +269,31 @@ def test_region_text_names_boxes_also_when_the_view_drops_a_dimension():
     assert region_text((8, 4), 13, (2,), (1,)) == "[3:4, 1:3]"  # w[3, 1:3]
     assert region_text((8, 4), 2, (3,), (4,)) == "[0:3, 2:3]"  # w[0:3, 2]
     assert region_text((8, 4), 3, (5,), (1,)) == "5 elements from 3"  # wraps a row
+
+
+def test_tiny_llama_tp2_writes_land_in_each_ranks_slices():
+    from patchkit import dense_patches
+    from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+    cfg = TinyLlamaConfig()  # q 64 rows, k and v 32 rows each, hidden 64, intermediate 128
+    ckpt = tiny_llama_checkpoint(cfg)
+    patches = dense_patches({k: v for k, v in ckpt.items() if ".layers.0." in k})
+    for rank in (0, 1):
+        r = inspect_load(TinyLlamaRuntime(cfg, tp_rank=rank, tp_size=2), patches)
+        w = r.writes.set_index("name")
+        attn = "model.layers.0.self_attn."
+        qkv = attn + "qkv_proj.weight"
+        # q, k, v: rank r reads its half of the checkpoint rows and packs them q, k, v.
+        for proj, rows, at in (("q", 64, 0), ("k", 32, 32), ("v", 32, 48)):
+            row = w.loc[f"{attn}{proj}_proj.weight"]
+            half = rows // 2
+            assert row["checkpoint_region"] == f"[{rank * half}:{(rank + 1) * half}, :]"
+            assert row["target"] == qkv
+            assert row["target_region"] == f"[{at}:{at + half}, :]"
+        # o_proj and down_proj are row-parallel: each rank reads a band of columns.
+        o = w.loc[attn + "o_proj.weight"]
+        assert o["checkpoint_region"] == f"[:, {rank * 32}:{(rank + 1) * 32}]"
+        assert o["target_region"] == "[:, :]"
+        down = w.loc["model.layers.0.mlp.down_proj.weight"]
+        assert down["checkpoint_region"] == f"[:, {rank * 64}:{(rank + 1) * 64}]"
+        assert r.deltas.loc[qkv, "elements"] == 64 * 64
