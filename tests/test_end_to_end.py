@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import patchkit
 from patchkit import AdamLikeTrainer, dense_patches, same_state, sparse_patches_from_diff
