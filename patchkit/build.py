@@ -264,7 +264,7 @@ def changed_fraction(
                 name=name, reason="shape or dtype differs",
                 value=((tuple(b.shape), b.dtype), (tuple(a.shape), a.dtype)),
             )
-        changed += int(changed_mask(b, a).sum())
+        changed += int(torch.count_nonzero(changed_mask(b, a)))
         total += a.numel()
     return changed / total if total else 0.0
 

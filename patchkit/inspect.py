@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
-from .bitwise import bits
+from .bitwise import changed_mask
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import density_map, region_text
@@ -169,16 +169,16 @@ class LoadReport:
             ) from None
 
     def written(self, target: str) -> torch.Tensor:
-        """Bool mask shaped like ``target`` (CPU): True where the load wrote."""
+        """Bool mask shaped like ``target`` (CPU): True where the load wrote.
+
+        Dense writes count their whole view; NaN-merged (sparse) writes count only the
+        elements their source did not keep.
+        """
         t = self._tensor(target)
         mask = torch.zeros(t.numel(), dtype=torch.bool)
-        base = t.storage_offset()
         for s in self._saved:
             if s.target == target:
-                view = mask.as_strided(
-                    tuple(s.view.shape), tuple(s.view.stride()), s.view.storage_offset() - base
-                )
-                view.fill_(True)
+                mask[(s.storage_index() - t.storage_offset()).cpu()] = True
         return mask.view(t.shape)
 
     def after(self, target: str) -> torch.Tensor:
@@ -194,12 +194,8 @@ class LoadReport:
         t = self._tensor(target)
         out = t.detach().to("cpu", copy=True)
         flat = out.reshape(-1)
-        base = t.storage_offset()
         for s in reversed([s for s in self._saved if s.target == target]):
-            view = flat.as_strided(
-                s.view.shape, s.view.stride(), s.view.storage_offset() - base
-            )
-            view.copy_(s.before.to("cpu"))
+            flat[(s.storage_index() - t.storage_offset()).cpu()] = s.flat_before().cpu()
         return out
 
     # -- summaries ---------------------------------------------------------------------
@@ -502,7 +498,21 @@ def _build_report(
     )
 
 
-_BLOCK = 1 << 22  # elements per step of the delta statistics: bounds their scratch memory
+_BLOCK = 1 << 20  # elements per step of the delta statistics: bounds their scratch memory
+
+
+def _sum_squares(x: torch.Tensor) -> float:
+    """Sum of squares of the finite elements of ``x`` (a BLAS dot in float32, or float64)."""
+    if not (x.is_floating_point() or x.is_complex()):
+        x = x.double()
+    elif x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    x = x.double() if x.dtype == torch.float64 else x.float()
+    total = float(torch.dot(x, x))
+    if math.isfinite(total):
+        return total
+    x = torch.where(torch.isfinite(x), x, 0)
+    return float(torch.dot(x, x))
 
 
 def _deltas(saved: list[SavedRegion], runtime: dict[str, torch.Tensor]) -> pd.DataFrame:
@@ -519,7 +529,7 @@ def _deltas(saved: list[SavedRegion], runtime: dict[str, torch.Tensor]) -> pd.Da
         t = runtime[target]
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         if len(regions) == 1 or not _any_overlap(regions):
-            parts = [(s.before.reshape(-1), s.view.reshape(-1)) for s in regions]
+            parts = [(s.flat_before(), s.current()) for s in regions]
         else:
             # Overlapping saved regions: the oldest saved value is the true "before" of
             # each element. Walk the regions oldest first and keep elements not yet seen.
@@ -527,10 +537,10 @@ def _deltas(saved: list[SavedRegion], runtime: dict[str, torch.Tensor]) -> pd.Da
             seen = torch.zeros(span, dtype=torch.bool, device=t.device)
             flat = t.detach().as_strided((span,), (1,), 0)
             for s in regions:
-                idx = _flat_index(s.view)
+                idx = s.storage_index()
                 fresh = ~seen[idx]
                 seen[idx] = True
-                parts.append((s.before.reshape(-1)[fresh], flat[idx][fresh]))
+                parts.append((s.flat_before()[fresh], flat[idx][fresh]))
         elements = changed = 0
         max_abs = sum_abs = sum_d2 = sum_b2 = 0.0
         for before, after in parts:
@@ -538,11 +548,11 @@ def _deltas(saved: list[SavedRegion], runtime: dict[str, torch.Tensor]) -> pd.Da
                 b = before[lo : lo + _BLOCK]
                 a = after[lo : lo + _BLOCK]
                 elements += b.numel()
-                diff = bits(b) != bits(a)
-                changed += int(diff.sum())
-                b64 = b.double()
-                sum_b2 += float(torch.where(torch.isfinite(b64), b64, 0).square().sum())
-                if bool(diff.any()):
+                diff = changed_mask(b, a)
+                n_changed = int(torch.count_nonzero(diff))
+                changed += n_changed
+                sum_b2 += _sum_squares(b)
+                if n_changed:
                     d = (a[diff].double() - b[diff].double()).abs()
                     d = torch.where(torch.isfinite(d), d, 0)
                     max_abs = max(max_abs, float(d.max()))
@@ -568,11 +578,3 @@ def _any_overlap(regions: list[SavedRegion]) -> bool:
 
     rs = [Region.of(s.view) for s in regions]
     return any(rs[i].overlaps(rs[j]) for i in range(len(rs)) for j in range(i))
-
-
-def _flat_index(view: torch.Tensor) -> torch.Tensor:
-    """Storage element offsets of every element of ``view``, in its iteration order."""
-    idx = torch.tensor(view.storage_offset(), dtype=torch.int64, device=view.device)
-    for d, s in zip(view.shape, view.stride()):
-        idx = idx.unsqueeze(-1) + torch.arange(d, device=view.device, dtype=torch.int64) * s
-    return idx.reshape(-1)

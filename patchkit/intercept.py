@@ -198,12 +198,61 @@ class WriteEvent:
 
 @dataclass
 class SavedRegion:
-    """A runtime region as it was before its first write during the load."""
+    """Runtime elements as they were before a write of the load changed them.
+
+    ``view`` is the written view of the runtime tensor. Without ``index`` the whole view
+    was saved and ``before`` has its shape. A NaN-merged (sparse) write saves only the
+    elements it can change, those where its source is not NaN: then ``index`` holds their
+    storage element offsets and ``before`` their values, so a sparse save costs memory and
+    time in proportion to the patch, not to the view.
+    """
 
     target: str
     target_offset: int
     view: torch.Tensor = field(repr=False)
     before: torch.Tensor = field(repr=False)
+    index: torch.Tensor | None = field(default=None, repr=False)
+
+    def _storage(self) -> torch.Tensor:
+        v = self.view
+        span = v.untyped_storage().nbytes() // v.element_size()
+        return v.as_strided((span,), (1,), 0)
+
+    def current(self) -> torch.Tensor:
+        """The saved elements' values now (1-D, in the order of ``before``)."""
+        if self.index is None:
+            return self.view.reshape(-1)
+        return self._storage().index_select(0, self.index)
+
+    def flat_before(self) -> torch.Tensor:
+        """The saved values (1-D)."""
+        return self.before.reshape(-1)
+
+    def restore(self) -> None:
+        """Write the saved values back (outside any interception)."""
+        if self.index is None:
+            self.view.copy_(self.before)
+        else:
+            self._storage().index_copy_(0, self.index, self.before)
+
+    def storage_index(self) -> torch.Tensor:
+        """Storage element offsets of the saved elements (1-D, in the order of ``before``)."""
+        if self.index is not None:
+            return self.index
+        return _storage_offsets(self.view, None)
+
+
+def _storage_offsets(view: torch.Tensor, flat_positions: torch.Tensor | None) -> torch.Tensor:
+    """Storage element offsets of ``view``'s elements (all, or those at ``flat_positions``,
+    positions in the view's row-major order): O(len) work, the view is never copied."""
+    if flat_positions is None:
+        flat_positions = torch.arange(view.numel(), device=view.device)
+    out = torch.full_like(flat_positions, view.storage_offset())
+    rest = flat_positions
+    for d, st in zip(reversed(view.shape), reversed(view.stride())):
+        out += (rest % d) * st
+        rest = rest // d
+    return out
 
 
 class WriteRecorder(Protocol):
@@ -423,22 +472,25 @@ class WriteSession:
         is_copy = func is _COPY
         if self._sparse:
             self._check_sparse_write(func, op, args, targets)
-        saved = [self._save(t, tname, off) for t, (tname, _, off) in targets]
-        befores = None
-        if self.count_changes:
-            # The region's saved copy is its value right now when it was saved just
-            # above; only a second write into a region needs a transient copy.
-            befores = [
-                bits(b) if b is not None else bits(t).clone()
-                for b, (t, _) in zip(saved, targets)
-            ]
+        keep = None
         if self._sparse:
             dest, src = args[0], args[1]
             cast = src.to(device=dest.device, dtype=dest.dtype)
+            keep = torch.isnan(cast if cast.element_size() > 1 else cast.float())
+        # Before the write: save what it may change, and what counting changes needs.
+        # A region saved just now holds exactly its current values; only a second write
+        # into a saved dense region needs a transient copy.
+        saved = [self._save(t, tname, off, keep) for t, (tname, _, off) in targets]
+        befores = None
+        if self.count_changes:
+            befores = [
+                bits(sr.before) if sr is not None else bits(t).clone()
+                for sr, (t, _) in zip(saved, targets)
+            ]
+        if self._sparse:
             # Merge on the bits, in place: exact for every float dtype (payloads, -0.0,
             # subnormals), no float kernels needed where a dtype lacks them (float8 on
             # CPU), and no destination-sized temporary beyond the 1-byte mask.
-            keep = torch.isnan(cast if cast.element_size() > 1 else cast.float())
             torch.where(keep, bits(dest), bits(cast), out=bits(dest))
             out = dest
         else:
@@ -450,7 +502,9 @@ class WriteSession:
             for k, (t, (tname, _, off)) in enumerate(targets):
                 changed = None
                 if befores is not None:
-                    changed = int((bits(t) != befores[k]).sum())
+                    sr = saved[k]
+                    now = bits(sr.current() if sr is not None and sr.index is not None else t)
+                    changed = int(torch.count_nonzero(now.reshape(befores[k].shape) != befores[k]))
                 self.recorder.on_write(
                     WriteEvent(
                         chunk=self._chunk,
@@ -516,17 +570,29 @@ class WriteSession:
                 )
         self._call_regions.append(region)
 
-    def _save(self, t: torch.Tensor, target: str, offset: int) -> torch.Tensor | None:
-        """Save ``t``'s region unless already saved; return the new copy, else None."""
+    def _save(
+        self, t: torch.Tensor, target: str, offset: int, keep: torch.Tensor | None
+    ) -> SavedRegion | None:
+        """Save what a write into ``t`` may change; return the new record, else None.
+
+        Dense writes save their whole view once per region. A NaN-merged write saves the
+        elements its source does not keep (``~keep``), every time: two sparse writes into
+        one region change different elements.
+        """
         if not self.save_regions:
             return None
-        region = Region.of(t)
-        if region in self._saved_regions:
-            return None
-        self._saved_regions.add(region)
-        before = t.clone()
-        self.saved.append(SavedRegion(target, offset, t, before))
-        return before
+        if keep is None:
+            region = Region.of(t)
+            if region in self._saved_regions:
+                return None
+            self._saved_regions.add(region)
+            saved = SavedRegion(target, offset, t, t.clone())
+        else:
+            index = _storage_offsets(t, torch.nonzero(~keep.reshape(-1)).reshape(-1))
+            saved = SavedRegion(target, offset, t, torch.empty(0, dtype=t.dtype), index)
+            saved.before = saved.current().clone()
+        self.saved.append(saved)
+        return saved
 
     # -- the whole load ------------------------------------------------------------------
 
@@ -538,7 +604,7 @@ class WriteSession:
         """
         with torch.no_grad():
             for saved in reversed(self.saved):
-                saved.view.copy_(saved.before)
+                saved.restore()
 
     def discard(self) -> None:
         """Forget the saved regions (the load succeeded)."""

@@ -197,7 +197,7 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
         # clamped so that an out-of-range index (already flagged) cannot fault a kernel.
         marks = torch.zeros(n, dtype=torch.bool, device=device)
         marks[idx.clamp(0, n - 1)] = True
-        dup = marks.sum() != idx.numel()
+        dup = torch.count_nonzero(marks) != idx.numel()  # bool .sum() would upcast
     return torch.stack((has_nan, oob, dup))
 
 

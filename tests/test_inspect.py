@@ -71,7 +71,9 @@ def test_deltas_count_exactly_the_elements_whose_bits_changed():
     p = sparse("k", (4, 4), [0, 5, 15], [float(k_now[0]), 123.0, -7.5])
     r = inspect_load(m, [p])
     assert r.deltas.loc["qkv", "changed"] == 2
-    assert r.deltas.loc["qkv", "elements"] == 16  # the loader copies the whole k slice
+    # The loader copies the whole k slice, but a NaN-merged copy writes 3 elements.
+    assert r.writes["elements"].tolist() == [16]
+    assert r.deltas.loc["qkv", "elements"] == 3
     assert r.writes["changed"].tolist() == [2]
     truth = int((bits(before) != bits(m.qkv.detach())).sum())
     assert truth == 2
@@ -88,9 +90,10 @@ def test_before_and_after_rebuild_the_runtime_tensor_around_the_load():
     assert torch.equal(bits(r.before("qkv")), bits(before))
     assert torch.equal(bits(r.after("qkv")), bits(m.qkv.detach()))
     assert r.after("qkv")[8, 1] == 10.0  # later patch wins
-    # The same region was written twice: counted once in elements, changed vs the start.
-    assert r.deltas.loc["qkv", "elements"] == 16
+    # Element 1 was written twice: counted once in elements, changed against the start.
+    assert r.deltas.loc["qkv", "elements"] == 2
     assert r.deltas.loc["qkv", "changed"] == 2
+    assert r.writes["changed"].tolist() == [1, 2]
 
 
 def test_overlapping_regions_of_one_tensor_count_each_element_once():
@@ -256,8 +259,11 @@ def test_written_mask_and_targets_describe_the_runtime_side():
     assert r.targets == {"qkv": (12, 4), "norm": (4,)}
     mask = r.written("qkv")
     assert mask.shape == (12, 4)
-    assert mask[4:8].all() and not mask[:4].any() and not mask[8:].any()
+    assert mask[4, 0] and int(mask.sum()) == 1  # the one element the sparse patch wrote
     assert not r.written("norm").any()
+    dense_report = inspect_load(m, [dense("v", torch.ones(4, 4))])
+    written = dense_report.written("qkv")
+    assert written[8:12].all() and int(written.sum()) == 16  # a dense copy writes its view
 
 
 def test_region_text_names_boxes_also_when_the_view_drops_a_dimension():
