@@ -2,11 +2,15 @@
 
 Imports pandas (on first use of this module; ``import patchkit`` does not load it).
 
-What a report costs: the load runs with write interception on (dense calls too), every
-runtime region is saved once before its first write (the same mechanism as
-``transactional=True``), and each write is compared bitwise with its region's previous
-value, which needs one transient copy of that write's destination. Extra memory is
-therefore the bytes written, plus one destination; never a copy of the whole model.
+What a report costs: the load runs with write interception on (dense calls too), and
+what each write changes is saved before it happens (the same mechanism as
+``transactional=True``): a dense write saves its destination view (once per region); a
+NaN-merged sparse write saves only the elements its source lets through, as storage
+offsets and values. Each write is then compared bitwise with what was saved. Extra
+memory is therefore the bytes written (for sparse loads: the patched elements, plus a
+transient 1-byte mask of the view being merged); never a copy of the whole model. The
+delta statistics work in blocks of a million elements. ``benchmarks/bench_inspect.py``
+measures both against a plain load.
 """
 
 from __future__ import annotations
@@ -131,9 +135,11 @@ class LoadReport:
       ``elements``, ``changed`` (elements whose bits changed), ``op``, and the element
       strides of both views (``checkpoint_stride``, ``target_stride``).
     - ``deltas``: indexed by runtime tensor name, one row per touched tensor:
-      ``elements`` written (each counted once), ``changed`` (bitwise, against the value
-      before the load), ``max_abs``, ``mean_abs`` (over the written elements) and
-      ``rel_l2`` (``||after - before|| / ||before||`` over the written elements).
+      ``elements`` written, each counted once (a dense copy writes its whole view, a
+      NaN-merged copy only the elements its source lets through), ``changed`` (bitwise,
+      against the value before the load), ``max_abs``, ``mean_abs`` (over the written
+      elements) and ``rel_l2`` (``||after - before|| / ||before||`` over the written
+      elements).
     - ``error``: the exception the load raised, or ``None``.
 
     ``before(target)`` and ``after(target)`` give the runtime tensor before and after the

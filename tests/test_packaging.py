@@ -80,7 +80,7 @@ def test_docs_contract_is_the_shared_spec():
 
 def test_readme_example_runs_and_prints_what_the_readme_says(capsys):
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Ten lines", 1)[1]
+    section = readme.split("## A first load", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     shown = section.split("```text\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "README.md", "exec"), {})
