@@ -7,6 +7,9 @@ For dense and sparse (0.1 %, 1 %, 10 %) patches of fp32 and bf16 tensors of 1 M,
 - floor: the same values written directly: ``flat.index_copy_(0, idx, values)`` for
   sparse, ``param.copy_(values)`` for dense; what this work costs on this machine;
 - ratio = patchkit / floor;
+- contract: the work the contract itself asks of a sparse load and nothing more (stage
+  a NaN-filled checkpoint tensor, scatter the values, NaN-merge into the parameter), and
+  patchkit / contract: what validation, chunk planning and interception add on top;
 - vLLM's function of the same name, from the same run, when vLLM is importable;
 - peak extra memory of the patchkit load (bytes allocated above the starting point),
   next to the staged size (a full checkpoint-shaped tensor, also for sparse patches).
@@ -61,6 +64,22 @@ def make_patch(shape, dtype, density, device) -> CheckpointWeightPatch:
     return CheckpointWeightPatch("w", shape, dtype, values.to(device), idx.to(device))
 
 
+def contract_fn(model: OneParam, patch: CheckpointWeightPatch):
+    """The work the contract itself asks of a sparse load, with nothing else: stage a
+    NaN-filled checkpoint tensor, scatter the values, NaN-merge it into the parameter."""
+    if patch.indices is None:
+        return floor_fn(model, patch)
+    idx = patch.indices.long()
+
+    def staged_merge():
+        staged = torch.full(patch.shape, float("nan"), dtype=patch.dtype,
+                            device=patch.values.device)
+        staged.view(-1).index_copy_(0, idx, patch.values)
+        w = model.w.data
+        w.copy_(torch.where(torch.isnan(staged), w, staged))
+    return staged_merge
+
+
 def floor_fn(model: OneParam, patch: CheckpointWeightPatch):
     if patch.indices is None:
         def dense():
@@ -96,6 +115,7 @@ def main(argv=None) -> int:
 
                 t_ours = median_seconds(ours, device, repeats)
                 t_floor = median_seconds(floor_fn(model, patch), device, repeats)
+                t_contract = median_seconds(contract_fn(model, patch), device, repeats)
                 t_vllm = None
                 if vllm is not None:
                     def theirs(model=model, patch=patch):
@@ -111,6 +131,8 @@ def main(argv=None) -> int:
                         f"{t_ours * 1e3:.2f}",
                         f"{t_floor * 1e3:.2f}",
                         f"{t_ours / t_floor:.1f}x",
+                        f"{t_contract * 1e3:.2f}",
+                        f"{t_ours / t_contract:.2f}x",
                         "n/a" if t_vllm is None else f"{t_vllm * 1e3:.2f}",
                         f"{peak / 2**20:.1f}",
                         f"{staged / 2**20:.1f}",
@@ -127,6 +149,7 @@ def main(argv=None) -> int:
         fmt_table(
             [
                 "patch", "dtype", "elements", "patchkit ms", "floor ms", "ratio",
+                "contract ms", "vs contract",
                 "vLLM ms", "peak extra MiB", "staged MiB",
             ],
             rows,

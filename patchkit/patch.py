@@ -298,18 +298,20 @@ def validate_patches(
         i, reason = first_bad
         p = patches[i]
         bad = _first_offending_index(p, reason)
-        nan_text = f"a NaN among the values at index {bad}"
+        nan_text = f"NaN value at index {bad}"
         if p.values.dtype != p.dtype:
             pos = int(torch.nonzero(p.indices.to(p.values.device) == bad)[0, 0])
             v = p.values[pos]
             if not bool(torch.isnan(v.float())):
-                nan_text = f"value {float(v)!r} at index {bad} becomes NaN when cast to {p.dtype}"
+                nan_text = (
+                    f"NaN value at index {bad}: {float(v)!r} becomes NaN when cast to {p.dtype}"
+                )
         text = {
             "NaN": f"{nan_text} (NaN means 'unchanged', so it cannot be sent sparsely; "
             "send this weight dense)",
-            "out-of-range": f"index {bad} is out of range for shape {tuple(p.shape)} "
+            "out-of-range": f"out-of-range index {bad} for shape {tuple(p.shape)} "
             f"({numel(p)} elements)",
-            "duplicate": f"index {bad} appears more than once",
+            "duplicate": f"duplicate index {bad} (it appears more than once)",
         }[reason]
         raise PatchValueError(
             f"{where(positions[i], p.name)}: {text}",

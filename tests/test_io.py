@@ -223,7 +223,7 @@ def test_save_validates_patches(tmp_path):
     with pytest.raises(PatchValueError, match=r"patch 1 \('w'\).*NaN") as info:
         save_patches(tmp_path / "a", [ok, nan])
     assert info.value.position == 1
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="out-of-range"):
         oob = nan._replace(values=torch.ones(1), indices=torch.tensor([4]))
         save_patches(tmp_path / "a", [oob])
     with pytest.raises(ValueError):
@@ -350,7 +350,7 @@ TAMPERS = {
     "float indices": (dict(tensors=lambda t: {**t, "000000.indices": t["000000.indices"].float()},
                            header=_set(0, indices_dtype="float32")), "int32 or int64"),
     "index out of range": (dict(tensors=lambda t: {**t, "000000.indices":
-                                                   t["000000.indices"] + 64}), "out of range"),
+                                                   t["000000.indices"] + 64}), "out-of-range"),
     "duplicate index": (dict(tensors=lambda t: {**t, "000000.indices":
                                                 t["000000.indices"] * 0}), "more than once"),
     "NaN in sparse": (dict(tensors=lambda t: {**t, "000000.values":
@@ -375,7 +375,7 @@ def test_value_checks_need_a_full_load(tmp_path):
     bad = rewrite(good, str(tmp_path / "bad.safetensors"),
                   tensors=lambda t: {**t, "000000.indices": t["000000.indices"] + 64})
     assert len(read_patch_index(bad)) == 2
-    with pytest.raises(PatchValueError, match=r"patch 0 \('w'\).*out of range"):
+    with pytest.raises(PatchValueError, match=r"patch 0 \('w'\).*out-of-range"):
         load_patches(bad)
 
 
