@@ -27,8 +27,15 @@ from .bitwise import changed_mask
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import density_map, region_text
-from .intercept import SavedRegion, WriteEvent, WriteSession
-from .loader import canonicalize_tied, run_load
+from .intercept import (
+    Region,
+    SavedRegion,
+    WriteEvent,
+    WriteSession,
+    _storage_key,
+    _storage_offsets,
+)
+from .loader import _as_patch, _names, canonicalize_tied, run_load
 from .patch import CheckpointWeightPatch, numel, staged_nbytes
 from .units import format_bytes
 
@@ -182,9 +189,9 @@ class LoadReport:
         """
         t = self._tensor(target)
         mask = torch.zeros(t.numel(), dtype=torch.bool)
-        for s in self._saved:
-            if s.target == target:
-                mask[(s.storage_index() - t.storage_offset()).cpu()] = True
+        for s in _sharing(self._saved, t):
+            pos, _ = _positions(t, s.storage_index())
+            mask[pos.cpu()] = True
         return mask.view(t.shape)
 
     def after(self, target: str) -> torch.Tensor:
@@ -198,10 +205,11 @@ class LoadReport:
         saved regions overlap the oldest contents win).
         """
         t = self._tensor(target)
-        out = t.detach().to("cpu", copy=True)
-        flat = out.reshape(-1)
-        for s in reversed([s for s in self._saved if s.target == target]):
-            flat[(s.storage_index() - t.storage_offset()).cpu()] = s.flat_before().cpu()
+        out = t.detach().cpu().contiguous().clone()
+        flat = out.view(-1)
+        for s in reversed(_sharing(self._saved, t)):
+            pos, valid = _positions(t, s.storage_index())
+            flat[pos.cpu()] = s.flat_before()[valid].cpu()
         return out
 
     # -- summaries ---------------------------------------------------------------------
@@ -326,14 +334,14 @@ def inspect_load(
 
     Memory: see the module docstring (the bytes written, never the whole model).
     """
-    patches = list(patches)
+    patches = [_as_patch(p) for p in patches]
     rec = _Recorder()
     sessions: list[WriteSession] = []
-    kept, positions = canonicalize_tied(model, patches)
     try:
+        kept, positions = canonicalize_tied(model, patches)
         plan = plan_chunks(kept, max_chunk_bytes, positions=positions)
-    except Exception:
-        plan = []
+    except Exception:  # bad input: the load below raises the error that names it
+        kept, positions, plan = list(patches), list(range(len(patches))), []
     error: BaseException | None = None
     loaded: set[str] = set()
     try:
@@ -358,9 +366,14 @@ def inspect_load(
         loaded = set(loaded or ())
     except BaseException as exc:
         error = exc
-    report = _build_report(
-        model, patches, kept, positions, plan, rec, sessions, max_chunk_bytes, loaded, error
-    )
+    try:
+        report = _build_report(
+            model, patches, kept, positions, plan, rec, sessions, max_chunk_bytes, loaded, error
+        )
+    except Exception:
+        if error is not None:
+            raise error from None  # bad input: the load's own error says what is wrong
+        raise
     if error is not None:
         error.report = report  # type: ignore[attr-defined]
         raise error
@@ -386,7 +399,10 @@ def _observe_foreign(
         else:
             pos = [p for p, _ in _match_positions(patches, names)]
         with session.call(i, staged, pos, sparse=False) as r:
-            r.returned = out = original(staged, *a, **kw)
+            out = original(staged, *a, **kw)
+            if out is not None and not isinstance(out, set | frozenset | list | tuple):
+                out = list(out)  # a generator: run it while the writes are watched
+            r.returned = _names(out)
         return out
 
     model.load_weights = recording_load_weights
@@ -524,29 +540,38 @@ def _sum_squares(x: torch.Tensor) -> float:
 def _deltas(saved: list[SavedRegion], runtime: dict[str, torch.Tensor]) -> pd.DataFrame:
     """Per touched runtime tensor: elements written once each, bitwise changes, |Δ| stats.
 
-    Works block by block over the saved regions, so its scratch memory is bounded by the
-    block size, whatever the size of the writes.
+    Each saved element is credited to the runtime tensor that owns it (a write can span
+    several tensors that share one flat storage). Where saved regions overlap, the oldest
+    saved value is an element's "before". Works block by block, so the scratch memory of
+    the statistics is bounded whatever the size of the writes.
     """
-    by_target: dict[str, list[SavedRegion]] = {}
+    found_of: dict[str, list[tuple[SavedRegion, Any, torch.Tensor, torch.Tensor]]] = {}
     for s in saved:
-        by_target.setdefault(s.target, []).append(s)
+        for name, t in runtime.items():
+            if t.numel() == 0 or _storage_key(t) != _storage_key(s.view):
+                continue
+            if s.index is None and _within(s.view, t):
+                # The common case: a dense view inside one tensor, taken as it is.
+                found_of.setdefault(name, []).append((s, None, s.flat_before(), s.current()))
+                continue
+            pos, valid = _positions(t, s.storage_index())
+            if pos.numel():
+                entry = (s, pos, s.flat_before()[valid], s.current()[valid])
+                found_of.setdefault(name, []).append(entry)
     rows = []
-    for target, regions in by_target.items():
-        t = runtime[target]
-        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if len(regions) == 1 or not _any_overlap(regions):
-            parts = [(s.flat_before(), s.current()) for s in regions]
-        else:
-            # Overlapping saved regions: the oldest saved value is the true "before" of
-            # each element. Walk the regions oldest first and keep elements not yet seen.
-            span = t.untyped_storage().nbytes() // t.element_size()
-            seen = torch.zeros(span, dtype=torch.bool, device=t.device)
-            flat = t.detach().as_strided((span,), (1,), 0)
-            for s in regions:
-                idx = s.storage_index()
-                fresh = ~seen[idx]
-                seen[idx] = True
-                parts.append((s.flat_before()[fresh], flat[idx][fresh]))
+    for target, found in found_of.items():
+        parts = [(b, a) for _, _, b, a in found]
+        regions = [Region.of(s.view) for s, _, _, _ in found]
+        if any(regions[i].overlaps(regions[j]) for i in range(len(found)) for j in range(i)):
+            t = runtime[target]
+            seen = torch.zeros(t.numel(), dtype=torch.bool, device=t.device)
+            parts = []
+            for s, pos, b, a in found:
+                if pos is None:
+                    pos, _ = _positions(t, s.storage_index())
+                fresh = ~seen[pos]
+                seen[pos] = True
+                parts.append((b[fresh], a[fresh]))
         elements = changed = 0
         max_abs = sum_abs = sum_d2 = sum_b2 = 0.0
         for before, after in parts:
@@ -559,7 +584,8 @@ def _deltas(saved: list[SavedRegion], runtime: dict[str, torch.Tensor]) -> pd.Da
                 changed += n_changed
                 sum_b2 += _sum_squares(b)
                 if n_changed:
-                    d = (a[diff].double() - b[diff].double()).abs()
+                    wide = torch.complex128 if a.is_complex() else torch.float64
+                    d = (a[diff].to(wide) - b[diff].to(wide)).abs()
                     d = torch.where(torch.isfinite(d), d, 0)
                     max_abs = max(max_abs, float(d.max()))
                     sum_abs += float(d.sum())
@@ -579,8 +605,37 @@ def _deltas(saved: list[SavedRegion], runtime: dict[str, torch.Tensor]) -> pd.Da
     return pd.DataFrame(rows, columns=cols).set_index("target")
 
 
-def _any_overlap(regions: list[SavedRegion]) -> bool:
-    from .intercept import Region
+def _sharing(saved: list[SavedRegion], t: torch.Tensor) -> list[SavedRegion]:
+    """The saved regions that live in ``t``'s storage (they may reach into ``t``)."""
+    key = _storage_key(t)
+    return [s for s in saved if _storage_key(s.view) == key]
 
-    rs = [Region.of(s.view) for s in regions]
-    return any(rs[i].overlaps(rs[j]) for i in range(len(rs)) for j in range(i))
+
+def _positions(t: torch.Tensor, storage_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major positions in ``t`` of the storage offsets that fall inside ``t``.
+
+    Returns ``(positions, valid)``: ``valid`` marks which of ``storage_index`` belong to
+    ``t``; ``positions`` are their positions. Works for strided tensors and for tensors
+    that share one flat storage with others.
+    """
+    if t.is_contiguous():
+        pos = storage_index - t.storage_offset()
+        valid = (pos >= 0) & (pos < t.numel())
+        return pos[valid], valid
+    offsets = _storage_offsets(t, None)
+    order = torch.argsort(offsets)
+    ordered = offsets[order]
+    at = torch.searchsorted(ordered, storage_index).clamp(max=ordered.numel() - 1)
+    valid = ordered[at] == storage_index
+    return order[at[valid]], valid
+
+
+def _within(view: torch.Tensor, t: torch.Tensor) -> bool:
+    """True when every element of ``view`` lies in contiguous ``t``, in the same order
+    (so ``view.reshape(-1)`` lines up with a slice of ``t``'s elements)."""
+    if not (t.is_contiguous() and view.is_contiguous()):
+        return False
+    lo = view.storage_offset() * view.element_size()
+    hi = lo + view.numel() * view.element_size()
+    t_lo = t.storage_offset() * t.element_size()
+    return t_lo <= lo and hi <= t_lo + t.numel() * t.element_size()

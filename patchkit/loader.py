@@ -114,19 +114,25 @@ def run_load(
             if session_out is not None:
                 session_out.append(session)
         loaded: set[str] = set()
+        # Transactional loads also undo `param.data = w` (no write, so nothing is saved).
+        bindings = session.index.bindings() if transactional and session is not None else None
         try:
             for chunk in chunks:
                 staged = [(by_position[p].name, stage(by_position[p])) for p in chunk.positions]
                 if session is None:
-                    returned = load_weights(staged)
+                    returned = _names(load_weights(staged))
                 else:
                     with session.call(chunk.index, staged, chunk.positions, sparse=sparse) as r:
-                        r.returned = returned = load_weights(staged)
+                        # Read the names inside the interception: a generator-function
+                        # loader does its copies only while it is iterated.
+                        r.returned = returned = _names(load_weights(staged))
                 if returned is not None:
                     loaded.update(returned)
                 del staged
         except BaseException:
             if transactional and session is not None:
+                for name in session.index.rebound(bindings):
+                    session.index.tensors[name].data = bindings[name]
                 session.restore()
                 session.discard()
             raise
@@ -167,6 +173,11 @@ def canonicalize_tied(
             kept.append(p._replace(name=target))
         positions.append(i)
     return kept, positions
+
+
+def _names(returned: Any) -> set[str] | None:
+    """A loader's return value as a set of names (``None`` stays ``None``)."""
+    return None if returned is None else set(returned)
 
 
 def _as_patch(p: Any) -> Any:

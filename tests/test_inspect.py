@@ -303,3 +303,62 @@ def test_tiny_llama_tp2_writes_land_in_each_ranks_slices():
         down = w.loc["model.layers.0.mlp.down_proj.weight"]
         assert down["checkpoint_region"] == f"[:, {rank * 64}:{(rank + 1) * 64}]"
         assert r.deltas.loc[qkv, "elements"] == 64 * 64
+
+
+def test_inspect_accepts_what_the_loader_accepts_and_keeps_its_errors():
+    m = Packed()
+    r = inspect_load(m, [("norm", (4,), torch.float32, torch.full((4,), 3.0), None)])
+    assert r.chunks["name"].tolist() == ["norm"] and m.norm.tolist() == [3.0] * 4
+    bad = ("norm", (4,), "float32", torch.ones(4), None)  # dtype as a string
+    try:
+        inspect_load(m, [bad])
+    except TypeError as exc:
+        assert "dtype must be a torch.dtype" in str(exc)
+    else:
+        raise AssertionError("a bad dtype must raise the loader's TypeError")
+
+
+def test_before_and_written_follow_strided_and_shared_storage():
+    class Strided(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(6.0).reshape(3, 2).t(), False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.copy_(t)
+            return {n for n, _ in weights}
+
+    m = Strided()
+    before = m.w.detach().clone()
+    r = inspect_load(m, [sparse("w", (2, 3), [1], [100.0])])
+    assert torch.equal(r.before("w"), before)
+    assert r.written("w").tolist() == [[False, True, False], [False, False, False]]
+
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.flat = torch.arange(8.0)
+            self.a = torch.nn.Parameter(self.flat[:4], False)
+            self.b = torch.nn.Parameter(self.flat[4:], False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.a.data.as_strided((8,), (1,), 0).copy_(t)  # one copy over both
+            return {n for n, _ in weights}
+
+    f = Flat()
+    r = inspect_load(f, [sparse("flat", (8,), [1, 6], [100.0, 600.0])])
+    assert r.deltas["changed"].to_dict() == {"a": 1, "b": 1}
+    assert r.written("b").tolist() == [False, False, True, False]
+    assert r.before("b").tolist() == [4.0, 5.0, 6.0, 7.0]
+
+
+def test_a_loader_returning_a_generator_is_reported_with_its_names():
+    class Gen(Packed):
+        def load_weights(self, weights):
+            names = super().load_weights(weights)
+            return (n for n in names)
+
+    r = inspect_load(Gen(), [sparse("q", (4, 4), [0], [5.0])])
+    assert r.loaded == {"q"} and r.calls["returned"].tolist() == [("q",)]
