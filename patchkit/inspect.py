@@ -164,6 +164,7 @@ class LoadReport:
     error: BaseException | None = None
     _saved: list[SavedRegion] = field(default_factory=list, repr=False)
     _runtime: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _aliases: dict[str, str] = field(default_factory=dict, repr=False)
 
     # -- values ----------------------------------------------------------------------
 
@@ -173,6 +174,7 @@ class LoadReport:
         return {n: tuple(t.shape) for n, t in self._runtime.items()}
 
     def _tensor(self, target: str) -> torch.Tensor:
+        target = self._aliases.get(target, target)  # a tied alias names the same tensor
         try:
             return self._runtime[target]
         except KeyError:
@@ -517,6 +519,7 @@ def _build_report(
         error=error,
         _saved=list(saved),
         _runtime=runtime,
+        _aliases=dict(index.aliases) if index is not None else {},
     )
 
 

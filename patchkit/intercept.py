@@ -123,14 +123,18 @@ class RuntimeIndex:
     def __init__(self, model: torch.nn.Module) -> None:
         self._owners: dict[tuple, list[_Owner]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
+        self.aliases: dict[str, str] = {}
+        first: dict[int, str] = {}
         named = list(model.named_parameters(remove_duplicate=False)) + list(
             model.named_buffers(remove_duplicate=False)
         )
         for name, t in named:
-            if t is None or id(t) in seen:
+            if t is None:
                 continue
-            seen.add(id(t))
+            if id(t) in first:
+                self.aliases[name] = first[id(t)]
+                continue
+            first[id(t)] = name
             self.tensors[name] = t
             if t.numel() == 0:
                 continue

@@ -177,7 +177,8 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
     values, indices = patch.values, patch.indices
     device = values.device
     n = numel(patch)
-    idx = indices.to(device=device, dtype=torch.int64, non_blocking=True)
+    # Asynchronous only towards an accelerator: a device-to-host copy must be waited for.
+    idx = indices.to(device=device, dtype=torch.int64, non_blocking=device.type != "cpu")
     if values.is_floating_point() or values.is_complex():
         # Check the values as they will be staged: a finite value can become NaN in the
         # cast (float8 "fnuz" types overflow to NaN) and would then silently mean "keep".

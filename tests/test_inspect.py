@@ -362,3 +362,21 @@ def test_a_loader_returning_a_generator_is_reported_with_its_names():
 
     r = inspect_load(Gen(), [sparse("q", (4, 4), [0], [5.0])])
     assert r.loaded == {"q"} and r.calls["returned"].tolist() == [("q",)]
+
+
+def test_a_tied_alias_names_the_same_runtime_tensor_in_a_report():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Parameter(torch.zeros(4), False)
+            self.head = self.embed
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.embed.data.copy_(t)
+            return {n for n, _ in weights}
+
+    r = inspect_load(Tied(), [sparse("head", (4,), [2], [5.0])])
+    assert r.chunks["name"].tolist() == ["embed"]  # renamed to the canonical name
+    assert r.after("head").tolist() == r.after("embed").tolist() == [0.0, 0.0, 5.0, 0.0]
+    assert r.before("head").tolist() == [0.0] * 4
