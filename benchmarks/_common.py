@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import importlib
 import statistics
@@ -10,7 +11,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["fmt_table", "median_seconds", "peak_extra_bytes", "sync", "vllm_loader"]
+__all__ = ["bench_args", "fmt_table", "median_seconds", "peak_extra_bytes", "sync", "vllm_loader"]
+
+
+def bench_args(description: str, argv=None) -> tuple[torch.device, int, bool]:
+    """The options every benchmark takes: ``(device, repeats, quick)``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
+    args = ap.parse_args(argv)
+    return torch.device(args.device), (1 if args.quick else args.repeats), args.quick
 
 
 def sync(device: torch.device) -> None:

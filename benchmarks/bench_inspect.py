@@ -16,28 +16,21 @@ Usage: ``python benchmarks/bench_inspect.py [--quick] [--device cuda] [--repeats
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import fmt_table, median_seconds, peak_extra_bytes
+from _common import bench_args, fmt_table, median_seconds, peak_extra_bytes
 from bench_loader import OneParam, make_patch
 
 import patchkit
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
-    args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    repeats = 1 if args.quick else args.repeats
-    shapes = [(128, 128)] if args.quick else [(1024, 1024), (4096, 4096)]
+    device, repeats, quick = bench_args(__doc__.splitlines()[0], argv)
+    shapes = [(128, 128)] if quick else [(1024, 1024), (4096, 4096)]
 
     rows = []
     for shape in shapes:
@@ -89,7 +82,7 @@ def main(argv=None) -> int:
     )
 
     # -- density map of a big embedding patch ----------------------------------------------
-    emb = (128256, 2560) if not args.quick else (1024, 256)
+    emb = (128256, 2560) if not quick else (1024, 256)
     patch = make_patch(emb, torch.bfloat16, 0.01, torch.device("cpu"))
     cols = emb[1]
 

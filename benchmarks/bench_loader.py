@@ -19,14 +19,13 @@ Usage: ``python benchmarks/bench_loader.py [--quick] [--device cuda] [--repeats 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import fmt_table, median_seconds, peak_extra_bytes, vllm_loader
+from _common import bench_args, fmt_table, median_seconds, peak_extra_bytes, vllm_loader
 
 import patchkit
 from patchkit import CheckpointWeightPatch
@@ -93,14 +92,8 @@ def floor_fn(model: OneParam, patch: CheckpointWeightPatch):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
-    args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    sizes = [(64, 64), (256, 256)] if args.quick else [(1024, 1024), (4096, 4096), (8192, 8192)]
-    repeats = 1 if args.quick else args.repeats
+    device, repeats, quick = bench_args(__doc__.splitlines()[0], argv)
+    sizes = [(64, 64), (256, 256)] if quick else [(1024, 1024), (4096, 4096), (8192, 8192)]
     vllm = vllm_loader()
     rows = []
     for shape in sizes:

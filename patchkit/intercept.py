@@ -456,7 +456,7 @@ class WriteSession:
         if (
             self._call_writes == 0
             and not nothing_to_write
-            and (returned is None or len(list(returned)) > 0)
+            and (returned is None or len(returned) > 0)
         ):
             said = "returned None" if returned is None else f"returned {sorted(returned)!r}"
             raise ContractViolation(
