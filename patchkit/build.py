@@ -284,17 +284,17 @@ def _view_2d(shape: tuple[int, ...]) -> tuple[int, int]:
 def _distinct_positions(n: int, k: int, generator: torch.Generator | None) -> torch.Tensor:
     """``k`` distinct positions in ``[0, n)``, uniformly at random, sorted (int64, CPU)."""
     if k == 0:
-        return torch.empty(0, dtype=torch.int64)
+        return torch.empty(0, dtype=torch.int64, device="cpu")
     if 8 * k >= n:
-        return torch.sort(torch.randperm(n, generator=generator)[:k]).values
+        return torch.sort(torch.randperm(n, generator=generator, device="cpu")[:k]).values
     # Sparse case: sample with replacement and deduplicate; O(k log k), never O(n).
-    found = torch.empty(0, dtype=torch.int64)
+    found = torch.empty(0, dtype=torch.int64, device="cpu")
     while found.numel() < k:
         need = k - found.numel()
-        draw = torch.randint(0, n, (need + need // 4 + 16,), generator=generator)
+        draw = torch.randint(0, n, (need + need // 4 + 16,), generator=generator, device="cpu")
         found = torch.unique(torch.cat((found, draw)))
     if found.numel() > k:
-        keep = torch.randperm(found.numel(), generator=generator)[:k]
+        keep = torch.randperm(found.numel(), generator=generator, device="cpu")[:k]
         found = found[torch.sort(keep).values]
     return found
 
@@ -364,22 +364,22 @@ def random_sparse_patch(
         idx = _distinct_positions(n, round(density * n), generator)
     elif pattern == "rows":
         r = round(density * rows)
-        chosen = torch.sort(torch.randperm(rows, generator=generator)[:r]).values
-        idx = (chosen[:, None] * cols + torch.arange(cols)[None, :]).reshape(-1)
+        chosen = torch.sort(torch.randperm(rows, generator=generator, device="cpu")[:r]).values
+        idx = (chosen[:, None] * cols + torch.arange(cols, device="cpu")[None, :]).reshape(-1)
     else:
         bh, bw = max(1, min(block, rows)), max(1, min(block, cols))
         gr, gc = -(-rows // bh), -(-cols // bw)
         k = round(density * gr * gc)
-        grid = torch.zeros(gr * gc, dtype=torch.bool)
-        grid[torch.randperm(gr * gc, generator=generator)[:k]] = True
+        grid = torch.zeros(gr * gc, dtype=torch.bool, device="cpu")
+        grid[torch.randperm(gr * gc, generator=generator, device="cpu")[:k]] = True
         mask = grid.reshape(gr, gc).repeat_interleave(bh, 0)[:rows]
         mask = mask.repeat_interleave(bw, 1)[:, :cols]
         idx = torch.nonzero(mask.reshape(-1)).reshape(-1)
 
-    values = (torch.randn(idx.numel(), generator=generator) * std).to(dtype)
+    values = (torch.randn(idx.numel(), generator=generator, device="cpu") * std).to(dtype)
     nan = torch.isnan(values)
     if bool(nan.any()):
-        values = torch.where(nan, torch.zeros((), dtype=dtype), values)
+        values = torch.where(nan, torch.zeros((), dtype=dtype, device="cpu"), values)
     return CheckpointWeightPatch(
         name, shape, dtype, values.to(device), idx.to(idx_dtype).to(device)
     )
@@ -548,7 +548,7 @@ class AdamLikeTrainer:
         b1, b2 = self.betas
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         for k, w in self.master.items():
-            g = torch.randn(w.shape, generator=self._generator, dtype=torch.float32)
+            g = torch.randn(w.shape, generator=self._generator, dtype=torch.float32, device="cpu")
             g = (g * self.grad_std).to(w.device)
             m, v = self._m[k], self._v[k]
             m.mul_(b1).add_(g, alpha=1.0 - b1)

@@ -594,7 +594,7 @@ def tiny_llama_checkpoint(
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in tiny_llama_shapes(config).items():
-        x = torch.randn(shape, generator=gen, dtype=torch.float32)
+        x = torch.randn(shape, generator=gen, dtype=torch.float32, device="cpu")
         if len(shape) == 1:
             x = 1.0 + 0.1 * x
         elif name == "model.embed_tokens.weight":

@@ -25,12 +25,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 
 import patchkit
 
 pytest_plugins = ["pytester"]
 
 ENV_VAR = "PATCHKIT_LOADER"
+DEVICE_VAR = "PATCHKIT_TEST_DEVICE"
 DEFAULT_LOADER = "patchkit:load_checkpoint_weight_patches"
 PATCHKIT_ONLY = "patchkit_only"
 
@@ -102,6 +106,16 @@ _SELECTED = pytest.StashKey[SelectedLoader]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
+        "--device",
+        action="store",
+        default=None,
+        metavar="DEVICE",
+        help=(
+            f"default torch device for every test under tests/ (default: ${DEVICE_VAR}, "
+            "else cpu); tensors a test places explicitly stay where it puts them"
+        ),
+    )
+    parser.addoption(
         "--loader",
         action="store",
         default=None,
@@ -125,9 +139,54 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def pytest_report_header(config: pytest.Config) -> list[str]:
     selected = config.stash[_SELECTED]
-    return f"contract loader under test: {selected.spec}"
+    return [
+        f"contract loader under test: {selected.spec}",
+        f"default torch device for tests: {_test_device(config)}",
+    ]
+
+
+def _test_device(config: pytest.Config) -> str:
+    return config.getoption("--device") or os.environ.get(DEVICE_VAR) or "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _default_device(request: pytest.FixtureRequest):
+    """Run the test with ``--device`` as torch's default device (``cpu``: nothing changes).
+
+    On a GPU machine ``pytest tests --device cuda`` runs the whole suite with every tensor
+    that a test (or a model it builds) creates without naming a device on the GPU.
+    """
+    device = _test_device(request.config)
+    if device == "cpu":
+        yield
+        return
+    with _DefaultDevice(torch.device(device)):
+        yield
+
+
+class _DefaultDevice(TorchFunctionMode):
+    """Like ``with torch.device(d):``, except that a factory call drawing from a CPU
+    ``torch.Generator`` runs on the CPU and its result is then moved, so a seeded test
+    sees the same numbers on every device (and does not fail on a generator mismatch).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _CONSTRUCTORS and kwargs.get("device") is None:
+            gen = kwargs.get("generator")
+            if gen is not None and gen.device.type == "cpu":
+                return func(*args, **{**kwargs, "device": "cpu"}).to(self.device)
+            kwargs = {**kwargs, "device": self.device}
+        return func(*args, **kwargs)
+
+
+_CONSTRUCTORS = _device_constructors()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,126 @@
+"""What only a CUDA device can show: patches and models on different devices, the one host
+wait per device in validation, and reports that agree with the CPU's.
+
+These run where ``torch.cuda.is_available()`` (``scripts/gpu-check`` runs them, and the
+whole suite with ``--device cuda``); on a machine without a GPU they are skipped, since
+there is no device to put anything on.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import patchkit
+from patchkit import CheckpointWeightPatch, load_checkpoint_weight_patches, random_sparse_patch
+from patchkit.patch import validate_patches
+from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CONFIG = TinyLlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=8, num_kv_heads=4)
+
+
+def _sparse_patches(seed: int, *, values_device: str, index_device: str,
+                    index_dtype=torch.int32) -> list[CheckpointWeightPatch]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, t in tiny_llama_checkpoint(CONFIG, dtype=torch.bfloat16).items():
+        p = random_sparse_patch(name, t.shape, torch.bfloat16, 0.05, generator=g,
+                                index_dtype=index_dtype)
+        out.append(CheckpointWeightPatch(p.name, p.shape, p.dtype, p.values.to(values_device),
+                                         p.indices.to(index_device)))
+    return out
+
+
+def _ranks(device: str, tp_size: int = 2) -> list[TinyLlamaRuntime]:
+    ckpt = tiny_llama_checkpoint(CONFIG, dtype=torch.bfloat16)
+    ranks = [TinyLlamaRuntime(CONFIG, r, tp_size, dtype=torch.bfloat16, device=device)
+             for r in range(tp_size)]
+    for rt in ranks:
+        rt.load_weights(ckpt.items())
+    return ranks
+
+
+def _cpu_state(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize(("values_device", "index_device"),
+                         [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cpu")])
+def test_sparse_load_into_a_cuda_model_matches_the_cpu_load_bit_for_bit(
+        values_device, index_device):
+    want = _ranks("cpu")
+    got = _ranks("cuda")
+    for rt in want:
+        load_checkpoint_weight_patches(rt, _sparse_patches(1, values_device="cpu",
+                                                           index_device="cpu"))
+    for rt in got:
+        load_checkpoint_weight_patches(
+            rt, _sparse_patches(1, values_device=values_device, index_device=index_device),
+            max_chunk_bytes=64 << 10)
+    for a, b in zip(want, got):
+        assert patchkit.same_state(_cpu_state(a), _cpu_state(b))
+        assert all(p.device.type == "cuda" for p in b.parameters())
+
+
+def test_dense_cpu_patches_land_on_the_cuda_model():
+    ckpt = tiny_llama_checkpoint(CONFIG, seed=3, dtype=torch.bfloat16)
+    want, got = _ranks("cpu"), _ranks("cuda")
+    patches = patchkit.dense_patches(ckpt)
+    for rt in want:
+        load_checkpoint_weight_patches(rt, patches)
+    for rt in got:
+        load_checkpoint_weight_patches(rt, patches)
+    for a, b in zip(want, got):
+        assert patchkit.same_state(_cpu_state(a), _cpu_state(b))
+
+
+def test_validation_waits_for_the_device_once_for_many_patches():
+    patches = _sparse_patches(2, values_device="cuda", index_device="cuda")
+    assert len(patches) > 4
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            validate_patches(patches)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_bad_index_found_on_the_device_names_the_patch():
+    patches = _sparse_patches(4, values_device="cuda", index_device="cuda")
+    bad = patches[3]
+    idx = bad.indices.clone()
+    idx[1] = idx[0]
+    patches[3] = CheckpointWeightPatch(bad.name, bad.shape, bad.dtype, bad.values, idx)
+    with pytest.raises(ValueError, match="duplicate") as info:
+        validate_patches(patches)
+    assert info.value.position == 3 and info.value.name == bad.name
+
+
+def test_report_on_cuda_matches_the_report_on_cpu():
+    from patchkit import inspect_load
+
+    reports = []
+    for device in ("cpu", "cuda"):
+        rt = _ranks(device)[1]
+        reports.append(inspect_load(rt, _sparse_patches(5, values_device=device,
+                                                        index_device=device),
+                                    max_chunk_bytes=32 << 10))
+    cpu, cuda = reports
+    cols = ["chunk", "name", "checkpoint_offset", "target", "target_offset", "elements",
+            "changed"]
+    assert cpu.writes[cols].equals(cuda.writes[cols])
+    assert cpu.deltas[["elements", "changed"]].equals(cuda.deltas[["elements", "changed"]])
+    assert cpu.chunks.equals(cuda.chunks)
+    for target in cpu.deltas.index:
+        assert patchkit.same_bits(cpu.after(target), cuda.after(target).cpu())
+        assert patchkit.same_bits(cpu.before(target), cuda.before(target).cpu())
