@@ -65,9 +65,10 @@ def run_demo(device: str | None = None, echo: Callable[[str], None] = print) -> 
     g = torch.Generator().manual_seed(1)
     k_name = "model.layers.0.self_attn.k_proj.weight"
     k = new[k_name].view(-1)
-    pos = torch.randperm(k.numel(), generator=g)[: k.numel() // 100]
+    pos = torch.randperm(k.numel(), generator=g, device="cpu")[: k.numel() // 100]
     k[pos] = (k[pos].float() + 0.25).to(k.dtype)
-    new["model.norm.weight"].view(-1)[:3] = torch.tensor([1.5, -0.0, 2.0], dtype=torch.bfloat16)
+    new["model.norm.weight"].view(-1)[:3] = torch.tensor([1.5, -0.0, 2.0], dtype=torch.bfloat16,
+                                                         device="cpu")
     sparse = [p._replace(values=p.values.to(dev), indices=p.indices.to(dev))
               for p in sparse_patches_from_diff(ckpt, new)]
     echo("")
@@ -93,11 +94,11 @@ def run_demo(device: str | None = None, echo: Callable[[str], None] = print) -> 
     name = "model.layers.1.mlp.down_proj.weight"
     shape = tuple(new[name].shape)
     first = CheckpointWeightPatch(name, shape, torch.bfloat16,
-                                  torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16).to(dev),
-                                  torch.tensor([0, 1, 2]).to(dev))
+                                  torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16, device=dev),
+                                  torch.tensor([0, 1, 2], device=dev))
     second = CheckpointWeightPatch(name, shape, torch.bfloat16,
-                                   torch.tensor([20.0, 30.0], dtype=torch.bfloat16).to(dev),
-                                   torch.tensor([1, 2]).to(dev))
+                                   torch.tensor([20.0, 30.0], dtype=torch.bfloat16, device=dev),
+                                   torch.tensor([1, 2], device=dev))
     echo("")
     echo(f"3. repeated names: two patches for {name}; both write flat positions 1 and 2")
     for c in plan_chunks([first, second]):

@@ -48,9 +48,9 @@ def density_map(
     br = max(1, min(int(bins[0]), rows))
     bc = max(1, min(int(bins[1]), cols))
     if numel(patch) == 0:
-        return torch.zeros((br, bc), dtype=torch.float32)
+        return torch.zeros((br, bc), dtype=torch.float32, device="cpu")
     if patch.indices is None:
-        return torch.ones((br, bc), dtype=torch.float32)
+        return torch.ones((br, bc), dtype=torch.float32, device="cpu")
     idx = patch.indices.to("cpu", torch.int64)
     r = idx // cols
     c = idx % cols
@@ -58,8 +58,9 @@ def density_map(
     rb = (r * br) // rows
     cb = (c * bc) // cols
     counts = torch.bincount(rb * bc + cb, minlength=br * bc).reshape(br, bc).to(torch.float64)
-    rows_per = torch.bincount((torch.arange(rows, dtype=torch.int64) * br) // rows, minlength=br)
-    cols_per = torch.bincount((torch.arange(cols, dtype=torch.int64) * bc) // cols, minlength=bc)
+    cpu = torch.device("cpu")
+    rows_per = torch.bincount((torch.arange(rows, device=cpu) * br) // rows, minlength=br)
+    cols_per = torch.bincount((torch.arange(cols, device=cpu) * bc) // cols, minlength=bc)
     sizes = rows_per.to(torch.float64)[:, None] * cols_per.to(torch.float64)[None, :]
     return (counts / sizes).to(torch.float32)
 

@@ -190,7 +190,7 @@ class LoadReport:
         elements their source did not keep.
         """
         t = self._tensor(target)
-        mask = torch.zeros(t.numel(), dtype=torch.bool)
+        mask = torch.zeros(t.numel(), dtype=torch.bool, device="cpu")
         for s in _sharing(self._saved, t):
             pos, _ = _positions(t, s.storage_index())
             mask[pos.cpu()] = True
@@ -573,7 +573,7 @@ def _deltas(saved: list[SavedRegion], runtime: dict[str, torch.Tensor]) -> pd.Da
                 if pos is None:
                     pos, _ = _positions(t, s.storage_index())
                 fresh = ~seen[pos]
-                seen[pos] = True
+                seen.index_fill_(0, pos, True)
                 parts.append((b[fresh], a[fresh]))
         elements = changed = 0
         max_abs = sum_abs = sum_d2 = sum_b2 = 0.0

@@ -97,7 +97,7 @@ class Region:
         # Extents meet (e.g. two column slices of one matrix): mark one view's elements in
         # a scratch mask over the shared extent and look for the other's.
         lo = min(a0, b0) // step
-        mask = torch.zeros(max(a1, b1) // step - lo, dtype=torch.bool)
+        mask = torch.zeros(max(a1, b1) // step - lo, dtype=torch.bool, device="cpu")
         mask.as_strided(self.shape, self.stride, self.byte_offset // step - lo).fill_(True)
         theirs = mask.as_strided(other.shape, other.stride, other.byte_offset // step - lo)
         return bool(theirs.any())
@@ -593,7 +593,8 @@ class WriteSession:
             saved = SavedRegion(target, offset, t, t.clone())
         else:
             index = _storage_offsets(t, torch.nonzero(~keep.reshape(-1)).reshape(-1))
-            saved = SavedRegion(target, offset, t, torch.empty(0, dtype=t.dtype), index)
+            none = torch.empty(0, dtype=t.dtype, device=t.device)
+            saved = SavedRegion(target, offset, t, none, index)
             saved.before = saved.current().clone()
         self.saved.append(saved)
         return saved

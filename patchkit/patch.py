@@ -197,7 +197,9 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
         # A mark per element of the full tensor: O(numel) bytes, no sort. Indices are
         # clamped so that an out-of-range index (already flagged) cannot fault a kernel.
         marks = torch.zeros(n, dtype=torch.bool, device=device)
-        marks[idx.clamp(0, n - 1)] = True
+        # index_fill_ takes the scalar as is; `marks[i] = True` would copy a host tensor
+        # holding True to the device for every patch, and that copy waits for the device.
+        marks.index_fill_(0, idx.clamp(0, n - 1), True)
         dup = torch.count_nonzero(marks) != idx.numel()  # bool .sum() would upcast
     return torch.stack((has_nan, oob, dup))
 

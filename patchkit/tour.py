@@ -46,7 +46,7 @@ def _sparse_step(ckpt: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torc
     for name, t in new.items():
         if ".layers.0." in name and name.endswith("proj.weight"):
             flat = t.view(-1)
-            pos = torch.randperm(flat.numel(), generator=g)[: flat.numel() // 50]
+            pos = torch.randperm(flat.numel(), generator=g, device="cpu")[: flat.numel() // 50]
             flat[pos] = (flat[pos].float() * 1.5 + 0.01).to(flat.dtype)
     return new
 
@@ -56,16 +56,17 @@ def _repeated(ckpt: dict[str, torch.Tensor]) -> list[CheckpointWeightPatch]:
     name = "model.layers.1.mlp.down_proj.weight"
     shape = tuple(ckpt[name].shape)
     g = torch.Generator().manual_seed(2)
-    a = torch.arange(0, 256)
-    b = torch.arange(192, 448)
-    va = torch.randn(a.numel(), generator=g).to(torch.bfloat16)
-    vb = torch.randn(b.numel(), generator=g).to(torch.bfloat16)
+    a = torch.arange(0, 256, device="cpu")
+    b = torch.arange(192, 448, device="cpu")
+    va = torch.randn(a.numel(), generator=g, device="cpu").to(torch.bfloat16)
+    vb = torch.randn(b.numel(), generator=g, device="cpu").to(torch.bfloat16)
     norm = "model.norm.weight"
     return [
         CheckpointWeightPatch(name, shape, torch.bfloat16, va, a),
         CheckpointWeightPatch(name, shape, torch.bfloat16, vb, b),
         CheckpointWeightPatch(norm, tuple(ckpt[norm].shape), torch.bfloat16,
-                              torch.ones(4, dtype=torch.bfloat16), torch.arange(4)),
+                              torch.ones(4, dtype=torch.bfloat16, device="cpu"),
+                              torch.arange(4, device="cpu")),
     ]
 
 

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
+from torch.utils._device import DeviceContext, _device_constructors
 
 import patchkit
 
@@ -156,7 +155,8 @@ def _default_device(request: pytest.FixtureRequest):
     """Run the test with ``--device`` as torch's default device (``cpu``: nothing changes).
 
     On a GPU machine ``pytest tests --device cuda`` runs the whole suite with every tensor
-    that a test (or a model it builds) creates without naming a device on the GPU.
+    that a test (or a model it builds) creates without naming a device, or a CPU
+    generator to draw from, on the GPU.
     """
     device = _test_device(request.config)
     if device == "cpu":
@@ -166,23 +166,20 @@ def _default_device(request: pytest.FixtureRequest):
         yield
 
 
-class _DefaultDevice(TorchFunctionMode):
-    """Like ``with torch.device(d):``, except that a factory call drawing from a CPU
-    ``torch.Generator`` runs on the CPU and its result is then moved, so a seeded test
-    sees the same numbers on every device (and does not fail on a generator mismatch).
+class _DefaultDevice(DeviceContext):
+    """``with torch.device(d):``, except that a factory call drawing from a CPU
+    ``torch.Generator`` makes a CPU tensor, as it would without a default device (torch
+    itself refuses the mix). So seeded tests draw the same numbers everywhere, and what a
+    test builds from them stays on the CPU, next to the CPU tensors it is compared with.
+    ``torch.get_default_device()`` sees it (threads a test starts can pass it on).
     """
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.device = device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _CONSTRUCTORS and kwargs.get("device") is None:
             gen = kwargs.get("generator")
-            if gen is not None and gen.device.type == "cpu":
-                return func(*args, **{**kwargs, "device": "cpu"}).to(self.device)
-            kwargs = {**kwargs, "device": self.device}
+            cpu_draw = gen is not None and gen.device.type == "cpu"
+            kwargs = {**kwargs, "device": torch.device("cpu") if cpu_draw else self.device}
         return func(*args, **kwargs)
 
 

@@ -8,6 +8,7 @@ there is no device to put anything on.
 
 from __future__ import annotations
 
+import traceback
 import warnings
 
 import pytest
@@ -93,6 +94,30 @@ def test_validation_waits_for_the_device_once_for_many_patches():
         torch.cuda.set_sync_debug_mode(previous)
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_validation_sync_is_the_flag_read():
+    """Where each wait happens (the line in patchkit that asked for it)."""
+    patches = _sparse_patches(2, values_device="cuda", index_device="cuda")
+    where: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            ours = [f for f in traceback.extract_stack()[:-1] if "patchkit" in f.filename
+                    and "tests" not in f.filename]
+            where.append(f"{ours[-1].name}:{ours[-1].line}" if ours else "outside patchkit")
+
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            validate_patches(patches)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert len(where) == 1 and "flags.cpu()" in where[0], where
 
 
 def test_bad_index_found_on_the_device_names_the_patch():

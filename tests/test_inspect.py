@@ -87,8 +87,8 @@ def test_before_and_after_rebuild_the_runtime_tensor_around_the_load():
     before = m.qkv.detach().clone()
     ps = [sparse("v", (4, 4), [1], [9.0]), sparse("v", (4, 4), [1, 2], [10.0, 11.0])]
     r = inspect_load(m, ps)
-    assert torch.equal(bits(r.before("qkv")), bits(before))
-    assert torch.equal(bits(r.after("qkv")), bits(m.qkv.detach()))
+    assert torch.equal(bits(r.before("qkv")), bits(before.cpu()))
+    assert torch.equal(bits(r.after("qkv")), bits(m.qkv.detach().cpu()))
     assert r.after("qkv")[8, 1] == 10.0  # later patch wins
     # Element 1 was written twice: counted once in elements, changed against the start.
     assert r.deltas.loc["qkv", "elements"] == 2
@@ -113,7 +113,7 @@ def test_overlapping_regions_of_one_tensor_count_each_element_once():
     r = inspect_load(m, ps)
     assert r.deltas.loc["w", "elements"] == 8
     assert r.deltas.loc["w", "changed"] == 8
-    assert torch.equal(r.before("w"), torch.zeros(8))
+    assert torch.equal(r.before("w"), torch.zeros(8, device="cpu"))
 
 
 def test_chunks_table_is_the_plan_and_calls_table_is_what_the_loader_did():
@@ -332,7 +332,7 @@ def test_before_and_written_follow_strided_and_shared_storage():
     m = Strided()
     before = m.w.detach().clone()
     r = inspect_load(m, [sparse("w", (2, 3), [1], [100.0])])
-    assert torch.equal(r.before("w"), before)
+    assert torch.equal(r.before("w"), before.cpu())
     assert r.written("w").tolist() == [[False, True, False], [False, False, False]]
 
     class Flat(torch.nn.Module):

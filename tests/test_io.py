@@ -48,7 +48,7 @@ INTS = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bo
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def assert_same_patches(got, want) -> None:
@@ -61,7 +61,7 @@ def assert_same_patches(got, want) -> None:
         assert (g.indices is None) == (w.indices is None), i
         if w.indices is not None:
             assert g.indices.dtype == w.indices.dtype, i
-            assert torch.equal(g.indices, w.indices), i
+            assert torch.equal(g.indices.cpu(), w.indices.cpu()), i
 
 
 def random_bits(n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:

@@ -31,7 +31,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+    """Same dtype, shape and bits, wherever each lives (compared on the CPU)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a).cpu(), bits(b).cpu())
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -10,12 +10,14 @@ from patchkit.toymodels import PlainModel
 
 
 def test_sparse_float8_patch_loads_bit_exact_on_cpu(load, Patch):
+    # The model is on the CPU, where float8 has no index or where kernels; the patch is
+    # on the test's default device (--device).
     m = PlainModel({"w": (6,)}, dtype=torch.float8_e4m3fn)
     before = m.w.detach().clone()
     vals = torch.tensor([0.5, -2.0], dtype=torch.float8_e4m3fn)
     load(m, [Patch("w", (6,), torch.float8_e4m3fn, vals, torch.tensor([1, 4]))])
     want = before.clone()
-    want[torch.tensor([1, 4])] = vals
+    want[torch.tensor([1, 4], device="cpu")] = vals.cpu()
     assert torch.equal(bits(m.w.detach()), bits(want))
 
 
@@ -28,7 +30,7 @@ def test_a_value_that_becomes_nan_in_the_cast_is_rejected_before_loading(load, P
     with pytest.raises(ValueError, match="becomes NaN when cast") as info:
         load(m, [p])
     assert info.value.reason == "NaN" and info.value.value == 2
-    assert torch.equal(m.w.detach(), torch.zeros(4))
+    assert torch.equal(m.w.detach(), torch.zeros(4, device=m.w.device))
 
 
 def test_sparse_patch_of_a_zero_size_weight_is_a_no_op(load, Patch):

@@ -29,10 +29,12 @@ class Run:
 
     def __init__(self, body) -> None:
         self.error: BaseException | None = None
+        device = torch.get_default_device()  # the test's default device (--device)
 
         def target():
             try:
-                body()
+                with torch.device(device):
+                    body()
             except BaseException as e:  # surfaced by join()
                 self.error = e
 

@@ -1,0 +1,65 @@
+"""patchkit places the tensors it makes itself, whatever torch's default device is.
+
+A notebook that ran ``torch.set_default_device("cuda")`` must get the same builders,
+reports and figures as one that did not. Here the default device is ``meta`` (which every
+CPU machine has): any tensor the library made without naming a device would land there
+and fail the first time it met a CPU tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import patchkit
+from patchkit import density_map, inspect_load, random_sparse_patch
+from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+CONFIG = TinyLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                         num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture
+def meta_default():
+    with torch.device("meta"):
+        assert torch.empty(1).device.type == "meta"
+        yield
+
+
+def test_builders_and_density_maps_stay_on_the_cpu(meta_default):
+    g = torch.Generator().manual_seed(0)
+    for pattern in ("uniform", "rows", "blocks"):
+        p = random_sparse_patch("w", (64, 32), torch.bfloat16, 0.1, pattern=pattern, generator=g)
+        assert p.values.device.type == p.indices.device.type == "cpu"
+        dm = density_map(p, (8, 8))
+        assert dm.device.type == "cpu"
+        assert abs(float(dm.mean()) - p.values.numel() / (64 * 32)) < 1e-6
+    ckpt = tiny_llama_checkpoint(CONFIG)
+    assert all(t.device.type == "cpu" for t in ckpt.values())
+
+
+def test_a_report_and_its_figures_on_a_cpu_model(meta_default):
+    from patchkit.plot import plot_delta, plot_density, plot_placement
+
+    ckpt = tiny_llama_checkpoint(CONFIG)
+    rt = TinyLlamaRuntime(CONFIG, 1, 2, device="cpu")
+    rt.load_weights(ckpt.items())
+    g = torch.Generator().manual_seed(1)
+    patches = [random_sparse_patch(n, t.shape, t.dtype, 0.05, generator=g)
+               for n, t in ckpt.items()]
+    report = inspect_load(rt, patches, max_chunk_bytes=4096)
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    written = report.written(qkv)
+    assert written.device.type == "cpu" and int(written.sum()) > 0
+    assert int(report.deltas.loc[qkv, "changed"]) == int(
+        (patchkit.bitwise.bits(report.before(qkv)) != patchkit.bitwise.bits(report.after(qkv)))
+        .sum())
+    for fig in (plot_density(patches[1]), plot_placement(report), plot_delta(report, qkv)):
+        assert fig.axes
+
+
+def test_the_tour_checks_hold(meta_default, tmp_path):
+    from patchkit.tour import run_tour
+
+    result = run_tour(tmp_path / "tour", echo=lambda _: None)
+    assert result
