@@ -11,8 +11,10 @@ For dense and sparse (0.1 %, 1 %, 10 %) patches of fp32 and bf16 tensors of 1 M,
   a NaN-filled checkpoint tensor, scatter the values, NaN-merge into the parameter), and
   patchkit / contract: what validation, chunk planning and interception add on top;
 - vLLM's function of the same name, from the same run, when vLLM is importable;
+- validate: the part of the patchkit time spent in validation (CONTRACT §1) alone;
 - peak extra memory of the patchkit load (bytes allocated above the starting point),
-  next to the staged size (a full checkpoint-shaped tensor, also for sparse patches).
+  next to the peak of validation alone and the staged size (a full checkpoint-shaped
+  tensor, also for sparse patches).
 
 Usage: ``python benchmarks/bench_loader.py [--quick] [--device cuda] [--repeats N]``.
 """
@@ -29,6 +31,7 @@ from _common import bench_args, fmt_table, median_seconds, peak_extra_bytes, vll
 
 import patchkit
 from patchkit import CheckpointWeightPatch
+from patchkit.patch import validate_patches
 
 
 class OneParam(torch.nn.Module):
@@ -107,6 +110,10 @@ def main(argv=None) -> int:
                     patchkit.load_checkpoint_weight_patches(model, [patch])
 
                 t_ours = median_seconds(ours, device, repeats)
+                def check(patch=patch):
+                    validate_patches([patch])
+
+                t_check = median_seconds(check, device, repeats)
                 t_floor = median_seconds(floor_fn(model, patch), device, repeats)
                 t_contract = median_seconds(contract_fn(model, patch), device, repeats)
                 t_vllm = None
@@ -115,6 +122,7 @@ def main(argv=None) -> int:
                         vllm(model, [patch])
                     t_vllm = median_seconds(theirs, device, repeats)
                 peak = peak_extra_bytes(ours, device)
+                peak_check = peak_extra_bytes(check, device)
                 staged = n * dtype.itemsize
                 rows.append(
                     [
@@ -122,12 +130,14 @@ def main(argv=None) -> int:
                         str(dtype).removeprefix("torch."),
                         f"{n / 2**20:.0f} Mi" if n >= 2**20 else f"{n / 2**10:.0f} Ki",
                         f"{t_ours * 1e3:.2f}",
+                        f"{t_check * 1e3:.2f}",
                         f"{t_floor * 1e3:.2f}",
                         f"{t_ours / t_floor:.1f}x",
                         f"{t_contract * 1e3:.2f}",
                         f"{t_ours / t_contract:.2f}x",
                         "n/a" if t_vllm is None else f"{t_vllm * 1e3:.2f}",
                         f"{peak / 2**20:.1f}",
+                        f"{peak_check / 2**20:.1f}",
                         f"{staged / 2**20:.1f}",
                     ]
                 )
@@ -141,9 +151,9 @@ def main(argv=None) -> int:
     print(
         fmt_table(
             [
-                "patch", "dtype", "elements", "patchkit ms", "floor ms", "ratio",
-                "contract ms", "vs contract",
-                "vLLM ms", "peak extra MiB", "staged MiB",
+                "patch", "dtype", "elements", "patchkit ms", "validate ms", "floor ms",
+                "ratio", "contract ms", "vs contract",
+                "vLLM ms", "peak extra MiB", "validate peak MiB", "staged MiB",
             ],
             rows,
         )

@@ -205,10 +205,13 @@ class SavedRegion:
     """Runtime elements as they were before a write of the load changed them.
 
     ``view`` is the written view of the runtime tensor. Without ``index`` the whole view
-    was saved and ``before`` has its shape. A NaN-merged (sparse) write saves only the
-    elements it can change, those where its source is not NaN: then ``index`` holds their
-    storage element offsets and ``before`` their values, so a sparse save costs memory and
-    time in proportion to the patch, not to the view.
+    was saved and ``before`` has its shape. Otherwise ``index`` holds the storage element
+    offsets of the saved elements and ``before`` their values:
+
+    - a NaN-merged (sparse) write saves the elements it writes, those where its source
+      is not NaN, so its save costs memory in proportion to the patch, not to the view;
+    - a plain dense copy compared with its source first (``whole_view=True``) writes the
+      whole view but saves only the elements it changes: the others keep their bits.
     """
 
     target: str
@@ -216,6 +219,7 @@ class SavedRegion:
     view: torch.Tensor = field(repr=False)
     before: torch.Tensor = field(repr=False)
     index: torch.Tensor | None = field(default=None, repr=False)
+    whole_view: bool = False
 
     def _storage(self) -> torch.Tensor:
         v = self.view
@@ -245,18 +249,47 @@ class SavedRegion:
             return self.index
         return _storage_offsets(self.view, None)
 
+    @property
+    def writes_whole_view(self) -> bool:
+        """True when the write covered every element of ``view`` (a dense write)."""
+        return self.index is None or self.whole_view
+
+    def written_index(self) -> torch.Tensor:
+        """Storage element offsets of every element the write wrote (1-D)."""
+        if self.writes_whole_view:
+            return _storage_offsets(self.view, None)
+        return self.index
+
 
 def _storage_offsets(view: torch.Tensor, flat_positions: torch.Tensor | None) -> torch.Tensor:
     """Storage element offsets of ``view``'s elements (all, or those at ``flat_positions``,
     positions in the view's row-major order): O(len) work, the view is never copied."""
     if flat_positions is None:
         flat_positions = torch.arange(view.numel(), device=view.device)
+    if view.is_contiguous():
+        return flat_positions + view.storage_offset()
     out = torch.full_like(flat_positions, view.storage_offset())
     rest = flat_positions
     for d, st in zip(reversed(view.shape), reversed(view.stride())):
         out += (rest % d) * st
         rest = rest // d
     return out
+
+
+def _comparable_copy(args, kwargs, targets) -> bool:
+    """``copy_(dest, src)`` into one runtime tensor from a separate same-shaped source of
+    the same dtype on the same device: its result is ``src``'s bits, known in advance."""
+    if len(targets) != 1 or len(args) < 2 or kwargs.get("non_blocking"):
+        return False
+    dest, src = args[0], args[1]
+    if targets[0][0] is not dest or not isinstance(src, torch.Tensor):
+        return False
+    if src.shape != dest.shape or src.dtype != dest.dtype or src.device != dest.device:
+        return False
+    if dest.is_complex() or dest.element_size() not in (1, 2, 4, 8):
+        return False
+    # A source sharing storage with the destination would change while being copied.
+    return _storage_key(src) != _storage_key(dest)
 
 
 class WriteRecorder(Protocol):
@@ -476,6 +509,8 @@ class WriteSession:
         is_copy = func is _COPY
         if self._sparse:
             self._check_sparse_write(func, op, args, targets)
+        elif is_copy and self.save_regions and _comparable_copy(args, kwargs, targets):
+            return self._compared_copy(func, op, args, kwargs, targets[0])
         keep = None
         if self._sparse:
             dest, src = args[0], args[1]
@@ -526,6 +561,53 @@ class WriteSession:
                         source_stride=tuple(src.stride()) if hit else None,
                     )
                 )
+        return out
+
+    def _compared_copy(self, func, op, args, kwargs, target):
+        """A dense ``copy_`` whose source has the destination's shape, dtype and device:
+        compare the bits first, save only what the copy will change (or the whole view,
+        when most of it changes), then copy. The count of changed elements is exact and
+        costs no second pass after the write."""
+        dest, src = args[0], args[1]
+        tname, _, off = target[1]
+        diff = bits(dest) != bits(src)
+        n_changed = int(torch.count_nonzero(diff))
+        s = dest.element_size()
+        if n_changed * (s + 8) <= dest.numel() * s:
+            flat = (
+                torch.nonzero(diff.reshape(-1)).reshape(-1)
+                if n_changed
+                else torch.empty(0, dtype=torch.int64, device=dest.device)
+            )
+            index = _storage_offsets(dest, flat)
+            none = torch.empty(0, dtype=dest.dtype, device=dest.device)
+            saved = SavedRegion(tname, off, dest, none, index, whole_view=True)
+            saved.before = saved.current().clone()
+        else:
+            saved = SavedRegion(tname, off, dest, dest.clone())
+        del diff
+        self.saved.append(saved)
+        out = func(*args, **kwargs)
+        self._call_writes += 1
+        if self.recorder is not None:
+            hit = self.provenance.lookup(src)
+            self.recorder.on_write(
+                WriteEvent(
+                    chunk=self._chunk,
+                    op=op,
+                    target=tname,
+                    target_offset=off,
+                    shape=tuple(dest.shape),
+                    stride=tuple(dest.stride()),
+                    elements=dest.numel(),
+                    position=hit[0] if hit else None,
+                    name=hit[1] if hit else None,
+                    checkpoint_offset=hit[2] if hit else None,
+                    changed=n_changed if self.count_changes else None,
+                    source_shape=tuple(src.shape) if hit else None,
+                    source_stride=tuple(src.stride()) if hit else None,
+                )
+            )
         return out
 
     def _check_sparse_write(self, func, op, args, targets) -> None:

@@ -50,8 +50,8 @@ def test_python_dash_m_patchkit_lists_its_commands():
 @pytest.mark.parametrize(
     ("script", "columns", "rows"),
     [
-        ("bench_loader.py", ["patchkit ms", "floor ms", "ratio", "peak extra MiB"], 16),
-        ("bench_inspect.py", ["plain ms", "report ms", "ratio", "copied MiB", "written MiB"], 4),
+        ("bench_loader.py", ["patchkit ms", "validate ms", "floor ms", "ratio", "peak extra MiB"], 16),
+        ("bench_inspect.py", ["plain ms", "report ms", "ratio", "written MiB", "changed MiB"], 6),
     ],
 )
 def test_benchmark_runs_in_quick_mode_and_prints_its_table(script, columns, rows):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import typing
 
 import torch
@@ -380,3 +381,128 @@ def test_a_tied_alias_names_the_same_runtime_tensor_in_a_report():
     assert r.chunks["name"].tolist() == ["embed"]  # renamed to the canonical name
     assert r.after("head").tolist() == r.after("embed").tolist() == [0.0, 0.0, 5.0, 0.0]
     assert r.before("head").tolist() == [0.0] * 4
+
+
+# -- dense copies that change only part of what they write ---------------------------------
+# A dense copy is compared with its source before it runs and saves only the elements it
+# changes (or its whole view, when most change). The report must read the same either way.
+
+
+class Views(torch.nn.Module):
+    """One (6, 8) parameter; checkpoint tensor ``name`` is copied into ``self.VIEWS[name]``
+    (row blocks, column blocks that are strided views, and overlapping ones)."""
+
+    VIEWS: typing.ClassVar[dict[str, tuple[slice, slice]]] = {
+        "top": (slice(0, 3), slice(None)),
+        "bottom": (slice(3, 6), slice(None)),
+        "left": (slice(None), slice(0, 4)),
+        "middle": (slice(1, 5), slice(2, 6)),
+    }
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(w.clone(), False)
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            self.w.data[self.VIEWS[name]].copy_(t)
+        return {n for n, _ in weights}
+
+
+def _reference(start: torch.Tensor, end: torch.Tensor, written: torch.Tensor) -> dict:
+    b, a = start[written].double(), end[written].double()
+    diff = bits(start[written]) != bits(end[written])
+    d = (a - b).abs()[diff]
+    return {
+        "elements": int(written.sum()),
+        "changed": int(diff.sum()),
+        "max_abs": float(d.max()) if d.numel() else 0.0,
+        "mean_abs": float(d.sum()) / max(1, int(written.sum())),
+        "rel_l2": float(d.square().sum().sqrt() / b.square().sum().sqrt()),
+    }
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(sorted(Views.VIEWS)),
+                  st.sampled_from([0.0, 0.05, 0.2, 0.5, 1.0]), st.integers(0, 99)),
+        min_size=1, max_size=4,
+    ),
+    budget=st.sampled_from([1, 10_000]),
+)
+def test_dense_copies_that_change_part_of_their_view_report_like_full_saves(steps, budget):
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(6, 8, generator=g)
+    start[0, 0] = -0.0  # a source of +0.0 here changes bits, not value
+    m = Views(start)
+    written = torch.zeros(6, 8, dtype=torch.bool)
+    ps = []
+    for name, frac, seed in steps:
+        view = Views.VIEWS[name]
+        gen = torch.Generator().manual_seed(seed)
+        src = m.w.detach()[view].clone()  # the view's value when the load starts...
+        change = torch.rand(src.shape, generator=gen) < frac
+        src[change] = torch.randn(src.shape, generator=gen)[change]
+        if name == "top":
+            src[0, 0] = 0.0
+        ps.append(dense(name, src))
+        written[view] = True
+    r = inspect_load(m, ps, max_chunk_bytes=budget)
+    end = m.w.detach()
+    assert torch.equal(bits(r.before("w")), bits(start))
+    assert torch.equal(r.written("w"), written)
+    got = r.deltas.loc["w"]
+    want = _reference(start, end, written)
+    assert (got["elements"], got["changed"]) == (want["elements"], want["changed"])
+    for col in ("max_abs", "mean_abs"):  # float64 sums
+        assert math.isclose(got[col], want[col], rel_tol=1e-9, abs_tol=1e-12), col
+    # ||before|| is a float32 BLAS dot (for float32 tensors)
+    assert math.isclose(got["rel_l2"], want["rel_l2"], rel_tol=1e-5)
+    # Each write's count is against what the view held just before that write.
+    assert r.writes["elements"].tolist() == [
+        Views(start).w[Views.VIEWS[n]].numel() for n, _, _ in steps
+    ]
+    assert (r.writes["changed"] <= r.writes["elements"]).all()
+
+
+def test_a_dense_copy_that_changes_a_few_elements_saves_only_those():
+    g = torch.Generator().manual_seed(3)
+    start = torch.randn(6, 8, generator=g)
+    m = Views(start)
+    src = start[:3].clone()
+    src[1, 2] = 5.0
+    src[2, 7] = -5.0
+    r = inspect_load(m, [dense("top", src)])
+    (saved,) = r._saved
+    assert saved.whole_view and saved.before.numel() == 2
+    assert r.writes["changed"].tolist() == [2] and r.writes["elements"].tolist() == [24]
+    assert r.deltas.loc["w", "elements"] == 24 and r.deltas.loc["w", "changed"] == 2
+    assert torch.equal(r.before("w"), start)
+    written = torch.zeros(6, 8, dtype=torch.bool)
+    written[:3] = True
+    want = _reference(start, m.w.detach(), written)
+    for col in ("max_abs", "mean_abs", "rel_l2"):
+        assert math.isclose(r.deltas.loc["w", col], want[col], rel_tol=1e-5), col
+
+
+def test_a_failed_transactional_dense_load_restores_partly_changed_views():
+    class Fails(Views):
+        def load_weights(self, weights):
+            out = super().load_weights(weights)
+            raise RuntimeError("after the copies")
+
+    g = torch.Generator().manual_seed(4)
+    start = torch.randn(6, 8, generator=g)
+    m = Fails(start)
+    top = start[:3].clone()
+    top[0, 1] = 9.0
+    left = start[:, :4].clone()
+    left[5, 3] = -9.0
+    try:
+        inspect_load(m, [dense("top", top), dense("left", left)], transactional=True)
+    except RuntimeError as exc:
+        assert "after the copies" in str(exc)
+    else:
+        raise AssertionError("the loader's error must propagate")
+    assert torch.equal(bits(m.w.detach()), bits(start))
