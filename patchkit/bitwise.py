@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["bits", "changed_mask", "same_bits", "same_state"]
+__all__ = ["bits", "changed_mask", "count_true", "same_bits", "same_state"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -31,6 +31,26 @@ def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """Bool tensor shaped like ``after``: True where the bits differ from ``before``."""
     ne = bits(before.to(after.device)) != bits(after)
     return ne.any(dim=-1) if after.dtype.is_complex else ne
+
+
+_COUNT_BLOCK = 1 << 20
+
+
+def count_true(mask: torch.Tensor) -> torch.Tensor:
+    """How many elements of the bool tensor ``mask`` are True: a 0-dim int64 tensor on
+    ``mask``'s device (no host wait; ``int()`` it to read it).
+
+    On CUDA, ``torch.count_nonzero`` widens the whole mask to int64 before it adds (8 bytes
+    of scratch per element: 512 MiB for 64 M elements); this counts a million elements
+    at a time, so the scratch stays at 8 MiB.
+    """
+    flat = mask.reshape(-1)
+    if flat.device.type == "cpu" or flat.numel() <= _COUNT_BLOCK:
+        return torch.count_nonzero(flat)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for lo in range(0, flat.numel(), _COUNT_BLOCK):
+        total += torch.count_nonzero(flat[lo : lo + _COUNT_BLOCK])
+    return total
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from .bitwise import changed_mask
+from .bitwise import changed_mask, count_true
 from .errors import PatchTypeError, PatchValueError, where
 from .patch import CheckpointWeightPatch, numel, validate_patches
 
@@ -264,7 +264,7 @@ def changed_fraction(
                 name=name, reason="shape or dtype differs",
                 value=((tuple(b.shape), b.dtype), (tuple(a.shape), a.dtype)),
             )
-        changed += int(torch.count_nonzero(changed_mask(b, a)))
+        changed += int(count_true(changed_mask(b, a)))
         total += a.numel()
     return changed / total if total else 0.0
 

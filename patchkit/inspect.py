@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
 import torch
 
-from .bitwise import changed_mask
+from .bitwise import changed_mask, count_true
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import density_map, region_text
@@ -121,6 +121,25 @@ class _Recorder:
         )
 
 
+class _Table:
+    """A report table: its numbers are fixed when the load ends (``deltas`` included, read
+    from the model right then); the pandas DataFrame is built on first access and kept,
+    so a report nobody looks at costs no pandas work."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        key = "_frame_" + self.name
+        frame = obj.__dict__.get(key)
+        if frame is None:
+            frame = obj._tables[self.name]()
+            obj.__dict__[key] = frame
+        return frame
+
+
 @dataclass
 class LoadReport:
     """What one load did, as pandas tables (and figures, through its ``plot_*`` methods).
@@ -149,14 +168,19 @@ class LoadReport:
       elements).
     - ``error``: the exception the load raised, or ``None``.
 
+    The four tables are built when first read (their numbers were all taken when the load
+    ended), so that a report in a training loop costs no pandas work until it is looked
+    at.
+
     ``before(target)`` and ``after(target)`` give the runtime tensor before and after the
     load (CPU copies; elements never written are taken from the current value).
     """
 
-    chunks: pd.DataFrame
-    calls: pd.DataFrame
-    writes: pd.DataFrame
-    deltas: pd.DataFrame
+    chunks: ClassVar[_Table] = _Table()
+    calls: ClassVar[_Table] = _Table()
+    writes: ClassVar[_Table] = _Table()
+    deltas: ClassVar[_Table] = _Table()
+
     patches: list[CheckpointWeightPatch] = field(repr=False)
     plan: list[Chunk] = field(repr=False)
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
@@ -165,6 +189,7 @@ class LoadReport:
     _saved: list[SavedRegion] = field(default_factory=list, repr=False)
     _runtime: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _aliases: dict[str, str] = field(default_factory=dict, repr=False)
+    _tables: dict[str, Callable[[], pd.DataFrame]] = field(default_factory=dict, repr=False)
 
     # -- values ----------------------------------------------------------------------
 
@@ -435,6 +460,36 @@ def _match_positions(patches, names):
 def _build_report(
     model, patches, kept, positions, plan, rec, sessions, max_chunk_bytes, loaded, error
 ) -> LoadReport:
+    index = sessions[0].index if sessions else None
+    runtime = dict(index.tensors) if index is not None else {}
+    saved = sessions[0].saved if sessions else []
+    # The numbers that depend on the model's state are taken now; the rest of the report
+    # is a record of the load, turned into DataFrames on first use.
+    delta_rows = _delta_rows(saved, runtime)
+    calls = list(rec.calls)
+    events = list(rec.events)
+    shapes = {n: tuple(t.shape) for n, t in runtime.items()}
+    return LoadReport(
+        patches=patches,
+        plan=plan,
+        max_chunk_bytes=max_chunk_bytes,
+        loaded=set(loaded),
+        error=error,
+        _saved=list(saved),
+        _runtime=runtime,
+        _aliases=dict(index.aliases) if index is not None else {},
+        _tables={
+            "chunks": lambda: _chunks_frame(patches, kept, positions, plan),
+            "calls": lambda: pd.DataFrame(
+                calls, columns=["chunk", "names", "returned", "writes", "seconds", "error"]
+            ),
+            "writes": lambda: _writes_frame(events, patches, shapes),
+            "deltas": lambda: _deltas_frame(delta_rows),
+        },
+    )
+
+
+def _chunks_frame(patches, kept, positions, plan) -> pd.DataFrame:
     chunk_of: dict[int, Chunk] = {}
     for c in plan:
         for p in c.positions:
@@ -457,25 +512,26 @@ def _build_report(
     chunks["note"] = notes
     chunks = chunks.drop(columns=["wire_bytes"])
     chunks["chunk"] = chunks["chunk"].astype("Int64")
-    calls = pd.DataFrame(
-        rec.calls, columns=["chunk", "names", "returned", "writes", "seconds", "error"]
-    )
-    index = sessions[0].index if sessions else None
-    runtime = dict(index.tensors) if index is not None else {}
+    return chunks
+
+
+def _writes_frame(
+    events: list[WriteEvent],
+    patches: list[CheckpointWeightPatch],
+    shapes: dict[str, tuple[int, ...]],
+) -> pd.DataFrame:
     shapes_by_pos = {i: tuple(int(d) for d in p.shape) for i, p in enumerate(patches)}
     wrows = []
-    for ev in rec.events:
+    for ev in events:
         ck_region = None
         if ev.position is not None and ev.position in shapes_by_pos:
             ck_region = region_text(
                 shapes_by_pos[ev.position], ev.checkpoint_offset,
                 ev.source_shape or ev.shape, ev.source_stride,
             )
-        tgt = runtime.get(ev.target)
+        tgt = shapes.get(ev.target)
         tg_region = (
-            region_text(tuple(tgt.shape), ev.target_offset, ev.shape, ev.stride)
-            if tgt is not None
-            else None
+            region_text(tgt, ev.target_offset, ev.shape, ev.stride) if tgt is not None else None
         )
         wrows.append(
             {
@@ -505,22 +561,7 @@ def _build_report(
     )
     for col in ("position", "checkpoint_offset"):
         writes[col] = writes[col].astype("Int64")
-    saved = sessions[0].saved if sessions else []
-    deltas = _deltas(saved, runtime)
-    return LoadReport(
-        chunks=chunks,
-        calls=calls,
-        writes=writes,
-        deltas=deltas,
-        patches=patches,
-        plan=plan,
-        max_chunk_bytes=max_chunk_bytes,
-        loaded=set(loaded),
-        error=error,
-        _saved=list(saved),
-        _runtime=runtime,
-        _aliases=dict(index.aliases) if index is not None else {},
-    )
+    return writes
 
 
 _BLOCK = 1 << 20  # elements per step of the delta statistics: bounds their scratch memory
@@ -540,7 +581,9 @@ def _sum_squares(x: torch.Tensor) -> float:
     return float(torch.dot(x, x))
 
 
-def _deltas(saved: list[SavedRegion], runtime: dict[str, torch.Tensor]) -> pd.DataFrame:
+def _delta_rows(
+    saved: list[SavedRegion], runtime: dict[str, torch.Tensor]
+) -> list[dict[str, Any]]:
     """Per touched runtime tensor: elements written once each, bitwise changes, |Δ| stats.
 
     Each saved element is credited to the runtime tensor that owns it (a write can span
@@ -570,6 +613,10 @@ def _deltas(saved: list[SavedRegion], runtime: dict[str, torch.Tensor]) -> pd.Da
                 _add_region(acc, t, s)
         if acc.elements:
             rows.append(acc.row(target))
+    return rows
+
+
+def _deltas_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     cols = ["target", "elements", "changed", "max_abs", "mean_abs", "rel_l2"]
     return pd.DataFrame(rows, columns=cols).set_index("target")
 
@@ -593,7 +640,7 @@ class _Stats:
             b = before[lo : lo + _BLOCK]
             a = after[lo : lo + _BLOCK]
             diff = changed_mask(b, a)
-            n_changed = int(torch.count_nonzero(diff))
+            n_changed = int(count_true(diff))
             self.changed += n_changed
             if not n_changed:
                 continue

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .bitwise import bits
+from .bitwise import bits, count_true
 from .errors import ContractViolation, where
 
 __all__ = [
@@ -543,7 +543,7 @@ class WriteSession:
                 if befores is not None:
                     sr = saved[k]
                     now = bits(sr.current() if sr is not None and sr.index is not None else t)
-                    changed = int(torch.count_nonzero(now.reshape(befores[k].shape) != befores[k]))
+                    changed = int(count_true(now.reshape(befores[k].shape) != befores[k]))
                 self.recorder.on_write(
                     WriteEvent(
                         chunk=self._chunk,
@@ -571,7 +571,7 @@ class WriteSession:
         dest, src = args[0], args[1]
         tname, _, off = target[1]
         diff = bits(dest) != bits(src)
-        n_changed = int(torch.count_nonzero(diff))
+        n_changed = int(count_true(diff))
         s = dest.element_size()
         if n_changed * (s + 8) <= dest.numel() * s:
             flat = (

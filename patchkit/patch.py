@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from .bitwise import count_true
 from .errors import PatchTypeError, PatchValueError, where
 
 __all__ = [
@@ -200,7 +201,7 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
         # index_fill_ takes the scalar as is; `marks[i] = True` would copy a host tensor
         # holding True to the device for every patch, and that copy waits for the device.
         marks.index_fill_(0, idx.clamp(0, n - 1), True)
-        dup = torch.count_nonzero(marks) != idx.numel()  # bool .sum() would upcast
+        dup = count_true(marks) != idx.numel()  # bool .sum() would upcast
     return torch.stack((has_nan, oob, dup))
 
 

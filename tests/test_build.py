@@ -195,7 +195,7 @@ def test_diff_other_float_dtypes_round_trip(dtype):
     g = torch.Generator().manual_seed(3)
     before = (torch.randn(8, 8, generator=g)).to(dtype)
     after = before.clone()
-    after.view(-1)[[0, 9, 63]] = (torch.tensor([0.5, -0.25, 2.0])).to(dtype)
+    after.view(-1)[[0, 9, 63]] = (torch.tensor([0.5, -0.25, 2.0], device="cpu")).to(dtype)
     after.view(-1)[5] = (-before.view(-1)[5].float()).to(dtype)
     (p,) = sparse_patches_from_diff({"w": before}, {"w": after})
     assert p.values.dtype == dtype and p.dtype == dtype
@@ -518,3 +518,14 @@ def test_trainer_deterministic_fresh_and_non_float_passthrough():
     sa["w"].zero_()  # the result is a fresh tensor: the trainer is not affected
     assert not same_bits(a.state_dict()["w"], sa["w"])
     assert a.master["w"].dtype == torch.float32
+
+
+def test_count_true_counts_across_blocks():
+    from patchkit.bitwise import _COUNT_BLOCK, count_true
+
+    g = torch.Generator().manual_seed(9)
+    for n in (0, 5, _COUNT_BLOCK, 2 * _COUNT_BLOCK + 3):
+        mask = torch.rand(n, generator=g) < 0.4
+        got = count_true(mask)
+        assert got.dtype == torch.int64 and got.shape == ()
+        assert int(got) == int(mask.sum())

@@ -50,7 +50,8 @@ def test_python_dash_m_patchkit_lists_its_commands():
 @pytest.mark.parametrize(
     ("script", "columns", "rows"),
     [
-        ("bench_loader.py", ["patchkit ms", "validate ms", "floor ms", "ratio", "peak extra MiB"], 16),
+        ("bench_loader.py",
+         ["patchkit ms", "validate ms", "floor ms", "ratio", "peak extra MiB"], 16),
         ("bench_inspect.py", ["plain ms", "report ms", "ratio", "written MiB", "changed MiB"], 6),
     ],
 )

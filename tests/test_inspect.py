@@ -22,7 +22,9 @@ class Packed(torch.nn.Module):
     def __init__(self, dtype=torch.float32) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.qkv = torch.nn.Parameter(torch.randn(12, 4, generator=g).to(dtype), False)
+        # On the tests' default device (--device), like the patches the tests build.
+        qkv = torch.randn(12, 4, generator=g).to(dtype).to(torch.get_default_device())
+        self.qkv = torch.nn.Parameter(qkv, False)
         self.norm = torch.nn.Parameter(torch.ones(4, dtype=dtype), False)
         self.calls: list[list[str]] = []
 
@@ -436,7 +438,7 @@ def test_dense_copies_that_change_part_of_their_view_report_like_full_saves(step
     start = torch.randn(6, 8, generator=g)
     start[0, 0] = -0.0  # a source of +0.0 here changes bits, not value
     m = Views(start)
-    written = torch.zeros(6, 8, dtype=torch.bool)
+    written = torch.zeros(6, 8, dtype=torch.bool, device="cpu")
     ps = []
     for name, frac, seed in steps:
         view = Views.VIEWS[name]
@@ -479,7 +481,7 @@ def test_a_dense_copy_that_changes_a_few_elements_saves_only_those():
     assert r.writes["changed"].tolist() == [2] and r.writes["elements"].tolist() == [24]
     assert r.deltas.loc["w", "elements"] == 24 and r.deltas.loc["w", "changed"] == 2
     assert torch.equal(r.before("w"), start)
-    written = torch.zeros(6, 8, dtype=torch.bool)
+    written = torch.zeros(6, 8, dtype=torch.bool, device="cpu")
     written[:3] = True
     want = _reference(start, m.w.detach(), written)
     for col in ("max_abs", "mean_abs", "rel_l2"):
@@ -489,7 +491,7 @@ def test_a_dense_copy_that_changes_a_few_elements_saves_only_those():
 def test_a_failed_transactional_dense_load_restores_partly_changed_views():
     class Fails(Views):
         def load_weights(self, weights):
-            out = super().load_weights(weights)
+            super().load_weights(weights)
             raise RuntimeError("after the copies")
 
     g = torch.Generator().manual_seed(4)
@@ -506,3 +508,16 @@ def test_a_failed_transactional_dense_load_restores_partly_changed_views():
     else:
         raise AssertionError("the loader's error must propagate")
     assert torch.equal(bits(m.w.detach()), bits(start))
+
+
+def test_tables_are_built_on_first_read_with_the_numbers_of_the_load_end():
+    m = Packed()
+    r = inspect_load(m, [sparse("k", (4, 4), [0, 5], [50.0, 60.0])])
+    assert not any(k.startswith("_frame_") for k in vars(r))  # no pandas work yet
+    with torch.no_grad():
+        m.qkv.add_(1.0)  # the model moves on before anyone looks at the report
+    assert r.deltas.loc["qkv", "changed"] == 2
+    assert r.deltas.loc["qkv", "elements"] == 2
+    assert r.deltas is r.deltas  # built once, then kept
+    assert r.writes["changed"].tolist() == [2]
+    assert {k for k in vars(r) if k.startswith("_frame_")} == {"_frame_deltas", "_frame_writes"}

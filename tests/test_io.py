@@ -125,7 +125,7 @@ def patch_lists(draw):
             # NaN means "unchanged": neither the values nor their cast to the patch dtype
             # may hold one (a float32 value can overflow to NaN in the fnuz float8 types).
             nan = torch.isnan(values.float()) | torch.isnan(values.to(dtype).float())
-            values = torch.where(nan, torch.zeros(k, dtype=vdtype), values)
+            values = torch.where(nan, torch.zeros(k, dtype=vdtype, device="cpu"), values)
             out.append(CheckpointWeightPatch(name, shape, dtype, values, idx))
         else:
             dtype = draw(st.sampled_from(FLOATS + INTS))

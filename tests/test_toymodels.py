@@ -483,7 +483,7 @@ def test_plain_model_from_state_dict_and_sparse():
                               torch.tensor([5, 15]))
     assert load_checkpoint_weight_patches(m, [p]) == {"layers.1.proj.weight"}
     want = sd["layers.1.proj.weight"].clone()
-    want.view(-1)[torch.tensor([5, 15])] = vals
+    want.view(-1)[torch.tensor([5, 15], device="cpu")] = vals.cpu()
     assert same_bits(m.get_parameter("layers.1.proj.weight").data, want)
 
 

@@ -90,7 +90,8 @@ def cast_values(patch_dtype: torch.dtype) -> torch.Tensor:
     """Values that need rounding in narrower types, one that overflows bf16/fp16, subnormals."""
     g = torch.Generator().manual_seed(3)
     v = torch.randn(20, generator=g, dtype=torch.float64) * 3
-    extra = torch.tensor([1 + 2.0**-9, 70000.0, 3.3e38, 1e-39, -1e-41, -0.0], dtype=torch.float64)
+    extra = torch.tensor([1 + 2.0**-9, 70000.0, 3.3e38, 1e-39, -1e-41, -0.0], dtype=torch.float64,
+                         device=v.device)
     fi = torch.finfo(patch_dtype)
     extra = extra.clamp(-fi.max, fi.max)
     return torch.cat([v, extra]).to(patch_dtype)
