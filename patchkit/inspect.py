@@ -4,13 +4,20 @@ Imports pandas (on first use of this module; ``import patchkit`` does not load i
 
 What a report costs: the load runs with write interception on (dense calls too), and
 what each write changes is saved before it happens (the same mechanism as
-``transactional=True``): a dense write saves its destination view (once per region); a
-NaN-merged sparse write saves only the elements its source lets through, as storage
-offsets and values. Each write is then compared bitwise with what was saved. Extra
-memory is therefore the bytes written (for sparse loads: the patched elements, plus a
-transient 1-byte mask of the view being merged); never a copy of the whole model. The
-delta statistics work in blocks of a million elements. ``benchmarks/bench_inspect.py``
-measures both against a plain load.
+``transactional=True``), never a copy of the whole model:
+
+- a NaN-merged sparse write saves the elements its source lets through, as storage
+  offsets and values, and is compared bitwise with them after the write;
+- a dense ``copy_`` from a same-shaped source of the same dtype and device is compared
+  bitwise with its source *before* it runs, and saves only the elements it changes (or
+  its whole view, when offsets would cost more than the values); other dense writes save
+  their whole view once per region.
+
+Extra memory is the saved elements (at most the bytes written), plus transient 1-byte
+masks of the view being written and scratch for the statistics, which work in blocks of
+a million elements. The tables are pandas DataFrames built on first read; every number
+in them is taken when the load ends. ``benchmarks/bench_inspect.py`` measures time and
+memory against a plain load.
 """
 
 from __future__ import annotations
