@@ -15,7 +15,7 @@ what each write changes is saved before it happens (the same mechanism as
 
 Extra memory is the saved elements (at most the bytes written), plus transient 1-byte
 masks of the view being written and scratch for the statistics, which work in blocks of
-a million elements. The tables are pandas DataFrames built on first read; every number
+262144 elements (a few MiB). The tables are pandas DataFrames built on first read; every number
 in them is taken when the load ends. ``benchmarks/bench_inspect.py`` measures time and
 memory against a plain load.
 """
@@ -571,7 +571,7 @@ def _writes_frame(
     return writes
 
 
-_BLOCK = 1 << 20  # elements per step of the delta statistics: bounds their scratch memory
+_BLOCK = 1 << 18  # elements per step of the delta statistics: bounds their scratch memory
 
 
 def _sum_squares(x: torch.Tensor) -> float:

@@ -511,15 +511,18 @@ class WriteSession:
             self._check_sparse_write(func, op, args, targets)
         elif is_copy and self.save_regions and _comparable_copy(args, kwargs, targets):
             return self._compared_copy(func, op, args, kwargs, targets[0])
-        keep = None
+        write = None
         if self._sparse:
             dest, src = args[0], args[1]
             cast = src.to(device=dest.device, dtype=dest.dtype)
-            keep = torch.isnan(cast if cast.element_size() > 1 else cast.float())
+            # True where the source is not NaN: the elements this write changes. One mask
+            # serves the merge and the save (a second, inverted one would double it).
+            write = torch.isnan(cast if cast.element_size() > 1 else cast.float())
+            write.logical_not_()
         # Before the write: save what it may change, and what counting changes needs.
         # A region saved just now holds exactly its current values; only a second write
         # into a saved dense region needs a transient copy.
-        saved = [self._save(t, tname, off, keep) for t, (tname, _, off) in targets]
+        saved = [self._save(t, tname, off, write) for t, (tname, _, off) in targets]
         befores = None
         if self.count_changes:
             befores = [
@@ -530,7 +533,7 @@ class WriteSession:
             # Merge on the bits, in place: exact for every float dtype (payloads, -0.0,
             # subnormals), no float kernels needed where a dtype lacks them (float8 on
             # CPU), and no destination-sized temporary beyond the 1-byte mask.
-            torch.where(keep, bits(dest), bits(cast), out=bits(dest))
+            torch.where(write, bits(cast), bits(dest), out=bits(dest))
             out = dest
         else:
             out = func(*args, **kwargs)
@@ -581,11 +584,12 @@ class WriteSession:
             )
             index = _storage_offsets(dest, flat)
             none = torch.empty(0, dtype=dest.dtype, device=dest.device)
+            del diff
             saved = SavedRegion(tname, off, dest, none, index, whole_view=True)
             saved.before = saved.current().clone()
         else:
+            del diff  # before the clone: the two never need to exist at once
             saved = SavedRegion(tname, off, dest, dest.clone())
-        del diff
         self.saved.append(saved)
         out = func(*args, **kwargs)
         self._call_writes += 1
@@ -657,24 +661,24 @@ class WriteSession:
         self._call_regions.append(region)
 
     def _save(
-        self, t: torch.Tensor, target: str, offset: int, keep: torch.Tensor | None
+        self, t: torch.Tensor, target: str, offset: int, write: torch.Tensor | None
     ) -> SavedRegion | None:
         """Save what a write into ``t`` may change; return the new record, else None.
 
         Dense writes save their whole view once per region. A NaN-merged write saves the
-        elements its source does not keep (``~keep``), every time: two sparse writes into
+        elements its source writes (``write``: not NaN), every time: two sparse writes into
         one region change different elements.
         """
         if not self.save_regions:
             return None
-        if keep is None:
+        if write is None:
             region = Region.of(t)
             if region in self._saved_regions:
                 return None
             self._saved_regions.add(region)
             saved = SavedRegion(target, offset, t, t.clone())
         else:
-            index = _storage_offsets(t, torch.nonzero(~keep.reshape(-1)).reshape(-1))
+            index = _storage_offsets(t, torch.nonzero(write.reshape(-1)).reshape(-1))
             none = torch.empty(0, dtype=t.dtype, device=t.device)
             saved = SavedRegion(target, offset, t, none, index)
             saved.before = saved.current().clone()
