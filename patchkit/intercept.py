@@ -547,24 +547,25 @@ class WriteSession:
                     sr = saved[k]
                     now = bits(sr.current() if sr is not None and sr.index is not None else t)
                     changed = int(count_true(now.reshape(befores[k].shape) != befores[k]))
-                self.recorder.on_write(
-                    WriteEvent(
-                        chunk=self._chunk,
-                        op=op,
-                        target=tname,
-                        target_offset=off,
-                        shape=tuple(t.shape),
-                        stride=tuple(t.stride()),
-                        elements=t.numel(),
-                        position=hit[0] if hit else None,
-                        name=hit[1] if hit else None,
-                        checkpoint_offset=hit[2] if hit else None,
-                        changed=changed,
-                        source_shape=tuple(src.shape) if hit else None,
-                        source_stride=tuple(src.stride()) if hit else None,
-                    )
-                )
+                self.recorder.on_write(self._event(op, t, tname, off, src, hit, changed))
         return out
+
+    def _event(self, op, t, tname, off, src, hit, changed) -> WriteEvent:
+        return WriteEvent(
+            chunk=self._chunk,
+            op=op,
+            target=tname,
+            target_offset=off,
+            shape=tuple(t.shape),
+            stride=tuple(t.stride()),
+            elements=t.numel(),
+            position=hit[0] if hit else None,
+            name=hit[1] if hit else None,
+            checkpoint_offset=hit[2] if hit else None,
+            changed=changed,
+            source_shape=tuple(src.shape) if hit else None,
+            source_stride=tuple(src.stride()) if hit else None,
+        )
 
     def _compared_copy(self, func, op, args, kwargs, target):
         """A dense ``copy_`` whose source has the destination's shape, dtype and device:
@@ -595,23 +596,8 @@ class WriteSession:
         self._call_writes += 1
         if self.recorder is not None:
             hit = self.provenance.lookup(src)
-            self.recorder.on_write(
-                WriteEvent(
-                    chunk=self._chunk,
-                    op=op,
-                    target=tname,
-                    target_offset=off,
-                    shape=tuple(dest.shape),
-                    stride=tuple(dest.stride()),
-                    elements=dest.numel(),
-                    position=hit[0] if hit else None,
-                    name=hit[1] if hit else None,
-                    checkpoint_offset=hit[2] if hit else None,
-                    changed=n_changed if self.count_changes else None,
-                    source_shape=tuple(src.shape) if hit else None,
-                    source_stride=tuple(src.stride()) if hit else None,
-                )
-            )
+            changed = n_changed if self.count_changes else None
+            self.recorder.on_write(self._event(op, dest, tname, off, src, hit, changed))
         return out
 
     def _check_sparse_write(self, func, op, args, targets) -> None:
