@@ -241,7 +241,8 @@ class SavedRegion:
         if self.index is None:
             self.view.copy_(self.before)
         else:
-            self._storage().index_copy_(0, self.index, self.before)
+            # On the bits: exact, and index_copy_ has no float8 kernels on the CPU.
+            bits(self._storage()).index_copy_(0, self.index, bits(self.before))
 
     def storage_index(self) -> torch.Tensor:
         """Storage element offsets of the saved elements (1-D, in the order of ``before``)."""

@@ -234,3 +234,36 @@ def test_transactional_dense_load_only_observes_and_writes_nan_as_sent(load, mk)
     m = RecordingModel({"a": torch.ones(3)})
     load(m, [mk.dense("a", torch.tensor([NAN, 2.0, -0.0]))], transactional=True)
     assert same_bits(m.a.detach(), torch.tensor([NAN, 2.0, -0.0]))
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+def test_transactional_restores_a_partly_changed_view_of_any_float_dtype(load, kind, dtype):
+    # A dense copy that changes one element saves just that element; the restore writes it
+    # back on the bits (float8 has no index_copy_ kernel on the CPU), and the loader's own
+    # error is the one that propagates.
+    class Fails(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            start = torch.linspace(-2, 2, 64, device="cpu").to(dtype)
+            self.w = torch.nn.Parameter(start, requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.data.copy_(t)
+            raise Boom("after the copy")
+
+    m = Fails()
+    before = m.w.detach().clone()
+    if kind == "dense":
+        v = before.clone()
+        v[3] = torch.tensor(1.5).to(dtype)
+        patch = patchkit.CheckpointWeightPatch("w", (64,), dtype, v)
+    else:
+        patch = patchkit.CheckpointWeightPatch(
+            "w", (64,), dtype, torch.tensor([1.5], device="cpu").to(dtype),
+            torch.tensor([3], device="cpu"))
+    with pytest.raises(Boom):
+        load(m, [patch], transactional=True)
+    assert same_bits(m.w.detach(), before)
