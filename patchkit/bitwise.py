@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["bits", "changed_mask", "count_true", "same_bits", "same_state"]
+__all__ = ["bits", "changed_mask", "count_true", "same_bits", "same_state", "sum_squares"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -34,6 +35,25 @@ def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
 
 
 _COUNT_BLOCK = 1 << 20
+_SQUARES_BLOCK = 1 << 18
+
+
+def sum_squares(x: torch.Tensor) -> float:
+    """Sum of squares of the finite elements of ``x`` (complex: of real and imaginary
+    parts), accumulated in float64 a block at a time, so neither a float32 overflow nor
+    a tensor-sized float64 copy happens."""
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    flat = x.reshape(-1)
+    total = 0.0
+    for lo in range(0, flat.numel(), _SQUARES_BLOCK):
+        part = flat[lo : lo + _SQUARES_BLOCK].double()
+        s = float(torch.dot(part, part))
+        if not math.isfinite(s):
+            part = torch.where(torch.isfinite(part), part, 0)
+            s = float(torch.dot(part, part))
+        total += s
+    return total
 
 
 def count_true(mask: torch.Tensor) -> torch.Tensor:

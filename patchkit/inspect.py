@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pandas as pd
 import torch
 
-from .bitwise import changed_mask, count_true
+from .bitwise import bits, changed_mask, count_true, sum_squares
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import density_map, region_text
@@ -235,15 +235,19 @@ class LoadReport:
     def before(self, target: str) -> torch.Tensor:
         """The runtime tensor ``target`` as it was before the load (a CPU copy).
 
-        Rebuilt from the current value and the saved regions (newest first, so where
-        saved regions overlap the oldest contents win).
+        Rebuilt from the tensor's current value and the elements the load saved (newest
+        first, so where saved regions overlap the oldest contents win). A report saves
+        only what the load changed, so every other element, written-but-unchanged or
+        never written, is read from the tensor now: call this before the model changes
+        again (another load, a training step). The ``deltas`` numbers are fixed when the
+        load ends and do not have this limit.
         """
         t = self._tensor(target)
         out = t.detach().cpu().contiguous().clone()
-        flat = out.view(-1)
+        flat = bits(out.view(-1))
         for s in reversed(_sharing(self._saved, t)):
             pos, valid = _positions(t, s.storage_index())
-            flat[pos.cpu()] = s.flat_before()[valid].cpu()
+            flat[pos.cpu()] = bits(s.flat_before()[valid].cpu())
         return out
 
     # -- summaries ---------------------------------------------------------------------
@@ -574,20 +578,6 @@ def _writes_frame(
 _BLOCK = 1 << 18  # elements per step of the delta statistics: bounds their scratch memory
 
 
-def _sum_squares(x: torch.Tensor) -> float:
-    """Sum of squares of the finite elements of ``x`` (a BLAS dot in float32, or float64)."""
-    if not (x.is_floating_point() or x.is_complex()):
-        x = x.double()
-    elif x.is_complex():
-        x = torch.view_as_real(x).reshape(-1)
-    x = x.double() if x.dtype == torch.float64 else x.float()
-    total = float(torch.dot(x, x))
-    if math.isfinite(total):
-        return total
-    x = torch.where(torch.isfinite(x), x, 0)
-    return float(torch.dot(x, x))
-
-
 def _delta_rows(
     saved: list[SavedRegion], runtime: dict[str, torch.Tensor]
 ) -> list[dict[str, Any]]:
@@ -603,7 +593,12 @@ def _delta_rows(
     regions_of: dict[str, list[SavedRegion]] = {}
     for s in saved:
         for name, t in runtime.items():
-            if t.numel() and _storage_key(t) == _storage_key(s.view) and _reaches(s.view, t):
+            if (
+                t.numel()
+                and _storage_key(t) == _storage_key(s.view)
+                and s.view.element_size() == t.element_size()
+                and _reaches(s.view, t)
+            ):
                 regions_of.setdefault(name, []).append(s)
     rows = []
     for target, regions in regions_of.items():
@@ -611,7 +606,7 @@ def _delta_rows(
         extents = [Region.of(s.view) for s in regions]
         overlapping = any(
             extents[i].overlaps(extents[j]) for i in range(len(regions)) for j in range(i)
-        )
+        ) or any(s.whole_view and s.view_sum_squares is None for s in regions)
         acc = _Stats()
         if overlapping:
             _add_overlapping(acc, t, regions)
@@ -638,10 +633,10 @@ class _Stats:
     def add_pairs(self, before: torch.Tensor, after: torch.Tensor) -> None:
         """Elements (1-D before/after values) whose changes are counted.
 
-        |after - before| is taken in float32 for 16- and 8-bit floats (half the traffic of
-        float64, and exact for nearly every pair), in float64 for float32, float64 and
-        integers, in complex128 for complex; non-finite differences count as 0 in the
-        sums and the maximum.
+        |after - before| is taken in float32 for float16 and the 8-bit floats (half the
+        traffic of float64, and exact for nearly every pair), in float64 for bfloat16,
+        float32, float64 and integers, in complex128 for complex; sums are float64;
+        non-finite differences count as 0 in the sums and the maximum.
         """
         for lo in range(0, before.numel(), _BLOCK):
             b = before[lo : lo + _BLOCK]
@@ -654,13 +649,13 @@ class _Stats:
             if n_changed < b.numel():
                 a, b = a[diff], b[diff]
             d = _abs_diff(a, b)
-            total = float(d.sum())
+            total = float(d.sum(dtype=torch.float64))
             if not math.isfinite(total):
                 d = torch.nan_to_num_(d, nan=0.0, posinf=0.0, neginf=0.0)
-                total = float(d.sum())
+                total = float(d.sum(dtype=torch.float64))
             self.sum_abs += total
             self.max_abs = max(self.max_abs, float(d.max()))
-            self.sum_d2 += float(torch.dot(d, d))
+            self.sum_d2 += sum_squares(d)
 
     def row(self, target: str) -> dict[str, Any]:
         dn, bn = math.sqrt(self.sum_d2), math.sqrt(self.sum_b2)
@@ -678,15 +673,18 @@ def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|a - b| as a real 1-D tensor (see :meth:`_Stats.add_pairs` for the precision)."""
     if a.is_complex():
         return (a.to(torch.complex128) - b.to(torch.complex128)).abs()
-    if a.is_floating_point() and a.element_size() <= 2:
-        # The difference of two 16- or 8-bit floats is exact in float32 unless their
-        # exponents are more than 16 apart.
+    if a.is_floating_point() and a.element_size() <= 2 and a.dtype != torch.bfloat16:
+        # float16 and the 8-bit floats: their differences fit float32's range, and are
+        # exact there unless the exponents are more than 16 apart. bfloat16 has float32's
+        # range, so its differences can overflow float32: they go to float64.
         return torch.sub(a.float(), b.float()).abs_()
     return torch.sub(a.double(), b.double()).abs_()
 
 
-def _blockwise_squares(x: torch.Tensor) -> float:
-    return sum(_sum_squares(x[lo : lo + _BLOCK]) for lo in range(0, x.numel(), _BLOCK))
+def _as_dtype_of(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Saved values read as ``t``'s dtype: a loader may write through a reinterpreting
+    view (``param.view(torch.int32).copy_(...)``) of the same element size."""
+    return x if x.dtype == t.dtype else x.view(t.dtype)
 
 
 def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion) -> None:
@@ -697,23 +695,17 @@ def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion) -> None:
     else:
         _, valid = _positions(t, s.storage_index())
         b, a = s.flat_before()[valid], s.current()[valid]
+    b, a = _as_dtype_of(b, t), _as_dtype_of(a, t)
     acc.add_pairs(b, a)
-    sum_b2_saved = _blockwise_squares(b)
     if s.index is None or not s.whole_view:
         # The saved elements are exactly the written ones (a whole view, or NaN-merged).
         acc.elements += int(b.numel())
-        acc.sum_b2 += sum_b2_saved
+        acc.sum_b2 += sum_squares(b)
         return
-    # A compared dense copy saved only what it changed: every other written element
-    # still holds its before-value, so ||before||^2 = ||view now||^2 - ||saved now||^2
-    # + ||saved before||^2.
-    if inside:
-        written_now = s.view.reshape(-1)
-    else:
-        wpos, _ = _positions(t, s.written_index())
-        written_now = t.detach().reshape(-1)[wpos]
-    acc.elements += written_now.numel()
-    acc.sum_b2 += _blockwise_squares(written_now) - _blockwise_squares(a) + sum_b2_saved
+    # A compared dense copy saved only what it changed; it summed the squares of its
+    # whole view before it wrote (no other region of ``t`` overlaps this one).
+    acc.elements += s.view.numel() if inside else int(_positions(t, s.written_index())[0].numel())
+    acc.sum_b2 += float(s.view_sum_squares)
 
 
 def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: list[SavedRegion]) -> None:
@@ -724,13 +716,13 @@ def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: list[SavedRegion]) -
     written = torch.zeros(t.numel(), dtype=torch.bool, device=t.device)
     for s in reversed(regions):
         pos, valid = _positions(t, s.storage_index())
-        before[pos] = s.flat_before()[valid]
+        bits(before)[pos] = bits(s.flat_before()[valid])
     for s in regions:
         wpos, _ = _positions(t, s.written_index())
         written.index_fill_(0, wpos, True)
     b, a = before[written], flat_now[written]
     acc.elements += b.numel()
-    acc.sum_b2 += _blockwise_squares(b)
+    acc.sum_b2 += sum_squares(b)
     acc.add_pairs(b, a)
 
 
@@ -742,9 +734,14 @@ def _reaches(view: torch.Tensor, t: torch.Tensor) -> bool:
 
 
 def _sharing(saved: list[SavedRegion], t: torch.Tensor) -> list[SavedRegion]:
-    """The saved regions that live in ``t``'s storage (they may reach into ``t``)."""
+    """The saved regions that live in ``t``'s storage (they may reach into ``t``), read
+    with ``t``'s element size (a write through a view of another element size, say
+    bytes of a float tensor, is not followed)."""
     key = _storage_key(t)
-    return [s for s in saved if _storage_key(s.view) == key]
+    return [
+        s for s in saved
+        if _storage_key(s.view) == key and s.view.element_size() == t.element_size()
+    ]
 
 
 def _positions(t: torch.Tensor, storage_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .bitwise import bits, count_true
+from .bitwise import bits, count_true, sum_squares
 from .errors import ContractViolation, where
 
 __all__ = [
@@ -220,6 +220,9 @@ class SavedRegion:
     before: torch.Tensor = field(repr=False)
     index: torch.Tensor | None = field(default=None, repr=False)
     whole_view: bool = False
+    # Sum of squares of the whole view before the write (a compared copy that saved only
+    # its changed elements, when reporting): the statistics need it for ||before||.
+    view_sum_squares: float | None = None
 
     def _storage(self) -> torch.Tensor:
         v = self.view
@@ -574,7 +577,11 @@ class WriteSession:
         when most of it changes), then copy. The count of changed elements is exact and
         costs no second pass after the write."""
         dest, src = args[0], args[1]
-        tname, _, off = target[1]
+        tname, owner, off = target[1]
+        squares = None
+        if self.recorder is not None and dest.element_size() == owner.element_size():
+            # Read as the owner's dtype: a loader may write through a reinterpreting view.
+            squares = sum_squares(dest if dest.dtype == owner.dtype else dest.view(owner.dtype))
         diff = bits(dest) != bits(src)
         n_changed = int(count_true(diff))
         s = dest.element_size()
@@ -587,7 +594,8 @@ class WriteSession:
             index = _storage_offsets(dest, flat)
             none = torch.empty(0, dtype=dest.dtype, device=dest.device)
             del diff
-            saved = SavedRegion(tname, off, dest, none, index, whole_view=True)
+            saved = SavedRegion(tname, off, dest, none, index, whole_view=True,
+                                view_sum_squares=squares)
             saved.before = saved.current().clone()
         else:
             del diff  # before the clone: the two never need to exist at once

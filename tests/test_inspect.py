@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import typing
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -521,3 +522,61 @@ def test_tables_are_built_on_first_read_with_the_numbers_of_the_load_end():
     assert r.deltas is r.deltas  # built once, then kept
     assert r.writes["changed"].tolist() == [2]
     assert {k for k in vars(r) if k.startswith("_frame_")} == {"_frame_deltas", "_frame_writes"}
+
+
+class OneTensor(torch.nn.Module):
+    """``w``; ``load_weights`` copies each tensor into it whole, optionally through a
+    view of another dtype of the same size (``through``)."""
+
+    def __init__(self, w: torch.Tensor, through: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(w.clone(), False)
+        self.through = through
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            if self.through is None:
+                self.w.data.copy_(t)
+            else:
+                self.w.data.view(self.through).copy_(t.view(self.through))
+        return {n for n, _ in weights}
+
+
+def _direct_rel_l2(b: torch.Tensor, a: torch.Tensor) -> float:
+    b, a = b.double(), a.double()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+def test_rel_l2_when_a_few_small_elements_become_large(dtype):
+    # ||before|| must not come from ||after||^2 - ||changed after||^2 + ...: with two huge
+    # new values among small ones that difference cancels (and once went negative).
+    w = torch.ones(25, dtype=dtype, device="cpu")
+    if dtype.is_floating_point:
+        w *= 1e-3
+    new = w.clone()
+    new[:6] = 2**31 - 1 if dtype == torch.int32 else 2e4
+    r = inspect_load(OneTensor(w), [dense("w", new)])
+    assert r._saved[0].whole_view  # the changed-only save
+    assert math.isclose(r.deltas.loc["w", "rel_l2"], _direct_rel_l2(w, new), rel_tol=1e-9)
+
+
+def test_bfloat16_differences_near_the_top_of_the_range_do_not_overflow():
+    w = torch.tensor([3e38, 1.0, 2.0, 3.0], device="cpu").to(torch.bfloat16)
+    new = w.clone()
+    new[0] = -new[0]
+    r = inspect_load(OneTensor(w), [dense("w", new)])
+    d = 2 * float(w[0])
+    assert math.isclose(r.deltas.loc["w", "max_abs"], d, rel_tol=1e-12)
+    assert math.isclose(r.deltas.loc["w", "mean_abs"], d / 4, rel_tol=1e-12)
+    assert math.isclose(r.deltas.loc["w", "rel_l2"], _direct_rel_l2(w, new), rel_tol=1e-9)
+
+
+def test_a_write_through_a_reinterpreting_view_is_reported_in_the_tensors_dtype():
+    w = torch.tensor([1.5, -2.25, 3.0, 0.5, 7.0, 8.0, 9.0, 10.0], device="cpu")
+    new = w.clone()
+    new[2] = 100.0
+    m = OneTensor(w, through=torch.int32)
+    r = inspect_load(m, [dense("w", new)])
+    assert torch.equal(r.before("w"), w)
+    assert r.deltas.loc["w", "max_abs"] == 97.0 and r.deltas.loc["w", "changed"] == 1
