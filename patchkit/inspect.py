@@ -13,11 +13,12 @@ what each write changes is saved before it happens (the same mechanism as
   its whole view, when offsets would cost more than the values); other dense writes save
   their whole view once per region.
 
-Extra memory is the saved elements (at most the bytes written), plus transient 1-byte
-masks of the view being written and scratch for the statistics, which work in blocks of
-262144 elements (a few MiB). The tables are pandas DataFrames built on first read; every number
-in them is taken when the load ends. ``benchmarks/bench_inspect.py`` measures time and
-memory against a plain load.
+Extra memory is the saved values (at most the bytes written) and their int64 storage
+offsets (none for a whole-view save), plus transient 1-byte masks of the view being
+written and scratch for the statistics, which work in blocks of 262144 elements (a few
+MiB). The tables are pandas DataFrames built on first read; every number in them is
+taken when the load ends. ``benchmarks/bench_inspect.py`` measures time and memory
+against a plain load.
 """
 
 from __future__ import annotations
