@@ -225,9 +225,7 @@ class SavedRegion:
     view_sum_squares: float | None = None
 
     def _storage(self) -> torch.Tensor:
-        v = self.view
-        span = v.untyped_storage().nbytes() // v.element_size()
-        return v.as_strided((span,), (1,), 0)
+        return _flat_storage(self.view)
 
     def current(self) -> torch.Tensor:
         """The saved elements' values now (1-D, in the order of ``before``)."""
@@ -253,16 +251,25 @@ class SavedRegion:
             return self.index
         return _storage_offsets(self.view, None)
 
-    @property
-    def writes_whole_view(self) -> bool:
-        """True when the write covered every element of ``view`` (a dense write)."""
-        return self.index is None or self.whole_view
-
     def written_index(self) -> torch.Tensor:
         """Storage element offsets of every element the write wrote (1-D)."""
-        if self.writes_whole_view:
+        if self.index is None or self.whole_view:
             return _storage_offsets(self.view, None)
         return self.index
+
+    @classmethod
+    def elements(
+        cls, target: str, offset: int, view: torch.Tensor, index: torch.Tensor, **kw: Any
+    ) -> SavedRegion:
+        """Save the elements of ``view``'s storage at ``index`` (their current values)."""
+        before = _flat_storage(view).index_select(0, index)  # a new tensor: a copy
+        return cls(target, offset, view, before, index, **kw)
+
+
+def _flat_storage(view: torch.Tensor) -> torch.Tensor:
+    """All of ``view``'s storage as a 1-D tensor of its dtype (storage offset 0)."""
+    span = view.untyped_storage().nbytes() // view.element_size()
+    return view.as_strided((span,), (1,), 0)
 
 
 def _storage_offsets(view: torch.Tensor, flat_positions: torch.Tensor | None) -> torch.Tensor:
@@ -591,12 +598,9 @@ class WriteSession:
                 if n_changed
                 else torch.empty(0, dtype=torch.int64, device=dest.device)
             )
-            index = _storage_offsets(dest, flat)
-            none = torch.empty(0, dtype=dest.dtype, device=dest.device)
             del diff
-            saved = SavedRegion(tname, off, dest, none, index, whole_view=True,
-                                view_sum_squares=squares)
-            saved.before = saved.current().clone()
+            saved = SavedRegion.elements(tname, off, dest, _storage_offsets(dest, flat),
+                                         whole_view=True, view_sum_squares=squares)
         else:
             del diff  # before the clone: the two never need to exist at once
             saved = SavedRegion(tname, off, dest, dest.clone())
@@ -674,9 +678,7 @@ class WriteSession:
             saved = SavedRegion(target, offset, t, t.clone())
         else:
             index = _storage_offsets(t, torch.nonzero(write.reshape(-1)).reshape(-1))
-            none = torch.empty(0, dtype=t.dtype, device=t.device)
-            saved = SavedRegion(target, offset, t, none, index)
-            saved.before = saved.current().clone()
+            saved = SavedRegion.elements(target, offset, t, index)
         self.saved.append(saved)
         return saved
 
