@@ -607,7 +607,10 @@ def _delta_rows(
         extents = [Region.of(s.view) for s in regions]
         overlapping = any(
             extents[i].overlaps(extents[j]) for i in range(len(regions)) for j in range(i)
-        ) or any(s.whole_view and s.view_sum_squares is None for s in regions)
+        ) or any(
+            s.whole_view and (s.view_sum_squares is None or not _contained(s.view, t))
+            for s in regions
+        )
         acc = _Stats()
         if overlapping:
             _add_overlapping(acc, t, regions)
@@ -690,6 +693,17 @@ def _as_dtype_of(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion) -> None:
     """One saved region that no other region of ``t`` overlaps."""
+    contained = _contained(s.view, t)
+    if contained and s.diff_stats is not None and s.view_sum_squares is not None:
+        # Measured while copying (patchkit.native): nothing to read again.
+        changed, sum_abs, sum_d2, max_abs = s.diff_stats
+        acc.elements += s.view.numel()
+        acc.changed += changed
+        acc.sum_abs += sum_abs
+        acc.sum_d2 += sum_d2
+        acc.max_abs = max(acc.max_abs, max_abs)
+        acc.sum_b2 += s.view_sum_squares
+        return
     inside = _within(s.view, t)
     if inside:
         b, a = s.flat_before(), s.current()  # every saved element lies in ``t``
@@ -701,11 +715,14 @@ def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion) -> None:
     if s.index is None or not s.whole_view:
         # The saved elements are exactly the written ones (a whole view, or NaN-merged).
         acc.elements += int(b.numel())
-        acc.sum_b2 += sum_squares(b)
+        acc.sum_b2 += (
+            s.view_sum_squares if contained and s.view_sum_squares is not None
+            else sum_squares(b)
+        )
         return
     # A compared dense copy saved only what it changed; it summed the squares of its
-    # whole view before it wrote (no other region of ``t`` overlaps this one).
-    acc.elements += s.view.numel() if inside else int(_positions(t, s.written_index())[0].numel())
+    # whole view before it wrote (the caller checked that the view lies in ``t``).
+    acc.elements += s.view.numel()
     acc.sum_b2 += float(s.view_sum_squares)
 
 
@@ -762,6 +779,14 @@ def _positions(t: torch.Tensor, storage_index: torch.Tensor) -> tuple[torch.Tens
     at = torch.searchsorted(ordered, storage_index).clamp(max=ordered.numel() - 1)
     valid = ordered[at] == storage_index
     return order[at[valid]], valid
+
+
+def _contained(view: torch.Tensor, t: torch.Tensor) -> bool:
+    """True when every element of ``view`` lies in ``t``'s part of their storage (the
+    view's byte extent is inside ``t``'s), so numbers measured over the view are ``t``'s."""
+    a0, a1 = Region.of(view).extent()
+    b0, b1 = Region.of(t).extent()
+    return b0 <= a0 and a1 <= b1
 
 
 def _within(view: torch.Tensor, t: torch.Tensor) -> bool:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import native
 from .bitwise import bits, count_true, sum_squares
 from .errors import ContractViolation, where
 
@@ -220,9 +221,13 @@ class SavedRegion:
     before: torch.Tensor = field(repr=False)
     index: torch.Tensor | None = field(default=None, repr=False)
     whole_view: bool = False
-    # Sum of squares of the whole view before the write (a compared copy that saved only
-    # its changed elements, when reporting): the statistics need it for ||before||.
+    # Sum of squares of the whole view's finite values before the write (a compared copy,
+    # when reporting): the statistics need it for ||before||.
     view_sum_squares: float | None = None
+    # ``(changed, sum |after - before|, sum of its squares, max |after - before|)`` over
+    # the view, measured while copying (the compiled path, when reporting), so that the
+    # statistics need not read the view again.
+    diff_stats: tuple[int, float, float, float] | None = None
 
     def _storage(self) -> torch.Tensor:
         return _flat_storage(self.view)
@@ -580,14 +585,41 @@ class WriteSession:
 
     def _compared_copy(self, func, op, args, kwargs, target):
         """A dense ``copy_`` whose source has the destination's shape, dtype and device:
-        compare the bits first, save only what the copy will change (or the whole view,
-        when most of it changes), then copy. The count of changed elements is exact and
-        costs no second pass after the write."""
+        save only what the copy changes (or the whole view, when most of it changes), and
+        count it, without a second pass after the write.
+
+        On the CPU the compiled path (:mod:`patchkit.native`) compares, saves, counts and
+        copies in one pass; otherwise torch ops compare first, save, then copy."""
         dest, src = args[0], args[1]
         tname, owner, off = target[1]
+        # Statistics read the bits as the owner's dtype: a loader may write through a
+        # reinterpreting view (of the same element size; other sizes are not followed).
+        stats = self.recorder is not None and dest.element_size() == owner.element_size()
+        fast = native.compare_copy(dest, src, owner.dtype if stats else None)
+        if fast is not None:
+            n_changed = fast.changed
+            diff = (
+                (fast.changed, fast.sum_abs, fast.sum_sq_diff, fast.max_abs) if stats else None
+            )
+            saved = SavedRegion(
+                tname, off, dest, fast.before, fast.index, whole_view=fast.index is not None,
+                view_sum_squares=fast.squares, diff_stats=diff,
+            )
+            self.saved.append(saved)
+            out = dest
+        else:
+            n_changed, out = self._compared_copy_torch(func, args, kwargs, tname, owner, off, stats)
+        self._call_writes += 1
+        if self.recorder is not None:
+            hit = self.provenance.lookup(src)
+            changed = n_changed if self.count_changes else None
+            self.recorder.on_write(self._event(op, dest, tname, off, src, hit, changed))
+        return out
+
+    def _compared_copy_torch(self, func, args, kwargs, tname, owner, off, stats):
+        dest, src = args[0], args[1]
         squares = None
-        if self.recorder is not None and dest.element_size() == owner.element_size():
-            # Read as the owner's dtype: a loader may write through a reinterpreting view.
+        if stats:
             squares = sum_squares(dest if dest.dtype == owner.dtype else dest.view(owner.dtype))
         diff = bits(dest) != bits(src)
         n_changed = int(count_true(diff))
@@ -603,15 +635,9 @@ class WriteSession:
                                          whole_view=True, view_sum_squares=squares)
         else:
             del diff  # before the clone: the two never need to exist at once
-            saved = SavedRegion(tname, off, dest, dest.clone())
+            saved = SavedRegion(tname, off, dest, dest.clone(), view_sum_squares=squares)
         self.saved.append(saved)
-        out = func(*args, **kwargs)
-        self._call_writes += 1
-        if self.recorder is not None:
-            hit = self.provenance.lookup(src)
-            changed = n_changed if self.count_changes else None
-            self.recorder.on_write(self._event(op, dest, tname, off, src, hit, changed))
-        return out
+        return n_changed, func(*args, **kwargs)
 
     def _check_sparse_write(self, func, op, args, targets) -> None:
         """CONTRACT §4 strict checks, before the write: raise and nothing is written."""

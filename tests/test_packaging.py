@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import tomllib
@@ -94,3 +95,14 @@ def test_readme_figures_exist():
     readme = (ROOT / "README.md").read_text()
     for path in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme):
         assert (ROOT / path).exists(), path
+
+
+def test_the_wheel_carries_the_c_file_that_patchkit_native_compiles(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True, text=True,
+    )
+    (wheel,) = tmp_path.glob("patchkit-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert "patchkit/_native.c" in z.namelist()

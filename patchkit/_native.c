@@ -1,0 +1,246 @@
+/* patchkit's one compiled loop: a dense copy that saves, counts and measures what it
+ * changes while it copies (see patchkit/native.py, which builds and calls it).
+ *
+ * A report (or transactional=True) needs, for each dense copy_ into runtime storage, the
+ * elements whose bits the copy changes and their old values. Done with separate torch
+ * ops that is a compare, a count, a nonzero, a gather, a sum of squares and the copy:
+ * six passes over the view. This does it in one: each block of the view is read once
+ * from the destination and once from the source, and the destination is written only
+ * where its bits change.
+ *
+ * The view is walked in row-major order as rows of L contiguous elements: destination
+ * row r starts at element r*drs, source row r at r*srs. One call covers the positions
+ * [p, p1) and returns the position it reached:
+ *
+ * - compact mode (bef_whole == 0): each changed element's storage offset (doff plus its
+ *   offset from dst) goes to idx[], its old bits to bef[]. The call stops early, before
+ *   a block that could overflow cap entries, and returns where it stopped; nothing at or
+ *   after that position has been written or counted.
+ * - whole mode (bef_whole == 1): the old bits of every element go to bef[position]; the
+ *   call always runs to p1.
+ *
+ * With stats set it also sums, in double, the squares of the finite old values (b2)
+ * and, over changed elements, |new - old| where finite (sum, sum of squares, maximum):
+ * old and new are widened to double first, except float16, whose difference is taken
+ * in float (as patchkit.inspect does with torch). Non-finite values count as 0.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    int64_t count;   /* elements whose bits changed */
+    int64_t saved;   /* compact mode: entries written to idx/bef so far */
+    double b2;       /* sum of squares of the finite old values */
+    double sum_abs;  /* sum of finite |new - old| over changed elements */
+    double sum_d2;   /* sum of their squares */
+    double max_abs;  /* their maximum */
+} pk_acc;
+
+#define PK_B 16    /* elements per block: compared together, copied together */
+#define PK_DBL_MAX 1.7976931348623157e308
+#define PK_K 4096  /* elements per run: the finite check of b2 works a run at a time */
+
+static inline double pk_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline double pk_f64(uint64_t u) { double f; memcpy(&f, &u, 8); return f; }
+static inline double pk_bf16(uint16_t h) { return pk_f32((uint32_t)h << 16); }
+static inline float pk_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+    float f;
+    if (e == 0) { /* zero or subnormal: m * 2^-24 is exact in float */
+        f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    u = e == 31 ? (sign | 0x7f800000u | (m << 13)) : (sign | ((e + 112u) << 23) | (m << 13));
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline double pk_f16(uint16_t h) { return pk_half(h); }
+
+#define PK_DIFF_WIDE(TOD, a, b) (TOD(b) - TOD(a))
+#define PK_DIFF_F16(TOD, a, b) ((double)(pk_half(b) - pk_half(a)))
+
+static inline void pk_stat(pk_acc *acc, double d) {
+    d = fabs(d);
+    if (d <= PK_DBL_MAX) { /* finite */
+        acc->sum_abs += d;
+        acc->sum_d2 += d * d;
+        if (d > acc->max_abs) acc->max_abs = d;
+    }
+}
+
+#define PK_DEFINE(NAME, UT, TOD, DIFF)                                                       \
+    /* b2 of [0, n) of one run, each old value taken from bef where the element changed */   \
+    static double pk_b2_##NAME(const UT *d, int64_t o, int64_t n, const int64_t *idx,        \
+                               const UT *bef, int64_t k, int64_t k1, const UT *whole) {      \
+        double t = 0;                                                                        \
+        for (int64_t q = 0; q < n; q++) {                                                    \
+            UT v;                                                                            \
+            if (whole) v = whole[q];                                                         \
+            else if (k < k1 && idx[k] == o + q) v = bef[k++];                                \
+            else v = d[q];                                                                   \
+            double x = TOD(v);                                                               \
+            if (fabs(x) <= PK_DBL_MAX) t += x * x;                                           \
+        }                                                                                    \
+        return t;                                                                            \
+    }                                                                                        \
+    /* Compact mode, the m elements at d: save and copy the changed ones. */                 \
+    static __attribute__((noinline)) int64_t pk_changed_##NAME(                              \
+        UT *restrict d, const UT *restrict s, int m, int64_t o, int64_t *restrict idx,       \
+        UT *restrict bef, int64_t c, int stats, pk_acc *diffs) {                             \
+        for (int l = 0; l < m; l++) {                                                        \
+            UT x0 = d[l], x1 = s[l];                                                         \
+            if (x0 == x1) continue;                                                          \
+            idx[c] = o + l;                                                                  \
+            bef[c] = x0;                                                                     \
+            c++;                                                                             \
+            if (stats) pk_stat(diffs, DIFF(TOD, x0, x1));                                    \
+            d[l] = x1;                                                                       \
+        }                                                                                    \
+        return c;                                                                            \
+    }                                                                                        \
+    /* Compact mode, one run of n elements: returns how many it did (n unless full). */      \
+    static inline __attribute__((always_inline)) int64_t pk_compact_##NAME(                  \
+        UT *restrict d, const UT *restrict s, int64_t n, int64_t o, int64_t *restrict idx,   \
+        UT *restrict bef, int64_t *c, int64_t cap, const int stats, double *b2,              \
+        pk_acc *diffs) {                                                                     \
+        double sq[PK_B] = {0};                                                               \
+        int64_t j = 0, k = *c;                                                               \
+        for (; j < n; j += PK_B) {                                                           \
+            int m = n - j < PK_B ? (int)(n - j) : PK_B;                                      \
+            UT any = 0;                                                                      \
+            if (m == PK_B) {                                                                 \
+                for (int l = 0; l < PK_B; l++) any |= d[j + l] ^ s[j + l];                   \
+            } else {                                                                         \
+                for (int l = 0; l < m; l++) any |= d[j + l] ^ s[j + l];                      \
+            }                                                                                \
+            if (any && k + m > cap) { /* room for this block's changes? */                   \
+                int ch = 0;                                                                  \
+                for (int l = 0; l < m; l++) ch += d[j + l] != s[j + l];                      \
+                if (k + ch > cap) break;                                                     \
+            }                                                                                \
+            if (stats) {                                                                     \
+                if (m == PK_B) {                                                             \
+                    for (int l = 0; l < PK_B; l++) {                                         \
+                        double x = TOD(d[j + l]);                                            \
+                        sq[l] += x * x;                                                      \
+                    }                                                                        \
+                } else {                                                                     \
+                    for (int l = 0; l < m; l++) {                                            \
+                        double x = TOD(d[j + l]);                                            \
+                        sq[l] += x * x;                                                      \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+            if (any) k = pk_changed_##NAME(d + j, s + j, m, o + j, idx, bef, k, stats, diffs); \
+        }                                                                                    \
+        if (j > n) j = n; /* the last block was short */                                     \
+        if (stats) {                                                                         \
+            double t = 0;                                                                    \
+            for (int l = 0; l < PK_B; l++) t += sq[l];                                       \
+            if (!isfinite(t)) t = pk_b2_##NAME(d, o, j, idx, bef, *c, k, 0);                 \
+            *b2 += t;                                                                        \
+        }                                                                                    \
+        *c = k;                                                                              \
+        return j;                                                                            \
+    }                                                                                        \
+    /* Whole mode, one run of n elements: no branches, unchanged elements add 0. */          \
+    static inline __attribute__((always_inline)) void pk_whole_##NAME(                       \
+        UT *restrict d, const UT *restrict s, int64_t n, UT *restrict w, const int stats,    \
+        int64_t *count, double *b2, pk_acc *diffs) {                                         \
+        double sq[PK_B] = {0}, sa[PK_B] = {0}, sd[PK_B] = {0}, mx[PK_B] = {0};               \
+        UT ne[PK_B] = {0}; /* at most PK_K / PK_B per lane: fits UT */                        \
+        int64_t j = 0;                                                                       \
+        for (; j + PK_B <= n; j += PK_B)                                                     \
+            for (int l = 0; l < PK_B; l++) {                                                 \
+                UT x0 = d[j + l], x1 = s[j + l];                                             \
+                w[j + l] = x0;                                                               \
+                ne[l] += x0 != x1;                                                           \
+                if (stats) {                                                                 \
+                    double a = TOD(x0), df = fabs(DIFF(TOD, x0, x1));                        \
+                    df = df <= PK_DBL_MAX ? df : 0.0;                                        \
+                    sq[l] += a * a;                                                          \
+                    sa[l] += df;                                                             \
+                    sd[l] += df * df;                                                        \
+                    mx[l] = mx[l] > df ? mx[l] : df;                                         \
+                }                                                                            \
+                d[j + l] = x1;                                                               \
+            }                                                                                \
+        for (int l = 0; j + l < n; l++) {                                                    \
+            UT x0 = d[j + l], x1 = s[j + l];                                                 \
+            w[j + l] = x0;                                                                   \
+            ne[l] += x0 != x1;                                                               \
+            if (stats) {                                                                     \
+                double a = TOD(x0), df = fabs(DIFF(TOD, x0, x1));                            \
+                df = df <= PK_DBL_MAX ? df : 0.0;                                            \
+                sq[l] += a * a;                                                              \
+                sa[l] += df;                                                                 \
+                sd[l] += df * df;                                                            \
+                mx[l] = mx[l] > df ? mx[l] : df;                                             \
+            }                                                                                \
+            d[j + l] = x1;                                                                   \
+        }                                                                                    \
+        double t = 0;                                                                        \
+        for (int l = 0; l < PK_B; l++) {                                                     \
+            *count += ne[l];                                                                 \
+            t += sq[l];                                                                      \
+            diffs->sum_abs += sa[l];                                                         \
+            diffs->sum_d2 += sd[l];                                                          \
+            if (mx[l] > diffs->max_abs) diffs->max_abs = mx[l];                              \
+        }                                                                                    \
+        if (stats) {                                                                         \
+            if (!isfinite(t)) t = pk_b2_##NAME(d, 0, n, 0, 0, 0, 0, w);                      \
+            *b2 += t;                                                                        \
+        }                                                                                    \
+    }                                                                                        \
+    static inline __attribute__((always_inline)) int64_t pk_body_##NAME(                     \
+        UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs, int64_t doff, int64_t p, \
+        int64_t p1, int64_t *idx, UT *bef, int64_t cap, const int bef_whole, const int stats, \
+        pk_acc *acc) {                                                                       \
+        pk_acc diffs = *acc;                                                                 \
+        int64_t c = acc->saved, count = acc->count;                                          \
+        double b2 = acc->b2;                                                                 \
+        while (p < p1) {                                                                     \
+            int64_t row = p / L, col = p % L;                                                \
+            int64_t run = L - col;                                                           \
+            if (run > p1 - p) run = p1 - p;                                                  \
+            if (run > PK_K) run = PK_K;                                                      \
+            UT *d = dst + row * drs + col;                                                   \
+            const UT *s = src + row * srs + col;                                             \
+            if (bef_whole) {                                                                 \
+                pk_whole_##NAME(d, s, run, bef + p, stats, &count, &b2, &diffs);             \
+                p += run;                                                                    \
+                continue;                                                                    \
+            }                                                                                \
+            int64_t c0 = c;                                                                  \
+            int64_t done = pk_compact_##NAME(d, s, run, doff + row * drs + col, idx, bef, &c, \
+                                             cap, stats, &b2, &diffs);                       \
+            count += c - c0;                                                                 \
+            p += done;                                                                       \
+            if (done < run) break;                                                           \
+        }                                                                                    \
+        diffs.saved = c;                                                                     \
+        diffs.count = count;                                                                 \
+        diffs.b2 = b2;                                                                       \
+        *acc = diffs;                                                                        \
+        return p;                                                                            \
+    }                                                                                        \
+    /* One body per mode, so that neither flag is tested inside the loop. */                 \
+    int64_t pk_copy_##NAME(UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs,      \
+                           int64_t doff, int64_t p, int64_t p1, int64_t *idx, UT *bef,       \
+                           int64_t cap, int bef_whole, int stats, pk_acc *acc) {             \
+        if (bef_whole)                                                                       \
+            return stats ? pk_body_##NAME(dst, src, L, drs, srs, doff, p, p1, idx, bef, cap, \
+                                          1, 1, acc)                                         \
+                         : pk_body_##NAME(dst, src, L, drs, srs, doff, p, p1, idx, bef, cap, \
+                                          1, 0, acc);                                        \
+        return stats ? pk_body_##NAME(dst, src, L, drs, srs, doff, p, p1, idx, bef, cap, 0, 1, \
+                                      acc)                                                   \
+                     : pk_body_##NAME(dst, src, L, drs, srs, doff, p, p1, idx, bef, cap, 0, 0, \
+                                      acc);                                                  \
+    }
+
+PK_DEFINE(f32, uint32_t, pk_f32, PK_DIFF_WIDE)
+PK_DEFINE(f64, uint64_t, pk_f64, PK_DIFF_WIDE)
+PK_DEFINE(bf16, uint16_t, pk_bf16, PK_DIFF_WIDE)
+PK_DEFINE(f16, uint16_t, pk_f16, PK_DIFF_F16)

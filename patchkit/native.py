@@ -1,0 +1,430 @@
+"""The compiled fast path for the dense copies that a report saves (CPU only).
+
+A report, and a ``transactional=True`` load, must know what each dense ``copy_`` into a
+runtime tensor changes: which elements' bits differ, their old values, and for a report
+the ``deltas`` statistics. With torch ops that is six passes over the view (compare,
+count, ``nonzero``, gather, sum of squares, the copy). ``patchkit/_native.c`` does it in
+one pass that reads each block of the destination and the source once and writes the
+destination only where it changes; the view is split between
+``torch.get_num_threads()`` threads.
+
+The C file is compiled the first time a CPU report needs it, with the machine's C
+compiler (``$CC``, else ``cc``), into a cache folder (``$PATCHKIT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/patchkit``, else ``~/.cache/patchkit``), once per version of the file.
+Without a compiler, or with ``PATCHKIT_NATIVE=0``, or for a copy it does not cover,
+patchkit uses torch ops: same results, bit for bit in what is saved and counted, slower.
+:func:`status` says which path this process has.
+
+What it covers: CPU tensors of float32, float64, bfloat16 or float16 (any 2-, 4- or
+8-byte dtype when no statistics are needed) whose destination and source can both be
+walked as rows of contiguous elements (contiguous views, and slices of rows or columns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import itertools
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["CopyResult", "compare_copy", "disabled", "status"]
+
+_SOURCE = Path(__file__).with_name("_native.c")
+_KIND_OF = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
+            torch.float16: "f16"}
+_KIND_OF_SIZE = {4: "f32", 8: "f64", 2: "bf16"}  # bitwise work only: any dtype of that size
+_BITS_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_PARALLEL_MIN = 1 << 20  # elements per thread below which one thread does it all
+_FIRST_CAPACITY = 1 / 16  # compact saves start with room for this fraction of the view
+
+
+class _Acc(ctypes.Structure):
+    _fields_ = [
+        ("count", ctypes.c_int64),
+        ("saved", ctypes.c_int64),
+        ("b2", ctypes.c_double),
+        ("sum_abs", ctypes.c_double),
+        ("sum_d2", ctypes.c_double),
+        ("max_abs", ctypes.c_double),
+    ]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_status: str | None = None
+_pool: ThreadPoolExecutor | None = None
+_off = 0  # depth of disabled() blocks
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("PATCHKIT_CACHE_DIR"):
+        return Path(os.environ["PATCHKIT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "patchkit"
+
+
+# -fno-trapping-math lets the compiler vectorize the branch-free statistics (patchkit never
+# reads floating-point exception flags); -fno-tree-loop-distribute-patterns keeps the
+# copies inside the vectorized loops instead of turning them into memcpy calls.
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+          "-fno-tree-loop-distribute-patterns"]
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU's feature flags where Linux lists them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _compile(cc: str, flags: list[str], out: Path) -> str | None:
+    """Compile the C file to ``out`` (atomically); the compiler's last error line, or None."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *flags, "-o", tmp, str(_SOURCE)],
+            capture_output=True, text=True, timeout=300, check=False,
+        )
+        if done.returncode != 0:
+            return (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        os.replace(tmp, out)  # atomic: a concurrent build finds a whole file or none
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        return str(e)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("PATCHKIT_NATIVE", "1") == "0":
+        return None, "torch ops (PATCHKIT_NATIVE=0)"
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        return None, f"torch ops (no C compiler: {cc!r} not found; set CC)"
+    folder = _cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        folder = Path(tempfile.gettempdir()) / "patchkit"
+        folder.mkdir(parents=True, exist_ok=True)
+    source = _SOURCE.read_bytes()
+    lib_path = None
+    error = None
+    # Tuned for this CPU first (the cache key names the CPU's features, so a home folder
+    # shared between machines never loads another CPU's build); then portable.
+    for flags in ([*_FLAGS, "-march=native"], _FLAGS):
+        key = hashlib.sha256(
+            b"\0".join([source, cc.encode(), " ".join(flags).encode(), _cpu_id().encode()])
+        ).hexdigest()[:16]
+        candidate = folder / f"native-{key}.so"
+        if candidate.exists():
+            lib_path = candidate
+            break
+        error = _compile(cc, flags, candidate)
+        if error is None:
+            lib_path = candidate
+            break
+    if lib_path is None:
+        return None, f"torch ops (compiling {_SOURCE.name} failed: {error})"
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+    except OSError as e:
+        return None, f"torch ops (loading {lib_path.name} failed: {e})"
+    for kind in ("f32", "f64", "bf16", "f16"):
+        fn = getattr(lib, f"pk_copy_{kind}")
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p,  # dst, src
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # L, drs, srs
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # doff, p, p1
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # idx, bef, cap
+            ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Acc),  # bef_whole, stats, acc
+        ]
+    return lib, f"compiled ({lib_path})"
+
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_libc = None
+
+
+def _empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(n, dtype=dtype)`` on the CPU; a big one asks Linux for huge pages
+    first. A fresh buffer is paid for page by page when first written: 4 KiB pages cost
+    about 35 ms per 64 MiB on these machines, 2 MiB pages a tenth of that."""
+    global _libc
+    out = torch.empty(n, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    if nbytes < 2 * _HUGE or not sys.platform.startswith("linux"):
+        return out
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        start = -(-out.data_ptr() // _HUGE) * _HUGE
+        end = (out.data_ptr() + nbytes) // _HUGE * _HUGE
+        if end > start:
+            _libc.madvise(start, end - start, _MADV_HUGEPAGE)  # a hint: failure is harmless
+    return out
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib, _status
+    if _status is None:
+        with _lock:
+            if _status is None:
+                _lib, _status = _build()
+    return _lib
+
+
+def status() -> str:
+    """Which path this process's dense report saves take: ``"compiled (<path>)"`` or
+    ``"torch ops (<why>)"``. Builds the fast path first if it was not tried yet."""
+    _library()
+    assert _status is not None
+    return _status
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block, reports and transactional loads use torch ops only (to compare
+    the two paths, as ``benchmarks/bench_inspect.py`` does). Process-wide."""
+    global _off
+    with _lock:
+        _off += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _off -= 1
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _reset_for_tests() -> None:
+    """Forget the build (tests switch ``PATCHKIT_NATIVE`` and build again)."""
+    global _lib, _status
+    with _lock:
+        _lib, _status = None, None
+
+
+@dataclass
+class CopyResult:
+    """What :func:`compare_copy` did.
+
+    ``index`` holds the storage element offsets of the changed elements and ``before``
+    their old values (1-D, in the view's row-major order); or ``index`` is ``None`` and
+    ``before`` is a copy of the whole view as it was. ``changed`` counts elements whose
+    bits changed. With statistics: ``squares`` is the sum of squares of the view's finite
+    old values, and ``sum_abs``, ``sum_sq_diff`` and ``max_abs`` are over the finite
+    ``|new - old|`` of the changed elements (float16 differences taken in float32, the
+    others in float64), all accumulated in float64.
+    """
+
+    index: torch.Tensor | None
+    before: torch.Tensor
+    changed: int
+    squares: float | None = None
+    sum_abs: float | None = None
+    sum_sq_diff: float | None = None
+    max_abs: float | None = None
+
+
+def _rows(dest: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(L, dest row stride, src row stride)`` when both views are rows of ``L``
+    contiguous elements (a contiguous view is one row), else ``None``."""
+    levels: list[list[int]] = []  # [size, dest stride, src stride], innermost first
+    for n, ds, ss in zip(reversed(dest.shape), reversed(dest.stride()), reversed(src.stride())):
+        if n == 1:
+            continue
+        if ds == 0:
+            return None  # several elements of dest at one address: torch refuses that copy
+        outer = levels[-1] if levels else None
+        if outer is not None and ds == outer[0] * outer[1] and ss == outer[0] * outer[2]:
+            outer[0] *= n  # continues the level below it in both views
+        else:
+            levels.append([n, ds, ss])
+    if not levels:
+        return 1, 1, 1
+    if len(levels) > 2 or levels[0][1] != 1 or levels[0][2] != 1:
+        return None
+    length = levels[0][0]
+    if len(levels) == 1:
+        return length, length, length
+    return length, levels[1][1], levels[1][2]
+
+
+def _parts(n: int) -> list[tuple[int, int]]:
+    k = max(1, min(_threads(), 8, n // _PARALLEL_MIN))
+    bounds = [n * i // k for i in range(k + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+def _run_parts(work, parts):
+    """Run ``work(k, p0, p1)`` for every part ``k``, the first on this thread; results in
+    order. ctypes lets go of the GIL during the C call, so the parts run at once."""
+    global _pool
+    if len(parts) == 1:
+        return [work(0, *parts[0])]
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=7, thread_name_prefix="patchkit")
+    futures = [_pool.submit(work, k, p0, p1) for k, (p0, p1) in enumerate(parts) if k]
+    first = work(0, *parts[0])
+    return [first, *[f.result() for f in futures]]
+
+
+def compare_copy(
+    dest: torch.Tensor, src: torch.Tensor, stats_dtype: torch.dtype | None
+) -> CopyResult | None:
+    """Copy ``src`` into ``dest`` (same shape, dtype, CPU, separate storage) and say what
+    changed, or return ``None`` without touching anything when the copy is outside the
+    fast path (see the module docstring) and the caller should use torch ops.
+
+    ``stats_dtype``: compute the statistics reading the bits as this dtype (``dest``'s
+    own, or the runtime tensor's when ``dest`` reinterprets it); ``None``: no statistics.
+    Saves the changed elements when that costs less memory than the whole view, else the
+    whole view, so the save never exceeds the bytes the copy writes.
+    """
+    if _off or dest.device.type != "cpu" or src.device.type != "cpu" or dest.numel() == 0:
+        return None
+    size = dest.element_size()
+    if stats_dtype is not None:
+        kind = _KIND_OF.get(stats_dtype)
+        if kind is None or stats_dtype.itemsize != size:
+            return None
+    else:
+        kind = _KIND_OF_SIZE.get(size)
+        if kind is None:
+            return None
+    geometry = _rows(dest, src)
+    if geometry is None:
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    fn = getattr(lib, f"pk_copy_{kind}")
+    length, drs, srs = geometry
+    n = dest.numel()
+    dptr = dest.data_ptr()
+    sptr = src.data_ptr()
+    doff = dest.storage_offset()
+    want = 1 if stats_dtype is not None else 0
+    bits = _BITS_OF_SIZE[size]
+    parts = _parts(n)
+
+    # Compact first: each part writes its changed elements' offsets and old bits into its
+    # own slice of one pair of buffers, sized for a few percent of the view.
+    limit = size * n // (8 + size)  # entries that cost as much memory as the whole view
+    caps = [
+        min(max(4096, int((p1 - p0) * _FIRST_CAPACITY)), size * (p1 - p0) // (8 + size))
+        for p0, p1 in parts
+    ]
+    bases = [sum(caps[:k]) for k in range(len(parts))]
+    idx = _empty(sum(caps), torch.int64)
+    bef = _empty(sum(caps), bits)
+
+    def compact(k: int, p0: int, p1: int):
+        acc = _Acc(saved=bases[k])
+        p = fn(dptr, sptr, length, drs, srs, doff, p0, p1, idx.data_ptr(), bef.data_ptr(),
+               bases[k] + caps[k], 0, want, ctypes.byref(acc))
+        return p, acc
+
+    done = _run_parts(compact, parts)
+    accs = [acc for _, acc in done]
+    # Pack the parts' entries together at the front (in position order).
+    saved = 0
+    for k, (_, acc) in enumerate(done):
+        m = acc.saved - bases[k]
+        if m and bases[k] != saved:
+            for t in (idx, bef):
+                e = t.element_size()
+                ctypes.memmove(t.data_ptr() + saved * e, t.data_ptr() + bases[k] * e, m * e)
+        saved += m
+    reached = [p for p, _ in done]
+    covered = sum(p - p0 for p, (p0, _) in zip(reached, parts))
+    rest = _Acc(saved=saved)
+    accs.append(rest)
+    cap = saved
+    fits = True
+    # Parts that ran out of room go on one after another, in bigger buffers, until the
+    # changes are on course to cost more than saving the whole view.
+    continued = False
+    for k, (_, p1) in enumerate(parts):
+        p = reached[k]
+        while p < p1 and fits:
+            continued = True
+            projected = rest.saved * n / max(covered, 1)
+            if cap >= limit or projected > limit:
+                fits = False
+                break
+            if rest.saved >= cap:
+                cap = min(limit, max(2 * len(idx), int(projected * 1.25) + 64))
+                grown_idx, grown_bef = _empty(cap, torch.int64), _empty(cap, bits)
+                grown_idx[: rest.saved] = idx[: rest.saved]
+                grown_bef[: rest.saved] = bef[: rest.saved]
+                idx, bef = grown_idx, grown_bef
+            q = fn(dptr, sptr, length, drs, srs, doff, p, p1, idx.data_ptr(), bef.data_ptr(),
+                   cap, 0, want, ctypes.byref(rest))
+            covered += q - p
+            p = q
+    if fits:
+        index = idx[: rest.saved]
+        before = bef[: rest.saved].view(dest.dtype)
+        if continued and len(parts) > 1:
+            # A part went on after the later parts' entries: back to row-major order.
+            order = torch.argsort(index)
+            index, before = index[order], before[order]
+    else:
+        # Too many changes for a compact save: undo what was written, then save the whole
+        # view while copying it.
+        flat = dest.as_strided((dest.untyped_storage().nbytes() // size,), (1,), 0).view(bits)
+        flat.index_copy_(0, idx[: rest.saved], bef[: rest.saved])
+        del idx, bef
+        whole = _empty(n, bits)
+        wptr = whole.data_ptr()
+
+        def whole_part(k: int, p0: int, p1: int):
+            acc = _Acc()
+            fn(dptr, sptr, length, drs, srs, doff, p0, p1, None, wptr, 0, 1, want,
+               ctypes.byref(acc))
+            return acc
+
+        accs = _run_parts(whole_part, parts)
+        index = None
+        before = whole.view(dest.dtype).view(dest.shape)
+    changed = sum(a.count for a in accs)
+    if not want:
+        return CopyResult(index, before, changed)
+    return CopyResult(
+        index, before, changed,
+        squares=sum(a.b2 for a in accs),
+        sum_abs=sum(a.sum_abs for a in accs),
+        sum_sq_diff=sum(a.sum_d2 for a in accs),
+        max_abs=max(a.max_abs for a in accs),
+    )

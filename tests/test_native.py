@@ -1,0 +1,309 @@
+"""The compiled path for dense report saves (patchkit.native): same results as torch ops.
+
+Every test here fails if the C loop saves, counts or measures differently from a
+brute-force reference, or if a report made with it differs from one made with torch ops.
+The tests that need the compiled path skip only where no C compiler exists; CI machines
+have one, so there they all run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import patchkit
+from patchkit import CheckpointWeightPatch, inspect_load, native
+from patchkit.bitwise import bits
+
+needs_compiler = pytest.mark.skipif(
+    not native.status().startswith("compiled"), reason=f"no compiled path: {native.status()}"
+)
+
+_SPECIALS = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 3e38, -3e38, 1e-40]
+
+
+def _case(dtype, shape, view, frac, pattern, seed, specials):
+    """A destination view, a source for it, and the destination's start (a clone)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=g).to(dtype)
+    flat = base.view(-1)
+    if specials:
+        k = min(len(_SPECIALS), flat.numel())
+        flat[:k] = torch.tensor(_SPECIALS[:k]).to(dtype)
+    dest = base[view]
+    src = dest.clone()
+    n = src.numel()
+    m = round(n * frac)
+    if pattern == "random":
+        pos = torch.randperm(n, generator=g)[:m]
+    else:  # one run of consecutive elements: all changes in one thread's part
+        at = int(torch.randint(0, max(1, n - m + 1), (1,), generator=g))
+        pos = torch.arange(at, at + m)
+    s = src.view(-1)
+    s[pos] = (s[pos].float() * 1.5 + 1.0).to(dtype)
+    if specials and n > 3:
+        s[0] = torch.tensor(0.0).to(dtype)  # -0.0 or NaN at [0] -> +0.0: bits change
+        s[2] = torch.tensor(float("nan")).to(dtype)
+    return base, dest, src
+
+
+def _reference(before: torch.Tensor, after: torch.Tensor, dtype: torch.dtype) -> dict:
+    b, a = before.reshape(-1), after.reshape(-1)
+    changed = bits(b) != bits(a)
+    if dtype == torch.float16:
+        d = (a.float() - b.float()).abs().double()
+    else:
+        d = (a.double() - b.double()).abs()
+    d = torch.where(torch.isfinite(d), d, 0)[changed]
+    bb = b.double()
+    bb = torch.where(torch.isfinite(bb), bb, 0)
+    return {
+        "changed": int(changed.sum()),
+        "squares": float(bb.square().sum()),
+        "sum_abs": float(d.sum()),
+        "sum_sq_diff": float(d.square().sum()),
+        "max_abs": float(d.max()) if d.numel() else 0.0,
+        "mask": changed,
+    }
+
+
+_VIEWS = {
+    "flat": ((4099,), (slice(None),)),
+    "rows": ((97, 53), (slice(5, 90), slice(None))),
+    "columns": ((97, 53), (slice(None), slice(3, 50))),
+    "boxes": ((6, 31, 17), (slice(1, 5), slice(None), slice(2, 15))),
+    "scalar": ((1,), (0,)),
+}
+
+
+@needs_compiler
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    layout=st.sampled_from(sorted(_VIEWS)),
+    frac=st.sampled_from([0.0, 0.01, 0.05, 0.15, 0.3, 0.6, 1.0]),
+    pattern=st.sampled_from(["random", "run"]),
+    seed=st.integers(0, 1000),
+    specials=st.booleans(),
+    stats=st.booleans(),
+    threads=st.sampled_from([1, 2, 3]),
+)
+def test_compare_copy_matches_a_brute_force_reference(
+    dtype, layout, frac, pattern, seed, specials, stats, threads
+):
+    shape, view = _VIEWS[layout]
+    base, dest, src = _case(dtype, shape, view, frac, pattern, seed, specials)
+    start = base.clone()
+    before = dest.clone()
+    with pytest.MonkeyPatch.context() as mp:
+        # Small parts, so that these small views are split between threads as big ones are.
+        mp.setattr(native, "_PARALLEL_MIN", 256)
+        mp.setattr(native, "_threads", lambda: threads)
+        got = native.compare_copy(dest, src, dtype if stats else None)
+    assert got is not None
+    assert torch.equal(bits(dest), bits(src)), "the copy is not the source's bits"
+    outside = torch.ones_like(base, dtype=torch.bool)
+    outside[view] = False
+    assert torch.equal(bits(base[outside]), bits(start[outside])), "wrote outside the view"
+    want = _reference(before, src, dtype)
+    assert got.changed == want["changed"]
+    if got.index is None:
+        assert torch.equal(bits(got.before), bits(before))
+        assert got.before.shape == before.shape
+        # the whole view costs no more than the changed elements with their offsets would
+        assert want["changed"] * (8 + dtype.itemsize) > 0
+    else:
+        offsets = torch.arange(base.numel()).view(shape)[view].reshape(-1)
+        assert torch.equal(got.index, offsets[want["mask"]])
+        assert torch.equal(bits(got.before), bits(before.reshape(-1)[want["mask"]]))
+        assert got.index.numel() * (8 + dtype.itemsize) <= before.numel() * dtype.itemsize
+    if stats:
+        for key in ("squares", "sum_abs", "sum_sq_diff", "max_abs"):
+            assert math.isclose(getattr(got, key), want[key], rel_tol=1e-12, abs_tol=0), key
+    else:
+        assert got.squares is None and got.max_abs is None
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int64, torch.float32])
+def test_without_statistics_any_dtype_of_2_4_or_8_bytes_is_copied_bitwise(dtype):
+    g = torch.Generator().manual_seed(1)
+    dest = torch.randint(-1000, 1000, (300,), generator=g).to(dtype)
+    src = dest.clone()
+    src[::7] += 3
+    start = dest.clone()
+    got = native.compare_copy(dest, src, None)
+    assert got is not None and torch.equal(dest, src)
+    assert got.changed == int((start != src).sum())
+    assert torch.equal(got.before, start[start != src])
+
+
+def test_copies_outside_the_compiled_path_are_left_to_torch():
+    a = torch.zeros(8, 6)
+    assert native.compare_copy(a.t(), torch.ones(6, 8), None) is None  # transposed rows
+    assert native.compare_copy(torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8),
+                               None) is None  # 1-byte elements
+    assert native.compare_copy(a, torch.ones(8, 6), torch.int32) is None  # no int statistics
+    assert native.compare_copy(torch.zeros(0), torch.zeros(0), None) is None
+    assert torch.equal(a, torch.zeros(8, 6)), "a refused copy must not write"
+
+
+def test_rows_describes_views_as_rows_of_contiguous_elements():
+    w = torch.zeros(8, 6)
+    assert native._rows(w, torch.zeros(8, 6)) == (48, 48, 48)
+    assert native._rows(w[:, 2:4], torch.zeros(8, 2)) == (2, 6, 2)
+    assert native._rows(w[2:5], torch.zeros(3, 6)) == (18, 18, 18)
+    assert native._rows(torch.zeros(4, 3, 8)[:, :, 2:6], torch.zeros(4, 3, 4)) == (4, 8, 4)
+    assert native._rows(w.t(), torch.zeros(6, 8)) is None
+    assert native._rows(torch.zeros(4, 1)[:, :1].expand(4, 3), torch.zeros(4, 3)) is None
+    assert native._rows(torch.zeros(4, 3, 8)[::2, :, 2:6], torch.zeros(2, 3, 4)) is None
+
+
+class _Model(torch.nn.Module):
+    """Dense weights written through rows, columns and whole tensors, and a buffer that is
+    written twice (so one region is saved twice and the report rebuilds it)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.qkv = torch.nn.Parameter(torch.randn(96, 40, generator=g).to(dtype), False)
+        self.o = torch.nn.Parameter(torch.randn(40, 64, generator=g).to(dtype), False)
+        self.register_buffer("twice", torch.randn(50, generator=g).to(dtype))
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name in ("q", "k", "v"):
+                at = "qkv".index(name) * 32
+                self.qkv.data[at : at + 32].copy_(t)
+            elif name == "o":
+                self.o.data[:, :32].copy_(t[:, :32])  # a column split, like a TP rank
+                self.o.data[:, 32:].copy_(t[:, 32:])
+            else:
+                self.twice.copy_(t)
+                self.twice[10:20].copy_(t[10:20] * 2)
+        return {n for n, _ in weights}
+
+
+def _patches(dtype: torch.dtype, frac: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    m = _Model(dtype)
+    out = []
+    for name, shape, now in (("q", (32, 40), m.qkv[:32]), ("k", (32, 40), m.qkv[32:64]),
+                             ("v", (32, 40), m.qkv[64:]), ("o", (40, 64), m.o),
+                             ("t", (50,), m.twice)):
+        new = now.detach().clone().reshape(shape)
+        flat = new.view(-1)
+        pos = torch.randperm(flat.numel(), generator=g)[: round(flat.numel() * frac)]
+        flat[pos] = (flat[pos].float() + 1.0).to(dtype)
+        out.append(CheckpointWeightPatch(name, tuple(new.shape), dtype, new.reshape(-1)))
+    return out
+
+
+def _report(dtype, frac, seed, compiled: bool):
+    m = _Model(dtype)
+    patches = _patches(dtype, frac, seed)
+    if compiled:
+        r = inspect_load(m, patches, max_chunk_bytes=4000)
+    else:
+        with native.disabled():
+            r = inspect_load(m, patches, max_chunk_bytes=4000)
+    return m, r
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("frac", [0.0, 0.03, 0.5, 1.0])
+def test_reports_are_the_same_with_and_without_the_compiled_path(dtype, frac):
+    m1, fast = _report(dtype, frac, 3, compiled=True)
+    m2, slow = _report(dtype, frac, 3, compiled=False)
+    assert patchkit.bitwise.same_state(m1.state_dict(), m2.state_dict())
+    assert any(s.diff_stats is not None for s in fast._saved), "the compiled path was not used"
+    assert all(s.diff_stats is None for s in slow._saved)
+    assert fast.writes.equals(slow.writes)
+    a, b = fast.deltas, slow.deltas
+    assert list(a.index) == list(b.index)
+    assert (a["elements"] == b["elements"]).all() and (a["changed"] == b["changed"]).all()
+    for col in ("max_abs", "mean_abs", "rel_l2"):
+        for x, y in zip(a[col], b[col]):
+            assert math.isclose(x, y, rel_tol=1e-12, abs_tol=0), (col, x, y)
+    for target in a.index:
+        assert torch.equal(bits(fast.before(target)), bits(slow.before(target)))
+        assert torch.equal(fast.written(target), slow.written(target))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+@pytest.mark.parametrize("frac", [0.03, 1.0])
+def test_a_failed_transactional_load_restores_what_the_compiled_path_wrote(dtype, frac):
+    class Fails(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(2)
+            self.w = torch.nn.Parameter(torch.randn(64, 48, generator=g).to(dtype), False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.data[:, 8:40].copy_(t)
+            raise RuntimeError("after the copy")
+
+    m = Fails()
+    start = m.w.detach().clone()
+    new = m.w.detach()[:, 8:40].clone()
+    flat = new.view(-1)
+    flat[: round(flat.numel() * frac)] += 1
+    with pytest.raises(RuntimeError, match="after the copy"):
+        patchkit.load_checkpoint_weight_patches(
+            m, [CheckpointWeightPatch("w", tuple(new.shape), dtype, new.reshape(-1))],
+            transactional=True,
+        )
+    assert torch.equal(bits(m.w.detach()), bits(start))
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """A build attempt of its own, in an empty cache folder; the process's build after."""
+    monkeypatch.setenv("PATCHKIT_CACHE_DIR", str(tmp_path))
+    native._reset_for_tests()
+    yield tmp_path
+    monkeypatch.undo()
+    native._reset_for_tests()
+
+
+def test_status_says_why_torch_ops_are_used(fresh_build, monkeypatch):
+    monkeypatch.setenv("PATCHKIT_NATIVE", "0")
+    assert native.status() == "torch ops (PATCHKIT_NATIVE=0)"
+    assert native.compare_copy(torch.zeros(4), torch.ones(4), None) is None
+
+    native._reset_for_tests()
+    monkeypatch.delenv("PATCHKIT_NATIVE")
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert native.status() == "torch ops (no C compiler: 'no-such-compiler-here' not found; set CC)"
+
+    native._reset_for_tests()
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    assert native.status().startswith("torch ops (compiling _native.c failed")
+    assert not list(fresh_build.glob("*.so")), "a failed build left a library behind"
+
+
+def test_a_report_without_the_compiled_path_is_still_right(fresh_build, monkeypatch):
+    monkeypatch.setenv("PATCHKIT_NATIVE", "0")
+    start = _Model(torch.float32).state_dict()
+    m, r = _report(torch.float32, 0.03, 5, compiled=True)
+    assert all(s.diff_stats is None for s in r._saved)
+    for name, t in m.state_dict().items():
+        differ = int((bits(t) != bits(start[name])).sum())
+        assert differ > 0 and r.deltas.loc[name, "changed"] == differ, name
+
+
+@needs_compiler
+def test_the_build_is_cached_per_source_and_cpu(fresh_build):
+    assert native.status().startswith("compiled")
+    (lib,) = fresh_build.glob("native-*.so")
+    stamp = lib.stat().st_mtime_ns
+    native._reset_for_tests()
+    assert native.status() == f"compiled ({lib})"
+    assert lib.stat().st_mtime_ns == stamp, "a cached build was compiled again"
