@@ -8,7 +8,9 @@ Prints two tables from one run:
    change 2 % of the elements (an RL step in bf16) or all of them, and sparse patches of
    1 %. "written" is the bytes the load wrote (a NaN-merged copy writes only the patched
    elements), "changed" the bytes whose bits changed. "report ms" is ``inspect_load``
-   (the tables' numbers are all taken by then); "+ tables ms" also builds the four
+   (the tables' numbers are all taken by then); "torch-ops report ms" is the same
+   report with the compiled path off (``patchkit.native.disabled()``: what a machine
+   without a C compiler, or a GPU, runs); "+ tables ms" also builds the four
    DataFrames, which a report does on first read. The target (issue 4): a report
    costs at most 1.5x the plain load's time, and extra memory no larger than the bytes
    written;
@@ -30,6 +32,7 @@ from _common import bench_args, fmt_table, median_seconds, peak_extra_bytes
 from bench_loader import OneParam, make_patch
 
 import patchkit
+from patchkit import native
 
 
 def _pair(shape, dtype, kind, device):
@@ -81,6 +84,8 @@ def main(argv=None) -> int:
 
                 t_plain = median_seconds(plain, device, repeats)
                 t_report = median_seconds(report, device, repeats)
+                with native.disabled():
+                    t_torch = median_seconds(report, device, repeats)
                 t_tables = median_seconds(report_tables, device, repeats)
                 m_plain = peak_extra_bytes(plain, device)
                 m_report = peak_extra_bytes(report, device)
@@ -95,6 +100,7 @@ def main(argv=None) -> int:
                         f"{t_plain * 1e3:.2f}",
                         f"{t_report * 1e3:.2f}",
                         f"{t_report / t_plain:.2f}x",
+                        f"{t_torch * 1e3:.2f}",
                         f"{t_tables * 1e3:.2f}",
                         f"{m_plain / 2**20:.1f}",
                         f"{m_report / 2**20:.1f}",
@@ -106,10 +112,11 @@ def main(argv=None) -> int:
                 print(".", end="", flush=True, file=sys.stderr)
     print(file=sys.stderr)
     print(f"inspect_load vs load_checkpoint_weight_patches on {device.type}, median of {repeats}")
+    print(f"dense report saves: {native.status()}")
     print(
         fmt_table(
             [
-                "patch", "dtype", "shape", "plain ms", "report ms", "ratio",
+                "patch", "dtype", "shape", "plain ms", "report ms", "ratio", "torch-ops report ms",
                 "+ tables ms", "plain peak MiB", "report peak MiB", "report extra MiB",
                 "written MiB", "changed MiB",
             ],

@@ -47,7 +47,7 @@ _KIND_OF = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
             torch.float16: "f16"}
 _KIND_OF_SIZE = {4: "f32", 8: "f64", 2: "bf16"}  # bitwise work only: any dtype of that size
 _BITS_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-_PARALLEL_MIN = 1 << 20  # elements per thread below which one thread does it all
+_PARALLEL_MIN = 1 << 18  # elements per thread below which fewer threads share the work
 _FIRST_CAPACITY = 1 / 16  # compact saves start with room for this fraction of the view
 
 

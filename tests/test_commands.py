@@ -52,7 +52,9 @@ def test_python_dash_m_patchkit_lists_its_commands():
     [
         ("bench_loader.py",
          ["patchkit ms", "validate ms", "floor ms", "ratio", "peak extra MiB"], 16),
-        ("bench_inspect.py", ["plain ms", "report ms", "ratio", "written MiB", "changed MiB"], 6),
+        ("bench_inspect.py",
+         ["plain ms", "report ms", "ratio", "torch-ops report ms", "written MiB", "changed MiB"],
+         6),
     ],
 )
 def test_benchmark_runs_in_quick_mode_and_prints_its_table(script, columns, rows):
