@@ -8,17 +8,22 @@ what each write changes is saved before it happens (the same mechanism as
 
 - a NaN-merged sparse write saves the elements its source lets through, as storage
   offsets and values, and is compared bitwise with them after the write;
-- a dense ``copy_`` from a same-shaped source of the same dtype and device is compared
-  bitwise with its source *before* it runs, and saves only the elements it changes (or
-  its whole view, when offsets would cost more than the values); other dense writes save
+- a dense ``copy_`` from a same-shaped source of the same dtype and device saves only
+  the elements it changes (or its whole view, when offsets would cost more than the
+  values). On the CPU, :mod:`patchkit.native` compares, saves, counts, measures the
+  ``deltas`` numbers and copies in one compiled pass; elsewhere (CUDA, no C compiler,
+  views it does not cover) torch ops compare before the copy. Other dense writes save
   their whole view once per region.
 
 Extra memory is the saved values (at most the bytes written) and their int64 storage
-offsets (none for a whole-view save), plus transient 1-byte masks of the view being
-written and scratch for the statistics, which work in blocks of 262144 elements (a few
-MiB). The tables are pandas DataFrames built on first read; every number in them is
-taken when the load ends. ``benchmarks/bench_inspect.py`` measures time and memory
-against a plain load.
+offsets (none for a whole-view save; a dense save chooses whichever is smaller, so it
+never exceeds the bytes written, though the compiled path keeps room for 1/16 of the
+view's elements with their offsets until the report is dropped), plus transient 1-byte
+masks of the view being written (torch ops) and scratch for the statistics, which work
+in blocks of 262144 elements (a few MiB). A sparse save is 8 bytes of offset per
+written element more than the values it keeps. The tables are pandas DataFrames built
+on first read; every number in them is taken when the load ends.
+``benchmarks/bench_inspect.py`` measures time and memory against a plain load.
 """
 
 from __future__ import annotations
