@@ -529,3 +529,22 @@ def test_count_true_counts_across_blocks():
         got = count_true(mask)
         assert got.dtype == torch.int64 and got.shape == ()
         assert int(got) == int(mask.sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.complex64])
+def test_sum_squares_over_blocks_skips_only_non_finite_elements(dtype):
+    from patchkit.bitwise import _SQUARES_BLOCK, sum_squares
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(2 * _SQUARES_BLOCK + 5, generator=g) * 3).to(dtype)
+    flat = torch.view_as_real(x).reshape(-1) if x.is_complex() else x
+    want = float(flat.double().square().sum())
+    assert math.isclose(sum_squares(x), want, rel_tol=1e-12)
+    kept = float(flat[1:-1].double().square().sum())
+    if x.is_complex():
+        x[0], x[-1] = complex(float("nan"), 0.0), complex(0.0, float("inf"))
+        kept = float(flat[1:-1].double().square().sum())  # nan's 0 and inf's 0 parts add 0
+    else:
+        x[0], x[-1] = float("nan"), float("-inf")
+    assert math.isclose(sum_squares(x), kept, rel_tol=1e-12)
+    assert sum_squares(x[:0]) == 0.0
