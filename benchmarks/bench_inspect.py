@@ -1,6 +1,6 @@
 """What a report costs: ``inspect_load`` against a plain load of the same patches.
 
-Prints two tables from one run:
+Prints three tables from one run:
 
 1. time and peak extra memory of ``patchkit.inspect_load`` next to
    ``patchkit.load_checkpoint_weight_patches`` (the baseline). Each timed load alternates
@@ -14,7 +14,9 @@ Prints two tables from one run:
    DataFrames, which a report does on first read. The target (issue 4): a report
    costs at most 1.5x the plain load's time, and extra memory no larger than the bytes
    written;
-2. ``density_map`` and ``plot_density`` on a 128256 x 2560 bf16 patch at 1 % density
+2. the same loads with ``transactional=True`` and no report: the same saves (with the
+   compiled path and with torch ops), which a failed load writes back;
+3. ``density_map`` and ``plot_density`` on a 128256 x 2560 bf16 patch at 1 % density
    (a Llama-3 embedding), next to ``torch.bincount`` over the same indices (the floor).
 
 Usage: ``python benchmarks/bench_inspect.py [--quick] [--device cuda] [--repeats N]``.
@@ -61,6 +63,7 @@ def main(argv=None) -> int:
     shapes = [(128, 128)] if quick else [(1024, 1024), (4096, 4096)]
 
     rows = []
+    tx_rows = []
     for shape in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             for kind in ("dense 2%", "dense 100%", "sparse 1%"):
@@ -78,6 +81,11 @@ def main(argv=None) -> int:
                 def report(model=model, next_patch=next_patch):
                     return patchkit.inspect_load(model, [next_patch()])
 
+                def transactional(model=model, next_patch=next_patch):
+                    patchkit.load_checkpoint_weight_patches(
+                        model, [next_patch()], transactional=True
+                    )
+
                 def report_tables(model=model, next_patch=next_patch):
                     r = patchkit.inspect_load(model, [next_patch()])
                     return r.chunks, r.calls, r.writes, r.deltas
@@ -89,6 +97,10 @@ def main(argv=None) -> int:
                 t_tables = median_seconds(report_tables, device, repeats)
                 m_plain = peak_extra_bytes(plain, device)
                 m_report = peak_extra_bytes(report, device)
+                t_tx = median_seconds(transactional, device, repeats)
+                with native.disabled():
+                    t_tx_torch = median_seconds(transactional, device, repeats)
+                m_tx = peak_extra_bytes(transactional, device)
                 r = report()
                 merged = int(r.deltas["elements"].sum()) * dtype.itemsize
                 changed = int(r.deltas["changed"].sum()) * dtype.itemsize
@@ -109,6 +121,19 @@ def main(argv=None) -> int:
                         f"{changed / 2**20:.2f}",
                     ]
                 )
+                tx_rows.append(
+                    [
+                        kind,
+                        str(dtype).removeprefix("torch."),
+                        f"{shape[0]}x{shape[1]}",
+                        f"{t_plain * 1e3:.2f}",
+                        f"{t_tx * 1e3:.2f}",
+                        f"{t_tx / t_plain:.2f}x",
+                        f"{t_tx_torch * 1e3:.2f}",
+                        f"{(m_tx - m_plain) / 2**20:.1f}",
+                        f"{merged / 2**20:.2f}",
+                    ]
+                )
                 print(".", end="", flush=True, file=sys.stderr)
     print(file=sys.stderr)
     print(f"inspect_load vs load_checkpoint_weight_patches on {device.type}, median of {repeats}")
@@ -121,6 +146,18 @@ def main(argv=None) -> int:
                 "written MiB", "changed MiB",
             ],
             rows,
+        )
+    )
+
+    print()
+    print("transactional=True (the same saves, no report) vs a plain load")
+    print(
+        fmt_table(
+            [
+                "patch", "dtype", "shape", "plain ms", "transactional ms", "ratio",
+                "torch-ops transactional ms", "extra MiB", "written MiB",
+            ],
+            tx_rows,
         )
     )
 
