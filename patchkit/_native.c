@@ -244,3 +244,63 @@ PK_DEFINE(f32, uint32_t, pk_f32, PK_DIFF_WIDE)
 PK_DEFINE(f64, uint64_t, pk_f64, PK_DIFF_WIDE)
 PK_DEFINE(bf16, uint16_t, pk_bf16, PK_DIFF_WIDE)
 PK_DEFINE(f16, uint16_t, pk_f16, PK_DIFF_F16)
+
+/* The NaN-merge of a sparse load (CONTRACT §4): where the source is not NaN the
+ * destination takes its bits, elsewhere it keeps them. Walks [p, p1) as pk_copy does.
+ * With idx, each written element's storage offset and old bits go to idx[] and bef[]
+ * (every written element, changed or not), from n[0] on; the caller sized them with
+ * pk_count, so they cannot overflow. n[1] counts written elements, n[2] changed ones. */
+#define PK_MERGE(NAME, UT, ISNAN)                                                            \
+    int64_t pk_count_##NAME(const UT *src, int64_t L, int64_t srs, int64_t p, int64_t p1) {  \
+        int64_t k = 0;                                                                       \
+        while (p < p1) {                                                                     \
+            int64_t row = p / L, col = p % L, run = L - col;                                 \
+            if (run > p1 - p) run = p1 - p;                                                  \
+            const UT *s = src + row * srs + col;                                             \
+            for (int64_t j = 0; j < run; j++) k += !ISNAN(s[j]);                             \
+            p += run;                                                                        \
+        }                                                                                    \
+        return k;                                                                            \
+    }                                                                                        \
+    void pk_merge_##NAME(UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs,        \
+                         int64_t doff, int64_t p, int64_t p1, int64_t *idx, UT *bef,         \
+                         int64_t *n) {                                                       \
+        int64_t c = n[0], written = n[1], changed = n[2];                                    \
+        while (p < p1) {                                                                     \
+            int64_t row = p / L, col = p % L, run = L - col;                                 \
+            if (run > p1 - p) run = p1 - p;                                                  \
+            UT *restrict d = dst + row * drs + col;                                          \
+            const UT *restrict s = src + row * srs + col;                                    \
+            int64_t o = doff + row * drs + col, j = 0;                                       \
+            for (; j < run; j += PK_B) {                                                     \
+                int m = run - j < PK_B ? (int)(run - j) : PK_B, any = 0;                     \
+                if (m == PK_B) {                                                             \
+                    for (int l = 0; l < PK_B; l++) any |= !ISNAN(s[j + l]);                  \
+                } else {                                                                     \
+                    any = 1;                                                                 \
+                }                                                                            \
+                if (!any) continue;                                                          \
+                for (int l = 0; l < m; l++) {                                                \
+                    UT x0 = d[j + l], x1 = s[j + l];                                         \
+                    if (ISNAN(x1)) continue;                                                 \
+                    if (idx) { idx[c] = o + j + l; bef[c] = x0; c++; }                       \
+                    written++;                                                               \
+                    changed += x0 != x1;                                                     \
+                    d[j + l] = x1;                                                           \
+                }                                                                            \
+            }                                                                                \
+            p += run;                                                                        \
+        }                                                                                    \
+        n[0] = c;                                                                            \
+        n[1] = written;                                                                      \
+        n[2] = changed;                                                                      \
+    }
+
+#define PK_NAN_F32(u) (((u) & 0x7fffffffu) > 0x7f800000u)
+#define PK_NAN_F64(u) (((u) & 0x7fffffffffffffffull) > 0x7ff0000000000000ull)
+#define PK_NAN_BF16(u) (((u) & 0x7fffu) > 0x7f80u)
+#define PK_NAN_F16(u) (((u) & 0x7fffu) > 0x7c00u)
+PK_MERGE(f32, uint32_t, PK_NAN_F32)
+PK_MERGE(f64, uint64_t, PK_NAN_F64)
+PK_MERGE(bf16, uint16_t, PK_NAN_BF16)
+PK_MERGE(f16, uint16_t, PK_NAN_F16)

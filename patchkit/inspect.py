@@ -7,7 +7,8 @@ what each write changes is saved before it happens (the same mechanism as
 ``transactional=True``), never a copy of the whole model:
 
 - a NaN-merged sparse write saves the elements its source lets through, as storage
-  offsets and values, and is compared bitwise with them after the write;
+  offsets and values, and counts those whose bits it changes (on the CPU in the same
+  compiled pass that merges, :func:`patchkit.native.merge`);
 - a dense ``copy_`` from a same-shaped source of the same dtype and device saves only
   the elements it changes (or its whole view, when offsets would cost more than the
   values). On the CPU, :mod:`patchkit.native` compares, saves, counts, measures the

@@ -531,6 +531,11 @@ class WriteSession:
         if self._sparse:
             dest, src = args[0], args[1]
             cast = src.to(device=dest.device, dtype=dest.dtype)
+            if _storage_key(cast) != _storage_key(dest):
+                # On the CPU: merge (and save what it writes) in one compiled pass.
+                fast = native.merge(dest, cast, save=self.save_regions)
+                if fast is not None:
+                    return self._merged(op, dest, src, targets[0][1], fast)
             # True where the source is not NaN: the elements this write changes. One mask
             # serves the merge and the save (a second, inverted one would double it).
             write = torch.isnan(cast if cast.element_size() > 1 else cast.float())
@@ -565,6 +570,18 @@ class WriteSession:
                     changed = int(count_true(now.reshape(befores[k].shape) != befores[k]))
                 self.recorder.on_write(self._event(op, t, tname, off, src, hit, changed))
         return out
+
+    def _merged(self, op, dest, src, target, fast) -> torch.Tensor:
+        """Book-keeping of a NaN-merge that :func:`patchkit.native.merge` did."""
+        tname, _, off = target
+        if self.save_regions:
+            self.saved.append(SavedRegion(tname, off, dest, fast.before, fast.index))
+        self._call_writes += 1
+        if self.recorder is not None:
+            hit = self.provenance.lookup(src)
+            changed = fast.changed if self.count_changes else None
+            self.recorder.on_write(self._event(op, dest, tname, off, src, hit, changed))
+        return dest
 
     def _event(self, op, t, tname, off, src, hit, changed) -> WriteEvent:
         return WriteEvent(

@@ -1,22 +1,28 @@
-"""The compiled fast path for the dense copies that a report saves (CPU only).
+"""The compiled fast paths for the writes a load intercepts on the CPU.
 
-A report, and a ``transactional=True`` load, must know what each dense ``copy_`` into a
-runtime tensor changes: which elements' bits differ, their old values, and for a report
-the ``deltas`` statistics. With torch ops that is six passes over the view (compare,
-count, ``nonzero``, gather, sum of squares, the copy). ``patchkit/_native.c`` does it in
-one pass that reads each block of the destination and the source once and writes the
-destination only where it changes; the view is split between
-``torch.get_num_threads()`` threads.
+Two loops in ``patchkit/_native.c``, each one pass over the written view, split between
+``torch.get_num_threads()`` threads:
 
-The C file is compiled the first time a CPU report needs it, with the machine's C
-compiler (``$CC``, else ``cc``), into a cache folder (``$PATCHKIT_CACHE_DIR``, else
-``$XDG_CACHE_HOME/patchkit``, else ``~/.cache/patchkit``), once per version of the file.
-Without a compiler, or with ``PATCHKIT_NATIVE=0``, or for a copy it does not cover,
-patchkit uses torch ops: same results, bit for bit in what is saved and counted, slower.
-:func:`status` says which path this process has.
+- :func:`compare_copy`, for a dense ``copy_`` whose regions are saved (a report, or
+  ``transactional=True``): the load must know which elements' bits the copy changes,
+  their old values, and for a report the ``deltas`` statistics. With torch ops that is
+  six passes over the view (compare, count, ``nonzero``, gather, sum of squares, the
+  copy); this reads each block of the destination and the source once and writes the
+  destination only where it changes.
+- :func:`merge`, the NaN-merge of every sparse write (CONTRACT §4): where the source is
+  not NaN the destination takes its bits. Torch ops need a 1-byte mask of the view and a
+  ``where`` pass (plus ``nonzero`` and two gathers when the write is saved); this needs
+  neither the mask nor the passes, and counts what it wrote and changed.
 
-What it covers: CPU tensors of float32, float64, bfloat16 or float16 (any 2-, 4- or
-8-byte dtype when no statistics are needed) whose destination and source can both be
+The C file is compiled the first time a load needs it, with the machine's C compiler
+(``$CC``, else ``cc``), into a cache folder (``$PATCHKIT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/patchkit``, else ``~/.cache/patchkit``), once per version of the file
+and CPU. Without a compiler, with ``PATCHKIT_NATIVE=0``, inside :func:`disabled`, or for a
+write it does not cover, patchkit uses torch ops: the same bits written, saved and
+counted, slower. :func:`status` says which path this process has.
+
+What it covers: CPU tensors of float32, float64, bfloat16 or float16 (for a dense copy
+without statistics, any 2-, 4- or 8-byte dtype) whose destination and source can both be
 walked as rows of contiguous elements (contiguous views, and slices of rows or columns).
 """
 
@@ -40,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CopyResult", "compare_copy", "disabled", "status"]
+__all__ = ["CopyResult", "MergeResult", "compare_copy", "disabled", "merge", "status"]
 
 _SOURCE = Path(__file__).with_name("_native.c")
 _KIND_OF = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
@@ -159,6 +165,17 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # doff, p, p1
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # idx, bef, cap
             ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Acc),  # bef_whole, stats, acc
+        ]
+        count = getattr(lib, f"pk_count_{kind}")
+        count.restype = ctypes.c_int64
+        count.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4  # src, L, srs, p, p1
+        merge_fn = getattr(lib, f"pk_merge_{kind}")
+        merge_fn.restype = None
+        merge_fn.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p,  # dst, src
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # L, drs, srs
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # doff, p, p1
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),  # idx, bef, n
         ]
     return lib, f"compiled ({lib_path})"
 
@@ -427,4 +444,63 @@ def compare_copy(
         sum_abs=sum(a.sum_abs for a in accs),
         sum_sq_diff=sum(a.sum_d2 for a in accs),
         max_abs=max(a.max_abs for a in accs),
+    )
+
+
+@dataclass
+class MergeResult:
+    """What :func:`merge` did: ``written`` elements took the source's bits, ``changed`` of
+    them changed. With ``save``: ``index`` holds the written elements' storage offsets
+    and ``before`` their old values (1-D, in the view's row-major order)."""
+
+    written: int
+    changed: int
+    index: torch.Tensor | None = None
+    before: torch.Tensor | None = None
+
+
+def merge(dest: torch.Tensor, src: torch.Tensor, *, save: bool) -> MergeResult | None:
+    """The NaN-merge of a sparse load, in one pass: where ``src`` (same shape and
+    floating dtype as ``dest``, CPU, separate storage) is not NaN, ``dest`` takes its
+    bits. Returns ``None`` without touching anything when the merge is outside the fast
+    path (the caller then uses torch ops). ``save``: also keep the written elements'
+    storage offsets and old values, in buffers of exactly their size (a first pass
+    counts them)."""
+    if _off or dest.device.type != "cpu" or src.device.type != "cpu" or dest.numel() == 0:
+        return None
+    kind = _KIND_OF.get(dest.dtype)
+    if kind is None or src.dtype != dest.dtype or src.shape != dest.shape:
+        return None
+    geometry = _rows(dest, src)
+    if geometry is None:
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    length, drs, srs = geometry
+    dptr, sptr, doff = dest.data_ptr(), src.data_ptr(), dest.storage_offset()
+    parts = _parts(dest.numel())
+    idx = bef = None
+    bases = [0] * len(parts)
+    if save:
+        count = getattr(lib, f"pk_count_{kind}")
+        sizes = _run_parts(lambda k, p0, p1: count(sptr, length, srs, p0, p1), parts)
+        bases = [sum(sizes[:k]) for k in range(len(parts))]
+        idx = _empty(sum(sizes), torch.int64)
+        bef = _empty(sum(sizes), _BITS_OF_SIZE[dest.element_size()])
+    fn = getattr(lib, f"pk_merge_{kind}")
+    iptr = idx.data_ptr() if idx is not None else None
+    bptr = bef.data_ptr() if bef is not None else None
+
+    def part(k: int, p0: int, p1: int):
+        n = (ctypes.c_int64 * 3)(bases[k], 0, 0)
+        fn(dptr, sptr, length, drs, srs, doff, p0, p1, iptr, bptr, n)
+        return n[1], n[2]
+
+    done = _run_parts(part, parts)
+    return MergeResult(
+        written=sum(w for w, _ in done),
+        changed=sum(c for _, c in done),
+        index=idx,
+        before=None if bef is None else bef.view(dest.dtype),
     )

@@ -8,6 +8,7 @@ have one, so there they all run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -307,3 +308,106 @@ def test_the_build_is_cached_per_source_and_cpu(fresh_build):
     native._reset_for_tests()
     assert native.status() == f"compiled ({lib})"
     assert lib.stat().st_mtime_ns == stamp, "a cached build was compiled again"
+
+
+# -- the NaN-merge of sparse loads -------------------------------------------------------
+
+
+@needs_compiler
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    layout=st.sampled_from(sorted(_VIEWS)),
+    density=st.sampled_from([0.0, 0.01, 0.2, 1.0]),
+    seed=st.integers(0, 1000),
+    save=st.booleans(),
+    threads=st.sampled_from([1, 2, 3]),
+)
+def test_merge_matches_torch_where_on_the_bits(dtype, layout, density, seed, save, threads):
+    shape, view = _VIEWS[layout]
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=g).to(dtype)
+    dest = base[view]
+    n = dest.numel()
+    src = torch.full(dest.shape, float("nan")).to(dtype)
+    flat = src.view(-1)
+    pos = torch.randperm(n, generator=g)[: round(n * density)]
+    flat[pos] = torch.randn(pos.numel(), generator=g).to(dtype)
+    if pos.numel() > 3:
+        flat[pos[0]] = dest.reshape(-1)[pos[0]]  # written, not changed
+        flat[pos[1]] = -0.0
+        flat[pos[2]] = float("inf")
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[pos] = False
+    if keep.any():  # a NaN with another payload still means "keep"
+        bits(flat)[int(keep.nonzero()[0])] |= 1
+    start, before = base.clone(), dest.clone()
+    want = torch.where(torch.isnan(src), before, src)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_PARALLEL_MIN", 256)
+        mp.setattr(native, "_threads", lambda: threads)
+        got = native.merge(dest, src, save=save)
+    assert got is not None
+    assert torch.equal(bits(dest), bits(want))
+    outside = torch.ones_like(base, dtype=torch.bool)
+    outside[view] = False
+    assert torch.equal(bits(base[outside]), bits(start[outside]))
+    written = ~torch.isnan(src.reshape(-1))
+    assert got.written == int(written.sum())
+    assert got.changed == int((bits(before.reshape(-1)) != bits(want.reshape(-1))).sum())
+    if save:
+        offsets = torch.arange(base.numel()).view(shape)[view].reshape(-1)
+        assert torch.equal(got.index, offsets[written])
+        assert torch.equal(bits(got.before), bits(before.reshape(-1)[written]))
+    else:
+        assert got.index is None and got.before is None
+
+
+def _sparse_patches(model: _Model, dtype: torch.dtype, density: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, now in (("q", model.qkv[:32]), ("k", model.qkv[32:64]), ("v", model.qkv[64:]),
+                      ("o", model.o)):
+        n = now.numel()
+        idx = torch.randperm(n, generator=g)[: max(1, round(n * density))].sort().values
+        vals = torch.randn(idx.numel(), generator=g).to(dtype)
+        out.append(CheckpointWeightPatch(name, tuple(now.shape), dtype, vals, idx))
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transactional", [False, True])
+def test_sparse_reports_are_the_same_with_and_without_the_compiled_merge(dtype, transactional):
+    reports, models = [], []
+    for compiled in (True, False):
+        m = _Model(dtype)
+        patches = _sparse_patches(m, dtype, 0.05, 4)
+        with contextlib.nullcontext() if compiled else native.disabled():
+            reports.append(inspect_load(m, patches, max_chunk_bytes=6000,
+                                        transactional=transactional))
+        models.append(m)
+    fast, slow = reports
+    assert patchkit.bitwise.same_state(models[0].state_dict(), models[1].state_dict())
+    assert fast.writes.equals(slow.writes)
+    assert fast.deltas.equals(slow.deltas)
+    for target in fast.deltas.index:
+        assert torch.equal(bits(fast.before(target)), bits(slow.before(target)))
+        assert torch.equal(fast.written(target), slow.written(target))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_failed_transactional_sparse_load_restores_what_the_merge_wrote(dtype):
+    class Fails(_Model):
+        def load_weights(self, weights):
+            super().load_weights(weights)
+            raise RuntimeError("after the merge")
+
+    m = Fails(dtype)
+    start = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(RuntimeError, match="after the merge"):
+        patchkit.load_checkpoint_weight_patches(
+            m, _sparse_patches(m, dtype, 0.2, 6), transactional=True
+        )
+    assert patchkit.bitwise.same_state(m.state_dict(), start)
