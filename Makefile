@@ -19,6 +19,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_loader.py
+	$(PY) benchmarks/bench_inspect.py
 
 # Re-execute the tutorial notebooks in place (when a change to their story is intended).
 notebooks: $(STAMP)
