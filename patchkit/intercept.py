@@ -438,6 +438,8 @@ class WriteSession:
         self.track_sources = True
         self.provenance = _Provenance()
         self.saved: list[SavedRegion] = []
+        # Saves whose statistics were measured while copying, until a write reaches them.
+        self._measured: list[SavedRegion] = []
         self._saved_regions: set[Region] = set()
         self._schema_cache: dict = {}
         self._sparse = False
@@ -521,6 +523,8 @@ class WriteSession:
     # -- a write into runtime storage --------------------------------------------------
 
     def _runtime_write(self, func, args, kwargs, targets):
+        if self._measured:
+            self._forget_measured(targets)
         op = _op_name(func)
         is_copy = func is _COPY
         if self._sparse:
@@ -570,6 +574,22 @@ class WriteSession:
                     changed = int(count_true(now.reshape(befores[k].shape) != befores[k]))
                 self.recorder.on_write(self._event(op, t, tname, off, src, hit, changed))
         return out
+
+    def _forget_measured(self, targets) -> None:
+        """A write that reaches a region whose statistics were measured while copying
+        makes those numbers stale (a write through a view of another element size, say):
+        the report reads that region again when the load ends, as torch ops would."""
+        for t, _ in targets:
+            key = _storage_key(t)
+            lo, hi = Region.of(t).extent()
+            keep = []
+            for sr in self._measured:
+                r0, r1 = Region.of(sr.view).extent()
+                if _storage_key(sr.view) == key and r0 < hi and lo < r1:
+                    sr.diff_stats = None
+                else:
+                    keep.append(sr)
+            self._measured = keep
 
     def _merged(self, op, dest, src, target, fast) -> torch.Tensor:
         """Book-keeping of a NaN-merge that :func:`patchkit.native.merge` did."""
@@ -623,6 +643,8 @@ class WriteSession:
                 view_sum_squares=fast.squares, diff_stats=diff,
             )
             self.saved.append(saved)
+            if diff is not None:
+                self._measured.append(saved)
             out = dest
         else:
             n_changed, out = self._compared_copy_torch(func, args, kwargs, tname, owner, off, stats)
@@ -740,6 +762,7 @@ class WriteSession:
     def discard(self) -> None:
         """Forget the saved regions (the load succeeded)."""
         self.saved.clear()
+        self._measured.clear()
         self._saved_regions.clear()
 
 

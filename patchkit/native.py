@@ -387,29 +387,33 @@ def compare_copy(
     covered = sum(p - p0 for p, (p0, _) in zip(reached, parts))
     rest = _Acc(saved=saved)
     accs.append(rest)
-    cap = saved
+    room = len(idx)
     fits = True
-    # Parts that ran out of room go on one after another, in bigger buffers, until the
-    # changes are on course to cost more than saving the whole view.
     continued = False
+    # Parts that ran out of room go on one after another, in the room the packing freed
+    # and then in bigger buffers, until the changes are on course to cost more memory
+    # than saving the whole view. Each stop either grows the room or gives up.
     for k, (_, p1) in enumerate(parts):
         p = reached[k]
-        while p < p1 and fits:
+        while p < p1:
             continued = True
-            projected = rest.saved * n / max(covered, 1)
-            if cap >= limit or projected > limit:
-                fits = False
-                break
-            if rest.saved >= cap:
-                cap = min(limit, max(2 * len(idx), int(projected * 1.25) + 64))
-                grown_idx, grown_bef = _empty(cap, torch.int64), _empty(cap, bits)
-                grown_idx[: rest.saved] = idx[: rest.saved]
-                grown_bef[: rest.saved] = bef[: rest.saved]
-                idx, bef = grown_idx, grown_bef
             q = fn(dptr, sptr, length, drs, srs, doff, p, p1, idx.data_ptr(), bef.data_ptr(),
-                   cap, 0, want, ctypes.byref(rest))
+                   room, 0, want, ctypes.byref(rest))
             covered += q - p
             p = q
+            if p >= p1:
+                break
+            projected = rest.saved * n / max(covered, 1)
+            if room >= limit or projected > limit:
+                fits = False
+                break
+            room = min(limit, max(2 * room, int(projected * 1.25) + 64))
+            grown_idx, grown_bef = _empty(room, torch.int64), _empty(room, bits)
+            grown_idx[: rest.saved] = idx[: rest.saved]
+            grown_bef[: rest.saved] = bef[: rest.saved]
+            idx, bef = grown_idx, grown_bef
+        if not fits:
+            break
     if fits:
         index = idx[: rest.saved]
         before = bef[: rest.saved].view(dest.dtype)

@@ -411,3 +411,60 @@ def test_a_failed_transactional_sparse_load_restores_what_the_merge_wrote(dtype)
             m, _sparse_patches(m, dtype, 0.2, 6), transactional=True
         )
     assert patchkit.bitwise.same_state(m.state_dict(), start)
+
+
+# -- regressions found by review ---------------------------------------------------------
+
+
+@needs_compiler
+def test_a_save_whose_changes_get_denser_grows_its_room_and_finishes():
+    # One part; its first room fills, and the continuation once stopped a few entries
+    # short of the grown room and called again with the same room, forever.
+    n = 120_000
+    dest = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    src = dest.clone()
+    src[:100_000:20] += 1.0
+    src[99_001:99_004] += 1.0
+    src[100_000:] += 1.0
+    start = dest.clone()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_threads", lambda: 1)
+        got = native.compare_copy(dest, src, torch.float32)
+    changed = bits(start) != bits(src)
+    assert torch.equal(dest, src) and got.changed == int(changed.sum())
+    assert torch.equal(got.index, changed.nonzero().reshape(-1))
+    assert torch.equal(got.before, start[changed])
+
+
+@needs_compiler
+@pytest.mark.parametrize("other", ["int16 copy", "uint8 fill"])
+def test_a_later_write_of_another_element_size_is_seen_as_with_torch_ops(other):
+    # The statistics measured during the dense copy are stale once a later write reaches
+    # the same elements; the report must then read them again, as torch ops do.
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.w = torch.nn.Parameter(torch.randn(40, generator=g), False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.data.copy_(t)
+                if other == "uint8 fill":
+                    self.w.data.view(torch.uint8)[:8].fill_(0x7F)
+                else:
+                    self.w.data.view(torch.int16)[:8].copy_(torch.full((8,), 0x4000,
+                                                                       dtype=torch.int16))
+            return {n for n, _ in weights}
+
+    reports = []
+    for compiled in (True, False):
+        m = M()
+        new = m.w.detach().clone()
+        new[::3] += 1.0
+        patch = CheckpointWeightPatch("w", (40,), torch.float32, new)
+        with contextlib.nullcontext() if compiled else native.disabled():
+            reports.append(inspect_load(m, [patch]))
+    fast, slow = reports
+    assert fast.deltas.equals(slow.deltas)
+    assert torch.equal(fast.before("w"), slow.before("w"))
