@@ -788,11 +788,22 @@ def _positions(t: torch.Tensor, storage_index: torch.Tensor) -> tuple[torch.Tens
 
 
 def _contained(view: torch.Tensor, t: torch.Tensor) -> bool:
-    """True when every element of ``view`` lies in ``t``'s part of their storage (the
-    view's byte extent is inside ``t``'s), so numbers measured over the view are ``t``'s."""
+    """True when every element of ``view`` is an element of ``t`` (same storage), so
+    numbers measured over the view are ``t``'s. Exact: a strided ``t`` (a column slice of
+    a fused buffer, say) does not own the gaps of its extent."""
     a0, a1 = Region.of(view).extent()
     b0, b1 = Region.of(t).extent()
-    return b0 <= a0 and a1 <= b1
+    if _storage_key(view) != _storage_key(t) or not (b0 <= a0 and a1 <= b1):
+        return False
+    if t.is_contiguous():
+        return True  # t owns every element of its extent
+    step = t.element_size()
+    if view.element_size() != step or (a0 - b0) % step:
+        return False
+    # Mark t's elements in a scratch mask over its extent, then look for all of view's.
+    mask = torch.zeros((b1 - b0) // step, dtype=torch.bool, device="cpu")
+    mask.as_strided(t.shape, t.stride(), 0).fill_(True)
+    return bool(mask.as_strided(view.shape, view.stride(), (a0 - b0) // step).all())
 
 
 def _within(view: torch.Tensor, t: torch.Tensor) -> bool:

@@ -468,3 +468,33 @@ def test_a_later_write_of_another_element_size_is_seen_as_with_torch_ops(other):
     fast, slow = reports
     assert fast.deltas.equals(slow.deltas)
     assert torch.equal(fast.before("w"), slow.before("w"))
+
+
+@pytest.mark.parametrize("change", ["one element", "every element"])
+def test_a_write_into_one_column_slice_of_a_fused_buffer_is_not_credited_to_the_other(change):
+    # a and b are column slices of one buffer: rows of a lie inside b's byte extent.
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            buf = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+            self.a = torch.nn.Parameter(buf[:, :8], False)
+            self.b = torch.nn.Parameter(buf[:, 8:], False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.a.data[10:20].copy_(t)
+            return {n for n, _ in weights}
+
+    for compiled in (True, False):
+        m = M()
+        new = m.a.detach()[10:20].clone()
+        if change == "one element":
+            new[0, 0] += 1.0
+        else:
+            new += 1.0
+        patch = CheckpointWeightPatch("a", (10, 8), torch.float32, new.reshape(-1))
+        with contextlib.nullcontext() if compiled else native.disabled():
+            r = inspect_load(m, [patch])
+        assert list(r.deltas.index) == ["a"], (compiled, r.deltas)
+        row = r.deltas.loc["a"]
+        assert row["elements"] == 80 and row["changed"] == (1 if change == "one element" else 80)
