@@ -169,6 +169,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         count = getattr(lib, f"pk_count_{kind}")
         count.restype = ctypes.c_int64
         count.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4  # src, L, srs, p, p1
+        scatter = getattr(lib, f"pk_scatter_{kind}")
+        scatter.restype = None
+        scatter.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         merge_fn = getattr(lib, f"pk_merge_{kind}")
         merge_fn.restype = None
         merge_fn.argtypes = [
@@ -424,8 +427,8 @@ def compare_copy(
     else:
         # Too many changes for a compact save: undo what was written, then save the whole
         # view while copying it.
-        flat = dest.as_strided((dest.untyped_storage().nbytes() // size,), (1,), 0).view(bits)
-        flat.index_copy_(0, idx[: rest.saved], bef[: rest.saved])
+        base = dest.untyped_storage().data_ptr()
+        getattr(lib, f"pk_scatter_{kind}")(base, idx.data_ptr(), bef.data_ptr(), rest.saved)
         del idx, bef
         whole = _empty(n, bits)
         wptr = whole.data_ptr()
