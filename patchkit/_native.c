@@ -69,6 +69,24 @@ static inline void pk_stat(pk_acc *acc, double d) {
     }
 }
 
+/* One element of a whole-mode run (pk_whole below): its old bits to w, the count and
+ * statistics into lane l, its new bits to d. Branch-free, so a block vectorizes. */
+#define PK_WHOLE_STEP(UT, TOD, DIFF)                                                         \
+    do {                                                                                     \
+        UT x0 = d[j + l], x1 = s[j + l];                                                     \
+        w[j + l] = x0;                                                                       \
+        ne[l] += x0 != x1;                                                                   \
+        if (stats) {                                                                         \
+            double a = TOD(x0), df = fabs(DIFF(TOD, x0, x1));                                \
+            df = df <= PK_DBL_MAX ? df : 0.0;                                                \
+            sq[l] += a * a;                                                                  \
+            sa[l] += df;                                                                     \
+            sd[l] += df * df;                                                                \
+            mx[l] = mx[l] > df ? mx[l] : df;                                                 \
+        }                                                                                    \
+        d[j + l] = x1;                                                                       \
+    } while (0)
+
 #define PK_DEFINE(NAME, UT, TOD, DIFF)                                                       \
     /* b2 of [0, n) of one run, each old value taken from bef where the element changed */   \
     static double pk_b2_##NAME(const UT *d, int64_t o, int64_t n, const int64_t *idx,        \
@@ -153,32 +171,10 @@ static inline void pk_stat(pk_acc *acc, double d) {
         int64_t j = 0;                                                                       \
         for (; j + PK_B <= n; j += PK_B)                                                     \
             for (int l = 0; l < PK_B; l++) {                                                 \
-                UT x0 = d[j + l], x1 = s[j + l];                                             \
-                w[j + l] = x0;                                                               \
-                ne[l] += x0 != x1;                                                           \
-                if (stats) {                                                                 \
-                    double a = TOD(x0), df = fabs(DIFF(TOD, x0, x1));                        \
-                    df = df <= PK_DBL_MAX ? df : 0.0;                                        \
-                    sq[l] += a * a;                                                          \
-                    sa[l] += df;                                                             \
-                    sd[l] += df * df;                                                        \
-                    mx[l] = mx[l] > df ? mx[l] : df;                                         \
-                }                                                                            \
-                d[j + l] = x1;                                                               \
+                PK_WHOLE_STEP(UT, TOD, DIFF);                                                \
             }                                                                                \
         for (int l = 0; j + l < n; l++) {                                                    \
-            UT x0 = d[j + l], x1 = s[j + l];                                                 \
-            w[j + l] = x0;                                                                   \
-            ne[l] += x0 != x1;                                                               \
-            if (stats) {                                                                     \
-                double a = TOD(x0), df = fabs(DIFF(TOD, x0, x1));                            \
-                df = df <= PK_DBL_MAX ? df : 0.0;                                            \
-                sq[l] += a * a;                                                              \
-                sa[l] += df;                                                                 \
-                sd[l] += df * df;                                                            \
-                mx[l] = mx[l] > df ? mx[l] : df;                                             \
-            }                                                                                \
-            d[j + l] = x1;                                                                   \
+            PK_WHOLE_STEP(UT, TOD, DIFF);                                                    \
         }                                                                                    \
         double t = 0;                                                                        \
         for (int l = 0; l < PK_B; l++) {                                                     \

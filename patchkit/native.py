@@ -299,6 +299,15 @@ def _rows(dest: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int] | None:
     return length, levels[1][1], levels[1][2]
 
 
+def _prepare(dest: torch.Tensor, src: torch.Tensor):
+    """``(library, rows geometry)`` for a write the C loops cover, else ``None``."""
+    geometry = _rows(dest, src)
+    if geometry is None:
+        return None
+    lib = _library()
+    return None if lib is None else (lib, geometry)
+
+
 def _parts(n: int) -> list[tuple[int, int]]:
     k = max(1, min(_threads(), 8, n // _PARALLEL_MIN))
     bounds = [n * i // k for i in range(k + 1)]
@@ -342,14 +351,11 @@ def compare_copy(
         kind = _KIND_OF_SIZE.get(size)
         if kind is None:
             return None
-    geometry = _rows(dest, src)
-    if geometry is None:
+    ready = _prepare(dest, src)
+    if ready is None:
         return None
-    lib = _library()
-    if lib is None:
-        return None
+    lib, (length, drs, srs) = ready
     fn = getattr(lib, f"pk_copy_{kind}")
-    length, drs, srs = geometry
     n = dest.numel()
     dptr = dest.data_ptr()
     sptr = src.data_ptr()
@@ -478,13 +484,10 @@ def merge(dest: torch.Tensor, src: torch.Tensor, *, save: bool) -> MergeResult |
     kind = _KIND_OF.get(dest.dtype)
     if kind is None or src.dtype != dest.dtype or src.shape != dest.shape:
         return None
-    geometry = _rows(dest, src)
-    if geometry is None:
+    ready = _prepare(dest, src)
+    if ready is None:
         return None
-    lib = _library()
-    if lib is None:
-        return None
-    length, drs, srs = geometry
+    lib, (length, drs, srs) = ready
     dptr, sptr, doff = dest.data_ptr(), src.data_ptr(), dest.storage_offset()
     parts = _parts(dest.numel())
     idx = bef = None
