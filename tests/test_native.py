@@ -236,10 +236,12 @@ def test_reports_are_the_same_with_and_without_the_compiled_path(dtype, frac):
         assert torch.equal(fast.written(target), slow.written(target))
 
 
-@needs_compiler
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
 @pytest.mark.parametrize("frac", [0.03, 1.0])
-def test_a_failed_transactional_load_restores_what_the_compiled_path_wrote(dtype, frac):
+def test_a_failed_transactional_load_restores_what_the_compiled_path_wrote(
+    dtype, frac, compiled
+):
     class Fails(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -256,7 +258,10 @@ def test_a_failed_transactional_load_restores_what_the_compiled_path_wrote(dtype
     new = m.w.detach()[:, 8:40].clone()
     flat = new.view(-1)
     flat[: round(flat.numel() * frac)] += 1
-    with pytest.raises(RuntimeError, match="after the copy"):
+    with (
+        pytest.raises(RuntimeError, match="after the copy"),
+        contextlib.nullcontext() if compiled else native.disabled(),
+    ):
         patchkit.load_checkpoint_weight_patches(
             m, [CheckpointWeightPatch("w", tuple(new.shape), dtype, new.reshape(-1))],
             transactional=True,
@@ -396,9 +401,9 @@ def test_sparse_reports_are_the_same_with_and_without_the_compiled_merge(dtype, 
         assert torch.equal(fast.written(target), slow.written(target))
 
 
-@needs_compiler
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_failed_transactional_sparse_load_restores_what_the_merge_wrote(dtype):
+def test_a_failed_transactional_sparse_load_restores_what_the_merge_wrote(dtype, compiled):
     class Fails(_Model):
         def load_weights(self, weights):
             super().load_weights(weights)
@@ -406,7 +411,10 @@ def test_a_failed_transactional_sparse_load_restores_what_the_merge_wrote(dtype)
 
     m = Fails(dtype)
     start = {k: v.clone() for k, v in m.state_dict().items()}
-    with pytest.raises(RuntimeError, match="after the merge"):
+    with (
+        pytest.raises(RuntimeError, match="after the merge"),
+        contextlib.nullcontext() if compiled else native.disabled(),
+    ):
         patchkit.load_checkpoint_weight_patches(
             m, _sparse_patches(m, dtype, 0.2, 6), transactional=True
         )
@@ -498,3 +506,18 @@ def test_a_write_into_one_column_slice_of_a_fused_buffer_is_not_credited_to_the_
         assert list(r.deltas.index) == ["a"], (compiled, r.deltas)
         row = r.deltas.loc["a"]
         assert row["elements"] == 80 and row["changed"] == (1 if change == "one element" else 80)
+
+
+@needs_compiler
+def test_scatter_writes_bits_and_refuses_what_it_does_not_cover():
+    t = torch.zeros(10)
+    vals = torch.tensor([float("nan"), -0.0, 5.0])
+    assert native.scatter(t[2:], torch.tensor([1, 4, 9]), vals)
+    want = torch.zeros(10)
+    want[[1, 4, 9]] = vals
+    assert torch.equal(bits(t), bits(want))
+    assert not native.scatter(torch.zeros(4, dtype=torch.uint8), torch.tensor([0]),
+                              torch.ones(1, dtype=torch.uint8))  # 1-byte elements
+    assert not native.scatter(t, torch.tensor([0], dtype=torch.int32), vals[:1])
+    with native.disabled():
+        assert not native.scatter(t, torch.tensor([0]), vals[:1])
