@@ -246,7 +246,7 @@ class SavedRegion:
         """Write the saved values back (outside any interception)."""
         if self.index is None:
             self.view.copy_(self.before)
-        elif not native.scatter(self.view, self.index, self.before):
+        else:
             # On the bits: exact, and index_copy_ has no float8 kernels on the CPU.
             bits(self._storage()).index_copy_(0, self.index, bits(self.before))
 

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CopyResult", "MergeResult", "compare_copy", "disabled", "merge", "scatter", "status"]
+__all__ = ["CopyResult", "MergeResult", "compare_copy", "disabled", "merge", "status"]
 
 _SOURCE = Path(__file__).with_name("_native.c")
 _KIND_OF = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
@@ -516,25 +516,3 @@ def merge(dest: torch.Tensor, src: torch.Tensor, *, save: bool) -> MergeResult |
         before=None if bef is None else bef.view(dest.dtype),
     )
 
-
-def scatter(dest: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> bool:
-    """Write ``values[k]``'s bits to element ``index[k]`` of ``dest``'s storage (storage
-    element offsets, as saves record them), and return True; or return False without
-    writing when this is outside the fast path (the caller then uses ``index_copy_``,
-    several times slower on the CPU). Restores saved elements after a failed load."""
-    size = dest.element_size()
-    kind = _KIND_OF_SIZE.get(size)
-    if (
-        _off or kind is None or values.element_size() != size
-        or any(t.device.type != "cpu" for t in (dest, index, values))
-        or index.dtype != torch.int64 or not index.is_contiguous()
-        or not values.is_contiguous() or index.numel() != values.numel()
-    ):
-        return False
-    lib = _library()
-    if lib is None:
-        return False
-    getattr(lib, f"pk_scatter_{kind}")(
-        dest.untyped_storage().data_ptr(), index.data_ptr(), values.data_ptr(), index.numel()
-    )
-    return True

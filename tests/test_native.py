@@ -507,17 +507,3 @@ def test_a_write_into_one_column_slice_of_a_fused_buffer_is_not_credited_to_the_
         row = r.deltas.loc["a"]
         assert row["elements"] == 80 and row["changed"] == (1 if change == "one element" else 80)
 
-
-@needs_compiler
-def test_scatter_writes_bits_and_refuses_what_it_does_not_cover():
-    t = torch.zeros(10)
-    vals = torch.tensor([float("nan"), -0.0, 5.0])
-    assert native.scatter(t[2:], torch.tensor([1, 4, 9]), vals)
-    want = torch.zeros(10)
-    want[[1, 4, 9]] = vals
-    assert torch.equal(bits(t), bits(want))
-    assert not native.scatter(torch.zeros(4, dtype=torch.uint8), torch.tensor([0]),
-                              torch.ones(1, dtype=torch.uint8))  # 1-byte elements
-    assert not native.scatter(t, torch.tensor([0], dtype=torch.int32), vals[:1])
-    with native.disabled():
-        assert not native.scatter(t, torch.tensor([0]), vals[:1])
