@@ -106,9 +106,12 @@ static inline void pk_stat(pk_acc *acc, double d) {
     static __attribute__((noinline)) int64_t pk_changed_##NAME(                              \
         UT *restrict d, const UT *restrict s, int m, int64_t o, int64_t *restrict idx,       \
         UT *restrict bef, int64_t c, int stats, pk_acc *diffs) {                             \
-        for (int l = 0; l < m; l++) {                                                        \
+        uint32_t mask = 0;                                                                   \
+        for (int l = 0; l < m; l++) mask |= (uint32_t)(d[l] != s[l]) << l;                   \
+        while (mask) {                                                                       \
+            int l = __builtin_ctz(mask);                                                     \
+            mask &= mask - 1;                                                                \
             UT x0 = d[l], x1 = s[l];                                                         \
-            if (x0 == x1) continue;                                                          \
             idx[c] = o + l;                                                                  \
             bef[c] = x0;                                                                     \
             c++;                                                                             \
