@@ -565,14 +565,13 @@ class WriteSession:
         self._call_writes += 1
         if self.recorder is not None:
             src = args[1] if is_copy else None
-            hit = self.provenance.lookup(src) if isinstance(src, torch.Tensor) else None
             for k, (t, (tname, _, off)) in enumerate(targets):
                 changed = None
                 if befores is not None:
                     sr = saved[k]
                     now = bits(sr.current() if sr is not None and sr.index is not None else t)
                     changed = int(count_true(now.reshape(befores[k].shape) != befores[k]))
-                self.recorder.on_write(self._event(op, t, tname, off, src, hit, changed))
+                self._record(op, t, tname, off, src, changed)
         return out
 
     def _forget_measured(self, targets) -> None:
@@ -598,13 +597,14 @@ class WriteSession:
             self.saved.append(SavedRegion(tname, off, dest, fast.before, fast.index))
         self._call_writes += 1
         if self.recorder is not None:
-            hit = self.provenance.lookup(src)
-            changed = fast.changed if self.count_changes else None
-            self.recorder.on_write(self._event(op, dest, tname, off, src, hit, changed))
+            self._record(op, dest, tname, off, src, fast.changed)
         return dest
 
-    def _event(self, op, t, tname, off, src, hit, changed) -> WriteEvent:
-        return WriteEvent(
+    def _record(self, op, t, tname, off, src, changed) -> None:
+        """Tell the recorder of one write into runtime tensor ``tname`` (``changed`` is
+        kept only when the session counts changes)."""
+        hit = self.provenance.lookup(src) if isinstance(src, torch.Tensor) else None
+        self.recorder.on_write(WriteEvent(
             chunk=self._chunk,
             op=op,
             target=tname,
@@ -615,10 +615,10 @@ class WriteSession:
             position=hit[0] if hit else None,
             name=hit[1] if hit else None,
             checkpoint_offset=hit[2] if hit else None,
-            changed=changed,
+            changed=changed if self.count_changes else None,
             source_shape=tuple(src.shape) if hit else None,
             source_stride=tuple(src.stride()) if hit else None,
-        )
+        ))
 
     def _compared_copy(self, func, op, args, kwargs, target):
         """A dense ``copy_`` whose source has the destination's shape, dtype and device:
@@ -650,9 +650,7 @@ class WriteSession:
             n_changed, out = self._compared_copy_torch(func, args, kwargs, tname, owner, off, stats)
         self._call_writes += 1
         if self.recorder is not None:
-            hit = self.provenance.lookup(src)
-            changed = n_changed if self.count_changes else None
-            self.recorder.on_write(self._event(op, dest, tname, off, src, hit, changed))
+            self._record(op, dest, tname, off, src, n_changed)
         return out
 
     def _compared_copy_torch(self, func, args, kwargs, tname, owner, off, stats):

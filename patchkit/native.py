@@ -300,7 +300,10 @@ def _rows(dest: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int] | None:
 
 
 def _prepare(dest: torch.Tensor, src: torch.Tensor):
-    """``(library, rows geometry)`` for a write the C loops cover, else ``None``."""
+    """``(library, rows geometry)`` for a write the C loops cover, else ``None``: both
+    tensors on the CPU, not empty, walkable as rows, the path built and not disabled."""
+    if _off or dest.device.type != "cpu" or src.device.type != "cpu" or dest.numel() == 0:
+        return None
     geometry = _rows(dest, src)
     if geometry is None:
         return None
@@ -340,8 +343,6 @@ def compare_copy(
     Saves the changed elements when that costs less memory than the whole view, else the
     whole view, so the save never exceeds the bytes the copy writes.
     """
-    if _off or dest.device.type != "cpu" or src.device.type != "cpu" or dest.numel() == 0:
-        return None
     size = dest.element_size()
     if stats_dtype is not None:
         kind = _KIND_OF.get(stats_dtype)
@@ -480,8 +481,6 @@ def merge(dest: torch.Tensor, src: torch.Tensor, *, save: bool) -> MergeResult |
     path (the caller then uses torch ops). ``save``: also keep the written elements'
     storage offsets and old values, in buffers of exactly their size (a first pass
     counts them)."""
-    if _off or dest.device.type != "cpu" or src.device.type != "cpu" or dest.numel() == 0:
-        return None
     kind = _KIND_OF.get(dest.dtype)
     if kind is None or src.dtype != dest.dtype or src.shape != dest.shape:
         return None
