@@ -87,6 +87,237 @@ static inline void pk_stat(pk_acc *acc, double d) {
         d[j + l] = x1;                                                                       \
     } while (0)
 
+/* Compact mode's fast lane (x86 with AVX2 and FMA, as -march=native builds have there):
+ * groups of 32 elements, compared with vector instructions into a 32-bit mask of the
+ * changed lanes, squares summed four doubles at a time; only the changed lanes are
+ * visited one by one. pk_fast_NAME does whole groups from the start of a run and
+ * returns how many elements it did (a multiple of 32): it stops before the first group
+ * whose changes would not fit in cap entries, and leaves the rest of the run (and the
+ * finite check of the squares) to the portable loop in pk_compact_NAME. Other machines
+ * and dtypes do no elements here. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* add x*x, for the eight floats of x, to the two accumulators */
+#define PK_SQ8(x, a, b)                                                                      \
+    do {                                                                                     \
+        __m256d e_ = _mm256_cvtps_pd(_mm256_castps256_ps128(x));                             \
+        a = _mm256_fmadd_pd(e_, e_, a);                                                      \
+        e_ = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));                                   \
+        b = _mm256_fmadd_pd(e_, e_, b);                                                      \
+    } while (0)
+
+/* the changed lanes of the mask m: save, measure and copy each */
+#define PK_VISIT(UT, TOD)                                                                    \
+    while (m) {                                                                              \
+        int l = __builtin_ctz(m);                                                            \
+        m &= m - 1;                                                                          \
+        UT x0 = d[j + l], x1 = s[j + l];                                                     \
+        idx[k] = o + j + l;                                                                  \
+        bef[k] = x0;                                                                         \
+        k++;                                                                                 \
+        if (stats) pk_stat(diffs, TOD(x1) - TOD(x0));                                        \
+        d[j + l] = x1;                                                                       \
+    }
+
+static inline __m256i pk_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+static inline double pk_hsum(__m256d a, __m256d b, __m256d c, __m256d e) {
+    double q[4];
+    _mm256_storeu_pd(q, _mm256_add_pd(_mm256_add_pd(a, b), _mm256_add_pd(c, e)));
+    return (q[0] + q[1]) + (q[2] + q[3]);
+}
+
+static inline int64_t pk_fast_f32(uint32_t *restrict d, const uint32_t *restrict s, int64_t n,
+                                  int64_t o, int64_t *restrict idx, uint32_t *restrict bef,
+                                  int64_t *c, int64_t cap, int stats, double *b2,
+                                  pk_acc *diffs) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t j = 0, k = *c;
+    for (; j + 32 <= n; j += 32) {
+        __m256i d0 = pk_load(d + j), d1 = pk_load(d + j + 8), d2 = pk_load(d + j + 16),
+                d3 = pk_load(d + j + 24);
+        uint32_t eq =
+            (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d0, pk_load(s + j)))) |
+            (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d1, pk_load(s + j + 8)))) << 8 |
+            (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d2, pk_load(s + j + 16)))) << 16 |
+            (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d3, pk_load(s + j + 24)))) << 24;
+        uint32_t m = ~eq;
+        if (m && k + __builtin_popcount(m) > cap) break;
+        if (stats) {
+            PK_SQ8(_mm256_castsi256_ps(d0), a0, a1);
+            PK_SQ8(_mm256_castsi256_ps(d1), a2, a3);
+            PK_SQ8(_mm256_castsi256_ps(d2), a0, a1);
+            PK_SQ8(_mm256_castsi256_ps(d3), a2, a3);
+        }
+        PK_VISIT(uint32_t, pk_f32)
+    }
+    if (stats) *b2 += pk_hsum(a0, a1, a2, a3);
+    *c = k;
+    return j;
+}
+
+static inline int64_t pk_fast_bf16(uint16_t *restrict d, const uint16_t *restrict s, int64_t n,
+                                   int64_t o, int64_t *restrict idx, uint16_t *restrict bef,
+                                   int64_t *c, int64_t cap, int stats, double *b2,
+                                   pk_acc *diffs) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    const __m256i zero = _mm256_setzero_si256();
+    int64_t j = 0, k = *c;
+    for (; j + 32 <= n; j += 32) {
+        __m256i d0 = pk_load(d + j), d1 = pk_load(d + j + 16);
+        /* two masks of 16-bit lanes, packed to bytes (in 64-bit quarters 0 2 1 3) */
+        __m256i eq = _mm256_packs_epi16(_mm256_cmpeq_epi16(d0, pk_load(s + j)),
+                                        _mm256_cmpeq_epi16(d1, pk_load(s + j + 16)));
+        uint32_t m = ~(uint32_t)_mm256_movemask_epi8(_mm256_permute4x64_epi64(eq, 0xD8));
+        if (m && k + __builtin_popcount(m) > cap) break;
+        if (stats) { /* bf16 bits shifted up 16 are the float of the same value */
+            PK_SQ8(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, d0)), a0, a1);
+            PK_SQ8(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, d0)), a2, a3);
+            PK_SQ8(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, d1)), a0, a1);
+            PK_SQ8(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, d1)), a2, a3);
+        }
+        PK_VISIT(uint16_t, pk_bf16)
+    }
+    if (stats) *b2 += pk_hsum(a0, a1, a2, a3);
+    *c = k;
+    return j;
+}
+
+/* Whole mode's fast lane: 32 bytes of elements at a time, the old bits streamed to w
+ * (past the cache, when w is 32-byte aligned: nothing reads the save soon), the count of
+ * equal lanes kept in vector lanes, and the statistics four doubles at a time. Returns
+ * how many elements it did (whole vectors from the start of the run); the portable loop
+ * in pk_whole_NAME does the rest, and the finite check of the squares. */
+typedef struct {
+    __m256d q0, q1, sa0, sa1, sd0, sd1, mx0, mx1;
+} pk_vacc;
+
+/* old and new values as doubles (four lanes): the statistics of one pair of vectors */
+static inline void pk_vstat(pk_vacc *v, __m256d o0, __m256d o1, __m256d n0, __m256d n1) {
+    const __m256d mag = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffll));
+    const __m256d big = _mm256_set1_pd(PK_DBL_MAX);
+    v->q0 = _mm256_fmadd_pd(o0, o0, v->q0);
+    v->q1 = _mm256_fmadd_pd(o1, o1, v->q1);
+    __m256d e0 = _mm256_and_pd(_mm256_sub_pd(n0, o0), mag);
+    __m256d e1 = _mm256_and_pd(_mm256_sub_pd(n1, o1), mag);
+    e0 = _mm256_and_pd(e0, _mm256_cmp_pd(e0, big, _CMP_LE_OQ)); /* not finite: 0 */
+    e1 = _mm256_and_pd(e1, _mm256_cmp_pd(e1, big, _CMP_LE_OQ));
+    v->sa0 = _mm256_add_pd(v->sa0, e0);
+    v->sa1 = _mm256_add_pd(v->sa1, e1);
+    v->sd0 = _mm256_fmadd_pd(e0, e0, v->sd0);
+    v->sd1 = _mm256_fmadd_pd(e1, e1, v->sd1);
+    v->mx0 = _mm256_max_pd(v->mx0, e0);
+    v->mx1 = _mm256_max_pd(v->mx1, e1);
+}
+
+static inline void pk_vstat_ps(pk_vacc *v, __m256 o, __m256 x) {
+    pk_vstat(v, _mm256_cvtps_pd(_mm256_castps256_ps128(o)),
+             _mm256_cvtps_pd(_mm256_extractf128_ps(o, 1)),
+             _mm256_cvtps_pd(_mm256_castps256_ps128(x)),
+             _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+}
+
+static inline void pk_vdone(const pk_vacc *v, __m256i eq, int64_t done,
+                            int64_t *count, double *b2, pk_acc *diffs) {
+    int32_t e[8];
+    double m[4];
+    _mm256_storeu_si256((__m256i *)e, eq);
+    int64_t same = 0;
+    for (int l = 0; l < 8; l++) same += e[l];
+    *count += done - same;
+    *b2 += pk_hsum(v->q0, v->q1, _mm256_setzero_pd(), _mm256_setzero_pd());
+    diffs->sum_abs += pk_hsum(v->sa0, v->sa1, _mm256_setzero_pd(), _mm256_setzero_pd());
+    diffs->sum_d2 += pk_hsum(v->sd0, v->sd1, _mm256_setzero_pd(), _mm256_setzero_pd());
+    _mm256_storeu_pd(m, _mm256_max_pd(v->mx0, v->mx1));
+    for (int l = 0; l < 4; l++)
+        if (m[l] > diffs->max_abs) diffs->max_abs = m[l];
+}
+
+static inline __attribute__((always_inline)) int64_t pk_fastw_f32_(
+    uint32_t *restrict d, const uint32_t *restrict s, int64_t n, uint32_t *restrict w,
+    const int stats, const int stream, int64_t *count, double *b2, pk_acc *diffs) {
+    pk_vacc v = {0};
+    __m256i eq = _mm256_setzero_si256(); /* minus the equal lanes, per lane */
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256i x0 = pk_load(d + j), x1 = pk_load(s + j);
+        if (stream) _mm256_stream_si256((__m256i *)(w + j), x0);
+        else _mm256_storeu_si256((__m256i *)(w + j), x0);
+        _mm256_storeu_si256((__m256i *)(d + j), x1);
+        eq = _mm256_sub_epi32(eq, _mm256_cmpeq_epi32(x0, x1));
+        if (stats) pk_vstat_ps(&v, _mm256_castsi256_ps(x0), _mm256_castsi256_ps(x1));
+    }
+    pk_vdone(&v, eq, j, count, b2, diffs);
+    return j;
+}
+
+static inline __attribute__((always_inline)) int64_t pk_fastw_bf16_(
+    uint16_t *restrict d, const uint16_t *restrict s, int64_t n, uint16_t *restrict w,
+    const int stats, const int stream, int64_t *count, double *b2, pk_acc *diffs) {
+    pk_vacc v = {0};
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i eq = zero; /* minus the equal lanes, per pair of 16-bit lanes */
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m256i x0 = pk_load(d + j), x1 = pk_load(s + j);
+        if (stream) _mm256_stream_si256((__m256i *)(w + j), x0);
+        else _mm256_storeu_si256((__m256i *)(w + j), x0);
+        _mm256_storeu_si256((__m256i *)(d + j), x1);
+        /* each equal 16-bit lane adds 1 to the 32-bit lane that holds it */
+        eq = _mm256_add_epi32(eq, _mm256_madd_epi16(_mm256_cmpeq_epi16(x0, x1),
+                                                    _mm256_set1_epi16(-1)));
+        if (stats) {
+            pk_vstat_ps(&v, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x0)),
+                        _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x1)));
+            pk_vstat_ps(&v, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x0)),
+                        _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x1)));
+        }
+    }
+    pk_vdone(&v, eq, j, count, b2, diffs);
+    return j;
+}
+
+#define PK_FASTW(NAME)                                                                       \
+    static inline int64_t pk_fastw_##NAME(void *d, const void *s, int64_t n, void *w,        \
+                                          int stats, int64_t *count, double *b2,             \
+                                          pk_acc *diffs) {                                   \
+        int stream = ((uintptr_t)w & 31) == 0;                                               \
+        if (stats)                                                                           \
+            return stream ? pk_fastw_##NAME##_(d, s, n, w, 1, 1, count, b2, diffs)           \
+                          : pk_fastw_##NAME##_(d, s, n, w, 1, 0, count, b2, diffs);          \
+        return stream ? pk_fastw_##NAME##_(d, s, n, w, 0, 1, count, b2, diffs)               \
+                      : pk_fastw_##NAME##_(d, s, n, w, 0, 0, count, b2, diffs);              \
+    }
+PK_FASTW(f32)
+PK_FASTW(bf16)
+#define PK_FASTW_f32 pk_fastw_f32
+#define PK_FASTW_bf16 pk_fastw_bf16
+#define PK_SFENCE() _mm_sfence() /* the streamed saves are in memory before the call returns */
+#define PK_FAST_f32 pk_fast_f32
+#define PK_FAST_bf16 pk_fast_bf16
+#endif
+
+#ifndef PK_FAST_f32
+#define PK_FAST_f32(...) 0
+#endif
+#ifndef PK_FAST_bf16
+#define PK_FAST_bf16(...) 0
+#endif
+#define PK_FAST_f64(...) 0
+#define PK_FAST_f16(...) 0
+#ifndef PK_FASTW_f32
+#define PK_FASTW_f32(...) 0
+#endif
+#ifndef PK_FASTW_bf16
+#define PK_FASTW_bf16(...) 0
+#endif
+#define PK_FASTW_f64(...) 0
+#ifndef PK_SFENCE
+#define PK_SFENCE() ((void)0)
+#endif
+#define PK_FASTW_f16(...) 0
+
 #define PK_DEFINE(NAME, UT, TOD, DIFF)                                                       \
     /* b2 of [0, n) of one run, each old value taken from bef where the element changed */   \
     static double pk_b2_##NAME(const UT *d, int64_t o, int64_t n, const int64_t *idx,        \
@@ -125,8 +356,9 @@ static inline void pk_stat(pk_acc *acc, double d) {
         UT *restrict d, const UT *restrict s, int64_t n, int64_t o, int64_t *restrict idx,   \
         UT *restrict bef, int64_t *c, int64_t cap, const int stats, double *b2,              \
         pk_acc *diffs) {                                                                     \
-        double sq[PK_B] = {0};                                                               \
-        int64_t j = 0, k = *c;                                                               \
+        double sq[PK_B] = {0}, fast = 0;                                                     \
+        int64_t k = *c;                                                                      \
+        int64_t j = PK_FAST_##NAME(d, s, n, o, idx, bef, &k, cap, stats, &fast, diffs);     \
         for (; j < n; j += PK_B) {                                                           \
             int m = n - j < PK_B ? (int)(n - j) : PK_B;                                      \
             UT any = 0;                                                                      \
@@ -157,7 +389,7 @@ static inline void pk_stat(pk_acc *acc, double d) {
         }                                                                                    \
         if (j > n) j = n; /* the last block was short */                                     \
         if (stats) {                                                                         \
-            double t = 0;                                                                    \
+            double t = fast;                                                                 \
             for (int l = 0; l < PK_B; l++) t += sq[l];                                       \
             if (!isfinite(t)) t = pk_b2_##NAME(d, o, j, idx, bef, *c, k, 0);                 \
             *b2 += t;                                                                        \
@@ -171,7 +403,8 @@ static inline void pk_stat(pk_acc *acc, double d) {
         int64_t *count, double *b2, pk_acc *diffs) {                                         \
         double sq[PK_B] = {0}, sa[PK_B] = {0}, sd[PK_B] = {0}, mx[PK_B] = {0};               \
         UT ne[PK_B] = {0}; /* at most PK_K / PK_B per lane: fits UT */                        \
-        int64_t j = 0;                                                                       \
+        double fast = 0;                                                                     \
+        int64_t j = PK_FASTW_##NAME(d, s, n, w, stats, count, &fast, diffs);                 \
         for (; j + PK_B <= n; j += PK_B)                                                     \
             for (int l = 0; l < PK_B; l++) {                                                 \
                 PK_WHOLE_STEP(UT, TOD, DIFF);                                                \
@@ -179,7 +412,7 @@ static inline void pk_stat(pk_acc *acc, double d) {
         for (int l = 0; j + l < n; l++) {                                                    \
             PK_WHOLE_STEP(UT, TOD, DIFF);                                                    \
         }                                                                                    \
-        double t = 0;                                                                        \
+        double t = fast;                                                                     \
         for (int l = 0; l < PK_B; l++) {                                                     \
             *count += ne[l];                                                                 \
             t += sq[l];                                                                      \
@@ -228,11 +461,14 @@ static inline void pk_stat(pk_acc *acc, double d) {
     int64_t pk_copy_##NAME(UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs,      \
                            int64_t doff, int64_t p, int64_t p1, int64_t *idx, UT *bef,       \
                            int64_t cap, int bef_whole, int stats, pk_acc *acc) {             \
-        if (bef_whole)                                                                       \
-            return stats ? pk_body_##NAME(dst, src, L, drs, srs, doff, p, p1, idx, bef, cap, \
-                                          1, 1, acc)                                         \
-                         : pk_body_##NAME(dst, src, L, drs, srs, doff, p, p1, idx, bef, cap, \
-                                          1, 0, acc);                                        \
+        if (bef_whole) {                                                                     \
+            p = stats ? pk_body_##NAME(dst, src, L, drs, srs, doff, p, p1, idx, bef, cap, 1, \
+                                       1, acc)                                               \
+                      : pk_body_##NAME(dst, src, L, drs, srs, doff, p, p1, idx, bef, cap, 1, \
+                                       0, acc);                                              \
+            PK_SFENCE();                                                                     \
+            return p;                                                                        \
+        }                                                                                    \
         return stats ? pk_body_##NAME(dst, src, L, drs, srs, doff, p, p1, idx, bef, cap, 0, 1, \
                                       acc)                                                   \
                      : pk_body_##NAME(dst, src, L, drs, srs, doff, p, p1, idx, bef, cap, 0, 0, \
@@ -314,3 +550,21 @@ PK_SCATTER(f32, uint32_t)
 PK_SCATTER(f64, uint64_t)
 PK_SCATTER(bf16, uint16_t)
 PK_SCATTER(f16, uint16_t)
+
+/* How many of k positions spread evenly over the n elements of the view (walked as
+ * pk_copy walks it) differ between dst and src: a cheap estimate, before a compact
+ * save, of how many elements the copy will change. */
+#define PK_SAMPLE(NAME, UT)                                                                  \
+    int64_t pk_sample_##NAME(const UT *dst, const UT *src, int64_t L, int64_t drs,            \
+                             int64_t srs, int64_t n, int64_t k) {                            \
+        int64_t hits = 0;                                                                    \
+        for (int64_t i = 0; i < k; i++) {                                                    \
+            int64_t p = i * (n / k) + i * (n % k) / k, row = p / L, col = p % L;            \
+            hits += dst[row * drs + col] != src[row * srs + col];                            \
+        }                                                                                    \
+        return hits;                                                                         \
+    }
+PK_SAMPLE(f32, uint32_t)
+PK_SAMPLE(f64, uint64_t)
+PK_SAMPLE(bf16, uint16_t)
+PK_SAMPLE(f16, uint16_t)

@@ -8,7 +8,10 @@ Two loops in ``patchkit/_native.c``, each one pass over the written view, split 
   their old values, and for a report the ``deltas`` statistics. With torch ops that is
   six passes over the view (compare, count, ``nonzero``, gather, sum of squares, the
   copy); this reads each block of the destination and the source once and writes the
-  destination only where it changes.
+  destination only where it changes. A sample of 4096 positions first says roughly how
+  many elements will change: that sizes the buffers of a compact save, or picks the
+  whole-view save outright when most elements change. On x86 CPUs with AVX2 (float32
+  and bfloat16) the loops compare and measure 32 bytes at a time.
 - :func:`merge`, the NaN-merge of every sparse write (CONTRACT §4): where the source is
   not NaN the destination takes its bits. Torch ops need a 1-byte mask of the view and a
   ``where`` pass (plus ``nonzero`` and two gathers when the write is saved); this needs
@@ -54,7 +57,8 @@ _KIND_OF = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
 _KIND_OF_SIZE = {4: "f32", 8: "f64", 2: "bf16"}  # bitwise work only: any dtype of that size
 _BITS_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PARALLEL_MIN = 1 << 18  # elements per thread below which fewer threads share the work
-_FIRST_CAPACITY = 1 / 16  # compact saves start with room for this fraction of the view
+_SAMPLE = 4096  # positions looked at before a compact save, to size its buffers
+_SAMPLE_MIN = 1 << 16  # smaller views are not sampled: they start with 4096 entries a part
 
 
 class _Acc(ctypes.Structure):
@@ -169,6 +173,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         count = getattr(lib, f"pk_count_{kind}")
         count.restype = ctypes.c_int64
         count.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4  # src, L, srs, p, p1
+        sample = getattr(lib, f"pk_sample_{kind}")
+        sample.restype = ctypes.c_int64
+        sample.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5  # dst src L drs srs n k
         scatter = getattr(lib, f"pk_scatter_{kind}")
         scatter.restype = None
         scatter.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -365,13 +372,17 @@ def compare_copy(
     bits = _BITS_OF_SIZE[size]
     parts = _parts(n)
 
-    # Compact first: each part writes its changed elements' offsets and old bits into its
-    # own slice of one pair of buffers, sized for a few percent of the view.
     limit = size * n // (8 + size)  # entries that cost as much memory as the whole view
-    caps = [
-        min(max(4096, int((p1 - p0) * _FIRST_CAPACITY)), size * (p1 - p0) // (8 + size))
-        for p0, p1 in parts
-    ]
+    share = _expected_share(lib, kind, dptr, sptr, length, drs, srs, n)
+    if share is not None and share * (8 + size) >= size:
+        # Most elements change (a full replacement): a compact save would cost more than
+        # the whole view and be given up; save the whole view straight away.
+        return _whole(fn, dest, src, (length, drs, srs), parts, want)
+
+    # Compact: each part writes its changed elements' offsets and old bits into its own
+    # slice of one pair of buffers, sized from the sample (or 4096 entries a part).
+    caps = [min(max(4096, int((p1 - p0) * (share or 0.0))), size * (p1 - p0) // (8 + size))
+            for p0, p1 in parts]
     bases = [sum(caps[:k]) for k in range(len(parts))]
     idx = _empty(sum(caps), torch.int64)
     bef = _empty(sum(caps), bits)
@@ -424,32 +435,51 @@ def compare_copy(
             idx, bef = grown_idx, grown_bef
         if not fits:
             break
-    if fits:
-        index = idx[: rest.saved]
-        before = bef[: rest.saved].view(dest.dtype)
-        if continued and len(parts) > 1:
-            # A part went on after the later parts' entries: back to row-major order.
-            order = torch.argsort(index)
-            index, before = index[order], before[order]
-    else:
+    if not fits:
         # Too many changes for a compact save: undo what was written, then save the whole
         # view while copying it.
         getattr(lib, f"pk_scatter_{kind}")(
             dest.untyped_storage().data_ptr(), idx.data_ptr(), bef.data_ptr(), rest.saved
         )
         del idx, bef
-        whole = _empty(n, bits)
-        wptr = whole.data_ptr()
+        return _whole(fn, dest, src, (length, drs, srs), parts, want)
+    index = idx[: rest.saved]
+    before = bef[: rest.saved].view(dest.dtype)
+    if continued and len(parts) > 1:
+        # A part went on after the later parts' entries: back to row-major order.
+        order = torch.argsort(index)
+        index, before = index[order], before[order]
+    return _result(index, before, accs, want)
 
-        def whole_part(k: int, p0: int, p1: int):
-            acc = _Acc()
-            fn(dptr, sptr, length, drs, srs, doff, p0, p1, None, wptr, 0, 1, want,
-               ctypes.byref(acc))
-            return acc
 
-        accs = _run_parts(whole_part, parts)
-        index = None
-        before = whole.view(dest.dtype).view(dest.shape)
+def _expected_share(lib, kind, dptr, sptr, length, drs, srs, n) -> float | None:
+    """The share of the view's elements the copy is expected to change, from a sample of
+    evenly spaced positions, with room for the sample's error (about four standard
+    errors); ``None`` for views too small to be worth sampling."""
+    if n < _SAMPLE_MIN:
+        return None
+    k = _SAMPLE
+    f = getattr(lib, f"pk_sample_{kind}")(dptr, sptr, length, drs, srs, n, k) / k
+    return 1.25 * f + 4 * (max(f, 1 / k) * (1 - f) / k) ** 0.5
+
+
+def _whole(fn, dest, src, geometry, parts, want) -> CopyResult:
+    """Copy while saving the whole view as it was (every element's old bits)."""
+    length, drs, srs = geometry
+    dptr, sptr, doff = dest.data_ptr(), src.data_ptr(), dest.storage_offset()
+    whole = _empty(dest.numel(), _BITS_OF_SIZE[dest.element_size()])
+    wptr = whole.data_ptr()
+
+    def whole_part(k: int, p0: int, p1: int):
+        acc = _Acc()
+        fn(dptr, sptr, length, drs, srs, doff, p0, p1, None, wptr, 0, 1, want, ctypes.byref(acc))
+        return acc
+
+    accs = _run_parts(whole_part, parts)
+    return _result(None, whole.view(dest.dtype).view(dest.shape), accs, want)
+
+
+def _result(index, before, accs, want) -> CopyResult:
     changed = sum(a.count for a in accs)
     if not want:
         return CopyResult(index, before, changed)

@@ -105,6 +105,10 @@ def test_compare_copy_matches_a_brute_force_reference(
         mp.setattr(native, "_PARALLEL_MIN", 256)
         mp.setattr(native, "_threads", lambda: threads)
         got = native.compare_copy(dest, src, dtype if stats else None)
+    _assert_matches_reference(got, base, start, before, dest, src, view, dtype, stats)
+
+
+def _assert_matches_reference(got, base, start, before, dest, src, view, dtype, stats):
     assert got is not None
     assert torch.equal(bits(dest), bits(src)), "the copy is not the source's bits"
     outside = torch.ones_like(base, dtype=torch.bool)
@@ -115,10 +119,8 @@ def test_compare_copy_matches_a_brute_force_reference(
     if got.index is None:
         assert torch.equal(bits(got.before), bits(before))
         assert got.before.shape == before.shape
-        # the whole view costs no more than the changed elements with their offsets would
-        assert want["changed"] * (8 + dtype.itemsize) > 0
     else:
-        offsets = torch.arange(base.numel()).view(shape)[view].reshape(-1)
+        offsets = torch.arange(base.numel()).view(base.shape)[view].reshape(-1)
         assert torch.equal(got.index, offsets[want["mask"]])
         assert torch.equal(bits(got.before), bits(before.reshape(-1)[want["mask"]]))
         assert got.index.numel() * (8 + dtype.itemsize) <= before.numel() * dtype.itemsize
@@ -127,6 +129,52 @@ def test_compare_copy_matches_a_brute_force_reference(
             assert math.isclose(getattr(got, key), want[key], rel_tol=1e-12, abs_tol=0), key
     else:
         assert got.squares is None and got.max_abs is None
+
+
+_BIG_VIEWS = {
+    "flat": ((300_007,), (slice(None),)),
+    "columns": ((700, 301), (slice(None), slice(7, 290))),
+}
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("layout", sorted(_BIG_VIEWS))
+@pytest.mark.parametrize(
+    ("frac", "pattern"),
+    [(0.0, "random"), (0.02, "random"), (0.02, "run"), (0.3, "random"), (1.0, "random")],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_views_big_enough_to_be_sampled_first(dtype, layout, frac, pattern, threads):
+    """Above ``_SAMPLE_MIN`` elements a sample sizes the compact save (too small when the
+    changes sit in one run, so the save grows) or picks the whole save outright."""
+    shape, view = _BIG_VIEWS[layout]
+    base, dest, src = _case(dtype, shape, view, frac, pattern, 7, True)
+    assert dest.numel() >= native._SAMPLE_MIN
+    start, before = base.clone(), dest.clone()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_PARALLEL_MIN", 1 << 15)
+        mp.setattr(native, "_threads", lambda: threads)
+        got = native.compare_copy(dest, src, dtype)
+    _assert_matches_reference(got, base, start, before, dest, src, view, dtype, True)
+    if frac == 1.0:
+        assert got.index is None
+
+
+@needs_compiler
+def test_a_sample_that_overestimates_the_changes_only_costs_memory():
+    """Changes exactly at the sampled positions: the sample says every element changes,
+    so the whole view is saved; still right, and no bigger than the bytes written."""
+    n = 1 << 17
+    dest = torch.randn(n)
+    src = dest.clone()
+    k = native._SAMPLE
+    at = torch.tensor([i * (n // k) + i * (n % k) // k for i in range(k)])
+    src[at] += 1.0
+    before = dest.clone()
+    got = native.compare_copy(dest, src, torch.float32)
+    assert got.index is None and torch.equal(got.before, before) and torch.equal(dest, src)
+    assert got.changed == k
 
 
 @needs_compiler
