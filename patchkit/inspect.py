@@ -18,8 +18,9 @@ what each write changes is saved before it happens (the same mechanism as
 
 Extra memory is the saved values (at most the bytes written) and their int64 storage
 offsets (none for a whole-view save; a dense save chooses whichever is smaller, so it
-never exceeds the bytes written, though the compiled path keeps room for 1/16 of the
-view's elements with their offsets until the report is dropped), plus transient 1-byte
+never exceeds the bytes written, though the compiled path keeps the room it set aside
+for the changes, sized from a sample of the view at about 1.25 times the share it
+found plus a margin, until the report is dropped), plus transient 1-byte
 masks of the view being written (torch ops) and scratch for the statistics, which work
 in blocks of 262144 elements (a few MiB). A sparse save is 8 bytes of offset per
 written element more than the values it keeps. The tables are pandas DataFrames built
