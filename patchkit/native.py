@@ -373,15 +373,19 @@ def compare_copy(
     parts = _parts(n)
 
     limit = size * n // (8 + size)  # entries that cost as much memory as the whole view
-    share = _expected_share(lib, kind, dptr, sptr, length, drs, srs, n)
+    share = _sampled_share(lib, kind, dptr, sptr, length, drs, srs, n)
     if share is not None and share * (8 + size) >= size:
         # Most elements change (a full replacement): a compact save would cost more than
         # the whole view and be given up; save the whole view straight away.
         return _whole(fn, dest, src, (length, drs, srs), parts, want)
 
     # Compact: each part writes its changed elements' offsets and old bits into its own
-    # slice of one pair of buffers, sized from the sample (or 4096 entries a part).
-    caps = [min(max(4096, int((p1 - p0) * (share or 0.0))), size * (p1 - p0) // (8 + size))
+    # slice of one pair of buffers, with room for 1.25 times the sampled share plus four
+    # standard errors of the sample (or 4096 entries a part).
+    planned = 0.0  # share of each part's elements to make room for
+    if share is not None:
+        planned = 1.25 * share + 4 * (max(share, 1 / _SAMPLE) * (1 - share) / _SAMPLE) ** 0.5
+    caps = [min(max(4096, int((p1 - p0) * planned)), size * (p1 - p0) // (8 + size))
             for p0, p1 in parts]
     bases = [sum(caps[:k]) for k in range(len(parts))]
     idx = _empty(sum(caps), torch.int64)
@@ -452,15 +456,12 @@ def compare_copy(
     return _result(index, before, accs, want)
 
 
-def _expected_share(lib, kind, dptr, sptr, length, drs, srs, n) -> float | None:
-    """The share of the view's elements the copy is expected to change, from a sample of
-    evenly spaced positions, with room for the sample's error (about four standard
-    errors); ``None`` for views too small to be worth sampling."""
+def _sampled_share(lib, kind, dptr, sptr, length, drs, srs, n) -> float | None:
+    """The share of ``_SAMPLE`` evenly spaced positions of the view that the copy will
+    change; ``None`` for views too small to be worth sampling."""
     if n < _SAMPLE_MIN:
         return None
-    k = _SAMPLE
-    f = getattr(lib, f"pk_sample_{kind}")(dptr, sptr, length, drs, srs, n, k) / k
-    return 1.25 * f + 4 * (max(f, 1 / k) * (1 - f) / k) ** 0.5
+    return getattr(lib, f"pk_sample_{kind}")(dptr, sptr, length, drs, srs, n, _SAMPLE) / _SAMPLE
 
 
 def _whole(fn, dest, src, geometry, parts, want) -> CopyResult:
