@@ -482,9 +482,9 @@ PK_DEFINE(f16, uint16_t, pk_f16, PK_DIFF_F16)
 
 /* The NaN-merge of a sparse load (CONTRACT §4): where the source is not NaN the
  * destination takes its bits, elsewhere it keeps them. Walks [p, p1) as pk_copy does.
- * With idx, each written element's storage offset and old bits go to idx[] and bef[]
- * (every written element, changed or not), from n[0] on; the caller sized them with
- * pk_count, so they cannot overflow. n[1] counts written elements, n[2] changed ones. */
+ * With bef, each written element's old bits go to bef[] (every written element, changed
+ * or not), from n[0] on, and with idx also its storage offset to idx[]; the caller sized
+ * them with pk_count, so they cannot overflow. n[1] counts written elements, n[2] changed ones. */
 #define PK_MERGE(NAME, UT, ISNAN)                                                            \
     int64_t pk_count_##NAME(const UT *src, int64_t L, int64_t srs, int64_t p, int64_t p1) {  \
         int64_t k = 0;                                                                       \
@@ -518,7 +518,7 @@ PK_DEFINE(f16, uint16_t, pk_f16, PK_DIFF_F16)
                 for (int l = 0; l < m; l++) {                                                \
                     UT x0 = d[j + l], x1 = s[j + l];                                         \
                     if (ISNAN(x1)) continue;                                                 \
-                    if (idx) { idx[c] = o + j + l; bef[c] = x0; c++; }                       \
+                    if (bef) { if (idx) idx[c] = o + j + l; bef[c] = x0; c++; }            \
                     written++;                                                               \
                     changed += x0 != x1;                                                     \
                     d[j + l] = x1;                                                           \
@@ -568,3 +568,32 @@ PK_SAMPLE(f32, uint32_t)
 PK_SAMPLE(f64, uint64_t)
 PK_SAMPLE(bf16, uint16_t)
 PK_SAMPLE(f16, uint16_t)
+
+/* A sparse patch's entries that a NaN-merge from a view of its staged tensor writes: the
+ * entry k (checkpoint index indices[k], 32- or 64-bit, and value values[k]) is written
+ * when its value is not NaN and its index lies in the view, rows of L contiguous
+ * elements srs apart starting at checkpoint index start (rows rows). out[0] counts them;
+ * out[1] and out[2] are two checksums of their indices (patchkit.native.patch_entries
+ * says which), so that positions recomputed later from the patch can be checked. */
+#define PK_ENTRIES(NAME, UT, ISNAN)                                                          \
+    void pk_entries_##NAME(const void *indices, int isize, const UT *values, int64_t nnz,    \
+                           int64_t start, int64_t L, int64_t srs, int64_t rows,              \
+                           int64_t *out) {                                                   \
+        int64_t count = 0, s1 = 0, s2 = 0;                                                   \
+        for (int64_t k = 0; k < nnz; k++) {                                                  \
+            int64_t i = isize == 4 ? (int64_t)((const int32_t *)indices)[k]                  \
+                                   : ((const int64_t *)indices)[k];                          \
+            int64_t rel = i - start;                                                         \
+            if (ISNAN(values[k]) || rel < 0 || rel / srs >= rows || rel % srs >= L) continue; \
+            count++;                                                                         \
+            s1 += i & 0x7fffffff;                                                            \
+            s2 += (i % 65521) * 40503 % 65521;                                               \
+        }                                                                                    \
+        out[0] = count;                                                                      \
+        out[1] = s1;                                                                         \
+        out[2] = s2;                                                                         \
+    }
+PK_ENTRIES(f32, uint32_t, PK_NAN_F32)
+PK_ENTRIES(f64, uint64_t, PK_NAN_F64)
+PK_ENTRIES(bf16, uint16_t, PK_NAN_BF16)
+PK_ENTRIES(f16, uint16_t, PK_NAN_F16)

@@ -210,7 +210,10 @@ class SavedRegion:
     offsets of the saved elements and ``before`` their values:
 
     - a NaN-merged (sparse) write saves the elements it writes, those where its source
-      is not NaN, so its save costs memory in proportion to the patch, not to the view;
+      is not NaN, so its save costs memory in proportion to the patch, not to the view.
+      When it wrote from its patch's staged tensor on the CPU, ``index`` is ``None`` and
+      ``positions`` says how to recompute the offsets from the patch: the save then
+      costs exactly the bytes the write wrote;
     - a plain dense copy compared with its source first (``whole_view=True``) writes the
       whole view but saves only the elements it changes: the others keep their bits.
     """
@@ -228,15 +231,25 @@ class SavedRegion:
     # the view, measured while copying (the compiled path, when reporting), so that the
     # statistics need not read the view again.
     diff_stats: tuple[int, float, float, float] | None = None
+    positions: PatchPositions | None = field(default=None, repr=False)
 
     def _storage(self) -> torch.Tensor:
         return _flat_storage(self.view)
 
+    def _offsets(self) -> torch.Tensor | None:
+        """The saved elements' storage offsets, ``None`` when the whole view was saved."""
+        if self.index is not None:
+            return self.index
+        if self.positions is not None:
+            return _storage_offsets(self.view, self.positions.view_positions(self.view))
+        return None
+
     def current(self) -> torch.Tensor:
         """The saved elements' values now (1-D, in the order of ``before``)."""
-        if self.index is None:
+        index = self._offsets()
+        if index is None:
             return self.view.reshape(-1)
-        return self._storage().index_select(0, self.index)
+        return self._storage().index_select(0, index)
 
     def flat_before(self) -> torch.Tensor:
         """The saved values (1-D)."""
@@ -244,23 +257,23 @@ class SavedRegion:
 
     def restore(self) -> None:
         """Write the saved values back (outside any interception)."""
-        if self.index is None:
+        index = self._offsets()
+        if index is None:
             self.view.copy_(self.before)
         else:
             # On the bits: exact, and index_copy_ has no float8 kernels on the CPU.
-            bits(self._storage()).index_copy_(0, self.index, bits(self.before))
+            bits(self._storage()).index_copy_(0, index, bits(self.before))
 
     def storage_index(self) -> torch.Tensor:
         """Storage element offsets of the saved elements (1-D, in the order of ``before``)."""
-        if self.index is not None:
-            return self.index
-        return _storage_offsets(self.view, None)
+        index = self._offsets()
+        return _storage_offsets(self.view, None) if index is None else index
 
     def written_index(self) -> torch.Tensor:
         """Storage element offsets of every element the write wrote (1-D)."""
-        if self.index is None or self.whole_view:
+        if self.whole_view:
             return _storage_offsets(self.view, None)
-        return self.index
+        return self.storage_index()
 
     @classmethod
     def elements(
@@ -269,6 +282,52 @@ class SavedRegion:
         """Save the elements of ``view``'s storage at ``index`` (their current values)."""
         before = _flat_storage(view).index_select(0, index)  # a new tensor: a copy
         return cls(target, offset, view, before, index, **kw)
+
+
+@dataclass
+class PatchPositions:
+    """Where a NaN-merged write wrote, kept as a recipe instead of storage offsets: the
+    entries of sparse patch ``position`` (``name``) whose value is not NaN and whose
+    checkpoint index lies in the source view, rows of ``rows[0]`` contiguous elements
+    ``rows[2]`` apart from checkpoint element ``start`` on; the destination view's element
+    at the same row-major position took each. ``indices`` and ``values`` are the patch's
+    own tensors (referenced, not copied); ``count`` and ``checksums`` (see
+    :func:`patchkit.native.patch_entries`) were taken at the write, so a patch changed
+    since is noticed instead of misread."""
+
+    position: int
+    name: str
+    indices: torch.Tensor = field(repr=False)
+    values: torch.Tensor = field(repr=False)
+    start: int
+    rows: tuple[int, int, int]
+    count: int
+    checksums: tuple[int, int]
+
+    def view_positions(self, view: torch.Tensor) -> torch.Tensor:
+        """Row-major positions in ``view`` (the written view) of the written elements, in
+        increasing order (the merge's order). O(nnz log nnz) work and memory.
+
+        Raises ``ValueError`` when the patch's indices or values changed since the load.
+        """
+        length, _, srs = self.rows
+        i = self.indices.to(torch.int64)[~torch.isnan(self.values)]
+        rel = i - self.start
+        row = torch.div(rel, srs, rounding_mode="floor")
+        col = rel - row * srs
+        inside = (rel >= 0) & (row < view.numel() // length) & (col < length)
+        i, row, col = i[inside], row[inside], col[inside]
+        sums = (int((i & 0x7FFFFFFF).sum()), int((i % 65521 * 40503 % 65521).sum()))
+        if i.numel() != self.count or sums != self.checksums:
+            now = (f"it now has {i.numel()}" if i.numel() != self.count
+                   else "it still has as many, at other positions")
+            raise ValueError(
+                f"{where(self.position, self.name)}: its indices or values changed after the "
+                "load, so where the load wrote it can no longer be recomputed (a report keeps "
+                "the patch's tensors, not copies of them: leave them unchanged while the "
+                f"report is in use); the load wrote {self.count} of its entries here, {now}"
+            )
+        return (row * length + col).sort().values
 
 
 def _flat_storage(view: torch.Tensor) -> torch.Tensor:
@@ -447,6 +506,7 @@ class WriteSession:
         self._call_regions: list[Region] = []
         self._call_writes = 0
         self._last_patch: tuple[int, str] | None = None
+        self._patches: dict[int, Any] = {}
 
     # -- one load_weights call -------------------------------------------------------
 
@@ -458,12 +518,16 @@ class WriteSession:
         positions: Sequence[int],
         *,
         sparse: bool,
+        patches: Sequence[Any] | None = None,
     ) -> Iterator[_CallResult]:
         """Intercept the writes of one ``load_weights`` call made inside the block.
 
         The caller stores the call's return value in the yielded object's ``returned``.
+        ``patches``: the call's patches (in the order of ``staged``), which lets a saved
+        sparse write recompute where it wrote from its patch instead of keeping offsets.
         """
         self._sparse = sparse
+        self._patches = dict(zip(positions, patches)) if patches is not None else {}
         self._chunk = chunk
         self._call_regions = []
         self._call_writes = 0
@@ -537,9 +601,15 @@ class WriteSession:
             cast = src.to(device=dest.device, dtype=dest.dtype)
             if _storage_key(cast) != _storage_key(dest):
                 # On the CPU: merge (and save what it writes) in one compiled pass.
-                fast = native.merge(dest, cast, save=self.save_regions)
+                recipe = self._patch_positions(dest, src) if self.save_regions else None
+                fast = native.merge(
+                    dest, cast, save=self.save_regions,
+                    known_count=None if recipe is None else recipe.count,
+                )
                 if fast is not None:
-                    return self._merged(op, dest, src, targets[0][1], fast)
+                    if fast.index is not None:
+                        recipe = None  # the count differed: the offsets were kept
+                    return self._merged(op, dest, src, targets[0][1], fast, recipe)
             # True where the source is not NaN: the elements this write changes. One mask
             # serves the merge and the save (a second, inverted one would double it).
             write = torch.isnan(cast if cast.element_size() > 1 else cast.float())
@@ -590,11 +660,30 @@ class WriteSession:
                     keep.append(sr)
             self._measured = keep
 
-    def _merged(self, op, dest, src, target, fast) -> torch.Tensor:
+    def _patch_positions(self, dest, src) -> PatchPositions | None:
+        """How a merge from ``src`` could recompute where it wrote from its sparse patch
+        (see :class:`PatchPositions`), or ``None`` (then the merge keeps the offsets): the
+        source must be a view of a staged patch's storage. A cast to the destination's
+        dtype keeps NaN where the source has NaN and only there, except where
+        it turns a value into NaN (float8): then the merge writes fewer elements than the
+        patch entries found, and keeps the offsets."""
+        hit = self.provenance.lookup(src)
+        patch = self._patches.get(hit[0]) if hit is not None else None
+        if patch is None or patch.indices is None:
+            return None
+        found = native.patch_entries(patch.indices, patch.values, hit[2], dest, src)
+        if found is None:
+            return None
+        return PatchPositions(hit[0], hit[1], patch.indices, patch.values, hit[2], found.rows,
+                              found.count, found.checksums)
+
+    def _merged(self, op, dest, src, target, fast, recipe) -> torch.Tensor:
         """Book-keeping of a NaN-merge that :func:`patchkit.native.merge` did."""
         tname, _, off = target
         if self.save_regions:
-            self.saved.append(SavedRegion(tname, off, dest, fast.before, fast.index))
+            self.saved.append(
+                SavedRegion(tname, off, dest, fast.before, fast.index, positions=recipe)
+            )
         self._call_writes += 1
         if self.recorder is not None:
             self._record(op, dest, tname, off, src, fast.changed)

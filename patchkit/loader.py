@@ -123,7 +123,10 @@ def run_load(
                 if session is None:
                     returned = _names(load_weights(staged))
                 else:
-                    with session.call(chunk.index, staged, chunk.positions, sparse=sparse) as r:
+                    with session.call(
+                        chunk.index, staged, chunk.positions, sparse=sparse,
+                        patches=[by_position[p] for p in chunk.positions],
+                    ) as r:
                         # Read the names inside the interception: a generator-function
                         # loader does its copies only while it is iterated.
                         r.returned = returned = _names(load_weights(staged))

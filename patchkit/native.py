@@ -49,7 +49,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CopyResult", "MergeResult", "compare_copy", "disabled", "merge", "status"]
+__all__ = [
+    "CopyResult", "MergeResult", "compare_copy", "disabled", "merge", "patch_entries", "status"
+]
 
 _SOURCE = Path(__file__).with_name("_native.c")
 _KIND_OF = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
@@ -176,6 +178,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         sample = getattr(lib, f"pk_sample_{kind}")
         sample.restype = ctypes.c_int64
         sample.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5  # dst src L drs srs n k
+        entries = getattr(lib, f"pk_entries_{kind}")
+        entries.restype = None
+        entries.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int64] * 5,
+                            ctypes.POINTER(ctypes.c_int64)]  # indices isize values nnz ... out
         scatter = getattr(lib, f"pk_scatter_{kind}")
         scatter.restype = None
         scatter.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -496,22 +502,28 @@ def _result(index, before, accs, want) -> CopyResult:
 @dataclass
 class MergeResult:
     """What :func:`merge` did: ``written`` elements took the source's bits, ``changed`` of
-    them changed. With ``save``: ``index`` holds the written elements' storage offsets
-    and ``before`` their old values (1-D, in the view's row-major order)."""
+    them changed. With ``save``: ``before`` holds the written elements' old values (1-D,
+    in the view's row-major order) and ``index`` their storage offsets, or ``None`` when
+    the caller knew how many there would be (``known_count``) and can recompute them.
+    ``rows`` is the walk: ``(L, dest row stride, src row stride)``."""
 
     written: int
     changed: int
+    rows: tuple[int, int, int]
     index: torch.Tensor | None = None
     before: torch.Tensor | None = None
 
 
-def merge(dest: torch.Tensor, src: torch.Tensor, *, save: bool) -> MergeResult | None:
+def merge(
+    dest: torch.Tensor, src: torch.Tensor, *, save: bool, known_count: int | None = None
+) -> MergeResult | None:
     """The NaN-merge of a sparse load, in one pass: where ``src`` (same shape and
     floating dtype as ``dest``, CPU, separate storage) is not NaN, ``dest`` takes its
     bits. Returns ``None`` without touching anything when the merge is outside the fast
-    path (the caller then uses torch ops). ``save``: also keep the written elements'
-    storage offsets and old values, in buffers of exactly their size (a first pass
-    counts them)."""
+    path (the caller then uses torch ops). ``save``: also keep the written elements' old
+    values and their storage offsets, in buffers of exactly their size (a first pass
+    counts them); when they number ``known_count`` (the caller can recompute where they
+    are, see :func:`patch_entries`), the offsets are not kept."""
     kind = _KIND_OF.get(dest.dtype)
     if kind is None or src.dtype != dest.dtype or src.shape != dest.shape:
         return None
@@ -527,7 +539,8 @@ def merge(dest: torch.Tensor, src: torch.Tensor, *, save: bool) -> MergeResult |
         count = getattr(lib, f"pk_count_{kind}")
         sizes = _run_parts(lambda k, p0, p1: count(sptr, length, srs, p0, p1), parts)
         bases = [sum(sizes[:k]) for k in range(len(parts))]
-        idx = _empty(sum(sizes), torch.int64)
+        if sum(sizes) != known_count:
+            idx = _empty(sum(sizes), torch.int64)
         bef = _empty(sum(sizes), _BITS_OF_SIZE[dest.element_size()])
     fn = getattr(lib, f"pk_merge_{kind}")
     iptr = idx.data_ptr() if idx is not None else None
@@ -542,7 +555,49 @@ def merge(dest: torch.Tensor, src: torch.Tensor, *, save: bool) -> MergeResult |
     return MergeResult(
         written=sum(w for w, _ in done),
         changed=sum(c for _, c in done),
+        rows=(length, drs, srs),
         index=idx,
         before=None if bef is None else bef.view(dest.dtype),
     )
 
+
+
+@dataclass
+class PatchEntries:
+    """What :func:`patch_entries` found: ``count`` entries of the patch land in the view;
+    ``checksums`` are two sums over their checkpoint indices ``i``: of ``i & 0x7fffffff``
+    and of ``(i % 65521) * 40503 % 65521``; ``rows`` is the walk, as in
+    :class:`MergeResult`."""
+
+    count: int
+    checksums: tuple[int, int]
+    rows: tuple[int, int, int]
+
+
+def patch_entries(
+    indices: torch.Tensor, values: torch.Tensor, start: int, dest: torch.Tensor,
+    src: torch.Tensor,
+) -> PatchEntries | None:
+    """The entries of a sparse patch (``indices``, ``values``: 1-D, contiguous, CPU) that
+    a NaN-merge from ``src`` into ``dest`` writes, when ``src`` is a view of the patch's
+    staged tensor whose first element is checkpoint element ``start``: those whose value
+    is not NaN and whose index lies in the view. ``None`` when the view or the patch is
+    outside the compiled path. One pass over the patch, no allocation."""
+    kind = _KIND_OF.get(values.dtype)
+    if (
+        kind is None or indices.dtype not in (torch.int32, torch.int64)
+        or indices.device.type != "cpu" or values.device.type != "cpu"
+        or indices.dim() != 1 or values.dim() != 1 or not indices.is_contiguous()
+        or not values.is_contiguous() or indices.numel() != values.numel()
+    ):
+        return None
+    ready = _prepare(dest, src)
+    if ready is None:
+        return None
+    lib, (length, drs, srs) = ready
+    out = (ctypes.c_int64 * 3)()
+    getattr(lib, f"pk_entries_{kind}")(
+        indices.data_ptr(), indices.element_size(), values.data_ptr(), indices.numel(),
+        start, length, srs, dest.numel() // length, out,
+    )
+    return PatchEntries(out[0], (out[1], out[2]), (length, drs, srs))

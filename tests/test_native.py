@@ -447,6 +447,54 @@ def test_sparse_reports_are_the_same_with_and_without_the_compiled_merge(dtype, 
     for target in fast.deltas.index:
         assert torch.equal(bits(fast.before(target)), bits(slow.before(target)))
         assert torch.equal(fast.written(target), slow.written(target))
+    # The compiled merge kept no offsets: each save is the written values, nothing more,
+    # and says where they came from by its patch (the "o" writes are column slices).
+    assert len(fast._saved) == len(slow._saved) == 5
+    for f, s in zip(fast._saved, slow._saved):
+        assert f.index is None and f.positions is not None and s.index is not None
+        assert torch.equal(f.storage_index(), s.index)
+        assert f.before.numel() * f.before.element_size() == s.index.numel() * dtype.itemsize
+
+
+@needs_compiler
+@pytest.mark.parametrize("change", ["indices", "values"])
+def test_a_patch_changed_after_the_load_is_not_misread(change):
+    m = _Model(torch.float32)
+    r = inspect_load(m, _sparse_patches(m, torch.float32, 0.05, 4), max_chunk_bytes=6000)
+    assert r.before("qkv").shape == (96, 40)
+    k = r._saved[1].positions  # patch 1, "k": its own tensors
+    if change == "indices":  # one entry moves to a position the patch did not have
+        free = sorted(set(range(k.indices.numel() * 10)) - set(k.indices.tolist()))
+        k.indices[0] = free[0]
+        says = "still has as many, at other positions"
+    else:  # one entry becomes "keep"
+        k.values[0] = float("nan")
+        says = "wrote 64 of its entries here, it now has 63"
+    with pytest.raises(ValueError, match=rf"patch 1 \('k'\): its indices or values.*{says}"):
+        r.before("qkv")
+    assert r.before("o").shape == (40, 64), "targets fed by other patches still read"
+
+
+@needs_compiler
+def test_duplicate_indices_keep_their_offsets():
+    # Unvalidated duplicates: the staged tensor holds one of the two values, so the patch
+    # has one entry more than the merge writes, and the save keeps its offsets.
+    fast_slow = []
+    for compiled in (True, False):
+        m = _Model(torch.float32)
+        patches = _sparse_patches(m, torch.float32, 0.05, 4)
+        q = patches[0]
+        idx = torch.cat([q.indices, q.indices[:1]])
+        vals = torch.cat([q.values, q.values[:1]])
+        patches[0] = q._replace(values=vals, indices=idx)
+        with contextlib.nullcontext() if compiled else native.disabled():
+            fast_slow.append(inspect_load(m, patches, max_chunk_bytes=6000,
+                                          validate_unique_indices=False))
+    fast, slow = fast_slow
+    assert fast._saved[0].index is not None and fast._saved[0].positions is None
+    assert all(s.positions is not None for s in fast._saved[1:])
+    assert fast.deltas.equals(slow.deltas)
+    assert torch.equal(bits(fast.before("qkv")), bits(slow.before("qkv")))
 
 
 @pytest.mark.parametrize("compiled", [True, False])
