@@ -122,6 +122,11 @@ static inline void pk_stat(pk_acc *acc, double d) {
 
 static inline __m256i pk_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* bit l set where 32-bit lane l of x equals the l-th element at s */
+static inline uint32_t pk_eq8(__m256i x, const uint32_t *s) {
+    return (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(x, pk_load(s))));
+}
+
 static inline double pk_hsum(__m256d a, __m256d b, __m256d c, __m256d e) {
     double q[4];
     _mm256_storeu_pd(q, _mm256_add_pd(_mm256_add_pd(a, b), _mm256_add_pd(c, e)));
@@ -137,11 +142,8 @@ static inline int64_t pk_fast_f32(uint32_t *restrict d, const uint32_t *restrict
     for (; j + 32 <= n; j += 32) {
         __m256i d0 = pk_load(d + j), d1 = pk_load(d + j + 8), d2 = pk_load(d + j + 16),
                 d3 = pk_load(d + j + 24);
-        uint32_t eq =
-            (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d0, pk_load(s + j)))) |
-            (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d1, pk_load(s + j + 8)))) << 8 |
-            (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d2, pk_load(s + j + 16)))) << 16 |
-            (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d3, pk_load(s + j + 24)))) << 24;
+        uint32_t eq = pk_eq8(d0, s + j) | pk_eq8(d1, s + j + 8) << 8 |
+                      pk_eq8(d2, s + j + 16) << 16 | pk_eq8(d3, s + j + 24) << 24;
         uint32_t m = ~eq;
         if (m && k + __builtin_popcount(m) > cap) break;
         if (stats) {
@@ -484,8 +486,11 @@ PK_DEFINE(f16, uint16_t, pk_f16, PK_DIFF_F16)
  * destination takes its bits, elsewhere it keeps them. Walks [p, p1) as pk_copy does.
  * With bef, each written element's old bits go to bef[] (every written element, changed
  * or not), from n[0] on, and with idx also its storage offset to idx[]; the caller sized
- * them with pk_count, so they cannot overflow. n[1] counts written elements, n[2] changed ones. */
-#define PK_MERGE(NAME, UT, ISNAN)                                                            \
+ * them with pk_count, so they cannot overflow. With stats, the statistics of pk_copy
+ * over the written elements go to *stats (b2 over their old values, the differences
+ * over those that changed; count and saved are not used). n[1] counts written
+ * elements, n[2] changed ones. */
+#define PK_MERGE(NAME, UT, ISNAN, TOD, DIFF)                                                 \
     int64_t pk_count_##NAME(const UT *src, int64_t L, int64_t srs, int64_t p, int64_t p1) {  \
         int64_t k = 0;                                                                       \
         while (p < p1) {                                                                     \
@@ -499,8 +504,9 @@ PK_DEFINE(f16, uint16_t, pk_f16, PK_DIFF_F16)
     }                                                                                        \
     void pk_merge_##NAME(UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs,        \
                          int64_t doff, int64_t p, int64_t p1, int64_t *idx, UT *bef,         \
-                         int64_t *n) {                                                       \
+                         int64_t *n, pk_acc *stats) {                                        \
         int64_t c = n[0], written = n[1], changed = n[2];                                    \
+        pk_acc diffs = {0};                                                                  \
         while (p < p1) {                                                                     \
             int64_t row = p / L, col = p % L, run = L - col;                                 \
             if (run > p1 - p) run = p1 - p;                                                  \
@@ -521,6 +527,11 @@ PK_DEFINE(f16, uint16_t, pk_f16, PK_DIFF_F16)
                     if (bef) { if (idx) idx[c] = o + j + l; bef[c] = x0; c++; }            \
                     written++;                                                               \
                     changed += x0 != x1;                                                     \
+                    if (stats) {                                                             \
+                        double x = TOD(x0);                                                  \
+                        if (fabs(x) <= PK_DBL_MAX) diffs.b2 += x * x;                        \
+                        if (x0 != x1) pk_stat(&diffs, DIFF(TOD, x0, x1));                    \
+                    }                                                                        \
                     d[j + l] = x1;                                                           \
                 }                                                                            \
             }                                                                                \
@@ -529,16 +540,17 @@ PK_DEFINE(f16, uint16_t, pk_f16, PK_DIFF_F16)
         n[0] = c;                                                                            \
         n[1] = written;                                                                      \
         n[2] = changed;                                                                      \
+        if (stats) *stats = diffs;                                                           \
     }
 
 #define PK_NAN_F32(u) (((u) & 0x7fffffffu) > 0x7f800000u)
 #define PK_NAN_F64(u) (((u) & 0x7fffffffffffffffull) > 0x7ff0000000000000ull)
 #define PK_NAN_BF16(u) (((u) & 0x7fffu) > 0x7f80u)
 #define PK_NAN_F16(u) (((u) & 0x7fffu) > 0x7c00u)
-PK_MERGE(f32, uint32_t, PK_NAN_F32)
-PK_MERGE(f64, uint64_t, PK_NAN_F64)
-PK_MERGE(bf16, uint16_t, PK_NAN_BF16)
-PK_MERGE(f16, uint16_t, PK_NAN_F16)
+PK_MERGE(f32, uint32_t, PK_NAN_F32, pk_f32, PK_DIFF_WIDE)
+PK_MERGE(f64, uint64_t, PK_NAN_F64, pk_f64, PK_DIFF_WIDE)
+PK_MERGE(bf16, uint16_t, PK_NAN_BF16, pk_bf16, PK_DIFF_WIDE)
+PK_MERGE(f16, uint16_t, PK_NAN_F16, pk_f16, PK_DIFF_F16)
 
 /* Write vals[k] to base[idx[k]]: undoes a compact save (index_copy_ does the same,
  * several times slower on the CPU). */

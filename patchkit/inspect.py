@@ -702,9 +702,9 @@ def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion) -> None:
     """One saved region that no other region of ``t`` overlaps."""
     contained = _contained(s.view, t)
     if contained and s.diff_stats is not None and s.view_sum_squares is not None:
-        # Measured while copying (patchkit.native): nothing to read again.
+        # Measured while writing (patchkit.native): nothing to read again.
         changed, sum_abs, sum_d2, max_abs = s.diff_stats
-        acc.elements += s.view.numel()
+        acc.elements += s.written_count()
         acc.changed += changed
         acc.sum_abs += sum_abs
         acc.sum_d2 += sum_d2

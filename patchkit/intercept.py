@@ -82,6 +82,41 @@ class Region:
         last = sum((d - 1) * s for d, s in zip(self.shape, self.stride))
         return (self.byte_offset, self.byte_offset + (last + 1) * self.itemsize)
 
+    def _rows(self) -> tuple[int, int] | None:
+        """``(L, S)`` when the view is rows of ``L`` contiguous elements ``S`` elements
+        apart (one row: ``S == L``), else ``None``."""
+        levels: list[list[int]] = []  # [size, stride], innermost first
+        for n, s in zip(reversed(self.shape), reversed(self.stride)):
+            if n == 1:
+                continue
+            if levels and s == levels[-1][0] * levels[-1][1]:
+                levels[-1][0] *= n
+            else:
+                levels.append([n, s])
+        if not levels:
+            return (1, 1)
+        if levels[0][1] != 1 or len(levels) > 2:
+            return None
+        return (levels[0][0], levels[1][1] if len(levels) == 2 else levels[0][0])
+
+    def columns_apart(self, other: Region) -> bool:
+        """True when the two views are rows the same distance apart in one storage, with
+        elements of one size, that occupy different columns of those rows (two column
+        slices of one matrix, say): then they share no element. Cheap; ``False`` means
+        "not shown apart", not "overlapping"."""
+        if self.key != other.key or self.itemsize != other.itemsize:
+            return False
+        a, b = self._rows(), other._rows()
+        if a is None or b is None or a[1] != b[1] or a[0] == a[1] or b[0] == b[1]:
+            return False
+        step, width = self.itemsize, a[1]
+        if self.byte_offset % step or other.byte_offset % step:
+            return False
+        ca, cb = self.byte_offset // step % width, other.byte_offset // step % width
+        if ca + a[0] > width or cb + b[0] > width:
+            return False  # a row wraps into the next one
+        return ca + a[0] <= cb or cb + b[0] <= ca
+
     def overlaps(self, other: Region) -> bool:
         """True when the two views share at least one byte of memory (exact)."""
         if self.key != other.key or self.numel == 0 or other.numel == 0:
@@ -95,6 +130,8 @@ class Region:
         step = self.itemsize
         if step != other.itemsize or (self.byte_offset - other.byte_offset) % step:
             return True  # reinterpreted storage: the extents overlap, call it an overlap
+        if self.columns_apart(other):
+            return False
         # Extents meet (e.g. two column slices of one matrix): mark one view's elements in
         # a scratch mask over the shared extent and look for the other's.
         lo = min(a0, b0) // step
@@ -224,12 +261,13 @@ class SavedRegion:
     before: torch.Tensor = field(repr=False)
     index: torch.Tensor | None = field(default=None, repr=False)
     whole_view: bool = False
-    # Sum of squares of the whole view's finite values before the write (a compared copy,
-    # when reporting): the statistics need it for ||before||.
+    # Sum of squares of the finite values the write wrote over, before it (the whole view
+    # of a compared copy, the written elements of a compiled NaN-merge; when reporting):
+    # the statistics need it for ||before||.
     view_sum_squares: float | None = None
     # ``(changed, sum |after - before|, sum of its squares, max |after - before|)`` over
-    # the view, measured while copying (the compiled path, when reporting), so that the
-    # statistics need not read the view again.
+    # the written elements, measured while writing (the compiled paths, when reporting),
+    # so that the statistics need not read them again.
     diff_stats: tuple[int, float, float, float] | None = None
     positions: PatchPositions | None = field(default=None, repr=False)
 
@@ -268,6 +306,13 @@ class SavedRegion:
         """Storage element offsets of the saved elements (1-D, in the order of ``before``)."""
         index = self._offsets()
         return _storage_offsets(self.view, None) if index is None else index
+
+    def written_count(self) -> int:
+        """How many elements the write wrote: the whole view, or the saved elements of a
+        NaN-merge."""
+        if self.whole_view or (self.index is None and self.positions is None):
+            return self.view.numel()
+        return self.before.numel()
 
     def written_index(self) -> torch.Tensor:
         """Storage element offsets of every element the write wrote (1-D)."""
@@ -602,9 +647,13 @@ class WriteSession:
             if _storage_key(cast) != _storage_key(dest):
                 # On the CPU: merge (and save what it writes) in one compiled pass.
                 recipe = self._patch_positions(dest, src) if self.save_regions else None
+                owner = targets[0][1][1]
                 fast = native.merge(
                     dest, cast, save=self.save_regions,
                     known_count=None if recipe is None else recipe.count,
+                    # a report's numbers, measured while merging (reading the owner's dtype)
+                    stats=self.save_regions and self.recorder is not None
+                    and dest.dtype == owner.dtype,
                 )
                 if fast is not None:
                     if fast.index is not None:
@@ -649,12 +698,15 @@ class WriteSession:
         makes those numbers stale (a write through a view of another element size, say):
         the report reads that region again when the load ends, as torch ops would."""
         for t, _ in targets:
-            key = _storage_key(t)
-            lo, hi = Region.of(t).extent()
+            written = Region.of(t)
+            lo, hi = written.extent()
             keep = []
             for sr in self._measured:
-                r0, r1 = Region.of(sr.view).extent()
-                if _storage_key(sr.view) == key and r0 < hi and lo < r1:
+                saved = Region.of(sr.view)
+                r0, r1 = saved.extent()
+                if saved.key == written.key and r0 < hi and lo < r1 and not (
+                    saved.columns_apart(written)
+                ):
                     sr.diff_stats = None
                 else:
                     keep.append(sr)
@@ -681,9 +733,16 @@ class WriteSession:
         """Book-keeping of a NaN-merge that :func:`patchkit.native.merge` did."""
         tname, _, off = target
         if self.save_regions:
-            self.saved.append(
-                SavedRegion(tname, off, dest, fast.before, fast.index, positions=recipe)
+            measured = fast.squares is not None
+            saved = SavedRegion(
+                tname, off, dest, fast.before, fast.index, positions=recipe,
+                view_sum_squares=fast.squares,
+                diff_stats=(fast.changed, fast.sum_abs, fast.sum_sq_diff, fast.max_abs)
+                if measured else None,
             )
+            self.saved.append(saved)
+            if measured:
+                self._measured.append(saved)
         self._call_writes += 1
         if self.recorder is not None:
             self._record(op, dest, tname, off, src, fast.changed)

@@ -192,6 +192,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # L, drs, srs
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # doff, p, p1
             ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),  # idx, bef, n
+            ctypes.POINTER(_Acc),  # stats (or NULL)
         ]
     return lib, f"compiled ({lib_path})"
 
@@ -505,17 +506,24 @@ class MergeResult:
     them changed. With ``save``: ``before`` holds the written elements' old values (1-D,
     in the view's row-major order) and ``index`` their storage offsets, or ``None`` when
     the caller knew how many there would be (``known_count``) and can recompute them.
-    ``rows`` is the walk: ``(L, dest row stride, src row stride)``."""
+    ``rows`` is the walk: ``(L, dest row stride, src row stride)``. With ``stats``, the
+    numbers of :class:`CopyResult` over the written elements: ``squares`` of their old
+    values, the others over those that changed."""
 
     written: int
     changed: int
     rows: tuple[int, int, int]
     index: torch.Tensor | None = None
     before: torch.Tensor | None = None
+    squares: float | None = None
+    sum_abs: float | None = None
+    sum_sq_diff: float | None = None
+    max_abs: float | None = None
 
 
 def merge(
-    dest: torch.Tensor, src: torch.Tensor, *, save: bool, known_count: int | None = None
+    dest: torch.Tensor, src: torch.Tensor, *, save: bool, known_count: int | None = None,
+    stats: bool = False,
 ) -> MergeResult | None:
     """The NaN-merge of a sparse load, in one pass: where ``src`` (same shape and
     floating dtype as ``dest``, CPU, separate storage) is not NaN, ``dest`` takes its
@@ -523,7 +531,9 @@ def merge(
     path (the caller then uses torch ops). ``save``: also keep the written elements' old
     values and their storage offsets, in buffers of exactly their size (a first pass
     counts them); when they number ``known_count`` (the caller can recompute where they
-    are, see :func:`patch_entries`), the offsets are not kept."""
+    are, see :func:`patch_entries`), the offsets are not kept. ``stats``: also measure
+    what the merge changes, reading the bits as ``dest``'s dtype (see
+    :class:`MergeResult`)."""
     kind = _KIND_OF.get(dest.dtype)
     if kind is None or src.dtype != dest.dtype or src.shape != dest.shape:
         return None
@@ -548,16 +558,25 @@ def merge(
 
     def part(k: int, p0: int, p1: int):
         n = (ctypes.c_int64 * 3)(bases[k], 0, 0)
-        fn(dptr, sptr, length, drs, srs, doff, p0, p1, iptr, bptr, n)
-        return n[1], n[2]
+        acc = _Acc()
+        fn(dptr, sptr, length, drs, srs, doff, p0, p1, iptr, bptr, n,
+           ctypes.byref(acc) if stats else None)
+        return n[1], n[2], acc
 
     done = _run_parts(part, parts)
+    accs = [a for _, _, a in done]
     return MergeResult(
-        written=sum(w for w, _ in done),
-        changed=sum(c for _, c in done),
+        written=sum(w for w, _, _ in done),
+        changed=sum(c for _, c, _ in done),
         rows=(length, drs, srs),
         index=idx,
         before=None if bef is None else bef.view(dest.dtype),
+        **({
+            "squares": sum(a.b2 for a in accs),
+            "sum_abs": sum(a.sum_abs for a in accs),
+            "sum_sq_diff": sum(a.sum_d2 for a in accs),
+            "max_abs": max(a.max_abs for a in accs),
+        } if stats else {}),
     )
 
 

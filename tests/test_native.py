@@ -273,13 +273,8 @@ def test_reports_are_the_same_with_and_without_the_compiled_path(dtype, frac):
     assert any(s.diff_stats is not None for s in fast._saved), "the compiled path was not used"
     assert all(s.diff_stats is None for s in slow._saved)
     assert fast.writes.equals(slow.writes)
-    a, b = fast.deltas, slow.deltas
-    assert list(a.index) == list(b.index)
-    assert (a["elements"] == b["elements"]).all() and (a["changed"] == b["changed"]).all()
-    for col in ("max_abs", "mean_abs", "rel_l2"):
-        for x, y in zip(a[col], b[col]):
-            assert math.isclose(x, y, rel_tol=1e-12, abs_tol=0), (col, x, y)
-    for target in a.index:
+    _assert_same_deltas(fast.deltas, slow.deltas)
+    for target in fast.deltas.index:
         assert torch.equal(bits(fast.before(target)), bits(slow.before(target)))
         assert torch.equal(fast.written(target), slow.written(target))
 
@@ -428,6 +423,15 @@ def _sparse_patches(model: _Model, dtype: torch.dtype, density: float, seed: int
     return out
 
 
+def _assert_same_deltas(a, b):
+    """The same rows and counts; the sums may differ in their last bits (another order)."""
+    assert list(a.index) == list(b.index)
+    assert (a["elements"] == b["elements"]).all() and (a["changed"] == b["changed"]).all()
+    for col in ("max_abs", "mean_abs", "rel_l2"):
+        for x, y in zip(a[col], b[col]):
+            assert math.isclose(x, y, rel_tol=1e-12, abs_tol=0), (col, x, y)
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("transactional", [False, True])
@@ -443,15 +447,17 @@ def test_sparse_reports_are_the_same_with_and_without_the_compiled_merge(dtype, 
     fast, slow = reports
     assert patchkit.bitwise.same_state(models[0].state_dict(), models[1].state_dict())
     assert fast.writes.equals(slow.writes)
-    assert fast.deltas.equals(slow.deltas)
+    _assert_same_deltas(fast.deltas, slow.deltas)
     for target in fast.deltas.index:
         assert torch.equal(bits(fast.before(target)), bits(slow.before(target)))
         assert torch.equal(fast.written(target), slow.written(target))
     # The compiled merge kept no offsets: each save is the written values, nothing more,
-    # and says where they came from by its patch (the "o" writes are column slices).
+    # and says where they came from by its patch (the "o" writes are column slices); it
+    # measured the deltas while merging.
     assert len(fast._saved) == len(slow._saved) == 5
     for f, s in zip(fast._saved, slow._saved):
         assert f.index is None and f.positions is not None and s.index is not None
+        assert f.diff_stats is not None and s.diff_stats is None
         assert torch.equal(f.storage_index(), s.index)
         assert f.before.numel() * f.before.element_size() == s.index.numel() * dtype.itemsize
 
@@ -493,7 +499,7 @@ def test_duplicate_indices_keep_their_offsets():
     fast, slow = fast_slow
     assert fast._saved[0].index is not None and fast._saved[0].positions is None
     assert all(s.positions is not None for s in fast._saved[1:])
-    assert fast.deltas.equals(slow.deltas)
+    _assert_same_deltas(fast.deltas, slow.deltas)
     assert torch.equal(bits(fast.before("qkv")), bits(slow.before("qkv")))
 
 
@@ -603,3 +609,46 @@ def test_a_write_into_one_column_slice_of_a_fused_buffer_is_not_credited_to_the_
         row = r.deltas.loc["a"]
         assert row["elements"] == 80 and row["changed"] == (1 if change == "one element" else 80)
 
+
+
+# -- which writes reach a measured region ------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    width=st.integers(1, 9),
+    other_width=st.one_of(st.none(), st.integers(1, 9)),
+    boxes=st.lists(st.tuples(*[st.integers(0, 8)] * 5), min_size=2, max_size=2),
+)
+def test_regions_share_elements_exactly_when_their_views_do(width, other_width, boxes):
+    """``Region.overlaps`` is exact, and ``columns_apart`` (which spares the measured
+    statistics of an earlier write, e.g. one column slice of a TP split while the other
+    is written) never says two views are apart when they share an element."""
+    from patchkit.intercept import Region
+
+    storage = torch.zeros(100)
+    numbered = torch.arange(100.0)
+    views, offsets = [], []
+    for w, (r0, r1, c0, c1, shift) in zip((width, other_width or width), boxes):
+        # a matrix that starts ``shift`` elements in: its rows can straddle another's
+        m = storage[shift : shift + (90 // w) * w].view(-1, w)
+        c0, c1 = sorted((c0 % w, c1 % w))
+        v = m[min(r0, r1) : max(r0, r1) + 1, c0 : c1 + 1]
+        views.append(v)
+        seen = numbered.as_strided(v.shape, v.stride(), v.storage_offset())
+        offsets.append(set(seen.reshape(-1).tolist()))
+    shared = bool(offsets[0] & offsets[1])
+    a, b = Region.of(views[0]), Region.of(views[1])
+    assert a.overlaps(b) == shared == b.overlaps(a)
+    if a.columns_apart(b):
+        assert not shared
+
+
+def test_column_slices_of_one_matrix_are_apart():
+    from patchkit.intercept import Region
+
+    m = torch.zeros(8, 6)
+    assert Region.of(m[:, :3]).columns_apart(Region.of(m[:, 3:]))
+    assert not Region.of(m[:, :4]).columns_apart(Region.of(m[:, 3:]))
+    assert not Region.of(m[:4]).columns_apart(Region.of(m[2:]))  # whole rows
+    assert not Region.of(m[:, :3]).columns_apart(Region.of(m.view(-1)[1:].view(47)[:3]))
