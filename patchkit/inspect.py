@@ -6,9 +6,14 @@ What a report costs: the load runs with write interception on (dense calls too),
 what each write changes is saved before it happens (the same mechanism as
 ``transactional=True``), never a copy of the whole model:
 
-- a NaN-merged sparse write saves the elements its source lets through, as storage
-  offsets and values, and counts those whose bits it changes (on the CPU in the same
-  compiled pass that merges, :func:`patchkit.native.merge`);
+- a NaN-merged sparse write saves the elements its source lets through, and counts
+  those whose bits it changes. On the CPU that is the compiled pass that merges
+  (:func:`patchkit.native.merge`), which also measures the ``deltas`` numbers and, when
+  the source is the patch's staged tensor, keeps only the old values: where they were is
+  recomputed from the patch's own indices when needed (``before()``, ``written()``, a
+  transactional restore), so leave a patch's tensors unchanged while its report is in
+  use (a changed patch is detected and raises ``ValueError``). Elsewhere it keeps
+  storage offsets with the values;
 - a dense ``copy_`` from a same-shaped source of the same dtype and device saves only
   the elements it changes (or its whole view, when offsets would cost more than the
   values). On the CPU, :mod:`patchkit.native` compares, saves, counts, measures the
@@ -16,15 +21,16 @@ what each write changes is saved before it happens (the same mechanism as
   views it does not cover) torch ops compare before the copy. Other dense writes save
   their whole view once per region.
 
-Extra memory is the saved values (at most the bytes written) and their int64 storage
-offsets (none for a whole-view save; a dense save chooses whichever is smaller, so it
-never exceeds the bytes written, though the compiled path keeps the room it set aside
-for the changes, sized from a sample of the view at about 1.25 times the share it
-found plus a margin, until the report is dropped), plus transient 1-byte
-masks of the view being written (torch ops) and scratch for the statistics, which work
-in blocks of 262144 elements (a few MiB). A sparse save is 8 bytes of offset per
-written element more than the values it keeps. The tables are pandas DataFrames built
-on first read; every number in them is taken when the load ends.
+Extra memory is the saved values (at most the bytes written) and, where kept, their
+int64 storage offsets: none for a whole-view save or a compiled sparse save from a
+staged patch (the saves then cost exactly the bytes written); a dense save chooses offsets
+only when they cost less than the whole view (the compiled path keeps the room it set
+aside for them, about 1.25 times the share of changes a sample of the view found plus a
+margin, until the report is dropped); a sparse save through torch ops adds 8 bytes per
+written element. Transient: 1-byte masks of the view being written (torch ops) and
+scratch for the statistics, which work in blocks of 262144 elements (a few MiB). The
+tables are pandas DataFrames built on first read; every number in them is taken when
+the load ends.
 ``benchmarks/bench_inspect.py`` measures time and memory against a plain load.
 """
 
