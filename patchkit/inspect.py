@@ -11,8 +11,9 @@ what each write changes is saved before it happens (the same mechanism as
   (:func:`patchkit.native.merge`), which also measures the ``deltas`` numbers and, when
   the source is the patch's staged tensor, keeps only the old values: where they were is
   recomputed from the patch's own indices when needed (``before()``, ``written()``, a
-  transactional restore), so leave a patch's tensors unchanged while its report is in
-  use (a changed patch is detected and raises ``ValueError``). Elsewhere it keeps
+  transactional restore). The report holds references to the patch's tensors (no
+  copies), so leave them unchanged while it is in use (a changed patch is detected and
+  raises ``ValueError``). Elsewhere it keeps
   storage offsets with the values;
 - a dense ``copy_`` from a same-shaped source of the same dtype and device saves only
   the elements it changes (or its whole view, when offsets would cost more than the
