@@ -107,7 +107,7 @@ class Region:
         if self.key != other.key or self.itemsize != other.itemsize:
             return False
         a, b = self._rows(), other._rows()
-        if a is None or b is None or a[1] != b[1] or a[0] == a[1] or b[0] == b[1]:
+        if a is None or b is None or a[1] != b[1] or a[1] < 1 or a[0] == a[1] or b[0] == b[1]:
             return False
         step, width = self.itemsize, a[1]
         if self.byte_offset % step or other.byte_offset % step:
@@ -423,31 +423,53 @@ class WriteRecorder(Protocol):
 
 
 class _Provenance:
-    """Which staged patch a tensor's storage came from, and at what element offset."""
+    """Which staged patch a tensor's storage came from, and at what element offset.
+
+    A storage is *exact* while every element of it is known to be that patch's staged
+    element at checkpoint index (element offset - base): a staged tensor, or a cast or
+    clone of (a contiguous part of) one, never written to since. Only an exact source
+    lets a saved NaN-merge recompute where it wrote from its patch
+    (:class:`PatchPositions`); any name is good enough for the ``writes`` table.
+    """
 
     def __init__(self) -> None:
-        self._by_key: dict[tuple, tuple[int, str, int]] = {}
+        self._by_key: dict[tuple, tuple[int, str, int, bool]] = {}
 
     def clear(self) -> None:
         self._by_key.clear()
 
     def add_staged(self, position: int, name: str, staged: torch.Tensor) -> None:
         if staged.numel():
-            self._by_key[_storage_key(staged)] = (position, name, staged.storage_offset())
+            self._by_key[_storage_key(staged)] = (position, name, staged.storage_offset(), True)
 
-    def lookup(self, t: torch.Tensor) -> tuple[int, str, int] | None:
+    def lookup(self, t: torch.Tensor, *, exact: bool = False) -> tuple[int, str, int] | None:
+        """``(position, name, checkpoint offset of t's first element)``, or ``None``;
+        with ``exact``, only for an exact storage (see the class docstring)."""
         hit = self._by_key.get(_storage_key(t))
-        if hit is None:
+        if hit is None or (exact and not hit[3]):
             return None
-        pos, name, base = hit
+        pos, name, base, _ = hit
         return pos, name, t.storage_offset() - base
 
-    def derive(self, src: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` is an element-for-element copy of ``src`` (a cast, a clone, a scratch copy)."""
-        hit = self.lookup(src)
+    def derive(self, src: torch.Tensor, out: torch.Tensor, *, whole: bool) -> None:
+        """``out`` is an element-for-element copy of ``src`` (a cast, a clone, a scratch
+        copy); ``whole``: ``out`` is all of a new storage (an op's result), not a part of
+        one that may hold other data."""
+        key = _storage_key(src)
+        hit = self._by_key.get(key)
         if hit is not None and src.is_contiguous() and out.is_contiguous() and out.numel():
-            pos, name, off = hit
-            self._by_key[_storage_key(out)] = (pos, name, out.storage_offset() - off)
+            pos, name, base, exact = hit
+            off = src.storage_offset() - base
+            self._by_key[_storage_key(out)] = (
+                pos, name, out.storage_offset() - off, exact and whole
+            )
+
+    def written(self, t: torch.Tensor) -> None:
+        """``t`` was written in place: its storage no longer holds what was staged."""
+        key = _storage_key(t)
+        hit = self._by_key.get(key)
+        if hit is not None and hit[3]:
+            self._by_key[key] = (*hit[:3], False)
 
 
 # Ops whose output is an element-for-element copy of their first input (``.to()``,
@@ -495,9 +517,10 @@ class _Mode(TorchDispatchMode):
         if not mutated:
             out = func(*args, **kwargs)
             if s.track_sources and func in _ELEMENTWISE_COPIES and isinstance(out, torch.Tensor):
-                s.provenance.derive(args[0], out)
+                s.provenance.derive(args[0], out, whole=True)
             return out
         targets = []
+        others = []
         for i, argname in mutated:
             v = args[i] if i < len(args) else kwargs.get(argname)
             for t in v if isinstance(v, list | tuple) else (v,):
@@ -505,10 +528,15 @@ class _Mode(TorchDispatchMode):
                     own = s.index.owner(t)
                     if own is not None:
                         targets.append((t, own))
+                    else:
+                        others.append(t)
         if not targets:
             out = func(*args, **kwargs)
-            if s.track_sources and func is _COPY:
-                s.provenance.derive(args[1], args[0])
+            if s.track_sources:
+                for t in others:  # a staged tensor (or a copy of one) written in place
+                    s.provenance.written(t)
+                if func is _COPY:
+                    s.provenance.derive(args[1], args[0], whole=False)
             return out
         return s._runtime_write(func, args, kwargs, targets)
 
@@ -719,7 +747,7 @@ class WriteSession:
         dtype keeps NaN where the source has NaN and only there, except where
         it turns a value into NaN (float8): then the merge writes fewer elements than the
         patch entries found, and keeps the offsets."""
-        hit = self.provenance.lookup(src)
+        hit = self.provenance.lookup(src, exact=True)
         patch = self._patches.get(hit[0]) if hit is not None else None
         if patch is None or patch.indices is None:
             return None

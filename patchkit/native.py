@@ -614,6 +614,8 @@ def patch_entries(
     if ready is None:
         return None
     lib, (length, drs, srs) = ready
+    if srs < length:
+        return None  # source rows overlap (a broadcast view): one entry, several writes
     out = (ctypes.c_int64 * 3)()
     getattr(lib, f"pk_entries_{kind}")(
         indices.data_ptr(), indices.element_size(), values.data_ptr(), indices.numel(),

@@ -611,6 +611,67 @@ def test_a_write_into_one_column_slice_of_a_fused_buffer_is_not_credited_to_the_
 
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_sparse_source_broadcast_over_rows_is_saved_and_restored(compiled):
+    # An expanded (stride 0) view of the staged row writes each entry four times: where
+    # the load wrote cannot come from the patch's indices (and must not divide by the
+    # zero row stride); the save keeps its offsets.
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(32.0).view(4, 8), False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.data.copy_(t.expand(4, 8))
+            raise RuntimeError("after the copy")
+
+    m = M()
+    p = CheckpointWeightPatch("w", (1, 8), torch.float32, torch.tensor([100.0, 200.0]),
+                              torch.tensor([1, 5]))
+    with (
+        pytest.raises(RuntimeError, match="after the copy"),
+        contextlib.nullcontext() if compiled else native.disabled(),
+    ):
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(m.w.data, torch.arange(32.0).view(4, 8))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_loader_that_rewrites_its_staged_tensor_first_is_saved_where_it_wrote(compiled):
+    # The loader flips the staged rows in place before copying: the merge writes where
+    # the flipped tensor holds values (as many as the patch has entries), not where the
+    # patch's indices say, so the save must keep its offsets.
+    class M(torch.nn.Module):
+        def __init__(self, fail: bool) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(32.0).view(4, 8), False)
+            self.fail = fail
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                t.copy_(t.flip(0))
+                self.w.data.copy_(t)
+            if self.fail:
+                raise RuntimeError("after the merge")
+            return {n for n, _ in weights}
+
+    def patch():
+        return CheckpointWeightPatch("w", (4, 8), torch.float32, torch.tensor([100.0, 200.0]),
+                                     torch.tensor([1, 10]))
+
+    start = torch.arange(32.0).view(4, 8)
+    with contextlib.nullcontext() if compiled else native.disabled():
+        r = inspect_load(M(False), [patch()])
+        m = M(True)
+        with pytest.raises(RuntimeError, match="after the merge"):
+            patchkit.load_checkpoint_weight_patches(m, [patch()], transactional=True)
+    assert r._saved[0].positions is None
+    assert torch.equal(r.before("w"), start)
+    assert r.written("w").nonzero().tolist() == [[2, 2], [3, 1]]
+    assert torch.equal(m.w.data, start)
+
+
 # -- which writes reach a measured region ------------------------------------------------
 
 
@@ -652,3 +713,7 @@ def test_column_slices_of_one_matrix_are_apart():
     assert not Region.of(m[:, :4]).columns_apart(Region.of(m[:, 3:]))
     assert not Region.of(m[:4]).columns_apart(Region.of(m[2:]))  # whole rows
     assert not Region.of(m[:, :3]).columns_apart(Region.of(m.view(-1)[1:].view(47)[:3]))
+    s = torch.zeros(100)  # broadcast rows (row stride 0): not columns, and no division by 0
+    a, b = s.as_strided((3, 4), (0, 1), 39), s.as_strided((2, 3), (0, 1), 41)
+    assert not Region.of(a).columns_apart(Region.of(b))
+    assert Region.of(a).overlaps(Region.of(b))
