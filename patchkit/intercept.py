@@ -204,10 +204,40 @@ class RuntimeIndex:
         if not owners:
             return None
         b = t.storage_offset() * t.element_size()
-        for o in owners:
-            if o.byte_start <= b < o.byte_end:
-                return o.name, o.tensor, (b - o.byte_start) // o.tensor.element_size()
+        near = [o for o in owners if o.byte_start <= b < o.byte_end]
+        # Strided tensors that share a storage (column slices of one fused buffer) have
+        # byte ranges that interleave: prefer the one that holds t's first element, and
+        # give its row-major position in it.
+        for o in near:
+            at = _position_of(o.tensor, b)
+            if at is not None and (len(near) > 1 or not o.tensor.is_contiguous()):
+                return o.name, o.tensor, at
+        for o in near:
+            return o.name, o.tensor, (b - o.byte_start) // o.tensor.element_size()
         return owners[0].name, owners[0].tensor, (b - owners[0].byte_start) // t.element_size()
+
+
+def _position_of(t: torch.Tensor, byte: int) -> int | None:
+    """The row-major position in ``t`` of the element that starts at storage byte
+    ``byte``, or ``None`` when no element of ``t`` starts there. Exact for views whose
+    strides nest (each at least the span of the smaller ones: slices, transposes and
+    permutes of a dense tensor), which is what a parameter or buffer is."""
+    step = t.element_size()
+    rel, odd = divmod(byte - t.storage_offset() * step, step)
+    if rel < 0 or odd or t.numel() == 0:
+        return None
+    index = [0] * t.dim()
+    dims = sorted(((s, d) for d, (n, s) in enumerate(zip(t.shape, t.stride()))
+                   if n > 1 and s > 0), reverse=True)
+    for stride, d in dims:
+        index[d] = min(rel // stride, t.shape[d] - 1)
+        rel -= index[d] * stride
+    if rel:
+        return None
+    at = 0
+    for k, n in zip(index, t.shape):
+        at = at * n + k
+    return at
 
 
 @dataclass

@@ -582,7 +582,8 @@ def test_a_later_write_of_another_element_size_is_seen_as_with_torch_ops(other):
 
 @pytest.mark.parametrize("change", ["one element", "every element"])
 def test_a_write_into_one_column_slice_of_a_fused_buffer_is_not_credited_to_the_other(change):
-    # a and b are column slices of one buffer: rows of a lie inside b's byte extent.
+    # a and b are column slices of one buffer: rows of a lie inside b's byte extent, and
+    # rows of b inside a's.
     class M(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -591,8 +592,11 @@ def test_a_write_into_one_column_slice_of_a_fused_buffer_is_not_credited_to_the_
             self.b = torch.nn.Parameter(buf[:, 8:], False)
 
         def load_weights(self, weights):
-            for _, t in weights:
-                self.a.data[10:20].copy_(t)
+            for name, t in weights:
+                if name == "a":
+                    self.a.data[10:20].copy_(t)
+                else:
+                    self.b.data[30:32].copy_(t)
             return {n for n, _ in weights}
 
     for compiled in (True, False):
@@ -608,6 +612,13 @@ def test_a_write_into_one_column_slice_of_a_fused_buffer_is_not_credited_to_the_
         assert list(r.deltas.index) == ["a"], (compiled, r.deltas)
         row = r.deltas.loc["a"]
         assert row["elements"] == 80 and row["changed"] == (1 if change == "one element" else 80)
+        # the writes table names the slice written, at its row-major position in it
+        assert r.writes[["target", "target_offset"]].values.tolist() == [["a", 80]]
+        patch_b = CheckpointWeightPatch("b", (2, 8), torch.float32, torch.zeros(16))
+        with contextlib.nullcontext() if compiled else native.disabled():
+            r = inspect_load(m, [patch_b])
+        assert r.writes[["target", "target_offset"]].values.tolist() == [["b", 240]]
+        assert list(r.deltas.index) == ["b"]
 
 
 
@@ -717,3 +728,24 @@ def test_column_slices_of_one_matrix_are_apart():
     a, b = s.as_strided((3, 4), (0, 1), 39), s.as_strided((2, 3), (0, 1), 41)
     assert not Region.of(a).columns_apart(Region.of(b))
     assert Region.of(a).overlaps(Region.of(b))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 5), st.integers(1, 6), st.integers(1, 4)),
+    starts=st.tuples(*[st.integers(0, 3)] * 3),
+    steps=st.tuples(*[st.integers(1, 2)] * 3),
+    perm=st.permutations([0, 1, 2]),
+)
+def test_a_view_says_which_storage_element_is_its_which_element(shape, starts, steps, perm):
+    """``_position_of`` (how a write is placed in a strided parameter) against brute
+    force, for slices with steps and permutes of a dense tensor."""
+    from patchkit.intercept import _position_of
+
+    base = torch.zeros(shape)
+    view = base[tuple(slice(a, None, s) for a, s in zip(starts, steps))].permute(*perm)
+    numbered = torch.arange(base.numel()).view(shape)
+    mine = numbered[tuple(slice(a, None, s) for a, s in zip(starts, steps))].permute(*perm)
+    where = {int(e): k for k, e in enumerate(mine.reshape(-1).tolist())}
+    for e in range(base.numel()):
+        assert _position_of(view, e * base.element_size()) == where.get(e), e
