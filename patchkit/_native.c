@@ -1,12 +1,15 @@
-/* patchkit's one compiled loop: a dense copy that saves, counts and measures what it
- * changes while it copies (see patchkit/native.py, which builds and calls it).
+/* patchkit's compiled loops (patchkit/native.py builds and calls them). First and
+ * largest, pk_copy: a dense copy that saves, counts and measures what it changes while
+ * it copies. Further down: pk_merge (the NaN-merge of a sparse write, with its save and
+ * statistics), pk_count (its sizing pass), pk_entries (a sparse patch's entries that a
+ * merge from its staged tensor writes), pk_sample and pk_scatter (undo a compact save).
  *
  * A report (or transactional=True) needs, for each dense copy_ into runtime storage, the
  * elements whose bits the copy changes and their old values. Done with separate torch
  * ops that is a compare, a count, a nonzero, a gather, a sum of squares and the copy:
  * six passes over the view. This does it in one: each block of the view is read once
- * from the destination and once from the source, and the destination is written only
- * where its bits change.
+ * from the destination and once from the source, and (compact mode) the destination is
+ * written only where its bits change.
  *
  * The view is walked in row-major order as rows of L contiguous elements: destination
  * row r starts at element r*drs, source row r at r*srs. One call covers the positions
