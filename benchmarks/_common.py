@@ -11,7 +11,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["bench_args", "fmt_table", "median_seconds", "peak_extra_bytes", "sync", "vllm_loader"]
+__all__ = [
+    "bench_args", "fmt_table", "interleaved_medians", "median_seconds", "peak_extra_bytes",
+    "sync", "vllm_loader",
+]
 
 
 def bench_args(description: str, argv=None) -> tuple[torch.device, int, bool]:
@@ -27,6 +30,28 @@ def bench_args(description: str, argv=None) -> tuple[torch.device, int, bool]:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def interleaved_medians(
+    fns: Sequence[Callable[[], object]], device: torch.device, repeats: int
+) -> list[float]:
+    """Median wall time of each of ``fns`` over ``repeats`` rounds, after one warm-up
+    run each. A round runs every function once, in turn, so that a shared machine's
+    drift (other tenants, page-cache and allocator state) falls on all of them alike,
+    and their ratios stay steady where back-to-back runs of one, then the other, don't."""
+    for fn in fns:
+        fn()
+    sync(device)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            gc.collect()
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:

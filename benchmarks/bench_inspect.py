@@ -11,7 +11,10 @@ Prints three tables from one run:
    (the tables' numbers are all taken by then); "torch-ops report ms" is the same
    report with the compiled path off (``patchkit.native.disabled()``: what a machine
    without a C compiler, or a GPU, runs); "+ tables ms" also builds the four
-   DataFrames, which a report does on first read. The target (issue 4): a report
+   DataFrames, which a report does on first read. The timings of a row are taken in
+   rounds (plain, report, torch-ops report, + tables, transactional, torch-ops
+   transactional, in turn), so that drift on a shared machine falls on all of them
+   alike. The target (issue 4): a report
    costs at most 1.5x the plain load's time, and extra memory no larger than the bytes
    written;
 2. the same loads with ``transactional=True`` and no report: the same saves (with the
@@ -30,7 +33,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import bench_args, fmt_table, median_seconds, peak_extra_bytes
+from _common import bench_args, fmt_table, interleaved_medians, median_seconds, peak_extra_bytes
 from bench_loader import OneParam, make_patch
 
 import patchkit
@@ -90,16 +93,20 @@ def main(argv=None) -> int:
                     r = patchkit.inspect_load(model, [next_patch()])
                     return r.chunks, r.calls, r.writes, r.deltas
 
-                t_plain = median_seconds(plain, device, repeats)
-                t_report = median_seconds(report, device, repeats)
-                with native.disabled():
-                    t_torch = median_seconds(report, device, repeats)
-                t_tables = median_seconds(report_tables, device, repeats)
+                def torch_ops(fn):
+                    def run():
+                        with native.disabled():
+                            return fn()
+
+                    return run
+
+                t_plain, t_report, t_torch, t_tables, t_tx, t_tx_torch = interleaved_medians(
+                    [plain, report, torch_ops(report), report_tables, transactional,
+                     torch_ops(transactional)],
+                    device, repeats,
+                )
                 m_plain = peak_extra_bytes(plain, device)
                 m_report = peak_extra_bytes(report, device)
-                t_tx = median_seconds(transactional, device, repeats)
-                with native.disabled():
-                    t_tx_torch = median_seconds(transactional, device, repeats)
                 m_tx = peak_extra_bytes(transactional, device)
                 r = report()
                 merged = int(r.deltas["elements"].sum()) * dtype.itemsize
@@ -136,7 +143,8 @@ def main(argv=None) -> int:
                 )
                 print(".", end="", flush=True, file=sys.stderr)
     print(file=sys.stderr)
-    print(f"inspect_load vs load_checkpoint_weight_patches on {device.type}, median of {repeats}")
+    print(f"inspect_load vs load_checkpoint_weight_patches on {device.type}, "
+          f"median of {repeats} interleaved rounds")
     print(f"dense report saves: {native.status()}")
     print(
         fmt_table(
