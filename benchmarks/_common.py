@@ -56,17 +56,7 @@ def interleaved_medians(
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median wall time of ``fn`` over ``repeats`` runs, after one warm-up run."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        gc.collect()
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return interleaved_medians([fn], device, repeats)[0]
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:

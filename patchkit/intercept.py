@@ -85,19 +85,8 @@ class Region:
     def _rows(self) -> tuple[int, int] | None:
         """``(L, S)`` when the view is rows of ``L`` contiguous elements ``S`` elements
         apart (one row: ``S == L``), else ``None``."""
-        levels: list[list[int]] = []  # [size, stride], innermost first
-        for n, s in zip(reversed(self.shape), reversed(self.stride)):
-            if n == 1:
-                continue
-            if levels and s == levels[-1][0] * levels[-1][1]:
-                levels[-1][0] *= n
-            else:
-                levels.append([n, s])
-        if not levels:
-            return (1, 1)
-        if levels[0][1] != 1 or len(levels) > 2:
-            return None
-        return (levels[0][0], levels[1][1] if len(levels) == 2 else levels[0][0])
+        rows = native._rows_of(self.shape, self.stride, self.stride)
+        return None if rows is None else rows[:2]
 
     def columns_apart(self, other: Region) -> bool:
         """True when the two views are rows the same distance apart in one storage, with
@@ -107,7 +96,7 @@ class Region:
         if self.key != other.key or self.itemsize != other.itemsize:
             return False
         a, b = self._rows(), other._rows()
-        if a is None or b is None or a[1] != b[1] or a[1] < 1 or a[0] == a[1] or b[0] == b[1]:
+        if a is None or b is None or a[1] != b[1] or a[0] == a[1] or b[0] == b[1]:
             return False
         step, width = self.itemsize, a[1]
         if self.byte_offset % step or other.byte_offset % step:
@@ -205,14 +194,16 @@ class RuntimeIndex:
             return None
         b = t.storage_offset() * t.element_size()
         near = [o for o in owners if o.byte_start <= b < o.byte_end]
-        # Strided tensors that share a storage (column slices of one fused buffer) have
-        # byte ranges that interleave: prefer the one that holds t's first element, and
-        # give its row-major position in it.
-        for o in near:
-            at = _position_of(o.tensor, b)
-            if at is not None and (len(near) > 1 or not o.tensor.is_contiguous()):
-                return o.name, o.tensor, at
-        for o in near:
+        if len(near) > 1 or (near and not near[0].tensor.is_contiguous()):
+            # Strided tensors that share a storage (column slices of one fused buffer)
+            # have byte ranges that interleave: prefer the one that holds t's first
+            # element, and give its row-major position in it.
+            for o in near:
+                at = _position_of(o.tensor, b)
+                if at is not None:
+                    return o.name, o.tensor, at
+        if near:
+            o = near[0]
             return o.name, o.tensor, (b - o.byte_start) // o.tensor.element_size()
         return owners[0].name, owners[0].tensor, (b - owners[0].byte_start) // t.element_size()
 

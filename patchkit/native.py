@@ -292,8 +292,15 @@ class CopyResult:
 def _rows(dest: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int] | None:
     """``(L, dest row stride, src row stride)`` when both views are rows of ``L``
     contiguous elements (a contiguous view is one row), else ``None``."""
+    return _rows_of(tuple(dest.shape), dest.stride(), src.stride())
+
+
+def _rows_of(
+    shape: tuple[int, ...], dstride: tuple[int, ...], sstride: tuple[int, ...]
+) -> tuple[int, int, int] | None:
+    """:func:`_rows` of two views of ``shape`` given by their element strides."""
     levels: list[list[int]] = []  # [size, dest stride, src stride], innermost first
-    for n, ds, ss in zip(reversed(dest.shape), reversed(dest.stride()), reversed(src.stride())):
+    for n, ds, ss in zip(reversed(shape), reversed(dstride), reversed(sstride)):
         if n == 1:
             continue
         if ds == 0:
@@ -506,13 +513,12 @@ class MergeResult:
     them changed. With ``save``: ``before`` holds the written elements' old values (1-D,
     in the view's row-major order) and ``index`` their storage offsets, or ``None`` when
     the caller knew how many there would be (``known_count``) and can recompute them.
-    ``rows`` is the walk: ``(L, dest row stride, src row stride)``. With ``stats``, the
+    With ``stats``, the
     numbers of :class:`CopyResult` over the written elements: ``squares`` of their old
     values, the others over those that changed."""
 
     written: int
     changed: int
-    rows: tuple[int, int, int]
     index: torch.Tensor | None = None
     before: torch.Tensor | None = None
     squares: float | None = None
@@ -568,7 +574,6 @@ def merge(
     return MergeResult(
         written=sum(w for w, _, _ in done),
         changed=sum(c for _, c, _ in done),
-        rows=(length, drs, srs),
         index=idx,
         before=None if bef is None else bef.view(dest.dtype),
         **({
