@@ -605,15 +605,19 @@ def _delta_rows(
     changed elements and one read of its view (for ``||before||``). Works block by block,
     so the scratch memory of the statistics is bounded whatever the size of the writes.
     """
+    # Runtime tensors by storage, taken once: each saved region is matched against the
+    # tensors of its own storage only (a load of n tensors costs O(n), not O(n^2)).
+    by_storage: dict[tuple, list[tuple[str, torch.Tensor, tuple[int, int]]]] = {}
+    for name, t in runtime.items():
+        if t.numel():
+            r = Region.of(t)
+            by_storage.setdefault(r.key, []).append((name, t, r.extent()))
     regions_of: dict[str, list[SavedRegion]] = {}
     for s in saved:
-        for name, t in runtime.items():
-            if (
-                t.numel()
-                and _storage_key(t) == _storage_key(s.view)
-                and s.view.element_size() == t.element_size()
-                and _reaches(s.view, t)
-            ):
+        r = Region.of(s.view)
+        a0, a1 = r.extent()
+        for name, t, (b0, b1) in by_storage.get(r.key, ()):
+            if s.view.element_size() == t.element_size() and a0 < b1 and b0 < a1:
                 regions_of.setdefault(name, []).append(s)
     rows = []
     for target, regions in regions_of.items():
@@ -756,13 +760,6 @@ def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: list[SavedRegion]) -
     acc.elements += b.numel()
     acc.sum_b2 += sum_squares(b)
     acc.add_pairs(b, a)
-
-
-def _reaches(view: torch.Tensor, t: torch.Tensor) -> bool:
-    """True when the extents of ``view`` and ``t`` (in one storage) meet."""
-    a0, a1 = Region.of(view).extent()
-    b0, b1 = Region.of(t).extent()
-    return a0 < b1 and b0 < a1
 
 
 def _sharing(saved: list[SavedRegion], t: torch.Tensor) -> list[SavedRegion]:

@@ -22,6 +22,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
@@ -291,6 +292,11 @@ class SavedRegion:
     # so that the statistics need not read them again.
     diff_stats: tuple[int, float, float, float] | None = None
     positions: PatchPositions | None = field(default=None, repr=False)
+
+    @cached_property
+    def region(self) -> Region:
+        """Where :attr:`view` sits in its storage (taken once: a view never moves)."""
+        return Region.of(self.view)
 
     def _storage(self) -> torch.Tensor:
         return _flat_storage(self.view)
@@ -592,7 +598,9 @@ class WriteSession:
         self.provenance = _Provenance()
         self.saved: list[SavedRegion] = []
         # Saves whose statistics were measured while copying, until a write reaches them.
-        self._measured: list[SavedRegion] = []
+        # Regions whose statistics were measured while writing, by storage: a later write
+        # that reaches one makes its numbers stale (see _forget_measured).
+        self._measured: dict[tuple, list[SavedRegion]] = {}
         self._saved_regions: set[Region] = set()
         self._schema_cache: dict = {}
         self._sparse = False
@@ -745,21 +753,29 @@ class WriteSession:
     def _forget_measured(self, targets) -> None:
         """A write that reaches a region whose statistics were measured while copying
         makes those numbers stale (a write through a view of another element size, say):
-        the report reads that region again when the load ends, as torch ops would."""
+        the report reads that region again when the load ends, as torch ops would. Only
+        the regions of the written storage are looked at, so a load of many tensors
+        costs a look-up per write, not a scan of every earlier write."""
         for t, _ in targets:
             written = Region.of(t)
+            regions = self._measured.get(written.key)
+            if not regions:
+                continue
             lo, hi = written.extent()
             keep = []
-            for sr in self._measured:
-                saved = Region.of(sr.view)
+            for sr in regions:
+                saved = sr.region
                 r0, r1 = saved.extent()
-                if saved.key == written.key and r0 < hi and lo < r1 and not (
-                    saved.columns_apart(written)
-                ):
+                if r0 < hi and lo < r1 and not saved.columns_apart(written):
                     sr.diff_stats = None
                 else:
                     keep.append(sr)
-            self._measured = keep
+            self._measured[written.key] = keep
+
+    def _measure(self, saved: SavedRegion) -> None:
+        """Keep ``saved`` (whose statistics were measured while writing) for
+        :meth:`_forget_measured`."""
+        self._measured.setdefault(saved.region.key, []).append(saved)
 
     def _patch_positions(self, dest, src) -> PatchPositions | None:
         """How a merge from ``src`` could recompute where it wrote from its sparse patch
@@ -791,7 +807,7 @@ class WriteSession:
             )
             self.saved.append(saved)
             if measured:
-                self._measured.append(saved)
+                self._measure(saved)
         self._call_writes += 1
         if self.recorder is not None:
             self._record(op, dest, tname, off, src, fast.changed)
@@ -841,7 +857,7 @@ class WriteSession:
             )
             self.saved.append(saved)
             if diff is not None:
-                self._measured.append(saved)
+                self._measure(saved)
             out = dest
         else:
             n_changed, out = self._compared_copy_torch(func, args, kwargs, tname, owner, off, stats)
