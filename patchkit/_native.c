@@ -25,7 +25,8 @@
  * With stats set it also sums, in double, the squares of the finite old values (b2)
  * and, over changed elements, |new - old| where finite (sum, sum of squares, maximum):
  * old and new are widened to double first, except float16, whose difference is taken
- * in float (as patchkit.inspect does with torch). Non-finite values count as 0.
+ * in float (as patchkit.inspect does with torch). Non-finite values count as 0. (The
+ * bfloat16 compact lane sums b2 in float within each window first: see pk_fast_bf16.)
  */
 #include <math.h>
 #include <stdint.h>
@@ -101,7 +102,14 @@ static inline void pk_stat(pk_acc *acc, double d) {
  * run and returns how many elements it did (a multiple of 32): it stops before the first
  * window whose changes would not fit in cap entries, and leaves the rest of the run (and
  * the finite check of the squares) to the portable loop in pk_compact_NAME. Other
- * machines and dtypes do no elements here. */
+ * machines and dtypes do no elements here.
+ *
+ * The list of a window is built from its masks' nonzero bytes only: a window of a few
+ * changes costs a table look-up for each such byte, not four for every group. The
+ * bfloat16 lane squares its old values in float (exact: 8-bit significands) and sums
+ * them in float within the window (16 terms a lane: at most 1e-6 relative error), then
+ * in double; pk_compact_bf16 sums a run again in double when float could not hold its
+ * squares (PK_TINY_bf16, and the finite check). */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -116,6 +124,13 @@ static inline void pk_stat(pk_acc *acc, double d) {
         b = _mm256_fmadd_pd(e_, e_, b);                                                      \
     } while (0)
 
+/* add the eight floats of x to the two accumulators */
+#define PK_ADD8(x, a, b)                                                                     \
+    do {                                                                                     \
+        a = _mm256_add_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));                    \
+        b = _mm256_add_pd(b, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));                  \
+    } while (0)
+
 static int32_t pk_bit_list[256][8]; /* the set bits of each byte, lowest first */
 
 __attribute__((constructor)) static void pk_bit_list_init(void) {
@@ -128,16 +143,28 @@ __attribute__((constructor)) static void pk_bit_list_init(void) {
 
 static inline __m256i pk_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* append base + l for every set bit l of m to list[cnt...]; the new count. Writes up to
- * 8 entries past it (the list has room). */
-static inline int pk_append(int32_t *list, int cnt, uint32_t m, int32_t base) {
-    for (int q = 0; q < 4; q++) {
-        uint32_t byte = m >> (8 * q) & 255;
-        __m256i at = pk_load(pk_bit_list[byte]);
-        _mm256_storeu_si256((__m256i *)(list + cnt),
-                            _mm256_add_epi32(at, _mm256_set1_epi32(base + 8 * q)));
-        cnt += __builtin_popcount(byte);
-    }
+/* append base + l for every set bit l of byte to list[cnt...]; the new count. Writes up
+ * to 8 entries past it (the list has room). */
+static inline int pk_append8(int32_t *list, int cnt, uint32_t byte, int32_t base) {
+    _mm256_storeu_si256((__m256i *)(list + cnt),
+                        _mm256_add_epi32(pk_load(pk_bit_list[byte]), _mm256_set1_epi32(base)));
+    return cnt + __builtin_popcount(byte);
+}
+
+/* The positions of the set bits of a window's masks (mask g covers elements 32g..32g+31;
+ * 16 masks, those past the window zero) to list[0...]; their number. The masks' nonzero
+ * bytes are found first (two compares of the 64 bytes), so a window with a few changes
+ * spends a table look-up on each of those bytes and on nothing else. */
+static inline int pk_window_list(int32_t *list, const uint32_t masks[16]) {
+    const uint8_t *b = (const uint8_t *)masks;
+    const __m256i zero = _mm256_setzero_si256();
+    uint64_t nz = ~(uint64_t)(
+        (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(pk_load(b), zero)) |
+        (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(pk_load(b + 32), zero)) << 32);
+    int32_t bytes[64 + 8];
+    int nb = 0, cnt = 0;
+    for (int q = 0; q < 8; q++) nb = pk_append8(bytes, nb, nz >> (8 * q) & 255, 8 * q);
+    for (int t = 0; t < nb; t++) cnt = pk_append8(list, cnt, b[bytes[t]], 8 * bytes[t]);
     return cnt;
 }
 
@@ -161,16 +188,20 @@ static inline double pk_hsum(__m256d a, __m256d b, __m256d c, __m256d e) {
     while (j + 32 <= n) {                                                                    \
         int64_t start = j, end = n - j > PK_W ? j + PK_W : n;                                \
         __m256d w0 = _mm256_setzero_pd(), w1 = w0, w2 = w0, w3 = w0;                         \
-        int cnt = 0;                                                                         \
-        for (; j + 32 <= end; j += 32) {                                                     \
+        __m256 v0 = _mm256_setzero_ps(), v1 = v0, v2 = v0, v3 = v0; /* float squares (bf16) */ \
+        uint32_t masks[16] = {0};                                                            \
+        for (int g = 0; j + 32 <= end; j += 32, g++) {                                       \
             uint32_t m;                                                                      \
             GROUP(j);                                                                        \
-            cnt = pk_append(list, cnt, m, (int32_t)(j - start));                             \
+            masks[g] = m;                                                                    \
         }                                                                                    \
+        int cnt = pk_window_list(list, masks);                                               \
         if (k + cnt > cap) { /* the portable loop finds where the room ends */               \
             j = start;                                                                       \
             break;                                                                           \
         }                                                                                    \
+        PK_ADD8(_mm256_add_ps(v0, v1), w0, w1);                                              \
+        PK_ADD8(_mm256_add_ps(v2, v3), w2, w3);                                              \
         a0 = _mm256_add_pd(a0, w0);                                                          \
         a1 = _mm256_add_pd(a1, w1);                                                          \
         a2 = _mm256_add_pd(a2, w2);                                                          \
@@ -212,10 +243,14 @@ static inline double pk_hsum(__m256d a, __m256d b, __m256d c, __m256d e) {
                                         _mm256_cmpeq_epi16(d1, pk_load(s + j + 16)));        \
         m = ~(uint32_t)_mm256_movemask_epi8(_mm256_permute4x64_epi64(eq, 0xD8));             \
         if (stats) {                                                                         \
-            PK_SQ8(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, d0)), w0, w1);               \
-            PK_SQ8(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, d0)), w2, w3);               \
-            PK_SQ8(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, d1)), w0, w1);               \
-            PK_SQ8(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, d1)), w2, w3);               \
+            __m256 x0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, d0)),                   \
+                   x1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, d0)),                   \
+                   x2 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, d1)),                   \
+                   x3 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, d1));                   \
+            v0 = _mm256_fmadd_ps(x0, x0, v0);                                                \
+            v1 = _mm256_fmadd_ps(x1, x1, v1);                                                \
+            v2 = _mm256_fmadd_ps(x2, x2, v2);                                                \
+            v3 = _mm256_fmadd_ps(x3, x3, v3);                                                \
         }                                                                                    \
     } while (0)
 
@@ -354,6 +389,13 @@ PK_FASTW(bf16)
 #define PK_FAST_bf16(...) 0
 #endif
 #define PK_FAST_f64(...) 0
+/* b2 of a compact run below this is summed again in double (pk_b2): the bfloat16 lane
+ * sums squares in float, where squares of values below about 1e-19 lose bits or vanish.
+ * (A run whose values are all +-0 is not summed again.) */
+#define PK_TINY_bf16 0x1p-100
+#define PK_TINY_f32 0.0
+#define PK_TINY_f64 0.0
+#define PK_TINY_f16 0.0
 #define PK_FAST_f16(...) 0
 #ifndef PK_FASTW_f32
 #define PK_FASTW_f32(...) 0
@@ -381,6 +423,14 @@ PK_FASTW(bf16)
             if (fabs(x) <= PK_DBL_MAX) t += x * x;                                           \
         }                                                                                    \
         return t;                                                                            \
+    }                                                                                        \
+    /* true when a value at d[0, n) or bef[0, m) is not +-0 */                               \
+    static int pk_any_##NAME(const UT *d, int64_t n, const UT *bef, int64_t m) {             \
+        const UT mag = (UT)~((UT)1 << (8 * sizeof(UT) - 1));                                 \
+        UT any = 0;                                                                          \
+        for (int64_t q = 0; q < n; q++) any |= d[q] & mag;                                   \
+        for (int64_t q = 0; q < m; q++) any |= bef[q] & mag;                                 \
+        return any != 0;                                                                     \
     }                                                                                        \
     /* Compact mode, the m elements at d: save and copy the changed ones. */                 \
     static __attribute__((noinline)) int64_t pk_changed_##NAME(                              \
@@ -440,7 +490,8 @@ PK_FASTW(bf16)
         if (stats) {                                                                         \
             double t = fast;                                                                 \
             for (int l = 0; l < PK_B; l++) t += sq[l];                                       \
-            if (!isfinite(t)) t = pk_b2_##NAME(d, o, j, idx, bef, *c, k, 0);                 \
+            if (!isfinite(t) || (t < PK_TINY_##NAME && pk_any_##NAME(d, j, bef + *c, k - *c)))   \
+                t = pk_b2_##NAME(d, o, j, idx, bef, *c, k, 0);                               \
             *b2 += t;                                                                        \
         }                                                                                    \
         *c = k;                                                                              \

@@ -187,7 +187,8 @@ class LoadReport:
       NaN-merged copy only the elements its source lets through), ``changed`` (bitwise,
       against the value before the load), ``max_abs``, ``mean_abs`` (over the written
       elements) and ``rel_l2`` (``||after - before|| / ||before||`` over the written
-      elements).
+      elements; for bfloat16 on x86 CPUs ``||before||`` is summed partly in float32, and
+      can be off by up to 1e-6 relative: see :class:`patchkit.native.CopyResult`).
     - ``error``: the exception the load raised, or ``None``.
 
     The four tables are built when first read (their numbers were all taken when the load
