@@ -19,7 +19,12 @@ Prints three tables from one run:
    written;
 2. the same loads with ``transactional=True`` and no report: the same saves (with the
    compiled path and with torch ops), which a failed load writes back;
-3. ``density_map`` and ``plot_density`` on a 128256 x 2560 bf16 patch at 1 % density
+3. a whole model: one tensor-parallel rank (of 2) of an 8-layer Llama-shaped
+   ``TinyLlamaRuntime`` in bf16 (hidden 1024, vocabulary 32000: 75 checkpoint tensors,
+   from 1 K to 33 M elements), loaded with two consecutive steps of ``AdamLikeTrainer``
+   (about 1 % of the elements change per step), as dense patches and as sparse ones.
+   What the single-tensor rows cannot show: the report's cost per tensor written;
+4. ``density_map`` and ``plot_density`` on a 128256 x 2560 bf16 patch at 1 % density
    (a Llama-3 embedding), next to ``torch.bincount`` over the same indices (the floor).
 
 Usage: ``python benchmarks/bench_inspect.py [--quick] [--device cuda] [--repeats N]``.
@@ -169,6 +174,10 @@ def main(argv=None) -> int:
         )
     )
 
+    # -- a whole model ---------------------------------------------------------------------
+    print()
+    print(_model_table(device, repeats, quick))
+
     # -- density map of a big embedding patch ----------------------------------------------
     emb = (128256, 2560) if not quick else (1024, 256)
     patch = make_patch(emb, torch.bfloat16, 0.01, torch.device("cpu"))
@@ -199,6 +208,73 @@ def main(argv=None) -> int:
     print(f"{emb[0]} x {emb[1]} bf16 patch, {nnz} changes (1 %), CPU, median of {repeats}")
     print(fmt_table(["step", "seconds"], r))
     return 0
+
+
+def _model_table(device: torch.device, repeats: int, quick: bool) -> str:
+    """Table 3 (see the module docstring)."""
+    from patchkit.build import AdamLikeTrainer, dense_patches, sparse_patches_from_diff
+    from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+    if quick:
+        config = TinyLlamaConfig()
+    else:
+        config = TinyLlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                                 num_layers=8, num_heads=16, num_kv_heads=4)
+    dtype = torch.bfloat16
+    start = tiny_llama_checkpoint(config, dtype=dtype)
+    trainer = AdamLikeTrainer(start, lr=1e-6)
+    step1, step2 = trainer.step(), trainer.step()
+    kinds = {
+        "dense": (dense_patches(step1), dense_patches(step2)),
+        # the first step from the starting weights, the second from the first
+        "sparse": (sparse_patches_from_diff(start, step1), sparse_patches_from_diff(step1, step2)),
+    }
+    rows = []
+    for kind, pair in kinds.items():
+        model = TinyLlamaRuntime(config, tp_rank=0, tp_size=2, dtype=dtype, device=device)
+        patchkit.load_checkpoint_weight_patches(model, dense_patches(start))
+        turn = [0]
+
+        def next_patches(pair=pair, turn=turn):
+            turn[0] ^= 1
+            return pair[turn[0]]
+
+        def plain(model=model, next_patches=next_patches):
+            patchkit.load_checkpoint_weight_patches(model, next_patches())
+
+        def report(model=model, next_patches=next_patches):
+            return patchkit.inspect_load(model, next_patches())
+
+        def torch_ops(model=model, next_patches=next_patches):
+            with native.disabled():
+                return patchkit.inspect_load(model, next_patches())
+
+        t_plain, t_report, t_torch = interleaved_medians(
+            [plain, report, torch_ops], device, repeats
+        )
+        m_plain = peak_extra_bytes(plain, device)
+        m_report = peak_extra_bytes(report, device)
+        r = report()
+        written = sum(
+            int(n) * t.element_size()
+            for n, t in zip(r.deltas["elements"], (model.get_parameter(k) for k in r.deltas.index))
+        )
+        changed = int(r.deltas["changed"].sum()) / max(int(r.deltas["elements"].sum()), 1)
+        rows.append([
+            kind, str(len(pair[0])), f"{changed:.2%}",
+            f"{t_plain * 1e3:.1f}", f"{t_report * 1e3:.1f}", f"{t_report / t_plain:.2f}x",
+            f"{t_torch * 1e3:.1f}", f"{(m_report - m_plain) / 2**20:.1f}",
+            f"{written / 2**20:.1f}",
+        ])
+    params = sum(p.numel() for p in model.parameters())
+    head = (f"a whole model: rank 0 of 2 of a TinyLlamaRuntime of {config.num_layers} layers, "
+            f"{params / 1e6:.1f} M bf16 parameters on {device.type}, two AdamLikeTrainer steps "
+            f"in turn, median of {repeats} interleaved rounds")
+    return head + "\n" + fmt_table(
+        ["patches", "tensors", "changed of written", "plain ms", "report ms", "ratio",
+         "torch-ops report ms", "report extra MiB", "written MiB"],
+        rows,
+    )
 
 
 if __name__ == "__main__":
