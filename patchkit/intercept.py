@@ -44,9 +44,11 @@ __all__ = [
 _aten = torch.ops.aten
 _COPY = _aten.copy_.default
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int | None, int]:
-    s = t.untyped_storage()
-    return (t.device.type, t.device.index, s.data_ptr())
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    """Which storage ``t`` views: its device and the address where the storage starts
+    (``t``'s own address less its offset: the same number as
+    ``t.untyped_storage().data_ptr()``, without building a storage object)."""
+    return (t.device, t.data_ptr() - t.storage_offset() * t.element_size())
 
 
 @dataclass(frozen=True)
