@@ -661,17 +661,30 @@ PK_SCATTER(f64, uint64_t)
 PK_SCATTER(bf16, uint16_t)
 PK_SCATTER(f16, uint16_t)
 
-/* How many of k positions spread evenly over the n elements of the view (walked as
- * pk_copy walks it) differ between dst and src: a cheap estimate, before a compact
- * save, of how many elements the copy will change. */
+/* How many elements of positions [p, p1) of the view (walked as pk_copy walks it) differ
+ * between dst and src. pk_sample counts them in k blocks of b consecutive positions,
+ * spread evenly over the view's n (k*b <= n): a cheap estimate, before a compact save,
+ * of how many elements the copy will change. Blocks touch few cache lines (scattered
+ * single positions cost a cache miss each), and see periodic patterns of changes that
+ * evenly spaced single positions can alias with. */
 #define PK_SAMPLE(NAME, UT)                                                                  \
-    int64_t pk_sample_##NAME(const UT *dst, const UT *src, int64_t L, int64_t drs,            \
-                             int64_t srs, int64_t n, int64_t k) {                            \
+    int64_t pk_diffs_##NAME(const UT *dst, const UT *src, int64_t L, int64_t drs,            \
+                            int64_t srs, int64_t p, int64_t p1) {                            \
         int64_t hits = 0;                                                                    \
-        for (int64_t i = 0; i < k; i++) {                                                    \
-            int64_t p = i * (n / k) + i * (n % k) / k, row = p / L, col = p % L;            \
-            hits += dst[row * drs + col] != src[row * srs + col];                            \
+        while (p < p1) {                                                                     \
+            int64_t row = p / L, col = p % L, run = L - col;                                 \
+            if (run > p1 - p) run = p1 - p;                                                  \
+            const UT *d = dst + row * drs + col, *s = src + row * srs + col;                 \
+            for (int64_t j = 0; j < run; j++) hits += d[j] != s[j];                          \
+            p += run;                                                                        \
         }                                                                                    \
+        return hits;                                                                         \
+    }                                                                                        \
+    int64_t pk_sample_##NAME(const UT *dst, const UT *src, int64_t L, int64_t drs,            \
+                             int64_t srs, int64_t n, int64_t k, int64_t b) {                 \
+        int64_t hits = 0, step = (n - b) / (k > 1 ? k - 1 : 1);                              \
+        for (int64_t i = 0; i < k; i++)                                                      \
+            hits += pk_diffs_##NAME(dst, src, L, drs, srs, i * step, i * step + b);          \
         return hits;                                                                         \
     }
 PK_SAMPLE(f32, uint32_t)

@@ -59,8 +59,11 @@ _KIND_OF = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
 _KIND_OF_SIZE = {4: "f32", 8: "f64", 2: "bf16"}  # bitwise work only: any dtype of that size
 _BITS_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PARALLEL_MIN = 1 << 18  # elements per thread below which fewer threads share the work
-_SAMPLE = 4096  # positions looked at before a compact save, to size its buffers
-_SAMPLE_MIN = 1 << 16  # smaller views are not sampled: they start with 4096 entries a part
+# Positions looked at before a compact save of a big view, to size its buffers: blocks of
+# consecutive positions (each block a cache line or two), spread evenly over the view.
+_SAMPLE_BLOCKS, _SAMPLE_BLOCK = 256, 16
+_SAMPLE = _SAMPLE_BLOCKS * _SAMPLE_BLOCK
+_SAMPLE_MIN = 1 << 16  # smaller views are counted exactly (one cheap pass, in cache)
 
 
 class _Acc(ctypes.Structure):
@@ -177,7 +180,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         count.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4  # src, L, srs, p, p1
         sample = getattr(lib, f"pk_sample_{kind}")
         sample.restype = ctypes.c_int64
-        sample.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5  # dst src L drs srs n k
+        sample.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6  # dst src L drs srs n k b
+        diffs = getattr(lib, f"pk_diffs_{kind}")
+        diffs.restype = ctypes.c_int64
+        diffs.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5  # dst src L drs srs p p1
         entries = getattr(lib, f"pk_entries_{kind}")
         entries.restype = None
         entries.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int64] * 5,
@@ -391,18 +397,25 @@ def compare_copy(
     parts = _parts(n)
 
     limit = size * n // (8 + size)  # entries that cost as much memory as the whole view
-    share = _sampled_share(lib, kind, dptr, sptr, length, drs, srs, n)
-    if share is not None and share * (8 + size) >= size:
+    share, exact = _changed_share(lib, kind, dptr, sptr, length, drs, srs, n)
+    if share * (8 + size) >= size:
         # Most elements change (a full replacement): a compact save would cost more than
         # the whole view and be given up; save the whole view straight away.
         return _whole(fn, dest, src, (length, drs, srs), parts, want)
 
+    if exact is not None and len(parts) == 1:
+        # A small view, counted exactly: one call, buffers of just the right size.
+        idx, bef, acc = _empty(exact, torch.int64), _empty(exact, bits), _Acc()
+        fn(dptr, sptr, length, drs, srs, doff, 0, n, idx.data_ptr(), bef.data_ptr(), exact, 0,
+           want, ctypes.byref(acc))
+        return _result(idx, bef.view(dest.dtype), (acc,), want)
+
     # Compact: each part writes its changed elements' offsets and old bits into its own
-    # slice of one pair of buffers, with room for 1.25 times the sampled share plus four
+    # slice of one pair of buffers, with room for 1.25 times the share found plus four
     # standard errors of the sample (or 4096 entries a part).
-    planned = 0.0  # share of each part's elements to make room for
-    if share is not None:
-        planned = 1.25 * share + 4 * (max(share, 1 / _SAMPLE) * (1 - share) / _SAMPLE) ** 0.5
+    planned = 1.25 * share
+    if exact is None:
+        planned += 4 * (max(share, 1 / _SAMPLE) * (1 - share) / _SAMPLE) ** 0.5
     caps = [min(max(4096, int((p1 - p0) * planned)), size * (p1 - p0) // (8 + size))
             for p0, p1 in parts]
     bases = [sum(caps[:k]) for k in range(len(parts))]
@@ -474,12 +487,18 @@ def compare_copy(
     return _result(index, before, accs, want)
 
 
-def _sampled_share(lib, kind, dptr, sptr, length, drs, srs, n) -> float | None:
-    """The share of ``_SAMPLE`` evenly spaced positions of the view that the copy will
-    change; ``None`` for views too small to be worth sampling."""
+def _changed_share(lib, kind, dptr, sptr, length, drs, srs, n) -> tuple[float, int | None]:
+    """``(share, count)``: the share of the view's elements that the copy will change,
+    and their number. Views of fewer than ``_SAMPLE_MIN`` elements are counted exactly
+    (``count`` is that number); bigger ones estimate the share from ``_SAMPLE_BLOCKS``
+    evenly spaced blocks of ``_SAMPLE_BLOCK`` consecutive positions (``count`` is
+    ``None``)."""
     if n < _SAMPLE_MIN:
-        return None
-    return getattr(lib, f"pk_sample_{kind}")(dptr, sptr, length, drs, srs, n, _SAMPLE) / _SAMPLE
+        count = getattr(lib, f"pk_diffs_{kind}")(dptr, sptr, length, drs, srs, 0, n)
+        return (count / n if n else 0.0), count
+    hits = getattr(lib, f"pk_sample_{kind}")(dptr, sptr, length, drs, srs, n, _SAMPLE_BLOCKS,
+                                             _SAMPLE_BLOCK)
+    return hits / _SAMPLE, None
 
 
 def _whole(fn, dest, src, geometry, parts, want) -> CopyResult:

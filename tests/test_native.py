@@ -213,13 +213,45 @@ def test_a_sample_that_overestimates_the_changes_only_costs_memory():
     n = 1 << 17
     dest = torch.randn(n)
     src = dest.clone()
-    k = native._SAMPLE
-    at = torch.tensor([i * (n // k) + i * (n % k) // k for i in range(k)])
+    k, b = native._SAMPLE_BLOCKS, native._SAMPLE_BLOCK
+    step = (n - b) // (k - 1)
+    at = torch.tensor([i * step + j for i in range(k) for j in range(b)])
     src[at] += 1.0
     before = dest.clone()
     got = native.compare_copy(dest, src, torch.float32)
     assert got.index is None and torch.equal(got.before, before) and torch.equal(dest, src)
-    assert got.changed == k
+    assert got.changed == k * b
+
+
+@needs_compiler
+@pytest.mark.parametrize("period", [7, 50, 256, 4099])
+def test_the_sample_sees_periodic_changes(period):
+    # Every period-th element changes (a strided pattern, as a row or column of changes
+    # in a matrix gives): blocks of consecutive positions estimate the share within a
+    # few percent, where single positions spaced n/4096 apart could alias with it.
+    n = 1 << 20
+    dest = torch.randn(n)
+    src = dest.clone()
+    src[::period] += 1.0
+    lib = native._library()
+    share, exact = native._changed_share(lib, "f32", dest.data_ptr(), src.data_ptr(), n, n, n, n)
+    assert exact is None
+    assert share == pytest.approx(1 / period, rel=0.1, abs=2 / native._SAMPLE)
+
+
+@needs_compiler
+@pytest.mark.parametrize("frac", [0.0, 0.01, 0.1])
+@pytest.mark.parametrize("layout", ["flat", "columns"])
+def test_small_views_are_counted_first_and_save_exactly_the_changes(frac, layout):
+    shape, view = _VIEWS[layout]
+    base, dest, src = _case(torch.float32, shape, view, frac, "random", 3, False)
+    assert dest.numel() < native._SAMPLE_MIN
+    start, before = base.clone(), dest.clone()
+    got = native.compare_copy(dest, src, torch.float32)
+    _assert_matches_reference(got, base, start, before, dest, src, view, torch.float32, True)
+    # buffers of exactly the changed elements: no room reserved, none grown
+    assert got.index.untyped_storage().nbytes() == 8 * got.changed
+    assert got.before.untyped_storage().nbytes() == 4 * got.changed
 
 
 @needs_compiler
