@@ -27,11 +27,17 @@ int64 storage offsets: none for a whole-view save or a compiled sparse save from
 staged patch (the saves then cost exactly the bytes written); a dense save chooses offsets
 only when they cost less than the whole view (the compiled path keeps the room it set
 aside for them, about 1.25 times the share of changes a sample of the view found plus a
-margin, until the report is dropped); a sparse save through torch ops adds 8 bytes per
+margin, until the report is dropped; views under 65536 elements are counted first, and
+get exactly that room); a sparse save through torch ops adds 8 bytes per
 written element. Transient: 1-byte masks of the view being written (torch ops) and
 scratch for the statistics, which work in blocks of 262144 elements (a few MiB). The
 tables are pandas DataFrames built on first read; every number in them is taken when
 the load ends.
+
+In a loop that reports every step, ``inspect_load(..., reuse=last_report)`` writes the
+new saves into the last report's buffers (where one fits: a save may then sit in a buffer
+up to twice its size) instead of fresh memory: the loop's memory stays flat, and the saves
+skip the page faults that fresh memory costs.
 ``benchmarks/bench_inspect.py`` measures time and memory against a plain load.
 """
 
@@ -45,6 +51,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pandas as pd
 import torch
 
+from . import native
 from .bitwise import bits, changed_mask, count_true, sum_squares
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
@@ -213,6 +220,7 @@ class LoadReport:
     _runtime: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _aliases: dict[str, str] = field(default_factory=dict, repr=False)
     _tables: dict[str, Callable[[], pd.DataFrame]] = field(default_factory=dict, repr=False)
+    _handed_over: bool = field(default=False, repr=False)
 
     # -- values ----------------------------------------------------------------------
 
@@ -231,12 +239,52 @@ class LoadReport:
                 f"{target!r} is not a runtime tensor of this model (some are: {known})"
             ) from None
 
+    @property
+    def handed_over(self) -> bool:
+        """True once this report was passed to a later load as ``reuse=``: its save
+        buffers went to that load, so ``before()``, ``written()`` and ``plot_delta`` raise
+        ``ValueError``; the tables, numbers and other figures stay."""
+        return self._handed_over
+
+    def _hand_over(self) -> list[torch.UntypedStorage]:
+        """Give up the saves (for ``inspect_load(..., reuse=self)``): the storages of the
+        CPU save buffers that nothing outside this report uses, to be written over."""
+        if self._handed_over:
+            return []
+        storages = {
+            st.data_ptr(): st
+            for st in (
+                t.untyped_storage()
+                for s in self._saved
+                for t in (s.before, s.index)
+                if t is not None and t.device.type == "cpu" and t.numel()
+            )
+        }  # (a comprehension: no loop variable keeps a save alive below)
+        self._saved = []
+        self._handed_over = True
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is None:
+            return []  # no way to tell that nothing else holds them
+        # Now that this report dropped its saves, each storage must have no user left but
+        # the storage object above: a view of it held anywhere else keeps it out.
+        return [st for st in storages.values() if use_count(st._cdata) == 1]
+
+    def _check_saves(self) -> None:
+        if self._handed_over:
+            raise ValueError(
+                "this report's before-values were handed to a later load "
+                "(inspect_load(..., reuse=<this report>)): its tables and numbers stay, "
+                "before() and written() are gone"
+            )
+
     def written(self, target: str) -> torch.Tensor:
         """Bool mask shaped like ``target`` (CPU): True where the load wrote.
 
         Dense writes count their whole view; NaN-merged (sparse) writes count only the
-        elements their source did not keep.
+        elements their source did not keep. Raises ``ValueError`` once the report was
+        passed to a later load as ``reuse=``.
         """
+        self._check_saves()
         t = self._tensor(target)
         mask = torch.zeros(t.numel(), dtype=torch.bool, device="cpu")
         for s in _sharing(self._saved, t):
@@ -256,8 +304,10 @@ class LoadReport:
         only what the load changed, so every other element, written-but-unchanged or
         never written, is read from the tensor now: call this before the model changes
         again (another load, a training step). The ``deltas`` numbers are fixed when the
-        load ends and do not have this limit.
+        load ends and do not have this limit. Raises ``ValueError`` once the report was
+        passed to a later load as ``reuse=``.
         """
+        self._check_saves()
         t = self._tensor(target)
         out = t.detach().cpu().contiguous().clone()
         flat = bits(out.view(-1))
@@ -372,6 +422,7 @@ def inspect_load(
     validate_unique_indices: bool = True,
     transactional: bool = False,
     loader: Callable[..., Any] | None = None,
+    reuse: LoadReport | None = None,
 ) -> LoadReport:
     """Run a real load of ``patches`` into ``model`` and return what happened.
 
@@ -387,7 +438,29 @@ def inspect_load(
     ``transactional=True`` restored them).
 
     Memory: see the module docstring (the bytes written, never the whole model).
+
+    ``reuse``: an earlier report whose before-values you no longer need (last step's, in
+    a training loop: ``report = inspect_load(model, patches, reuse=report)``). Its save
+    buffers are handed to this load, which writes its own saves into them where one fits
+    (see :func:`patchkit.native.reusing`) instead of asking for fresh memory: the loop's
+    memory stays flat, and a save skips the page faults of fresh memory (on the CPU, for a
+    full replacement, about as long as the copy itself). The earlier report keeps its
+    tables, numbers and figures, but its ``before()`` and ``written()`` (and so
+    ``plot_delta``) raise ``ValueError`` from then on. Only the compiled CPU path reuses
+    buffers, and only those that nothing else holds.
     """
+    if reuse is not None and not isinstance(reuse, LoadReport):
+        raise TypeError(f"reuse must be a LoadReport or None, got {type(reuse).__name__}")
+    lent = reuse._hand_over() if reuse is not None else []
+    with native.reusing(lent):
+        del lent  # the pool holds them now: what the load does not take is freed after it
+        return _inspect_load(model, patches, max_chunk_bytes, validate_unique_indices,
+                             transactional, loader)
+
+
+def _inspect_load(
+    model, patches, max_chunk_bytes, validate_unique_indices, transactional, loader
+) -> LoadReport:
     patches = [_as_patch(p) for p in patches]
     rec = _Recorder()
     sessions: list[WriteSession] = []

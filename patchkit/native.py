@@ -50,7 +50,8 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "CopyResult", "MergeResult", "compare_copy", "disabled", "merge", "patch_entries", "status"
+    "CopyResult", "MergeResult", "compare_copy", "disabled", "merge", "patch_entries",
+    "reusing", "status",
 ]
 
 _SOURCE = Path(__file__).with_name("_native.c")
@@ -208,11 +209,54 @@ _MADV_HUGEPAGE = 14
 _libc = None
 
 
+_reuse = threading.local()  # .pool: storages that reusing() lends this thread's saves
+
+
+@contextlib.contextmanager
+def reusing(storages: list[torch.UntypedStorage]) -> Iterator[None]:
+    """Within the block, on this thread, the compiled paths take their save buffers from
+    ``storages`` where one fits (at least the bytes a buffer needs, at most twice as
+    many; the smallest such), instead of fresh memory. The caller hands them over: nothing
+    else may use them. What is not taken is let go when the block ends.
+
+    Fresh memory is paid for when first written (the kernel zeroes each page): for a save
+    of a full replacement that is about as long as the copy itself. A loop that saves the
+    same tensors every step can hand the last step's buffers to the next
+    (:func:`patchkit.inspect_load`'s ``reuse=``)."""
+    previous = getattr(_reuse, "pool", None)
+    _reuse.pool = sorted((st for st in storages if st.device.type == "cpu"),
+                         key=lambda st: st.nbytes())
+    try:
+        yield
+    finally:
+        _reuse.pool = previous
+
+
+def _lent(n: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A buffer of ``n`` elements from :func:`reusing`'s storages, or ``None``."""
+    pool = getattr(_reuse, "pool", None)
+    need = n * dtype.itemsize
+    if not pool or need <= 0:
+        return None
+    for k, st in enumerate(pool):
+        have = st.nbytes()
+        if have >= need:
+            if have > 2 * need:
+                return None  # the smallest that fits is too big: keep it for a bigger save
+            del pool[k]
+            return torch.empty(0, dtype=dtype).set_(st, 0, (n,), (1,))
+    return None
+
+
 def _empty(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(n, dtype=dtype)`` on the CPU; a big one asks Linux for huge pages
-    first. A fresh buffer is paid for page by page when first written: 4 KiB pages cost
-    about 35 ms per 64 MiB on these machines, 2 MiB pages a tenth of that."""
+    """``torch.empty(n, dtype=dtype)`` on the CPU (a buffer :func:`reusing` lends, where
+    one fits); a big fresh one asks Linux for huge pages first. A fresh buffer is paid for
+    page by page when first written: 4 KiB pages cost about 35 ms per 64 MiB on these
+    machines, 2 MiB pages about a third of that."""
     global _libc
+    lent = _lent(n, dtype)
+    if lent is not None:
+        return lent
     out = torch.empty(n, dtype=dtype)
     nbytes = out.numel() * out.element_size()
     if nbytes < 2 * _HUGE or not sys.platform.startswith("linux"):

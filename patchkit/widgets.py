@@ -235,9 +235,14 @@ class ReportExplorer(W.VBox):
         writes = r.writes[r.writes["target"] == key]
         cols = ["chunk", "position", "name", "checkpoint_region", "target_region",
                 "elements", "changed"]
+        delta = (
+            text_output("before/after figure: none, this report's before-values were handed "
+                        "to a later load (reuse=)\n")
+            if r.handed_over else figure_output(plot_delta(r, key))
+        )
         self.output.outputs = (
             figure_output(plot_placement(r, targets=[key])),
-            figure_output(plot_delta(r, key)),
+            delta,
             text_output(
                 f"writes into {key}:\n{writes[cols].head(20).to_string(index=False)}\n"
                 + (f"… {len(writes) - 20} more writes\n" if len(writes) > 20 else "")

@@ -828,3 +828,106 @@ def test_a_view_says_which_storage_element_is_its_which_element(shape, starts, s
     where = {int(e): k for k, e in enumerate(mine.reshape(-1).tolist())}
     for e in range(base.numel()):
         assert _position_of(view, e * base.element_size()) == where.get(e), e
+
+
+# -- inspect_load(..., reuse=): the last report's save buffers for the next load --------
+
+
+def _storages(report) -> set[int]:
+    return {t.untyped_storage().data_ptr() for s in report._saved for t in (s.before, s.index)
+            if t is not None and t.numel()}
+
+
+def _bumped(m, dtype, frac, seed):
+    """Dense patches that add 1 to a share ``frac`` of ``m``'s current values."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, now in (("q", m.qkv[:32]), ("k", m.qkv[32:64]), ("v", m.qkv[64:]), ("o", m.o),
+                      ("t", m.twice)):
+        new = now.detach().clone()
+        flat = new.view(-1)
+        pos = torch.randperm(flat.numel(), generator=g)[: round(flat.numel() * frac)]
+        flat[pos] = (flat[pos].float() + 1.0).to(dtype)
+        out.append(CheckpointWeightPatch(name, tuple(new.shape), dtype, flat))
+    return out
+
+
+def _step(m, dtype, k):
+    """Load k of a loop: full replacements, a few changes, sparse, full again, ..."""
+    kind = k % 4
+    if kind == 2:
+        return _sparse_patches(m, dtype, 0.05, k)
+    return _bumped(m, dtype, 0.03 if kind == 1 else 1.0, k)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loop_that_reuses_the_last_report_reports_the_same(dtype):
+    looped, fresh = _Model(dtype), _Model(dtype)
+    last = None
+    reused_any = False
+    for k in range(6):
+        step = _step(looped, dtype, k)
+        before = {n: t.detach().clone() for n, t in looped.named_buffers()}
+        before.update({n: t.detach().clone() for n, t in looped.named_parameters()})
+        lent = _storages(last) if last is not None else set()
+        kept_deltas = last.deltas.copy() if last is not None else None
+        r = inspect_load(looped, step, max_chunk_bytes=4000, reuse=last)
+        want = inspect_load(fresh, step, max_chunk_bytes=4000)
+        assert patchkit.bitwise.same_state(looped.state_dict(), fresh.state_dict())
+        assert r.writes.equals(want.writes)
+        assert r.deltas.equals(want.deltas), "the same kernels: the same numbers, bit for bit"
+        for target in want.deltas.index:
+            assert torch.equal(bits(r.before(target)), bits(before[target]))
+            assert torch.equal(r.written(target), want.written(target))
+        reused_any |= bool(_storages(r) & lent)
+        if last is not None:
+            # the earlier report keeps its tables; its before-values are gone, and it says so
+            assert last.deltas.equals(kept_deltas)
+            with pytest.raises(ValueError, match="handed to a later load"):
+                last.before("qkv")
+            with pytest.raises(ValueError, match="handed to a later load"):
+                last.written("qkv")
+        last = r
+    assert reused_any, "no save went into a buffer of the last report"
+
+
+@needs_compiler
+def test_reuse_leaves_a_buffer_that_is_held_elsewhere_alone():
+    m = _Model(torch.float32)
+    first = inspect_load(m, _bumped(m, torch.float32, 1.0, 1), max_chunk_bytes=4000)
+    held = first._saved[0].before.view(-1)[:8]  # a view of a save, kept by someone
+    snapshot = held.clone()
+    ptr = held.untyped_storage().data_ptr()
+    lent = _storages(first) - {ptr}
+    second = inspect_load(m, _bumped(m, torch.float32, 1.0, 2), max_chunk_bytes=4000,
+                          reuse=first)
+    assert torch.equal(held, snapshot), "a buffer someone still held was written over"
+    assert ptr not in _storages(second)
+    assert _storages(second) & lent, "the buffers nobody held were not reused"
+
+
+@needs_compiler
+def test_reuse_with_a_failing_transactional_load_restores_everything():
+    m = _Model(torch.float32)
+    start = {n: t.detach().clone() for n, t in m.state_dict().items()}
+    last = inspect_load(m, _bumped(m, torch.float32, 1.0, 1), max_chunk_bytes=4000)
+    mid = {n: t.detach().clone() for n, t in m.state_dict().items()}
+    assert not patchkit.bitwise.same_state(start, mid)
+    bad = _bumped(m, torch.float32, 1.0, 2)
+    bad[-1] = bad[-1]._replace(name="nope")  # load_weights writes "t" then fails below
+
+    def failing(weights):
+        _Model.load_weights(m, [(n if n != "nope" else "t", t) for n, t in weights])
+        raise RuntimeError("the loader failed after writing")
+
+    m.load_weights = failing
+    with pytest.raises(RuntimeError, match="failed after writing") as info:
+        inspect_load(m, bad, max_chunk_bytes=1 << 20, transactional=True, reuse=last)
+    assert patchkit.bitwise.same_state(m.state_dict(), mid), "the failed load was not undone"
+    assert info.value.report.deltas is not None
+
+
+def test_reuse_must_be_a_report():
+    with pytest.raises(TypeError, match="reuse must be a LoadReport"):
+        inspect_load(_Model(torch.float32), [], reuse="last time")

@@ -133,6 +133,20 @@ def test_explore_shows_placement_delta_and_rows_of_a_runtime_tensor():
     assert "delta:" in text and "96" in text  # 3 × 32 elements written
 
 
+def test_explore_of_a_report_handed_to_a_later_load_says_its_delta_figure_is_gone():
+    model = Packed()
+    report = inspect_load(model, patches(), max_chunk_bytes=300)
+    assert not report.handed_over
+    inspect_load(model, [dense(n, 10 + i) for i, n in enumerate("qkv")], reuse=report)
+    assert report.handed_over
+    w = explore(report)
+    w.dropdown.value = ("runtime", "qkv")
+    kinds = [o["output_type"] for o in w.output.outputs]
+    assert kinds == ["display_data", "stream", "stream"]  # placement, a note, rows
+    assert "handed to a later load" in texts(w.output)
+    assert "writes into qkv" in texts(w.output)
+
+
 def test_explore_planner_moves_independently_of_the_dropdown():
     report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
     w = explore(report)
