@@ -1,6 +1,6 @@
 """What a report costs: ``inspect_load`` against a plain load of the same patches.
 
-Prints three tables from one run:
+Prints four tables from one run:
 
 1. time and peak extra memory of ``patchkit.inspect_load`` next to
    ``patchkit.load_checkpoint_weight_patches`` (the baseline). Each timed load alternates
@@ -8,13 +8,14 @@ Prints three tables from one run:
    change 2 % of the elements (an RL step in bf16) or all of them, and sparse patches of
    1 %. "written" is the bytes the load wrote (a NaN-merged copy writes only the patched
    elements), "changed" the bytes whose bits changed. "report ms" is ``inspect_load``
-   (the tables' numbers are all taken by then); "torch-ops report ms" is the same
-   report with the compiled path off (``patchkit.native.disabled()``: what a machine
-   without a C compiler, or a GPU, runs); "+ tables ms" also builds the four
-   DataFrames, which a report does on first read. The timings of a row are taken in
-   rounds (plain, report, torch-ops report, + tables, transactional, torch-ops
-   transactional, in turn), so that drift on a shared machine falls on all of them
-   alike. The target (issue 4): a report
+   (the tables' numbers are all taken by then); "reuse ms" is the same in a loop that
+   passes each report to the next load (``reuse=``: the saves go into the last report's
+   buffers, not fresh memory); "torch-ops report ms" is the report with the compiled path
+   off (``patchkit.native.disabled()``: what a machine without a C compiler, or a GPU,
+   runs); "+ tables ms" also builds the four DataFrames, which a report does on first
+   read. The timings of a row are taken in rounds (plain, report, reuse, torch-ops
+   report, + tables, transactional, torch-ops transactional, in turn), so that drift on a
+   shared machine falls on all of them alike. The target (issue 4): a report
    costs at most 1.5x the plain load's time, and extra memory no larger than the bytes
    written;
 2. the same loads with ``transactional=True`` and no report: the same saves (with the
@@ -89,6 +90,11 @@ def main(argv=None) -> int:
                 def report(model=model, next_patch=next_patch):
                     return patchkit.inspect_load(model, [next_patch()])
 
+                last = [None]
+
+                def report_reuse(model=model, next_patch=next_patch, last=last):
+                    last[0] = patchkit.inspect_load(model, [next_patch()], reuse=last[0])
+
                 def transactional(model=model, next_patch=next_patch):
                     patchkit.load_checkpoint_weight_patches(
                         model, [next_patch()], transactional=True
@@ -105,13 +111,16 @@ def main(argv=None) -> int:
 
                     return run
 
-                t_plain, t_report, t_torch, t_tables, t_tx, t_tx_torch = interleaved_medians(
-                    [plain, report, torch_ops(report), report_tables, transactional,
-                     torch_ops(transactional)],
-                    device, repeats,
+                t_plain, t_report, t_reuse, t_torch, t_tables, t_tx, t_tx_torch = (
+                    interleaved_medians(
+                        [plain, report, report_reuse, torch_ops(report), report_tables,
+                         transactional, torch_ops(transactional)],
+                        device, repeats,
+                    )
                 )
                 m_plain = peak_extra_bytes(plain, device)
                 m_report = peak_extra_bytes(report, device)
+                m_reuse = peak_extra_bytes(report_reuse, device)
                 m_tx = peak_extra_bytes(transactional, device)
                 r = report()
                 merged = int(r.deltas["elements"].sum()) * dtype.itemsize
@@ -124,11 +133,14 @@ def main(argv=None) -> int:
                         f"{t_plain * 1e3:.2f}",
                         f"{t_report * 1e3:.2f}",
                         f"{t_report / t_plain:.2f}x",
+                        f"{t_reuse * 1e3:.2f}",
+                        f"{t_reuse / t_plain:.2f}x",
                         f"{t_torch * 1e3:.2f}",
                         f"{t_tables * 1e3:.2f}",
                         f"{m_plain / 2**20:.1f}",
                         f"{m_report / 2**20:.1f}",
                         f"{(m_report - m_plain) / 2**20:.1f}",
+                        f"{(m_reuse - m_plain) / 2**20:.1f}",
                         f"{merged / 2**20:.2f}",
                         f"{changed / 2**20:.2f}",
                     ]
@@ -154,9 +166,10 @@ def main(argv=None) -> int:
     print(
         fmt_table(
             [
-                "patch", "dtype", "shape", "plain ms", "report ms", "ratio", "torch-ops report ms",
-                "+ tables ms", "plain peak MiB", "report peak MiB", "report extra MiB",
-                "written MiB", "changed MiB",
+                "patch", "dtype", "shape", "plain ms", "report ms", "ratio", "reuse ms",
+                "reuse ratio", "torch-ops report ms", "+ tables ms", "plain peak MiB",
+                "report peak MiB", "report extra MiB", "reuse extra MiB", "written MiB",
+                "changed MiB",
             ],
             rows,
         )
@@ -245,12 +258,17 @@ def _model_table(device: torch.device, repeats: int, quick: bool) -> str:
         def report(model=model, next_patches=next_patches):
             return patchkit.inspect_load(model, next_patches())
 
+        last = [None]
+
+        def report_reuse(model=model, next_patches=next_patches, last=last):
+            last[0] = patchkit.inspect_load(model, next_patches(), reuse=last[0])
+
         def torch_ops(model=model, next_patches=next_patches):
             with native.disabled():
                 return patchkit.inspect_load(model, next_patches())
 
-        t_plain, t_report, t_torch = interleaved_medians(
-            [plain, report, torch_ops], device, repeats
+        t_plain, t_report, t_reuse, t_torch = interleaved_medians(
+            [plain, report, report_reuse, torch_ops], device, repeats
         )
         m_plain = peak_extra_bytes(plain, device)
         m_report = peak_extra_bytes(report, device)
@@ -263,7 +281,8 @@ def _model_table(device: torch.device, repeats: int, quick: bool) -> str:
         rows.append([
             kind, str(len(pair[0])), f"{changed:.2%}",
             f"{t_plain * 1e3:.1f}", f"{t_report * 1e3:.1f}", f"{t_report / t_plain:.2f}x",
-            f"{t_torch * 1e3:.1f}", f"{(m_report - m_plain) / 2**20:.1f}",
+            f"{t_reuse * 1e3:.1f}", f"{t_reuse / t_plain:.2f}x", f"{t_torch * 1e3:.1f}",
+            f"{(m_report - m_plain) / 2**20:.1f}",
             f"{written / 2**20:.1f}",
         ])
     params = sum(p.numel() for p in model.parameters())
@@ -272,7 +291,7 @@ def _model_table(device: torch.device, repeats: int, quick: bool) -> str:
             f"in turn, median of {repeats} interleaved rounds")
     return head + "\n" + fmt_table(
         ["patches", "tensors", "changed of written", "plain ms", "report ms", "ratio",
-         "torch-ops report ms", "report extra MiB", "written MiB"],
+         "reuse ms", "reuse ratio", "torch-ops report ms", "report extra MiB", "written MiB"],
         rows,
     )
 
