@@ -267,7 +267,10 @@ class LoadReport:
             return []  # no way to tell that nothing else holds them
         # Now that this report dropped its saves, each storage must have no user left but
         # the storage object above: a view of it held anywhere else keeps it out.
-        return [st for st in storages.values() if use_count(st._cdata) == 1]
+        try:
+            return [st for st in storages.values() if use_count(st._cdata) == 1]
+        except (AttributeError, TypeError, RuntimeError):  # a torch that counts otherwise
+            return []
 
     def _check_saves(self) -> None:
         if self._handed_over:

@@ -17,6 +17,9 @@ Two loops in ``patchkit/_native.c``, each one pass over the written view, split 
   ``where`` pass (plus ``nonzero`` and two gathers when the write is saved); this needs
   neither the mask nor the passes, and counts what it wrote and changed.
 
+Both write their saves into buffers from :func:`reusing` when a caller lends some (a
+report loop's last report: ``inspect_load(..., reuse=)``), else into fresh memory.
+
 The C file is compiled the first time a load needs it, with the machine's C compiler
 (``$CC``, else ``cc``), into a cache folder (``$PATCHKIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/patchkit``, else ``~/.cache/patchkit``), once per version of the file
