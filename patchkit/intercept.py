@@ -599,9 +599,8 @@ class WriteSession:
         self.track_sources = True
         self.provenance = _Provenance()
         self.saved: list[SavedRegion] = []
-        # Saves whose statistics were measured while copying, until a write reaches them.
-        # Regions whose statistics were measured while writing, by storage: a later write
-        # that reaches one makes its numbers stale (see _forget_measured).
+        # Saves whose statistics were measured while writing, by storage, until a later
+        # write reaches one and makes its numbers stale (see _forget_measured).
         self._measured: dict[tuple, list[SavedRegion]] = {}
         self._saved_regions: set[Region] = set()
         self._schema_cache: dict = {}
