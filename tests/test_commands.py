@@ -53,7 +53,8 @@ def test_python_dash_m_patchkit_lists_its_commands():
         ("bench_loader.py",
          ["patchkit ms", "validate ms", "floor ms", "ratio", "peak extra MiB"], 16),
         ("bench_inspect.py",
-         ["plain ms", "report ms", "ratio", "torch-ops report ms", "written MiB", "changed MiB"],
+         ["plain ms", "report ms", "ratio", "reuse ms", "torch-ops report ms", "written MiB",
+          "changed MiB"],
          6),
     ],
 )
