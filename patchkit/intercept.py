@@ -168,8 +168,10 @@ class RuntimeIndex:
             self.tensors[name] = t
             if t.numel() == 0:
                 continue
-            start = t.storage_offset() * t.element_size()
-            owner = _Owner(name, t, start, start + t.numel() * t.element_size())
+            # byte range: the tensor's extent (for a strided one, a column slice of a
+            # fused buffer say, wider than numel elements)
+            start, end = Region.of(t).extent()
+            owner = _Owner(name, t, start, end)
             self._owners.setdefault(_storage_key(t), []).append(owner)
 
     def bindings(self) -> dict[str, torch.Tensor]:
