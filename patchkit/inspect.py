@@ -572,6 +572,7 @@ def _build_report(
     calls = list(rec.calls)
     events = list(rec.events)
     shapes = {n: tuple(t.shape) for n, t in runtime.items()}
+    strides = {n: tuple(t.stride()) for n, t in runtime.items()}
     return LoadReport(
         patches=patches,
         plan=plan,
@@ -586,7 +587,7 @@ def _build_report(
             "calls": lambda: pd.DataFrame(
                 calls, columns=["chunk", "names", "returned", "writes", "seconds", "error"]
             ),
-            "writes": lambda: _writes_frame(events, patches, shapes),
+            "writes": lambda: _writes_frame(events, patches, shapes, strides),
             "deltas": lambda: _deltas_frame(delta_rows),
         },
     )
@@ -622,6 +623,7 @@ def _writes_frame(
     events: list[WriteEvent],
     patches: list[CheckpointWeightPatch],
     shapes: dict[str, tuple[int, ...]],
+    strides: dict[str, tuple[int, ...]] | None = None,
 ) -> pd.DataFrame:
     shapes_by_pos = {i: tuple(int(d) for d in p.shape) for i, p in enumerate(patches)}
     wrows = []
@@ -633,9 +635,10 @@ def _writes_frame(
                 ev.source_shape or ev.shape, ev.source_stride,
             )
         tgt = shapes.get(ev.target)
-        tg_region = (
-            region_text(tgt, ev.target_offset, ev.shape, ev.stride) if tgt is not None else None
-        )
+        tg_region = None
+        if tgt is not None:
+            step = _in_target(ev.shape, ev.stride, tgt, (strides or {}).get(ev.target))
+            tg_region = region_text(tgt, ev.target_offset, ev.shape, step)
         wrows.append(
             {
                 "chunk": ev.chunk,
@@ -665,6 +668,44 @@ def _writes_frame(
     for col in ("position", "checkpoint_offset"):
         writes[col] = writes[col].astype("Int64")
     return writes
+
+
+def _in_target(
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    target_shape: tuple[int, ...],
+    target_stride: tuple[int, ...] | None,
+) -> tuple[int, ...]:
+    """A written view's element strides in its target's own row-major coordinates, which
+    is what :func:`~patchkit.density.region_text` reads. The same strides for a
+    contiguous target; for a strided one (a column slice of a fused buffer, say) each
+    storage stride is mapped to the row-major stride of the target dimension that steps
+    by it. Strides that match no dimension are returned as they are (the text then falls
+    back to "N elements from offset")."""
+    if target_stride is None:
+        return stride
+    row_major, acc = [], 1
+    for d in reversed(target_shape):
+        row_major.append(acc)
+        acc *= d
+    row_major.reverse()
+    if tuple(target_stride) == tuple(row_major):
+        return stride
+    by_step: dict[int, int] = {}
+    for n, st, rm in zip(target_shape, target_stride, row_major):
+        if n > 1:
+            if st in by_step:
+                return stride  # two dimensions step alike: no single reading
+            by_step[st] = rm
+    mapped = []
+    for n, st in zip(shape, stride):
+        if n == 1:
+            mapped.append(0)
+        elif st in by_step:
+            mapped.append(by_step[st])
+        else:
+            return stride
+    return tuple(mapped)
 
 
 _BLOCK = 1 << 18  # elements per step of the delta statistics: bounds their scratch memory

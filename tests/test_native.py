@@ -692,13 +692,42 @@ def test_a_write_into_one_column_slice_of_a_fused_buffer_is_not_credited_to_the_
         row = r.deltas.loc["a"]
         assert row["elements"] == 80 and row["changed"] == (1 if change == "one element" else 80)
         # the writes table names the slice written, at its row-major position in it
-        assert r.writes[["target", "target_offset"]].values.tolist() == [["a", 80]]
+        # ... and its region in the slice's own coordinates (the slice is strided)
+        assert r.writes[["target", "target_offset", "target_region"]].values.tolist() == [
+            ["a", 80, "[10:20, :]"]]
         patch_b = CheckpointWeightPatch("b", (2, 8), torch.float32, torch.zeros(16))
         with contextlib.nullcontext() if compiled else native.disabled():
             r = inspect_load(m, [patch_b])
-        assert r.writes[["target", "target_offset"]].values.tolist() == [["b", 240]]
+        assert r.writes[["target", "target_offset", "target_region"]].values.tolist() == [
+            ["b", 240, "[30:32, :]"]]
         assert list(r.deltas.index) == ["b"]
 
+
+
+def test_regions_in_a_strided_target_are_slices_of_the_target():
+    # A Parameter that is a column slice of a fused buffer: writes into row blocks,
+    # column blocks and single rows of it are boxes in its own coordinates.
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            buf = torch.zeros(12, 20)
+            self.w = torch.nn.Parameter(buf[:, 5:15], False)  # 12 x 10, row stride 20
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                view = {"rows": self.w.data[3:7], "cols": self.w.data[:, 2:5],
+                        "row": self.w.data[11], "box": self.w.data[4:6, 7:10],
+                        "odd": self.w.data[::2]}[name]
+                view.copy_(t.view(view.shape))
+            return {n for n, _ in weights}
+
+    shapes = {"rows": (4, 10), "cols": (12, 3), "row": (10,), "box": (2, 3), "odd": (6, 10)}
+    patches = [CheckpointWeightPatch(n, s, torch.float32, torch.ones(math.prod(s)))
+               for n, s in shapes.items()]
+    r = inspect_load(M(), patches)
+    got = dict(zip(r.writes["name"], r.writes["target_region"]))
+    assert got == {"rows": "[3:7, :]", "cols": "[:, 2:5]", "row": "[11:12, :]",
+                   "box": "[4:6, 7:10]", "odd": "60 elements from 0"}
 
 
 @pytest.mark.parametrize("compiled", [True, False])
