@@ -83,12 +83,7 @@ def region_text(
     n = 1
     for d in view_shape:
         n *= d
-    strides = []
-    acc = 1
-    for d in reversed(full_shape):
-        strides.append(acc)
-        acc *= d
-    strides = tuple(reversed(strides))
+    strides = _row_major_strides(full_shape)
     sizes = _box_sizes(strides, view_shape, view_stride) if view_stride is not None else None
     if sizes is not None:
         start, rest = [], offset
@@ -103,6 +98,15 @@ def region_text(
     if full_shape == () and n == 1:
         return "[]"
     return f"{n} elements from {offset}"
+
+
+def _row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The element strides of a contiguous (row-major) tensor of ``shape``."""
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= int(d)
+    return tuple(reversed(out))
 
 
 def _box_sizes(

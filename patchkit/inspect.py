@@ -55,7 +55,7 @@ from . import native
 from .bitwise import bits, changed_mask, count_true, sum_squares
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
-from .density import density_map, region_text
+from .density import _row_major_strides, density_map, region_text
 from .intercept import (
     Region,
     SavedRegion,
@@ -623,7 +623,7 @@ def _writes_frame(
     events: list[WriteEvent],
     patches: list[CheckpointWeightPatch],
     shapes: dict[str, tuple[int, ...]],
-    strides: dict[str, tuple[int, ...]] | None = None,
+    strides: dict[str, tuple[int, ...]],
 ) -> pd.DataFrame:
     shapes_by_pos = {i: tuple(int(d) for d in p.shape) for i, p in enumerate(patches)}
     wrows = []
@@ -637,7 +637,7 @@ def _writes_frame(
         tgt = shapes.get(ev.target)
         tg_region = None
         if tgt is not None:
-            step = _in_target(ev.shape, ev.stride, tgt, (strides or {}).get(ev.target))
+            step = _in_target(ev.shape, ev.stride, tgt, strides[ev.target])
             tg_region = region_text(tgt, ev.target_offset, ev.shape, step)
         wrows.append(
             {
@@ -674,7 +674,7 @@ def _in_target(
     shape: tuple[int, ...],
     stride: tuple[int, ...],
     target_shape: tuple[int, ...],
-    target_stride: tuple[int, ...] | None,
+    target_stride: tuple[int, ...],
 ) -> tuple[int, ...]:
     """A written view's element strides in its target's own row-major coordinates, which
     is what :func:`~patchkit.density.region_text` reads. The same strides for a
@@ -682,14 +682,8 @@ def _in_target(
     storage stride is mapped to the row-major stride of the target dimension that steps
     by it. Strides that match no dimension are returned as they are (the text then falls
     back to "N elements from offset")."""
-    if target_stride is None:
-        return stride
-    row_major, acc = [], 1
-    for d in reversed(target_shape):
-        row_major.append(acc)
-        acc *= d
-    row_major.reverse()
-    if tuple(target_stride) == tuple(row_major):
+    row_major = _row_major_strides(target_shape)
+    if tuple(target_stride) == row_major:
         return stride
     by_step: dict[int, int] = {}
     for n, st, rm in zip(target_shape, target_stride, row_major):
@@ -732,7 +726,7 @@ def _delta_rows(
             by_storage.setdefault(r.key, []).append((name, t, r.extent()))
     regions_of: dict[str, list[SavedRegion]] = {}
     for s in saved:
-        r = Region.of(s.view)
+        r = s.region
         a0, a1 = r.extent()
         for name, t, (b0, b1) in by_storage.get(r.key, ()):
             if s.view.element_size() == t.element_size() and a0 < b1 and b0 < a1:
@@ -740,7 +734,7 @@ def _delta_rows(
     rows = []
     for target, regions in regions_of.items():
         t = runtime[target]
-        extents = [Region.of(s.view) for s in regions]
+        extents = [s.region for s in regions]
         overlapping = any(
             extents[i].overlaps(extents[j]) for i in range(len(regions)) for j in range(i)
         ) or any(

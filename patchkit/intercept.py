@@ -170,7 +170,9 @@ class RuntimeIndex:
                 continue
             # byte range: the tensor's extent (for a strided one, a column slice of a
             # fused buffer say, wider than numel elements)
-            start, end = Region.of(t).extent()
+            start = t.storage_offset() * t.element_size()
+            end = (start + t.numel() * t.element_size() if t.is_contiguous()
+                   else Region.of(t).extent()[1])
             owner = _Owner(name, t, start, end)
             self._owners.setdefault(_storage_key(t), []).append(owner)
 
