@@ -41,6 +41,142 @@ typedef struct {
     double max_abs;  /* their maximum */
 } pk_acc;
 
+
+/* ---- Parts on several threads --------------------------------------------------------
+ * The *_parts entry points below run one call per part of a view on this thread and on
+ * up to PK_WORKERS pool threads. The workers are C threads (they never touch Python, so
+ * they need no GIL); after a job each waits for the next one for PK_SPIN_NS, checking a
+ * word in memory, before it sleeps: a load's writes come a few hundred microseconds
+ * apart, and waking a sleeping thread costs tens of microseconds on a virtual machine (a
+ * Python thread pool costs several hundred per job there). Parts are taken in turn from
+ * one counter, so a late worker takes fewer of them; the caller waits only for parts
+ * already taken. A job is a word: generation (32 bits), parts (16) and next part (16),
+ * changed by compare-and-swap, so a worker still busy with an old job can never take a
+ * part of the next one. One job at a time: a caller that finds the pool busy (a second
+ * Python thread) runs its parts alone. After fork() the child starts its own workers. */
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PK_RELAX() _mm_pause()
+#else
+#define PK_RELAX() ((void)0)
+#endif
+
+#define PK_WORKERS 7
+#define PK_SPIN_NS 200000
+
+typedef void (*pk_task)(void *ctx, int64_t part);
+
+static struct {
+    pthread_mutex_t submit; /* held by the caller whose job the workers run */
+    pthread_mutex_t mu;     /* with cv: where idle workers sleep */
+    pthread_cond_t cv;
+    _Atomic uint64_t job;   /* generation << 32 | parts << 16 | next part */
+    _Atomic int64_t done;   /* parts finished in this generation */
+    _Atomic int sleepers;
+    _Atomic int started;    /* workers running */
+    pk_task fn;             /* read only by a worker that took a part of this job */
+    void *ctx;
+    uint32_t generation;
+} pk_pool = {.submit = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
+             .cv = PTHREAD_COND_INITIALIZER};
+
+static int64_t pk_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* take and run parts of job generation g until none is left */
+static void pk_take(uint32_t g) {
+    uint64_t cur = atomic_load(&pk_pool.job);
+    for (;;) {
+        if ((uint32_t)(cur >> 32) != g || (cur & 0xffff) >= (cur >> 16 & 0xffff)) return;
+        if (atomic_compare_exchange_weak(&pk_pool.job, &cur, cur + 1)) {
+            pk_pool.fn(pk_pool.ctx, (int64_t)(cur & 0xffff));
+            atomic_fetch_add(&pk_pool.done, 1);
+            cur = atomic_load(&pk_pool.job);
+        }
+    }
+}
+
+static void *pk_worker(void *arg) {
+    (void)arg;
+    uint32_t seen = (uint32_t)(atomic_load(&pk_pool.job) >> 32);
+    for (;;) {
+        uint32_t g = (uint32_t)(atomic_load(&pk_pool.job) >> 32);
+        if (g == seen) {
+            int64_t until = pk_now_ns() + PK_SPIN_NS;
+            int turns = 0;
+            while ((g = (uint32_t)(atomic_load(&pk_pool.job) >> 32)) == seen) {
+                for (int q = 0; q < 32; q++) PK_RELAX();
+                if (++turns % 64 == 0) sched_yield(); /* let a thread that needs the CPU run */
+                if (pk_now_ns() < until) continue;
+                pthread_mutex_lock(&pk_pool.mu);
+                atomic_fetch_add(&pk_pool.sleepers, 1);
+                while ((uint32_t)(atomic_load(&pk_pool.job) >> 32) == seen)
+                    pthread_cond_wait(&pk_pool.cv, &pk_pool.mu);
+                atomic_fetch_sub(&pk_pool.sleepers, 1);
+                pthread_mutex_unlock(&pk_pool.mu);
+                until = pk_now_ns() + PK_SPIN_NS;
+            }
+        }
+        seen = g;
+        pk_take(g);
+    }
+    return NULL;
+}
+
+static void pk_after_fork(void) {
+    /* the child has this thread only: no workers, nothing locked */
+    pthread_mutex_init(&pk_pool.submit, NULL);
+    pthread_mutex_init(&pk_pool.mu, NULL);
+    pthread_cond_init(&pk_pool.cv, NULL);
+    atomic_store(&pk_pool.sleepers, 0);
+    atomic_store(&pk_pool.started, 0);
+}
+
+static pthread_once_t pk_fork_once = PTHREAD_ONCE_INIT;
+static void pk_fork_init(void) { pthread_atfork(NULL, NULL, pk_after_fork); }
+
+/* fn(ctx, k) for every part k < parts, on this thread and up to threads - 1 workers */
+static void pk_run(pk_task fn, void *ctx, int64_t parts, int threads) {
+    if (threads > PK_WORKERS + 1) threads = PK_WORKERS + 1;
+    if (parts <= 1 || threads <= 1 || parts > 0xffff ||
+        pthread_mutex_trylock(&pk_pool.submit) != 0) {
+        for (int64_t k = 0; k < parts; k++) fn(ctx, k);
+        return;
+    }
+    pthread_once(&pk_fork_once, pk_fork_init);
+    while (atomic_load(&pk_pool.started) < threads - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&t, &attr, pk_worker, NULL);
+        pthread_attr_destroy(&attr);
+        if (failed) break; /* fewer workers: this thread takes more parts */
+        atomic_fetch_add(&pk_pool.started, 1);
+    }
+    pk_pool.fn = fn;
+    pk_pool.ctx = ctx;
+    uint32_t g = ++pk_pool.generation;
+    atomic_store(&pk_pool.done, 0);
+    atomic_store(&pk_pool.job, (uint64_t)g << 32 | (uint64_t)parts << 16);
+    if (atomic_load(&pk_pool.sleepers)) {
+        pthread_mutex_lock(&pk_pool.mu);
+        pthread_cond_broadcast(&pk_pool.cv);
+        pthread_mutex_unlock(&pk_pool.mu);
+    }
+    pk_take(g);
+    while (atomic_load(&pk_pool.done) < parts) PK_RELAX();
+    pthread_mutex_unlock(&pk_pool.submit);
+}
+
 #define PK_B 16    /* elements per block: compared together, copied together */
 #define PK_DBL_MAX 1.7976931348623157e308
 #define PK_K 4096  /* elements per run: the finite check of b2 works a run at a time */
@@ -585,6 +721,43 @@ PK_DEFINE(f64, uint64_t, pk_f64, PK_DIFF_WIDE)
 PK_DEFINE(bf16, uint16_t, pk_bf16, PK_DIFF_WIDE)
 PK_DEFINE(f16, uint16_t, pk_f16, PK_DIFF_F16)
 
+/* pk_copy over parts [bounds[k], bounds[k+1]) on several threads (see pk_run). Compact
+ * mode: part k saves into idx/bef from accs[k].saved (set by the caller) up to ends[k];
+ * reached[k] is where it stopped. */
+typedef struct {
+    void *dst;
+    const void *src;
+    int64_t L, drs, srs, doff;
+    const int64_t *bounds;
+    int64_t *idx;
+    void *bef;
+    const int64_t *ends;
+    int whole, stats;
+    pk_acc *accs;
+    int64_t *reached;
+} pk_copy_job;
+
+#define PK_COPY_PARTS(NAME, UT)                                                              \
+    static void pk_copy_task_##NAME(void *c, int64_t k) {                                    \
+        pk_copy_job *j = c;                                                                  \
+        j->reached[k] = pk_copy_##NAME(j->dst, j->src, j->L, j->drs, j->srs, j->doff,        \
+                                       j->bounds[k], j->bounds[k + 1], j->idx, j->bef,       \
+                                       j->ends ? j->ends[k] : 0, j->whole, j->stats,         \
+                                       &j->accs[k]);                                         \
+    }                                                                                        \
+    void pk_copy_parts_##NAME(UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs,   \
+                              int64_t doff, int64_t parts, const int64_t *bounds,            \
+                              int64_t *idx, UT *bef, const int64_t *ends, int whole,         \
+                              int stats, pk_acc *accs, int64_t *reached, int threads) {      \
+        pk_copy_job j = {dst, src, L, drs, srs, doff, bounds, idx, bef, ends, whole, stats,  \
+                         accs, reached};                                                     \
+        pk_run(pk_copy_task_##NAME, &j, parts, threads);                                     \
+    }
+PK_COPY_PARTS(f32, uint32_t)
+PK_COPY_PARTS(f64, uint64_t)
+PK_COPY_PARTS(bf16, uint16_t)
+PK_COPY_PARTS(f16, uint16_t)
+
 /* The NaN-merge of a sparse load (CONTRACT §4): where the source is not NaN the
  * destination takes its bits, elsewhere it keeps them. Walks [p, p1) as pk_copy does.
  * With bef, each written element's old bits go to bef[] (every written element, changed
@@ -654,6 +827,48 @@ PK_MERGE(f32, uint32_t, PK_NAN_F32, pk_f32, PK_DIFF_WIDE)
 PK_MERGE(f64, uint64_t, PK_NAN_F64, pk_f64, PK_DIFF_WIDE)
 PK_MERGE(bf16, uint16_t, PK_NAN_BF16, pk_bf16, PK_DIFF_WIDE)
 PK_MERGE(f16, uint16_t, PK_NAN_F16, pk_f16, PK_DIFF_F16)
+
+/* pk_count and pk_merge over parts [bounds[k], bounds[k+1]) on several threads (see
+ * pk_run): counts[k] is part k's count; part k merges with n + 3k (set by the caller)
+ * and, with stats, into stats[k]. */
+typedef struct {
+    void *dst;
+    const void *src;
+    int64_t L, drs, srs, doff;
+    const int64_t *bounds;
+    int64_t *idx;
+    void *bef;
+    int64_t *n;
+    pk_acc *stats;
+} pk_merge_job;
+
+#define PK_MERGE_PARTS(NAME, UT)                                                             \
+    static void pk_count_task_##NAME(void *c, int64_t k) {                                   \
+        pk_merge_job *j = c;                                                                 \
+        j->n[k] = pk_count_##NAME(j->src, j->L, j->srs, j->bounds[k], j->bounds[k + 1]);     \
+    }                                                                                        \
+    void pk_count_parts_##NAME(const UT *src, int64_t L, int64_t srs, int64_t parts,         \
+                               const int64_t *bounds, int64_t *counts, int threads) {        \
+        pk_merge_job j = {NULL, src, L, 0, srs, 0, bounds, NULL, NULL, counts, NULL};        \
+        pk_run(pk_count_task_##NAME, &j, parts, threads);                                    \
+    }                                                                                        \
+    static void pk_merge_task_##NAME(void *c, int64_t k) {                                   \
+        pk_merge_job *j = c;                                                                 \
+        pk_merge_##NAME(j->dst, j->src, j->L, j->drs, j->srs, j->doff, j->bounds[k],         \
+                        j->bounds[k + 1], j->idx, j->bef, j->n + 3 * k,                      \
+                        j->stats ? j->stats + k : NULL);                                     \
+    }                                                                                        \
+    void pk_merge_parts_##NAME(UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs,  \
+                               int64_t doff, int64_t parts, const int64_t *bounds,           \
+                               int64_t *idx, UT *bef, int64_t *n, pk_acc *stats,             \
+                               int threads) {                                                \
+        pk_merge_job j = {dst, src, L, drs, srs, doff, bounds, idx, bef, n, stats};          \
+        pk_run(pk_merge_task_##NAME, &j, parts, threads);                                    \
+    }
+PK_MERGE_PARTS(f32, uint32_t)
+PK_MERGE_PARTS(f64, uint64_t)
+PK_MERGE_PARTS(bf16, uint16_t)
+PK_MERGE_PARTS(f16, uint16_t)
 
 /* Write vals[k] to base[idx[k]]: undoes a compact save (index_copy_ does the same,
  * several times slower on the CPU). */

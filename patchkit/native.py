@@ -46,7 +46,6 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,11 +61,14 @@ _KIND_OF = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
             torch.float16: "f16"}
 _KIND_OF_SIZE = {4: "f32", 8: "f64", 2: "bf16"}  # bitwise work only: any dtype of that size
 _BITS_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Elements per thread below which fewer threads share the work. Handing a part to a pool
-# thread and waiting for it costs tens of microseconds; below a million elements a part
-# a second thread did not pay for itself (an 8-layer bf16 model's dense report: 48 ms with
-# 2**18, 41.6 with 2**20, 42.9 with no second thread; bench_inspect's model table).
-_PARALLEL_MIN = 1 << 20
+# Views of fewer positions run on one thread; bigger ones in parts that this thread and
+# the C worker threads take in turn (_native.c: pk_run): one a thread, or two a thread
+# for views of at least two _PART a thread. Handing a part over costs microseconds (the
+# workers wait for the next job awake for a while), so two threads pay from a quarter
+# million elements on; more, smaller parts only cost (about 5 % at 16 M elements: the
+# threads' reads interleave). (A/B runs of compare_copy, fp32 and bf16, 128 K to 16 M elements.)
+_PARALLEL_MIN = 1 << 18
+_PART = 1 << 20
 # Positions looked at before a compact save of a big view, to size its buffers: blocks of
 # consecutive positions (each block a cache line or two), spread evenly over the view.
 _SAMPLE_BLOCKS, _SAMPLE_BLOCK = 256, 16
@@ -88,7 +90,6 @@ class _Acc(ctypes.Structure):
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _status: str | None = None
-_pool: ThreadPoolExecutor | None = None
 _off = 0  # depth of disabled() blocks
 
 
@@ -102,7 +103,7 @@ def _cache_dir() -> Path:
 # -fno-trapping-math lets the compiler vectorize the branch-free statistics (patchkit never
 # reads floating-point exception flags); -fno-tree-loop-distribute-patterns keeps the
 # copies inside the vectorized loops instead of turning them into memcpy calls.
-_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-trapping-math",
           "-fno-tree-loop-distribute-patterns"]
 
 
@@ -199,6 +200,30 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         scatter = getattr(lib, f"pk_scatter_{kind}")
         scatter.restype = None
         scatter.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        parts_fn = getattr(lib, f"pk_copy_parts_{kind}")
+        parts_fn.restype = None
+        parts_fn.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p,  # dst, src
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # L, drs, srs, doff
+            ctypes.c_int64, ctypes.c_void_p,  # parts, bounds
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # idx, bef, ends
+            ctypes.c_int, ctypes.c_int,  # whole, stats
+            ctypes.POINTER(_Acc), ctypes.c_void_p, ctypes.c_int,  # accs, reached, threads
+        ]
+        count_parts = getattr(lib, f"pk_count_parts_{kind}")
+        count_parts.restype = None
+        count_parts.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # src, L, srs
+                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,  # parts ...
+                                ctypes.c_int]  # bounds, counts, threads
+        merge_parts = getattr(lib, f"pk_merge_parts_{kind}")
+        merge_parts.restype = None
+        merge_parts.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p,  # dst, src
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # L, drs, srs, doff
+            ctypes.c_int64, ctypes.c_void_p,  # parts, bounds
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # idx, bef, n (3 a part)
+            ctypes.POINTER(_Acc), ctypes.c_int,  # stats (or NULL), threads
+        ]
         merge_fn = getattr(lib, f"pk_merge_{kind}")
         merge_fn.restype = None
         merge_fn.argtypes = [
@@ -393,24 +418,18 @@ def _prepare(dest: torch.Tensor, src: torch.Tensor):
     return None if lib is None else (lib, geometry)
 
 
-def _parts(n: int) -> list[tuple[int, int]]:
-    k = max(1, min(_threads(), 8, n // _PARALLEL_MIN))
-    bounds = [n * i // k for i in range(k + 1)]
-    return list(itertools.pairwise(bounds))
+def _parts(n: int) -> list[int]:
+    """The bounds of the parts of ``n`` positions that threads share (see
+    ``_PARALLEL_MIN``)."""
+    threads = min(_threads(), 8)
+    if threads <= 1 or n < _PARALLEL_MIN:
+        return [0, n]
+    k = min(2 * threads, max(threads, n // _PART))
+    return [n * i // k for i in range(k + 1)]
 
 
-def _run_parts(work, parts):
-    """Run ``work(k, p0, p1)`` for every part ``k``, the first on this thread; results in
-    order. ctypes lets go of the GIL during the C call, so the parts run at once."""
-    global _pool
-    if len(parts) == 1:
-        return [work(0, *parts[0])]
-    with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=7, thread_name_prefix="patchkit")
-    futures = [_pool.submit(work, k, p0, p1) for k, (p0, p1) in enumerate(parts) if k]
-    first = work(0, *parts[0])
-    return [first, *[f.result() for f in futures]]
+def _int64s(values) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
 
 
 def compare_copy(
@@ -445,16 +464,17 @@ def compare_copy(
     doff = dest.storage_offset()
     want = 1 if stats_dtype is not None else 0
     bits = _BITS_OF_SIZE[size]
-    parts = _parts(n)
+    bounds = _parts(n)
+    nparts = len(bounds) - 1
 
     limit = size * n // (8 + size)  # entries that cost as much memory as the whole view
     share, exact = _changed_share(lib, kind, dptr, sptr, length, drs, srs, n)
     if share * (8 + size) >= size:
         # Most elements change (a full replacement): a compact save would cost more than
         # the whole view and be given up; save the whole view straight away.
-        return _whole(fn, dest, src, (length, drs, srs), parts, want)
+        return _whole(lib, kind, dest, src, (length, drs, srs), bounds, want)
 
-    if exact is not None and len(parts) == 1:
+    if exact is not None and nparts == 1:
         # A small view, counted exactly: one call, buffers of just the right size.
         idx, bef, acc = _empty(exact, torch.int64), _empty(exact, bits), _Acc()
         fn(dptr, sptr, length, drs, srs, doff, 0, n, idx.data_ptr(), bef.data_ptr(), exact, 0,
@@ -467,20 +487,23 @@ def compare_copy(
     planned = 1.25 * share
     if exact is None:
         planned += 4 * (max(share, 1 / _SAMPLE) * (1 - share) / _SAMPLE) ** 0.5
+    parts = list(itertools.pairwise(bounds))
     caps = [min(max(4096, int((p1 - p0) * planned)), size * (p1 - p0) // (8 + size))
             for p0, p1 in parts]
-    bases = [sum(caps[:k]) for k in range(len(parts))]
+    bases = [sum(caps[:k]) for k in range(nparts)]
     idx = _empty(sum(caps), torch.int64)
     bef = _empty(sum(caps), bits)
-
-    def compact(k: int, p0: int, p1: int):
-        acc = _Acc(saved=bases[k])
-        p = fn(dptr, sptr, length, drs, srs, doff, p0, p1, idx.data_ptr(), bef.data_ptr(),
-               bases[k] + caps[k], 0, want, ctypes.byref(acc))
-        return p, acc
-
-    done = _run_parts(compact, parts)
-    accs = [acc for _, acc in done]
+    accs = (_Acc * nparts)()
+    for k in range(nparts):
+        accs[k].saved = bases[k]
+    reached = (ctypes.c_int64 * nparts)()
+    getattr(lib, f"pk_copy_parts_{kind}")(
+        dptr, sptr, length, drs, srs, doff, nparts, _int64s(bounds), idx.data_ptr(),
+        bef.data_ptr(), _int64s([b + c for b, c in zip(bases, caps)]), 0, want, accs,
+        reached, _threads(),
+    )
+    done = list(zip(reached, accs))
+    accs = list(accs)
     # Pack the parts' entries together at the front (in position order).
     saved = 0
     for k, (_, acc) in enumerate(done):
@@ -528,7 +551,7 @@ def compare_copy(
             dest.untyped_storage().data_ptr(), idx.data_ptr(), bef.data_ptr(), rest.saved
         )
         del idx, bef
-        return _whole(fn, dest, src, (length, drs, srs), parts, want)
+        return _whole(lib, kind, dest, src, (length, drs, srs), bounds, want)
     index = idx[: rest.saved]
     before = bef[: rest.saved].view(dest.dtype)
     if continued and len(parts) > 1:
@@ -552,20 +575,18 @@ def _changed_share(lib, kind, dptr, sptr, length, drs, srs, n) -> tuple[float, i
     return hits / _SAMPLE, None
 
 
-def _whole(fn, dest, src, geometry, parts, want) -> CopyResult:
+def _whole(lib, kind, dest, src, geometry, bounds, want) -> CopyResult:
     """Copy while saving the whole view as it was (every element's old bits)."""
     length, drs, srs = geometry
-    dptr, sptr, doff = dest.data_ptr(), src.data_ptr(), dest.storage_offset()
     whole = _empty(dest.numel(), _BITS_OF_SIZE[dest.element_size()])
-    wptr = whole.data_ptr()
-
-    def whole_part(k: int, p0: int, p1: int):
-        acc = _Acc()
-        fn(dptr, sptr, length, drs, srs, doff, p0, p1, None, wptr, 0, 1, want, ctypes.byref(acc))
-        return acc
-
-    accs = _run_parts(whole_part, parts)
-    return _result(None, whole.view(dest.dtype).view(dest.shape), accs, want)
+    nparts = len(bounds) - 1
+    accs = (_Acc * nparts)()
+    getattr(lib, f"pk_copy_parts_{kind}")(
+        dest.data_ptr(), src.data_ptr(), length, drs, srs, dest.storage_offset(), nparts,
+        _int64s(bounds), None, whole.data_ptr(), None, 1, want, accs,
+        (ctypes.c_int64 * nparts)(), _threads(),
+    )
+    return _result(None, whole.view(dest.dtype).view(dest.shape), list(accs), want)
 
 
 def _result(index, before, accs, want) -> CopyResult:
@@ -622,29 +643,29 @@ def merge(
         return None
     lib, (length, drs, srs) = ready
     dptr, sptr, doff = dest.data_ptr(), src.data_ptr(), dest.storage_offset()
-    parts = _parts(dest.numel())
+    bounds = _parts(dest.numel())
+    nparts = len(bounds) - 1
+    c_bounds = _int64s(bounds)
+    threads = _threads()
     idx = bef = None
-    bases = [0] * len(parts)
+    bases = [0] * nparts
     if save:
-        count = getattr(lib, f"pk_count_{kind}")
-        sizes = _run_parts(lambda k, p0, p1: count(sptr, length, srs, p0, p1), parts)
-        bases = [sum(sizes[:k]) for k in range(len(parts))]
+        sizes = (ctypes.c_int64 * nparts)()
+        getattr(lib, f"pk_count_parts_{kind}")(sptr, length, srs, nparts, c_bounds, sizes,
+                                                threads)
+        bases = [sum(sizes[:k]) for k in range(nparts)]
         if sum(sizes) != known_count:
             idx = _empty(sum(sizes), torch.int64)
         bef = _empty(sum(sizes), _BITS_OF_SIZE[dest.element_size()])
-    fn = getattr(lib, f"pk_merge_{kind}")
-    iptr = idx.data_ptr() if idx is not None else None
-    bptr = bef.data_ptr() if bef is not None else None
-
-    def part(k: int, p0: int, p1: int):
-        n = (ctypes.c_int64 * 3)(bases[k], 0, 0)
-        acc = _Acc()
-        fn(dptr, sptr, length, drs, srs, doff, p0, p1, iptr, bptr, n,
-           ctypes.byref(acc) if stats else None)
-        return n[1], n[2], acc
-
-    done = _run_parts(part, parts)
-    accs = [a for _, _, a in done]
+    counts = (ctypes.c_int64 * (3 * nparts))(*[v for b in bases for v in (b, 0, 0)])
+    accs = (_Acc * nparts)() if stats else None
+    getattr(lib, f"pk_merge_parts_{kind}")(
+        dptr, sptr, length, drs, srs, doff, nparts, c_bounds,
+        idx.data_ptr() if idx is not None else None,
+        bef.data_ptr() if bef is not None else None, counts, accs, threads,
+    )
+    done = [(counts[3 * k + 1], counts[3 * k + 2], accs[k] if stats else None)
+            for k in range(nparts)]
     return MergeResult(
         written=sum(w for w, _, _ in done),
         changed=sum(c for _, c, _ in done),

@@ -103,6 +103,7 @@ def test_compare_copy_matches_a_brute_force_reference(
     with pytest.MonkeyPatch.context() as mp:
         # Small parts, so that these small views are split between threads as big ones are.
         mp.setattr(native, "_PARALLEL_MIN", 256)
+        mp.setattr(native, "_PART", 96)  # more parts than threads: taken in turn
         mp.setattr(native, "_threads", lambda: threads)
         got = native.compare_copy(dest, src, dtype if stats else None)
     _assert_matches_reference(got, base, start, before, dest, src, view, dtype, stats)
@@ -199,11 +200,99 @@ def test_views_big_enough_to_be_sampled_first(dtype, layout, frac, pattern, thre
     start, before = base.clone(), dest.clone()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(native, "_PARALLEL_MIN", 1 << 15)
+        mp.setattr(native, "_PART", 1 << 13)
         mp.setattr(native, "_threads", lambda: threads)
         got = native.compare_copy(dest, src, dtype)
     _assert_matches_reference(got, base, start, before, dest, src, view, dtype, True)
     if frac == 1.0:
         assert got.index is None
+
+
+def _split_copy_case(seed: int, n: int = 1 << 16):
+    g = torch.Generator().manual_seed(seed)
+    dest = torch.randn(n, generator=g)
+    src = dest.clone()
+    at = torch.randperm(n, generator=g)[: n // 20]
+    src[at] += 1.0
+    return dest, src, at
+
+
+@needs_compiler
+def test_parts_from_several_python_threads_at_once():
+    """The C workers run one job at a time; a second caller runs its parts alone. Copies,
+    merges and counts from four Python threads at once are each right."""
+    import threading
+
+    errors = []
+
+    def work(seed):
+        try:
+            for r in range(20):
+                dest, src, at = _split_copy_case(seed * 100 + r)
+                before = dest.clone()
+                got = native.compare_copy(dest, src, torch.float32)
+                assert torch.equal(dest, src) and got.changed == len(at)
+                assert torch.equal(got.index, at.sort().values)
+                assert torch.equal(got.before, before[got.index])
+                nan = torch.full_like(src, float("nan"))
+                nan[at] = src[at]
+                merged = native.merge(before, nan, save=True)
+                assert merged.written == len(at) and torch.equal(before, src)
+        except Exception as e:  # reported below, from the main thread
+            errors.append(e)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_PARALLEL_MIN", 1 << 12)
+        mp.setattr(native, "_PART", 1 << 12)
+        mp.setattr(native, "_threads", lambda: 3)
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+
+
+@needs_compiler
+def test_parts_in_a_forked_child():
+    """A child forked after the parent's workers started has no workers (fork copies one
+    thread): its copy still finishes, right. The child runs the copy only (torch ops may
+    hang in a forked child, patchkit's or not); the parent checks what it wrote into
+    shared memory."""
+    import os
+    import signal
+    import time
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_PARALLEL_MIN", 1 << 12)
+        mp.setattr(native, "_PART", 1 << 12)
+        mp.setattr(native, "_threads", lambda: 2)
+        dest, src, _ = _split_copy_case(1)
+        native.compare_copy(dest, src, None)  # the parent's workers are running now
+        dest, src, at = _split_copy_case(2)
+        dest.share_memory_()
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 when the count is right
+            ok = False
+            try:
+                ok = native.compare_copy(dest, src, torch.float32).changed == len(at)
+            finally:
+                os._exit(0 if ok else 1)
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child's copy did not finish within 60 s")
+            time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert torch.equal(dest, src)
 
 
 @needs_compiler
@@ -470,6 +559,7 @@ def test_merge_matches_torch_where_on_the_bits(dtype, layout, density, seed, sav
     want = torch.where(torch.isnan(src), before, src)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(native, "_PARALLEL_MIN", 256)
+        mp.setattr(native, "_PART", 96)  # more parts than threads: taken in turn
         mp.setattr(native, "_threads", lambda: threads)
         got = native.merge(dest, src, save=save)
     assert got is not None
