@@ -720,9 +720,10 @@ def _delta_rows(
     # Runtime tensors by storage, taken once: each saved region is matched against the
     # tensors of its own storage only (a load of n tensors costs O(n), not O(n^2)).
     by_storage: dict[tuple, list[tuple[str, torch.Tensor, tuple[int, int]]]] = {}
+    region_of: dict[str, Region] = {}
     for name, t in runtime.items():
         if t.numel():
-            r = Region.of(t)
+            r = region_of[name] = Region.of(t)
             by_storage.setdefault(r.key, []).append((name, t, r.extent()))
     regions_of: dict[str, list[SavedRegion]] = {}
     for s in saved:
@@ -733,20 +734,21 @@ def _delta_rows(
                 regions_of.setdefault(name, []).append(s)
     rows = []
     for target, regions in regions_of.items():
-        t = runtime[target]
+        t, t_region = runtime[target], region_of[target]
         extents = [s.region for s in regions]
+        contained = [_contained(s.view, t, s.region, t_region) for s in regions]
         overlapping = any(
             extents[i].overlaps(extents[j]) for i in range(len(regions)) for j in range(i)
         ) or any(
-            s.whole_view and (s.view_sum_squares is None or not _contained(s.view, t))
-            for s in regions
+            s.whole_view and (s.view_sum_squares is None or not inside)
+            for s, inside in zip(regions, contained)
         )
         acc = _Stats()
         if overlapping:
             _add_overlapping(acc, t, regions)
         else:
-            for s in regions:
-                _add_region(acc, t, s)
+            for s, inside in zip(regions, contained):
+                _add_region(acc, t, s, inside)
         if acc.elements:
             rows.append(acc.row(target))
     return rows
@@ -821,9 +823,9 @@ def _as_dtype_of(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == t.dtype else x.view(t.dtype)
 
 
-def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion) -> None:
-    """One saved region that no other region of ``t`` overlaps."""
-    contained = _contained(s.view, t)
+def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion, contained: bool) -> None:
+    """One saved region that no other region of ``t`` overlaps (``contained``: every
+    element of its view is an element of ``t``, see :func:`_contained`)."""
     if contained and s.diff_stats is not None and s.view_sum_squares is not None:
         # Measured while writing (patchkit.native): nothing to read again.
         changed, sum_abs, sum_d2, max_abs = s.diff_stats
@@ -904,13 +906,19 @@ def _positions(t: torch.Tensor, storage_index: torch.Tensor) -> tuple[torch.Tens
     return order[at[valid]], valid
 
 
-def _contained(view: torch.Tensor, t: torch.Tensor) -> bool:
+def _contained(
+    view: torch.Tensor, t: torch.Tensor, view_region: Region | None = None,
+    t_region: Region | None = None,
+) -> bool:
     """True when every element of ``view`` is an element of ``t`` (same storage), so
     numbers measured over the view are ``t``'s. Exact: a strided ``t`` (a column slice of
-    a fused buffer, say) does not own the gaps of its extent."""
-    a0, a1 = Region.of(view).extent()
-    b0, b1 = Region.of(t).extent()
-    if _storage_key(view) != _storage_key(t) or not (b0 <= a0 and a1 <= b1):
+    a fused buffer, say) does not own the gaps of its extent. The regions, where given,
+    are ``Region.of`` the two tensors (taken once by a caller that has them)."""
+    view_region = view_region or Region.of(view)
+    t_region = t_region or Region.of(t)
+    a0, a1 = view_region.extent()
+    b0, b1 = t_region.extent()
+    if view_region.key != t_region.key or not (b0 <= a0 and a1 <= b1):
         return False
     if t.is_contiguous():
         return True  # t owns every element of its extent

@@ -522,8 +522,16 @@ def _mutated_args(func: torch._ops.OpOverload, cache: dict) -> tuple:
     return got
 
 
+_OP_NAMES: dict = {}
+
+
 def _op_name(func: torch._ops.OpOverload) -> str:
-    return func._schema.name + ("" if func._overloadname == "default" else "." + func._overloadname)
+    name = _OP_NAMES.get(func)
+    if name is None:
+        name = _OP_NAMES[func] = func._schema.name + (
+            "" if func._overloadname == "default" else "." + func._overloadname
+        )
+    return name
 
 
 class _Mode(TorchDispatchMode):
@@ -541,11 +549,12 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         s = self.s
-        for a in args[:2]:
-            if isinstance(a, torch.Tensor):
-                hit = s.provenance.lookup(a)
-                if hit is not None:
-                    s._last_patch = hit[:2]
+        if s._sparse:  # the patch an error of a sparse write names, when its source is not
+            for a in args[:2]:
+                if isinstance(a, torch.Tensor):
+                    hit = s.provenance.lookup(a)
+                    if hit is not None:
+                        s._last_patch = hit[:2]
         mutated = _mutated_args(func, s._schema_cache)
         if not mutated:
             out = func(*args, **kwargs)
