@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import itertools
 import os
@@ -48,6 +49,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -184,9 +186,6 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # idx, bef, cap
             ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Acc),  # bef_whole, stats, acc
         ]
-        count = getattr(lib, f"pk_count_{kind}")
-        count.restype = ctypes.c_int64
-        count.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4  # src, L, srs, p, p1
         sample = getattr(lib, f"pk_sample_{kind}")
         sample.restype = ctypes.c_int64
         sample.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6  # dst src L drs srs n k b
@@ -224,16 +223,23 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # idx, bef, n (3 a part)
             ctypes.POINTER(_Acc), ctypes.c_int,  # stats (or NULL), threads
         ]
-        merge_fn = getattr(lib, f"pk_merge_{kind}")
-        merge_fn.restype = None
-        merge_fn.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p,  # dst, src
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # L, drs, srs
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # doff, p, p1
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),  # idx, bef, n
-            ctypes.POINTER(_Acc),  # stats (or NULL)
-        ]
+    # the functions of each kind, looked up once (a load calls them for every write)
+    lib.kinds = {
+        kind: _Kind(*(getattr(lib, f"pk_{what}_{kind}") for what in _Kind._fields))
+        for kind in ("f32", "f64", "bf16", "f16")
+    }
     return lib, f"compiled ({lib_path})"
+
+
+class _Kind(NamedTuple):
+    copy: Any
+    copy_parts: Any
+    diffs: Any
+    sample: Any
+    scatter: Any
+    count_parts: Any
+    merge_parts: Any
+    entries: Any
 
 
 _HUGE = 2 << 20
@@ -280,17 +286,18 @@ def _lent(n: int, dtype: torch.dtype) -> torch.Tensor | None:
     return None
 
 
-def _empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+def _empty(n: int, dtype: torch.dtype, shape: torch.Size | None = None) -> torch.Tensor:
     """``torch.empty(n, dtype=dtype)`` on the CPU (a buffer :func:`reusing` lends, where
-    one fits); a big fresh one asks Linux for huge pages first. A fresh buffer is paid for
-    page by page when first written: 4 KiB pages cost about 35 ms per 64 MiB on these
-    machines, 2 MiB pages about a third of that."""
+    one fits), contiguous of ``shape`` (of ``n`` elements) where given; a big fresh one
+    asks Linux for huge pages first. A fresh buffer is paid for page by page when first
+    written: 4 KiB pages cost about 35 ms per 64 MiB on these machines, 2 MiB pages about
+    a third of that."""
     global _libc
     lent = _lent(n, dtype)
     if lent is not None:
-        return lent
-    out = torch.empty(n, dtype=dtype)
-    nbytes = out.numel() * out.element_size()
+        return lent if shape is None else lent.view(shape)
+    out = torch.empty(n if shape is None else shape, dtype=dtype)
+    nbytes = n * out.element_size()
     if nbytes < 2 * _HUGE or not sys.platform.startswith("linux"):
         return out
     if _libc is None:
@@ -381,6 +388,7 @@ def _rows(dest: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int] | None:
     return _rows_of(tuple(dest.shape), dest.stride(), src.stride())
 
 
+@functools.lru_cache(maxsize=4096)  # a load meets the same few geometries again and again
 def _rows_of(
     shape: tuple[int, ...], dstride: tuple[int, ...], sstride: tuple[int, ...]
 ) -> tuple[int, int, int] | None:
@@ -409,12 +417,12 @@ def _rows_of(
 def _prepare(dest: torch.Tensor, src: torch.Tensor):
     """``(library, rows geometry)`` for a write the C loops cover, else ``None``: both
     tensors on the CPU, not empty, walkable as rows, the path built and not disabled."""
-    if _off or dest.device.type != "cpu" or src.device.type != "cpu" or dest.numel() == 0:
+    if _off or not dest.is_cpu or not src.is_cpu or dest.numel() == 0:
         return None
-    geometry = _rows(dest, src)
+    geometry = _rows_of(tuple(dest.shape), dest.stride(), src.stride())
     if geometry is None:
         return None
-    lib = _library()
+    lib = _lib if _status is not None else _library()
     return None if lib is None else (lib, geometry)
 
 
@@ -457,7 +465,8 @@ def compare_copy(
     if ready is None:
         return None
     lib, (length, drs, srs) = ready
-    fn = getattr(lib, f"pk_copy_{kind}")
+    f = lib.kinds[kind]
+    fn = f.copy
     n = dest.numel()
     dptr = dest.data_ptr()
     sptr = src.data_ptr()
@@ -468,11 +477,11 @@ def compare_copy(
     nparts = len(bounds) - 1
 
     limit = size * n // (8 + size)  # entries that cost as much memory as the whole view
-    share, exact = _changed_share(lib, kind, dptr, sptr, length, drs, srs, n)
+    share, exact = _changed_share(f, dptr, sptr, length, drs, srs, n)
     if share * (8 + size) >= size:
         # Most elements change (a full replacement): a compact save would cost more than
         # the whole view and be given up; save the whole view straight away.
-        return _whole(lib, kind, dest, src, (length, drs, srs), bounds, want)
+        return _whole(f, dest, src, (length, drs, srs), bounds, want)
 
     if exact is not None and nparts == 1:
         # A small view, counted exactly: one call, buffers of just the right size.
@@ -497,7 +506,7 @@ def compare_copy(
     for k in range(nparts):
         accs[k].saved = bases[k]
     reached = (ctypes.c_int64 * nparts)()
-    getattr(lib, f"pk_copy_parts_{kind}")(
+    f.copy_parts(
         dptr, sptr, length, drs, srs, doff, nparts, _int64s(bounds), idx.data_ptr(),
         bef.data_ptr(), _int64s([b + c for b, c in zip(bases, caps)]), 0, want, accs,
         reached, _threads(),
@@ -547,11 +556,11 @@ def compare_copy(
     if not fits:
         # Too many changes for a compact save: undo what was written, then save the whole
         # view while copying it.
-        getattr(lib, f"pk_scatter_{kind}")(
+        f.scatter(
             dest.untyped_storage().data_ptr(), idx.data_ptr(), bef.data_ptr(), rest.saved
         )
         del idx, bef
-        return _whole(lib, kind, dest, src, (length, drs, srs), bounds, want)
+        return _whole(f, dest, src, (length, drs, srs), bounds, want)
     index = idx[: rest.saved]
     before = bef[: rest.saved].view(dest.dtype)
     if continued and len(parts) > 1:
@@ -561,35 +570,47 @@ def compare_copy(
     return _result(index, before, accs, want)
 
 
-def _changed_share(lib, kind, dptr, sptr, length, drs, srs, n) -> tuple[float, int | None]:
+def _changed_share(f, dptr, sptr, length, drs, srs, n) -> tuple[float, int | None]:
     """``(share, count)``: the share of the view's elements that the copy will change,
     and their number. Views of fewer than ``_SAMPLE_MIN`` elements are counted exactly
     (``count`` is that number); bigger ones estimate the share from ``_SAMPLE_BLOCKS``
     evenly spaced blocks of ``_SAMPLE_BLOCK`` consecutive positions (``count`` is
     ``None``)."""
     if n < _SAMPLE_MIN:
-        count = getattr(lib, f"pk_diffs_{kind}")(dptr, sptr, length, drs, srs, 0, n)
+        count = f.diffs(dptr, sptr, length, drs, srs, 0, n)
         return (count / n if n else 0.0), count
-    hits = getattr(lib, f"pk_sample_{kind}")(dptr, sptr, length, drs, srs, n, _SAMPLE_BLOCKS,
-                                             _SAMPLE_BLOCK)
+    hits = f.sample(dptr, sptr, length, drs, srs, n, _SAMPLE_BLOCKS, _SAMPLE_BLOCK)
     return hits / _SAMPLE, None
 
 
-def _whole(lib, kind, dest, src, geometry, bounds, want) -> CopyResult:
+def _whole(f: _Kind, dest, src, geometry, bounds, want) -> CopyResult:
     """Copy while saving the whole view as it was (every element's old bits)."""
     length, drs, srs = geometry
-    whole = _empty(dest.numel(), _BITS_OF_SIZE[dest.element_size()])
-    nparts = len(bounds) - 1
-    accs = (_Acc * nparts)()
-    getattr(lib, f"pk_copy_parts_{kind}")(
-        dest.data_ptr(), src.data_ptr(), length, drs, srs, dest.storage_offset(), nparts,
-        _int64s(bounds), None, whole.data_ptr(), None, 1, want, accs,
-        (ctypes.c_int64 * nparts)(), _threads(),
-    )
-    return _result(None, whole.view(dest.dtype).view(dest.shape), list(accs), want)
+    n = dest.numel()
+    whole = _empty(n, dest.dtype, dest.shape)
+    dptr, sptr, doff = dest.data_ptr(), src.data_ptr(), dest.storage_offset()
+    wptr = whole.data_ptr()
+    if len(bounds) == 2:
+        acc = _Acc()
+        f.copy(dptr, sptr, length, drs, srs, doff, 0, n, None, wptr, 0, 1, want,
+               ctypes.byref(acc))
+        accs = [acc]
+    else:
+        nparts = len(bounds) - 1
+        parts_acc = (_Acc * nparts)()
+        f.copy_parts(dptr, sptr, length, drs, srs, doff, nparts, _int64s(bounds), None, wptr,
+                     None, 1, want, parts_acc, (ctypes.c_int64 * nparts)(), _threads())
+        accs = list(parts_acc)
+    return _result(None, whole, accs, want)
 
 
 def _result(index, before, accs, want) -> CopyResult:
+    if len(accs) == 1:
+        a = accs[0]
+        if not want:
+            return CopyResult(index, before, a.count)
+        return CopyResult(index, before, a.count, squares=a.b2, sum_abs=a.sum_abs,
+                          sum_sq_diff=a.sum_d2, max_abs=a.max_abs)
     changed = sum(a.count for a in accs)
     if not want:
         return CopyResult(index, before, changed)
@@ -642,6 +663,7 @@ def merge(
     if ready is None:
         return None
     lib, (length, drs, srs) = ready
+    f = lib.kinds[kind]
     dptr, sptr, doff = dest.data_ptr(), src.data_ptr(), dest.storage_offset()
     bounds = _parts(dest.numel())
     nparts = len(bounds) - 1
@@ -651,15 +673,14 @@ def merge(
     bases = [0] * nparts
     if save:
         sizes = (ctypes.c_int64 * nparts)()
-        getattr(lib, f"pk_count_parts_{kind}")(sptr, length, srs, nparts, c_bounds, sizes,
-                                                threads)
+        f.count_parts(sptr, length, srs, nparts, c_bounds, sizes, threads)
         bases = [sum(sizes[:k]) for k in range(nparts)]
         if sum(sizes) != known_count:
             idx = _empty(sum(sizes), torch.int64)
         bef = _empty(sum(sizes), _BITS_OF_SIZE[dest.element_size()])
     counts = (ctypes.c_int64 * (3 * nparts))(*[v for b in bases for v in (b, 0, 0)])
     accs = (_Acc * nparts)() if stats else None
-    getattr(lib, f"pk_merge_parts_{kind}")(
+    f.merge_parts(
         dptr, sptr, length, drs, srs, doff, nparts, c_bounds,
         idx.data_ptr() if idx is not None else None,
         bef.data_ptr() if bef is not None else None, counts, accs, threads,
@@ -717,7 +738,7 @@ def patch_entries(
     if srs < length:
         return None  # source rows overlap (a broadcast view): one entry, several writes
     out = (ctypes.c_int64 * 3)()
-    getattr(lib, f"pk_entries_{kind}")(
+    lib.kinds[kind].entries(
         indices.data_ptr(), indices.element_size(), values.data_ptr(), indices.numel(),
         start, length, srs, dest.numel() // length, out,
     )

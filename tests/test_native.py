@@ -322,8 +322,8 @@ def test_the_sample_sees_periodic_changes(period):
     dest = torch.randn(n)
     src = dest.clone()
     src[::period] += 1.0
-    lib = native._library()
-    share, exact = native._changed_share(lib, "f32", dest.data_ptr(), src.data_ptr(), n, n, n, n)
+    f32 = native._library().kinds["f32"]
+    share, exact = native._changed_share(f32, dest.data_ptr(), src.data_ptr(), n, n, n, n)
     assert exact is None
     assert share == pytest.approx(1 / period, rel=0.1, abs=2 / native._SAMPLE)
 
