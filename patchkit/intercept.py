@@ -771,10 +771,10 @@ class WriteSession:
         the regions of the written storage are looked at, so a load of many tensors
         costs a look-up per write, not a scan of every earlier write."""
         for t, _ in targets:
-            written = Region.of(t)
-            regions = self._measured.get(written.key)
+            regions = self._measured.get(_storage_key(t))
             if not regions:
                 continue
+            written = Region.of(t)
             lo, hi = written.extent()
             keep = []
             for sr in regions:
