@@ -250,6 +250,11 @@ static inline void pk_stat(pk_acc *acc, double d) {
 #include <immintrin.h>
 
 #define PK_W 512 /* elements per window */
+/* b2 of a run below this is summed again in double (pk_b2), and the statistics of a whole
+ * run whose squared differences sum below it measured again in double: the bfloat16 lanes
+ * square in float, where squares of values below about 1e-19 lose bits or vanish. (A run
+ * whose values are all +-0 is not summed again.) */
+#define PK_TINY_bf16 0x1p-100
 /* elements ahead that the windows ask the cache for: the loop alone keeps too few loads
  * in flight to stream from memory at full speed (a hint: no fault past the end) */
 #define PK_AHEAD 1024
@@ -477,13 +482,42 @@ static inline __attribute__((always_inline)) int64_t pk_fastw_f32_(
     return j;
 }
 
+/* The bfloat16 whole lane measures in float: old and new values widen to float exactly,
+ * their squares and differences (exponents at most 16 apart, nearly every pair) are
+ * exact or rounded once, and each float lane sums 16 terms (8 steps) before the sums go
+ * to double: at most 1e-6 relative error, where double costs twice the instructions and
+ * is the lane's bottleneck. Values of 2^60 or more (or not finite), whose squares or
+ * sums float could not hold, send the run's numbers to double, read again from the save
+ * and the source; so do differences too small for float's squares (PK_TINY_bf16), and
+ * pk_whole_bf16 checks the squares of the old values the same way. */
+static inline void pk_fstat(__m256 *q, __m256 *sa, __m256 *sd, __m256 *mx, __m256 o, __m256 x) {
+    const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 e = _mm256_and_ps(_mm256_sub_ps(x, o), mag);
+    *q = _mm256_fmadd_ps(o, o, *q);
+    *sa = _mm256_add_ps(*sa, e);
+    *sd = _mm256_fmadd_ps(e, e, *sd);
+    *mx = _mm256_max_ps(*mx, e);
+}
+
+/* add the float sums to the double ones and clear them */
+static inline void pk_fflush(pk_vacc *v, __m256 *q, __m256 *sa, __m256 *sd) {
+    PK_ADD8(*q, v->q0, v->q1);
+    PK_ADD8(*sa, v->sa0, v->sa1);
+    PK_ADD8(*sd, v->sd0, v->sd1);
+    *q = *sa = *sd = _mm256_setzero_ps();
+}
+
 static inline __attribute__((always_inline)) int64_t pk_fastw_bf16_(
     uint16_t *restrict d, const uint16_t *restrict s, int64_t n, uint16_t *restrict w,
     const int stats, const int stream, int64_t *count, double *b2, pk_acc *diffs) {
     pk_vacc v = {0};
-    const __m256i zero = _mm256_setzero_si256();
-    __m256i eq = zero; /* minus the equal lanes, per pair of 16-bit lanes */
+    const __m256i zero = _mm256_setzero_si256(), mag = _mm256_set1_epi16(0x7fff),
+                  big = _mm256_set1_epi16(0x5d7f); /* the bits of the bfloat16 below 2^60 */
+    __m256i eq = zero;   /* minus the equal lanes, per pair of 16-bit lanes */
+    __m256i huge = zero; /* lanes where an old or new value was 2^60 or more */
+    __m256 q = _mm256_setzero_ps(), sa = q, sd = q, mx = q;
     int64_t j = 0;
+    int steps = 0;
     for (; j + 16 <= n; j += 16) {
         __m256i x0 = pk_load(d + j), x1 = pk_load(s + j);
         if (stream) _mm256_stream_si256((__m256i *)(w + j), x0);
@@ -493,10 +527,36 @@ static inline __attribute__((always_inline)) int64_t pk_fastw_bf16_(
         eq = _mm256_add_epi32(eq, _mm256_madd_epi16(_mm256_cmpeq_epi16(x0, x1),
                                                     _mm256_set1_epi16(-1)));
         if (stats) {
-            pk_vstat_ps(&v, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x0)),
-                        _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x1)));
-            pk_vstat_ps(&v, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x0)),
-                        _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x1)));
+            __m256i m = _mm256_max_epu16(_mm256_and_si256(x0, mag), _mm256_and_si256(x1, mag));
+            huge = _mm256_or_si256(huge, _mm256_cmpgt_epi16(m, big));
+            pk_fstat(&q, &sa, &sd, &mx, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x0)),
+                     _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x1)));
+            pk_fstat(&q, &sa, &sd, &mx, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x0)),
+                     _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x1)));
+            if (++steps == 8) {
+                pk_fflush(&v, &q, &sa, &sd);
+                steps = 0;
+            }
+        }
+    }
+    if (stats) {
+        pk_fflush(&v, &q, &sa, &sd);
+        v.mx0 = _mm256_cvtps_pd(_mm256_castps256_ps128(mx));
+        v.mx1 = _mm256_cvtps_pd(_mm256_extractf128_ps(mx, 1));
+        double sd_run = pk_hsum(v.sd0, v.sd1, _mm256_setzero_pd(), _mm256_setzero_pd());
+        if (!_mm256_testz_si256(huge, huge) ||
+            (sd_run < PK_TINY_bf16 &&
+             pk_hsum(v.sa0, v.sa1, _mm256_setzero_pd(), _mm256_setzero_pd()) > 0)) {
+            /* again in double, old values from the save, new ones from the source */
+            pk_vacc dv = {0};
+            for (int64_t k = 0; k + 16 <= j; k += 16) {
+                __m256i o = pk_load(w + k), x = pk_load(s + k);
+                pk_vstat_ps(&dv, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, o)),
+                            _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x)));
+                pk_vstat_ps(&dv, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, o)),
+                            _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x)));
+            }
+            v = dv;
         }
     }
     pk_vdone(&v, eq, j, count, b2, diffs);
@@ -530,10 +590,9 @@ PK_FASTW(bf16)
 #define PK_FAST_bf16(...) 0
 #endif
 #define PK_FAST_f64(...) 0
-/* b2 of a compact run below this is summed again in double (pk_b2): the bfloat16 lane
- * sums squares in float, where squares of values below about 1e-19 lose bits or vanish.
- * (A run whose values are all +-0 is not summed again.) */
-#define PK_TINY_bf16 0x1p-100
+#ifndef PK_TINY_bf16
+#define PK_TINY_bf16 0.0 /* the portable loops sum in double */
+#endif
 #define PK_TINY_f32 0.0
 #define PK_TINY_f64 0.0
 #define PK_TINY_f16 0.0
@@ -662,7 +721,8 @@ PK_FASTW(bf16)
             if (mx[l] > diffs->max_abs) diffs->max_abs = mx[l];                              \
         }                                                                                    \
         if (stats) {                                                                         \
-            if (!isfinite(t)) t = pk_b2_##NAME(d, 0, n, 0, 0, 0, 0, w);                      \
+            if (!isfinite(t) || (t < PK_TINY_##NAME && pk_any_##NAME(w, n, 0, 0)))          \
+                t = pk_b2_##NAME(d, 0, n, 0, 0, 0, 0, w);                                    \
             *b2 += t;                                                                        \
         }                                                                                    \
     }                                                                                        \

@@ -194,8 +194,10 @@ class LoadReport:
       NaN-merged copy only the elements its source lets through), ``changed`` (bitwise,
       against the value before the load), ``max_abs``, ``mean_abs`` (over the written
       elements) and ``rel_l2`` (``||after - before|| / ||before||`` over the written
-      elements; for bfloat16 on x86 CPUs ``||before||`` is summed partly in float32, and
-      can be off by up to 1e-6 relative: see :class:`patchkit.native.CopyResult`).
+      elements). For bfloat16 on x86 CPUs the compiled path measures partly in
+      float32: ``rel_l2`` always, and ``max_abs`` and ``mean_abs`` where most of a write
+      changed, can be off by up to 1e-6 relative (see
+      :class:`patchkit.native.CopyResult`).
     - ``error``: the exception the load raised, or ``None``.
 
     The four tables are built when first read (their numbers were all taken when the load

@@ -367,10 +367,12 @@ class CopyResult:
     old values, and ``sum_abs``, ``sum_sq_diff`` and ``max_abs`` are over the finite
     ``|new - old|`` of the changed elements (float16 differences taken in float32, the
     others in float64), all accumulated in float64. One exception, for speed: on x86 with
-    AVX2 a compact save of bfloat16 sums ``squares`` in float32 within each window of 512
-    elements (each float32 lane adds 16 exact squares) before float64 takes over, so it
-    can be off by up to 1e-6 relative (runs of values outside 1e-19..1e19, whose squares
-    float32 cannot hold, are summed again in float64).
+    AVX2 the bfloat16 lanes measure in float32 before float64 takes over (each float32
+    lane adds 16 terms), so their numbers can be off by up to 1e-6 relative: a compact
+    save's ``squares``, and all four numbers of a whole save (a difference of two
+    bfloat16 values is exact in float32 unless their exponents are more than 16 apart,
+    then rounded once). Runs whose values float32 cannot square or sum (below about 1e-19
+    or from 2^60 on, or not finite) are measured again in float64.
     """
 
     index: torch.Tensor | None
