@@ -469,9 +469,11 @@ def _inspect_load(
     patches = [_as_patch(p) for p in patches]
     rec = _Recorder()
     sessions: list[WriteSession] = []
+    planned = None
     try:
         kept, positions = canonicalize_tied(model, patches)
         plan = plan_chunks(kept, max_chunk_bytes, positions=positions)
+        planned = (kept, positions, plan)  # the load's own: planned once
     except Exception:  # bad input: the load below raises the error that names it
         kept, positions, plan = list(patches), list(range(len(patches))), []
     error: BaseException | None = None
@@ -487,6 +489,7 @@ def _inspect_load(
                 recorder=rec,
                 save_regions=True,
                 session_out=sessions,
+                planned=planned,
             )
         else:
             loaded = _observe_foreign(

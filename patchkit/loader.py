@@ -76,13 +76,17 @@ def run_load(
     recorder: WriteRecorder | None = None,
     save_regions: bool = False,
     session_out: list | None = None,
+    planned: tuple[list, list, list] | None = None,
 ) -> set[str]:
     """The loader with its observation hooks (used by :mod:`patchkit.inspect`).
 
     ``recorder`` is told of every call and runtime write; ``save_regions`` keeps the
     before-values of every written region (``transactional`` implies it);
     ``session_out``, when given, receives the :class:`~patchkit.intercept.WriteSession`
-    so the caller can read the saved regions after the load.
+    so the caller can read the saved regions after the load; ``planned``, when given, is
+    ``(kept, positions, chunks)`` as :func:`canonicalize_tied` and
+    :func:`~patchkit.chunking.plan_chunks` make them for these patches, model and budget
+    (a caller that has them already), used once the patches are valid.
     """
     with torch.no_grad():
         patches = [_as_patch(p) for p in patches]
@@ -100,8 +104,11 @@ def run_load(
                 "contract applies patches through the model's own checkpoint loader",
                 reason="no load_weights", value=type(model).__name__,
             )
-        kept, positions = canonicalize_tied(model, patches)
-        chunks = plan_chunks(kept, max_chunk_bytes, positions=positions)
+        if planned is not None:
+            kept, positions, chunks = planned
+        else:
+            kept, positions = canonicalize_tied(model, patches)
+            chunks = plan_chunks(kept, max_chunk_bytes, positions=positions)
         by_position = dict(zip(positions, kept))
         sparse = kind == "sparse"
         session = None
