@@ -1,7 +1,9 @@
 """The compiled fast paths for the writes a load intercepts on the CPU.
 
-Two loops in ``patchkit/_native.c``, each one pass over the written view, split between
-``torch.get_num_threads()`` threads:
+Two loops in ``patchkit/_native.c``, each one pass over the written view; a view of a
+quarter million elements or more is split into parts that this thread and up to
+``torch.get_num_threads() - 1`` C worker threads take in turn (the workers, started on
+first use, wait awake for 0.2 ms after each job, then sleep):
 
 - :func:`compare_copy`, for a dense ``copy_`` whose regions are saved (a report, or
   ``transactional=True``): the load must know which elements' bits the copy changes,
