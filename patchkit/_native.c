@@ -41,7 +41,6 @@ typedef struct {
     double max_abs;  /* their maximum */
 } pk_acc;
 
-
 /* ---- Parts on several threads --------------------------------------------------------
  * The *_parts entry points below run one call per part of a view on this thread and on
  * up to PK_WORKERS pool threads. The workers are C threads (they never touch Python, so
@@ -49,12 +48,12 @@ typedef struct {
  * word in memory, before it sleeps: a load's writes come a few hundred microseconds
  * apart, and waking a sleeping thread costs tens of microseconds on a virtual machine (a
  * Python thread pool costs several hundred per job there). Parts are taken in turn from
- * one counter, so a late worker takes fewer of them; the caller waits only for parts
- * already taken. A job is a word: generation (32 bits), parts (16) and next part (16),
- * changed by compare-and-swap, so a worker still busy with an old job can never take a
- * part of the next one. One job at a time: a caller that finds the pool busy (a second
- * Python thread) runs its parts alone. After fork() the child starts its own workers. */
-#include <errno.h>
+ * one counter, the caller taking its share too, so a late worker takes fewer of them and
+ * the caller then waits only for parts a worker is doing. A job is a word: generation
+ * (32 bits), parts (16) and next part (16), changed by compare-and-swap, so a worker
+ * still busy with an old job can never take a part of the next one. One job at a time:
+ * a caller that finds the pool busy (a second Python thread) runs its parts alone. After
+ * fork() the child starts its own workers. */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
