@@ -780,9 +780,11 @@ PK_DEFINE(f64, uint64_t, pk_f64, PK_DIFF_WIDE)
 PK_DEFINE(bf16, uint16_t, pk_bf16, PK_DIFF_WIDE)
 PK_DEFINE(f16, uint16_t, pk_f16, PK_DIFF_F16)
 
-/* pk_copy over parts [bounds[k], bounds[k+1]) on several threads (see pk_run). Compact
- * mode: part k saves into idx/bef from accs[k].saved (set by the caller) up to ends[k];
- * reached[k] is where it stopped. */
+/* A job of parts [bounds[k], bounds[k+1]) on several threads (see pk_run): the
+ * arguments of pk_copy, pk_count or pk_merge that all parts share, and where each part's
+ * results go. pk_copy: accs[k] (its saved set by the caller: compact mode saves into
+ * idx/bef from there up to ends[k]) and out[k], where the part stopped. pk_count: out[k].
+ * pk_merge: out + 3k (set by the caller) and, with statistics, accs[k]. */
 typedef struct {
     void *dst;
     const void *src;
@@ -793,23 +795,23 @@ typedef struct {
     const int64_t *ends;
     int whole, stats;
     pk_acc *accs;
-    int64_t *reached;
-} pk_copy_job;
+    int64_t *out;
+} pk_job;
 
 #define PK_COPY_PARTS(NAME, UT)                                                              \
     static void pk_copy_task_##NAME(void *c, int64_t k) {                                    \
-        pk_copy_job *j = c;                                                                  \
-        j->reached[k] = pk_copy_##NAME(j->dst, j->src, j->L, j->drs, j->srs, j->doff,        \
-                                       j->bounds[k], j->bounds[k + 1], j->idx, j->bef,       \
-                                       j->ends ? j->ends[k] : 0, j->whole, j->stats,         \
-                                       &j->accs[k]);                                         \
+        pk_job *j = c;                                                                       \
+        j->out[k] = pk_copy_##NAME(j->dst, j->src, j->L, j->drs, j->srs, j->doff,            \
+                                   j->bounds[k], j->bounds[k + 1], j->idx, j->bef,           \
+                                   j->ends ? j->ends[k] : 0, j->whole, j->stats,             \
+                                   &j->accs[k]);                                             \
     }                                                                                        \
     void pk_copy_parts_##NAME(UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs,   \
                               int64_t doff, int64_t parts, const int64_t *bounds,            \
                               int64_t *idx, UT *bef, const int64_t *ends, int whole,         \
                               int stats, pk_acc *accs, int64_t *reached, int threads) {      \
-        pk_copy_job j = {dst, src, L, drs, srs, doff, bounds, idx, bef, ends, whole, stats,  \
-                         accs, reached};                                                     \
+        pk_job j = {dst, src, L, drs, srs, doff, bounds, idx, bef, ends, whole, stats, accs, \
+                    reached};                                                                \
         pk_run(pk_copy_task_##NAME, &j, parts, threads);                                     \
     }
 PK_COPY_PARTS(f32, uint32_t)
@@ -887,41 +889,28 @@ PK_MERGE(f64, uint64_t, PK_NAN_F64, pk_f64, PK_DIFF_WIDE)
 PK_MERGE(bf16, uint16_t, PK_NAN_BF16, pk_bf16, PK_DIFF_WIDE)
 PK_MERGE(f16, uint16_t, PK_NAN_F16, pk_f16, PK_DIFF_F16)
 
-/* pk_count and pk_merge over parts [bounds[k], bounds[k+1]) on several threads (see
- * pk_run): counts[k] is part k's count; part k merges with n + 3k (set by the caller)
- * and, with stats, into stats[k]. */
-typedef struct {
-    void *dst;
-    const void *src;
-    int64_t L, drs, srs, doff;
-    const int64_t *bounds;
-    int64_t *idx;
-    void *bef;
-    int64_t *n;
-    pk_acc *stats;
-} pk_merge_job;
-
 #define PK_MERGE_PARTS(NAME, UT)                                                             \
     static void pk_count_task_##NAME(void *c, int64_t k) {                                   \
-        pk_merge_job *j = c;                                                                 \
-        j->n[k] = pk_count_##NAME(j->src, j->L, j->srs, j->bounds[k], j->bounds[k + 1]);     \
+        pk_job *j = c;                                                                       \
+        j->out[k] = pk_count_##NAME(j->src, j->L, j->srs, j->bounds[k], j->bounds[k + 1]);   \
     }                                                                                        \
     void pk_count_parts_##NAME(const UT *src, int64_t L, int64_t srs, int64_t parts,         \
                                const int64_t *bounds, int64_t *counts, int threads) {        \
-        pk_merge_job j = {NULL, src, L, 0, srs, 0, bounds, NULL, NULL, counts, NULL};        \
+        pk_job j = {.src = src, .L = L, .srs = srs, .bounds = bounds, .out = counts};        \
         pk_run(pk_count_task_##NAME, &j, parts, threads);                                    \
     }                                                                                        \
     static void pk_merge_task_##NAME(void *c, int64_t k) {                                   \
-        pk_merge_job *j = c;                                                                 \
+        pk_job *j = c;                                                                       \
         pk_merge_##NAME(j->dst, j->src, j->L, j->drs, j->srs, j->doff, j->bounds[k],         \
-                        j->bounds[k + 1], j->idx, j->bef, j->n + 3 * k,                      \
-                        j->stats ? j->stats + k : NULL);                                     \
+                        j->bounds[k + 1], j->idx, j->bef, j->out + 3 * k,                    \
+                        j->accs ? j->accs + k : NULL);                                       \
     }                                                                                        \
     void pk_merge_parts_##NAME(UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs,  \
                                int64_t doff, int64_t parts, const int64_t *bounds,           \
                                int64_t *idx, UT *bef, int64_t *n, pk_acc *stats,             \
                                int threads) {                                                \
-        pk_merge_job j = {dst, src, L, drs, srs, doff, bounds, idx, bef, n, stats};          \
+        pk_job j = {.dst = dst, .src = src, .L = L, .drs = drs, .srs = srs, .doff = doff,    \
+                    .bounds = bounds, .idx = idx, .bef = bef, .accs = stats, .out = n};      \
         pk_run(pk_merge_task_##NAME, &j, parts, threads);                                    \
     }
 PK_MERGE_PARTS(f32, uint32_t)

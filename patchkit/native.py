@@ -201,16 +201,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         scatter = getattr(lib, f"pk_scatter_{kind}")
         scatter.restype = None
         scatter.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        # the parts entry points: dst, src, L, drs, srs, doff, parts, bounds, idx, bef, ...
+        head = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 3
         parts_fn = getattr(lib, f"pk_copy_parts_{kind}")
         parts_fn.restype = None
-        parts_fn.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p,  # dst, src
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # L, drs, srs, doff
-            ctypes.c_int64, ctypes.c_void_p,  # parts, bounds
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # idx, bef, ends
-            ctypes.c_int, ctypes.c_int,  # whole, stats
-            ctypes.POINTER(_Acc), ctypes.c_void_p, ctypes.c_int,  # accs, reached, threads
-        ]
+        parts_fn.argtypes = [*head, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # ends, whole,
+                             ctypes.POINTER(_Acc), ctypes.c_void_p,  # stats, accs, reached,
+                             ctypes.c_int]  # threads
         count_parts = getattr(lib, f"pk_count_parts_{kind}")
         count_parts.restype = None
         count_parts.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # src, L, srs
@@ -218,13 +215,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                                 ctypes.c_int]  # bounds, counts, threads
         merge_parts = getattr(lib, f"pk_merge_parts_{kind}")
         merge_parts.restype = None
-        merge_parts.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p,  # dst, src
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # L, drs, srs, doff
-            ctypes.c_int64, ctypes.c_void_p,  # parts, bounds
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # idx, bef, n (3 a part)
-            ctypes.POINTER(_Acc), ctypes.c_int,  # stats (or NULL), threads
-        ]
+        merge_parts.argtypes = [*head, ctypes.c_void_p,  # n (3 a part)
+                                ctypes.POINTER(_Acc), ctypes.c_int]  # stats (or NULL), threads
     # the functions of each kind, looked up once (a load calls them for every write)
     lib.kinds = {
         kind: _Kind(*(getattr(lib, f"pk_{what}_{kind}") for what in _Kind._fields))
