@@ -71,19 +71,26 @@ class Region:
             t.element_size(),
         )
 
-    @property
+    @cached_property
     def numel(self) -> int:
         n = 1
         for d in self.shape:
             n *= d
         return n
 
-    def extent(self) -> tuple[int, int]:
-        """``[start, end)`` in bytes: the smallest byte range holding every element."""
+    @cached_property
+    def _extent(self) -> tuple[int, int]:
         if self.numel == 0:
             return (self.byte_offset, self.byte_offset)
-        last = sum((d - 1) * s for d, s in zip(self.shape, self.stride))
+        last = 0
+        for d, s in zip(self.shape, self.stride):
+            last += (d - 1) * s
         return (self.byte_offset, self.byte_offset + (last + 1) * self.itemsize)
+
+    def extent(self) -> tuple[int, int]:
+        """``[start, end)`` in bytes: the smallest byte range holding every element
+        (taken once per region)."""
+        return self._extent
 
     def _rows(self) -> tuple[int, int] | None:
         """``(L, S)`` when the view is rows of ``L`` contiguous elements ``S`` elements

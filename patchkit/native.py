@@ -237,6 +237,7 @@ class _Kind(NamedTuple):
 
 
 _HUGE = 2 << 20
+_LINUX = sys.platform.startswith("linux")
 _MADV_HUGEPAGE = 14
 _libc = None
 
@@ -287,12 +288,16 @@ def _empty(n: int, dtype: torch.dtype, shape: torch.Size | None = None) -> torch
     written: 4 KiB pages cost about 35 ms per 64 MiB on these machines, 2 MiB pages about
     a third of that."""
     global _libc
-    lent = _lent(n, dtype)
-    if lent is not None:
-        return lent if shape is None else lent.view(shape)
-    out = torch.empty(n if shape is None else shape, dtype=dtype)
+    if getattr(_reuse, "pool", None):
+        lent = _lent(n, dtype)
+        if lent is not None:
+            return lent if shape is None else lent.view(shape)
+    if shape is None:
+        out = torch.empty(n, dtype=dtype)
+    else:  # sizes as arguments: torch parses them faster than a Size
+        out = torch.empty(*shape, dtype=dtype) if len(shape) else torch.empty((), dtype=dtype)
     nbytes = n * out.element_size()
-    if nbytes < 2 * _HUGE or not sys.platform.startswith("linux"):
+    if nbytes < 2 * _HUGE or not _LINUX:
         return out
     if _libc is None:
         try:
