@@ -259,7 +259,8 @@ class LoadReport:
                 t.untyped_storage()
                 for s in self._saved
                 for t in (s.before, s.index)
-                if t is not None and t.device.type == "cpu" and t.numel()
+                if t is not None and t.device.type == "cpu"
+                and t.numel() * t.element_size() >= native._REUSE_MIN
             )
         }  # (a comprehension: no loop variable keeps a save alive below)
         self._saved = []

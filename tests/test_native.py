@@ -1096,6 +1096,23 @@ def test_reuse_with_a_failing_transactional_load_restores_everything():
     assert info.value.report.deltas is not None
 
 
+def test_reusing_lends_big_buffers_only_to_saves_that_fit():
+    """Buffers below _REUSE_MIN bytes are neither lent nor taken (malloc serves those from
+    memory just freed); a lent buffer goes to a save that needs at least half of it."""
+    m = native._REUSE_MIN // 4  # float32 elements in _REUSE_MIN bytes
+    small = torch.empty(64, dtype=torch.float32).untyped_storage()
+    big = torch.empty(4 * m, dtype=torch.float32).untyped_storage()  # 4 * _REUSE_MIN bytes
+    with native.reusing([small, big]):
+        assert native._empty(64, torch.float32).untyped_storage().data_ptr() != small.data_ptr()
+        assert native._empty(m, torch.float32).untyped_storage().data_ptr() != (
+            big.data_ptr()), "a buffer four times the need was lent"
+        got = native._empty(2 * m + 1, torch.int32)
+        assert got.untyped_storage().data_ptr() == big.data_ptr()
+        assert got.shape == (2 * m + 1,) and got.dtype == torch.int32
+        assert native._empty(2 * m + 1, torch.int32).untyped_storage().data_ptr() != (
+            big.data_ptr()), "a buffer was lent twice"
+
+
 def test_reuse_must_be_a_report():
     with pytest.raises(TypeError, match="reuse must be a LoadReport"):
         inspect_load(_Model(torch.float32), [], reuse="last time")
