@@ -889,7 +889,7 @@ def _sharing(saved: list[SavedRegion], t: torch.Tensor) -> list[SavedRegion]:
     key = _storage_key(t)
     return [
         s for s in saved
-        if _storage_key(s.view) == key and s.view.element_size() == t.element_size()
+        if s.region.key == key and s.view.element_size() == t.element_size()
     ]
 
 
@@ -913,15 +913,12 @@ def _positions(t: torch.Tensor, storage_index: torch.Tensor) -> tuple[torch.Tens
 
 
 def _contained(
-    view: torch.Tensor, t: torch.Tensor, view_region: Region | None = None,
-    t_region: Region | None = None,
+    view: torch.Tensor, t: torch.Tensor, view_region: Region, t_region: Region
 ) -> bool:
     """True when every element of ``view`` is an element of ``t`` (same storage), so
     numbers measured over the view are ``t``'s. Exact: a strided ``t`` (a column slice of
-    a fused buffer, say) does not own the gaps of its extent. The regions, where given,
-    are ``Region.of`` the two tensors (taken once by a caller that has them)."""
-    view_region = view_region or Region.of(view)
-    t_region = t_region or Region.of(t)
+    a fused buffer, say) does not own the gaps of its extent. The regions are
+    ``Region.of`` the two tensors, which the caller has already."""
     a0, a1 = view_region.extent()
     b0, b1 = t_region.extent()
     if view_region.key != t_region.key or not (b0 <= a0 and a1 <= b1):

@@ -254,8 +254,9 @@ _reuse = threading.local()  # .pool: storages that reusing() lends this thread's
 def reusing(storages: list[torch.UntypedStorage]) -> Iterator[None]:
     """Within the block, on this thread, the compiled paths take their save buffers of 64
     KiB or more from ``storages`` where one fits (at least the bytes a buffer needs, at
-    most twice as many; the smallest such), instead of fresh memory. The caller hands them over: nothing
-    else may use them. What is not taken is let go when the block ends.
+    most twice as many; the smallest such), instead of fresh memory. The caller hands
+    them over: nothing else may use them. What is not taken is let go when the block
+    ends.
 
     Fresh memory is paid for when first written (the kernel zeroes each page): for a save
     of a full replacement that is about as long as the copy itself. A loop that saves the
@@ -424,7 +425,7 @@ def _prepare(dest: torch.Tensor, src: torch.Tensor):
     tensors on the CPU, not empty, walkable as rows, the path built and not disabled."""
     if _off or not dest.is_cpu or not src.is_cpu or dest.numel() == 0:
         return None
-    geometry = _rows_of(tuple(dest.shape), dest.stride(), src.stride())
+    geometry = _rows(dest, src)
     if geometry is None:
         return None
     lib = _lib if _status is not None else _library()
