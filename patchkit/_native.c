@@ -42,17 +42,60 @@ typedef struct {
 } pk_acc;
 
 /* ---- Parts on several threads --------------------------------------------------------
- * The *_parts entry points below run one call per part of a view on this thread and on
- * up to PK_WORKERS pool threads. The workers are C threads (they never touch Python, so
- * they need no GIL); after a job each waits for the next one for PK_SPIN_NS, checking a
- * word in memory, before it sleeps: a load's writes come a few hundred microseconds
- * apart, and waking a sleeping thread costs tens of microseconds on a virtual machine (a
- * Python thread pool costs several hundred per job there). Parts are taken in turn from
- * one counter, the caller taking its share too, so a late worker takes fewer of them and
- * the caller then waits only for parts a worker is doing. A job is a word: generation
- * (32 bits), parts (16) and next part (16), changed by compare-and-swap, so a worker
- * still busy with an old job can never take a part of the next one. One job at a time:
- * a caller that finds the pool busy (a second Python thread) runs its parts alone. After
+ * The *_parts entry points below run one call per part of a view, on this thread and up
+ * to threads - 1 others (pk_run). Two ways, chosen when the file is compiled:
+ *
+ * - with OpenMP (-fopenmp, patchkit's first choice): on the OpenMP threads torch runs
+ *   its own parallel ops on. torch's Linux wheels bring GNU libgomp (soname
+ *   libgomp.so.1), and a library that needs libgomp.so.1 gets the copy already loaded,
+ *   so there is one pool of threads in the process. On a machine with few cores that
+ *   matters: torch's threads wait for work awake for a while after each op of theirs,
+ *   and a second pool's threads then fight them for the cores (measured on 2 vCPUs: two
+ *   threads of a second pool did a 16 M-element copy no faster than one). libgomp has
+ *   no threads in a child after fork() (a team it starts there never begins), so a
+ *   forked child runs its parts on its one thread.
+ * - without OpenMP (a compiler without it, PATCHKIT_OPENMP=0): on patchkit's own pool,
+ *   described below. */
+#ifdef _OPENMP
+#include <pthread.h>
+#include <stdatomic.h>
+
+static _Atomic int pk_forked; /* this process is a child forked after the library loaded */
+static void pk_after_fork(void) { atomic_store(&pk_forked, 1); }
+__attribute__((constructor)) static void pk_fork_init(void) {
+    pthread_atfork(NULL, NULL, pk_after_fork);
+}
+
+typedef void (*pk_task)(void *ctx, int64_t part);
+
+/* fn(ctx, k) for every part k < parts, on this thread and up to threads - 1 OpenMP
+ * threads, which take parts in turn from one counter */
+static void pk_run(pk_task fn, void *ctx, int64_t parts, int threads) {
+    if (parts <= 1 || threads <= 1 || atomic_load(&pk_forked)) {
+        for (int64_t k = 0; k < parts; k++) fn(ctx, k);
+        return;
+    }
+    if (threads > parts) threads = (int)parts;
+    _Atomic int64_t next = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t k;
+        while ((k = atomic_fetch_add(&next, 1)) < parts) fn(ctx, k);
+    }
+}
+
+int pk_openmp(void) { return 1; }
+#else
+/* patchkit's own pool: up to PK_WORKERS C threads (they never touch Python, so they need
+ * no GIL); after a job each waits for the next one for PK_SPIN_NS, checking a word in
+ * memory, before it sleeps: a load's writes come a few hundred microseconds apart, and
+ * waking a sleeping thread costs tens of microseconds on a virtual machine (a Python
+ * thread pool costs several hundred per job there). Parts are taken in turn from one
+ * counter, the caller taking its share too, so a late worker takes fewer of them and the
+ * caller then waits only for parts a worker is doing. A job is a word: generation (32
+ * bits), parts (16) and next part (16), changed by compare-and-swap, so a worker still
+ * busy with an old job can never take a part of the next one. One job at a time: a
+ * caller that finds the pool busy (a second Python thread) runs its parts alone. After
  * fork() the child starts its own workers. */
 #include <pthread.h>
 #include <sched.h>
@@ -175,6 +218,9 @@ static void pk_run(pk_task fn, void *ctx, int64_t parts, int threads) {
     while (atomic_load(&pk_pool.done) < parts) PK_RELAX();
     pthread_mutex_unlock(&pk_pool.submit);
 }
+
+int pk_openmp(void) { return 0; }
+#endif
 
 #define PK_B 16    /* elements per block: compared together, copied together */
 #define PK_DBL_MAX 1.7976931348623157e308

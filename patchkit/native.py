@@ -2,8 +2,10 @@
 
 Two loops in ``patchkit/_native.c``, each one pass over the written view; a view of a
 quarter million elements or more is split into parts that this thread and up to
-``torch.get_num_threads() - 1`` C worker threads take in turn (the workers, started on
-first use, wait awake for 0.2 ms after each job, then sleep):
+``torch.get_num_threads() - 1`` others take in turn: torch's own OpenMP threads where the
+file compiles with ``-fopenmp`` (one pool of threads in the process, which matters on a
+machine with few cores), else patchkit's own C threads (``PATCHKIT_OPENMP=0`` asks for
+those):
 
 - :func:`compare_copy`, for a dense ``copy_`` whose regions are saved (a report, or
   ``transactional=True``): the load must know which elements' bits the copy changes,
@@ -67,11 +69,12 @@ _KIND_OF = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
 _KIND_OF_SIZE = {4: "f32", 8: "f64", 2: "bf16"}  # bitwise work only: any dtype of that size
 _BITS_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Views of fewer positions run on one thread; bigger ones in parts that this thread and
-# the C worker threads take in turn (_native.c: pk_run): one a thread, or two a thread
-# for views of at least two _PART a thread. Handing a part over costs microseconds (the
-# workers wait for the next job awake for a while), so two threads pay from a quarter
-# million elements on; more, smaller parts only cost (about 5 % at 16 M elements: the
-# threads' reads interleave). (A/B runs of compare_copy, fp32 and bf16, 128 K to 16 M elements.)
+# the threads take in turn (_native.c: pk_run): one a thread, or two a thread for views
+# of at least two _PART a thread. Handing a part over costs microseconds (the threads
+# wait for the next job awake for a while), so two threads pay from a quarter million
+# elements on; more, smaller parts only cost (about 5 % at 16 M elements: the threads'
+# reads interleave). (A/B runs of compare_copy, fp32 and bf16, 128 K to 16 M elements;
+# with OpenMP threads, 64 K and 128 K elements were no faster in a whole-model report.)
 _PARALLEL_MIN = 1 << 18
 _PART = 1 << 20
 # Positions looked at before a compact save of a big view, to size its buffers: blocks of
@@ -157,28 +160,31 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         folder = Path(tempfile.gettempdir()) / "patchkit"
         folder.mkdir(parents=True, exist_ok=True)
     source = _SOURCE.read_bytes()
-    lib_path = None
-    error = None
-    # Tuned for this CPU first (the cache key names the CPU's features, so a home folder
+    lib = lib_path = error = None
+    # With OpenMP first (see _native.c: the parts of a view then run on torch's threads),
+    # tuned for this CPU first (the cache key names the CPU's features, so a home folder
     # shared between machines never loads another CPU's build); then portable.
-    for flags in ([*_FLAGS, "-march=native"], _FLAGS):
+    openmp = [["-fopenmp"]] if os.environ.get("PATCHKIT_OPENMP", "1") != "0" else []
+    for flags in [[*_FLAGS, *omp, *arch] for omp in [*openmp, []]
+                  for arch in (["-march=native"], [])]:
         key = hashlib.sha256(
             b"\0".join([source, cc.encode(), " ".join(flags).encode(), _cpu_id().encode()])
         ).hexdigest()[:16]
         candidate = folder / f"native-{key}.so"
-        if candidate.exists():
-            lib_path = candidate
-            break
-        error = _compile(cc, flags, candidate)
-        if error is None:
-            lib_path = candidate
-            break
-    if lib_path is None:
-        return None, f"torch ops (compiling {_SOURCE.name} failed: {error})"
-    try:
-        lib = ctypes.CDLL(str(lib_path))
-    except OSError as e:
-        return None, f"torch ops (loading {lib_path.name} failed: {e})"
+        if not candidate.exists():
+            failed = _compile(cc, flags, candidate)
+            if failed is not None:
+                error = f"compiling {_SOURCE.name} failed: {failed}"
+                continue
+        try:
+            lib = ctypes.CDLL(str(candidate))
+        except OSError as e:  # e.g. an OpenMP runtime this process cannot load
+            error = f"loading {candidate.name} failed: {e}"
+            continue
+        lib_path = candidate
+        break
+    if lib is None:
+        return None, f"torch ops ({error})"
     for kind in ("f32", "f64", "bf16", "f16"):
         fn = getattr(lib, f"pk_copy_{kind}")
         fn.restype = ctypes.c_int64
@@ -223,7 +229,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         kind: _Kind(*(getattr(lib, f"pk_{what}_{kind}") for what in _Kind._fields))
         for kind in ("f32", "f64", "bf16", "f16")
     }
-    return lib, f"compiled ({lib_path})"
+    lib.pk_openmp.restype = ctypes.c_int
+    threads = "OpenMP threads" if lib.pk_openmp() else "patchkit's threads"
+    return lib, f"compiled ({lib_path}; parts on {threads})"
 
 
 class _Kind(NamedTuple):
@@ -328,7 +336,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def status() -> str:
-    """Which path this process's dense report saves take: ``"compiled (<path>)"`` or
+    """Which path this process's dense report saves take: ``"compiled (<path>; parts on
+    OpenMP threads)"`` (or ``on patchkit's threads``, see the module docstring) or
     ``"torch ops (<why>)"``. Builds the fast path first if it was not tried yet."""
     _library()
     assert _status is not None

@@ -266,10 +266,29 @@ def _split_copy_case(seed: int, n: int = 1 << 16):
     return dest, src, at
 
 
+@pytest.fixture(params=["openmp", "own threads"])
+def parts_build(request, monkeypatch):
+    """Each way the parts of a view can run (see _native.c): on OpenMP threads, and on
+    patchkit's own pool (``PATCHKIT_OPENMP=0``); the process's build after."""
+    monkeypatch.setenv("PATCHKIT_OPENMP", "1" if request.param == "openmp" else "0")
+    native._reset_for_tests()
+    status = native.status()
+    if not status.startswith("compiled"):
+        pytest.skip(f"no compiled path: {status}")
+    if request.param == "openmp" and not status.endswith("parts on OpenMP threads)"):
+        pytest.skip(f"the C compiler here has no OpenMP: {status}")
+    if request.param == "own threads":
+        assert status.endswith("parts on patchkit's threads)"), status
+    yield request.param
+    monkeypatch.undo()
+    native._reset_for_tests()
+
+
 @needs_compiler
-def test_parts_from_several_python_threads_at_once():
-    """The C workers run one job at a time; a second caller runs its parts alone. Copies,
-    merges and counts from four Python threads at once are each right."""
+def test_parts_from_several_python_threads_at_once(parts_build):
+    """Copies, merges and counts from four Python threads at once are each right (each
+    Python thread gets an OpenMP team of its own; patchkit's pool runs one job at a time,
+    and a second caller runs its parts alone)."""
     import threading
 
     errors = []
@@ -304,11 +323,11 @@ def test_parts_from_several_python_threads_at_once():
 
 
 @needs_compiler
-def test_parts_in_a_forked_child():
-    """A child forked after the parent's workers started has no workers (fork copies one
-    thread): its copy still finishes, right. The child runs the copy only (torch ops may
-    hang in a forked child, patchkit's or not); the parent checks what it wrote into
-    shared memory."""
+def test_parts_in_a_forked_child(parts_build):
+    """A child forked after the parent's threads started has none of them (fork copies
+    one thread): its copy still finishes, right (an OpenMP team started there would wait
+    forever). The child runs the copy only (torch ops may hang in a forked child,
+    patchkit's or not); the parent checks what it wrote into shared memory."""
     import os
     import signal
     import time
@@ -320,7 +339,7 @@ def test_parts_in_a_forked_child():
         mp.setattr(native, "_PART", 1 << 12)
         mp.setattr(native, "_threads", lambda: 2)
         dest, src, _ = _split_copy_case(1)
-        native.compare_copy(dest, src, None)  # the parent's workers are running now
+        native.compare_copy(dest, src, None)  # the parent's threads are running now
         dest, src, at = _split_copy_case(2)
         dest.share_memory_()
         pid = os.fork()
@@ -569,7 +588,7 @@ def test_the_build_is_cached_per_source_and_cpu(fresh_build):
     (lib,) = fresh_build.glob("native-*.so")
     stamp = lib.stat().st_mtime_ns
     native._reset_for_tests()
-    assert native.status() == f"compiled ({lib})"
+    assert native.status().startswith(f"compiled ({lib}; parts on ")
     assert lib.stat().st_mtime_ns == stamp, "a cached build was compiled again"
 
 
