@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import pandas as pd
 import torch
@@ -724,27 +724,36 @@ def _delta_rows(
     so the scratch memory of the statistics is bounded whatever the size of the writes.
     """
     # Runtime tensors by storage, taken once: each saved region is matched against the
-    # tensors of its own storage only (a load of n tensors costs O(n), not O(n^2)).
-    by_storage: dict[tuple, list[tuple[str, torch.Tensor, tuple[int, int]]]] = {}
-    region_of: dict[str, Region] = {}
+    # tensors of its own storage only (a load of n tensors costs O(n), not O(n^2)), by
+    # its span (see _Span).
+    by_storage: dict[tuple, list[tuple[str, _Span]]] = {}
     for name, t in runtime.items():
-        if t.numel():
-            r = region_of[name] = Region.of(t)
-            by_storage.setdefault(r.key, []).append((name, t, r.extent()))
+        n = t.numel()
+        if n:
+            step = t.element_size()
+            b0 = t.storage_offset() * step
+            dense = t.is_contiguous()
+            b1 = b0 + n * step if dense else Region.of(t).extent()[1]
+            key = _storage_key(t)
+            by_storage.setdefault(key, []).append((name, _Span(key, b0, b1, step, dense)))
     regions_of: dict[str, list[SavedRegion]] = {}
+    spans: dict[str, _Span] = {}
     for s in saved:
         r = s.region
         a0, a1 = r.extent()
-        for name, t, (b0, b1) in by_storage.get(r.key, ()):
-            if s.view.element_size() == t.element_size() and a0 < b1 and b0 < a1:
+        step = s.view.element_size()
+        for name, span in by_storage.get(r.key, ()):
+            if step == span.step and a0 < span.end and span.start < a1:
                 regions_of.setdefault(name, []).append(s)
+                spans[name] = span
     rows = []
     for target, regions in regions_of.items():
-        t, t_region = runtime[target], region_of[target]
-        extents = [s.region for s in regions]
-        contained = [_contained(s.view, t, s.region, t_region) for s in regions]
-        overlapping = any(
-            extents[i].overlaps(extents[j]) for i in range(len(regions)) for j in range(i)
+        t, span = runtime[target], spans[target]
+        contained = [_contained(s.view, s.region, t, span) for s in regions]
+        overlapping = (
+            len(regions) > 1
+            and any(regions[i].region.overlaps(regions[j].region)
+                    for i in range(len(regions)) for j in range(i))
         ) or any(
             s.whole_view and (s.view_sum_squares is None or not inside)
             for s, inside in zip(regions, contained)
@@ -912,23 +921,33 @@ def _positions(t: torch.Tensor, storage_index: torch.Tensor) -> tuple[torch.Tens
     return order[at[valid]], valid
 
 
-def _contained(
-    view: torch.Tensor, t: torch.Tensor, view_region: Region, t_region: Region
-) -> bool:
-    """True when every element of ``view`` is an element of ``t`` (same storage), so
-    numbers measured over the view are ``t``'s. Exact: a strided ``t`` (a column slice of
-    a fused buffer, say) does not own the gaps of its extent. The regions are
-    ``Region.of`` the two tensors, which the caller has already."""
+class _Span(NamedTuple):
+    """Where a runtime tensor sits in its storage: the storage's key, the bytes
+    ``[start, end)`` of its extent, its element size, and whether it is contiguous (then
+    it owns every element of its extent)."""
+
+    key: tuple
+    start: int
+    end: int
+    step: int
+    dense: bool
+
+
+def _contained(view: torch.Tensor, view_region: Region, t: torch.Tensor, span: _Span) -> bool:
+    """True when every element of ``view`` is an element of ``t`` (whose :class:`_Span`
+    is ``span``), so numbers measured over the view are ``t``'s. Exact: a strided ``t``
+    (a column slice of a fused buffer, say) does not own the gaps of its extent.
+    ``view_region`` is ``Region.of(view)``, which the caller has."""
     a0, a1 = view_region.extent()
-    b0, b1 = t_region.extent()
-    if view_region.key != t_region.key or not (b0 <= a0 and a1 <= b1):
+    b0, b1 = span.start, span.end
+    if view_region.key != span.key or not (b0 <= a0 and a1 <= b1):
         return False
-    if t.is_contiguous():
-        return True  # t owns every element of its extent
-    step = t.element_size()
+    if span.dense:
+        return True
+    step = span.step
     if view.element_size() != step or (a0 - b0) % step:
         return False
-    # Mark t's elements in a scratch mask over its extent, then look for all of view's.
+    # Mark t's elements in a scratch mask over its span, then look for all of view's.
     mask = torch.zeros((b1 - b0) // step, dtype=torch.bool, device="cpu")
     mask.as_strided(t.shape, t.stride(), 0).fill_(True)
     return bool(mask.as_strided(view.shape, view.stride(), (a0 - b0) // step).all())
