@@ -372,6 +372,7 @@ static inline double pk_hsum(__m256d a, __m256d b, __m256d c, __m256d e) {
  * with stats, adds their old values' squares to w0..w3. */
 #define PK_FAST_WINDOWS(UT, TOD, GROUP)                                                      \
     __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;                             \
+    pk_acc st = {0}; /* the changed elements' statistics, in registers until the end */      \
     int32_t list[PK_W + 8];                                                                  \
     int64_t j = 0, k = *c;                                                                   \
     while (j + 32 <= n) {                                                                    \
@@ -403,11 +404,16 @@ static inline double pk_hsum(__m256d a, __m256d b, __m256d c, __m256d e) {
             idx[k] = o + at;                                                                 \
             bef[k] = x0;                                                                     \
             k++;                                                                             \
-            if (stats) pk_stat(diffs, TOD(x1) - TOD(x0));                                    \
+            if (stats) pk_stat(&st, TOD(x1) - TOD(x0));                                      \
             d[at] = x1;                                                                      \
         }                                                                                    \
     }                                                                                        \
-    if (stats) *b2 += pk_hsum(a0, a1, a2, a3);                                               \
+    if (stats) {                                                                             \
+        *b2 += pk_hsum(a0, a1, a2, a3);                                                      \
+        diffs->sum_abs += st.sum_abs;                                                        \
+        diffs->sum_d2 += st.sum_d2;                                                          \
+        if (st.max_abs > diffs->max_abs) diffs->max_abs = st.max_abs;                        \
+    }                                                                                        \
     *c = k;                                                                                  \
     return j;
 
