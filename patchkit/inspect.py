@@ -61,6 +61,7 @@ from .intercept import (
     SavedRegion,
     WriteEvent,
     WriteSession,
+    _byte_span,
     _storage_key,
     _storage_offsets,
 )
@@ -728,14 +729,10 @@ def _delta_rows(
     # its span (see _Span).
     by_storage: dict[tuple, list[tuple[str, _Span]]] = {}
     for name, t in runtime.items():
-        n = t.numel()
-        if n:
-            step = t.element_size()
-            b0 = t.storage_offset() * step
-            dense = t.is_contiguous()
-            b1 = b0 + n * step if dense else Region.of(t).extent()[1]
+        if t.numel():
             key = _storage_key(t)
-            by_storage.setdefault(key, []).append((name, _Span(key, b0, b1, step, dense)))
+            span = _Span(key, *_byte_span(t), t.element_size(), t.is_contiguous())
+            by_storage.setdefault(key, []).append((name, span))
     regions_of: dict[str, list[SavedRegion]] = {}
     spans: dict[str, _Span] = {}
     for s in saved:

@@ -140,6 +140,17 @@ class Region:
         return bool(theirs.any())
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[start, end)``: the bytes of its storage that non-empty ``t`` spans, its extent
+    (for a strided tensor, a column slice of a fused buffer say, wider than its numel
+    elements; a contiguous one owns every element of it)."""
+    step = t.element_size()
+    start = t.storage_offset() * step
+    if t.is_contiguous():
+        return start, start + t.numel() * step
+    return start, Region.of(t).extent()[1]
+
+
 @dataclass(frozen=True)
 class _Owner:
     name: str
@@ -175,12 +186,7 @@ class RuntimeIndex:
             self.tensors[name] = t
             if t.numel() == 0:
                 continue
-            # byte range: the tensor's extent (for a strided one, a column slice of a
-            # fused buffer say, wider than numel elements)
-            start = t.storage_offset() * t.element_size()
-            end = (start + t.numel() * t.element_size() if t.is_contiguous()
-                   else Region.of(t).extent()[1])
-            owner = _Owner(name, t, start, end)
+            owner = _Owner(name, t, *_byte_span(t))
             self._owners.setdefault(_storage_key(t), []).append(owner)
 
     def bindings(self) -> dict[str, torch.Tensor]:

@@ -284,7 +284,7 @@ def _lent(n: int, dtype: torch.dtype) -> torch.Tensor | None:
     """A buffer of ``n`` elements from :func:`reusing`'s storages, or ``None``."""
     pool, sizes = getattr(_reuse, "pool", None), getattr(_reuse, "sizes", None)
     need = n * dtype.itemsize
-    if not pool or need < _REUSE_MIN or need <= 0:
+    if not pool or need < _REUSE_MIN:
         return None
     k = bisect.bisect_left(sizes, need)  # the smallest that fits
     if k == len(sizes) or sizes[k] > 2 * need:
