@@ -25,7 +25,11 @@ Prints four tables from one run:
    and as sparse ones: 8 layers of hidden size 1024 (vocabulary 32000: 75 checkpoint
    tensors, from 1 K to 33 M elements; about 1 % of the elements change per step), and
    32 layers of hidden size 64 (291 small tensors). What the single-tensor rows cannot
-   show: the report's cost per tensor written;
+   show: the report's cost per tensor written. "floor ms" is the plain load with a
+   ``TorchDispatchMode`` that does nothing but pass each op on, entered around every
+   ``load_weights`` call as a report enters its own: what seeing a loader's writes costs
+   before a report does anything with them, the part of a report's time patchkit cannot
+   cut on small tensors;
 4. ``density_map`` and ``plot_density`` on a 128256 x 2560 bf16 patch at 1 % density
    (a Llama-3 embedding), next to ``torch.bincount`` over the same indices (the floor).
 
@@ -38,6 +42,7 @@ import os
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import bench_args, fmt_table, interleaved_medians, median_seconds, peak_extra_bytes
@@ -247,11 +252,23 @@ def _model_table(device: torch.device, repeats: int, quick: bool) -> str:
         f"AdamLikeTrainer steps in turn, median of {repeats} interleaved rounds\n"
         + fmt_table(
             ["model", "params", "patches", "tensors", "changed of written", "plain ms",
-             "report ms", "ratio", "reuse ms", "reuse ratio", "torch-ops report ms",
+             "floor ms", "floor ratio", "report ms", "ratio", "reuse ms", "reuse ratio",
+             "torch-ops report ms",
              "report extra MiB", "written MiB"],
             rows,
         )
     )
+
+
+class _PassOn(TorchDispatchMode):
+    """A dispatch mode that passes every op on unchanged (the floor of the model table)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as patchkit's own mode: no torch._dynamo import on first use
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 def _model_rows(label, config, lr, device, repeats) -> list[list[str]]:
@@ -270,6 +287,7 @@ def _model_rows(label, config, lr, device, repeats) -> list[list[str]]:
     rows = []
     for kind, pair in kinds.items():
         model = TinyLlamaRuntime(config, tp_rank=0, tp_size=2, dtype=dtype, device=device)
+        bare_loader = model.load_weights
         patchkit.load_checkpoint_weight_patches(model, dense_patches(start))
         turn = [0]
 
@@ -292,8 +310,19 @@ def _model_rows(label, config, lr, device, repeats) -> list[list[str]]:
             with native.disabled():
                 return patchkit.inspect_load(model, next_patches())
 
-        t_plain, t_report, t_reuse, t_torch = interleaved_medians(
-            [plain, report, report_reuse, torch_ops], device, repeats
+        def through_mode(weights, bare_loader=bare_loader):
+            with _PassOn():
+                return bare_loader(weights)
+
+        def floor(model=model, next_patches=next_patches, through_mode=through_mode):
+            model.load_weights = through_mode  # an instance attribute, deleted after
+            try:
+                patchkit.load_checkpoint_weight_patches(model, next_patches())
+            finally:
+                del model.load_weights
+
+        t_plain, t_report, t_reuse, t_torch, t_floor = interleaved_medians(
+            [plain, report, report_reuse, torch_ops, floor], device, repeats
         )
         m_plain = peak_extra_bytes(plain, device)
         m_report = peak_extra_bytes(report, device)
@@ -306,7 +335,8 @@ def _model_rows(label, config, lr, device, repeats) -> list[list[str]]:
         params = sum(p.numel() for p in model.parameters())
         rows.append([
             label, f"{params / 1e6:.1f} M", kind, str(len(pair[0])), f"{changed:.2%}",
-            f"{t_plain * 1e3:.1f}", f"{t_report * 1e3:.1f}", f"{t_report / t_plain:.2f}x",
+            f"{t_plain * 1e3:.1f}", f"{t_floor * 1e3:.1f}", f"{t_floor / t_plain:.2f}x",
+            f"{t_report * 1e3:.1f}", f"{t_report / t_plain:.2f}x",
             f"{t_reuse * 1e3:.1f}", f"{t_reuse / t_plain:.2f}x", f"{t_torch * 1e3:.1f}",
             f"{(m_report - m_plain) / 2**20:.1f}",
             f"{written / 2**20:.1f}",
