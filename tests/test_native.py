@@ -1049,7 +1049,11 @@ def _step(m, dtype, k):
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_loop_that_reuses_the_last_report_reports_the_same(dtype):
+def test_a_loop_that_reuses_the_last_report_reports_the_same(dtype, monkeypatch):
+    # These saves are a few KiB, far below _REUSE_MIN: lend every one, so that the pool is
+    # what is tested. (Below it they are freed when handed over, and malloc giving a new
+    # save the address of a freed one passed for reuse, or not, with the heap's state.)
+    monkeypatch.setattr(native, "_REUSE_MIN", 1)
     looped, fresh = _Model(dtype), _Model(dtype)
     last = None
     reused_any = False
@@ -1080,7 +1084,8 @@ def test_a_loop_that_reuses_the_last_report_reports_the_same(dtype):
 
 
 @needs_compiler
-def test_reuse_leaves_a_buffer_that_is_held_elsewhere_alone():
+def test_reuse_leaves_a_buffer_that_is_held_elsewhere_alone(monkeypatch):
+    monkeypatch.setattr(native, "_REUSE_MIN", 1)  # lend these small saves (see above)
     m = _Model(torch.float32)
     first = inspect_load(m, _bumped(m, torch.float32, 1.0, 1), max_chunk_bytes=4000)
     held = first._saved[0].before.view(-1)[:8]  # a view of a save, kept by someone
