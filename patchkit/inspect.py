@@ -57,7 +57,6 @@ from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _row_major_strides, density_map, region_text
 from .intercept import (
-    Region,
     SavedRegion,
     WriteEvent,
     WriteSession,
@@ -734,23 +733,31 @@ def _delta_rows(
             span = _Span(key, *_byte_span(t), t.element_size(), t.is_contiguous())
             by_storage.setdefault(key, []).append((name, span))
     regions_of: dict[str, list[SavedRegion]] = {}
+    extents: dict[str, list[tuple[tuple, int, int]]] = {}
     spans: dict[str, _Span] = {}
     for s in saved:
-        r = s.region
-        a0, a1 = r.extent()
-        step = s.view.element_size()
-        for name, span in by_storage.get(r.key, ()):
+        view = s.view
+        key = _storage_key(view)
+        a0, a1 = _byte_span(view)
+        step = view.element_size()
+        for name, span in by_storage.get(key, ()):
             if step == span.step and a0 < span.end and span.start < a1:
                 regions_of.setdefault(name, []).append(s)
+                extents.setdefault(name, []).append((key, a0, a1))
                 spans[name] = span
     rows = []
     for target, regions in regions_of.items():
         t, span = runtime[target], spans[target]
-        contained = [_contained(s.view, s.region, t, span) for s in regions]
+        ext = extents[target]
+        contained = [_contained(s.view, e, t, span) for s, e in zip(regions, ext)]
         overlapping = (
             len(regions) > 1
-            and any(regions[i].region.overlaps(regions[j].region)
-                    for i in range(len(regions)) for j in range(i))
+            and any(
+                # byte extents that meet first (cheap), then the exact test
+                ext[i][1] < ext[j][2] and ext[j][1] < ext[i][2]
+                and regions[i].region.overlaps(regions[j].region)
+                for i in range(len(regions)) for j in range(i)
+            )
         ) or any(
             s.whole_view and (s.view_sum_squares is None or not inside)
             for s, inside in zip(regions, contained)
@@ -930,14 +937,17 @@ class _Span(NamedTuple):
     dense: bool
 
 
-def _contained(view: torch.Tensor, view_region: Region, t: torch.Tensor, span: _Span) -> bool:
+def _contained(
+    view: torch.Tensor, extent: tuple[tuple, int, int], t: torch.Tensor, span: _Span
+) -> bool:
     """True when every element of ``view`` is an element of ``t`` (whose :class:`_Span`
     is ``span``), so numbers measured over the view are ``t``'s. Exact: a strided ``t``
     (a column slice of a fused buffer, say) does not own the gaps of its extent.
-    ``view_region`` is ``Region.of(view)``, which the caller has."""
-    a0, a1 = view_region.extent()
+    ``extent``: the view's storage key and byte extent ``[a0, a1)``, which the caller
+    has."""
+    key, a0, a1 = extent
     b0, b1 = span.start, span.end
-    if view_region.key != span.key or not (b0 <= a0 and a1 <= b1):
+    if key != span.key or not (b0 <= a0 and a1 <= b1):
         return False
     if span.dense:
         return True

@@ -627,7 +627,7 @@ class WriteSession:
         self.saved: list[SavedRegion] = []
         # Saves whose statistics were measured while writing, by storage, until a later
         # write reaches one and makes its numbers stale (see _forget_measured).
-        self._measured: dict[tuple, list[SavedRegion]] = {}
+        self._measured: dict[tuple, list[tuple[int, int, SavedRegion]]] = {}
         self._saved_regions: set[Region] = set()
         self._schema_cache: dict = {}
         self._sparse = False
@@ -782,27 +782,32 @@ class WriteSession:
         makes those numbers stale (a write through a view of another element size, say):
         the report reads that region again when the load ends, as torch ops would. Only
         the regions of the written storage are looked at, so a load of many tensors
-        costs a look-up per write, not a scan of every earlier write."""
+        costs a look-up per write, not a scan of every earlier write; and only those
+        whose byte span meets the write's get the exact test."""
         for t, _ in targets:
-            regions = self._measured.get(_storage_key(t))
+            key = _storage_key(t)
+            regions = self._measured.get(key)
             if not regions:
                 continue
-            written = Region.of(t)
-            lo, hi = written.extent()
+            lo, hi = _byte_span(t)
+            written = None
             keep = []
-            for sr in regions:
-                saved = sr.region
-                r0, r1 = saved.extent()
-                if r0 < hi and lo < r1 and not saved.columns_apart(written):
-                    sr.diff_stats = None
-                else:
-                    keep.append(sr)
-            self._measured[written.key] = keep
+            for entry in regions:
+                r0, r1, sr = entry
+                if r0 < hi and lo < r1:
+                    if written is None:
+                        written = Region.of(t)
+                    if not sr.region.columns_apart(written):
+                        sr.diff_stats = None
+                        continue
+                keep.append(entry)
+            self._measured[key] = keep
 
     def _measure(self, saved: SavedRegion) -> None:
         """Keep ``saved`` (whose statistics were measured while writing) for
-        :meth:`_forget_measured`."""
-        self._measured.setdefault(saved.region.key, []).append(saved)
+        :meth:`_forget_measured`, with the byte span of its view."""
+        view = saved.view
+        self._measured.setdefault(_storage_key(view), []).append((*_byte_span(view), saved))
 
     def _patch_positions(self, dest, src) -> PatchPositions | None:
         """How a merge from ``src`` could recompute where it wrote from its sparse patch
