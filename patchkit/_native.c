@@ -995,7 +995,15 @@ PK_SCATTER(f16, uint16_t)
             int64_t row = p / L, col = p % L, run = L - col;                                 \
             if (run > p1 - p) run = p1 - p;                                                  \
             const UT *d = dst + row * drs + col, *s = src + row * srs + col;                 \
-            for (int64_t j = 0; j < run; j++) hits += d[j] != s[j];                          \
+            /* counted in blocks into a counter as wide as an element: that vectorizes */    \
+            /* in lanes of that width (an int64_t one widens every comparison to 64 bits) */ \
+            for (int64_t j = 0; j < run;) {                                                  \
+                int64_t m = run - j < 65535 ? run - j : 65535;                               \
+                UT h = 0;                                                                    \
+                for (int64_t q = 0; q < m; q++) h += d[j + q] != s[j + q];                   \
+                hits += h;                                                                   \
+                j += m;                                                                      \
+            }                                                                                \
             p += run;                                                                        \
         }                                                                                    \
         return hits;                                                                         \
