@@ -850,6 +850,12 @@ typedef struct {
     int64_t *out;
 } pk_job;
 
+/* pk_copy over parts. With total (not NULL), once every part reached its end: a compact
+ * save's entries are moved together to the front of idx and bef, in part order (part k
+ * saved from ends[k - 1] on, part 0 from 0), and *total gets the parts' numbers, summed
+ * in part order from zero and the largest max_abs (as the Python side summed them), its
+ * saved the entries kept; returns 1. Otherwise (a part ran out of room) it moves nothing
+ * and returns 0: the caller goes on from accs and reached. */
 #define PK_COPY_PARTS(NAME, UT)                                                              \
     static void pk_copy_task_##NAME(void *c, int64_t k) {                                    \
         pk_job *j = c;                                                                       \
@@ -858,13 +864,37 @@ typedef struct {
                                    j->ends ? j->ends[k] : 0, j->whole, j->stats,             \
                                    &j->accs[k]);                                             \
     }                                                                                        \
-    void pk_copy_parts_##NAME(UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs,   \
-                              int64_t doff, int64_t parts, const int64_t *bounds,            \
-                              int64_t *idx, UT *bef, const int64_t *ends, int whole,         \
-                              int stats, pk_acc *accs, int64_t *reached, int threads) {      \
+    int pk_copy_parts_##NAME(UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs,    \
+                             int64_t doff, int64_t parts, const int64_t *bounds,             \
+                             int64_t *idx, UT *bef, const int64_t *ends, int whole,          \
+                             int stats, pk_acc *accs, int64_t *reached, int threads,         \
+                             pk_acc *total) {                                                \
         pk_job j = {dst, src, L, drs, srs, doff, bounds, idx, bef, ends, whole, stats, accs, \
                     reached};                                                                \
         pk_run(pk_copy_task_##NAME, &j, parts, threads);                                     \
+        if (!total) return 0;                                                                \
+        for (int64_t k = 0; k < parts; k++)                                                  \
+            if (reached[k] < bounds[k + 1]) return 0;                                        \
+        pk_acc t = {0};                                                                      \
+        t.max_abs = accs[0].max_abs;                                                         \
+        for (int64_t k = 0; k < parts; k++) {                                                \
+            const pk_acc *a = &accs[k];                                                      \
+            if (ends) { /* part k's entries are [ends[k - 1], a->saved): move them down */   \
+                int64_t base = k ? ends[k - 1] : 0, m = a->saved - base;                     \
+                if (m && base != t.saved) {                                                  \
+                    memmove(idx + t.saved, idx + base, (size_t)m * sizeof(int64_t));         \
+                    memmove(bef + t.saved, bef + base, (size_t)m * sizeof(UT));              \
+                }                                                                            \
+                t.saved += m;                                                                \
+            }                                                                                \
+            t.count += a->count;                                                             \
+            t.b2 += a->b2;                                                                   \
+            t.sum_abs += a->sum_abs;                                                         \
+            t.sum_d2 += a->sum_d2;                                                           \
+            if (a->max_abs > t.max_abs) t.max_abs = a->max_abs;                              \
+        }                                                                                    \
+        *total = t;                                                                          \
+        return 1;                                                                            \
     }
 PK_COPY_PARTS(f32, uint32_t)
 PK_COPY_PARTS(f64, uint64_t)

@@ -211,10 +211,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         # the parts entry points: dst, src, L, drs, srs, doff, parts, bounds, idx, bef, ...
         head = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 3
         parts_fn = getattr(lib, f"pk_copy_parts_{kind}")
-        parts_fn.restype = None
+        parts_fn.restype = ctypes.c_int  # 1: every part finished, *total is set
         parts_fn.argtypes = [*head, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # ends, whole,
                              ctypes.POINTER(_Acc), ctypes.c_void_p,  # stats, accs, reached,
-                             ctypes.c_int]  # threads
+                             ctypes.c_int, ctypes.POINTER(_Acc)]  # threads, total
         count_parts = getattr(lib, f"pk_count_parts_{kind}")
         count_parts.restype = None
         count_parts.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # src, L, srs
@@ -521,11 +521,16 @@ def compare_copy(
     for k in range(nparts):
         accs[k].saved = bases[k]
     reached = (ctypes.c_int64 * nparts)()
-    f.copy_parts(
+    total = _Acc()
+    # (part k saves from bases[k], which is the end of part k - 1's room: what the C side
+    # assumes when it packs)
+    if f.copy_parts(
         dptr, sptr, length, drs, srs, doff, nparts, _int64s(bounds), idx.data_ptr(),
         bef.data_ptr(), _int64s([b + c for b, c in zip(bases, caps)]), 0, want, accs,
-        reached, _threads(),
-    )
+        reached, _threads(), ctypes.byref(total),
+    ):
+        # Every part had room: the C side packed the entries and summed the numbers.
+        return _result(idx[: total.saved], bef[: total.saved].view(dest.dtype), (total,), want)
     done = list(zip(reached, accs))
     accs = list(accs)
     # Pack the parts' entries together at the front (in position order).
@@ -612,10 +617,11 @@ def _whole(f: _Kind, dest, src, geometry, bounds, want) -> CopyResult:
         accs = [acc]
     else:
         nparts = len(bounds) - 1
-        parts_acc = (_Acc * nparts)()
+        total = _Acc()
         f.copy_parts(dptr, sptr, length, drs, srs, doff, nparts, _int64s(bounds), None, wptr,
-                     None, 1, want, parts_acc, (ctypes.c_int64 * nparts)(), _threads())
-        accs = list(parts_acc)
+                     None, 1, want, (_Acc * nparts)(), (ctypes.c_int64 * nparts)(), _threads(),
+                     ctypes.byref(total))  # a whole save always finishes: total is set
+        accs = [total]
     return _result(None, whole, accs, want)
 
 
