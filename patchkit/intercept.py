@@ -523,15 +523,20 @@ class _Provenance:
 _ELEMENTWISE_COPIES = {_aten._to_copy.default, _aten.clone.default}
 
 
-def _mutated_args(func: torch._ops.OpOverload, cache: dict) -> tuple:
-    got = cache.get(func)
+# An op's schema never changes: which of its arguments it writes is worked out once per
+# process, not once per load.
+_MUTATED: dict = {}
+
+
+def _mutated_args(func: torch._ops.OpOverload) -> tuple:
+    """``(index, name)`` of each argument that ``func`` writes in place."""
+    got = _MUTATED.get(func)
     if got is None:
-        got = tuple(
+        got = _MUTATED[func] = tuple(
             (i, a.name)
             for i, a in enumerate(func._schema.arguments)
             if a.alias_info is not None and a.alias_info.is_write
         )
-        cache[func] = got
     return got
 
 
@@ -568,7 +573,7 @@ class _Mode(TorchDispatchMode):
                     hit = s.provenance.lookup(a)
                     if hit is not None:
                         s._last_patch = hit[:2]
-        mutated = _mutated_args(func, s._schema_cache)
+        mutated = _mutated_args(func)
         if not mutated:
             out = func(*args, **kwargs)
             if s.track_sources and func in _ELEMENTWISE_COPIES and isinstance(out, torch.Tensor):
@@ -629,7 +634,6 @@ class WriteSession:
         # write reaches one and makes its numbers stale (see _forget_measured).
         self._measured: dict[tuple, list[tuple[int, int, SavedRegion]]] = {}
         self._saved_regions: set[Region] = set()
-        self._schema_cache: dict = {}
         self._sparse = False
         self._chunk = -1
         self._call_regions: list[Region] = []
