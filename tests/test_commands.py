@@ -48,17 +48,19 @@ def test_python_dash_m_patchkit_lists_its_commands():
 
 
 @pytest.mark.parametrize(
-    ("script", "columns", "rows"),
+    ("script", "columns", "rows", "later"),
     [
         ("bench_loader.py",
-         ["patchkit ms", "validate ms", "floor ms", "ratio", "peak extra MiB"], 16),
+         ["patchkit ms", "validate ms", "floor ms", "ratio", "peak extra MiB"], 16, []),
         ("bench_inspect.py",
          ["plain ms", "report ms", "ratio", "reuse ms", "torch-ops report ms", "written MiB",
           "changed MiB"],
-         6),
+         6,
+         # the whole-model table: the dispatch-mode floor next to the report
+         ["model", "floor ms", "floor ratio", "report ms"]),
     ],
 )
-def test_benchmark_runs_in_quick_mode_and_prints_its_table(script, columns, rows):
+def test_benchmark_runs_in_quick_mode_and_prints_its_table(script, columns, rows, later):
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
@@ -69,3 +71,7 @@ def test_benchmark_runs_in_quick_mode_and_prints_its_table(script, columns, rows
         assert col in header
     body = [line for line in out.stdout.splitlines() if line.startswith("| ")]
     assert len(body) >= rows + 1  # the header and one row per case
+    if later:
+        table = next(line for line in body if all(col in line for col in later))
+        row = body[body.index(table) + 1]
+        assert len(row.split("|")) == len(table.split("|"))  # a row under that header
