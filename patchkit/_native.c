@@ -850,12 +850,12 @@ typedef struct {
     int64_t *out;
 } pk_job;
 
-/* pk_copy over parts. With total (not NULL), once every part reached its end: a compact
- * save's entries are moved together to the front of idx and bef, in part order (part k
- * saved from ends[k - 1] on, part 0 from 0), and *total gets the parts' numbers, summed
- * in part order from zero and the largest max_abs (as the Python side summed them), its
- * saved the entries kept; returns 1. Otherwise (a part ran out of room) it moves nothing
- * and returns 0: the caller goes on from accs and reached. */
+/* pk_copy over parts. With total (not NULL), after the parts: a compact save's entries
+ * are moved together to the front of idx and bef, in part order (part k saved from
+ * ends[k - 1] on, part 0 from 0), and *total gets the parts' numbers, summed in part
+ * order from zero, and the largest max_abs (as the Python side sums them), its saved the
+ * entries kept. Returns 1 when every part reached its end, else 0 (a part ran out of
+ * room: the caller goes on from reached, after the packed entries). */
 #define PK_COPY_PARTS(NAME, UT)                                                              \
     static void pk_copy_task_##NAME(void *c, int64_t k) {                                    \
         pk_job *j = c;                                                                       \
@@ -873,12 +873,12 @@ typedef struct {
                     reached};                                                                \
         pk_run(pk_copy_task_##NAME, &j, parts, threads);                                     \
         if (!total) return 0;                                                                \
-        for (int64_t k = 0; k < parts; k++)                                                  \
-            if (reached[k] < bounds[k + 1]) return 0;                                        \
+        int done = 1;                                                                        \
         pk_acc t = {0};                                                                      \
         t.max_abs = accs[0].max_abs;                                                         \
         for (int64_t k = 0; k < parts; k++) {                                                \
             const pk_acc *a = &accs[k];                                                      \
+            done &= reached[k] >= bounds[k + 1];                                             \
             if (ends) { /* part k's entries are [ends[k - 1], a->saved): move them down */   \
                 int64_t base = k ? ends[k - 1] : 0, m = a->saved - base;                     \
                 if (m && base != t.saved) {                                                  \
@@ -894,7 +894,7 @@ typedef struct {
             if (a->max_abs > t.max_abs) t.max_abs = a->max_abs;                              \
         }                                                                                    \
         *total = t;                                                                          \
-        return 1;                                                                            \
+        return done;                                                                         \
     }
 PK_COPY_PARTS(f32, uint32_t)
 PK_COPY_PARTS(f64, uint64_t)

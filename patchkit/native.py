@@ -522,30 +522,20 @@ def compare_copy(
         accs[k].saved = bases[k]
     reached = (ctypes.c_int64 * nparts)()
     total = _Acc()
-    # (part k saves from bases[k], which is the end of part k - 1's room: what the C side
-    # assumes when it packs)
+    # (part k saves from bases[k], the end of part k - 1's room: what the C side assumes
+    # when it packs the entries together)
     if f.copy_parts(
         dptr, sptr, length, drs, srs, doff, nparts, _int64s(bounds), idx.data_ptr(),
         bef.data_ptr(), _int64s([b + c for b, c in zip(bases, caps)]), 0, want, accs,
         reached, _threads(), ctypes.byref(total),
     ):
-        # Every part had room: the C side packed the entries and summed the numbers.
+        # Every part had room (the C side packed the entries and summed the numbers).
         return _result(idx[: total.saved], bef[: total.saved].view(dest.dtype), (total,), want)
-    done = list(zip(reached, accs))
-    accs = list(accs)
-    # Pack the parts' entries together at the front (in position order).
-    saved = 0
-    for k, (_, acc) in enumerate(done):
-        m = acc.saved - bases[k]
-        if m and bases[k] != saved:
-            for t in (idx, bef):
-                e = t.element_size()
-                ctypes.memmove(t.data_ptr() + saved * e, t.data_ptr() + bases[k] * e, m * e)
-        saved += m
-    reached = [p for p, _ in done]
+    # A part ran out of room: the C side packed what the parts saved at the front.
+    reached = list(reached)
     covered = sum(p - p0 for p, (p0, _) in zip(reached, parts))
-    rest = _Acc(saved=saved)
-    accs.append(rest)
+    rest = _Acc(saved=total.saved)
+    accs = [total, rest]
     room = len(idx)
     fits = True
     continued = False
