@@ -25,11 +25,12 @@ Prints four tables from one run:
    and as sparse ones: 8 layers of hidden size 1024 (vocabulary 32000: 75 checkpoint
    tensors, from 1 K to 33 M elements; about 1 % of the elements change per step), and
    32 layers of hidden size 64 (291 small tensors). What the single-tensor rows cannot
-   show: the report's cost per tensor written. "floor ms" is the plain load with a
-   ``TorchDispatchMode`` that does nothing but pass each op on, entered around every
-   ``load_weights`` call as a report enters its own: what seeing a loader's writes costs
-   before a report does anything with them, the part of a report's time patchkit cannot
-   cut on small tensors;
+   show: the report's cost per tensor written. "floor ms" is the plain load with a mode
+   that does nothing but pass each call on, entered around every ``load_weights`` call
+   as a report enters its own, of the kind that report uses: a ``TorchFunctionMode`` for
+   dense loads, a ``TorchDispatchMode`` (which sees every ATen op) for sparse ones. It is
+   what seeing a loader's writes costs before a report does anything with them, the part
+   of a report's time patchkit cannot cut on small tensors;
 4. ``density_map`` and ``plot_density`` on a 128256 x 2560 bf16 patch at 1 % density
    (a Llama-3 embedding), next to ``torch.bincount`` over the same indices (the floor).
 
@@ -42,6 +43,7 @@ import os
 import sys
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -261,13 +263,20 @@ def _model_table(device: torch.device, repeats: int, quick: bool) -> str:
 
 
 class _PassOn(TorchDispatchMode):
-    """A dispatch mode that passes every op on unchanged (the floor of the model table)."""
+    """A dispatch mode that passes every op on unchanged (the floor of a sparse row)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False  # as patchkit's own mode: no torch._dynamo import on first use
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _PassOnCalls(TorchFunctionMode):
+    """A function mode that passes every call on unchanged (the floor of a dense row)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
 
@@ -310,8 +319,9 @@ def _model_rows(label, config, lr, device, repeats) -> list[list[str]]:
             with native.disabled():
                 return patchkit.inspect_load(model, next_patches())
 
-        def through_mode(weights, bare_loader=bare_loader):
-            with _PassOn():
+        def through_mode(weights, bare_loader=bare_loader, mode=_PassOn
+                         if kind == "sparse" else _PassOnCalls):
+            with mode():
                 return bare_loader(weights)
 
         def floor(model=model, next_patches=next_patches, through_mode=through_mode):

@@ -1,12 +1,20 @@
 """Seeing and shaping the writes a ``load_weights`` call makes (CONTRACT.md §4-5).
 
-A :class:`WriteSession` spans one load. For each ``load_weights`` call it enters a
+A :class:`WriteSession` spans one load. For each sparse ``load_weights`` call it enters a
 :class:`torch.utils._python_dispatch.TorchDispatchMode`. Dispatch modes live on a
 per-thread stack, so the interception is active only on the calling thread and only for
 the duration of the call; ``torch.Tensor.copy_`` itself is never replaced. The mode sees
 every ATen op, so it sees every way a loader can write: ``copy_`` on a slice, slice
 assignment (``param.data[0:2] = w`` is ``slice`` + ``copy_``), ``index_put_``, ``fill_``,
 ``out=`` ops.
+
+A dense call that is observed (a report, ``transactional=True``) enters a function mode
+instead (:class:`_DenseMode`, also per thread), which sees the same writes at less cost:
+views and attribute reads pass it by, it handles a plain ``copy_`` into a runtime tensor
+itself, and it runs every other call under the dispatch mode. Most of a loader's ops are
+views (``param.data``, ``narrow``), and the dispatch mode costs a few microseconds for
+each: on a model of 291 small tensors the function mode's own cost is 1.3x a plain load,
+the dispatch mode's 2.1x.
 
 A write matters when it mutates a *runtime tensor*: storage owned by one of the model's
 parameters or buffers (:class:`RuntimeIndex`). Inside a sparse call such a write is
@@ -26,6 +34,8 @@ from functools import cached_property
 from typing import Any, Protocol
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import native
@@ -601,6 +611,93 @@ class _Mode(TorchDispatchMode):
         return s._runtime_write(func, args, kwargs, targets)
 
 
+def _tensor_funcs(*names: str) -> set:
+    return {getattr(torch._C.TensorBase, n) for n in names}
+
+
+# What a dense call's function mode passes on without the dispatch mode: views and
+# metadata, which write nothing and copy nothing (so no patch is followed through them).
+# ``reshape``, ``flatten`` and ``contiguous`` are not among them: they may copy.
+_PASS_ON = _tensor_funcs(
+    "narrow", "view", "view_as", "select", "squeeze", "unsqueeze", "t", "transpose",
+    "permute", "expand", "expand_as", "chunk", "split", "unbind", "detach", "size",
+    "stride", "dim", "numel", "element_size", "storage_offset", "data_ptr", "is_contiguous",
+)
+_TENSOR_COPY = torch._C.TensorBase.copy_
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_increment_version = torch.autograd.graph.increment_version
+
+
+def _is_getter(func) -> bool:
+    """A tensor attribute read (``.data``, ``.shape``, ``.dtype``, ``.T``, ...), which
+    torch hands to a function mode as the descriptor's ``__get__``."""
+    owner = getattr(func, "__self__", None)
+    return (
+        getattr(func, "__name__", None) == "__get__"
+        and getattr(owner, "__objclass__", None) is torch._C.TensorBase
+    )
+
+
+_PASS, _HANDLE, _BELOW = 0, 1, 2
+# How _DenseMode treats each function it has met (a process meets a bounded set).
+_ROUTE: dict = {_TENSOR_COPY: _HANDLE}
+
+
+def _route(func) -> int:
+    try:
+        route = _PASS if func in _PASS_ON or _is_getter(func) else _BELOW
+    except TypeError:  # not hashable
+        return _BELOW
+    if not isinstance(getattr(func, "__self__", None), torch.Tensor):  # keeps no tensor
+        _ROUTE[func] = route
+    return route
+
+
+class _DenseMode(TorchFunctionMode):
+    """A dense call's interception: the same writes as :class:`_Mode`, at less cost.
+
+    A dispatch mode costs a few microseconds for every ATen op, and most ops of a loader
+    are views (``narrow``, ``param.data``) that write nothing. This mode sees the calls
+    at the Python level, one level up: views, metadata and attribute reads go straight
+    on; a plain ``copy_`` into a runtime tensor is handled here as the dispatch mode
+    would handle it; every other call runs under :class:`_Mode`, which sees its ATen
+    ops. Function modes also live on a per-thread stack."""
+
+    def __init__(self, session: WriteSession) -> None:
+        super().__init__()
+        self.s = session
+        self.below = _Mode(session)
+        # Under torch.set_default_device (a function mode, which would place the
+        # session's own buffers), the session's work runs with function modes off.
+        self.shield = torch._C._len_torch_function_stack() > 0
+
+    @staticmethod
+    def fits() -> bool:
+        """Whether this mode can stand in for :class:`_Mode` on this thread now: no
+        function mode is active other than torch's default-device one, so no other
+        mode would miss a ``copy_`` this mode handles."""
+        return all(
+            isinstance(m, DeviceContext) for m in torch.overrides._get_current_function_mode_stack()
+        )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        route = _ROUTE.get(func)
+        if route is None:
+            route = _route(func)
+        if route == _PASS:
+            return func(*args, **(kwargs or {}))
+        if route == _HANDLE:
+            if self.shield:
+                with torch._C.DisableTorchFunction():
+                    out = self.s._plain_copy(args, kwargs)
+            else:
+                out = self.s._plain_copy(args, kwargs)
+            if out is not None:
+                return out
+        with self.below:
+            return func(*args, **(kwargs or {}))
+
+
 class WriteSession:
     """The interception state of one load.
 
@@ -676,7 +773,7 @@ class WriteSession:
         t0 = time.perf_counter()
         error = True
         try:
-            with _Mode(self):
+            with _Mode(self) if sparse or not _DenseMode.fits() else _DenseMode(self):
                 yield result
             if sparse:
                 self._check_after_sparse_call(bindings, result.returned, staged, positions)
@@ -718,6 +815,28 @@ class WriteSession:
             )
 
     # -- a write into runtime storage --------------------------------------------------
+
+    def _plain_copy(self, args, kwargs) -> torch.Tensor | None:
+        """``dest.copy_(src)`` seen by :class:`_DenseMode`: into a runtime tensor, of
+        plain tensors, where autograd has nothing to record, written as
+        :meth:`_runtime_write` writes it (the version counter bumped as torch would).
+        ``None``: not such a copy, and nothing done."""
+        if kwargs or len(args) != 2:
+            if len(args) != 3 or args[2] is not False or kwargs:
+                return None
+            args = args[:2]
+        dest, src = args
+        if type(dest) not in _PLAIN or type(src) not in _PLAIN:
+            return None
+        if (dest.requires_grad or src.requires_grad) and torch.is_grad_enabled():
+            return None
+        if not dest.numel():
+            return None
+        own = self.index.owner(dest)
+        if own is None:
+            return None
+        _increment_version(dest)
+        return self._runtime_write(_COPY, args, {}, [(dest, own)])
 
     def _runtime_write(self, func, args, kwargs, targets):
         if self._measured:

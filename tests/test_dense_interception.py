@@ -1,0 +1,242 @@
+"""How a dense report and a dense transactional load see the loader's writes.
+
+Dense calls are seen through a function mode that lets views and attribute reads pass
+and handles a plain ``copy_`` into a runtime tensor itself; every other call runs under
+the dispatch mode that sparse calls use (``patchkit.intercept``). These tests hold the
+two to the same results: every kind of write is seen, saved and restored; views keep the
+patch a copy came from; the rest of torch (autograd, other modes, parameter subclasses,
+other threads) sees what it would see without a report.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import patchkit
+from patchkit import CheckpointWeightPatch, inspect_load
+from patchkit.bitwise import bits
+
+WAIT = 10.0
+
+
+def dense(name, t):
+    return CheckpointWeightPatch(name, tuple(t.shape), t.dtype, t.reshape(-1).clone())
+
+
+class Two(torch.nn.Module):
+    """Parameters ``a`` (4, 4) and ``b`` (8,); ``write(self, name, w)`` does the loading."""
+
+    def __init__(self, write, param=torch.nn.Parameter) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = param(torch.randn(4, 4, generator=g), requires_grad=False)
+        self.b = param(torch.randn(8, generator=g), requires_grad=False)
+        self.write = write
+
+    def load_weights(self, weights):
+        names = set()
+        for name, w in weights:
+            self.write(self, name, w)
+            names.add(name)
+        return names
+
+
+def patches():
+    g = torch.Generator().manual_seed(1)
+    return [dense("a", torch.randn(4, 4, generator=g)), dense("b", torch.randn(8, generator=g))]
+
+
+def _out_add(m, name, w):
+    target = getattr(m, name).data
+    torch.add(w, 1.0, out=target)
+
+
+# Each way a loader may write a runtime tensor, and the op the report names.
+WRITES = {
+    "copy_": (lambda m, n, w: getattr(m, n).data.copy_(w), "aten::copy_"),
+    "slice copy_": (lambda m, n, w: getattr(m, n).data.narrow(0, 1, 2).copy_(w[1:3]),
+                    "aten::copy_"),
+    "setitem": (lambda m, n, w: getattr(m, n).data.__setitem__(slice(0, 2), w[:2]),
+                "aten::copy_"),
+    "fill_": (lambda m, n, w: getattr(m, n).data.fill_(float(w.reshape(-1)[0])),
+              "aten::fill_.Scalar"),
+    "add_": (lambda m, n, w: getattr(m, n).data.add_(w), "aten::add_.Tensor"),
+    "index_copy_": (lambda m, n, w: getattr(m, n).data.index_copy_(
+        0, torch.tensor([2, 0]), w[:2]), "aten::index_copy_"),
+    "advanced setitem": (lambda m, n, w: getattr(m, n).data.__setitem__(
+        torch.tensor([3, 1]), w[:2]), "aten::index_put_"),
+    "out=": (_out_add, "aten::add.out"),
+}
+
+
+@pytest.mark.parametrize("kind", list(WRITES))
+def test_every_kind_of_dense_write_is_reported_and_counted(kind):
+    write, op = WRITES[kind]
+    m = Two(write)
+    start = {n: p.detach().clone() for n, p in m.named_parameters()}
+    r = inspect_load(m, patches())
+    assert set(r.writes["target"]) == {"a", "b"}
+    assert set(r.writes["op"]) == {op}
+    for n, p in m.named_parameters():
+        changed = int((bits(p.detach()) != bits(start[n])).sum())
+        assert changed > 0
+        assert int(r.deltas.loc[n, "changed"]) == changed
+        assert torch.equal(bits(r.before(n)), bits(start[n]))
+        assert torch.equal(bits(r.after(n)), bits(p.detach()))
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kind", list(WRITES))
+def test_a_failed_dense_transactional_load_puts_back_every_kind_of_write(kind):
+    write, _ = WRITES[kind]
+
+    def write_then_fail(m, name, w):
+        write(m, name, w)
+        if name == "b":
+            raise Boom()
+
+    m = Two(write_then_fail)
+    start = {n: p.detach().clone() for n, p in m.named_parameters()}
+    with pytest.raises(Boom):
+        patchkit.load_checkpoint_weight_patches(m, patches(), transactional=True)
+    for n, p in m.named_parameters():
+        assert torch.equal(bits(p.detach()), bits(start[n])), n
+
+
+def test_a_copy_through_views_and_a_cast_keeps_its_patch():
+    # Views pass the mode by; a copy that torch makes (a clone, a cast) is followed back
+    # to its patch.
+    def write(m, name, w):
+        if name == "a":
+            m.a.data.copy_(w.clone().view(16).narrow(0, 0, 16).view(4, 4))
+        else:
+            m.b.data.copy_(w.double().float())
+
+    r = inspect_load(Two(write), patches())
+    assert r.writes["name"].tolist() == ["a", "b"]
+    assert r.writes["position"].tolist() == [0, 1]
+
+
+def test_a_report_moves_autograd_version_counters_as_a_plain_load_does():
+    def write(m, name, w):
+        getattr(m, name).copy_(w)  # the parameter itself (``.data`` has its own counter)
+
+    plain, reported = Two(write), Two(write)
+    v0 = {n: p._version for n, p in plain.named_parameters()}
+    patchkit.load_checkpoint_weight_patches(plain, patches())
+    inspect_load(reported, patches())
+    for n, p in reported.named_parameters():
+        moved = plain.get_parameter(n)._version - v0[n]
+        assert moved > 0
+        assert p._version - v0[n] == moved
+
+
+def test_a_copy_autograd_refuses_is_refused_under_a_report_too():
+    # A loader that turns grad mode on and copies into a leaf that requires grad: torch
+    # raises before writing, with or without a report.
+    def write(m, name, w):
+        with torch.enable_grad():
+            getattr(m, name).copy_(w)
+
+    for run in (patchkit.load_checkpoint_weight_patches, inspect_load):
+        m = Two(write)
+        m.a.requires_grad_(True)
+        start = m.a.detach().clone()
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            run(m, patches())
+        assert torch.equal(bits(m.a.detach()), bits(start))
+
+
+class CountingMode(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            self.copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_function_mode_of_the_caller_still_sees_every_copy():
+    def write(m, name, w):
+        getattr(m, name).data.copy_(w)
+
+    seen = {}
+    for label, run in (("plain", patchkit.load_checkpoint_weight_patches),
+                       ("report", inspect_load)):
+        mode = CountingMode()
+        with mode:
+            out = run(Two(write), patches())
+        seen[label] = mode.copies
+        if label == "report":
+            assert out.writes["target"].tolist() == ["a", "b"]
+            assert out.deltas["changed"].sum() == 24
+    assert seen["report"] == seen["plain"] >= 2
+
+
+class Announced(torch.nn.Parameter):
+    """A parameter class with its own ``__torch_function__`` (as some engines have)."""
+
+    copies = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            Announced.copies += 1
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def test_a_parameter_class_of_its_own_still_sees_its_copies():
+    def write(m, name, w):
+        getattr(m, name).copy_(w)  # the parameter itself, under the loader's no_grad
+
+    Announced.copies = 0
+    m = Two(write, param=Announced)
+    patchkit.load_checkpoint_weight_patches(m, patches())
+    plain = Announced.copies
+    Announced.copies = 0
+    r = inspect_load(Two(write, param=Announced), patches())
+    assert Announced.copies == plain == 2
+    assert r.writes["target"].tolist() == ["a", "b"]
+
+
+def test_another_threads_writes_during_a_dense_report_are_not_in_it():
+    inside, done = threading.Event(), threading.Event()
+
+    def write(m, name, w):
+        if name == "a":
+            inside.set()
+            assert done.wait(WAIT), "the other thread never wrote"
+            m.a.data.copy_(w)
+
+    m = Two(write)
+    errors = []
+
+    def other():
+        try:
+            assert inside.wait(WAIT)
+            with torch.no_grad():
+                m.b.copy_(torch.full((8,), 3.0))  # a runtime tensor, during the report
+                m.b.add_(1.0)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=other, daemon=True)
+    t.start()
+    r = inspect_load(m, patches())
+    t.join(WAIT)
+    assert not errors
+    assert r.writes["target"].tolist() == ["a"]
+    assert list(r.deltas.index) == ["a"]
+    assert m.b.detach().tolist() == [4.0] * 8
