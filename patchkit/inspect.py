@@ -437,7 +437,10 @@ def inspect_load(
     effect on the model. With ``loader=`` any callable of that signature (vLLM's, say)
     runs instead and patchkit only observes it: ``model.load_weights`` is wrapped for
     the duration to record each call, and writes into runtime tensors are watched on this
-    thread, never changed.
+    thread, never changed. A dense call is watched through a torch function mode (see
+    :mod:`patchkit.intercept`), so a loader that turns torch function handling off
+    (``torch._C.DisableTorchFunction``) while it writes hides those writes from the
+    report; sparse calls are watched at the ATen level and see them.
 
     Failures: if the load raises, the exception propagates unchanged with the partial
     report attached as ``exc.report`` (the writes made so far stay, unless

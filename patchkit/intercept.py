@@ -14,7 +14,8 @@ views and attribute reads pass it by, it handles a plain ``copy_`` into a runtim
 itself, and it runs every other call under the dispatch mode. Most of a loader's ops are
 views (``param.data``, ``narrow``), and the dispatch mode costs a few microseconds for
 each: on a model of 291 small tensors the function mode's own cost is 1.3x a plain load,
-the dispatch mode's 2.1x.
+the dispatch mode's 2.1x. The price: a loader that writes inside
+``torch._C.DisableTorchFunction()`` writes unseen, in a dense call only.
 
 A write matters when it mutates a *runtime tensor*: storage owned by one of the model's
 parameters or buffers (:class:`RuntimeIndex`). Inside a sparse call such a write is

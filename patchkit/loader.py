@@ -48,7 +48,9 @@ def load_checkpoint_weight_patches(
        ``transactional=True``: every runtime region is saved before its first write, and
        any exception restores them all bit for bit before it propagates. The extra memory
        is at most the size of the regions written (a dense copy from a same-shaped source
-       of the same dtype and device saves only the elements it changes).
+       of the same dtype and device saves only the elements it changes). Dense calls are
+       watched through a torch function mode: a write the loader makes inside
+       ``torch._C.DisableTorchFunction()`` there is not seen, so not restored.
     6. **[patchkit]** A patch naming the alias of a tied parameter is renamed to the
        canonical (first registered) name, or dropped when the canonical name is patched
        in the same call.

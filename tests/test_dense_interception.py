@@ -240,3 +240,21 @@ def test_another_threads_writes_during_a_dense_report_are_not_in_it():
     assert r.writes["target"].tolist() == ["a"]
     assert list(r.deltas.index) == ["a"]
     assert m.b.detach().tolist() == [4.0] * 8
+
+
+def test_sparse_calls_see_writes_made_with_torch_function_handling_off():
+    # The documented difference: only dense calls are watched through a function mode.
+    def write(m, name, w):
+        with torch._C.DisableTorchFunction():
+            getattr(m, name).data.copy_(w)
+
+    m = Two(write)
+    start = m.b.detach().clone()
+    p = CheckpointWeightPatch("b", (8,), torch.float32, torch.tensor([5.0]),
+                              torch.tensor([3], dtype=torch.int64))
+    r = inspect_load(m, [p])
+    expected = start.clone()
+    expected[3] = 5.0
+    assert torch.equal(bits(m.b.detach()), bits(expected))  # NaN-merged, not overwritten
+    assert r.writes["target"].tolist() == ["b"]
+    assert int(r.deltas.loc["b", "changed"]) == 1
