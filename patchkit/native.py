@@ -59,7 +59,8 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
-    "CopyResult", "MergeResult", "compare_copy", "disabled", "merge", "patch_entries",
+    "CopyResult", "MergeResult", "compare_copy", "disabled", "fresh_empty", "merge",
+    "patch_entries",
     "reusing", "status",
 ]
 
@@ -300,7 +301,6 @@ def _empty(n: int, dtype: torch.dtype, shape: torch.Size | None = None) -> torch
     asks Linux for huge pages first. A fresh buffer is paid for page by page when first
     written: 4 KiB pages cost about 35 ms per 64 MiB on these machines, 2 MiB pages about
     a third of that."""
-    global _libc
     if getattr(_reuse, "pool", None):
         lent = _lent(n, dtype)
         if lent is not None:
@@ -309,7 +309,22 @@ def _empty(n: int, dtype: torch.dtype, shape: torch.Size | None = None) -> torch
         out = torch.empty(n, dtype=dtype)
     else:  # sizes as arguments: torch parses them faster than a Size
         out = torch.empty(*shape, dtype=dtype) if len(shape) else torch.empty((), dtype=dtype)
-    nbytes = n * out.element_size()
+    return _ask_for_huge_pages(out)
+
+
+def fresh_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device="cpu")``, for a buffer about to be
+    written whole (a staged sparse patch, a mark per element): when big, Linux is asked
+    for 2 MiB pages before anything touches it, which makes the first pass over it about
+    three times faster on these machines (see :func:`_empty`)."""
+    return _ask_for_huge_pages(torch.empty(shape, dtype=dtype, device="cpu"))
+
+
+def _ask_for_huge_pages(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (fresh, untouched, CPU), after advising Linux to back its whole 2 MiB
+    pages with huge pages (when it spans at least two)."""
+    global _libc
+    nbytes = out.numel() * out.element_size()
     if nbytes < 2 * _HUGE or not _LINUX:
         return out
     if _libc is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from .bitwise import bits
 from .patch import CheckpointWeightPatch
 
@@ -24,7 +25,11 @@ def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
     shape = tuple(int(d) for d in shape)
     if indices is None:
         return values.to(dtype).reshape(shape)
-    staged = torch.full(shape, float("nan"), dtype=dtype, device=values.device)
+    if values.device.type == "cpu":
+        # Fresh memory, written whole at once: on huge pages where Linux has them.
+        staged = native.fresh_empty(shape, dtype).fill_(float("nan"))
+    else:
+        staged = torch.full(shape, float("nan"), dtype=dtype, device=values.device)
     if indices.numel():
         idx = indices.to(device=values.device, dtype=torch.int64)
         # Scatter the bits, not the numbers: the same for every float dtype, and it works

@@ -63,3 +63,25 @@ def test_the_tour_checks_hold(meta_default, tmp_path):
 
     result = run_tour(tmp_path / "tour", echo=lambda _: None)
     assert result
+
+
+def test_big_sparse_staging_and_its_duplicate_check_stay_on_the_cpu(meta_default):
+    # Big enough (8 MiB staged, 2 M marks) for the buffers that ask for huge pages.
+    from patchkit.patch import validate_patches
+    from patchkit.staging import stage
+
+    n = 1 << 21
+    idx = torch.arange(0, n, 4, dtype=torch.int64, device="cpu")  # dense enough to mark
+    vals = torch.arange(idx.numel(), dtype=torch.float32, device="cpu")
+    p = patchkit.CheckpointWeightPatch("w", (n // 1024, 1024), torch.float32, vals, idx)
+    validate_patches([p])
+    staged = stage(p)
+    assert staged.device.type == "cpu" and staged.shape == (n // 1024, 1024)
+    flat = staged.view(-1)
+    assert torch.equal(flat[idx], vals)
+    assert int(torch.isnan(flat).sum()) == n - idx.numel()
+    dup = patchkit.CheckpointWeightPatch(
+        "w", (n // 1024, 1024), torch.float32, vals,
+        torch.cat([idx[:-1], idx[:1]]))  # the last index repeats the first
+    with pytest.raises(ValueError, match="duplicate"):
+        validate_patches([dup])
