@@ -173,8 +173,8 @@ _REASONS = ("NaN", "out-of-range", "duplicate")
 def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
     """Three booleans (NaN, out-of-range, duplicate) on the device of ``patch.values``.
 
-    No host synchronisation happens here: the caller stacks the flags of all patches on
-    one device and reads them with a single transfer.
+    No host synchronisation happens here on an accelerator: the caller stacks the flags
+    of all patches on one device and reads them with a single transfer.
     """
     values, indices = patch.values, patch.indices
     device = values.device
@@ -191,6 +191,11 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
     oob = ((idx < 0) | (idx >= n)).any()
     if not unique or idx.numel() < 2 or n == 0:
         # n == 0: every index is out of range (flagged above); nothing to mark.
+        dup = torch.zeros((), dtype=torch.bool, device=device)
+    elif device.type == "cpu" and bool((idx[1:] > idx[:-1]).all()):
+        # Strictly increasing (as torch.nonzero and most builders give them): no
+        # duplicate, seen in one pass over the indices instead of a sort or a mark per
+        # element of the tensor. (On the CPU reading the answer costs no wait.)
         dup = torch.zeros((), dtype=torch.bool, device=device)
     elif _sort_is_cheaper(idx.numel(), n):
         s = torch.sort(idx).values
