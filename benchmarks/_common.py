@@ -17,14 +17,20 @@ __all__ = [
 ]
 
 
-def bench_args(description: str, argv=None) -> tuple[torch.device, int, bool]:
-    """The options every benchmark takes: ``(device, repeats, quick)``."""
+def bench_args(
+    description: str, argv=None, *, big: str | None = None
+) -> tuple[torch.device, int, bool]:
+    """The options every benchmark takes: ``(device, repeats, quick)``; with ``big`` (its
+    help text), also a ``--big`` switch, whose value comes fourth."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
+    if big is not None:
+        ap.add_argument("--big", action="store_true", help=big)
     args = ap.parse_args(argv)
-    return torch.device(args.device), (1 if args.quick else args.repeats), args.quick
+    out = torch.device(args.device), (1 if args.quick else args.repeats), args.quick
+    return (*out, args.big) if big is not None else out
 
 
 def sync(device: torch.device) -> None:

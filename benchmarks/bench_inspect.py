@@ -24,7 +24,9 @@ Prints four tables from one run:
    in bf16, loaded with two consecutive steps of ``AdamLikeTrainer``, as dense patches
    and as sparse ones: 8 layers of hidden size 1024 (vocabulary 32000: 75 checkpoint
    tensors, from 1 K to 33 M elements; about 1 % of the elements change per step), and
-   32 layers of hidden size 64 (291 small tensors). What the single-tensor rows cannot
+   32 layers of hidden size 64 (291 small tensors); with ``--big``, also one layer of
+   Llama-3-8B's shapes (hidden size 4096, 12 tensors of up to 131 M elements: where a
+   real model's time goes). What the single-tensor rows cannot
    show: the report's cost per tensor written. "floor ms" is the plain load with a mode
    that does nothing but pass each call on, entered around every ``load_weights`` call
    as a report enters its own, of the kind that report uses: a ``TorchFunctionMode`` for
@@ -34,7 +36,7 @@ Prints four tables from one run:
 4. ``density_map`` and ``plot_density`` on a 128256 x 2560 bf16 patch at 1 % density
    (a Llama-3 embedding), next to ``torch.bincount`` over the same indices (the floor).
 
-Usage: ``python benchmarks/bench_inspect.py [--quick] [--device cuda] [--repeats N]``.
+Usage: ``python benchmarks/bench_inspect.py [--quick] [--big] [--device cuda] [--repeats N]``.
 """
 
 from __future__ import annotations
@@ -76,7 +78,10 @@ def _pair(shape, dtype, kind, device):
 
 
 def main(argv=None) -> int:
-    device, repeats, quick = bench_args(__doc__.splitlines()[0], argv)
+    device, repeats, quick, big = bench_args(
+        __doc__.splitlines()[0], argv,
+        big="add a whole-model row of one Llama-3-8B-shaped layer (about 11 GiB of memory, "
+            "a few minutes)")
     shapes = [(128, 128)] if quick else [(1024, 1024), (4096, 4096)]
 
     rows = []
@@ -197,7 +202,7 @@ def main(argv=None) -> int:
 
     # -- a whole model ---------------------------------------------------------------------
     print()
-    print(_model_table(device, repeats, quick))
+    print(_model_table(device, repeats, quick, big))
 
     # -- density map of a big embedding patch ----------------------------------------------
     emb = (128256, 2560) if not quick else (1024, 256)
@@ -231,7 +236,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _model_table(device: torch.device, repeats: int, quick: bool) -> str:
+def _model_table(device: torch.device, repeats: int, quick: bool, big: bool = False) -> str:
     """Table 3 (see the module docstring)."""
     from patchkit.toymodels import TinyLlamaConfig
 
@@ -246,6 +251,12 @@ def _model_table(device: torch.device, repeats: int, quick: bool) -> str:
             # many small tensors: each write's fixed costs
             "32 layers, hidden 64": (TinyLlamaConfig(num_layers=32), 1e-4),
         }
+    if big:
+        # the tensors of a real model: one layer of Llama-3-8B's shapes (vocabulary
+        # 32000, not 128256, to fit this machine's memory with the trainer's state)
+        configs["1 layer, Llama-3-8B shapes"] = (
+            TinyLlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                            num_layers=1, num_heads=32, num_kv_heads=8), 1e-6)
     rows = []
     for label, (config, lr) in configs.items():
         rows += _model_rows(label, config, lr, device, repeats)

@@ -60,8 +60,7 @@ import torch
 
 __all__ = [
     "CopyResult", "MergeResult", "compare_copy", "disabled", "fresh_empty", "merge",
-    "patch_entries",
-    "reusing", "status",
+    "patch_entries", "reusing", "status",
 ]
 
 _SOURCE = Path(__file__).with_name("_native.c")

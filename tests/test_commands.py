@@ -56,7 +56,7 @@ def test_python_dash_m_patchkit_lists_its_commands():
          ["plain ms", "report ms", "ratio", "reuse ms", "torch-ops report ms", "written MiB",
           "changed MiB"],
          6,
-         # the whole-model table: the dispatch-mode floor next to the report
+         # the whole-model table: the floor of the report's mode next to the report
          ["model", "floor ms", "floor ratio", "report ms"]),
     ],
 )
@@ -75,3 +75,12 @@ def test_benchmark_runs_in_quick_mode_and_prints_its_table(script, columns, rows
         table = next(line for line in body if all(col in line for col in later))
         row = body[body.index(table) + 1]
         assert len(row.split("|")) == len(table.split("|"))  # a row under that header
+
+
+def test_the_report_benchmark_offers_a_row_of_real_model_shapes():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_inspect.py"), "--help"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--big" in out.stdout and "Llama-3-8B" in out.stdout
