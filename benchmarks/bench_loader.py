@@ -8,8 +8,10 @@ For dense and sparse (0.1 %, 1 %, 10 %) patches of fp32 and bf16 tensors of 1 M,
   sparse, ``param.copy_(values)`` for dense; what this work costs on this machine;
 - ratio = patchkit / floor;
 - contract: the work the contract itself asks of a sparse load and nothing more (stage
-  a NaN-filled checkpoint tensor, scatter the values, NaN-merge into the parameter), and
-  patchkit / contract: what validation, chunk planning and interception add on top;
+  a NaN-filled checkpoint tensor, scatter the values, NaN-merge into the parameter), done
+  with torch ops, and patchkit / contract: what validation, chunk planning and
+  interception add on top, less what patchkit saves on that same work (it stages on huge
+  pages and NaN-merges in one compiled pass, so big sparse loads come out below 1);
 - vLLM's function of the same name, from the same run, when vLLM is importable;
 - validate: the part of the patchkit time spent in validation (CONTRACT §1) alone;
 - peak extra memory of the patchkit load (bytes allocated above the starting point),
