@@ -17,6 +17,11 @@ each: on a model of 291 small tensors the function mode's own cost is 1.3x a pla
 the dispatch mode's 2.1x. The price: a loader that writes inside
 ``torch._C.DisableTorchFunction()`` writes unseen, in a dense call only.
 
+On the CPU the session does the writes it sees in compiled loops (:mod:`patchkit.native`)
+that write memory directly, except when another dispatch mode is active below its own
+(a loader's that merges NaN itself, a caller's tool that watches writes): then each
+write goes on to that mode as a torch op, and is measured around it.
+
 A write matters when it mutates a *runtime tensor*: storage owned by one of the model's
 parameters or buffers (:class:`RuntimeIndex`). Inside a sparse call such a write is
 either a same-shaped floating-point ``copy_``, which is NaN-merged, or it is rejected
@@ -844,15 +849,19 @@ class WriteSession:
             self._forget_measured(targets)
         op = _op_name(func)
         is_copy = func is _COPY
+        # Another dispatch mode under this one (a loader's own, say) still has to see the
+        # write and may change what it writes: then the op goes on to it, and the write
+        # is measured around it, never done here.
+        alone = not torch._C._len_torch_dispatch_stack()
         if self._sparse:
             self._check_sparse_write(func, op, args, targets)
-        elif is_copy and self.save_regions and _comparable_copy(args, kwargs, targets):
+        elif is_copy and self.save_regions and alone and _comparable_copy(args, kwargs, targets):
             return self._compared_copy(func, op, args, kwargs, targets[0])
         write = None
         if self._sparse:
             dest, src = args[0], args[1]
             cast = src.to(device=dest.device, dtype=dest.dtype)
-            if _storage_key(cast) != _storage_key(dest):
+            if alone and _storage_key(cast) != _storage_key(dest):
                 # On the CPU: merge (and save what it writes) in one compiled pass.
                 recipe = self._patch_positions(dest, src) if self.save_regions else None
                 owner = targets[0][1][1]

@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import patchkit
 from patchkit import CheckpointWeightPatch, inspect_load
@@ -258,3 +259,99 @@ def test_sparse_calls_see_writes_made_with_torch_function_handling_off():
     assert torch.equal(bits(m.b.detach()), bits(expected))  # NaN-merged, not overwritten
     assert r.writes["target"].tolist() == ["b"]
     assert int(r.deltas.loc["b", "changed"]) == 1
+
+
+class NanMerge(TorchDispatchMode):
+    """A loader's own way to NaN-merge: a dispatch mode that keeps the destination's
+    value where a copy's source is NaN (as an engine might write it)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            dest, src = args[0], args[1]
+            merged = torch.where(torch.isnan(src), dest, src.to(dest.dtype))
+            return func(dest, merged, *args[2:], **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def mode_merging_loader(model, patches, **kwargs):
+    """A foreign loader that stages sparse patches NaN-filled and merges them through a
+    dispatch mode of its own, entered around ``model.load_weights``."""
+    staged = []
+    for p in patches:
+        t = torch.full(p.shape, float("nan"), dtype=p.dtype)
+        t.view(-1)[p.indices.long()] = p.values.to(p.dtype)
+        staged.append((p.name, t))
+    with NanMerge():
+        return model.load_weights(staged)
+
+
+def test_observing_a_loader_that_merges_in_its_own_dispatch_mode_changes_nothing():
+    def write(m, name, w):
+        getattr(m, name).data.copy_(w)
+
+    ps = [CheckpointWeightPatch("a", (4, 4), torch.float32, torch.tensor([9.0, -9.0]),
+                                torch.tensor([1, 6])),
+          CheckpointWeightPatch("b", (8,), torch.float32, torch.tensor([5.0]),
+                                torch.tensor([3]))]
+    alone, observed = Two(write), Two(write)
+    mode_merging_loader(alone, ps)
+    r = inspect_load(observed, ps, loader=mode_merging_loader)
+    for n, p in observed.named_parameters():
+        assert torch.equal(bits(p.detach()), bits(alone.get_parameter(n).detach())), n
+    assert not any(torch.isnan(p).any() for p in observed.parameters())
+    assert r.deltas["changed"].to_dict() == {"a": 2, "b": 1}
+    assert torch.equal(bits(r.after("a")), bits(alone.a.detach()))
+
+
+class SeesWrites(TorchDispatchMode):
+    """A caller's dispatch mode that notes the storage of every tensor an op writes."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                if isinstance(v, torch.Tensor):
+                    self.storages.add(v.untyped_storage().data_ptr())
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["dense report", "sparse load", "sparse report"])
+def test_a_dispatch_mode_of_the_caller_sees_the_writes(kind):
+    # The compiled paths write memory directly; under another dispatch mode the write
+    # goes through torch ops, which that mode sees, and the results stay the same.
+    def write(m, name, w):
+        getattr(m, name).data.copy_(w)
+
+    if kind == "dense report":
+        ps = patches()
+    else:
+        ps = [CheckpointWeightPatch("a", (4, 4), torch.float32, torch.tensor([9.0, -9.0]),
+                                    torch.tensor([1, 6])),
+              CheckpointWeightPatch("b", (8,), torch.float32, torch.tensor([5.0]),
+                                    torch.tensor([3]))]
+    run = patchkit.load_checkpoint_weight_patches if kind == "sparse load" else inspect_load
+    alone, watched = Two(write), Two(write)
+    run(alone, ps)
+    mode = SeesWrites()
+    with mode:
+        out = run(watched, ps)
+    for n, p in watched.named_parameters():
+        assert p.untyped_storage().data_ptr() in mode.storages, n
+        assert torch.equal(bits(p.detach()), bits(alone.get_parameter(n).detach())), n
+    if kind == "dense report":
+        assert out.deltas["changed"].to_dict() == {"a": 16, "b": 8}
+    elif kind == "sparse report":
+        assert out.deltas["changed"].to_dict() == {"a": 2, "b": 1}
