@@ -622,12 +622,14 @@ def _tensor_funcs(*names: str) -> set:
 
 
 # What a dense call's function mode passes on without the dispatch mode: views and
-# metadata, which write nothing and copy nothing (so no patch is followed through them).
-# ``reshape``, ``flatten`` and ``contiguous`` are not among them: they may copy.
+# metadata, which write nothing and copy nothing the dispatch mode would follow back to a
+# patch (it follows casts and clones). ``reshape``, ``flatten`` and ``contiguous`` are not
+# among them: they may clone. Indexing may gather, a copy no mode follows.
 _PASS_ON = _tensor_funcs(
     "narrow", "view", "view_as", "select", "squeeze", "unsqueeze", "t", "transpose",
     "permute", "expand", "expand_as", "chunk", "split", "unbind", "detach", "size",
     "stride", "dim", "numel", "element_size", "storage_offset", "data_ptr", "is_contiguous",
+    "__getitem__",
 )
 _TENSOR_COPY = torch._C.TensorBase.copy_
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
