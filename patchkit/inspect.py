@@ -96,29 +96,45 @@ def patch_summary(patches: Iterable[CheckpointWeightPatch]) -> pd.DataFrame:
     (``nnz / numel``), ``wire_bytes`` (values plus indices as held), ``staged_bytes``
     (the full checkpoint-shaped tensor). Needs no model and loads nothing.
     """
-    rows = []
+    return _frame(_summary_columns(patches))
+
+
+def _frame(cols: dict[str, Any], index: pd.Index | None = None) -> pd.DataFrame:
+    """A frame of ``cols`` (lists or pandas arrays, all of one length); an empty list
+    makes an ``object`` column, whatever the other columns are."""
+    return pd.DataFrame({
+        k: pd.array([], dtype=object) if isinstance(v, list) and not v else v
+        for k, v in cols.items()
+    }, index=index)
+
+
+def _summary_columns(
+    patches: Iterable[CheckpointWeightPatch], *, wire: bool = True
+) -> dict[str, list]:
+    """:func:`patch_summary`'s columns, in order (``wire``: with ``wire_bytes``). A frame
+    built from columns costs a fraction of one built from rows, or changed column by
+    column afterwards."""
+    cols: dict[str, list] = {
+        k: [] for k in ("position", "name", "kind", "shape", "dtype", "numel", "nnz",
+                        "density", "wire_bytes", "staged_bytes")
+    }
+    if not wire:
+        del cols["wire_bytes"]
     for i, p in enumerate(patches):
         n = numel(p)
         nnz = _nnz(p)
-        rows.append(
-            {
-                "position": i,
-                "name": p.name,
-                "kind": _kind(p),
-                "shape": tuple(int(d) for d in p.shape),
-                "dtype": _dtype(p.dtype),
-                "numel": n,
-                "nnz": nnz,
-                "density": (nnz / n) if n else 0.0,
-                "wire_bytes": wire_bytes(p),
-                "staged_bytes": staged_nbytes(p),
-            }
-        )
-    cols = [
-        "position", "name", "kind", "shape", "dtype", "numel", "nnz", "density",
-        "wire_bytes", "staged_bytes",
-    ]
-    return pd.DataFrame(rows, columns=cols)
+        cols["position"].append(i)
+        cols["name"].append(p.name)
+        cols["kind"].append(_kind(p))
+        cols["shape"].append(tuple(int(d) for d in p.shape))
+        cols["dtype"].append(_dtype(p.dtype))
+        cols["numel"].append(n)
+        cols["nnz"].append(nnz)
+        cols["density"].append((nnz / n) if n else 0.0)
+        if wire:
+            cols["wire_bytes"].append(wire_bytes(p))
+        cols["staged_bytes"].append(staged_nbytes(p))
+    return cols
 
 
 class _Recorder:
@@ -593,9 +609,10 @@ def _build_report(
         _aliases=dict(index.aliases) if index is not None else {},
         _tables={
             "chunks": lambda: _chunks_frame(patches, kept, positions, plan),
-            "calls": lambda: pd.DataFrame(
-                calls, columns=["chunk", "names", "returned", "writes", "seconds", "error"]
-            ),
+            "calls": lambda: _frame({
+                c: [row[c] for row in calls]
+                for c in ("chunk", "names", "returned", "writes", "seconds", "error")
+            }),
             "writes": lambda: _writes_frame(events, patches, shapes, strides),
             "deltas": lambda: _deltas_frame(delta_rows),
         },
@@ -616,16 +633,17 @@ def _chunks_frame(patches, kept, positions, plan) -> pd.DataFrame:
             notes.append(f"renamed from {p.name!r} (tied alias)")
         else:
             notes.append("")
-    chunks = patch_summary(patches).rename(columns={"staged_bytes": "bytes"})
-    chunks["name"] = [sent_name.get(i, p.name) for i, p in enumerate(patches)]
-    chunks.insert(0, "chunk", [chunk_of[i].index if i in chunk_of else None
-                               for i in range(len(patches))])
-    chunks["closed_by"] = [chunk_of[i].closed_by if i in chunk_of else None
-                           for i in range(len(patches))]
-    chunks["note"] = notes
-    chunks = chunks.drop(columns=["wire_bytes"])
-    chunks["chunk"] = chunks["chunk"].astype("Int64")
-    return chunks
+    summary = _summary_columns(patches, wire=False)
+    summary["bytes"] = summary.pop("staged_bytes")
+    summary["name"] = [sent_name.get(i, p.name) for i, p in enumerate(patches)]
+    chunk = [chunk_of[i].index if i in chunk_of else None for i in range(len(patches))]
+    return _frame({
+        "chunk": pd.array(chunk, dtype="Int64"),
+        **summary,
+        "closed_by": [chunk_of[i].closed_by if i in chunk_of else None
+                      for i in range(len(patches))],
+        "note": notes,
+    })
 
 
 def _writes_frame(
@@ -635,7 +653,12 @@ def _writes_frame(
     strides: dict[str, tuple[int, ...]],
 ) -> pd.DataFrame:
     shapes_by_pos = {i: tuple(int(d) for d in p.shape) for i, p in enumerate(patches)}
-    wrows = []
+    names = (
+        "chunk", "position", "name", "checkpoint_offset", "checkpoint_region", "target",
+        "target_offset", "target_region", "shape", "elements", "changed", "op",
+        "checkpoint_stride", "target_stride",
+    )
+    cols: dict[str, list] = {k: [] for k in names}
     for ev in events:
         ck_region = None
         if ev.position is not None and ev.position in shapes_by_pos:
@@ -648,35 +671,15 @@ def _writes_frame(
         if tgt is not None:
             step = _in_target(ev.shape, ev.stride, tgt, strides[ev.target])
             tg_region = region_text(tgt, ev.target_offset, ev.shape, step)
-        wrows.append(
-            {
-                "chunk": ev.chunk,
-                "position": ev.position,
-                "name": ev.name,
-                "checkpoint_offset": ev.checkpoint_offset,
-                "checkpoint_region": ck_region,
-                "target": ev.target,
-                "target_offset": ev.target_offset,
-                "target_region": tg_region,
-                "shape": ev.shape,
-                "elements": ev.elements,
-                "changed": ev.changed,
-                "op": ev.op,
-                "checkpoint_stride": ev.source_stride,
-                "target_stride": ev.stride,
-            }
-        )
-    writes = pd.DataFrame(
-        wrows,
-        columns=[
-            "chunk", "position", "name", "checkpoint_offset", "checkpoint_region", "target",
-            "target_offset", "target_region", "shape", "elements", "changed", "op",
-            "checkpoint_stride", "target_stride",
-        ],
-    )
-    for col in ("position", "checkpoint_offset"):
-        writes[col] = writes[col].astype("Int64")
-    return writes
+        for k, v in zip(names, (
+            ev.chunk, ev.position, ev.name, ev.checkpoint_offset, ck_region, ev.target,
+            ev.target_offset, tg_region, ev.shape, ev.elements, ev.changed, ev.op,
+            ev.source_stride, ev.stride,
+        )):
+            cols[k].append(v)
+    for k in ("position", "checkpoint_offset"):
+        cols[k] = pd.array(cols[k], dtype="Int64")
+    return _frame(cols)
 
 
 def _in_target(
@@ -777,8 +780,9 @@ def _delta_rows(
 
 
 def _deltas_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    cols = ["target", "elements", "changed", "max_abs", "mean_abs", "rel_l2"]
-    return pd.DataFrame(rows, columns=cols).set_index("target")
+    cols = ("elements", "changed", "max_abs", "mean_abs", "rel_l2")
+    index = pd.Index([r["target"] for r in rows], name="target")
+    return _frame({c: [r[c] for r in rows] for c in cols}, index=index)
 
 
 class _Stats:

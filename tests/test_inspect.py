@@ -580,3 +580,26 @@ def test_a_write_through_a_reinterpreting_view_is_reported_in_the_tensors_dtype(
     r = inspect_load(m, [dense("w", new)])
     assert torch.equal(r.before("w"), w)
     assert r.deltas.loc["w", "max_abs"] == 97.0 and r.deltas.loc["w", "changed"] == 1
+
+
+def test_a_report_of_no_patches_has_every_table_with_its_columns_and_no_rows():
+    r = inspect_load(Packed(), [])
+    expected = {
+        "chunks": ["chunk", "position", "name", "kind", "shape", "dtype", "numel", "nnz",
+                   "density", "bytes", "closed_by", "note"],
+        "calls": ["chunk", "names", "returned", "writes", "seconds", "error"],
+        "writes": ["chunk", "position", "name", "checkpoint_offset", "checkpoint_region",
+                   "target", "target_offset", "target_region", "shape", "elements",
+                   "changed", "op", "checkpoint_stride", "target_stride"],
+        "deltas": ["elements", "changed", "max_abs", "mean_abs", "rel_l2"],
+    }
+    for table, columns in expected.items():
+        frame = getattr(r, table)
+        assert list(frame.columns) == columns, table
+        assert len(frame) == 0, table
+    assert r.deltas.index.name == "target"
+    assert str(r.chunks["chunk"].dtype) == "Int64"
+    assert str(r.writes["position"].dtype) == "Int64"
+    assert list(patch_summary([]).columns) == [
+        "position", "name", "kind", "shape", "dtype", "numel", "nnz", "density",
+        "wire_bytes", "staged_bytes"]
