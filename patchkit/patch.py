@@ -203,10 +203,7 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
     else:
         # A mark per element of the full tensor: O(numel) bytes, no sort. Indices are
         # clamped so that an out-of-range index (already flagged) cannot fault a kernel.
-        if device.type == "cpu":  # fresh memory, written whole at once: huge pages
-            marks = native.fresh_empty((n,), torch.bool).zero_()
-        else:
-            marks = torch.zeros(n, dtype=torch.bool, device=device)
+        marks = native.fresh_empty((n,), torch.bool, device).zero_()  # huge pages on CPU
         # index_fill_ takes the scalar as is; `marks[i] = True` would copy a host tensor
         # holding True to the device for every patch, and that copy waits for the device.
         marks.index_fill_(0, idx.clamp(0, n - 1), True)

@@ -25,11 +25,8 @@ def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
     shape = tuple(int(d) for d in shape)
     if indices is None:
         return values.to(dtype).reshape(shape)
-    if values.device.type == "cpu":
-        # Fresh memory, written whole at once: on huge pages where Linux has them.
-        staged = native.fresh_empty(shape, dtype).fill_(float("nan"))
-    else:
-        staged = torch.full(shape, float("nan"), dtype=dtype, device=values.device)
+    # Fresh memory, written whole at once: on huge pages where Linux has them.
+    staged = native.fresh_empty(shape, dtype, values.device).fill_(float("nan"))
     if indices.numel():
         idx = indices.to(device=values.device, dtype=torch.int64)
         # Scatter the bits, not the numbers: the same for every float dtype, and it works
