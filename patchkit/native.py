@@ -82,6 +82,11 @@ _PART = 1 << 20
 _SAMPLE_BLOCKS, _SAMPLE_BLOCK = 256, 16
 _SAMPLE = _SAMPLE_BLOCKS * _SAMPLE_BLOCK
 _SAMPLE_MIN = 1 << 16  # smaller views are counted exactly (one cheap pass, in cache)
+# Views of fewer bytes are saved whole, in one pass, without counting their changes
+# first: a compact save of one would spare at most this much memory, and the count, the
+# second buffer and the decision cost more time than the copy (a 64 x 64 bf16 view:
+# 4 us of a 16 us write). The save still never exceeds the bytes the copy writes.
+_WHOLE_BELOW = 1 << 14
 
 
 class _Acc(ctypes.Structure):
@@ -300,7 +305,8 @@ def _empty(n: int, dtype: torch.dtype, shape: torch.Size | None = None) -> torch
     asks Linux for huge pages first. A fresh buffer is paid for page by page when first
     written: 4 KiB pages cost about 35 ms per 64 MiB on these machines, 2 MiB pages about
     a third of that."""
-    if getattr(_reuse, "pool", None):
+    small = n * dtype.itemsize < _REUSE_MIN  # never lent, never on huge pages
+    if not small and getattr(_reuse, "pool", None):
         lent = _lent(n, dtype)
         if lent is not None:
             return lent if shape is None else lent.view(shape)
@@ -308,7 +314,7 @@ def _empty(n: int, dtype: torch.dtype, shape: torch.Size | None = None) -> torch
         out = torch.empty(n, dtype=dtype)
     else:  # sizes as arguments: torch parses them faster than a Size
         out = torch.empty(*shape, dtype=dtype) if len(shape) else torch.empty((), dtype=dtype)
-    return _ask_for_huge_pages(out)
+    return out if small else _ask_for_huge_pages(out)
 
 
 def fresh_empty(
@@ -493,17 +499,32 @@ def compare_copy(
         kind = _KIND_OF_SIZE.get(size)
         if kind is None:
             return None
+    n = dest.numel()
+    want = 1 if stats_dtype is not None else 0
+    if n * size < _WHOLE_BELOW:
+        # A small view (one part): saved whole in one pass; two contiguous views are one
+        # row, whose geometry needs no working out.
+        if _off or not dest.is_cpu or not src.is_cpu or n == 0:
+            return None
+        lib = _lib if _status is not None else _library()
+        if lib is None:
+            return None
+        if dest.is_contiguous() and src.is_contiguous():
+            geometry = (n, n, n)
+        else:
+            geometry = _rows(dest, src)
+            if geometry is None:
+                return None
+        return _whole(lib.kinds[kind], dest, src, geometry, (0, n), want)
     ready = _prepare(dest, src)
     if ready is None:
         return None
     lib, (length, drs, srs) = ready
     f = lib.kinds[kind]
     fn = f.copy
-    n = dest.numel()
     dptr = dest.data_ptr()
     sptr = src.data_ptr()
     doff = dest.storage_offset()
-    want = 1 if stats_dtype is not None else 0
     bits = _BITS_OF_SIZE[size]
     bounds = _parts(n)
     nparts = len(bounds) - 1

@@ -415,14 +415,48 @@ def test_small_views_are_counted_first_and_save_exactly_the_changes(frac, layout
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int64, torch.float32])
 def test_without_statistics_any_dtype_of_2_4_or_8_bytes_is_copied_bitwise(dtype):
     g = torch.Generator().manual_seed(1)
-    dest = torch.randint(-1000, 1000, (300,), generator=g).to(dtype)
+    n = native._WHOLE_BELOW // dtype.itemsize + 300  # big enough for a compact save
+    dest = torch.randint(-1000, 1000, (n,), generator=g).to(dtype)
     src = dest.clone()
     src[::7] += 3
     start = dest.clone()
     got = native.compare_copy(dest, src, None)
     assert got is not None and torch.equal(dest, src)
     assert got.changed == int((start != src).sum())
+    assert torch.equal(got.index, torch.nonzero(start != src).reshape(-1))
     assert torch.equal(got.before, start[start != src])
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16])
+@pytest.mark.parametrize("view", ["contiguous", "columns"])
+def test_a_small_view_is_saved_whole_in_one_pass(dtype, view):
+    # Below _WHOLE_BELOW bytes a compact save would spare little memory and cost a
+    # counting pass: the view is saved whole, and still counted and measured exactly.
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(16, 12, generator=g).to(dtype)
+    dest = base if view == "contiguous" else base[:, 2:9]
+    assert dest.numel() * dtype.itemsize < native._WHOLE_BELOW
+    src = dest.clone()
+    src[::3, 1] = (src[::3, 1].float() + 1.5).to(dtype)
+    start = dest.clone()
+    outside = base.clone()
+    stats = dtype if dtype.is_floating_point else None
+    got = native.compare_copy(dest, src, stats)
+    assert got is not None and got.index is None
+    assert torch.equal(got.before, start) and got.before.shape == dest.shape
+    assert torch.equal(dest, src)
+    changed = bits(start) != bits(src)
+    assert got.changed == int(changed.sum())
+    keep = torch.ones_like(base, dtype=torch.bool)
+    if view == "columns":
+        keep[:, 2:9] = False
+        assert torch.equal(base[keep], outside[keep]), "only the view is written"
+    if stats is not None:
+        d = (src.double() - start.double()).abs()[changed]
+        assert math.isclose(got.sum_abs, float(d.sum()), rel_tol=1e-6)
+        assert math.isclose(got.max_abs, float(d.max()), rel_tol=1e-6)
+        assert math.isclose(got.squares, float((start.double() ** 2).sum()), rel_tol=1e-6)
 
 
 def test_copies_outside_the_compiled_path_are_left_to_torch():
