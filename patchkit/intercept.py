@@ -220,12 +220,15 @@ class RuntimeIndex:
             if t.untyped_storage().data_ptr() != bindings[n].untyped_storage().data_ptr()
         ]
 
-    def owner(self, t: torch.Tensor) -> tuple[str, torch.Tensor, int] | None:
+    def owner(
+        self, t: torch.Tensor, key: tuple | None = None
+    ) -> tuple[str, torch.Tensor, int] | None:
         """``(name, runtime tensor, element offset of t in it)`` or ``None``.
 
         ``None`` means ``t`` is not runtime storage (a scratch buffer, a staged tensor).
+        ``key``: ``t``'s storage key, where the caller has it already.
         """
-        owners = self._owners.get(_storage_key(t))
+        owners = self._owners.get(_storage_key(t) if key is None else key)
         if not owners:
             return None
         b = t.storage_offset() * t.element_size()
@@ -504,10 +507,13 @@ class _Provenance:
         if staged.numel():
             self._by_key[_storage_key(staged)] = (position, name, staged.storage_offset(), True)
 
-    def lookup(self, t: torch.Tensor, *, exact: bool = False) -> tuple[int, str, int] | None:
+    def lookup(
+        self, t: torch.Tensor, *, exact: bool = False, key: tuple | None = None
+    ) -> tuple[int, str, int] | None:
         """``(position, name, checkpoint offset of t's first element)``, or ``None``;
-        with ``exact``, only for an exact storage (see the class docstring)."""
-        hit = self._by_key.get(_storage_key(t))
+        with ``exact``, only for an exact storage (see the class docstring). ``key``:
+        ``t``'s storage key, where the caller has it already."""
+        hit = self._by_key.get(_storage_key(t) if key is None else key)
         if hit is None or (exact and not hit[3]):
             return None
         pos, name, base, _ = hit
@@ -632,6 +638,7 @@ _PASS_ON = _tensor_funcs(
     "__getitem__",
 )
 _TENSOR_COPY = torch._C.TensorBase.copy_
+_COPY_NAME = _op_name(_COPY)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _increment_version = torch.autograd.graph.increment_version
 
@@ -840,10 +847,28 @@ class WriteSession:
             return None
         if not dest.numel():
             return None
-        own = self.index.owner(dest)
+        key = _storage_key(dest)
+        own = self.index.owner(dest, key)
         if own is None:
             return None
         _increment_version(dest)
+        # The common case, decided here once (as _runtime_write and _comparable_copy
+        # would decide it): a same-shaped, same-dtype copy from another storage, saved.
+        if (
+            self.save_regions
+            and not self._sparse
+            and src.shape == dest.shape
+            and src.dtype == dest.dtype
+            and src.device == dest.device
+            and not torch._C._len_torch_dispatch_stack()
+            and dest.element_size() in (1, 2, 4, 8)
+            and not dest.is_complex()
+        ):
+            skey = _storage_key(src)
+            if skey != key:
+                if self._measured:
+                    self._forget_measured_in(dest, key)
+                return self._compared_copy(_COPY, _COPY_NAME, args, {}, (dest, own), key, skey)
         return self._runtime_write(_COPY, args, {}, [(dest, own)])
 
     def _runtime_write(self, func, args, kwargs, targets):
@@ -920,29 +945,34 @@ class WriteSession:
         costs a look-up per write, not a scan of every earlier write; and only those
         whose byte span meets the write's get the exact test."""
         for t, _ in targets:
-            key = _storage_key(t)
-            regions = self._measured.get(key)
-            if not regions:
-                continue
-            lo, hi = _byte_span(t)
-            written = None
-            keep = []
-            for entry in regions:
-                r0, r1, sr = entry
-                if r0 < hi and lo < r1:
-                    if written is None:
-                        written = Region.of(t)
-                    if not sr.region.columns_apart(written):
-                        sr.diff_stats = None
-                        continue
-                keep.append(entry)
-            self._measured[key] = keep
+            self._forget_measured_in(t, _storage_key(t))
 
-    def _measure(self, saved: SavedRegion) -> None:
+    def _forget_measured_in(self, t: torch.Tensor, key: tuple) -> None:
+        """:meth:`_forget_measured` for one written view ``t`` of storage ``key``."""
+        regions = self._measured.get(key)
+        if not regions:
+            return
+        lo, hi = _byte_span(t)
+        written = None
+        keep = []
+        for entry in regions:
+            r0, r1, sr = entry
+            if r0 < hi and lo < r1:
+                if written is None:
+                    written = Region.of(t)
+                if not sr.region.columns_apart(written):
+                    sr.diff_stats = None
+                    continue
+            keep.append(entry)
+        self._measured[key] = keep
+
+    def _measure(self, saved: SavedRegion, key: tuple | None = None) -> None:
         """Keep ``saved`` (whose statistics were measured while writing) for
-        :meth:`_forget_measured`, with the byte span of its view."""
+        :meth:`_forget_measured`, with the byte span of its view (of storage ``key``)."""
         view = saved.view
-        self._measured.setdefault(_storage_key(view), []).append((*_byte_span(view), saved))
+        self._measured.setdefault(_storage_key(view) if key is None else key, []).append(
+            (*_byte_span(view), saved)
+        )
 
     def _patch_positions(self, dest, src) -> PatchPositions | None:
         """How a merge from ``src`` could recompute where it wrote from its sparse patch
@@ -980,10 +1010,11 @@ class WriteSession:
             self._record(op, dest, tname, off, src, fast.changed)
         return dest
 
-    def _record(self, op, t, tname, off, src, changed) -> None:
+    def _record(self, op, t, tname, off, src, changed, skey=None) -> None:
         """Tell the recorder of one write into runtime tensor ``tname`` (``changed`` is
-        kept only when the session counts changes)."""
-        hit = self.provenance.lookup(src) if isinstance(src, torch.Tensor) else None
+        kept only when the session counts changes; ``skey``: ``src``'s storage key, where
+        the caller has it)."""
+        hit = self.provenance.lookup(src, key=skey) if isinstance(src, torch.Tensor) else None
         self.recorder.on_write(WriteEvent(
             chunk=self._chunk,
             op=op,
@@ -1000,10 +1031,11 @@ class WriteSession:
             source_stride=tuple(src.stride()) if hit else None,
         ))
 
-    def _compared_copy(self, func, op, args, kwargs, target):
+    def _compared_copy(self, func, op, args, kwargs, target, key=None, skey=None):
         """A dense ``copy_`` whose source has the destination's shape, dtype and device:
         save only what the copy changes (or the whole view, when most of it changes), and
-        count it, without a second pass after the write.
+        count it, without a second pass after the write. ``key``, ``skey``: the storage
+        keys of the destination and the source, where the caller has them.
 
         On the CPU the compiled path (:mod:`patchkit.native`) compares, saves, counts and
         copies in one pass; otherwise torch ops compare first, save, then copy."""
@@ -1024,13 +1056,13 @@ class WriteSession:
             )
             self.saved.append(saved)
             if diff is not None:
-                self._measure(saved)
+                self._measure(saved, key)
             out = dest
         else:
             n_changed, out = self._compared_copy_torch(func, args, kwargs, tname, owner, off, stats)
         self._call_writes += 1
         if self.recorder is not None:
-            self._record(op, dest, tname, off, src, n_changed)
+            self._record(op, dest, tname, off, src, n_changed, skey)
         return out
 
     def _compared_copy_torch(self, func, args, kwargs, tname, owner, off, stats):

@@ -355,3 +355,49 @@ def test_a_dispatch_mode_of_the_caller_sees_the_writes(kind):
         assert out.deltas["changed"].to_dict() == {"a": 16, "b": 8}
     elif kind == "sparse report":
         assert out.deltas["changed"].to_dict() == {"a": 2, "b": 1}
+
+
+def _shift_within(m, name, w):
+    """Load ``w``, then copy one part of the runtime tensor into another part of it."""
+    t = getattr(m, name).data.reshape(-1)
+    t.copy_(w.reshape(-1))
+    t[4:8].copy_(t[0:4])  # the same storage, apart
+
+
+def _shift_overlapping(m, name, w):
+    t = getattr(m, name).data.reshape(-1)
+    t.copy_(w.reshape(-1))
+    t[1:5].copy_(t[0:4])  # torch refuses a copy between overlapping views
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_a_copy_within_one_runtime_tensor_is_done_and_refused_as_torch_does(transactional):
+    # A copy whose source is runtime storage too goes through torch, not the compiled
+    # compare-and-copy (which reads the source while writing the destination).
+    def load(m, *, observed):
+        if not observed:
+            return patchkit.load_checkpoint_weight_patches(m, patches())
+        if transactional:
+            return patchkit.load_checkpoint_weight_patches(m, patches(), transactional=True)
+        return inspect_load(m, patches())
+
+    plain, seen = Two(_shift_within), Two(_shift_within)
+    load(plain, observed=False)
+    r = load(seen, observed=True)
+    for n in ("a", "b"):
+        assert torch.equal(bits(getattr(seen, n)), bits(getattr(plain, n)))
+    if not transactional:
+        assert r.writes["target_offset"].tolist() == [0, 4, 0, 4]
+        names = r.writes["name"]
+        assert names.isna().tolist() == [False, True, False, True]  # not from a patch
+        assert names.dropna().tolist() == ["a", "b"]
+    with pytest.raises(RuntimeError, match="single memory location") as plain_error:
+        load(Two(_shift_overlapping), observed=False)
+    m = Two(_shift_overlapping)
+    before = {n: getattr(m, n).detach().clone() for n in ("a", "b")}
+    with pytest.raises(RuntimeError) as seen_error:
+        load(m, observed=True)
+    assert str(seen_error.value) == str(plain_error.value)
+    if transactional:
+        for n in ("a", "b"):
+            assert torch.equal(getattr(m, n), before[n])
