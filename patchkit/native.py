@@ -14,7 +14,8 @@ those):
   copy); this reads each block of the destination and the source once and writes the
   destination only where it changes. A sample of 4096 positions first says roughly how
   many elements will change: that sizes the buffers of a compact save, or picks the
-  whole-view save outright when most elements change. On x86 CPUs with AVX2 (float32
+  whole-view save outright when most elements change. A view under 16 KiB is saved whole
+  in one pass, without counting first. On x86 CPUs with AVX2 (float32
   and bfloat16) the loops compare and measure 32 bytes at a time.
 - :func:`merge`, the NaN-merge of every sparse write (CONTRACT §4): where the source is
   not NaN the destination takes its bits. Torch ops need a 1-byte mask of the view and a
@@ -488,7 +489,8 @@ def compare_copy(
     ``stats_dtype``: compute the statistics reading the bits as this dtype (``dest``'s
     own, or the runtime tensor's when ``dest`` reinterprets it); ``None``: no statistics.
     Saves the changed elements when that costs less memory than the whole view, else the
-    whole view, so the save never exceeds the bytes the copy writes.
+    whole view (always for a view under ``_WHOLE_BELOW`` bytes), so the save never exceeds
+    the bytes the copy writes.
     """
     size = dest.element_size()
     if stats_dtype is not None:
