@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
+import os
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -82,7 +86,9 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device) - base
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_notices(), profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
@@ -91,6 +97,29 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
         cur += e.nbytes()
         peak = max(peak, cur)
     return peak
+
+
+@contextlib.contextmanager
+def _without_profiler_notices() -> Iterator[None]:
+    """Run the block with the process's stderr captured, then write back every line but
+    the profiler's own start/stop notices (``USDT: ... profiler_start``, written by
+    torch's C++ side straight to file descriptor 2 each time a profile starts or stops)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().splitlines(keepends=True)
+                    if not (ln.startswith(b"USDT:") and b"profiler_st" in ln)]
+            if kept:
+                sys.stderr.buffer.write(b"".join(kept))
+                sys.stderr.flush()
 
 
 def vllm_loader() -> Callable | None:
