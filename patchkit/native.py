@@ -456,27 +456,41 @@ def _rows_of(
 def _prepare(dest: torch.Tensor, src: torch.Tensor):
     """``(library, rows geometry)`` for a write the C loops cover, else ``None``: both
     tensors on the CPU, not empty, walkable as rows, the path built and not disabled."""
-    if _off or not dest.is_cpu or not src.is_cpu or dest.numel() == 0:
-        return None
-    geometry = _rows(dest, src)
-    if geometry is None:
+    n = dest.numel()
+    if _off or not dest.is_cpu or not src.is_cpu or n == 0:
         return None
     lib = _lib if _status is not None else _library()
-    return None if lib is None else (lib, geometry)
+    if lib is None:
+        return None
+    if dest.is_contiguous() and src.is_contiguous():
+        return lib, (n, n, n)  # one row: what _rows would say, without its work
+    geometry = _rows(dest, src)
+    return None if geometry is None else (lib, geometry)
 
 
-def _parts(n: int) -> list[int]:
+def _parts(n: int) -> tuple[int, ...]:
     """The bounds of the parts of ``n`` positions that threads share (see
     ``_PARALLEL_MIN``)."""
-    threads = min(_threads(), 8)
-    if threads <= 1 or n < _PARALLEL_MIN:
-        return [0, n]
-    k = min(2 * threads, max(threads, n // _PART))
-    return [n * i // k for i in range(k + 1)]
+    return _parts_of(n, _threads(), _PARALLEL_MIN, _PART)
+
+
+@functools.lru_cache(maxsize=1024)  # a load meets the same few sizes again and again
+def _parts_of(n: int, threads: int, parallel_min: int, part: int) -> tuple[int, ...]:
+    threads = min(threads, 8)
+    if threads <= 1 or n < parallel_min:
+        return (0, n)
+    k = min(2 * threads, max(threads, n // part))
+    return tuple(n * i // k for i in range(k + 1))
 
 
 def _int64s(values) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bounds_array(bounds: tuple[int, ...]) -> ctypes.Array:
+    """``bounds`` as a C array, made once per bounds (the C side only reads it)."""
+    return _int64s(bounds)
 
 
 def compare_copy(
@@ -501,28 +515,15 @@ def compare_copy(
         kind = _KIND_OF_SIZE.get(size)
         if kind is None:
             return None
-    n = dest.numel()
-    want = 1 if stats_dtype is not None else 0
-    if n * size < _WHOLE_BELOW:
-        # A small view (one part): saved whole in one pass; two contiguous views are one
-        # row, whose geometry needs no working out.
-        if _off or not dest.is_cpu or not src.is_cpu or n == 0:
-            return None
-        lib = _lib if _status is not None else _library()
-        if lib is None:
-            return None
-        if dest.is_contiguous() and src.is_contiguous():
-            geometry = (n, n, n)
-        else:
-            geometry = _rows(dest, src)
-            if geometry is None:
-                return None
-        return _whole(lib.kinds[kind], dest, src, geometry, (0, n), want)
     ready = _prepare(dest, src)
     if ready is None:
         return None
     lib, (length, drs, srs) = ready
     f = lib.kinds[kind]
+    n = dest.numel()
+    want = 1 if stats_dtype is not None else 0
+    if n * size < _WHOLE_BELOW:  # (one part: far below _PARALLEL_MIN)
+        return _whole(f, dest, src, (length, drs, srs), (0, n), want)
     fn = f.copy
     dptr = dest.data_ptr()
     sptr = src.data_ptr()
@@ -565,7 +566,7 @@ def compare_copy(
     # (part k saves from bases[k], the end of part k - 1's room: what the C side assumes
     # when it packs the entries together)
     if f.copy_parts(
-        dptr, sptr, length, drs, srs, doff, nparts, _int64s(bounds), idx.data_ptr(),
+        dptr, sptr, length, drs, srs, doff, nparts, _bounds_array(bounds), idx.data_ptr(),
         bef.data_ptr(), _int64s([b + c for b, c in zip(bases, caps)]), 0, want, accs,
         reached, _threads(), ctypes.byref(total),
     ):
@@ -648,7 +649,7 @@ def _whole(f: _Kind, dest, src, geometry, bounds, want) -> CopyResult:
     else:
         nparts = len(bounds) - 1
         total = _Acc()
-        f.copy_parts(dptr, sptr, length, drs, srs, doff, nparts, _int64s(bounds), None, wptr,
+        f.copy_parts(dptr, sptr, length, drs, srs, doff, nparts, _bounds_array(bounds), None, wptr,
                      None, 1, want, (_Acc * nparts)(), (ctypes.c_int64 * nparts)(), _threads(),
                      ctypes.byref(total))  # a whole save always finishes: total is set
         accs = [total]
@@ -718,7 +719,7 @@ def merge(
     dptr, sptr, doff = dest.data_ptr(), src.data_ptr(), dest.storage_offset()
     bounds = _parts(dest.numel())
     nparts = len(bounds) - 1
-    c_bounds = _int64s(bounds)
+    c_bounds = _bounds_array(bounds)
     threads = _threads()
     idx = bef = None
     bases = [0] * nparts
