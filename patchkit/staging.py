@@ -22,6 +22,10 @@ def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
     The staged tensor lives on the device of ``values``.
     """
     _, shape, dtype, values, indices = patch
+    if indices is None and type(shape) is tuple:
+        # The common case, kept short (a load of many small tensors stages each one):
+        # validation has checked the dims, and torch reads them as they are.
+        return (values if values.dtype == dtype else values.to(dtype)).reshape(shape)
     shape = tuple(int(d) for d in shape)
     if indices is None:
         return values.to(dtype).reshape(shape)

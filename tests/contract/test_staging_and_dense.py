@@ -6,6 +6,7 @@ order; the staged tensor checkpoint-shaped, of the patch dtype, on the values' d
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -144,6 +145,27 @@ def test_dense_staged_tensor_is_values_cast_and_viewed_as_shape(load, Patch, dty
     assert staged.shape == (2, 3, 4) and staged.dtype == dtype
     assert staged.device == values.device
     assert same_bits(staged, values.to(dtype).reshape(2, 3, 4))
+
+
+@pytest.mark.parametrize("spelling", ["ints", "numpy ints", "0-d tensors", "list", "Size"])
+def test_any_valid_spelling_of_the_shape_stages_the_same_tensor(load, Patch, spelling):
+    dims = {
+        "ints": (2, 3),
+        "numpy ints": (np.int64(2), np.int32(3)),
+        "0-d tensors": (torch.tensor(2), torch.tensor(3)),
+        "list": [2, 3],
+        "Size": torch.Size([2, 3]),
+    }[spelling]
+    values = torch.arange(6, dtype=torch.float32)
+    m = SinkModel()
+    seen = []
+    m.load_weights = lambda ws: seen.extend(w for _, w in ws) or set()
+    load(m, [Patch("w", dims, torch.float32, values)])
+    [staged] = seen
+    assert type(staged.shape) is torch.Size and staged.shape == (2, 3)
+    assert same_bits(staged, values.reshape(2, 3))
+    # same dtype and contiguous: the staged tensor is a view of the values, not a copy
+    assert staged.data_ptr() == values.data_ptr()
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
