@@ -109,18 +109,13 @@ def _frame(cols: dict[str, Any], index: pd.Index | None = None) -> pd.DataFrame:
     }, index=index)
 
 
-def _summary_columns(
-    patches: Iterable[CheckpointWeightPatch], *, wire: bool = True
-) -> dict[str, list]:
-    """:func:`patch_summary`'s columns, in order (``wire``: with ``wire_bytes``). A frame
-    built from columns costs a fraction of one built from rows, or changed column by
-    column afterwards."""
+def _summary_columns(patches: Iterable[CheckpointWeightPatch]) -> dict[str, list]:
+    """:func:`patch_summary`'s columns, in order. A frame built from columns costs a
+    fraction of one built from rows, or changed column by column afterwards."""
     cols: dict[str, list] = {
         k: [] for k in ("position", "name", "kind", "shape", "dtype", "numel", "nnz",
                         "density", "wire_bytes", "staged_bytes")
     }
-    if not wire:
-        del cols["wire_bytes"]
     for i, p in enumerate(patches):
         n = numel(p)
         nnz = _nnz(p)
@@ -132,8 +127,7 @@ def _summary_columns(
         cols["numel"].append(n)
         cols["nnz"].append(nnz)
         cols["density"].append((nnz / n) if n else 0.0)
-        if wire:
-            cols["wire_bytes"].append(wire_bytes(p))
+        cols["wire_bytes"].append(wire_bytes(p))
         cols["staged_bytes"].append(staged_nbytes(p))
     return cols
 
@@ -634,7 +628,8 @@ def _chunks_frame(patches, kept, positions, plan) -> pd.DataFrame:
             notes.append(f"renamed from {p.name!r} (tied alias)")
         else:
             notes.append("")
-    summary = _summary_columns(patches, wire=False)
+    summary = _summary_columns(patches)
+    del summary["wire_bytes"]
     summary["bytes"] = summary.pop("staged_bytes")
     summary["name"] = [sent_name.get(i, p.name) for i, p in enumerate(patches)]
     chunk = [chunk_of[i].index if i in chunk_of else None for i in range(len(patches))]

@@ -467,14 +467,22 @@ def _comparable_copy(args, kwargs, targets) -> bool:
     if len(targets) != 1 or len(args) < 2 or kwargs.get("non_blocking"):
         return False
     dest, src = args[0], args[1]
-    if targets[0][0] is not dest or not isinstance(src, torch.Tensor):
-        return False
+    return targets[0][0] is dest and _comparable_source(dest, src, _storage_key(dest)) is not None
+
+
+def _comparable_source(dest: torch.Tensor, src: Any, key: tuple) -> tuple | None:
+    """``src``'s storage key when ``src`` is a tensor of ``dest``'s shape, dtype and
+    device in another storage (``dest``'s is ``key``), of a dtype the compared copy
+    covers; else ``None``."""
+    if not isinstance(src, torch.Tensor):
+        return None
     if src.shape != dest.shape or src.dtype != dest.dtype or src.device != dest.device:
-        return False
+        return None
     if dest.is_complex() or dest.element_size() not in (1, 2, 4, 8):
-        return False
+        return None
     # A source sharing storage with the destination would change while being copied.
-    return _storage_key(src) != _storage_key(dest)
+    skey = _storage_key(src)
+    return None if skey == key else skey
 
 
 class WriteRecorder(Protocol):
@@ -852,20 +860,11 @@ class WriteSession:
         if own is None:
             return None
         _increment_version(dest)
-        # The common case, decided here once (as _runtime_write and _comparable_copy
-        # would decide it): a same-shaped, same-dtype copy from another storage, saved.
-        if (
-            self.save_regions
-            and not self._sparse
-            and src.shape == dest.shape
-            and src.dtype == dest.dtype
-            and src.device == dest.device
-            and not torch._C._len_torch_dispatch_stack()
-            and dest.element_size() in (1, 2, 4, 8)
-            and not dest.is_complex()
-        ):
-            skey = _storage_key(src)
-            if skey != key:
+        # The common case, decided as _runtime_write decides it, with the keys taken once:
+        # a same-shaped copy from another storage, saved, no dispatch mode below.
+        if self.save_regions and not self._sparse and not torch._C._len_torch_dispatch_stack():
+            skey = _comparable_source(dest, src, key)
+            if skey is not None:
                 if self._measured:
                     self._forget_measured_in(dest, key)
                 return self._compared_copy(_COPY, _COPY_NAME, args, {}, (dest, own), key, skey)

@@ -22,13 +22,11 @@ def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
     The staged tensor lives on the device of ``values``.
     """
     _, shape, dtype, values, indices = patch
-    if indices is None and type(shape) is tuple:
-        # The common case, kept short (a load of many small tensors stages each one):
-        # validation has checked the dims, and torch reads them as they are.
-        return (values if values.dtype == dtype else values.to(dtype)).reshape(shape)
-    shape = tuple(int(d) for d in shape)
+    if type(shape) is not tuple:
+        # (validation has checked the dims of a tuple; torch reads them as they are)
+        shape = tuple(int(d) for d in shape)
     if indices is None:
-        return values.to(dtype).reshape(shape)
+        return (values if values.dtype == dtype else values.to(dtype)).reshape(shape)
     # Fresh memory, written whole at once: on huge pages where Linux has them.
     staged = native.fresh_empty(shape, dtype, values.device).fill_(float("nan"))
     if indices.numel():
