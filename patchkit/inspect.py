@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
 import torch
@@ -58,10 +58,12 @@ from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _row_major_strides, density_map, region_text
 from .intercept import (
+    RuntimeIndex,
     SavedRegion,
     WriteEvent,
     WriteSession,
     _byte_span,
+    _Owner,
     _storage_key,
     _storage_offsets,
 )
@@ -588,7 +590,7 @@ def _build_report(
     saved = sessions[0].saved if sessions else []
     # The numbers that depend on the model's state are taken now; the rest of the report
     # is a record of the load, turned into DataFrames on first use.
-    delta_rows = _delta_rows(saved, runtime)
+    delta_rows = _delta_rows(saved, index) if index is not None else []
     calls = list(rec.calls)
     events = list(rec.events)
     shapes = {n: tuple(t.shape) for n, t in runtime.items()}
@@ -713,9 +715,7 @@ def _in_target(
 _BLOCK = 1 << 18  # elements per step of the delta statistics: bounds their scratch memory
 
 
-def _delta_rows(
-    saved: list[SavedRegion], runtime: dict[str, torch.Tensor]
-) -> list[dict[str, Any]]:
+def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str, Any]]:
     """Per touched runtime tensor: elements written once each, bitwise changes, |Δ| stats.
 
     Each saved element is credited to the runtime tensor that owns it (a write can span
@@ -725,40 +725,30 @@ def _delta_rows(
     changed elements and one read of its view (for ``||before||``). Works block by block,
     so the scratch memory of the statistics is bounded whatever the size of the writes.
     """
-    # Runtime tensors by storage, taken once: each saved region is matched against the
-    # tensors of its own storage only (a load of n tensors costs O(n), not O(n^2)), by
-    # its span (see _Span).
-    by_storage: dict[tuple, list[tuple[str, _Span]]] = {}
-    for name, t in runtime.items():
-        if t.numel():
-            key = _storage_key(t)
-            span = _Span(key, *_byte_span(t), t.element_size(), t.is_contiguous())
-            by_storage.setdefault(key, []).append((name, span))
-    regions_of: dict[str, list[SavedRegion]] = {}
-    extents: dict[str, list[tuple[tuple, int, int]]] = {}
-    spans: dict[str, _Span] = {}
+    # Each saved region is matched against the runtime tensors of its own storage only
+    # (the index keeps them by storage: a load of n tensors costs O(n), not O(n^2)), by
+    # their byte extents.
+    regions_of: dict[str, list[tuple[SavedRegion, tuple]]] = {}
+    owner_of: dict[str, _Owner] = {}
     for s in saved:
-        view = s.view
-        key = _storage_key(view)
-        a0, a1 = _byte_span(view)
-        step = view.element_size()
-        for name, span in by_storage.get(key, ()):
-            if step == span.step and a0 < span.end and span.start < a1:
-                regions_of.setdefault(name, []).append(s)
-                extents.setdefault(name, []).append((key, a0, a1))
-                spans[name] = span
+        key, a0, a1, step = s.span if s.span is not None else _span_of(s.view)
+        for o in index.sharing(key):
+            if step == o.step and a0 < o.end and o.start < a1:
+                regions_of.setdefault(o.name, []).append((s, (key, a0, a1)))
+                owner_of[o.name] = o
     rows = []
-    for target, regions in regions_of.items():
-        t, span = runtime[target], spans[target]
-        ext = extents[target]
-        contained = [_contained(s.view, e, t, span) for s, e in zip(regions, ext)]
+    for target, entries in regions_of.items():
+        o = owner_of[target]
+        t = o.tensor
+        regions = [s for s, _ in entries]
+        contained = [_contained(s.view, e, o) for s, e in entries]
         overlapping = (
-            len(regions) > 1
+            len(entries) > 1
             and any(
                 # byte extents that meet first (cheap), then the exact test
-                ext[i][1] < ext[j][2] and ext[j][1] < ext[i][2]
+                entries[i][1][1] < entries[j][1][2] and entries[j][1][1] < entries[i][1][2]
                 and regions[i].region.overlaps(regions[j].region)
-                for i in range(len(regions)) for j in range(i)
+                for i in range(len(entries)) for j in range(i)
             )
         ) or any(
             s.whole_view and (s.view_sum_squares is None or not inside)
@@ -928,36 +918,28 @@ def _positions(t: torch.Tensor, storage_index: torch.Tensor) -> tuple[torch.Tens
     return order[at[valid]], valid
 
 
-class _Span(NamedTuple):
-    """Where a runtime tensor sits in its storage: the storage's key, the bytes
-    ``[start, end)`` of its extent, its element size, and whether it is contiguous (then
-    it owns every element of its extent)."""
-
-    key: tuple
-    start: int
-    end: int
-    step: int
-    dense: bool
+def _span_of(view: torch.Tensor) -> tuple[tuple, int, int, int]:
+    """``(storage key, start, end, element size)``: where ``view`` sits in its storage
+    (the byte extent of :func:`~patchkit.intercept._byte_span`)."""
+    return (_storage_key(view), *_byte_span(view), view.element_size())
 
 
-def _contained(
-    view: torch.Tensor, extent: tuple[tuple, int, int], t: torch.Tensor, span: _Span
-) -> bool:
-    """True when every element of ``view`` is an element of ``t`` (whose :class:`_Span`
-    is ``span``), so numbers measured over the view are ``t``'s. Exact: a strided ``t``
-    (a column slice of a fused buffer, say) does not own the gaps of its extent.
-    ``extent``: the view's storage key and byte extent ``[a0, a1)``, which the caller
-    has."""
+def _contained(view: torch.Tensor, extent: tuple[tuple, int, int], o: _Owner) -> bool:
+    """True when every element of ``view`` is an element of runtime tensor ``o.tensor``,
+    so numbers measured over the view are its own. Exact: a strided tensor (a column
+    slice of a fused buffer, say) does not own the gaps of its extent. ``extent``: the
+    view's storage key and byte extent ``[a0, a1)``, which the caller has."""
     key, a0, a1 = extent
-    b0, b1 = span.start, span.end
-    if key != span.key or not (b0 <= a0 and a1 <= b1):
+    b0, b1 = o.start, o.end
+    if key != o.key or not (b0 <= a0 and a1 <= b1):
         return False
-    if span.dense:
+    if o.dense:
         return True
-    step = span.step
+    step = o.step
     if view.element_size() != step or (a0 - b0) % step:
         return False
     # Mark t's elements in a scratch mask over its span, then look for all of view's.
+    t = o.tensor
     mask = torch.zeros((b1 - b0) // step, dtype=torch.bool, device="cpu")
     mask.as_strided(t.shape, t.stride(), 0).fill_(True)
     return bool(mask.as_strided(view.shape, view.stride(), (a0 - b0) // step).all())

@@ -9,7 +9,7 @@ import torch
 
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
 from .errors import PatchTypeError
-from .intercept import WriteRecorder, WriteSession
+from .intercept import WriteRecorder, WriteSession, named_tensors
 from .patch import CheckpointWeightPatch, validate_patches
 from .staging import stage
 
@@ -167,7 +167,7 @@ def canonicalize_tied(
     """
     canonical: dict[int, str] = {}
     alias_of: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in named_tensors(model, buffers=False):
         first = canonical.setdefault(id(p), name)
         if first != name:
             alias_of[name] = first

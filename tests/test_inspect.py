@@ -358,6 +358,29 @@ def test_before_and_written_follow_strided_and_shared_storage():
     assert r.before("b").tolist() == [4.0, 5.0, 6.0, 7.0]
 
 
+def test_a_tensor_rebound_during_the_load_keeps_the_numbers_of_its_write():
+    class Rebinds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.zeros(4), False)
+            self.b = torch.nn.Parameter(torch.zeros(4), False)
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                getattr(self, name).copy_(t)
+            self.a.data = torch.full((4,), 7.0)  # a new storage, after the write
+            return {n for n, _ in weights}
+
+    m = Rebinds()
+    r = inspect_load(m, [dense("a", torch.ones(4)), dense("b", torch.ones(4))])
+    # a's row is what the load's write did (zeros to ones), not the rebinding
+    assert r.deltas.to_dict("index") == {
+        n: {"elements": 4, "changed": 4, "max_abs": 1.0, "mean_abs": 1.0, "rel_l2": math.inf}
+        for n in ("a", "b")
+    }
+    assert r.writes["target"].tolist() == ["a", "b"]  # the write itself was seen
+
+
 def test_a_loader_returning_a_generator_is_reported_with_its_names():
     class Gen(Packed):
         def load_weights(self, weights):
