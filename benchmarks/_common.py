@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 __all__ = [
-    "bench_args", "fmt_table", "interleaved_medians", "median_seconds", "peak_extra_bytes",
-    "sync", "vllm_loader",
+    "bench_args", "fmt_ratio", "fmt_table", "interleaved_medians", "interleaved_times",
+    "median_seconds", "paired_ratio", "peak_extra_bytes", "sync", "vllm_loader",
 ]
 
 
@@ -42,26 +42,56 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def interleaved_medians(
-    fns: Sequence[Callable[[], object]], device: torch.device, repeats: int
-) -> list[float]:
-    """Median wall time of each of ``fns`` over ``repeats`` rounds, after one warm-up
-    run each. A round runs every function once, in turn, so that a shared machine's
-    drift (other tenants, page-cache and allocator state) falls on all of them alike,
-    and their ratios stay steady where back-to-back runs of one, then the other, don't."""
+def interleaved_times(
+    fns: Sequence[Callable[[], object]], device: torch.device, repeats: int, *, seed: int = 0
+) -> list[list[float]]:
+    """Wall times of each of ``fns`` over ``repeats`` rounds, after one warm-up run each
+    (``out[i][r]``: function ``i`` in round ``r``). A round runs every function once, in
+    an order shuffled anew each round (seeded: the same for every run), so that a shared
+    machine's drift (other tenants, page-cache and allocator state) and the traces one
+    function leaves for the next (a warm cache, a full one) fall on all of them alike."""
+    import random
+
     for fn in fns:
         fn()
     sync(device)
+    order = list(range(len(fns)))
+    rng = random.Random(seed)
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, out in zip(fns, times):
+        rng.shuffle(order)
+        for i in order:
             gc.collect()
             sync(device)
             t0 = time.perf_counter()
-            fn()
+            fns[i]()
             sync(device)
-            out.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def interleaved_medians(
+    fns: Sequence[Callable[[], object]], device: torch.device, repeats: int
+) -> list[float]:
+    """The median of each function's times in :func:`interleaved_times`."""
+    return [statistics.median(t) for t in interleaved_times(fns, device, repeats)]
+
+
+def paired_ratio(times: Sequence[float], base: Sequence[float]) -> tuple[float, float, float]:
+    """``(median, lower quartile, upper quartile)`` of the round-by-round ratios
+    ``times[r] / base[r]`` of two functions timed in the same rounds. Steadier than the
+    ratio of their medians on a machine whose speed drifts: a slow spell slows both
+    loads of a round."""
+    ratios = sorted(t / b for t, b in zip(times, base))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return statistics.median(ratios), q[0], q[-1]
+
+
+def fmt_ratio(times: Sequence[float], base: Sequence[float], *, spread: bool = False) -> str:
+    """:func:`paired_ratio` as ``"1.37x"``, or with ``spread`` ``"1.37x (1.30-1.45)"``
+    (the middle half of the rounds' ratios)."""
+    mid, lo, hi = paired_ratio(times, base)
+    return f"{mid:.2f}x ({lo:.2f}-{hi:.2f})" if spread else f"{mid:.2f}x"
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:

@@ -13,11 +13,14 @@ Prints four tables from one run:
    buffers, not fresh memory); "torch-ops report ms" is the report with the compiled path
    off (``patchkit.native.disabled()``: what a machine without a C compiler, or a GPU,
    runs); "+ tables ms" also builds the four DataFrames, which a report does on first
-   read. The timings of a row are taken in rounds (plain, report, reuse, torch-ops
-   report, + tables, transactional, torch-ops transactional, in turn), so that drift on a
-   shared machine falls on all of them alike. The target (issue 4): a report
-   costs at most 1.5x the plain load's time, and extra memory no larger than the bytes
-   written;
+   read. The timings of a row are taken in rounds: each round runs plain, report, reuse,
+   torch-ops report, + tables, transactional and torch-ops transactional once, in an
+   order shuffled each round, so that drift on a shared machine falls on all of them
+   alike. The "ms" columns are medians over the rounds; a "ratio" is the median of the
+   rounds' own ratios (this round's report over this round's plain load, which a slow
+   spell slows alike), and the report's ratio shows the middle half of them in brackets
+   (how steady the machine was). The target (issue 4): a report costs at most 1.5x the
+   plain load's time, and extra memory no larger than the bytes written;
 2. the same loads with ``transactional=True`` and no report: the same saves (with the
    compiled path and with torch ops), which a failed load writes back;
 3. whole models: one tensor-parallel rank (of 2) of a Llama-shaped ``TinyLlamaRuntime``
@@ -42,6 +45,7 @@ Usage: ``python benchmarks/bench_inspect.py [--quick] [--big] [--device cuda] [-
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 import torch
@@ -49,7 +53,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import bench_args, fmt_table, interleaved_medians, median_seconds, peak_extra_bytes
+from _common import (
+    bench_args,
+    fmt_ratio,
+    fmt_table,
+    interleaved_times,
+    median_seconds,
+    peak_extra_bytes,
+)
 from bench_loader import OneParam, make_patch
 
 import patchkit
@@ -124,12 +135,14 @@ def main(argv=None) -> int:
 
                     return run
 
+                times = interleaved_times(
+                    [plain, report, report_reuse, torch_ops(report), report_tables,
+                     transactional, torch_ops(transactional)],
+                    device, repeats,
+                )
+                s_plain, s_report, s_reuse, _, _, s_tx, _ = times
                 t_plain, t_report, t_reuse, t_torch, t_tables, t_tx, t_tx_torch = (
-                    interleaved_medians(
-                        [plain, report, report_reuse, torch_ops(report), report_tables,
-                         transactional, torch_ops(transactional)],
-                        device, repeats,
-                    )
+                    statistics.median(t) for t in times
                 )
                 m_plain = peak_extra_bytes(plain, device)
                 m_report = peak_extra_bytes(report, device)
@@ -145,9 +158,9 @@ def main(argv=None) -> int:
                         f"{shape[0]}x{shape[1]}",
                         f"{t_plain * 1e3:.2f}",
                         f"{t_report * 1e3:.2f}",
-                        f"{t_report / t_plain:.2f}x",
+                        fmt_ratio(s_report, s_plain, spread=True),
                         f"{t_reuse * 1e3:.2f}",
-                        f"{t_reuse / t_plain:.2f}x",
+                        fmt_ratio(s_reuse, s_plain),
                         f"{t_torch * 1e3:.2f}",
                         f"{t_tables * 1e3:.2f}",
                         f"{m_plain / 2**20:.1f}",
@@ -165,7 +178,7 @@ def main(argv=None) -> int:
                         f"{shape[0]}x{shape[1]}",
                         f"{t_plain * 1e3:.2f}",
                         f"{t_tx * 1e3:.2f}",
-                        f"{t_tx / t_plain:.2f}x",
+                        fmt_ratio(s_tx, s_plain, spread=True),
                         f"{t_tx_torch * 1e3:.2f}",
                         f"{(m_tx - m_plain) / 2**20:.1f}",
                         f"{merged / 2**20:.2f}",
@@ -174,7 +187,8 @@ def main(argv=None) -> int:
                 print(".", end="", flush=True, file=sys.stderr)
     print(file=sys.stderr)
     print(f"inspect_load vs load_checkpoint_weight_patches on {device.type}, "
-          f"median of {repeats} interleaved rounds")
+          f"median of {repeats} interleaved rounds; ratio: median of the rounds' ratios "
+          "(middle half)")
     print(f"dense report saves: {native.status()}")
     print(
         fmt_table(
@@ -262,7 +276,8 @@ def _model_table(device: torch.device, repeats: int, quick: bool, big: bool = Fa
         rows += _model_rows(label, config, lr, device, repeats)
     return (
         f"whole models: rank 0 of 2 of a bf16 TinyLlamaRuntime on {device.type}, two "
-        f"AdamLikeTrainer steps in turn, median of {repeats} interleaved rounds\n"
+        f"AdamLikeTrainer steps in turn, median of {repeats} interleaved rounds; ratio: median "
+        "of the rounds' ratios (middle half)\n"
         + fmt_table(
             ["model", "params", "patches", "tensors", "changed of written", "plain ms",
              "floor ms", "floor ratio", "report ms", "ratio", "reuse ms", "reuse ratio",
@@ -342,9 +357,9 @@ def _model_rows(label, config, lr, device, repeats) -> list[list[str]]:
             finally:
                 del model.load_weights
 
-        t_plain, t_report, t_reuse, t_torch, t_floor = interleaved_medians(
-            [plain, report, report_reuse, torch_ops, floor], device, repeats
-        )
+        times = interleaved_times([plain, report, report_reuse, torch_ops, floor], device, repeats)
+        s_plain, s_report, s_reuse, _, s_floor = times
+        t_plain, t_report, t_reuse, t_torch, t_floor = (statistics.median(t) for t in times)
         m_plain = peak_extra_bytes(plain, device)
         m_report = peak_extra_bytes(report, device)
         r = report()
@@ -356,9 +371,9 @@ def _model_rows(label, config, lr, device, repeats) -> list[list[str]]:
         params = sum(p.numel() for p in model.parameters())
         rows.append([
             label, f"{params / 1e6:.1f} M", kind, str(len(pair[0])), f"{changed:.2%}",
-            f"{t_plain * 1e3:.1f}", f"{t_floor * 1e3:.1f}", f"{t_floor / t_plain:.2f}x",
-            f"{t_report * 1e3:.1f}", f"{t_report / t_plain:.2f}x",
-            f"{t_reuse * 1e3:.1f}", f"{t_reuse / t_plain:.2f}x", f"{t_torch * 1e3:.1f}",
+            f"{t_plain * 1e3:.1f}", f"{t_floor * 1e3:.1f}", fmt_ratio(s_floor, s_plain),
+            f"{t_report * 1e3:.1f}", fmt_ratio(s_report, s_plain, spread=True),
+            f"{t_reuse * 1e3:.1f}", fmt_ratio(s_reuse, s_plain), f"{t_torch * 1e3:.1f}",
             f"{(m_report - m_plain) / 2**20:.1f}",
             f"{written / 2**20:.1f}",
         ])

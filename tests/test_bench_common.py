@@ -1,0 +1,42 @@
+"""The benchmarks' timing helpers: rounds in shuffled order, ratios taken round by round."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _common
+from _common import fmt_ratio, interleaved_times, paired_ratio
+
+CPU = torch.device("cpu")
+
+
+def test_every_function_runs_once_a_round_in_an_order_shuffled_each_round(monkeypatch):
+    monkeypatch.setattr(_common.gc, "collect", lambda: 0)  # (a full collection each call)
+    calls: list[str] = []
+    fns = [lambda name=name: calls.append(name) for name in "abcd"]
+    times = interleaved_times(fns, CPU, repeats=30, seed=3)
+    assert [len(t) for t in times] == [30] * 4
+    assert calls[:4] == list("abcd")  # the warm-up, in the given order
+    rounds = [tuple(calls[4 + 4 * r: 8 + 4 * r]) for r in range(30)]
+    assert all(sorted(r) == list("abcd") for r in rounds)
+    assert len(set(rounds)) > 5  # not one fixed order
+    calls.clear()
+    interleaved_times(fns, CPU, repeats=30, seed=3)
+    assert [tuple(calls[4 + 4 * r: 8 + 4 * r]) for r in range(30)] == rounds  # seeded
+
+
+def test_a_paired_ratio_is_taken_round_by_round():
+    # a machine that slows down tenfold in the middle rounds slows both loads alike
+    base = [1.0, 1.0, 10.0, 10.0, 10.0, 1.0, 1.0]
+    times = [1.5 * b for b in base]
+    assert paired_ratio(times, base) == pytest.approx((1.5, 1.5, 1.5))
+    mid, lo, hi = paired_ratio([1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 5)
+    assert (mid, lo, hi) == pytest.approx((3.0, 1.5, 4.5))
+    assert fmt_ratio([1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 5) == "3.00x"
+    assert fmt_ratio([1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 5, spread=True) == "3.00x (1.50-4.50)"
+    assert paired_ratio([2.0], [1.0]) == (2.0, 2.0, 2.0)  # one round (--quick)
