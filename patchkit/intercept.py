@@ -291,6 +291,10 @@ class RuntimeIndex:
         if not owners:
             return None
         b = t.storage_offset() * t.element_size()
+        if len(owners) == 1:  # a storage of its own: the common case, decided at once
+            o = owners[0]
+            if o.dense and o.start <= b < o.end:
+                return o.name, o.tensor, (b - o.start) // o.step
         near = [o for o in owners if o.start <= b < o.end]
         if len(near) > 1 or (near and not near[0].dense):
             # Strided tensors that share a storage (column slices of one fused buffer)
