@@ -62,8 +62,8 @@ from .intercept import (
     SavedRegion,
     WriteEvent,
     WriteSession,
-    _byte_span,
     _Owner,
+    _span_of,
     _storage_key,
     _storage_offsets,
 )
@@ -916,12 +916,6 @@ def _positions(t: torch.Tensor, storage_index: torch.Tensor) -> tuple[torch.Tens
     at = torch.searchsorted(ordered, storage_index).clamp(max=ordered.numel() - 1)
     valid = ordered[at] == storage_index
     return order[at[valid]], valid
-
-
-def _span_of(view: torch.Tensor) -> tuple[tuple, int, int, int]:
-    """``(storage key, start, end, element size)``: where ``view`` sits in its storage
-    (the byte extent of :func:`~patchkit.intercept._byte_span`)."""
-    return (_storage_key(view), *_byte_span(view), view.element_size())
 
 
 def _contained(view: torch.Tensor, extent: tuple[tuple, int, int], o: _Owner) -> bool:

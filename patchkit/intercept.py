@@ -168,6 +168,13 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, Region.of(t).extent()[1]
 
 
+def _span_of(view: torch.Tensor, key: tuple | None = None) -> tuple[tuple, int, int, int]:
+    """``(storage key, start, end, element size)``: where ``view`` sits in its storage
+    (the byte extent of :func:`_byte_span`); ``key``: its storage key, where the caller
+    has it."""
+    return (_storage_key(view) if key is None else key, *_byte_span(view), view.element_size())
+
+
 class _Owner(NamedTuple):
     """A runtime tensor and where it sits in its storage: the storage's key, the bytes
     ``[start, end)`` of its extent (see :func:`_byte_span`), its element size, and whether
@@ -198,9 +205,9 @@ def named_tensors(
     names and tensors in the same order.
 
     Where no module of the model overrides torch's ways of listing them, the module tree
-    is walked here, in the order ``named_modules`` visits it, at about a third of the
-    cost of torch's nested generators (which a load pays once or twice; on a model of 300
-    modules, about a millisecond). A module that overrides one gets torch's own answer.
+    is walked here, in the order ``named_modules`` visits it, at less than half the cost
+    of torch's nested generators (on a model of 300 modules, 0.3 ms against 0.7 ms; a
+    load pays it once or twice). A module that overrides one gets torch's own answer.
     """
     mods: list[tuple[str, torch.nn.Module]] = []
     stack = [("", model, 0)]
@@ -1036,8 +1043,7 @@ class WriteSession:
         """Keep ``saved`` (whose statistics were measured while writing) for
         :meth:`_forget_measured`, with the byte span of its view."""
         if saved.span is None:
-            view = saved.view
-            saved.span = (_storage_key(view), *_byte_span(view), view.element_size())
+            saved.span = _span_of(saved.view)
         key, a0, a1, _ = saved.span
         self._measured.setdefault(key, []).append((a0, a1, saved))
 
@@ -1120,7 +1126,7 @@ class WriteSession:
             saved = SavedRegion(
                 tname, off, dest, fast.before, fast.index, whole_view=fast.index is not None,
                 view_sum_squares=fast.squares, diff_stats=diff,
-                span=None if key is None else (key, *_byte_span(dest), dest.element_size()),
+                span=_span_of(dest, key),
             )
             self.saved.append(saved)
             if diff is not None:
