@@ -7,6 +7,7 @@ import contextlib
 import gc
 import importlib
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -55,8 +56,6 @@ def interleaved_times(
     to three times what it takes in a tight loop (a plain load of 1 M bf16 elements:
     0.6-0.7 ms against 0.2-0.3 ms), which is closer to a training loop, where the
     trainer's own work has filled the caches between two loads."""
-    import random
-
     for fn in fns:
         fn()
     sync(device)

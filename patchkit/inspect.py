@@ -740,15 +740,15 @@ def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str,
     for target, entries in regions_of.items():
         o = owner_of[target]
         t = o.tensor
-        regions = [s for s, _ in entries]
+        regions, ext = zip(*entries)
         contained = [_contained(s.view, e, o) for s, e in entries]
         overlapping = (
-            len(entries) > 1
+            len(regions) > 1
             and any(
                 # byte extents that meet first (cheap), then the exact test
-                entries[i][1][1] < entries[j][1][2] and entries[j][1][1] < entries[i][1][2]
+                ext[i][1] < ext[j][2] and ext[j][1] < ext[i][2]
                 and regions[i].region.overlaps(regions[j].region)
-                for i in range(len(entries)) for j in range(i)
+                for i in range(len(regions)) for j in range(i)
             )
         ) or any(
             s.whole_view and (s.view_sum_squares is None or not inside)
@@ -870,7 +870,7 @@ def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion, contained: bool) -
     acc.sum_b2 += float(s.view_sum_squares)
 
 
-def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: list[SavedRegion]) -> None:
+def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: Sequence[SavedRegion]) -> None:
     """Regions of ``t`` that overlap: rebuild ``t``'s before-values (oldest save wins) and
     its written mask, then count over the written elements. O(numel(t)) scratch."""
     flat_now = t.detach().reshape(-1)

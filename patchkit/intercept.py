@@ -254,17 +254,10 @@ class RuntimeIndex:
                 continue
             first[id(t)] = name
             self.tensors[name] = t
-            n = t.numel()
-            if n == 0:
+            if t.numel() == 0:
                 continue
-            step = t.element_size()
-            start = t.storage_offset() * step
-            key = (t.device, t.data_ptr() - start)  # _storage_key(t)
-            if t.is_contiguous():
-                owner = _Owner(name, t, key, start, start + n * step, step, True)
-            else:
-                owner = _Owner(name, t, key, start, Region.of(t).extent()[1], step, False)
-            self._owners.setdefault(key, []).append(owner)
+            owner = _Owner(name, t, *_span_of(t), t.is_contiguous())
+            self._owners.setdefault(owner.key, []).append(owner)
 
     def sharing(self, key: tuple) -> list[_Owner]:
         """The runtime tensors of the storage ``key`` (see :func:`_storage_key`), in the
@@ -1039,11 +1032,12 @@ class WriteSession:
             keep.append(entry)
         self._measured[key] = keep
 
-    def _measure(self, saved: SavedRegion) -> None:
+    def _measure(self, saved: SavedRegion, key: tuple | None = None) -> None:
         """Keep ``saved`` (whose statistics were measured while writing) for
-        :meth:`_forget_measured`, with the byte span of its view."""
+        :meth:`_forget_measured`, with the span of its view (of storage ``key``, where the
+        caller has it), which the report's statistics use again."""
         if saved.span is None:
-            saved.span = _span_of(saved.view)
+            saved.span = _span_of(saved.view, key)
         key, a0, a1, _ = saved.span
         self._measured.setdefault(key, []).append((a0, a1, saved))
 
@@ -1126,11 +1120,10 @@ class WriteSession:
             saved = SavedRegion(
                 tname, off, dest, fast.before, fast.index, whole_view=fast.index is not None,
                 view_sum_squares=fast.squares, diff_stats=diff,
-                span=_span_of(dest, key),
             )
             self.saved.append(saved)
             if diff is not None:
-                self._measure(saved)
+                self._measure(saved, key)
             out = dest
         else:
             n_changed, out = self._compared_copy_torch(func, args, kwargs, tname, owner, off, stats)
