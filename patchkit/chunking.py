@@ -17,7 +17,7 @@ __all__ = ["DEFAULT_MAX_CHUNK_BYTES", "Chunk", "plan_chunks"]
 DEFAULT_MAX_CHUNK_BYTES = 512 << 20
 """512 MiB, the contract's default budget for one ``load_weights`` call."""
 
-ClosedBy = Literal["budget", "repeated name", "end"]
+ClosedBy = Literal["budget", "repeated name", "end", "loader"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ class Chunk:
     - ``closed_by``: why the chunk ended: ``"budget"`` (the next patch would have pushed
       it past ``max_chunk_bytes``), ``"repeated name"`` (the next patch names a weight this
       chunk already holds; reported first when both apply, because it closes the chunk
-      whatever the budget) or ``"end"`` (the last chunk).
+      whatever the budget) or ``"end"`` (the last chunk). :func:`plan_chunks` gives only
+      these three; ``"loader"`` marks a call that a loader observed by
+      :func:`patchkit.inspect_load` (``loader=``) ended for reasons of its own.
     - ``over_budget``: True for a single patch larger than the budget, which travels alone.
     """
 

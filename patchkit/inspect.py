@@ -57,6 +57,7 @@ from .bitwise import bits, changed_mask, count_true, sum_squares
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _row_major_strides, density_map, region_text
+from .errors import PatchTypeError
 from .intercept import (
     RuntimeIndex,
     SavedRegion,
@@ -68,7 +69,7 @@ from .intercept import (
     _storage_offsets,
 )
 from .loader import _as_patch, _names, canonicalize_tied, run_load
-from .patch import CheckpointWeightPatch, numel, staged_nbytes
+from .patch import CheckpointWeightPatch, _check_structure, numel, staged_nbytes
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -97,18 +98,43 @@ def patch_summary(patches: Iterable[CheckpointWeightPatch]) -> pd.DataFrame:
     Columns: ``position``, ``name``, ``kind`` (dense/sparse), ``shape``, ``dtype``,
     ``numel``, ``nnz`` (elements written: all of them for dense), ``density``
     (``nnz / numel``), ``wire_bytes`` (values plus indices as held), ``staged_bytes``
-    (the full checkpoint-shaped tensor). Needs no model and loads nothing.
+    (the full checkpoint-shaped tensor). Needs no model and loads nothing. Each item must
+    be a patch (a plain 5-tuple is taken as one); anything else raises
+    :class:`~patchkit.PatchTypeError` naming its position, before any row is built.
     """
-    return _frame(_summary_columns(patches))
+    patches = [_as_patch(p) for p in patches]
+    for i, p in enumerate(patches):
+        _check_structure(i, p)
+    return _frame(_summary_columns(patches), samples=_SUMMARY_SAMPLES)
 
 
-def _frame(cols: dict[str, Any], index: pd.Index | None = None) -> pd.DataFrame:
-    """A frame of ``cols`` (lists or pandas arrays, all of one length); an empty list
-    makes an ``object`` column, whatever the other columns are."""
+def _frame(
+    cols: dict[str, Any], index: pd.Index | None = None, samples: dict[str, Any] | None = None
+) -> pd.DataFrame:
+    """A frame of ``cols`` (lists or pandas arrays, all of one length). An empty column
+    gets the dtype pandas infers for its value in ``samples`` (so a table with no rows
+    has the column types of one with rows, and the tables of many loads concatenate
+    without turning numbers into objects), else ``object``."""
+    samples = samples or {}
     return pd.DataFrame({
-        k: pd.array([], dtype=object) if isinstance(v, list) and not v else v
+        k: pd.array([], dtype=pd.Series([samples[k]]).dtype if k in samples else object)
+        if isinstance(v, list) and not v else v
         for k, v in cols.items()
     }, index=index)
+
+
+# A value of each table column that pandas infers a type for (the type of a table with
+# rows), for the tables of loads that wrote nothing; the other columns hold tuples.
+_SUMMARY_SAMPLES = {
+    "position": 0, "name": "", "kind": "", "dtype": "", "numel": 0, "nnz": 0, "density": 0.0,
+    "wire_bytes": 0, "staged_bytes": 0, "bytes": 0, "closed_by": "", "note": "",
+}
+_CALLS_SAMPLES = {"chunk": 0, "writes": 0, "seconds": 0.0, "error": False}
+_WRITES_SAMPLES = {
+    "chunk": 0, "name": "", "checkpoint_region": "", "target": "", "target_offset": 0,
+    "target_region": "", "elements": 0, "written": 0, "changed": 0, "op": "",
+}
+_DELTAS_SAMPLES = {"elements": 0, "changed": 0, "max_abs": 0.0, "mean_abs": 0.0, "rel_l2": 0.0}
 
 
 def _summary_columns(patches: Iterable[CheckpointWeightPatch]) -> dict[str, list]:
@@ -182,7 +208,7 @@ class _Table:
         return frame
 
 
-@dataclass
+@dataclass(eq=False)
 class LoadReport:
     """What one load did, as pandas tables (and figures, through its ``plot_*`` methods).
 
@@ -190,8 +216,12 @@ class LoadReport:
       call that carried it, ``<NA>`` for a dropped tied alias), ``position``, ``name``
       (as sent), ``kind``, ``shape``, ``dtype``, ``numel``, ``nnz``, ``density``,
       ``bytes`` (staged), ``closed_by`` (why its chunk ended: ``budget``,
-      ``repeated name``, ``end``), ``note`` (tied-weight renames and drops). Taken from
-      :func:`~patchkit.plan_chunks`, the function the loader itself uses.
+      ``repeated name``, ``end``; ``loader`` for a call that an observed loader ended for
+      reasons of its own), ``note`` (tied-weight renames and drops; ``not sent`` for a
+      patch whose call never ran because the load stopped first). Taken from
+      :func:`~patchkit.plan_chunks`, the function the loader itself uses. With
+      ``loader=``, the calls the observed loader really made, when they differ from that
+      plan (see :func:`inspect_load`).
     - ``calls``: one row per ``load_weights`` call: ``chunk``, ``names`` sent,
       ``returned`` names (``None`` when the loader returned None), ``writes`` into runtime
       tensors, ``seconds``, ``error`` (the call raised).
@@ -200,8 +230,11 @@ class LoadReport:
       a staged tensor), ``checkpoint_offset`` (flat element offset of the source region
       in the checkpoint tensor), ``checkpoint_region`` (slice notation), ``target`` (the
       runtime parameter or buffer), ``target_offset``, ``target_region``, ``shape``,
-      ``elements``, ``changed`` (elements whose bits changed), ``op``, and the element
-      strides of both views (``checkpoint_stride``, ``target_stride``).
+      ``elements`` (of the written view: ``shape``'s product), ``written`` (the elements
+      that took the source's value: all of them for a dense copy, only those whose
+      source is not NaN for a NaN-merged one), ``changed`` (elements whose bits changed),
+      ``op``, and the element strides of both views (``checkpoint_stride``,
+      ``target_stride``).
     - ``deltas``: indexed by runtime tensor name, one row per touched tensor:
       ``elements`` written, each counted once (a dense copy writes its whole view, a
       NaN-merged copy only the elements its source lets through), ``changed`` (bitwise,
@@ -211,7 +244,12 @@ class LoadReport:
       float32: ``rel_l2`` always, and ``max_abs`` and ``mean_abs`` where most of a write
       changed, can be off by up to 1e-6 relative (see
       :class:`patchkit.native.CopyResult`).
-    - ``error``: the exception the load raised, or ``None``.
+    - ``error``: the exception the load raised, or ``None``; ``rolled_back``: True when
+      that load was ``transactional=True`` and put every write back (the ``writes``
+      table still says what the load did before it failed; ``deltas`` compares with the
+      model as it is after the rollback).
+    - ``loaded``: the names the loader reported loaded. After a failure without
+      rollback, those of the calls that returned before it.
 
     The four tables are built when first read (their numbers were all taken when the load
     ended), so that a report in a training loop costs no pandas work until it is looked
@@ -231,6 +269,7 @@ class LoadReport:
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     loaded: set[str] = field(default_factory=set)
     error: BaseException | None = None
+    rolled_back: bool = False
     _saved: list[SavedRegion] = field(default_factory=list, repr=False)
     _runtime: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _aliases: dict[str, str] = field(default_factory=dict, repr=False)
@@ -338,10 +377,14 @@ class LoadReport:
     # -- summaries ---------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
-        """Headline numbers: patches, calls, staged bytes, elements written and changed."""
-        return {
+        """Headline numbers: patches, their kind (``dense``, ``sparse``, or ``mixed`` for a
+        load the contract rejects), calls, staged bytes, elements written and changed, names
+        loaded, and for a failed load its error (type and first line of the message) and
+        whether a transactional load rolled it back."""
+        kinds = sorted(set(self.chunks["kind"]))
+        out = {
             "patches": len(self.patches),
-            "kind": self.chunks["kind"].iloc[0] if len(self.chunks) else None,
+            "kind": None if not kinds else kinds[0] if len(kinds) == 1 else "mixed",
             "load_weights calls": len(self.calls),
             "staged bytes": int(self.chunks["bytes"].sum()) if len(self.chunks) else 0,
             "max_chunk_bytes": self.max_chunk_bytes,
@@ -349,17 +392,20 @@ class LoadReport:
             "elements written": int(self.deltas["elements"].sum()) if len(self.deltas) else 0,
             "elements changed": int(self.deltas["changed"].sum()) if len(self.deltas) else 0,
             "names loaded": len(self.loaded),
-            "error": None if self.error is None else type(self.error).__name__,
+            "error": None if self.error is None else _error_text(self.error),
         }
+        if self.rolled_back:
+            out["rolled back"] = True
+        return out
 
     def __repr__(self) -> str:
         s = self.summary()
         head = ", ".join(f"{k}={_human(k, v)}" for k, v in s.items() if v is not None)
         parts = [f"LoadReport({head})"]
         with pd.option_context("display.width", 120, "display.max_columns", 20):
-            parts.append("chunks:\n" + self.chunks.drop(columns=["note"]).to_string(index=False))
+            parts.append("chunks:\n" + _head_text(self.chunks.drop(columns=["note"]), False))
             if len(self.deltas):
-                parts.append("deltas:\n" + self.deltas.round(6).to_string())
+                parts.append("deltas:\n" + _head_text(self.deltas.round(6), True))
         return "\n\n".join(parts)
 
     def _repr_html_(self) -> str:
@@ -401,8 +447,16 @@ class LoadReport:
         if isinstance(patch_or_name, str):
             matches = [p for p in self.patches if p.name == patch_or_name]
             if not matches:
-                raise KeyError(f"no patch named {patch_or_name!r} in this report")
+                known = ", ".join(repr(p.name) for p in self.patches[:8])
+                raise KeyError(
+                    f"no patch named {patch_or_name!r} in this report (some are: {known})"
+                )
             patch_or_name = matches[0]
+        elif not (isinstance(patch_or_name, tuple) and len(patch_or_name) == 5):
+            raise TypeError(
+                "plot_density takes a patch of this report or its name, got "
+                f"{type(patch_or_name).__name__}: {patch_or_name!r}"
+            )
         return plot.plot_density(patch_or_name, **kw)
 
     def plot_placement(self, **kw) -> Figure:
@@ -422,6 +476,23 @@ class LoadReport:
         from . import widgets
 
         return widgets.explore(self)
+
+
+_REPR_ROWS = 20  # rows of each table in a text repr; the tables themselves have them all
+
+
+def _head_text(df: pd.DataFrame, index: bool) -> str:
+    """``df`` as text, its first :data:`_REPR_ROWS` rows and a line saying how many more."""
+    text = df.head(_REPR_ROWS).to_string(index=index)
+    more = len(df) - _REPR_ROWS
+    return text + (f"\n... {more} more rows" if more > 0 else "")
+
+
+def _error_text(error: BaseException, limit: int = 160) -> str:
+    """``"ValueError: first line of the message"``, cut to ``limit`` characters."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _human(key: str, v: Any) -> str:
@@ -450,10 +521,22 @@ def inspect_load(
     effect on the model. With ``loader=`` any callable of that signature (vLLM's, say)
     runs instead and patchkit only observes it: ``model.load_weights`` is wrapped for
     the duration to record each call, and writes into runtime tensors are watched on this
-    thread, never changed. A dense call is watched through a torch function mode (see
+    thread, never changed. Its calls are watched through a torch function mode (see
     :mod:`patchkit.intercept`), so a loader that turns torch function handling off
     (``torch._C.DisableTorchFunction``) while it writes hides those writes from the
-    report; sparse calls are watched at the ATen level and see them.
+    report (patchkit's own loader watches its sparse calls at the ATen level, which sees
+    them). What an observed load reports:
+
+    - ``chunks``: patchkit's plan while the loader's calls follow it; when they do not, the
+      calls the loader made, each patch in the call that sent it (``closed_by`` inferred
+      by the contract's rules, ``loader`` where none applies);
+    - a sent name is matched to the first patch of that name not sent yet, so a patch
+      list that names one weight twice is followed call by call;
+    - a ``copy_`` from a sparse patch's staged tensor counts as the NaN-merge the contract
+      asks for: only the elements whose source is not NaN are written and saved, as with
+      patchkit's loader. A loader that instead copies the NaN into the model (it does not
+      support sparse patches) is let finish, and then :class:`~patchkit.ContractViolation`
+      (``reason="NaN copied"``) is raised with the report attached.
 
     Failures: if the load raises, the exception propagates unchanged with the partial
     report attached as ``exc.report`` (the writes made so far stay, unless
@@ -473,6 +556,18 @@ def inspect_load(
     """
     if reuse is not None and not isinstance(reuse, LoadReport):
         raise TypeError(f"reuse must be a LoadReport or None, got {type(reuse).__name__}")
+    if loader is not None and not callable(loader):
+        raise TypeError(
+            "loader must be a callable of load_checkpoint_weight_patches' signature, or None; "
+            f"got {type(loader).__name__}: {loader!r}"
+        )
+    if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "load_weights", None)):
+        raise PatchTypeError(
+            f"model {type(model).__name__} is not a torch.nn.Module with a "
+            "load_weights(weights) method; the contract applies patches through the model's "
+            "own checkpoint loader, and a report watches that module's tensors",
+            reason="no load_weights", value=type(model).__name__,
+        )
     lent = reuse._hand_over() if reuse is not None else []
     with native.reusing(lent):
         del lent  # the pool holds them now: what the load does not take is freed after it
@@ -495,6 +590,7 @@ def _inspect_load(
         kept, positions, plan = list(patches), list(range(len(patches))), []
     error: BaseException | None = None
     loaded: set[str] = set()
+    observed: list[Chunk] = []
     try:
         if loader is None:
             loaded = run_load(
@@ -510,7 +606,7 @@ def _inspect_load(
             )
         else:
             loaded = _observe_foreign(
-                model, patches, plan, rec, sessions, loader,
+                model, patches, plan, rec, sessions, loader, observed,
                 max_chunk_bytes=max_chunk_bytes,
                 validate_unique_indices=validate_unique_indices,
                 transactional=transactional,
@@ -518,6 +614,13 @@ def _inspect_load(
         loaded = set(loaded or ())
     except BaseException as exc:
         error = exc
+    rolled_back = error is not None and transactional and loader is None and bool(rec.calls)
+    if error is not None and not rolled_back:
+        # What the calls that returned before the failure reported loaded stays loaded.
+        loaded = {n for c in rec.calls if not c["error"] and c["returned"] for n in c["returned"]}
+    if loader is not None and not _as_planned(observed, plan, complete=error is None):
+        # The observed loader chunked otherwise: the table shows the calls it made.
+        plan = _reasons(observed, patches, max_chunk_bytes)
     try:
         report = _build_report(
             model, patches, kept, positions, plan, rec, sessions, max_chunk_bytes, loaded, error
@@ -526,6 +629,7 @@ def _inspect_load(
         if error is not None:
             raise error from None  # bad input: the load's own error says what is wrong
         raise
+    report.rolled_back = rolled_back
     if error is not None:
         error.report = report  # type: ignore[attr-defined]
         raise error
@@ -533,24 +637,31 @@ def _inspect_load(
 
 
 def _observe_foreign(
-    model, patches, plan, rec, sessions, loader, **kwargs
+    model, patches, plan, rec, sessions, loader, observed, **kwargs
 ) -> set[str]:
+    """Run ``loader`` with ``model.load_weights`` wrapped to record each call; the calls,
+    as :class:`Chunk` records with a provisional ``closed_by``, go to ``observed``."""
     session = WriteSession(model, save_regions=True, recorder=rec, count_changes=True)
     sessions.append(session)
     original = model.load_weights
     had_instance_attr = "load_weights" in vars(model)
-    counter = {"i": 0}
+    sent: dict[str, list[int]] = {}  # name -> positions already sent, in order
 
     def recording_load_weights(weights, *a, **kw):
         staged = list(weights)
-        i = counter["i"]
-        counter["i"] += 1
-        names = [n for n, _ in staged]
-        if i < len(plan) and list(plan[i].names) == names:
+        i = len(observed)
+        names = tuple(n for n, _ in staged)
+        if i < len(plan) and plan[i].names == names and _as_planned(observed, plan):
             pos = plan[i].positions
         else:
-            pos = [p for p, _ in _match_positions(patches, names)]
-        with session.call(i, staged, pos, sparse=False) as r:
+            pos = _match_positions(patches, names, sent)
+        for p, n in zip(pos, names):
+            sent.setdefault(n, []).append(p)
+        nbytes = sum(t.numel() * t.element_size() for _, t in staged)
+        observed.append(Chunk(i, tuple(pos), names, nbytes, "end"))
+        call_patches = [patches[p] if p >= 0 else None for p in pos]
+        with session.call(i, staged, pos, sparse=False, patches=call_patches,
+                          observed=True) as r:
             out = original(staged, *a, **kw)
             if out is not None and not isinstance(out, set | frozenset | list | tuple):
                 out = list(out)  # a generator: run it while the writes are watched
@@ -560,7 +671,10 @@ def _observe_foreign(
     model.load_weights = recording_load_weights
     try:
         with torch.no_grad():
-            return loader(model, patches, **kwargs)
+            loaded = loader(model, patches, **kwargs)
+        if session.violations:
+            raise session.violations[0]  # the loader finished; what it broke is known now
+        return loaded
     finally:
         if had_instance_attr:
             model.load_weights = original
@@ -568,17 +682,53 @@ def _observe_foreign(
             del model.load_weights
 
 
-def _match_positions(patches, names):
-    used: set[int] = set()
+def _as_planned(calls: list[Chunk], plan: list[Chunk], complete: bool = False) -> bool:
+    """True when ``calls`` sent what the first calls of ``plan`` send (the same names from
+    the same positions); with ``complete``, every call of the plan."""
+    if len(calls) > len(plan) or (complete and len(calls) != len(plan)):
+        return False
+    return all(c.names == p.names and c.positions == p.positions for c, p in zip(calls, plan))
+
+
+def _match_positions(
+    patches: Sequence[CheckpointWeightPatch], names: Sequence[str], sent: dict[str, list[int]]
+) -> tuple[int, ...]:
+    """The input positions of the patches an observed call sent, by name: the first
+    position of that name not sent yet (in this call or an earlier one); for a name sent
+    again, the position sent last; -1 for a name no patch has."""
+    taken = {p for ps in sent.values() for p in ps}
     out = []
     for n in names:
-        for i, p in enumerate(patches):
-            if i not in used and p.name == n:
-                used.add(i)
-                out.append((i, n))
-                break
+        pos = next((i for i, p in enumerate(patches) if p.name == n and i not in taken), None)
+        if pos is None:
+            pos = sent[n][-1] if sent.get(n) else next(
+                (p for p in reversed(out) if p >= 0 and patches[p].name == n), -1)
         else:
-            out.append((-1, n))
+            taken.add(pos)
+        out.append(pos)
+    return tuple(out)
+
+
+def _reasons(calls: list[Chunk], patches, max_chunk_bytes: int) -> list[Chunk]:
+    """Observed calls with ``closed_by`` inferred by the contract's rules (CONTRACT §2):
+    ``repeated name`` when the next call starts with a name this one holds, ``budget``
+    when this call plus the next call's first patch would pass ``max_chunk_bytes``,
+    ``end`` for the last call, else ``loader`` (the loader's own reason)."""
+    out = []
+    for k, c in enumerate(calls):
+        reason = "end"
+        if k + 1 < len(calls) and calls[k + 1].names:
+            nxt = calls[k + 1]
+            first = nxt.positions[0]
+            first_bytes = staged_nbytes(patches[first]) if first >= 0 else 0
+            if nxt.names[0] in c.names:
+                reason = "repeated name"
+            elif c.bytes + first_bytes > max_chunk_bytes:
+                reason = "budget"
+            else:
+                reason = "loader"
+        out.append(Chunk(c.index, c.positions, c.names, c.bytes, reason,
+                         over_budget=len(c.positions) == 1 and c.bytes > max_chunk_bytes))
     return out
 
 
@@ -605,27 +755,35 @@ def _build_report(
         _runtime=runtime,
         _aliases=dict(index.aliases) if index is not None else {},
         _tables={
-            "chunks": lambda: _chunks_frame(patches, kept, positions, plan),
+            "chunks": lambda: _chunks_frame(patches, kept, positions, plan, len(calls)),
             "calls": lambda: _frame({
                 c: [row[c] for row in calls]
                 for c in ("chunk", "names", "returned", "writes", "seconds", "error")
-            }),
+            }, samples=_CALLS_SAMPLES),
             "writes": lambda: _writes_frame(events, patches, shapes, strides),
             "deltas": lambda: _deltas_frame(delta_rows),
         },
     )
 
 
-def _chunks_frame(patches, kept, positions, plan) -> pd.DataFrame:
+def _chunks_frame(patches, kept, positions, plan, ran: int) -> pd.DataFrame:
+    """The ``chunks`` table; ``ran``: how many ``load_weights`` calls were made."""
     chunk_of: dict[int, Chunk] = {}
     for c in plan:
         for p in c.positions:
-            chunk_of[p] = c
+            if p >= 0:
+                chunk_of.setdefault(p, c)
     sent_name = dict(zip(positions, (p.name for p in kept)))
+    stopped = (f"not sent: the load stopped in call {ran - 1}" if ran
+               else "not sent: the load stopped before its first call")
     notes = []
     for i, p in enumerate(patches):
         if i not in sent_name:
             notes.append("dropped: tied alias of a weight patched in the same call")
+        elif i not in chunk_of:
+            notes.append("not sent by the observed loader" if ran else stopped)
+        elif chunk_of[i].index >= ran:
+            notes.append(stopped)
         elif sent_name[i] != p.name:
             notes.append(f"renamed from {p.name!r} (tied alias)")
         else:
@@ -641,7 +799,7 @@ def _chunks_frame(patches, kept, positions, plan) -> pd.DataFrame:
         "closed_by": [chunk_of[i].closed_by if i in chunk_of else None
                       for i in range(len(patches))],
         "note": notes,
-    })
+    }, samples=_SUMMARY_SAMPLES)
 
 
 def _writes_frame(
@@ -653,7 +811,7 @@ def _writes_frame(
     shapes_by_pos = {i: tuple(int(d) for d in p.shape) for i, p in enumerate(patches)}
     names = (
         "chunk", "position", "name", "checkpoint_offset", "checkpoint_region", "target",
-        "target_offset", "target_region", "shape", "elements", "changed", "op",
+        "target_offset", "target_region", "shape", "elements", "written", "changed", "op",
         "checkpoint_stride", "target_stride",
     )
     cols: dict[str, list] = {k: [] for k in names}
@@ -671,13 +829,14 @@ def _writes_frame(
             tg_region = region_text(tgt, ev.target_offset, ev.shape, step)
         for k, v in zip(names, (
             ev.chunk, ev.position, ev.name, ev.checkpoint_offset, ck_region, ev.target,
-            ev.target_offset, tg_region, ev.shape, ev.elements, ev.changed, ev.op,
+            ev.target_offset, tg_region, ev.shape, ev.elements,
+            ev.elements if ev.written is None else ev.written, ev.changed, ev.op,
             ev.source_stride, ev.stride,
         )):
             cols[k].append(v)
     for k in ("position", "checkpoint_offset"):
         cols[k] = pd.array(cols[k], dtype="Int64")
-    return _frame(cols)
+    return _frame(cols, samples=_WRITES_SAMPLES)
 
 
 def _in_target(
@@ -768,7 +927,7 @@ def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str,
 def _deltas_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     cols = ("elements", "changed", "max_abs", "mean_abs", "rel_l2")
     index = pd.Index([r["target"] for r in rows], name="target")
-    return _frame({c: [r[c] for r in rows] for c in cols}, index=index)
+    return _frame({c: [r[c] for r in rows] for c in cols}, index=index, samples=_DELTAS_SAMPLES)
 
 
 class _Stats:

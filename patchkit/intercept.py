@@ -343,7 +343,9 @@ class WriteEvent:
     (a view of) a staged patch tensor, ``position``/``name`` name that patch and
     ``checkpoint_offset`` is the flat element offset of the source view in the checkpoint
     tensor; otherwise they are ``None``. ``changed`` counts elements whose bits changed,
-    when the session was asked to count.
+    when the session was asked to count. ``written``: the elements that took the
+    source's value, where fewer than ``elements`` (a NaN-merge writes only where its
+    source is not NaN); ``None`` for all of them.
     """
 
     chunk: int
@@ -359,6 +361,7 @@ class WriteEvent:
     changed: int | None = None
     source_shape: tuple[int, ...] | None = None
     source_stride: tuple[int, ...] | None = None
+    written: int | None = None
 
 
 @dataclass
@@ -798,6 +801,9 @@ class WriteSession:
       :meth:`restore` puts every saved region back bit for bit (``transactional=True``).
     - ``recorder``: told of every call and every runtime write (inspection).
     - ``count_changes``: count the elements whose bits each write changed.
+    - ``violations``: what an observed call (``call(..., observed=True)``) did against the
+      contract without being stopped: an observer lets the loader finish and its caller
+      raises the first of them afterwards.
     """
 
     def __init__(
@@ -822,6 +828,8 @@ class WriteSession:
         self._measured: dict[tuple, list[tuple[int, int, SavedRegion]]] = {}
         self._saved_regions: set[Region] = set()
         self._sparse = False
+        self._nan_masked = False
+        self.violations: list[ContractViolation] = []
         self._chunk = -1
         self._call_regions: list[Region] = []
         self._call_writes = 0
@@ -839,15 +847,24 @@ class WriteSession:
         *,
         sparse: bool,
         patches: Sequence[Any] | None = None,
+        observed: bool = False,
     ) -> Iterator[_CallResult]:
         """Intercept the writes of one ``load_weights`` call made inside the block.
 
         The caller stores the call's return value in the yielded object's ``returned``.
         ``patches``: the call's patches (in the order of ``staged``), which lets a saved
         sparse write recompute where it wrote from its patch instead of keeping offsets.
+        ``observed``: another loader staged this call (``sparse`` is then False: nothing
+        is merged here). A ``copy_`` from a NaN-masked sparse patch's staged tensor is then
+        taken for the NaN-merge the contract asks of the loader: only the elements whose
+        source is not NaN count as written and are saved, and an element that turns NaN
+        where the source was NaN is recorded in :attr:`violations`.
         """
         self._sparse = sparse
         self._patches = dict(zip(positions, patches)) if patches is not None else {}
+        self._nan_masked = observed and any(
+            p is not None and p.indices is not None for p in self._patches.values()
+        )
         self._chunk = chunk
         self._call_regions = []
         self._call_writes = 0
@@ -872,6 +889,7 @@ class WriteSession:
             if self.recorder is not None:
                 self.recorder.on_call_end(chunk, result.returned, time.perf_counter() - t0, error)
             self._sparse = False
+            self._nan_masked = False
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         rebound = self.index.rebound(bindings)
@@ -929,7 +947,8 @@ class WriteSession:
         _increment_version(dest)
         # The common case, decided as _runtime_write decides it, with the keys taken once:
         # a same-shaped copy from another storage, saved, no dispatch mode below.
-        if self.save_regions and not self._sparse and not torch._C._len_torch_dispatch_stack():
+        if (self.save_regions and not self._sparse and not self._nan_masked
+                and not torch._C._len_torch_dispatch_stack()):
             skey = _comparable_source(dest, src, key)
             if skey is not None:
                 if self._measured:
@@ -948,9 +967,13 @@ class WriteSession:
         alone = not torch._C._len_torch_dispatch_stack()
         if self._sparse:
             self._check_sparse_write(func, op, args, targets)
-        elif is_copy and self.save_regions and alone and _comparable_copy(args, kwargs, targets):
+        elif (is_copy and self.save_regions and alone and not self._nan_masked
+              and _comparable_copy(args, kwargs, targets)):
             return self._compared_copy(func, op, args, kwargs, targets[0])
         write = None
+        kept_nan = None  # an observed copy from a NaN-masked patch: NaN where it keeps
+        if self._nan_masked and is_copy:
+            write, kept_nan = self._observed_mask(args, targets)
         if self._sparse:
             dest, src = args[0], args[1]
             cast = src.to(device=dest.device, dtype=dest.dtype)
@@ -991,17 +1014,55 @@ class WriteSession:
             out = dest
         else:
             out = func(*args, **kwargs)
+        if kept_nan is not None:
+            self._check_kept(args[0], write, kept_nan, targets[0][1][0], args[1])
         self._call_writes += 1
         if self.recorder is not None:
             src = args[1] if is_copy else None
+            written = int(count_true(write)) if write is not None else None
             for k, (t, (tname, _, off)) in enumerate(targets):
                 changed = None
                 if befores is not None:
                     sr = saved[k]
                     now = bits(sr.current() if sr is not None and sr.index is not None else t)
                     changed = int(count_true(now.reshape(befores[k].shape) != befores[k]))
-                self._record(op, t, tname, off, src, changed)
+                self._record(op, t, tname, off, src, changed, written=written)
         return out
+
+    def _observed_mask(self, args, targets) -> tuple[torch.Tensor | None, int | None]:
+        """For an observed ``copy_`` (see :meth:`call`) from a NaN-masked sparse patch's
+        staged tensor into one runtime view: the mask of the elements a NaN-merge writes
+        (source not NaN), and how many of the others are NaN now; else ``(None, None)``."""
+        if len(targets) != 1 or len(args) < 2:
+            return None, None
+        dest, src = args[0], args[1]
+        if (not isinstance(src, torch.Tensor) or src.shape != dest.shape
+                or not src.is_floating_point() or not dest.is_floating_point()):
+            return None, None
+        hit = self.provenance.lookup(src)
+        patch = self._patches.get(hit[0]) if hit is not None else None
+        if patch is None or patch.indices is None:
+            return None, None
+        cast = src.to(device=dest.device, dtype=dest.dtype)
+        write = torch.isnan(cast if cast.element_size() > 1 else cast.float()).logical_not_()
+        return write, _nan_outside(dest, write)
+
+    def _check_kept(self, dest, write, kept_nan, tname, src) -> None:
+        """After an observed copy from a NaN-masked patch: an element the patch keeps
+        (source NaN) that is NaN now and was not before means the loader copied the NaN
+        mask into the model instead of merging it (CONTRACT §4)."""
+        turned = _nan_outside(dest, write) - kept_nan
+        if turned <= 0:
+            return
+        hit = self.provenance.lookup(src)
+        pos, name = (hit[0], hit[1]) if hit else (None, None)
+        self.violations.append(ContractViolation(
+            f"load_weights (call {self._chunk}, {where(pos, name)}, runtime tensor {tname!r}) "
+            f"copied a NaN-masked sparse patch with a plain copy: {turned} elements that the "
+            "patch leaves unchanged (NaN in its staged tensor) are NaN in the model now. The "
+            "observed loader does not NaN-merge sparse patches; those elements are lost",
+            position=pos, name=name, reason="NaN copied", value=turned,
+        ))
 
     def _forget_measured(self, targets) -> None:
         """A write that reaches a region whose statistics were measured while copying
@@ -1074,13 +1135,14 @@ class WriteSession:
                 self._measure(saved)
         self._call_writes += 1
         if self.recorder is not None:
-            self._record(op, dest, tname, off, src, fast.changed)
+            self._record(op, dest, tname, off, src, fast.changed, written=fast.written)
         return dest
 
-    def _record(self, op, t, tname, off, src, changed, skey=None) -> None:
+    def _record(self, op, t, tname, off, src, changed, skey=None, written=None) -> None:
         """Tell the recorder of one write into runtime tensor ``tname`` (``changed`` is
         kept only when the session counts changes; ``skey``: ``src``'s storage key, where
-        the caller has it)."""
+        the caller has it; ``written``: the elements that took the source's value, where
+        fewer than the view's)."""
         hit = self.provenance.lookup(src, key=skey) if isinstance(src, torch.Tensor) else None
         self.recorder.on_write(WriteEvent(
             chunk=self._chunk,
@@ -1096,6 +1158,7 @@ class WriteSession:
             changed=changed if self.count_changes else None,
             source_shape=tuple(src.shape) if hit else None,
             source_stride=tuple(src.stride()) if hit else None,
+            written=written,
         ))
 
     def _compared_copy(self, func, op, args, kwargs, target, key=None, skey=None):
@@ -1241,6 +1304,12 @@ class WriteSession:
         self.saved.clear()
         self._measured.clear()
         self._saved_regions.clear()
+
+
+def _nan_outside(t: torch.Tensor, write: torch.Tensor) -> int:
+    """How many elements of ``t`` are NaN where ``write`` is False."""
+    nan = torch.isnan(t if t.element_size() > 1 else t.float())
+    return int(count_true(nan.logical_and_(write.logical_not())))
 
 
 class _CallResult:

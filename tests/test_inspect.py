@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 import patchkit
 from patchkit import CheckpointWeightPatch, inspect_load, patch_summary, plan_chunks
 from patchkit.bitwise import bits
+from patchkit.errors import ContractViolation, PatchTypeError
+from patchkit.toymodels import FailingModel, PlainModel
 
 
 class Packed(torch.nn.Module):
@@ -619,7 +621,7 @@ def test_a_report_of_no_patches_has_every_table_with_its_columns_and_no_rows():
         "calls": ["chunk", "names", "returned", "writes", "seconds", "error"],
         "writes": ["chunk", "position", "name", "checkpoint_offset", "checkpoint_region",
                    "target", "target_offset", "target_region", "shape", "elements",
-                   "changed", "op", "checkpoint_stride", "target_stride"],
+                   "written", "changed", "op", "checkpoint_stride", "target_stride"],
         "deltas": ["elements", "changed", "max_abs", "mean_abs", "rel_l2"],
     }
     for table, columns in expected.items():
@@ -632,3 +634,142 @@ def test_a_report_of_no_patches_has_every_table_with_its_columns_and_no_rows():
     assert list(patch_summary([]).columns) == [
         "position", "name", "kind", "shape", "dtype", "numel", "nnz", "density",
         "wire_bytes", "staged_bytes"]
+    # The same column types as the tables of a load that wrote: per-step tables of a
+    # training loop concatenate without turning numbers into objects.
+    full = inspect_load(Packed(), [dense("norm", torch.full((4,), 2.0)),
+                                   dense("k", torch.zeros(4, 4))], max_chunk_bytes=64)
+    for table in expected:
+        empty, rows = getattr(r, table), getattr(full, table)
+        assert len(rows) > 0, table
+        assert dict(empty.dtypes) == dict(rows.dtypes), table
+    assert dict(patch_summary([]).dtypes) == dict(patch_summary(full.patches).dtypes)
+
+
+# -- what a demanding user met (review of the inspection helpers) --------------------------
+
+
+def _staged(p):
+    """A patch staged as the contract stages it: dense values, or NaN where sparse keeps."""
+    if p.indices is None:
+        return p.values.to(p.dtype).reshape(p.shape)
+    t = torch.full(p.shape, float("nan"), dtype=p.dtype)
+    t.view(-1)[p.indices.long()] = p.values.to(p.dtype)
+    return t
+
+
+def one_per_call_loader(model, patches, **kwargs):
+    """A foreign loader, written for these tests, that sends each patch in a call of its
+    own, whatever the budget, and does no NaN-merging of its own."""
+    names = set()
+    for p in patches:
+        names |= set(model.load_weights([(p.name, _staged(p))]) or ())
+    return names
+
+
+def test_an_observed_loader_that_chunks_otherwise_is_reported_call_by_call():
+    ps = [dense("a", torch.ones(4, 4)), dense("b", torch.full((4,), 2.0)),
+          dense("a", torch.full((4, 4), 3.0))]
+    m = PlainModel({"a": (4, 4), "b": (4,)})
+    r = inspect_load(m, ps, loader=one_per_call_loader)
+    # patchkit's plan would send [a, b] then [a]: the table shows the three real calls.
+    assert r.calls["names"].tolist() == [("a",), ("b",), ("a",)]
+    assert r.chunks["chunk"].tolist() == [0, 1, 2]
+    assert r.chunks["closed_by"].tolist() == ["loader", "loader", "end"]
+    assert [c.positions for c in r.plan] == [(0,), (1,), (2,)]
+    # each write is credited to the patch that fed it: the second a is position 2
+    assert r.writes["position"].tolist() == [0, 1, 2]
+    assert r.writes["checkpoint_offset"].tolist() == [0, 0, 0]
+    assert (m.a == 3).all()
+    # A loader that follows the contract's walk keeps patchkit's plan and its reasons.
+    r = inspect_load(PlainModel({"a": (4, 4), "b": (4,)}), ps, max_chunk_bytes=64,
+                     loader=one_per_call_loader)
+    assert r.chunks["closed_by"].tolist() == ["budget", "budget", "end"]
+    assert r.plan == plan_chunks(ps, 64)
+
+
+def test_an_observed_sparse_load_reports_what_patchkits_own_load_reports():
+    p = sparse("a", (100,), [7], [5.0])
+    ours_model = PlainModel({"a": (100,)}, fill=1.0)
+    theirs_model = PlainModel({"a": (100,)}, fill=1.0)
+    ours = inspect_load(ours_model, [p])
+    # patchkit's own loader, observed: its NaN-merge runs below the observer
+    theirs = inspect_load(theirs_model, [p], loader=patchkit.load_checkpoint_weight_patches)
+    assert torch.equal(theirs_model.a, ours_model.a)
+    for r in (ours, theirs):
+        assert r.deltas.loc["a"].to_dict() == {
+            "elements": 1, "changed": 1, "max_abs": 4.0, "mean_abs": 4.0, "rel_l2": 4.0}
+        assert int(r.written("a").sum()) == 1
+        assert r.writes[["elements", "written", "changed"]].values.tolist() == [[100, 1, 1]]
+        assert torch.equal(r.before("a"), torch.ones(100))
+
+
+def test_an_observed_loader_that_copies_the_nan_mask_into_the_model_is_named():
+    p = sparse("a", (10,), [2, 5], [5.0, 6.0])
+    m = PlainModel({"a": (10,)}, fill=1.0)
+    with pytest.raises(ContractViolation, match="NaN-masked sparse patch") as info:
+        inspect_load(m, [p], loader=one_per_call_loader)
+    exc = info.value
+    assert (exc.reason, exc.value, exc.position, exc.name) == ("NaN copied", 8, 0, "a")
+    assert torch.isnan(m.a).sum() == 8  # the observer changed nothing: the loader did it
+    assert exc.report.error is exc and exc.report.calls["error"].tolist() == [False]
+
+
+def test_a_failed_load_says_what_stayed_loaded_and_what_was_never_sent():
+    ps = [dense("a", torch.ones(4)), dense("b", torch.ones(4)), dense("c", torch.ones(4))]
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(FailingModel({"a": (4,), "b": (4,), "c": (4,)}, fail_on="b"), ps,
+                     max_chunk_bytes=16)
+    r = info.value.report
+    assert r.loaded == {"a"} and not r.rolled_back
+    assert r.chunks["note"].tolist() == ["", "", "not sent: the load stopped in call 1"]
+    assert r.summary()["error"].startswith("RuntimeError: ")
+    assert "rolled back" not in r.summary()
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(FailingModel({"a": (4,), "b": (4,), "c": (4,)}, fail_on="b"), ps,
+                     max_chunk_bytes=16, transactional=True)
+    r = info.value.report
+    assert r.loaded == set() and r.rolled_back and r.summary()["rolled back"] is True
+    assert "rolled back=True" in repr(r)
+
+
+def test_a_rejected_mixed_load_is_summarised_as_mixed():
+    ps = [dense("q", torch.ones(4, 4)), sparse("k", (4, 4), [1], [5.0])]
+    with pytest.raises(ValueError, match="mixed") as info:
+        inspect_load(Packed(), ps)
+    s = info.value.report.summary()
+    assert s["kind"] == "mixed"
+    assert s["error"].startswith("PatchValueError: patch 1 ('k'): dense and sparse")
+
+
+def test_a_long_report_prints_its_first_rows_and_says_how_many_more():
+    m = PlainModel({f"w{i}": (2,) for i in range(30)})
+    r = inspect_load(m, [dense(f"w{i}", torch.full((2,), float(i + 1))) for i in range(30)])
+    text = repr(r)
+    assert text.count("more rows") == 2 and "... 10 more rows" in text
+    assert len(text.splitlines()) < 60
+
+
+def test_reports_compare_by_identity():
+    m = Packed()
+    r1 = inspect_load(m, [dense("norm", torch.ones(4))])
+    r2 = inspect_load(m, [dense("norm", torch.ones(4))])
+    assert r1 == r1 and r1 != r2 and r2 in [r1, r2]
+    assert len({r1, r2}) == 2
+
+
+def test_bad_arguments_raise_type_errors_that_say_what_was_given():
+    p = dense("w", torch.ones(2))
+    for model in (None, torch.nn.Linear(2, 2)):
+        for loader in (None, patchkit.load_checkpoint_weight_patches):
+            with pytest.raises(TypeError, match="load_weights"):
+                inspect_load(model, [p], loader=loader)
+    with pytest.raises(TypeError, match=r"loader must be a callable.*int"):
+        inspect_load(Packed(), [p], loader=3)
+    r = inspect_load(Packed(), [dense("norm", torch.ones(4))])
+    with pytest.raises(TypeError, match="int: 0"):
+        r.plot_density(0)
+    with pytest.raises(KeyError, match="some are: 'norm'"):
+        r.plot_density("nope")
+    with pytest.raises(PatchTypeError) as info:
+        patch_summary([p, 3])
+    assert (info.value.position, info.value.reason) == (1, "not a patch")
