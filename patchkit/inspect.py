@@ -555,11 +555,13 @@ def inspect_load(
     buffers, and only those that nothing else holds.
     """
     if reuse is not None and not isinstance(reuse, LoadReport):
-        raise TypeError(f"reuse must be a LoadReport or None, got {type(reuse).__name__}")
+        raise PatchTypeError(f"reuse must be a LoadReport or None, got {type(reuse).__name__}",
+                             reason="reuse type", value=type(reuse).__name__)
     if loader is not None and not callable(loader):
-        raise TypeError(
+        raise PatchTypeError(
             "loader must be a callable of load_checkpoint_weight_patches' signature, or None; "
-            f"got {type(loader).__name__}: {loader!r}"
+            f"got {type(loader).__name__}: {loader!r}",
+            reason="loader type", value=loader,
         )
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "load_weights", None)):
         raise PatchTypeError(
