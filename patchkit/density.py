@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
 
+from .errors import PatchTypeError, PatchValueError, where
 from .patch import CheckpointWeightPatch, numel
 
 __all__ = ["density_map", "grid_shape", "region_text"]
@@ -28,41 +30,118 @@ def grid_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def density_map(
-    patch: CheckpointWeightPatch, bins: tuple[int, int] = (64, 64)
+    patch: CheckpointWeightPatch, bins: int | tuple[int, int] = (64, 64)
 ) -> torch.Tensor:
     """Fraction of elements each block of the patch's 2-D view changes (float32, CPU).
 
-    The tensor is viewed as ``grid_shape(patch.shape)`` and cut into at most ``bins``
-    blocks (fewer when the tensor has fewer rows or columns); block ``(i, j)`` covers rows
-    ``[i*R//br, (i+1)*R//br)`` and likewise columns. The result has one value in
-    ``[0, 1]`` per block. Computed from the indices in O(nnz + bins) time and memory,
-    never by building the full tensor, so a 128256 × 2560 patch is cheap. A dense patch
-    writes every element: its map is all ones.
+    The tensor is viewed as ``grid_shape(patch.shape)`` (``R`` rows × ``C`` columns) and
+    cut into at most ``bins`` blocks (fewer when the tensor has fewer rows or columns:
+    ``br = min(bins[0], R)`` and ``bc = min(bins[1], C)``, at least 1). Row ``r`` falls in
+    block row ``floor(r * br / R)``, so block row ``i`` covers rows
+    ``[ceil(i * R / br), ceil((i + 1) * R / br))`` (block sizes differ by at most one
+    row), and likewise for columns. The result is ``br × bc``, one value in ``[0, 1]`` per
+    block: the indices that fall in the block over the block's element count. Computed
+    from the indices in O(nnz + bins) time and memory, never by building the full tensor
+    or anything of its size, so a 128256 × 2560 patch is cheap and a 2**40-element one
+    works. A dense patch writes every element: its map is all ones; a patch with no
+    elements gives zeros.
+
+    ``bins`` is a pair of positive ints ``(rows, columns)``, or one int ``b`` meaning
+    ``(b, b)``: anything else raises ``TypeError`` (not ints) or ``ValueError`` (not
+    positive). An index outside ``[0, numel)`` raises ``ValueError`` naming the patch and
+    the first such index (checked with one min/max over the indices).
 
     >>> import torch
     >>> p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(2), torch.tensor([0, 5]))
     >>> density_map(p, bins=(2, 2)).tolist()
     [[0.5, 0.0], [0.0, 0.0]]
     """
+    want_r, want_c = _as_bins(bins)
     rows, cols = grid_shape(patch.shape)
-    br = max(1, min(int(bins[0]), rows))
-    bc = max(1, min(int(bins[1]), cols))
-    if numel(patch) == 0:
+    br = max(1, min(want_r, rows))
+    bc = max(1, min(want_c, cols))
+    n = numel(patch)
+    idx = None if patch.indices is None else patch.indices.to("cpu", torch.int64).reshape(-1)
+    if idx is not None:
+        _check_range(patch, idx, n)
+    if n == 0:
         return torch.zeros((br, bc), dtype=torch.float32, device="cpu")
-    if patch.indices is None:
+    if idx is None:
         return torch.ones((br, bc), dtype=torch.float32, device="cpu")
-    idx = patch.indices.to("cpu", torch.int64)
     r = idx // cols
     c = idx % cols
-    # Block of row r is floor(r * br / rows): blocks differ in size by at most one row.
-    rb = (r * br) // rows
-    cb = (c * bc) // cols
+    rs, cs = _block_starts(rows, br), _block_starts(cols, bc)
+    rb, cb = _block_of(r, rows, br, rs), _block_of(c, cols, bc, cs)
     counts = torch.bincount(rb * bc + cb, minlength=br * bc).reshape(br, bc).to(torch.float64)
-    cpu = torch.device("cpu")
-    rows_per = torch.bincount((torch.arange(rows, device=cpu) * br) // rows, minlength=br)
-    cols_per = torch.bincount((torch.arange(cols, device=cpu) * bc) // cols, minlength=bc)
-    sizes = rows_per.to(torch.float64)[:, None] * cols_per.to(torch.float64)[None, :]
+    rows_per = (rs[1:] - rs[:-1]).to(torch.float64)
+    cols_per = (cs[1:] - cs[:-1]).to(torch.float64)
+    sizes = rows_per[:, None] * cols_per[None, :]
     return (counts / sizes).to(torch.float32)
+
+
+def _as_bins(bins: object) -> tuple[int, int]:
+    """``bins`` as ``(rows, columns)``: a pair of positive ints, or one int for both.
+
+    Raises ``TypeError`` (a :class:`~patchkit.errors.PatchTypeError`) for anything that is
+    not an int or a pair of ints (``bool`` included), ``ValueError`` for a value below 1.
+    """
+    pair = (bins, bins) if _is_int(bins) else bins
+    if not isinstance(pair, Sequence) or len(pair) != 2 or not all(map(_is_int, pair)):
+        raise PatchTypeError(
+            f"bins must be a pair of positive ints (rows, columns) or one int, got {bins!r}",
+            reason="bins type", value=bins,
+        )
+    out = (operator.index(pair[0]), operator.index(pair[1]))
+    if min(out) < 1:
+        raise PatchValueError(
+            f"bins must be positive, got {bins!r}", reason="bins", value=bins
+        )
+    return out
+
+
+def _is_int(v: object) -> bool:
+    if isinstance(v, bool):
+        return False
+    try:
+        operator.index(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _check_range(patch: CheckpointWeightPatch, idx: torch.Tensor, n: int) -> None:
+    """Every flat index in ``[0, n)``; else ``ValueError`` naming the first that is not."""
+    if idx.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(idx))
+    if lo >= 0 and hi < n:
+        return
+    k = int(torch.nonzero((idx < 0) | (idx >= n))[0, 0])
+    bad = int(idx[k])
+    raise PatchValueError(
+        f"{where(None, patch.name)}: out-of-range index {bad} at indices[{k}] for shape "
+        f"{tuple(int(d) for d in patch.shape)} ({n} elements; valid: [0, {n}))",
+        name=patch.name, reason="out-of-range", value=bad,
+    )
+
+
+def _block_starts(n: int, b: int) -> torch.Tensor:
+    """``b + 1`` int64 bounds: block ``i`` of ``b`` over ``n`` covers ``[s[i], s[i + 1])``.
+
+    ``s[i] = ceil(i * n / b)``, the first ``k`` with ``floor(k * b / n) == i``, computed
+    as ``i * (n // b) + ceil(i * (n % b) / b)`` so that nothing overflows.
+    """
+    i = torch.arange(b + 1, dtype=torch.int64, device="cpu")
+    q, m = divmod(n, b)
+    return i * q + (i * m + b - 1) // b
+
+
+def _block_of(k: torch.Tensor, n: int, b: int, starts: torch.Tensor) -> torch.Tensor:
+    """``floor(k * b / n)`` for each ``k`` in ``[0, n)`` (exact, even where ``k * b``
+    would overflow int64: then found in ``starts`` instead)."""
+    if (n - 1) * b < 2**63:
+        return (k * b) // n
+    return torch.searchsorted(starts, k, right=True) - 1
 
 
 def region_text(

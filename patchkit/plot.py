@@ -41,7 +41,7 @@ from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 
 from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
-from .density import density_map, grid_shape
+from .density import _as_bins, density_map, grid_shape
 from .patch import CheckpointWeightPatch, numel, staged_nbytes
 from .units import format_bytes
 
@@ -78,6 +78,7 @@ _REASON_STYLE = {
     "budget": ("#4C72B0", ""),
     "repeated name": ("#DD8452", "\\\\"),
     "end": ("#55A868", ".."),
+    "loader": ("#8172B3", "++"),  # a call a loader under inspection ended on its own
 }
 _OVER_BUDGET = "#C44E52"
 
@@ -162,10 +163,68 @@ def _shape_text(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + (",)" if len(shape) == 1 else ")")
 
 
-def _cap_bins(bins: Sequence[int], rows: int, cols: int) -> tuple[int, int]:
-    br = max(1, min(int(bins[0]), MAX_BINS, max(rows, 1)))
-    bc = max(1, min(int(bins[1]), MAX_BINS, max(cols, 1)))
+def _cap_bins(bins: int | Sequence[int], rows: int, cols: int) -> tuple[int, int]:
+    want_r, want_c = _as_bins(bins)  # a pair of positive ints (or one int): else raises
+    br = max(1, min(want_r, MAX_BINS, max(rows, 1)))
+    bc = max(1, min(want_c, MAX_BINS, max(cols, 1)))
     return br, bc
+
+
+def _what(obj: object) -> str:
+    """``int: 3``: an argument's type and a short repr, for error messages."""
+    text = repr(obj)
+    return f"{type(obj).__name__}: {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+_REPORT_ATTRS = ("patches", "plan", "max_chunk_bytes", "targets", "before", "after")
+
+
+def _is_report(obj: object) -> bool:
+    """Whether ``obj`` has what the figures read from a :class:`LoadReport` (no table is
+    built to find out)."""
+    return all(hasattr(obj, a) for a in _REPORT_ATTRS)
+
+
+def _check_report(report: object, fn: str) -> None:
+    """``TypeError`` naming the argument unless ``report`` is a load report."""
+    if not _is_report(report):
+        raise TypeError(
+            f"{fn}: report must be a LoadReport (from patchkit.inspect_load), "
+            f"got {_what(report)}"
+        )
+
+
+def _as_patch(patch: Any, fn: str, position: int | None = None) -> Any:
+    """``patch`` as a patch record (a plain 5-tuple ``(name, shape, dtype, values,
+    indices)`` becomes a :class:`CheckpointWeightPatch`, as a load takes it); else
+    ``TypeError`` naming the argument."""
+    if isinstance(patch, tuple) and len(patch) == 5 and not hasattr(patch, "indices"):
+        return CheckpointWeightPatch(*patch)
+    if not all(hasattr(patch, f) for f in CheckpointWeightPatch._fields):
+        at = "patch" if position is None else f"patch {position}"
+        hint = (
+            "; to draw a patch of a report by name use report.plot_density(name)"
+            if isinstance(patch, str) else ""
+        )
+        raise TypeError(
+            f"{fn}: {at} must be a CheckpointWeightPatch, got {_what(patch)}{hint}"
+        )
+    return patch
+
+
+def _resolve(report: LoadReport, target: str) -> str:
+    """The runtime tensor ``target`` names: a tied alias (``lm_head.weight`` tied to the
+    embedding) resolves as :meth:`LoadReport.before` resolves it; other names as given."""
+    aliases = getattr(report, "_aliases", None) or {}
+    try:
+        return aliases.get(target, target)
+    except TypeError:  # unhashable: not a name; the caller's lookup says so
+        return target
+
+
+def _shown_name(target: str, runtime: str) -> str:
+    """How a figure names a runtime tensor asked for as ``target``."""
+    return target if target == runtime else f"{target} (tied to {runtime})"
 
 
 def _axis_words(ndim: int, side: str) -> tuple[str, str]:
@@ -193,19 +252,42 @@ def _plan_for(
 
     A report's own plan is used unless another ``max_chunk_bytes`` is asked for; then the
     patches the report's load actually sent (tied aliases dropped or renamed) are planned
-    again with :func:`~patchkit.plan_chunks`, exactly as the loader would.
+    again with :func:`~patchkit.plan_chunks`, exactly as the loader would. A report whose
+    load was rejected before it was planned (no chunk carries any of its patches) has
+    its patches planned as given. Anything but a report or a list of patches raises
+    ``TypeError``.
     """
-    if hasattr(source, "plan") and hasattr(source, "patches"):
+    source = _as_source(source, "plot_chunks")
+    if _is_report(source):
         patches = list(source.patches)
         if max_chunk_bytes is None or max_chunk_bytes == source.max_chunk_bytes:
             return patches, list(source.plan), int(source.max_chunk_bytes)
         positions = [p for c in source.plan for p in c.positions]
         names = [n for c in source.plan for n in c.names]
+        if patches and not positions and getattr(source, "error", None) is not None:
+            return patches, plan_chunks(patches, max_chunk_bytes), max_chunk_bytes
         sent = [patches[i]._replace(name=n) for i, n in zip(positions, names)]
         return patches, plan_chunks(sent, max_chunk_bytes, positions=positions), max_chunk_bytes
     patches = list(source)
     budget = DEFAULT_MAX_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes
     return patches, plan_chunks(patches, budget), budget
+
+
+def _as_source(source: Any, fn: str) -> Any:
+    """A report as is, or the patches of any other iterable as a list; ``TypeError``
+    naming the argument for anything else (a string, a number, an item not a patch)."""
+    if _is_report(source):
+        return source
+    try:
+        if isinstance(source, str | bytes):
+            raise TypeError
+        patches = list(source)
+    except TypeError:
+        raise TypeError(
+            f"{fn}: expected a LoadReport or a list of CheckpointWeightPatch, "
+            f"got {_what(source)}"
+        ) from None
+    return [_as_patch(p, fn, i) for i, p in enumerate(patches)]
 
 
 def plot_chunks(
@@ -230,7 +312,10 @@ def plot_chunks(
     beyond which the bar colours and hatches (see the legend) carry the reason; an
     ``"over budget"`` annotation (gid ``"over_budget"``) on a single patch larger than
     the budget. Returns ``ax.figure`` when ``ax`` is given, else a new
-    :class:`ReportFigure`.
+    :class:`ReportFigure`. A report whose load was rejected before it was planned (e.g.
+    for ``max_chunk_bytes=0``) draws no bars and a note with the load's error; pass a
+    valid ``max_chunk_bytes`` to plan its patches as given. Anything but a report or a
+    list of patches raises ``TypeError`` naming what it got.
     """
     patches, plan, budget = _plan_for(report_or_patches, max_chunk_bytes)
     if ax is None:
@@ -249,7 +334,13 @@ def plot_chunks(
     ax.set_xlabel("load_weights call")
     ax.set_ylabel("staged bytes")
     if not plan:
-        ax.text(0.5, 0.5, "no patches", transform=ax.transAxes, ha="center", va="center")
+        error = getattr(report_or_patches, "error", None)
+        text = "no patches"
+        if patches and error is not None:  # a report whose load was rejected unplanned
+            why = str(error) if len(str(error)) <= 80 else str(error)[:77] + "..."
+            text = (f"{len(patches)} patches, none planned: the load raised "
+                    f"{type(error).__name__}\n{why}")
+        ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center")
         return fig
 
     tallest = max(c.bytes for c in plan) or 1
@@ -332,7 +423,7 @@ def plot_chunks(
 
 def plot_density(
     patch: CheckpointWeightPatch,
-    bins: tuple[int, int] = (128, 128),
+    bins: int | tuple[int, int] = (128, 128),
     *,
     ax: Axes | None = None,
 ) -> Figure:
@@ -344,8 +435,13 @@ def plot_density(
     (and at the tensor's rows/columns); the single image (``ax.images[0]``) holds exactly
     ``density_map(patch, capped bins)``, colour scale from 0 to the densest block, with a
     colorbar. Cost is that of :func:`density_map`: O(nnz), so a 128256 × 2560 patch at
-    1 % density draws in about a second. A dense patch is uniformly 1.
+    1 % density draws in about a second. A dense patch is uniformly 1. ``bins`` may be
+    one int for both axes. Raises ``TypeError`` when ``patch`` is not a patch (a name:
+    use :meth:`LoadReport.plot_density <patchkit.inspect.LoadReport.plot_density>`) or
+    ``bins`` is not a pair of ints, ``ValueError`` as :func:`density_map` does (bins
+    below 1, an index outside the tensor).
     """
+    patch = _as_patch(patch, "plot_density")
     rows, cols = grid_shape(patch.shape)
     br, bc = _cap_bins(bins, rows, cols)
     dmap = density_map(patch, (br, bc)).numpy()
@@ -473,7 +569,7 @@ def _write_colour(k: int) -> Any:
 
 def plot_placement(
     report: LoadReport,
-    targets: Sequence[str] | None = None,
+    targets: str | Sequence[str] | None = None,
     *,
     max_targets: int = MAX_TARGETS,
 ) -> Figure:
@@ -492,16 +588,23 @@ def plot_placement(
     region]``. A region that is not a box is drawn hatched and dashed (see
     :func:`region_rects`). At most 64 writes per tensor and 8 checkpoint tensors per
     row are drawn; a note counts the rest.
+
+    ``targets`` is a list of runtime tensor names, or one name as a string. A tied alias
+    (``lm_head.weight`` where it is the embedding's Parameter) names the tensor it is
+    tied to, as in :meth:`LoadReport.before`; its row's title gives both names. An
+    unknown name raises ``KeyError``; a ``report`` that is not a load report,
+    ``TypeError``.
     """
+    _check_report(report, "plot_placement")
     writes = report.writes
     written = list(dict.fromkeys(t for t in writes["target"] if t is not None))
     if targets is None:
         chosen = written[:max_targets]
         left_out = len(written) - len(chosen)
     else:
-        chosen = list(targets)
+        chosen = [targets] if isinstance(targets, str) else list(targets)
         left_out = 0
-        unknown = [t for t in chosen if t not in report.targets]
+        unknown = [t for t in chosen if _resolve(report, t) not in report.targets]
         if unknown:
             known = ", ".join(repr(t) for t in list(report.targets)[:8])
             raise KeyError(f"no runtime tensor {unknown[0]!r} in this report (known: {known})")
@@ -527,8 +630,9 @@ def plot_placement(
     return fig
 
 
-def _draw_target(ax_ck: Axes, ax_rt: Axes, target: str, report: LoadReport, writes: Any,
+def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, writes: Any,
                  shapes: dict[int, tuple[int, ...]]) -> None:
+    target = _resolve(report, asked)
     tshape = tuple(int(d) for d in report.targets[target])
     rows, cols = grid_shape(tshape)
     mine = writes[writes["target"] == target]
@@ -594,7 +698,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, target: str, report: LoadReport, writ
         ax_rt.yaxis.set_major_locator(MaxNLocator(integer=True))
     n_el = int(mine["elements"].sum()) if len(mine) else 0
     ax_rt.set_title(
-        f"runtime {target} {_shape_text(tshape)}: {len(mine)} write"
+        f"runtime {_shown_name(asked, target)} {_shape_text(tshape)}: {len(mine)} write"
         f"{'s' if len(mine) != 1 else ''}, {n_el:,} elements",
         fontsize=9,
     )
@@ -688,7 +792,7 @@ def written_mask(report: LoadReport, target: str) -> torch.Tensor:
 def plot_delta(
     report: LoadReport,
     target: str,
-    bins: tuple[int, int] = (128, 128),
+    bins: int | tuple[int, int] = (128, 128),
     *,
     changed_only: bool = False,
     hist_bins: int = 60,
@@ -705,12 +809,30 @@ def plot_delta(
     counted once (so its counts total ``report.deltas.loc[target, "elements"]``), or over
     those whose bits changed with ``changed_only=True``; non-finite Δ are left out and
     counted in the title. Uses :meth:`LoadReport.before` / :meth:`LoadReport.after`.
+
+    A tied alias (``lm_head.weight`` where it is the embedding's Parameter) draws the
+    tensor it is tied to, as :meth:`LoadReport.before` reads it; the title gives both
+    names. A tensor with no elements draws one empty axes with a note saying so (no
+    images). An unknown ``target`` raises ``KeyError``; a ``report`` that is not a load
+    report, ``TypeError``; ``bins`` as in :func:`plot_density`.
     """
+    _check_report(report, "plot_delta")
+    asked, target = target, _resolve(report, target)
     if target not in report.targets:
         known = ", ".join(repr(t) for t in list(report.targets)[:8])
-        raise KeyError(f"no runtime tensor {target!r} in this report (known: {known})")
+        raise KeyError(f"no runtime tensor {asked!r} in this report (known: {known})")
     before_t, after_t = report.before(target), report.after(target)
     shape = tuple(int(d) for d in before_t.shape)
+    dtype = str(before_t.dtype).removeprefix("torch.")
+    head = f"{_shown_name(asked, target)} {_shape_text(shape)} {dtype}"
+    if before_t.numel() == 0:
+        _as_bins(bins)  # bad bins raise whatever the tensor
+        fig = _new_figure(8, 2.5)
+        ax = fig.add_subplot()
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, f"{head}: no elements, nothing to draw", ha="center",
+                va="center", gid="empty")
+        return fig
     before, after = _as_grid(before_t), _as_grid(after_t)
     delta = after - before
     rows, cols = before.shape
@@ -771,7 +893,6 @@ def plot_delta(
     ax.set_xlabel("Δ = after − before")
     ax.set_ylabel("elements (log scale)")
 
-    head = f"{target} {_shape_text(shape)} {str(before_t.dtype).removeprefix('torch.')}"
     if target in report.deltas.index:
         row = report.deltas.loc[target]
         head += (

@@ -15,8 +15,9 @@ result readable from code: ``w.output.outputs``.
 from __future__ import annotations
 
 import base64
+import html
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -27,8 +28,18 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk
-from .patch import CheckpointWeightPatch, staged_nbytes
-from .plot import _plan_for, plot_chunks, plot_delta, plot_density, plot_placement, to_png
+from .patch import CheckpointWeightPatch, check_max_chunk_bytes, staged_nbytes
+from .plot import (
+    _as_source,
+    _check_report,
+    _is_report,
+    _plan_for,
+    plot_chunks,
+    plot_delta,
+    plot_density,
+    plot_placement,
+    to_png,
+)
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -87,6 +98,23 @@ def plan_text(plan: Sequence[Chunk], budget: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _figure_or_note(what: str, draw: Callable[[], Figure]) -> dict[str, Any]:
+    """The figure ``draw()`` makes, or a line saying why it could not be drawn (a patch
+    the load rejected, e.g. an index outside its tensor)."""
+    try:
+        return figure_output(draw())
+    except (ValueError, TypeError) as exc:
+        return text_output(f"{what}: not drawn: {exc}\n")
+
+
+def _valid_budget(v: object) -> bool:
+    try:
+        check_max_chunk_bytes(v)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def _slider_range(
     sizes: Sequence[int], wanted: int | None
 ) -> tuple[float, float, float]:
@@ -111,6 +139,11 @@ class ChunkPlanner(W.VBox):
     figure of :func:`~patchkit.plot.plot_chunks` and the text of :func:`plan_text`),
     ``plan`` (the current list of :class:`~patchkit.Chunk`) and ``max_chunk_bytes`` (the
     slider's value as an int). Nothing is staged or loaded.
+
+    ``max_chunk_bytes``, when given, must be a positive int (``TypeError`` /
+    ``ValueError`` otherwise, as for a load); anything but a report or a list of patches
+    raises ``TypeError``. A report whose own budget was rejected (its load raised for
+    ``max_chunk_bytes=0``) starts at the default budget, planning its patches as given.
     """
 
     def __init__(
@@ -118,10 +151,14 @@ class ChunkPlanner(W.VBox):
         patches: LoadReport | Sequence[CheckpointWeightPatch],
         max_chunk_bytes: int | None = None,
     ) -> None:
-        self.source = patches if hasattr(patches, "plan") else list(patches)
-        if hasattr(patches, "plan"):
-            sizes = [staged_nbytes(p) for p in patches.patches]
-            wanted = max_chunk_bytes if max_chunk_bytes is not None else patches.max_chunk_bytes
+        if max_chunk_bytes is not None:
+            check_max_chunk_bytes(max_chunk_bytes)
+        self.source = _as_source(patches, "chunk_planner")
+        if _is_report(self.source):
+            sizes = [staged_nbytes(p) for p in self.source.patches]
+            wanted = max_chunk_bytes
+            if wanted is None and _valid_budget(self.source.max_chunk_bytes):
+                wanted = self.source.max_chunk_bytes
         else:
             sizes = [staged_nbytes(p) for p in self.source]
             wanted = max_chunk_bytes
@@ -185,9 +222,16 @@ class ReportExplorer(W.VBox):
     row; for a runtime tensor its placement and delta figures, its ``report.writes`` rows
     and its ``report.deltas`` row), ``planner`` (a :class:`ChunkPlanner` over the
     report's patches) and ``report``.
+
+    The report of a load that raised (``error.report``) shows what it can: the error
+    under the heading, a line saying why in place of a figure that cannot be drawn (the
+    density map of a patch with an index outside its tensor), and a planner over its
+    patches as given when the load was rejected before it was planned. Anything but a
+    report raises ``TypeError``.
     """
 
     def __init__(self, report: LoadReport) -> None:
+        _check_report(report, "explore")
         self.report = report
         options: list[tuple[str, tuple[str, Any]]] = [
             (f"patch {i}: {p.name}", ("patch", i)) for i, p in enumerate(report.patches)
@@ -198,9 +242,14 @@ class ReportExplorer(W.VBox):
         )
         self.output = W.Output()
         self.planner = ChunkPlanner(report)
+        error = getattr(report, "error", None)
+        rejected = (
+            "" if error is None else
+            f"<br>the load raised {type(error).__name__}: {html.escape(str(error))}"
+        )
         head = W.HTML(
             f"<b>LoadReport</b>: {len(report.patches)} patches, {len(report.calls)} "
-            f"load_weights calls, {len(report.writes)} runtime writes"
+            f"load_weights calls, {len(report.writes)} runtime writes{rejected}"
         )
         super().__init__([head, self.dropdown, self.output, W.HTML("<b>chunk plan</b>"),
                           self.planner])
@@ -227,7 +276,7 @@ class ReportExplorer(W.VBox):
         if kind == "patch":
             row = r.chunks[r.chunks["position"] == key]
             self.output.outputs = (
-                figure_output(plot_density(r.patches[key])),
+                _figure_or_note("density map", lambda: plot_density(r.patches[key])),
                 text_output(row.drop(columns=["note"]).to_string(index=False) + "\n"
                             + "".join(f"note: {n}\n" for n in row["note"] if n)),
             )

@@ -6,6 +6,7 @@ annotations, image arrays), never through pixels.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import matplotlib
@@ -15,7 +16,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
-from patchkit import CheckpointWeightPatch, plan_chunks
+from patchkit import CheckpointWeightPatch, Chunk, plan_chunks
 from patchkit.density import density_map
 from patchkit.inspect import inspect_load
 from patchkit.patch import staged_nbytes
@@ -27,6 +28,7 @@ from patchkit.plot import (
     plot_placement,
     region_rects,
 )
+from patchkit.toymodels import PlainModel, TinyLlamaConfig, TinyLlamaRuntime
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -197,6 +199,49 @@ def test_empty_patch_list_draws_an_empty_plan():
     assert any(t.get_text() == "no patches" for t in fig.axes[0].texts)
 
 
+def test_a_report_rejected_before_planning_says_so_and_replans_at_a_valid_budget():
+    ps = chunk_patches()
+    with pytest.raises(ValueError, match="max_chunk_bytes must be positive") as info:
+        inspect_load(Shards(), ps, max_chunk_bytes=0)
+    report = info.value.report
+    fig = plot_chunks(report)
+    assert bar_totals(fig) == {}
+    (note,) = fig.axes[0].texts
+    assert note.get_text().startswith("6 patches, none planned: the load raised PatchValueError")
+    assert bar_totals(plot_chunks(report, max_chunk_bytes=300)) == {
+        c.index: c.bytes for c in plan_chunks(ps, 300)
+    }
+
+
+def test_a_call_a_foreign_loader_ended_is_drawn_with_its_own_legend_entry():
+    report, _ = load("q k v")
+    observed = [Chunk(0, (0, 1), ("q", "k"), 256, "loader"), Chunk(1, (2,), ("v",), 128, "end")]
+    fig = plot_chunks(dataclasses.replace(report, plan=observed))
+    assert bar_totals(fig) == {0: 256, 1: 128}
+    texts = [t.get_text() for t in fig.axes[0].texts if t.get_gid() == "closed_by"]
+    assert texts == ["loader", "end"]
+    assert "closed by loader" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def test_plot_chunks_names_an_argument_that_is_neither_a_report_nor_patches():
+    with pytest.raises(TypeError, match=r"plot_chunks: expected a LoadReport .*got int: 3"):
+        plot_chunks(3)
+    with pytest.raises(TypeError, match=r"got str: 'ab'"):
+        plot_chunks("ab")
+    with pytest.raises(TypeError, match=r"plot_chunks: patch 1 must be a CheckpointWeightPatch, "
+                                        r"got int: 3"):
+        plot_chunks([dense("q", 0), 3])
+    ps = chunk_patches()
+    assert bar_totals(plot_chunks(iter(ps), 300)) == bar_totals(plot_chunks(ps, 300))
+
+
+def test_report_figures_name_a_report_argument_of_the_wrong_type():
+    for draw in (lambda: plot_delta(3, "a"), lambda: plot_placement(3),
+                 lambda: plot_delta(chunk_patches(), "q")):
+        with pytest.raises(TypeError, match=r"report must be a LoadReport .*got (int|list)"):
+            draw()
+
+
 # -- plot_density --------------------------------------------------------------------------
 
 
@@ -234,6 +279,31 @@ def test_density_of_a_128256_by_2560_patch_at_one_percent():
     assert img.shape == (128, 128)
     np.testing.assert_allclose(img, 0.01, atol=1e-3)
     assert "128256" in fig.axes[0].get_title()
+
+
+def test_density_of_something_not_a_patch_names_what_it_got():
+    with pytest.raises(TypeError, match=r"plot_density: patch must be a CheckpointWeightPatch, "
+                                        r"got str: 'a'; .*report.plot_density\(name\)"):
+        plot_density("a")
+    with pytest.raises(TypeError, match=r"got int: 0"):
+        plot_density(0)
+    p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(2), torch.tensor([0, 5]))
+    plain = tuple(p)  # (name, shape, dtype, values, indices), as a load accepts it
+    np.testing.assert_array_equal(plot_density(plain, bins=2).axes[0].images[0].get_array(),
+                                  density_map(p, (2, 2)).numpy())
+
+
+def test_density_bins_are_checked_and_one_int_means_both_axes():
+    p = CheckpointWeightPatch("w", (8, 8), torch.float32, torch.ones(3), torch.tensor([0, 9, 63]))
+    np.testing.assert_array_equal(plot_density(p, bins=4).axes[0].images[0].get_array(),
+                                  density_map(p, (4, 4)).numpy())
+    with pytest.raises(TypeError, match="bins"):
+        plot_density(p, bins="ab")
+    with pytest.raises(ValueError, match=r"bins must be positive, got \(0, 4\)"):
+        plot_density(p, bins=(0, 4))
+    bad = p._replace(indices=torch.tensor([0, 64, 3]))
+    with pytest.raises(ValueError, match=r"patch 'w': out-of-range index 64 at indices\[1\]"):
+        plot_density(bad)
 
 
 # -- plot_placement ------------------------------------------------------------------------
@@ -310,6 +380,16 @@ def test_placement_draws_one_row_per_target_and_caps_the_default():
     assert "showing 2 of 4 runtime tensors" in fig.get_suptitle()
     fig = plot_placement(report, targets=["norm"])
     assert fig.axes[1].get_title().startswith("runtime norm (8,)")
+
+
+def test_placement_takes_one_target_name_given_as_a_string():
+    model = PlainModel({"ab": (4, 4), "a": (4,), "b": (4,)})
+    patches = [CheckpointWeightPatch(n, s, torch.float32, torch.ones(int(np.prod(s))))
+               for n, s in model.checkpoint_shapes.items()]
+    report = inspect_load(model, patches)
+    fig = plot_placement(report, targets="ab")
+    assert len(fig.axes) == 2  # one row: "ab", not "a" and "b"
+    assert fig.axes[1].get_title().startswith("runtime ab (4, 4): 1 write")
 
 
 def test_placement_of_an_unknown_target_names_it():
@@ -393,6 +473,55 @@ def test_delta_of_an_unknown_target_names_it():
     report, _ = load("q")
     with pytest.raises(KeyError, match="nope"):
         plot_delta(report, "nope")
+
+
+def test_delta_of_a_tensor_with_no_elements_draws_a_note_and_no_images():
+    model = PlainModel({"z": (0, 5), "e": (0,), "a": (4,)})
+    patches = [CheckpointWeightPatch("z", (0, 5), torch.float32, torch.ones(0)),
+               CheckpointWeightPatch("a", (4,), torch.float32, torch.ones(4))]
+    report = inspect_load(model, patches)
+    for target, shape in (("z", "(0, 5)"), ("e", "(0,)")):
+        fig = plot_delta(report, target)
+        (ax,) = fig.axes
+        assert not ax.images and not ax.patches and not ax.axison
+        assert [t.get_text() for t in ax.texts] == [
+            f"{target} {shape} float32: no elements, nothing to draw"
+        ]
+    with pytest.raises(ValueError, match="bins must be positive"):
+        plot_delta(report, "z", bins=0)
+
+
+def tied_report():
+    """A tied-embedding TinyLlama patched through the alias ``lm_head.weight``."""
+    model = TinyLlamaRuntime(TinyLlamaConfig(tie_word_embeddings=True), dtype=torch.float32)
+    shape = tuple(model.model.embed_tokens.weight.shape)
+    p = CheckpointWeightPatch("lm_head.weight", shape, torch.float32,
+                              torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0, 70, 1000]))
+    return inspect_load(model, [p]), shape
+
+
+def test_delta_of_a_tied_alias_draws_the_tensor_it_is_tied_to():
+    report, shape = tied_report()
+    emb = "model.embed_tokens.weight"
+    assert "lm_head.weight" not in report.targets
+    fig = plot_delta(report, "lm_head.weight", bins=shape)
+    b, a, d = (np.asarray(ax.images[0].get_array()) for ax in fig.axes if ax.images)
+    np.testing.assert_array_equal(b, report.before(emb).numpy())
+    np.testing.assert_array_equal(a, report.after(emb).numpy())
+    assert np.count_nonzero(d) == 3
+    assert sum(p.get_height() for p in fig.axes[3].patches) == 3
+    title = fig.get_suptitle()
+    assert title.startswith(f"lm_head.weight (tied to {emb}) (256, 64) float32: 3 elements")
+
+
+def test_placement_of_a_tied_alias_draws_the_tensor_it_is_tied_to():
+    report, _ = tied_report()
+    fig = plot_placement(report, targets=["lm_head.weight"])
+    assert fig.axes[1].get_title().startswith(
+        "runtime lm_head.weight (tied to model.embed_tokens.weight) (256, 64): 1 write"
+    )
+    (i,) = report.writes.index
+    assert rects_by_gid(fig, "write ")[f"write {i} runtime"]
 
 
 # -- display -------------------------------------------------------------------------------

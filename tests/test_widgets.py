@@ -163,3 +163,60 @@ def test_widgets_have_a_short_stable_text_repr():
     w = explore(report)
     assert repr(w) == "ReportExplorer(patches=4, runtime tensors=2)"
     assert repr(w.planner) == "ChunkPlanner(max_chunk_bytes=300, calls=2)"
+
+
+# -- bad input and rejected loads ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [0, -1])
+def test_planner_rejects_a_budget_that_is_not_positive(budget):
+    with pytest.raises(ValueError, match=f"max_chunk_bytes must be positive, got {budget}"):
+        chunk_planner(patches(), max_chunk_bytes=budget)
+    with pytest.raises(TypeError, match="max_chunk_bytes must be an int, got str"):
+        chunk_planner(patches(), max_chunk_bytes="1 KiB")
+
+
+def test_planner_and_explorer_name_an_argument_of_the_wrong_type():
+    with pytest.raises(TypeError, match=r"chunk_planner: expected a LoadReport .*got int: 3"):
+        chunk_planner(3)
+    with pytest.raises(TypeError, match=r"chunk_planner: patch 0 must be a CheckpointWeightPatch"):
+        chunk_planner(["q"])
+    with pytest.raises(TypeError, match=r"explore: report must be a LoadReport .*got list"):
+        explore(patches())
+
+
+def rejected(ps, **kw):
+    with pytest.raises(ValueError) as info:
+        inspect_load(Packed(), ps, **kw)
+    return info.value.report
+
+
+def test_explore_of_a_load_rejected_for_an_index_outside_the_tensor():
+    bad = CheckpointWeightPatch("q", (4, 8), torch.float32, torch.ones(1), torch.tensor([100]))
+    report = rejected([bad, dense("norm", 1)])
+    w = explore(report)
+    assert "the load raised PatchValueError" in w.children[0].value
+    assert w.dropdown.value == ("patch", 0)
+    assert [o["output_type"] for o in w.output.outputs] == ["stream", "stream"]
+    text = texts(w.output)
+    assert "density map: not drawn: patch 'q': out-of-range index 100 at indices[0]" in text
+    assert " q " in text  # its report.chunks row
+    w.dropdown.value = ("patch", 1)
+    assert images(w.output) and " norm " in texts(w.output)
+    w.planner.slider.value = 100
+    assert w.planner.plan == plan_chunks(report.patches, 100)
+    assert "→ 2 load_weights calls" in texts(w.planner.output)
+
+
+def test_explore_of_a_load_rejected_for_max_chunk_bytes_0_plans_its_patches():
+    report = rejected(patches(), max_chunk_bytes=0)
+    assert report.plan == []
+    w = explore(report)
+    assert "max_chunk_bytes must be positive, got 0" in w.children[0].value
+    assert w.planner.max_chunk_bytes == 2 * (3 * 128 + 32)  # the default, clipped into range
+    assert w.planner.plan == plan_chunks(report.patches, w.planner.max_chunk_bytes)
+    w.planner.slider.value = 200
+    assert w.planner.plan == plan_chunks(report.patches, 200)
+    assert "→ 3 load_weights calls" in texts(w.planner.output)
+    w.dropdown.value = ("patch", 3)
+    assert images(w.output) and " norm " in texts(w.output)

@@ -1,0 +1,127 @@
+"""patchkit.density.density_map: exact block fractions from the indices alone."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from patchkit import CheckpointWeightPatch
+from patchkit.density import density_map, grid_shape
+
+
+def brute_force(patch: CheckpointWeightPatch, bins: tuple[int, int]) -> np.ndarray:
+    """The map from the full written mask: element (r, c) is in block
+    (floor(r * br / R), floor(c * bc / C)); each block's mean of the mask."""
+    rows, cols = grid_shape(patch.shape)
+    br, bc = max(1, min(bins[0], rows)), max(1, min(bins[1], cols))
+    n = math.prod(patch.shape)
+    mask = np.zeros(n, dtype=np.float64)
+    if patch.indices is None:
+        mask[:] = 1.0
+    else:
+        mask[patch.indices.numpy()] = 1.0
+    mask = mask.reshape(rows, cols)
+    rb = (np.arange(rows) * br) // rows
+    cb = (np.arange(cols) * bc) // cols
+    out = np.zeros((br, bc))
+    for i in range(br):
+        for j in range(bc):
+            block = mask[np.ix_(rb == i, cb == j)]
+            out[i, j] = block.mean() if block.size else 0.0
+    return out.astype(np.float32)
+
+
+SHAPES = [(), (1,), (7,), (5, 3), (13, 11), (3, 4, 5), (100, 7), (129, 3), (1, 1)]
+BINS = [(1, 1), (2, 3), (3, 5), (7, 2), (4, 100), (64, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_density_map_equals_the_dense_block_means_on_odd_shapes(shape):
+    g = torch.Generator().manual_seed(len(shape) * 1000 + sum(shape))
+    n = math.prod(shape)
+    for bins in BINS:
+        for nnz in sorted({1, n // 3, n}):
+            idx = torch.randperm(n, generator=g)[:nnz]
+            p = CheckpointWeightPatch("w", shape, torch.float32, torch.ones(nnz), idx)
+            got = density_map(p, bins).numpy()
+            np.testing.assert_array_equal(got, brute_force(p, bins), err_msg=f"{bins} {nnz}")
+        dense = CheckpointWeightPatch("w", shape, torch.float32, torch.zeros(n))
+        np.testing.assert_array_equal(density_map(dense, bins).numpy(),
+                                      brute_force(dense, bins))
+
+
+def test_blocks_split_rows_by_floor_of_row_times_bins_over_rows():
+    # 5 rows in 2 blocks: rows 0-2 (floor(2r/5) == 0) and 3-4, as the docstring says.
+    p = CheckpointWeightPatch("w", (5, 1), torch.float32, torch.ones(1), torch.tensor([2]))
+    assert density_map(p, bins=(2, 1)).tolist() == [[pytest.approx(1 / 3)], [0.0]]
+
+
+def test_density_of_a_2_to_the_40_element_patch_never_builds_anything_of_its_size():
+    n = 2**40  # an 8 TiB index range: any O(numel) tensor would fail to allocate
+    p = CheckpointWeightPatch("huge", (n,), torch.float32, torch.ones(3),
+                              torch.tensor([0, n // 2, n - 1]))
+    got = density_map(p, bins=(64, 64))
+    assert got.shape == (1, 64)
+    want = torch.zeros(1, 64)
+    want[0, [0, 32, 63]] = 64 / n  # one element of each 2**34-element block
+    assert torch.equal(got, want)
+
+
+def test_density_where_index_times_bins_would_overflow_int64():
+    n = 2**62
+    p = CheckpointWeightPatch("huge", (n,), torch.float32, torch.ones(3),
+                              torch.tensor([0, n // 2 - 1, n - 1]))
+    got = density_map(p, bins=(1, 64))
+    assert got.nonzero()[:, 1].tolist() == [0, 31, 63]
+    assert got[0, 0].item() == pytest.approx(64 / n)
+
+
+def test_bins_may_be_one_int_for_both_axes():
+    p = CheckpointWeightPatch("w", (6, 6), torch.float32, torch.ones(3), torch.tensor([0, 7, 35]))
+    assert torch.equal(density_map(p, 3), density_map(p, (3, 3)))
+    assert torch.equal(density_map(p, [2, 3]), density_map(p, (2, 3)))
+
+
+@pytest.mark.parametrize("bins", [3.0, "ab", (2,), (2, 2, 2), (True, 2), (2, 2.5), None])
+def test_bins_that_are_not_ints_raise_type_error_naming_bins(bins):
+    p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(1), torch.tensor([0]))
+    with pytest.raises(TypeError, match="bins") as info:
+        density_map(p, bins)
+    assert repr(bins) in str(info.value)
+
+
+@pytest.mark.parametrize("bins", [0, (0, 4), (4, -1)])
+def test_bins_below_one_raise_value_error(bins):
+    p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(1), torch.tensor([0]))
+    with pytest.raises(ValueError, match=re.escape(f"bins must be positive, got {bins!r}")):
+        density_map(p, bins)
+
+
+@pytest.mark.parametrize(
+    ("idx", "k", "bad"), [([0, 5, 101, 3], 2, 101), ([3, -1, 200], 1, -1), ([16], 0, 16)]
+)
+def test_an_index_outside_the_tensor_names_the_patch_and_the_first_bad_index(idx, k, bad):
+    p = CheckpointWeightPatch("emb.weight", (4, 4), torch.float32, torch.ones(len(idx)),
+                              torch.tensor(idx))
+    with pytest.raises(ValueError, match=f"out-of-range index {bad} at indices\\[{k}\\]") as info:
+        density_map(p, bins=(4, 4))
+    msg = str(info.value)
+    assert msg.startswith("patch 'emb.weight': ") and "(4, 4) (16 elements" in msg
+    assert (info.value.name, info.value.value, info.value.reason) == (
+        "emb.weight", bad, "out-of-range"
+    )
+
+
+def test_empty_and_dense_patches():
+    empty = CheckpointWeightPatch("e", (0, 5), torch.float32, torch.ones(0),
+                                  torch.zeros(0, dtype=torch.int64))
+    assert density_map(empty, (4, 4)).tolist() == [[0.0] * 4]
+    none = CheckpointWeightPatch("n", (3, 3), torch.float32, torch.ones(0),
+                                 torch.zeros(0, dtype=torch.int64))
+    assert density_map(none, (2, 2)).tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    dense = CheckpointWeightPatch("d", (3, 3), torch.float32, torch.zeros(9))
+    assert density_map(dense, (2, 2)).tolist() == [[1.0, 1.0], [1.0, 1.0]]
