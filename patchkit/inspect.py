@@ -478,14 +478,17 @@ class LoadReport:
         return widgets.explore(self)
 
 
-_REPR_ROWS = 20  # rows of each table in a text repr; the tables themselves have them all
+# A text repr prints a table whole up to _REPR_MAX rows, else its first _REPR_ROWS and a
+# line saying how many more (the tables themselves have them all).
+_REPR_MAX, _REPR_ROWS = 40, 20
 
 
 def _head_text(df: pd.DataFrame, index: bool) -> str:
-    """``df`` as text, its first :data:`_REPR_ROWS` rows and a line saying how many more."""
-    text = df.head(_REPR_ROWS).to_string(index=index)
+    """``df`` as text: whole, or its first rows and a line saying how many more."""
+    if len(df) <= _REPR_MAX:
+        return df.to_string(index=index)
     more = len(df) - _REPR_ROWS
-    return text + (f"\n... {more} more rows" if more > 0 else "")
+    return df.head(_REPR_ROWS).to_string(index=index) + f"\n... {more} more rows"
 
 
 def _error_text(error: BaseException, limit: int = 160) -> str:

@@ -742,11 +742,13 @@ def test_a_rejected_mixed_load_is_summarised_as_mixed():
 
 
 def test_a_long_report_prints_its_first_rows_and_says_how_many_more():
-    m = PlainModel({f"w{i}": (2,) for i in range(30)})
-    r = inspect_load(m, [dense(f"w{i}", torch.full((2,), float(i + 1))) for i in range(30)])
+    m = PlainModel({f"w{i}": (2,) for i in range(50)})
+    r = inspect_load(m, [dense(f"w{i}", torch.full((2,), float(i + 1))) for i in range(50)])
     text = repr(r)
-    assert text.count("more rows") == 2 and "... 10 more rows" in text
+    assert text.count("more rows") == 2 and "... 30 more rows" in text
     assert len(text.splitlines()) < 60
+    r = inspect_load(m, [dense(f"w{i}", torch.zeros(2)) for i in range(40)])
+    assert "more rows" not in repr(r)  # up to 40 rows a table prints whole
 
 
 def test_reports_compare_by_identity():
