@@ -441,7 +441,10 @@ class LoadReport:
         return plot.plot_chunks(self, **kw)
 
     def plot_density(self, patch_or_name: CheckpointWeightPatch | str, **kw) -> Figure:
-        """Where a sparse patch's changes sit, as a heat map (see patchkit.plot)."""
+        """Where a sparse patch's changes sit, as a heat map (see patchkit.plot). A patch
+        of this report is named by its name (the first patch of that name) or given
+        itself; when the load dropped it (a tied alias), renamed it or never sent it, the
+        title says so (the ``note`` of ``chunks``)."""
         from . import plot
 
         if isinstance(patch_or_name, str):
@@ -457,7 +460,13 @@ class LoadReport:
                 "plot_density takes a patch of this report or its name, got "
                 f"{type(patch_or_name).__name__}: {patch_or_name!r}"
             )
-        return plot.plot_density(patch_or_name, **kw)
+        fig = plot.plot_density(patch_or_name, **kw)
+        at = next((i for i, p in enumerate(self.patches) if p is patch_or_name), None)
+        note = self.chunks["note"].iloc[at] if at is not None else ""
+        if note:
+            ax = kw.get("ax") or fig.axes[0]
+            ax.set_title(f"{ax.get_title()}\n({note})", fontsize=10)
+        return fig
 
     def plot_placement(self, **kw) -> Figure:
         """Checkpoint regions → runtime regions (see patchkit.plot)."""

@@ -551,3 +551,27 @@ def test_plotting_never_imports_pyplot(monkeypatch):
             report.plot_delta("qkv")]
     assert len(figs) == 4
     assert figs[0]._repr_png_().startswith(b"\x89PNG")
+
+
+def test_density_of_a_report_patch_the_load_dropped_or_renamed_says_so_in_its_title():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Parameter(torch.zeros(4), False)
+            self.head = self.embed
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.embed.data.copy_(t)
+            return {n for n, _ in weights}
+
+    def patch(name, i):
+        return CheckpointWeightPatch(name, (4,), torch.float32, torch.tensor([5.0]),
+                                     torch.tensor([i]))
+
+    r = inspect_load(Tied(), [patch("embed", 1), patch("head", 2)])
+    title = r.plot_density("head").axes[0].get_title()
+    assert "(dropped: tied alias of a weight patched in the same call)" in title
+    assert "dropped" not in r.plot_density("embed").axes[0].get_title()
+    r = inspect_load(Tied(), [patch("head", 2)])
+    assert "(renamed from 'head' (tied alias))" in r.plot_density(r.patches[0]).axes[0].get_title()
