@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
@@ -88,6 +90,51 @@ def _as_patch(p: object) -> object:
     return p
 
 
+def _check_name(name: object, what: str = "name") -> str:
+    """A patch name: a non-empty str (``PatchTypeError`` / ``PatchValueError`` otherwise)."""
+    if not isinstance(name, str):
+        raise PatchTypeError(f"{what} must be a str, got {type(name).__name__}: {name!r}",
+                             reason="name type", value=name)
+    if not name:
+        raise PatchValueError(f"{what} is empty", reason="empty name", value=name)
+    return name
+
+
+def _check_mapping(d: object, what: str) -> Mapping[str, torch.Tensor]:
+    """``d`` as a mapping of names to tensors, every key a non-empty str and every value
+    a tensor (``PatchTypeError`` / ``PatchValueError`` naming the entry otherwise)."""
+    if not isinstance(d, Mapping):
+        raise PatchTypeError(
+            f"{what} must be a mapping of names to tensors (a state dict), got "
+            f"{type(d).__name__}", reason=f"{what} type", value=type(d).__name__,
+        )
+    for name, t in d.items():
+        _check_name(name, f"a key of {what}")
+        if not isinstance(t, torch.Tensor):
+            raise PatchTypeError(
+                f"{what}[{name!r}] must be a torch.Tensor, got {type(t).__name__}",
+                name=name, reason="values type", value=type(t).__name__,
+            )
+    return d
+
+
+def _check_shape(shape: object, name: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints >= 0 (``PatchTypeError`` for anything but an iterable
+    of ints, ``PatchValueError`` for a negative dimension)."""
+    try:
+        dims = tuple(shape)  # type: ignore[arg-type]
+        if any(isinstance(d, bool) for d in dims):
+            raise TypeError
+        dims = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise PatchTypeError(f"weight {name!r}: shape must be a tuple of ints, got {shape!r}",
+                             name=name, reason="shape type", value=shape) from None
+    if any(d < 0 for d in dims):
+        raise PatchValueError(f"weight {name!r}: shape has a negative dimension: {dims}",
+                              name=name, reason="negative dimension", value=dims)
+    return dims
+
+
 def _check_int(value: object, what: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise PatchTypeError(
@@ -96,6 +143,23 @@ def _check_int(value: object, what: str, minimum: int) -> int:
     if value < minimum:
         raise PatchValueError(f"{what} must be >= {minimum}, got {value}", reason=what, value=value)
     return value
+
+
+def _check_real(value: object, what: str, minimum: float, *, strict: bool = False,
+                below: float | None = None) -> float:
+    """``value`` as a finite float >= ``minimum`` (> with ``strict``; < ``below`` when
+    given); ``PatchTypeError`` for a non-number, ``PatchValueError`` out of range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PatchTypeError(f"{what} must be a number, got {type(value).__name__}: {value!r}",
+                             reason=what, value=value)
+    v = float(value)
+    bad = not math.isfinite(v) or v < minimum or (strict and v == minimum) or (
+        below is not None and v >= below)
+    if bad:
+        want = f"{'>' if strict else '>='} {minimum}" + (f" and < {below}" if below else "")
+        raise PatchValueError(f"{what} must be a finite number {want}, got {value!r}",
+                              reason=what, value=value)
+    return v
 
 
 # --------------------------------------------------------------------------- dense
@@ -110,14 +174,14 @@ def dense_patches(
     values are a view of the tensor when it is contiguous (no copy) unless ``clone`` is
     True; pass ``clone=True`` when the tensors will be modified in place before the patches
     are used. Tensors keep their device.
+
+    ``state_dict`` must be a mapping of non-empty str names to tensors:
+    :class:`~patchkit.errors.PatchTypeError` / :class:`~patchkit.errors.PatchValueError`
+    name the entry otherwise, before any patch is made.
     """
+    _check_mapping(state_dict, "state_dict")
     out: list[CheckpointWeightPatch] = []
     for name, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            raise PatchTypeError(
-                f"state_dict[{name!r}] must be a torch.Tensor, got {type(t).__name__}",
-                name=name, reason="values type", value=type(t).__name__,
-            )
         values = _flat(t)
         if clone:
             values = values.clone()
@@ -247,8 +311,11 @@ def changed_fraction(
 
     The same notion of change as :func:`sparse_patches_from_diff`, but it never raises
     for NaN or non-floating weights. Names, shapes and dtypes must match (else
-    :class:`~patchkit.errors.PatchValueError`). Returns 0.0 for dicts with no elements.
+    :class:`~patchkit.errors.PatchValueError`; a value that is not a tensor,
+    :class:`~patchkit.errors.PatchTypeError`). Returns 0.0 for dicts with no elements.
     """
+    _check_mapping(before, "before")
+    _check_mapping(after, "after")
     if set(before) != set(after):
         raise PatchValueError(
             "before and after name different weights", reason="names differ",
@@ -308,7 +375,7 @@ def random_sparse_patch(
     pattern: Pattern = "uniform",
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
-    index_dtype: torch.dtype = torch.int64,
+    index_dtype: torch.dtype | None = torch.int64,
     block: int = 16,
     std: float = 1.0,
 ) -> CheckpointWeightPatch:
@@ -329,18 +396,18 @@ def random_sparse_patch(
     (``None``: torch's global CPU generator), cast to ``dtype`` and then moved with the
     indices to ``device``; a value whose cast is NaN (a format without infinities,
     e.g. ``float8_e4m3fnuz``, far out of range) is replaced by 0, so values are never
-    NaN. Indices are sorted, distinct, of ``index_dtype`` (int64 by default). The same
-    generator state gives the same patch.
+    NaN. Indices are sorted, distinct, of ``index_dtype`` (int64 by default; ``None``:
+    int32 where the positions fit, as elsewhere in this module). The same generator state
+    gives the same patch.
 
-    Raises :class:`~patchkit.errors.PatchValueError` for a density outside [0, 1], an
-    unknown pattern, or a tensor too large for int32 indices;
-    :class:`~patchkit.errors.PatchTypeError` for a non-floating ``dtype`` (a sparse patch
-    needs NaN).
+    Raises :class:`~patchkit.errors.PatchValueError` for an empty name, a negative
+    dimension, a density outside [0, 1], an unknown pattern, or a tensor too large for
+    int32 indices; :class:`~patchkit.errors.PatchTypeError` for a name that is not a str,
+    a shape that is not a tuple of ints (an int, or a float that would be truncated), or a
+    non-floating ``dtype`` (a sparse patch needs NaN).
     """
-    shape = tuple(int(d) for d in shape)
-    if any(d < 0 for d in shape):
-        raise PatchValueError(f"shape has a negative dimension: {shape}", name=name,
-                              reason="negative dimension", value=shape)
+    name = _check_name(name)
+    shape = _check_shape(shape, name)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise PatchTypeError(
             f"a sparse patch needs a floating-point dtype (NaN marks 'unchanged'), got {dtype!r}",
@@ -354,7 +421,7 @@ def random_sparse_patch(
     if pattern not in _PATTERNS:
         raise PatchValueError(f"pattern must be one of {_PATTERNS}, got {pattern!r}",
                               name=name, reason="pattern", value=pattern)
-    _check_index_dtype(index_dtype, allow_none=False)
+    _check_index_dtype(index_dtype, allow_none=True)
     block = _check_int(block, "block", 1)
     n = math.prod(shape)
     idx_dtype = _index_dtype_for(n, index_dtype, name)
@@ -462,12 +529,22 @@ def wire_bytes(patches: CheckpointWeightPatch | Iterable[CheckpointWeightPatch])
 
     Dense: ``values.numel() * values.element_size()``. Sparse: that plus the same for
     ``indices``. Counts the tensors actually held (their dtypes), not the checkpoint
-    dtype, and no per-patch framing (names, shapes).
+    dtype, and no per-patch framing (names, shapes). A plain 5-tuple counts as a patch,
+    as a load takes it; anything else raises :class:`~patchkit.errors.PatchTypeError`
+    naming its position.
     """
-    if isinstance(patches, CheckpointWeightPatch):
-        patches = [patches]
+    if isinstance(patches, tuple) and len(patches) == 5 and isinstance(patches[0], str):
+        patches = [patches]  # one patch (a CheckpointWeightPatch or a plain 5-tuple)
     total = 0
-    for _, _, _, values, indices in patches:
+    for i, p in enumerate(patches):
+        if not (isinstance(p, tuple) and len(p) == 5 and isinstance(p[3], torch.Tensor)
+                and (p[4] is None or isinstance(p[4], torch.Tensor))):
+            raise PatchTypeError(
+                f"patch {i}: expected a CheckpointWeightPatch (name, shape, dtype, values, "
+                f"indices), got {type(p).__name__}",
+                position=i, reason="not a patch", value=type(p).__name__,
+            )
+        _, _, _, values, indices = p
         total += values.numel() * values.element_size()
         if indices is not None:
             total += indices.numel() * indices.element_size()
@@ -481,7 +558,8 @@ class AdamLikeTrainer:
     """A deterministic stand-in for an RL trainer: Adam on fp32 master weights.
 
     Holds fp32 master copies of the floating-point tensors of ``state_dict`` (usually
-    bf16), Adam moments ``m`` and ``v``, and a seeded CPU generator. Each :meth:`step`
+    bf16; a float64 tensor keeps float64 masters, so that nothing is lost before the
+    first step), Adam moments ``m`` and ``v``, and a seeded CPU generator. Each :meth:`step`
     draws a pseudo-gradient ``grad_std * N(0, 1)`` per tensor from that generator (on the
     CPU, in ``state_dict`` order, then moved to the tensor's device), applies
 
@@ -497,6 +575,12 @@ class AdamLikeTrainer:
     element changes only when the master crosses a bf16 rounding boundary, so at small
     learning rates only a few percent of bf16 elements change per step, as reported for
     real RL runs. Two trainers built with the same arguments produce the same steps.
+
+    Arguments are checked when the trainer is made (``PatchTypeError`` /
+    ``PatchValueError``): ``state_dict`` a mapping of names to tensors; ``lr``,
+    ``weight_decay`` and ``grad_std`` finite numbers >= 0; ``eps`` a finite number > 0;
+    ``betas`` two numbers in [0, 1) (a beta of 1 would divide by zero in the bias
+    correction and turn every weight NaN); ``seed`` an int.
     """
 
     def __init__(
@@ -510,13 +594,20 @@ class AdamLikeTrainer:
         grad_std: float = 1.0,
         seed: int = 0,
     ) -> None:
-        self.lr = float(lr)
-        self.betas = (float(betas[0]), float(betas[1]))
-        self.eps = float(eps)
-        self.weight_decay = float(weight_decay)
-        self.grad_std = float(grad_std)
+        _check_mapping(state_dict, "state_dict")
+        self.lr = _check_real(lr, "lr", 0.0)
+        try:
+            b1, b2 = betas
+        except (TypeError, ValueError):
+            raise PatchTypeError(f"betas must be two numbers, got {betas!r}",
+                                 reason="betas", value=betas) from None
+        self.betas = (_check_real(b1, "betas[0]", 0.0, below=1.0),
+                      _check_real(b2, "betas[1]", 0.0, below=1.0))
+        self.eps = _check_real(eps, "eps", 0.0, strict=True)
+        self.weight_decay = _check_real(weight_decay, "weight_decay", 0.0)
+        self.grad_std = _check_real(grad_std, "grad_std", 0.0)
         self.step_count = 0
-        self._generator = torch.Generator(device="cpu").manual_seed(int(seed))
+        self._generator = torch.Generator(device="cpu").manual_seed(_check_int(seed, "seed", 0))
         self._dtypes = {k: t.dtype for k, t in state_dict.items()}
         self._fixed: dict[str, torch.Tensor] = {}
         self.master: dict[str, torch.Tensor] = {}
@@ -524,7 +615,8 @@ class AdamLikeTrainer:
         self._v: dict[str, torch.Tensor] = {}
         for k, t in state_dict.items():
             if t.dtype.is_floating_point:
-                self.master[k] = t.detach().to(torch.float32, copy=True)
+                keep = torch.float64 if t.dtype == torch.float64 else torch.float32
+                self.master[k] = t.detach().to(keep, copy=True)
                 self._m[k] = torch.zeros_like(self.master[k])
                 self._v[k] = torch.zeros_like(self.master[k])
             else:
@@ -549,7 +641,7 @@ class AdamLikeTrainer:
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         for k, w in self.master.items():
             g = torch.randn(w.shape, generator=self._generator, dtype=torch.float32, device="cpu")
-            g = (g * self.grad_std).to(w.device)
+            g = (g * self.grad_std).to(device=w.device, dtype=w.dtype)
             m, v = self._m[k], self._v[k]
             m.mul_(b1).add_(g, alpha=1.0 - b1)
             v.mul_(b2).addcmul_(g, g, value=1.0 - b2)

@@ -129,6 +129,13 @@ def _check_structure(position: int, patch: object) -> None:
             position=position, name=name, reason="values not 1-D", value=tuple(values.shape),
         )
     n = math.prod(dims)
+    if n * dtype.itemsize >= 1 << 63:
+        # torch indexes elements and bytes with int64: no tensor this big can be staged
+        raise PatchValueError(
+            f"{at}: shape {dims} of {dtype} holds {n} elements, more than a tensor can "
+            f"(its bytes must stay below 2**63)",
+            position=position, name=name, reason="shape too large", value=dims,
+        )
     if indices is None:
         if values.numel() != n:
             raise PatchValueError(

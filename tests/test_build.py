@@ -548,3 +548,55 @@ def test_sum_squares_over_blocks_skips_only_non_finite_elements(dtype):
         x[0], x[-1] = float("nan"), float("-inf")
     assert math.isclose(sum_squares(x), kept, rel_tol=1e-12)
     assert sum_squares(x[:0]) == 0.0
+
+
+# -- arguments a demanding user got wrong ------------------------------------------------
+
+
+def test_builders_name_bad_arguments_instead_of_leaking_raw_errors():
+    t = torch.ones(2)
+    with pytest.raises(PatchTypeError, match="a key of state_dict must be a str"):
+        dense_patches({1: t})
+    with pytest.raises(PatchTypeError, match="state_dict must be a mapping"):
+        dense_patches([("a", t)])
+    with pytest.raises(PatchTypeError, match=r"after\['s'\] must be a torch.Tensor"):
+        changed_fraction({"s": t}, {"s": [1]})
+    with pytest.raises(PatchValueError, match="name is empty"):
+        random_sparse_patch("", (4,), torch.float32, 0.5)
+    for shape in (4, (4.7,), "ab"):
+        with pytest.raises(PatchTypeError, match="shape must be a tuple of ints"):
+            random_sparse_patch("e", shape, torch.float32, 0.5)
+    # index_dtype=None picks int32 where the positions fit, as the other builders do
+    p = random_sparse_patch("e", (4,), torch.float32, 0.5, index_dtype=None)
+    assert p.indices.dtype == torch.int32
+
+
+def test_wire_bytes_takes_one_plain_tuple_and_names_what_is_not_a_patch():
+    vals = torch.ones(12, dtype=torch.bfloat16)
+    assert wire_bytes(("d", (3, 4), torch.bfloat16, vals, None)) == 24
+    assert wire_bytes([("d", (3, 4), torch.bfloat16, vals, None)]) == 24
+    with pytest.raises(PatchTypeError) as info:
+        wire_bytes([("d", (3, 4), torch.bfloat16, vals, None), 3])
+    assert (info.value.position, info.value.reason) == (1, "not a patch")
+
+
+@pytest.mark.parametrize(("kw", "err"), [
+    ({"betas": (1.0, 0.999)}, PatchValueError),
+    ({"betas": (0.9,)}, PatchTypeError),
+    ({"lr": float("nan")}, PatchValueError),
+    ({"lr": -1e-3}, PatchValueError),
+    ({"eps": 0.0}, PatchValueError),
+    ({"seed": 1.7}, PatchTypeError),
+    ({"grad_std": "1"}, PatchTypeError),
+])
+def test_trainer_rejects_arguments_that_would_corrupt_or_truncate(kw, err):
+    with pytest.raises(err):
+        AdamLikeTrainer({"w": torch.ones(3)}, **kw)
+
+
+def test_trainer_keeps_float64_weights_exact_until_they_train():
+    sd = {"w": torch.tensor([1.0 + 2**-40, 3.0], dtype=torch.float64)}
+    tr = AdamLikeTrainer(sd)
+    assert torch.equal(tr.state_dict()["w"], sd["w"])  # fp32 masters rounded the 2**-40 away
+    step = tr.step()["w"]
+    assert step.dtype == torch.float64 and not torch.equal(step, sd["w"])

@@ -46,3 +46,20 @@ def test_plain_five_tuples_are_accepted_as_patches(load):
     assert m.w.tolist() == [1.0, 2.0, 3.0]
     load(m, [("w", (3,), torch.float32, torch.tensor([9.0]), torch.tensor([1]))])
     assert m.w.tolist() == [1.0, 9.0, 3.0]
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("sparse", [True, False])
+def test_a_shape_too_large_for_any_tensor_is_rejected_by_name(load, Patch, sparse):
+    # 2**64 elements: prod(shape) does not fit torch's int64 sizes (it raised OverflowError
+    # from a comparison with the indices, which is not a ValueError)
+    m = PlainModel({"w": (2,)})
+    shape = (2**32, 2**32)
+    if sparse:
+        p = Patch("w", shape, torch.float32, torch.zeros(1), torch.tensor([1]))
+    else:
+        p = Patch("w", shape, torch.float32, torch.zeros(1), None)
+    with pytest.raises(ValueError, match=r"more than a tensor can") as info:
+        load(m, [p])
+    assert (info.value.position, info.value.name, info.value.reason) == (0, "w", "shape too large")
+    assert m.w.tolist() == [0.0, 0.0]
