@@ -241,6 +241,7 @@ class WritesTwiceModel(PlainModel):
     REASON: ClassVar[str] = "overlapping runtime views"
 
     def load_one(self, name: str, param: nn.Parameter, w: torch.Tensor) -> None:
+        """Copy ``w`` into ``param`` twice (the second copy overlaps the first)."""
         param.data.copy_(w)
         param.data.copy_(w)  # e.g. a loader that "re-applies" after a post-processing hook
 
@@ -283,6 +284,8 @@ class WritesThenFillsModel(PlainModel):
         return (shape[0] + self.pad_rows, *shape[1:])
 
     def load_one(self, name: str, param: nn.Parameter, w: torch.Tensor) -> None:
+        """Copy ``w`` into the leading rows of ``param``, then ``fill_(0)`` the padding
+        rows (a 0-d weight is only copied)."""
         if w.ndim == 0:
             param.data.copy_(w)
             return
@@ -340,6 +343,7 @@ class ReportsWithoutWritingModel(PlainModel):
         self.pending: dict[str, torch.Tensor] = {}
 
     def load_one(self, name: str, param: nn.Parameter, w: torch.Tensor) -> None:
+        """Stash a copy of ``w`` under ``name`` for :meth:`apply_pending`; write nothing."""
         self.pending[name] = w.clone()
 
     def apply_pending(self) -> set[str]:
