@@ -1,25 +1,62 @@
-"""Command line: ``python -m patchkit {tour,demo,inspect} ...``."""
+"""Command line: ``python -m patchkit {tour,demo,inspect} ...`` (or ``patchkit ...``).
+
+Exit status: 0 when the command did what it says (every check of ``tour``/``demo`` held);
+1 when a check of ``tour``/``demo`` failed, or when the output's reader went away (a
+closed pipe, as in ``patchkit inspect FILE | head -1``: the command stops quietly);
+2 for bad input (an unreadable patch file, an unusable ``--device`` or ``--out``,
+a bad option), with ``error: ...`` on stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["main"]
 
 
+def _error(e: BaseException) -> int:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def _device(device: str | None) -> torch.device:
+    """The demo's and tour's device: ``device``, or cuda when available, else cpu; checked."""
+    import torch
+
+    from .io import _checked_device
+
+    return _checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
+    from .errors import PatchError
 
-    run_demo(device=args.device)
-    return 0
+    try:
+        device = _device(args.device)
+    except PatchError as e:
+        return _error(e)
+    return 0 if run_demo(device=device) else 1
 
 
 def _cmd_tour(args: argparse.Namespace) -> int:
-    from .tour import run_tour
+    from .errors import PatchError
+    from .tour import _out_folder, run_tour
 
-    return 0 if run_tour(args.out, device=args.device).ok else 1
+    try:
+        device = _device(args.device)
+        out = _out_folder(args.out)
+    except (PatchError, OSError) as e:
+        return _error(e)
+    return 0 if run_tour(out, device=device).ok else 1
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -28,9 +65,44 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return print_patch_file_summary(args.file, max_chunk_bytes=args.max_chunk_bytes)
 
 
+def _prog() -> str:
+    """``python -m patchkit`` when run so, else ``patchkit`` (the console script)."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    if os.path.basename(argv0) == "__main__.py" and os.path.basename(
+        os.path.dirname(os.path.abspath(argv0))
+    ) == "patchkit":
+        return "python -m patchkit"
+    return "patchkit"
+
+
+def _version() -> str:
+    """``patchkit.__version__``, else the installed distribution's, else ``"unknown"``."""
+    import patchkit
+
+    v = getattr(patchkit, "__version__", None)
+    if isinstance(v, str) and v:
+        return v
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("patchkit")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _plain(rst: str) -> str:
+    """reStructuredText inline literals (double backticks) as plain quotes, for --help."""
+    return re.sub(r"``(.+?)``", r"'\1'", rst)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m patchkit`` and the ``patchkit`` script."""
-    parser = argparse.ArgumentParser(prog="python -m patchkit", description=__doc__)
+    """Entry point of ``python -m patchkit`` and the ``patchkit`` script; returns the
+    exit status (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog=_prog(), description=_plain(__doc__ or ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
@@ -47,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tour.set_defaults(run=_cmd_tour)
 
     insp = sub.add_parser("inspect", help="summarise a patch file (.safetensors)")
-    insp.add_argument("file")
+    insp.add_argument("file", help="a patch file written by patchkit.save_patches")
     insp.add_argument(
         "--max-chunk-bytes", type=int, default=512 << 20,
         help="budget for the chunk plan (default 512 MiB)",
@@ -55,7 +127,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     insp.set_defaults(run=_cmd_inspect)
 
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        code = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+    except BrokenPipeError:
+        # The reader went away (``... | head``): stop quietly. Point stdout at devnull so
+        # the flush at exit does not fail again (the recipe of Python's signal docs).
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (AttributeError, OSError, ValueError):  # stdout is no real file (tests)
+            pass
+        return 1
+    return code
 
 
 if __name__ == "__main__":

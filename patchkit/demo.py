@@ -26,12 +26,20 @@ def _yes(ok: bool) -> str:
     return "yes" if ok else "NO"
 
 
-def run_demo(device: str | None = None, echo: Callable[[str], None] = print) -> bool:
-    """Run the three cases and print what happened; return True when every check held."""
+def run_demo(
+    device: str | torch.device | None = None, echo: Callable[[str], None] = print
+) -> bool:
+    """Run the three cases and print what happened; return True when every check held.
+
+    ``device`` defaults to cuda when available, else cpu. One this machine cannot use
+    (``"cuda"`` without CUDA, ``"meta"``, a bad string) raises
+    :class:`~patchkit.errors.PatchValueError` naming it before anything runs.
+    """
     from .inspect import inspect_load
+    from .io import _checked_device
     from .units import format_bytes
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = _checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = TinyLlamaConfig()
     tp = 2
     ckpt = tiny_llama_checkpoint(cfg, seed=0, dtype=torch.bfloat16)

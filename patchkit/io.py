@@ -16,16 +16,18 @@ Reading a file checks the header against the tensors before anything is loaded; 
 missing, truncated, foreign or inconsistent file raises
 :class:`~patchkit.errors.PatchValueError` (a ``ValueError``) naming the file and the
 problem, never a raw safetensors or JSON exception. ``safetensors`` is imported inside
-the functions that need it.
+the functions that need it; where it cannot be imported they raise
+:class:`ModuleNotFoundError` (an ``ImportError``) saying so.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import sys
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -111,6 +113,66 @@ def _key(i: int, part: str) -> str:
     return f"{i:06d}.{part}"
 
 
+_NEED_SAFETENSORS = "patch files need the safetensors package: pip install safetensors"
+
+
+def _safetensors() -> Any:
+    """``(safe_open, save_file)``; a ModuleNotFoundError saying what to install if missing."""
+    try:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise ModuleNotFoundError(_NEED_SAFETENSORS, name="safetensors") from e
+    return safe_open, save_file
+
+
+def _checked_device(device: object) -> torch.device:
+    """``device`` as a :class:`torch.device` this process can put tensors on.
+
+    Raises :class:`~patchkit.errors.PatchTypeError` for a value that is not a ``str`` or
+    ``torch.device``, and :class:`~patchkit.errors.PatchValueError` (``reason`` and
+    ``value`` set, the message naming the device) for a string torch does not parse,
+    ``"meta"`` (no memory to hold values) and an accelerator this machine does not have
+    (e.g. ``"cuda"`` where ``torch.cuda.is_available()`` is False, or ``"cuda:3"`` with
+    two GPUs).
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise PatchTypeError(
+            f"device must be a str or torch.device, got {type(device).__name__} {device!r}",
+            reason="device type", value=device,
+        )
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise PatchValueError(
+            f"device {str(device)!r} is not a torch device ({e})",
+            reason="bad device", value=device,
+        ) from None
+    if dev.type == "meta":
+        raise PatchValueError(
+            f"device {str(device)!r}: meta tensors hold no data and patches need real "
+            "memory; use 'cpu' or an accelerator",
+            reason="meta device", value=device,
+        )
+    if dev.type != "cpu":
+        backend = getattr(torch, dev.type, None)
+        is_available = getattr(backend, "is_available", None)
+        if callable(is_available) and not is_available():
+            raise PatchValueError(
+                f"device {str(device)!r} is not available here: "
+                f"torch.{dev.type}.is_available() is False",
+                reason="device unavailable", value=device,
+            )
+        device_count = getattr(backend, "device_count", None)
+        if dev.index is not None and callable(device_count) and dev.index >= device_count():
+            raise PatchValueError(
+                f"device {str(device)!r} is not available here: this machine has "
+                f"{device_count()} {dev.type} device(s)",
+                reason="device unavailable", value=device,
+            )
+    return dev
+
+
 # --------------------------------------------------------------------------- saving
 
 
@@ -158,12 +220,26 @@ def save_patches(
     Tensors are copied to the CPU (and made contiguous, and unshared where two patches
     share memory) as needed; the caller's tensors are never modified. The file is
     written to a temporary name beside ``path`` and renamed into place, so a failed save
-    leaves no partial file. :func:`load_patches` returns equal patches, bit for bit, in
-    the same order.
+    leaves no partial file (an existing file at ``path`` stays as it was).
+    :func:`load_patches` returns equal patches, bit for bit, in the same order.
+
+    Permissions are those ``open(path, "w")`` gives: a new file gets ``0o666`` less the
+    umask (``0o644`` under umask ``022``); overwriting an existing file keeps its
+    permission bits.
+
+    A destination that cannot be written raises an ``OSError`` naming ``path`` (its
+    ``filename``) and the problem, never the temporary file, before any tensor is
+    copied: :class:`FileNotFoundError` when its folder does not exist,
+    :class:`NotADirectoryError` when a part of that folder's path is a file,
+    :class:`IsADirectoryError` when ``path`` is a folder (and e.g.
+    :class:`PermissionError` when the folder cannot be written). Without the
+    ``safetensors`` package: :class:`ModuleNotFoundError`.
     """
-    from safetensors.torch import save_file
+    _, save_file = _safetensors()
 
     user = _check_metadata(metadata)
+    path = os.fspath(path)
+    _check_destination(path)
     patches = [
         CheckpointWeightPatch(*p)
         if isinstance(p, tuple) and not isinstance(p, CheckpointWeightPatch) and len(p) == 5
@@ -177,12 +253,12 @@ def save_patches(
     entries: list[dict[str, Any]] = []
     seen_storage: set[tuple[torch.device, int]] = set()
 
-    def prepare(t: torch.Tensor, at: str, what: str) -> torch.Tensor:
+    def prepare(t: torch.Tensor, i: int, name: str, what: str) -> torch.Tensor:
         if t.dtype not in _DTYPE_TO_CODE:
             raise PatchTypeError(
-                f"{at}: {what} of dtype {t.dtype} cannot be stored in a patch file "
-                f"(storable: {sorted(_dtype_name(d) for d in _DTYPE_TO_CODE)})",
-                reason="unstorable dtype", value=t.dtype,
+                f"{where(i, name)}: {what} of dtype {t.dtype} cannot be stored in a patch "
+                f"file (storable: {sorted(_dtype_name(d) for d in _DTYPE_TO_CODE)})",
+                position=i, name=name, reason="unstorable dtype", value=t.dtype,
             )
         t = t.detach().to("cpu").contiguous()
         if t.numel():
@@ -194,11 +270,10 @@ def save_patches(
         return t
 
     for i, p in enumerate(patches):
-        at = where(i, p.name)
         sparse = p.indices is not None
-        tensors[_key(i, "values")] = prepare(p.values, at, "values")
+        tensors[_key(i, "values")] = prepare(p.values, i, p.name, "values")
         if sparse:
-            tensors[_key(i, "indices")] = prepare(p.indices, at, "indices")
+            tensors[_key(i, "indices")] = prepare(p.indices, i, p.name, "indices")
         entries.append(
             {
                 "name": p.name,
@@ -213,17 +288,73 @@ def save_patches(
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "patches": entries}
     meta = {FORMAT_KEY: json.dumps(header, separators=(",", ":")), **user}
 
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".patchkit-", suffix=".tmp", dir=directory)
-    os.close(fd)
+    tmp = _create_temporary(path)
     try:
-        save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, path)
+        try:  # overwriting: keep the file's permission bits
+            mode = stat.S_IMODE(os.stat(path).st_mode) & 0o777
+        except OSError:  # a new file: those open() gives (0o666 less the umask), read off
+            mode = stat.S_IMODE(os.stat(tmp).st_mode)  # the fresh temporary, with no race
+        save_file(tensors, tmp, metadata=meta)  # (safetensors writes its files 0o600)
+        os.chmod(tmp, mode)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            raise _save_error(e, path, "cannot put the written file in place") from None
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _save_error(e: OSError, path: str, problem: str) -> OSError:
+    """``e`` again (same type and errno), its message naming ``path``, not a temporary."""
+    return type(e)(e.errno, f"cannot save patches: {problem} ({e.strerror})", path)
+
+
+def _check_destination(path: str) -> None:
+    """Refuse a ``path`` no file can be saved at, naming it and the problem."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            errno.EISDIR, "cannot save patches: the path is a folder, not a file", path
+        )
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(folder):
+        return
+    first = folder  # the deepest part of the folder's path that exists
+    while not os.path.lexists(first) and os.path.dirname(first) != first:
+        first = os.path.dirname(first)
+    if os.path.isdir(first):
+        raise FileNotFoundError(
+            errno.ENOENT, f"cannot save patches: the folder {folder!r} does not exist", path
+        )
+    raise NotADirectoryError(
+        errno.ENOTDIR, f"cannot save patches: {first!r} is not a folder", path
+    )
+
+
+def _create_temporary(path: str) -> str:
+    """Create an empty file with a fresh name beside ``path``; return its name.
+
+    Created by ``os.open(..., 0o666)``, so it has the mode a new file of ``open()`` gets
+    (the umask applied by the system: reading it so has no race, unlike ``os.umask``).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = os.path.join(folder, f".patchkit-{os.urandom(6).hex()}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise _save_error(
+                e, path, f"cannot create a temporary file in {folder!r}"
+            ) from None
+        os.close(fd)
+        return tmp
+    raise FileExistsError(
+        errno.EEXIST, f"cannot save patches: no free temporary name in {folder!r}", path
+    )
 
 
 # --------------------------------------------------------------------------- reading
@@ -280,9 +411,12 @@ def _fail(path: str, problem: str, reason: str = "bad patch file") -> PatchValue
 
 
 def _open(path: str, device: str = "cpu") -> Any:
-    """``safe_open`` with every failure turned into a PatchValueError naming the file."""
-    from safetensors import safe_open
+    """``safe_open`` with every failure turned into a PatchValueError naming the file.
 
+    ``device`` must have been checked (:func:`_checked_device`): a failure here is the
+    file's.
+    """
+    safe_open, _ = _safetensors()
     if not os.path.exists(path):
         raise _fail(path, "no such file", "missing")
     if not os.path.isfile(path):
@@ -464,9 +598,17 @@ def load_patches(
     validated after (:func:`~patchkit.patch.validate_patches`, dense and sparse
     separately); every problem raises :class:`~patchkit.errors.PatchValueError` naming
     the file, never a raw safetensors or JSON exception.
+
+    ``device`` is checked before the file is opened: a string torch does not parse,
+    ``"meta"`` (patches need memory that holds their values) or an accelerator this
+    machine lacks (``"cuda"`` where ``torch.cuda.is_available()`` is False) raises
+    :class:`~patchkit.errors.PatchValueError` naming the device (``reason`` ``"bad
+    device"``, ``"meta device"`` or ``"device unavailable"``; ``value`` the argument);
+    neither a ``str`` nor a ``torch.device``: :class:`~patchkit.errors.PatchTypeError`.
+    Without the ``safetensors`` package: :class:`ModuleNotFoundError`.
     """
     path = os.fspath(path)
-    device = str(torch.device(device))
+    device = str(_checked_device(device))
     f = _open(path, device)
     try:
         with f:
@@ -532,13 +674,16 @@ def print_patch_file_summary(
 
     Reads only the file's header (no tensor data). Prints, to ``file`` (default
     stdout): the patch count and user metadata; one row per patch (position, name,
-    kind, shape, dtype, changed elements (values carried; ``numel`` for dense), density,
+    kind, shape, dtype, ``written``: the elements the patch writes, i.e. the values it
+    carries (every element, ``numel``, for a dense patch, which does not know which of
+    them change; the carried positions for a sparse one), density (``written / numel``),
     bytes on the wire) and a total row; then the chunk plan for ``max_chunk_bytes`` from
     :func:`~patchkit.chunking.plan_chunks` (call, patch positions, staged bytes, why the
     call closed). A load cannot mix dense and sparse patches, so a file holding both is
     planned as two loads, the dense patches first.
 
-    Returns 0; a bad file (or a bad budget) prints ``error: ...`` to stderr and returns 2.
+    Returns 0; a bad file (or a bad budget, or no ``safetensors`` package) prints
+    ``error: ...`` to stderr and returns 2.
     """
     out = sys.stdout if file is None else file
     path = os.fspath(path)
@@ -555,7 +700,7 @@ def print_patch_file_summary(
             ]
             plans.append((kind, plan_chunks(stand_ins, max_chunk_bytes,
                                             positions=[e.position for e in group])))
-    except (PatchError, ValueError, TypeError) as e:
+    except (PatchError, ValueError, TypeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -572,7 +717,7 @@ def print_patch_file_summary(
         return 0
 
     print("", file=out)
-    header = ["#", "name", "kind", "shape", "dtype", "changed", "density", "wire bytes"]
+    header = ["#", "name", "kind", "shape", "dtype", "written", "density", "wire bytes"]
     rows = []
     for e in entries:
         rows.append([str(e.position), e.name, e.kind, str(tuple(e.shape)), _dtype_name(e.dtype),
@@ -584,6 +729,9 @@ def print_patch_file_summary(
                  format_bytes(sum(e.wire_bytes for e in entries))])
     for line in _table(header, rows, right={0, 5, 6, 7}):
         print(line, file=out)
+    if n_sparse < len(entries):
+        print("  (written: the elements a patch writes; a dense patch writes every one, "
+              "changed or not)", file=out)
 
     for kind, chunks in plans:
         print("", file=out)

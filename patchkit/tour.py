@@ -7,6 +7,7 @@ figures as PNG files and an ``index.html`` that shows them beside the tables.
 
 from __future__ import annotations
 
+import errno
 import html
 import time
 from collections.abc import Callable
@@ -36,7 +37,34 @@ class TourResult:
 
     @property
     def ok(self) -> bool:
+        """True when every check in :attr:`checks` held (each a bit-exact comparison of
+        the ranks gathered back with the checkpoint the load should give); the
+        ``tour`` command exits 1 when it is False."""
         return all(self.checks.values())
+
+
+def _out_folder(out: str | Path) -> Path:
+    """Make the folder ``out`` (and its parents) if needed; return it as a Path.
+
+    Raises :class:`NotADirectoryError` when ``out``, or a folder above it, is a file, and
+    the ``OSError`` of any other failure (e.g. :class:`PermissionError`), each with a
+    message naming ``out`` and the problem.
+    """
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"cannot write the tour to {str(out)!r}: {str(blocker)!r} is a file, "
+                "not a folder",
+            ) from None
+        raise type(e)(
+            e.errno, f"cannot create the tour's folder {str(out)!r}: {e.strerror}"
+        ) from None
+    return out
 
 
 def _sparse_step(ckpt: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
@@ -73,18 +101,27 @@ def _repeated(ckpt: dict[str, torch.Tensor]) -> list[CheckpointWeightPatch]:
 def run_tour(
     out: str | Path = "patchkit-tour",
     *,
-    device: str | None = None,
+    device: str | torch.device | None = None,
     echo: Callable[[str], None] = print,
 ) -> TourResult:
-    """Run the tour, write ``out/index.html`` and its PNG figures, return what was written."""
+    """Run the tour, write ``out/index.html`` and its PNG figures, return what was written.
+
+    ``device`` defaults to cuda when available, else cpu. Before anything runs, a device
+    this machine cannot use (``"cuda"`` without CUDA, ``"meta"``, a bad string) raises
+    :class:`~patchkit.errors.PatchValueError` naming it, and an ``out`` that cannot be
+    made a folder (it, or a folder above it, is a file) an ``OSError`` naming it (see
+    :func:`_out_folder`); ``out`` is created only after the device passed.
+    """
+    from .io import _checked_device
+
+    dev = _checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = _out_folder(out)
+
     from . import plot
     from .inspect import inspect_load
     from .units import format_bytes
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     result = TourResult(out=out)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = TinyLlamaConfig()
     ckpt = tiny_llama_checkpoint(cfg, seed=0, dtype=torch.bfloat16)
     ranks = [TinyLlamaRuntime(cfg, tp_rank=r, tp_size=TP, device=dev) for r in range(TP)]

@@ -45,6 +45,82 @@ def test_python_dash_m_patchkit_lists_its_commands():
     assert out.returncode == 0
     for command in ("tour", "demo", "inspect"):
         assert command in out.stdout
+    assert out.stdout.startswith("usage: python -m patchkit ")
+    assert "``" not in out.stdout and "'python -m patchkit {tour,demo,inspect} ...'" in out.stdout
+
+
+def test_the_console_script_names_itself_and_has_a_version(monkeypatch, capsys):
+    import patchkit
+    from patchkit.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", ["/some/venv/bin/patchkit", "--help"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: patchkit ") and "``" not in out and "--version" in out
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"patchkit {patchkit.__version__}\n"
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    assert "a patch file written by patchkit.save_patches" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_demo_command_exit_status_follows_its_checks(monkeypatch, held):
+    import patchkit.demo
+    from patchkit.__main__ import main
+
+    seen = []
+
+    def fake_run_demo(device=None, echo=print):
+        seen.append(device)
+        return held
+
+    monkeypatch.setattr(patchkit.demo, "run_demo", fake_run_demo)
+    assert main(["demo", "--device", "cpu"]) == (0 if held else 1)
+    assert [str(d) for d in seen] == ["cpu"]
+
+
+def test_tour_and_demo_refuse_a_bad_out_or_device_cleanly(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from patchkit.__main__ import main
+    from patchkit.errors import PatchValueError
+    from patchkit.tour import run_tour
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out in (afile, afile / "sub"):
+        assert main(["tour", "--out", str(out), "--device", "cpu"]) == 2
+        o, err = capsys.readouterr()
+        assert o == "" and err.startswith("error: ") and err.count("\n") == 1
+        assert f"{str(afile)!r} is a file, not a folder" in err and str(out) in err
+    assert afile.read_text() == "x"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["tour", "--out", str(tmp_path / "t"), "--device", "cuda"],
+                 ["demo", "--device", "cuda"], ["demo", "--device", "meta"],
+                 ["tour", "--out", str(tmp_path / "t"), "--device", "bogus"]):
+        assert main(argv) == 2, argv
+        o, err = capsys.readouterr()
+        assert o == "" and err.startswith(f"error: device '{argv[-1]}'") and "Traceback" not in err
+    assert not (tmp_path / "t").exists()  # refused before anything was written
+    with pytest.raises(PatchValueError, match="not available"):
+        run_tour(tmp_path / "t", device="cuda")
+    assert not (tmp_path / "t").exists()
+    with pytest.raises(NotADirectoryError, match="is a file, not a folder"):
+        run_tour(afile, device="cpu")
+
+
+def test_tour_result_ok_is_documented():
+    from patchkit.tour import TourResult
+
+    assert "check" in (TourResult.ok.__doc__ or "")
+    assert TourResult(out=Path("x"), checks={"a": True}).ok
+    assert not TourResult(out=Path("x"), checks={"a": True, "b": False}).ok
 
 
 @pytest.mark.parametrize(

@@ -257,6 +257,110 @@ def test_failed_save_leaves_old_file_and_no_temporary(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["p.safetensors"]
 
 
+def test_unstorable_dtype_error_names_the_patch(tmp_path):
+    c128 = torch.complex128
+    ok = CheckpointWeightPatch("v", (1,), torch.float32, torch.zeros(1))
+    bad = CheckpointWeightPatch("a", (2,), c128, torch.ones(2, dtype=c128))
+    with pytest.raises(PatchTypeError, match=r"patch 1 \('a'\): values of dtype") as info:
+        save_patches(tmp_path / "p.safetensors", [ok, bad])
+    e = info.value
+    assert (e.position, e.name, e.reason, e.value) == (1, "a", "unstorable dtype", c128)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_saved_file_mode_follows_the_umask_like_open(tmp_path, umask):
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    old = os.umask(umask)
+    try:
+        save_patches(tmp_path / "p.safetensors", p)
+        with open(tmp_path / "plain", "w"):
+            pass
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "p.safetensors").stat().st_mode & 0o777
+    assert mode == 0o666 & ~umask
+    assert mode == (tmp_path / "plain").stat().st_mode & 0o777
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+def test_overwriting_keeps_the_existing_files_mode(tmp_path):
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    old = os.umask(0o022)
+    try:
+        save_patches(path, p)
+        os.chmod(path, 0o640)
+        save_patches(path, [p[0]._replace(values=torch.zeros(1))])
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert_same_patches(load_patches(path), [p[0]._replace(values=torch.zeros(1))])
+
+
+def test_save_to_a_path_that_cannot_hold_a_file_names_it(tmp_path):
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    (tmp_path / "afile").write_bytes(b"x")
+    (tmp_path / "adir").mkdir()
+    cases = [
+        (tmp_path / "nope" / "p.safetensors", FileNotFoundError,
+         f"folder {str(tmp_path / 'nope')!r} does not exist"),
+        (tmp_path / "nope" / "deeper" / "p.safetensors", FileNotFoundError, "does not exist"),
+        (tmp_path / "adir", IsADirectoryError, "is a folder"),
+        (tmp_path / "afile" / "p.safetensors", NotADirectoryError,
+         f"{str(tmp_path / 'afile')!r} is not a folder"),
+    ]
+    for path, kind, problem in cases:
+        with pytest.raises(kind) as info:
+            save_patches(path, p)
+        e = info.value
+        assert problem in str(e), str(e)
+        assert e.filename == str(path) and str(path) in str(e)
+        assert ".patchkit-" not in str(e) and e.filename2 is None
+    # nothing was written anywhere, not even a temporary
+    assert sorted(os.listdir(tmp_path)) == ["adir", "afile"]
+    assert os.listdir(tmp_path / "adir") == [] and (tmp_path / "afile").read_bytes() == b"x"
+
+
+def test_missing_safetensors_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    good = sample_files(str(tmp_path))["path"]
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    need = "patch files need the safetensors package: pip install safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    with pytest.raises(ModuleNotFoundError, match=need):
+        save_patches(tmp_path / "new.safetensors", p)
+    assert not (tmp_path / "new.safetensors").exists()
+    for reader in (load_patches, read_patch_index, read_patch_metadata):
+        with pytest.raises(ImportError, match=need) as info:
+            reader(good)
+        assert info.value.name == "safetensors"
+    assert main(["inspect", good]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: {need}\n"
+
+
+def test_load_checks_the_device_before_reading_the_file(tmp_path, monkeypatch):
+    good = sample_files(str(tmp_path))["path"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cases = [
+        ("bogus", "bad device", "is not a torch device"),
+        ("meta", "meta device", "need real memory"),
+        ("cuda", "device unavailable", "torch.cuda.is_available() is False"),
+        (torch.device("cuda", 0), "device unavailable", "is not available"),
+    ]
+    for device, reason, problem in cases:
+        with pytest.raises(PatchValueError, match=f"device '{device}'") as info:
+            load_patches(good, device=device)
+        e = info.value
+        assert problem in str(e) and e.reason == reason and e.value == device
+        assert good not in str(e)  # the file is not blamed
+    with pytest.raises(PatchTypeError, match=r"device must be a str or torch\.device"):
+        load_patches(good, device=1.5)
+    assert len(load_patches(good, device="cpu")) == 2
+
+
 # --------------------------------------------------------------------------- bad files
 
 
@@ -479,6 +583,32 @@ def test_cli_subprocess(tmp_path):
                         text=True, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "model.norm.weight" in ok.stdout and "512 MiB" in ok.stdout
+
+
+def test_summary_says_written_not_changed(tmp_path, capsys):
+    """A dense patch writes every element and does not know which change."""
+    path, _ = _summary_file(tmp_path)
+    assert print_patch_file_summary(path) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["#", "name"])
+    assert header.split()[5] == "written" and "changed" not in header
+    row3 = next(line for line in lines if line.split()[:2] == ["3", "model.norm.weight"])
+    assert row3.split()[5:7] == ["32", "100%"]
+    assert any("a dense patch writes every one" in line for line in lines)
+
+
+def test_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
+    """``patchkit inspect FILE | head -1``: no BrokenPipeError traceback, status 1."""
+    path, _ = _summary_file(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first write
+    try:
+        out = subprocess.run([sys.executable, "-m", "patchkit", "inspect", path], stdout=w,
+                             stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    finally:
+        os.close(w)
+    assert out.returncode == 1 and out.stderr == ""
 
 
 def test_storable_dtypes():
