@@ -67,7 +67,7 @@ def plan_chunks(
     >>> [(c.positions, c.closed_by) for c in plan_chunks([p, p], max_chunk_bytes=1024)]
     [((0,), 'repeated name'), ((1,), 'end')]
     """
-    check_max_chunk_bytes(max_chunk_bytes)
+    max_chunk_bytes = check_max_chunk_bytes(max_chunk_bytes)
     patches = list(patches)
     if positions is None:
         positions = range(len(patches))

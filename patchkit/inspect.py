@@ -44,6 +44,7 @@ skip the page faults that fresh memory costs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -69,7 +70,13 @@ from .intercept import (
     _storage_offsets,
 )
 from .loader import _as_patch, _names, canonicalize_tied, run_load
-from .patch import CheckpointWeightPatch, _check_structure, numel, staged_nbytes
+from .patch import (
+    CheckpointWeightPatch,
+    _check_structure,
+    check_max_chunk_bytes,
+    numel,
+    staged_nbytes,
+)
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -593,6 +600,9 @@ def _inspect_load(
     model, patches, max_chunk_bytes, validate_unique_indices, transactional, loader
 ) -> LoadReport:
     patches = [_as_patch(p) for p in patches]
+    # As an int, when valid; when not, the load below raises the error that names it.
+    with contextlib.suppress(TypeError, ValueError):
+        max_chunk_bytes = check_max_chunk_bytes(max_chunk_bytes)
     rec = _Recorder()
     sessions: list[WriteSession] = []
     planned = None

@@ -7,6 +7,7 @@ any check leaves the model untouched.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -188,9 +189,10 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
     n = numel(patch)
     # Asynchronous only towards an accelerator: a device-to-host copy must be waited for.
     idx = indices.to(device=device, dtype=torch.int64, non_blocking=device.type != "cpu")
-    if values.is_floating_point() or values.is_complex():
-        # Check the values as they will be staged: a finite value can become NaN in the
-        # cast (float8 "fnuz" types overflow to NaN) and would then silently mean "keep".
+    if values.is_floating_point() or values.is_complex() or values.dtype != patch.dtype:
+        # Check the values as they will be staged: a finite value (an integer too) can
+        # become NaN in the cast (float8 "fnuz" types overflow to NaN) and would then
+        # silently mean "keep". (A sparse patch's dtype is floating point.)
         cast = values if values.dtype == patch.dtype else values.to(patch.dtype)
         has_nan = torch.isnan(cast if cast.element_size() > 1 else cast.float()).any()
     else:
@@ -240,18 +242,34 @@ def _first_offending_index(patch: CheckpointWeightPatch, reason: str) -> int:
     return int(s[pos])
 
 
-def check_max_chunk_bytes(max_chunk_bytes: object) -> None:
-    """CONTRACT §1.1: the budget is a positive int (``TypeError``/``ValueError`` otherwise)."""
-    if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
+def check_max_chunk_bytes(max_chunk_bytes: object) -> int:
+    """CONTRACT §1.1: the budget, as an int, when it is a positive whole number of bytes.
+
+    A number that is not positive raises ``ValueError`` (the contract's case, whatever
+    its type: ``0``, ``-1.0``); ``bool`` and non-numbers raise ``TypeError``. Any other
+    integer (a numpy ``int64``, say) and a float of whole value (``1e9``) are taken, as
+    vLLM's loader takes them; a fraction (``1.5``), infinity and NaN raise ``ValueError``.
+    """
+    if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, numbers.Real):
         raise PatchTypeError(
-            f"max_chunk_bytes must be an int, got {type(max_chunk_bytes).__name__}",
+            f"max_chunk_bytes must be a positive int, got {type(max_chunk_bytes).__name__}: "
+            f"{max_chunk_bytes!r}",
             reason="max_chunk_bytes type", value=max_chunk_bytes,
         )
-    if max_chunk_bytes <= 0:
+    if not max_chunk_bytes > 0:  # (NaN too)
         raise PatchValueError(
             f"max_chunk_bytes must be positive, got {max_chunk_bytes}",
             reason="max_chunk_bytes", value=max_chunk_bytes,
         )
+    if isinstance(max_chunk_bytes, numbers.Integral):
+        return int(max_chunk_bytes)
+    as_float = float(max_chunk_bytes)
+    if not (math.isfinite(as_float) and as_float.is_integer()):
+        raise PatchValueError(
+            f"max_chunk_bytes must be a whole number of bytes, got {max_chunk_bytes}",
+            reason="max_chunk_bytes", value=max_chunk_bytes,
+        )
+    return int(as_float)
 
 
 def validate_patches(

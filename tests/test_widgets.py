@@ -172,7 +172,7 @@ def test_widgets_have_a_short_stable_text_repr():
 def test_planner_rejects_a_budget_that_is_not_positive(budget):
     with pytest.raises(ValueError, match=f"max_chunk_bytes must be positive, got {budget}"):
         chunk_planner(patches(), max_chunk_bytes=budget)
-    with pytest.raises(TypeError, match="max_chunk_bytes must be an int, got str"):
+    with pytest.raises(TypeError, match="max_chunk_bytes must be a positive int, got str"):
         chunk_planner(patches(), max_chunk_bytes="1 KiB")
 
 

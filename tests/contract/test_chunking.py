@@ -174,7 +174,8 @@ def test_plan_chunks_of_nothing_is_empty():
 
 
 @pytest.mark.patchkit_only
-@pytest.mark.parametrize(("budget", "error"), [(0, ValueError), (-1, ValueError), (2.0, TypeError)])
+@pytest.mark.parametrize(("budget", "error"),
+                         [(0, ValueError), (-1, ValueError), (2.5, ValueError), ("2", TypeError)])
 def test_plan_chunks_rejects_a_bad_budget(mk, budget, error):
     with pytest.raises(error):
         plan_chunks([mk.dense("a", F4)], budget)

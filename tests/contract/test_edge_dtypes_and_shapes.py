@@ -63,3 +63,14 @@ def test_a_shape_too_large_for_any_tensor_is_rejected_by_name(load, Patch, spars
         load(m, [p])
     assert (info.value.position, info.value.name, info.value.reason) == (0, "w", "shape too large")
     assert m.w.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.patchkit_only
+def test_an_integer_value_that_becomes_nan_in_the_cast_is_rejected_too(load, Patch):
+    # int 1000 overflows float8_e4m3fnuz to NaN just as a float 1000.0 does
+    m = PlainModel({"w": (4,)}, dtype=torch.float32, fill=7.0)
+    p = Patch("w", (4,), torch.float8_e4m3fnuz, torch.tensor([1000, 1]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="becomes NaN when cast") as info:
+        load(m, [p])
+    assert (info.value.reason, info.value.value) == ("NaN", 0)
+    assert m.w.tolist() == [7.0] * 4

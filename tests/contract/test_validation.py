@@ -476,10 +476,31 @@ def test_mixing_error_names_the_later_kind_and_says_mixed(load, mk):
 
 
 @pytest.mark.patchkit_only
-@pytest.mark.parametrize("budget", [1.5, "64", True])
-def test_max_chunk_bytes_must_be_an_int(load, mk, budget):
+@pytest.mark.parametrize("budget", ["64", True, None])
+def test_max_chunk_bytes_must_be_a_number(load, mk, budget):
     err = rejected(load, [good_dense(mk)], TypeError, max_chunk_bytes=budget)
     assert isinstance(err, patchkit.PatchTypeError)
+
+
+@pytest.mark.parametrize("budget", [0.0, -1.0, float("nan")])
+def test_a_budget_that_is_not_positive_is_a_value_error_whatever_its_type(load, mk, budget):
+    # CONTRACT §1.1: max_chunk_bytes <= 0 -> ValueError (a float too)
+    rejected(load, [good_dense(mk)], ValueError, max_chunk_bytes=budget)
+
+
+@pytest.mark.patchkit_only
+def test_a_whole_number_budget_of_another_type_is_taken_and_a_fraction_is_not(load, mk):
+    np = pytest.importorskip("numpy")
+    calls = []
+    for budget in (24, np.int64(24), 24.0, 2.4e1):
+        m = model()
+        assert load(m, [good_dense(mk), good_dense(mk, "b")], max_chunk_bytes=budget) == {"a", "b"}
+        calls.append([[name for name, _ in call] for call in m.calls])
+    assert calls[0] == calls[1] == calls[2] == calls[3] and len(calls[0]) == 2
+    assert patchkit.plan_chunks([good_dense(mk), good_dense(mk, "b")], 64.0) == (
+        patchkit.plan_chunks([good_dense(mk), good_dense(mk, "b")], 64))
+    err = rejected(load, [good_dense(mk)], ValueError, max_chunk_bytes=1.5)
+    assert (err.reason, err.value) == ("max_chunk_bytes", 1.5)
 
 
 @pytest.mark.patchkit_only
