@@ -244,6 +244,7 @@ class RuntimeIndex:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
         self._owners: dict[tuple, list[_Owner]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.aliases: dict[str, str] = {}
@@ -278,6 +279,28 @@ class RuntimeIndex:
             for n, t in self.tensors.items()
             if t.untyped_storage().data_ptr() != bindings[n].untyped_storage().data_ptr()
         ]
+
+    def replaced(self) -> list[str]:
+        """Names (of :attr:`tensors`) no longer registered to the tensor they named when
+        the index was built: ``module.w = nn.Parameter(w)`` or ``register_buffer`` with
+        a new tensor, or the name gone. (:meth:`rebound` sees ``param.data = w``.)"""
+        now = dict(named_tensors(self.model))
+        return [n for n, t in self.tensors.items() if now.get(n) is not t]
+
+    def put_back(self, names: Sequence[str]) -> None:
+        """Register each of ``names`` to its original tensor again, as the parameter or
+        buffer it was (undoes what :meth:`replaced` finds)."""
+        for name in names:
+            t = self.tensors[name]
+            parent, _, leaf = name.rpartition(".")
+            module = self.model.get_submodule(parent)
+            module.__dict__.pop(leaf, None)
+            mine, other = (
+                (module._parameters, module._buffers) if isinstance(t, torch.nn.Parameter)
+                else (module._buffers, module._parameters)
+            )
+            other.pop(leaf, None)
+            mine[leaf] = t
 
     def owner(
         self, t: torch.Tensor, key: tuple | None = None
@@ -892,6 +915,19 @@ class WriteSession:
             self._nan_masked = False
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
+        replaced = self.index.replaced()
+        if replaced:
+            # Register the originals again: the new tensors may hold the NaN-masked data.
+            self.index.put_back(replaced)
+            raise ContractViolation(
+                f"load_weights (call {self._chunk}, "
+                f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))}) "
+                f"registered a new tensor as runtime tensor {replaced[0]!r} (e.g. "
+                "`module.weight = nn.Parameter(w)`) instead of copying into the existing one; "
+                "a sparse load needs same-shaped floating-point copy_ into the existing "
+                "storage. The original tensor was registered again",
+                position=positions[0], name=staged[0][0], reason="rebinding", value=replaced[0],
+            )
         rebound = self.index.rebound(bindings)
         if rebound:
             # Put the original storage back: the rebound tensors hold NaN-masked data.

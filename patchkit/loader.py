@@ -42,7 +42,11 @@ def load_checkpoint_weight_patches(
        into the model's parameters and buffers keeps the runtime value wherever the source
        is NaN; any other write into runtime storage, overlapping destinations within one
        call, or a call that reports names without writing raise
-       :class:`NotImplementedError` before that write happens.
+       :class:`NotImplementedError` before that write happens. A call that rebinds a
+       runtime tensor (``param.data = w``) or registers a new one in its place
+       (``module.w = nn.Parameter(w)``) is caught when it returns: the original is put back
+       and :class:`NotImplementedError` raised. Writes the loader makes on another thread
+       are not seen: a sparse load's NaN can then reach the model.
     5. ``transactional=False`` (the default, as in vLLM): a loader failure leaves the
        writes made so far in place and propagates unchanged. **[patchkit]**
        ``transactional=True``: every runtime region is saved before its first write, and
@@ -50,10 +54,16 @@ def load_checkpoint_weight_patches(
        is at most the size of the regions written (a dense copy from a same-shaped source
        of the same dtype and device saves only the elements it changes). Dense calls are
        watched through a torch function mode: a write the loader makes inside
-       ``torch._C.DisableTorchFunction()`` there is not seen, so not restored.
+       ``torch._C.DisableTorchFunction()`` or through a storage there is not seen, so not
+       restored; nor is one made on another thread. A rebound or newly registered runtime
+       tensor gets its original back.
     6. **[patchkit]** A patch naming the alias of a tied parameter is renamed to the
        canonical (first registered) name, or dropped when the canonical name is patched
        in the same call.
+
+    With ``validate_unique_indices=False`` and a sparse patch that repeats an index,
+    which of its values lands there is unspecified (torch's ``index_copy_`` does not
+    order duplicates; on the CPU with several threads it varies from run to run).
 
     Returns the union of the names the ``load_weights`` calls returned (a call returning
     ``None`` adds nothing). An empty ``patches`` makes no call and returns ``set()``.
@@ -144,6 +154,9 @@ def run_load(
                 del staged
         except BaseException:
             if transactional and session is not None:
+                # Tensors registered anew (`module.w = nn.Parameter(...)`): the originals
+                # again; then their storage, if `.data` was rebound; then the saved values.
+                session.index.put_back(session.index.replaced())
                 for name in session.index.rebound(bindings):
                     session.index.tensors[name].data = bindings[name]
                 session.restore()

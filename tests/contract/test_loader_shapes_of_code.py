@@ -52,3 +52,53 @@ def test_transactional_dense_load_undoes_rebinding(load, Patch):
         load(m, patches, max_chunk_bytes=16, transactional=True)
     assert same_bits(m.w.detach(), before)
     assert m.w.untyped_storage().data_ptr() == storage
+
+
+class RegistersAnew(torch.nn.Module):
+    """A loader that puts a new Parameter (``w``) and a new buffer (``scale``) in place of
+    the registered ones instead of copying into them; ``fail_on`` raises afterwards."""
+
+    def __init__(self, fail_on=None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.register_buffer("scale", torch.ones(4))
+        self.fail_on = fail_on
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name == self.fail_on:
+                raise Boom(name)
+            if name == "w":
+                self.w = torch.nn.Parameter(t.clone(), requires_grad=False)
+            else:
+                self.scale = t.clone()
+        return {n for n, _ in weights}
+
+
+@pytest.mark.patchkit_only
+def test_a_sparse_call_that_registers_a_new_tensor_is_refused_and_undone(load, Patch):
+    # the NaN-staged tensor would have become the live parameter: [nan, 5, nan, nan]
+    from patchkit import ContractViolation
+
+    m = RegistersAnew()
+    w, scale = m.w, m.scale
+    p = Patch("w", (4,), torch.float32, torch.tensor([5.0]), torch.tensor([1]))
+    with pytest.raises(ContractViolation, match="registered a new tensor") as info:
+        load(m, [p])
+    assert (info.value.reason, info.value.value, info.value.name) == ("rebinding", "w", "w")
+    assert m.w is w and m.w.tolist() == [0.0] * 4 and m.scale is scale
+    assert dict(m.named_parameters()) == {"w": w} and dict(m.named_buffers()) == {"scale": scale}
+
+
+@pytest.mark.patchkit_only
+def test_a_failed_transactional_load_registers_the_original_tensors_again(load, Patch):
+    m = RegistersAnew(fail_on="c")
+    w, scale = m.w, m.scale
+    patches = [Patch("w", (4,), torch.float32, torch.full((4,), 2.0)),
+               Patch("scale", (4,), torch.float32, torch.full((4,), 3.0)),
+               Patch("c", (4,), torch.float32, torch.full((4,), 7.0))]
+    with pytest.raises(Boom):
+        load(m, patches, max_chunk_bytes=16, transactional=True)
+    assert m.w is w and m.scale is scale
+    assert m.w.tolist() == [0.0] * 4 and m.scale.tolist() == [1.0] * 4
+    assert "scale" in m._buffers and "w" in m._parameters
