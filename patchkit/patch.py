@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -129,6 +130,8 @@ def _check_structure(position: int, patch: object) -> None:
             f"{at}: values must be 1-D, got shape {tuple(values.shape)}",
             position=position, name=name, reason="values not 1-D", value=tuple(values.shape),
         )
+    if values.layout is not torch.strided:
+        _refuse_layout(at, position, name, "values", values)
     n = math.prod(dims)
     if n * dtype.itemsize >= 1 << 63:
         # torch indexes elements and bytes with int64: no tensor this big can be staged
@@ -144,6 +147,8 @@ def _check_structure(position: int, patch: object) -> None:
                 f"got {values.numel()}",
                 position=position, name=name, reason="dense count", value=values.numel(),
             )
+        if _STAGEABLE.get((values.dtype, dtype, False)) is not True:
+            _check_stageable(at, position, name, values.dtype, dtype, sparse=False)
         return
     if not dtype.is_floating_point:
         raise PatchTypeError(
@@ -166,10 +171,52 @@ def _check_structure(position: int, patch: object) -> None:
             f"{at}: indices must be int32 or int64, got {indices.dtype}",
             position=position, name=name, reason="indices dtype", value=indices.dtype,
         )
+    if indices.layout is not torch.strided:
+        _refuse_layout(at, position, name, "indices", indices)
     if indices.numel() != values.numel():
         raise PatchValueError(
             f"{at}: {indices.numel()} indices but {values.numel()} values",
             position=position, name=name, reason="length mismatch", value=indices.numel(),
+        )
+    if _STAGEABLE.get((values.dtype, dtype, True)) is not True:
+        _check_stageable(at, position, name, values.dtype, dtype, sparse=True)
+
+
+def _refuse_layout(at: str, position: int, name: str, what: str, t: torch.Tensor) -> None:
+    """A patch tensor must be a plain strided tensor, not a torch.sparse one. (Meta
+    tensors pass: a model on the meta device loads them, e.g. to plan chunks.)"""
+    raise PatchTypeError(
+        f"{at}: {what} must be a dense (strided) tensor, got layout {t.layout}",
+        position=position, name=name, reason=f"{what} layout", value=t.layout,
+    )
+
+
+# (values dtype, patch dtype, sparse) -> True, or why such values cannot be staged: found
+# once per combination by staging one CPU element (see _check_stageable).
+_STAGEABLE: dict[tuple[torch.dtype, torch.dtype, bool], bool | str] = {}
+
+
+def _check_stageable(at: str, position: int, name: str, src: torch.dtype, dst: torch.dtype,
+                     *, sparse: bool) -> None:
+    """The values' dtype must cast to the patch's (quantized, bit and packed float4
+    dtypes do not; a sparse patch's dtype must also hold NaN), checked before any load so
+    that no call is made first."""
+    why = _STAGEABLE.get((src, dst, sparse))
+    if why is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # quantized dtypes warn before they fail
+                torch.zeros(1, dtype=src, device="cpu").to(dst)
+                if sparse:
+                    torch.full((1,), float("nan"), dtype=dst, device="cpu")
+            why = True
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        _STAGEABLE[(src, dst, sparse)] = why
+    if why is not True:
+        raise PatchTypeError(
+            f"{at}: values of dtype {src} cannot be staged as a {dst} tensor ({why})",
+            position=position, name=name, reason="unstageable dtype", value=dst,
         )
 
 

@@ -514,3 +514,24 @@ def test_valid_input_never_searches_for_an_offending_index(load, mk, monkeypatch
     assert m.b.detach().eq(0.5).all()
     with pytest.raises(AssertionError, match="offending-index search"):
         load(m, [mk.sparse("a", SHAPE, [0], [NAN])])
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.bits8, torch.float4_e2m1fn_x2])
+def test_a_dtype_that_cannot_be_staged_is_refused_before_the_first_call(load, mk, dtype):
+    # patch 0 is good: a load that found out while staging patch 1 had written patch 0
+    bad = patchkit.CheckpointWeightPatch("b", SHAPE, dtype, torch.zeros(6), None)
+    err = rejected(load, [good_dense(mk), bad], TypeError, max_chunk_bytes=24)
+    assert (err.position, err.name, err.reason, err.value) == (1, "b", "unstageable dtype", dtype)
+
+
+@pytest.mark.patchkit_only
+def test_torch_sparse_values_or_indices_are_refused_by_name(load, mk):
+    coo = torch.zeros(6).to_sparse()
+    bad = patchkit.CheckpointWeightPatch("b", SHAPE, torch.float32, coo, None)
+    err = rejected(load, [good_dense(mk), bad], TypeError, max_chunk_bytes=24)
+    assert (err.position, err.reason) == (1, "values layout")
+    bad = patchkit.CheckpointWeightPatch("b", SHAPE, torch.float32, torch.ones(1),
+                                torch.tensor([1]).to_sparse())
+    err = rejected(load, [good_sparse(mk), bad], TypeError, max_chunk_bytes=24)
+    assert (err.position, err.reason) == (1, "indices layout")
