@@ -36,7 +36,9 @@ def load_checkpoint_weight_patches(
        :func:`~patchkit.plan_chunks`: a chunk closes before a patch that would push it past
        ``max_chunk_bytes`` (staged bytes) or that repeats a name already in it.
     3. Each patch is staged as a checkpoint-shaped tensor of its dtype on the device of
-       its values: dense values viewed as ``shape``; sparse values written into a
+       its values: dense values viewed as ``shape`` (a view when the dtype matches: a
+       loader that writes into the tensor it is given changes the caller's values, even
+       in a transactional load that is rolled back); sparse values written into a
        NaN-filled tensor. Each chunk is one ``model.load_weights([(name, tensor), ...])``.
     4. During sparse calls, and only on this thread, same-shaped floating-point ``copy_``
        into the model's parameters and buffers keeps the runtime value wherever the source

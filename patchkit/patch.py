@@ -191,6 +191,26 @@ def _refuse_layout(at: str, position: int, name: str, what: str, t: torch.Tensor
     )
 
 
+def _is_integral(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _check_finite_for_integers(position: int, patch: CheckpointWeightPatch) -> None:
+    """Floating values of an integer patch must be finite: NaN and infinity have no
+    integer value, and the cast would write an arbitrary one (NaN into int32 is
+    -2147483648). One pass, only for such patches."""
+    finite = torch.isfinite(patch.values)
+    if bool(finite.all()):
+        return
+    k = int(torch.nonzero(~finite)[0, 0])
+    bad = float(patch.values[k])
+    raise PatchValueError(
+        f"{where(position, patch.name)}: value {bad} at values[{k}] has no {patch.dtype} "
+        "value (the cast would write an arbitrary integer)",
+        position=position, name=patch.name, reason="not finite", value=bad,
+    )
+
+
 # (values dtype, patch dtype, sparse) -> True, or why such values cannot be staged: found
 # once per combination by staging one CPU element (see _check_stageable).
 _STAGEABLE: dict[tuple[torch.dtype, torch.dtype, bool], bool | str] = {}
@@ -199,9 +219,13 @@ _STAGEABLE: dict[tuple[torch.dtype, torch.dtype, bool], bool | str] = {}
 def _check_stageable(at: str, position: int, name: str, src: torch.dtype, dst: torch.dtype,
                      *, sparse: bool) -> None:
     """The values' dtype must cast to the patch's (quantized, bit and packed float4
-    dtypes do not; a sparse patch's dtype must also hold NaN), checked before any load so
-    that no call is made first."""
+    dtypes do not; complex values do not cast to a real dtype, which would drop their
+    imaginary part; a sparse patch's dtype must also hold NaN), checked before any load
+    so that no call is made first."""
     why = _STAGEABLE.get((src, dst, sparse))
+    if why is None and src.is_complex and not dst.is_complex:
+        why = "the cast would drop the imaginary part"
+        _STAGEABLE[(src, dst, sparse)] = why
     if why is None:
         try:
             with warnings.catch_warnings():
@@ -358,6 +382,9 @@ def validate_patches(
             position=positions[i], name=patches[i].name, reason="mixed", value=kind,
         )
     if not sparse[0]:
+        for pos, p in zip(positions, patches):
+            if _is_integral(p.dtype) and p.values.is_floating_point():
+                _check_finite_for_integers(pos, p)
         return "dense"
 
     by_device: dict[torch.device, list[int]] = {}

@@ -535,3 +535,28 @@ def test_torch_sparse_values_or_indices_are_refused_by_name(load, mk):
                                 torch.tensor([1]).to_sparse())
     err = rejected(load, [good_sparse(mk), bad], TypeError, max_chunk_bytes=24)
     assert (err.position, err.reason) == (1, "indices layout")
+
+
+@pytest.mark.patchkit_only
+def test_complex_values_for_a_real_dtype_are_refused_before_the_first_call(load, mk):
+    # the cast would drop the imaginary part (torch only warns)
+    bad = patchkit.CheckpointWeightPatch("b", SHAPE, torch.float32,
+                                         torch.full((6,), 1 + 2j, dtype=torch.complex64), None)
+    err = rejected(load, [good_dense(mk), bad], TypeError, max_chunk_bytes=24)
+    assert (err.position, err.reason) == (1, "unstageable dtype")
+    assert "imaginary part" in str(err)
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+def test_a_non_finite_value_for_an_integer_dtype_is_refused(load, mk, bad_value):
+    # NaN cast to int32 is -2147483648: an arbitrary integer written into the model
+    m = RecordingModel({"i": torch.zeros(3, dtype=torch.int32)})
+    vals = torch.tensor([1.0, bad_value, 3.0])
+    with pytest.raises(ValueError, match=r"has no torch.int32 value") as info:
+        load(m, [patchkit.CheckpointWeightPatch("i", (3,), torch.int32, vals, None)])
+    assert (info.value.position, info.value.reason) == (0, "not finite")
+    assert m.calls == [] and m.i.tolist() == [0, 0, 0]
+    load(m, [patchkit.CheckpointWeightPatch("i", (3,), torch.int32, torch.tensor([1.0, 2, 3]),
+                                            None)])
+    assert m.i.tolist() == [1, 2, 3]
