@@ -25,6 +25,7 @@ import itertools
 import math
 import numbers
 import operator
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
@@ -222,6 +223,10 @@ def sparse_patches_from_diff(
     :class:`~patchkit.errors.PatchTypeError` (a ``TypeError``) when a weight with a
     non-floating dtype (an integer buffer, say) changed: a sparse patch needs a dtype that
     has NaN, so send it dense. Unchanged non-floating weights are skipped silently.
+
+    Warns (``UserWarning``) when a weight of ``before`` shares memory with the same
+    weight of ``after``: its diff is then empty whatever the trainer did (a trainer that
+    updates its tensors in place, with ``prev = new`` kept as a reference, not a copy).
     """
     _check_index_dtype(index_dtype, allow_none=True)
     missing = [k for k in before if k not in after]
@@ -255,6 +260,16 @@ def sparse_patches_from_diff(
             )
         idx_dtype = _index_dtype_for(a.numel(), index_dtype, name)
         plan.append((name, b, a, idx_dtype))
+    shared = [name for name, b, a, _ in plan
+              if a.numel() and b.device == a.device
+              and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()]
+    if shared:
+        warnings.warn(
+            f"sparse_patches_from_diff: before and after share memory for {len(shared)} "
+            f"weight(s) (first: {shared[0]!r}), so nothing can differ there; keep a copy "
+            "of the previous weights (clone) if the trainer updates them in place",
+            UserWarning, stacklevel=2,
+        )
 
     patches: list[CheckpointWeightPatch] = []
     nan_counts: dict[str, int] = {}
@@ -576,6 +591,11 @@ class AdamLikeTrainer:
     learning rates only a few percent of bf16 elements change per step, as reported for
     real RL runs. Two trainers built with the same arguments produce the same steps.
 
+    Tensors that ``state_dict`` lists under several names (tied weights: a Hugging Face
+    ``state_dict()`` lists ``lm_head.weight`` and ``model.embed_tokens.weight`` as one
+    tensor) stay one: one master weight, one gradient per step, and every name of it
+    gets the same new values, as a real optimizer of a tied model gives.
+
     Arguments are checked when the trainer is made (``PatchTypeError`` /
     ``PatchValueError``): ``state_dict`` a mapping of names to tensors; ``lr``,
     ``weight_decay`` and ``grad_std`` finite numbers >= 0; ``eps`` a finite number > 0;
@@ -613,7 +633,13 @@ class AdamLikeTrainer:
         self.master: dict[str, torch.Tensor] = {}
         self._m: dict[str, torch.Tensor] = {}
         self._v: dict[str, torch.Tensor] = {}
+        self._tied: dict[str, str] = {}  # a later name of a tensor -> its first name
+        first: dict[int, str] = {}
         for k, t in state_dict.items():
+            if id(t) in first:
+                self._tied[k] = first[id(t)]
+                continue
+            first[id(t)] = k
             if t.dtype.is_floating_point:
                 keep = torch.float64 if t.dtype == torch.float64 else torch.float32
                 self.master[k] = t.detach().to(keep, copy=True)
@@ -623,10 +649,13 @@ class AdamLikeTrainer:
                 self._fixed[k] = t.detach().clone()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The current weights in their original dtypes and key order (fresh tensors)."""
+        """The current weights in their original dtypes and key order (fresh tensors; a
+        tensor given under several names is one tensor under those names here too)."""
         out: dict[str, torch.Tensor] = {}
         for k, dtype in self._dtypes.items():
-            if k in self.master:
+            if k in self._tied:
+                out[k] = out[self._tied[k]]  # one tensor under both names, as given
+            elif k in self.master:
                 out[k] = self.master[k].to(dtype, copy=True)
             else:
                 out[k] = self._fixed[k].clone()

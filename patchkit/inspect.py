@@ -250,7 +250,12 @@ class LoadReport:
       elements). For bfloat16 on x86 CPUs the compiled path measures partly in
       float32: ``rel_l2`` always, and ``max_abs`` and ``mean_abs`` where most of a write
       changed, can be off by up to 1e-6 relative (see
-      :class:`patchkit.native.CopyResult`).
+      :class:`patchkit.native.CopyResult`). Non-finite values are counted in
+      ``changed`` but add nothing to ``max_abs``, ``mean_abs`` and ``rel_l2`` (a
+      difference that is NaN or infinite counts as 0, and so does a non-finite old value
+      in ``||before||``): a load that writes NaN or inf shows as changed elements with
+      small or zero numbers. Check ``torch.isfinite(report.after(target))`` where that
+      matters.
     - ``error``: the exception the load raised, or ``None``; ``rolled_back``: True when
       that load was ``transactional=True`` and put every write back (the ``writes``
       table still says what the load did before it failed; ``deltas`` compares with the
@@ -562,6 +567,11 @@ def inspect_load(
     ``transactional=True`` restored them).
 
     Memory: see the module docstring (the bytes written, never the whole model).
+
+    A report holds references to its patches (their values and indices) and to the
+    model's tensors for as long as it is kept, also after it was passed on as
+    ``reuse=``: in a loop that keeps numbers for logging, keep ``report.deltas`` or
+    ``report.summary()``, not the reports.
 
     ``reuse``: an earlier report whose before-values you no longer need (last step's, in
     a training loop: ``report = inspect_load(model, patches, reuse=report)``). Its save

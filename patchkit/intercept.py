@@ -953,7 +953,8 @@ class WriteSession:
                 f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))}) {said} "
                 "without copying into any runtime parameter or buffer; a sparse load cannot "
                 "tell what it did. A loader that owns none of these weights returns an empty "
-                "collection",
+                "collection. (A loader that copies on another thread is not watched: its "
+                "copies may have put the staged NaN into the model, which no rollback sees)",
                 position=positions[0], name=staged[0][0], reason="without copying",
                 value=None if returned is None else tuple(sorted(returned)),
             )

@@ -600,3 +600,25 @@ def test_trainer_keeps_float64_weights_exact_until_they_train():
     assert torch.equal(tr.state_dict()["w"], sd["w"])  # fp32 masters rounded the 2**-40 away
     step = tr.step()["w"]
     assert step.dtype == torch.float64 and not torch.equal(step, sd["w"])
+
+
+def test_trainer_keeps_tied_weights_tied():
+    emb = torch.randn(8, 4).to(torch.bfloat16)
+    sd = {"embed.weight": emb, "norm": torch.ones(4, dtype=torch.bfloat16), "head.weight": emb}
+    tr = AdamLikeTrainer(sd, lr=1e-2)
+    for _ in range(3):
+        new = tr.step()
+    assert list(new) == list(sd)
+    assert new["head.weight"] is new["embed.weight"]
+    assert not torch.equal(new["embed.weight"], emb)
+    # the untied reference: the same seed trains the embedding alone alike
+    alone = AdamLikeTrainer({"embed.weight": emb, "norm": sd["norm"]}, lr=1e-2)
+    for _ in range(3):
+        ref = alone.step()
+    assert torch.equal(ref["embed.weight"], new["embed.weight"])
+
+
+def test_a_diff_of_tensors_that_share_memory_warns():
+    w = torch.ones(4)
+    with pytest.warns(UserWarning, match="share memory for 1 weight"):
+        assert sparse_patches_from_diff({"w": w}, {"w": w}) == []
