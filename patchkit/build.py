@@ -262,7 +262,7 @@ def sparse_patches_from_diff(
         plan.append((name, b, a, idx_dtype))
     shared = [name for name, b, a, _ in plan
               if a.numel() and b.device == a.device
-              and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()]
+              and b.data_ptr() == a.data_ptr() and b.stride() == a.stride()]
     if shared:
         warnings.warn(
             f"sparse_patches_from_diff: before and after share memory for {len(shared)} "

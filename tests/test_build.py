@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import struct
+import warnings
 
 import pytest
 import torch
@@ -622,3 +623,8 @@ def test_a_diff_of_tensors_that_share_memory_warns():
     w = torch.ones(4)
     with pytest.warns(UserWarning, match="share memory for 1 weight"):
         assert sparse_patches_from_diff({"w": w}, {"w": w}) == []
+    # two weights of one flat buffer, before and after in different halves: no warning
+    flat = torch.zeros(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sparse_patches_from_diff({"w": flat[:4]}, {"w": flat[4:]}) == []
