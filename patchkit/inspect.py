@@ -44,6 +44,7 @@ skip the page faults that fresh memory costs.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -679,7 +680,7 @@ def _observe_foreign(
     sessions.append(session)
     original = model.load_weights
     had_instance_attr = "load_weights" in vars(model)
-    sent: dict[str, list[int]] = {}  # name -> positions already sent, in order
+    sent = _SentPositions(patches)
 
     def recording_load_weights(weights, *a, **kw):
         staged = list(weights)
@@ -688,9 +689,8 @@ def _observe_foreign(
         if i < len(plan) and plan[i].names == names and _as_planned(observed, plan):
             pos = plan[i].positions
         else:
-            pos = _match_positions(patches, names, sent)
-        for p, n in zip(pos, names):
-            sent.setdefault(n, []).append(p)
+            pos = sent.match(names)
+        sent.mark(names, pos)
         nbytes = sum(t.numel() * t.element_size() for _, t in staged)
         observed.append(Chunk(i, tuple(pos), names, nbytes, "end"))
         call_patches = [patches[p] if p >= 0 else None for p in pos]
@@ -724,23 +724,36 @@ def _as_planned(calls: list[Chunk], plan: list[Chunk], complete: bool = False) -
     return all(c.names == p.names and c.positions == p.positions for c, p in zip(calls, plan))
 
 
-def _match_positions(
-    patches: Sequence[CheckpointWeightPatch], names: Sequence[str], sent: dict[str, list[int]]
-) -> tuple[int, ...]:
-    """The input positions of the patches an observed call sent, by name: the first
-    position of that name not sent yet (in this call or an earlier one); for a name sent
-    again, the position sent last; -1 for a name no patch has."""
-    taken = {p for ps in sent.values() for p in ps}
-    out = []
-    for n in names:
-        pos = next((i for i, p in enumerate(patches) if p.name == n and i not in taken), None)
-        if pos is None:
-            pos = sent[n][-1] if sent.get(n) else next(
-                (p for p in reversed(out) if p >= 0 and patches[p].name == n), -1)
-        else:
-            taken.add(pos)
-        out.append(pos)
-    return tuple(out)
+class _SentPositions:
+    """Which input positions an observed loader's calls sent, matched by name: a sent name
+    is the first patch of that name not sent yet; a name sent again, the position it was
+    sent from last; -1, a name no patch has."""
+
+    def __init__(self, patches: Sequence[CheckpointWeightPatch]) -> None:
+        self._unsent: dict[str, collections.deque[int]] = {}
+        for i, p in enumerate(patches):
+            self._unsent.setdefault(p.name, collections.deque()).append(i)
+        self._taken: set[int] = set()
+        self._last: dict[str, int] = {}
+
+    def match(self, names: Sequence[str]) -> tuple[int, ...]:
+        """The positions of one call's ``names`` (marked sent as they are matched)."""
+        out = []
+        for n in names:
+            queue = self._unsent.get(n)
+            while queue and queue[0] in self._taken:
+                queue.popleft()  # sent already, by position (a call that followed the plan)
+            pos = queue.popleft() if queue else self._last.get(n, -1)
+            self.mark((n,), (pos,))
+            out.append(pos)
+        return tuple(out)
+
+    def mark(self, names: Sequence[str], positions: Sequence[int]) -> None:
+        """Record that ``names`` were sent from ``positions``."""
+        for n, p in zip(names, positions):
+            if p >= 0:
+                self._taken.add(p)
+            self._last[n] = p
 
 
 def _reasons(calls: list[Chunk], patches, max_chunk_bytes: int) -> list[Chunk]:

@@ -42,6 +42,7 @@ from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, density_map, grid_shape
+from .loader import _as_patch as _as_record
 from .patch import CheckpointWeightPatch, numel, staged_nbytes
 from .units import format_bytes
 
@@ -198,8 +199,7 @@ def _as_patch(patch: Any, fn: str, position: int | None = None) -> Any:
     """``patch`` as a patch record (a plain 5-tuple ``(name, shape, dtype, values,
     indices)`` becomes a :class:`CheckpointWeightPatch`, as a load takes it); else
     ``TypeError`` naming the argument."""
-    if isinstance(patch, tuple) and len(patch) == 5 and not hasattr(patch, "indices"):
-        return CheckpointWeightPatch(*patch)
+    patch = _as_record(patch)
     if not all(hasattr(patch, f) for f in CheckpointWeightPatch._fields):
         at = "patch" if position is None else f"patch {position}"
         hint = (
