@@ -34,6 +34,7 @@ from .errors import ContractViolation, PatchError, PatchTypeError, PatchValueErr
 from .io import load_patches, read_patch_metadata, save_patches
 from .loader import load_checkpoint_weight_patches
 from .patch import CheckpointWeightPatch
+from .progress import LoadProgress
 from .staging import stage
 from .units import format_bytes
 
@@ -52,6 +53,7 @@ __all__ = [
     "CheckpointWeightPatch",
     "Chunk",
     "ContractViolation",
+    "LoadProgress",
     "LoadReport",
     "PatchError",
     "PatchTypeError",

@@ -78,6 +78,7 @@ from .patch import (
     numel,
     staged_nbytes,
 )
+from .progress import LoadProgress, Tracker, check_progress
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -171,15 +172,19 @@ def _summary_columns(patches: Iterable[CheckpointWeightPatch]) -> dict[str, list
 class _Recorder:
     """Collects calls and writes from a :class:`~patchkit.intercept.WriteSession`."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracker: Tracker | None = None) -> None:
         self.calls: list[dict[str, Any]] = []
         self.events: list[WriteEvent] = []
         self._sent: list[str] = []
         self._writes_at_start = 0
+        self._tracker = tracker if tracker is not None and tracker.active else None
+        self._staged_bytes = 0
 
     def on_call_start(self, chunk: int, staged: Sequence[tuple[str, torch.Tensor]]) -> None:
         self._sent = [n for n, _ in staged]
         self._writes_at_start = len(self.events)
+        if self._tracker is not None:
+            self._staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
 
     def on_write(self, event: WriteEvent) -> None:
         self.events.append(event)
@@ -195,6 +200,8 @@ class _Recorder:
                 "error": error,
             }
         )
+        if self._tracker is not None:
+            self._tracker.call_end(tuple(self._sent), self._staged_bytes, error)
 
 
 class _Table:
@@ -538,6 +545,7 @@ def inspect_load(
     transactional: bool = False,
     loader: Callable[..., Any] | None = None,
     reuse: LoadReport | None = None,
+    progress: bool | Callable[[LoadProgress], Any] | None = False,
 ) -> LoadReport:
     """Run a real load of ``patches`` into ``model`` and return what happened.
 
@@ -583,7 +591,14 @@ def inspect_load(
     tables, numbers and figures, but its ``before()`` and ``written()`` (and so
     ``plot_delta``) raise ``ValueError`` from then on. Only the compiled CPU path reuses
     buffers, and only those that nothing else holds.
+
+    ``progress``: ``True`` shows how far a long load is, one step per ``load_weights``
+    call (a bar in a Jupyter kernel with ipywidgets, else a line on stderr), once it has
+    run half a second, so a short load shows nothing; a callable is called with a
+    :class:`~patchkit.LoadProgress` after every call instead (an exception it raises
+    stops the load like the loader's own would). See :mod:`patchkit.progress`.
     """
+    check_progress(progress)
     if reuse is not None and not isinstance(reuse, LoadReport):
         raise PatchTypeError(f"reuse must be a LoadReport or None, got {type(reuse).__name__}",
                              reason="reuse type", value=type(reuse).__name__)
@@ -604,17 +619,17 @@ def inspect_load(
     with native.reusing(lent):
         del lent  # the pool holds them now: what the load does not take is freed after it
         return _inspect_load(model, patches, max_chunk_bytes, validate_unique_indices,
-                             transactional, loader)
+                             transactional, loader, progress)
 
 
 def _inspect_load(
-    model, patches, max_chunk_bytes, validate_unique_indices, transactional, loader
+    model, patches, max_chunk_bytes, validate_unique_indices, transactional, loader,
+    progress=False,
 ) -> LoadReport:
     patches = [_as_patch(p) for p in patches]
     # As an int, when valid; when not, the load below raises the error that names it.
     with contextlib.suppress(TypeError, ValueError):
         max_chunk_bytes = check_max_chunk_bytes(max_chunk_bytes)
-    rec = _Recorder()
     sessions: list[WriteSession] = []
     planned = None
     try:
@@ -623,6 +638,8 @@ def _inspect_load(
         planned = (kept, positions, plan)  # the load's own: planned once
     except Exception:  # bad input: the load below raises the error that names it
         kept, positions, plan = list(patches), list(range(len(patches))), []
+    tracker = Tracker(progress, [c.bytes for c in plan]) if progress else None
+    rec = _Recorder(tracker)
     error: BaseException | None = None
     loaded: set[str] = set()
     observed: list[Chunk] = []
@@ -649,6 +666,9 @@ def _inspect_load(
         loaded = set(loaded or ())
     except BaseException as exc:
         error = exc
+    finally:
+        if tracker is not None:
+            tracker.close()
     rolled_back = error is not None and transactional and loader is None and bool(rec.calls)
     if error is not None and not rolled_back:
         # What the calls that returned before the failure reported loaded stays loaded.

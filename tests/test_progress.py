@@ -1,0 +1,171 @@
+"""inspect_load(progress=...): one step per load_weights call, shown or passed on."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+import torch
+
+import patchkit
+from patchkit import LoadProgress, inspect_load
+from patchkit import progress as progress_mod
+from patchkit.build import AdamLikeTrainer, dense_patches, sparse_patches_from_diff
+from patchkit.errors import PatchTypeError
+from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+BUDGET = 1 << 14  # small: a few dozen calls for the 4-layer model
+
+
+@pytest.fixture()
+def setup():
+    cfg = TinyLlamaConfig(num_layers=4)
+    ckpt = tiny_llama_checkpoint(cfg)
+    model = TinyLlamaRuntime(cfg, tp_rank=0, tp_size=2, device=torch.get_default_device())
+    patchkit.load_checkpoint_weight_patches(model, dense_patches(ckpt))
+    after = AdamLikeTrainer(ckpt, lr=1e-2).step()
+    return model, ckpt, after
+
+
+def test_callable_gets_one_step_per_call_with_the_plans_bytes(setup):
+    model, ckpt, after = setup
+    seen: list[LoadProgress] = []
+    report = inspect_load(model, sparse_patches_from_diff(ckpt, after),
+                          max_chunk_bytes=BUDGET, progress=seen.append)
+    per_call = report.chunks.groupby("chunk")["bytes"].sum().tolist()
+    assert len(seen) == len(report.calls) == len(per_call) > 3
+    assert [p.calls_done for p in seen] == list(range(1, len(per_call) + 1))
+    assert all(p.calls == len(per_call) for p in seen)
+    running = 0
+    for p, nbytes, names in zip(seen, per_call, report.calls["names"]):
+        running += nbytes
+        assert p.bytes_done == running
+        assert p.total_bytes == sum(per_call)
+        assert p.names == tuple(names)
+        assert not p.failed
+    assert seen[-1].fraction == 1.0
+    assert 0 < seen[0].fraction < 1
+    assert [p.seconds for p in seen] == sorted(p.seconds for p in seen)
+
+
+def test_observed_loader_steps_too(setup):
+    model, _ckpt, after = setup
+    seen: list[LoadProgress] = []
+    report = inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET,
+                          loader=patchkit.load_checkpoint_weight_patches, progress=seen.append)
+    assert len(seen) == len(report.calls) > 3
+    assert seen[-1].bytes_done == seen[-1].total_bytes == int(report.chunks["bytes"].sum())
+
+
+def test_a_callable_that_raises_stops_the_load_and_a_transactional_one_rolls_back(setup):
+    model, ckpt, after = setup
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def stop(p: LoadProgress) -> None:
+        if p.calls_done == 3:
+            raise KeyboardInterrupt("enough")
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        inspect_load(model, sparse_patches_from_diff(ckpt, after), max_chunk_bytes=BUDGET,
+                     transactional=True, progress=stop)
+    report = info.value.report
+    assert len(report.calls) == 3 and report.rolled_back
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _stderr_of(fn, monkeypatch) -> str:
+    buf = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", buf)
+    fn()
+    return buf.getvalue()
+
+
+def test_true_shows_nothing_for_a_load_shorter_than_show_after(setup, monkeypatch):
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", float("inf"))
+    out = _stderr_of(lambda: inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET,
+                                          progress=True), monkeypatch)
+    assert out == ""
+
+
+def test_true_draws_one_rewriting_line_that_ends_with_the_totals(setup, monkeypatch):
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    reports = []
+    out = _stderr_of(lambda: reports.append(inspect_load(
+        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch)
+    calls = len(reports[0].calls)
+    assert calls == len(patchkit.plan_chunks(dense_patches(after), BUDGET)) > 3
+    assert out.startswith("\rinspect_load: 1/") and out.endswith("\n")
+    assert out.count("\n") == 1  # one line, rewritten with \r
+    last = out.rsplit("\r", 1)[1]
+    assert last.startswith(f"inspect_load: {calls}/{calls} calls, ")
+    assert "failed" not in last
+
+
+class _FailsOnThirdCall(TinyLlamaRuntime):
+    def load_weights(self, weights):
+        self.n = getattr(self, "n", 0) + 1
+        if self.n == 3:
+            raise RuntimeError("third call fails")
+        return super().load_weights(weights)
+
+
+def test_a_failed_load_ends_the_line_with_failed(monkeypatch):
+    cfg = TinyLlamaConfig(num_layers=2)
+    ckpt = tiny_llama_checkpoint(cfg)
+    model = _FailsOnThirdCall(cfg, device=torch.get_default_device())
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    seen: list[LoadProgress] = []
+
+    def run():
+        with pytest.raises(RuntimeError, match="third call"):
+            inspect_load(model, dense_patches(ckpt), max_chunk_bytes=BUDGET, progress=True)
+        with pytest.raises(RuntimeError, match="third call"):
+            model.n = 0
+            inspect_load(model, dense_patches(ckpt), max_chunk_bytes=BUDGET,
+                         progress=seen.append)
+
+    out = _stderr_of(run, monkeypatch)
+    assert out.rsplit("\r", 1)[1].startswith("inspect_load: 3/")
+    assert out.endswith(", failed\n")
+    assert [p.failed for p in seen] == [False, False, True]
+
+
+def test_in_a_kernel_a_widget_bar_is_shown_and_finished(setup, monkeypatch):
+    pytest.importorskip("ipywidgets")
+    import IPython.display
+
+    model, _ckpt, after = setup
+    shown = []
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    monkeypatch.setattr(progress_mod, "_in_kernel", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    out = _stderr_of(lambda: inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET,
+                                          progress=True), monkeypatch)
+    assert out == ""  # the bar, not the text line
+    (box,) = shown
+    bar, label = box.children
+    assert bar.value == 1.0 and bar.bar_style == "success"
+    assert label.value.endswith(" s") and "calls" in label.value
+
+
+@pytest.mark.parametrize("bad", [3, "yes", [print]])
+def test_a_bad_progress_is_a_type_error_before_anything_loads(setup, bad):
+    model, _ckpt, after = setup
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PatchTypeError, match="progress must be") as info:
+        inspect_load(model, dense_patches(after), progress=bad)
+    assert info.value.reason == "progress type"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_load_progress_text_and_fraction():
+    p = LoadProgress(calls_done=3, calls=12, bytes_done=3 << 29, total_bytes=6 << 30,
+                     seconds=4.06, names=("a",))
+    assert p.text() == "inspect_load: 3/12 calls, 1.5 GiB of 6 GiB staged, 4.1 s"
+    assert p.fraction == 0.25
+    empty = LoadProgress(calls_done=1, calls=2, bytes_done=0, total_bytes=0, seconds=0.0,
+                         names=())
+    assert empty.fraction == 0.5
