@@ -701,6 +701,9 @@ def _observe_foreign(
     original = model.load_weights
     had_instance_attr = "load_weights" in vars(model)
     sent = _SentPositions(patches)
+    # A call whose names match no patch (a loader that renames them) may carry a sparse
+    # one: its copies are checked for NaN as well.
+    any_sparse = any(p.indices is not None for p in patches)
 
     def recording_load_weights(weights, *a, **kw):
         staged = list(weights)
@@ -715,6 +718,7 @@ def _observe_foreign(
         observed.append(Chunk(i, tuple(pos), names, nbytes, "end"))
         call_patches = [patches[p] if p >= 0 else None for p in pos]
         with session.call(i, staged, pos, sparse=False, patches=call_patches,
+                          maybe_sparse=any_sparse,
                           observed=True) as r:
             out = original(staged, *a, **kw)
             if out is not None and not isinstance(out, set | frozenset | list | tuple):
@@ -884,7 +888,8 @@ def _writes_frame(
     cols: dict[str, list] = {k: [] for k in names}
     for ev in events:
         ck_region = None
-        if ev.position is not None and ev.position in shapes_by_pos:
+        if (ev.position is not None and ev.position in shapes_by_pos
+                and ev.checkpoint_offset is not None):
             ck_region = region_text(
                 shapes_by_pos[ev.position], ev.checkpoint_offset,
                 ev.source_shape or ev.shape, ev.source_stride,

@@ -41,6 +41,7 @@ from functools import cached_property
 from typing import Any, NamedTuple, Protocol
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -588,10 +589,32 @@ class WriteRecorder(Protocol):
     def on_call_end(self, chunk: int, returned: Any, seconds: float, error: bool) -> None: ...
 
 
-class _Provenance:
-    """Which staged patch a tensor's storage came from, and at what element offset.
+class _Source(NamedTuple):
+    """One stretch of a storage whose elements came from one staged patch: the bytes
+    ``[lo, hi)``, the patch's position and name, ``base`` (the element offset in the
+    storage of checkpoint element 0), whether it is *exact* (see :class:`_Provenance`),
+    and, for a storage an op made during the call, a weak reference that says when it
+    was freed (``None`` for a staged tensor, which lives as long as the call)."""
 
-    A storage is *exact* while every element of it is known to be that patch's staged
+    lo: int
+    hi: int
+    position: int | None
+    name: str
+    base: int | None  # None: made from the patch's data by an op that moves elements
+    exact: bool
+    ref: Any = None
+
+
+class _Provenance:
+    """Which staged patch a tensor's elements came from, and at what element offset.
+
+    Kept per storage as byte ranges, so that staged tensors that share one storage (dense
+    patches whose values were cut from one flat bucket, a loader that stages a whole call
+    in one buffer) are told apart by where a view starts. A storage made during the call
+    (a cast, a clone) is forgotten once it is freed: the allocator may hand its address
+    to an unrelated tensor.
+
+    A stretch is *exact* while every element of it is known to be that patch's staged
     element at checkpoint index (element offset - base): a staged tensor, or a cast or
     clone of (a contiguous part of) one, never written to since. Only an exact source
     lets a saved NaN-merge recompute where it wrote from its patch
@@ -599,46 +622,152 @@ class _Provenance:
     """
 
     def __init__(self) -> None:
-        self._by_key: dict[tuple, tuple[int, str, int, bool]] = {}
+        self._by_key: dict[tuple, list[_Source]] = {}
 
     def clear(self) -> None:
         self._by_key.clear()
 
-    def add_staged(self, position: int, name: str, staged: torch.Tensor) -> None:
+    def add_staged(self, position: int | None, name: str, staged: torch.Tensor) -> None:
         if staged.numel():
-            self._by_key[_storage_key(staged)] = (position, name, staged.storage_offset(), True)
+            lo, hi = _byte_span(staged)
+            self._put(_storage_key(staged),
+                      _Source(lo, hi, position, name, staged.storage_offset(), True))
+
+    def _put(self, key: tuple, src: _Source) -> None:
+        """Record ``src``, in place of what its bytes held before."""
+        got = self._by_key.get(key)
+        if got is None:
+            self._by_key[key] = [src]
+            return
+        kept = [e for e in got if (e.hi <= src.lo or src.hi <= e.lo)
+                and (e.ref is None or not e.ref.expired())]
+        kept.append(src)
+        if len(kept) > 1:
+            kept.sort(key=lambda e: e.lo)
+        self._by_key[key] = kept
+
+    def _find(self, t: torch.Tensor, key: tuple) -> _Source | None:
+        """The stretch where ``t`` starts, if ``t``'s storage has one that is alive."""
+        got = self._by_key.get(key)
+        if got is None:
+            return None
+        first = t.storage_offset() * t.element_size()
+        hit = None
+        for e in got:  # (one stretch, but for a bucket of patches: sorted by lo)
+            if e.lo > first:
+                break
+            if first < e.hi:
+                hit = e
+        if hit is not None and hit.ref is not None and hit.ref.expired():
+            # The storage an op made was freed, and its address is in use again.
+            alive = [e for e in got if e.ref is None or not e.ref.expired()]
+            if alive:
+                self._by_key[key] = alive
+            else:
+                del self._by_key[key]
+            return None
+        return hit
 
     def lookup(
         self, t: torch.Tensor, *, exact: bool = False, key: tuple | None = None
     ) -> tuple[int, str, int] | None:
         """``(position, name, checkpoint offset of t's first element)``, or ``None``;
-        with ``exact``, only for an exact storage (see the class docstring). ``key``:
+        with ``exact``, only for an exact stretch (see the class docstring). ``key``:
         ``t``'s storage key, where the caller has it already."""
-        hit = self._by_key.get(_storage_key(t) if key is None else key)
-        if hit is None or (exact and not hit[3]):
+        hit = self._find(t, _storage_key(t) if key is None else key)
+        if hit is None or (exact and not hit.exact):
             return None
-        pos, name, base, _ = hit
-        return pos, name, t.storage_offset() - base
+        return hit.position, hit.name, None if hit.base is None else t.storage_offset() - hit.base
 
-    def derive(self, src: torch.Tensor, out: torch.Tensor, *, whole: bool) -> None:
+    def derive(self, src: torch.Tensor, out: torch.Tensor, *, whole: bool) -> bool:
         """``out`` is an element-for-element copy of ``src`` (a cast, a clone, a scratch
         copy); ``whole``: ``out`` is all of a new storage (an op's result), not a part of
-        one that may hold other data."""
-        key = _storage_key(src)
-        hit = self._by_key.get(key)
-        if hit is not None and src.is_contiguous() and out.is_contiguous() and out.numel():
-            pos, name, base, exact = hit
-            off = src.storage_offset() - base
-            self._by_key[_storage_key(out)] = (
-                pos, name, out.storage_offset() - off, exact and whole
-            )
+        one that may hold other data. ``out`` no longer holds what it held before: an
+        untraced source makes it untraced."""
+        if not out.numel():
+            return False
+        okey = _storage_key(out)
+        hit = self._find(src, _storage_key(src)) if self._by_key else None
+        if hit is None or hit.base is None or not (src.is_contiguous() and out.is_contiguous()):
+            if not whole and okey in self._by_key:
+                lo, hi = _byte_span(out)
+                self._forget(okey, lo, hi)
+            return False
+        off = src.storage_offset() - hit.base
+        lo, hi = _byte_span(out)
+        self._put(okey, _Source(lo, hi, hit.position, hit.name, out.storage_offset() - off,
+                                hit.exact and whole, _weak_storage(out)))
+        return True
+
+    def source_of(self, args: Sequence[Any], kwargs: dict) -> tuple[int | None, str] | None:
+        """``(position, name)`` of the one patch that the tensor arguments of an op (lists
+        of tensors too) come from, or ``None``: none traced, or more than one patch."""
+        if not self._by_key:
+            return None
+        found = None
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, list | tuple) else (a,):
+                if isinstance(t, torch.Tensor):
+                    hit = self._find(t, _storage_key(t))
+                    if hit is not None:
+                        who = (hit.position, hit.name)
+                        if found is not None and found != who:
+                            return None
+                        found = who
+        return found
+
+    def taint(self, out: torch.Tensor, args: Sequence[Any], kwargs: dict) -> None:
+        """``out``, a new tensor an op made, holds data of the one patch its arguments
+        come from (see :meth:`source_of`), at offsets nobody knows."""
+        if not out.numel():
+            return
+        who = self.source_of(args, kwargs)
+        if who is None:
+            return
+        okey = _storage_key(out)
+        for a in (*args, *kwargs.values()):  # an op that hands back its input: no new data
+            if isinstance(a, torch.Tensor) and _storage_key(a) == okey:
+                return
+        lo, hi = _byte_span(out)
+        self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out)))
+
+    def __bool__(self) -> bool:
+        return bool(self._by_key)
+
+    def _forget(self, key: tuple, lo: int, hi: int) -> None:
+        kept = [e for e in self._by_key[key] if e.hi <= lo or hi <= e.lo]
+        if kept:
+            self._by_key[key] = kept
+        else:
+            del self._by_key[key]
 
     def written(self, t: torch.Tensor) -> None:
-        """``t`` was written in place: its storage no longer holds what was staged."""
+        """``t`` was written in place: its bytes no longer hold what was staged (they
+        keep the patch's name, as derived from it)."""
         key = _storage_key(t)
-        hit = self._by_key.get(key)
-        if hit is not None and hit[3]:
-            self._by_key[key] = (*hit[:3], False)
+        got = self._by_key.get(key)
+        if got is None:
+            return
+        lo, hi = _byte_span(t)
+        self._by_key[key] = [
+            e._replace(exact=False) if e.exact and e.lo < hi and lo < e.hi else e for e in got
+        ]
+
+
+_IS_VIEW: dict = {}
+
+
+def _is_view(func: Any) -> bool:
+    """Whether an op returns a view of its input (cached per op)."""
+    got = _IS_VIEW.get(func)
+    if got is None:
+        got = _IS_VIEW[func] = bool(getattr(func, "is_view", False))
+    return got
+
+
+def _weak_storage(t: torch.Tensor) -> Any:
+    """A weak reference to ``t``'s storage (``expired()`` once it is freed)."""
+    return StorageWeakRef(t.untyped_storage())
 
 
 # Ops whose output is an element-for-element copy of their first input (``.to()``,
@@ -691,16 +820,19 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         s = self.s
         if s._sparse:  # the patch an error of a sparse write names, when its source is not
-            for a in args[:2]:
-                if isinstance(a, torch.Tensor):
-                    hit = s.provenance.lookup(a)
-                    if hit is not None:
-                        s._last_patch = hit[:2]
+            hit = s.provenance.source_of(args, kwargs)
+            if hit is not None:
+                s._last_patch = hit
         mutated = _mutated_args(func)
         if not mutated:
             out = func(*args, **kwargs)
-            if s.track_sources and func in _ELEMENTWISE_COPIES and isinstance(out, torch.Tensor):
-                s.provenance.derive(args[0], out, whole=True)
+            if s.track_sources and isinstance(out, torch.Tensor) and s.provenance:
+                if func in _ELEMENTWISE_COPIES and s.provenance.derive(args[0], out, whole=True):
+                    pass
+                elif not _is_view(func):
+                    # A new tensor made from one patch's data (a cat, a gather, a flip, the
+                    # copy of a transposed view): that patch's, at no known offset.
+                    s.provenance.taint(out, args, kwargs)
             return out
         targets = []
         others = []
@@ -739,6 +871,7 @@ _PASS_ON = _tensor_funcs(
     "__getitem__",
 )
 _TENSOR_COPY = torch._C.TensorBase.copy_
+_GETITEM = torch._C.TensorBase.__getitem__
 _COPY_NAME = _op_name(_COPY)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _increment_version = torch.autograd.graph.increment_version
@@ -801,7 +934,12 @@ class _DenseMode(TorchFunctionMode):
         if route is None:
             route = _route(func)
         if route == _PASS:
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if func is _GETITEM and self.s.provenance and isinstance(out, torch.Tensor):
+                # ``w[idx]`` with a tensor or list index gathers into a new tensor
+                # (a slice is a view, which the storage already names)
+                self.s.provenance.taint(out, args, kwargs or {})
+            return out
         if route == _HANDLE:
             if self.shield:
                 with torch._C.DisableTorchFunction():
@@ -871,6 +1009,7 @@ class WriteSession:
         sparse: bool,
         patches: Sequence[Any] | None = None,
         observed: bool = False,
+        maybe_sparse: bool = False,
     ) -> Iterator[_CallResult]:
         """Intercept the writes of one ``load_weights`` call made inside the block.
 
@@ -881,12 +1020,15 @@ class WriteSession:
         is merged here). A ``copy_`` from a NaN-masked sparse patch's staged tensor is then
         taken for the NaN-merge the contract asks of the loader: only the elements whose
         source is not NaN count as written and are saved, and an element that turns NaN
-        where the source was NaN is recorded in :attr:`violations`.
+        where the source was NaN is recorded in :attr:`violations`. A call's patch that is
+        ``None`` (a name the observer could not match) may be sparse when
+        ``maybe_sparse``: its copies are then checked as well.
         """
         self._sparse = sparse
         self._patches = dict(zip(positions, patches)) if patches is not None else {}
         self._nan_masked = observed and any(
-            p is not None and p.indices is not None for p in self._patches.values()
+            (p is None and maybe_sparse) or (p is not None and p.indices is not None)
+            for p in self._patches.values()
         )
         self._chunk = chunk
         self._call_regions = []
@@ -895,7 +1037,8 @@ class WriteSession:
         self.provenance.clear()
         if self.track_sources:
             for pos, (name, t) in zip(positions, staged):
-                self.provenance.add_staged(pos, name, t)
+                # (a negative position: an observed name that matches no patch)
+                self.provenance.add_staged(pos if pos >= 0 else None, name, t)
         result = _CallResult()
         bindings = self.index.bindings() if sparse else None
         if self.recorder is not None:
@@ -1067,9 +1210,11 @@ class WriteSession:
         return out
 
     def _observed_mask(self, args, targets) -> tuple[torch.Tensor | None, int | None]:
-        """For an observed ``copy_`` (see :meth:`call`) from a NaN-masked sparse patch's
-        staged tensor into one runtime view: the mask of the elements a NaN-merge writes
-        (source not NaN), and how many of the others are NaN now; else ``(None, None)``."""
+        """For an observed ``copy_`` (see :meth:`call`) into one runtime view from a
+        NaN-masked sparse patch's staged tensor, or from a source holding NaN that is not
+        traced to a dense patch (built by ``torch.cat`` or a gather, say): the mask of the
+        elements a NaN-merge writes (source not NaN), and how many of the others are NaN
+        now; else ``(None, None)``."""
         if len(targets) != 1 or len(args) < 2:
             return None, None
         dest, src = args[0], args[1]
@@ -1078,10 +1223,14 @@ class WriteSession:
             return None, None
         hit = self.provenance.lookup(src)
         patch = self._patches.get(hit[0]) if hit is not None else None
-        if patch is None or patch.indices is None:
-            return None, None
+        if patch is not None and patch.indices is None:
+            return None, None  # a dense patch's values: a plain copy
         cast = src.to(device=dest.device, dtype=dest.dtype)
         write = torch.isnan(cast if cast.element_size() > 1 else cast.float()).logical_not_()
+        if patch is None and bool(write.all()):
+            # Not traced to a sparse patch (a cat or gather of one, a renamed one) and no
+            # NaN in it: a plain copy. With NaN, it is taken for the NaN-merge as well.
+            return None, None
         return write, _nan_outside(dest, write)
 
     def _check_kept(self, dest, write, kept_nan, tname, src) -> None:

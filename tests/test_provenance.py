@@ -1,0 +1,270 @@
+"""Which patch fed a write: staged tensors that share a storage, storages freed during a
+call, data moved by ops (cat, gather, flip), and what an observed loader's NaN does."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import patchkit
+from patchkit import CheckpointWeightPatch as CWP
+from patchkit.bitwise import bits
+from patchkit.errors import ContractViolation
+from patchkit.intercept import _Provenance, _storage_key
+
+
+def _dev():
+    return torch.get_default_device()
+
+
+# -- staged tensors cut from one flat bucket ------------------------------------------
+
+
+class _Shards(nn.Module):
+    """Rank 1 of 2: q and k rows packed into qkv, o split by columns."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Parameter(torch.zeros(8, 8, dtype=torch.bfloat16), requires_grad=False)
+        self.o = nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        for n, w in weights:
+            if n == "q":
+                self.qkv.data.narrow(0, 0, 4).copy_(w.narrow(0, 4, 4))
+            elif n == "k":
+                self.qkv.data.narrow(0, 4, 4).copy_(w.narrow(0, 4, 4))
+            else:
+                self.o.data.copy_(w.narrow(1, 4, 4))
+        return {n for n, _ in weights}
+
+
+def test_dense_patches_cut_from_one_bucket_are_credited_each_to_its_own_patch():
+    bucket = torch.randn(3 * 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    patches = [CWP(n, (8, 8), torch.bfloat16, bucket[64 * i: 64 * (i + 1)])
+               for i, n in enumerate("qko")]
+    for loader in (None, patchkit.load_checkpoint_weight_patches):
+        w = patchkit.inspect_load(_Shards(), patches, loader=loader).writes
+        assert w["position"].tolist() == [0, 1, 2]
+        assert w["name"].tolist() == ["q", "k", "o"]
+        assert w["checkpoint_offset"].tolist() == [32, 32, 4]
+        assert w["checkpoint_region"].tolist() == ["[4:8, :]", "[4:8, :]", "[:, 4:8]"]
+
+
+def test_a_loader_that_stages_a_whole_call_in_one_buffer_is_followed_by_position():
+    class Three(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for n in "abc":
+                self.register_parameter(n, nn.Parameter(torch.zeros(2, 3), requires_grad=False))
+
+        def load_weights(self, weights):
+            for n, w in weights:
+                getattr(self, n).data.copy_(w)
+            return {n for n, _ in weights}
+
+    def one_buffer_loader(model, patches, **kw):
+        buf = torch.cat([p.values.reshape(-1) for p in patches])
+        views = [buf[6 * i: 6 * (i + 1)].view(2, 3) for i in range(len(patches))]
+        return set(model.load_weights([(p.name, v) for p, v in zip(patches, views)]))
+
+    patches = [CWP(n, (2, 3), torch.float32, torch.full((6,), float(i + 1)))
+               for i, n in enumerate("abc")]
+    w = patchkit.inspect_load(Three(), patches, loader=one_buffer_loader).writes
+    assert w["position"].tolist() == [0, 1, 2]
+    assert w["checkpoint_offset"].tolist() == [0, 0, 0]
+
+
+# -- a storage freed during the call --------------------------------------------------
+
+
+def test_a_freed_storage_is_forgotten_even_when_its_address_comes_back():
+    prov = _Provenance()
+    staged = torch.arange(8.0)
+    prov.add_staged(0, "a", staged)
+    out = staged.to(torch.float64)
+    assert prov.derive(staged, out, whole=True)
+    key, probe = _storage_key(out), out[2:]
+    assert prov.lookup(probe, key=key) == (0, "a", 2)
+    del out, probe
+    # Any tensor now at that address (here: any tensor, handed the old key) is not a's.
+    assert prov.lookup(torch.zeros(8, dtype=torch.float64), key=key) is None
+    assert prov.lookup(staged) == (0, "a", 0)  # the staged tensor itself stays
+
+
+class _CastThenFlip(nn.Module):
+    """a is cast (a temporary, freed); b is flipped (a new, untraced-by-offset temporary
+    that the allocator often puts where a's cast was)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = nn.Parameter(torch.randn(64, 64, generator=g).bfloat16(), requires_grad=False)
+        self.b = nn.Parameter(torch.randn(64, 64, generator=g).bfloat16(), requires_grad=False)
+
+    def load_weights(self, weights):
+        for n, w in weights:
+            if n == "a":
+                t = w.to(torch.bfloat16)
+                self.a.data.copy_(t)
+                del t
+            elif n == "b":
+                self.b.data.copy_(torch.flip(w, [0]))
+            else:
+                raise KeyError(n)
+        return {n for n, _ in weights}
+
+
+def test_rollback_and_report_stay_exact_when_a_freed_cast_address_is_reused():
+    g = torch.Generator().manual_seed(1)
+    ia = torch.randperm(4096, generator=g)[:100].sort().values
+    ib = torch.randperm(4096, generator=g)[:100].sort().values
+    pa = CWP("a", (64, 64), torch.float32, torch.randn(100, generator=g), ia)
+    pb = CWP("b", (64, 64), torch.bfloat16, torch.randn(100, generator=g).bfloat16(), ib)
+    fails = CWP("c", (4,), torch.float32, torch.ones(1), torch.tensor([0]))
+    for _ in range(10):  # the allocator reuses the address in most tries, not all
+        m = _CastThenFlip()
+        before = {k: bits(v).clone() for k, v in m.state_dict().items()}
+        with pytest.raises(KeyError):
+            patchkit.load_checkpoint_weight_patches(m, [pa, pb, fails], transactional=True)
+        assert all(torch.equal(before[k], bits(v)) for k, v in m.state_dict().items())
+        m = _CastThenFlip()
+        report = patchkit.inspect_load(m, [pa, pb])
+        row = report.writes[report.writes["target"] == "b"].iloc[0]
+        assert (row["position"], row["name"]) == (1, "b")
+        assert torch.equal(bits(report.before("b")), before["b"])
+
+
+# -- data moved by ops ---------------------------------------------------------------
+
+
+class _Moves(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.w = nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            src = {"plain": lambda w=w: w, "cat": lambda w=w: torch.cat([w[:4], w[4:]]),
+                   "gather": lambda w=w: w[torch.arange(7, -1, -1)],
+                   "flip": lambda w=w: torch.flip(w, [0]),
+                   "transposed": lambda w=w: w.t().contiguous().t()}[self.how]()
+            self.w.data.copy_(src)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("how", ["cat", "gather", "flip", "transposed"])
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_write_from_data_an_op_moved_names_the_patch_at_no_offset(how, kind):
+    if kind == "dense":
+        p = CWP("w", (8, 4), torch.float32, torch.arange(32.0))
+    else:
+        p = CWP("w", (8, 4), torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([3, 17]))
+    w = patchkit.inspect_load(_Moves(how), [p]).writes
+    assert (w["position"].tolist(), w["name"].tolist()) == ([0], ["w"])
+    assert w["checkpoint_offset"].isna().all() and w["checkpoint_region"].isna().all()
+
+
+def test_a_patch_traced_exactly_keeps_its_offset():
+    p = CWP("w", (8, 4), torch.float32, torch.arange(32.0))
+    w = patchkit.inspect_load(_Moves("plain"), [p]).writes
+    assert w["checkpoint_offset"].tolist() == [0] and w["checkpoint_region"].tolist() == ["[:, :]"]
+
+
+def test_a_cat_of_two_patches_names_neither():
+    class Cat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(8), requires_grad=False)
+
+        def load_weights(self, weights):
+            ws = dict(weights)
+            self.w.data.copy_(torch.cat([ws["a"], ws["b"]]))
+            return set(ws)
+
+    ps = [CWP(n, (4,), torch.float32, torch.full((4,), float(i))) for i, n in enumerate("ab")]
+    w = patchkit.inspect_load(Cat(), ps).writes
+    assert w["position"].isna().all()
+
+
+def test_an_error_of_index_put_names_the_patch_whose_values_it_writes():
+    class Put(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+            self.b = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+        def load_weights(self, weights):
+            for n, w in weights:
+                if n == "a":
+                    self.a.data.copy_(w)
+                else:
+                    self.b.data[torch.tensor([3, 2, 1, 0])] = w
+            return {n for n, _ in weights}
+
+    ps = [CWP(n, (4, 4), torch.float32, torch.tensor([1.0]), torch.tensor([0])) for n in "ab"]
+    with pytest.raises(ContractViolation) as info:
+        patchkit.load_checkpoint_weight_patches(Put(), ps)
+    assert (info.value.position, info.value.name) == (1, "b")
+    assert "patch 1 ('b')" in str(info.value)
+
+
+# -- an observed loader's NaN ---------------------------------------------------------
+
+
+def _staged(p):
+    t = torch.full(p.shape, float("nan"), dtype=p.dtype).reshape(-1)
+    bits(t).index_copy_(0, p.indices.long(), bits(p.values.to(p.dtype)))
+    return t.reshape(p.shape)
+
+
+def _copying_loader(model, patches, *, prefix="", **kw):
+    """Stages NaN-masked tensors and leaves the merge to nobody (no sparse support)."""
+    loaded = set()
+    with torch.no_grad():
+        for p in patches:
+            loaded |= set(model.load_weights([(prefix + p.name, _staged(p))]) or ())
+    return loaded
+
+
+@pytest.mark.parametrize("how", ["plain", "cat", "gather", "renamed"])
+def test_observed_nan_copied_is_caught_whatever_builds_the_source(how):
+    m = _Moves("plain" if how == "renamed" else how)
+    p = CWP("w", (8, 4), torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([3, 17]))
+    loader = functools.partial(_copying_loader, prefix="hf." if how == "renamed" else "")
+    with pytest.raises(ContractViolation) as info:
+        patchkit.inspect_load(m, [p], loader=loader)
+    assert info.value.reason == "NaN copied" and info.value.value == 30
+    assert info.value.report is not None
+
+
+def test_observed_merging_loader_through_a_cat_reports_what_the_built_in_does():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Merge(TorchDispatchMode):
+        def __init__(self, keys):
+            super().__init__()
+            self.keys = keys
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default and _storage_key(args[0]) in self.keys:
+                d, s = args[0], args[1].to(args[0].dtype)
+                return func(d, torch.where(torch.isnan(s), d, s))
+            return func(*args, **(kwargs or {}))
+
+    def merging_loader(model, patches, **kw):
+        keys = {_storage_key(t) for t in model.parameters()}
+        with torch.no_grad(), Merge(keys):
+            return set(model.load_weights([(p.name, _staged(p)) for p in patches]))
+
+    p = CWP("w", (8, 4), torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([3, 17]))
+    for how in ("cat", "gather"):
+        ours = patchkit.inspect_load(_Moves(how), [p])
+        theirs = patchkit.inspect_load(_Moves(how), [p], loader=merging_loader)
+        for r in (ours, theirs):
+            assert r.writes["written"].tolist() == [2]
+            assert r.deltas.loc["w", "elements"] == 2 and r.deltas.loc["w", "changed"] == 2
