@@ -198,6 +198,40 @@ _MODULE_WALK = (
 )
 
 
+def _module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]] | None:
+    """``(prefix, module)`` in the order ``named_modules(remove_duplicate=False)`` visits
+    them, or ``None`` where a module overrides torch's ways of listing its tensors (or
+    the tree is deeper than the recursion limit): then only torch's own walk is right."""
+    mods: list[tuple[str, torch.nn.Module]] = []
+    stack = [("", model, 0)]
+    deepest = sys.getrecursionlimit()
+    while stack:
+        prefix, m, depth = stack.pop()
+        kind = type(m)
+        if depth > deepest or (kind.named_modules, kind.named_parameters, kind.named_buffers,
+                               kind._named_members) != _MODULE_WALK:
+            return None
+        mods.append((prefix, m))
+        children = [(f"{prefix}.{k}" if prefix else k, c, depth + 1)
+                    for k, c in m._modules.items() if c is not None]
+        children.reverse()
+        stack += children
+    return mods
+
+
+def _tensors_of(
+    mods: list[tuple[str, torch.nn.Module]], buffers: bool
+) -> list[tuple[str, torch.Tensor, dict, str]]:
+    """``(name, tensor, the dict that registers it, its key there)`` of each parameter
+    (then buffer) of ``mods``, in torch's order."""
+    named = [(f"{prefix}.{k}" if prefix else k, t, m._parameters, k)
+             for prefix, m in mods for k, t in m._parameters.items() if t is not None]
+    if buffers:
+        named += [(f"{prefix}.{k}" if prefix else k, t, m._buffers, k)
+                  for prefix, m in mods for k, t in m._buffers.items() if t is not None]
+    return named
+
+
 def named_tensors(
     model: torch.nn.Module, *, buffers: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
@@ -210,28 +244,11 @@ def named_tensors(
     of torch's nested generators (on a model of 300 modules, 0.3 ms against 0.7 ms; a
     load pays it once or twice). A module that overrides one gets torch's own answer.
     """
-    mods: list[tuple[str, torch.nn.Module]] = []
-    stack = [("", model, 0)]
-    deepest = sys.getrecursionlimit()
-    while stack:
-        prefix, m, depth = stack.pop()
-        kind = type(m)
-        if depth > deepest or (kind.named_modules, kind.named_parameters, kind.named_buffers,
-                               kind._named_members) != _MODULE_WALK:
-            # torch's own walk (which raises RecursionError on a module tree that loops)
-            named = list(model.named_parameters(remove_duplicate=False))
-            return named + list(model.named_buffers(remove_duplicate=False)) if buffers else named
-        mods.append((prefix, m))
-        children = [(f"{prefix}.{k}" if prefix else k, c, depth + 1)
-                    for k, c in m._modules.items() if c is not None]
-        children.reverse()
-        stack += children
-    named = [(f"{prefix}.{k}" if prefix else k, t)
-             for prefix, m in mods for k, t in m._parameters.items() if t is not None]
-    if buffers:
-        named += [(f"{prefix}.{k}" if prefix else k, t)
-                  for prefix, m in mods for k, t in m._buffers.items() if t is not None]
-    return named
+    mods = _module_tree(model)
+    if mods is None:  # torch's own walk (which raises RecursionError on a tree that loops)
+        named = list(model.named_parameters(remove_duplicate=False))
+        return named + list(model.named_buffers(remove_duplicate=False)) if buffers else named
+    return [(n, t) for n, t, _, _ in _tensors_of(mods, buffers)]
 
 
 class RuntimeIndex:
@@ -247,24 +264,51 @@ class RuntimeIndex:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._owners: dict[tuple, list[_Owner]] = {}
+        self._by_key: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.aliases: dict[str, str] = {}
         first: dict[int, str] = {}
-        for name, t in named_tensors(model):
+        mods = _module_tree(model)
+        # Where each tensor is registered, and the tree's links, for replaced(): checked
+        # by identity after each sparse call instead of walking the tree again.
+        self._slots: list[tuple[str, dict, str]] | None = None
+        self._links: list[tuple[dict, str, torch.nn.Module]] = []
+        if mods is None:
+            walked = [(n, t, None, None) for n, t in named_tensors(model)]
+        else:
+            walked = _tensors_of(mods, True)
+            self._slots = []
+            self._links = [(m._modules, k, c) for _, m in mods
+                           for k, c in m._modules.items() if c is not None]
+        for name, t, registry, key in walked:
             if id(t) in first:
                 self.aliases[name] = first[id(t)]
                 continue
             first[id(t)] = name
             self.tensors[name] = t
+            if self._slots is not None:
+                self._slots.append((name, registry, key))
             if t.numel() == 0:
                 continue
-            owner = _Owner(name, t, *_span_of(t), t.is_contiguous())
-            self._owners.setdefault(owner.key, []).append(owner)
+            # Each tensor's place in its storage is worked out when a write first reaches
+            # that storage (most loads write a few of a model's tensors).
+            self._by_key.setdefault(_storage_key(t), []).append((name, t))
 
     def sharing(self, key: tuple) -> list[_Owner]:
         """The runtime tensors of the storage ``key`` (see :func:`_storage_key`), in the
         order of ``named_parameters`` then ``named_buffers`` (empty: none)."""
-        return self._owners.get(key, [])
+        return self._owners_of(key) or []
+
+    def _owners_of(self, key: tuple) -> list[_Owner] | None:
+        owners = self._owners.get(key)
+        if owners is None:
+            named = self._by_key.get(key)
+            if named is None:
+                return None
+            owners = self._owners[key] = [
+                _Owner(name, t, *_span_of(t, key), t.is_contiguous()) for name, t in named
+            ]
+        return owners
 
     def bindings(self) -> dict[str, torch.Tensor]:
         """A detached view of every runtime tensor's current storage (no copy).
@@ -285,6 +329,10 @@ class RuntimeIndex:
         """Names (of :attr:`tensors`) no longer registered to the tensor they named when
         the index was built: ``module.w = nn.Parameter(w)`` or ``register_buffer`` with
         a new tensor, or the name gone. (:meth:`rebound` sees ``param.data = w``.)"""
+        if self._slots is not None and all(d.get(k) is c for d, k, c in self._links):
+            # The same module tree: each name is where it was, in the same dict.
+            tensors = self.tensors
+            return [n for n, reg, key in self._slots if reg.get(key) is not tensors[n]]
         now = dict(named_tensors(self.model))
         return [n for n, t in self.tensors.items() if now.get(n) is not t]
 
@@ -311,7 +359,7 @@ class RuntimeIndex:
         ``None`` means ``t`` is not runtime storage (a scratch buffer, a staged tensor).
         ``key``: ``t``'s storage key, where the caller has it already.
         """
-        owners = self._owners.get(_storage_key(t) if key is None else key)
+        owners = self._owners_of(_storage_key(t) if key is None else key)
         if not owners:
             return None
         b = t.storage_offset() * t.element_size()
@@ -992,10 +1040,12 @@ class WriteSession:
         self._nan_masked = False
         self.violations: list[ContractViolation] = []
         self._chunk = -1
-        self._call_regions: list[Region] = []
+        # The regions this call wrote, by storage: only those of one storage can overlap.
+        self._call_regions: dict[tuple, list[Region]] = {}
         self._call_writes = 0
         self._last_patch: tuple[int, str] | None = None
         self._patches: dict[int, Any] = {}
+        self._bindings: dict[str, torch.Tensor] | None = None
 
     # -- one load_weights call -------------------------------------------------------
 
@@ -1031,7 +1081,7 @@ class WriteSession:
             for p in self._patches.values()
         )
         self._chunk = chunk
-        self._call_regions = []
+        self._call_regions = {}
         self._call_writes = 0
         self._last_patch = None
         self.provenance.clear()
@@ -1040,7 +1090,10 @@ class WriteSession:
                 # (a negative position: an observed name that matches no patch)
                 self.provenance.add_staged(pos if pos >= 0 else None, name, t)
         result = _CallResult()
-        bindings = self.index.bindings() if sparse else None
+        if sparse and self._bindings is None:
+            # Once per load: a call that rebinds is undone (the originals bound again).
+            self._bindings = self.index.bindings()
+        bindings = self._bindings if sparse else None
         if self.recorder is not None:
             self.recorder.on_call_start(chunk, staged)
         t0 = time.perf_counter()
@@ -1439,7 +1492,8 @@ class WriteSession:
                        tuple(dest.shape)),
             )
         region = Region.of(dest)
-        for earlier in self._call_regions:
+        earliers = self._call_regions.setdefault(region.key, [])
+        for earlier in earliers:
             if region.overlaps(earlier):
                 raise ContractViolation(
                     f"{at} wrote a {tuple(dest.shape)} view at element {toff} that overlaps "
@@ -1448,7 +1502,7 @@ class WriteSession:
                     "nothing",
                     position=pos, name=name, reason="overlapping runtime views", value=toff,
                 )
-        self._call_regions.append(region)
+        earliers.append(region)
 
     def _save(
         self, t: torch.Tensor, target: str, offset: int, write: torch.Tensor | None

@@ -102,3 +102,65 @@ def test_a_failed_transactional_load_registers_the_original_tensors_again(load, 
     assert m.w is w and m.scale is scale
     assert m.w.tolist() == [0.0] * 4 and m.scale.tolist() == [1.0] * 4
     assert "scale" in m._buffers and "w" in m._parameters
+
+
+class ReplacesChild(torch.nn.Module):
+    """A loader that swaps a whole submodule for a new one holding the staged tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Module()
+        self.inner.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.v = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name == "inner.w":
+                fresh = torch.nn.Module()
+                fresh.w = torch.nn.Parameter(t, requires_grad=False)
+                self.inner = fresh
+            else:
+                self.v.data.copy_(t)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.patchkit_only
+def test_a_sparse_call_that_replaces_a_submodule_is_refused(load, Patch):
+    from patchkit import ContractViolation
+
+    m = ReplacesChild()
+    w = m.inner.w
+    p = Patch("inner.w", (4,), torch.float32, torch.tensor([5.0]), torch.tensor([1]))
+    with pytest.raises(ContractViolation, match="registered a new tensor") as info:
+        load(m, [p])
+    assert (info.value.reason, info.value.value) == ("rebinding", "inner.w")
+    assert m.inner.w is w and m.inner.w.tolist() == [0.0] * 4
+
+
+@pytest.mark.patchkit_only
+def test_rebinding_in_a_later_sparse_call_is_caught_and_undone(load, Patch):
+    # the storages are recorded once per load: the check after call 2 still sees call 2's
+    from patchkit import ContractViolation
+
+    class RebindsW(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.v = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+            self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                if name == "w":
+                    self.w.data = t
+                else:
+                    self.v.data.copy_(t)
+            return {n for n, _ in weights}
+
+    m = RebindsW()
+    w_storage = m.w.untyped_storage().data_ptr()
+    ps = [Patch(n, (4,), torch.float32, torch.tensor([5.0]), torch.tensor([1])) for n in "vvw"]
+    with pytest.raises(ContractViolation, match="replaced the storage") as info:
+        load(m, ps)  # two calls: the repeated v starts the second, which carries w
+    assert (info.value.reason, info.value.value) == ("rebinding", "w")
+    assert m.w.untyped_storage().data_ptr() == w_storage and m.w.tolist() == [0.0] * 4
+    assert m.v.tolist() == [0.0, 5.0, 0.0, 0.0]
