@@ -1,4 +1,4 @@
-"""Where a patch's changes sit, without materialising the tensor (torch only)."""
+"""Where a patch writes, without materialising the tensor (torch only)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def grid_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 def density_map(
     patch: CheckpointWeightPatch, bins: int | tuple[int, int] = (64, 64)
 ) -> torch.Tensor:
-    """Fraction of elements each block of the patch's 2-D view changes (float32, CPU).
+    """Fraction of the elements of each block of the patch's 2-D view that it writes
+    (float32, CPU).
 
     The tensor is viewed as ``grid_shape(patch.shape)`` (``R`` rows × ``C`` columns) and
     cut into at most ``bins`` blocks (fewer when the tensor has fewer rows or columns:
@@ -40,7 +41,10 @@ def density_map(
     block row ``floor(r * br / R)``, so block row ``i`` covers rows
     ``[ceil(i * R / br), ceil((i + 1) * R / br))`` (block sizes differ by at most one
     row), and likewise for columns. The result is ``br × bc``, one value in ``[0, 1]`` per
-    block: the indices that fall in the block over the block's element count. Computed
+    block: the indices that fall in the block over the block's element count. These are
+    the elements the patch writes, whatever their values: writing the value already
+    there counts too (whether a write changed anything depends on the model, see
+    ``LoadReport.deltas``, ``changed``). Computed
     from the indices in O(nnz + bins) time and memory, never by building the full tensor
     or anything of its size, so a 128256 × 2560 patch is cheap and a 2**40-element one
     works. A dense patch writes every element: its map is all ones; a patch with no

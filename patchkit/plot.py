@@ -35,11 +35,13 @@ import pandas as pd
 import torch
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
+from matplotlib.textpath import text_to_path
 from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 
-from .bitwise import bits
+from .bitwise import changed_mask
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, density_map, grid_shape
 from .loader import _as_patch as _as_record
@@ -68,6 +70,12 @@ MAX_BINS = 1024
 
 MAX_TARGETS = 6
 """Runtime tensors :func:`plot_placement` draws when not told which."""
+
+# The line plot_delta adds to its title when the model changed after the load.
+_STALE_WARNING = (
+    "warning: the model changed after this load: the images show its current values, "
+    "the numbers are the load's"
+)
 
 _MAX_WRITES = 64  # writes drawn per runtime tensor; the rest are counted in a note
 _MAX_SOURCES = 8  # checkpoint tensors drawn beside one runtime tensor
@@ -128,7 +136,10 @@ class _BytesLocator(Locator):
         while k < 3 and top >= 1024 ** (k + 1):
             k += 1
         unit = 1024**k
-        inner = MaxNLocator(nbins=6, steps=[1, 2, 2.5, 4, 5, 10])
+        # Under five units a step can be a fraction of a unit: 0.2 or 0.4 of one is not a
+        # round number of the unit below (204.8 B, 410 KiB), a quarter or a half is.
+        steps = [1, 2.5, 5, 10] if k and top < 5 * unit else [1, 2, 2.5, 4, 5, 10]
+        inner = MaxNLocator(nbins=6, steps=steps)
         return inner.tick_values(vmin / unit, vmax / unit) * unit
 
 
@@ -146,6 +157,31 @@ def _short(name: str, n: int = 24, parts: int = 3) -> str:
     if len(pieces) > parts:
         name = "…" + ".".join(pieces[-parts:])
     return name if len(name) <= n else "…" + name[-(n - 1) :]
+
+
+def _text_width(text: str, size: float) -> float:
+    """Width in points of ``text`` drawn as plain text at font ``size`` in the current
+    default font (measured from the glyphs: no renderer, no draw)."""
+    width, _, _ = text_to_path.get_text_width_height_descent(
+        text, FontProperties(size=size), ismath=False
+    )
+    return float(width)
+
+
+def _fit(name: str, size: float, width: float) -> str:
+    """``name`` as is when it fits in ``width`` points at font ``size``; else ``…`` and
+    the longest tail of it that fits (at least one character): the tail of a dotted name
+    says what the tensor is."""
+    if _text_width(name, size) <= width:
+        return name
+    lo, hi = 1, max(1, len(name) - 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _text_width("…" + name[-mid:], size) <= width:
+            lo = mid
+        else:
+            hi = mid - 1
+    return "…" + name[-lo:]
 
 
 def _tag(name: str) -> str:
@@ -222,9 +258,32 @@ def _resolve(report: LoadReport, target: str) -> str:
         return target
 
 
-def _shown_name(target: str, runtime: str) -> str:
-    """How a figure names a runtime tensor asked for as ``target``."""
-    return target if target == runtime else f"{target} (tied to {runtime})"
+def _shown_name(
+    target: str, runtime: str, size: float | None = None, width: float = math.inf
+) -> str:
+    """How a figure names a runtime tensor asked for as ``target``; with a font ``size``,
+    each name is cut (see :func:`_fit`) so that the whole fits in ``width`` points."""
+    shown = target if target == runtime else f"{target} (tied to {runtime})"
+    if size is None or _text_width(shown, size) <= width:
+        return shown
+    if target == runtime:
+        return _fit(target, size, width)
+    room = (width - _text_width(" (tied to )", size)) / 2
+    return f"{_fit(target, size, room)} (tied to {_fit(runtime, size, room)})"
+
+
+def _integer_ticks(ax: Axes, ndim: int) -> None:
+    """Whole row and column numbers on a heat map's axes, written out in full
+    (``2,000,000``: no ``1e6`` multiplier over the axes, where it runs into the title);
+    no row ticks for a tensor of fewer than two dimensions (it is one row)."""
+    whole = FuncFormatter(lambda v, _pos=None: f"{round(v):,}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_formatter(whole)
+    if ndim < 2:
+        ax.set_yticks([])
+    else:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_formatter(whole)
 
 
 def _axis_words(ndim: int, side: str) -> tuple[str, str]:
@@ -290,6 +349,53 @@ def _as_source(source: Any, fn: str) -> Any:
     return [_as_patch(p, fn, i) for i, p in enumerate(patches)]
 
 
+def _axes_points(ax: Axes, own: bool) -> tuple[float, float]:
+    """(width, height) of ``ax`` in points, estimated before layout (no draw): on
+    :func:`plot_chunks`' own figure its title, labels and legend take about 2.8 in of the
+    width and 0.9 in of the height; a caller's axes keep their current position."""
+    fig = ax.figure
+    if own:
+        return 72 * (fig.get_figwidth() - 2.8), 72 * (fig.get_figheight() - 0.9)
+    pos = ax.get_position()
+    return 72 * pos.width * fig.get_figwidth(), 72 * pos.height * fig.get_figheight()
+
+
+def _chunk_top(plan: Sequence[Chunk], budget: int, off_scale: bool, height: float,
+               rotate: bool | None) -> float:
+    """The top of the bytes axis: every bar with its ``closed_by`` label above it
+    (``rotate``: turned upright; ``None``: no labels) inside the axes of ``height``
+    points, below the "(above this scale)" note when ``off_scale``, and the budget line
+    in view unless ``off_scale``."""
+    reserve = 4.0 + (0.02 * height + 11.0 if off_scale else 0.0)
+    top = 0.0 if off_scale else 1.05 * budget
+    for c in plan:
+        label = 0.0
+        if rotate is not None:
+            w, h, _ = text_to_path.get_text_width_height_descent(
+                c.closed_by, FontProperties(size=8), ismath=False
+            )
+            label = 3.0 + 1.1 * (w if rotate else h + 2.0)  # 3-pt offset, then the text
+        free = max(0.25, 1.0 - (reserve + label) / max(height, 1.0))
+        top = max(top, c.bytes / free)
+    return top or 1.0
+
+
+def _bar_pieces(
+    c: Chunk, patches: Sequence[CheckpointWeightPatch], thin: float
+) -> list[tuple[list[int], str, int]]:
+    """The rectangles of one bar, bottom up: ``(positions, name, height)``. One per patch,
+    except that consecutive patches each under ``thin`` bytes share one."""
+    pieces: list[tuple[list[int], str, int, bool]] = []
+    for pos, name in zip(c.positions, c.names):
+        height = staged_nbytes(patches[pos])
+        if height < thin and pieces and pieces[-1][3]:
+            ps, first, total, _ = pieces[-1]
+            pieces[-1] = ([*ps, pos], first, total + height, True)
+        else:
+            pieces.append(([pos], name, height, height < thin))
+    return [(ps, name, height) for ps, name, height, _ in pieces]
+
+
 def plot_chunks(
     report_or_patches: LoadReport | Sequence[CheckpointWeightPatch],
     max_chunk_bytes: int | None = None,
@@ -304,20 +410,28 @@ def plot_chunks(
     nothing is staged or loaded).
 
     What the figure holds, for a caller that reads it back: one stacked bar per call at
-    x = call index, one :class:`~matplotlib.patches.Rectangle` per patch with height its
-    staged bytes and gid ``"segment <call> <position>"``; the dashed budget line
-    (gid ``"budget"``, y = ``max_chunk_bytes``; above the visible range when the budget
-    dwarfs every call, with a note saying so); one annotation per call (gid
+    x = call index, made of :class:`~matplotlib.patches.Rectangle` s whose heights add up
+    to the call's staged bytes: one per patch, gid ``"segment <call> <position>"`` and
+    height its staged bytes, except that consecutive patches of a call each too thin to
+    see (under about a pixel) share one rectangle, gid ``"segment <call> <first>..<last>"``
+    (the positions of the first and last of them), height their total. Segments too
+    small for a white edge (under about 4 pixels, 3 points, wide or tall) are drawn
+    without one. The dashed budget
+    line (gid ``"budget"``, y = ``max_chunk_bytes``; above the visible range when the
+    budget dwarfs every call, with a note saying so); one annotation per call (gid
     ``"closed_by"``, text ``budget`` / ``repeated name`` / ``end``) for up to 60 calls,
-    beyond which the bar colours and hatches (see the legend) carry the reason; an
-    ``"over budget"`` annotation (gid ``"over_budget"``) on a single patch larger than
-    the budget. Returns ``ax.figure`` when ``ax`` is given, else a new
+    inside the axes and clear of the title and the note, beyond which the bar colours and
+    hatches (see the legend) carry the reason; an ``"over budget"`` annotation (gid
+    ``"over_budget"``) on a single patch larger than the budget. The x axis has a tick
+    at every call up to 20 calls, at whole call numbers beyond. Names are shown as
+    written (no mathtext). Returns ``ax.figure`` when ``ax`` is given, else a new
     :class:`ReportFigure`. A report whose load was rejected before it was planned (e.g.
     for ``max_chunk_bytes=0``) draws no bars and a note with the load's error; pass a
     valid ``max_chunk_bytes`` to plan its patches as given. Anything but a report or a
     list of patches raises ``TypeError`` naming what it got.
     """
     patches, plan, budget = _plan_for(report_or_patches, max_chunk_bytes)
+    own = ax is None
     if ax is None:
         fig: Figure = _new_figure(max(6.0, min(14.0, 3.0 + 0.45 * len(plan))), 4.2)
         ax = fig.add_subplot()
@@ -340,44 +454,55 @@ def plot_chunks(
             why = str(error) if len(str(error)) <= 80 else str(error)[:77] + "..."
             text = (f"{len(patches)} patches, none planned: the load raised "
                     f"{type(error).__name__}\n{why}")
-        ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center")
+        ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center",
+                parse_math=False)
         return fig
 
     tallest = max(c.bytes for c in plan) or 1
     budget_off_scale = budget > 8 * tallest
-    top = (tallest if budget_off_scale else max(tallest, budget)) * 1.22
-    # Label a segment with its patch name only where the text fits inside it: the bar is
-    # 0.8 of a call's width, the axes about 0.6 of the figure, 7-pt text ~4 pt a character.
-    bar_in = 0.8 * 0.6 * fig.get_figwidth() * ax.get_position().width / max(len(plan), 1)
-    label_chars = int(bar_in * 72 / 4.5)
+    # Sizes in points from the axes' expected size: a bar is 0.8 of a call's width.
+    width_pt, height_pt = _axes_points(ax, own)
+    bar_pt = 0.8 * width_pt / (len(plan) + 0.4)
+    annotated = len(plan) <= _MAX_ANNOTATED_CALLS
+    rotate = bar_pt < 60
+    top = _chunk_top(plan, budget, budget_off_scale, height_pt, rotate if annotated else None)
+    thin = 0.75 / (height_pt / top)  # bytes drawn under about a pixel (0.75 pt) tall
+    edge_min = 3.0 / (height_pt / top)  # bytes drawn under about 4 pixels tall
+    # Label a segment with its patch name only where the 7-pt text (~4.5 pt a character)
+    # fits inside it.
+    label_chars = int(bar_pt / 4.5)
     label_min = 0.07 * top
     for c in plan:
         colour, hatch = _REASON_STYLE[c.closed_by]
         bottom = 0
-        for k, pos in enumerate(c.positions):
-            height = staged_nbytes(patches[pos])
-            ax.add_patch(
+        for k, (positions, name, height) in enumerate(_bar_pieces(c, patches, thin)):
+            merged = len(positions) > 1
+            edge = not merged and bar_pt >= 3.0 and height >= edge_min
+            # add_artist, not add_patch: the limits are set below, and add_patch's
+            # per-patch update of the data limits dominates the cost of thousands of bars.
+            ax.add_artist(
                 Rectangle(
                     (c.index - 0.4, bottom), 0.8, height,
                     facecolor=colour, alpha=0.95 if k % 2 == 0 else 0.7,
-                    edgecolor=_OVER_BUDGET if c.over_budget else "white",
-                    linewidth=2.0 if c.over_budget else 0.8,
+                    edgecolor=_OVER_BUDGET if c.over_budget else "white" if edge else "none",
+                    linewidth=2.0 if c.over_budget else 0.8 if edge else 0.0,
                     hatch="xx" if c.over_budget else hatch,
-                    gid=f"segment {c.index} {pos}",
+                    gid=f"segment {c.index} "
+                    + (f"{positions[0]}..{positions[-1]}" if merged else str(positions[0])),
                 )
             )
-            tag = _tag(c.names[k])
+            tag = f"{len(positions)} patches" if merged else _tag(name)
             if len(tag) <= label_chars and height >= label_min:
                 ax.text(
                     c.index, bottom + height / 2, tag,
                     ha="center", va="center", fontsize=7, color="white", clip_on=True,
-                    gid="segment label",
+                    gid="segment label", parse_math=False,
                 )
             bottom += height
-        if len(plan) <= _MAX_ANNOTATED_CALLS:
+        if annotated:
             ax.annotate(
                 c.closed_by, xy=(c.index, c.bytes), xytext=(0, 3), textcoords="offset points",
-                ha="center", va="bottom", fontsize=8, rotation=90 if bar_in * 72 < 60 else 0,
+                ha="center", va="bottom", fontsize=8, rotation=90 if rotate else 0,
                 gid="closed_by",
             )
         if c.over_budget:
@@ -388,6 +513,7 @@ def plot_chunks(
                       "edgecolor": _OVER_BUDGET},
                 gid="over_budget",
             )
+    ax.update_datalim([(-0.4, 0.0), (len(plan) - 0.6, tallest)])
     ax.axhline(budget, linestyle="--", color="0.15", linewidth=1.2, gid="budget")
     if budget_off_scale:
         ax.text(
@@ -398,7 +524,10 @@ def plot_chunks(
     ax.set_ylim(0, top)
     ax.yaxis.set_major_locator(_BytesLocator())
     ax.yaxis.set_major_formatter(FuncFormatter(_bytes_tick))
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(len(plan), 20)))
+    if len(plan) <= 20:
+        ax.set_xticks(range(len(plan)))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     reasons = [r for r in _REASON_STYLE if any(c.closed_by == r for c in plan)]
     handles: list[Any] = [
         Patch(facecolor=_REASON_STYLE[r][0], hatch=_REASON_STYLE[r][1], label=f"closed by {r}")
@@ -427,14 +556,18 @@ def plot_density(
     *,
     ax: Axes | None = None,
 ) -> Figure:
-    """Where a patch's changes sit: a heat map of :func:`~patchkit.density.density_map`.
+    """Where a patch writes: a heat map of :func:`~patchkit.density.density_map`.
 
     The tensor is drawn as its 2-D view (rows × last dimension) in checkpoint
     coordinates: the image's extent is the real row and column range, so tick labels are
-    checkpoint row and column numbers. ``bins`` is capped at :data:`MAX_BINS` per axis
-    (and at the tensor's rows/columns); the single image (``ax.images[0]``) holds exactly
-    ``density_map(patch, capped bins)``, colour scale from 0 to the densest block, with a
-    colorbar. Cost is that of :func:`density_map`: O(nnz), so a 128256 × 2560 patch at
+    whole checkpoint row and column numbers. ``bins`` is capped at :data:`MAX_BINS` per
+    axis (and at the tensor's rows/columns); the single image (``ax.images[0]``) holds
+    exactly ``density_map(patch, capped bins)``: per block, the fraction of its elements
+    the patch writes, whether or not a write changes the value (a load's ``changed``
+    counts say which did); colour scale from 0 to the densest block, with a colorbar.
+    The title gives the patch's name (cut to its tail, after ``…``, when too long to
+    fit; shown as written, no mathtext), shape, dtype and how many elements it writes.
+    Cost is that of :func:`density_map`: O(nnz), so a 128256 × 2560 patch at
     1 % density draws in about a second. A dense patch is uniformly 1. ``bins`` may be
     one int for both axes. Raises ``TypeError`` when ``patch`` is not a patch (a name:
     use :meth:`LoadReport.plot_density <patchkit.inspect.LoadReport.plot_density>`) or
@@ -445,6 +578,7 @@ def plot_density(
     rows, cols = grid_shape(patch.shape)
     br, bc = _cap_bins(bins, rows, cols)
     dmap = density_map(patch, (br, bc)).numpy()
+    own = ax is None
     if ax is None:
         fig: Figure = _new_figure(7.5, 5.2)
         ax = fig.add_subplot()
@@ -455,24 +589,27 @@ def plot_density(
         dmap, cmap="viridis", vmin=0.0, vmax=top if top > 0 else 1.0,
         interpolation="nearest", aspect="auto", extent=_extent(rows, cols),
     )
-    fig.colorbar(im, ax=ax, label="fraction of elements changed per block")
+    # Written, not changed: a patch that writes the value already there counts too.
+    fig.colorbar(im, ax=ax, label="fraction of elements the patch writes per block")
     n = numel(patch)
     nnz = n if patch.indices is None else int(patch.indices.numel())
     kind = "dense" if patch.indices is None else "sparse"
+    what = f"{_shape_text(patch.shape)} {str(patch.dtype).removeprefix('torch.')}"
+    # The title is centred over the heat map; on patchkit's own figure it may spread
+    # over most of the figure's width, on a caller's axes over the axes' width.
+    fig_pt = 72 * fig.get_figwidth()
+    room = 0.8 * fig_pt if own else fig_pt * ax.get_position().width
+    name = _fit(str(patch.name), 10, room - _text_width(f"  {what}", 10))
     ax.set_title(
-        f"{patch.name}  {_shape_text(patch.shape)} {str(patch.dtype).removeprefix('torch.')}\n"
-        f"{kind}: nnz {nnz:,} of {n:,} ({_pct(nnz / n if n else 0.0)}); "
+        f"{name}  {what}\n"
+        f"{kind}: writes {nnz:,} of {n:,} elements ({_pct(nnz / n if n else 0.0)}); "
         f"{br} × {bc} blocks",
-        fontsize=10,
+        fontsize=10, parse_math=False,
     )
     xlabel, ylabel = _axis_words(len(patch.shape), "checkpoint")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if len(patch.shape) < 2:
-        ax.set_yticks([])
-    else:
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    _integer_ticks(ax, len(patch.shape))
     return fig
 
 
@@ -587,7 +724,9 @@ def plot_placement(
     band. The legend gives each write as ``#position name [checkpoint region] → [runtime
     region]``. A region that is not a box is drawn hatched and dashed (see
     :func:`region_rects`). At most 64 writes per tensor and 8 checkpoint tensors per
-    row are drawn; a note counts the rest.
+    row are drawn; a note counts the rest. Names are shown as written (no mathtext); a
+    runtime title too long for one line gets its counts on a second line and its name
+    cut to its tail after ``…``. Runtime row and column ticks are whole numbers.
 
     ``targets`` is a list of runtime tensor names, or one name as a string. A tied alias
     (``lm_head.weight`` where it is the embedding's Parameter) names the tensor it is
@@ -662,7 +801,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
         if rects and _big_enough(rects[0], rows, cols):
             r0, r1, c0, c1 = rects[0]
             ax_rt.text((c0 + c1) / 2, (r0 + r1) / 2, _short(_name_of(w), 24, parts=2),
-                       ha="center", va="center", fontsize=8, clip_on=True)
+                       ha="center", va="center", fontsize=8, clip_on=True, parse_math=False)
         if len(handles) < _MAX_LEGEND:
             src = "untraced source" if pos is None else f"#{pos} {_short(_name_of(w), 30)}"
             handles.append(Patch(facecolor=(*c[:3], 0.55), edgecolor=c, **style,
@@ -691,20 +830,24 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     xlabel, ylabel = _axis_words(len(tshape), "runtime")
     ax_rt.set_xlabel(xlabel)
     ax_rt.set_ylabel(ylabel)
-    ax_rt.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if len(tshape) < 2:
-        ax_rt.set_yticks([])
-    else:
-        ax_rt.yaxis.set_major_locator(MaxNLocator(integer=True))
+    _integer_ticks(ax_rt, len(tshape))
     n_el = int(mine["elements"].sum()) if len(mine) else 0
-    ax_rt.set_title(
-        f"runtime {_shown_name(asked, target)} {_shape_text(tshape)}: {len(mine)} write"
-        f"{'s' if len(mine) != 1 else ''}, {n_el:,} elements",
-        fontsize=9,
-    )
+    counts = f"{len(mine)} write{'s' if len(mine) != 1 else ''}, {n_el:,} elements"
+    # The title may spread past the axes, up to the checkpoint column's title: about
+    # 0.48 of the figure's width with the widest legend. Too long for one line, the
+    # counts get their own.
+    room = 0.48 * 72 * ax_rt.figure.get_figwidth()
+    title = f"runtime {_shown_name(asked, target)} {_shape_text(tshape)}: {counts}"
+    if _text_width(title, 9) > room:
+        shape = f" {_shape_text(tshape)}:"
+        shown = _shown_name(asked, target, 9, room - _text_width("runtime " + shape, 9))
+        title = f"runtime {shown}{shape}\n{counts}"
+    ax_rt.set_title(title, fontsize=9, parse_math=False)
     if handles:
-        ax_rt.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                     fontsize=7, frameon=False)
+        legend = ax_rt.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                              fontsize=7, frameon=False)
+        for text in legend.get_texts():
+            text.set_parse_math(False)
     else:
         ax_rt.text(0.5, 0.5, "not written", transform=ax_rt.transAxes, ha="center",
                    va="center", color="0.3")
@@ -719,7 +862,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     ax_ck.set_yticks([k * 1.25 + 0.5 for k in slot.values()])
     ax_ck.set_yticklabels(
         [f"{_short(report.patches[p].name, 24, parts=2)}\n{_shape_text(shapes[p])}" for p in slot],
-        fontsize=7,
+        fontsize=7, parse_math=False,
     )
     ax_ck.set_xticks([0, 0.5, 1])
     ax_ck.set_xticklabels(["0", "½", "all"], fontsize=7)
@@ -784,6 +927,19 @@ def pool_max_abs(x: np.ndarray, br: int, bc: int) -> np.ndarray:
     return np.where(np.abs(hi) >= np.abs(lo), hi, lo).astype(np.float64)
 
 
+def _max_abs_diff(before: torch.Tensor, after: torch.Tensor, mask: np.ndarray) -> float:
+    """Largest finite |after − before| over the flat elements ``mask`` selects (0 for
+    none), in float64 (complex: the modulus), as :attr:`LoadReport.deltas` measures it."""
+    pick = torch.from_numpy(mask)
+    a, b = after[pick], before[pick]
+    if a.is_complex():
+        d = (a.to(torch.complex128) - b.to(torch.complex128)).abs()
+    else:
+        d = (a.double() - b.double()).abs()
+    d = d[torch.isfinite(d)]
+    return float(d.max()) if d.numel() else 0.0
+
+
 def written_mask(report: LoadReport, target: str) -> torch.Tensor:
     """Flat bool mask over ``target``'s elements: True where the load wrote (CPU)."""
     return report.written(target).reshape(-1)
@@ -808,7 +964,15 @@ def plot_delta(
     ``axes[3]`` is a histogram (log y) of Δ over the elements the load wrote, each
     counted once (so its counts total ``report.deltas.loc[target, "elements"]``), or over
     those whose bits changed with ``changed_only=True``; non-finite Δ are left out and
-    counted in the title. Uses :meth:`LoadReport.before` / :meth:`LoadReport.after`.
+    counted in the title. Uses :meth:`LoadReport.before` / :meth:`LoadReport.after`,
+    which read the model as it is now, while the title's numbers (``report.deltas``) are
+    the load's: when the written elements whose bits differ now are not as many as the
+    load changed, or their largest finite |Δ| is not the load's ``max_abs`` (the model
+    changed since, e.g. another load), the title says so in a line of its own ("the
+    model changed after this load ..."). A change that keeps both goes unnoticed. Row and
+    column ticks are whole numbers. The title names the tensor as written (no mathtext),
+    cut to its tail after ``…`` when the line would not fit, the numbers then on a line
+    of their own.
 
     A tied alias (``lm_head.weight`` where it is the embedding's Parameter) draws the
     tensor it is tied to, as :meth:`LoadReport.before` reads it; the title gives both
@@ -824,14 +988,16 @@ def plot_delta(
     before_t, after_t = report.before(target), report.after(target)
     shape = tuple(int(d) for d in before_t.shape)
     dtype = str(before_t.dtype).removeprefix("torch.")
-    head = f"{_shown_name(asked, target)} {_shape_text(shape)} {dtype}"
+    form = f"{_shape_text(shape)} {dtype}"
     if before_t.numel() == 0:
         _as_bins(bins)  # bad bins raise whatever the tensor
         fig = _new_figure(8, 2.5)
         ax = fig.add_subplot()
         ax.set_axis_off()
-        ax.text(0.5, 0.5, f"{head}: no elements, nothing to draw", ha="center",
-                va="center", gid="empty")
+        tail = f" {form}: no elements, nothing to draw"
+        shown = _shown_name(asked, target, 10, 0.95 * 72 * 8 - _text_width(tail, 10))
+        ax.text(0.5, 0.5, shown + tail, ha="center", va="center", gid="empty",
+                parse_math=False)
         return fig
     before, after = _as_grid(before_t), _as_grid(after_t)
     delta = after - before
@@ -866,14 +1032,11 @@ def plot_delta(
         ax.set_title(title, fontsize=9)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
-        if len(shape) < 2:
-            ax.set_yticks([])
+        _integer_ticks(ax, len(shape))
 
-    mask = written_mask(report, target).numpy()
-    if changed_only:
-        flat_b = bits(before_t.reshape(-1))
-        flat_a = bits(after_t.reshape(-1))
-        mask = mask & (flat_b != flat_a).numpy()
+    written = written_mask(report, target).numpy()
+    differs = changed_mask(before_t.reshape(-1), after_t.reshape(-1)).numpy()
+    mask = written & differs if changed_only else written
     dw = delta.reshape(-1)[mask]
     finite = np.isfinite(dw)
     ax = axes[3]
@@ -893,13 +1056,30 @@ def plot_delta(
     ax.set_xlabel("Δ = after − before")
     ax.set_ylabel("elements (log scale)")
 
+    stale = False
     if target in report.deltas.index:
         row = report.deltas.loc[target]
-        head += (
-            f": {int(row['elements']):,} elements written, {int(row['changed']):,} changed, "
+        stats = (
+            f"{int(row['elements']):,} elements written, {int(row['changed']):,} changed, "
             f"max |Δ| {row['max_abs']:.3g}, relative L2 change {row['rel_l2']:.3g}"
         )
+        # before() and after() read the model as it is now, the numbers were fixed at the
+        # load: the written elements whose bits differ now should be as many as it changed
+        # (another load put some back otherwise), with the same largest |Δ| (it wrote new
+        # values otherwise; the load measured bfloat16 to 1e-6, see LoadReport.deltas).
+        now = written & differs
+        largest = _max_abs_diff(before_t.reshape(-1), after_t.reshape(-1), now)
+        stale = int(now.sum()) != int(row["changed"]) or not math.isclose(
+            largest, float(row["max_abs"]), rel_tol=1e-5, abs_tol=1e-300
+        )
     else:
-        head += ": not written by this load"
-    fig.suptitle(head, fontsize=10)
+        stats = "not written by this load"
+    room = 0.95 * 72 * fig.get_figwidth()
+    head = f"{_shown_name(asked, target)} {form}: {stats}"
+    if _text_width(head, 10) > room:  # the name, cut to fit, then the numbers below it
+        shown = _shown_name(asked, target, 10, room - _text_width(f" {form}:", 10))
+        head = f"{shown} {form}:\n{stats}"
+    if stale:
+        head += f"\n{_STALE_WARNING}"
+    fig.suptitle(head, fontsize=10, parse_math=False)
     return fig

@@ -17,6 +17,8 @@ from __future__ import annotations
 import base64
 import html
 import math
+import os
+import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -98,13 +100,24 @@ def plan_text(plan: Sequence[Chunk], budget: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _error_output(what: str, exc: BaseException) -> dict[str, Any]:
+    """Why ``what`` is not shown, as one ``stdout`` stream output: ``"<what>: not drawn:
+    <exception type>: <message>"``, then where it was raised (file, line, function)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = (
+        f"  (raised in {os.path.basename(frames[-1].filename)}, line {frames[-1].lineno}, "
+        f"in {frames[-1].name})\n" if frames else ""
+    )
+    return text_output(f"{what}: not drawn: {type(exc).__name__}: {exc}\n{where}")
+
+
 def _figure_or_note(what: str, draw: Callable[[], Figure]) -> dict[str, Any]:
-    """The figure ``draw()`` makes, or a line saying why it could not be drawn (a patch
-    the load rejected, e.g. an index outside its tensor)."""
+    """The figure ``draw()`` makes, or, whatever it raised (a patch the load rejected, a
+    report whose model changed after the load), :func:`_error_output` saying why."""
     try:
         return figure_output(draw())
-    except (ValueError, TypeError) as exc:
-        return text_output(f"{what}: not drawn: {exc}\n")
+    except Exception as exc:
+        return _error_output(what, exc)
 
 
 def _valid_budget(v: object) -> bool:
@@ -138,7 +151,10 @@ class ChunkPlanner(W.VBox):
     human bytes), ``output`` (an :class:`ipywidgets.Output` whose ``outputs`` are the plan
     figure of :func:`~patchkit.plot.plot_chunks` and the text of :func:`plan_text`),
     ``plan`` (the current list of :class:`~patchkit.Chunk`) and ``max_chunk_bytes`` (the
-    slider's value as an int). Nothing is staged or loaded.
+    slider's value as an int). Nothing is staged or loaded. Every redraw replaces the
+    output: a figure that cannot be drawn is replaced by a line with the error (type and
+    message), and a plan that cannot be made leaves ``plan`` empty and the output that
+    line alone, so the output never shows an earlier budget's view.
 
     ``max_chunk_bytes``, when given, must be a positive int (``TypeError`` /
     ``ValueError`` otherwise, as for a load); anything but a report or a list of patches
@@ -190,12 +206,23 @@ class ChunkPlanner(W.VBox):
         self.redraw()
 
     def redraw(self) -> None:
-        """Re-plan at the slider's budget and replace the output (figure, then text)."""
+        """Re-plan at the slider's budget and replace the output (figure, then text); an
+        error replaces what it stops (see the class docstring) instead of escaping, since
+        a widget callback's exception would only reach the kernel's log."""
         budget = self.max_chunk_bytes
         self.readout.value = format_bytes(budget)
-        _, self.plan, budget = _plan_for(self.source, budget)
-        fig = plot_chunks(self.source, max_chunk_bytes=budget)
-        self.output.outputs = (figure_output(fig), text_output(plan_text(self.plan, budget)))
+        try:
+            _, self.plan, budget = _plan_for(self.source, budget)
+            text = text_output(plan_text(self.plan, budget))
+        except Exception as exc:
+            self.plan = []
+            self.output.outputs = (_error_output(f"chunk plan at {format_bytes(budget)}", exc),)
+            return
+        self.output.outputs = (
+            _figure_or_note("chunk plan figure",
+                            lambda: plot_chunks(self.source, max_chunk_bytes=budget)),
+            text,
+        )
 
 
 def chunk_planner(
@@ -226,8 +253,11 @@ class ReportExplorer(W.VBox):
     The report of a load that raised (``error.report``) shows what it can: the error
     under the heading, a line saying why in place of a figure that cannot be drawn (the
     density map of a patch with an index outside its tensor), and a planner over its
-    patches as given when the load was rejected before it was planned. Anything but a
-    report raises ``TypeError``.
+    patches as given when the load was rejected before it was planned. Whatever a figure
+    raises (e.g. the delta of a report whose patches changed after the load), the output
+    shows a line with the error's type and message in its place; an error outside the
+    figures replaces the whole output with that line. The output never keeps showing an
+    earlier choice. Anything but a report raises ``TypeError``.
     """
 
     def __init__(self, report: LoadReport) -> None:
@@ -266,31 +296,38 @@ class ReportExplorer(W.VBox):
         self.redraw()
 
     def redraw(self) -> None:
-        """Replace the output with the views of the dropdown's current choice."""
+        """Replace the output with the views of the dropdown's current choice (an error
+        replaces what it stops, see the class docstring, instead of escaping: a widget
+        callback's exception would only reach the kernel's log)."""
         choice = self.dropdown.value
+        try:
+            self.output.outputs = self._views(choice)
+        except Exception as exc:
+            self.output.outputs = (_error_output(f"views of {choice}", exc),)
+
+    def _views(self, choice: tuple[str, Any] | None) -> tuple[dict[str, Any], ...]:
         r = self.report
         if choice is None:
-            self.output.outputs = (text_output("nothing to show: the report has no patches\n"),)
-            return
+            return (text_output("nothing to show: the report has no patches\n"),)
         kind, key = choice
         if kind == "patch":
             row = r.chunks[r.chunks["position"] == key]
-            self.output.outputs = (
+            return (
                 _figure_or_note("density map", lambda: plot_density(r.patches[key])),
                 text_output(row.drop(columns=["note"]).to_string(index=False) + "\n"
                             + "".join(f"note: {n}\n" for n in row["note"] if n)),
             )
-            return
         writes = r.writes[r.writes["target"] == key]
         cols = ["chunk", "position", "name", "checkpoint_region", "target_region",
                 "elements", "changed"]
         delta = (
             text_output("before/after figure: none, this report's before-values were handed "
                         "to a later load (reuse=)\n")
-            if r.handed_over else figure_output(plot_delta(r, key))
+            if r.handed_over else _figure_or_note("before/after figure",
+                                                  lambda: plot_delta(r, key))
         )
-        self.output.outputs = (
-            figure_output(plot_placement(r, targets=[key])),
+        return (
+            _figure_or_note("placement figure", lambda: plot_placement(r, targets=[key])),
             delta,
             text_output(
                 f"writes into {key}:\n{writes[cols].head(20).to_string(index=False)}\n"

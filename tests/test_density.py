@@ -125,3 +125,14 @@ def test_empty_and_dense_patches():
     assert density_map(none, (2, 2)).tolist() == [[0.0, 0.0], [0.0, 0.0]]
     dense = CheckpointWeightPatch("d", (3, 3), torch.float32, torch.zeros(9))
     assert density_map(dense, (2, 2)).tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_density_counts_the_elements_written_whatever_their_values():
+    # The map knows the patch only: writing zeros or the value already there counts the
+    # same. The docstring must say "writes", not "changes" (the figures read it).
+    idx = torch.tensor([0, 1, 2, 3])
+    zeros = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.zeros(4), idx)
+    assert density_map(zeros, (1, 1)).tolist() == [[0.25]]
+    summary = " ".join(density_map.__doc__.split("\n\n")[0].split())
+    assert summary.startswith("Fraction of the elements of each block") and "writes" in summary
+    assert "changes" not in summary

@@ -13,6 +13,7 @@ import matplotlib
 import numpy as np
 import pytest
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import nn
 
@@ -242,6 +243,89 @@ def test_report_figures_name_a_report_argument_of_the_wrong_type():
             draw()
 
 
+def drawn(fig: Figure):
+    """Draw ``fig`` once with Agg, as a notebook shows it; the renderer, to measure texts."""
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def test_bars_too_narrow_for_an_edge_are_drawn_without_one():
+    ps = [CheckpointWeightPatch(f"layers.{i}.w", (16, 16), torch.float32, torch.zeros(256))
+          for i in range(600)]  # 1 KiB each: one call per patch at a 1 KiB budget
+    fig = plot_chunks(ps, max_chunk_bytes=1024)
+    assert bar_totals(fig) == dict.fromkeys(range(600), 1024)
+    segments = [r for rs in rects_by_gid(fig, "segment ").values() for r in rs]
+    assert len(segments) == 600
+    assert all(r.get_linewidth() == 0 for r in segments)  # a white edge would wash them out
+    few = rects_by_gid(plot_chunks(ps[:3], max_chunk_bytes=1024), "segment ").values()
+    assert all(r.get_linewidth() > 0 and tuple(r.get_edgecolor()[:3]) == (1, 1, 1)
+               for rs in few for r in rs)
+
+
+def test_patches_too_thin_to_see_share_one_rectangle():
+    big = CheckpointWeightPatch("big", (1024, 256), torch.float32, torch.zeros(1024 * 256))
+    tiny = [CheckpointWeightPatch(f"t{i}", (1,), torch.float32, torch.zeros(1))
+            for i in range(2000)]  # 4 B each beside 1 MiB: far under a pixel
+    ps = [tiny[0], big, *tiny[1:]]
+    (call,) = plan_chunks(ps, 512 << 20)
+    fig = plot_chunks(ps)
+    rects = rects_by_gid(fig, "segment ")
+    assert sorted(rects) == ["segment 0 0", "segment 0 1", "segment 0 2..2000"]
+    assert [r.get_height() for (r,) in (rects[g] for g in sorted(rects))] == [4, 1 << 20, 1999 * 4]
+    assert bar_totals(fig) == {0: call.bytes}
+    assert all(r.get_linewidth() == 0 for g in ("segment 0 0", "segment 0 2..2000")
+               for r in rects[g])
+
+
+def ones_at(name: str, shape: tuple[int, ...], positions: list[int]) -> CheckpointWeightPatch:
+    return CheckpointWeightPatch(name, shape, torch.bfloat16,
+                                 torch.ones(len(positions), dtype=torch.bfloat16),
+                                 torch.tensor(positions))
+
+
+LABEL_CASES = {
+    # three calls under a budget far above them: the "(above this scale)" note is drawn
+    "budget off scale": lambda: plot_chunks([
+        ones_at("q", (64, 64), [0, 1, 2]), ones_at("norm", (64,), [0, 1]),
+        ones_at("q", (64, 64), [2, 3]), ones_at("down", (64, 128), [5]),
+        ones_at("down", (64, 128), [6]), ones_at("norm", (64,), [1, 2])]),
+    "budget in view": lambda: plot_chunks(chunk_patches(), max_chunk_bytes=300),
+    "one call": lambda: plot_chunks(chunk_patches(), max_chunk_bytes=10_000),
+    "40 calls": lambda: plot_chunks([dense("q", i) for i in range(40)]),
+}
+
+
+@pytest.mark.parametrize("case", LABEL_CASES)
+def test_closed_by_labels_stay_inside_the_axes_clear_of_the_title_and_the_note(case):
+    fig = LABEL_CASES[case]()
+    renderer = drawn(fig)
+    ax = fig.axes[0]
+    labels = [t for t in ax.texts if t.get_gid() == "closed_by"]
+    assert labels
+    others = [ax.title] + [t for t in ax.texts if "above this scale" in t.get_text()]
+    assert len(others) == 2 or case == "budget in view"
+    for label in labels:
+        box = label.get_window_extent(renderer)
+        assert box.y1 <= ax.bbox.y1, (label.get_text(), box, ax.bbox)
+        for other in others:
+            assert not box.overlaps(other.get_window_extent(renderer)), other.get_text()
+
+
+@pytest.mark.parametrize("n", [1, 4, 8, 20])
+def test_every_call_has_a_whole_number_tick_up_to_20_calls(n):
+    ps = [dense("q", i) for i in range(n)]  # a repeated name: one call per patch
+    ax = plot_chunks(ps, max_chunk_bytes=10_000).axes[0]
+    assert list(ax.get_xticks()) == list(range(n))
+
+
+def test_more_calls_have_whole_number_ticks():
+    ax = plot_chunks([dense("q", i) for i in range(50)], max_chunk_bytes=10_000).axes[0]
+    lo, hi = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+    assert len(ticks) >= 3 and all(t == int(t) for t in ticks)
+
+
 # -- plot_density --------------------------------------------------------------------------
 
 
@@ -254,9 +338,9 @@ def test_density_image_is_the_density_map_in_checkpoint_coordinates():
     np.testing.assert_array_equal(im.get_array(), density_map(p, (4, 2)).numpy())
     assert im.get_extent() == [0.0, 8.0, 8.0, 0.0]  # real checkpoint rows and columns
     assert len(fig.axes) == 2  # the heat map and its colorbar
-    assert fig.axes[1].get_ylabel() == "fraction of elements changed per block"
+    assert fig.axes[1].get_ylabel() == "fraction of elements the patch writes per block"
     title = fig.axes[0].get_title()
-    assert "w" in title and "(8, 8)" in title and "nnz 7 of 64" in title
+    assert "w" in title and "(8, 8)" in title and "writes 7 of 64 elements" in title
 
 
 def test_density_bins_are_capped_to_a_bounded_image():
@@ -304,6 +388,20 @@ def test_density_bins_are_checked_and_one_int_means_both_axes():
     bad = p._replace(indices=torch.tensor([0, 64, 3]))
     with pytest.raises(ValueError, match=r"patch 'w': out-of-range index 64 at indices\[1\]"):
         plot_density(bad)
+
+
+def test_density_says_the_patch_writes_not_that_it_changes():
+    # 1.0 written over 1.0: every element written, none changed; the map counts writes
+    model = PlainModel({"w": (8, 8)}, fill=1.0)
+    same = CheckpointWeightPatch("w", (8, 8), torch.float32, torch.ones(16), torch.arange(16))
+    report = inspect_load(model, [same])
+    assert report.deltas.loc["w", "changed"] == 0
+    fig = report.plot_density("w", bins=(8, 8))
+    assert float(fig.axes[0].images[0].get_array().max()) == 1.0
+    label, title = fig.axes[1].get_ylabel(), fig.axes[0].get_title()
+    assert label == "fraction of elements the patch writes per block"
+    assert "writes 16 of 64 elements (25 %)" in title
+    assert "changed" not in label + title
 
 
 # -- plot_placement ------------------------------------------------------------------------
@@ -522,6 +620,108 @@ def test_placement_of_a_tied_alias_draws_the_tensor_it_is_tied_to():
     )
     (i,) = report.writes.index
     assert rects_by_gid(fig, "write ")[f"write {i} runtime"]
+
+
+def test_delta_ticks_are_whole_rows_and_columns():
+    model = PlainModel({"w": (3, 5)})
+    report = inspect_load(model, [CheckpointWeightPatch("w", (3, 5), torch.float32,
+                                                        torch.ones(15))])
+    maps = [ax for ax in plot_delta(report, "w").axes if ax.images]
+    assert len(maps) == 3
+    for ax in maps:
+        for ticks, (lo, hi) in ((ax.get_xticks(), ax.get_xlim()),
+                                (ax.get_yticks(), sorted(ax.get_ylim()))):
+            shown = [t for t in ticks if lo <= t <= hi]
+            assert len(shown) >= 2 and all(t == int(t) for t in shown), shown
+
+
+def test_tall_tensors_number_their_rows_in_full_without_a_1e6_multiplier():
+    n = 1_000_000
+    model = PlainModel({"col": (n, 1)})
+    p = CheckpointWeightPatch("col", (n, 1), torch.float32, torch.ones(3),
+                              torch.tensor([0, n // 2, n - 1]))
+    report = inspect_load(model, [p])
+    for fig in (plot_density(p), plot_delta(report, "col"), plot_placement(report)):
+        drawn(fig)
+        rows = [ax for ax in fig.axes if ax.get_ylabel().endswith(" row")]
+        assert rows
+        for ax in rows:
+            assert ax.yaxis.get_offset_text().get_text() == ""  # no "1e6" over the axes
+            assert "1,000,000" in [t.get_text() for t in ax.get_yticklabels()]
+
+
+LONG = "model." + ".".join(f"block_with_a_rather_long_name_{i}" for i in range(8)) + ".weight"
+
+
+def test_long_names_are_cut_to_their_tail_keeping_shape_and_numbers_on_the_figure():
+    model = PlainModel({LONG: (32, 48)})
+    p = CheckpointWeightPatch(LONG, (32, 48), torch.float32, torch.ones(3),
+                              torch.tensor([0, 100, 1535]))
+    report = inspect_load(model, [p])
+    density, delta, placement = plot_density(p), plot_delta(report, LONG), plot_placement(report)
+    suptitle = next(t for t in delta.texts if t.get_text() == delta.get_suptitle())
+    for fig, titles in ((density, [density.axes[0].title]), (delta, [suptitle]),
+                        (placement, [ax.title for ax in placement.axes])):
+        renderer = drawn(fig)
+        for t in titles:
+            box = t.get_window_extent(renderer)
+            assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (t.get_text(), box)
+    ck, rt = placement.axes[0].title, placement.axes[1].title  # renderer: placement's
+    assert not ck.get_window_extent(renderer).overlaps(rt.get_window_extent(renderer))
+
+    tail = "long_name_7.weight"
+    title = density.axes[0].get_title()
+    assert title.startswith("…") and f"{tail}  (32, 48) float32\n" in title
+    assert "sparse: writes 3 of 1,536 elements" in title
+    head = delta.get_suptitle()
+    assert head.startswith("…") and f"{tail} (32, 48) float32:\n3 elements written" in head
+    title = rt.get_text()
+    assert title.startswith("runtime …") and f"{tail} (32, 48):\n1 write, 1,536 elements" in title
+    assert LONG not in title + head  # cut: the whole name would run off the figure
+
+
+@pytest.mark.parametrize("name", ["layer$_{0}$.weight", "price$\\notacommand$.weight"])
+def test_names_with_dollar_signs_are_drawn_as_written_not_as_mathtext(name):
+    model = PlainModel({name: (8, 8)})
+    p = CheckpointWeightPatch(name, (8, 8), torch.float32, torch.ones(40), torch.arange(40))
+    report = inspect_load(model, [p])
+    tag = name.removesuffix(".weight")
+    for fig, shown in ((plot_density(p), name), (plot_chunks(report), tag),
+                       (plot_placement(report), name), (plot_delta(report, name), name)):
+        drawn(fig)  # "price$\notacommand$" as mathtext raises ValueError here
+        texts = [*fig.texts]
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            texts += [ax.title, *ax.texts, *ax.get_yticklabels(),
+                      *(legend.get_texts() if legend else [])]
+        named = [t for t in texts if "$" in t.get_text()]
+        assert any(shown in t.get_text() for t in named)
+        assert not any(t.get_parse_math() for t in named)
+
+
+STALE = ("\nwarning: the model changed after this load: the images show its current values, "
+         "the numbers are the load's")
+
+
+def test_delta_warns_once_the_model_changed_after_the_load():
+    model = Shards()
+    report = inspect_load(model, [sparse("q", [0, 1, 2], [1.0, 2.0, 3.0])])
+    head = plot_delta(report, "qkv").get_suptitle()
+    assert "3 elements written, 3 changed" in head and "warning" not in head
+    assert "warning" not in plot_delta(report, "qkv").get_suptitle()  # drawing changes nothing
+    inspect_load(model, [sparse("q", [0, 1, 2], [4.0, -5.0, 6.0])])  # new values, same elements
+    head = plot_delta(report, "qkv").get_suptitle()
+    assert head.endswith(STALE) and "3 elements written, 3 changed" in head
+
+
+def test_delta_warns_once_another_load_put_back_what_the_load_changed():
+    model = Shards()
+    old = float(model.qkv[0, 0])
+    report = inspect_load(model, [sparse("q", [0, 1, 2], [1.0, 20.0, 3.0])])
+    assert not plot_delta(report, "qkv").get_suptitle().endswith(STALE)
+    # Element 0 put back: 2 of the 3 differ now, the largest |Δ| (element 1's) is the same.
+    inspect_load(model, [sparse("q", [0], [old])])
+    assert plot_delta(report, "qkv").get_suptitle().endswith(STALE)
 
 
 # -- display -------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from patchkit import CheckpointWeightPatch, format_bytes, inspect_load, plan_chunks
+from patchkit import CheckpointWeightPatch, format_bytes, inspect_load, plan_chunks, widgets
+from patchkit.toymodels import PlainModel
 from patchkit.widgets import ChunkPlanner, ReportExplorer, chunk_planner, explore
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -199,7 +200,8 @@ def test_explore_of_a_load_rejected_for_an_index_outside_the_tensor():
     assert w.dropdown.value == ("patch", 0)
     assert [o["output_type"] for o in w.output.outputs] == ["stream", "stream"]
     text = texts(w.output)
-    assert "density map: not drawn: patch 'q': out-of-range index 100 at indices[0]" in text
+    assert ("density map: not drawn: PatchValueError: patch 'q': out-of-range index 100 at "
+            "indices[0]") in text
     assert " q " in text  # its report.chunks row
     w.dropdown.value = ("patch", 1)
     assert images(w.output) and " norm " in texts(w.output)
@@ -220,3 +222,63 @@ def test_explore_of_a_load_rejected_for_max_chunk_bytes_0_plans_its_patches():
     assert "→ 3 load_weights calls" in texts(w.planner.output)
     w.dropdown.value = ("patch", 3)
     assert images(w.output) and " norm " in texts(w.output)
+
+
+# -- errors in a redraw --------------------------------------------------------------------
+
+
+def test_explore_shows_why_a_figure_cannot_be_drawn_in_place_of_it():
+    model = PlainModel({"a": (8, 8), "b": (8, 8)})
+    pa = CheckpointWeightPatch("a", (8, 8), torch.float32, torch.ones(3), torch.tensor([1, 2, 3]))
+    pb = CheckpointWeightPatch("b", (8, 8), torch.float32, torch.ones(3), torch.tensor([1, 2, 3]))
+    w = explore(inspect_load(model, [pa, pb]))
+    w.dropdown.value = ("runtime", "a")
+    pb.indices[0] = 5  # changed after the load: report.before("b") raises ValueError
+    w.dropdown.value = ("runtime", "b")  # what a click does: an exception would be lost
+    assert [o["output_type"] for o in w.output.outputs] == ["display_data", "stream", "stream"]
+    text = texts(w.output)
+    assert "before/after figure: not drawn: ValueError: patch 1 ('b'): its indices" in text
+    assert "writes into b" in text and "writes into a" not in text
+
+
+def test_explore_shows_any_error_of_a_figure_in_place_of_it(monkeypatch):
+    report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
+    w = explore(report)
+
+    def fails(*_a, **_k):
+        raise RuntimeError("no figure today")
+
+    monkeypatch.setattr(widgets, "plot_density", fails)
+    w.dropdown.value = ("patch", 3)
+    assert [o["output_type"] for o in w.output.outputs] == ["stream", "stream"]
+    assert "density map: not drawn: RuntimeError: no figure today\n" in texts(w.output)
+    assert " norm " in texts(w.output)
+
+
+def test_explore_replaces_the_whole_output_when_its_views_cannot_be_made(monkeypatch):
+    w = explore(inspect_load(Packed(), patches(), max_chunk_bytes=300))
+    monkeypatch.setattr(w, "report", object())  # no tables: every view raises
+    w.dropdown.value = ("patch", 1)
+    (out,) = w.output.outputs
+    assert out["output_type"] == "stream"
+    assert out["text"].startswith("views of ('patch', 1): not drawn: AttributeError: ")
+
+
+def test_planner_shows_why_its_figure_or_plan_cannot_be_made(monkeypatch):
+    w = chunk_planner(patches(), max_chunk_bytes=1024)
+
+    def fails(*_a, **_k):
+        raise RuntimeError("no figure today")
+
+    monkeypatch.setattr(widgets, "plot_chunks", fails)
+    w.slider.value = 200
+    assert [o["output_type"] for o in w.output.outputs] == ["stream", "stream"]
+    text = texts(w.output)
+    assert "chunk plan figure: not drawn: RuntimeError: no figure today\n" in text
+    assert "max_chunk_bytes = 200 B" in text and len(w.plan) == 3
+
+    monkeypatch.setattr(widgets, "_plan_for", fails)
+    w.slider.value = 300
+    (out,) = w.output.outputs
+    assert out["text"].startswith("chunk plan at 300 B: not drawn: RuntimeError: no figure today")
+    assert w.plan == []
