@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import html
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ from .progress import LoadProgress, Tracker, check_progress
 from .units import format_bytes
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
     from .widgets import ReportExplorer
@@ -290,11 +292,13 @@ class LoadReport:
     loaded: set[str] = field(default_factory=set)
     error: BaseException | None = None
     rolled_back: bool = False
-    _saved: list[SavedRegion] = field(default_factory=list, repr=False)
-    _runtime: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    _aliases: dict[str, str] = field(default_factory=dict, repr=False)
-    _tables: dict[str, Callable[[], pd.DataFrame]] = field(default_factory=dict, repr=False)
-    _handed_over: bool = field(default=False, repr=False)
+    # Set by inspect_load after construction (not arguments: help() shows only the above).
+    _saved: list[SavedRegion] = field(default_factory=list, repr=False, init=False)
+    _runtime: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, init=False)
+    _aliases: dict[str, str] = field(default_factory=dict, repr=False, init=False)
+    _tables: dict[str, Callable[[], pd.DataFrame]] = field(
+        default_factory=dict, repr=False, init=False)
+    _handed_over: bool = field(default=False, repr=False, init=False)
 
     # -- values ----------------------------------------------------------------------
 
@@ -431,7 +435,8 @@ class LoadReport:
     def _repr_html_(self) -> str:
         s = self.summary()
         rows = "".join(
-            f"<tr><th style='text-align:left'>{k}</th><td>{_human(k, v)}</td></tr>"
+            f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+            f"<td>{html.escape(_human(k, v))}</td></tr>"
             for k, v in s.items()
             if v is not None
         )
@@ -445,27 +450,38 @@ class LoadReport:
         )
         for title, df in tables:
             if len(df):
-                out.append(f"<details open><summary>{title} (first rows)</summary>")
-                html = df.head(8).to_html(index=title == "deltas", float_format="{:.4g}".format)
-                out.append(html)
+                n = len(df)
+                shown = f"first {_HTML_ROWS} of {n} rows" if n > _HTML_ROWS else (
+                    f"{n} row" + ("s" if n != 1 else ""))
+                out.append(f"<details open><summary>{title} ({shown})</summary>")
+                out.append(_cut(df.head(_HTML_ROWS)).to_html(
+                    index=title == "deltas", float_format="{:.4g}".format))
                 out.append("</details>")
         out.append("</div>")
         return "".join(out)
 
     # -- figures (matplotlib on first use) ---------------------------------------------------
 
-    def plot_chunks(self, **kw) -> Figure:
-        """Staged bytes per ``load_weights`` call and why each ended (see patchkit.plot)."""
+    def plot_chunks(self, max_chunk_bytes: int | None = None, *, ax: Axes | None = None
+                    ) -> Figure:
+        """Staged bytes per ``load_weights`` call and why each ended:
+        :func:`patchkit.plot.plot_chunks` of this report (``max_chunk_bytes``: re-plan
+        the patches it sent for another budget; ``ax``: draw into these axes)."""
         from . import plot
 
-        return plot.plot_chunks(self, **kw)
+        return plot.plot_chunks(self, max_chunk_bytes, ax=ax)
 
-    def plot_density(self, patch_or_name: CheckpointWeightPatch | str, **kw) -> Figure:
-        """Where a sparse patch's changes sit, as a heat map (see patchkit.plot). A patch
-        of this report is named by its name (the first patch of that name) or given
-        itself; when the load dropped it (a tied alias), renamed it or never sent it, the
-        title says so (the ``note`` of ``chunks``)."""
+    def plot_density(
+        self, patch_or_name: CheckpointWeightPatch | str,
+        bins: int | tuple[int, int] = (128, 128), *, ax: Axes | None = None,
+    ) -> Figure:
+        """Where a patch writes, as a heat map: :func:`patchkit.plot.plot_density` (``bins``
+        per axis, ``ax``). A patch of this report is named by its name (the first patch
+        of that name) or given itself; when the load dropped it (a tied alias), renamed
+        it or never sent it, the title says so (the ``note`` of ``chunks``)."""
         from . import plot
+
+        kw = {"bins": bins, "ax": ax}
 
         if isinstance(patch_or_name, str):
             matches = [p for p in self.patches if p.name == patch_or_name]
@@ -484,21 +500,32 @@ class LoadReport:
         at = next((i for i, p in enumerate(self.patches) if p is patch_or_name), None)
         note = self.chunks["note"].iloc[at] if at is not None else ""
         if note:
-            ax = kw.get("ax") or fig.axes[0]
+            ax = ax or fig.axes[0]
             ax.set_title(f"{ax.get_title()}\n({note})", fontsize=10)
         return fig
 
-    def plot_placement(self, **kw) -> Figure:
-        """Checkpoint regions → runtime regions (see patchkit.plot)."""
+    def plot_placement(
+        self, targets: str | Sequence[str] | None = None, *, max_targets: int | None = None
+    ) -> Figure:
+        """Checkpoint regions → runtime regions: :func:`patchkit.plot.plot_placement`
+        (``targets``: the runtime tensors to draw, default those written, at most
+        ``max_targets``)."""
         from . import plot
 
-        return plot.plot_placement(self, **kw)
+        kw = {} if max_targets is None else {"max_targets": max_targets}
+        return plot.plot_placement(self, targets, **kw)
 
-    def plot_delta(self, target: str, **kw) -> Figure:
-        """Before / after / Δ heat maps and a Δ histogram of one runtime tensor."""
+    def plot_delta(
+        self, target: str, bins: int | tuple[int, int] = (128, 128), *,
+        changed_only: bool = False, hist_bins: int = 60,
+    ) -> Figure:
+        """Before / after / Δ heat maps and a Δ histogram of one runtime tensor:
+        :func:`patchkit.plot.plot_delta` (``bins`` per axis; ``changed_only``: the
+        histogram counts only the elements whose bits changed; ``hist_bins``: its bars)."""
         from . import plot
 
-        return plot.plot_delta(self, target, **kw)
+        return plot.plot_delta(self, target, bins, changed_only=changed_only,
+                               hist_bins=hist_bins)
 
     def explore(self) -> ReportExplorer:
         """An ipywidgets explorer of this report (see patchkit.widgets)."""
@@ -510,14 +537,36 @@ class LoadReport:
 # A text repr prints a table whole up to _REPR_MAX rows, else its first _REPR_ROWS and a
 # line saying how many more (the tables themselves have them all).
 _REPR_MAX, _REPR_ROWS = 40, 20
+# The HTML summary shows a table's first _HTML_ROWS; both reprs cut a cell's text (a long
+# tensor name, a tuple of names) to _COLWIDTH characters, ending it with "...".
+_HTML_ROWS = 8
+_COLWIDTH = 60
 
 
 def _head_text(df: pd.DataFrame, index: bool) -> str:
     """``df`` as text: whole, or its first rows and a line saying how many more."""
     if len(df) <= _REPR_MAX:
-        return df.to_string(index=index)
+        return df.to_string(index=index, max_colwidth=_COLWIDTH)
     more = len(df) - _REPR_ROWS
-    return df.head(_REPR_ROWS).to_string(index=index) + f"\n... {more} more rows"
+    return (df.head(_REPR_ROWS).to_string(index=index, max_colwidth=_COLWIDTH)
+            + f"\n... {more} more rows")
+
+
+def _cut(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with each text cell longer than ``_COLWIDTH`` characters cut to that, ending
+    in "..." (``to_html`` does not cut, as ``to_string(max_colwidth=)`` does)."""
+    def cut(v: Any) -> Any:
+        if isinstance(v, str | tuple | list | set | frozenset):
+            text = v if isinstance(v, str) else str(v)
+            if len(text) > _COLWIDTH:
+                return text[: _COLWIDTH - 3] + "..."
+        return v
+
+    out = df.copy()
+    for c in out.columns:
+        if out[c].dtype == object or pd.api.types.is_string_dtype(out[c].dtype):
+            out[c] = pd.Series([cut(v) for v in out[c]], index=out.index, dtype=object)
+    return out
 
 
 def _error_text(error: BaseException, limit: int = 160) -> str:
@@ -816,25 +865,26 @@ def _build_report(
     events = list(rec.events)
     shapes = {n: tuple(t.shape) for n, t in runtime.items()}
     strides = {n: tuple(t.stride()) for n, t in runtime.items()}
-    return LoadReport(
+    report = LoadReport(
         patches=patches,
         plan=plan,
         max_chunk_bytes=max_chunk_bytes,
         loaded=set(loaded),
         error=error,
-        _saved=list(saved),
-        _runtime=runtime,
-        _aliases=dict(index.aliases) if index is not None else {},
-        _tables={
-            "chunks": lambda: _chunks_frame(patches, kept, positions, plan, len(calls)),
-            "calls": lambda: _frame({
-                c: [row[c] for row in calls]
-                for c in ("chunk", "names", "returned", "writes", "seconds", "error")
-            }, samples=_CALLS_SAMPLES),
-            "writes": lambda: _writes_frame(events, patches, shapes, strides),
-            "deltas": lambda: _deltas_frame(delta_rows),
-        },
     )
+    report._saved = list(saved)
+    report._runtime = runtime
+    report._aliases = dict(index.aliases) if index is not None else {}
+    report._tables = {
+        "chunks": lambda: _chunks_frame(patches, kept, positions, plan, len(calls)),
+        "calls": lambda: _frame({
+            c: [row[c] for row in calls]
+            for c in ("chunk", "names", "returned", "writes", "seconds", "error")
+        }, samples=_CALLS_SAMPLES),
+        "writes": lambda: _writes_frame(events, patches, shapes, strides),
+        "deltas": lambda: _deltas_frame(delta_rows),
+    }
+    return report
 
 
 def _chunks_frame(patches, kept, positions, plan, ran: int) -> pd.DataFrame:

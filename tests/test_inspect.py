@@ -203,6 +203,78 @@ def test_report_renders_in_a_terminal_and_a_notebook_without_timings():
     assert r.summary()["elements changed"] == 1
 
 
+def test_html_summary_escapes_what_the_load_was_given():
+    class Refuses(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+        def load_weights(self, weights):
+            raise KeyError(f"unknown {weights[0][0]}")
+
+    evil = "w<script>alert(1)</script>&"
+    with pytest.raises(KeyError) as info:
+        inspect_load(Refuses(), [dense(evil, torch.ones(4))])
+    page = info.value.report._repr_html_()
+    assert "<script>" not in page
+    assert "w&lt;script&gt;alert(1)&lt;/script&gt;&amp;" in page
+
+
+def test_html_says_how_many_rows_a_table_has_and_reprs_cut_long_cells():
+    n = 12
+    long = "model.language_model.layers.31.block_sparse_moe.experts.127.w2.weight"
+    shapes = {f"{long}.{i}": (2,) for i in range(n)}
+    m = PlainModel(shapes)
+    r = inspect_load(m, [dense(k, torch.full((2,), 1.0)) for k in shapes])
+    page = r._repr_html_()
+    assert f"chunks (first 8 of {n} rows)" in page and "deltas (first 8 of 12 rows)" in page
+    assert "calls (1 row)" in page
+    chunks_part = page.split("deltas (")[0]  # (an index, deltas' names, is not cut)
+    assert long not in chunks_part and long[:40] in chunks_part  # cut to 60, with "..."
+    text = repr(r).split("deltas:")[0]
+    assert long not in text and long[:40] in text
+
+
+def test_report_figure_methods_show_their_arguments():
+    import inspect as pyinspect
+
+    from patchkit import LoadReport
+
+    def params(f):
+        return list(pyinspect.signature(f).parameters)
+
+    assert params(LoadReport.plot_chunks) == ["self", "max_chunk_bytes", "ax"]
+    assert params(LoadReport.plot_density) == ["self", "patch_or_name", "bins", "ax"]
+    assert params(LoadReport.plot_placement) == ["self", "targets", "max_targets"]
+    assert params(LoadReport.plot_delta) == ["self", "target", "bins", "changed_only",
+                                             "hist_bins"]
+    assert params(LoadReport) == ["patches", "plan", "max_chunk_bytes", "loaded", "error",
+                                  "rolled_back"]
+
+
+def test_report_figure_methods_pass_their_arguments_on():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = Packed()
+    r = inspect_load(m, [dense(n, torch.full((4, 4), 2.0)) for n in "qkv"] +
+                     [dense("norm", torch.ones(4))], max_chunk_bytes=64)
+    fig = r.plot_placement(["norm"])
+    assert [a.get_title() for a in fig.axes if "norm" in a.get_title()]
+    assert not [a.get_title() for a in fig.axes if "qkv" in a.get_title()]
+    plt.close(fig)
+    fig = r.plot_placement(max_targets=1)
+    assert not [a.get_title() for a in fig.axes if "norm" in a.get_title()]
+    plt.close(fig)
+    assert "4 load_weights calls" in r.plot_chunks().axes[0].get_title()
+    assert "1 load_weights call\n" in r.plot_chunks(1 << 20).axes[0].get_title()
+    fig = r.plot_delta("qkv", 4, changed_only=True, hist_bins=7)
+    assert len(fig.axes[3].patches) == 7
+    plt.close("all")
+
+
 # -- observing another loader -------------------------------------------------------------
 
 
