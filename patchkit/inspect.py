@@ -244,22 +244,30 @@ class LoadReport:
       tensors, ``seconds``, ``error`` (the call raised).
     - ``writes``: one row per write into a runtime tensor: ``chunk``, ``position`` and
       ``name`` of the patch that fed it (``None`` when the source could not be traced to
-      a staged tensor), ``checkpoint_offset`` (flat element offset of the source region
-      in the checkpoint tensor), ``checkpoint_region`` (slice notation), ``target`` (the
+      one staged tensor: made by an op from two patches, say), ``checkpoint_offset``
+      (flat element offset of the source region in the checkpoint tensor; ``None`` when
+      an op moved the patch's elements first: a ``torch.cat``, a gather ``w[idx]``, a
+      flip, the copy of a transposed view), ``checkpoint_region`` (slice notation),
+      ``target`` (the
       runtime parameter or buffer), ``target_offset``, ``target_region``, ``shape``,
       ``elements`` (of the written view: ``shape``'s product), ``written`` (the elements
       that took the source's value: all of them for a dense copy, only those whose
       source is not NaN for a NaN-merged one), ``changed`` (elements whose bits changed),
       ``op``, and the element strides of both views (``checkpoint_stride``,
-      ``target_stride``).
+      ``target_stride``). A write through a view of another element size than its
+      runtime tensor's (fp8 values packed four to an int32 word, written through
+      ``.view(torch.float8_e4m3fn)``) is given in the runtime tensor's own elements: the
+      span its bytes reach, and for a NaN-merge, ``written`` elements that hold a byte
+      it wrote.
     - ``deltas``: indexed by runtime tensor name, one row per touched tensor:
       ``elements`` written, each counted once (a dense copy writes its whole view, a
       NaN-merged copy only the elements its source lets through), ``changed`` (bitwise,
       against the value before the load), ``max_abs``, ``mean_abs`` (over the written
       elements) and ``rel_l2`` (``||after - before|| / ||before||`` over the written
-      elements). For bfloat16 on x86 CPUs the compiled path measures partly in
-      float32: ``rel_l2`` always, and ``max_abs`` and ``mean_abs`` where most of a write
-      changed, can be off by up to 1e-6 relative (see
+      elements), all read as the runtime tensor's own dtype (packed int32 words as
+      integers, whatever view wrote them). For bfloat16 on x86 CPUs the compiled path
+      measures partly in float32: ``rel_l2`` always, and ``max_abs`` and ``mean_abs``
+      where most of a write changed, can be off by up to 1e-6 relative (see
       :class:`patchkit.native.CopyResult`). Non-finite values are counted in
       ``changed`` but add nothing to ``max_abs``, ``mean_abs`` and ``rel_l2`` (a
       difference that is NaN or infinite counts as 0, and so does a non-finite old value

@@ -609,7 +609,8 @@ def _comparable_copy(args, kwargs, targets) -> bool:
     if len(targets) != 1 or len(args) < 2 or kwargs.get("non_blocking"):
         return False
     dest, src = args[0], args[1]
-    return targets[0][0] is dest and _comparable_source(dest, src, _storage_key(dest)) is not None
+    return (targets[0][0] is dest and dest.element_size() == targets[0][1][1].element_size()
+            and _comparable_source(dest, src, _storage_key(dest)) is not None)
 
 
 def _comparable_source(dest: torch.Tensor, src: Any, key: tuple) -> tuple | None:
@@ -811,6 +812,20 @@ def _is_view(func: Any) -> bool:
     if got is None:
         got = _IS_VIEW[func] = bool(getattr(func, "is_view", False))
     return got
+
+
+def _owner_span(t: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The elements of runtime tensor ``owner`` that view ``t``'s bytes reach, as a view
+    of ``owner`` (of its dtype) and its row-major offset in ``owner``: a flat slice of a
+    contiguous ``owner``, else all of it."""
+    if not owner.is_contiguous():
+        return owner.detach(), 0
+    s = owner.element_size()
+    a0, a1 = _byte_span(t)
+    o0 = owner.storage_offset() * s
+    e0 = max(0, (a0 - o0) // s)
+    e1 = min(owner.numel(), -(-(a1 - o0) // s))
+    return owner.detach().reshape(-1)[e0:e1], e0
 
 
 def _weak_storage(t: torch.Tensor) -> Any:
@@ -1181,6 +1196,7 @@ class WriteSession:
         # The common case, decided as _runtime_write decides it, with the keys taken once:
         # a same-shaped copy from another storage, saved, no dispatch mode below.
         if (self.save_regions and not self._sparse and not self._nan_masked
+                and dest.element_size() == own[1].element_size()
                 and not torch._C._len_torch_dispatch_stack()):
             skey = _comparable_source(dest, src, key)
             if skey is not None:
@@ -1210,7 +1226,8 @@ class WriteSession:
         if self._sparse:
             dest, src = args[0], args[1]
             cast = src.to(device=dest.device, dtype=dest.dtype)
-            if alone and _storage_key(cast) != _storage_key(dest):
+            if (alone and _storage_key(cast) != _storage_key(dest)
+                    and dest.element_size() == targets[0][1][1].element_size()):
                 # On the CPU: merge (and save what it writes) in one compiled pass.
                 recipe = self._patch_positions(dest, src) if self.save_regions else None
                 owner = targets[0][1][1]
@@ -1232,7 +1249,11 @@ class WriteSession:
         # Before the write: save what it may change, and what counting changes needs.
         # A region saved just now holds exactly its current values; only a second write
         # into a saved dense region needs a transient copy.
-        saved = [self._save(t, tname, off, write) for t, (tname, _, off) in targets]
+        reinterpreted_written = None
+        if any(t.element_size() != own[1].element_size() for t, own in targets):
+            targets, saved, reinterpreted_written = self._save_in_owner_units(targets, write)
+        else:
+            saved = [self._save(t, tname, off, write) for t, (tname, _, off) in targets]
         befores = None
         if self.count_changes:
             befores = [
@@ -1253,6 +1274,8 @@ class WriteSession:
         if self.recorder is not None:
             src = args[1] if is_copy else None
             written = int(count_true(write)) if write is not None else None
+            if reinterpreted_written is not None:
+                written = reinterpreted_written
             for k, (t, (tname, _, off)) in enumerate(targets):
                 changed = None
                 if befores is not None:
@@ -1261,6 +1284,35 @@ class WriteSession:
                     changed = int(count_true(now.reshape(befores[k].shape) != befores[k]))
                 self._record(op, t, tname, off, src, changed, written=written)
         return out
+
+    def _save_in_owner_units(self, targets, write):
+        """Saves of a write through a view of another element size than its runtime
+        tensor's (fp8 values packed four to an int32 word, say), made in the runtime
+        tensor's own elements, so that the report, ``before()`` and a rollback read them as
+        its other saves: a dense write saves the elements its bytes reach (their span); a
+        NaN-merge saves the elements that hold a byte it writes, and says how many.
+        Returns ``(targets in those units, saves, elements the merge reaches or None)``."""
+        mapped, saved, written = [], [], None
+        for t, (tname, owner, off) in targets:
+            if t.element_size() == owner.element_size():
+                mapped.append((t, (tname, owner, off)))
+                saved.append(self._save(t, tname, off, write))
+                continue
+            u, uoff = _owner_span(t, owner)
+            mapped.append((u, (tname, owner, uoff)))
+            if write is None:
+                saved.append(self._save(u, tname, uoff, None))
+                continue
+            at = _storage_offsets(t, torch.nonzero(write.reshape(-1)).reshape(-1))
+            reached = torch.unique(at * t.element_size() // owner.element_size())
+            written = (written or 0) + int(reached.numel())
+            if self.save_regions:
+                sr = SavedRegion.elements(tname, uoff, u, reached)
+                self.saved.append(sr)
+                saved.append(sr)
+            else:
+                saved.append(None)
+        return mapped, saved, written
 
     def _observed_mask(self, args, targets) -> tuple[torch.Tensor | None, int | None]:
         """For an observed ``copy_`` (see :meth:`call`) into one runtime view from a

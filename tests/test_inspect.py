@@ -847,3 +847,64 @@ def test_bad_arguments_raise_type_errors_that_say_what_was_given():
     with pytest.raises(PatchTypeError) as info:
         patch_summary([p, 3])
     assert (info.value.position, info.value.reason) == (1, "not a patch")
+
+
+# -- writes through a view of another element size ----------------------------------------
+
+
+class PackedFp8(torch.nn.Module):
+    """fp8 values kept four to an int32 word, written through ``.view(float8)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.packed = torch.nn.Parameter(torch.zeros(8, 3, dtype=torch.int32),
+                                         requires_grad=False)
+
+    def load_weights(self, weights):
+        for n, w in weights:
+            if n != "packed":
+                raise KeyError(n)
+            self.packed.data.view(torch.float8_e4m3fn).copy_(w.to(torch.float8_e4m3fn))
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_write_through_a_view_of_another_element_size_is_reported_in_its_own_elements(kind):
+    m = PackedFp8()
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(96, generator=g).bfloat16()
+    patchkit.load_checkpoint_weight_patches(
+        m, [CheckpointWeightPatch("packed", (8, 12), torch.bfloat16, start)])
+    before = m.packed.detach().clone()
+    idx, vals = torch.tensor([0, 13, 95]), torch.tensor([3.0, -2.0, 5.0]).bfloat16()
+    if kind == "sparse":
+        p = CheckpointWeightPatch("packed", (8, 12), torch.bfloat16, vals, idx)
+    else:
+        full = before.view(torch.float8_e4m3fn).to(torch.bfloat16).reshape(-1).clone()
+        full[idx] = vals
+        p = CheckpointWeightPatch("packed", (8, 12), torch.bfloat16, full)
+    r = inspect_load(m, [p])
+    changed_words = int((before != m.packed).sum())
+    assert changed_words == 3
+    w = r.writes.iloc[0]
+    assert (w["target"], w["target_offset"], w["elements"]) == ("packed", 0, 24)
+    assert w["written"] == (3 if kind == "sparse" else 24)
+    assert r.deltas.loc["packed", "changed"] == changed_words
+    assert r.deltas.loc["packed", "elements"] == (3 if kind == "sparse" else 24)
+    assert torch.equal(r.before("packed"), before)
+    assert int(r.written("packed").sum()) == (3 if kind == "sparse" else 24)
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_rollback_restores_a_write_through_a_view_of_another_element_size(kind):
+    m = PackedFp8()
+    before = m.packed.detach().clone()
+    if kind == "sparse":
+        ps = [CheckpointWeightPatch(n, (8, 12), torch.bfloat16, torch.tensor([3.0]).bfloat16(),
+                                    torch.tensor([5])) for n in ("packed", "boom")]
+    else:
+        ones = torch.ones(96, dtype=torch.bfloat16)
+        ps = [CheckpointWeightPatch(n, (8, 12), torch.bfloat16, ones) for n in ("packed", "boom")]
+    with pytest.raises(KeyError):
+        patchkit.load_checkpoint_weight_patches(m, ps, transactional=True)
+    assert torch.equal(m.packed, before)
