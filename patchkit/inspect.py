@@ -626,7 +626,11 @@ def inspect_load(
       asks for: only the elements whose source is not NaN are written and saved, as with
       patchkit's loader. A loader that instead copies the NaN into the model (it does not
       support sparse patches) is let finish, and then :class:`~patchkit.ContractViolation`
-      (``reason="NaN copied"``) is raised with the report attached.
+      (``reason="NaN copied"``) is raised with the report attached. A source built from
+      a sparse patch by an op (``torch.cat``, a gather) counts the same way when it holds
+      NaN. A loader that merges *before* its ``copy_`` (it replaces ``Tensor.copy_`` with
+      a NaN-aware one, say) copies sources without NaN, which nothing tells from plain
+      dense copies: its writes show as whole views written.
 
     Failures: if the load raises, the exception propagates unchanged with the partial
     report attached as ``exc.report`` (the writes made so far stay, unless

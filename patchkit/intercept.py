@@ -1518,10 +1518,15 @@ class WriteSession:
         who = f"{where(pos, name)}, " if name is not None else ""
         at = f"load_weights (call {self._chunk}, {who}runtime tensor {tname!r})"
         if func is not _COPY:
+            hint = ""
+            if op.startswith(("aten::fill_", "aten::zero_")):
+                hint = (". Loaders that fill (vLLM's padded vocabulary embedding zeroes its "
+                        "padding rows, its default loader fills 1-element weights) take "
+                        "such a weight only as a dense patch: send it dense")
             raise ContractViolation(
                 f"{at} wrote with {op}; a sparse (NaN-masked) load supports only "
                 "same-shaped floating-point copy_ into parameters and buffers. This op "
-                "wrote nothing",
+                f"wrote nothing{hint}",
                 position=pos, name=name, reason="unsupported op", value=op,
             )
         if (

@@ -397,3 +397,19 @@ def test_rebinding_a_parameter_is_rejected_and_the_storage_put_back(load, mk):
     assert m.w is param and m.w.data_ptr() == ptr
     assert same_bits(m.w.detach(), start())
     assert not math.isnan(m.w.sum().item())
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize(
+    ("write", "op"),
+    [(lambda m, w: m.b.fill_(1.0), "fill_"), (lambda m, w: m.b.data.zero_(), "zero_")],
+)
+def test_a_fill_tells_the_caller_to_send_that_weight_dense(load, mk, write, op):
+    err = _rejected(load, mk, write, op)
+    assert "send it dense" in str(err)
+
+
+@pytest.mark.patchkit_only
+def test_other_rejected_ops_carry_no_fill_hint(load, mk):
+    err = _rejected(load, mk, lambda m, w: m.b.mul_(2.0), "mul_")
+    assert "send it dense" not in str(err)
