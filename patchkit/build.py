@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 
 from .bitwise import changed_mask, count_true
+from .density import grid_shape
 from .errors import PatchTypeError, PatchValueError, where
 from .patch import CheckpointWeightPatch, numel, validate_patches
 
@@ -354,15 +355,6 @@ def changed_fraction(
 # --------------------------------------------------------------------------- random
 
 
-def _view_2d(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The 2-D view used by the ``rows`` and ``blocks`` patterns."""
-    if len(shape) == 0:
-        return 1, 1
-    if len(shape) == 1:
-        return 1, shape[0]
-    return shape[0], math.prod(shape[1:])
-
-
 def _distinct_positions(n: int, k: int, generator: torch.Generator | None) -> torch.Tensor:
     """``k`` distinct positions in ``[0, n)``, uniformly at random, sorted (int64, CPU)."""
     if k == 0:
@@ -396,8 +388,9 @@ def random_sparse_patch(
 ) -> CheckpointWeightPatch:
     """A random sparse patch of roughly ``density``, for density experiments.
 
-    Changed positions, by ``pattern``, on the 2-D view ``(shape[0], prod(shape[1:]))``
-    (a 1-D tensor of length n is viewed as ``(1, n)``, a scalar as ``(1, 1)``):
+    Changed positions, by ``pattern``, on the 2-D view that :func:`patchkit.density_map`
+    and the figures use, rows × last dimension (``(prod(shape[:-1]), shape[-1])``; a 1-D
+    tensor of length n is viewed as ``(1, n)``, a scalar as ``(1, 1)``):
 
     - ``"uniform"``: exactly ``round(density * numel)`` distinct positions (Python's
       ``round``: halves go to the even neighbour), uniformly at random.
@@ -440,7 +433,7 @@ def random_sparse_patch(
     block = _check_int(block, "block", 1)
     n = math.prod(shape)
     idx_dtype = _index_dtype_for(n, index_dtype, name)
-    rows, cols = _view_2d(shape)
+    rows, cols = grid_shape(shape)
 
     if pattern == "uniform":
         idx = _distinct_positions(n, round(density * n), generator)

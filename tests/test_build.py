@@ -310,8 +310,8 @@ def test_random_uniform_large_sparse_path():
 @pytest.mark.parametrize("shape", [(40, 7), (10, 3, 4), (12,)])
 def test_random_rows(shape):
     g = torch.Generator().manual_seed(2)
-    rows = shape[0] if len(shape) > 1 else 1
-    cols = math.prod(shape) // rows
+    cols = shape[-1]  # the rows × last dimension view density_map draws
+    rows = math.prod(shape) // cols
     density = 0.3 if len(shape) > 1 else 1.0
     p = random_sparse_patch("w", shape, torch.float32, density, pattern="rows", generator=g)
     mask = torch.zeros(math.prod(shape), dtype=torch.bool)
@@ -628,3 +628,14 @@ def test_a_diff_of_tensors_that_share_memory_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert sparse_patches_from_diff({"w": flat[:4]}, {"w": flat[4:]}) == []
+
+
+def test_rows_pattern_of_a_3d_tensor_is_rows_of_the_view_density_maps_draw():
+    from patchkit import density_map
+
+    g = torch.Generator().manual_seed(0)
+    p = random_sparse_patch("w", (10, 3, 4), torch.float32, 0.05, pattern="rows", generator=g)
+    m = density_map(p, bins=(30, 4))  # rows × last dimension: 30 rows of 4
+    per_row = m.mean(dim=1)
+    assert set(per_row.tolist()) <= {0.0, 1.0}
+    assert int(per_row.sum()) == round(0.05 * 30)  # 2 rows (not a whole 3 x 4 slab)
