@@ -160,7 +160,68 @@ def main(argv=None) -> int:
             rows,
         )
     )
+    print()
+    print(_fixed_costs_table(device, repeats, quick))
     return 0
+
+
+def _fixed_costs_table(device: torch.device, repeats: int, quick: bool) -> str:
+    """What a load costs beyond its bytes, on models of many small (16 x 16 fp32) tensors:
+    a load of one patch (an RL loop that sends one tensor per call pays this per tensor)
+    and one load of a patch for every tensor, dense and sparse (5 %), next to the
+    contract's own work done with torch ops and nothing else (stage, scatter, NaN-merge,
+    ``load_weights``): the floor."""
+    from patchkit.toymodels import PlainModel
+
+    counts = (100,) if quick else (100, 1000)
+    rows = []
+    for n in counts:
+        shapes = {f"layers.{i}.w": (16, 16) for i in range(n)}
+        model = PlainModel(shapes, device=device)
+        g = torch.Generator().manual_seed(0)
+        for kind in ("dense", "sparse 5%"):
+            patches = []
+            for name, shape in shapes.items():
+                if kind == "dense":
+                    values = torch.randn(256, generator=g).to(device)
+                    patches.append(CheckpointWeightPatch(name, shape, torch.float32, values))
+                else:
+                    idx = torch.randperm(256, generator=g)[:13].sort().values.to(device)
+                    values = torch.randn(13, generator=g).to(device)
+                    patches.append(CheckpointWeightPatch(name, shape, torch.float32, values, idx))
+            for what, ps in (("one patch", patches[n // 2: n // 2 + 1]),
+                             (f"{n} patches, one call", patches)):
+                def ours(ps=ps, model=model):
+                    patchkit.load_checkpoint_weight_patches(model, ps)
+
+                def bare(ps=ps, model=model):
+                    staged = []
+                    for p in ps:
+                        if p.indices is None:
+                            staged.append((p.name, p.values.view(p.shape)))
+                            continue
+                        t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=device)
+                        t.view(-1).index_copy_(0, p.indices, p.values)
+                        staged.append((p.name, t))
+                    params = dict(model.named_parameters())
+                    with torch.no_grad():
+                        for name, t in staged:
+                            w = params[name].data
+                            w.copy_(t if ps[0].indices is None
+                                    else torch.where(torch.isnan(t), w, t))
+
+                t_ours = median_seconds(ours, device, repeats)
+                t_bare = median_seconds(bare, device, repeats)
+                rows.append([str(n), kind, what, f"{t_ours * 1e3:.2f}", f"{t_bare * 1e3:.2f}",
+                             f"{t_ours / t_bare:.1f}x"])
+                print(".", end="", flush=True, file=sys.stderr)
+    print(file=sys.stderr)
+    return (
+        "fixed costs: models of n tensors of 16 x 16 fp32 (PlainModel), median of "
+        f"{repeats}; floor: the contract's work with torch ops only (stage, scatter, "
+        "NaN-merge, copy_)\n"
+        + fmt_table(["tensors", "patches", "load", "patchkit ms", "floor ms", "ratio"], rows)
+    )
 
 
 if __name__ == "__main__":
