@@ -248,7 +248,12 @@ def named_tensors(
     if mods is None:  # torch's own walk (which raises RecursionError on a tree that loops)
         named = list(model.named_parameters(remove_duplicate=False))
         return named + list(model.named_buffers(remove_duplicate=False)) if buffers else named
-    return [(n, t) for n, t, _, _ in _tensors_of(mods, buffers)]
+    named = [(f"{prefix}.{k}" if prefix else k, t)
+             for prefix, m in mods for k, t in m._parameters.items() if t is not None]
+    if buffers:
+        named += [(f"{prefix}.{k}" if prefix else k, t)
+                  for prefix, m in mods for k, t in m._buffers.items() if t is not None]
+    return named
 
 
 class RuntimeIndex:
