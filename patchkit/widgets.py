@@ -79,12 +79,18 @@ def text_output(text: str) -> dict[str, Any]:
     return {"output_type": "stream", "name": "stdout", "text": text}
 
 
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """``"1 patch"``, ``"2 patches"``."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
 def plan_text(plan: Sequence[Chunk], budget: int) -> str:
     """The plan in words: one line per ``load_weights`` call and why it closed."""
     n = sum(len(c.positions) for c in plan)
     total = sum(c.bytes for c in plan)
     head = (
-        f"max_chunk_bytes = {format_bytes(budget)}: {n} patches, {format_bytes(total)} staged "
+        f"max_chunk_bytes = {format_bytes(budget)}: {n} patch{'es' if n != 1 else ''}, "
+        f"{format_bytes(total)} staged "
         f"→ {len(plan)} load_weights call{'s' if len(plan) != 1 else ''}"
     )
     lines = [head]
@@ -278,8 +284,9 @@ class ReportExplorer(W.VBox):
             f"<br>the load raised {type(error).__name__}: {html.escape(str(error))}"
         )
         head = W.HTML(
-            f"<b>LoadReport</b>: {len(report.patches)} patches, {len(report.calls)} "
-            f"load_weights calls, {len(report.writes)} runtime writes{rejected}"
+            f"<b>LoadReport</b>: {_count(len(report.patches), 'patch', 'patches')}, "
+            f"{_count(len(report.calls), 'load_weights call')}, "
+            f"{_count(len(report.writes), 'runtime write')}{rejected}"
         )
         super().__init__([head, self.dropdown, self.output, W.HTML("<b>chunk plan</b>"),
                           self.planner])

@@ -282,3 +282,17 @@ def test_planner_shows_why_its_figure_or_plan_cannot_be_made(monkeypatch):
     (out,) = w.output.outputs
     assert out["text"].startswith("chunk plan at 300 B: not drawn: RuntimeError: no figure today")
     assert w.plan == []
+
+
+def test_plan_text_and_explorer_heading_count_in_the_singular_for_one():
+    import torch
+
+    from patchkit import CheckpointWeightPatch, inspect_load, plan_chunks
+    from patchkit.toymodels import PlainModel
+    from patchkit.widgets import plan_text
+
+    p = CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(4))
+    assert ": 1 patch, 16 B staged → 1 load_weights call" in plan_text(plan_chunks([p]), 1024)
+    r = inspect_load(PlainModel({"w": (4,)}), [p])
+    head = r.explore().children[0].value
+    assert "1 patch, 1 load_weights call, 1 runtime write" in head
