@@ -204,13 +204,17 @@ def test_max_abs_is_the_largest_over_every_part_of_a_parallel_write(monkeypatch)
     assert r.deltas.loc["w", "max_abs"] == pytest.approx(1000.0, rel=1e-3)
 
 
-def test_non_finite_old_values_outside_a_sparse_write_leave_rel_l2_finite():
+@pytest.mark.parametrize("written", [False, True])
+def test_a_non_finite_old_value_adds_nothing_to_the_norm_of_before(written):
+    # CONTRACT of deltas: a non-finite old value counts as 0 in ||before||
     m = PlainModel({"w": (64,)}, device="cpu", fill=1.0)
-    m.w.data[5] = float("inf")  # never written by the patch
-    p = CWP("w", (64,), torch.float32, torch.tensor([3.0]), torch.tensor([10]))
+    m.w.data[5] = float("inf")
+    idx = [5, 10] if written else [10]
+    p = CWP("w", (64,), torch.float32, torch.full((len(idx),), 3.0), torch.tensor(idx))
     r = inspect_load(m, [p])
     row = r.deltas.loc["w"]
-    assert row["changed"] == 1 and row["rel_l2"] == pytest.approx(2.0)
+    assert row["changed"] == len(idx)
+    assert row["rel_l2"] == pytest.approx(2.0)  # ||3 - 1|| / ||1||: the inf adds nothing
 
 
 # -- builders ---------------------------------------------------------------------------
