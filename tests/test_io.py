@@ -130,7 +130,11 @@ def patch_lists(draw):
         else:
             dtype = draw(st.sampled_from(FLOATS + INTS))
             vdtype = draw(st.sampled_from([dtype, dtype, torch.float32]))
-            out.append(CheckpointWeightPatch(name, shape, dtype, random_bits(size, vdtype, g)))
+            values = random_bits(size, vdtype, g)
+            if not dtype.is_floating_point and values.is_floating_point():
+                # float values for an integer patch must be finite (refused otherwise)
+                values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+            out.append(CheckpointWeightPatch(name, shape, dtype, values))
     return out
 
 
