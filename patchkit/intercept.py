@@ -220,16 +220,18 @@ def _module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]] | 
 
 
 def _tensors_of(
-    mods: list[tuple[str, torch.nn.Module]], buffers: bool
-) -> list[tuple[str, torch.Tensor, dict, str]]:
-    """``(name, tensor, the dict that registers it, its key there)`` of each parameter
-    (then buffer) of ``mods``, in torch's order."""
-    named = [(f"{prefix}.{k}" if prefix else k, t, m._parameters, k)
-             for prefix, m in mods for k, t in m._parameters.items() if t is not None]
-    if buffers:
-        named += [(f"{prefix}.{k}" if prefix else k, t, m._buffers, k)
-                  for prefix, m in mods for k, t in m._buffers.items() if t is not None]
-    return named
+    mods: list[tuple[str, torch.nn.Module]], buffers: bool, registries: bool = False
+) -> list[tuple]:
+    """``(name, tensor)`` of each parameter (then buffer) of ``mods``, in torch's order;
+    with ``registries``, ``(name, tensor, the dict that registers it, its key there)``."""
+    def of(attr: str) -> list[tuple]:
+        if registries:
+            return [(f"{prefix}.{k}" if prefix else k, t, getattr(m, attr), k)
+                    for prefix, m in mods for k, t in getattr(m, attr).items() if t is not None]
+        return [(f"{prefix}.{k}" if prefix else k, t)
+                for prefix, m in mods for k, t in getattr(m, attr).items() if t is not None]
+
+    return of("_parameters") + of("_buffers") if buffers else of("_parameters")
 
 
 def named_tensors(
@@ -248,12 +250,7 @@ def named_tensors(
     if mods is None:  # torch's own walk (which raises RecursionError on a tree that loops)
         named = list(model.named_parameters(remove_duplicate=False))
         return named + list(model.named_buffers(remove_duplicate=False)) if buffers else named
-    named = [(f"{prefix}.{k}" if prefix else k, t)
-             for prefix, m in mods for k, t in m._parameters.items() if t is not None]
-    if buffers:
-        named += [(f"{prefix}.{k}" if prefix else k, t)
-                  for prefix, m in mods for k, t in m._buffers.items() if t is not None]
-    return named
+    return _tensors_of(mods, buffers)
 
 
 class RuntimeIndex:
@@ -281,7 +278,7 @@ class RuntimeIndex:
         if mods is None:
             walked = [(n, t, None, None) for n, t in named_tensors(model)]
         else:
-            walked = _tensors_of(mods, True)
+            walked = _tensors_of(mods, True, registries=True)
             self._slots = []
             self._links = [(m._modules, k, c) for _, m in mods
                            for k, c in m._modules.items() if c is not None]
@@ -770,16 +767,14 @@ class _Provenance:
                         found = who
         return found
 
-    def taint(self, out: torch.Tensor, args: Sequence[Any], kwargs: dict) -> None:
-        """``out``, a new tensor an op made, holds data of the one patch its arguments
-        come from (see :meth:`source_of`), at offsets nobody knows."""
-        if not out.numel():
-            return
-        who = self.source_of(args, kwargs)
-        if who is None:
+    def taint(self, out: torch.Tensor, args: Sequence[Any],
+              who: tuple[int | None, str] | None) -> None:
+        """``out``, a new tensor an op made from ``args``, holds data of patch ``who``
+        (their :meth:`source_of`; ``None``: nothing to record), at offsets nobody knows."""
+        if who is None or not out.numel():
             return
         okey = _storage_key(out)
-        for a in (*args, *kwargs.values()):  # an op that hands back its input: no new data
+        for a in args:  # an op that hands back its input: no new data
             if isinstance(a, torch.Tensor) and _storage_key(a) == okey:
                 return
         lo, hi = _byte_span(out)
@@ -887,20 +882,23 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         s = self.s
+        who = None
         if s._sparse:  # the patch an error of a sparse write names, when its source is not
-            hit = s.provenance.source_of(args, kwargs)
-            if hit is not None:
-                s._last_patch = hit
+            who = s.provenance.source_of(args, kwargs)
+            if who is not None:
+                s._last_patch = who
         mutated = _mutated_args(func)
         if not mutated:
             out = func(*args, **kwargs)
             if s.track_sources and isinstance(out, torch.Tensor) and s.provenance:
-                if func in _ELEMENTWISE_COPIES and s.provenance.derive(args[0], out, whole=True):
-                    pass
-                elif not _is_view(func):
+                derived = func in _ELEMENTWISE_COPIES and s.provenance.derive(
+                    args[0], out, whole=True)
+                if not derived and not _is_view(func):
                     # A new tensor made from one patch's data (a cat, a gather, a flip, the
                     # copy of a transposed view): that patch's, at no known offset.
-                    s.provenance.taint(out, args, kwargs)
+                    if not s._sparse:
+                        who = s.provenance.source_of(args, kwargs)
+                    s.provenance.taint(out, args, who)
             return out
         targets = []
         others = []
@@ -1006,7 +1004,8 @@ class _DenseMode(TorchFunctionMode):
             if func is _GETITEM and self.s.provenance and isinstance(out, torch.Tensor):
                 # ``w[idx]`` with a tensor or list index gathers into a new tensor
                 # (a slice is a view, which the storage already names)
-                self.s.provenance.taint(out, args, kwargs or {})
+                prov = self.s.provenance
+                prov.taint(out, args, prov.source_of(args, kwargs or {}))
             return out
         if route == _HANDLE:
             if self.shield:
