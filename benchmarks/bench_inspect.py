@@ -14,13 +14,19 @@ Prints four tables from one run:
    off (``patchkit.native.disabled()``: what a machine without a C compiler, or a GPU,
    runs); "+ tables ms" also builds the four DataFrames, which a report does on first
    read. The timings of a row are taken in rounds: each round runs plain, report, reuse,
-   torch-ops report, + tables, transactional and torch-ops transactional once, in an
+   torch-ops report, + tables, transactional, torch-ops transactional and the two floors
+   once, in an
    order shuffled each round, so that drift on a shared machine falls on all of them
    alike. The "ms" columns are medians over the rounds; a "ratio" is the median of the
    rounds' own ratios (this round's report over this round's plain load, which a slow
    spell slows alike), and the report's ratio shows the middle half of them in brackets
-   (how steady the machine was). The target (issue 4): a report costs at most 1.5x the
-   plain load's time, and extra memory no larger than the bytes written;
+   (how steady the machine was). The two floors are what saving the written bytes costs
+   by itself, with nothing recorded, compared or counted: "save floor" is a plain load
+   plus one clone of what it writes (the whole tensor, or the patched elements), into
+   fresh memory as a report's saves are; "kept floor" the same copy into a buffer kept
+   from the last round, as with ``reuse=``. The target (issue 4): a report costs at most
+   1.5x the plain load's time, and extra memory no larger than the bytes written; where
+   a floor is above 1.5x, no report that keeps the before-values can meet it;
 2. the same loads with ``transactional=True`` and no report: the same saves (with the
    compiled path and with torch ops), which a failed load writes back;
 3. whole models: one tensor-parallel rank (of 2) of a Llama-shaped ``TinyLlamaRuntime``
@@ -128,6 +134,28 @@ def main(argv=None) -> int:
                     r = patchkit.inspect_load(model, [next_patch()])
                     return r.chunks, r.calls, r.writes, r.deltas
 
+                # the floors: a plain load plus one copy of the bytes it writes (the
+                # saving a report cannot skip), into fresh memory or a kept buffer
+                w = model.w.detach()
+                idx = pair[0].indices
+                if idx is None:
+                    kept = torch.empty_like(w)
+                else:
+                    idx = idx.long()
+                    kept = torch.empty(idx.numel(), dtype=dtype, device=device)
+
+                def save_floor(w=w, idx=idx, plain=plain):
+                    saved = w.clone() if idx is None else w.view(-1)[idx]
+                    plain()
+                    return saved
+
+                def buffer_floor(w=w, idx=idx, kept=kept, plain=plain):
+                    if idx is None:
+                        kept.copy_(w)
+                    else:
+                        torch.index_select(w.view(-1), 0, idx, out=kept)
+                    plain()
+
                 def torch_ops(fn):
                     def run():
                         with native.disabled():
@@ -137,12 +165,12 @@ def main(argv=None) -> int:
 
                 times = interleaved_times(
                     [plain, report, report_reuse, torch_ops(report), report_tables,
-                     transactional, torch_ops(transactional)],
+                     transactional, torch_ops(transactional), save_floor, buffer_floor],
                     device, repeats,
                 )
-                s_plain, s_report, s_reuse, _, _, s_tx, _ = times
+                s_plain, s_report, s_reuse, _, _, s_tx, _, s_save, s_buffer = times
                 t_plain, t_report, t_reuse, t_torch, t_tables, t_tx, t_tx_torch = (
-                    statistics.median(t) for t in times
+                    statistics.median(t) for t in times[:7]
                 )
                 m_plain = peak_extra_bytes(plain, device)
                 m_report = peak_extra_bytes(report, device)
@@ -159,8 +187,10 @@ def main(argv=None) -> int:
                         f"{t_plain * 1e3:.2f}",
                         f"{t_report * 1e3:.2f}",
                         fmt_ratio(s_report, s_plain, spread=True),
+                        fmt_ratio(s_save, s_plain),
                         f"{t_reuse * 1e3:.2f}",
                         fmt_ratio(s_reuse, s_plain),
+                        fmt_ratio(s_buffer, s_plain),
                         f"{t_torch * 1e3:.2f}",
                         f"{t_tables * 1e3:.2f}",
                         f"{m_plain / 2**20:.1f}",
@@ -193,10 +223,10 @@ def main(argv=None) -> int:
     print(
         fmt_table(
             [
-                "patch", "dtype", "shape", "plain ms", "report ms", "ratio", "reuse ms",
-                "reuse ratio", "torch-ops report ms", "+ tables ms", "plain peak MiB",
-                "report peak MiB", "report extra MiB", "reuse extra MiB", "written MiB",
-                "changed MiB",
+                "patch", "dtype", "shape", "plain ms", "report ms", "ratio", "save floor",
+                "reuse ms", "reuse ratio", "kept floor", "torch-ops report ms", "+ tables ms",
+                "plain peak MiB", "report peak MiB", "report extra MiB", "reuse extra MiB",
+                "written MiB", "changed MiB",
             ],
             rows,
         )
