@@ -441,7 +441,7 @@ def plot_chunks(
     total = sum(c.bytes for c in plan)
     calls = f"{len(plan)} load_weights call{'s' if len(plan) != 1 else ''}"
     ax.set_title(
-        f"Chunk plan: {n_sent} patches, {format_bytes(total)} staged → {calls}\n"
+        f"Chunk plan: {n_sent} patch{'es' if n_sent != 1 else ''}, {format_bytes(total)} staged → {calls}\n"
         f"max_chunk_bytes = {format_bytes(budget)}",
         fontsize=10,
     )

@@ -775,3 +775,87 @@ def test_density_of_a_report_patch_the_load_dropped_or_renamed_says_so_in_its_ti
     assert "dropped" not in r.plot_density("embed").axes[0].get_title()
     r = inspect_load(Tied(), [patch("head", 2)])
     assert "(renamed from 'head' (tied alias))" in r.plot_density(r.patches[0]).axes[0].get_title()
+
+
+# -- audit cases ---------------------------------------------------------------------------
+
+
+def test_segments_of_one_call_are_stacked_one_on_another():
+    ps = chunk_patches()
+    plan = plan_chunks(ps, 300)
+    fig = plot_chunks(ps, max_chunk_bytes=300)
+    segments = rects_by_gid(fig, "segment ")
+    for c in plan:
+        bottom = 0
+        for pos in c.positions:
+            (rect,) = segments[f"segment {c.index} {pos}"]
+            assert rect.get_y() == bottom
+            bottom += staged_nbytes(ps[pos])
+
+
+def test_a_budget_above_the_scale_is_still_drawn_at_max_chunk_bytes():
+    ps = chunk_patches()
+    fig = plot_chunks(ps, max_chunk_bytes=100_000)  # far above the tallest call (800 B)
+    ax = fig.axes[0]
+    (line,) = [ln for ln in ax.lines if ln.get_gid() == "budget"]
+    assert list(line.get_ydata()) == [100_000, 100_000]
+    assert ax.get_ylim()[1] < 100_000  # above the visible range, as the note says
+    assert any("(above this scale)" in t.get_text() for t in ax.texts)
+
+
+def test_chunk_plan_title_counts_the_patches_the_plan_sends():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Parameter(torch.zeros(4), False)
+            self.head = self.embed
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.embed.data.copy_(t)
+            return {n for n, _ in weights}
+
+    ps = [CheckpointWeightPatch(n, (4,), torch.float32, torch.tensor([5.0]), torch.tensor([i]))
+          for i, n in enumerate(["embed", "head"])]
+    r = inspect_load(Tied(), ps)  # head is embed's tied alias: dropped from the call
+    assert [c.positions for c in r.plan] == [(0,)]
+    title = r.plot_chunks().axes[0].get_title()
+    assert title.startswith("Chunk plan: 1 patch, ")  # the sent one, in the singular
+
+
+def test_density_colour_scale_runs_to_the_densest_block():
+    # a quarter of the first block's elements at most: the scale tops out at 0.25
+    p = CheckpointWeightPatch("w", (8, 8), torch.float32, torch.ones(4),
+                              torch.tensor([0, 1, 8, 9]))
+    im = plot_density(p, bins=(2, 2)).axes[0].images[0]
+    assert float(np.asarray(im.get_array()).max()) == 0.25
+    assert im.get_clim() == (0.0, 0.25)
+
+
+def test_delta_title_gives_the_largest_change_of_the_row():
+    report, _ = load("q k")
+    row = report.deltas.loc["qkv"]
+    assert f"{row['max_abs']:.3g}" != f"{row['mean_abs']:.3g}"
+    title = plot_delta(report, "qkv").get_suptitle()
+    assert f"max |Δ| {row['max_abs']:.3g}, relative L2 change {row['rel_l2']:.3g}" in title
+
+
+def test_placement_names_a_write_only_inside_a_region_big_enough_for_its_label():
+    class Corner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(16, 16), requires_grad=False)
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                if name == "small":
+                    self.w.data[0:1, 0:1].copy_(t[0:1, 0:1])  # 1/16 of the rows
+                else:
+                    self.w.data[4:12, 4:12].copy_(t[4:12, 4:12])  # half the rows and columns
+            return {n for n, _ in weights}
+
+    for name, labelled in (("small", False), ("big", True)):
+        p = CheckpointWeightPatch(name, (16, 16), torch.float32, torch.ones(256))
+        fig = plot_placement(inspect_load(Corner(), [p]))
+        labels = [t.get_text() for t in fig.axes[1].texts]
+        assert (name in labels) == labelled, (name, labels)

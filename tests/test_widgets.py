@@ -296,3 +296,14 @@ def test_plan_text_and_explorer_heading_count_in_the_singular_for_one():
     r = inspect_load(PlainModel({"w": (4,)}), [p])
     head = r.explore().children[0].value
     assert "1 patch, 1 load_weights call, 1 runtime write" in head
+
+
+def test_planner_rounds_the_slider_to_the_nearest_whole_byte():
+    # a log slider stops between whole bytes: 255.6 B is a budget of 256 B, which sends
+    # q and k (128 B each) together; 255 B would not
+    w = chunk_planner(patches(), max_chunk_bytes=1024)
+    w.slider.value = 255.6
+    assert w.max_chunk_bytes == 256
+    assert w.plan == plan_chunks(patches(), 256)
+    assert w.plan[0].positions == (0, 1)
+    assert w.readout.value == "256 B"
