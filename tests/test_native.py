@@ -1174,3 +1174,98 @@ def test_reusing_lends_big_buffers_only_to_saves_that_fit():
 def test_reuse_must_be_a_report():
     with pytest.raises(TypeError, match="reuse must be a LoadReport"):
         inspect_load(_Model(torch.float32), [], reuse="last time")
+
+
+# -- a sample that misses the changes: parts run out of room ------------------------------
+
+
+def _outside_the_sample(n: int) -> torch.Tensor:
+    """True at the positions of an ``n``-element view that ``_changed_share`` does not
+    look at (it reads ``_SAMPLE_BLOCKS`` blocks of ``_SAMPLE_BLOCK`` positions, evenly
+    spaced as pk_sample spaces them)."""
+    k, b = native._SAMPLE_BLOCKS, native._SAMPLE_BLOCK
+    step = (n - b) // (k - 1)
+    seen = torch.zeros(n, dtype=torch.bool)
+    for i in range(k):
+        seen[i * step : i * step + b] = True
+    return ~seen
+
+
+@needs_compiler
+@pytest.mark.parametrize("pattern", ["dense where each part starts", "sparse all over"])
+def test_a_sample_that_misses_every_change_still_saves_and_measures_them_all(pattern):
+    """Every change sits where the sample does not look, so the compact save is sized
+    for almost none and both parts run out of room. Dense changes where each part
+    starts put the save on course to cost more than the whole view: it gives up, undoes
+    what it wrote, and saves the whole view. Sparse ones go on past the first room, part
+    after part, in grown buffers. Either way the saved elements, the count and the
+    statistics (over both parts, the largest change in the second) are torch's."""
+    n = native._PARALLEL_MIN
+    g = torch.Generator().manual_seed(3)
+    dest = torch.randn(n, generator=g)
+    where = torch.zeros(n, dtype=torch.bool)
+    if pattern == "dense where each part starts":
+        where[:6000] = True
+        where[n // 2 : n // 2 + 6000] = True
+    else:
+        where[::20] = True  # ~12900 changes, three times the 4096 entries a part gets
+    at = (where & _outside_the_sample(n)).nonzero().reshape(-1)
+    src = dest.clone()
+    src[at] += torch.rand(at.numel(), generator=g) + 0.5
+    src[at[-1]] += 1000.0  # the largest change, in the second part
+    f32 = native._library().kinds["f32"]
+    share, _ = native._changed_share(f32, dest.data_ptr(), src.data_ptr(), n, n, n, n)
+    assert share == 0.0, "the sample was meant to miss every change"
+    start, before = dest.clone(), dest.clone()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_threads", lambda: 2)
+        assert len(native._parts(n)) == 3  # two parts
+        got = native.compare_copy(dest, src, torch.float32)
+    whole = pattern == "dense where each part starts"
+    assert (got.index is None) == whole
+    _assert_matches_reference(
+        got, dest, start, before, dest, src, (slice(None),), torch.float32, True
+    )
+    assert got.changed == at.numel()
+    largest = float((src[at[-1]].double() - start[at[-1]].double()).abs())
+    assert got.max_abs == pytest.approx(largest, rel=1e-12)
+
+
+@needs_compiler
+@pytest.mark.parametrize("save", [False, True])
+def test_merge_statistics_take_the_largest_change_of_every_part(save):
+    n = native._PARALLEL_MIN
+    g = torch.Generator().manual_seed(5)
+    dest = torch.randn(n, generator=g)
+    src = torch.full((n,), float("nan"))
+    at = torch.randperm(n, generator=g)[:500]
+    src[at] = dest[at] + 1.0
+    src[n - 7] = dest[n - 7] + 250.0  # the largest change, in the last part
+    before = dest.clone()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_threads", lambda: 2)
+        assert len(native._parts(n)) == 3
+        got = native.merge(dest, src, save=save, stats=True)
+    written = ~torch.isnan(src)
+    want = _reference(before[written], dest[written], torch.float32)
+    assert torch.equal(dest, torch.where(written, src, before))
+    assert (got.written, got.changed) == (int(written.sum()), want["changed"])
+    assert got.max_abs == want["max_abs"] == pytest.approx(250.0, rel=1e-5)
+    for key in ("squares", "sum_abs", "sum_sq_diff"):
+        assert math.isclose(getattr(got, key), want[key], rel_tol=1e-12), key
+
+
+def test_reusing_lends_the_smallest_buffer_that_fits():
+    """Of several buffers that fit a save, the smallest is lent (the bigger ones stay
+    for bigger saves), whatever order they were handed over in."""
+    m = native._REUSE_MIN // 4  # float32 elements in _REUSE_MIN bytes
+    two = torch.empty(2 * m, dtype=torch.float32).untyped_storage()
+    three = torch.empty(3 * m, dtype=torch.float32).untyped_storage()
+    for order in ([two, three], [three, two]):
+        with native.reusing(order):
+            # 1.6 x _REUSE_MIN bytes: both fit (neither is more than twice the need)
+            got = native._empty(8 * m // 5, torch.float32)
+            assert got.untyped_storage().data_ptr() == two.data_ptr()
+            # 2.5 x _REUSE_MIN bytes: only the bigger one fits
+            got = native._empty(5 * m // 2, torch.float32)
+            assert got.untyped_storage().data_ptr() == three.data_ptr()
