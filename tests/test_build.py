@@ -639,3 +639,27 @@ def test_rows_pattern_of_a_3d_tensor_is_rows_of_the_view_density_maps_draw():
     per_row = m.mean(dim=1)
     assert set(per_row.tolist()) <= {0.0, 1.0}
     assert int(per_row.sum()) == round(0.05 * 30)  # 2 rows (not a whole 3 x 4 slab)
+
+
+def test_trainer_steps_follow_the_adam_update_of_its_docstring():
+    """Three steps on float64 masters against the update written out: the moments, the
+    bias corrections, the weight decay and the sign of the step (down the gradient)."""
+    w0 = torch.linspace(-1.0, 1.0, 12, dtype=torch.float64).reshape(3, 4)
+    lr, (b1, b2), eps, wd, std = 1e-2, (0.8, 0.95), 1e-8, 0.1, 0.5
+    tr = AdamLikeTrainer({"w": w0}, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
+                         grad_std=std, seed=7)
+    g_source = torch.Generator(device="cpu").manual_seed(7)
+    w, m, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
+    for t in (1, 2, 3):
+        g = (torch.randn(w.shape, generator=g_source, dtype=torch.float32) * std).double()
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        step = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+        w = w - lr * step - lr * wd * w
+        got = tr.step()["w"]
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-15)
+    # the first step moves each weight by about lr against its gradient's sign
+    g1 = torch.randn(w0.shape, generator=torch.Generator().manual_seed(7))
+    first = AdamLikeTrainer({"w": w0}, lr=lr, seed=7).step()["w"]
+    assert torch.equal(torch.sign(first - w0), -torch.sign(g1))

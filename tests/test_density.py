@@ -136,3 +136,23 @@ def test_density_counts_the_elements_written_whatever_their_values():
     summary = " ".join(density_map.__doc__.split("\n\n")[0].split())
     assert summary.startswith("Fraction of the elements of each block") and "writes" in summary
     assert "changes" not in summary
+
+
+def test_a_negative_index_among_indices_inside_the_tensor_is_refused():
+    # every index below numel: the minimum alone shows the bad one
+    p = CheckpointWeightPatch("emb.weight", (4, 4), torch.float32, torch.ones(3),
+                              torch.tensor([2, -1, 5]))
+    with pytest.raises(ValueError, match=r"out-of-range index -1 at indices\[1\]") as info:
+        density_map(p, bins=(2, 2))
+    assert (info.value.value, info.value.reason) == (-1, "out-of-range")
+
+
+def test_region_text_ignores_the_stride_of_a_dimension_of_size_one():
+    from patchkit.density import region_text
+
+    # Row 1 of an (8, 4) tensor, as the transpose of a (4, 1) column: its dimension of
+    # size 1 has stride 1 (torch keeps any stride there), which steps no dimension.
+    row = torch.zeros(8, 4)[1].reshape(4, 1).t()
+    assert (tuple(row.shape), row.stride()) == ((1, 4), (1, 1))
+    assert region_text((8, 4), 4, tuple(row.shape), row.stride()) == "[1:2, :]"
+    assert region_text((8, 4), 4, (1, 4), (4, 1)) == "[1:2, :]"  # the usual strides

@@ -3,6 +3,7 @@ line it names is changed in a plausible way (an off-by-one, a dropped check)."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -234,3 +235,214 @@ def test_rows_rounds_to_the_nearest_count():
     g = torch.Generator().manual_seed(0)
     p = random_sparse_patch("w", (10, 4), torch.float32, 0.29, pattern="rows", generator=g)
     assert p.indices.numel() == 3 * 4  # round(2.9) rows, not int(2.9)
+
+
+# -- the mutation audit, second round ---------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device (CUDA)")
+def test_the_first_bad_patch_is_named_whichever_device_group_holds_it():
+    # Patches are checked per device (one host wait each); the error still names the
+    # first bad patch in input order, not the first one of the first device checked.
+    def p(name, device):
+        return CWP(name, (4,), torch.float32, torch.ones(1, device=device),
+                   torch.tensor([9], device=device))  # index 9: out of range
+
+    ok = CWP("ok", (4,), torch.float32, torch.ones(1), torch.tensor([0]))
+    from patchkit.patch import validate_patches
+
+    with pytest.raises(PatchValueError, match=r"patch 1 \('on_cuda'\)") as info:
+        validate_patches([ok, p("on_cuda", "cuda"), p("on_cpu", "cpu")])
+    assert info.value.position == 1
+
+
+class _Halves(nn.Module):
+    """A float32 parameter and a float16 buffer over the same bytes; the loader writes
+    two halves that do not start on a float32 element."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, device=_dev()), requires_grad=False)
+        self.register_buffer("halves", self.w.detach().view(torch.float16))
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.halves[1:3].copy_(t[1:3])
+        return {n for n, _ in weights}
+
+
+def test_a_write_that_starts_inside_an_element_of_the_first_owner_is_the_other_owners():
+    m = _Halves()
+    p = CWP("halves", (8,), torch.float16, torch.arange(1.0, 9.0, device=_dev()).half())
+    row = inspect_load(m, [p]).writes.iloc[0]
+    # bytes 2..6: half 1 and 2 of the buffer; they start in the middle of w[0]
+    assert (row["target"], row["target_offset"], row["target_region"]) == ("halves", 1, "[1:3]")
+
+
+class _Reinterpreted(nn.Module):
+    """An int16 parameter ``h`` over the bytes of a float32 buffer ``w`` (from w's
+    fifth element on). The loader copies columns 0:2 of ``w`` (measured while copying),
+    then zeroes half-words of ``h`` that fall on column 0 of w's rows 1 to 3."""
+
+    def __init__(self):
+        super().__init__()
+        w = torch.zeros(4, 8, device=_dev())
+        self.h = nn.Parameter(w.view(torch.int16).view(-1)[8:].view(7, 8), requires_grad=False)
+        self.register_buffer("w", w)
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w[:, :2].copy_(t[:, :2])
+            self.h[:, 0:2].zero_()  # rows 16 bytes apart, w's 32: not w's columns
+        return {n for n, _ in weights}
+
+
+def test_numbers_measured_while_copying_are_dropped_when_a_view_of_another_size_rewrites_them():
+    m = _Reinterpreted()
+    before = m.w.detach().clone()
+    r = inspect_load(m, [CWP("w", (4, 8), torch.float32, torch.ones(32, device=_dev()))])
+    now = m.w.detach()
+    assert torch.equal(now[:, 0], torch.tensor([1.0, 0.0, 0.0, 0.0], device=now.device))
+    changed = int((now[:, :2] != before[:, :2]).sum())
+    assert changed == 5
+    assert r.deltas.loc["w", "changed"] == changed
+    assert r.deltas.loc["w", "mean_abs"] == pytest.approx(changed / 8)
+
+
+class _Scratch(nn.Module):
+    """``a`` is copied from its staged tensor (a cast of the patch's values: memory the
+    load frees after the call); ``b`` from a scratch tensor the loader makes, which the
+    allocator often puts at the address the freed staged tensor had."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(4096), requires_grad=False)
+        self.b = nn.Parameter(torch.ones(4096), requires_grad=False)
+
+    def load_weights(self, weights):
+        for n, w in weights:
+            if n == "a":
+                self.a.data.copy_(w)
+            else:
+                self.b.data.copy_(torch.zeros(4096))
+        return {n for n, _ in weights}
+
+
+def test_a_staged_tensor_of_an_earlier_call_does_not_name_a_later_calls_scratch():
+    pa = CWP("a", (4096,), torch.float32, torch.arange(4096.0, dtype=torch.float64))
+    pb = CWP("b", (4096,), torch.float32, torch.zeros(4096))
+    for _ in range(20):  # the allocator reuses the address in about half of the tries
+        r = inspect_load(_Scratch(), [pa, pb], max_chunk_bytes=1 << 14)  # a call each
+        assert len(r.calls) == 2
+        row = r.writes.set_index("target").loc["b"]
+        assert pd.isna(row["position"]) and pd.isna(row["name"]), "untraced: not a's"
+
+
+class _Broadcast(nn.Module):
+    """The loader copies row 0 of the staged tensor into both rows of a scratch buffer,
+    then the scratch into the parameter (a same-shaped copy, NaN-merged)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(8.0, device=_dev()).view(2, 4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            scratch = torch.empty(2, 4, device=t.device)
+            scratch.copy_(t[0])  # broadcast: row 1 of scratch is row 0 of the patch
+            self.w.data.copy_(scratch)
+        return {n for n, _ in weights}
+
+
+def test_a_broadcast_copy_of_a_staged_row_is_saved_where_it_was_written():
+    # The patch writes indices 1 and 6; the loader's broadcast writes 1 and 5 instead (as
+    # many): where the merge wrote cannot be recomputed from the patch.
+    m = _Broadcast()
+    start = m.w.detach().clone()
+    p = CWP("w", (2, 4), torch.float32, torch.tensor([10.0, 60.0], device=_dev()),
+            torch.tensor([1, 6], device=_dev()))
+    r = inspect_load(m, [p])
+    want = start.clone()
+    want[:, 1] = 10.0
+    assert torch.equal(m.w.detach(), want)
+    assert torch.equal(r.before("w"), start)
+    assert (r.deltas.loc["w", "elements"], r.deltas.loc["w", "changed"]) == (2, 2)
+    assert r.deltas.loc["w", "max_abs"] == 9.0  # 1 -> 10 and 5 -> 10
+
+
+class _Expanded(nn.Module):
+    """A buffer that is ``w[2]`` expanded to four elements (stride 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(4.0, device=_dev()), requires_grad=False)
+        self.register_buffer("third", self.w.detach()[2:3].expand(4))
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w.data.copy_(t)
+        return {n for n, _ in weights}
+
+
+def test_before_of_an_expanded_buffer_reads_only_the_element_it_repeats():
+    m = _Expanded()
+    r = inspect_load(m, [CWP("w", (4,), torch.float32, torch.arange(10.0, 14.0, device=_dev()))])
+    assert r.after("third").tolist() == [12.0] * 4
+    # every element of ``third`` is w[2]: before the load 2.0 (12.0 where not restored);
+    # never w[3]'s old 3.0, the next storage element
+    assert set(r.before("third").tolist()) <= {2.0, 12.0}
+    assert r.deltas.loc["third", ["elements", "changed"]].tolist() == [1, 1]
+
+
+def test_an_observed_loader_leaves_an_instance_load_weights_in_place():
+    m, ps = _four()
+    plain = m.load_weights
+    seen = []
+
+    def mine(weights):
+        seen.append([n for n, _ in weights])
+        return plain(weights)
+
+    m.load_weights = mine  # on the instance, not the class
+    inspect_load(m, ps[:2], loader=_sends([[0, 1]]))
+    assert m.load_weights is mine and "load_weights" in vars(m)
+    assert seen == [["a", "b"]]
+
+
+def test_an_observed_loader_that_stops_early_is_drawn_as_the_calls_it_made():
+    m, ps = _four()
+    # planned as [a], [b] (16 B each); the loader sends [a] only and returns normally
+    r = inspect_load(m, ps[:2], max_chunk_bytes=16, loader=_sends([[0]]))
+    assert [c.positions for c in r.plan] == [(0,)]
+    notes = r.chunks.set_index("name")["note"].to_dict()
+    assert notes == {"a": "", "b": "not sent by the observed loader"}
+
+
+def test_names_of_a_call_that_broke_the_contract_are_not_counted_as_loaded():
+    from patchkit.errors import ContractViolation
+
+    m = PlainModel({"a": (4,), "b": (4,)}, device=_dev())
+    plain = m.load_weights
+
+    def forgets_b(weights):
+        weights = list(weights)
+        plain([(n, t) for n, t in weights if n != "b"])
+        return {n for n, _ in weights}  # says b is loaded without writing it
+
+    m.load_weights = forgets_b
+    ps = [CWP(n, (4,), torch.float32, torch.tensor([5.0], device=_dev()),
+              torch.tensor([1], device=_dev())) for n in "ab"]
+    with pytest.raises(ContractViolation, match="without copying") as info:
+        inspect_load(m, ps, max_chunk_bytes=16)  # a call each
+    r = info.value.report
+    assert [sorted(n) for n in r.calls["returned"]] == [["a"], ["b"]]
+    assert r.calls["error"].tolist() == [False, True]
+    assert r.loaded == {"a"} and r.summary()["names loaded"] == 1
+
+
+def test_the_duplicate_named_is_the_repeated_index_not_the_first_one():
+    # 5 repeats, apart; 1 comes first but appears once
+    p = CWP("w", (8,), torch.float32, torch.ones(4), torch.tensor([1, 5, 3, 5]))
+    with pytest.raises(PatchValueError, match="duplicate index 5 ") as info:
+        patchkit.load_checkpoint_weight_patches(PlainModel({"w": (8,)}), [p])
+    assert (info.value.reason, info.value.value) == ("duplicate", 5)

@@ -621,3 +621,78 @@ def test_storable_dtypes():
             torch.int64} <= s
     assert torch.complex128 not in s
     assert isinstance(PatchTypeError("x"), TypeError)
+
+
+# --------------------------------------------------------------------------- audit cases
+
+
+def test_a_bad_patch_is_named_by_its_position_in_the_file(tmp_path):
+    """Dense and sparse patches are checked in two groups; an error still names the
+    patch's position in the file, not in its group."""
+    g = torch.Generator().manual_seed(0)
+    ps = [CheckpointWeightPatch("d", (2, 3), torch.float32, torch.arange(6.0)),
+          random_sparse_patch("w", (8, 8), torch.bfloat16, 0.25, generator=g)]
+    good = str(tmp_path / "good.safetensors")
+    save_patches(good, ps)
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  tensors=lambda t: {**t, "000001.indices": t["000001.indices"] + 64})
+    with pytest.raises(PatchValueError, match=r"patch 1 \('w'\).*out-of-range") as info:
+        load_patches(bad)
+    assert (info.value.position, info.value.name) == (1, "w")
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [("bad shape", "shape must be a list of non-negative ints"),
+     ("float indices", r"indices are float32.*\(int32 or int64 expected\)")],
+)
+def test_the_header_reader_refuses_what_the_header_alone_shows_wrong(tmp_path, case, match):
+    """Negative dimensions and indices of a non-integer dtype are seen in the header, so
+    read_patch_index refuses them without reading any data."""
+    good = sample_files(str(tmp_path))["path"]
+    change, _ = TAMPERS[case]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"), **change)
+    with pytest.raises(PatchValueError, match=match) as info:
+        read_patch_index(bad)
+    assert bad in str(info.value)
+
+
+def test_a_device_index_past_the_last_device_is_unavailable(tmp_path, monkeypatch):
+    good = sample_files(str(tmp_path))["path"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(PatchValueError, match=r"device 'cuda:1'.*has 1 cuda device") as info:
+        load_patches(good, device="cuda:1")  # devices 0..count-1: cuda:1 is not one
+    assert info.value.reason == "device unavailable" and good not in str(info.value)
+
+
+def _mixed_file(tmp_path):
+    """Dense, sparse, dense: the dense patches 0 and 2 plan as one load, the sparse 1 as
+    another."""
+    g = torch.Generator().manual_seed(2)
+    ps = [CheckpointWeightPatch("a", (4, 4), torch.float32, torch.arange(16.0)),
+          random_sparse_patch("w", (16, 16), torch.float32, 0.125, generator=g),
+          CheckpointWeightPatch("b", (4,), torch.float32, torch.ones(4))]
+    path = str(tmp_path / "mixed.safetensors")
+    save_patches(path, ps)
+    return path, ps
+
+
+def test_summary_plans_the_dense_load_first_and_lists_its_positions_apart(tmp_path, capsys):
+    path, _ = _mixed_file(tmp_path)
+    assert print_patch_file_summary(path) == 0
+    out = capsys.readouterr().out
+    dense_at = out.index("(dense patches; one load)")
+    sparse_at = out.index("(sparse patches; one load)")
+    assert dense_at < sparse_at
+    plan_rows = [line.split() for line in out[dense_at:sparse_at].splitlines()[2:] if line]
+    assert plan_rows[0][:3] == ["0", "0,", "2"]  # call 0 sends patches 0 and 2, not 0-2
+
+
+def test_summary_total_counts_the_elements_written(tmp_path, capsys):
+    path, ps = _mixed_file(tmp_path)
+    assert print_patch_file_summary(path) == 0
+    total = next(line for line in capsys.readouterr().out.splitlines()
+                 if line.split()[:1] == ["total"])
+    written = 16 + ps[1].indices.numel() + 4  # every dense element, the sparse entries
+    assert total.split()[1:3] == [str(written), f"{100 * written / (16 + 256 + 4):.3g}%"]
