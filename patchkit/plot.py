@@ -38,6 +38,7 @@ from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
+from matplotlib.patheffects import withStroke
 from matplotlib.textpath import text_to_path
 from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 
@@ -422,7 +423,11 @@ def plot_chunks(
     ``"closed_by"``, text ``budget`` / ``repeated name`` / ``end``) for up to 60 calls,
     inside the axes and clear of the title and the note, beyond which the bar colours and
     hatches (see the legend) carry the reason; an ``"over budget"`` annotation (gid
-    ``"over_budget"``) on a single patch larger than the budget. The x axis has a tick
+    ``"over_budget"``) on a single patch larger than the budget. A segment carries its
+    patch's short name (gid ``"segment label"``: ``up_proj`` for
+    ``model.layers.0.mlp.up_proj.weight``) across the bar where it fits, upright where
+    only that fits, and none where neither does; the closing reasons sit on a white box
+    that hides the budget line behind them. The x axis has a tick
     at every call up to 20 calls, at whole call numbers beyond. Names are shown as
     written (no mathtext). Returns ``ax.figure`` when ``ax`` is given, else a new
     :class:`ReportFigure`. A report whose load was rejected before it was planned (e.g.
@@ -440,8 +445,9 @@ def plot_chunks(
     n_sent = sum(len(c.positions) for c in plan)
     total = sum(c.bytes for c in plan)
     calls = f"{len(plan)} load_weights call{'s' if len(plan) != 1 else ''}"
+    sent = f"{n_sent} patch{'es' if n_sent != 1 else ''}"
     ax.set_title(
-        f"Chunk plan: {n_sent} patch{'es' if n_sent != 1 else ''}, {format_bytes(total)} staged → {calls}\n"
+        f"Chunk plan: {sent}, {format_bytes(total)} staged → {calls}\n"
         f"max_chunk_bytes = {format_bytes(budget)}",
         fontsize=10,
     )
@@ -469,9 +475,10 @@ def plot_chunks(
     thin = 0.75 / (height_pt / top)  # bytes drawn under about a pixel (0.75 pt) tall
     edge_min = 3.0 / (height_pt / top)  # bytes drawn under about 4 pixels tall
     # Label a segment with its patch name only where the 7-pt text (~4.5 pt a character)
-    # fits inside it.
+    # fits inside it: across the bar, or else upright in a segment tall enough for it.
     label_chars = int(bar_pt / 4.5)
     label_min = 0.07 * top
+    pt_per_byte = height_pt / top
     for c in plan:
         colour, hatch = _REASON_STYLE[c.closed_by]
         bottom = 0
@@ -492,11 +499,17 @@ def plot_chunks(
                 )
             )
             tag = f"{len(positions)} patches" if merged else _tag(name)
-            if len(tag) <= label_chars and height >= label_min:
+            across = len(tag) <= label_chars and height >= label_min
+            upright = not across and bar_pt >= 10.0 and (
+                height * pt_per_byte >= 4.5 * len(tag) + 6.0
+            )
+            if across or upright:
+                # (over hatching, a stroke of the bar's colour keeps the white text legible)
                 ax.text(
                     c.index, bottom + height / 2, tag,
                     ha="center", va="center", fontsize=7, color="white", clip_on=True,
-                    gid="segment label", parse_math=False,
+                    rotation=90 if upright else 0, gid="segment label", parse_math=False,
+                    path_effects=[withStroke(linewidth=2.0, foreground=colour)] if hatch else None,
                 )
             bottom += height
         if annotated:
@@ -504,6 +517,9 @@ def plot_chunks(
                 c.closed_by, xy=(c.index, c.bytes), xytext=(0, 3), textcoords="offset points",
                 ha="center", va="bottom", fontsize=8, rotation=90 if rotate else 0,
                 gid="closed_by",
+                # drawn over the budget line, which would otherwise strike through it
+                bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none",
+                      "alpha": 0.85},
             )
         if c.over_budget:
             ax.annotate(

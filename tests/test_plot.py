@@ -859,3 +859,59 @@ def test_placement_names_a_write_only_inside_a_region_big_enough_for_its_label()
         fig = plot_placement(inspect_load(Corner(), [p]))
         labels = [t.get_text() for t in fig.axes[1].texts]
         assert (name in labels) == labelled, (name, labels)
+
+
+# -- labels a reader can read ----------------------------------------------------------
+
+
+def _long_named_plan():
+    """Six calls (narrow bars) at a budget of 4 KiB: the first holds one tall 3 KiB
+    segment with a name too long to fit across its bar, and a short 64-B one."""
+    big = CheckpointWeightPatch("model.embed_tokens.weight", (768,), torch.float32,
+                                torch.zeros(768))
+    tiny = CheckpointWeightPatch("model.layers.0.input_layernorm.weight", (16,),
+                                 torch.float32, torch.zeros(16))
+    rest = [CheckpointWeightPatch(f"w{i}", (1024,), torch.float32, torch.zeros(1024))
+            for i in range(5)]
+    return [big, tiny, *rest]
+
+
+def test_a_tall_segment_too_narrow_for_its_name_is_labelled_upright():
+    ps = _long_named_plan()
+    fig = plot_chunks(ps, max_chunk_bytes=4096)
+    labels = {t.get_text(): t for t in fig.axes[0].texts if t.get_gid() == "segment label"}
+    assert "embed_tokens" in labels and labels["embed_tokens"].get_rotation() == 90
+    # the short one is too short for its name either way: no label rather than overflow
+    assert "input_layernorm" not in labels
+    # names that fit across stay across
+    assert all(labels[f"w{i}"].get_rotation() == 0 for i in range(1, 5) if f"w{i}" in labels)
+    assert any(f"w{i}" in labels for i in range(5))
+
+
+def test_closing_reasons_sit_on_a_box_that_hides_the_budget_line_behind_them():
+    fig = plot_chunks(chunk_patches(), max_chunk_bytes=300)
+    labels = [t for t in fig.axes[0].texts if t.get_gid() == "closed_by"]
+    assert labels
+    for t in labels:
+        box = t.get_bbox_patch()
+        assert box is not None and box.get_facecolor()[:3] == (1.0, 1.0, 1.0)
+        line = next(ln for ln in fig.axes[0].lines if ln.get_gid() == "budget")
+        assert t.get_zorder() > line.get_zorder()  # drawn over it
+
+
+def test_a_label_on_a_hatched_bar_has_a_stroke_of_the_bars_colour():
+    fig = plot_chunks(chunk_patches(), max_chunk_bytes=300)
+    ax = fig.axes[0]
+    hatched = {int(gid.split()[1]) for gid, rects in rects_by_gid(fig, "segment ").items()
+               if rects[0].get_hatch()}
+    seen = 0
+    for t in ax.texts:
+        if t.get_gid() != "segment label":
+            continue
+        effects = t.get_path_effects()
+        if round(t.get_position()[0]) in hatched:
+            assert effects and effects[0]._gc["foreground"] is not None
+            seen += 1
+        else:
+            assert not effects
+    assert seen  # the repeated-name and end bars are hatched and labelled
