@@ -34,7 +34,13 @@ import torch
 from .bitwise import changed_mask, count_true
 from .density import grid_shape
 from .errors import PatchTypeError, PatchValueError, where
-from .patch import CheckpointWeightPatch, numel, validate_patches
+from .patch import (
+    CheckpointWeightPatch,
+    _checked_device,
+    numel,
+    patch_list,
+    validate_patches,
+)
 
 __all__ = [
     "AdamLikeTrainer",
@@ -216,7 +222,10 @@ def sparse_patches_from_diff(
     - ``before`` is moved to the device of ``after`` where they differ; patches live on
       ``after``'s device.
 
-    Raises :class:`~patchkit.errors.PatchValueError` (a ``ValueError``) when the two
+    ``before`` and ``after`` must be mappings of non-empty str names to tensors
+    (:class:`~patchkit.errors.PatchTypeError` / ``PatchValueError`` name the entry
+    otherwise, before any diff is computed). Raises
+    :class:`~patchkit.errors.PatchValueError` (a ``ValueError``) when the two
     dicts name different weights, or a weight's shape or dtype differs (naming the weight
     and both values), and when changed elements have NaN as their new value (NaN is the
     "unchanged" sentinel of a sparse load): the message names every such weight with its
@@ -230,6 +239,8 @@ def sparse_patches_from_diff(
     updates its tensors in place, with ``prev = new`` kept as a reference, not a copy).
     """
     _check_index_dtype(index_dtype, allow_none=True)
+    _check_mapping(before, "before")
+    _check_mapping(after, "after")
     missing = [k for k in before if k not in after]
     extra = [k for k in after if k not in before]
     if missing or extra:
@@ -242,12 +253,6 @@ def sparse_patches_from_diff(
     plan: list[tuple[str, torch.Tensor, torch.Tensor, torch.dtype]] = []
     for name, a in after.items():
         b = before[name]
-        for label, t in (("before", b), ("after", a)):
-            if not isinstance(t, torch.Tensor):
-                raise PatchTypeError(
-                    f"{label}[{name!r}] must be a torch.Tensor, got {type(t).__name__}",
-                    name=name, reason="values type", value=type(t).__name__,
-                )
         if tuple(b.shape) != tuple(a.shape):
             raise PatchValueError(
                 f"weight {name!r} changed shape: before {tuple(b.shape)}, "
@@ -409,10 +414,12 @@ def random_sparse_patch(
     gives the same patch.
 
     Raises :class:`~patchkit.errors.PatchValueError` for an empty name, a negative
-    dimension, a density outside [0, 1], an unknown pattern, or a tensor too large for
-    int32 indices; :class:`~patchkit.errors.PatchTypeError` for a name that is not a str,
-    a shape that is not a tuple of ints (an int, or a float that would be truncated), or a
-    non-floating ``dtype`` (a sparse patch needs NaN).
+    dimension, a density outside [0, 1], a ``std`` that is negative or not finite, an
+    unknown pattern, a tensor too large for int32 indices, or a ``device`` torch does not
+    parse or this machine does not have; :class:`~patchkit.errors.PatchTypeError` for a
+    name that is not a str, a shape that is not a tuple of ints (an int, or a float that
+    would be truncated), a ``density`` or ``std`` that is not a real number (numpy
+    scalars are), or a non-floating ``dtype`` (a sparse patch needs NaN).
     """
     name = _check_name(name)
     shape = _check_shape(shape, name)
@@ -421,11 +428,17 @@ def random_sparse_patch(
             f"a sparse patch needs a floating-point dtype (NaN marks 'unchanged'), got {dtype!r}",
             name=name, reason="sparse dtype", value=dtype,
         )
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not (
-        0.0 <= density <= 1.0
-    ):
+    if isinstance(density, bool) or not isinstance(density, numbers.Real):
+        raise PatchTypeError(
+            f"density must be a number in [0, 1], got {type(density).__name__} {density!r}",
+            name=name, reason="density type", value=density,
+        )
+    if not 0.0 <= float(density) <= 1.0:
         raise PatchValueError(f"density must be a number in [0, 1], got {density!r}",
                               name=name, reason="density", value=density)
+    density = float(density)
+    std = _check_real(std, "std", 0.0)
+    device = _checked_device(device, allow_meta=True)  # (meta: a patch to plan with)
     if pattern not in _PATTERNS:
         raise PatchValueError(f"pattern must be one of {_PATTERNS}, got {pattern!r}",
                               name=name, reason="pattern", value=pattern)
@@ -544,7 +557,7 @@ def wire_bytes(patches: CheckpointWeightPatch | Iterable[CheckpointWeightPatch])
     if isinstance(patches, tuple) and len(patches) == 5 and isinstance(patches[0], str):
         patches = [patches]  # one patch (a CheckpointWeightPatch or a plain 5-tuple)
     total = 0
-    for i, p in enumerate(patches):
+    for i, p in enumerate(patch_list(patches)):
         if not (isinstance(p, tuple) and len(p) == 5 and isinstance(p[3], torch.Tensor)
                 and (p[4] is None or isinstance(p[4], torch.Tensor))):
             raise PatchTypeError(

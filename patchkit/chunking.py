@@ -10,7 +10,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .patch import CheckpointWeightPatch, check_max_chunk_bytes, staged_nbytes
+from .errors import PatchValueError
+from .patch import (
+    CheckpointWeightPatch,
+    _check_structure,
+    check_max_chunk_bytes,
+    patch_list,
+    staged_nbytes,
+)
 
 __all__ = ["DEFAULT_MAX_CHUNK_BYTES", "Chunk", "plan_chunks"]
 
@@ -60,7 +67,11 @@ def plan_chunks(
 
     Needs only each patch's ``name``, ``shape`` and ``dtype``: nothing is staged or moved.
     ``positions`` relabels the patches (the loader passes the caller's positions after
-    dropping tied aliases); it defaults to ``0..len-1``.
+    dropping tied aliases); it defaults to ``0..len-1`` and must have one entry per patch
+    (:class:`~patchkit.errors.PatchValueError` otherwise). ``patches`` must be a list of
+    patches and each item a patch with a valid name, shape and dtype:
+    :class:`~patchkit.errors.PatchTypeError` / ``PatchValueError`` name the first one
+    that is not (at its position in ``positions``).
 
     >>> import torch
     >>> p = CheckpointWeightPatch("w", (4,), torch.float32, torch.zeros(4))
@@ -68,9 +79,14 @@ def plan_chunks(
     [((0,), 'repeated name'), ((1,), 'end')]
     """
     max_chunk_bytes = check_max_chunk_bytes(max_chunk_bytes)
-    patches = list(patches)
+    patches = patch_list(patches)
     if positions is None:
         positions = range(len(patches))
+    elif len(positions) != len(patches):
+        raise PatchValueError(
+            f"positions has {len(positions)} entries for {len(patches)} patches (one each)",
+            reason="positions", value=len(positions),
+        )
     chunks: list[Chunk] = []
     cur_pos: list[int] = []
     cur_names: list[str] = []
@@ -92,7 +108,11 @@ def plan_chunks(
         cur_pos, cur_names, cur_seen, cur_bytes = [], [], set(), 0
 
     for pos, patch in zip(positions, patches):
-        nbytes = staged_nbytes(patch)
+        try:
+            nbytes = staged_nbytes(patch)
+        except Exception:
+            _check_structure(pos, patch)  # names what is wrong with it
+            raise
         if cur_pos:
             if patch.name in cur_seen:
                 close("repeated name")

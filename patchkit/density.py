@@ -47,19 +47,32 @@ def density_map(
     ``LoadReport.deltas``, ``changed``). Computed
     from the indices in O(nnz + bins) time and memory, never by building the full tensor
     or anything of its size, so a 128256 × 2560 patch is cheap and a 2**40-element one
-    works. A dense patch writes every element: its map is all ones; a patch with no
-    elements gives zeros.
+    works. An index given more than once (a patch loaded with
+    ``validate_unique_indices=False``) counts once; indices that are not strictly
+    increasing are sorted for that first (O(nnz log nnz); patches from
+    :func:`~patchkit.build.sparse_patches_from_diff` and
+    :func:`~patchkit.build.random_sparse_patch` are sorted). A dense patch writes every
+    element: its map is all ones; a patch with no elements gives zeros.
 
-    ``bins`` is a pair of positive ints ``(rows, columns)``, or one int ``b`` meaning
-    ``(b, b)``: anything else raises ``TypeError`` (not ints) or ``ValueError`` (not
-    positive). An index outside ``[0, numel)`` raises ``ValueError`` naming the patch and
-    the first such index (checked with one min/max over the indices).
+    ``patch`` is a :class:`~patchkit.CheckpointWeightPatch` (or a plain 5-tuple);
+    anything else raises ``TypeError``. ``bins`` is a pair of positive ints
+    ``(rows, columns)``, or one int ``b`` meaning ``(b, b)``: anything else raises
+    ``TypeError`` (not ints) or ``ValueError`` (not positive). An index outside
+    ``[0, numel)`` raises ``ValueError`` naming the patch and the first such index
+    (checked with one min/max over the indices).
 
     >>> import torch
     >>> p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(2), torch.tensor([0, 5]))
     >>> density_map(p, bins=(2, 2)).tolist()
     [[0.5, 0.0], [0.0, 0.0]]
     """
+    if type(patch) is tuple and len(patch) == 5:
+        patch = CheckpointWeightPatch(*patch)  # a plain 5-tuple, as a load takes it
+    if not all(hasattr(patch, f) for f in CheckpointWeightPatch._fields):
+        raise PatchTypeError(
+            f"density_map: patch must be a CheckpointWeightPatch, got {type(patch).__name__}",
+            reason="not a patch", value=type(patch).__name__,
+        )
     want_r, want_c = _as_bins(bins)
     rows, cols = grid_shape(patch.shape)
     br = max(1, min(want_r, rows))
@@ -72,6 +85,10 @@ def density_map(
         return torch.zeros((br, bc), dtype=torch.float32, device="cpu")
     if idx is None:
         return torch.ones((br, bc), dtype=torch.float32, device="cpu")
+    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        # Not strictly increasing: an index may repeat (validate_unique_indices=False),
+        # and an element written twice is still one element.
+        idx = torch.unique(idx)
     r = idx // cols
     c = idx % cols
     rs, cs = _block_starts(rows, br), _block_starts(cols, bc)

@@ -77,6 +77,7 @@ from .patch import (
     _check_structure,
     check_max_chunk_bytes,
     numel,
+    patch_list,
     staged_nbytes,
 )
 from .progress import LoadProgress, Tracker, check_progress
@@ -113,7 +114,7 @@ def patch_summary(patches: Iterable[CheckpointWeightPatch]) -> pd.DataFrame:
     be a patch (a plain 5-tuple is taken as one); anything else raises
     :class:`~patchkit.PatchTypeError` naming its position, before any row is built.
     """
-    patches = [_as_patch(p) for p in patches]
+    patches = [_as_patch(p) for p in patch_list(patches)]
     for i, p in enumerate(patches):
         _check_structure(i, p)
     return _frame(_summary_columns(patches), samples=_SUMMARY_SAMPLES)
@@ -232,7 +233,8 @@ class LoadReport:
     - ``chunks``: one row per input patch, in input order: ``chunk`` (the ``load_weights``
       call that carried it, ``<NA>`` for a dropped tied alias), ``position``, ``name``
       (as sent), ``kind``, ``shape``, ``dtype``, ``numel``, ``nnz``, ``density``,
-      ``bytes`` (staged), ``closed_by`` (why its chunk ended: ``budget``,
+      ``bytes`` (its staged bytes; for a dropped or not-sent patch, what it would have
+      staged), ``closed_by`` (why its chunk ended: ``budget``,
       ``repeated name``, ``end``; ``loader`` for a call that an observed loader ended for
       reasons of its own), ``note`` (tied-weight renames and drops; ``not sent`` for a
       patch whose call never ran because the load stopped first). Taken from
@@ -410,15 +412,17 @@ class LoadReport:
 
     def summary(self) -> dict[str, Any]:
         """Headline numbers: patches, their kind (``dense``, ``sparse``, or ``mixed`` for a
-        load the contract rejects), calls, staged bytes, elements written and changed, names
-        loaded, and for a failed load its error (type and first line of the message) and
-        whether a transactional load rolled it back."""
+        load the contract rejects), calls, staged bytes (of the calls that were made: a
+        dropped tied alias, or a patch whose call never ran, stages nothing), elements
+        written and changed, names loaded, and for a failed load its error (type and first
+        line of the message) and whether a transactional load rolled it back."""
         kinds = sorted(set(self.chunks["kind"]))
         out = {
             "patches": len(self.patches),
             "kind": None if not kinds else kinds[0] if len(kinds) == 1 else "mixed",
             "load_weights calls": len(self.calls),
-            "staged bytes": int(self.chunks["bytes"].sum()) if len(self.chunks) else 0,
+            # what the calls that ran staged: not a dropped alias, nor a call never made
+            "staged bytes": sum(c.bytes for c in self.plan if c.index < len(self.calls)),
             "max_chunk_bytes": self.max_chunk_bytes,
             "runtime writes": len(self.writes),
             "elements written": int(self.deltas["elements"].sum()) if len(self.deltas) else 0,
@@ -687,7 +691,7 @@ def _inspect_load(
     model, patches, max_chunk_bytes, validate_unique_indices, transactional, loader,
     progress=False,
 ) -> LoadReport:
-    patches = [_as_patch(p) for p in patches]
+    patches = [_as_patch(p) for p in patch_list(patches)]
     # As an int, when valid; when not, the load below raises the error that names it.
     with contextlib.suppress(TypeError, ValueError):
         max_chunk_bytes = check_max_chunk_bytes(max_chunk_bytes)

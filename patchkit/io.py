@@ -36,7 +36,13 @@ import torch
 
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
 from .errors import PatchError, PatchTypeError, PatchValueError, where
-from .patch import CheckpointWeightPatch, validate_patches
+from .patch import (
+    CheckpointWeightPatch,
+    _checked_device,
+    check_max_chunk_bytes,
+    patch_list,
+    validate_patches,
+)
 from .units import format_bytes
 
 __all__ = [
@@ -126,53 +132,6 @@ def _safetensors() -> Any:
     return safe_open, save_file
 
 
-def _checked_device(device: object) -> torch.device:
-    """``device`` as a :class:`torch.device` this process can put tensors on.
-
-    Raises :class:`~patchkit.errors.PatchTypeError` for a value that is not a ``str`` or
-    ``torch.device``, and :class:`~patchkit.errors.PatchValueError` (``reason`` and
-    ``value`` set, the message naming the device) for a string torch does not parse,
-    ``"meta"`` (no memory to hold values) and an accelerator this machine does not have
-    (e.g. ``"cuda"`` where ``torch.cuda.is_available()`` is False, or ``"cuda:3"`` with
-    two GPUs).
-    """
-    if not isinstance(device, (str, torch.device)):
-        raise PatchTypeError(
-            f"device must be a str or torch.device, got {type(device).__name__} {device!r}",
-            reason="device type", value=device,
-        )
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise PatchValueError(
-            f"device {str(device)!r} is not a torch device ({e})",
-            reason="bad device", value=device,
-        ) from None
-    if dev.type == "meta":
-        raise PatchValueError(
-            f"device {str(device)!r}: meta tensors hold no data and patches need real "
-            "memory; use 'cpu' or an accelerator",
-            reason="meta device", value=device,
-        )
-    if dev.type != "cpu":
-        backend = getattr(torch, dev.type, None)
-        is_available = getattr(backend, "is_available", None)
-        if callable(is_available) and not is_available():
-            raise PatchValueError(
-                f"device {str(device)!r} is not available here: "
-                f"torch.{dev.type}.is_available() is False",
-                reason="device unavailable", value=device,
-            )
-        device_count = getattr(backend, "device_count", None)
-        if dev.index is not None and callable(device_count) and dev.index >= device_count():
-            raise PatchValueError(
-                f"device {str(device)!r} is not available here: this machine has "
-                f"{device_count()} {dev.type} device(s)",
-                reason="device unavailable", value=device,
-            )
-    return dev
-
-
 # --------------------------------------------------------------------------- saving
 
 
@@ -244,7 +203,7 @@ def save_patches(
         CheckpointWeightPatch(*p)
         if isinstance(p, tuple) and not isinstance(p, CheckpointWeightPatch) and len(p) == 5
         else p
-        for p in patches
+        for p in patch_list(patches)
     ]
     for i, p in enumerate(patches):
         validate_patches([p], positions=[i])
@@ -509,6 +468,9 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
             raise _fail(path, f"{at}: values have shape {list(vshape)}, the header says "
                         f"[{nnz}]", "count")
         n = math.prod(shape)
+        if n * dtype.itemsize >= 1 << 63:  # as validate_patches refuses it on loading
+            raise _fail(path, f"{at}: shape {tuple(shape)} of {dtype} holds {n} elements, "
+                        "more than a tensor can (its bytes must stay below 2**63)", "header")
         indices_dtype = None
         if sparse:
             if not dtype.is_floating_point:
@@ -688,6 +650,7 @@ def print_patch_file_summary(
     out = sys.stdout if file is None else file
     path = os.fspath(path)
     try:
+        max_chunk_bytes = check_max_chunk_bytes(max_chunk_bytes)  # also with no patches
         entries = read_patch_index(path)
         meta = read_patch_metadata(path)
         groups = [(kind, [e for e in entries if e.kind == kind]) for kind in ("dense", "sparse")]

@@ -10,7 +10,7 @@ import torch
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
 from .errors import PatchTypeError
 from .intercept import WriteRecorder, WriteSession, named_tensors
-from .patch import CheckpointWeightPatch, validate_patches
+from .patch import CheckpointWeightPatch, patch_list, validate_patches
 from .staging import stage
 
 __all__ = ["canonicalize_tied", "load_checkpoint_weight_patches"]
@@ -103,7 +103,7 @@ def run_load(
     (a caller that has them already), used once the patches are valid.
     """
     with torch.no_grad():
-        patches = [_as_patch(p) for p in patches]
+        patches = [_as_patch(p) for p in patch_list(patches)]
         kind = validate_patches(
             patches,
             max_chunk_bytes=max_chunk_bytes,

@@ -24,6 +24,7 @@ __all__ = [
     "check_max_chunk_bytes",
     "is_sparse",
     "numel",
+    "patch_list",
     "staged_nbytes",
     "validate_patches",
 ]
@@ -70,6 +71,78 @@ def staged_nbytes(patch: CheckpointWeightPatch) -> int:
     A sparse patch costs the same as a dense one: its staging tensor is full size.
     """
     return numel(patch) * patch.dtype.itemsize
+
+
+def patch_list(patches: object, what: str = "patches") -> list:
+    """``patches`` as a list (its items unchecked), or
+    :class:`~patchkit.errors.PatchTypeError` when it is not a collection of patches:
+    ``None`` or another non-iterable, a ``str``, a mapping (a state dict: see
+    :func:`~patchkit.build.dense_patches`), or one patch on its own (pass ``[patch]``).
+    ``what`` names the argument in the message."""
+    if isinstance(patches, tuple) and len(patches) == 5 and isinstance(patches[0], str):
+        raise PatchTypeError(
+            f"{what} must be a list of patches, got one patch ({patches[0]!r}): pass [patch]",
+            reason="not a list", value=type(patches).__name__,
+        )
+    hint = ""
+    if hasattr(patches, "keys") and hasattr(patches, "items"):
+        hint = " (a state dict? patchkit.build.dense_patches makes patches of one)"
+    elif not isinstance(patches, str | bytes):
+        try:
+            return list(patches)  # type: ignore[call-overload]
+        except TypeError:
+            pass
+    raise PatchTypeError(
+        f"{what} must be a list of patches, got {type(patches).__name__}{hint}",
+        reason="not a list", value=type(patches).__name__,
+    )
+
+
+def _checked_device(device: object, *, allow_meta: bool = False) -> torch.device:
+    """``device`` as a :class:`torch.device` this process can put tensors on.
+
+    Raises :class:`~patchkit.errors.PatchTypeError` for a value that is not a ``str`` or
+    ``torch.device``, and :class:`~patchkit.errors.PatchValueError` (``reason`` and
+    ``value`` set, the message naming the device) for a string torch does not parse,
+    ``"meta"`` (no memory to hold values; accepted with ``allow_meta``) and an
+    accelerator this machine does not have (e.g. ``"cuda"`` where
+    ``torch.cuda.is_available()`` is False, or ``"cuda:3"`` with two GPUs).
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise PatchTypeError(
+            f"device must be a str or torch.device, got {type(device).__name__} {device!r}",
+            reason="device type", value=device,
+        )
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise PatchValueError(
+            f"device {str(device)!r} is not a torch device ({e})",
+            reason="bad device", value=device,
+        ) from None
+    if dev.type == "meta" and not allow_meta:
+        raise PatchValueError(
+            f"device {str(device)!r}: meta tensors hold no data and patches need real "
+            "memory; use 'cpu' or an accelerator",
+            reason="meta device", value=device,
+        )
+    if dev.type != "cpu":
+        backend = getattr(torch, dev.type, None)
+        is_available = getattr(backend, "is_available", None)
+        if callable(is_available) and not is_available():
+            raise PatchValueError(
+                f"device {str(device)!r} is not available here: "
+                f"torch.{dev.type}.is_available() is False",
+                reason="device unavailable", value=device,
+            )
+        device_count = getattr(backend, "device_count", None)
+        if dev.index is not None and callable(device_count) and dev.index >= device_count():
+            raise PatchValueError(
+                f"device {str(device)!r} is not available here: this machine has "
+                f"{device_count()} {dev.type} device(s)",
+                reason="device unavailable", value=device,
+            )
+    return dev
 
 
 def _check_structure(position: int, patch: object) -> None:
@@ -195,19 +268,42 @@ def _is_integral(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def _check_finite_for_integers(position: int, patch: CheckpointWeightPatch) -> None:
-    """Floating values of an integer patch must be finite: NaN and infinity have no
-    integer value, and the cast would write an arbitrary one (NaN into int32 is
-    -2147483648). One pass, only for such patches."""
-    finite = torch.isfinite(patch.values)
-    if bool(finite.all()):
+def _may_not_fit(values: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether values of dtype ``values`` can hold numbers that integer ``dtype`` cannot
+    (floating values; integers of a wider or differently signed range)."""
+    if values.is_floating_point:
+        return True
+    if not _is_integral(values) or values == dtype:
+        return False
+    have, want = torch.iinfo(values), torch.iinfo(dtype)
+    return have.min < want.min or have.max > want.max
+
+
+def _check_fits_integers(position: int, patch: CheckpointWeightPatch) -> None:
+    """The values of an integer patch must be numbers its dtype holds: a cast does not
+    refuse the others, it writes an arbitrary integer (NaN, infinity or 1e20 into int32
+    is -2147483648) or wraps (3e9 into int32 is -1294967296, 300 into uint8 is 44).
+    Floating values are truncated toward zero, as a cast does; they must be finite and
+    in ``[min, max + 1)`` of the dtype. One pass, only for values that may not fit."""
+    info = torch.iinfo(patch.dtype)
+    v = patch.values
+    if v.is_floating_point():
+        # (min and max + 1 are powers of two: exact in every float dtype that reaches them)
+        fits = torch.isfinite(v) & (v >= info.min) & (v < float(info.max) + 1.0)
+    else:
+        fits = (v >= info.min) & (v <= info.max)
+    if bool(fits.all()):
         return
-    k = int(torch.nonzero(~finite)[0, 0])
-    bad = float(patch.values[k])
+    k = int(torch.nonzero(~fits.reshape(-1))[0, 0])
+    bad = v.reshape(-1)[k].item()
+    finite = not v.is_floating_point() or math.isfinite(bad)
+    why = (f"is outside {patch.dtype}'s range [{info.min}, {info.max}]" if finite
+           else f"has no {patch.dtype} value")
     raise PatchValueError(
-        f"{where(position, patch.name)}: value {bad} at values[{k}] has no {patch.dtype} "
-        "value (the cast would write an arbitrary integer)",
-        position=position, name=patch.name, reason="not finite", value=bad,
+        f"{where(position, patch.name)}: value {bad} at values[{k}] {why} (the cast would "
+        "write an arbitrary integer)",
+        position=position, name=patch.name, reason="out of range" if finite else "not finite",
+        value=bad,
     )
 
 
@@ -383,8 +479,8 @@ def validate_patches(
         )
     if not sparse[0]:
         for pos, p in zip(positions, patches):
-            if _is_integral(p.dtype) and p.values.is_floating_point():
-                _check_finite_for_integers(pos, p)
+            if _is_integral(p.dtype) and _may_not_fit(p.values.dtype, p.dtype):
+                _check_fits_integers(pos, p)
         return "dense"
 
     by_device: dict[torch.device, list[int]] = {}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import numbers
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -747,10 +748,15 @@ def plot_placement(
     ``targets`` is a list of runtime tensor names, or one name as a string. A tied alias
     (``lm_head.weight`` where it is the embedding's Parameter) names the tensor it is
     tied to, as in :meth:`LoadReport.before`; its row's title gives both names. An
-    unknown name raises ``KeyError``; a ``report`` that is not a load report,
-    ``TypeError``.
+    unknown name raises ``KeyError``; a ``report`` that is not a load report, a name that
+    is not a str or a ``max_targets`` that is not an int, ``TypeError``; an empty
+    ``targets`` or a ``max_targets`` below 1, ``ValueError``.
     """
     _check_report(report, "plot_placement")
+    if isinstance(max_targets, bool) or not isinstance(max_targets, numbers.Integral):
+        raise TypeError(f"plot_placement: max_targets must be an int, got {_what(max_targets)}")
+    if max_targets < 1:
+        raise ValueError(f"plot_placement: max_targets must be at least 1, got {max_targets}")
     writes = report.writes
     written = list(dict.fromkeys(t for t in writes["target"] if t is not None))
     if targets is None:
@@ -759,6 +765,12 @@ def plot_placement(
     else:
         chosen = [targets] if isinstance(targets, str) else list(targets)
         left_out = 0
+        if not chosen:
+            raise ValueError("plot_placement: targets is empty; name at least one runtime "
+                             "tensor, or leave it None for the tensors written")
+        odd = next((t for t in chosen if not isinstance(t, str)), None)
+        if odd is not None:
+            raise TypeError(f"plot_placement: targets must be names (str), got {_what(odd)}")
         unknown = [t for t in chosen if _resolve(report, t) not in report.targets]
         if unknown:
             known = ", ".join(repr(t) for t in list(report.targets)[:8])

@@ -15,13 +15,21 @@ def format_bytes(n: int) -> str:
         return "-" + format_bytes(-n)
     if n < 1024:
         return f"{n} B"
+    units = ("KiB", "MiB", "GiB", "TiB", "PiB")
     value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+    k = -1
+    # (a value that rounds up to 1024 of a unit is 1 of the next: 1048575 B is "1 MiB")
+    while k < 0 or (round(value, _digits(value)) >= 1024 and k < len(units) - 1):
         value /= 1024
-        if value < 1024 or unit == "PiB":
-            break
-    digits = 0 if value >= 100 else 1 if value >= 10 else 2
+        k += 1
+    unit = units[k]
+    digits = _digits(value)
     text = f"{value:.{digits}f}"
     if "." in text:
         text = text.rstrip("0").rstrip(".")
     return f"{text} {unit}"
+
+
+def _digits(value: float) -> int:
+    """Decimals for three significant digits of a value in [1, 1024)."""
+    return 0 if value >= 100 else 1 if value >= 10 else 2

@@ -359,9 +359,19 @@ def test_random_values_never_nan(dtype):
 
 
 def test_random_validation():
-    for bad in (-0.01, 1.01, float("nan"), True, "0.5"):
+    for bad in (-0.01, 1.01, float("nan")):
         with pytest.raises(ValueError, match="density"):
             random_sparse_patch("w", (4,), torch.float32, bad)
+    for bad in (True, "0.5", None):  # not numbers: the wrong type
+        with pytest.raises(TypeError, match="density must be a number"):
+            random_sparse_patch("w", (4,), torch.float32, bad)
+    for bad, error in (("1", TypeError), (-1.0, ValueError), (float("nan"), ValueError),
+                       (float("inf"), ValueError)):
+        with pytest.raises(error, match="std must be a"):
+            random_sparse_patch("w", (4,), torch.float32, 0.5, std=bad)
+    with pytest.raises(ValueError, match="device 'bogus' is not a torch device") as info:
+        random_sparse_patch("w", (4,), torch.float32, 0.5, device="bogus")
+    assert info.value.reason == "bad device"
     with pytest.raises(ValueError, match="pattern"):
         random_sparse_patch("w", (4,), torch.float32, 0.5, pattern="diagonal")
     with pytest.raises(TypeError, match="floating"):
@@ -663,3 +673,16 @@ def test_trainer_steps_follow_the_adam_update_of_its_docstring():
     g1 = torch.randn(w0.shape, generator=torch.Generator().manual_seed(7))
     first = AdamLikeTrainer({"w": w0}, lr=lr, seed=7).step()["w"]
     assert torch.equal(torch.sign(first - w0), -torch.sign(g1))
+
+
+def test_random_takes_numpy_numbers_and_the_meta_device():
+    np = pytest.importorskip("numpy")
+    g = torch.Generator().manual_seed(0)
+    p = random_sparse_patch("w", (8,), torch.float32, np.float32(0.5), std=np.float64(2.0),
+                            generator=g)
+    assert p.indices.numel() == 4
+    q = random_sparse_patch("w", (8,), torch.float32, 0.5, generator=torch.Generator()
+                            .manual_seed(0))
+    assert torch.equal(p.values, 2.0 * q.values)  # std scales the same draws
+    m = random_sparse_patch("w", (8,), torch.float32, 0.5, device="meta")
+    assert m.values.is_meta and m.indices.is_meta

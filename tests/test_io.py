@@ -132,8 +132,12 @@ def patch_lists(draw):
             vdtype = draw(st.sampled_from([dtype, dtype, torch.float32]))
             values = random_bits(size, vdtype, g)
             if not dtype.is_floating_point and values.is_floating_point():
-                # float values for an integer patch must be finite (refused otherwise)
-                values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+                # float values for an integer patch must be finite and in its range
+                # (refused otherwise)
+                info = torch.iinfo(dtype)
+                fits = torch.isfinite(values) & (values >= info.min) & (
+                    values < float(info.max) + 1.0)
+                values = torch.where(fits, values, torch.zeros((), dtype=values.dtype))
             out.append(CheckpointWeightPatch(name, shape, dtype, values))
     return out
 

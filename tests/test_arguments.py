@@ -1,0 +1,277 @@
+"""Arguments and values a docstring audit found unchecked or mis-counted: each test here
+failed before its fix (a silent wrong result, or a bare error from deep inside)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import patchkit
+from patchkit import CheckpointWeightPatch as CWP
+from patchkit import density_map, inspect_load, plan_chunks
+from patchkit.build import sparse_patches_from_diff, wire_bytes
+from patchkit.errors import PatchError, PatchTypeError, PatchValueError
+from patchkit.toymodels import (
+    PlainModel,
+    TinyLlamaConfig,
+    TinyLlamaRuntime,
+    tiny_llama_checkpoint,
+)
+from patchkit.units import format_bytes
+
+
+def _p(name="a", n=4):
+    return CWP(name, (n,), torch.float32, torch.ones(n))
+
+
+# -- a list of patches, and nothing else -------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [None, 5, "a", {"a": torch.ones(4)}])
+@pytest.mark.parametrize("call", ["load", "inspect", "plan", "wire", "save"])
+def test_something_that_is_not_a_list_of_patches_is_a_type_error(call, bad, tmp_path):
+    m = PlainModel({"a": (4,)})
+    run = {
+        "load": lambda: patchkit.load_checkpoint_weight_patches(m, bad),
+        "inspect": lambda: inspect_load(m, bad),
+        "plan": lambda: plan_chunks(bad),
+        "wire": lambda: wire_bytes(bad),
+        "save": lambda: patchkit.save_patches(str(tmp_path / "p.safetensors"), bad),
+    }[call]
+    with pytest.raises(PatchTypeError) as info:
+        run()
+    if bad == "a" and call != "wire":
+        # a str is no list of patches (wire_bytes takes one patch or a list of them)
+        assert "must be a list of patches, got str" in str(info.value)
+    if isinstance(bad, dict):
+        assert "state dict" in str(info.value)
+    assert m.a.tolist() == [0.0] * 4
+
+
+def test_one_patch_where_a_list_is_expected_says_to_pass_a_list():
+    m = PlainModel({"a": (4,)})
+    with pytest.raises(PatchTypeError, match=r"got one patch \('a'\): pass \[patch\]"):
+        patchkit.load_checkpoint_weight_patches(m, _p())
+    assert m.a.tolist() == [0.0] * 4
+    assert wire_bytes(_p()) == 16  # wire_bytes takes one patch, as documented
+
+
+def test_plan_chunks_names_an_item_that_is_not_a_patch():
+    with pytest.raises(PatchTypeError, match=r"patch 1: expected a CheckpointWeightPatch"):
+        plan_chunks([_p(), "b"])
+    with pytest.raises(PatchTypeError, match=r"patch 7 \('a'\): dtype must be a torch.dtype"):
+        plan_chunks([CWP("a", (4,), "float32", torch.ones(4))], positions=[7])
+
+
+@pytest.mark.parametrize("positions", [[5], [0, 1, 2, 3]])
+def test_plan_chunks_wants_one_position_per_patch(positions):
+    with pytest.raises(PatchValueError, match=r"positions has \d entries for 3 patches"):
+        plan_chunks([_p("a"), _p("b"), _p("c")], positions=positions)
+
+
+def test_density_map_of_something_that_is_not_a_patch_is_a_type_error():
+    with pytest.raises(PatchTypeError, match="density_map: patch must be a CheckpointWeightPatch"):
+        density_map("w")
+    # a plain 5-tuple is a patch, as a load takes it
+    t = ("w", (2, 2), torch.float32, torch.ones(1), torch.tensor([3]))
+    assert density_map(t, bins=2).tolist() == [[0.0, 0.0], [0.0, 1.0]]
+
+
+# -- numbers an integer weight cannot hold --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "values", "bad", "reason"),
+    [
+        (torch.int32, [1e20, 2.0], 1e20, "out of range"),  # was written as -2147483648
+        (torch.int32, [2.0, 3e9], 3e9, "out of range"),
+        (torch.int32, torch.tensor([3_000_000_000, 5]), 3_000_000_000, "out of range"),  # wrapped
+        (torch.uint8, torch.tensor([7, 300]), 300, "out of range"),  # was written as 44
+        (torch.uint8, [-1.0], -1.0, "out of range"),
+        (torch.int64, [2.0**63], 2.0**63, "out of range"),
+        (torch.int32, [float("inf")], float("inf"), "not finite"),
+    ],
+)
+def test_a_value_outside_an_integer_dtype_is_refused_before_the_first_call(
+    dtype, values, bad, reason
+):
+    values = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+    m = PlainModel({"i": (values.numel(),)}, dtype=dtype)
+    p = CWP("i", (values.numel(),), dtype, values)
+    with pytest.raises(PatchValueError, match=r"patch 0 \('i'\): value ") as info:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert (info.value.reason, info.value.value) == (reason, pytest.approx(bad))
+    assert m.i.tolist() == [0] * values.numel()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "values", "want"),
+    [
+        (torch.uint8, [0.0, 255.9], [0, 255]),  # truncated toward zero, as a cast does
+        (torch.int64, [-(2.0**63), 5.0], [-(2**63), 5]),
+        (torch.int8, [True, False], [1, 0]),
+        (torch.int64, [2**40], [2**40]),  # int64 values into int64: nothing to check
+        (torch.int16, torch.tensor([-5, 7], dtype=torch.int8), [-5, 7]),  # a narrower int
+    ],
+)
+def test_values_an_integer_dtype_holds_load(dtype, values, want):
+    values = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+    m = PlainModel({"i": (values.numel(),)}, dtype=dtype)
+    patchkit.load_checkpoint_weight_patches(m, [CWP("i", (values.numel(),), dtype, values)])
+    assert m.i.tolist() == want
+
+
+# -- what a report counts ------------------------------------------------------------------
+
+
+def test_summary_counts_the_bytes_the_calls_staged():
+    cfg = TinyLlamaConfig(tie_word_embeddings=True)
+    e = tiny_llama_checkpoint(cfg)["model.embed_tokens.weight"]
+    ps = [CWP(n, tuple(e.shape), e.dtype, e.flatten())
+          for n in ("model.embed_tokens.weight", "lm_head.weight")]
+    r = inspect_load(TinyLlamaRuntime(cfg), ps)  # lm_head: a tied alias, dropped
+    assert r.chunks["note"].iloc[1].startswith("dropped")
+    staged = e.numel() * e.element_size()
+    assert r.summary()["staged bytes"] == staged == sum(c.bytes for c in r.plan)
+
+
+def test_a_rejected_load_staged_nothing():
+    m = PlainModel({"a": (1024,)})
+    bad = [CWP("a", (1024,), torch.float32, torch.ones(1024)),
+           CWP("a", (1024,), torch.float32, torch.ones(3))]  # wrong count
+    with pytest.raises(PatchValueError) as info:
+        inspect_load(m, bad)
+    s = info.value.report.summary()
+    assert (s["load_weights calls"], s["staged bytes"]) == (0, 0)
+
+
+def test_a_failed_load_counts_the_calls_that_ran():
+    m = PlainModel({"a": (4,), "b": (4,)})
+    plain = m.load_weights
+
+    def fails_on_b(weights):
+        weights = list(weights)
+        if weights[0][0] == "b":
+            raise RuntimeError("b")
+        return plain(weights)
+
+    m.load_weights = fails_on_b
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(m, [_p("a"), _p("b"), _p("c")], max_chunk_bytes=16)  # a call each
+    r = info.value.report
+    assert len(r.calls) == 2 and r.summary()["staged bytes"] == 32  # a and b, not c
+
+
+def test_density_map_counts_a_repeated_index_once():
+    p = CWP("w", (2,), torch.float32, torch.ones(3), torch.tensor([0, 0, 0]))
+    assert density_map(p, bins=1).tolist() == [[0.5]]  # was 1.5: above "[0, 1]"
+    q = CWP("w", (4, 4), torch.float32, torch.ones(4), torch.tensor([5, 0, 5, 15]))
+    assert density_map(q, bins=(2, 2)).tolist() == [[0.5, 0.0], [0.0, 0.25]]
+    # unsorted, distinct: the same map as sorted
+    r = CWP("w", (4, 4), torch.float32, torch.ones(3), torch.tensor([15, 0, 5]))
+    assert density_map(r, bins=(2, 2)).tolist() == density_map(
+        r._replace(indices=torch.tensor([0, 5, 15])), bins=(2, 2)).tolist()
+
+
+# -- builders ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "error", "match"),
+    [
+        ({1: torch.zeros(1)}, {1: torch.ones(1)}, PatchTypeError, "a key of before must be a str"),
+        ([1], {"x": torch.ones(1)}, PatchTypeError, "before must be a mapping"),
+        ({"x": torch.zeros(1)}, ["x"], PatchTypeError, "after must be a mapping"),
+        ({"x": torch.zeros(1)}, {"x": [1.0]}, PatchTypeError, r"after\['x'\] must be a torch"),
+        ({"": torch.zeros(1)}, {"": torch.ones(1)}, PatchValueError, "empty"),
+    ],
+)
+def test_diff_checks_both_mappings_first(before, after, error, match):
+    with pytest.raises(error, match=match):
+        sparse_patches_from_diff(before, after)
+
+
+# -- figures -------------------------------------------------------------------------------
+
+
+def test_placement_checks_max_targets_and_targets():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from patchkit.plot import plot_placement
+
+    r = inspect_load(PlainModel({"a": (4,), "b": (3,)}),
+                     patchkit.dense_patches({"a": torch.ones(4), "b": torch.ones(3)}))
+    for kw, error, match in (
+        ({"max_targets": 0}, ValueError, "max_targets must be at least 1, got 0"),
+        ({"max_targets": -1}, ValueError, "at least 1"),
+        ({"max_targets": "2"}, TypeError, "max_targets must be an int"),
+        ({"max_targets": True}, TypeError, "max_targets must be an int"),
+        ({"targets": []}, ValueError, "targets is empty"),
+        ({"targets": [3]}, TypeError, "targets must be names"),
+    ):
+        with pytest.raises(error, match=match):
+            plot_placement(r, **kw)
+    fig = plot_placement(r, max_targets=np.int64(1))
+    assert "showing 1 of 2 runtime tensors" in fig._suptitle.get_text()
+
+
+# -- the inspect command -------------------------------------------------------------------
+
+
+def _command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "patchkit", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_inspect_refuses_a_header_shape_no_tensor_can_hold(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    from patchkit.io import FORMAT_KEY, read_patch_index
+
+    header = {"format": "patchkit.patches", "version": 1, "patches": [
+        {"name": "a", "shape": [2**40, 2**40], "dtype": "float32", "kind": "sparse", "nnz": 1,
+         "values_dtype": "float32", "indices_dtype": "int64"}]}
+    path = str(tmp_path / "huge.safetensors")
+    safetensors.save_file({"000000.values": torch.ones(1),
+                           "000000.indices": torch.zeros(1, dtype=torch.int64)},
+                          path, metadata={FORMAT_KEY: json.dumps(header)})
+    with pytest.raises(PatchValueError, match="more than a tensor can"):
+        read_patch_index(path)
+    done = _command("inspect", path)
+    assert done.returncode == 2 and "more than a tensor can" in done.stderr
+    assert "PiB" not in done.stdout
+
+
+def test_inspect_refuses_a_bad_budget_for_a_file_of_no_patches(tmp_path):
+    pytest.importorskip("safetensors")
+    path = str(tmp_path / "empty.safetensors")
+    patchkit.save_patches(path, [])
+    done = _command("inspect", path, "--max-chunk-bytes", "0")
+    assert done.returncode == 2 and "max_chunk_bytes must be positive" in done.stderr
+
+
+# -- sizes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(1023, "1023 B"), (1024, "1 KiB"), (1048575, "1 MiB"), (1024**2, "1 MiB"),
+     (1023 * 1024, "1023 KiB"), (2**30 - 1, "1 GiB"), (1000 * 1024, "1000 KiB"),
+     (int(1.18 * 2**30), "1.18 GiB"), (1024**5 * 3000, "3000 PiB"), (-1048575, "-1 MiB")],
+)
+def test_a_size_never_reads_1024_of_a_unit(n, text):
+    assert format_bytes(n) == text
+
+
+def test_every_error_here_is_a_patch_error():
+    # the README: every error about patches or a load's arguments is a PatchError
+    for f in (lambda: plan_chunks(["a"]), lambda: density_map("w"),
+              lambda: wire_bytes(5), lambda: patchkit.inspect_load(PlainModel({}), None)):
+        with pytest.raises(PatchError):
+            f()
