@@ -432,8 +432,10 @@ def check_max_chunk_bytes(max_chunk_bytes: object) -> int:
         return int(max_chunk_bytes)
     as_float = float(max_chunk_bytes)
     if not (math.isfinite(as_float) and as_float.is_integer()):
+        hint = " (for no limit, pass an int larger than the patches, e.g. 1 << 62)" if (
+            as_float == math.inf) else ""
         raise PatchValueError(
-            f"max_chunk_bytes must be a whole number of bytes, got {max_chunk_bytes}",
+            f"max_chunk_bytes must be a whole number of bytes, got {max_chunk_bytes}{hint}",
             reason="max_chunk_bytes", value=max_chunk_bytes,
         )
     return int(as_float)

@@ -275,3 +275,14 @@ def test_every_error_here_is_a_patch_error():
               lambda: wire_bytes(5), lambda: patchkit.inspect_load(PlainModel({}), None)):
         with pytest.raises(PatchError):
             f()
+
+
+def test_an_infinite_budget_says_how_to_ask_for_no_limit():
+    m = PlainModel({"a": (4,)})
+    with pytest.raises(PatchValueError, match=r"for no limit, pass an int") as info:
+        patchkit.load_checkpoint_weight_patches(m, [_p()], max_chunk_bytes=float("inf"))
+    assert info.value.reason == "max_chunk_bytes"
+    with pytest.raises(PatchValueError) as info:
+        patchkit.load_checkpoint_weight_patches(m, [_p()], max_chunk_bytes=1.5)
+    assert "no limit" not in str(info.value)
+    assert patchkit.load_checkpoint_weight_patches(m, [_p()], max_chunk_bytes=1 << 62) == {"a"}
