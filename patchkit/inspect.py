@@ -254,8 +254,13 @@ class LoadReport:
       runtime parameter or buffer), ``target_offset``, ``target_region``, ``shape``,
       ``elements`` (of the written view: ``shape``'s product), ``written`` (the elements
       that took the source's value: all of them for a dense copy, only those whose
-      source is not NaN for a NaN-merged one), ``changed`` (elements whose bits changed),
-      ``op``, and the element strides of both views (``checkpoint_stride``,
+      source is not NaN for a NaN-merged one; for a dense write other than a copy, such
+      as ``p[rows] = w[rows]`` (``aten::index_put_``), ``fill_`` or an ``out=`` op, the
+      whole view it was given, since which of its elements the op wrote is not
+      followed), ``changed`` (elements whose bits changed), ``op`` (``"rebind"`` for a
+      runtime tensor a dense call rebound, ``param.data = w``, or registered anew: a
+      write of the whole tensor, whose ``before()`` is the original's), and the element
+      strides of both views (``checkpoint_stride``,
       ``target_stride``). A write through a view of another element size than its
       runtime tensor's (fp8 values packed four to an int32 word, written through
       ``.view(torch.float8_e4m3fn)``) is given in the runtime tensor's own elements: the
@@ -275,7 +280,8 @@ class LoadReport:
       difference that is NaN or infinite counts as 0, and so does a non-finite old value
       in ``||before||``): a load that writes NaN or inf shows as changed elements with
       small or zero numbers. Check ``torch.isfinite(report.after(target))`` where that
-      matters.
+      matters. Squares are summed in float64: float64 weights of magnitude above about
+      1e154 give an infinite or NaN ``rel_l2``.
     - ``error``: the exception the load raised, or ``None``; ``rolled_back``: True when
       that load was ``transactional=True`` and put every write back (the ``writes``
       table still says what the load did before it failed; ``deltas`` compares with the
@@ -306,6 +312,9 @@ class LoadReport:
     _saved: list[SavedRegion] = field(default_factory=list, repr=False, init=False)
     _runtime: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, init=False)
     _aliases: dict[str, str] = field(default_factory=dict, repr=False, init=False)
+    # Runtime tensors a dense call rebound or registered anew: name -> the original
+    # storage's tensor, whose values (with the saves on it) are the ones before the load.
+    _rebound: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, init=False)
     _tables: dict[str, Callable[[], pd.DataFrame]] = field(
         default_factory=dict, repr=False, init=False)
     _handed_over: bool = field(default=False, repr=False, init=False)
@@ -379,6 +388,8 @@ class LoadReport:
         self._check_saves()
         t = self._tensor(target)
         mask = torch.zeros(t.numel(), dtype=torch.bool, device="cpu")
+        if self._aliases.get(target, target) in self._rebound:
+            return mask.fill_(True).view(t.shape)  # rebound: written whole
         for s in _sharing(self._saved, t):
             pos, _ = _positions(t, s.written_index())
             mask[pos.cpu()] = True
@@ -396,17 +407,16 @@ class LoadReport:
         only what the load changed, so every other element, written-but-unchanged or
         never written, is read from the tensor now: call this before the model changes
         again (another load, a training step). The ``deltas`` numbers are fixed when the
-        load ends and do not have this limit. Raises ``ValueError`` once the report was
-        passed to a later load as ``reuse=``.
+        load ends and do not have this limit. A tensor that a call rebound
+        (``param.data = w``) or registered anew gives the original tensor's values (and
+        shape). Raises ``ValueError`` once the report was passed to a later load as
+        ``reuse=``.
         """
         self._check_saves()
         t = self._tensor(target)
-        out = t.detach().cpu().contiguous().clone()
-        flat = bits(out.view(-1))
-        for s in reversed(_sharing(self._saved, t)):
-            pos, valid = _positions(t, s.storage_index())
-            flat[pos.cpu()] = bits(s.flat_before()[valid].cpu())
-        return out
+        # A tensor a call rebound: its values before the load are the original storage's.
+        t = self._rebound.get(self._aliases.get(target, target), t)
+        return _rebuilt(t, self._saved)
 
     # -- summaries ---------------------------------------------------------------------
 
@@ -742,9 +752,11 @@ def _inspect_load(
         # The observed loader chunked otherwise: the table shows the calls it made.
         plan = _reasons(observed, patches, max_chunk_bytes)
     try:
-        report = _build_report(
-            model, patches, kept, positions, plan, rec, sessions, max_chunk_bytes, loaded, error
-        )
+        with torch.no_grad():  # (statistics of tensors that require grad: no graphs)
+            report = _build_report(
+                model, patches, kept, positions, plan, rec, sessions, max_chunk_bytes, loaded,
+                error,
+            )
     except Exception:
         if error is not None:
             raise error from None  # bad input: the load's own error says what is wrong
@@ -868,15 +880,52 @@ def _reasons(calls: list[Chunk], patches, max_chunk_bytes: int) -> list[Chunk]:
     return out
 
 
+def _rebuilt(t: torch.Tensor, saved: list[SavedRegion]) -> torch.Tensor:
+    """``t`` as it was before the load (a CPU copy): its values now with the saved
+    elements of its storage put back, newest first (so the oldest win)."""
+    out = t.detach().cpu().contiguous().clone()
+    flat = bits(out.view(-1))
+    for s in reversed(_sharing(saved, t)):
+        pos, valid = _positions(t, s.storage_index())
+        flat[pos.cpu()] = bits(s.flat_before()[valid].cpu())
+    return out
+
+
+def _rebound_row(name: str, old: torch.Tensor, now: torch.Tensor,
+                 saved: list[SavedRegion]) -> dict[str, Any]:
+    """The ``deltas`` row of a runtime tensor a dense call rebound or registered anew:
+    written whole, compared with the original tensor's values before the load."""
+    acc = _Stats()
+    acc.elements = now.numel()
+    if old.shape != now.shape or old.dtype != now.dtype:
+        acc.changed = now.numel()  # another tensor altogether: no element-wise numbers
+        row = acc.row(name)
+        row.update(max_abs=math.nan, mean_abs=math.nan, rel_l2=math.nan)
+        return row
+    before = _rebuilt(old, saved).reshape(-1)
+    acc.add_pairs(before, now.detach().cpu().reshape(-1))
+    acc.sum_b2 = sum_squares(before)
+    return acc.row(name)
+
+
 def _build_report(
     model, patches, kept, positions, plan, rec, sessions, max_chunk_bytes, loaded, error
 ) -> LoadReport:
     index = sessions[0].index if sessions else None
+    if index is None and isinstance(model, torch.nn.Module):
+        index = RuntimeIndex(model)  # no session (an empty or rejected load): the targets
     runtime = dict(index.tensors) if index is not None else {}
     saved = sessions[0].saved if sessions else []
+    rebound = dict(sessions[0].rebound) if sessions else {}
+    originals = {n: sessions[0]._bindings[n] for n in rebound}
+    runtime.update(rebound)
     # The numbers that depend on the model's state are taken now; the rest of the report
     # is a record of the load, turned into DataFrames on first use.
     delta_rows = _delta_rows(saved, index) if index is not None else []
+    if rebound:
+        delta_rows = [r for r in delta_rows if r["target"] not in rebound] + [
+            _rebound_row(n, originals[n], t, saved) for n, t in rebound.items()
+        ]
     calls = list(rec.calls)
     events = list(rec.events)
     shapes = {n: tuple(t.shape) for n, t in runtime.items()}
@@ -890,6 +939,7 @@ def _build_report(
     )
     report._saved = list(saved)
     report._runtime = runtime
+    report._rebound = originals
     report._aliases = dict(index.aliases) if index is not None else {}
     report._tables = {
         "chunks": lambda: _chunks_frame(patches, kept, positions, plan, len(calls)),

@@ -47,7 +47,7 @@ from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import native
-from .bitwise import bits, count_true, sum_squares
+from .bitwise import bits, changed_mask, count_true, sum_squares
 from .errors import ContractViolation, where
 
 __all__ = [
@@ -1065,6 +1065,9 @@ class WriteSession:
         self._last_patch: tuple[int, str] | None = None
         self._patches: dict[int, Any] = {}
         self._bindings: dict[str, torch.Tensor] | None = None
+        # Watched dense calls: runtime tensors the loader rebound (``param.data = w``) or
+        # registered anew, by name -> the tensor now (see _note_rebinding).
+        self.rebound: dict[str, torch.Tensor] = {}
 
     # -- one load_weights call -------------------------------------------------------
 
@@ -1109,8 +1112,10 @@ class WriteSession:
                 # (a negative position: an observed name that matches no patch)
                 self.provenance.add_staged(pos if pos >= 0 else None, name, t)
         result = _CallResult()
-        if sparse and self._bindings is None:
-            # Once per load: a call that rebinds is undone (the originals bound again).
+        watch = not sparse and self.recorder is not None
+        if (sparse or watch) and self._bindings is None:
+            # Once per load: a sparse call that rebinds is undone (the originals bound
+            # again); a watched dense one is recorded (see _note_rebinding).
             self._bindings = self.index.bindings()
         bindings = self._bindings if sparse else None
         if self.recorder is not None:
@@ -1124,10 +1129,49 @@ class WriteSession:
                 self._check_after_sparse_call(bindings, result.returned, staged, positions)
             error = False
         finally:
+            if watch:
+                self._note_rebinding()
             if self.recorder is not None:
                 self.recorder.on_call_end(chunk, result.returned, time.perf_counter() - t0, error)
             self._sparse = False
             self._nan_masked = False
+
+    def _note_rebinding(self) -> None:
+        """After a watched dense call: a runtime tensor whose storage the call replaced
+        (``param.data = w``) or that it registered anew (``module.w = nn.Parameter(w)``)
+        was written whole by no op a mode sees. Record that as one write of the whole
+        tensor (op ``"rebind"``, its source the new data: a staged tensor names its
+        patch) and keep the tensor now in :attr:`rebound`; its values before the load are
+        those of the original storage, which the bindings still hold."""
+        found = {n: self.index.tensors[n] for n in self.index.rebound(self._bindings)}
+        if found:
+            # A save whose view was the Parameter itself (``param.copy_(t)``) now reads
+            # the new storage: point it at the original one, where it was written.
+            moved = {id(self.index.tensors[n]): self._bindings[n] for n in found}
+            for s in self.saved:
+                original = moved.get(id(s.view))
+                if original is not None:
+                    s.view = original
+                    s.__dict__.pop("region", None)  # (a cached_property of the view)
+        replaced = self.index.replaced()
+        if replaced:
+            now = dict(named_tensors(self.index.model))
+            found.update({n: now[n] for n in replaced if n in now})
+        for name, t in found.items():
+            t = t.detach()
+            last = self.rebound.get(name)
+            if last is not None and _storage_key(last) == _storage_key(t) and (
+                last.shape == t.shape
+            ):
+                continue  # rebound in an earlier call, and recorded then
+            self.rebound[name] = t
+            old = self._bindings[name]
+            if old.shape == t.shape and old.dtype == t.dtype:
+                changed = int(count_true(changed_mask(old.reshape(-1), t.reshape(-1))))
+            else:
+                changed = t.numel()
+            self._call_writes += 1
+            self._record("rebind", t, name, 0, t, changed)
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         replaced = self.index.replaced()

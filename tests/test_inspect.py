@@ -447,12 +447,15 @@ def test_a_tensor_rebound_during_the_load_keeps_the_numbers_of_its_write():
 
     m = Rebinds()
     r = inspect_load(m, [dense("a", torch.ones(4)), dense("b", torch.ones(4))])
-    # a's row is what the load's write did (zeros to ones), not the rebinding
+    # a's row is what the load did to a: zeros before, the rebound sevens after (its
+    # write of ones was overwritten by the rebinding, which counts as a write of all of a)
     assert r.deltas.to_dict("index") == {
-        n: {"elements": 4, "changed": 4, "max_abs": 1.0, "mean_abs": 1.0, "rel_l2": math.inf}
-        for n in ("a", "b")
+        "a": {"elements": 4, "changed": 4, "max_abs": 7.0, "mean_abs": 7.0, "rel_l2": math.inf},
+        "b": {"elements": 4, "changed": 4, "max_abs": 1.0, "mean_abs": 1.0, "rel_l2": math.inf},
     }
-    assert r.writes["target"].tolist() == ["a", "b"]  # the write itself was seen
+    assert r.writes["target"].tolist() == ["a", "b", "a"]  # the write itself was seen
+    assert r.writes["op"].tolist()[2] == "rebind"
+    assert r.before("a").tolist() == [0.0] * 4 and r.after("a").tolist() == [7.0] * 4
 
 
 def test_a_loader_returning_a_generator_is_reported_with_its_names():
@@ -908,3 +911,87 @@ def test_a_rollback_restores_a_write_through_a_view_of_another_element_size(kind
     with pytest.raises(KeyError):
         patchkit.load_checkpoint_weight_patches(m, ps, transactional=True)
     assert torch.equal(m.packed, before)
+
+
+# -- a dense call that rebinds, an empty load (a differential audit) -----------------------
+
+
+def _rebinding(kind):
+    class Rebinds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(6.0).view(2, 3), False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                if kind == "data":
+                    self.w.data = t.clone()
+                elif kind == "staged":
+                    self.w.data = t  # the staged tensor itself: its patch is named
+                else:
+                    self.w = torch.nn.Parameter(t.clone(), False)
+            return {n for n, _ in weights}
+
+    return Rebinds()
+
+
+@pytest.mark.parametrize("kind", ["data", "staged", "new parameter"])
+def test_a_dense_call_that_rebinds_is_reported_as_a_write_of_the_whole_tensor(kind):
+    m = _rebinding(kind)
+    r = inspect_load(m, [dense("w", torch.tensor([0.0, 1.0, 7.0, 7.0, 7.0, 7.0]).view(2, 3))])
+    now = dict(m.named_parameters())["w"].detach()
+    assert now.flatten().tolist() == [0.0, 1.0, 7.0, 7.0, 7.0, 7.0]
+    assert r.before("w").flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert torch.equal(r.after("w"), now)
+    assert r.written("w").all()
+    row = r.deltas.loc["w"]
+    assert (row["elements"], row["changed"]) == (6, 4)
+    assert row["max_abs"] == 5.0 and row["mean_abs"] == pytest.approx((5 + 4 + 3 + 2) / 6)
+    (w,) = r.writes.itertuples()
+    assert (w.op, w.target, w.elements, w.changed) == ("rebind", "w", 6, 4)
+    if kind == "staged":
+        assert (w.position, w.name) == (0, "w")
+
+
+def test_rebinding_inside_a_transactional_report_is_still_undone():
+    m = _rebinding("new parameter")
+    original = m.w
+    plain = m.load_weights
+
+    def then_fails(weights):
+        plain(list(weights))
+        raise RuntimeError("after the rebinding")
+
+    m.load_weights = then_fails
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(m, [dense("w", torch.full((2, 3), 9.0))], transactional=True)
+    assert m.w is original and m.w.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert info.value.report.rolled_back
+
+
+def test_an_empty_load_reports_the_model_s_tensors():
+    m = PlainModel({"w": (2, 3)})
+    r = inspect_load(m, [])
+    assert r.targets == {"w": (2, 3)}
+    assert torch.equal(r.before("w"), torch.zeros(2, 3))
+    assert torch.equal(r.after("w"), torch.zeros(2, 3))
+    with pytest.raises(ValueError) as info:  # rejected before any call
+        inspect_load(m, [CheckpointWeightPatch("w", (2, 3), torch.float32, torch.ones(5))])
+    assert info.value.report.targets == {"w": (2, 3)}
+
+
+def test_statistics_of_parameters_that_require_grad_build_no_graph(recwarn):
+    class Lin(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3, bias=False)
+
+        def load_weights(self, ws):
+            for _, w in ws:
+                self.lin.weight.copy_(w)  # the Parameter itself, under the load's no_grad
+            return {n for n, _ in ws}
+
+    with patchkit.native.disabled():  # the torch-ops statistics
+        r = inspect_load(Lin(), [dense("lin.weight", torch.ones(3, 4))])
+    assert r.deltas.loc["lin.weight", "elements"] == 12
+    assert not [w for w in recwarn if "requires_grad" in str(w.message)]
