@@ -1068,6 +1068,7 @@ class WriteSession:
         # Watched dense calls: runtime tensors the loader rebound (``param.data = w``) or
         # registered anew, by name -> the tensor now (see _note_rebinding).
         self.rebound: dict[str, torch.Tensor] = {}
+        self._binding_ptrs: dict[str, int] | None = None
 
     # -- one load_weights call -------------------------------------------------------
 
@@ -1143,7 +1144,11 @@ class WriteSession:
         tensor (op ``"rebind"``, its source the new data: a staged tensor names its
         patch) and keep the tensor now in :attr:`rebound`; its values before the load are
         those of the original storage, which the bindings still hold."""
-        found = {n: self.index.tensors[n] for n in self.index.rebound(self._bindings)}
+        if self._binding_ptrs is None:
+            self._binding_ptrs = {n: t.data_ptr() for n, t in self._bindings.items()}
+        # (the original storages are alive in the bindings: new data has another address)
+        ptrs = self._binding_ptrs
+        found = {n: t for n, t in self.index.tensors.items() if t.data_ptr() != ptrs[n]}
         if found:
             # A save whose view was the Parameter itself (``param.copy_(t)``) now reads
             # the new storage: point it at the original one, where it was written.

@@ -753,18 +753,21 @@ def test_plotting_never_imports_pyplot(monkeypatch):
     assert figs[0]._repr_png_().startswith(b"\x89PNG")
 
 
+class Tied(nn.Module):
+    """``head`` is ``embed``'s tied alias (one Parameter, two names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Parameter(torch.zeros(4), False)
+        self.head = self.embed
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.embed.data.copy_(t)
+        return {n for n, _ in weights}
+
+
 def test_density_of_a_report_patch_the_load_dropped_or_renamed_says_so_in_its_title():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Parameter(torch.zeros(4), False)
-            self.head = self.embed
-
-        def load_weights(self, weights):
-            for _, t in weights:
-                self.embed.data.copy_(t)
-            return {n for n, _ in weights}
-
     def patch(name, i):
         return CheckpointWeightPatch(name, (4,), torch.float32, torch.tensor([5.0]),
                                      torch.tensor([i]))
@@ -804,17 +807,6 @@ def test_a_budget_above_the_scale_is_still_drawn_at_max_chunk_bytes():
 
 
 def test_chunk_plan_title_counts_the_patches_the_plan_sends():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Parameter(torch.zeros(4), False)
-            self.head = self.embed
-
-        def load_weights(self, weights):
-            for _, t in weights:
-                self.embed.data.copy_(t)
-            return {n for n, _ in weights}
-
     ps = [CheckpointWeightPatch(n, (4,), torch.float32, torch.tensor([5.0]), torch.tensor([i]))
           for i, n in enumerate(["embed", "head"])]
     r = inspect_load(Tied(), ps)  # head is embed's tied alias: dropped from the call
