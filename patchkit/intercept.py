@@ -1148,27 +1148,32 @@ class WriteSession:
             self._binding_ptrs = {n: t.data_ptr() for n, t in self._bindings.items()}
         # (the original storages are alive in the bindings: new data has another address)
         ptrs = self._binding_ptrs
-        found = {n: t for n, t in self.index.tensors.items() if t.data_ptr() != ptrs[n]}
-        if found:
-            # A save whose view was the Parameter itself (``param.copy_(t)``) now reads
-            # the new storage: point it at the original one, where it was written.
-            moved = {id(self.index.tensors[n]): self._bindings[n] for n in found}
-            for s in self.saved:
-                original = moved.get(id(s.view))
-                if original is not None:
-                    s.view = original
-                    s.__dict__.pop("region", None)  # (a cached_property of the view)
+        rebound = {n: t for n, t in self.index.tensors.items() if t.data_ptr() != ptrs[n]}
+        found = dict(rebound)
         replaced = self.index.replaced()
         if replaced:
             now = dict(named_tensors(self.index.model))
             found.update({n: now[n] for n in replaced if n in now})
+        new = {}
         for name, t in found.items():
-            t = t.detach()
             last = self.rebound.get(name)
             if last is not None and _storage_key(last) == _storage_key(t) and (
                 last.shape == t.shape
             ):
                 continue  # rebound in an earlier call, and recorded then
+            new[name] = t
+        # A save whose view was a Parameter this call rebound (``param.copy_(t)`` before
+        # ``param.data = w``) now reads the new storage: point it at the original one,
+        # where it was written.
+        moved = {id(t): self._bindings[n] for n, t in rebound.items() if n in new}
+        if moved:
+            for s in self.saved:
+                original = moved.get(id(s.view))
+                if original is not None:
+                    s.view = original
+                    s.__dict__.pop("region", None)  # (a cached_property of the view)
+        for name, t in new.items():
+            t = t.detach()
             self.rebound[name] = t
             old = self._bindings[name]
             if old.shape == t.shape and old.dtype == t.dtype:
