@@ -131,7 +131,8 @@ def patch_lists(draw):
             dtype = draw(st.sampled_from(FLOATS + INTS))
             vdtype = draw(st.sampled_from([dtype, dtype, torch.float32]))
             values = random_bits(size, vdtype, g)
-            if not dtype.is_floating_point and values.is_floating_point():
+            if (not dtype.is_floating_point and dtype != torch.bool
+                    and values.is_floating_point()):
                 # float values for an integer patch must be finite and in its range
                 # (refused otherwise)
                 info = torch.iinfo(dtype)
