@@ -106,3 +106,59 @@ def test_the_wheel_carries_the_c_file_that_patchkit_native_compiles(tmp_path):
     (wheel,) = tmp_path.glob("patchkit-*.whl")
     with zipfile.ZipFile(wheel) as z:
         assert "patchkit/_native.c" in z.namelist()
+
+
+def _execute_notebooks_script():
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader(
+        "execute_notebooks", str(ROOT / "scripts" / "execute-notebooks"))
+    spec = importlib.util.spec_from_loader("execute_notebooks", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_stored_notebooks_carry_stable_widget_ids():
+    # scripts/execute-notebooks renumbers the widget ids a kernel draws at random, so that
+    # re-executing an unchanged notebook leaves its file as it was
+    script = _execute_notebooks_script()
+    with_widgets = 0
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        text = path.read_text(encoding="utf-8")
+        with_widgets += '"application/vnd.jupyter.widget-state+json"' in text
+        assert script.stable_widget_ids(text) == text, f"{path.name}: ids not renumbered"
+    assert with_widgets >= 2  # 02 and 04 display widgets
+
+
+def test_widget_ids_are_numbered_without_regard_to_their_random_values():
+    import json
+    import uuid
+
+    import nbformat
+
+    script = _execute_notebooks_script()
+
+    def notebook(a, b, c):
+        # a shown widget a whose state names its layout b; c shown in a later cell
+        nb = nbformat.v4.new_notebook()
+        view = "application/vnd.jupyter.widget-view+json"
+        nb.cells = [nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output(
+            "display_data", data={view: {"model_id": m, "version_major": 2,
+                                         "version_minor": 0}})], id=f"cell{k}")
+                    for k, m in enumerate((a, c))]
+        nb.metadata["widgets"] = {script.WIDGET_STATE: {"state": {
+            a: {"model_name": "HTMLModel", "state": {"layout": f"IPY_MODEL_{b}"}},
+            b: {"model_name": "LayoutModel", "state": {}},
+            c: {"model_name": "IntSliderModel", "state": {}},
+        }, "version_major": 2, "version_minor": 0}}
+        return nbformat.writes(nb)
+
+    draws = [[uuid.uuid4().hex for _ in range(3)] for _ in range(4)]
+    outs = {script.stable_widget_ids(notebook(*ids)) for ids in draws}
+    assert len(outs) == 1
+    state = json.loads(outs.pop())["metadata"]["widgets"][script.WIDGET_STATE]["state"]
+    assert {k: v["model_name"] for k, v in state.items()} == {
+        f"{1:032x}": "HTMLModel", f"{2:032x}": "IntSliderModel", f"{3:032x}": "LayoutModel"}
+    assert state[f"{1:032x}"]["state"]["layout"] == f"IPY_MODEL_{3:032x}"
