@@ -7,9 +7,14 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["bits", "changed_mask", "count_true", "same_bits", "same_state", "sum_squares"]
+__all__ = ["bits", "changed_mask", "count_true", "same_bits", "same_state", "select",
+           "sum_squares"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# The unsigned types wider than a byte have no index kernels in torch (index_select,
+# index_copy_, index_put_ raise NotImplementedError): their bits go as the signed type.
+_SIGNED_OF_UNSIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32,
+                       torch.uint64: torch.int64}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -17,15 +22,29 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
     ``bits(a) != bits(b)`` counts ``0.0`` vs ``-0.0`` as different and two NaNs with the
     same payload as equal, unlike ``a != b``. Complex tensors gain a trailing dimension of
-    2 (real, imaginary); integer tensors come back as they are.
+    2 (real, imaginary); signed integer and uint8 tensors come back as they are, uint16,
+    uint32 and uint64 ones as the signed type of their width (torch has index kernels for
+    those).
     """
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
+    signed = _SIGNED_OF_UNSIGNED.get(t.dtype)
+    if signed is not None:
+        return t.view(signed)
     if t.dtype.is_complex:
         t = torch.view_as_real(t)
     if t.dtype.is_floating_point:
         return t.view(_INT_OF_SIZE[t.element_size()])
     return t
+
+
+def select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t.index_select(0, index)`` (a copy) for every dtype, uint16/32/64 included
+    (selected as the signed type of their width: the same bits)."""
+    signed = _SIGNED_OF_UNSIGNED.get(t.dtype)
+    if signed is None:
+        return t.index_select(0, index)
+    return t.view(signed).index_select(0, index).view(t.dtype)
 
 
 def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:

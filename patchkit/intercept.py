@@ -47,7 +47,7 @@ from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import native
-from .bitwise import bits, changed_mask, count_true, sum_squares
+from .bitwise import bits, changed_mask, count_true, select, sum_squares
 from .errors import ContractViolation, where
 
 __all__ = [
@@ -496,7 +496,7 @@ class SavedRegion:
         index = self._offsets()
         if index is None:
             return self.view.reshape(-1)
-        return self._storage().index_select(0, index)
+        return select(self._storage(), index)
 
     def flat_before(self) -> torch.Tensor:
         """The saved values (1-D)."""
@@ -508,7 +508,7 @@ class SavedRegion:
         if index is None:
             self.view.copy_(self.before)
         else:
-            # On the bits: exact, and index_copy_ has no float8 kernels on the CPU.
+            # On the bits: exact, and index_copy_ has no float8 or uint32 kernels on the CPU.
             bits(self._storage()).index_copy_(0, index, bits(self.before))
 
     def storage_index(self) -> torch.Tensor:
@@ -534,7 +534,7 @@ class SavedRegion:
         cls, target: str, offset: int, view: torch.Tensor, index: torch.Tensor, **kw: Any
     ) -> SavedRegion:
         """Save the elements of ``view``'s storage at ``index`` (their current values)."""
-        before = _flat_storage(view).index_select(0, index)  # a new tensor: a copy
+        before = select(_flat_storage(view), index)  # a new tensor: a copy
         return cls(target, offset, view, before, index, **kw)
 
 

@@ -446,3 +446,58 @@ def test_the_duplicate_named_is_the_repeated_index_not_the_first_one():
     with pytest.raises(PatchValueError, match="duplicate index 5 ") as info:
         patchkit.load_checkpoint_weight_patches(PlainModel({"w": (8,)}), [p])
     assert (info.value.reason, info.value.value) == ("duplicate", 5)
+
+
+class _Unsigned(nn.Module):
+    """One unsigned integer parameter; a name "boom" makes its loader raise."""
+
+    def __init__(self, dtype, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(n, dtype=torch.int64).to(dtype), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name == "boom":
+                raise RuntimeError("boom")
+            self.w.data.copy_(t)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+@pytest.mark.parametrize("n", [64, 1 << 16])  # saved whole, and compact (offsets kept)
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_tensors_are_reported_and_rolled_back_bit_for_bit(dtype, n, compiled):
+    # torch has no index kernels for uint16/32/64: the saves go through their bits
+    import contextlib
+
+    from patchkit import native
+
+    off = contextlib.nullcontext() if compiled else native.disabled()
+    new = torch.arange(n, dtype=torch.int64).to(dtype)
+    new[::7] = 3
+    changed = int((torch.arange(n)[::7] != 3).sum())
+    with off:
+        m = _Unsigned(dtype, n)
+        old = m.w.detach().clone()
+        r = inspect_load(m, [CWP("w", (n,), dtype, new)])
+        assert int(r.deltas.loc["w", "changed"]) == changed
+        assert patchkit.bitwise.same_bits(r.before("w"), old)
+        assert patchkit.bitwise.same_bits(r.after("w"), new)
+
+        m = _Unsigned(dtype, n)
+        with pytest.raises(RuntimeError, match="boom"):
+            patchkit.load_checkpoint_weight_patches(
+                m, [CWP("w", (n,), dtype, new), CWP("boom", (1,), dtype, new[:1])],
+                transactional=True, max_chunk_bytes=1)
+        assert patchkit.bitwise.same_bits(m.w, old)
+
+
+def test_bits_of_unsigned_types_are_signed_views_of_the_same_bits():
+    from patchkit.bitwise import bits, select
+
+    x = torch.tensor([0, 1, 2**32 - 1], dtype=torch.int64).to(torch.uint32)
+    assert bits(x).dtype == torch.int32
+    assert bits(x).data_ptr() == x.data_ptr()  # a view
+    assert bits(x).tolist() == [0, 1, -1]
+    picked = select(x, torch.tensor([2, 0]))
+    assert picked.dtype == torch.uint32 and picked.to(torch.int64).tolist() == [2**32 - 1, 0]
