@@ -1648,11 +1648,26 @@ class WriteSession:
         """Put every saved region back as it was before the load's first write into it.
 
         Regions are restored newest first, so where two saved regions overlap the older
-        (earlier) contents win. Runs outside any interception.
+        (earlier) contents win. Runs outside any interception. A region that cannot be
+        written back does not stop the others: every other region is restored, then a
+        ``RuntimeError`` names the targets left as the load wrote them (raised from the
+        first such failure; the load's own error is its ``__context__``).
         """
+        failed: list[tuple[SavedRegion, BaseException]] = []
         with torch.no_grad():
             for saved in reversed(self.saved):
-                saved.restore()
+                try:
+                    saved.restore()
+                except Exception as e:  # reported below, after the rest
+                    failed.append((saved, e))
+        if failed:
+            targets = sorted({s.target for s, _ in failed})
+            raise RuntimeError(
+                f"transactional rollback incomplete: {len(failed)} of {len(self.saved)} "
+                f"saved regions could not be written back, so {', '.join(map(repr, targets))} "
+                f"keep what the load wrote there (every other region was restored); first "
+                f"failure: {failed[0][1]!r}"
+            ) from failed[0][1]
 
     def discard(self) -> None:
         """Forget the saved regions (the load succeeded)."""

@@ -58,7 +58,9 @@ def load_checkpoint_weight_patches(
        watched through a torch function mode: a write the loader makes inside
        ``torch._C.DisableTorchFunction()`` or through a storage there is not seen, so not
        restored; nor is one made on another thread. A rebound or newly registered runtime
-       tensor gets its original back.
+       tensor gets its original back. Should a region fail to be written back, the others
+       still are, and a ``RuntimeError`` naming the targets left unrestored propagates
+       instead, with the load's own error as its ``__context__``.
     6. **[patchkit]** A patch naming the alias of a tied parameter is renamed to the
        canonical (first registered) name, or dropped when the canonical name is patched
        in the same call.

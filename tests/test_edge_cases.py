@@ -501,3 +501,36 @@ def test_bits_of_unsigned_types_are_signed_views_of_the_same_bits():
     assert bits(x).tolist() == [0, 1, -1]
     picked = select(x, torch.tensor([2, 0]))
     assert picked.dtype == torch.uint32 and picked.to(torch.int64).tolist() == [2**32 - 1, 0]
+
+
+def test_a_region_that_cannot_be_restored_does_not_stop_the_rest(monkeypatch):
+    from patchkit import intercept
+    from patchkit.toymodels import PlainModel
+
+    class Boom(PlainModel):
+        def load_weights(self, weights):
+            weights = list(weights)
+            for name, _ in weights:
+                if name == "boom":
+                    raise KeyError("boom")
+            return super().load_weights(weights)
+
+    m = Boom({"a": (4,), "b": (4,), "c": (4,)}, fill=1.0)
+    real = intercept.SavedRegion.restore
+
+    def restore(self):
+        if self.target == "b":
+            raise OSError("b cannot be written")
+        real(self)
+
+    monkeypatch.setattr(intercept.SavedRegion, "restore", restore)
+    patches = [CWP(n, (4,), torch.float32, torch.full((4,), 5.0)) for n in "abc"]
+    with pytest.raises(RuntimeError, match=r"rollback incomplete: 1 of 3 .*'b' keep") as e:
+        patchkit.load_checkpoint_weight_patches(
+            m, [*patches, CWP("boom", (1,), torch.float32, torch.ones(1))],
+            transactional=True, max_chunk_bytes=16)
+    assert isinstance(e.value.__cause__, OSError)
+    assert isinstance(e.value.__context__, KeyError)  # the load's own error
+    assert m.get_parameter("a").tolist() == [1.0] * 4  # restored after b failed
+    assert m.get_parameter("c").tolist() == [1.0] * 4
+    assert m.get_parameter("b").tolist() == [5.0] * 4
