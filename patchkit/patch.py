@@ -10,7 +10,7 @@ import math
 import numbers
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -171,6 +171,12 @@ def _check_structure(position: int, patch: object) -> None:
             f"{at}: dtype must be a torch.dtype, got {dtype!r} ({type(dtype).__name__})",
             position=position, name=name, reason="dtype type", value=dtype,
         )
+    if isinstance(shape, Iterator):
+        raise PatchTypeError(
+            f"{at}: shape must be a tuple of ints, got a {type(shape).__name__} (an iterator "
+            "is used up by the first reading of it)",
+            position=position, name=name, reason="shape type", value=type(shape).__name__,
+        )
     try:
         dims = tuple(shape)
     except TypeError:
@@ -190,7 +196,7 @@ def _check_structure(position: int, patch: object) -> None:
     for d in dims:
         if d < 0:
             raise PatchValueError(
-                f"{at}: shape has a negative dimension: {dims}",
+                f"{at}: shape has a negative dimension: {_short(dims)}",
                 position=position, name=name, reason="negative dimension", value=d,
             )
     if not isinstance(values, torch.Tensor):
@@ -205,11 +211,11 @@ def _check_structure(position: int, patch: object) -> None:
         )
     if values.layout is not torch.strided:
         _refuse_layout(at, position, name, "values", values)
-    n = math.prod(dims)
-    if n * dtype.itemsize >= 1 << 63:
+    n = _numel_below(dims, (1 << 63) // dtype.itemsize)
+    if n is None:
         # torch indexes elements and bytes with int64: no tensor this big can be staged
         raise PatchValueError(
-            f"{at}: shape {dims} of {dtype} holds {n} elements, more than a tensor can "
+            f"{at}: shape {_short(dims)} of {dtype} holds more elements than a tensor can "
             f"(its bytes must stay below 2**63)",
             position=position, name=name, reason="shape too large", value=dims,
         )
@@ -268,6 +274,27 @@ def _is_integral(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
+def _numel_below(dims: tuple[int, ...], limit: int) -> int | None:
+    """The product of ``dims`` when it is below ``limit``, else ``None``; it stops as soon
+    as the product reaches the limit (a long list of dims costs no big-integer work)."""
+    if 0 in dims:
+        return 0
+    n = 1
+    for d in dims:
+        n *= d
+        if n >= limit:
+            return None
+    return n
+
+
+def _short(dims: tuple[int, ...], most: int = 8) -> str:
+    """``dims`` as a message shows it: in full up to ``most`` dims, else the first ones
+    and how many there are."""
+    if len(dims) <= most:
+        return str(dims)
+    return f"({', '.join(map(str, dims[:most]))}, ... {len(dims)} dims)"
+
+
 def _may_not_fit(values: torch.dtype, dtype: torch.dtype) -> bool:
     """Whether values of dtype ``values`` can hold numbers that integer ``dtype`` cannot
     (floating values; integers of a wider or differently signed range)."""
@@ -290,8 +317,17 @@ def _check_fits_integers(position: int, patch: CheckpointWeightPatch) -> None:
     if v.is_floating_point():
         # (min and max + 1 are powers of two: exact in every float dtype that reaches them)
         fits = torch.isfinite(v) & (v >= info.min) & (v < float(info.max) + 1.0)
+    elif v.dtype == torch.uint64:
+        # no comparison kernels for uint64: its bits as int64, where the numbers from 2**63
+        # on read negative (and fit no other integer dtype: only uint64 holds them)
+        as_signed = v.view(torch.int64)
+        fits = (as_signed >= 0) & (as_signed <= min(info.max, 2**63 - 1))
     else:
-        fits = (v >= info.min) & (v <= info.max)
+        if v.dtype in (torch.uint16, torch.uint32):
+            v = v.to(torch.int64)  # exact; torch compares neither
+        # bounds inside the values' own range, so that each scalar is one of its numbers
+        have = torch.iinfo(v.dtype)
+        fits = (v >= max(info.min, have.min)) & (v <= min(info.max, have.max))
     if bool(fits.all()):
         return
     k = int(torch.nonzero(~fits.reshape(-1))[0, 0])

@@ -16,6 +16,7 @@ from patchkit import CheckpointWeightPatch as CWP
 from patchkit import density_map, inspect_load, plan_chunks
 from patchkit.build import sparse_patches_from_diff, wire_bytes
 from patchkit.errors import PatchError, PatchTypeError, PatchValueError
+from patchkit.patch import validate_patches
 from patchkit.toymodels import (
     PlainModel,
     TinyLlamaConfig,
@@ -95,6 +96,11 @@ def test_density_map_of_something_that_is_not_a_patch_is_a_type_error():
         (torch.uint8, [-1.0], -1.0, "out of range"),
         (torch.int64, [2.0**63], 2.0**63, "out of range"),
         (torch.int32, [float("inf")], float("inf"), "not finite"),
+        # unsigned values and dtypes, which torch compares only in part
+        (torch.uint64, torch.tensor([1, -2]), -2, "out of range"),
+        (torch.uint8, torch.tensor([300], dtype=torch.uint16), 300, "out of range"),
+        (torch.int8, torch.tensor([5, 200], dtype=torch.uint32), 200, "out of range"),
+        (torch.int64, torch.tensor([2**63 + 5], dtype=torch.uint64), 2**63 + 5, "out of range"),
     ],
 )
 def test_a_value_outside_an_integer_dtype_is_refused_before_the_first_call(
@@ -117,6 +123,10 @@ def test_a_value_outside_an_integer_dtype_is_refused_before_the_first_call(
         (torch.int8, [True, False], [1, 0]),
         (torch.int64, [2**40], [2**40]),  # int64 values into int64: nothing to check
         (torch.int16, torch.tensor([-5, 7], dtype=torch.int8), [-5, 7]),  # a narrower int
+        (torch.uint64, torch.tensor([1, 2**62]), [1, 2**62]),  # uint64's max is no int64
+        (torch.uint32, torch.tensor([2**32 - 1]), [2**32 - 1]),
+        (torch.uint8, torch.tensor([7], dtype=torch.uint64), [7]),
+        (torch.int32, torch.tensor([65535], dtype=torch.uint16), [65535]),
     ],
 )
 def test_values_an_integer_dtype_holds_load(dtype, values, want):
@@ -286,3 +296,28 @@ def test_an_infinite_budget_says_how_to_ask_for_no_limit():
         patchkit.load_checkpoint_weight_patches(m, [_p()], max_chunk_bytes=1.5)
     assert "no limit" not in str(info.value)
     assert patchkit.load_checkpoint_weight_patches(m, [_p()], max_chunk_bytes=1 << 62) == {"a"}
+
+
+# -- shapes ------------------------------------------------------------------------------
+
+
+def test_a_shape_given_as_an_iterator_is_refused_not_used_up():
+    p = CWP("w", (d for d in (2, 3)), torch.float32, torch.ones(6))
+    with pytest.raises(PatchTypeError, match=r"patch 0 \('w'\): shape .* generator") as e:
+        validate_patches([p])
+    assert e.value.reason == "shape type"
+
+
+@pytest.mark.parametrize("dims", [(10,) * 4400, (3,) * 100_000])
+def test_a_shape_of_very_many_dims_is_refused_with_a_short_message(dims):
+    # the product has thousands of digits (more than Python prints) or would be slow
+    p = CWP("w", dims, torch.float32, torch.ones(4))
+    with pytest.raises(PatchValueError, match="more elements than a tensor can") as e:
+        validate_patches([p])
+    assert e.value.reason == "shape too large"
+    assert f"... {len(dims)} dims)" in str(e.value) and len(str(e.value)) < 300
+
+
+def test_a_zero_dim_makes_any_shape_empty():
+    p = CWP("w", (0,) + (10,) * 30, torch.float32, torch.ones(0))
+    validate_patches([p])
