@@ -69,7 +69,8 @@ def plan_chunks(
     ``positions`` relabels the patches (the loader passes the caller's positions after
     dropping tied aliases); it defaults to ``0..len-1`` and must have one entry per patch
     (:class:`~patchkit.errors.PatchValueError` otherwise). ``patches`` must be a list of
-    patches and each item a patch with a valid name, shape and dtype:
+    patches (or plain 5-tuples, as a load takes them) and each item a patch with a valid
+    name, shape and dtype:
     :class:`~patchkit.errors.PatchTypeError` / ``PatchValueError`` name the first one
     that is not (at its position in ``positions``).
 
@@ -108,6 +109,8 @@ def plan_chunks(
         cur_pos, cur_names, cur_seen, cur_bytes = [], [], set(), 0
 
     for pos, patch in zip(positions, patches):
+        if type(patch) is tuple and len(patch) == 5:
+            patch = CheckpointWeightPatch(*patch)  # a plain 5-tuple, as a load takes it
         try:
             nbytes = staged_nbytes(patch)
         except Exception:

@@ -69,6 +69,14 @@ def test_plan_chunks_names_an_item_that_is_not_a_patch():
         plan_chunks([CWP("a", (4,), "float32", torch.ones(4))], positions=[7])
 
 
+def test_plan_chunks_takes_plain_5_tuples_as_the_loader_does():
+    t = ("w", (4,), torch.float32, torch.ones(4), None)
+    plan = plan_chunks([t, t], max_chunk_bytes=1024)
+    assert [(c.names, c.bytes, c.closed_by) for c in plan] == [
+        (("w",), 16, "repeated name"), (("w",), 16, "end")]
+    assert plan == plan_chunks([CWP(*t), CWP(*t)], max_chunk_bytes=1024)
+
+
 @pytest.mark.parametrize("positions", [[5], [0, 1, 2, 3]])
 def test_plan_chunks_wants_one_position_per_patch(positions):
     with pytest.raises(PatchValueError, match=r"positions has \d entries for 3 patches"):
