@@ -10,7 +10,8 @@ small vLLM-style models to load into live in :mod:`patchkit.toymodels`.
 
 ``import patchkit`` imports torch only: pandas (for :func:`inspect_load`,
 :class:`LoadReport`, :func:`patch_summary`), matplotlib (``patchkit.plot``) and
-ipywidgets (``patchkit.widgets``) load on first use.
+ipywidgets (``patchkit.widgets``) load on first use: those submodules (and
+``patchkit.toymodels``) are attributes of the package once first read.
 """
 
 from __future__ import annotations
@@ -79,7 +80,14 @@ __all__ = [
 ]
 
 
+# Submodules with heavier imports, there as attributes once first read
+# (``patchkit.plot.plot_chunks`` works after a plain ``import patchkit``).
+_LAZY_MODULES = ("inspect", "plot", "toymodels", "widgets")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'patchkit' has no attribute {name!r}")
@@ -89,4 +97,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_LAZY_MODULES))

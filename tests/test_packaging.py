@@ -54,6 +54,21 @@ def test_import_patchkit_loads_torch_only():
     assert out == "[]"
 
 
+def test_heavy_submodules_are_attributes_of_the_package_once_read():
+    code = (
+        "import sys, patchkit\n"
+        "assert 'patchkit.plot' not in sys.modules and 'plot' in dir(patchkit)\n"
+        "print(patchkit.plot.plot_chunks.__name__, patchkit.widgets.chunk_planner.__name__,\n"
+        "      patchkit.toymodels.TinyLlamaRuntime.__name__,\n"
+        "      patchkit.inspect.LoadReport.__name__,\n"
+        "      'matplotlib' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.strip()
+    assert out == "plot_chunks chunk_planner TinyLlamaRuntime LoadReport True"
+
+
 def test_public_names_are_exported_and_documented():
     import patchkit
 
