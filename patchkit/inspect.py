@@ -243,7 +243,9 @@ class LoadReport:
       plan (see :func:`inspect_load`).
     - ``calls``: one row per ``load_weights`` call: ``chunk``, ``names`` sent,
       ``returned`` names (``None`` when the loader returned None), ``writes`` into runtime
-      tensors, ``seconds``, ``error`` (the call raised).
+      tensors, ``seconds`` (wall time of the call, the report's own work in it included;
+      on CUDA the clock starts and stops with the model's and the staged tensors' devices
+      idle, so a copy still queued counts in its own call), ``error`` (the call raised).
     - ``writes``: one row per write into a runtime tensor: ``chunk``, ``position`` and
       ``name`` of the patch that fed it (``None`` when the source could not be traced to
       one staged tensor: made by an op from two patches, say), ``checkpoint_offset``

@@ -1065,6 +1065,7 @@ class WriteSession:
         self._last_patch: tuple[int, str] | None = None
         self._patches: dict[int, Any] = {}
         self._bindings: dict[str, torch.Tensor] | None = None
+        self._model_gpus: set[torch.device] | None = None  # (see _gpus)
         # Watched dense calls: runtime tensors the loader rebound (``param.data = w``) or
         # registered anew, by name -> the tensor now (see _note_rebinding).
         self.rebound: dict[str, torch.Tensor] = {}
@@ -1121,6 +1122,8 @@ class WriteSession:
         bindings = self._bindings if sparse else None
         if self.recorder is not None:
             self.recorder.on_call_start(chunk, staged)
+            gpus = self._gpus(staged)
+            _wait_for(gpus)  # (work queued before the call is not the call's)
         t0 = time.perf_counter()
         error = True
         try:
@@ -1133,9 +1136,18 @@ class WriteSession:
             if watch:
                 self._note_rebinding()
             if self.recorder is not None:
+                _wait_for(gpus)  # a GPU's copies run after their launch returns
                 self.recorder.on_call_end(chunk, result.returned, time.perf_counter() - t0, error)
             self._sparse = False
             self._nan_masked = False
+
+    def _gpus(self, staged: Sequence[tuple[str, torch.Tensor]]) -> set[torch.device]:
+        """The CUDA devices of the model's tensors (found once per load) and of ``staged``:
+        those a recorded call's time waits for."""
+        if self._model_gpus is None:
+            self._model_gpus = {t.device for t in self.index.tensors.values()
+                                if t.device.type == "cuda"}
+        return self._model_gpus | {t.device for _, t in staged if t.device.type == "cuda"}
 
     def _note_rebinding(self) -> None:
         """After a watched dense call: a runtime tensor whose storage the call replaced
@@ -1674,6 +1686,12 @@ class WriteSession:
         self.saved.clear()
         self._measured.clear()
         self._saved_regions.clear()
+
+
+def _wait_for(devices: set[torch.device]) -> None:
+    """Wait until the work queued on each of ``devices`` (CUDA) has run."""
+    for d in devices:
+        torch.cuda.synchronize(d)
 
 
 def _nan_outside(t: torch.Tensor, write: torch.Tensor) -> int:

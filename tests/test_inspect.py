@@ -995,3 +995,29 @@ def test_statistics_of_parameters_that_require_grad_build_no_graph(recwarn):
         r = inspect_load(Lin(), [dense("lin.weight", torch.ones(3, 4))])
     assert r.deltas.loc["lin.weight", "elements"] == 12
     assert not [w for w in recwarn if "requires_grad" in str(w.message)]
+
+
+def test_a_recorded_call_on_a_gpu_is_timed_between_two_device_waits(monkeypatch):
+    # CUDA copies run after their launch returns: calls.seconds waits for the devices
+    # before and after each call (here a stand-in device, as this test runs on the CPU)
+    from patchkit import intercept
+    from patchkit.toymodels import PlainModel
+
+    events = []
+    fake = torch.device("cuda", 3)
+    monkeypatch.setattr(intercept.WriteSession, "_gpus", lambda self, staged: {fake})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: events.append(("sync", d)))
+
+    class Logged(PlainModel):
+        def load_weights(self, weights):
+            events.append("call")
+            return super().load_weights(weights)
+
+    m = Logged({"a": (4,), "b": (4,)})
+    ps = [CheckpointWeightPatch(n, (4,), torch.float32, torch.ones(4)) for n in "ab"]
+    r = patchkit.inspect_load(m, ps, max_chunk_bytes=16)
+    assert events == [("sync", fake), "call", ("sync", fake)] * 2
+    assert len(r.calls) == 2
+    events.clear()
+    patchkit.load_checkpoint_weight_patches(m, ps, max_chunk_bytes=16)
+    assert events == ["call", "call"]  # a plain load times nothing, waits for nothing
