@@ -215,7 +215,7 @@ def _check_structure(position: int, patch: object) -> None:
     if n is None:
         # torch indexes elements and bytes with int64: no tensor this big can be staged
         raise PatchValueError(
-            f"{at}: shape {_short(dims)} of {dtype} holds more elements than a tensor can "
+            f"{at}: shape {_short(dims)} of {dtype} is more than a tensor can hold "
             f"(its bytes must stay below 2**63)",
             position=position, name=name, reason="shape too large", value=dims,
         )
