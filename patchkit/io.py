@@ -176,8 +176,10 @@ def save_patches(
     ``"patchkit"`` is reserved: :class:`~patchkit.errors.PatchValueError`). Values whose
     dtype is not in :func:`storable_dtypes` raise :class:`~patchkit.errors.PatchTypeError`.
 
-    Tensors are copied to the CPU (and made contiguous, and unshared where two patches
-    share memory) as needed; the caller's tensors are never modified. The file is
+    Tensors are copied to the CPU (and made contiguous, unshared where two patches
+    share memory, and with torch's lazy conjugate and negative views resolved, so the
+    file holds the values the caller sees) as needed; the caller's tensors are never
+    modified. The file is
     written to a temporary name beside ``path`` and renamed into place, so a failed save
     leaves no partial file (an existing file at ``path`` stays as it was).
     :func:`load_patches` returns equal patches, bit for bit, in the same order.
@@ -219,7 +221,9 @@ def save_patches(
                 f"file (storable: {sorted(_dtype_name(d) for d in _DTYPE_TO_CODE)})",
                 position=i, name=name, reason="unstorable dtype", value=t.dtype,
             )
-        t = t.detach().to("cpu").contiguous()
+        # resolve torch's lazy conjugate / negative bits: safetensors copies the raw
+        # memory, which holds the values before conjugation or negation
+        t = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
         if t.numel():
             key = (t.device, t.untyped_storage().data_ptr())
             if key in seen_storage:

@@ -701,3 +701,30 @@ def test_summary_total_counts_the_elements_written(tmp_path, capsys):
                  if line.split()[:1] == ["total"])
     written = 16 + ps[1].indices.numel() + 4  # every dense element, the sparse entries
     assert total.split()[1:3] == [str(written), f"{100 * written / (16 + 256 + 4):.3g}%"]
+
+
+# --------------------------------------------------------------------------- review fixes
+
+
+def test_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
+    """torch's lazy conj/neg bits are resolved: the file holds the values the caller sees."""
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    neg = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj().imag  # a neg-bit view
+    assert z.conj().is_conj() and neg.is_neg()
+    ps = [
+        CheckpointWeightPatch("c", (2,), torch.complex64, z.conj()),
+        CheckpointWeightPatch("n", (2,), torch.float32, neg),
+        CheckpointWeightPatch("s", (4,), torch.float32, neg, torch.tensor([0, 3])),
+        CheckpointWeightPatch("v", (2,), torch.float32, torch._neg_view(torch.tensor([1.0, 2.0]))),
+        CheckpointWeightPatch("i", (4,), torch.float32, torch.tensor([1.0, 2.0]),
+                              torch._neg_view(torch.tensor([-1, -2]))),
+    ]
+    path = tmp_path / "p.safetensors"
+    save_patches(path, ps)
+    got = load_patches(path)
+    assert got[0].values.tolist() == [1 - 2j, 3 + 4j]
+    assert got[1].values.tolist() == [-2.0, 4.0] and got[2].values.tolist() == [-2.0, 4.0]
+    assert got[3].values.tolist() == [-1.0, -2.0] and got[4].indices.tolist() == [1, 2]
+    for g, p in zip(got, ps):
+        assert torch.equal(g.values, p.values.resolve_conj().resolve_neg())
+    assert z.tolist() == [1 + 2j, 3 - 4j]  # the caller's tensor is untouched
