@@ -553,6 +553,13 @@ def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
         raise _fail(path, f"unreadable: {e}") from None
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in memory of its own: safetensors' CPU tensors are views of the file's
+    memory map (a rewritten file would change them, a truncated one fault on reading);
+    a tensor on another device is already a copy."""
+    return t.clone() if t.device.type == "cpu" else t
+
+
 def load_patches(
     path: str | os.PathLike[str], *, device: torch.device | str = "cpu"
 ) -> list[CheckpointWeightPatch]:
@@ -564,6 +571,15 @@ def load_patches(
     validated after (:func:`~patchkit.patch.validate_patches`, dense and sparse
     separately); every problem raises :class:`~patchkit.errors.PatchValueError` naming
     the file, never a raw safetensors or JSON exception.
+
+    The patches own their memory: their values and indices are copies, not views of
+    the file, so rewriting, truncating or deleting the file afterwards does not change
+    them (nor does writing to them change the file). The cost is one copy of the
+    file's tensor data: on the CPU the patches take process memory equal to those bytes
+    (where a memory map would have shared the operating system's file cache, and read
+    only what was touched), on an accelerator the data is copied to the device, as it
+    would be anyway. The header
+    readers (:func:`read_patch_index`, :func:`read_patch_metadata`) read no tensor data.
 
     ``device`` is checked before the file is opened: a string torch does not parse,
     ``"meta"`` (patches need memory that holds their values) or an accelerator this
@@ -581,8 +597,8 @@ def load_patches(
             entries = _parse_index(path, f)
             patches = []
             for e in entries:
-                values = f.get_tensor(_key(e.position, "values"))
-                indices = f.get_tensor(_key(e.position, "indices")) if e.sparse else None
+                values = _own(f.get_tensor(_key(e.position, "values")))
+                indices = _own(f.get_tensor(_key(e.position, "indices"))) if e.sparse else None
                 patches.append(CheckpointWeightPatch(e.name, e.shape, e.dtype, values, indices))
     except PatchValueError:
         raise

@@ -728,3 +728,23 @@ def test_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
     for g, p in zip(got, ps):
         assert torch.equal(g.values, p.values.resolve_conj().resolve_neg())
     assert z.tolist() == [1 + 2j, 3 - 4j]  # the caller's tensor is untouched
+
+
+def test_loaded_patches_do_not_change_when_the_file_is_rewritten(tmp_path):
+    """Loaded patches are copies, not views of the file's memory map."""
+    import shutil
+
+    path, other = tmp_path / "p.safetensors", tmp_path / "q.safetensors"
+    ps = [CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(4)),
+          CheckpointWeightPatch("s", (8,), torch.float32, torch.ones(2), torch.tensor([1, 5]))]
+    save_patches(path, ps)
+    save_patches(other, [p._replace(values=p.values * 5, indices=None if p.indices is None
+                                    else p.indices + 1) for p in ps])
+    got = load_patches(path)
+    shutil.copyfile(other, path)  # rewritten in place, as `cp new old` does
+    assert_same_patches(got, ps)
+    with open(path, "wb"):  # truncated (a view of the old map would now fault)
+        pass
+    assert_same_patches(got, ps)
+    got[0].values.add_(1)  # and writing to a loaded patch cannot reach the file
+    assert os.path.getsize(path) == 0
