@@ -369,8 +369,25 @@ class _Bad(Exception):
     """Internal: a problem with the file, turned into a PatchValueError naming it."""
 
 
-def _fail(path: str, problem: str, reason: str = "bad patch file") -> PatchValueError:
-    return PatchValueError(f"patch file {path!r}: {problem}", reason=reason, value=path)
+_THE_PATH = object()  # _fail's default value: the file's path
+
+
+def _fail(
+    path: str,
+    problem: str,
+    reason: str = "bad patch file",
+    *,
+    position: int | None = None,
+    name: str | None = None,
+    value: object = _THE_PATH,
+) -> PatchValueError:
+    """The error for a bad file: its message names the file; ``position`` and ``name``
+    the patch the problem is in (``None`` for the whole file); ``value`` the offending
+    value (by default the path, for a problem of the file as a whole)."""
+    return PatchValueError(
+        f"patch file {path!r}: {problem}", position=position, name=name, reason=reason,
+        value=path if value is _THE_PATH else value,
+    )
 
 
 def _open(path: str, device: str = "cpu") -> Any:
@@ -421,99 +438,104 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
             path,
             f"format version {version!r} is not supported (this patchkit reads version "
             f"{FORMAT_VERSION})",
-            "version",
+            "version", value=version,
         )
     items = header.get("patches")
     if not isinstance(items, list):
-        raise _fail(path, "the header's 'patches' is not a list", "header")
+        raise _fail(path, "the header's 'patches' is not a list", "header",
+                    value=type(items).__name__)
 
     keys = set(f.keys())
     expected: set[str] = set()
     entries: list[PatchFileEntry] = []
     for i, item in enumerate(items):
-        at = f"patch {i}"
         if not isinstance(item, dict):
-            raise _fail(path, f"{at}: header entry is not an object", "header")
+            raise _fail(path, f"patch {i}: header entry is not an object", "header",
+                        position=i, value=item)
         name = item.get("name")
         if not isinstance(name, str) or not name:
-            raise _fail(path, f"{at}: name must be a non-empty string, got {name!r}", "header")
+            raise _fail(path, f"patch {i}: name must be a non-empty string, got {name!r}",
+                        "header", position=i, value=name)
         at = where(i, name)
+
+        def bad(problem: str, reason: str, value: object, i: int = i, name: str = name,
+                at: str = at) -> PatchValueError:
+            return _fail(path, f"{at}: {problem}", reason, position=i, name=name, value=value)
+
         shape = item.get("shape")
         if not isinstance(shape, list) or any(
             isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
         ):
-            raise _fail(path, f"{at}: shape must be a list of non-negative ints, got {shape!r}",
-                        "header")
+            raise bad(f"shape must be a list of non-negative ints, got {shape!r}", "header",
+                      shape)
         dtype = _dtype_from_name(item.get("dtype"))
         if dtype is None:
-            raise _fail(path, f"{at}: unknown dtype {item.get('dtype')!r}", "dtype")
+            raise bad(f"unknown dtype {item.get('dtype')!r}", "dtype", item.get("dtype"))
         kind = item.get("kind")
         if kind not in ("dense", "sparse"):
-            raise _fail(path, f"{at}: kind must be 'dense' or 'sparse', got {kind!r}", "header")
+            raise bad(f"kind must be 'dense' or 'sparse', got {kind!r}", "header", kind)
         sparse = kind == "sparse"
         nnz = item.get("nnz")
         if isinstance(nnz, bool) or not isinstance(nnz, int) or nnz < 0:
-            raise _fail(path, f"{at}: nnz must be a non-negative int, got {nnz!r}", "header")
+            raise bad(f"nnz must be a non-negative int, got {nnz!r}", "header", nnz)
 
         vkey = _key(i, "values")
         expected.add(vkey)
         if vkey not in keys:
-            raise _fail(path, f"{at}: tensor {vkey!r} is missing", "missing key")
-        values_dtype = _tensor_dtype(path, f, vkey, at)
+            raise bad(f"tensor {vkey!r} is missing", "missing key", vkey)
+        values_dtype = _tensor_dtype(path, f, vkey, i, name)
         if _dtype_name(values_dtype) != item.get("values_dtype"):
-            raise _fail(
-                path,
-                f"{at}: values are {_dtype_name(values_dtype)} but the header says "
+            raise bad(
+                f"values are {_dtype_name(values_dtype)} but the header says "
                 f"{item.get('values_dtype')!r}",
-                "dtype",
+                "dtype", values_dtype,
             )
-        vshape = f.get_slice(vkey).get_shape()
+        vshape = list(f.get_slice(vkey).get_shape())
         if len(vshape) != 1 or vshape[0] != nnz:
-            raise _fail(path, f"{at}: values have shape {list(vshape)}, the header says "
-                        f"[{nnz}]", "count")
+            raise bad(f"values have shape {vshape}, the header says [{nnz}]", "count", vshape)
         n = math.prod(shape)
         if n * dtype.itemsize >= 1 << 63:  # as validate_patches refuses it on loading
-            raise _fail(path, f"{at}: shape {tuple(shape)} of {dtype} holds {n} elements, "
-                        "more than a tensor can (its bytes must stay below 2**63)", "header")
+            raise bad(f"shape {tuple(shape)} of {dtype} holds {n} elements, "
+                      "more than a tensor can (its bytes must stay below 2**63)", "header",
+                      shape)
         indices_dtype = None
         if sparse:
             if not dtype.is_floating_point:
-                raise _fail(path, f"{at}: a sparse patch with non-floating dtype {dtype}",
-                            "dtype")
+                raise bad(f"a sparse patch with non-floating dtype {dtype}", "dtype", dtype)
             ikey = _key(i, "indices")
             expected.add(ikey)
             if ikey not in keys:
-                raise _fail(path, f"{at}: tensor {ikey!r} is missing", "missing key")
-            indices_dtype = _tensor_dtype(path, f, ikey, at)
+                raise bad(f"tensor {ikey!r} is missing", "missing key", ikey)
+            indices_dtype = _tensor_dtype(path, f, ikey, i, name)
             if indices_dtype not in (torch.int32, torch.int64) or _dtype_name(
                 indices_dtype
             ) != item.get("indices_dtype"):
-                raise _fail(
-                    path,
-                    f"{at}: indices are {_dtype_name(indices_dtype)}, the header says "
+                raise bad(
+                    f"indices are {_dtype_name(indices_dtype)}, the header says "
                     f"{item.get('indices_dtype')!r} (int32 or int64 expected)",
-                    "dtype",
+                    "dtype", indices_dtype,
                 )
-            ishape = f.get_slice(ikey).get_shape()
+            ishape = list(f.get_slice(ikey).get_shape())
             if len(ishape) != 1 or ishape[0] != nnz:
-                raise _fail(path, f"{at}: {list(ishape)} indices for {nnz} values", "count")
+                raise bad(f"{ishape} indices for {nnz} values", "count", ishape)
         elif nnz != n:
-            raise _fail(path, f"{at}: a dense patch of shape {tuple(shape)} needs {n} values, "
-                        f"the file holds {nnz}", "count")
+            raise bad(f"a dense patch of shape {tuple(shape)} needs {n} values, "
+                      f"the file holds {nnz}", "count", nnz)
         entries.append(PatchFileEntry(i, name, tuple(shape), dtype, sparse, nnz,
                                       values_dtype, indices_dtype))
     extra = sorted(keys - expected)
     if extra:
         raise _fail(path, f"tensors not described by the header: {extra[:5]}"
-                    f"{' ...' if len(extra) > 5 else ''}", "extra key")
+                    f"{' ...' if len(extra) > 5 else ''}", "extra key", value=extra[0])
     return entries
 
 
-def _tensor_dtype(path: str, f: Any, key: str, at: str) -> torch.dtype:
+def _tensor_dtype(path: str, f: Any, key: str, position: int, name: str) -> torch.dtype:
     code = f.get_slice(key).get_dtype()
     dtype = _CODE_TO_DTYPE.get(code)
     if dtype is None:
-        raise _fail(path, f"{at}: tensor {key!r} has unknown dtype {code!r}", "dtype")
+        raise _fail(path, f"{where(position, name)}: tensor {key!r} has unknown dtype {code!r}",
+                    "dtype", position=position, name=name, value=code)
     return dtype
 
 

@@ -748,3 +748,36 @@ def test_loaded_patches_do_not_change_when_the_file_is_rewritten(tmp_path):
     assert_same_patches(got, ps)
     got[0].values.add_(1)  # and writing to a loaded patch cannot reach the file
     assert os.path.getsize(path) == 0
+
+
+@pytest.mark.parametrize(
+    ("case", "position", "name", "value"),
+    [
+        ("nnz mismatch", 0, "w", [16]),  # the values' shape that disagrees with nnz
+        ("values count", 1, "d", [5]),
+        ("dense shape mismatch", 1, "d", 6),  # the nnz a dense shape (2, 4) does not hold
+        ("index count", 0, "w", [15]),
+        ("unknown dtype", 0, "w", "float99"),
+        ("bad kind", 0, "w", "delta"),
+        ("bad shape", 0, "w", [8, -8]),
+        ("empty name", 0, None, ""),
+        ("indices dtype mismatch", 0, "w", torch.int64),
+        ("sparse int dtype", 0, "w", torch.int16),
+        ("missing values", 1, "d", "000001.values"),
+        ("extra tensor", None, None, "junk"),
+        ("future version", None, None, 99),
+    ],
+)
+def test_header_errors_carry_the_patch_and_the_offending_value(tmp_path, case, position,
+                                                               name, value):
+    good = sample_files(str(tmp_path))["path"]
+    change, _ = TAMPERS[case]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"), **change)
+    for reader in (load_patches, read_patch_index, read_patch_metadata):
+        with pytest.raises(PatchValueError) as info:
+            reader(bad)
+        e = info.value
+        assert (e.position, e.name, e.value) == (position, name, value), (reader, str(e))
+        if position is not None:
+            assert f"patch {position}{':' if name is None else f' ({name!r})'}" in str(e)
+        assert bad in str(e)
