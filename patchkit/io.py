@@ -466,8 +466,8 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         if not isinstance(shape, list) or any(
             isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
         ):
-            raise bad(f"shape must be a list of non-negative ints, got {shape!r}", "header",
-                      shape)
+            raise bad(f"shape must be a list of non-negative ints, got {_short_repr(shape)}",
+                      "header", shape)
         dtype = _dtype_from_name(item.get("dtype"))
         if dtype is None:
             raise bad(f"unknown dtype {item.get('dtype')!r}", "dtype", item.get("dtype"))
@@ -493,9 +493,10 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         vshape = list(f.get_slice(vkey).get_shape())
         if len(vshape) != 1 or vshape[0] != nnz:
             raise bad(f"values have shape {vshape}, the header says [{nnz}]", "count", vshape)
-        n = math.prod(shape)
-        if n * dtype.itemsize >= 1 << 63:  # as validate_patches refuses it on loading
-            raise bad(f"shape {tuple(shape)} of {dtype} holds {n} elements, "
+        n = _numel_below(shape, 1 << 63)
+        if n is None or n * dtype.itemsize >= 1 << 63:  # as validate_patches refuses it
+            held = "at least 2**63" if n is None else str(n)
+            raise bad(f"shape {_shape_text(shape)} of {dtype} holds {held} elements, "
                       "more than a tensor can (its bytes must stay below 2**63)", "header",
                       shape)
         indices_dtype = None
@@ -519,7 +520,7 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
             if len(ishape) != 1 or ishape[0] != nnz:
                 raise bad(f"{ishape} indices for {nnz} values", "count", ishape)
         elif nnz != n:
-            raise bad(f"a dense patch of shape {tuple(shape)} needs {n} values, "
+            raise bad(f"a dense patch of shape {_shape_text(shape)} needs {n} values, "
                       f"the file holds {nnz}", "count", nnz)
         entries.append(PatchFileEntry(i, name, tuple(shape), dtype, sparse, nnz,
                                       values_dtype, indices_dtype))
@@ -528,6 +529,49 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         raise _fail(path, f"tensors not described by the header: {extra[:5]}"
                     f"{' ...' if len(extra) > 5 else ''}", "extra key", value=extra[0])
     return entries
+
+
+def _numel_below(shape: list[int], limit: int) -> int | None:
+    """The product of ``shape``'s dims, or ``None`` when it is ``limit`` or more.
+
+    Stops multiplying once the product reaches ``limit``, so a header with a huge
+    shape (many dims, or huge ones) costs time linear in its length, not a product of
+    thousands of digits.
+    """
+    if 0 in shape:
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+        if n >= limit:
+            return None
+    return n
+
+
+def _int_text(d: int) -> str:
+    """``d`` in decimal, or its size in bits when it has more than 64 (Python refuses to
+    print ints of more than 4300 digits)."""
+    return str(d) if d.bit_length() <= 64 else f"<a {d.bit_length()}-bit int>"
+
+
+def _shape_text(shape: list[int], most: int = 8) -> str:
+    """A header shape (non-negative ints) as a tuple, shortened: at most ``most`` dims
+    are printed (the first ones and the last, with the count of dims), huge dims by
+    their size in bits."""
+    if len(shape) <= most:
+        dims = [_int_text(d) for d in shape]
+        return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
+    dims = [_int_text(d) for d in shape[: most - 1]]
+    return f"({', '.join(dims)}, ..., {_int_text(shape[-1])}; {len(shape)} dims)"
+
+
+def _short_repr(value: object, most: int = 200) -> str:
+    """``repr(value)``, cut to about ``most`` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to print
+        return f"<a {type(value).__name__}>"
+    return text if len(text) <= most else text[:most] + "..."
 
 
 def _tensor_dtype(path: str, f: Any, key: str, position: int, name: str) -> torch.dtype:

@@ -781,3 +781,41 @@ def test_header_errors_carry_the_patch_and_the_offending_value(tmp_path, case, p
         if position is not None:
             assert f"patch {position}{':' if name is None else f' ({name!r})'}" in str(e)
         assert bad in str(e)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[10] * 4400,  # 10**4400 elements: more digits than Python prints by default
+     [3] * 100_000,  # a long list of dims: the count stops once it passes 2**63
+     [2**62, 2**62],
+     [2**4000]],
+)
+def test_a_header_shape_too_large_for_a_tensor_is_refused_without_printing_its_size(
+        tmp_path, shape):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"), header=_set(1, shape=shape))
+    for reader in (load_patches, read_patch_index):
+        with pytest.raises(PatchValueError, match=r"patch 1 \('d'\): shape .* holds at least "
+                           r"2\*\*63 elements, more than a tensor can") as info:
+            reader(bad)
+        e = info.value
+        assert (e.position, e.name, e.reason, e.value) == (1, "d", "header", shape)
+        assert len(str(e)) < 500  # neither the full count nor every dim is printed
+
+
+def test_a_header_shape_with_a_zero_dim_holds_no_elements(tmp_path):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  header=_set(1, shape=[2**62, 2**62, 0]))
+    with pytest.raises(PatchValueError, match=r"needs 0 values, the file holds 6") as info:
+        read_patch_index(bad)
+    assert info.value.value == 6 and "2**62" not in str(info.value)
+
+
+def test_the_shape_in_a_header_error_is_shortened(tmp_path):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  header=_set(1, shape=[1] * 10_000 + [2]))
+    with pytest.raises(PatchValueError, match=r"needs 2 values, the file holds 6") as info:
+        read_patch_index(bad)
+    assert "10001 dims" in str(info.value) and len(str(info.value)) < 500
