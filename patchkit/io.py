@@ -433,7 +433,8 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise _fail(path, f"the {FORMAT_KEY!r} header is not a patchkit patch list", "header")
     version = header.get("version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version != FORMAT_VERSION:
+        # (JSON's true and 1.0 equal 1 in Python: the version is the int 1, nothing else)
         raise _fail(
             path,
             f"format version {version!r} is not supported (this patchkit reads version "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -819,3 +820,16 @@ def test_the_shape_in_a_header_error_is_shortened(tmp_path):
     with pytest.raises(PatchValueError, match=r"needs 2 values, the file holds 6") as info:
         read_patch_index(bad)
     assert "10001 dims" in str(info.value) and len(str(info.value)) < 500
+
+
+@pytest.mark.parametrize("version", [True, 1.0, "1", None, [1]])
+def test_the_format_version_must_be_the_int_1(tmp_path, version):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  header=lambda h: {**h, "version": version})
+    for reader in (load_patches, read_patch_index, read_patch_metadata):
+        with pytest.raises(PatchValueError, match=re.escape(f"format version {version!r} is "
+                                                            "not supported")) as info:
+            reader(bad)
+        assert info.value.reason == "version" and info.value.value == version
+        assert type(info.value.value) is type(version)
