@@ -174,7 +174,10 @@ def save_patches(
     an out-of-range or a duplicate index is refused). ``metadata`` is a ``dict[str, str]``
     (other key or value types: :class:`~patchkit.errors.PatchTypeError`; the key
     ``"patchkit"`` is reserved: :class:`~patchkit.errors.PatchValueError`). Values whose
-    dtype is not in :func:`storable_dtypes` raise :class:`~patchkit.errors.PatchTypeError`.
+    dtype is not in :func:`storable_dtypes` raise :class:`~patchkit.errors.PatchTypeError`;
+    values or indices on the ``meta`` device (no data) a
+    :class:`~patchkit.errors.PatchValueError` (``reason`` ``"meta device"``), each naming
+    the patch, before anything is written.
 
     Tensors are copied to the CPU (and made contiguous, unshared where two patches
     share memory, and with torch's lazy conjugate and negative views resolved, so the
@@ -208,6 +211,7 @@ def save_patches(
         for p in patch_list(patches)
     ]
     for i, p in enumerate(patches):
+        _refuse_meta(p, i)  # first: validate_patches cannot read meta indices either
         validate_patches([p], positions=[i])
 
     tensors: dict[str, torch.Tensor] = {}
@@ -267,6 +271,19 @@ def save_patches(
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _refuse_meta(p: object, i: int) -> None:
+    """Refuse a patch whose values or indices are on the meta device (no data)."""
+    for what in ("values", "indices"):
+        t = getattr(p, what, None)
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            name = getattr(p, "name", None)
+            raise PatchValueError(
+                f"{where(i, name)}: {what} are on the meta device, which holds no data to "
+                "save",
+                position=i, name=name, reason="meta device", value=t.device,
+            )
 
 
 def _save_error(e: OSError, path: str, problem: str) -> OSError:

@@ -833,3 +833,20 @@ def test_the_format_version_must_be_the_int_1(tmp_path, version):
             reader(bad)
         assert info.value.reason == "version" and info.value.value == version
         assert type(info.value.value) is type(version)
+
+
+def test_saving_meta_tensors_is_refused_naming_the_patch(tmp_path):
+    ok = CheckpointWeightPatch("v", (1,), torch.float32, torch.zeros(1))
+    meta_values = CheckpointWeightPatch("m", (2,), torch.float32,
+                                        torch.empty(2, device="meta"))
+    meta_indices = CheckpointWeightPatch("s", (4,), torch.float32, torch.ones(2),
+                                         torch.empty(2, dtype=torch.int64, device="meta"))
+    path = tmp_path / "p.safetensors"
+    for bad, what in ((meta_values, "values"), (meta_indices, "indices")):
+        with pytest.raises(PatchValueError, match=rf"patch 1 \('{bad.name}'\): {what} are on "
+                           "the meta device") as info:
+            save_patches(path, [ok, bad])
+        e = info.value
+        assert (e.position, e.name, e.reason, e.value) == (1, bad.name, "meta device",
+                                                           torch.device("meta"))
+    assert os.listdir(tmp_path) == []
