@@ -26,6 +26,7 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 import sys
 from collections.abc import Iterable, Mapping
@@ -123,13 +124,45 @@ _NEED_SAFETENSORS = "patch files need the safetensors package: pip install safet
 
 
 def _safetensors() -> Any:
-    """``(safe_open, save_file)``; a ModuleNotFoundError saying what to install if missing."""
+    """``(safe_open, save_file, SafetensorError)``; a ModuleNotFoundError saying what to
+    install if missing."""
     try:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         from safetensors.torch import save_file
     except ImportError as e:
         raise ModuleNotFoundError(_NEED_SAFETENSORS, name="safetensors") from e
-    return safe_open, save_file
+    return safe_open, save_file, SafetensorError
+
+
+_MAX_HEADER_BYTES = 100_000_000
+"""The largest JSON header safetensors writes (and reads back): 100 MB."""
+
+
+def _json_bytes(text: str) -> int:
+    """Bytes of ``text`` as a JSON string in UTF-8 (escaped as safetensors' serde_json
+    and Python's json escape it: quotes, backslashes, control characters)."""
+    return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+
+
+def _header_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> int:
+    """An upper bound of the bytes of the JSON header safetensors writes for ``tensors``
+    and ``metadata`` (before its padding): exact but for the data offsets, each counted
+    with as many digits as the total data size has."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    width = len(str(total))
+    n = 2  # the braces
+    members = len(tensors)
+    if metadata:
+        members += 1
+        n += len('"__metadata__":{}') + max(len(metadata) - 1, 0)
+        n += sum(_json_bytes(k) + 1 + _json_bytes(v) for k, v in metadata.items())
+    n += max(members - 1, 0)  # the commas between members
+    for key, t in tensors.items():
+        # "key":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}
+        n += _json_bytes(key) + len(':{"dtype":"","shape":[],"data_offsets":[,]}')
+        n += len(_DTYPE_TO_CODE[t.dtype]) + 2 * width
+        n += len(",".join(str(d) for d in t.shape))
+    return n
 
 
 # --------------------------------------------------------------------------- saving
@@ -182,9 +215,9 @@ def save_patches(
     Tensors are copied to the CPU (and made contiguous, unshared where two patches
     share memory, and with torch's lazy conjugate and negative views resolved, so the
     file holds the values the caller sees) as needed; the caller's tensors are never
-    modified. The file is
-    written to a temporary name beside ``path`` and renamed into place, so a failed save
-    leaves no partial file (an existing file at ``path`` stays as it was).
+    modified. The file is written to a temporary name beside ``path`` and renamed into
+    place, so a failed save leaves no partial file (an existing file at ``path`` stays as
+    it was, and the temporary is removed).
     :func:`load_patches` returns equal patches, bit for bit, in the same order.
 
     Permissions are those ``open(path, "w")`` gives: a new file gets ``0o666`` less the
@@ -196,10 +229,24 @@ def save_patches(
     copied: :class:`FileNotFoundError` when its folder does not exist,
     :class:`NotADirectoryError` when a part of that folder's path is a file,
     :class:`IsADirectoryError` when ``path`` is a folder (and e.g.
-    :class:`PermissionError` when the folder cannot be written). Without the
-    ``safetensors`` package: :class:`ModuleNotFoundError`.
+    :class:`PermissionError` when the folder cannot be written). A failure while writing
+    (a full disk, an I/O error) raises an ``OSError`` naming ``path``, with the
+    system's ``errno`` where safetensors reports one (``errno.ENOSPC`` for a full disk),
+    else ``errno.EIO``.
+
+    safetensors limits a file's JSON header to 100,000,000 bytes (it holds each
+    tensor's name, dtype, shape and offsets, patchkit's list of the patches and the user
+    metadata: about 200 bytes plus the name's length per dense patch, 290 plus the name
+    per sparse one, so some 80,000 patches with 1000-character names). A list whose header would pass that is refused before anything is
+    written, with a :class:`~patchkit.errors.PatchValueError` (``reason`` ``"header too
+    large"``, ``value`` the header's size in bytes) saying how many patches, how long
+    their names and how much metadata it holds. The size is counted exactly but for the
+    data offsets, each counted as wide as the largest, so a list within a few bytes per
+    tensor of the limit may be refused too.
+
+    Without the ``safetensors`` package: :class:`ModuleNotFoundError`.
     """
-    _, save_file = _safetensors()
+    _, save_file, safetensor_error = _safetensors()
 
     user = _check_metadata(metadata)
     path = os.fspath(path)
@@ -254,6 +301,10 @@ def save_patches(
         )
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "patches": entries}
     meta = {FORMAT_KEY: json.dumps(header, separators=(",", ":")), **user}
+    size = _header_bytes(tensors, meta)
+    if size > _MAX_HEADER_BYTES:
+        raise _header_too_large(path, patches, len(tensors), user, f"would take {size} bytes "
+                                f"({format_bytes(size)})", size)
 
     tmp = _create_temporary(path)
     try:
@@ -261,7 +312,10 @@ def save_patches(
             mode = stat.S_IMODE(os.stat(path).st_mode) & 0o777
         except OSError:  # a new file: those open() gives (0o666 less the umask), read off
             mode = stat.S_IMODE(os.stat(tmp).st_mode)  # the fresh temporary, with no race
-        save_file(tensors, tmp, metadata=meta)  # (safetensors writes its files 0o600)
+        try:
+            save_file(tensors, tmp, metadata=meta)  # (safetensors writes its files 0o600)
+        except safetensor_error as e:
+            raise _write_error(e, path, patches, len(tensors), user) from None
         os.chmod(tmp, mode)
         try:
             os.replace(tmp, path)
@@ -284,6 +338,52 @@ def _refuse_meta(p: object, i: int) -> None:
                 "save",
                 position=i, name=name, reason="meta device", value=t.device,
             )
+
+
+def _header_too_large(
+    path: str,
+    patches: list[CheckpointWeightPatch],
+    n_tensors: int,
+    user: Mapping[str, str],
+    problem: str,
+    size: int | None,
+) -> PatchValueError:
+    """The error for a file whose safetensors header would pass the format's limit."""
+    n = len(patches)
+    longest = max((len(p.name) for p in patches), default=0)
+    user_bytes = sum(len(k.encode("utf-8", "surrogatepass")) + len(v.encode(
+        "utf-8", "surrogatepass")) for k, v in user.items())
+    return PatchValueError(
+        f"cannot save patches to {path!r}: the file's header {problem}, more than the "
+        f"{_MAX_HEADER_BYTES} bytes safetensors allows; it describes {n} "
+        f"patch{'' if n == 1 else 'es'} ({n_tensors} tensor{'' if n_tensors == 1 else 's'}) "
+        f"with names of up to {longest} characters, and {user_bytes} bytes of user "
+        "metadata: save fewer patches per file (or shorter names, less metadata)",
+        reason="header too large", value=size,
+    )
+
+
+def _write_error(
+    e: Exception,
+    path: str,
+    patches: list[CheckpointWeightPatch],
+    n_tensors: int,
+    user: Mapping[str, str],
+) -> Exception:
+    """A safetensors write failure as patchkit's error: an ``OSError`` naming ``path``
+    (with safetensors' errno where it gives one), or for a header too large the
+    PatchValueError saying so. Never names safetensors' temporary file."""
+    text = str(e)
+    if "header too large" in text.lower():
+        return _header_too_large(path, patches, n_tensors, user,
+                                 "is too large (safetensors refused it)", None)
+    found = re.search(r"\(os error (\d+)\)", text)
+    if found:
+        code = int(found.group(1))
+        return OSError(code, f"cannot save patches: writing the file failed "
+                             f"({os.strerror(code)})", path)
+    text = re.sub(r' at path ".*"', "", text)  # safetensors' temporary, not the path
+    return OSError(errno.EIO, f"cannot save patches: writing the file failed ({text})", path)
 
 
 def _save_error(e: OSError, path: str, problem: str) -> OSError:
@@ -413,7 +513,7 @@ def _open(path: str, device: str = "cpu") -> Any:
     ``device`` must have been checked (:func:`_checked_device`): a failure here is the
     file's.
     """
-    safe_open, _ = _safetensors()
+    safe_open, _, _ = _safetensors()
     if not os.path.exists(path):
         raise _fail(path, "no such file", "missing")
     if not os.path.isfile(path):

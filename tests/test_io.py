@@ -850,3 +850,99 @@ def test_saving_meta_tensors_is_refused_naming_the_patch(tmp_path):
         assert (e.position, e.name, e.reason, e.value) == (1, bad.name, "meta device",
                                                            torch.device("meta"))
     assert os.listdir(tmp_path) == []
+
+
+def _raising_save_file(monkeypatch, message: str) -> None:
+    import safetensors.torch as st_torch
+
+    def fail(tensors, filename, metadata=None):
+        with open(filename, "wb") as fh:  # a partial write, as a full disk leaves
+            fh.write(b"partial")
+        raise safetensors.SafetensorError(message)
+
+    monkeypatch.setattr(st_torch, "save_file", fail)
+
+
+def test_a_full_disk_is_an_oserror_naming_the_path(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    save_patches(path, p)
+    old = path.read_bytes()
+    _raising_save_file(monkeypatch, "Error while serializing: I/O error: No space left on "
+                       f'device (os error 28) at path "{tmp_path}/.tmpAbC123"')
+    with pytest.raises(OSError, match="No space left on device") as info:
+        save_patches(path, [p[0]._replace(values=torch.zeros(1))])
+    e = info.value
+    assert e.errno == errno.ENOSPC and e.filename == str(path)
+    assert str(path) in str(e) and ".tmp" not in str(e)
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["p.safetensors"]
+
+    _raising_save_file(monkeypatch, "Error while serializing: I/O error: Permission denied "
+                       '(os error 13) at path "/x/.tmp1"')
+    with pytest.raises(PermissionError) as info:
+        save_patches(path, p)
+    assert info.value.filename == str(path)
+    _raising_save_file(monkeypatch, "Error while serializing: something else")
+    with pytest.raises(OSError, match="something else") as info:
+        save_patches(path, p)
+    assert info.value.filename == str(path)
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["p.safetensors"]
+
+
+def test_a_header_too_large_for_safetensors_is_refused_before_writing(tmp_path):
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    save_patches(path, p)
+    old = path.read_bytes()
+    with pytest.raises(PatchValueError, match=r"header would take \d+ bytes .*more than the "
+                       r"100000000 bytes safetensors allows.*1 patch .*100000001 bytes of user "
+                       "metadata") as info:
+        save_patches(path, p, metadata={"k": "x" * 100_000_000})
+    assert info.value.reason == "header too large" and info.value.value > 100_000_000
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["p.safetensors"]
+
+
+def test_the_header_limit_counts_patches_and_names(tmp_path, monkeypatch):
+    import patchkit.io
+
+    monkeypatch.setattr(patchkit.io, "_MAX_HEADER_BYTES", 3000)
+    ps = [CheckpointWeightPatch("n" * 100, (1,), torch.float32, torch.ones(1))] * 20
+    with pytest.raises(PatchValueError, match=r"more than the 3000 bytes safetensors allows.*"
+                       r"20 patches \(20 tensors\) with names of up to 100 characters"):
+        save_patches(tmp_path / "p.safetensors", ps)
+    assert os.listdir(tmp_path) == []
+    save_patches(tmp_path / "p.safetensors", ps[:5])  # a smaller file fits
+
+
+def test_safetensors_refusing_the_header_is_a_patch_value_error(tmp_path, monkeypatch):
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    _raising_save_file(monkeypatch, "Error while serializing: header too large")
+    with pytest.raises(PatchValueError, match="header is too large") as info:
+        save_patches(path, p)
+    assert info.value.reason == "header too large" and str(path) in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("meta", [{}, {"k": 'v\n"é\x7f\x01\\', "ü": "名" * 3}])
+def test_the_header_size_estimate_bounds_the_written_header(tmp_path, meta):
+    from patchkit.io import _header_bytes
+
+    g = torch.Generator().manual_seed(0)
+    ps = [random_sparse_patch("w\n\"é", (64, 64), torch.bfloat16, 0.25, generator=g),
+          CheckpointWeightPatch("d", (2, 3), torch.float32, torch.arange(6.0)),
+          CheckpointWeightPatch("e", (0,), torch.float64, torch.zeros(0))]
+    path = tmp_path / "p.safetensors"
+    save_patches(path, ps, metadata=meta)
+    with open(path, "rb") as fh:
+        raw = fh.read(8 + int.from_bytes(fh.read(8), "little"))[8:]
+    written = len(raw.rstrip(b" "))  # safetensors pads the header with spaces
+    with safetensors.safe_open(path, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        md = f.metadata()
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    estimate = _header_bytes(tensors, md)
+    # exact but for the data offsets, each counted as wide as the largest
+    assert written <= estimate <= written + 2 * len(tensors) * len(str(data))
