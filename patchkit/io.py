@@ -237,11 +237,12 @@ def save_patches(
     safetensors limits a file's JSON header to 100,000,000 bytes (it holds each
     tensor's name, dtype, shape and offsets, patchkit's list of the patches and the user
     metadata: about 200 bytes plus the name's length per dense patch, 290 plus the name
-    per sparse one, so some 80,000 patches with 1000-character names). A list whose header would pass that is refused before anything is
-    written, with a :class:`~patchkit.errors.PatchValueError` (``reason`` ``"header too
-    large"``, ``value`` the header's size in bytes) saying how many patches, how long
-    their names and how much metadata it holds. The size is counted exactly but for the
-    data offsets, each counted as wide as the largest, so a list within a few bytes per
+    per sparse one, so some 80,000 patches with 1000-character names). A list whose
+    header would pass that is refused before anything is written, with a
+    :class:`~patchkit.errors.PatchValueError` (``reason`` ``"header too large"``,
+    ``value`` the header's size in bytes) saying how many patches, how long their names
+    and how much metadata it holds. The size is counted exactly but for the data
+    offsets, each counted as wide as the largest, so a list within a few bytes per
     tensor of the limit may be refused too.
 
     Without the ``safetensors`` package: :class:`ModuleNotFoundError`.
