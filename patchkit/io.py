@@ -215,9 +215,12 @@ def save_patches(
     Tensors are copied to the CPU (and made contiguous, unshared where two patches
     share memory, and with torch's lazy conjugate and negative views resolved, so the
     file holds the values the caller sees) as needed; the caller's tensors are never
-    modified. The file is written to a temporary name beside ``path`` and renamed into
-    place, so a failed save leaves no partial file (an existing file at ``path`` stays as
-    it was, and the temporary is removed).
+    modified. The file is written to a temporary name beside ``path``, flushed to the
+    disk (``os.fsync``) and renamed into place, then the folder is flushed where the
+    system allows (POSIX): a failed save leaves no partial file (an existing file at
+    ``path`` stays as it was, and the temporary is removed), and a crash or power loss
+    during or after the save leaves at ``path`` either the old file or the whole new
+    one, never an empty or partial file.
     :func:`load_patches` returns equal patches, bit for bit, in the same order.
 
     Permissions are those ``open(path, "w")`` gives: a new file gets ``0o666`` less the
@@ -318,6 +321,10 @@ def save_patches(
         except safetensor_error as e:
             raise _write_error(e, path, patches, len(tensors), user) from None
         os.chmod(tmp, mode)
+        try:  # on disk before it replaces the old file: a crash leaves one or the other
+            _fsync_file(tmp)
+        except OSError as e:
+            raise _save_error(e, path, "cannot flush the written file to disk") from None
         try:
             os.replace(tmp, path)
         except OSError as e:
@@ -326,6 +333,33 @@ def save_patches(
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync_folder(os.path.dirname(os.path.abspath(path)))  # the rename itself
+
+
+def _fsync_file(name: str) -> None:
+    """Flush the file ``name``'s data and metadata to the disk."""
+    fd = os.open(name, os.O_RDWR | getattr(os, "O_BINARY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_folder(folder: str) -> None:
+    """Flush ``folder``'s entries (a rename in it) to the disk, where the system allows:
+    nothing where folders cannot be opened (Windows) or synced (some file systems)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _refuse_meta(p: object, i: int) -> None:

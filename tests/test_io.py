@@ -946,3 +946,49 @@ def test_the_header_size_estimate_bounds_the_written_header(tmp_path, meta):
     estimate = _header_bytes(tensors, md)
     # exact but for the data offsets, each counted as wide as the largest
     assert written <= estimate <= written + 2 * len(tensors) * len(str(data))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX: a folder can be opened and synced")
+def test_the_file_is_synced_before_it_replaces_the_old_one(tmp_path, monkeypatch):
+    """A crash after the rename cannot leave an empty file where the old one was."""
+    import stat
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        st_ = os.fstat(fd)
+        events.append(("fsync", "dir" if stat.S_ISDIR(st_.st_mode) else "file", st_.st_ino,
+                       st_.st_size))
+        real_fsync(fd)
+
+    def replace(src, dst, **kw):
+        events.append(("replace", os.stat(src).st_ino, os.fspath(dst)))
+        real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))])
+    ino = path.stat().st_ino
+    assert [e[:2] for e in events] == [("fsync", "file"), ("replace", ino), ("fsync", "dir")]
+    assert events[0][2] == ino and events[0][3] == path.stat().st_size > 0
+    assert events[1][2] == str(path) and events[2][2] == tmp_path.stat().st_ino
+
+
+def test_a_failed_sync_keeps_the_old_file(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    save_patches(path, p)
+    old = path.read_bytes()
+
+    def fsync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError, match="Input/output error") as info:
+        save_patches(path, [p[0]._replace(values=torch.zeros(1))])
+    assert info.value.errno == errno.EIO and info.value.filename == str(path)
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["p.safetensors"]
