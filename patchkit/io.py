@@ -227,11 +227,18 @@ def save_patches(
     umask (``0o644`` under umask ``022``); overwriting an existing file keeps its
     permission bits.
 
+    A symbolic link at ``path`` is followed, as ``open(path, "w")`` follows it: the file
+    it points to (through any chain of links) is replaced, or created where it does not
+    exist yet, and the link stays as it was; a loop of links raises an ``OSError``
+    (``errno.ELOOP``).
+
     A destination that cannot be written raises an ``OSError`` naming ``path`` (its
     ``filename``) and the problem, never the temporary file, before any tensor is
     copied: :class:`FileNotFoundError` when its folder does not exist,
     :class:`NotADirectoryError` when a part of that folder's path is a file,
-    :class:`IsADirectoryError` when ``path`` is a folder (and e.g.
+    :class:`IsADirectoryError` when ``path`` is a folder, :class:`FileExistsError` when
+    it is something else that is not a regular file (a FIFO, a socket, a device: never
+    replaced by a file, nor opened) (and e.g.
     :class:`PermissionError` when the folder cannot be written). A failure while writing
     (a full disk, an I/O error) raises an ``OSError`` naming ``path``, with the
     system's ``errno`` where safetensors reports one (``errno.ENOSPC`` for a full disk),
@@ -254,7 +261,8 @@ def save_patches(
 
     user = _check_metadata(metadata)
     path = os.fspath(path)
-    _check_destination(path)
+    dest = _destination(path)  # a symbolic link's target: the link stays
+    _check_destination(dest, path)
     patches = [
         CheckpointWeightPatch(*p)
         if isinstance(p, tuple) and not isinstance(p, CheckpointWeightPatch) and len(p) == 5
@@ -310,10 +318,10 @@ def save_patches(
         raise _header_too_large(path, patches, len(tensors), user, f"would take {size} bytes "
                                 f"({format_bytes(size)})", size)
 
-    tmp = _create_temporary(path)
+    tmp = _create_temporary(dest, path)
     try:
         try:  # overwriting: keep the file's permission bits
-            mode = stat.S_IMODE(os.stat(path).st_mode) & 0o777
+            mode = stat.S_IMODE(os.stat(dest).st_mode) & 0o777
         except OSError:  # a new file: those open() gives (0o666 less the umask), read off
             mode = stat.S_IMODE(os.stat(tmp).st_mode)  # the fresh temporary, with no race
         try:
@@ -326,14 +334,14 @@ def save_patches(
         except OSError as e:
             raise _save_error(e, path, "cannot flush the written file to disk") from None
         try:
-            os.replace(tmp, path)
+            os.replace(tmp, dest)
         except OSError as e:
             raise _save_error(e, path, "cannot put the written file in place") from None
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    _fsync_folder(os.path.dirname(os.path.abspath(path)))  # the rename itself
+    _fsync_folder(os.path.dirname(os.path.abspath(dest)))  # the rename itself
 
 
 def _fsync_file(name: str) -> None:
@@ -426,13 +434,46 @@ def _save_error(e: OSError, path: str, problem: str) -> OSError:
     return type(e)(e.errno, f"cannot save patches: {problem} ({e.strerror})", path)
 
 
-def _check_destination(path: str) -> None:
-    """Refuse a ``path`` no file can be saved at, naming it and the problem."""
-    if os.path.isdir(path):
+def _destination(path: str) -> str:
+    """The file a save at ``path`` writes: ``path``, or the file a symbolic link at
+    ``path`` points to (through any chain of links; it may not exist yet)."""
+    if not os.path.islink(path):
+        return path
+    dest = os.path.realpath(path)
+    if os.path.islink(dest):  # realpath stops on a loop
+        raise OSError(
+            errno.ELOOP, "cannot save patches: the symbolic link does not lead to a file "
+            "(a loop of links)", path,
+        )
+    return dest
+
+
+_NOT_REGULAR = [
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+]
+
+
+def _check_destination(dest: str, path: str) -> None:
+    """Refuse a ``dest`` no file can be saved at, naming ``path`` (what the caller
+    passed; ``dest`` is its link's target, or ``path`` itself) and the problem."""
+    if os.path.isdir(dest):
         raise IsADirectoryError(
             errno.EISDIR, "cannot save patches: the path is a folder, not a file", path
         )
-    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        mode = os.stat(dest).st_mode
+    except OSError:
+        mode = None  # nothing there yet
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((k for test, k in _NOT_REGULAR if test(mode)), "something")
+        raise FileExistsError(
+            errno.EEXIST, f"cannot save patches: the path is {kind}, not a regular file "
+            "(refusing to replace it with one)", path,
+        )
+    folder = os.path.dirname(os.path.abspath(dest))
     if os.path.isdir(folder):
         return
     first = folder  # the deepest part of the folder's path that exists
@@ -447,13 +488,14 @@ def _check_destination(path: str) -> None:
     )
 
 
-def _create_temporary(path: str) -> str:
-    """Create an empty file with a fresh name beside ``path``; return its name.
+def _create_temporary(dest: str, path: str) -> str:
+    """Create an empty file with a fresh name beside ``dest``; return its name. Errors
+    name ``path``.
 
     Created by ``os.open(..., 0o666)``, so it has the mode a new file of ``open()`` gets
     (the umask applied by the system: reading it so has no race, unlike ``os.umask``).
     """
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = os.path.dirname(os.path.abspath(dest))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(100):
         tmp = os.path.join(folder, f".patchkit-{os.urandom(6).hex()}.tmp")

@@ -992,3 +992,59 @@ def test_a_failed_sync_keeps_the_old_file(tmp_path, monkeypatch):
         save_patches(path, [p[0]._replace(values=torch.zeros(1))])
     assert info.value.errno == errno.EIO and info.value.filename == str(path)
     assert path.read_bytes() == old and os.listdir(tmp_path) == ["p.safetensors"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX symbolic links")
+def test_saving_through_a_symbolic_link_writes_its_target(tmp_path):
+    old = [CheckpointWeightPatch("old", (1,), torch.float32, torch.ones(1))]
+    new = [CheckpointWeightPatch("new", (1,), torch.float32, torch.zeros(1))]
+    (tmp_path / "runs").mkdir()
+    target = tmp_path / "runs" / "run42.safetensors"
+    save_patches(target, old)
+    os.chmod(target, 0o640)
+    link = tmp_path / "latest.safetensors"
+    os.symlink(os.path.join("runs", "run42.safetensors"), link)  # relative, as ln -s makes
+    save_patches(link, new)
+    assert os.path.islink(link) and os.readlink(link) == os.path.join("runs", "run42.safetensors")
+    assert_same_patches(load_patches(target), new)
+    assert target.stat().st_mode & 0o777 == 0o640  # the target's mode, kept
+    assert sorted(os.listdir(tmp_path)) == ["latest.safetensors", "runs"]
+    assert os.listdir(tmp_path / "runs") == ["run42.safetensors"]
+
+    dangling = tmp_path / "next.safetensors"
+    os.symlink(tmp_path / "runs" / "run43.safetensors", dangling)
+    save_patches(dangling, old)  # as open(link, "w") would, it creates the target
+    assert os.path.islink(dangling)
+    assert_same_patches(load_patches(tmp_path / "runs" / "run43.safetensors"), old)
+
+    loop = tmp_path / "loop.safetensors"
+    os.symlink(loop, loop)
+    with pytest.raises(OSError, match="symbolic link") as info:
+        save_patches(loop, old)
+    assert info.value.filename == str(loop) and os.path.islink(loop)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX FIFOs and sockets")
+def test_saving_over_something_that_is_not_a_regular_file_is_refused(tmp_path):
+    import socket
+    import stat
+
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    sock_path = tmp_path / "sock"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(sock_path))
+    link = tmp_path / "link"
+    os.symlink(fifo, link)
+    try:
+        for path, kind in ((fifo, r"a FIFO \(named pipe\)"), (sock_path, "a socket"),
+                           (link, "a FIFO")):
+            with pytest.raises(FileExistsError, match=f"is {kind}.*not a regular file") as info:
+                save_patches(path, p)
+            assert info.value.filename == str(path) and ".patchkit-" not in str(info.value)
+    finally:
+        sock.close()
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISSOCK(os.stat(sock_path).st_mode)
+    assert os.path.islink(link)
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "link", "sock"]
