@@ -29,7 +29,7 @@ import os
 import re
 import stat
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -901,6 +901,48 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
     return out
 
 
+def _escaped(text: str) -> str:
+    """``text`` with each non-printable character (newlines, terminal escape codes,
+    other control and format characters, lone surrogates) written as ``repr`` writes it
+    (``\\n``, ``\\x1b``, ``\\u202e``)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _shown(text: str) -> str:
+    """A string read from a file (a name, metadata, a path), safe to print: itself when
+    it is plain (printable, no backslash, not opening with a quote), else its ``repr``
+    (quoted, with every non-printable character escaped), so nothing from the file
+    moves the cursor, colours the terminal or fakes a line, and no two strings look the
+    same."""
+    if text.isprintable() and "\\" not in text and not text.startswith(("'", '"')):
+        return text
+    return repr(text)
+
+
+def _encodable(out: TextIO) -> Callable[[str], str]:
+    """A function writing what ``out``'s encoding cannot hold with backslash escapes
+    (``\\xfc``, ``\\u540d``), as ``errors="backslashreplace"`` does; the identity for a
+    stream with no known encoding."""
+    encoding = getattr(out, "encoding", None)
+    if not isinstance(encoding, str):
+        return lambda text: text
+    try:
+        "".encode(encoding)
+    except LookupError:
+        return lambda text: text
+
+    def fit(text: str) -> str:
+        try:
+            text.encode(encoding)
+        except UnicodeEncodeError:
+            return text.encode(encoding, "backslashreplace").decode(encoding)
+        return text
+
+    return fit
+
+
 def _percent(x: float | None) -> str:
     if x is None:
         return "-"
@@ -925,6 +967,15 @@ def print_patch_file_summary(
     call closed). A load cannot mix dense and sparse patches, so a file holding both is
     planned as two loads, the dense patches first.
 
+    What comes from the file (names, metadata keys and values) and the path are printed
+    so that they cannot act on a terminal: a plain string as it is, one with a
+    non-printable character (a newline, a terminal escape code, a bidirectional
+    override), a backslash or an opening quote as its Python ``repr`` (quoted, escaped),
+    and an ``error: ...`` line with its non-printable characters escaped likewise.
+    Characters that ``file``'s encoding cannot hold (``PYTHONIOENCODING=ascii``, a
+    Latin-1 terminal) are written as backslash escapes (``\\xfc``, ``\\u540d``), never
+    a UnicodeEncodeError.
+
     Returns 0; a bad file (or a bad budget, or no ``safetensors`` package) prints
     ``error: ...`` to stderr and returns 2.
     """
@@ -945,17 +996,23 @@ def print_patch_file_summary(
             plans.append((kind, plan_chunks(stand_ins, max_chunk_bytes,
                                             positions=[e.position for e in group])))
     except (PatchError, ValueError, TypeError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        err = sys.stderr
+        print(_encodable(err)(f"error: {_escaped(str(e))}"), file=err)
         return 2
 
+    fit = _encodable(out)
+
+    def show(text: str) -> str:
+        return fit(_shown(text))
+
     n_sparse = sum(e.sparse for e in entries)
-    print(f"patch file: {path}", file=out)
+    print(f"patch file: {show(path)}", file=out)
     print(f"{len(entries)} patches ({n_sparse} sparse, {len(entries) - n_sparse} dense), "
           f"format {FORMAT_NAME} v{FORMAT_VERSION}", file=out)
     if meta:
         print("metadata:", file=out)
         for k, v in meta.items():
-            print(f"  {k}: {v}", file=out)
+            print(f"  {show(k)}: {show(v)}", file=out)
     if not entries:
         print("no patches: a load makes no load_weights call", file=out)
         return 0
@@ -964,8 +1021,9 @@ def print_patch_file_summary(
     header = ["#", "name", "kind", "shape", "dtype", "written", "density", "wire bytes"]
     rows = []
     for e in entries:
-        rows.append([str(e.position), e.name, e.kind, str(tuple(e.shape)), _dtype_name(e.dtype),
-                     str(e.nnz), _percent(e.density), format_bytes(e.wire_bytes)])
+        rows.append([str(e.position), show(e.name), e.kind, str(tuple(e.shape)),
+                     _dtype_name(e.dtype), str(e.nnz), _percent(e.density),
+                     format_bytes(e.wire_bytes)])
     total_n = sum(e.numel for e in entries)
     total_nnz = sum(e.nnz for e in entries)
     rows.append(["", "total", "", "", "", str(total_nnz),

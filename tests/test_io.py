@@ -1048,3 +1048,51 @@ def test_saving_over_something_that_is_not_a_regular_file_is_refused(tmp_path):
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISSOCK(os.stat(sock_path).st_mode)
     assert os.path.islink(link)
     assert sorted(os.listdir(tmp_path)) == ["fifo", "link", "sock"]
+
+
+def test_inspect_escapes_what_it_prints_from_the_file(tmp_path):
+    """Names, metadata and the path come from an untrusted file: newlines, terminal
+    escape codes and other non-printable characters are printed escaped, as repr does."""
+    import io
+
+    good = sample_files(str(tmp_path))["path"]
+    evil = "d\n  9  fake  dense  (1,)  float32\x1b[2J\u202e"
+    bad = rewrite(good, str(tmp_path / "evil\x1b[31m.safetensors"), header=_set(1, name=evil),
+                  meta=lambda m: {**m, "note\r": "\x1b]0;owned\x07", "back\\slash": "plain"})
+    buf = io.StringIO()
+    assert print_patch_file_summary(bad, file=buf) == 0
+    out = buf.getvalue()
+    assert all(c.isprintable() for c in out.replace("\n", ""))
+    assert repr(evil) in out and "'note\\r': '\\x1b]0;owned\\x07'" in out
+    assert "'back\\\\slash': plain" in out  # a backslash is shown unambiguously too
+    assert f"patch file: {bad!r}" in out
+    plain = print_patch_file_summary(good, file=(buf := io.StringIO()))
+    assert plain == 0 and f"patch file: {good}\n" in buf.getvalue()  # plain text stays so
+    assert "  d  " in buf.getvalue() or " d " in buf.getvalue()
+    rows = [line for line in out.splitlines() if line.split()[:1] == ["1"]]
+    assert len(rows) == 1 and len(out.splitlines()) == len(buf.getvalue().splitlines()) + 2
+
+
+def test_inspect_errors_are_printed_escaped(tmp_path, capsys):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  header=_set(1, name="x\x1b[2J", nnz=1))
+    assert main(["inspect", bad]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "\x1b" not in err and err.count("\n") == 1 and "x\\x1b[2J" in err
+
+
+def test_inspect_into_a_narrow_encoding_escapes_what_it_cannot_encode(tmp_path):
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch("ünï.名", (1,), torch.float32, torch.ones(1))],
+                 metadata={"ключ": "значение"})
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__)),
+           "PYTHONIOENCODING": "ascii"}
+    out = subprocess.run([sys.executable, "-m", "patchkit", "inspect", str(path)],
+                         capture_output=True, env=env, timeout=120)
+    assert out.returncode == 0 and b"Traceback" not in out.stderr, out.stderr
+    text = out.stdout.decode("ascii")
+    assert "\\xfcn\\xef.\\u540d" in text and "\\u043a\\u043b" in text
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["0"])
+    header = next(line for line in text.splitlines() if line.split()[:2] == ["#", "name"])
+    assert row.index("dense") == header.index("kind")  # the table is still aligned
