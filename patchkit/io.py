@@ -959,7 +959,8 @@ def print_patch_file_summary(
 
     Reads only the file's header (no tensor data). Prints, to ``file`` (default
     stdout): the patch count and user metadata; one row per patch (position, name,
-    kind, shape, dtype, ``written``: the elements the patch writes, i.e. the values it
+    kind, shape (past 8 dims: the first 7, the last and their count), dtype,
+    ``written``: the elements the patch writes, i.e. the values it
     carries (every element, ``numel``, for a dense patch, which does not know which of
     them change; the carried positions for a sparse one), density (``written / numel``),
     bytes on the wire) and a total row; then the chunk plan for ``max_chunk_bytes`` from
@@ -1021,7 +1022,7 @@ def print_patch_file_summary(
     header = ["#", "name", "kind", "shape", "dtype", "written", "density", "wire bytes"]
     rows = []
     for e in entries:
-        rows.append([str(e.position), show(e.name), e.kind, str(tuple(e.shape)),
+        rows.append([str(e.position), show(e.name), e.kind, _shape_text(list(e.shape)),
                      _dtype_name(e.dtype), str(e.nnz), _percent(e.density),
                      format_bytes(e.wire_bytes)])
     total_n = sum(e.numel for e in entries)

@@ -1096,3 +1096,13 @@ def test_inspect_into_a_narrow_encoding_escapes_what_it_cannot_encode(tmp_path):
     row = next(line for line in text.splitlines() if line.split()[:1] == ["0"])
     header = next(line for line in text.splitlines() if line.split()[:2] == ["#", "name"])
     assert row.index("dense") == header.index("kind")  # the table is still aligned
+
+
+def test_inspect_shortens_a_shape_of_many_dims(tmp_path, capsys):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "dims.safetensors"),
+                  header=_set(1, shape=[1] * 10_000 + [2, 3]))
+    assert print_patch_file_summary(bad) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.split()[:2] == ["1", "d"])
+    assert "(1, 1, 1, 1, 1, 1, 1, ..., 3; 10002 dims)" in row and len(row) < 200
