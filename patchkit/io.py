@@ -328,11 +328,11 @@ def save_patches(
             save_file(tensors, tmp, metadata=meta)  # (safetensors writes its files 0o600)
         except safetensor_error as e:
             raise _write_error(e, path, patches, len(tensors), user) from None
+        if os.name != "posix":  # (Windows: written to before it may turn read-only)
+            _synced(tmp, path)
         os.chmod(tmp, mode)
-        try:  # on disk before it replaces the old file: a crash leaves one or the other
-            _fsync_file(tmp)
-        except OSError as e:
-            raise _save_error(e, path, "cannot flush the written file to disk") from None
+        if os.name == "posix":  # after chmod: the mode is on the disk too
+            _synced(tmp, path)
         try:
             os.replace(tmp, dest)
         except OSError as e:
@@ -344,9 +344,24 @@ def save_patches(
     _fsync_folder(os.path.dirname(os.path.abspath(dest)))  # the rename itself
 
 
+def _synced(tmp: str, path: str) -> None:
+    """Flush the temporary ``tmp`` to the disk before it replaces ``path``: a crash then
+    leaves one file or the other, never an empty one. Errors name ``path``."""
+    try:
+        _fsync_file(tmp)
+    except OSError as e:
+        raise _save_error(e, path, "cannot flush the written file to disk") from None
+
+
 def _fsync_file(name: str) -> None:
-    """Flush the file ``name``'s data and metadata to the disk."""
-    fd = os.open(name, os.O_RDWR | getattr(os, "O_BINARY", 0))
+    """Flush the file ``name``'s data and metadata to the disk.
+
+    Opened for reading only where the system allows syncing so (POSIX): the file may
+    already have the mode of the file it replaces, which may have no write bit;
+    elsewhere (Windows needs write access) for writing.
+    """
+    flags = os.O_RDONLY if os.name == "posix" else os.O_RDWR | getattr(os, "O_BINARY", 0)
+    fd = os.open(name, flags)
     try:
         os.fsync(fd)
     finally:

@@ -1106,3 +1106,26 @@ def test_inspect_shortens_a_shape_of_many_dims(tmp_path, capsys):
     row = next(line for line in capsys.readouterr().out.splitlines()
                if line.split()[:2] == ["1", "d"])
     assert "(1, 1, 1, 1, 1, 1, 1, ..., 3; 10002 dims)" in row and len(row) < 200
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+def test_overwriting_a_read_only_file_keeps_its_mode_and_syncs_it(tmp_path, monkeypatch):
+    """The sync opens the written file for reading only: a file whose kept mode has no
+    write bit (0o444) is overwritten, as before, by a user who is not root."""
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    save_patches(path, p)
+    os.chmod(path, 0o444)
+    real_open = os.open
+
+    def open_as_a_user(name, flags, *args, **kw):  # root would ignore the missing bit
+        if flags & (os.O_WRONLY | os.O_RDWR) and os.path.isfile(name) and not (
+                os.stat(name).st_mode & 0o200):
+            raise PermissionError(13, "Permission denied", name)
+        return real_open(name, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", open_as_a_user)
+    save_patches(path, [p[0]._replace(values=torch.zeros(1))])
+    monkeypatch.undo()
+    assert path.stat().st_mode & 0o777 == 0o444
+    assert_same_patches(load_patches(path), [p[0]._replace(values=torch.zeros(1))])
