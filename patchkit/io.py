@@ -237,9 +237,9 @@ def save_patches(
     copied: :class:`FileNotFoundError` when its folder does not exist,
     :class:`NotADirectoryError` when a part of that folder's path is a file,
     :class:`IsADirectoryError` when ``path`` is a folder, :class:`FileExistsError` when
-    it is something else that is not a regular file (a FIFO, a socket, a device: never
-    replaced by a file, nor opened) (and e.g.
-    :class:`PermissionError` when the folder cannot be written). A failure while writing
+    it is something else that is not a regular file (a FIFO, a socket, a device, which
+    is neither opened nor replaced by a file), and e.g. :class:`PermissionError` when
+    the folder cannot be written. A failure while writing
     (a full disk, an I/O error) raises an ``OSError`` naming ``path``, with the
     system's ``errno`` where safetensors reports one (``errno.ENOSPC`` for a full disk),
     else ``errno.EIO``.
@@ -652,8 +652,7 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         )
     items = header.get("patches")
     if not isinstance(items, list):
-        raise _fail(path, "the header's 'patches' is not a list", "header",
-                    value=type(items).__name__)
+        raise _fail(path, "the header's 'patches' is not a list", "header")
 
     keys = set(f.keys())
     expected: set[str] = set()
@@ -799,7 +798,12 @@ def read_patch_index(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
     The header is checked against the tensors' own dtypes and shapes (counts, kinds,
     dtypes, missing or extra tensors); value-level checks (NaN, index range) need
     :func:`load_patches`. Raises :class:`~patchkit.errors.PatchValueError` naming the
-    file and the problem.
+    file and the problem; where the problem is in one patch's entry, its ``position``
+    and ``name`` are that patch's (``name`` ``None`` when the name itself is bad) and
+    its ``value`` the offending value (the count, shape, dtype, kind or tensor key that
+    is wrong); for a problem of the file as a whole they are ``None`` and ``value`` is
+    the path (the format version, or the first tensor the header does not describe,
+    where one of those is the problem).
     """
     path = os.fspath(path)
     f = _open(path)
