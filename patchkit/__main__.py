@@ -3,8 +3,8 @@
 Exit status: 0 when the command did what it says (every check of ``tour``/``demo`` held);
 1 when a check of ``tour``/``demo`` failed, or when the output's reader went away (a
 closed pipe, as in ``patchkit inspect FILE | head -1``: the command stops quietly);
-2 for bad input (an unreadable patch file, an unusable ``--device`` or ``--out``,
-a bad option), with ``error: ...`` on stderr.
+2 for bad input (an unreadable patch file, an unusable or empty ``--device`` or
+``--out``, a bad option), with ``error: ...`` on stderr.
 """
 
 from __future__ import annotations
@@ -28,12 +28,16 @@ def _error(e: BaseException) -> int:
 
 
 def _device(device: str | None) -> torch.device:
-    """The demo's and tour's device: ``device``, or cuda when available, else cpu; checked."""
+    """The demo's and tour's device: ``device`` (``None`` when ``--device`` was not given:
+    cuda when available, else cpu), checked: an empty ``--device ''`` is refused like
+    any string that is no torch device, not taken for the default."""
     import torch
 
     from .io import _checked_device
 
-    return _checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return _checked_device(device)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

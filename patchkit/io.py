@@ -26,9 +26,10 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -123,13 +124,45 @@ _NEED_SAFETENSORS = "patch files need the safetensors package: pip install safet
 
 
 def _safetensors() -> Any:
-    """``(safe_open, save_file)``; a ModuleNotFoundError saying what to install if missing."""
+    """``(safe_open, save_file, SafetensorError)``; a ModuleNotFoundError saying what to
+    install if missing."""
     try:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         from safetensors.torch import save_file
     except ImportError as e:
         raise ModuleNotFoundError(_NEED_SAFETENSORS, name="safetensors") from e
-    return safe_open, save_file
+    return safe_open, save_file, SafetensorError
+
+
+_MAX_HEADER_BYTES = 100_000_000
+"""The largest JSON header safetensors writes (and reads back): 100 MB."""
+
+
+def _json_bytes(text: str) -> int:
+    """Bytes of ``text`` as a JSON string in UTF-8 (escaped as safetensors' serde_json
+    and Python's json escape it: quotes, backslashes, control characters)."""
+    return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+
+
+def _header_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> int:
+    """An upper bound of the bytes of the JSON header safetensors writes for ``tensors``
+    and ``metadata`` (before its padding): exact but for the data offsets, each counted
+    with as many digits as the total data size has."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    width = len(str(total))
+    n = 2  # the braces
+    members = len(tensors)
+    if metadata:
+        members += 1
+        n += len('"__metadata__":{}') + max(len(metadata) - 1, 0)
+        n += sum(_json_bytes(k) + 1 + _json_bytes(v) for k, v in metadata.items())
+    n += max(members - 1, 0)  # the commas between members
+    for key, t in tensors.items():
+        # "key":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}
+        n += _json_bytes(key) + len(':{"dtype":"","shape":[],"data_offsets":[,]}')
+        n += len(_DTYPE_TO_CODE[t.dtype]) + 2 * width
+        n += len(",".join(str(d) for d in t.shape))
+    return n
 
 
 # --------------------------------------------------------------------------- saving
@@ -174,31 +207,62 @@ def save_patches(
     an out-of-range or a duplicate index is refused). ``metadata`` is a ``dict[str, str]``
     (other key or value types: :class:`~patchkit.errors.PatchTypeError`; the key
     ``"patchkit"`` is reserved: :class:`~patchkit.errors.PatchValueError`). Values whose
-    dtype is not in :func:`storable_dtypes` raise :class:`~patchkit.errors.PatchTypeError`.
+    dtype is not in :func:`storable_dtypes` raise :class:`~patchkit.errors.PatchTypeError`;
+    values or indices on the ``meta`` device (no data) a
+    :class:`~patchkit.errors.PatchValueError` (``reason`` ``"meta device"``), each naming
+    the patch, before anything is written.
 
-    Tensors are copied to the CPU (and made contiguous, and unshared where two patches
-    share memory) as needed; the caller's tensors are never modified. The file is
-    written to a temporary name beside ``path`` and renamed into place, so a failed save
-    leaves no partial file (an existing file at ``path`` stays as it was).
+    Tensors are copied to the CPU (and made contiguous, unshared where two patches
+    share memory, and with torch's lazy conjugate and negative views resolved, so the
+    file holds the values the caller sees) as needed; the caller's tensors are never
+    modified. The file is written to a temporary name beside ``path``, flushed to the
+    disk (``os.fsync``) and renamed into place, then the folder is flushed where the
+    system allows (POSIX): a failed save leaves no partial file (an existing file at
+    ``path`` stays as it was, and the temporary is removed), and a crash or power loss
+    during or after the save leaves at ``path`` either the old file or the whole new
+    one, never an empty or partial file.
     :func:`load_patches` returns equal patches, bit for bit, in the same order.
 
     Permissions are those ``open(path, "w")`` gives: a new file gets ``0o666`` less the
     umask (``0o644`` under umask ``022``); overwriting an existing file keeps its
     permission bits.
 
+    A symbolic link at ``path`` is followed, as ``open(path, "w")`` follows it: the file
+    it points to (through any chain of links) is replaced, or created where it does not
+    exist yet, and the link stays as it was; a loop of links raises an ``OSError``
+    (``errno.ELOOP``).
+
     A destination that cannot be written raises an ``OSError`` naming ``path`` (its
     ``filename``) and the problem, never the temporary file, before any tensor is
     copied: :class:`FileNotFoundError` when its folder does not exist,
     :class:`NotADirectoryError` when a part of that folder's path is a file,
-    :class:`IsADirectoryError` when ``path`` is a folder (and e.g.
-    :class:`PermissionError` when the folder cannot be written). Without the
-    ``safetensors`` package: :class:`ModuleNotFoundError`.
+    :class:`IsADirectoryError` when ``path`` is a folder, :class:`FileExistsError` when
+    it is something else that is not a regular file (a FIFO, a socket, a device, which
+    is neither opened nor replaced by a file), and e.g. :class:`PermissionError` when
+    the folder cannot be written. A failure while writing
+    (a full disk, an I/O error) raises an ``OSError`` naming ``path``, with the
+    system's ``errno`` where safetensors reports one (``errno.ENOSPC`` for a full disk),
+    else ``errno.EIO``.
+
+    safetensors limits a file's JSON header to 100,000,000 bytes (it holds each
+    tensor's name, dtype, shape and offsets, patchkit's list of the patches and the user
+    metadata: about 200 bytes plus the name's length per dense patch, 290 plus the name
+    per sparse one, so some 80,000 patches with 1000-character names). A list whose
+    header would pass that is refused before anything is written, with a
+    :class:`~patchkit.errors.PatchValueError` (``reason`` ``"header too large"``,
+    ``value`` the header's size in bytes) saying how many patches, how long their names
+    and how much metadata it holds. The size is counted exactly but for the data
+    offsets, each counted as wide as the largest, so a list within a few bytes per
+    tensor of the limit may be refused too.
+
+    Without the ``safetensors`` package: :class:`ModuleNotFoundError`.
     """
-    _, save_file = _safetensors()
+    _, save_file, safetensor_error = _safetensors()
 
     user = _check_metadata(metadata)
     path = os.fspath(path)
-    _check_destination(path)
+    dest = _destination(path)  # a symbolic link's target: the link stays
+    _check_destination(dest, path)
     patches = [
         CheckpointWeightPatch(*p)
         if isinstance(p, tuple) and not isinstance(p, CheckpointWeightPatch) and len(p) == 5
@@ -206,6 +270,7 @@ def save_patches(
         for p in patch_list(patches)
     ]
     for i, p in enumerate(patches):
+        _refuse_meta(p, i)  # first: validate_patches cannot read meta indices either
         validate_patches([p], positions=[i])
 
     tensors: dict[str, torch.Tensor] = {}
@@ -219,7 +284,9 @@ def save_patches(
                 f"file (storable: {sorted(_dtype_name(d) for d in _DTYPE_TO_CODE)})",
                 position=i, name=name, reason="unstorable dtype", value=t.dtype,
             )
-        t = t.detach().to("cpu").contiguous()
+        # resolve torch's lazy conjugate / negative bits: safetensors copies the raw
+        # memory, which holds the values before conjugation or negation
+        t = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
         if t.numel():
             key = (t.device, t.untyped_storage().data_ptr())
             if key in seen_storage:
@@ -246,23 +313,135 @@ def save_patches(
         )
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "patches": entries}
     meta = {FORMAT_KEY: json.dumps(header, separators=(",", ":")), **user}
+    size = _header_bytes(tensors, meta)
+    if size > _MAX_HEADER_BYTES:
+        raise _header_too_large(path, patches, len(tensors), user, f"would take {size} bytes "
+                                f"({format_bytes(size)})", size)
 
-    tmp = _create_temporary(path)
+    tmp = _create_temporary(dest, path)
     try:
         try:  # overwriting: keep the file's permission bits
-            mode = stat.S_IMODE(os.stat(path).st_mode) & 0o777
+            mode = stat.S_IMODE(os.stat(dest).st_mode) & 0o777
         except OSError:  # a new file: those open() gives (0o666 less the umask), read off
             mode = stat.S_IMODE(os.stat(tmp).st_mode)  # the fresh temporary, with no race
-        save_file(tensors, tmp, metadata=meta)  # (safetensors writes its files 0o600)
-        os.chmod(tmp, mode)
         try:
-            os.replace(tmp, path)
+            save_file(tensors, tmp, metadata=meta)  # (safetensors writes its files 0o600)
+        except safetensor_error as e:
+            raise _write_error(e, path, patches, len(tensors), user) from None
+        if os.name != "posix":  # (Windows: written to before it may turn read-only)
+            _synced(tmp, path)
+        os.chmod(tmp, mode)
+        if os.name == "posix":  # after chmod: the mode is on the disk too
+            _synced(tmp, path)
+        try:
+            os.replace(tmp, dest)
         except OSError as e:
             raise _save_error(e, path, "cannot put the written file in place") from None
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync_folder(os.path.dirname(os.path.abspath(dest)))  # the rename itself
+
+
+def _synced(tmp: str, path: str) -> None:
+    """Flush the temporary ``tmp`` to the disk before it replaces ``path``: a crash then
+    leaves one file or the other, never an empty one. Errors name ``path``."""
+    try:
+        _fsync_file(tmp)
+    except OSError as e:
+        raise _save_error(e, path, "cannot flush the written file to disk") from None
+
+
+def _fsync_file(name: str) -> None:
+    """Flush the file ``name``'s data and metadata to the disk.
+
+    Opened for reading only where the system allows syncing so (POSIX): the file may
+    already have the mode of the file it replaces, which may have no write bit;
+    elsewhere (Windows needs write access) for writing.
+    """
+    flags = os.O_RDONLY if os.name == "posix" else os.O_RDWR | getattr(os, "O_BINARY", 0)
+    fd = os.open(name, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_folder(folder: str) -> None:
+    """Flush ``folder``'s entries (a rename in it) to the disk, where the system allows:
+    nothing where folders cannot be opened (Windows) or synced (some file systems)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _refuse_meta(p: object, i: int) -> None:
+    """Refuse a patch whose values or indices are on the meta device (no data)."""
+    for what in ("values", "indices"):
+        t = getattr(p, what, None)
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            name = getattr(p, "name", None)
+            raise PatchValueError(
+                f"{where(i, name)}: {what} are on the meta device, which holds no data to "
+                "save",
+                position=i, name=name, reason="meta device", value=t.device,
+            )
+
+
+def _header_too_large(
+    path: str,
+    patches: list[CheckpointWeightPatch],
+    n_tensors: int,
+    user: Mapping[str, str],
+    problem: str,
+    size: int | None,
+) -> PatchValueError:
+    """The error for a file whose safetensors header would pass the format's limit."""
+    n = len(patches)
+    longest = max((len(p.name) for p in patches), default=0)
+    user_bytes = sum(len(k.encode("utf-8", "surrogatepass")) + len(v.encode(
+        "utf-8", "surrogatepass")) for k, v in user.items())
+    return PatchValueError(
+        f"cannot save patches to {path!r}: the file's header {problem}, more than the "
+        f"{_MAX_HEADER_BYTES} bytes safetensors allows; it describes {n} "
+        f"patch{'' if n == 1 else 'es'} ({n_tensors} tensor{'' if n_tensors == 1 else 's'}) "
+        f"with names of up to {longest} characters, and {user_bytes} bytes of user "
+        "metadata: save fewer patches per file (or shorter names, less metadata)",
+        reason="header too large", value=size,
+    )
+
+
+def _write_error(
+    e: Exception,
+    path: str,
+    patches: list[CheckpointWeightPatch],
+    n_tensors: int,
+    user: Mapping[str, str],
+) -> Exception:
+    """A safetensors write failure as patchkit's error: an ``OSError`` naming ``path``
+    (with safetensors' errno where it gives one), or for a header too large the
+    PatchValueError saying so. Never names safetensors' temporary file."""
+    text = str(e)
+    if "header too large" in text.lower():
+        return _header_too_large(path, patches, n_tensors, user,
+                                 "is too large (safetensors refused it)", None)
+    found = re.search(r"\(os error (\d+)\)", text)
+    if found:
+        code = int(found.group(1))
+        return OSError(code, f"cannot save patches: writing the file failed "
+                             f"({os.strerror(code)})", path)
+    text = re.sub(r' at path ".*"', "", text)  # safetensors' temporary, not the path
+    return OSError(errno.EIO, f"cannot save patches: writing the file failed ({text})", path)
 
 
 def _save_error(e: OSError, path: str, problem: str) -> OSError:
@@ -270,13 +449,46 @@ def _save_error(e: OSError, path: str, problem: str) -> OSError:
     return type(e)(e.errno, f"cannot save patches: {problem} ({e.strerror})", path)
 
 
-def _check_destination(path: str) -> None:
-    """Refuse a ``path`` no file can be saved at, naming it and the problem."""
-    if os.path.isdir(path):
+def _destination(path: str) -> str:
+    """The file a save at ``path`` writes: ``path``, or the file a symbolic link at
+    ``path`` points to (through any chain of links; it may not exist yet)."""
+    if not os.path.islink(path):
+        return path
+    dest = os.path.realpath(path)
+    if os.path.islink(dest):  # realpath stops on a loop
+        raise OSError(
+            errno.ELOOP, "cannot save patches: the symbolic link does not lead to a file "
+            "(a loop of links)", path,
+        )
+    return dest
+
+
+_NOT_REGULAR = [
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+]
+
+
+def _check_destination(dest: str, path: str) -> None:
+    """Refuse a ``dest`` no file can be saved at, naming ``path`` (what the caller
+    passed; ``dest`` is its link's target, or ``path`` itself) and the problem."""
+    if os.path.isdir(dest):
         raise IsADirectoryError(
             errno.EISDIR, "cannot save patches: the path is a folder, not a file", path
         )
-    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        mode = os.stat(dest).st_mode
+    except OSError:
+        mode = None  # nothing there yet
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((k for test, k in _NOT_REGULAR if test(mode)), "something")
+        raise FileExistsError(
+            errno.EEXIST, f"cannot save patches: the path is {kind}, not a regular file "
+            "(refusing to replace it with one)", path,
+        )
+    folder = os.path.dirname(os.path.abspath(dest))
     if os.path.isdir(folder):
         return
     first = folder  # the deepest part of the folder's path that exists
@@ -291,13 +503,14 @@ def _check_destination(path: str) -> None:
     )
 
 
-def _create_temporary(path: str) -> str:
-    """Create an empty file with a fresh name beside ``path``; return its name.
+def _create_temporary(dest: str, path: str) -> str:
+    """Create an empty file with a fresh name beside ``dest``; return its name. Errors
+    name ``path``.
 
     Created by ``os.open(..., 0o666)``, so it has the mode a new file of ``open()`` gets
     (the umask applied by the system: reading it so has no race, unlike ``os.umask``).
     """
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = os.path.dirname(os.path.abspath(dest))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(100):
         tmp = os.path.join(folder, f".patchkit-{os.urandom(6).hex()}.tmp")
@@ -365,8 +578,25 @@ class _Bad(Exception):
     """Internal: a problem with the file, turned into a PatchValueError naming it."""
 
 
-def _fail(path: str, problem: str, reason: str = "bad patch file") -> PatchValueError:
-    return PatchValueError(f"patch file {path!r}: {problem}", reason=reason, value=path)
+_THE_PATH = object()  # _fail's default value: the file's path
+
+
+def _fail(
+    path: str,
+    problem: str,
+    reason: str = "bad patch file",
+    *,
+    position: int | None = None,
+    name: str | None = None,
+    value: object = _THE_PATH,
+) -> PatchValueError:
+    """The error for a bad file: its message names the file; ``position`` and ``name``
+    the patch the problem is in (``None`` for the whole file); ``value`` the offending
+    value (by default the path, for a problem of the file as a whole)."""
+    return PatchValueError(
+        f"patch file {path!r}: {problem}", position=position, name=name, reason=reason,
+        value=path if value is _THE_PATH else value,
+    )
 
 
 def _open(path: str, device: str = "cpu") -> Any:
@@ -375,7 +605,7 @@ def _open(path: str, device: str = "cpu") -> Any:
     ``device`` must have been checked (:func:`_checked_device`): a failure here is the
     file's.
     """
-    safe_open, _ = _safetensors()
+    safe_open, _, _ = _safetensors()
     if not os.path.exists(path):
         raise _fail(path, "no such file", "missing")
     if not os.path.isfile(path):
@@ -412,12 +642,13 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise _fail(path, f"the {FORMAT_KEY!r} header is not a patchkit patch list", "header")
     version = header.get("version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version != FORMAT_VERSION:
+        # (JSON's true and 1.0 equal 1 in Python: the version is the int 1, nothing else)
         raise _fail(
             path,
             f"format version {version!r} is not supported (this patchkit reads version "
             f"{FORMAT_VERSION})",
-            "version",
+            "version", value=version,
         )
     items = header.get("patches")
     if not isinstance(items, list):
@@ -427,89 +658,137 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
     expected: set[str] = set()
     entries: list[PatchFileEntry] = []
     for i, item in enumerate(items):
-        at = f"patch {i}"
         if not isinstance(item, dict):
-            raise _fail(path, f"{at}: header entry is not an object", "header")
+            raise _fail(path, f"patch {i}: header entry is not an object", "header",
+                        position=i, value=item)
         name = item.get("name")
         if not isinstance(name, str) or not name:
-            raise _fail(path, f"{at}: name must be a non-empty string, got {name!r}", "header")
+            raise _fail(path, f"patch {i}: name must be a non-empty string, got {name!r}",
+                        "header", position=i, value=name)
         at = where(i, name)
+
+        def bad(problem: str, reason: str, value: object, i: int = i, name: str = name,
+                at: str = at) -> PatchValueError:
+            return _fail(path, f"{at}: {problem}", reason, position=i, name=name, value=value)
+
         shape = item.get("shape")
         if not isinstance(shape, list) or any(
             isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
         ):
-            raise _fail(path, f"{at}: shape must be a list of non-negative ints, got {shape!r}",
-                        "header")
+            raise bad(f"shape must be a list of non-negative ints, got {_short_repr(shape)}",
+                      "header", shape)
         dtype = _dtype_from_name(item.get("dtype"))
         if dtype is None:
-            raise _fail(path, f"{at}: unknown dtype {item.get('dtype')!r}", "dtype")
+            raise bad(f"unknown dtype {item.get('dtype')!r}", "dtype", item.get("dtype"))
         kind = item.get("kind")
         if kind not in ("dense", "sparse"):
-            raise _fail(path, f"{at}: kind must be 'dense' or 'sparse', got {kind!r}", "header")
+            raise bad(f"kind must be 'dense' or 'sparse', got {kind!r}", "header", kind)
         sparse = kind == "sparse"
         nnz = item.get("nnz")
         if isinstance(nnz, bool) or not isinstance(nnz, int) or nnz < 0:
-            raise _fail(path, f"{at}: nnz must be a non-negative int, got {nnz!r}", "header")
+            raise bad(f"nnz must be a non-negative int, got {nnz!r}", "header", nnz)
 
         vkey = _key(i, "values")
         expected.add(vkey)
         if vkey not in keys:
-            raise _fail(path, f"{at}: tensor {vkey!r} is missing", "missing key")
-        values_dtype = _tensor_dtype(path, f, vkey, at)
+            raise bad(f"tensor {vkey!r} is missing", "missing key", vkey)
+        values_dtype = _tensor_dtype(path, f, vkey, i, name)
         if _dtype_name(values_dtype) != item.get("values_dtype"):
-            raise _fail(
-                path,
-                f"{at}: values are {_dtype_name(values_dtype)} but the header says "
+            raise bad(
+                f"values are {_dtype_name(values_dtype)} but the header says "
                 f"{item.get('values_dtype')!r}",
-                "dtype",
+                "dtype", values_dtype,
             )
-        vshape = f.get_slice(vkey).get_shape()
+        vshape = list(f.get_slice(vkey).get_shape())
         if len(vshape) != 1 or vshape[0] != nnz:
-            raise _fail(path, f"{at}: values have shape {list(vshape)}, the header says "
-                        f"[{nnz}]", "count")
-        n = math.prod(shape)
-        if n * dtype.itemsize >= 1 << 63:  # as validate_patches refuses it on loading
-            raise _fail(path, f"{at}: shape {tuple(shape)} of {dtype} holds {n} elements, "
-                        "more than a tensor can (its bytes must stay below 2**63)", "header")
+            raise bad(f"values have shape {vshape}, the header says [{nnz}]", "count", vshape)
+        n = _numel_below(shape, 1 << 63)
+        if n is None or n * dtype.itemsize >= 1 << 63:  # as validate_patches refuses it
+            held = "at least 2**63" if n is None else str(n)
+            raise bad(f"shape {_shape_text(shape)} of {dtype} holds {held} elements, "
+                      "more than a tensor can (its bytes must stay below 2**63)", "header",
+                      shape)
         indices_dtype = None
         if sparse:
             if not dtype.is_floating_point:
-                raise _fail(path, f"{at}: a sparse patch with non-floating dtype {dtype}",
-                            "dtype")
+                raise bad(f"a sparse patch with non-floating dtype {dtype}", "dtype", dtype)
             ikey = _key(i, "indices")
             expected.add(ikey)
             if ikey not in keys:
-                raise _fail(path, f"{at}: tensor {ikey!r} is missing", "missing key")
-            indices_dtype = _tensor_dtype(path, f, ikey, at)
+                raise bad(f"tensor {ikey!r} is missing", "missing key", ikey)
+            indices_dtype = _tensor_dtype(path, f, ikey, i, name)
             if indices_dtype not in (torch.int32, torch.int64) or _dtype_name(
                 indices_dtype
             ) != item.get("indices_dtype"):
-                raise _fail(
-                    path,
-                    f"{at}: indices are {_dtype_name(indices_dtype)}, the header says "
+                raise bad(
+                    f"indices are {_dtype_name(indices_dtype)}, the header says "
                     f"{item.get('indices_dtype')!r} (int32 or int64 expected)",
-                    "dtype",
+                    "dtype", indices_dtype,
                 )
-            ishape = f.get_slice(ikey).get_shape()
+            ishape = list(f.get_slice(ikey).get_shape())
             if len(ishape) != 1 or ishape[0] != nnz:
-                raise _fail(path, f"{at}: {list(ishape)} indices for {nnz} values", "count")
+                raise bad(f"{ishape} indices for {nnz} values", "count", ishape)
         elif nnz != n:
-            raise _fail(path, f"{at}: a dense patch of shape {tuple(shape)} needs {n} values, "
-                        f"the file holds {nnz}", "count")
+            raise bad(f"a dense patch of shape {_shape_text(shape)} needs {n} values, "
+                      f"the file holds {nnz}", "count", nnz)
         entries.append(PatchFileEntry(i, name, tuple(shape), dtype, sparse, nnz,
                                       values_dtype, indices_dtype))
     extra = sorted(keys - expected)
     if extra:
         raise _fail(path, f"tensors not described by the header: {extra[:5]}"
-                    f"{' ...' if len(extra) > 5 else ''}", "extra key")
+                    f"{' ...' if len(extra) > 5 else ''}", "extra key", value=extra[0])
     return entries
 
 
-def _tensor_dtype(path: str, f: Any, key: str, at: str) -> torch.dtype:
+def _numel_below(shape: list[int], limit: int) -> int | None:
+    """The product of ``shape``'s dims, or ``None`` when it is ``limit`` or more.
+
+    Stops multiplying once the product reaches ``limit``, so a header with a huge
+    shape (many dims, or huge ones) costs time linear in its length, not a product of
+    thousands of digits.
+    """
+    if 0 in shape:
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+        if n >= limit:
+            return None
+    return n
+
+
+def _int_text(d: int) -> str:
+    """``d`` in decimal, or its size in bits when it has more than 64 (Python refuses to
+    print ints of more than 4300 digits)."""
+    return str(d) if d.bit_length() <= 64 else f"<a {d.bit_length()}-bit int>"
+
+
+def _shape_text(shape: list[int], most: int = 8) -> str:
+    """A header shape (non-negative ints) as a tuple, shortened: at most ``most`` dims
+    are printed (the first ones and the last, with the count of dims), huge dims by
+    their size in bits."""
+    if len(shape) <= most:
+        dims = [_int_text(d) for d in shape]
+        return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
+    dims = [_int_text(d) for d in shape[: most - 1]]
+    return f"({', '.join(dims)}, ..., {_int_text(shape[-1])}; {len(shape)} dims)"
+
+
+def _short_repr(value: object, most: int = 200) -> str:
+    """``repr(value)``, cut to about ``most`` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to print
+        return f"<a {type(value).__name__}>"
+    return text if len(text) <= most else text[:most] + "..."
+
+
+def _tensor_dtype(path: str, f: Any, key: str, position: int, name: str) -> torch.dtype:
     code = f.get_slice(key).get_dtype()
     dtype = _CODE_TO_DTYPE.get(code)
     if dtype is None:
-        raise _fail(path, f"{at}: tensor {key!r} has unknown dtype {code!r}", "dtype")
+        raise _fail(path, f"{where(position, name)}: tensor {key!r} has unknown dtype {code!r}",
+                    "dtype", position=position, name=name, value=code)
     return dtype
 
 
@@ -519,7 +798,12 @@ def read_patch_index(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
     The header is checked against the tensors' own dtypes and shapes (counts, kinds,
     dtypes, missing or extra tensors); value-level checks (NaN, index range) need
     :func:`load_patches`. Raises :class:`~patchkit.errors.PatchValueError` naming the
-    file and the problem.
+    file and the problem; where the problem is in one patch's entry, its ``position``
+    and ``name`` are that patch's (``name`` ``None`` when the name itself is bad) and
+    its ``value`` the offending value (the count, shape, dtype, kind or tensor key that
+    is wrong); for a problem of the file as a whole they are ``None`` and ``value`` is
+    the path (the format version, or the first tensor the header does not describe,
+    where one of those is the problem).
     """
     path = os.fspath(path)
     f = _open(path)
@@ -549,6 +833,13 @@ def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
         raise _fail(path, f"unreadable: {e}") from None
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in memory of its own: safetensors' CPU tensors are views of the file's
+    memory map (a rewritten file would change them, a truncated one fault on reading);
+    a tensor on another device is already a copy."""
+    return t.clone() if t.device.type == "cpu" else t
+
+
 def load_patches(
     path: str | os.PathLike[str], *, device: torch.device | str = "cpu"
 ) -> list[CheckpointWeightPatch]:
@@ -560,6 +851,15 @@ def load_patches(
     validated after (:func:`~patchkit.patch.validate_patches`, dense and sparse
     separately); every problem raises :class:`~patchkit.errors.PatchValueError` naming
     the file, never a raw safetensors or JSON exception.
+
+    The patches own their memory: their values and indices are copies, not views of
+    the file, so rewriting, truncating or deleting the file afterwards does not change
+    them (nor does writing to them change the file). The cost is one copy of the
+    file's tensor data: on the CPU the patches take process memory equal to those bytes
+    (where a memory map would have shared the operating system's file cache, and read
+    only what was touched), on an accelerator the data is copied to the device, as it
+    would be anyway. The header
+    readers (:func:`read_patch_index`, :func:`read_patch_metadata`) read no tensor data.
 
     ``device`` is checked before the file is opened: a string torch does not parse,
     ``"meta"`` (patches need memory that holds their values) or an accelerator this
@@ -577,8 +877,8 @@ def load_patches(
             entries = _parse_index(path, f)
             patches = []
             for e in entries:
-                values = f.get_tensor(_key(e.position, "values"))
-                indices = f.get_tensor(_key(e.position, "indices")) if e.sparse else None
+                values = _own(f.get_tensor(_key(e.position, "values")))
+                indices = _own(f.get_tensor(_key(e.position, "indices"))) if e.sparse else None
                 patches.append(CheckpointWeightPatch(e.name, e.shape, e.dtype, values, indices))
     except PatchValueError:
         raise
@@ -620,6 +920,48 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
     return out
 
 
+def _escaped(text: str) -> str:
+    """``text`` with each non-printable character (newlines, terminal escape codes,
+    other control and format characters, lone surrogates) written as ``repr`` writes it
+    (``\\n``, ``\\x1b``, ``\\u202e``)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _shown(text: str) -> str:
+    """A string read from a file (a name, metadata, a path), safe to print: itself when
+    it is plain (printable, no backslash, not opening with a quote), else its ``repr``
+    (quoted, with every non-printable character escaped), so nothing from the file
+    moves the cursor, colours the terminal or fakes a line, and no two strings look the
+    same."""
+    if text.isprintable() and "\\" not in text and not text.startswith(("'", '"')):
+        return text
+    return repr(text)
+
+
+def _encodable(out: TextIO) -> Callable[[str], str]:
+    """A function writing what ``out``'s encoding cannot hold with backslash escapes
+    (``\\xfc``, ``\\u540d``), as ``errors="backslashreplace"`` does; the identity for a
+    stream with no known encoding."""
+    encoding = getattr(out, "encoding", None)
+    if not isinstance(encoding, str):
+        return lambda text: text
+    try:
+        "".encode(encoding)
+    except LookupError:
+        return lambda text: text
+
+    def fit(text: str) -> str:
+        try:
+            text.encode(encoding)
+        except UnicodeEncodeError:
+            return text.encode(encoding, "backslashreplace").decode(encoding)
+        return text
+
+    return fit
+
+
 def _percent(x: float | None) -> str:
     if x is None:
         return "-"
@@ -636,13 +978,23 @@ def print_patch_file_summary(
 
     Reads only the file's header (no tensor data). Prints, to ``file`` (default
     stdout): the patch count and user metadata; one row per patch (position, name,
-    kind, shape, dtype, ``written``: the elements the patch writes, i.e. the values it
+    kind, shape (past 8 dims: the first 7, the last and their count), dtype,
+    ``written``: the elements the patch writes, i.e. the values it
     carries (every element, ``numel``, for a dense patch, which does not know which of
     them change; the carried positions for a sparse one), density (``written / numel``),
     bytes on the wire) and a total row; then the chunk plan for ``max_chunk_bytes`` from
     :func:`~patchkit.chunking.plan_chunks` (call, patch positions, staged bytes, why the
     call closed). A load cannot mix dense and sparse patches, so a file holding both is
     planned as two loads, the dense patches first.
+
+    What comes from the file (names, metadata keys and values) and the path are printed
+    so that they cannot act on a terminal: a plain string as it is, one with a
+    non-printable character (a newline, a terminal escape code, a bidirectional
+    override), a backslash or an opening quote as its Python ``repr`` (quoted, escaped),
+    and an ``error: ...`` line with its non-printable characters escaped likewise.
+    Characters that ``file``'s encoding cannot hold (``PYTHONIOENCODING=ascii``, a
+    Latin-1 terminal) are written as backslash escapes (``\\xfc``, ``\\u540d``), never
+    a UnicodeEncodeError.
 
     Returns 0; a bad file (or a bad budget, or no ``safetensors`` package) prints
     ``error: ...`` to stderr and returns 2.
@@ -664,17 +1016,23 @@ def print_patch_file_summary(
             plans.append((kind, plan_chunks(stand_ins, max_chunk_bytes,
                                             positions=[e.position for e in group])))
     except (PatchError, ValueError, TypeError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        err = sys.stderr
+        print(_encodable(err)(f"error: {_escaped(str(e))}"), file=err)
         return 2
 
+    fit = _encodable(out)
+
+    def show(text: str) -> str:
+        return fit(_shown(text))
+
     n_sparse = sum(e.sparse for e in entries)
-    print(f"patch file: {path}", file=out)
+    print(f"patch file: {show(path)}", file=out)
     print(f"{len(entries)} patches ({n_sparse} sparse, {len(entries) - n_sparse} dense), "
           f"format {FORMAT_NAME} v{FORMAT_VERSION}", file=out)
     if meta:
         print("metadata:", file=out)
         for k, v in meta.items():
-            print(f"  {k}: {v}", file=out)
+            print(f"  {show(k)}: {show(v)}", file=out)
     if not entries:
         print("no patches: a load makes no load_weights call", file=out)
         return 0
@@ -683,8 +1041,9 @@ def print_patch_file_summary(
     header = ["#", "name", "kind", "shape", "dtype", "written", "density", "wire bytes"]
     rows = []
     for e in entries:
-        rows.append([str(e.position), e.name, e.kind, str(tuple(e.shape)), _dtype_name(e.dtype),
-                     str(e.nnz), _percent(e.density), format_bytes(e.wire_bytes)])
+        rows.append([str(e.position), show(e.name), e.kind, _shape_text(list(e.shape)),
+                     _dtype_name(e.dtype), str(e.nnz), _percent(e.density),
+                     format_bytes(e.wire_bytes)])
     total_n = sum(e.numel for e in entries)
     total_nnz = sum(e.nnz for e in entries)
     rows.append(["", "total", "", "", "", str(total_nnz),

@@ -18,6 +18,7 @@ import torch
 
 from .bitwise import bits, same_state
 from .build import dense_patches, sparse_patches_from_diff
+from .errors import PatchValueError
 from .patch import CheckpointWeightPatch
 from .toymodels import TinyLlamaConfig, TinyLlamaRuntime, gather_checkpoint, tiny_llama_checkpoint
 
@@ -46,10 +47,17 @@ class TourResult:
 def _out_folder(out: str | Path) -> Path:
     """Make the folder ``out`` (and its parents) if needed; return it as a Path.
 
-    Raises :class:`NotADirectoryError` when ``out``, or a folder above it, is a file, and
-    the ``OSError`` of any other failure (e.g. :class:`PermissionError`), each with a
-    message naming ``out`` and the problem.
+    Raises :class:`~patchkit.errors.PatchValueError` (``reason`` ``"empty folder
+    name"``) for the empty string, which ``Path`` would take for the current folder
+    (pass ``"."`` for that), :class:`NotADirectoryError` when ``out``, or a folder above
+    it, is a file, and the ``OSError`` of any other failure (e.g.
+    :class:`PermissionError`), each with a message naming ``out`` and the problem.
     """
+    if isinstance(out, str) and not out:
+        raise PatchValueError(
+            "cannot write the tour to '': the folder name (--out) is empty; pass '.' "
+            "for the current folder", reason="empty folder name", value=out,
+        )
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -106,15 +114,18 @@ def run_tour(
 ) -> TourResult:
     """Run the tour, write ``out/index.html`` and its PNG figures, return what was written.
 
-    ``device`` defaults to cuda when available, else cpu. Before anything runs, a device
-    this machine cannot use (``"cuda"`` without CUDA, ``"meta"``, a bad string) raises
-    :class:`~patchkit.errors.PatchValueError` naming it, and an ``out`` that cannot be
-    made a folder (it, or a folder above it, is a file) an ``OSError`` naming it (see
-    :func:`_out_folder`); ``out`` is created only after the device passed.
+    ``device`` defaults (``None``) to cuda when available, else cpu. Before anything
+    runs, a device this machine cannot use (``"cuda"`` without CUDA, ``"meta"``, a bad
+    or empty string) raises :class:`~patchkit.errors.PatchValueError` naming it, and so
+    does an empty ``out`` (``""``, which would be the current folder: pass ``"."``); an
+    ``out`` that cannot be made a folder (it, or a folder above it, is a file) raises an
+    ``OSError`` naming it (see :func:`_out_folder`); ``out`` is created only after the
+    device passed.
     """
     from .io import _checked_device
 
-    dev = _checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = _checked_device(("cuda" if torch.cuda.is_available() else "cpu")
+                          if device is None else device)
     out = _out_folder(out)
 
     from . import plot

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,30 @@ def test_the_report_benchmark_offers_a_row_of_real_model_shapes():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--big" in out.stdout and "Llama-3-8B" in out.stdout
+
+
+def test_tour_and_demo_refuse_an_empty_out_or_device(tmp_path, monkeypatch, capsys):
+    """``--out ''`` would be the current folder (Path('') is '.'), ``--device ''`` the
+    default device: both are refused, before anything is written."""
+    from patchkit.__main__ import main
+    from patchkit.errors import PatchValueError
+    from patchkit.tour import run_tour
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "index.html").write_text("mine")
+    assert main(["tour", "--out", "", "--device", "cpu"]) == 2
+    o, err = capsys.readouterr()
+    assert o == "" and err.startswith("error: ") and err.count("\n") == 1
+    assert "--out" in err and "empty" in err and "Traceback" not in err
+    for argv in (["demo", "--device", ""], ["tour", "--out", "t", "--device", ""]):
+        assert main(argv) == 2, argv
+        o, err = capsys.readouterr()
+        assert o == "" and err.startswith("error: device ''") and err.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == ["index.html"]
+    assert (tmp_path / "index.html").read_text() == "mine"
+    with pytest.raises(PatchValueError, match="empty") as info:
+        run_tour("", device="cpu")
+    assert info.value.value == ""
+    with pytest.raises(PatchValueError, match="device ''"):
+        run_tour(tmp_path / "t", device="")
+    assert sorted(os.listdir(tmp_path)) == ["index.html"]

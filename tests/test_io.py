@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -701,3 +702,430 @@ def test_summary_total_counts_the_elements_written(tmp_path, capsys):
                  if line.split()[:1] == ["total"])
     written = 16 + ps[1].indices.numel() + 4  # every dense element, the sparse entries
     assert total.split()[1:3] == [str(written), f"{100 * written / (16 + 256 + 4):.3g}%"]
+
+
+# --------------------------------------------------------------------------- review fixes
+
+
+def test_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
+    """torch's lazy conj/neg bits are resolved: the file holds the values the caller sees."""
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    neg = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj().imag  # a neg-bit view
+    assert z.conj().is_conj() and neg.is_neg()
+    ps = [
+        CheckpointWeightPatch("c", (2,), torch.complex64, z.conj()),
+        CheckpointWeightPatch("n", (2,), torch.float32, neg),
+        CheckpointWeightPatch("s", (4,), torch.float32, neg, torch.tensor([0, 3])),
+        CheckpointWeightPatch("v", (2,), torch.float32, torch._neg_view(torch.tensor([1.0, 2.0]))),
+        CheckpointWeightPatch("i", (4,), torch.float32, torch.tensor([1.0, 2.0]),
+                              torch._neg_view(torch.tensor([-1, -2]))),
+    ]
+    path = tmp_path / "p.safetensors"
+    save_patches(path, ps)
+    got = load_patches(path)
+    assert got[0].values.tolist() == [1 - 2j, 3 + 4j]
+    assert got[1].values.tolist() == [-2.0, 4.0] and got[2].values.tolist() == [-2.0, 4.0]
+    assert got[3].values.tolist() == [-1.0, -2.0] and got[4].indices.tolist() == [1, 2]
+    for g, p in zip(got, ps):
+        assert torch.equal(g.values, p.values.resolve_conj().resolve_neg())
+    assert z.tolist() == [1 + 2j, 3 - 4j]  # the caller's tensor is untouched
+
+
+def test_loaded_patches_do_not_change_when_the_file_is_rewritten(tmp_path):
+    """Loaded patches are copies, not views of the file's memory map."""
+    import shutil
+
+    path, other = tmp_path / "p.safetensors", tmp_path / "q.safetensors"
+    ps = [CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(4)),
+          CheckpointWeightPatch("s", (8,), torch.float32, torch.ones(2), torch.tensor([1, 5]))]
+    save_patches(path, ps)
+    save_patches(other, [p._replace(values=p.values * 5, indices=None if p.indices is None
+                                    else p.indices + 1) for p in ps])
+    got = load_patches(path)
+    shutil.copyfile(other, path)  # rewritten in place, as `cp new old` does
+    assert_same_patches(got, ps)
+    with open(path, "wb"):  # truncated (a view of the old map would now fault)
+        pass
+    assert_same_patches(got, ps)
+    got[0].values.add_(1)  # and writing to a loaded patch cannot reach the file
+    assert os.path.getsize(path) == 0
+
+
+@pytest.mark.parametrize(
+    ("case", "position", "name", "value"),
+    [
+        ("nnz mismatch", 0, "w", [16]),  # the values' shape that disagrees with nnz
+        ("values count", 1, "d", [5]),
+        ("dense shape mismatch", 1, "d", 6),  # the nnz a dense shape (2, 4) does not hold
+        ("index count", 0, "w", [15]),
+        ("unknown dtype", 0, "w", "float99"),
+        ("bad kind", 0, "w", "delta"),
+        ("bad shape", 0, "w", [8, -8]),
+        ("empty name", 0, None, ""),
+        ("indices dtype mismatch", 0, "w", torch.int64),
+        ("sparse int dtype", 0, "w", torch.int16),
+        ("missing values", 1, "d", "000001.values"),
+        ("extra tensor", None, None, "junk"),
+        ("future version", None, None, 99),
+    ],
+)
+def test_header_errors_carry_the_patch_and_the_offending_value(tmp_path, case, position,
+                                                               name, value):
+    good = sample_files(str(tmp_path))["path"]
+    change, _ = TAMPERS[case]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"), **change)
+    for reader in (load_patches, read_patch_index, read_patch_metadata):
+        with pytest.raises(PatchValueError) as info:
+            reader(bad)
+        e = info.value
+        assert (e.position, e.name, e.value) == (position, name, value), (reader, str(e))
+        if position is not None:
+            assert f"patch {position}{':' if name is None else f' ({name!r})'}" in str(e)
+        assert bad in str(e)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[10] * 4400,  # 10**4400 elements: more digits than Python prints by default
+     [3] * 100_000,  # a long list of dims: the count stops once it passes 2**63
+     [2**62, 2**62],
+     [2**4000]],
+)
+def test_a_header_shape_too_large_for_a_tensor_is_refused_without_printing_its_size(
+        tmp_path, shape):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"), header=_set(1, shape=shape))
+    for reader in (load_patches, read_patch_index):
+        with pytest.raises(PatchValueError, match=r"patch 1 \('d'\): shape .* holds at least "
+                           r"2\*\*63 elements, more than a tensor can") as info:
+            reader(bad)
+        e = info.value
+        assert (e.position, e.name, e.reason, e.value) == (1, "d", "header", shape)
+        assert len(str(e)) < 500  # neither the full count nor every dim is printed
+
+
+def test_a_header_shape_with_a_zero_dim_holds_no_elements(tmp_path):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  header=_set(1, shape=[2**62, 2**62, 0]))
+    with pytest.raises(PatchValueError, match=r"needs 0 values, the file holds 6") as info:
+        read_patch_index(bad)
+    assert info.value.value == 6 and "2**62" not in str(info.value)
+
+
+def test_the_shape_in_a_header_error_is_shortened(tmp_path):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  header=_set(1, shape=[1] * 10_000 + [2]))
+    with pytest.raises(PatchValueError, match=r"needs 2 values, the file holds 6") as info:
+        read_patch_index(bad)
+    assert "10001 dims" in str(info.value) and len(str(info.value)) < 500
+
+
+@pytest.mark.parametrize("version", [True, 1.0, "1", None, [1]])
+def test_the_format_version_must_be_the_int_1(tmp_path, version):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  header=lambda h: {**h, "version": version})
+    for reader in (load_patches, read_patch_index, read_patch_metadata):
+        with pytest.raises(PatchValueError, match=re.escape(f"format version {version!r} is "
+                                                            "not supported")) as info:
+            reader(bad)
+        assert info.value.reason == "version" and info.value.value == version
+        assert type(info.value.value) is type(version)
+
+
+def test_saving_meta_tensors_is_refused_naming_the_patch(tmp_path):
+    ok = CheckpointWeightPatch("v", (1,), torch.float32, torch.zeros(1))
+    meta_values = CheckpointWeightPatch("m", (2,), torch.float32,
+                                        torch.empty(2, device="meta"))
+    meta_indices = CheckpointWeightPatch("s", (4,), torch.float32, torch.ones(2),
+                                         torch.empty(2, dtype=torch.int64, device="meta"))
+    path = tmp_path / "p.safetensors"
+    for bad, what in ((meta_values, "values"), (meta_indices, "indices")):
+        with pytest.raises(PatchValueError, match=rf"patch 1 \('{bad.name}'\): {what} are on "
+                           "the meta device") as info:
+            save_patches(path, [ok, bad])
+        e = info.value
+        assert (e.position, e.name, e.reason, e.value) == (1, bad.name, "meta device",
+                                                           torch.device("meta"))
+    assert os.listdir(tmp_path) == []
+
+
+def _raising_save_file(monkeypatch, message: str) -> None:
+    import safetensors.torch as st_torch
+
+    def fail(tensors, filename, metadata=None):
+        with open(filename, "wb") as fh:  # a partial write, as a full disk leaves
+            fh.write(b"partial")
+        raise safetensors.SafetensorError(message)
+
+    monkeypatch.setattr(st_torch, "save_file", fail)
+
+
+def test_a_full_disk_is_an_oserror_naming_the_path(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    save_patches(path, p)
+    old = path.read_bytes()
+    _raising_save_file(monkeypatch, "Error while serializing: I/O error: No space left on "
+                       f'device (os error 28) at path "{tmp_path}/.tmpAbC123"')
+    with pytest.raises(OSError, match="No space left on device") as info:
+        save_patches(path, [p[0]._replace(values=torch.zeros(1))])
+    e = info.value
+    assert e.errno == errno.ENOSPC and e.filename == str(path)
+    assert str(path) in str(e) and ".tmp" not in str(e)
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["p.safetensors"]
+
+    _raising_save_file(monkeypatch, "Error while serializing: I/O error: Permission denied "
+                       '(os error 13) at path "/x/.tmp1"')
+    with pytest.raises(PermissionError) as info:
+        save_patches(path, p)
+    assert info.value.filename == str(path)
+    _raising_save_file(monkeypatch, "Error while serializing: something else")
+    with pytest.raises(OSError, match="something else") as info:
+        save_patches(path, p)
+    assert info.value.filename == str(path)
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["p.safetensors"]
+
+
+def test_a_header_too_large_for_safetensors_is_refused_before_writing(tmp_path):
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    save_patches(path, p)
+    old = path.read_bytes()
+    with pytest.raises(PatchValueError, match=r"header would take \d+ bytes .*more than the "
+                       r"100000000 bytes safetensors allows.*1 patch .*100000001 bytes of user "
+                       "metadata") as info:
+        save_patches(path, p, metadata={"k": "x" * 100_000_000})
+    assert info.value.reason == "header too large" and info.value.value > 100_000_000
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["p.safetensors"]
+
+
+def test_the_header_limit_counts_patches_and_names(tmp_path, monkeypatch):
+    import patchkit.io
+
+    monkeypatch.setattr(patchkit.io, "_MAX_HEADER_BYTES", 3000)
+    ps = [CheckpointWeightPatch("n" * 100, (1,), torch.float32, torch.ones(1))] * 20
+    with pytest.raises(PatchValueError, match=r"more than the 3000 bytes safetensors allows.*"
+                       r"20 patches \(20 tensors\) with names of up to 100 characters"):
+        save_patches(tmp_path / "p.safetensors", ps)
+    assert os.listdir(tmp_path) == []
+    save_patches(tmp_path / "p.safetensors", ps[:5])  # a smaller file fits
+
+
+def test_safetensors_refusing_the_header_is_a_patch_value_error(tmp_path, monkeypatch):
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    _raising_save_file(monkeypatch, "Error while serializing: header too large")
+    with pytest.raises(PatchValueError, match="header is too large") as info:
+        save_patches(path, p)
+    assert info.value.reason == "header too large" and str(path) in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("meta", [{}, {"k": 'v\n"é\x7f\x01\\', "ü": "名" * 3}])
+def test_the_header_size_estimate_bounds_the_written_header(tmp_path, meta):
+    from patchkit.io import _header_bytes
+
+    g = torch.Generator().manual_seed(0)
+    ps = [random_sparse_patch("w\n\"é", (64, 64), torch.bfloat16, 0.25, generator=g),
+          CheckpointWeightPatch("d", (2, 3), torch.float32, torch.arange(6.0)),
+          CheckpointWeightPatch("e", (0,), torch.float64, torch.zeros(0))]
+    path = tmp_path / "p.safetensors"
+    save_patches(path, ps, metadata=meta)
+    with open(path, "rb") as fh:
+        raw = fh.read(8 + int.from_bytes(fh.read(8), "little"))[8:]
+    written = len(raw.rstrip(b" "))  # safetensors pads the header with spaces
+    with safetensors.safe_open(path, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        md = f.metadata()
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    estimate = _header_bytes(tensors, md)
+    # exact but for the data offsets, each counted as wide as the largest
+    assert written <= estimate <= written + 2 * len(tensors) * len(str(data))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX: a folder can be opened and synced")
+def test_the_file_is_synced_before_it_replaces_the_old_one(tmp_path, monkeypatch):
+    """A crash after the rename cannot leave an empty file where the old one was."""
+    import stat
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        st_ = os.fstat(fd)
+        events.append(("fsync", "dir" if stat.S_ISDIR(st_.st_mode) else "file", st_.st_ino,
+                       st_.st_size))
+        real_fsync(fd)
+
+    def replace(src, dst, **kw):
+        events.append(("replace", os.stat(src).st_ino, os.fspath(dst)))
+        real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))])
+    ino = path.stat().st_ino
+    assert [e[:2] for e in events] == [("fsync", "file"), ("replace", ino), ("fsync", "dir")]
+    assert events[0][2] == ino and events[0][3] == path.stat().st_size > 0
+    assert events[1][2] == str(path) and events[2][2] == tmp_path.stat().st_ino
+
+
+def test_a_failed_sync_keeps_the_old_file(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    save_patches(path, p)
+    old = path.read_bytes()
+
+    def fsync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError, match="Input/output error") as info:
+        save_patches(path, [p[0]._replace(values=torch.zeros(1))])
+    assert info.value.errno == errno.EIO and info.value.filename == str(path)
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["p.safetensors"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX symbolic links")
+def test_saving_through_a_symbolic_link_writes_its_target(tmp_path):
+    old = [CheckpointWeightPatch("old", (1,), torch.float32, torch.ones(1))]
+    new = [CheckpointWeightPatch("new", (1,), torch.float32, torch.zeros(1))]
+    (tmp_path / "runs").mkdir()
+    target = tmp_path / "runs" / "run42.safetensors"
+    save_patches(target, old)
+    os.chmod(target, 0o640)
+    link = tmp_path / "latest.safetensors"
+    os.symlink(os.path.join("runs", "run42.safetensors"), link)  # relative, as ln -s makes
+    save_patches(link, new)
+    assert os.path.islink(link) and os.readlink(link) == os.path.join("runs", "run42.safetensors")
+    assert_same_patches(load_patches(target), new)
+    assert target.stat().st_mode & 0o777 == 0o640  # the target's mode, kept
+    assert sorted(os.listdir(tmp_path)) == ["latest.safetensors", "runs"]
+    assert os.listdir(tmp_path / "runs") == ["run42.safetensors"]
+
+    dangling = tmp_path / "next.safetensors"
+    os.symlink(tmp_path / "runs" / "run43.safetensors", dangling)
+    save_patches(dangling, old)  # as open(link, "w") would, it creates the target
+    assert os.path.islink(dangling)
+    assert_same_patches(load_patches(tmp_path / "runs" / "run43.safetensors"), old)
+
+    loop = tmp_path / "loop.safetensors"
+    os.symlink(loop, loop)
+    with pytest.raises(OSError, match="symbolic link") as info:
+        save_patches(loop, old)
+    assert info.value.filename == str(loop) and os.path.islink(loop)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX FIFOs and sockets")
+def test_saving_over_something_that_is_not_a_regular_file_is_refused(tmp_path):
+    import socket
+    import stat
+
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    sock_path = tmp_path / "sock"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(sock_path))
+    link = tmp_path / "link"
+    os.symlink(fifo, link)
+    try:
+        for path, kind in ((fifo, r"a FIFO \(named pipe\)"), (sock_path, "a socket"),
+                           (link, "a FIFO")):
+            with pytest.raises(FileExistsError, match=f"is {kind}.*not a regular file") as info:
+                save_patches(path, p)
+            assert info.value.filename == str(path) and ".patchkit-" not in str(info.value)
+    finally:
+        sock.close()
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISSOCK(os.stat(sock_path).st_mode)
+    assert os.path.islink(link)
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "link", "sock"]
+
+
+def test_inspect_escapes_what_it_prints_from_the_file(tmp_path):
+    """Names, metadata and the path come from an untrusted file: newlines, terminal
+    escape codes and other non-printable characters are printed escaped, as repr does."""
+    import io
+
+    good = sample_files(str(tmp_path))["path"]
+    evil = "d\n  9  fake  dense  (1,)  float32\x1b[2J\u202e"
+    bad = rewrite(good, str(tmp_path / "evil\x1b[31m.safetensors"), header=_set(1, name=evil),
+                  meta=lambda m: {**m, "note\r": "\x1b]0;owned\x07", "back\\slash": "plain"})
+    buf = io.StringIO()
+    assert print_patch_file_summary(bad, file=buf) == 0
+    out = buf.getvalue()
+    assert all(c.isprintable() for c in out.replace("\n", ""))
+    assert repr(evil) in out and "'note\\r': '\\x1b]0;owned\\x07'" in out
+    assert "'back\\\\slash': plain" in out  # a backslash is shown unambiguously too
+    assert f"patch file: {bad!r}" in out
+    plain = print_patch_file_summary(good, file=(buf := io.StringIO()))
+    assert plain == 0 and f"patch file: {good}\n" in buf.getvalue()  # plain text stays so
+    assert "  d  " in buf.getvalue() or " d " in buf.getvalue()
+    rows = [line for line in out.splitlines() if line.split()[:1] == ["1"]]
+    assert len(rows) == 1 and len(out.splitlines()) == len(buf.getvalue().splitlines()) + 2
+
+
+def test_inspect_errors_are_printed_escaped(tmp_path, capsys):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  header=_set(1, name="x\x1b[2J", nnz=1))
+    assert main(["inspect", bad]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "\x1b" not in err and err.count("\n") == 1 and "x\\x1b[2J" in err
+
+
+def test_inspect_into_a_narrow_encoding_escapes_what_it_cannot_encode(tmp_path):
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch("ünï.名", (1,), torch.float32, torch.ones(1))],
+                 metadata={"ключ": "значение"})
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__)),
+           "PYTHONIOENCODING": "ascii"}
+    out = subprocess.run([sys.executable, "-m", "patchkit", "inspect", str(path)],
+                         capture_output=True, env=env, timeout=120)
+    assert out.returncode == 0 and b"Traceback" not in out.stderr, out.stderr
+    text = out.stdout.decode("ascii")
+    assert "\\xfcn\\xef.\\u540d" in text and "\\u043a\\u043b" in text
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["0"])
+    header = next(line for line in text.splitlines() if line.split()[:2] == ["#", "name"])
+    assert row.index("dense") == header.index("kind")  # the table is still aligned
+
+
+def test_inspect_shortens_a_shape_of_many_dims(tmp_path, capsys):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "dims.safetensors"),
+                  header=_set(1, shape=[1] * 10_000 + [2, 3]))
+    assert print_patch_file_summary(bad) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.split()[:2] == ["1", "d"])
+    assert "(1, 1, 1, 1, 1, 1, 1, ..., 3; 10002 dims)" in row and len(row) < 200
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+def test_overwriting_a_read_only_file_keeps_its_mode_and_syncs_it(tmp_path, monkeypatch):
+    """The sync opens the written file for reading only: a file whose kept mode has no
+    write bit (0o444) is overwritten, as before, by a user who is not root."""
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    save_patches(path, p)
+    os.chmod(path, 0o444)
+    real_open = os.open
+
+    def open_as_a_user(name, flags, *args, **kw):  # root would ignore the missing bit
+        if flags & (os.O_WRONLY | os.O_RDWR) and os.path.isfile(name) and not (
+                os.stat(name).st_mode & 0o200):
+            raise PermissionError(13, "Permission denied", name)
+        return real_open(name, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", open_as_a_user)
+    save_patches(path, [p[0]._replace(values=torch.zeros(1))])
+    monkeypatch.undo()
+    assert path.stat().st_mode & 0o777 == 0o444
+    assert_same_patches(load_patches(path), [p[0]._replace(values=torch.zeros(1))])
