@@ -39,7 +39,8 @@ def run_demo(
     from .io import _checked_device
     from .units import format_bytes
 
-    dev = _checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = _checked_device(("cuda" if torch.cuda.is_available() else "cpu") if device is None
+                          else device)
     cfg = TinyLlamaConfig()
     tp = 2
     ckpt = tiny_llama_checkpoint(cfg, seed=0, dtype=torch.bfloat16)

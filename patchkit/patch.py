@@ -492,7 +492,8 @@ def validate_patches(
     order), the reason and one offending value. The sparse value checks (NaN,
     out-of-range, duplicate) run on the device that holds each patch's values, and the
     host waits once per device; the search for an offending index happens only after that
-    combined check has failed.
+    combined check has failed. Patches whose values or indices are on the meta device
+    (a dry run: they hold no numbers) pass the checks of their values unchecked.
     """
     if positions is None:
         positions = range(len(patches))
@@ -517,13 +518,15 @@ def validate_patches(
         )
     if not sparse[0]:
         for pos, p in zip(positions, patches):
-            if _is_integral(p.dtype) and _may_not_fit(p.values.dtype, p.dtype):
+            if (_is_integral(p.dtype) and _may_not_fit(p.values.dtype, p.dtype)
+                    and not p.values.is_meta):
                 _check_fits_integers(pos, p)
         return "dense"
 
     by_device: dict[torch.device, list[int]] = {}
     for i, p in enumerate(patches):
-        by_device.setdefault(p.values.device, []).append(i)
+        if not (p.values.is_meta or p.indices.is_meta):
+            by_device.setdefault(p.values.device, []).append(i)
     first_bad: tuple[int, str] | None = None
     for members in by_device.values():
         flags = torch.stack([_sparse_flags(patches[i], validate_unique_indices) for i in members])

@@ -329,3 +329,22 @@ def test_a_shape_of_very_many_dims_is_refused_with_a_short_message(dims):
 def test_a_zero_dim_makes_any_shape_empty():
     p = CWP("w", (0,) + (10,) * 30, torch.float32, torch.ones(0))
     validate_patches([p])
+
+
+def test_patches_on_the_meta_device_pass_the_checks_of_their_numbers():
+    # a dry run (a model on meta, to plan chunks, say) has no numbers to check
+    from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime
+
+    meta = torch.device("meta")
+    sparse = CWP("w", (4,), torch.float32, torch.ones(2, device=meta),
+                 torch.tensor([0, 0], device=meta))  # (a duplicate nobody can see)
+    assert validate_patches([sparse]) == "sparse"
+    assert validate_patches([CWP("i", (4,), torch.int8, torch.ones(4, device=meta))]) == "dense"
+    cfg = TinyLlamaConfig()
+    m = TinyLlamaRuntime(cfg, tp_rank=0, tp_size=2, dtype=torch.bfloat16, device=meta)
+    p = CWP("model.norm.weight", (cfg.hidden_size,), torch.bfloat16,
+            torch.ones(3, device=meta, dtype=torch.bfloat16), torch.tensor([0, 1, 2], device=meta))
+    assert patchkit.load_checkpoint_weight_patches(m, [p]) == {"model.norm.weight"}
+    # on a real device the same duplicate is found
+    with pytest.raises(PatchValueError, match="duplicate index 0"):
+        validate_patches([CWP("w", (4,), torch.float32, torch.ones(2), torch.tensor([0, 0]))])

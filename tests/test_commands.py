@@ -39,6 +39,16 @@ def test_demo_prints_the_three_cases_and_every_check_holds():
     assert "NO" not in text.split()
 
 
+def test_run_demo_refuses_an_empty_device_rather_than_choosing_one():
+    from patchkit.demo import run_demo
+    from patchkit.errors import PatchValueError
+
+    lines: list[str] = []
+    with pytest.raises(PatchValueError, match="device '' is not a torch device"):
+        run_demo(device="", echo=lines.append)
+    assert lines == []  # refused before anything ran
+
+
 def test_python_dash_m_patchkit_lists_its_commands():
     out = subprocess.run(
         [sys.executable, "-m", "patchkit", "--help"], capture_output=True, text=True, cwd=ROOT
