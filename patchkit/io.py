@@ -40,6 +40,8 @@ from .errors import PatchError, PatchTypeError, PatchValueError, where
 from .patch import (
     CheckpointWeightPatch,
     _checked_device,
+    _numel_below,
+    _shape_text,
     check_max_chunk_bytes,
     patch_list,
     validate_patches,
@@ -738,40 +740,6 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         raise _fail(path, f"tensors not described by the header: {extra[:5]}"
                     f"{' ...' if len(extra) > 5 else ''}", "extra key", value=extra[0])
     return entries
-
-
-def _numel_below(shape: list[int], limit: int) -> int | None:
-    """The product of ``shape``'s dims, or ``None`` when it is ``limit`` or more.
-
-    Stops multiplying once the product reaches ``limit``, so a header with a huge
-    shape (many dims, or huge ones) costs time linear in its length, not a product of
-    thousands of digits.
-    """
-    if 0 in shape:
-        return 0
-    n = 1
-    for d in shape:
-        n *= d
-        if n >= limit:
-            return None
-    return n
-
-
-def _int_text(d: int) -> str:
-    """``d`` in decimal, or its size in bits when it has more than 64 (Python refuses to
-    print ints of more than 4300 digits)."""
-    return str(d) if d.bit_length() <= 64 else f"<a {d.bit_length()}-bit int>"
-
-
-def _shape_text(shape: list[int], most: int = 8) -> str:
-    """A header shape (non-negative ints) as a tuple, shortened: at most ``most`` dims
-    are printed (the first ones and the last, with the count of dims), huge dims by
-    their size in bits."""
-    if len(shape) <= most:
-        dims = [_int_text(d) for d in shape]
-        return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
-    dims = [_int_text(d) for d in shape[: most - 1]]
-    return f"({', '.join(dims)}, ..., {_int_text(shape[-1])}; {len(shape)} dims)"
 
 
 def _short_repr(value: object, most: int = 200) -> str:

@@ -196,7 +196,7 @@ def _check_structure(position: int, patch: object) -> None:
     for d in dims:
         if d < 0:
             raise PatchValueError(
-                f"{at}: shape has a negative dimension: {_short(dims)}",
+                f"{at}: shape has a negative dimension: {_shape_text(dims)}",
                 position=position, name=name, reason="negative dimension", value=d,
             )
     if not isinstance(values, torch.Tensor):
@@ -215,7 +215,7 @@ def _check_structure(position: int, patch: object) -> None:
     if n is None:
         # torch indexes elements and bytes with int64: no tensor this big can be staged
         raise PatchValueError(
-            f"{at}: shape {_short(dims)} of {dtype} is more than a tensor can hold "
+            f"{at}: shape {_shape_text(dims)} of {dtype} is more than a tensor can hold "
             f"(its bytes must stay below 2**63)",
             position=position, name=name, reason="shape too large", value=dims,
         )
@@ -274,7 +274,7 @@ def _is_integral(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def _numel_below(dims: tuple[int, ...], limit: int) -> int | None:
+def _numel_below(dims: Sequence[int], limit: int) -> int | None:
     """The product of ``dims`` when it is below ``limit``, else ``None``; it stops as soon
     as the product reaches the limit (a long list of dims costs no big-integer work)."""
     if 0 in dims:
@@ -287,12 +287,21 @@ def _numel_below(dims: tuple[int, ...], limit: int) -> int | None:
     return n
 
 
-def _short(dims: tuple[int, ...], most: int = 8) -> str:
-    """``dims`` as a message shows it: in full up to ``most`` dims, else the first ones
-    and how many there are."""
-    if len(dims) <= most:
-        return str(dims)
-    return f"({', '.join(map(str, dims[:most]))}, ... {len(dims)} dims)"
+def _int_text(d: int) -> str:
+    """``d`` in decimal, or its size in bits when it has more than 64 (Python refuses to
+    print ints of more than 4300 digits)."""
+    return str(d) if d.bit_length() <= 64 else f"<a {d.bit_length()}-bit int>"
+
+
+def _shape_text(shape: Sequence[int], most: int = 8) -> str:
+    """A shape (of ints) as a message shows it: a tuple, shortened: at most ``most`` dims
+    are printed (the first ones and the last, with the count of dims), huge dims by
+    their size in bits."""
+    if len(shape) <= most:
+        dims = [_int_text(d) for d in shape]
+        return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
+    dims = [_int_text(d) for d in shape[: most - 1]]
+    return f"({', '.join(dims)}, ..., {_int_text(shape[-1])}; {len(shape)} dims)"
 
 
 def _may_not_fit(values: torch.dtype, dtype: torch.dtype) -> bool:

@@ -316,14 +316,17 @@ def test_a_shape_given_as_an_iterator_is_refused_not_used_up():
     assert e.value.reason == "shape type"
 
 
-@pytest.mark.parametrize("dims", [(10,) * 4400, (3,) * 100_000])
-def test_a_shape_of_very_many_dims_is_refused_with_a_short_message(dims):
-    # the product has thousands of digits (more than Python prints) or would be slow
+@pytest.mark.parametrize(("dims", "shown"), [
+    ((10,) * 4400, "..., 10; 4400 dims)"), ((3,) * 100_000, "..., 3; 100000 dims)"),
+    ((10**5000,), "(<a 16610-bit int>,)")])
+def test_a_shape_of_very_many_dims_is_refused_with_a_short_message(dims, shown):
+    # the product, or a dim, has thousands of digits (more than Python prints), or its
+    # product would be slow to take
     p = CWP("w", dims, torch.float32, torch.ones(4))
     with pytest.raises(PatchValueError, match="more than a tensor can hold") as e:
         validate_patches([p])
     assert e.value.reason == "shape too large"
-    assert f"... {len(dims)} dims)" in str(e.value) and len(str(e.value)) < 300
+    assert shown in str(e.value) and len(str(e.value)) < 300
 
 
 def test_a_zero_dim_makes_any_shape_empty():
