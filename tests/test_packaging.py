@@ -42,15 +42,20 @@ def test_environment_yml_installs_the_same_set_as_pyproject():
     assert conda_side == pip_side
 
 
+def _fresh_python(code: str) -> str:
+    """What ``code`` prints (stripped), run by this interpreter in a new process."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.strip()
+
+
 def test_import_patchkit_loads_torch_only():
     code = (
         "import sys, patchkit\n"
         "heavy = {'matplotlib', 'pandas', 'ipywidgets', 'IPython', 'safetensors'}\n"
         "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
-    ).stdout.strip()
+    out = _fresh_python(code)
     assert out == "[]"
 
 
@@ -63,9 +68,7 @@ def test_heavy_submodules_are_attributes_of_the_package_once_read():
         "      patchkit.inspect.LoadReport.__name__,\n"
         "      'matplotlib' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
-    ).stdout.strip()
+    out = _fresh_python(code)
     assert out == "plot_chunks chunk_planner TinyLlamaRuntime LoadReport True"
 
 
