@@ -330,11 +330,7 @@ def save_patches(
             save_file(tensors, tmp, metadata=meta)  # (safetensors writes its files 0o600)
         except safetensor_error as e:
             raise _write_error(e, path, patches, len(tensors), user) from None
-        if os.name != "posix":  # (Windows: written to before it may turn read-only)
-            _synced(tmp, path)
-        os.chmod(tmp, mode)
-        if os.name == "posix":  # after chmod: the mode is on the disk too
-            _synced(tmp, path)
+        _synced(tmp, path, mode)
         try:
             os.replace(tmp, dest)
         except OSError as e:
@@ -346,28 +342,24 @@ def save_patches(
     _fsync_folder(os.path.dirname(os.path.abspath(dest)))  # the rename itself
 
 
-def _synced(tmp: str, path: str) -> None:
-    """Flush the temporary ``tmp`` to the disk before it replaces ``path``: a crash then
-    leaves one file or the other, never an empty one. Errors name ``path``."""
+def _synced(tmp: str, path: str, mode: int) -> None:
+    """Give the temporary ``tmp`` its final ``mode`` and flush it to the disk before it
+    replaces ``path`` (a crash then leaves one file or the other, never an empty one).
+    Both through one descriptor opened before the mode changes, so a mode without read
+    or write bits (``0o000``, ``0o200``, ``0o444``) is no obstacle. Errors name
+    ``path``."""
     try:
-        _fsync_file(tmp)
+        fd = os.open(tmp, os.O_RDWR | getattr(os, "O_BINARY", 0))
+        try:
+            if hasattr(os, "fchmod"):
+                os.fchmod(fd, mode)
+            os.fsync(fd)  # the data, and the mode with them
+        finally:
+            os.close(fd)
+        if not hasattr(os, "fchmod"):  # (Windows: after the flush, it may turn read-only)
+            os.chmod(tmp, mode)
     except OSError as e:
         raise _save_error(e, path, "cannot flush the written file to disk") from None
-
-
-def _fsync_file(name: str) -> None:
-    """Flush the file ``name``'s data and metadata to the disk.
-
-    Opened for reading only where the system allows syncing so (POSIX): the file may
-    already have the mode of the file it replaces, which may have no write bit;
-    elsewhere (Windows needs write access) for writing.
-    """
-    flags = os.O_RDONLY if os.name == "posix" else os.O_RDWR | getattr(os, "O_BINARY", 0)
-    fd = os.open(name, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_folder(folder: str) -> None:

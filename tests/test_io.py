@@ -1109,23 +1109,30 @@ def test_inspect_shortens_a_shape_of_many_dims(tmp_path, capsys):
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
-def test_overwriting_a_read_only_file_keeps_its_mode_and_syncs_it(tmp_path, monkeypatch):
-    """The sync opens the written file for reading only: a file whose kept mode has no
-    write bit (0o444) is overwritten, as before, by a user who is not root."""
+@pytest.mark.parametrize("mode", [0o444, 0o200, 0o000])
+def test_overwriting_a_file_keeps_its_mode_and_syncs_it_whatever_the_mode(
+        tmp_path, monkeypatch, mode):
+    """The written file gets the kept mode and is synced through one descriptor opened
+    before: a file whose mode lacks read or write bits is overwritten, as before, by a
+    user who is not root."""
     path = tmp_path / "p.safetensors"
     p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
     save_patches(path, p)
-    os.chmod(path, 0o444)
+    os.chmod(path, mode)
     real_open = os.open
 
-    def open_as_a_user(name, flags, *args, **kw):  # root would ignore the missing bit
-        if flags & (os.O_WRONLY | os.O_RDWR) and os.path.isfile(name) and not (
-                os.stat(name).st_mode & 0o200):
-            raise PermissionError(13, "Permission denied", name)
+    def open_as_a_user(name, flags, *args, **kw):  # root would ignore the missing bits
+        if os.path.isfile(name):
+            bits = os.stat(name).st_mode
+            writes = flags & (os.O_WRONLY | os.O_RDWR)
+            reads = flags & os.O_WRONLY == 0
+            if (writes and not bits & 0o200) or (reads and not bits & 0o400):
+                raise PermissionError(13, "Permission denied", name)
         return real_open(name, flags, *args, **kw)
 
     monkeypatch.setattr(os, "open", open_as_a_user)
     save_patches(path, [p[0]._replace(values=torch.zeros(1))])
     monkeypatch.undo()
-    assert path.stat().st_mode & 0o777 == 0o444
+    assert path.stat().st_mode & 0o777 == mode
+    os.chmod(path, 0o644)
     assert_same_patches(load_patches(path), [p[0]._replace(values=torch.zeros(1))])
