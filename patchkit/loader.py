@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
-from .errors import PatchTypeError
+from .errors import PatchTypeError, PatchValueError, where
 from .intercept import WriteRecorder, WriteSession, named_tensors
 from .patch import CheckpointWeightPatch, patch_list, validate_patches
 from .staging import stage
@@ -113,6 +113,7 @@ def run_load(
         )
         if kind is None:
             return set()
+        _check_meta(model, patches)
         load_weights = getattr(model, "load_weights", None)
         if not callable(load_weights):
             raise PatchTypeError(
@@ -169,6 +170,27 @@ def run_load(
         if transactional and session is not None and not save_regions:
             session.discard()
         return loaded
+
+
+def _check_meta(model: Any, patches: Sequence[CheckpointWeightPatch]) -> None:
+    """Patches on the meta device hold no numbers: only a model whose tensors are all on
+    the meta device too (a dry run) can load them. Refused before the first call,
+    naming the first such patch, for any other model."""
+    pos = next((i for i, p in enumerate(patches)
+                if p.values.is_meta or (p.indices is not None and p.indices.is_meta)), None)
+    if pos is None or not isinstance(model, torch.nn.Module):
+        return
+    real = next((t for t in (*model.parameters(), *model.buffers()) if not t.is_meta), None)
+    if real is None:
+        return
+    p = patches[pos]
+    what = "values" if p.values.is_meta else "indices"
+    raise PatchValueError(
+        f"{where(pos, p.name)}: {what} are on the meta device, which holds no numbers to "
+        f"load; only a model on the meta device loads such patches (this one has tensors "
+        f"on {real.device})",
+        position=pos, name=p.name, reason="meta device", value=real.device,
+    )
 
 
 def canonicalize_tied(

@@ -351,3 +351,23 @@ def test_patches_on_the_meta_device_pass_the_checks_of_their_numbers():
     # on a real device the same duplicate is found
     with pytest.raises(PatchValueError, match="duplicate index 0"):
         validate_patches([CWP("w", (4,), torch.float32, torch.ones(2), torch.tensor([0, 0]))])
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense int", "dense float"])
+def test_a_meta_patch_for_a_real_model_is_refused_before_the_first_call(kind):
+    meta = torch.device("meta")
+    m = PlainModel({"a": (4,), "b": (4,)}, fill=1.0)
+    if kind == "sparse":
+        ps = [CWP("a", (4,), torch.float32, torch.full((2,), 5.0), torch.tensor([0, 1])),
+              CWP("b", (4,), torch.float32, torch.ones(2, device=meta),
+                  torch.tensor([0, 1], device=meta))]
+    else:
+        dtype = torch.int8 if kind == "dense int" else torch.float32
+        m.b.data = torch.ones(4, dtype=dtype)
+        ps = [CWP("a", (4,), torch.float32, torch.full((4,), 5.0)),
+              CWP("b", (4,), dtype, torch.ones(4, device=meta, dtype=dtype))]
+    for run in (patchkit.load_checkpoint_weight_patches, inspect_load):
+        with pytest.raises(PatchValueError, match=r"patch 1 \('b'\): values are on the meta") as e:
+            run(m, ps, max_chunk_bytes=16)
+        assert (e.value.reason, e.value.value) == ("meta device", torch.device("cpu"))
+        assert m.get_parameter("a").tolist() == [1.0] * 4  # untouched
