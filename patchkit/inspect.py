@@ -285,7 +285,8 @@ class LoadReport:
       matters. Squares are summed in float64: float64 weights of magnitude above about
       1e154 give an infinite or NaN ``rel_l2``.
     - ``error``: the exception the load raised, or ``None``; ``rolled_back``: True when
-      that load was ``transactional=True`` and put every write back (the ``writes``
+      that load was ``transactional=True`` and put every write back (False when a region
+      could not be written back: the error then says which; the ``writes``
       table still says what the load did before it failed; ``deltas`` compares with the
       model as it is after the rollback).
     - ``loaded``: the names the loader reported loaded. After a failure without
@@ -746,7 +747,8 @@ def _inspect_load(
     finally:
         if tracker is not None:
             tracker.close()
-    rolled_back = error is not None and transactional and loader is None and bool(rec.calls)
+    rolled_back = (error is not None and transactional and loader is None and bool(rec.calls)
+                   and not any(s.unrestored for s in sessions))
     if error is not None and not rolled_back:
         # What the calls that returned before the failure reported loaded stays loaded.
         loaded = {n for c in rec.calls if not c["error"] and c["returned"] for n in c["returned"]}

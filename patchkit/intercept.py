@@ -1066,6 +1066,8 @@ class WriteSession:
         self._patches: dict[int, Any] = {}
         self._bindings: dict[str, torch.Tensor] | None = None
         self._model_gpus: set[torch.device] | None = None  # (see _gpus)
+        # the targets a restore() could not write back (keeping what the load wrote)
+        self.unrestored: list[str] = []
         # Watched dense calls: runtime tensors the loader rebound (``param.data = w``) or
         # registered anew, by name -> the tensor now (see _note_rebinding).
         self.rebound: dict[str, torch.Tensor] = {}
@@ -1666,6 +1668,7 @@ class WriteSession:
         first such failure; the load's own error is its ``__context__``).
         """
         failed: list[tuple[SavedRegion, BaseException]] = []
+        self.unrestored = []
         with torch.no_grad():
             for saved in reversed(self.saved):
                 try:
@@ -1674,6 +1677,7 @@ class WriteSession:
                     failed.append((saved, e))
         if failed:
             targets = sorted({s.target for s, _ in failed})
+            self.unrestored = targets
             raise RuntimeError(
                 f"transactional rollback incomplete: {len(failed)} of {len(self.saved)} "
                 f"saved regions could not be written back, so {', '.join(map(repr, targets))} "

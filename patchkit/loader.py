@@ -164,8 +164,10 @@ def run_load(
                 session.index.put_back(session.index.replaced())
                 for name in session.index.rebound(bindings):
                     session.index.tensors[name].data = bindings[name]
-                session.restore()
-                session.discard()
+                try:
+                    session.restore()
+                finally:
+                    session.discard()  # (a failed restore's error keeps no saved copies)
             raise
         if transactional and session is not None and not save_regions:
             session.discard()

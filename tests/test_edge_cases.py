@@ -534,3 +534,41 @@ def test_a_region_that_cannot_be_restored_does_not_stop_the_rest(monkeypatch):
     assert m.get_parameter("a").tolist() == [1.0] * 4  # restored after b failed
     assert m.get_parameter("c").tolist() == [1.0] * 4
     assert m.get_parameter("b").tolist() == [5.0] * 4
+
+
+def test_a_report_of_an_incomplete_rollback_is_not_rolled_back(monkeypatch):
+    from patchkit import intercept
+    from patchkit.toymodels import PlainModel
+
+    class Boom(PlainModel):
+        def load_weights(self, weights):
+            weights = list(weights)
+            if any(name == "boom" for name, _ in weights):
+                raise KeyError("boom")
+            return super().load_weights(weights)
+
+    real = intercept.SavedRegion.restore
+    sessions = []
+    real_discard = intercept.WriteSession.discard
+
+    def restore(self):
+        if self.target == "b":
+            raise OSError("b cannot be written")
+        real(self)
+
+    def discard(self):
+        sessions.append(self)
+        real_discard(self)
+
+    monkeypatch.setattr(intercept.SavedRegion, "restore", restore)
+    monkeypatch.setattr(intercept.WriteSession, "discard", discard)
+    m = Boom({"a": (4,), "b": (4,)}, fill=1.0)
+    ps = [CWP(n, (4,), torch.float32, torch.full((4,), 5.0)) for n in "ab"]
+    with pytest.raises(RuntimeError, match="rollback incomplete") as e:
+        inspect_load(m, [*ps, CWP("boom", (1,), torch.float32, torch.ones(1))],
+                     transactional=True, max_chunk_bytes=16)
+    report = e.value.report
+    assert report.rolled_back is False
+    assert report.loaded == {"a", "b"}  # b keeps what the load wrote
+    assert m.get_parameter("b").tolist() == [5.0] * 4
+    assert sessions and all(not s.saved for s in sessions)  # no copies kept by the error
