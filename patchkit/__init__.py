@@ -87,7 +87,10 @@ _LAZY_MODULES = ("inspect", "plot", "toymodels", "widgets")
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY_MODULES:
-        return importlib.import_module(f".{name}", __name__)
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ImportError as e:  # an optional extra missing: no such attribute here
+            raise AttributeError(f"patchkit.{name} is not available: {e}") from e
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'patchkit' has no attribute {name!r}")

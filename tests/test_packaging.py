@@ -72,6 +72,20 @@ def test_heavy_submodules_are_attributes_of_the_package_once_read():
     assert out == "plot_chunks chunk_planner TinyLlamaRuntime LoadReport True"
 
 
+def test_a_lazy_submodule_whose_extra_is_missing_is_no_attribute():
+    code = (
+        "import sys, inspect\n"
+        "sys.modules['ipywidgets'] = None  # the notebooks extra not installed\n"
+        "import patchkit\n"
+        "try:\n"
+        "    patchkit.widgets\n"
+        "except AttributeError as e:\n"
+        "    print('ipywidgets' in str(e), isinstance(e.__cause__, ImportError))\n"
+        "print(hasattr(patchkit, 'widgets'), len(inspect.getmembers(patchkit)) > 40)\n"
+    )
+    assert _fresh_python(code).split() == ["True", "True", "False", "True"]
+
+
 def test_public_names_are_exported_and_documented():
     import patchkit
 
