@@ -194,3 +194,31 @@ def test_widget_ids_are_numbered_without_regard_to_their_random_values():
     assert {k: v["model_name"] for k, v in state.items()} == {
         f"{1:032x}": "HTMLModel", f"{2:032x}": "IntSliderModel", f"{3:032x}": "LayoutModel"}
     assert state[f"{1:032x}"]["state"]["layout"] == f"IPY_MODEL_{3:032x}"
+
+
+def test_widgets_no_cell_shows_are_numbered_by_what_they_refer_to_as_well():
+    import uuid
+
+    import nbformat
+
+    script = _execute_notebooks_script()
+    view = "application/vnd.jupyter.widget-view+json"
+
+    def notebook(a, c1, c2, l1, l2):
+        # two buttons no cell shows, alike but for the layouts they refer to
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output(
+            "display_data", data={view: {"model_id": a, "version_major": 2,
+                                         "version_minor": 0}})], id="c0")]
+        nb.metadata["widgets"] = {script.WIDGET_STATE: {"state": {
+            a: {"model_name": "HTMLModel", "state": {}},
+            c1: {"model_name": "ButtonModel", "state": {"layout": f"IPY_MODEL_{l1}"}},
+            c2: {"model_name": "ButtonModel", "state": {"layout": f"IPY_MODEL_{l2}"}},
+            l1: {"model_name": "LayoutModel", "state": {"width": "10px"}},
+            l2: {"model_name": "LayoutModel", "state": {"width": "20px"}},
+        }, "version_major": 2, "version_minor": 0}}
+        return nbformat.writes(nb)
+
+    outs = {script.stable_widget_ids(notebook(*[uuid.uuid4().hex for _ in range(5)]))
+            for _ in range(12)}
+    assert len(outs) == 1
