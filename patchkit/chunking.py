@@ -14,9 +14,9 @@ from .errors import PatchValueError
 from .patch import (
     CheckpointWeightPatch,
     _check_structure,
+    _numel_below,
     check_max_chunk_bytes,
     patch_list,
-    staged_nbytes,
 )
 
 __all__ = ["DEFAULT_MAX_CHUNK_BYTES", "Chunk", "plan_chunks"]
@@ -112,7 +112,11 @@ def plan_chunks(
         if type(patch) is tuple and len(patch) == 5:
             patch = CheckpointWeightPatch(*patch)  # a plain 5-tuple, as a load takes it
         try:
-            nbytes = staged_nbytes(patch)
+            size = patch.dtype.itemsize
+            n = _numel_below([int(d) for d in patch.shape], (1 << 63) // size)
+            if n is None:  # (a shape no tensor holds: no big-integer product of it)
+                raise OverflowError
+            nbytes = n * size
         except Exception:
             _check_structure(pos, patch)  # names what is wrong with it
             raise

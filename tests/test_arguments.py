@@ -371,3 +371,12 @@ def test_a_meta_patch_for_a_real_model_is_refused_before_the_first_call(kind):
             run(m, ps, max_chunk_bytes=16)
         assert (e.value.reason, e.value.value) == ("meta device", torch.device("cpu"))
         assert m.get_parameter("a").tolist() == [1.0] * 4  # untouched
+
+
+@pytest.mark.parametrize("dims", [(2**32, 2**32), (3,) * 100_000])
+def test_plan_chunks_refuses_a_shape_no_tensor_holds(dims):
+    p = CWP("w", dims, torch.float32, torch.ones(4))
+    with pytest.raises(PatchValueError, match=r"patch 0 \('w'\): shape .* more than a tensor"):
+        plan_chunks([p])
+    with pytest.raises(PatchValueError, match="more than a tensor can hold"):
+        inspect_load(PlainModel({"w": (4,)}), [p])
