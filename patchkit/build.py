@@ -575,6 +575,17 @@ def wire_bytes(patches: CheckpointWeightPatch | Iterable[CheckpointWeightPatch])
 # --------------------------------------------------------------------------- trainer
 
 
+def _same_tensor_key(t: torch.Tensor) -> tuple:
+    """Equal for two tensors that are the same values in memory: one object, or two views
+    of one storage with the same offset, shape, strides and dtype (``state_dict()`` hands
+    out a fresh ``detach()`` per name of a tied parameter). Tensors without memory of
+    their own to compare (meta, empty) are the same only as one object."""
+    if t.is_meta or t.numel() == 0:
+        return ("object", id(t))
+    return ("view", t.device, t.untyped_storage().data_ptr(), t.storage_offset(),
+            tuple(t.shape), t.stride(), t.dtype)
+
+
 class AdamLikeTrainer:
     """A deterministic stand-in for an RL trainer: Adam on fp32 master weights.
 
@@ -598,9 +609,10 @@ class AdamLikeTrainer:
     real RL runs. Two trainers built with the same arguments produce the same steps.
 
     Tensors that ``state_dict`` lists under several names (tied weights: a Hugging Face
-    ``state_dict()`` lists ``lm_head.weight`` and ``model.embed_tokens.weight`` as one
-    tensor) stay one: one master weight, one gradient per step, and every name of it
-    gets the same new values, as a real optimizer of a tied model gives.
+    ``state_dict()`` lists ``lm_head.weight`` and ``model.embed_tokens.weight`` as two
+    views of one storage; a plain dict may hold one tensor twice) stay one: one master
+    weight, one gradient per step, and every name of it gets the same new values, as a
+    real optimizer of a tied model gives.
 
     Arguments are checked when the trainer is made (``PatchTypeError`` /
     ``PatchValueError``): ``state_dict`` a mapping of names to tensors; ``lr``,
@@ -640,12 +652,13 @@ class AdamLikeTrainer:
         self._m: dict[str, torch.Tensor] = {}
         self._v: dict[str, torch.Tensor] = {}
         self._tied: dict[str, str] = {}  # a later name of a tensor -> its first name
-        first: dict[int, str] = {}
+        first: dict[tuple, str] = {}
         for k, t in state_dict.items():
-            if id(t) in first:
-                self._tied[k] = first[id(t)]
+            key = _same_tensor_key(t)
+            if key in first:
+                self._tied[k] = first[key]
                 continue
-            first[id(t)] = k
+            first[key] = k
             if t.dtype.is_floating_point:
                 keep = torch.float64 if t.dtype == torch.float64 else torch.float32
                 self.master[k] = t.detach().to(keep, copy=True)

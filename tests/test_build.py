@@ -629,6 +629,28 @@ def test_trainer_keeps_tied_weights_tied():
     assert torch.equal(ref["embed.weight"], new["embed.weight"])
 
 
+def test_trainer_keeps_the_tied_weights_of_a_modules_state_dict_tied():
+    # nn.Module.state_dict() gives each name of a tied parameter its own detach()
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 8)
+            self.lm_head = torch.nn.Linear(8, 16, bias=False)
+            self.lm_head.weight = self.embed.weight
+            self.other = torch.nn.Linear(8, 16, bias=False)  # same shape, not tied
+
+    sd = Tied().state_dict()
+    assert sd["embed.weight"] is not sd["lm_head.weight"]
+    tr = AdamLikeTrainer(sd, lr=1e-2)
+    new = tr.step()
+    assert sorted(tr.master) == ["embed.weight", "other.weight"]
+    assert new["lm_head.weight"] is new["embed.weight"]
+    assert not torch.equal(new["other.weight"], sd["other.weight"])
+    # two views of one buffer at different offsets are two weights
+    flat = torch.zeros(8)
+    assert sorted(AdamLikeTrainer({"a": flat[:4], "b": flat[4:]}).master) == ["a", "b"]
+
+
 def test_a_diff_of_tensors_that_share_memory_warns():
     w = torch.ones(4)
     with pytest.warns(UserWarning, match="share memory for 1 weight"):
