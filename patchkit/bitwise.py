@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["bits", "changed_mask", "count_true", "same_bits", "same_state", "select",
-           "sum_squares"]
+__all__ = ["bits", "changed_mask", "count_true", "difference", "same_bits", "same_state",
+           "select", "sum_squares"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # The unsigned types wider than a byte have no index kernels in torch (index_select,
@@ -45,6 +45,32 @@ def select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if signed is None:
         return t.index_select(0, index)
     return t.view(signed).index_select(0, index).view(t.dtype)
+
+
+def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a - b`` elementwise, as a float tensor (complex128 for complex inputs) wide
+    enough to hold it: float16 and the 8-bit floats in float32 (exact unless their
+    exponents are more than 16 apart), other floats in float64; integers exactly, then
+    rounded once to float64 (int64 values beyond 2**53 too, which a cast to float64
+    first would round to equal numbers)."""
+    if a.is_complex():
+        return a.to(torch.complex128) - b.to(torch.complex128)
+    if a.is_floating_point():
+        if a.element_size() <= 2 and a.dtype != torch.bfloat16:
+            return torch.sub(a.float(), b.float())
+        return torch.sub(a.double(), b.double())  # (bfloat16 has float32's range)
+    if a.dtype in (torch.int64, torch.uint64):
+        # each as hi * 2**32 + lo (lo in [0, 2**32)): the two partial differences are
+        # exact in int64 and in float64, and their sum is rounded once
+        sa, sb = bits(a), bits(b)
+        hi_a, hi_b = sa >> 32, sb >> 32
+        if a.dtype == torch.uint64:  # the upper half unsigned too
+            hi_a, hi_b = hi_a & 0xFFFFFFFF, hi_b & 0xFFFFFFFF
+        lo = (sa & 0xFFFFFFFF) - (sb & 0xFFFFFFFF)
+        return (hi_a - hi_b).double().mul_(2.0**32).add_(lo.double())
+    if a.dtype != torch.bool:
+        return torch.sub(a.to(torch.int64), b.to(torch.int64)).double()
+    return torch.sub(a.double(), b.double())
 
 
 def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:

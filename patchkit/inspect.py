@@ -56,7 +56,7 @@ import pandas as pd
 import torch
 
 from . import native
-from .bitwise import bits, changed_mask, count_true, sum_squares
+from .bitwise import bits, changed_mask, count_true, difference, sum_squares
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _row_major_strides, density_map, region_text
@@ -1169,15 +1169,10 @@ class _Stats:
 
 
 def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| as a real 1-D tensor (see :meth:`_Stats.add_pairs` for the precision)."""
-    if a.is_complex():
-        return (a.to(torch.complex128) - b.to(torch.complex128)).abs()
-    if a.is_floating_point() and a.element_size() <= 2 and a.dtype != torch.bfloat16:
-        # float16 and the 8-bit floats: their differences fit float32's range, and are
-        # exact there unless the exponents are more than 16 apart. bfloat16 has float32's
-        # range, so its differences can overflow float32: they go to float64.
-        return torch.sub(a.float(), b.float()).abs_()
-    return torch.sub(a.double(), b.double()).abs_()
+    """|a - b| as a real 1-D tensor (see :func:`~patchkit.bitwise.difference` for the
+    precision)."""
+    d = difference(a, b)
+    return d.abs() if d.is_complex() else d.abs_()
 
 
 def _as_dtype_of(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

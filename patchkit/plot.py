@@ -43,7 +43,7 @@ from matplotlib.patheffects import withStroke
 from matplotlib.textpath import text_to_path
 from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 
-from .bitwise import changed_mask
+from .bitwise import changed_mask, difference
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, density_map, grid_shape
 from .loader import _as_patch as _as_record
@@ -960,10 +960,7 @@ def _max_abs_diff(before: torch.Tensor, after: torch.Tensor, mask: np.ndarray) -
     none), in float64 (complex: the modulus), as :attr:`LoadReport.deltas` measures it."""
     pick = torch.from_numpy(mask)
     a, b = after[pick], before[pick]
-    if a.is_complex():
-        d = (a.to(torch.complex128) - b.to(torch.complex128)).abs()
-    else:
-        d = (a.double() - b.double()).abs()
+    d = difference(a, b).abs()
     d = d[torch.isfinite(d)]
     return float(d.max()) if d.numel() else 0.0
 
@@ -1028,7 +1025,11 @@ def plot_delta(
                 parse_math=False)
         return fig
     before, after = _as_grid(before_t), _as_grid(after_t)
-    delta = after - before
+    if before_t.is_complex() or before_t.is_floating_point():
+        delta = after - before
+    else:  # exact for integers (int64 beyond 2**53 too), as the deltas table measures
+        delta = difference(after_t.reshape(before.shape), before_t.reshape(before.shape))
+        delta = delta.numpy()
     rows, cols = before.shape
     br, bc = _cap_bins(bins, rows, cols)
     pooled = (br, bc) != (rows, cols)

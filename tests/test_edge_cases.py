@@ -572,3 +572,29 @@ def test_a_report_of_an_incomplete_rollback_is_not_rolled_back(monkeypatch):
     assert report.loaded == {"a", "b"}  # b keeps what the load wrote
     assert m.get_parameter("b").tolist() == [5.0] * 4
     assert sessions and all(not s.saved for s in sessions)  # no copies kept by the error
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint64, torch.int32, torch.uint32,
+                                   torch.int16, torch.uint8])
+def test_a_difference_of_integers_is_the_exact_one_rounded_once(dtype):
+    from patchkit.bitwise import difference
+
+    info = torch.iinfo(dtype)
+    g = torch.Generator().manual_seed(3)
+    n = 2000
+    # the edges and numbers near them, and random ones over the whole range
+    edge = [info.min, info.min + 1, info.max - 1, info.max, 0, 2**53 + 1, -(2**53) - 1]
+    edge = [v for v in edge if info.min <= v <= info.max]
+    span = info.max - info.min
+    rand = [info.min + int(torch.randint(0, 2**62, (), generator=g)) * span // 2**62
+            for _ in range(n)]
+    xs = edge + rand
+    ys = list(reversed(edge)) + rand[1:] + rand[:1]
+
+    def tensor(vs):
+        if dtype == torch.uint64:  # (torch.tensor takes no Python int of 2**63 or more)
+            return torch.tensor([v - 2**64 if v >= 2**63 else v for v in vs]).view(dtype)
+        return torch.tensor(vs, dtype=torch.int64).to(dtype)
+
+    got = difference(tensor(xs), tensor(ys)).tolist()
+    assert got == [float(x - y) for x, y in zip(xs, ys)]

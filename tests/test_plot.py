@@ -512,6 +512,20 @@ def test_delta_images_are_before_after_and_their_difference():
     assert lo == -hi and hi == np.abs(after - before).max()
 
 
+def test_delta_of_int64_weights_beyond_2_53_is_exact():
+    # float64 holds no int64 above 2**53 exactly: the difference is taken in integers
+    x = torch.full((2, 3), 2**60, dtype=torch.int64) + torch.arange(6).reshape(2, 3)
+    m = PlainModel({"w": (2, 3)}, dtype=torch.int64)
+    m.load_weights([("w", x)])
+    report = inspect_load(m, [CheckpointWeightPatch("w", (2, 3), torch.int64,
+                                                    (x + 1).reshape(-1))])
+    fig = plot_delta(report, "w")
+    d = [np.asarray(ax.images[0].get_array()) for ax in fig.axes if ax.images][2]
+    np.testing.assert_array_equal(d, np.ones((2, 3)))
+    assert "max |Δ| 1" in fig.get_suptitle()
+    assert report.deltas.loc["w", ["changed", "max_abs", "mean_abs"]].tolist() == [6, 1.0, 1.0]
+
+
 def _blocks(n: int, b: int) -> np.ndarray:
     return (np.arange(n) * b) // n  # block of each row, as density_map cuts them
 
