@@ -512,6 +512,7 @@ def split_patch(
         nnz = values.numel()
         if nnz == 0:
             return [patch]
+        parts = min(parts, nnz)  # (more would only add empty parts, then drop them)
         groups = zip(torch.tensor_split(values, parts), torch.tensor_split(indices, parts))
         return [patch._replace(values=v, indices=i) for v, i in groups if v.numel()]
 
@@ -533,6 +534,7 @@ def split_patch(
     if n == 0:
         empty = torch.empty(0, dtype=idx_dtype, device=values.device)
         return [patch._replace(indices=empty)]
+    parts = min(parts, n)  # (more would only add empty parts, then drop them)
     bounds = [(n * j) // parts for j in range(parts + 1)]
     out = []
     for start, stop in itertools.pairwise(bounds):

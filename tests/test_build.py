@@ -460,6 +460,21 @@ def test_split_patch_empty_and_identity():
     assert only.indices is not None and only.indices.numel() == 0
 
 
+def test_split_patch_into_more_parts_than_elements_makes_one_per_element(monkeypatch):
+    # and asks torch for no more parts than that (a million parts of a 4-element patch
+    # made a million views first: seconds and gigabytes)
+    asked = []
+    real = torch.tensor_split
+    monkeypatch.setattr(torch, "tensor_split", lambda t, k: asked.append(k) or real(t, k))
+    sp = CheckpointWeightPatch("w", (4,), torch.float32, torch.arange(4.0),
+                               torch.tensor([3, 0, 2, 1]))
+    pieces = split_patch(sp, 1_000_000)
+    assert [p.indices.tolist() for p in pieces] == [[3], [0], [2], [1]]
+    assert asked == [4, 4]
+    dense = CheckpointWeightPatch("w", (3,), torch.float32, torch.arange(3.0))
+    assert [p.indices.tolist() for p in split_patch(dense, 10**9)] == [[0], [1], [2]]
+
+
 # --------------------------------------------------------------------------- wire bytes
 
 
