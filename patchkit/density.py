@@ -73,6 +73,12 @@ def density_map(
             f"density_map: patch must be a CheckpointWeightPatch, got {type(patch).__name__}",
             reason="not a patch", value=type(patch).__name__,
         )
+    return _density(patch, bins)[0]
+
+
+def _density(patch: CheckpointWeightPatch, bins: object) -> tuple[torch.Tensor, int]:
+    """``(density_map(patch, bins), elements the patch writes)``: each element once, an
+    index given twice too."""
     want_r, want_c = _as_bins(bins)
     rows, cols = grid_shape(patch.shape)
     br = max(1, min(want_r, rows))
@@ -82,9 +88,9 @@ def density_map(
     if idx is not None:
         _check_range(patch, idx, n)
     if n == 0:
-        return torch.zeros((br, bc), dtype=torch.float32, device="cpu")
+        return torch.zeros((br, bc), dtype=torch.float32, device="cpu"), 0
     if idx is None:
-        return torch.ones((br, bc), dtype=torch.float32, device="cpu")
+        return torch.ones((br, bc), dtype=torch.float32, device="cpu"), n
     if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
         # Not strictly increasing: an index may repeat (validate_unique_indices=False),
         # and an element written twice is still one element.
@@ -97,7 +103,7 @@ def density_map(
     rows_per = (rs[1:] - rs[:-1]).to(torch.float64)
     cols_per = (cs[1:] - cs[:-1]).to(torch.float64)
     sizes = rows_per[:, None] * cols_per[None, :]
-    return (counts / sizes).to(torch.float32)
+    return (counts / sizes).to(torch.float32), int(idx.numel())
 
 
 def _as_bins(bins: object) -> tuple[int, int]:

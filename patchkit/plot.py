@@ -45,7 +45,7 @@ from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 
 from .bitwise import changed_mask, difference
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
-from .density import _as_bins, density_map, grid_shape
+from .density import _as_bins, _density, grid_shape
 from .loader import _as_patch as _as_record
 from .patch import CheckpointWeightPatch, numel, staged_nbytes
 from .units import format_bytes
@@ -594,7 +594,8 @@ def plot_density(
     patch = _as_patch(patch, "plot_density")
     rows, cols = grid_shape(patch.shape)
     br, bc = _cap_bins(bins, rows, cols)
-    dmap = density_map(patch, (br, bc)).numpy()
+    dmap, nnz = _density(patch, (br, bc))  # (an index given twice: one element)
+    dmap = dmap.numpy()
     own = ax is None
     if ax is None:
         fig: Figure = _new_figure(7.5, 5.2)
@@ -609,7 +610,6 @@ def plot_density(
     # Written, not changed: a patch that writes the value already there counts too.
     fig.colorbar(im, ax=ax, label="fraction of elements the patch writes per block")
     n = numel(patch)
-    nnz = n if patch.indices is None else int(patch.indices.numel())
     kind = "dense" if patch.indices is None else "sparse"
     what = f"{_shape_text(patch.shape)} {str(patch.dtype).removeprefix('torch.')}"
     # The title is centred over the heat map; on patchkit's own figure it may spread

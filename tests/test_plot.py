@@ -921,3 +921,12 @@ def test_a_label_on_a_hatched_bar_has_a_stroke_of_the_bars_colour():
         else:
             assert not effects
     assert seen  # the repeated-name and end bars are hatched and labelled
+
+
+def test_density_title_counts_an_index_given_twice_once():
+    # (loadable with validate_unique_indices=False): the heat map counts it once, so does
+    # the title
+    p = CheckpointWeightPatch("w", (2,), torch.float32, torch.tensor([1.0, 2.0, 3.0]),
+                              torch.tensor([0, 0, 0]))
+    title = plot_density(p).axes[0].get_title()
+    assert "writes 1 of 2 elements (50" in title
