@@ -607,8 +607,10 @@ class AdamLikeTrainer:
 
     Why this is realistic: each master weight moves by about ``lr`` per step, but a bf16
     element changes only when the master crosses a bf16 rounding boundary, so at small
-    learning rates only a few percent of bf16 elements change per step, as reported for
-    real RL runs. Two trainers built with the same arguments produce the same steps.
+    learning rates only a small share of bf16 elements change per step, as reported for
+    real RL runs (1-3 %): on ``tiny_llama_checkpoint()`` weights, about 0.5 % at the
+    default ``lr=1e-6``, 5-6 % at ``1e-5`` and a third at ``1e-4``. Two trainers built with
+    the same arguments produce the same steps.
 
     Tensors that ``state_dict`` lists under several names (tied weights: a Hugging Face
     ``state_dict()`` lists ``lm_head.weight`` and ``model.embed_tokens.weight`` as two
