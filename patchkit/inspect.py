@@ -290,7 +290,8 @@ class LoadReport:
       table still says what the load did before it failed; ``deltas`` compares with the
       model as it is after the rollback).
     - ``loaded``: the names the loader reported loaded. After a failure without
-      rollback, those of the calls that returned before it.
+      rollback, those of the calls that returned before it (after an incomplete one,
+      those of them that wrote into a target it could not restore).
 
     The four tables are built when first read (their numbers were all taken when the load
     ended), so that a report in a training loop costs no pandas work until it is looked
@@ -750,8 +751,12 @@ def _inspect_load(
     rolled_back = (error is not None and transactional and loader is None and bool(rec.calls)
                    and not any(s.unrestored for s in sessions))
     if error is not None and not rolled_back:
-        # What the calls that returned before the failure reported loaded stays loaded.
+        # What the calls that returned before the failure reported loaded stays loaded;
+        # after an incomplete rollback, only the names that wrote into a target it left.
         loaded = {n for c in rec.calls if not c["error"] and c["returned"] for n in c["returned"]}
+        left = {t for s in sessions for t in s.unrestored}
+        if left:
+            loaded &= {e.name for e in rec.events if e.target in left}
     if loader is not None and not _as_planned(observed, plan, complete=error is None):
         # The observed loader chunked otherwise: the table shows the calls it made.
         plan = _reasons(observed, patches, max_chunk_bytes)

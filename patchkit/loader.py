@@ -166,8 +166,13 @@ def run_load(
                     session.index.tensors[name].data = bindings[name]
                 try:
                     session.restore()
-                finally:
-                    session.discard()  # (a failed restore's error keeps no saved copies)
+                except BaseException:
+                    # Keep only what a report of it needs: the saves of the targets left
+                    # as the load wrote them (the error's traceback holds the session).
+                    left = set(session.unrestored)
+                    session.saved = [r for r in session.saved if r.target in left]
+                    raise
+                session.discard()
             raise
         if transactional and session is not None and not save_regions:
             session.discard()
@@ -175,23 +180,25 @@ def run_load(
 
 
 def _check_meta(model: Any, patches: Sequence[CheckpointWeightPatch]) -> None:
-    """Patches on the meta device hold no numbers: only a model whose tensors are all on
-    the meta device too (a dry run) can load them. Refused before the first call,
-    naming the first such patch, for any other model."""
+    """Patches on the meta device hold no numbers: only a dry run, a model with tensors on
+    the meta device, can load them. Refused before the first call, naming the first
+    such patch, for a model with no tensor on the meta device. (Which runtime tensor a
+    patch lands in is known only once the loader runs, so a meta patch for a real tensor
+    of a partly meta model still fails in the loader, as torch refuses the copy.)"""
     pos = next((i for i, p in enumerate(patches)
                 if p.values.is_meta or (p.indices is not None and p.indices.is_meta)), None)
     if pos is None or not isinstance(model, torch.nn.Module):
         return
-    real = next((t for t in (*model.parameters(), *model.buffers()) if not t.is_meta), None)
-    if real is None:
+    tensors = (*model.parameters(), *model.buffers())
+    if not tensors or any(t.is_meta for t in tensors):
         return
     p = patches[pos]
     what = "values" if p.values.is_meta else "indices"
     raise PatchValueError(
         f"{where(pos, p.name)}: {what} are on the meta device, which holds no numbers to "
-        f"load; only a model on the meta device loads such patches (this one has tensors "
-        f"on {real.device})",
-        position=pos, name=p.name, reason="meta device", value=real.device,
+        f"load; only a model with tensors on the meta device loads such patches (this "
+        f"one's are on {tensors[0].device})",
+        position=pos, name=p.name, reason="meta device", value=tensors[0].device,
     )
 
 

@@ -369,7 +369,7 @@ def test_a_meta_patch_for_a_real_model_is_refused_before_the_first_call(kind):
     for run in (patchkit.load_checkpoint_weight_patches, inspect_load):
         with pytest.raises(PatchValueError, match=r"patch 1 \('b'\): values are on the meta") as e:
             run(m, ps, max_chunk_bytes=16)
-        assert (e.value.reason, e.value.value) == ("meta device", torch.device("cpu"))
+        assert (e.value.reason, str(e.value.value)) == ("meta device", "cpu")
         assert m.get_parameter("a").tolist() == [1.0] * 4  # untouched
 
 
@@ -380,3 +380,12 @@ def test_plan_chunks_refuses_a_shape_no_tensor_holds(dims):
         plan_chunks([p])
     with pytest.raises(PatchValueError, match="more than a tensor can hold"):
         inspect_load(PlainModel({"w": (4,)}), [p])
+
+
+def test_a_dry_run_on_a_meta_model_with_real_buffers_loads_meta_patches():
+    # accelerate's init_empty_weights() leaves buffers (rotary inv_freq) on the CPU
+    meta = torch.device("meta")
+    m = PlainModel({"w": (4,)}, device="meta")
+    m.register_buffer("inv_freq", torch.ones(2), persistent=False)
+    assert patchkit.load_checkpoint_weight_patches(
+        m, [CWP("w", (4,), torch.float32, torch.ones(4, device=meta))]) == {"w"}

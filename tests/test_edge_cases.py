@@ -550,6 +550,14 @@ def test_a_report_of_an_incomplete_rollback_is_not_rolled_back(monkeypatch):
     real = intercept.SavedRegion.restore
     sessions = []
     real_discard = intercept.WriteSession.discard
+    kept = []
+    real_restore_all = intercept.WriteSession.restore
+
+    def restore_all(self):
+        try:
+            real_restore_all(self)
+        finally:
+            kept.append(self)
 
     def restore(self):
         if self.target == "b":
@@ -562,6 +570,7 @@ def test_a_report_of_an_incomplete_rollback_is_not_rolled_back(monkeypatch):
 
     monkeypatch.setattr(intercept.SavedRegion, "restore", restore)
     monkeypatch.setattr(intercept.WriteSession, "discard", discard)
+    monkeypatch.setattr(intercept.WriteSession, "restore", restore_all)
     m = Boom({"a": (4,), "b": (4,)}, fill=1.0)
     ps = [CWP(n, (4,), torch.float32, torch.full((4,), 5.0)) for n in "ab"]
     with pytest.raises(RuntimeError, match="rollback incomplete") as e:
@@ -569,9 +578,14 @@ def test_a_report_of_an_incomplete_rollback_is_not_rolled_back(monkeypatch):
                      transactional=True, max_chunk_bytes=16)
     report = e.value.report
     assert report.rolled_back is False
-    assert report.loaded == {"a", "b"}  # b keeps what the load wrote
+    assert report.loaded == {"b"}  # b keeps what the load wrote, a was restored
     assert m.get_parameter("b").tolist() == [5.0] * 4
-    assert sessions and all(not s.saved for s in sessions)  # no copies kept by the error
+    assert report.deltas.index.tolist() == ["b"]
+    assert report.deltas.loc["b", ["changed", "max_abs"]].tolist() == [4, 4.0]
+    assert report.before("b").tolist() == [1.0] * 4 and report.written("b").all()
+    # the error keeps only the saves of what it left (no copy of the restored regions)
+    assert sessions == []  # not discarded: b's saves are the report's before-values
+    assert [{r.target for r in k.saved} for k in kept] == [{"b"}]
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.uint64, torch.int32, torch.uint32,
