@@ -48,29 +48,31 @@ def select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a - b`` elementwise, as a float tensor (complex128 for complex inputs) wide
-    enough to hold it: float16 and the 8-bit floats in float32 (exact unless their
-    exponents are more than 16 apart), other floats in float64; integers exactly, then
-    rounded once to float64 (int64 values beyond 2**53 too, which a cast to float64
-    first would round to equal numbers)."""
-    if a.is_complex():
+    """``a - b`` elementwise, as a float tensor (complex128 when either is complex) wide
+    enough to hold it: two float16 or two 8-bit-float tensors in float32 (exact unless
+    their exponents are more than 13 apart), other floats in float64; integers and bools
+    of any dtypes exactly, then rounded once to float64 (int64 values beyond 2**53 too,
+    which a cast to float64 first would round to equal numbers)."""
+    if a.is_complex() or b.is_complex():
         return a.to(torch.complex128) - b.to(torch.complex128)
-    if a.is_floating_point():
-        if a.element_size() <= 2 and a.dtype != torch.bfloat16:
+    if a.is_floating_point() or b.is_floating_point():
+        if a.dtype == b.dtype and a.element_size() <= 2 and a.dtype != torch.bfloat16:
             return torch.sub(a.float(), b.float())
         return torch.sub(a.double(), b.double())  # (bfloat16 has float32's range)
-    if a.dtype in (torch.int64, torch.uint64):
-        # each as hi * 2**32 + lo (lo in [0, 2**32)): the two partial differences are
-        # exact in int64 and in float64, and their sum is rounded once
-        sa, sb = bits(a), bits(b)
-        hi_a, hi_b = sa >> 32, sb >> 32
-        if a.dtype == torch.uint64:  # the upper half unsigned too
-            hi_a, hi_b = hi_a & 0xFFFFFFFF, hi_b & 0xFFFFFFFF
-        lo = (sa & 0xFFFFFFFF) - (sb & 0xFFFFFFFF)
-        return (hi_a - hi_b).double().mul_(2.0**32).add_(lo.double())
-    if a.dtype != torch.bool:
-        return torch.sub(a.to(torch.int64), b.to(torch.int64)).double()
-    return torch.sub(a.double(), b.double())
+    # each as hi * 2**32 + lo (lo in [0, 2**32)): the two partial differences are exact
+    # in int64 and in float64, and their sum is rounded once
+    (hi_a, lo_a), (hi_b, lo_b) = _halves(a), _halves(b)
+    return (hi_a - hi_b).double().mul_(2.0**32).add_((lo_a - lo_b).double())
+
+
+def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An integer or bool tensor as int64 ``(hi, lo)`` with ``t == hi * 2**32 + lo`` and
+    ``0 <= lo < 2**32`` (uint64's upper half unsigned)."""
+    if t.dtype == torch.uint64:
+        s = bits(t)
+        return (s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF
+    x = t if t.dtype == torch.int64 else t.to(torch.int64)
+    return x >> 32, x & 0xFFFFFFFF
 
 
 def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:

@@ -612,3 +612,23 @@ def test_a_difference_of_integers_is_the_exact_one_rounded_once(dtype):
 
     got = difference(tensor(xs), tensor(ys)).tolist()
     assert got == [float(x - y) for x, y in zip(xs, ys)]
+
+
+@pytest.mark.parametrize(("da", "db"), [(torch.int64, torch.int32), (torch.int32, torch.int64),
+                                        (torch.uint64, torch.int8), (torch.uint32, torch.int64),
+                                        (torch.bool, torch.uint8)])
+def test_a_difference_of_integers_of_two_dtypes_is_exact(da, db):
+    # (a loader that rebinds param.data to a tensor of another dtype: before and after
+    # then differ in dtype)
+    from patchkit.bitwise import difference
+
+    def tensor(vs, dtype):
+        if dtype == torch.uint64:
+            return torch.tensor([v - 2**64 if v >= 2**63 else v for v in vs]).view(dtype)
+        return torch.tensor(vs, dtype=torch.int64).to(dtype)
+
+    xs = [1, 0, 5, torch.iinfo(da).max] if da != torch.bool else [1, 0, 1, 1]
+    ys = [0, 1, -1 if db != torch.bool and torch.iinfo(db).min < 0 else 0,
+          torch.iinfo(db).min if db != torch.bool else 0]
+    got = difference(tensor(xs, da), tensor(ys, db)).tolist()
+    assert got == [float(x - y) for x, y in zip(xs, ys)]
