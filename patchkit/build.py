@@ -579,13 +579,15 @@ def wire_bytes(patches: CheckpointWeightPatch | Iterable[CheckpointWeightPatch])
 
 def _same_tensor_key(t: torch.Tensor) -> tuple:
     """Equal for two tensors that are the same values in memory: one object, or two views
-    of one storage with the same offset, shape, strides and dtype (``state_dict()`` hands
-    out a fresh ``detach()`` per name of a tied parameter). Tensors without memory of
-    their own to compare (meta, empty) are the same only as one object."""
-    if t.is_meta or t.numel() == 0:
+    of one storage with the same offset, shape, strides and dtype, neither of them a
+    conjugate or negative view of the other (``state_dict()`` hands out a fresh
+    ``detach()`` per name of a tied parameter). Tensors without plain memory to compare
+    (meta, empty, torch.sparse) are the same only as one object."""
+    if not isinstance(t, torch.Tensor) or t.is_meta or t.layout is not torch.strided \
+            or t.numel() == 0:
         return ("object", id(t))
     return ("view", t.device, t.untyped_storage().data_ptr(), t.storage_offset(),
-            tuple(t.shape), t.stride(), t.dtype)
+            tuple(t.shape), t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
 class AdamLikeTrainer:

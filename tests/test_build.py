@@ -661,9 +661,15 @@ def test_trainer_keeps_the_tied_weights_of_a_modules_state_dict_tied():
     assert sorted(tr.master) == ["embed.weight", "other.weight"]
     assert new["lm_head.weight"] is new["embed.weight"]
     assert not torch.equal(new["other.weight"], sd["other.weight"])
-    # two views of one buffer at different offsets are two weights
+    # two views of one buffer at different offsets are two weights, and so are a tensor
+    # and its conjugate or negative view
     flat = torch.zeros(8)
     assert sorted(AdamLikeTrainer({"a": flat[:4], "b": flat[4:]}).master) == ["a", "b"]
+    z = torch.randn(3, dtype=torch.complex64)
+    zs = AdamLikeTrainer({"z": z, "zc": z.conj()}).state_dict()
+    assert torch.equal(zs["zc"], z.conj()) and torch.equal(zs["z"], z)
+    x = torch.randn(3)
+    assert torch.equal(AdamLikeTrainer({"x": x, "xn": torch._neg_view(x)}).state_dict()["xn"], -x)
 
 
 def test_a_diff_of_tensors_that_share_memory_warns():
