@@ -348,18 +348,25 @@ def _synced(tmp: str, path: str, mode: int) -> None:
     Both through one descriptor opened before the mode changes, so a mode without read
     or write bits (``0o000``, ``0o200``, ``0o444``) is no obstacle. Errors name
     ``path``."""
+    fd = None
+    problem = "cannot flush the written file to disk"
     try:
         fd = os.open(tmp, os.O_RDWR | getattr(os, "O_BINARY", 0))
-        try:
-            if hasattr(os, "fchmod"):
-                os.fchmod(fd, mode)
-            os.fsync(fd)  # the data, and the mode with them
-        finally:
-            os.close(fd)
+        if hasattr(os, "fchmod"):
+            problem = f"cannot give the written file the mode {mode:#o}"
+            os.fchmod(fd, mode)
+            problem = "cannot flush the written file to disk"
+        os.fsync(fd)  # the data, and the mode with them
+        os.close(fd)
+        fd = None
         if not hasattr(os, "fchmod"):  # (Windows: after the flush, it may turn read-only)
+            problem = f"cannot give the written file the mode {mode:#o}"
             os.chmod(tmp, mode)
     except OSError as e:
-        raise _save_error(e, path, "cannot flush the written file to disk") from None
+        raise _save_error(e, path, problem) from None
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _fsync_folder(folder: str) -> None:

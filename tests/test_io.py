@@ -1136,3 +1136,17 @@ def test_overwriting_a_file_keeps_its_mode_and_syncs_it_whatever_the_mode(
     assert path.stat().st_mode & 0o777 == mode
     os.chmod(path, 0o644)
     assert_same_patches(load_patches(path), [p[0]._replace(values=torch.zeros(1))])
+
+
+def test_a_refused_mode_change_is_reported_as_one(tmp_path, monkeypatch):
+    import errno
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchmod", refuse, raising=False)
+    monkeypatch.setattr(os, "chmod", refuse)
+    path = tmp_path / "p.safetensors"
+    with pytest.raises(PermissionError, match="cannot give the written file the mode") as e:
+        save_patches(path, [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))])
+    assert e.value.filename == str(path) and os.listdir(tmp_path) == []
