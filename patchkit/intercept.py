@@ -1264,18 +1264,26 @@ class WriteSession:
         own = self.index.owner(dest, key)
         if own is None:
             return None
-        _increment_version(dest)
-        # The common case, decided as _runtime_write decides it, with the keys taken once:
-        # a same-shaped copy from another storage, saved, no dispatch mode below.
-        if (self.save_regions and not self._sparse and not self._nan_masked
-                and dest.element_size() == own[1].element_size()
-                and not torch._C._len_torch_dispatch_stack()):
-            skey = _comparable_source(dest, src, key)
-            if skey is not None:
-                if self._measured:
-                    self._forget_measured_in(dest, key)
-                return self._compared_copy(_COPY, _COPY_NAME, args, {}, (dest, own), key, skey)
-        return self._runtime_write(_COPY, args, {}, [(dest, own)])
+        # The version counter moves once, as torch's copy_ moves it: a write done by torch
+        # ops moves it itself, one done by the compiled path (outside torch) does not.
+        version = dest._version
+        try:
+            # The common case, decided as _runtime_write decides it, with the keys taken
+            # once: a same-shaped copy from another storage, saved, no dispatch mode below.
+            if (self.save_regions and not self._sparse and not self._nan_masked
+                    and dest.element_size() == own[1].element_size()
+                    and not torch._C._len_torch_dispatch_stack()):
+                skey = _comparable_source(dest, src, key)
+                if skey is not None:
+                    if self._measured:
+                        self._forget_measured_in(dest, key)
+                    return self._compared_copy(
+                        _COPY, _COPY_NAME, args, {}, (dest, own), key, skey
+                    )
+            return self._runtime_write(_COPY, args, {}, [(dest, own)])
+        finally:
+            if dest._version == version:
+                _increment_version(dest)
 
     def _runtime_write(self, func, args, kwargs, targets):
         if self._measured:
