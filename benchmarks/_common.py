@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 __all__ = [
-    "bench_args", "fmt_ratio", "fmt_table", "interleaved_medians", "interleaved_times",
-    "median_seconds", "paired_ratio", "peak_extra_bytes", "sync", "vllm_loader",
+    "bench_args", "fmt_ratio", "fmt_table", "host_waits_of", "interleaved_medians",
+    "interleaved_times", "median_seconds", "paired_ratio", "peak_extra_bytes", "sync",
+    "vllm_loader",
 ]
 
 
@@ -131,6 +132,46 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
         cur += e.nbytes()
         peak = max(peak, cur)
     return peak
+
+
+# ATen ops whose result the host reads, or whose result's size the host must know
+# (so on CUDA each waits for the GPU); nested ones count once, with their outermost op.
+_WAITING_OPS = frozenset({
+    "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::equal",
+    "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::bincount",
+    "aten::repeat_interleave",
+})
+
+
+def host_waits_of(fn: Callable[[], object]) -> int:
+    """How many times ``fn`` makes the host wait for a device: the ATen ops of
+    ``_WAITING_OPS`` it runs (``int(t)``, ``bool(t)``, boolean-mask indexing, ...) plus
+    its ``Tensor.tolist`` calls. Counted on any device (on the CPU nothing waits, but
+    the same calls would on a GPU); deterministic, unlike a timing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    calls = [0]
+    tolist = torch.Tensor.tolist
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return tolist(self, *args, **kwargs)
+
+    torch.Tensor.tolist = counted
+    try:
+        with _without_profiler_notices(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    finally:
+        torch.Tensor.tolist = tolist
+    waits = 0
+    for e in prof.events():
+        if e.name not in _WAITING_OPS:
+            continue
+        up = e.cpu_parent
+        while up is not None and up.name not in _WAITING_OPS:
+            up = up.cpu_parent
+        waits += up is None
+    return waits + calls[0]
 
 
 @contextlib.contextmanager

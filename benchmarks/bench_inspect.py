@@ -1,6 +1,6 @@
 """What a report costs: ``inspect_load`` against a plain load of the same patches.
 
-Prints four tables from one run:
+Prints five tables from one run:
 
 1. time and peak extra memory of ``patchkit.inspect_load`` next to
    ``patchkit.load_checkpoint_weight_patches`` (the baseline). Each timed load alternates
@@ -42,7 +42,14 @@ Prints four tables from one run:
    dense loads, a ``TorchDispatchMode`` (which sees every ATen op) for sparse ones. It is
    what seeing a loader's writes costs before a report does anything with them, the part
    of a report's time patchkit cannot cut on small tensors;
-4. ``density_map`` and ``plot_density`` on a 128256 x 2560 bf16 patch at 1 % density
+4. how many times each load of tables 1 to 3 makes the host wait for the device on the
+   torch-ops path (what a GPU runs), next to the plain load's: ``int()``/``float()``/
+   ``bool()`` of a tensor, ``tolist()``, and ops whose output size needs a read
+   (``nonzero``, a boolean-mask index, ...), counted by ``_common.host_waits_of``. A count,
+   not a timing: on the CPU it is taken with ``patchkit.bitwise.device_passes()``, the
+   passes a GPU takes, and it is what a GPU would wait (each wait stalls the host until
+   the GPU's queue drains);
+5. ``density_map`` and ``plot_density`` on a 128256 x 2560 bf16 patch at 1 % density
    (a Llama-3 embedding), next to ``torch.bincount`` over the same indices (the floor).
 
 Usage: ``python benchmarks/bench_inspect.py [--quick] [--big] [--device cuda] [--repeats N]``.
@@ -63,6 +70,7 @@ from _common import (
     bench_args,
     fmt_ratio,
     fmt_table,
+    host_waits_of,
     interleaved_times,
     median_seconds,
     peak_extra_bytes,
@@ -71,6 +79,7 @@ from bench_loader import OneParam, make_patch
 
 import patchkit
 from patchkit import native
+from patchkit.bitwise import device_passes
 
 
 def _pair(shape, dtype, kind, device):
@@ -103,6 +112,7 @@ def main(argv=None) -> int:
 
     rows = []
     tx_rows = []
+    wait_rows: list[list[str]] = []
     for shape in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             for kind in ("dense 2%", "dense 100%", "sparse 1%"):
@@ -214,6 +224,10 @@ def main(argv=None) -> int:
                         f"{merged / 2**20:.2f}",
                     ]
                 )
+                wait_rows.append([
+                    f"{kind}, {str(dtype).removeprefix('torch.')}, {shape[0]}x{shape[1]}",
+                    *_waits(plain, report, transactional), str(len(r.writes)),
+                ])
                 print(".", end="", flush=True, file=sys.stderr)
     print(file=sys.stderr)
     print(f"inspect_load vs load_checkpoint_weight_patches on {device.type}, "
@@ -246,7 +260,15 @@ def main(argv=None) -> int:
 
     # -- a whole model ---------------------------------------------------------------------
     print()
-    print(_model_table(device, repeats, quick, big))
+    table, model_waits = _model_table(device, repeats, quick, big)
+    print(table)
+
+    print()
+    print("host waits for the device (torch-ops path, as a GPU runs it; on the CPU counted "
+          "with patchkit.bitwise.device_passes): reads of a value on the host and ops "
+          "whose output size needs one")
+    print(fmt_table(["load", "plain", "report", "transactional", "writes"],
+                    wait_rows + model_waits))
 
     # -- density map of a big embedding patch ----------------------------------------------
     emb = (128256, 2560) if not quick else (1024, 256)
@@ -280,8 +302,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def _model_table(device: torch.device, repeats: int, quick: bool, big: bool = False) -> str:
-    """Table 3 (see the module docstring)."""
+def _waits(*fns) -> list[str]:
+    """Host waits of each of ``fns`` on the torch-ops path, with the passes a GPU takes."""
+    with native.disabled(), device_passes():
+        return [str(host_waits_of(fn)) for fn in fns]
+
+
+def _model_table(
+    device: torch.device, repeats: int, quick: bool, big: bool = False
+) -> tuple[str, list[list[str]]]:
+    """Table 3 (see the module docstring), and the host-wait rows of its loads."""
     from patchkit.toymodels import TinyLlamaConfig
 
     if quick:
@@ -301,9 +331,9 @@ def _model_table(device: torch.device, repeats: int, quick: bool, big: bool = Fa
         configs["1 layer, Llama-3-8B shapes"] = (
             TinyLlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                             num_layers=1, num_heads=32, num_kv_heads=8), 1e-6)
-    rows = []
+    rows, waits = [], []
     for label, (config, lr) in configs.items():
-        rows += _model_rows(label, config, lr, device, repeats)
+        rows += _model_rows(label, config, lr, device, repeats, waits)
     return (
         f"whole models: rank 0 of 2 of a bf16 TinyLlamaRuntime on {device.type}, two "
         f"AdamLikeTrainer steps in turn, median of {repeats} interleaved rounds; ratio: median "
@@ -315,7 +345,7 @@ def _model_table(device: torch.device, repeats: int, quick: bool, big: bool = Fa
              "report extra MiB", "written MiB"],
             rows,
         )
-    )
+    ), waits
 
 
 class _PassOn(TorchDispatchMode):
@@ -336,7 +366,7 @@ class _PassOnCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model_rows(label, config, lr, device, repeats) -> list[list[str]]:
+def _model_rows(label, config, lr, device, repeats, waits) -> list[list[str]]:
     from patchkit.build import AdamLikeTrainer, dense_patches, sparse_patches_from_diff
     from patchkit.toymodels import TinyLlamaRuntime, tiny_llama_checkpoint
 
@@ -407,6 +437,8 @@ def _model_rows(label, config, lr, device, repeats) -> list[list[str]]:
             f"{(m_report - m_plain) / 2**20:.1f}",
             f"{written / 2**20:.1f}",
         ])
+        waits.append([f"{label}, {kind} ({len(pair[0])} patches)", *_waits(plain, report), "-",
+                      str(len(r.writes))])
     return rows
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
-__all__ = ["bits", "changed_mask", "count_true", "difference", "same_bits", "same_state",
-           "select", "sum_squares"]
+__all__ = ["bits", "block_size", "changed_mask", "count_true", "device_passes", "difference",
+           "host_waits", "same_bits", "same_state", "select", "squares_on_device",
+           "sum_squares"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # The unsigned types wider than a byte have no index kernels in torch (index_select,
@@ -83,6 +85,46 @@ def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
 
 _COUNT_BLOCK = 1 << 20
 _SQUARES_BLOCK = 1 << 18
+# On a device whose values the host reads only by waiting for it (CUDA), a blockwise pass
+# takes blocks of up to _DEVICE_BLOCK elements: big enough that each kernel outlasts its
+# launch (4 M elements are about 10 us of a GPU's memory bandwidth in float64), small
+# enough that a float64 temporary stays at 32 MiB whatever the tensor's size.
+_DEVICE_BLOCK = 1 << 22
+
+
+_DEVICE_PASSES = [False]  # set by device_passes(): the CPU takes the device passes too
+
+
+def host_waits(device: torch.device) -> bool:
+    """True where reading a tensor's value on the host waits for ``device`` (every
+    device but the CPU, and the CPU too inside :func:`device_passes`): passes there keep
+    their running sums on the device, take big blocks, and read the sums once."""
+    return device.type != "cpu" or _DEVICE_PASSES[0]
+
+
+@contextlib.contextmanager
+def device_passes() -> Iterator[None]:
+    """Inside the block, the CPU takes the passes a GPU takes (see :func:`host_waits`):
+    with :func:`patchkit.native.disabled`, a CPU machine runs what a GPU runs, so tests
+    check those passes' numbers and the benchmark counts their host waits. Not
+    thread-safe; results agree with the CPU's own passes up to the order of float
+    additions."""
+    saved = _DEVICE_PASSES[0]
+    _DEVICE_PASSES[0] = True
+    try:
+        yield
+    finally:
+        _DEVICE_PASSES[0] = saved
+
+
+def block_size(device: torch.device, numel: int, host: int = _SQUARES_BLOCK) -> int:
+    """Elements per step of a blockwise pass over ``numel`` elements on ``device``:
+    ``host`` on the CPU (blocks that stay in cache), up to ``_DEVICE_BLOCK`` elsewhere
+    (the whole tensor below it), so that a pass on a GPU is a few kernels per 4 M
+    elements and its waits do not grow with the tensor."""
+    if not host_waits(device):
+        return host
+    return max(1, min(numel, _DEVICE_BLOCK))
 
 
 def sum_squares(x: torch.Tensor) -> float:
@@ -90,23 +132,29 @@ def sum_squares(x: torch.Tensor) -> float:
     parts), accumulated in float64 a block at a time, so neither a float32 overflow nor
     a tensor-sized float64 copy happens. The sum stays on ``x``'s device until the end:
     one host wait on CUDA (two when ``x`` holds a non-finite value), not one per block."""
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    flat = x.reshape(-1)
-    total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for lo in range(0, flat.numel(), _SQUARES_BLOCK):
-        part = flat[lo : lo + _SQUARES_BLOCK].double()
-        total += torch.dot(part, part)
-    s = float(total)
+    s = float(squares_on_device(x))
     if math.isfinite(s):
         return s
     # A NaN or infinity somewhere: sum again without the non-finite elements.
-    total.zero_()
-    for lo in range(0, flat.numel(), _SQUARES_BLOCK):
-        part = flat[lo : lo + _SQUARES_BLOCK].double()
-        part = torch.where(torch.isfinite(part), part, 0)
+    return float(squares_on_device(x, finite_only=True))
+
+
+def squares_on_device(x: torch.Tensor, *, finite_only: bool = False) -> torch.Tensor:
+    """The sum of squares of ``x``'s elements as a 0-dim float64 tensor on its device
+    (no host wait): NaN or infinite where ``x`` holds a non-finite value, unless
+    ``finite_only`` leaves those out (a second pass, which :func:`sum_squares` makes only
+    when the first sum is not finite)."""
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    flat = x.reshape(-1)
+    step = block_size(flat.device, flat.numel())
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for lo in range(0, flat.numel(), step):
+        part = flat[lo : lo + step].double()
+        if finite_only:
+            part = torch.where(torch.isfinite(part), part, 0)
         total += torch.dot(part, part)
-    return float(total)
+    return total
 
 
 def count_true(mask: torch.Tensor) -> torch.Tensor:
@@ -114,15 +162,16 @@ def count_true(mask: torch.Tensor) -> torch.Tensor:
     ``mask``'s device (no host wait; ``int()`` it to read it).
 
     On CUDA, ``torch.count_nonzero`` widens the whole mask to int64 before it adds (8 bytes
-    of scratch per element: 512 MiB for 64 M elements); this counts a million elements
-    at a time, so the scratch stays at 8 MiB.
+    of scratch per element: 512 MiB for 64 M elements); this counts in blocks (of
+    :func:`block_size`), so the scratch stays at 32 MiB.
     """
     flat = mask.reshape(-1)
-    if flat.device.type == "cpu" or flat.numel() <= _COUNT_BLOCK:
+    if not host_waits(flat.device) or flat.numel() <= _COUNT_BLOCK:
         return torch.count_nonzero(flat)
+    step = block_size(flat.device, flat.numel(), _COUNT_BLOCK)
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for lo in range(0, flat.numel(), _COUNT_BLOCK):
-        total += torch.count_nonzero(flat[lo : lo + _COUNT_BLOCK])
+    for lo in range(0, flat.numel(), step):
+        total += torch.count_nonzero(flat[lo : lo + step])
     return total
 
 

@@ -56,7 +56,16 @@ import pandas as pd
 import torch
 
 from . import native
-from .bitwise import bits, changed_mask, count_true, difference, sum_squares
+from .bitwise import (
+    bits,
+    block_size,
+    changed_mask,
+    count_true,
+    difference,
+    host_waits,
+    squares_on_device,
+    sum_squares,
+)
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _row_major_strides, density_map, region_text
@@ -913,7 +922,7 @@ def _rebound_row(name: str, old: torch.Tensor, now: torch.Tensor,
         return row
     before = _rebuilt(old, saved).reshape(-1)
     acc.add_pairs(before, now.detach().cpu().reshape(-1))
-    acc.sum_b2 = sum_squares(before)
+    acc.add_squares(before)
     return acc.row(name)
 
 
@@ -1092,7 +1101,7 @@ def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str,
             if step == o.step and a0 < o.end and o.start < a1:
                 regions_of.setdefault(o.name, []).append((s, (key, a0, a1)))
                 owner_of[o.name] = o
-    rows = []
+    accs: list[tuple[str, _Stats]] = []
     for target, entries in regions_of.items():
         o = owner_of[target]
         t = o.tensor
@@ -1117,8 +1126,9 @@ def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str,
             for s, inside in zip(regions, contained):
                 _add_region(acc, t, s, inside)
         if acc.elements:
-            rows.append(acc.row(target))
-    return rows
+            accs.append((target, acc))
+    _Stats.settle([acc for _, acc in accs])
+    return [acc.row(target) for target, acc in accs]
 
 
 def _deltas_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -1133,6 +1143,44 @@ class _Stats:
     def __init__(self) -> None:
         self.elements = self.changed = 0
         self.max_abs = self.sum_abs = self.sum_d2 = self.sum_b2 = 0.0
+        # sums on a device, not read yet: (changed, sum |d|, sum d^2, max |d|, sum b^2)
+        # as one float64 tensor, with the values of a sum b^2 (to sum again without their
+        # non-finite elements, should they hold one)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    @staticmethod
+    def settle(accs: Sequence[_Stats]) -> None:
+        """Read the pending device sums of ``accs`` into their numbers: one host wait per
+        device for all of them (a report of a thousand GPU tensors waits once here)."""
+        by_device: dict[torch.device, list[tuple[_Stats, torch.Tensor | None]]] = {}
+        stacks: dict[torch.device, list[torch.Tensor]] = {}
+        for acc in accs:
+            for t, values in acc.pending:
+                by_device.setdefault(t.device, []).append((acc, values))
+                stacks.setdefault(t.device, []).append(t)
+            acc.pending = []
+        for dev, entries in by_device.items():
+            read = torch.stack(stacks[dev]).tolist()
+            for (acc, values), (n_changed, sum_abs, sum_d2, max_abs, sum_b2) in zip(
+                entries, read
+            ):
+                acc.changed += int(n_changed)  # (exact in float64 below 2**53)
+                acc.sum_abs += sum_abs
+                acc.sum_d2 += sum_d2
+                acc.max_abs = max(acc.max_abs, max_abs)
+                if values is not None and not math.isfinite(sum_b2):
+                    sum_b2 = float(squares_on_device(values, finite_only=True))
+                acc.sum_b2 += sum_b2
+
+    def add_squares(self, values: torch.Tensor) -> None:
+        """Add the sum of squares of the finite elements of ``values`` to ||before||^2
+        (on a device, pending until :meth:`settle`)."""
+        if not host_waits(values.device):
+            self.sum_b2 += sum_squares(values)
+            return
+        total = squares_on_device(values)
+        zeros = torch.zeros(4, dtype=torch.float64, device=total.device)
+        self.pending.append((torch.cat([zeros, total.reshape(1)]), values))
 
     def add_pairs(self, before: torch.Tensor, after: torch.Tensor) -> None:
         """Elements (1-D before/after values) whose changes are counted.
@@ -1141,7 +1189,13 @@ class _Stats:
         traffic of float64, and exact for nearly every pair), in float64 for bfloat16,
         float32, float64 and integers, in complex128 for complex; sums are float64;
         non-finite differences count as 0 in the sums and the maximum.
+
+        On the CPU it works a cache-sized block at a time, on the changed elements of
+        each; on a device the host waits for (CUDA), :meth:`_add_pairs_on_device`.
         """
+        if host_waits(after.device):
+            self._add_pairs_on_device(before, after)
+            return
         for lo in range(0, before.numel(), _BLOCK):
             b = before[lo : lo + _BLOCK]
             a = after[lo : lo + _BLOCK]
@@ -1161,7 +1215,35 @@ class _Stats:
             self.max_abs = max(self.max_abs, float(d.max()))
             self.sum_d2 += sum_squares(d)
 
+    def _add_pairs_on_device(self, before: torch.Tensor, after: torch.Tensor) -> None:
+        """:meth:`add_pairs` with no host wait: big blocks (of
+        :func:`~patchkit.bitwise.block_size`), each taken whole (picking out the changed
+        elements would wait for their count), the sums kept on the device in
+        :attr:`pending` until :meth:`settle` reads them. An element whose bits did not
+        change adds a difference of 0, or NaN (a NaN or an infinity kept), which counts
+        as 0 as every non-finite difference does: the numbers are those of the CPU's
+        pass, up to the order of the float64 additions."""
+        n = before.numel()
+        if not n:
+            return
+        dev = after.device
+        changed = torch.zeros((), dtype=torch.int64, device=dev)
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)  # sum |d|, sum d^2, max |d|
+        step = block_size(dev, n)
+        for lo in range(0, n, step):
+            b = before[lo : lo + step]
+            a = after[lo : lo + step]
+            changed += count_true(changed_mask(b, a))
+            d = torch.nan_to_num_(_abs_diff(a, b), nan=0.0, posinf=0.0, neginf=0.0).double()
+            sums[0] += d.sum()
+            sums[1] += torch.dot(d, d)
+            torch.maximum(sums[2], d.max(), out=sums[2])
+        read = torch.cat([changed.double().reshape(1), sums, sums.new_zeros(1)])
+        self.pending.append((read, None))
+
     def row(self, target: str) -> dict[str, Any]:
+        if self.pending:
+            _Stats.settle([self])
         dn, bn = math.sqrt(self.sum_d2), math.sqrt(self.sum_b2)
         return {
             "target": target,
@@ -1210,10 +1292,10 @@ def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion, contained: bool) -
     if s.index is None or not s.whole_view:
         # The saved elements are exactly the written ones (a whole view, or NaN-merged).
         acc.elements += int(b.numel())
-        acc.sum_b2 += (
-            s.view_sum_squares if contained and s.view_sum_squares is not None
-            else sum_squares(b)
-        )
+        if contained and s.view_sum_squares is not None:
+            acc.sum_b2 += s.view_sum_squares
+        else:
+            acc.add_squares(b)
         return
     # A compared dense copy saved only what it changed; it summed the squares of its
     # whole view before it wrote (the caller checked that the view lies in ``t``).
@@ -1235,7 +1317,7 @@ def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: Sequence[SavedRegion
         written.index_fill_(0, wpos, True)
     b, a = before[written], flat_now[written]
     acc.elements += b.numel()
-    acc.sum_b2 += sum_squares(b)
+    acc.add_squares(b)
     acc.add_pairs(b, a)
 
 

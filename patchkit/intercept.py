@@ -33,6 +33,7 @@ inspection); observing never changes a value.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -47,7 +48,7 @@ from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import native
-from .bitwise import bits, changed_mask, count_true, select, sum_squares
+from .bitwise import bits, changed_mask, count_true, host_waits, select, squares_on_device
 from .errors import ContractViolation, where
 
 __all__ = [
@@ -1353,16 +1354,25 @@ class WriteSession:
         self._call_writes += 1
         if self.recorder is not None:
             src = args[1] if is_copy else None
-            written = int(count_true(write)) if write is not None else None
+            written = None
             if reinterpreted_written is not None:
                 written = reinterpreted_written
-            for k, (t, (tname, _, off)) in enumerate(targets):
-                changed = None
-                if befores is not None:
-                    sr = saved[k]
+            elif write is not None:
+                one = saved[0] if len(saved) == 1 else None
+                if one is not None and one.index is not None:
+                    written = one.before.numel()  # saved at nonzero(write): no count to read
+                else:
+                    written = int(count_true(write))
+            changed: list[int | None] = [None] * len(targets)
+            if befores is not None:
+                # every target's count in one read (one host wait on a GPU)
+                counts = []
+                for sr, (t, _), before in zip(saved, targets, befores):
                     now = bits(sr.current() if sr is not None and sr.index is not None else t)
-                    changed = int(count_true(now.reshape(befores[k].shape) != befores[k]))
-                self._record(op, t, tname, off, src, changed, written=written)
+                    counts.append(count_true(now.reshape(before.shape) != before))
+                changed = torch.stack(counts).tolist()
+            for k, (t, (tname, _, off)) in enumerate(targets):
+                self._record(op, t, tname, off, src, changed[k], written=written)
         return out
 
     def _save_in_owner_units(self, targets, write):
@@ -1567,19 +1577,25 @@ class WriteSession:
         return out
 
     def _compared_copy_torch(self, func, args, kwargs, tname, owner, off, stats):
+        """:meth:`_compared_copy` with torch ops. On a GPU it waits for the device once
+        per write (the count of changes, read with the view's sum of squares), a second
+        time only where the view holds a non-finite value; the offsets of a compact save
+        are taken at the known count, which needs no wait."""
         dest, src = args[0], args[1]
+        diff = bits(dest) != bits(src)
+        count = count_true(diff)
         squares = None
         if stats:
-            squares = sum_squares(dest if dest.dtype == owner.dtype else dest.view(owner.dtype))
-        diff = bits(dest) != bits(src)
-        n_changed = int(count_true(diff))
+            viewed = dest if dest.dtype == owner.dtype else dest.view(owner.dtype)
+            n, squares = torch.stack([count.double(), squares_on_device(viewed)]).tolist()
+            n_changed = int(n)  # (exact: a view has fewer than 2**53 elements)
+            if not math.isfinite(squares):
+                squares = float(squares_on_device(viewed, finite_only=True))
+        else:
+            n_changed = int(count)
         s = dest.element_size()
         if n_changed * (s + 8) <= dest.numel() * s:
-            flat = (
-                torch.nonzero(diff.reshape(-1)).reshape(-1)
-                if n_changed
-                else torch.empty(0, dtype=torch.int64, device=dest.device)
-            )
+            flat = _changed_offsets(diff.reshape(-1), n_changed)
             del diff
             saved = SavedRegion.elements(tname, off, dest, _storage_offsets(dest, flat),
                                          whole_view=True, view_sum_squares=squares)
@@ -1704,6 +1720,17 @@ def _wait_for(devices: set[torch.device]) -> None:
     """Wait until the work queued on each of ``devices`` (CUDA) has run."""
     for d in devices:
         torch.cuda.synchronize(d)
+
+
+def _changed_offsets(flat_mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The positions of the ``count`` True elements of the 1-D bool ``flat_mask``
+    (int64, ascending). Where the host waits for the device, ``nonzero_static`` takes them
+    at the known count, without the wait ``nonzero`` makes to size its result."""
+    if not count:
+        return torch.empty(0, dtype=torch.int64, device=flat_mask.device)
+    if host_waits(flat_mask.device) and count < 2**31 - 1:
+        return torch.nonzero_static(flat_mask, size=count).reshape(-1)
+    return torch.nonzero(flat_mask).reshape(-1)
 
 
 def _nan_outside(t: torch.Tensor, write: torch.Tensor) -> int:

@@ -168,6 +168,9 @@ def test_dense_report_on_cuda_matches_the_report_on_cpu(patch_device):
             "changed"]
     assert cpu.writes[cols].equals(cuda.writes[cols])
     assert cpu.deltas[["elements", "changed"]].equals(cuda.deltas[["elements", "changed"]])
+    for col in ("max_abs", "mean_abs", "rel_l2"):  # (float64 sums in another order)
+        assert cpu.deltas[col].to_numpy() == pytest.approx(cuda.deltas[col].to_numpy(),
+                                                           rel=1e-9)
     assert (cuda.calls["seconds"] >= 0).all()
     for target in cpu.deltas.index:
         assert patchkit.same_bits(cpu.after(target), cuda.after(target).cpu())
@@ -193,3 +196,39 @@ def test_a_failed_transactional_load_on_cuda_is_rolled_back_bit_for_bit(sparse):
         load_checkpoint_weight_patches(rt, patches, transactional=True,
                                        max_chunk_bytes=16 << 10)
     assert patchkit.same_state(before, _cpu_state(rt))
+
+
+def _syncs(fn) -> int:
+    """How many times ``fn`` made the host wait for the GPU (torch's sync debug mode)."""
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_a_report_on_cuda_waits_a_fixed_number_of_times_per_write(sparse):
+    # it waited once or more per 256 K-element block of every write, four times per write
+    # of these small tensors
+    from patchkit import inspect_load
+
+    if sparse:
+        patches = _sparse_patches(9, values_device="cuda", index_device="cuda")
+    else:
+        step = tiny_llama_checkpoint(CONFIG, seed=9, dtype=torch.bfloat16)
+        patches = [CheckpointWeightPatch(p.name, p.shape, p.dtype, p.values.cuda())
+                   for p in patchkit.dense_patches(step)]
+    fresh = _ranks("cuda")[0], _ranks("cuda")[0]  # (each load changes what it writes)
+    plain = _syncs(lambda: load_checkpoint_weight_patches(fresh[0], patches))
+    box = []
+    report = _syncs(lambda: box.append(inspect_load(fresh[1], patches)))
+    writes = len(box[0].writes)
+    # dense: one read per write (its count of changes); sparse: two (where it writes, what
+    # it changed); one at the end for every tensor's numbers
+    assert report - plain <= (2 if sparse else 1) * writes + 1, (report, plain, writes)
