@@ -147,7 +147,9 @@ def host_waits_of(fn: Callable[[], object]) -> int:
     """How many times ``fn`` makes the host wait for a device: the ATen ops of
     ``_WAITING_OPS`` it runs (``int(t)``, ``bool(t)``, boolean-mask indexing, ...) plus
     its ``Tensor.tolist`` calls. Counted on any device (on the CPU nothing waits, but
-    the same calls would on a GPU); deterministic, unlike a timing."""
+    the same calls would on a GPU); deterministic, unlike a timing. Not counted: copies
+    of a device tensor to the CPU (``.cpu()``, ``.to("cpu")``), which on the CPU cannot
+    be told from other copies."""
     from torch.profiler import ProfilerActivity, profile
 
     calls = [0]
@@ -157,12 +159,16 @@ def host_waits_of(fn: Callable[[], object]) -> int:
         calls[0] += 1
         return tolist(self, *args, **kwargs)
 
+    own = "tolist" in torch.Tensor.__dict__  # (else inherited from torch._C.TensorBase)
     torch.Tensor.tolist = counted
     try:
         with _without_profiler_notices(), profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
     finally:
-        torch.Tensor.tolist = tolist
+        if own:
+            torch.Tensor.tolist = tolist
+        else:
+            del torch.Tensor.tolist
     waits = 0
     for e in prof.events():
         if e.name not in _WAITING_OPS:

@@ -87,8 +87,10 @@ _COUNT_BLOCK = 1 << 20
 _SQUARES_BLOCK = 1 << 18
 # On a device whose values the host reads only by waiting for it (CUDA), a blockwise pass
 # takes blocks of up to _DEVICE_BLOCK elements: big enough that each kernel outlasts its
-# launch (4 M elements are about 10 us of a GPU's memory bandwidth in float64), small
-# enough that a float64 temporary stays at 32 MiB whatever the tensor's size.
+# launch (4 M elements are about 10 us of a GPU's memory bandwidth in float64), and a
+# bound on the scratch whatever the tensor's size: 32 MiB per float64 temporary, 100 MiB
+# for a block of the report's statistics (float64 differences), up to 230 MiB for int64
+# or complex ones.
 _DEVICE_BLOCK = 1 << 22
 
 
@@ -117,13 +119,13 @@ def device_passes() -> Iterator[None]:
         _DEVICE_PASSES[0] = saved
 
 
-def block_size(device: torch.device, numel: int, host: int = _SQUARES_BLOCK) -> int:
+def block_size(device: torch.device, numel: int, host: int | None = None) -> int:
     """Elements per step of a blockwise pass over ``numel`` elements on ``device``:
-    ``host`` on the CPU (blocks that stay in cache), up to ``_DEVICE_BLOCK`` elsewhere
-    (the whole tensor below it), so that a pass on a GPU is a few kernels per 4 M
-    elements and its waits do not grow with the tensor."""
+    ``host`` on the CPU (default ``_SQUARES_BLOCK``: blocks that stay in cache), up to
+    ``_DEVICE_BLOCK`` elsewhere (the whole tensor below it), so that a pass on a GPU is a
+    few kernels per 4 M elements and its waits do not grow with the tensor."""
     if not host_waits(device):
-        return host
+        return _SQUARES_BLOCK if host is None else host
     return max(1, min(numel, _DEVICE_BLOCK))
 
 

@@ -1144,43 +1144,36 @@ class _Stats:
         self.elements = self.changed = 0
         self.max_abs = self.sum_abs = self.sum_d2 = self.sum_b2 = 0.0
         # sums on a device, not read yet: (changed, sum |d|, sum d^2, max |d|, sum b^2)
-        # as one float64 tensor, with the values of a sum b^2 (to sum again without their
-        # non-finite elements, should they hold one)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.pending: list[torch.Tensor] = []
 
     @staticmethod
     def settle(accs: Sequence[_Stats]) -> None:
         """Read the pending device sums of ``accs`` into their numbers: one host wait per
         device for all of them (a report of a thousand GPU tensors waits once here)."""
-        by_device: dict[torch.device, list[tuple[_Stats, torch.Tensor | None]]] = {}
-        stacks: dict[torch.device, list[torch.Tensor]] = {}
+        by_device: dict[torch.device, list[tuple[_Stats, torch.Tensor]]] = {}
         for acc in accs:
-            for t, values in acc.pending:
-                by_device.setdefault(t.device, []).append((acc, values))
-                stacks.setdefault(t.device, []).append(t)
+            for t in acc.pending:
+                by_device.setdefault(t.device, []).append((acc, t))
             acc.pending = []
-        for dev, entries in by_device.items():
-            read = torch.stack(stacks[dev]).tolist()
-            for (acc, values), (n_changed, sum_abs, sum_d2, max_abs, sum_b2) in zip(
-                entries, read
-            ):
+        for entries in by_device.values():
+            read = torch.stack([t for _, t in entries]).tolist()
+            for (acc, _), (n_changed, sum_abs, sum_d2, max_abs, sum_b2) in zip(entries, read):
                 acc.changed += int(n_changed)  # (exact in float64 below 2**53)
                 acc.sum_abs += sum_abs
                 acc.sum_d2 += sum_d2
                 acc.max_abs = max(acc.max_abs, max_abs)
-                if values is not None and not math.isfinite(sum_b2):
-                    sum_b2 = float(squares_on_device(values, finite_only=True))
                 acc.sum_b2 += sum_b2
 
     def add_squares(self, values: torch.Tensor) -> None:
-        """Add the sum of squares of the finite elements of ``values`` to ||before||^2
-        (on a device, pending until :meth:`settle`)."""
+        """Add the sum of squares of the finite elements of ``values`` to ||before||^2.
+        On a device it is pending until :meth:`settle`, taken in one pass that leaves the
+        non-finite elements out (no second pass to decide on, and nothing of ``values``
+        kept until then)."""
         if not host_waits(values.device):
             self.sum_b2 += sum_squares(values)
             return
-        total = squares_on_device(values)
-        zeros = torch.zeros(4, dtype=torch.float64, device=total.device)
-        self.pending.append((torch.cat([zeros, total.reshape(1)]), values))
+        total = squares_on_device(values, finite_only=True)
+        self.pending.append(torch.cat([total.new_zeros(4), total.reshape(1)]))
 
     def add_pairs(self, before: torch.Tensor, after: torch.Tensor) -> None:
         """Elements (1-D before/after values) whose changes are counted.
@@ -1238,8 +1231,7 @@ class _Stats:
             sums[0] += d.sum()
             sums[1] += torch.dot(d, d)
             torch.maximum(sums[2], d.max(), out=sums[2])
-        read = torch.cat([changed.double().reshape(1), sums, sums.new_zeros(1)])
-        self.pending.append((read, None))
+        self.pending.append(torch.cat([changed.double().reshape(1), sums, sums.new_zeros(1)]))
 
     def row(self, target: str) -> dict[str, Any]:
         if self.pending:

@@ -1267,7 +1267,7 @@ class WriteSession:
             return None
         # The version counter moves once, as torch's copy_ moves it: a write done by torch
         # ops moves it itself, one done by the compiled path (outside torch) does not.
-        version = dest._version
+        version = None if dest.is_inference() else dest._version  # (no counter to move)
         try:
             # The common case, decided as _runtime_write decides it, with the keys taken
             # once: a same-shaped copy from another storage, saved, no dispatch mode below.
@@ -1283,7 +1283,7 @@ class WriteSession:
                     )
             return self._runtime_write(_COPY, args, {}, [(dest, own)])
         finally:
-            if dest._version == version:
+            if version is not None and dest._version == version:
                 _increment_version(dest)
 
     def _runtime_write(self, func, args, kwargs, targets):
@@ -1370,7 +1370,10 @@ class WriteSession:
                 for sr, (t, _), before in zip(saved, targets, befores):
                     now = bits(sr.current() if sr is not None and sr.index is not None else t)
                     counts.append(count_true(now.reshape(before.shape) != before))
-                changed = torch.stack(counts).tolist()
+                if len({c.device for c in counts}) == 1:
+                    changed = torch.stack(counts).tolist()
+                else:  # (a foreach copy over tensors of several devices)
+                    changed = [int(c) for c in counts]
             for k, (t, (tname, _, off)) in enumerate(targets):
                 self._record(op, t, tname, off, src, changed[k], written=written)
         return out
@@ -1728,9 +1731,17 @@ def _changed_offsets(flat_mask: torch.Tensor, count: int) -> torch.Tensor:
     at the known count, without the wait ``nonzero`` makes to size its result."""
     if not count:
         return torch.empty(0, dtype=torch.int64, device=flat_mask.device)
-    if host_waits(flat_mask.device) and count < 2**31 - 1:
-        return torch.nonzero_static(flat_mask, size=count).reshape(-1)
+    if host_waits(flat_mask.device) and _STATIC_NONZERO.get(flat_mask.device.type, True):
+        try:
+            return torch.nonzero_static(flat_mask, size=count).reshape(-1)
+        except (NotImplementedError, AttributeError):
+            # no kernel for this device in this torch (CUDA has one from torch 2.6, MPS
+            # from later): nonzero from now on, which waits to size its result
+            _STATIC_NONZERO[flat_mask.device.type] = False
     return torch.nonzero(flat_mask).reshape(-1)
+
+
+_STATIC_NONZERO: dict[str, bool] = {}  # device type -> torch.nonzero_static works there
 
 
 def _nan_outside(t: torch.Tensor, write: torch.Tensor) -> int:

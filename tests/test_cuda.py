@@ -83,17 +83,7 @@ def test_dense_cpu_patches_land_on_the_cuda_model():
 def test_validation_waits_for_the_device_once_for_many_patches():
     patches = _sparse_patches(2, values_device="cuda", index_device="cuda")
     assert len(patches) > 4
-    torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            validate_patches(patches)
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert _syncs(lambda: validate_patches(patches)) == 1
 
 
 def test_validation_sync_is_the_flag_read():
@@ -168,9 +158,9 @@ def test_dense_report_on_cuda_matches_the_report_on_cpu(patch_device):
             "changed"]
     assert cpu.writes[cols].equals(cuda.writes[cols])
     assert cpu.deltas[["elements", "changed"]].equals(cuda.deltas[["elements", "changed"]])
-    for col in ("max_abs", "mean_abs", "rel_l2"):  # (float64 sums in another order)
+    for col in ("max_abs", "mean_abs", "rel_l2"):  # (sums in another order)
         assert cpu.deltas[col].to_numpy() == pytest.approx(cuda.deltas[col].to_numpy(),
-                                                           rel=1e-9)
+                                                           rel=1e-6)
     assert (cuda.calls["seconds"] >= 0).all()
     for target in cpu.deltas.index:
         assert patchkit.same_bits(cpu.after(target), cuda.after(target).cpu())
@@ -228,7 +218,9 @@ def test_a_report_on_cuda_waits_a_fixed_number_of_times_per_write(sparse):
     plain = _syncs(lambda: load_checkpoint_weight_patches(fresh[0], patches))
     box = []
     report = _syncs(lambda: box.append(inspect_load(fresh[1], patches)))
-    writes = len(box[0].writes)
+    writes, calls = len(box[0].writes), len(box[0].calls)
     # dense: one read per write (its count of changes); sparse: two (where it writes, what
-    # it changed); one at the end for every tensor's numbers
-    assert report - plain <= (2 if sparse else 1) * writes + 1, (report, plain, writes)
+    # it changed); one at the end for every tensor's numbers; and a recorded call waits
+    # for the GPU before and after, so that its seconds are the call's own
+    bound = (2 if sparse else 1) * writes + 1 + 2 * calls
+    assert report - plain <= bound, (report, plain, writes, calls)

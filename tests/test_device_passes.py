@@ -6,6 +6,7 @@ the same are in ``test_cuda.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -195,3 +196,60 @@ def test_changed_offsets_at_a_known_count_are_nonzeros():
     with device_passes():
         assert torch.equal(_changed_offsets(mask, int(mask.sum())), want)  # nonzero_static
         assert _changed_offsets(mask, 0).numel() == 0
+
+
+def test_squares_pending_on_a_device_keep_nothing_of_their_values():
+    # an overlapping target's before-values are a fresh copy: held until the report's one
+    # read, every target's copy was alive at once (a model-sized copy)
+    import gc
+    import weakref
+
+    from patchkit.inspect import _Stats
+
+    acc = _Stats()
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x[3] = float("inf")
+    want = float(torch.cat([x[:3], x[4:]]).square().sum())
+    alive = weakref.ref(x)
+    with device_passes():
+        acc.add_squares(x)
+    del x
+    gc.collect()
+    assert alive() is None
+    _Stats.settle([acc])
+    assert math.isclose(acc.sum_b2, want, rel_tol=1e-12) and acc.pending == []
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_reports_and_transactional_loads_of_inference_tensors(compiled):
+    # an inference tensor has no version counter: reading it raised
+    with torch.inference_mode():
+        patches = [CheckpointWeightPatch("w", (4, 4), torch.float32,
+                                         torch.arange(16, dtype=torch.float32))]
+        with contextlib.nullcontext() if compiled else native.disabled():
+            r = inspect_load(PlainModel({"w": (4, 4)}), patches)
+            model = PlainModel({"w": (4, 4)})
+            patchkit.load_checkpoint_weight_patches(model, patches, transactional=True)
+    assert r.deltas["changed"].tolist() == [15]  # 0.0 stays 0.0
+    assert torch.equal(model.w.reshape(-1), torch.arange(16, dtype=torch.float32))
+
+
+def test_a_device_without_nonzero_static_falls_back_to_nonzero(monkeypatch):
+    from patchkit import intercept
+
+    def no_kernel(*_a, **_k):
+        raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from "
+                                  "the 'CUDA' backend")
+
+    monkeypatch.setattr(torch, "nonzero_static", no_kernel)
+    monkeypatch.setattr(intercept, "_STATIC_NONZERO", {})
+    w = torch.zeros(4096)
+    w[:10] = 1.0  # 10 of 4096 change: a compact save
+    patches = [CheckpointWeightPatch("w", (64, 64), torch.float32, w)]
+    with native.disabled(), device_passes():
+        r = inspect_load(PlainModel({"w": (64, 64)}), patches)
+        model = PlainModel({"w": (64, 64)}, fill=2.0)
+        patchkit.load_checkpoint_weight_patches(model, patches, transactional=True)
+    assert r.deltas["changed"].tolist() == [10]
+    assert torch.equal(r.before("w"), torch.zeros(64, 64))
+    assert intercept._STATIC_NONZERO == {"cpu": False}  # tried once, then nonzero
