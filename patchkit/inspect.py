@@ -905,7 +905,8 @@ def _rebuilt(t: torch.Tensor, saved: list[SavedRegion]) -> torch.Tensor:
     flat = bits(out.view(-1))
     for s in reversed(_sharing(saved, t)):
         pos, valid = _positions(t, s.storage_index())
-        flat[pos.cpu()] = bits(s.flat_before()[valid].cpu())
+        # (saved in the dtype of the view written: read as ``t``'s, as the statistics do)
+        flat[pos.cpu()] = bits(_as_dtype_of(s.flat_before()[valid], t).cpu())
     return out
 
 
@@ -1303,7 +1304,7 @@ def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: Sequence[SavedRegion
     written = torch.zeros(t.numel(), dtype=torch.bool, device=t.device)
     for s in reversed(regions):
         pos, valid = _positions(t, s.storage_index())
-        bits(before)[pos] = bits(s.flat_before()[valid])
+        bits(before)[pos] = bits(_as_dtype_of(s.flat_before()[valid], t))
     for s in regions:
         wpos, _ = _positions(t, s.written_index())
         written.index_fill_(0, wpos, True)

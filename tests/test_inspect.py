@@ -1021,3 +1021,51 @@ def test_a_recorded_call_on_a_gpu_is_timed_between_two_device_waits(monkeypatch)
     events.clear()
     patchkit.load_checkpoint_weight_patches(m, ps, max_chunk_bytes=16)
     assert events == ["call", "call"]  # a plain load times nothing, waits for nothing
+
+
+class _ThroughView(torch.nn.Module):
+    """One weight its loader writes through a view of another dtype of the same size
+    (``overlap``: rows 0-29 first, then rows 20-49, which meet the first write)."""
+
+    def __init__(self, dtype, view, overlap):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        w = (torch.rand(50, 40, generator=g) < 0.5 if dtype == torch.bool
+             else torch.randn(50, 40, generator=g).to(dtype))
+        self.w = torch.nn.Parameter(w, requires_grad=False)
+        self.view, self.overlap = view, overlap
+
+    def load_weights(self, weights):
+        for _, src in weights:
+            src = src.view(50, 40)
+            if self.overlap:
+                for rows in (slice(0, 30), slice(20, 50)):
+                    self.w.data[rows].view(self.view).copy_(src[rows].view(self.view))
+            else:
+                self.w.data.view(self.view).copy_(src.view(self.view))
+        return {"w"}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["once", "overlapping"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+@pytest.mark.parametrize(("dtype", "view"), [(torch.complex64, torch.int64),
+                                             (torch.complex64, torch.float64),
+                                             (torch.bool, torch.int8)], ids=str)
+def test_before_of_a_weight_written_through_a_view_of_another_dtype(dtype, view, compiled,
+                                                                    overlap):
+    # saved in the view's dtype, the values were put back as the weight's bits: before()
+    # raised (complex64 through int64: bits of shape [n, 2] against [n]; bool through int8)
+    import contextlib
+
+    from patchkit import native
+
+    model = _ThroughView(dtype, view, overlap)
+    old = model.w.detach().clone()
+    new = old.clone().reshape(-1)
+    new[::7] = ~new[::7] if dtype == torch.bool else new[::7] * 2 + 1
+    with contextlib.nullcontext() if compiled else native.disabled():
+        r = inspect_load(model, [CheckpointWeightPatch("w", (50, 40), dtype, new)])
+    assert patchkit.same_bits(r.before("w"), old)
+    assert patchkit.same_bits(r.after("w"), new.view(50, 40))
+    want = int(patchkit.bitwise.changed_mask(old, new.view(50, 40)).sum())
+    assert r.deltas.loc["w", "changed"] == want > 0
