@@ -766,6 +766,13 @@ def _inspect_load(
         left = {t for s in sessions for t in s.unrestored}
         if left:
             loaded &= {e.name for e in rec.events if e.target in left}
+    if error is not None and loader is not None:
+        # An observed loader that failed may have undone its writes unseen (patchkit's own
+        # loader with transactional=True restores outside any interception): numbers
+        # measured while writing would show changes that are gone. Read the tensors again.
+        for session in sessions:
+            for saved in session.saved:
+                saved.diff_stats = None
     if loader is not None and not _as_planned(observed, plan, complete=error is None):
         # The observed loader chunked otherwise: the table shows the calls it made.
         plan = _reasons(observed, patches, max_chunk_bytes)

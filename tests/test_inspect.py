@@ -1069,3 +1069,24 @@ def test_before_of_a_weight_written_through_a_view_of_another_dtype(dtype, view,
     assert patchkit.same_bits(r.after("w"), new.view(50, 40))
     want = int(patchkit.bitwise.changed_mask(old, new.view(50, 40)).sum())
     assert r.deltas.loc["w", "changed"] == want > 0
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_an_observed_loader_that_rolls_back_unseen_shows_no_change_left(compiled):
+    # patchkit's own loader, observed, restores outside any interception when it fails:
+    # the compiled path's numbers, measured while writing, showed 4096 changes still there
+    import contextlib
+
+    from patchkit import native
+
+    model = FailingModel({"a": (64, 64), "b": (8,)}, fail_on="b")
+    patches = [CheckpointWeightPatch("a", (64, 64), torch.float32, torch.ones(4096)),
+               CheckpointWeightPatch("b", (8,), torch.float32, torch.ones(8))]
+    with contextlib.nullcontext() if compiled else native.disabled(), \
+            pytest.raises(RuntimeError) as info:
+        inspect_load(model, patches, transactional=True,
+                     loader=patchkit.load_checkpoint_weight_patches)
+    r = info.value.report
+    assert float(model.a.abs().sum()) == 0.0  # the observed loader rolled back
+    assert r.deltas.loc["a", "changed"] == 0 and r.deltas.loc["a", "max_abs"] == 0.0
+    assert r.writes["changed"].tolist()[0] == 4096  # what the write itself did
