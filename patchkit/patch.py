@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from . import native
-from .bitwise import count_true
+from .bitwise import count_true, host_waits
 from .errors import PatchTypeError, PatchValueError, where
 
 __all__ = [
@@ -413,10 +413,11 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
     if not unique or idx.numel() < 2 or n == 0:
         # n == 0: every index is out of range (flagged above); nothing to mark.
         dup = torch.zeros((), dtype=torch.bool, device=device)
-    elif device.type == "cpu" and bool((idx[1:] > idx[:-1]).all()):
+    elif not host_waits(device) and bool((idx[1:] > idx[:-1]).all()):
         # Strictly increasing (as torch.nonzero and most builders give them): no
         # duplicate, seen in one pass over the indices instead of a sort or a mark per
-        # element of the tensor. (On the CPU reading the answer costs no wait.)
+        # element of the tensor. (On the CPU reading the answer costs no wait; on a GPU
+        # it would cost one per patch.)
         dup = torch.zeros((), dtype=torch.bool, device=device)
     elif _sort_is_cheaper(idx.numel(), n):
         s = torch.sort(idx).values

@@ -253,3 +253,18 @@ def test_a_device_without_nonzero_static_falls_back_to_nonzero(monkeypatch):
     assert r.deltas["changed"].tolist() == [10]
     assert torch.equal(r.before("w"), torch.zeros(64, 64))
     assert intercept._STATIC_NONZERO == {"cpu": False}  # tried once, then nonzero
+
+
+def test_validating_sorted_sparse_patches_on_the_device_passes_waits_once():
+    # the check for strictly increasing indices, a shortcut where reading costs nothing,
+    # read one answer per patch: a GPU would have waited once per patch
+    from patchkit.patch import validate_patches
+
+    g = torch.Generator().manual_seed(6)
+    patches = [CheckpointWeightPatch(f"w{i}", (100, 100), torch.float32,
+                                     torch.randn(500, generator=g),
+                                     torch.randperm(10_000, generator=g)[:500].sort().values)
+               for i in range(6)]
+    with device_passes():
+        assert host_waits_of(lambda: validate_patches(patches)) == 1
+    assert host_waits_of(lambda: validate_patches(patches)) == 1 + len(patches)  # (CPU)
