@@ -79,6 +79,7 @@ from .intercept import (
     _span_of,
     _storage_key,
     _storage_offsets,
+    rollbacks,
 )
 from .loader import _as_patch, _names, canonicalize_tied, run_load
 from .patch import (
@@ -731,6 +732,7 @@ def _inspect_load(
     error: BaseException | None = None
     loaded: set[str] = set()
     observed: list[Chunk] = []
+    rollbacks_before = rollbacks()
     try:
         if loader is None:
             loaded = run_load(
@@ -766,13 +768,15 @@ def _inspect_load(
         left = {t for s in sessions for t in s.unrestored}
         if left:
             loaded &= {e.name for e in rec.events if e.target in left}
-    if error is not None and loader is not None:
-        # An observed loader that failed may have undone its writes unseen (patchkit's own
-        # loader with transactional=True restores outside any interception): numbers
-        # measured while writing would show changes that are gone. Read the tensors again.
+    if loader is not None and (error is not None or rollbacks() != rollbacks_before):
+        # An observed loader may have undone its writes unseen (patchkit's own loader with
+        # transactional=True restores outside any interception, then raises, or returns
+        # where its caller catches): numbers measured while writing would show changes
+        # that are gone, and rebindings it put back. Read the tensors again.
         for session in sessions:
             for saved in session.saved:
                 saved.diff_stats = None
+            session.forget_undone_rebindings()
     if loader is not None and not _as_planned(observed, plan, complete=error is None):
         # The observed loader chunked otherwise: the table shows the calls it made.
         plan = _reasons(observed, patches, max_chunk_bytes)

@@ -504,7 +504,12 @@ class SavedRegion:
         return self.before.reshape(-1)
 
     def restore(self) -> None:
-        """Write the saved values back (outside any interception)."""
+        """Write the saved values back (outside any interception; an inference tensor in
+        inference mode, where torch allows its writes)."""
+        if self.view.is_inference() and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                self.restore()
+            return
         index = self._offsets()
         if index is None:
             self.view.copy_(self.before)
@@ -1198,6 +1203,25 @@ class WriteSession:
             self._call_writes += 1
             self._record("rebind", t, name, 0, t, changed)
 
+    def forget_undone_rebindings(self) -> None:
+        """After a rollback this session did not see (an observed loader's own), drop
+        from :attr:`rebound` the names bound to their original tensor again, and follow
+        the ones bound to yet another tensor."""
+        now = None
+        for name, t in list(self.rebound.items()):
+            live = self.index.tensors.get(name)
+            if live is None:
+                if now is None:
+                    now = dict(named_tensors(self.index.model))
+                live = now.get(name)
+            if live is None:
+                continue
+            original = self._bindings[name]
+            if live.data_ptr() == original.data_ptr() and live.shape == original.shape:
+                del self.rebound[name]
+            elif _storage_key(live) != _storage_key(t):
+                self.rebound[name] = live.detach()
+
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         replaced = self.index.replaced()
         if replaced:
@@ -1558,7 +1582,12 @@ class WriteSession:
         # Statistics read the bits as the owner's dtype: a loader may write through a
         # reinterpreting view (of the same element size; other sizes are not followed).
         stats = self.recorder is not None and dest.element_size() == owner.element_size()
-        fast = native.compare_copy(dest, src, owner.dtype if stats else None)
+        # An inference tensor outside inference mode: torch allows some writes into it
+        # (through ``.data``) and refuses others (into the parameter, or a view of it),
+        # so torch's own copy_ writes it, not the compiled path.
+        fast = None if dest.is_inference() and not torch.is_inference_mode_enabled() else (
+            native.compare_copy(dest, src, owner.dtype if stats else None)
+        )
         if fast is not None:
             n_changed = fast.changed
             diff = (
@@ -1696,6 +1725,7 @@ class WriteSession:
         """
         failed: list[tuple[SavedRegion, BaseException]] = []
         self.unrestored = []
+        _ROLLBACKS[0] += 1
         with torch.no_grad():
             for saved in reversed(self.saved):
                 try:
@@ -1719,6 +1749,16 @@ class WriteSession:
         self._saved_regions.clear()
 
 
+# How many rollbacks (WriteSession.restore) this process began: a report that observes
+# a loader sees none of a rollback's writes, and checks this to know one happened.
+_ROLLBACKS = [0]
+
+
+def rollbacks() -> int:
+    """How many transactional rollbacks this process has begun (see ``_ROLLBACKS``)."""
+    return _ROLLBACKS[0]
+
+
 def _wait_for(devices: set[torch.device]) -> None:
     """Wait until the work queued on each of ``devices`` (CUDA) has run."""
     for d in devices:
@@ -1731,7 +1771,8 @@ def _changed_offsets(flat_mask: torch.Tensor, count: int) -> torch.Tensor:
     at the known count, without the wait ``nonzero`` makes to size its result."""
     if not count:
         return torch.empty(0, dtype=torch.int64, device=flat_mask.device)
-    if host_waits(flat_mask.device) and _STATIC_NONZERO.get(flat_mask.device.type, True):
+    if (host_waits(flat_mask.device) and count < 2**31 - 1
+            and _STATIC_NONZERO.get(flat_mask.device.type, True)):
         try:
             return torch.nonzero_static(flat_mask, size=count).reshape(-1)
         except (NotImplementedError, AttributeError):

@@ -1090,3 +1090,103 @@ def test_an_observed_loader_that_rolls_back_unseen_shows_no_change_left(compiled
     assert float(model.a.abs().sum()) == 0.0  # the observed loader rolled back
     assert r.deltas.loc["a", "changed"] == 0 and r.deltas.loc["a", "max_abs"] == 0.0
     assert r.writes["changed"].tolist()[0] == 4096  # what the write itself did
+
+
+class _RebindsThenFails(PlainModel):
+    """Copies into ``a`` then rebinds its ``.data`` to three times the weight; raises at
+    the weight ``z``."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "z":
+                raise RuntimeError("no z today")
+            p = self.get_parameter(name)
+            p.data.copy_(w)
+            p.data = w.clone() * 3
+        return {n for n, _ in weights}
+
+
+def _catching(model, patches, **kw):
+    """A loader that runs patchkit's transactional load and swallows its error: the
+    rollback happens, unseen by a report that observes it, and the load returns."""
+    try:
+        return patchkit.load_checkpoint_weight_patches(model, patches, transactional=True)
+    except RuntimeError:
+        return set()
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+@pytest.mark.parametrize("case", ["returns", "rebinds"])
+def test_an_observed_loader_that_rolls_back_unseen_and_returns_or_rebinds(compiled, case):
+    # the numbers measured while writing were dropped only when the observed load raised:
+    # one that caught its error showed the rolled-back changes (compiled path); a rebinding
+    # the rollback put back stayed in the report (every path)
+    import contextlib
+
+    from patchkit import native
+
+    ctx = contextlib.nullcontext() if compiled else native.disabled()
+    z = CheckpointWeightPatch("z", (4,), torch.float32, torch.ones(4))
+    a = CheckpointWeightPatch("a", (64, 64), torch.float32, torch.ones(4096))
+    if case == "returns":
+        model = FailingModel({"a": (64, 64), "z": (4,)}, fail_on="z")
+        with ctx:
+            r = inspect_load(model, [a, z], loader=_catching)
+    else:
+        model = _RebindsThenFails({"a": (64, 64), "z": (4,)})
+        with ctx, pytest.raises(RuntimeError, match="no z today") as info:
+            inspect_load(model, [a, z], transactional=True,
+                         loader=patchkit.load_checkpoint_weight_patches,
+                         max_chunk_bytes=4096 * 4)
+        r = info.value.report
+    assert float(model.a.abs().sum()) == 0.0  # rolled back
+    assert patchkit.same_bits(r.after("a"), model.a.detach())
+    assert r.deltas.loc["a", "changed"] == 0 and r.deltas.loc["a", "max_abs"] == 0.0
+
+
+class _IntoTheParameter(PlainModel):
+    """``param.copy_(w)`` (not ``param.data``): what torch refuses for an inference tensor
+    outside inference mode."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            p = self.get_parameter(name)
+            p.copy_(w.view(p.shape))
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_inference_tensors_written_outside_inference_mode_are_refused_as_torch_refuses(
+    compiled,
+):
+    # the compiled path wrote into the parameter (outside torch) where torch raises; a
+    # write through ``.data``, which torch allows, is still recorded and rolled back
+    import contextlib
+
+    from patchkit import native
+
+    patches = [CheckpointWeightPatch("a", (4, 4), torch.float32, torch.ones(16))]
+    with contextlib.nullcontext() if compiled else native.disabled():
+        with torch.inference_mode():
+            model = _IntoTheParameter({"a": (4, 4)})
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            patchkit.load_checkpoint_weight_patches(model, patches)
+        with torch.inference_mode():
+            model = _IntoTheParameter({"a": (4, 4)})
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            inspect_load(model, patches)
+        with torch.inference_mode():
+            model = _IntoTheParameter({"a": (4, 4)})
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            patchkit.load_checkpoint_weight_patches(model, patches, transactional=True)
+        assert float(model.a.abs().sum()) == 0.0  # rolled back (in inference mode)
+        with torch.inference_mode():
+            model = FailingModel({"a": (4, 4), "z": (1,)}, fail_on="z")  # param.data
+        r = inspect_load(model, patches)
+        assert r.deltas.loc["a", "changed"] == 16
+        z = CheckpointWeightPatch("z", (1,), torch.float32, torch.ones(1))
+        with pytest.raises(RuntimeError, match="z"):
+            patchkit.load_checkpoint_weight_patches(
+                model, [CheckpointWeightPatch("a", (4, 4), torch.float32, torch.full((16,), 2.0)),
+                        z], transactional=True, max_chunk_bytes=64)
+        assert torch.equal(model.a, torch.ones(4, 4))  # rolled back to the first load's
