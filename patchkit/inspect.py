@@ -772,10 +772,14 @@ def _inspect_load(
         # An observed loader may have undone its writes unseen (patchkit's own loader with
         # transactional=True restores outside any interception, then raises, or returns
         # where its caller catches): numbers measured while writing would show changes
-        # that are gone, and rebindings it put back. Read the tensors again.
+        # that are gone. Read the tensors again.
         for session in sessions:
             for saved in session.saved:
                 saved.diff_stats = None
+    if error is not None or rollbacks() != rollbacks_before:
+        # ... and a rollback (this load's own, or one it did not see) binds the original
+        # tensors again: those are no longer rebound.
+        for session in sessions:
             session.forget_undone_rebindings()
     if loader is not None and not _as_planned(observed, plan, complete=error is None):
         # The observed loader chunked otherwise: the table shows the calls it made.

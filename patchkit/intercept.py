@@ -1193,7 +1193,10 @@ class WriteSession:
                     s.view = original
                     s.__dict__.pop("region", None)  # (a cached_property of the view)
         for name, t in new.items():
-            t = t.detach()
+            # (.data, not detach(): a Parameter made in inference mode and rebound outside
+            # it holds data whose detach() raises "Inference tensors do not track version
+            # counter")
+            t = t.data
             self.rebound[name] = t
             old = self._bindings[name]
             if old.shape == t.shape and old.dtype == t.dtype:
@@ -1207,20 +1210,20 @@ class WriteSession:
         """After a rollback this session did not see (an observed loader's own), drop
         from :attr:`rebound` the names bound to their original tensor again, and follow
         the ones bound to yet another tensor."""
-        now = None
+        if not self.rebound:
+            return
+        # what the model holds now (the index keeps the tensors registered when it was
+        # built: a name registered anew still has its original one there)
+        now = dict(named_tensors(self.index.model))
         for name, t in list(self.rebound.items()):
-            live = self.index.tensors.get(name)
-            if live is None:
-                if now is None:
-                    now = dict(named_tensors(self.index.model))
-                live = now.get(name)
+            live = now.get(name)
             if live is None:
                 continue
             original = self._bindings[name]
             if live.data_ptr() == original.data_ptr() and live.shape == original.shape:
                 del self.rebound[name]
             elif _storage_key(live) != _storage_key(t):
-                self.rebound[name] = live.detach()
+                self.rebound[name] = live.data
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         replaced = self.index.replaced()

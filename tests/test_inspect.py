@@ -1190,3 +1190,50 @@ def test_inference_tensors_written_outside_inference_mode_are_refused_as_torch_r
                 model, [CheckpointWeightPatch("a", (4, 4), torch.float32, torch.full((16,), 2.0)),
                         z], transactional=True, max_chunk_bytes=64)
         assert torch.equal(model.a, torch.ones(4, 4))  # rolled back to the first load's
+
+
+class _RegistersAnewThenFails(PlainModel):
+    """Registers a new Parameter for ``a`` (three times the weight); raises at ``z``."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "z":
+                raise RuntimeError("no z today")
+            self.a = torch.nn.Parameter(w.clone().view(4, 4) * 3, requires_grad=False)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("observed", [False, True], ids=["own", "observed"])
+def test_a_failed_load_keeps_a_tensor_registered_anew_in_its_report(observed):
+    # after the load failed, the report checked its rebindings against the tensors the
+    # index was built with, took the new Parameter for the original one and dropped it
+    model = _RegistersAnewThenFails({"a": (4, 4), "z": (1,)})
+    patches = [CheckpointWeightPatch("a", (4, 4), torch.float32, torch.ones(16)),
+               CheckpointWeightPatch("z", (1,), torch.float32, torch.ones(1))]
+    kw = {"loader": patchkit.load_checkpoint_weight_patches} if observed else {}
+    with pytest.raises(RuntimeError, match="no z today") as info:
+        inspect_load(model, patches, max_chunk_bytes=64, **kw)
+    r = info.value.report
+    assert float(model.a.sum()) == 48.0
+    assert float(r.after("a").sum()) == 48.0 and list(r.deltas.index) == ["a"]
+    assert r.deltas.loc["a", "changed"] == 16
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["plain", "inference-made"])
+def test_a_rolled_back_rebinding_is_not_in_the_report_of_the_own_loader(inference):
+    # patchkit's own transactional rollback bound the original tensor again, but the
+    # report still showed the rebound one (after() three times the weight, 4096 changed);
+    # a model made in inference mode crashed the report at the rebinding
+    if inference:
+        with torch.inference_mode():
+            model = _RebindsThenFails({"a": (64, 64), "z": (4,)})
+    else:
+        model = _RebindsThenFails({"a": (64, 64), "z": (4,)})
+    patches = [CheckpointWeightPatch("a", (64, 64), torch.float32, torch.ones(4096)),
+               CheckpointWeightPatch("z", (4,), torch.float32, torch.ones(4))]
+    with pytest.raises(RuntimeError, match="no z today") as info:
+        inspect_load(model, patches, transactional=True, max_chunk_bytes=4096 * 4)
+    r = info.value.report
+    assert r.rolled_back and float(model.a.abs().sum()) == 0.0
+    assert patchkit.same_bits(r.after("a"), model.a.detach())
+    assert "a" not in r.deltas.index or r.deltas.loc["a", "changed"] == 0
