@@ -776,11 +776,10 @@ def _inspect_load(
         for session in sessions:
             for saved in session.saved:
                 saved.diff_stats = None
-    if error is not None or rollbacks() != rollbacks_before:
-        # ... and a rollback (this load's own, or one it did not see) binds the original
-        # tensors again: those are no longer rebound.
-        for session in sessions:
-            session.forget_undone_rebindings()
+    for session in sessions:
+        # A rollback (this load's own, or one it did not see) or the loader itself may
+        # have bound original tensors again: those are no longer rebound.
+        session.forget_undone_rebindings()
     if loader is not None and not _as_planned(observed, plan, complete=error is None):
         # The observed loader chunked otherwise: the table shows the calls it made.
         plan = _reasons(observed, patches, max_chunk_bytes)

@@ -1207,9 +1207,11 @@ class WriteSession:
             self._record("rebind", t, name, 0, t, changed)
 
     def forget_undone_rebindings(self) -> None:
-        """After a rollback this session did not see (an observed loader's own), drop
-        from :attr:`rebound` the names bound to their original tensor again, and follow
-        the ones bound to yet another tensor."""
+        """When the load ends: drop from :attr:`rebound` the names bound to their
+        original tensor again (by the loader itself, or a rollback: this load's own or
+        one the session did not see), and follow the ones bound to yet another tensor.
+        A name is bound to its original again when the model holds the very object it
+        held before the load, viewing the original storage the same way."""
         if not self.rebound:
             return
         # what the model holds now (the index keeps the tensors registered when it was
@@ -1219,10 +1221,9 @@ class WriteSession:
             live = now.get(name)
             if live is None:
                 continue
-            original = self._bindings[name]
-            if live.data_ptr() == original.data_ptr() and live.shape == original.shape:
+            if live is self.index.tensors.get(name) and _same_view(live, self._bindings[name]):
                 del self.rebound[name]
-            elif _storage_key(live) != _storage_key(t):
+            elif not _same_view(live, t):
                 self.rebound[name] = live.data
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
@@ -1760,6 +1761,12 @@ _ROLLBACKS = [0]
 def rollbacks() -> int:
     """How many transactional rollbacks this process has begun (see ``_ROLLBACKS``)."""
     return _ROLLBACKS[0]
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` view the same elements of the same storage the same way."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.device == b.device)
 
 
 def _wait_for(devices: set[torch.device]) -> None:

@@ -1237,3 +1237,51 @@ def test_a_rolled_back_rebinding_is_not_in_the_report_of_the_own_loader(inferenc
     assert r.rolled_back and float(model.a.abs().sum()) == 0.0
     assert patchkit.same_bits(r.after("a"), model.a.detach())
     assert "a" not in r.deltas.index or r.deltas.loc["a", "changed"] == 0
+
+
+class _RebindsAndBindsBack(PlainModel):
+    """Call with ``a``: rebinds ``a.data`` to three times the weight; call with ``b``: binds
+    ``a``'s original tensor back (and writes nothing into ``b``)."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "a":
+                self._original = self.a.data
+                self.a.data = w.clone().view(4, 4) * 3
+            else:
+                self.a.data = self._original
+        return {n for n, _ in weights}
+
+
+class _TransposesAnewThenFails(PlainModel):
+    """Copies into ``a``, registers a new Parameter on its storage, transposed; raises at
+    ``z``."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "z":
+                raise RuntimeError("no z today")
+            self.a.data.copy_(w.view(4, 4))
+            self.a = torch.nn.Parameter(self.a.data.t(), requires_grad=False)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("observed", [False, True], ids=["own", "observed"])
+def test_the_report_follows_rebindings_the_loader_undid_or_made_on_the_same_storage(observed):
+    # a rebinding the loader itself undid stayed in the report (after() three times the
+    # weight, 16 changed); a new Parameter on the original storage, transposed, was taken
+    # for the original one after a failed load (after() untransposed)
+    kw = {"loader": patchkit.load_checkpoint_weight_patches} if observed else {}
+    model = _RebindsAndBindsBack({"a": (4, 4), "b": (4, 4)})
+    patches = [CheckpointWeightPatch(n, (4, 4), torch.float32, torch.full((16,), 1.0))
+               for n in ("a", "b")]
+    r = inspect_load(model, patches, max_chunk_bytes=64, **kw)
+    assert patchkit.same_bits(r.after("a"), model.a.detach())
+    assert "a" not in r.deltas.index or r.deltas.loc["a", "changed"] == 0
+
+    model = _TransposesAnewThenFails({"a": (4, 4), "z": (1,)})
+    patches = [CheckpointWeightPatch("a", (4, 4), torch.float32, torch.arange(16.0)),
+               CheckpointWeightPatch("z", (1,), torch.float32, torch.ones(1))]
+    with pytest.raises(RuntimeError, match="no z today") as info:
+        inspect_load(model, patches, max_chunk_bytes=64, **kw)
+    assert patchkit.same_bits(info.value.report.after("a"), model.a.detach())
