@@ -275,6 +275,7 @@ class RuntimeIndex:
         # Where each tensor is registered, and the tree's links, for replaced(): checked
         # by identity after each sparse call instead of walking the tree again.
         self._slots: list[tuple[str, dict, str]] | None = None
+        self._alias_slots: list[tuple[str, dict, str]] = []  # the same, of aliases
         self._links: list[tuple[dict, str, torch.nn.Module]] = []
         if mods is None:
             walked = [(n, t, None, None) for n, t in named_tensors(model)]
@@ -286,6 +287,8 @@ class RuntimeIndex:
         for name, t, registry, key in walked:
             if id(t) in first:
                 self.aliases[name] = first[id(t)]
+                if self._slots is not None:
+                    self._alias_slots.append((name, registry, key))
                 continue
             first[id(t)] = name
             self.tensors[name] = t
@@ -339,11 +342,19 @@ class RuntimeIndex:
         now = dict(named_tensors(self.model))
         return [n for n, t in self.tensors.items() if now.get(n) is not t]
 
+    def replaced_aliases(self) -> list[str]:
+        """Aliases (the other names of a tied tensor, see :attr:`aliases`) no longer
+        registered to it: ``module.lm_head.weight = nn.Parameter(w)`` unties them.
+        Found where the index knows the registrations (an ``nn.Module`` tree)."""
+        return [n for n, reg, key in self._alias_slots
+                if reg.get(key) is not self.tensors[self.aliases[n]]]
+
     def put_back(self, names: Sequence[str]) -> None:
-        """Register each of ``names`` to its original tensor again, as the parameter or
-        buffer it was (undoes what :meth:`replaced` finds)."""
+        """Register each of ``names`` (of :attr:`tensors` or :attr:`aliases`) to its
+        original tensor again, as the parameter or buffer it was (undoes what
+        :meth:`replaced` and :meth:`replaced_aliases` find)."""
         for name in names:
-            t = self.tensors[name]
+            t = self.tensors[name] if name in self.tensors else self.tensors[self.aliases[name]]
             parent, _, leaf = name.rpartition(".")
             module = self.model.get_submodule(parent)
             module.__dict__.pop(leaf, None)

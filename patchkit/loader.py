@@ -159,9 +159,12 @@ def run_load(
                 del staged
         except BaseException:
             if transactional and session is not None:
-                # Tensors registered anew (`module.w = nn.Parameter(...)`): the originals
-                # again; then their storage, if `.data` was rebound; then the saved values.
-                session.index.put_back(session.index.replaced())
+                # Tensors registered anew (`module.w = nn.Parameter(...)`, under any of a
+                # tied tensor's names): the originals again; then their storage, if
+                # `.data` was rebound; then the saved values.
+                session.index.put_back(
+                    session.index.replaced() + session.index.replaced_aliases()
+                )
                 for name in session.index.rebound(bindings):
                     session.index.tensors[name].data = bindings[name]
                 try:

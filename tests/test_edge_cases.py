@@ -632,3 +632,33 @@ def test_a_difference_of_integers_of_two_dtypes_is_exact(da, db):
           torch.iinfo(db).min if db != torch.bool else 0]
     got = difference(tensor(xs, da), tensor(ys, db)).tolist()
     assert got == [float(x - y) for x, y in zip(xs, ys)]
+
+
+class _TiedRegistersAliasAnew(PlainModel):
+    """``b`` is ``a`` (tied); the loader registers a new Parameter under ``b``, then
+    raises at ``z``."""
+
+    def __init__(self):
+        super().__init__({"a": (4, 4), "z": (1,)})
+        self.b = self.a
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "z":
+                raise RuntimeError("no z today")
+            self.b = torch.nn.Parameter(w.clone().view(4, 4) * 3, requires_grad=False)
+        return {n for n, _ in weights}
+
+
+def test_a_transactional_rollback_ties_an_alias_registered_anew_again():
+    # the index kept where only a tied tensor's first name was registered: the rollback
+    # left ``b`` as the loader registered it, untied, and said it had rolled back
+    model = _TiedRegistersAliasAnew()
+    tied = model.a
+    patches = [CWP("a", (4, 4), torch.float32, torch.ones(16)),
+               CWP("z", (1,), torch.float32, torch.ones(1))]
+    with pytest.raises(RuntimeError, match="no z today"):
+        patchkit.load_checkpoint_weight_patches(model, patches, transactional=True,
+                                                max_chunk_bytes=64)
+    assert model.b is tied and model.a is tied
+    assert float(model.b.abs().sum()) == 0.0
