@@ -354,7 +354,7 @@ class RuntimeIndex:
         original tensor again, as the parameter or buffer it was (undoes what
         :meth:`replaced` and :meth:`replaced_aliases` find)."""
         for name in names:
-            t = self.tensors[name] if name in self.tensors else self.tensors[self.aliases[name]]
+            t = self.tensors[self.aliases.get(name, name)]
             parent, _, leaf = name.rpartition(".")
             module = self.model.get_submodule(parent)
             module.__dict__.pop(leaf, None)
@@ -1776,14 +1776,16 @@ def rollbacks() -> int:
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` view the same elements of the same storage the same way."""
-    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride() and a.device == b.device)
+    return a.dtype == b.dtype and Region.of(a) == Region.of(b)
 
 
 def _wait_for(devices: set[torch.device]) -> None:
     """Wait until the work queued on each of ``devices`` (CUDA) has run."""
     for d in devices:
         torch.cuda.synchronize(d)
+
+
+_STATIC_NONZERO: dict[str, bool] = {}  # device type -> torch.nonzero_static works there
 
 
 def _changed_offsets(flat_mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -1801,9 +1803,6 @@ def _changed_offsets(flat_mask: torch.Tensor, count: int) -> torch.Tensor:
             # from later): nonzero from now on, which waits to size its result
             _STATIC_NONZERO[flat_mask.device.type] = False
     return torch.nonzero(flat_mask).reshape(-1)
-
-
-_STATIC_NONZERO: dict[str, bool] = {}  # device type -> torch.nonzero_static works there
 
 
 def _nan_outside(t: torch.Tensor, write: torch.Tensor) -> int:
