@@ -1041,6 +1041,15 @@ PK_SCATTER(f16, uint16_t)
     int64_t pk_sample_##NAME(const UT *dst, const UT *src, int64_t L, int64_t drs,            \
                              int64_t srs, int64_t n, int64_t k, int64_t b) {                 \
         int64_t hits = 0, step = (n - b) / (k > 1 ? k - 1 : 1);                              \
+        /* Every block's lines are asked for first: from memory, blocks counted one after */ \
+        /* another wait for their misses nearly one at a time (256 blocks: 60-80 us). */     \
+        for (int64_t i = 0; i < k; i++) {                                                    \
+            int64_t first = i * step, last = first + b - 1;                                  \
+            __builtin_prefetch(dst + first / L * drs + first % L);                           \
+            __builtin_prefetch(src + first / L * srs + first % L);                           \
+            __builtin_prefetch(dst + last / L * drs + last % L);                             \
+            __builtin_prefetch(src + last / L * srs + last % L);                             \
+        }                                                                                    \
         for (int64_t i = 0; i < k; i++)                                                      \
             hits += pk_diffs_##NAME(dst, src, L, drs, srs, i * step, i * step + b);          \
         return hits;                                                                         \
