@@ -514,6 +514,11 @@ class SavedRegion:
         """The saved values (1-D)."""
         return self.before.reshape(-1)
 
+    def changed_now(self) -> int:
+        """How many of the saved elements differ now, bit for bit, from their saved
+        values (one host wait on a GPU)."""
+        return int(count_true(bits(self.current()) != bits(self.flat_before())))
+
     def restore(self) -> None:
         """Write the saved values back (outside any interception; an inference tensor in
         inference mode, where torch allows its writes)."""
@@ -1387,7 +1392,16 @@ class WriteSession:
             torch.where(write, bits(cast), bits(dest), out=bits(dest))
             out = dest
         else:
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except BaseException:
+                src = args[1] if is_copy and len(args) > 1 else None
+                for k, (sr, (t, target)) in enumerate(zip(saved, targets)):
+                    if sr is None and befores is not None:  # (saved by an earlier write)
+                        sr = SavedRegion(target[0], target[2], t, befores[k])
+                    if sr is not None:
+                        self._refused_after_writing(op, t, target, src, sr)
+                raise
         if kept_nan is not None:
             self._check_kept(args[0], write, kept_nan, targets[0][1][0], args[1])
         self._call_writes += 1
@@ -1617,11 +1631,33 @@ class WriteSession:
                 self._measure(saved, key)
             out = dest
         else:
-            n_changed, out = self._compared_copy_torch(func, args, kwargs, tname, owner, off, stats)
+            saves = len(self.saved)
+            try:
+                n_changed, out = self._compared_copy_torch(
+                    func, args, kwargs, tname, owner, off, stats
+                )
+            except BaseException:
+                if len(self.saved) > saves:  # saved, then the copy raised: it may have written
+                    self._refused_after_writing(op, dest, target[1], src, self.saved[-1], skey)
+                raise
         self._call_writes += 1
         if self.recorder is not None:
             self._record(op, dest, tname, off, src, n_changed, skey)
         return out
+
+    def _refused_after_writing(self, op, t, target, src, saved, skey=None) -> None:
+        """A write op that raised after its save: torch makes some writes and then refuses
+        them (``copy_`` into an inference tensor outside inference mode raises when it
+        moves the version counter, after the copy). What it changed stays in the model
+        (a rollback puts it back), so it is a write of the load, recorded with the
+        elements it changed; an op that changed nothing is not."""
+        changed = saved.changed_now()
+        if not changed:
+            return
+        self._call_writes += 1
+        if self.recorder is not None:
+            tname, _, off = target
+            self._record(op, t, tname, off, src, changed, skey)
 
     def _compared_copy_torch(self, func, args, kwargs, tname, owner, off, stats):
         """:meth:`_compared_copy` with torch ops. On a GPU it waits for the device once

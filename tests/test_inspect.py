@@ -1192,6 +1192,61 @@ def test_inference_tensors_written_outside_inference_mode_are_refused_as_torch_r
         assert torch.equal(model.a, torch.ones(4, 4))  # rolled back to the first load's
 
 
+class _WritesInferenceTensors(PlainModel):
+    """Writes an inference Parameter outside inference mode in one of four ways, each of
+    which torch makes and then refuses (it raises when it moves the version counter)."""
+
+    def __init__(self, how: str) -> None:
+        with torch.inference_mode():
+            super().__init__({"w": (4, 4)})
+        self.how = how
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            t = t.view(4, 4)
+            if self.how == "copy":
+                self.w.copy_(t)
+            elif self.how == "broadcast":
+                self.w.copy_(t[0])
+            elif self.how == "second":  # .data is allowed; the second write is not
+                self.w.data.copy_(t)
+                self.w.copy_(t * 2)
+            else:
+                self.w[1].copy_(t[1])
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+@pytest.mark.parametrize("how", ["copy", "broadcast", "second", "row"])
+def test_a_write_torch_makes_and_then_refuses_has_its_row(how, compiled):
+    # the write stays in the model and in ``deltas``; ``writes`` had no row for it (the
+    # op raised before it was recorded), so the summary said 0 runtime writes
+    import contextlib
+
+    from patchkit import native
+
+    patch = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.arange(1.0, 17.0))
+    values = patch.values.view(4, 4)
+    expected = {"copy": values, "broadcast": values[0].expand(4, 4), "second": values * 2,
+                "row": torch.zeros(4, 4).index_copy(0, torch.tensor([1]), values[1:2])}[how]
+    rows = {"copy": [16], "broadcast": [16], "second": [16, 16], "row": [4]}[how]
+    with contextlib.nullcontext() if compiled else native.disabled():
+        for transactional in (False, True):
+            model = _WritesInferenceTensors(how)
+            with pytest.raises(RuntimeError, match="Inplace update to inference tensor") as info:
+                inspect_load(model, [patch], transactional=transactional)
+            r = info.value.report
+            assert r.writes["changed"].tolist() == rows
+            assert r.writes["target"].tolist() == ["w"] * len(rows)
+            assert r.summary()["runtime writes"] == len(rows)
+            if transactional:
+                assert float(model.w.abs().sum()) == 0.0  # rolled back
+            else:
+                assert torch.equal(model.w, expected)
+                assert r.deltas.loc["w", "changed"] == int((expected != 0).sum())
+                assert patchkit.same_bits(r.after("w"), expected)
+
+
 class _RegistersAnewThenFails(PlainModel):
     """Registers a new Parameter for ``a`` (three times the weight); raises at ``z``."""
 
