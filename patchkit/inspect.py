@@ -270,8 +270,11 @@ class LoadReport:
       as ``p[rows] = w[rows]`` (``aten::index_put_``), ``fill_`` or an ``out=`` op, the
       whole view it was given, since which of its elements the op wrote is not
       followed), ``changed`` (elements whose bits changed), ``op`` (``"rebind"`` for a
-      runtime tensor a dense call rebound, ``param.data = w``, or registered anew: a
-      write of the whole tensor, whose ``before()`` is the original's), and the element
+      runtime tensor a call rebound, ``param.data = w``, or registered anew: a write of
+      the whole tensor, whose ``before()`` is the original's; a new tensor registered
+      under a tied tensor's other name unties it, and that name is then a target of its
+      own; a sparse call that returns has its rebindings undone and refused, so only
+      one that raised shows them), and the element
       strides of both views (``checkpoint_stride``,
       ``target_stride``). A write through a view of another element size than its
       runtime tensor's (fp8 values packed four to an int32 word, written through
@@ -973,7 +976,10 @@ def _build_report(
     report._saved = list(saved)
     report._runtime = runtime
     report._rebound = originals
-    report._aliases = dict(index.aliases) if index is not None else {}
+    # (an alias the load untied names a tensor of its own: see WriteSession.rebound)
+    report._aliases = (
+        {a: n for a, n in index.aliases.items() if a not in rebound} if index is not None else {}
+    )
     report._tables = {
         "chunks": lambda: _chunks_frame(patches, kept, positions, plan, len(calls)),
         "calls": lambda: _frame({

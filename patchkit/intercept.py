@@ -1157,7 +1157,9 @@ class WriteSession:
                 self._check_after_sparse_call(bindings, result.returned, staged, positions)
             error = False
         finally:
-            if watch:
+            # (a sparse call that returns has its rebindings undone and refused above; one
+            # that raised leaves them, which a report shows)
+            if watch or (sparse and error and self.recorder is not None):
                 self._note_rebinding()
             if self.recorder is not None:
                 _wait_for(gpus)  # a GPU's copies run after their launch returns
@@ -1187,9 +1189,17 @@ class WriteSession:
         rebound = {n: t for n, t in self.index.tensors.items() if t.data_ptr() != ptrs[n]}
         found = dict(rebound)
         replaced = self.index.replaced()
-        if replaced:
+        # A tied tensor's other name registered anew (``model.lm_head.weight =
+        # nn.Parameter(w)``): untied, it is a runtime tensor of its own from now on, whose
+        # values before the load were the tied tensor's.
+        untied = self.index.replaced_aliases()
+        if replaced or untied:
             now = dict(named_tensors(self.index.model))
             found.update({n: now[n] for n in replaced if n in now})
+            for n in untied:
+                if n in now:
+                    found[n] = now[n]
+                    self._bindings.setdefault(n, self._bindings[self.index.aliases[n]])
         new = {}
         for name, t in found.items():
             last = self.rebound.get(name)
@@ -1237,20 +1247,24 @@ class WriteSession:
             live = now.get(name)
             if live is None:
                 continue
-            if live is self.index.tensors.get(name) and _same_view(live, self._bindings[name]):
+            original = self.index.tensors.get(self.index.aliases.get(name, name))
+            if live is original and _same_view(live, self._bindings[name]):
                 del self.rebound[name]
             elif not _same_view(live, t):
                 self.rebound[name] = live.data
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
-        replaced = self.index.replaced()
+        # (a tied tensor's other name counts too: a new tensor there unties it)
+        replaced = self.index.replaced() + self.index.replaced_aliases()
         if replaced:
             # Register the originals again: the new tensors may hold the NaN-masked data.
             self.index.put_back(replaced)
+            first = self.index.aliases.get(replaced[0])
+            tied = f" (a tied name of {first!r})" if first is not None else ""
             raise ContractViolation(
                 f"load_weights (call {self._chunk}, "
                 f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))}) "
-                f"registered a new tensor as runtime tensor {replaced[0]!r} (e.g. "
+                f"registered a new tensor as runtime tensor {replaced[0]!r}{tied} (e.g. "
                 "`module.weight = nn.Parameter(w)`) instead of copying into the existing one; "
                 "a sparse load needs same-shaped floating-point copy_ into the existing "
                 "storage. The original tensor was registered again",

@@ -46,9 +46,10 @@ def load_checkpoint_weight_patches(
        call, or a call that reports names without writing raise
        :class:`NotImplementedError` before that write happens. A call that rebinds a
        runtime tensor (``param.data = w``) or registers a new one in its place
-       (``module.w = nn.Parameter(w)``) is caught when it returns: the original is put back
-       and :class:`NotImplementedError` raised. Writes the loader makes on another thread
-       are not seen: a sparse load's NaN can then reach the model.
+       (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) is caught when
+       it returns: the original is put back and :class:`NotImplementedError` raised (a
+       call that raises instead leaves them, as item 5 says). Writes the loader makes on
+       another thread are not seen: a sparse load's NaN can then reach the model.
     5. ``transactional=False`` (the default, as in vLLM): a loader failure leaves the
        writes made so far in place and propagates unchanged. **[patchkit]**
        ``transactional=True``: every runtime region is saved before its first write, and

@@ -662,3 +662,86 @@ def test_a_transactional_rollback_ties_an_alias_registered_anew_again():
                                                 max_chunk_bytes=64)
     assert model.b is tied and model.a is tied
     assert float(model.b.abs().sum()) == 0.0
+
+
+class _Unties(PlainModel):
+    """``b`` is ``a`` (tied). For each weight the loader registers a new Parameter under
+    ``b`` holding the staged tensor (``"untie"``), does that and copies into ``a``
+    (``"untie and copy"``), or does that and raises (``"untie and fail"``)."""
+
+    def __init__(self, how: str):
+        super().__init__({"a": (4,)})
+        self.b = self.a
+        self.how = how
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.b = torch.nn.Parameter(w.clone(), requires_grad=False)
+            if self.how == "untie and copy":
+                self.a.copy_(w)
+            elif self.how == "untie and fail":
+                raise RuntimeError("no more today")
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("observed", [False, True], ids=["own", "observed"])
+def test_an_alias_the_loader_unties_is_a_target_of_its_own_in_the_report(observed):
+    # the report resolved ``b`` to ``a``: no row, and after("b") showed a's tensor
+    model = _Unties("untie")
+    kw = {"loader": patchkit.load_checkpoint_weight_patches} if observed else {}
+    r = inspect_load(model, [CWP("a", (4,), torch.float32, torch.full((4,), 2.0))], **kw)
+    assert model.b is not model.a
+    assert r.targets == {"a": (4,), "b": (4,)}
+    assert r.writes[["target", "op", "changed"]].values.tolist() == [["b", "rebind", 4]]
+    assert list(r.deltas.index) == ["b"] and r.deltas.loc["b", "max_abs"] == 2.0
+    assert r.after("b").tolist() == [2.0] * 4 and r.after("a").tolist() == [0.0] * 4
+    assert r.before("b").tolist() == [0.0] * 4
+    assert r.written("b").all() and not r.written("a").any()
+    # rolled back: tied again, and no longer a target of its own
+    model = _Unties("untie and fail")
+    tied = model.a
+    with pytest.raises(RuntimeError, match="no more today") as info:
+        inspect_load(model, [CWP("a", (4,), torch.float32, torch.ones(4))], transactional=True,
+                     **kw)
+    r = info.value.report
+    assert model.b is tied and model.a is tied
+    assert r.targets == {"a": (4,)} and r.deltas.empty
+    assert r.after("b").tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize("how", ["untie", "untie and copy"])
+def test_a_sparse_call_that_registers_a_new_tensor_under_an_alias_is_refused(how):
+    # an alias was not checked: the staged NaN reached the model through ``b`` (with a
+    # "without copying" error, or with no error at all when the call also copied)
+    from patchkit.errors import ContractViolation
+
+    model = _Unties(how)
+    tied = model.a
+    patch = CWP("a", (4,), torch.float32, torch.tensor([7.0, 8.0]), torch.tensor([0, 2]))
+    with pytest.raises(ContractViolation, match=r"runtime tensor 'b' \(a tied name of 'a'\)"):
+        patchkit.load_checkpoint_weight_patches(model, [patch])
+    assert model.b is tied
+    assert not torch.isnan(model.b).any()
+
+
+@pytest.mark.parametrize("rebinding", ["anew", ".data"])
+def test_a_failed_sparse_call_shows_the_rebinding_it_left(rebinding):
+    # a sparse call that raises keeps what the loader did (not transactional); its
+    # rebinding was in an observed report but not in the own loader's
+    class Rebinds(PlainModel):
+        def load_weights(self, weights):
+            for _, w in weights:
+                if rebinding == "anew":
+                    self.a = torch.nn.Parameter(w.clone(), requires_grad=False)
+                else:
+                    self.a.data = w.clone()
+                raise RuntimeError("no more today")
+
+    model = Rebinds({"a": (4,)})
+    patch = CWP("a", (4,), torch.float32, torch.tensor([7.0, 8.0]), torch.tensor([0, 2]))
+    with pytest.raises(RuntimeError, match="no more today") as info:
+        inspect_load(model, [patch])
+    r = info.value.report
+    assert r.writes[["target", "op", "changed"]].values.tolist() == [["a", "rebind", 4]]
+    assert patchkit.same_bits(r.after("a"), model.a.detach())  # the staged NaN, as left
+    assert r.before("a").tolist() == [0.0] * 4
