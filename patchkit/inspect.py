@@ -79,6 +79,7 @@ from .intercept import (
     _span_of,
     _storage_key,
     _storage_offsets,
+    named_tensors,
     rollbacks,
 )
 from .loader import _as_patch, _names, canonicalize_tied, run_load
@@ -335,13 +336,25 @@ class LoadReport:
     _tables: dict[str, Callable[[], pd.DataFrame]] = field(
         default_factory=dict, repr=False, init=False)
     _handed_over: bool = field(default=False, repr=False, init=False)
+    # Names the load removed from the model (``del module.w``): not targets any more.
+    _removed: tuple[str, ...] = field(default=(), repr=False, init=False)
 
     # -- values ----------------------------------------------------------------------
 
     @property
     def targets(self) -> dict[str, tuple[int, ...]]:
-        """Every runtime tensor of the model (parameters and buffers) and its shape."""
-        return {n: tuple(t.shape) for n, t in self._runtime.items()}
+        """Every runtime tensor of the model (parameters and buffers) and its shape, by
+        first name, as the load left them. A name the load removed (``del module.w``) is
+        not one (a tied tensor then goes by its next name), though the tables, ``after()``
+        and ``before()`` still know it: it held that tensor while the load wrote it."""
+        removed = set(self._removed)
+        out = {n: tuple(t.shape) for n, t in self._runtime.items() if n not in removed}
+        if removed:
+            for alias, first in self._aliases.items():
+                if first in removed and alias not in removed:
+                    out.setdefault(alias, tuple(self._runtime[first].shape))
+                    removed.discard(first)  # (its next name only)
+        return out
 
     def _tensor(self, target: str) -> torch.Tensor:
         target = self._aliases.get(target, target)  # a tied alias names the same tensor
@@ -442,7 +455,8 @@ class LoadReport:
         load the contract rejects), calls, staged bytes (of the calls that were made: a
         dropped tied alias, or a patch whose call never ran, stages nothing), elements
         written and changed, names loaded, and for a failed load its error (type and first
-        line of the message) and whether a transactional load rolled it back."""
+        line of the message) and whether a transactional load rolled it back; ``removed``
+        lists the names the load removed from the model, where it removed any."""
         kinds = sorted(set(self.chunks["kind"]))
         out = {
             "patches": len(self.patches),
@@ -459,6 +473,8 @@ class LoadReport:
         }
         if self.rolled_back:
             out["rolled back"] = True
+        if self._removed:
+            out["removed"] = list(self._removed)
         return out
 
     def __repr__(self) -> str:
@@ -975,6 +991,11 @@ def _build_report(
     )
     report._saved = list(saved)
     report._runtime = runtime
+    if index is not None:
+        gone = index.replaced() + index.replaced_aliases()  # (nothing to walk when empty)
+        if gone:
+            now = dict(named_tensors(model))
+            report._removed = tuple(n for n in gone if n not in now)
     report._rebound = originals
     # (an alias the load untied names a tensor of its own: see WriteSession.rebound)
     report._aliases = (

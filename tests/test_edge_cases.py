@@ -745,3 +745,41 @@ def test_a_failed_sparse_call_shows_the_rebinding_it_left(rebinding):
     assert r.writes[["target", "op", "changed"]].values.tolist() == [["a", "rebind", 4]]
     assert patchkit.same_bits(r.after("a"), model.a.detach())  # the staged NaN, as left
     assert r.before("a").tolist() == [0.0] * 4
+
+
+class _Deletes(PlainModel):
+    """``b`` is ``a`` (tied), ``c`` is on its own; the loader copies each weight into its
+    parameter, then deletes ``gone`` from the model."""
+
+    def __init__(self, gone: str):
+        super().__init__({"a": (4,), "c": (4,)})
+        self.b = self.a
+        self.gone = gone
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            self.get_parameter(name).data.copy_(w)
+        delattr(self, self.gone)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("gone", ["a", "b", "c"])
+def test_a_name_the_load_removed_is_not_a_target_any_more(gone):
+    # targets listed the tensors the model held before the load, a removed name too
+    patches = [CWP("a", (4,), torch.float32, torch.ones(4)),
+               CWP("c", (4,), torch.float32, torch.full((4,), 2.0))]
+    model = _Deletes(gone)
+    r = inspect_load(model, patches)
+    now = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    assert gone not in now
+    # by first name: with ``a`` gone, its tensor goes by ``b``
+    assert r.targets == {"a": {"c": (4,), "b": (4,)}, "b": {"a": (4,), "c": (4,)},
+                         "c": {"a": (4,)}}[gone]
+    assert r.summary()["removed"] == [gone]
+    # the tables and values still know the name: it held the tensor when the load wrote it
+    assert list(r.deltas.index) == ["a", "c"]
+    assert r.after(gone).tolist() == [1.0 if gone != "c" else 2.0] * 4
+    assert r.before(gone).tolist() == [0.0] * 4
+    # nothing removed: no entry
+    r = inspect_load(PlainModel({"a": (4,), "c": (4,)}), patches)
+    assert "removed" not in r.summary() and r.targets == {"a": (4,), "c": (4,)}
