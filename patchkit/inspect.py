@@ -274,8 +274,10 @@ class LoadReport:
       runtime tensor a call rebound, ``param.data = w``, or registered anew: a write of
       the whole tensor, whose ``before()`` is the original's; a new tensor registered
       under a tied tensor's other name unties it, and that name is then a target of its
-      own; a sparse call that returns has its rebindings undone and refused, so only
-      one that raised shows them), and the element
+      own; ``"register"`` for a tensor registered under a name the model did not have,
+      which is then a target: written whole, with no ``deltas`` row and no ``before()``;
+      a sparse call that returns has its rebindings undone and refused, so only one that
+      raised shows them), and the element
       strides of both views (``checkpoint_stride``,
       ``target_stride``). A write through a view of another element size than its
       runtime tensor's (fp8 values packed four to an int32 word, written through
@@ -338,6 +340,8 @@ class LoadReport:
     _handed_over: bool = field(default=False, repr=False, init=False)
     # Names the load removed from the model (``del module.w``): not targets any more.
     _removed: tuple[str, ...] = field(default=(), repr=False, init=False)
+    # Names the load registered that the model did not have: no values before it.
+    _registered: tuple[str, ...] = field(default=(), repr=False, init=False)
 
     # -- values ----------------------------------------------------------------------
 
@@ -418,8 +422,8 @@ class LoadReport:
         self._check_saves()
         t = self._tensor(target)
         mask = torch.zeros(t.numel(), dtype=torch.bool, device="cpu")
-        if self._aliases.get(target, target) in self._rebound:
-            return mask.fill_(True).view(t.shape)  # rebound: written whole
+        if self._aliases.get(target, target) in self._rebound or target in self._registered:
+            return mask.fill_(True).view(t.shape)  # rebound or new: written whole
         for s in _sharing(self._saved, t):
             pos, _ = _positions(t, s.written_index())
             mask[pos.cpu()] = True
@@ -440,10 +444,15 @@ class LoadReport:
         load ends and do not have this limit. A tensor that a call rebound
         (``param.data = w``) or registered anew gives the original tensor's values (and
         shape). Raises ``ValueError`` once the report was passed to a later load as
-        ``reuse=``.
+        ``reuse=``, and ``KeyError`` for a name the load registered (new in the model).
         """
         self._check_saves()
         t = self._tensor(target)
+        if target in self._registered:
+            raise KeyError(
+                f"{target!r} was registered by the load (a name the model did not have): it "
+                "has no values before the load"
+            )
         # A tensor a call rebound: its values before the load are the original storage's.
         t = self._rebound.get(self._aliases.get(target, target), t)
         return _rebuilt(t, self._saved)
@@ -971,6 +980,8 @@ def _build_report(
     rebound = dict(sessions[0].rebound) if sessions else {}
     originals = {n: sessions[0]._bindings[n] for n in rebound}
     runtime.update(rebound)
+    registered = {n: data for n, (_, data) in sessions[0].registered.items()} if sessions else {}
+    runtime.update(registered)
     # The numbers that depend on the model's state are taken now; the rest of the report
     # is a record of the load, turned into DataFrames on first use.
     delta_rows = _delta_rows(saved, index) if index is not None else []
@@ -997,6 +1008,7 @@ def _build_report(
             now = dict(named_tensors(model))
             report._removed = tuple(n for n in gone if n not in now)
     report._rebound = originals
+    report._registered = tuple(registered)
     # (an alias the load untied names a tensor of its own: see WriteSession.rebound)
     report._aliases = (
         {a: n for a, n in index.aliases.items() if a not in rebound} if index is not None else {}

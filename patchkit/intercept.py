@@ -277,13 +277,32 @@ class RuntimeIndex:
         self._slots: list[tuple[str, dict, str]] | None = None
         self._alias_slots: list[tuple[str, dict, str]] = []  # the same, of aliases
         self._links: list[tuple[dict, str, torch.nn.Module]] = []
+        # For added(): every registry of the tree and its size, and its empty slots
+        # (``bias=None``), which a registration can fill without changing a size.
+        self._registries: list[dict] = []
+        self._sizes: tuple[int, ...] = ()
+        self._empty_slots: list[tuple[dict, str]] = []
+        self._prefixes: set[str] = set()
         if mods is None:
             walked = [(n, t, None, None) for n, t in named_tensors(model)]
+            # (the modules torch lists and their empty slots, for remove_added)
+            listed = list(model.named_modules(remove_duplicate=False))
+            self._prefixes = {p for p, _ in listed}
+            self._empty_slots = [(d, k) for _, m in listed
+                                 for d in (m._parameters, m._buffers, m._modules)
+                                 for k, v in d.items() if v is None]
         else:
             walked = _tensors_of(mods, True, registries=True)
             self._slots = []
             self._links = [(m._modules, k, c) for _, m in mods
                            for k, c in m._modules.items() if c is not None]
+            self._registries = [d for _, m in mods
+                                for d in (m._parameters, m._buffers, m._modules)]
+            self._sizes = tuple(map(len, self._registries))
+            if sum(self._sizes) != len(walked) + len(self._links):  # (some slot is None)
+                self._empty_slots = [(d, k) for d in self._registries
+                                     for k, v in d.items() if v is None]
+            self._prefixes = {p for p, _ in mods}
         for name, t, registry, key in walked:
             if id(t) in first:
                 self.aliases[name] = first[id(t)]
@@ -348,6 +367,45 @@ class RuntimeIndex:
         Found where the index knows the registrations (an ``nn.Module`` tree)."""
         return [n for n, reg, key in self._alias_slots
                 if reg.get(key) is not self.tensors[self.aliases[n]]]
+
+    def added(self, replaced: Sequence[str] | None = None) -> list[str]:
+        """Names registered since the index was built that it does not know (a new
+        ``module.extra = nn.Parameter(w)``, a buffer, a submodule with tensors), in
+        :func:`named_tensors` order. Found without a walk of the model when no registry
+        of the module tree changed size or filled an empty slot, and nothing was
+        :meth:`replaced` (``replaced``: what it returned just now, where the caller has
+        it)."""
+        if replaced is None:
+            replaced = self.replaced()
+        if (self._slots is not None and not replaced
+                and tuple(map(len, self._registries)) == self._sizes
+                and all(d.get(k) is None for d, k in self._empty_slots)):
+            return []
+        known = self.tensors.keys() | self.aliases.keys()
+        return [n for n, _ in named_tensors(self.model) if n not in known]
+
+    def remove_added(self, names: Sequence[str]) -> None:
+        """Undo what :meth:`added` finds: each name leaves the module that registers it, or
+        the submodule that holds it leaves the tree where the index did not know that
+        submodule either."""
+        empty = {(id(d), k) for d, k in self._empty_slots}
+        for name in names:
+            parts = name.split(".")
+            # the deepest module the index knew on the way to the name
+            k = len(parts) - 1
+            while self._prefixes and k > 0 and ".".join(parts[:k]) not in self._prefixes:
+                k -= 1
+            try:
+                module = self.model.get_submodule(".".join(parts[:k]))
+            except AttributeError:  # (gone with a submodule removed before it)
+                continue
+            for registry in (module._parameters, module._buffers, module._modules):
+                if registry.get(parts[k]) is not None:
+                    if (id(registry), parts[k]) in empty:
+                        registry[parts[k]] = None  # an empty slot it filled (``bias=None``)
+                    else:
+                        del registry[parts[k]]
+                    break
 
     def put_back(self, names: Sequence[str]) -> None:
         """Register each of ``names`` (of :attr:`tensors` or :attr:`aliases`) to its
@@ -1093,6 +1151,9 @@ class WriteSession:
         # Watched dense calls: runtime tensors the loader rebound (``param.data = w``) or
         # registered anew, by name -> the tensor now (see _note_rebinding).
         self.rebound: dict[str, torch.Tensor] = {}
+        # ... and under names the model did not have: name -> (the object registered, its
+        # data), recorded as a "register" write of the whole tensor
+        self.registered: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._binding_ptrs: dict[str, int] | None = None
 
     # -- one load_weights call -------------------------------------------------------
@@ -1193,13 +1254,22 @@ class WriteSession:
         # nn.Parameter(w)``): untied, it is a runtime tensor of its own from now on, whose
         # values before the load were the tied tensor's.
         untied = self.index.replaced_aliases()
-        if replaced or untied:
+        added = self.index.added(replaced)
+        if replaced or untied or added:
             now = dict(named_tensors(self.index.model))
             found.update({n: now[n] for n in replaced if n in now})
             for n in untied:
                 if n in now:
                     found[n] = now[n]
                     self._bindings.setdefault(n, self._bindings[self.index.aliases[n]])
+            for n in added:
+                t = now[n]
+                last = self.registered.get(n)
+                if last is not None and last[0] is t:
+                    continue  # registered in an earlier call, and recorded then
+                self.registered[n] = (t, t.data)  # (.data: see below)
+                self._call_writes += 1
+                self._record("register", t.data, n, 0, t.data, t.numel())
         new = {}
         for name, t in found.items():
             last = self.rebound.get(name)
@@ -1238,11 +1308,17 @@ class WriteSession:
         one the session did not see), and follow the ones bound to yet another tensor.
         A name is bound to its original again when the model holds the very object it
         held before the load, viewing the original storage the same way."""
-        if not self.rebound:
+        if not self.rebound and not self.registered:
             return
         # what the model holds now (the index keeps the tensors registered when it was
         # built: a name registered anew still has its original one there)
         now = dict(named_tensors(self.index.model))
+        for name, (t, _) in list(self.registered.items()):
+            live = now.get(name)
+            if live is None:
+                del self.registered[name]  # removed again (by the loader, or a rollback)
+            elif live is not t:
+                self.registered[name] = (live, live.data)
         for name, t in list(self.rebound.items()):
             live = now.get(name)
             if live is None:
@@ -1254,34 +1330,44 @@ class WriteSession:
                 self.rebound[name] = live.data
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
+        # Each may hold the staged NaN: all are undone before the first is raised.
         # (a tied tensor's other name counts too: a new tensor there unties it)
-        replaced = self.index.replaced() + self.index.replaced_aliases()
+        first_names = self.index.replaced()
+        replaced = first_names + self.index.replaced_aliases()
+        added = self.index.added(first_names)
+        rebound = self.index.rebound(bindings)
+        self.index.put_back(replaced)  # the originals registered again
+        self.index.remove_added(added)
+        for n in rebound:
+            self.index.tensors[n].data = bindings[n]  # the original storage put back
+        call = (f"load_weights (call {self._chunk}, "
+                f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))})")
         if replaced:
-            # Register the originals again: the new tensors may hold the NaN-masked data.
-            self.index.put_back(replaced)
             first = self.index.aliases.get(replaced[0])
             tied = f" (a tied name of {first!r})" if first is not None else ""
             raise ContractViolation(
-                f"load_weights (call {self._chunk}, "
-                f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))}) "
-                f"registered a new tensor as runtime tensor {replaced[0]!r}{tied} (e.g. "
+                f"{call} registered a new tensor as runtime tensor {replaced[0]!r}{tied} (e.g. "
                 "`module.weight = nn.Parameter(w)`) instead of copying into the existing one; "
                 "a sparse load needs same-shaped floating-point copy_ into the existing "
                 "storage. The original tensor was registered again",
                 position=positions[0], name=staged[0][0], reason="rebinding", value=replaced[0],
             )
-        rebound = self.index.rebound(bindings)
         if rebound:
-            # Put the original storage back: the rebound tensors hold NaN-masked data.
-            for n in rebound:
-                self.index.tensors[n].data = bindings[n]
             raise ContractViolation(
-                f"load_weights (call {self._chunk}, "
-                f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))}) "
-                f"replaced the storage of runtime tensor {rebound[0]!r} (e.g. `param.data = w`) "
-                "instead of copying into it; a sparse load needs same-shaped floating-point "
-                "copy_ into the existing storage. The original storage was put back",
+                f"{call} replaced the storage of runtime tensor {rebound[0]!r} (e.g. "
+                "`param.data = w`) instead of copying into it; a sparse load needs same-shaped "
+                "floating-point copy_ into the existing storage. The original storage was put "
+                "back",
                 position=positions[0], name=staged[0][0], reason="rebinding", value=rebound[0],
+            )
+        if added:
+            raise ContractViolation(
+                f"{call} registered a new runtime tensor {added[0]!r} (e.g. "
+                "`module.extra = nn.Parameter(w)`), which may hold the staged NaN; a sparse "
+                "load needs same-shaped floating-point copy_ into the existing storage. It "
+                "was removed again",
+                position=positions[0], name=staged[0][0], reason="new runtime tensor",
+                value=added[0],
             )
         nothing_to_write = all(t.numel() == 0 for _, t in staged)
         if (

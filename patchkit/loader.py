@@ -45,10 +45,11 @@ def load_checkpoint_weight_patches(
        is NaN; any other write into runtime storage, overlapping destinations within one
        call, or a call that reports names without writing raise
        :class:`NotImplementedError` before that write happens. A call that rebinds a
-       runtime tensor (``param.data = w``) or registers a new one in its place
-       (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) is caught when
-       it returns: the original is put back and :class:`NotImplementedError` raised (a
-       call that raises instead leaves them, as item 5 says). Writes the loader makes on
+       runtime tensor (``param.data = w``), registers a new one in its place
+       (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) or registers
+       one under a name the model did not have is caught when it returns: the original is
+       put back, a new name removed, and :class:`NotImplementedError` raised (a call that
+       raises instead leaves them, as item 5 says). Writes the loader makes on
        another thread are not seen: a sparse load's NaN can then reach the model.
     5. ``transactional=False`` (the default, as in vLLM): a loader failure leaves the
        writes made so far in place and propagates unchanged. **[patchkit]**
@@ -59,9 +60,10 @@ def load_checkpoint_weight_patches(
        watched through a torch function mode: a write the loader makes inside
        ``torch._C.DisableTorchFunction()`` or through a storage there is not seen, so not
        restored; nor is one made on another thread. A rebound or newly registered runtime
-       tensor gets its original back. Should a region fail to be written back, the others
-       still are, and a ``RuntimeError`` naming the targets left unrestored propagates
-       instead, with the load's own error as its ``__context__``.
+       tensor gets its original back, and a name the model did not have is removed.
+       Should a region fail to be written back, the others still are, and a
+       ``RuntimeError`` naming the targets left unrestored propagates instead, with the
+       load's own error as its ``__context__``.
     6. **[patchkit]** A patch naming the alias of a tied parameter is renamed to the
        canonical (first registered) name, or dropped when the canonical name is patched
        in the same call.
@@ -166,6 +168,7 @@ def run_load(
                 session.index.put_back(
                     session.index.replaced() + session.index.replaced_aliases()
                 )
+                session.index.remove_added(session.index.added())  # (names it did not have)
                 for name in session.index.rebound(bindings):
                     session.index.tensors[name].data = bindings[name]
                 try:

@@ -783,3 +783,83 @@ def test_a_name_the_load_removed_is_not_a_target_any_more(gone):
     # nothing removed: no entry
     r = inspect_load(PlainModel({"a": (4,), "c": (4,)}), patches)
     assert "removed" not in r.summary() and r.targets == {"a": (4,), "c": (4,)}
+
+
+class _RegistersNew(PlainModel):
+    """Copies each weight into ``a``, then registers what ``how`` says under names the
+    model did not have; raises at ``z``."""
+
+    def __init__(self, how: str):
+        super().__init__({"a": (4,), "z": (1,)})
+        self.lin = nn.Linear(4, 4, bias=False)
+        self.how = how
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "z":
+                raise RuntimeError("no z today")
+            self.a.copy_(w)
+            if self.how == "parameter":  # the staged tensor: NaN where a sparse patch is
+                self.extra = nn.Parameter(w.clone(), requires_grad=False)
+            elif self.how == "buffer":
+                self.register_buffer("kept", w.clone())
+            elif self.how == "empty slot":
+                self.lin.bias = nn.Parameter(w.clone(), requires_grad=False)
+            else:
+                self.sub = nn.Linear(4, 1)
+        return {n for n, _ in weights}
+
+
+_NEW = {"parameter": ["extra"], "buffer": ["kept"], "empty slot": ["lin.bias"],
+        "submodule": ["sub.weight", "sub.bias"]}
+
+
+@pytest.mark.parametrize("how", list(_NEW))
+def test_a_sparse_call_that_registers_a_new_tensor_is_refused_and_undone(how):
+    # nothing looked for names the model did not have: the staged NaN reached it there
+    from patchkit.errors import ContractViolation
+
+    model = _RegistersNew(how)
+    names = [n for n, _ in patchkit.intercept.named_tensors(model)]
+    patch = CWP("a", (4,), torch.float32, torch.tensor([7.0, 8.0]), torch.tensor([0, 2]))
+    with pytest.raises(ContractViolation, match=f"a new runtime tensor '{_NEW[how][0]}'"):
+        patchkit.load_checkpoint_weight_patches(model, [patch])
+    assert [n for n, _ in patchkit.intercept.named_tensors(model)] == names
+    assert not any(torch.isnan(t).any() for t in model.state_dict().values())
+    assert model.lin.bias is None
+    assert model.a.tolist() == [7.0, 0.0, 8.0, 0.0]  # (the call's merge stays, as documented)
+
+
+@pytest.mark.parametrize("observed", [False, True], ids=["own", "observed"])
+@pytest.mark.parametrize("how", list(_NEW))
+def test_a_dense_call_that_registers_a_new_tensor_shows_it_and_a_rollback_removes_it(
+    how, observed
+):
+    # the report knew only the tensors the model had: the new one was in no table, and a
+    # transactional rollback left it in the model
+    kw = {"loader": patchkit.load_checkpoint_weight_patches} if observed else {}
+    a = CWP("a", (4,), torch.float32, torch.full((4,), 2.0))
+    model = _RegistersNew(how)
+    r = inspect_load(model, [a], **kw)
+    new = _NEW[how]
+    assert all(n in r.targets for n in new)
+    tensors = dict(patchkit.intercept.named_tensors(model))
+    rows = r.writes[r.writes["op"] == "register"]
+    assert rows["target"].tolist() == new
+    assert rows["changed"].tolist() == [tensors[n].numel() for n in new]
+    assert list(r.deltas.index) == ["a"]  # (a new tensor has no before to compare with)
+    assert patchkit.same_bits(r.after(new[-1]), tensors[new[-1]].detach())
+    assert r.written(new[0]).all()
+    with pytest.raises(KeyError, match="registered by the load"):
+        r.before(new[0])
+    # rolled back: the new names are gone again, an empty slot empty again
+    model = _RegistersNew(how)
+    names = [n for n, _ in patchkit.intercept.named_tensors(model)]
+    with pytest.raises(RuntimeError, match="no z today") as info:
+        inspect_load(model, [a, CWP("z", (1,), torch.float32, torch.ones(1))],
+                     transactional=True, max_chunk_bytes=16, **kw)
+    assert [n for n, _ in patchkit.intercept.named_tensors(model)] == names
+    assert model.lin.bias is None and float(model.a.abs().sum()) == 0.0
+    r = info.value.report
+    assert not any(n in r.targets for n in new)
+    assert r.writes[r.writes["op"] == "register"]["target"].tolist() == new  # (it happened)
