@@ -863,3 +863,26 @@ def test_a_dense_call_that_registers_a_new_tensor_shows_it_and_a_rollback_remove
     r = info.value.report
     assert not any(n in r.targets for n in new)
     assert r.writes[r.writes["op"] == "register"]["target"].tolist() == new  # (it happened)
+
+
+def test_a_sparse_call_that_rebinds_in_two_ways_has_both_undone():
+    # the check raised at the first kind it found: a name registered anew was put back,
+    # and the storage of another tensor, rebound to the staged NaN, stayed so
+    from patchkit.errors import ContractViolation
+
+    class TwoWays(PlainModel):
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.a = nn.Parameter(w.clone(), requires_grad=False)
+                self.c.data = w.clone()
+            return {n for n, _ in weights}
+
+    model = TwoWays({"a": (4,), "c": (4,)})
+    a, c = model.a, model.c
+    c_storage = c.untyped_storage().data_ptr()
+    patch = CWP("a", (4,), torch.float32, torch.tensor([7.0, 8.0]), torch.tensor([0, 2]))
+    with pytest.raises(ContractViolation, match="registered a new tensor as runtime tensor 'a'"):
+        patchkit.load_checkpoint_weight_patches(model, [patch])
+    assert model.a is a and model.c is c
+    assert model.c.untyped_storage().data_ptr() == c_storage
+    assert not torch.isnan(model.c).any() and not torch.isnan(model.a).any()
