@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -220,6 +221,14 @@ def _module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]] | 
     return mods
 
 
+def _listed_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``named_modules(remove_duplicate=False)`` as torch lists it (for a tree that
+    :func:`_module_tree` leaves to torch); empty for what is not an ``nn.Module``."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    return list(model.named_modules(remove_duplicate=False))
+
+
 def _tensors_of(
     mods: list[tuple[str, torch.nn.Module]], buffers: bool, registries: bool = False
 ) -> list[tuple]:
@@ -276,33 +285,30 @@ class RuntimeIndex:
         # by identity after each sparse call instead of walking the tree again.
         self._slots: list[tuple[str, dict, str]] | None = None
         self._alias_slots: list[tuple[str, dict, str]] = []  # the same, of aliases
-        self._links: list[tuple[dict, str, torch.nn.Module]] = []
-        # For added(): every registry of the tree and its size, and its empty slots
-        # (``bias=None``), which a registration can fill without changing a size.
-        self._registries: list[dict] = []
-        self._sizes: tuple[int, ...] = ()
-        self._empty_slots: list[tuple[dict, str]] = []
-        self._prefixes: set[str] = set()
+        # For added(): every registry of the tree (``_parameters``, ``_buffers``,
+        # ``_modules`` of each module) and its size, and its empty slots (``bias=None``),
+        # which a registration can fill without changing a size. For undo(): each
+        # registry's keys in order, and the buffers left out of the state dict.
+        listed = mods if mods is not None else _listed_modules(model)
+        self._links = [(m._modules, k, c) for _, m in listed
+                       for k, c in m._modules.items() if c is not None]
+        self._registries = [d for _, m in listed for d in (m._parameters, m._buffers, m._modules)]
+        self._sizes = tuple(map(len, self._registries))
+        self._keys = list(map(tuple, self._registries))
+        self._prefixes = {p for p, _ in listed}
+        self._non_persistent = {f"{p}.{b}" if p else b for p, m in listed
+                                for b in m._non_persistent_buffers_set}
         if mods is None:
             walked = [(n, t, None, None) for n, t in named_tensors(model)]
-            # (the modules torch lists and their empty slots, for remove_added)
-            listed = list(model.named_modules(remove_duplicate=False))
-            self._prefixes = {p for p, _ in listed}
-            self._empty_slots = [(d, k) for _, m in listed
-                                 for d in (m._parameters, m._buffers, m._modules)
-                                 for k, v in d.items() if v is None]
+            held = None
         else:
             walked = _tensors_of(mods, True, registries=True)
             self._slots = []
-            self._links = [(m._modules, k, c) for _, m in mods
-                           for k, c in m._modules.items() if c is not None]
-            self._registries = [d for _, m in mods
-                                for d in (m._parameters, m._buffers, m._modules)]
-            self._sizes = tuple(map(len, self._registries))
-            if sum(self._sizes) != len(walked) + len(self._links):  # (some slot is None)
-                self._empty_slots = [(d, k) for d in self._registries
-                                     for k, v in d.items() if v is None]
-            self._prefixes = {p for p, _ in mods}
+            held = len(walked) + len(self._links)
+        self._empty_slots: list[tuple[dict, str]] = (
+            [] if sum(self._sizes) == held  # (no slot is None: nothing to look for)
+            else [(d, k) for d in self._registries for k, v in d.items() if v is None]
+        )
         for name, t, registry, key in walked:
             if id(t) in first:
                 self.aliases[name] = first[id(t)]
@@ -350,50 +356,99 @@ class RuntimeIndex:
             if t.untyped_storage().data_ptr() != bindings[n].untyped_storage().data_ptr()
         ]
 
+    @cached_property
+    def _columns(self) -> tuple:
+        """The slots as columns, for checks that run as C loops (``map``) and not as
+        Python ones: (link registries, keys, children), (tensor registries, keys,
+        tensors), (empty-slot registries, keys)."""
+        links = tuple(zip(*self._links)) or ((), (), ())
+        slots = tuple(zip(*((reg, key, self.tensors[n]) for n, reg, key in self._slots or ())))
+        empty = tuple(zip(*self._empty_slots)) or ((), ())
+        return links, slots or ((), (), ()), empty
+
+    def _same_tree(self) -> bool:
+        """Every submodule is the object it was, in its slot: each name then lives in the
+        registry it lived in."""
+        if self._slots is None:
+            return False
+        dicts, keys, children = self._columns[0]
+        return all(map(operator.is_, map(dict.get, dicts, keys), children))
+
     def replaced(self) -> list[str]:
         """Names (of :attr:`tensors`) no longer registered to the tensor they named when
         the index was built: ``module.w = nn.Parameter(w)`` or ``register_buffer`` with
         a new tensor, or the name gone. (:meth:`rebound` sees ``param.data = w``.)"""
-        if self._slots is not None and all(d.get(k) is c for d, k, c in self._links):
-            # The same module tree: each name is where it was, in the same dict.
-            tensors = self.tensors
-            return [n for n, reg, key in self._slots if reg.get(key) is not tensors[n]]
+        if self._same_tree():
+            dicts, keys, tensors = self._columns[1]
+            now = list(map(dict.get, dicts, keys))
+            if all(map(operator.is_, now, tensors)):
+                return []
+            return [n for (n, _, _), t, held in zip(self._slots, now, tensors) if t is not held]
         now = dict(named_tensors(self.model))
         return [n for n, t in self.tensors.items() if now.get(n) is not t]
 
     def replaced_aliases(self) -> list[str]:
         """Aliases (the other names of a tied tensor, see :attr:`aliases`) no longer
-        registered to it: ``module.lm_head.weight = nn.Parameter(w)`` unties them.
-        Found where the index knows the registrations (an ``nn.Module`` tree)."""
-        return [n for n, reg, key in self._alias_slots
-                if reg.get(key) is not self.tensors[self.aliases[n]]]
+        registered to it: ``module.lm_head.weight = nn.Parameter(w)`` unties them, ``del``
+        removes them."""
+        if not self.aliases:
+            return []
+        if self._same_tree():
+            return [n for n, reg, key in self._alias_slots
+                    if reg.get(key) is not self.tensors[self.aliases[n]]]
+        now = dict(named_tensors(self.model))
+        return [n for n, first in self.aliases.items() if now.get(n) is not self.tensors[first]]
 
     def added(self, replaced: Sequence[str] | None = None) -> list[str]:
         """Names registered since the index was built that it does not know (a new
         ``module.extra = nn.Parameter(w)``, a buffer, a submodule with tensors), in
-        :func:`named_tensors` order. Found without a walk of the model when no registry
-        of the module tree changed size or filled an empty slot, and nothing was
-        :meth:`replaced` (``replaced``: what it returned just now, where the caller has
-        it)."""
+        :func:`named_tensors` order. Found without a walk of the model when the module
+        tree is the same, no registry of it changed size or emptied or filled an empty
+        slot, and no name (nor alias) was :meth:`replaced` (``replaced``: both lists, where
+        the caller has them)."""
         if replaced is None:
-            replaced = self.replaced()
-        if (self._slots is not None and not replaced
-                and tuple(map(len, self._registries)) == self._sizes
-                and all(d.get(k) is None for d, k in self._empty_slots)):
-            return []
+            replaced = self.replaced() + self.replaced_aliases()
+        if not replaced and self._same_tree() and tuple(map(len, self._registries)) == self._sizes:
+            dicts, keys = self._columns[2]
+            # (a key gone reads as its registry: not None)
+            if list(map(dict.get, dicts, keys, dicts)).count(None) == len(keys):
+                return []
         known = self.tensors.keys() | self.aliases.keys()
         return [n for n, _ in named_tensors(self.model) if n not in known]
+
+    def undo(self) -> None:
+        """Put the module tree's registrations back as the index found them: each
+        submodule in its slot, each name registered to its original tensor again (as the
+        parameter or buffer it was, in or out of the state dict), each empty slot empty,
+        names the model did not have removed, every registry in its order. (The storage of
+        a tensor rebound with ``param.data = w`` is the caller's: see :meth:`rebound`.) A
+        submodule the model did not have stays where it holds no tensor."""
+        for d, k, c in self._links:  # (parents before children: the tree's order)
+            if d.get(k) is not c:
+                d[k] = c
+        self.put_back(self.replaced() + self.replaced_aliases())
+        self.remove_added(self.added())
+        for d, k in self._empty_slots:
+            if k not in d:
+                d[k] = None
+        for d, keys in zip(self._registries, self._keys):
+            if tuple(d) != keys and len(d) == len(keys) and set(d) == set(keys):
+                ordered = [(k, d[k]) for k in keys]
+                d.clear()
+                d.update(ordered)
 
     def remove_added(self, names: Sequence[str]) -> None:
         """Undo what :meth:`added` finds: each name leaves the module that registers it, or
         the submodule that holds it leaves the tree where the index did not know that
         submodule either."""
+        if not names:
+            return
         empty = {(id(d), k) for d, k in self._empty_slots}
         for name in names:
             parts = name.split(".")
             # the deepest module the index knew on the way to the name
             k = len(parts) - 1
-            while self._prefixes and k > 0 and ".".join(parts[:k]) not in self._prefixes:
+            while k > 0 and ".".join(parts[:k]) not in self._prefixes:
                 k -= 1
             try:
                 module = self.model.get_submodule(".".join(parts[:k]))
@@ -405,16 +460,22 @@ class RuntimeIndex:
                         registry[parts[k]] = None  # an empty slot it filled (``bias=None``)
                     else:
                         del registry[parts[k]]
+                    if registry is module._buffers:
+                        module._non_persistent_buffers_set.discard(parts[k])
                     break
 
     def put_back(self, names: Sequence[str]) -> None:
         """Register each of ``names`` (of :attr:`tensors` or :attr:`aliases`) to its
-        original tensor again, as the parameter or buffer it was (undoes what
-        :meth:`replaced` and :meth:`replaced_aliases` find)."""
+        original tensor again, as the parameter or buffer it was, in or out of the state
+        dict as it was (undoes what :meth:`replaced` and :meth:`replaced_aliases` find).
+        A name whose module is no longer in the tree is skipped (see :meth:`undo`)."""
         for name in names:
             t = self.tensors[self.aliases.get(name, name)]
             parent, _, leaf = name.rpartition(".")
-            module = self.model.get_submodule(parent)
+            try:
+                module = self.model.get_submodule(parent)
+            except AttributeError:
+                continue
             module.__dict__.pop(leaf, None)
             mine, other = (
                 (module._parameters, module._buffers) if isinstance(t, torch.nn.Parameter)
@@ -422,6 +483,10 @@ class RuntimeIndex:
             )
             other.pop(leaf, None)
             mine[leaf] = t
+            if mine is module._buffers and name in self._non_persistent:
+                module._non_persistent_buffers_set.add(leaf)
+            else:
+                module._non_persistent_buffers_set.discard(leaf)
 
     def owner(
         self, t: torch.Tensor, key: tuple | None = None
@@ -1254,7 +1319,7 @@ class WriteSession:
         # nn.Parameter(w)``): untied, it is a runtime tensor of its own from now on, whose
         # values before the load were the tied tensor's.
         untied = self.index.replaced_aliases()
-        added = self.index.added(replaced)
+        added = self.index.added(replaced + untied)
         if replaced or untied or added:
             now = dict(named_tensors(self.index.model))
             found.update({n: now[n] for n in replaced if n in now})
@@ -1332,12 +1397,13 @@ class WriteSession:
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         # Each may hold the staged NaN: all are undone before the first is raised.
         # (a tied tensor's other name counts too: a new tensor there unties it)
-        first_names = self.index.replaced()
-        replaced = first_names + self.index.replaced_aliases()
-        added = self.index.added(first_names)
+        replaced = self.index.replaced() + self.index.replaced_aliases()
+        added = self.index.added(replaced)
         rebound = self.index.rebound(bindings)
-        self.index.put_back(replaced)  # the originals registered again
-        self.index.remove_added(added)
+        gone = set()
+        if replaced or added:
+            gone = set(replaced) - {n for n, _ in named_tensors(self.index.model)}
+            self.index.undo()  # the module tree's registrations as they were
         for n in rebound:
             self.index.tensors[n].data = bindings[n]  # the original storage put back
         call = (f"load_weights (call {self._chunk}, "
@@ -1345,11 +1411,13 @@ class WriteSession:
         if replaced:
             first = self.index.aliases.get(replaced[0])
             tied = f" (a tied name of {first!r})" if first is not None else ""
+            did = (f"removed runtime tensor {replaced[0]!r}{tied} (e.g. `del module.weight`)"
+                   if replaced[0] in gone else
+                   f"registered a new tensor as runtime tensor {replaced[0]!r}{tied} (e.g. "
+                   "`module.weight = nn.Parameter(w)`) instead of copying into the existing one")
             raise ContractViolation(
-                f"{call} registered a new tensor as runtime tensor {replaced[0]!r}{tied} (e.g. "
-                "`module.weight = nn.Parameter(w)`) instead of copying into the existing one; "
-                "a sparse load needs same-shaped floating-point copy_ into the existing "
-                "storage. The original tensor was registered again",
+                f"{call} {did}; a sparse load needs same-shaped floating-point copy_ into the "
+                "existing storage. The original tensor was registered again",
                 position=positions[0], name=staged[0][0], reason="rebinding", value=replaced[0],
             )
         if rebound:

@@ -59,8 +59,10 @@ def load_checkpoint_weight_patches(
        of the same dtype and device saves only the elements it changes). Dense calls are
        watched through a torch function mode: a write the loader makes inside
        ``torch._C.DisableTorchFunction()`` or through a storage there is not seen, so not
-       restored; nor is one made on another thread. A rebound or newly registered runtime
-       tensor gets its original back, and a name the model did not have is removed.
+       restored; nor is one made on another thread. The module tree's registrations are
+       put back as they were (a rebound or newly registered runtime tensor gets its
+       original back; a name the model did not have is removed; submodules, empty slots
+       such as ``bias=None``, buffers' persistence and the order of names are restored).
        Should a region fail to be written back, the others still are, and a
        ``RuntimeError`` naming the targets left unrestored propagates instead, with the
        load's own error as its ``__context__``.
@@ -162,13 +164,11 @@ def run_load(
                 del staged
         except BaseException:
             if transactional and session is not None:
-                # Tensors registered anew (`module.w = nn.Parameter(...)`, under any of a
-                # tied tensor's names): the originals again; then their storage, if
-                # `.data` was rebound; then the saved values.
-                session.index.put_back(
-                    session.index.replaced() + session.index.replaced_aliases()
-                )
-                session.index.remove_added(session.index.added())  # (names it did not have)
+                # The module tree's registrations as they were (tensors registered anew
+                # under any of a tied tensor's names, names removed or new, submodules
+                # replaced); then the storage of tensors whose `.data` was rebound; then
+                # the saved values.
+                session.index.undo()
                 for name in session.index.rebound(bindings):
                     session.index.tensors[name].data = bindings[name]
                 try:

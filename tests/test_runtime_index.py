@@ -203,3 +203,126 @@ def test_the_index_finds_names_registered_after_it_and_removes_them(how, fallbac
     assert [n for n, _ in model.named_modules()] == ["", "lin"]  # (a new submodule left)
     assert model.lin.bias is None and "bias" in model.lin._parameters  # (the slot stays)
     assert index.added() == []
+
+
+def _tree(model: torch.nn.Module) -> list:
+    """What undo() must put back: every module object, and in each, its registries' keys
+    in order with the object each holds, and its buffers left out of the state dict."""
+    return [
+        (prefix, id(m), [(k, id(v) if v is not None else None) for k, v in m._parameters.items()],
+         [(k, id(v) if v is not None else None) for k, v in m._buffers.items()],
+         [(k, id(v) if v is not None else None) for k, v in m._modules.items()],
+         sorted(m._non_persistent_buffers_set))
+        for prefix, m in model.named_modules(remove_duplicate=False)
+    ]
+
+
+def _undo_model() -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.emb = torch.nn.Linear(2, 2, bias=False)
+    model.head = torch.nn.Linear(2, 2, bias=False)
+    model.head.weight = model.emb.weight  # tied
+    model.act = torch.nn.Identity()  # a submodule without tensors
+    model.register_buffer("rope", torch.zeros(2), persistent=False)
+    model.register_buffer("steps", torch.zeros(1))
+    return model
+
+
+def _param() -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.full((2,), float("nan")))
+
+
+def _holder(**tensors) -> torch.nn.Module:
+    m = torch.nn.Module()
+    for k, t in tensors.items():
+        setattr(m, k, t)
+    return m
+
+
+_CHANGES = {  # what a loader may do to the tree, and whether it adds a name
+    "a tensorless submodule replaced by one with a tensor":
+        (lambda m: setattr(m, "act", _holder(extra=_param())), True),
+    "a submodule rewrapped with its tensor and a new one":
+        (lambda m: setattr(m, "emb", _holder(weight=m.emb.weight, extra=_param())), True),
+    "an empty slot deleted, a name added in its place":
+        (lambda m: (delattr(m.emb, "bias"), setattr(m.emb, "scale", _param())), True),
+    "an alias deleted, a name added in its place":
+        (lambda m: (delattr(m.head, "weight"), setattr(m.head, "extra", _param())), True),
+    "a submodule deleted": (lambda m: delattr(m, "head"), False),
+    "a submodule replaced": (lambda m: setattr(m, "emb", torch.nn.Linear(2, 2)), True),
+    "an empty slot deleted": (lambda m: delattr(m.emb, "bias"), False),
+    "a buffer out of the state dict added":
+        (lambda m: m.register_buffer("cache", torch.zeros(2), persistent=False), True),
+    "a buffer out of the state dict registered anew in it":
+        (lambda m: (delattr(m, "rope"), m.register_buffer("rope", torch.ones(2))), False),
+    "a name deleted and registered again, last": (lambda m: m._buffers.update(
+        rope=m._buffers.pop("rope")), False),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_undo_puts_the_tree_back_as_it_was(change):
+    # undo missed names in a replaced submodule, in the room a deleted empty slot or
+    # alias left, crashed on a deleted submodule (and left the rest undone), kept a
+    # replaced submodule object, and lost empty slots, persistence and order
+    model = _undo_model()
+    before = _tree(model)
+    index = RuntimeIndex(model)
+    do, adds = _CHANGES[change]
+    do(model)
+    assert bool(index.added()) == adds
+    assert _tree(model) != before
+    index.undo()
+    assert _tree(model) == before
+    assert index.added() == [] and index.replaced() == [] and index.replaced_aliases() == []
+
+
+class _Changes(torch.nn.Module):
+    """``_undo_model``'s tree; the loader copies ``steps`` and makes one of ``_CHANGES``,
+    then raises at ``z`` (a later call)."""
+
+    def __init__(self, change: str) -> None:
+        super().__init__()
+        for k, v in _undo_model()._modules.items():
+            self.add_module(k, v)
+        self.head.weight = self.emb.weight
+        self.register_buffer("rope", torch.zeros(2), persistent=False)
+        self.register_buffer("steps", torch.zeros(1))
+        self.register_buffer("z", torch.zeros(1))
+        self.change = change
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "z":
+                raise RuntimeError("no z today")
+            self.steps.copy_(w)
+            _CHANGES[self.change][0](self)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_a_sparse_call_or_a_rollback_puts_the_tree_back(change):
+    # the same cases end to end: a sparse call that makes them is refused, a failed
+    # transactional load rolled back, and the tree is as it was either way
+    import patchkit
+    from patchkit.errors import ContractViolation
+
+    model = _Changes(change)
+    before = _tree(model)
+    sparse = patchkit.CheckpointWeightPatch("steps", (1,), torch.float32, torch.ones(1),
+                                            torch.tensor([0]))
+    if change in ("an empty slot deleted", "a name deleted and registered again, last"):
+        # (no tensor changed hands: nothing for a sparse call to refuse, nor to undo)
+        patchkit.load_checkpoint_weight_patches(model, [sparse])
+    else:
+        with pytest.raises(ContractViolation, match=r"registered|removed"):
+            patchkit.load_checkpoint_weight_patches(model, [sparse])
+        assert _tree(model) == before
+    model = _Changes(change)
+    before = _tree(model)
+    dense = [patchkit.CheckpointWeightPatch("steps", (1,), torch.float32, torch.ones(1)),
+             patchkit.CheckpointWeightPatch("z", (1,), torch.float32, torch.ones(1))]
+    with pytest.raises(RuntimeError, match="no z today"):
+        patchkit.load_checkpoint_weight_patches(model, dense, transactional=True,
+                                                max_chunk_bytes=4)
+    assert _tree(model) == before and float(model.steps) == 0.0
