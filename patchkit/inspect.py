@@ -274,10 +274,13 @@ class LoadReport:
       runtime tensor a call rebound, ``param.data = w``, or registered anew: a write of
       the whole tensor, whose ``before()`` is the original's; a new tensor registered
       under a tied tensor's other name unties it, and that name is then a target of its
-      own; ``"register"`` for a tensor registered under a name the model did not have,
-      which is then a target: written whole, with no ``deltas`` row and no ``before()``;
-      a sparse call that returns has its rebindings undone and refused, so only one that
-      raised shows them), and the element
+      own, and where the first name is registered anew or removed the alias that still
+      holds the original tensor names it from then on; ``"register"`` for a tensor
+      registered under a name the model did not have, which is then a target: written
+      whole, with no ``deltas`` row and no ``before()`` (a tensor the model has, tied
+      under a new name, is one more alias and no write); a sparse call that returns has
+      its rebindings undone and refused, so only one that raised shows them), and the
+      element
       strides of both views (``checkpoint_stride``,
       ``target_stride``). A write through a view of another element size than its
       runtime tensor's (fp8 values packed four to an int32 word, written through
@@ -342,6 +345,9 @@ class LoadReport:
     _removed: tuple[str, ...] = field(default=(), repr=False, init=False)
     # Names the load registered that the model did not have: no values before it.
     _registered: tuple[str, ...] = field(default=(), repr=False, init=False)
+    # Every runtime tensor the report knows (targets, names removed, tensors registered
+    # and removed again) and its shape: what the figures accept.
+    _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, init=False)
 
     # -- values ----------------------------------------------------------------------
 
@@ -352,19 +358,18 @@ class LoadReport:
         not one (a tied tensor then goes by its next name), though the tables, ``after()``
         and ``before()`` still know it: it held that tensor while the load wrote it."""
         removed = set(self._removed)
-        out = {n: tuple(t.shape) for n, t in self._runtime.items() if n not in removed}
-        if removed:
-            for alias, first in self._aliases.items():
-                if first in removed and alias not in removed:
-                    out.setdefault(alias, tuple(self._runtime[first].shape))
-                    removed.discard(first)  # (its next name only)
-        return out
+        return {n: tuple(t.shape) for n, t in self._runtime.items() if n not in removed}
 
     def _tensor(self, target: str) -> torch.Tensor:
         target = self._aliases.get(target, target)  # a tied alias names the same tensor
         try:
             return self._runtime[target]
         except KeyError:
+            if target in self._shapes:
+                raise KeyError(
+                    f"{target!r} was registered by the load and removed again: the report "
+                    "keeps its writes rows, not the tensor"
+                ) from None
             known = ", ".join(repr(t) for t in list(self._runtime)[:8])
             raise KeyError(
                 f"{target!r} is not a runtime tensor of this model (some are: {known})"
@@ -976,15 +981,46 @@ def _build_report(
     if index is None and isinstance(model, torch.nn.Module):
         index = RuntimeIndex(model)  # no session (an empty or rejected load): the targets
     runtime = dict(index.tensors) if index is not None else {}
-    saved = sessions[0].saved if sessions else []
-    rebound = dict(sessions[0].rebound) if sessions else {}
-    originals = {n: sessions[0]._bindings[n] for n in rebound}
+    session = sessions[0] if sessions else None
+    saved = session.saved if session is not None else []
+    rebound = dict(session.rebound) if session is not None else {}
+    originals = {n: session._bindings[n] for n in rebound}
     runtime.update(rebound)
-    registered = {n: data for n, (_, data) in sessions[0].registered.items()} if sessions else {}
+    registered = {n: t.data for n, t in session.registered.items()} if session is not None else {}
     runtime.update(registered)
+    # Tied names: an alias the load untied (a new tensor under it) names a tensor of its
+    # own; a known tensor the load tied under a new name is one more alias.
+    aliases = dict(index.aliases) if index is not None else {}
+    for a in rebound:
+        aliases.pop(a, None)
+    if session is not None:
+        aliases.update(session.ties)
+    removed: tuple[str, ...] = ()
+    heirs: dict[str, str] = {}  # first name -> the alias that holds its original tensor now
+    if index is not None:
+        gone = index.replaced() + index.replaced_aliases()  # (nothing to walk when empty)
+        if gone:
+            now = dict(named_tensors(model))
+            removed = tuple(n for n in gone if n not in now)
+            # A first name registered anew, or removed, while an alias still holds the
+            # original tensor: that alias is the tensor's name now (and its other
+            # aliases are tied to it).
+            for a, first in list(aliases.items()):
+                original = index.tensors.get(first)
+                if original is None or now.get(a) is not original or now.get(first) is original:
+                    continue
+                heir = heirs.setdefault(first, a)
+                if heir == a:
+                    del aliases[a]
+                    runtime[a] = original
+                else:
+                    aliases[a] = heir
     # The numbers that depend on the model's state are taken now; the rest of the report
     # is a record of the load, turned into DataFrames on first use.
     delta_rows = _delta_rows(saved, index) if index is not None else []
+    for r in delta_rows:
+        if r["target"] in heirs:  # (the row of the original tensor: its name now)
+            r["target"] = heirs[r["target"]]
     if rebound:
         delta_rows = [r for r in delta_rows if r["target"] not in rebound] + [
             _rebound_row(n, originals[n], t, saved) for n, t in rebound.items()
@@ -993,6 +1029,9 @@ def _build_report(
     events = list(rec.events)
     shapes = {n: tuple(t.shape) for n, t in runtime.items()}
     strides = {n: tuple(t.stride()) for n, t in runtime.items()}
+    for e in events:  # (a tensor registered and removed again: as it was written)
+        if e.target not in shapes:
+            shapes[e.target], strides[e.target] = e.shape, e.stride
     report = LoadReport(
         patches=patches,
         plan=plan,
@@ -1002,17 +1041,11 @@ def _build_report(
     )
     report._saved = list(saved)
     report._runtime = runtime
-    if index is not None:
-        gone = index.replaced() + index.replaced_aliases()  # (nothing to walk when empty)
-        if gone:
-            now = dict(named_tensors(model))
-            report._removed = tuple(n for n in gone if n not in now)
+    report._shapes = shapes
+    report._removed = removed
     report._rebound = originals
     report._registered = tuple(registered)
-    # (an alias the load untied names a tensor of its own: see WriteSession.rebound)
-    report._aliases = (
-        {a: n for a, n in index.aliases.items() if a not in rebound} if index is not None else {}
-    )
+    report._aliases = aliases
     report._tables = {
         "chunks": lambda: _chunks_frame(patches, kept, positions, plan, len(calls)),
         "calls": lambda: _frame({

@@ -406,6 +406,15 @@ class RuntimeIndex:
         tree is the same, no registry of it changed size or emptied or filled an empty
         slot, and no name (nor alias) was :meth:`replaced` (``replaced``: both lists, where
         the caller has them)."""
+        return [n for n, _ in self._new(replaced)]
+
+    def new_ties(self, replaced: Sequence[str] | None = None) -> dict[str, str]:
+        """Of :meth:`added`, the names that hold a tensor the index knows (``model.again =
+        model.c``: a new tie, no new values), each with the first name of that tensor."""
+        first = {id(t): n for n, t in self.tensors.items()}
+        return {n: first[id(t)] for n, t in self._new(replaced) if id(t) in first}
+
+    def _new(self, replaced: Sequence[str] | None) -> list[tuple[str, torch.Tensor]]:
         if replaced is None:
             replaced = self.replaced() + self.replaced_aliases()
         if not replaced and self._same_tree() and tuple(map(len, self._registries)) == self._sizes:
@@ -414,7 +423,7 @@ class RuntimeIndex:
             if list(map(dict.get, dicts, keys, dicts)).count(None) == len(keys):
                 return []
         known = self.tensors.keys() | self.aliases.keys()
-        return [n for n, _ in named_tensors(self.model) if n not in known]
+        return [(n, t) for n, t in named_tensors(self.model) if n not in known]
 
     def undo(self) -> None:
         """Put the module tree's registrations back as the index found them: each
@@ -1216,9 +1225,11 @@ class WriteSession:
         # Watched dense calls: runtime tensors the loader rebound (``param.data = w``) or
         # registered anew, by name -> the tensor now (see _note_rebinding).
         self.rebound: dict[str, torch.Tensor] = {}
-        # ... and under names the model did not have: name -> (the object registered, its
-        # data), recorded as a "register" write of the whole tensor
-        self.registered: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # ... and under names the model did not have: name -> the tensor registered,
+        # recorded as a "register" write of the whole tensor; or a known tensor tied
+        # under a new name: name -> the tensor's first name (no write)
+        self.registered: dict[str, torch.Tensor] = {}
+        self.ties: dict[str, str] = {}
         self._binding_ptrs: dict[str, int] | None = None
 
     # -- one load_weights call -------------------------------------------------------
@@ -1327,12 +1338,17 @@ class WriteSession:
                 if n in now:
                     found[n] = now[n]
                     self._bindings.setdefault(n, self._bindings[self.index.aliases[n]])
+            ties = self.index.new_ties(replaced + untied) if added else {}
             for n in added:
                 t = now[n]
-                last = self.registered.get(n)
-                if last is not None and last[0] is t:
+                if n in ties:  # a known tensor under a new name: a tie, nothing written
+                    self.ties[n] = ties[n]
+                    self.registered.pop(n, None)
+                    continue
+                self.ties.pop(n, None)
+                if self.registered.get(n) is t:
                     continue  # registered in an earlier call, and recorded then
-                self.registered[n] = (t, t.data)  # (.data: see below)
+                self.registered[n] = t
                 self._call_writes += 1
                 self._record("register", t.data, n, 0, t.data, t.numel())
         new = {}
@@ -1373,17 +1389,20 @@ class WriteSession:
         one the session did not see), and follow the ones bound to yet another tensor.
         A name is bound to its original again when the model holds the very object it
         held before the load, viewing the original storage the same way."""
-        if not self.rebound and not self.registered:
+        if not self.rebound and not self.registered and not self.ties:
             return
         # what the model holds now (the index keeps the tensors registered when it was
         # built: a name registered anew still has its original one there)
         now = dict(named_tensors(self.index.model))
-        for name, (t, _) in list(self.registered.items()):
+        for name, t in list(self.registered.items()):
             live = now.get(name)
             if live is None:
                 del self.registered[name]  # removed again (by the loader, or a rollback)
             elif live is not t:
-                self.registered[name] = (live, live.data)
+                self.registered[name] = live
+        for name, first in list(self.ties.items()):
+            if now.get(name) is not self.index.tensors[first]:
+                del self.ties[name]  # (removed again)
         for name, t in list(self.rebound.items()):
             live = now.get(name)
             if live is None:
@@ -1399,6 +1418,9 @@ class WriteSession:
         # (a tied tensor's other name counts too: a new tensor there unties it)
         replaced = self.index.replaced() + self.index.replaced_aliases()
         added = self.index.added(replaced)
+        if added:  # (a known tensor tied under a new name holds no staged values)
+            ties = self.index.new_ties(replaced)
+            added = [n for n in added if n not in ties]
         rebound = self.index.rebound(bindings)
         gone = set()
         if replaced or added:

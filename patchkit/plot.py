@@ -250,6 +250,12 @@ def _as_patch(patch: Any, fn: str, position: int | None = None) -> Any:
     return patch
 
 
+def _known(report: LoadReport) -> dict[str, tuple[int, ...]]:
+    """Every runtime tensor the report knows and its shape: its targets, and names the
+    load removed or registered and removed again, which its tables still name."""
+    return getattr(report, "_shapes", None) or report.targets
+
+
 def _resolve(report: LoadReport, target: str) -> str:
     """The runtime tensor ``target`` names: a tied alias (``lm_head.weight`` tied to the
     embedding) resolves as :meth:`LoadReport.before` resolves it; other names as given."""
@@ -771,7 +777,7 @@ def plot_placement(
         odd = next((t for t in chosen if not isinstance(t, str)), None)
         if odd is not None:
             raise TypeError(f"plot_placement: targets must be names (str), got {_what(odd)}")
-        unknown = [t for t in chosen if _resolve(report, t) not in report.targets]
+        unknown = [t for t in chosen if _resolve(report, t) not in _known(report)]
         if unknown:
             known = ", ".join(repr(t) for t in list(report.targets)[:8])
             raise KeyError(f"no runtime tensor {unknown[0]!r} in this report (known: {known})")
@@ -800,7 +806,7 @@ def plot_placement(
 def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, writes: Any,
                  shapes: dict[int, tuple[int, ...]]) -> None:
     target = _resolve(report, asked)
-    tshape = tuple(int(d) for d in report.targets[target])
+    tshape = tuple(int(d) for d in _known(report)[target])
     rows, cols = grid_shape(tshape)
     mine = writes[writes["target"] == target]
     shown = mine.iloc[:_MAX_WRITES]
@@ -818,6 +824,8 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     handles: list[Any] = []
     for i, w in shown.iterrows():
         pos = None if pd.isna(w["position"]) else int(w["position"])
+        # (a missing region is None, or NaN where pandas fills one in a column of text)
+        ck_region = None if pd.isna(w["checkpoint_region"]) else w["checkpoint_region"]
         c = colour[pos]
         rects, exact = region_rects(w["target_region"], tshape)
         style = {} if exact else {"hatch": "//", "linestyle": "--"}
@@ -833,10 +841,10 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
         if len(handles) < _MAX_LEGEND:
             src = "untraced source" if pos is None else f"#{pos} {_short(_name_of(w), 30)}"
             handles.append(Patch(facecolor=(*c[:3], 0.55), edgecolor=c, **style,
-                                 label=f"{src} {w['checkpoint_region'] or ''}"
+                                 label=f"{src} {ck_region or ''}"
                                  f" → {w['target_region']}"))
         if pos in slot:
-            ck_rects, ck_exact = region_rects(w["checkpoint_region"], shapes[pos])
+            ck_rects, ck_exact = region_rects(ck_region, shapes[pos])
             ck_rows, ck_cols = grid_shape(shapes[pos])
             y0 = slot[pos] * 1.25
             for r0, r1, c0, c1 in ck_rects:
@@ -1007,7 +1015,7 @@ def plot_delta(
     """
     _check_report(report, "plot_delta")
     asked, target = target, _resolve(report, target)
-    if target not in report.targets:
+    if target not in _known(report):
         known = ", ".join(repr(t) for t in list(report.targets)[:8])
         raise KeyError(f"no runtime tensor {asked!r} in this report (known: {known})")
     before_t, after_t = report.before(target), report.after(target)

@@ -272,7 +272,10 @@ class ReportExplorer(W.VBox):
         options: list[tuple[str, tuple[str, Any]]] = [
             (f"patch {i}: {p.name}", ("patch", i)) for i, p in enumerate(report.patches)
         ]
-        options += [(f"runtime: {t}", ("runtime", t)) for t in report.deltas.index]
+        # (the tensors with a deltas row, then those written without one: registered)
+        runtime = dict.fromkeys([*report.deltas.index,
+                                 *(t for t in report.writes["target"] if t is not None)])
+        options += [(f"runtime: {t}", ("runtime", t)) for t in runtime]
         self.dropdown = W.Dropdown(
             options=options, description="show", layout=W.Layout(width="60%")
         )
