@@ -298,6 +298,8 @@ class RuntimeIndex:
         self._prefixes = {p for p, _ in listed}
         self._non_persistent = {f"{p}.{b}" if p else b for p, m in listed
                                 for b in m._non_persistent_buffers_set}
+        self._persistence = [(m._non_persistent_buffers_set, set(m._non_persistent_buffers_set))
+                             for _, m in listed]
         if mods is None:
             walked = [(n, t, None, None) for n, t in named_tensors(model)]
             held = None
@@ -445,6 +447,16 @@ class RuntimeIndex:
                 ordered = [(k, d[k]) for k in keys]
                 d.clear()
                 d.update(ordered)
+        for now, then in self._persistence:  # (a buffer registered again, as it was)
+            if now != then:
+                now.clear()
+                now.update(then)
+
+    def not_undone(self) -> list[str]:
+        """After :meth:`undo`: names still not registered to their original tensor (a
+        model that does not keep its tensors in ``nn.Module``'s registries, which undo()
+        cannot reach)."""
+        return self.replaced() + self.replaced_aliases()
 
     def remove_added(self, names: Sequence[str]) -> None:
         """Undo what :meth:`added` finds: each name leaves the module that registers it, or
@@ -1421,11 +1433,14 @@ class WriteSession:
         if added:  # (a known tensor tied under a new name holds no staged values)
             ties = self.index.new_ties(replaced)
             added = [n for n in added if n not in ties]
+            if self.recorder is not None:
+                self.ties.update(ties)  # (a report knows the new name)
         rebound = self.index.rebound(bindings)
         gone = set()
         if replaced or added:
             gone = set(replaced) - {n for n, _ in named_tensors(self.index.model)}
             self.index.undo()  # the module tree's registrations as they were
+        left = self.index.not_undone() if replaced else []
         for n in rebound:
             self.index.tensors[n].data = bindings[n]  # the original storage put back
         call = (f"load_weights (call {self._chunk}, "
@@ -1437,9 +1452,13 @@ class WriteSession:
                    if replaced[0] in gone else
                    f"registered a new tensor as runtime tensor {replaced[0]!r}{tied} (e.g. "
                    "`module.weight = nn.Parameter(w)`) instead of copying into the existing one")
+            undone = ("The original tensor was registered again" if not left else
+                      f"The original tensor could not be registered again ({left[0]!r}: the "
+                      "model does not keep it in nn.Module's registries), so the model may "
+                      "hold the staged NaN")
             raise ContractViolation(
                 f"{call} {did}; a sparse load needs same-shaped floating-point copy_ into the "
-                "existing storage. The original tensor was registered again",
+                f"existing storage. {undone}",
                 position=positions[0], name=staged[0][0], reason="rebinding", value=replaced[0],
             )
         if rebound:

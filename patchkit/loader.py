@@ -162,13 +162,14 @@ def run_load(
                 if returned is not None:
                     loaded.update(returned)
                 del staged
-        except BaseException:
+        except BaseException as exc:
             if transactional and session is not None:
                 # The module tree's registrations as they were (tensors registered anew
                 # under any of a tied tensor's names, names removed or new, submodules
                 # replaced); then the storage of tensors whose `.data` was rebound; then
                 # the saved values.
                 session.index.undo()
+                left = session.index.not_undone()
                 for name in session.index.rebound(bindings):
                     session.index.tensors[name].data = bindings[name]
                 try:
@@ -180,6 +181,13 @@ def run_load(
                     session.saved = [r for r in session.saved if r.target in left]
                     raise
                 session.discard()
+                if left:
+                    raise RuntimeError(
+                        f"the rollback could not register runtime tensor {left[0]!r} again "
+                        f"(of {len(left)} the load registered anew): the model does not keep "
+                        "it in nn.Module's registries, so it holds the tensor the loader "
+                        "gave it; the saved values were restored"
+                    ) from exc
             raise
         if transactional and session is not None and not save_regions:
             session.discard()

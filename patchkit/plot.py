@@ -1019,6 +1019,14 @@ def plot_delta(
         known = ", ".join(repr(t) for t in list(report.targets)[:8])
         raise KeyError(f"no runtime tensor {asked!r} in this report (known: {known})")
     before_t, after_t = report.before(target), report.after(target)
+    if before_t.shape != after_t.shape:
+        raise ValueError(
+            f"plot_delta: {asked!r} was rebound to a tensor of another shape ("
+            f"{_shape_text(tuple(before_t.shape))} {str(before_t.dtype).removeprefix('torch.')}"
+            f" before the load, {_shape_text(tuple(after_t.shape))} "
+            f"{str(after_t.dtype).removeprefix('torch.')} after): there is no element-wise "
+            "Δ to draw; report.before() and report.after() give both"
+        )
     shape = tuple(int(d) for d in before_t.shape)
     dtype = str(before_t.dtype).removeprefix("torch.")
     form = f"{_shape_text(shape)} {dtype}"

@@ -1017,3 +1017,92 @@ def test_the_explorer_offers_a_registered_tensor():
     _, r = _changes_report("register, then .data")
     labels = [label for label, _ in r.explore().dropdown.options]
     assert "runtime: extra" in labels and "runtime: a" in labels
+
+
+def test_what_review_three_found_in_the_undo_and_the_reports():
+    # a rollback lost a buffer's persistence when the loader registered the same tensor
+    # again with the other one; a tie made in a sparse call was unknown to its report;
+    # plot_delta of a tensor rebound to another shape raised a broadcasting error
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from patchkit import plot
+
+    class Flips(PlainModel):
+        def __init__(self):
+            super().__init__({"a": (4,)})
+            self.register_buffer("stats", torch.zeros(4))
+            self.register_buffer("cache", torch.zeros(4), persistent=False)
+
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.a.copy_(w)
+            self.register_buffer("stats", self.stats, persistent=False)
+            self.register_buffer("cache", self.cache, persistent=True)
+            self.again = self.a
+            raise RuntimeError("no more today")
+
+    for patch in (CWP("a", (4,), torch.float32, torch.full((4,), 2.0)),
+                  CWP("a", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([1]))):
+        model = Flips()
+        with pytest.raises(RuntimeError, match="no more today"):
+            patchkit.load_checkpoint_weight_patches(model, [patch], transactional=True)
+        assert sorted(model.state_dict()) == ["a", "stats"] and not hasattr(model, "again")
+
+    class Ties(PlainModel):
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.a.copy_(w)
+                self.again = self.a
+            return {n for n, _ in weights}
+
+    r = inspect_load(Ties({"a": (4,)}),
+                     [CWP("a", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([1]))])
+    assert r.after("again").tolist() == [0.0, 7.0, 0.0, 0.0]
+
+    class Reshapes(PlainModel):
+        def load_weights(self, weights):
+            for _ in weights:
+                self.a = nn.Parameter(torch.zeros(3, 3), requires_grad=False)
+            return {n for n, _ in weights}
+
+    r = inspect_load(Reshapes({"a": (2, 3)}), [CWP("a", (2, 3), torch.float32, torch.ones(6))])
+    with pytest.raises(ValueError, match="another shape"):
+        plot.plot_delta(r, "a")
+
+
+def test_a_model_outside_nn_modules_registries_is_told_what_could_not_be_undone():
+    # the refusal said "the original tensor was registered again" while the staged NaN
+    # stayed in the model; a rollback said nothing
+    class Holder:
+        _named_members = None
+
+        def __init__(self):
+            self.store = {"a": nn.Parameter(torch.zeros(4), requires_grad=False)}
+
+        def named_modules(self, *a, **k):
+            return iter([("", self)])
+
+        def named_parameters(self, *a, **k):
+            return iter(list(self.store.items()))
+
+        def named_buffers(self, *a, **k):
+            return iter(())
+
+        def load_weights(self, weights):
+            for n, w in weights:
+                self.store[n] = nn.Parameter(w.clone(), requires_grad=False)
+            if getattr(self, "fail", False):
+                raise RuntimeError("no more today")
+            return {n for n, _ in weights}
+
+    from patchkit.errors import ContractViolation
+
+    with pytest.raises(ContractViolation, match="could not be registered again"):
+        patchkit.load_checkpoint_weight_patches(
+            Holder(), [CWP("a", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([1]))])
+    h = Holder()
+    h.fail = True
+    with pytest.raises(RuntimeError, match="could not register runtime tensor 'a'"):
+        patchkit.load_checkpoint_weight_patches(
+            h, [CWP("a", (4,), torch.float32, torch.ones(4))], transactional=True)
