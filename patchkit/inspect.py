@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import html
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -1027,6 +1028,16 @@ def _build_report(
         ]
     calls = list(rec.calls)
     events = list(rec.events)
+    if heirs:
+        # Writes into the original tensor before its first name let it go (the rebind row,
+        # or all of them where the name was removed) were writes into the heir's tensor.
+        let_go: dict[str, int] = {}
+        for k, e in enumerate(events):
+            if e.op == "rebind" and e.target in heirs:
+                let_go.setdefault(e.target, k)
+        events = [dataclasses.replace(e, target=heirs[e.target])
+                  if e.target in heirs and k < let_go.get(e.target, len(events)) else e
+                  for k, e in enumerate(events)]
     shapes = {n: tuple(t.shape) for n, t in runtime.items()}
     strides = {n: tuple(t.stride()) for n, t in runtime.items()}
     for e in events:  # (a tensor registered and removed again: as it was written)

@@ -443,6 +443,9 @@ class RuntimeIndex:
             if k not in d:
                 d[k] = None
         for d, keys in zip(self._registries, self._keys):
+            if len(d) > len(keys):  # (an empty slot the model did not have: no tensor)
+                for k in [k for k in d if d[k] is None and k not in keys]:
+                    del d[k]
             if tuple(d) != keys and len(d) == len(keys) and set(d) == set(keys):
                 ordered = [(k, d[k]) for k in keys]
                 d.clear()

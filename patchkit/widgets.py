@@ -342,7 +342,8 @@ class ReportExplorer(W.VBox):
             text_output(
                 f"writes into {key}:\n{writes[cols].head(20).to_string(index=False)}\n"
                 + (f"… {len(writes) - 20} more writes\n" if len(writes) > 20 else "")
-                + f"\ndelta:\n{r.deltas.loc[[key]].to_string()}\n"
+                + (f"\ndelta:\n{r.deltas.loc[[key]].to_string()}\n" if key in r.deltas.index
+                   else "\ndelta: none (a tensor the load registered has no values before it)\n")
             ),
         )
 

@@ -1106,3 +1106,45 @@ def test_a_model_outside_nn_modules_registries_is_told_what_could_not_be_undone(
     with pytest.raises(RuntimeError, match="could not register runtime tensor 'a'"):
         patchkit.load_checkpoint_weight_patches(
             h, [CWP("a", (4,), torch.float32, torch.ones(4))], transactional=True)
+
+
+def test_writes_into_a_tied_tensor_before_its_first_name_let_go_name_its_heir():
+    # the writes row kept the first name, its region read against the new tensor, and
+    # the placement figure drew it there
+    class Lets(PlainModel):
+        def __init__(self):
+            super().__init__({"a": (4,)})
+            self.b = self.a
+
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.a[1:3].copy_(w[1:3])
+                self.a = nn.Parameter(torch.zeros(2, 3), requires_grad=False)
+            return {n for n, _ in weights}
+
+    r = inspect_load(Lets(), [CWP("a", (4,), torch.float32, torch.ones(4))])
+    assert r.writes[["target", "op", "target_region"]].values.tolist() == [
+        ["b", "aten::copy_", "[1:3]"], ["a", "rebind", "[:, :]"]]
+    assert r.written("b").tolist() == [False, True, True, False]
+
+
+def test_the_explorer_shows_a_registered_tensor_writes_and_undo_drops_new_empty_slots():
+    pytest.importorskip("ipywidgets")
+    _, r = _changes_report("register, then .data")
+    ex = r.explore()
+    ex.dropdown.value = ("runtime", "extra")
+    text = "".join(o.get("text", "") for o in ex.output.outputs)
+    assert "writes into extra" in text and "delta: none" in text
+
+    class Slots(PlainModel):
+        def load_weights(self, weights):
+            self.register_parameter("extra", None)
+            self.register_buffer("cache", None, persistent=False)
+            raise RuntimeError("no more today")
+
+    model = Slots({"a": (4,)})
+    with pytest.raises(RuntimeError, match="no more today"):
+        patchkit.load_checkpoint_weight_patches(
+            model, [CWP("a", (4,), torch.float32, torch.ones(4))], transactional=True)
+    assert list(model._parameters) == ["a"] and not model._buffers
+    assert not model._non_persistent_buffers_set
