@@ -37,7 +37,7 @@ import math
 import operator
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple, Protocol
@@ -408,15 +408,19 @@ class RuntimeIndex:
         tree is the same, no registry of it changed size or emptied or filled an empty
         slot, and no name (nor alias) was :meth:`replaced` (``replaced``: both lists, where
         the caller has them)."""
-        return [n for n, _ in self._new(replaced)]
+        return [n for n, _ in self.added_tensors(replaced)]
 
-    def new_ties(self, replaced: Sequence[str] | None = None) -> dict[str, str]:
-        """Of :meth:`added`, the names that hold a tensor the index knows (``model.again =
-        model.c``: a new tie, no new values), each with the first name of that tensor."""
+    def ties_among(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+        """Of names added (``(name, tensor)``, see :meth:`added_tensors`), those that hold a
+        tensor the index knows (``model.again = model.c``: a new tie, no new values), each
+        with the first name of that tensor."""
         first = {id(t): n for n, t in self.tensors.items()}
-        return {n: first[id(t)] for n, t in self._new(replaced) if id(t) in first}
+        return {n: first[id(t)] for n, t in named if id(t) in first}
 
-    def _new(self, replaced: Sequence[str] | None) -> list[tuple[str, torch.Tensor]]:
+    def added_tensors(
+        self, replaced: Sequence[str] | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """:meth:`added` with the tensor each name holds."""
         if replaced is None:
             replaced = self.replaced() + self.replaced_aliases()
         if not replaced and self._same_tree() and tuple(map(len, self._registries)) == self._sizes:
@@ -1353,7 +1357,7 @@ class WriteSession:
                 if n in now:
                     found[n] = now[n]
                     self._bindings.setdefault(n, self._bindings[self.index.aliases[n]])
-            ties = self.index.new_ties(replaced + untied) if added else {}
+            ties = self.index.ties_among((n, now[n]) for n in added) if added else {}
             for n in added:
                 t = now[n]
                 if n in ties:  # a known tensor under a new name: a tie, nothing written
@@ -1432,9 +1436,10 @@ class WriteSession:
         # Each may hold the staged NaN: all are undone before the first is raised.
         # (a tied tensor's other name counts too: a new tensor there unties it)
         replaced = self.index.replaced() + self.index.replaced_aliases()
-        added = self.index.added(replaced)
+        named = self.index.added_tensors(replaced)
+        added = [n for n, _ in named]
         if added:  # (a known tensor tied under a new name holds no staged values)
-            ties = self.index.new_ties(replaced)
+            ties = self.index.ties_among(named)
             added = [n for n in added if n not in ties]
             if self.recorder is not None:
                 self.ties.update(ties)  # (a report knows the new name)
