@@ -296,8 +296,6 @@ class RuntimeIndex:
         self._sizes = tuple(map(len, self._registries))
         self._keys = list(map(tuple, self._registries))
         self._prefixes = {p for p, _ in listed}
-        self._non_persistent = {f"{p}.{b}" if p else b for p, m in listed
-                                for b in m._non_persistent_buffers_set}
         self._persistence = [(m._non_persistent_buffers_set, set(m._non_persistent_buffers_set))
                              for _, m in listed]
         if mods is None:
@@ -488,15 +486,14 @@ class RuntimeIndex:
                         registry[parts[k]] = None  # an empty slot it filled (``bias=None``)
                     else:
                         del registry[parts[k]]
-                    if registry is module._buffers:
-                        module._non_persistent_buffers_set.discard(parts[k])
                     break
 
     def put_back(self, names: Sequence[str]) -> None:
         """Register each of ``names`` (of :attr:`tensors` or :attr:`aliases`) to its
-        original tensor again, as the parameter or buffer it was, in or out of the state
-        dict as it was (undoes what :meth:`replaced` and :meth:`replaced_aliases` find).
-        A name whose module is no longer in the tree is skipped (see :meth:`undo`)."""
+        original tensor again, as the parameter or buffer it was (undoes what
+        :meth:`replaced` and :meth:`replaced_aliases` find; :meth:`undo` also puts each
+        buffer's persistence back). A name whose module is no longer in the tree is
+        skipped."""
         for name in names:
             t = self.tensors[self.aliases.get(name, name)]
             parent, _, leaf = name.rpartition(".")
@@ -511,10 +508,6 @@ class RuntimeIndex:
             )
             other.pop(leaf, None)
             mine[leaf] = t
-            if mine is module._buffers and name in self._non_persistent:
-                module._non_persistent_buffers_set.add(leaf)
-            else:
-                module._non_persistent_buffers_set.discard(leaf)
 
     def owner(
         self, t: torch.Tensor, key: tuple | None = None
