@@ -192,6 +192,7 @@ class _Owner(NamedTuple):
     dense: bool
 
 
+_REGISTRY_NAMES = ("_parameters", "_buffers", "_modules")
 _MODULE_WALK = (
     torch.nn.Module.named_modules,
     torch.nn.Module.named_parameters,
@@ -293,10 +294,18 @@ class RuntimeIndex:
         self._links = [(m._modules, k, c) for _, m in listed
                        for k, c in m._modules.items() if c is not None]
         self._registries = [d for _, m in listed for d in (m._parameters, m._buffers, m._modules)]
+        # The registries by kind (the module objects, then each module's dict of each kind):
+        # a loader may put a new dict in a module's place of one (``m._parameters = {...}``),
+        # which every check below, reading the dicts the index holds, would miss.
+        self._holders = tuple(m for _, m in listed)
+        self._registry_places = (  # (each module's own attributes, each registry's name)
+            tuple(m.__dict__ for m in self._holders for _ in _REGISTRY_NAMES),
+            _REGISTRY_NAMES * len(self._holders),
+        )
         self._sizes = tuple(map(len, self._registries))
         self._keys = list(map(tuple, self._registries))
         self._prefixes = {p for p, _ in listed}
-        self._persistence = [(m._non_persistent_buffers_set, set(m._non_persistent_buffers_set))
+        self._persistence = [(m, m._non_persistent_buffers_set, set(m._non_persistent_buffers_set))
                              for _, m in listed]
         if mods is None:
             walked = [(n, t, None, None) for n, t in named_tensors(model)]
@@ -366,13 +375,39 @@ class RuntimeIndex:
         empty = tuple(zip(*self._empty_slots)) or ((), ())
         return links, slots or ((), (), ()), empty
 
+    def _same_registries(self) -> bool:
+        """Every module the index listed holds the registry dicts it held (no
+        ``m._parameters = {...}``)."""
+        try:
+            return all(map(operator.is_, map(operator.getitem, *self._registry_places),
+                           self._registries))
+        except KeyError:  # (a registry deleted outright)
+            return False
+
+    @contextlib.contextmanager
+    def one_look(self) -> Iterator[None]:
+        """Checks made in the block (:meth:`replaced`, :meth:`replaced_aliases`,
+        :meth:`added`) look at the module tree's structure once: for a caller that makes
+        several in a row and changes nothing in between."""
+        self._tree_seen = self._same_tree()
+        try:
+            yield
+        finally:
+            self._tree_seen = None
+
+    _tree_seen: bool | None = None
+
     def _same_tree(self) -> bool:
-        """Every submodule is the object it was, in its slot: each name then lives in the
-        registry it lived in."""
+        """Every submodule is the object it was, in its slot, and every registry holds
+        what it held: each name then lives in the registry it lived in."""
+        if self._tree_seen is not None:
+            return self._tree_seen
         if self._slots is None:
             return False
         dicts, keys, children = self._columns[0]
-        return all(map(operator.is_, map(dict.get, dicts, keys), children))
+        return all(map(operator.is_, map(dict.get, dicts, keys), children)) and (
+            self._same_registries()
+        )
 
     def replaced(self) -> list[str]:
         """Names (of :attr:`tensors`) no longer registered to the tensor they named when
@@ -435,7 +470,13 @@ class RuntimeIndex:
         parameter or buffer it was, in or out of the state dict), each empty slot empty,
         names the model did not have removed, every registry in its order. (The storage of
         a tensor rebound with ``param.data = w`` is the caller's: see :meth:`rebound`.) A
-        submodule the model did not have stays where it holds no tensor."""
+        registry dict the loader put in a module's place of one (``m._parameters = {...}``)
+        gives way to the module's own again. A submodule the model did not have stays where
+        it holds no tensor."""
+        for i, m in enumerate(self._holders):
+            for attr, d in zip(_REGISTRY_NAMES, self._registries[3 * i: 3 * i + 3]):
+                if m.__dict__.get(attr) is not d:
+                    m.__dict__[attr] = d  # (past nn.Module.__setattr__: the dict itself)
         for d, k, c in self._links:  # (parents before children: the tree's order)
             if d.get(k) is not c:
                 d[k] = c
@@ -452,7 +493,9 @@ class RuntimeIndex:
                 ordered = [(k, d[k]) for k in keys]
                 d.clear()
                 d.update(ordered)
-        for now, then in self._persistence:  # (a buffer registered again, as it was)
+        for m, now, then in self._persistence:  # (a buffer registered again, as it was)
+            if m.__dict__.get("_non_persistent_buffers_set") is not now:
+                m.__dict__["_non_persistent_buffers_set"] = now
             if now != then:
                 now.clear()
                 now.update(then)
@@ -1337,12 +1380,13 @@ class WriteSession:
         ptrs = self._binding_ptrs
         rebound = {n: t for n, t in self.index.tensors.items() if t.data_ptr() != ptrs[n]}
         found = dict(rebound)
-        replaced = self.index.replaced()
-        # A tied tensor's other name registered anew (``model.lm_head.weight =
-        # nn.Parameter(w)``): untied, it is a runtime tensor of its own from now on, whose
-        # values before the load were the tied tensor's.
-        untied = self.index.replaced_aliases()
-        added = self.index.added(replaced + untied)
+        with self.index.one_look():
+            replaced = self.index.replaced()
+            # A tied tensor's other name registered anew (``model.lm_head.weight =
+            # nn.Parameter(w)``): untied, it is a runtime tensor of its own from now on,
+            # whose values before the load were the tied tensor's.
+            untied = self.index.replaced_aliases()
+            added = self.index.added(replaced + untied)
         if replaced or untied or added:
             now = dict(named_tensors(self.index.model))
             found.update({n: now[n] for n in replaced if n in now})
@@ -1428,8 +1472,9 @@ class WriteSession:
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         # Each may hold the staged NaN: all are undone before the first is raised.
         # (a tied tensor's other name counts too: a new tensor there unties it)
-        replaced = self.index.replaced() + self.index.replaced_aliases()
-        named = self.index.added_tensors(replaced)
+        with self.index.one_look():
+            replaced = self.index.replaced() + self.index.replaced_aliases()
+            named = self.index.added_tensors(replaced)
         added = [n for n, _ in named]
         if added:  # (a known tensor tied under a new name holds no staged values)
             ties = self.index.ties_among(named)

@@ -806,13 +806,17 @@ class _RegistersNew(PlainModel):
                 self.register_buffer("kept", w.clone())
             elif self.how == "empty slot":
                 self.lin.bias = nn.Parameter(w.clone(), requires_grad=False)
+            elif self.how == "new registry":  # the empty slot filled in a dict of its own
+                self.lin._parameters = {
+                    **self.lin._parameters, "bias": nn.Parameter(w.clone(), requires_grad=False)
+                }
             else:
                 self.sub = nn.Linear(4, 1)
         return {n for n, _ in weights}
 
 
 _NEW = {"parameter": ["extra"], "buffer": ["kept"], "empty slot": ["lin.bias"],
-        "submodule": ["sub.weight", "sub.bias"]}
+        "new registry": ["lin.bias"], "submodule": ["sub.weight", "sub.bias"]}
 
 
 @pytest.mark.parametrize("how", list(_NEW))

@@ -206,10 +206,13 @@ def test_the_index_finds_names_registered_after_it_and_removes_them(how, fallbac
 
 
 def _tree(model: torch.nn.Module) -> list:
-    """What undo() must put back: every module object, and in each, its registries' keys
-    in order with the object each holds, and its buffers left out of the state dict."""
+    """What undo() must put back: every module object, and in each, its registries (the
+    dict objects themselves), their keys in order with the object each holds, and its
+    buffers left out of the state dict (the set object and its names)."""
     return [
-        (prefix, id(m), [(k, id(v) if v is not None else None) for k, v in m._parameters.items()],
+        (prefix, id(m), [id(m._parameters), id(m._buffers), id(m._modules),
+                         id(m._non_persistent_buffers_set)],
+         [(k, id(v) if v is not None else None) for k, v in m._parameters.items()],
          [(k, id(v) if v is not None else None) for k, v in m._buffers.items()],
          [(k, id(v) if v is not None else None) for k, v in m._modules.items()],
          sorted(m._non_persistent_buffers_set))
@@ -257,6 +260,20 @@ _CHANGES = {  # what a loader may do to the tree, and whether it adds a name
         (lambda m: (delattr(m, "rope"), m.register_buffer("rope", torch.ones(2))), False),
     "a name deleted and registered again, last": (lambda m: m._buffers.update(
         rope=m._buffers.pop("rope")), False),
+    # a registry dict replaced wholesale: every check compared the old dict's contents
+    "a parameter registry replaced, a name in it anew":
+        (lambda m: setattr(m.emb, "_parameters", {"weight": _param(), "bias": None}), False),
+    "a parameter registry replaced, a name added":
+        (lambda m: setattr(m.emb, "_parameters", {**m.emb._parameters, "extra": _param()}),
+         True),
+    "a buffer registry replaced, a name in it anew":
+        (lambda m: setattr(m, "_buffers", {**m._buffers, "steps": torch.ones(1)}), False),
+    "a submodule registry replaced, a submodule in it anew":
+        (lambda m: setattr(m, "_modules", {**m._modules, "act": _holder(extra=_param())}), True),
+    "a registry replaced by an equal one":
+        (lambda m: setattr(m.head, "_parameters", dict(m.head._parameters)), False),
+    "the set of buffers out of the state dict replaced":
+        (lambda m: setattr(m, "_non_persistent_buffers_set", set()), False),
 }
 
 
@@ -311,7 +328,9 @@ def test_a_sparse_call_or_a_rollback_puts_the_tree_back(change):
     before = _tree(model)
     sparse = patchkit.CheckpointWeightPatch("steps", (1,), torch.float32, torch.ones(1),
                                             torch.tensor([0]))
-    if change in ("an empty slot deleted", "a name deleted and registered again, last"):
+    if change in ("an empty slot deleted", "a name deleted and registered again, last",
+                  "a registry replaced by an equal one",
+                  "the set of buffers out of the state dict replaced"):
         # (no tensor changed hands: nothing for a sparse call to refuse, nor to undo)
         patchkit.load_checkpoint_weight_patches(model, [sparse])
     else:
