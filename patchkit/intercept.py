@@ -231,10 +231,11 @@ def _listed_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
 
 
 def _tensors_of(
-    mods: list[tuple[str, torch.nn.Module]], buffers: bool, registries: bool = False
+    mods: list[tuple[str, torch.nn.Module]], buffers: bool | None, registries: bool = False
 ) -> list[tuple]:
-    """``(name, tensor)`` of each parameter (then buffer) of ``mods``, in torch's order;
-    with ``registries``, ``(name, tensor, the dict that registers it, its key there)``."""
+    """``(name, tensor)`` of each parameter (then buffer, with ``buffers``; ``None``: the
+    buffers alone) of ``mods``, in torch's order; with ``registries``, ``(name, tensor,
+    the dict that registers it, its key there)``."""
     def of(attr: str) -> list[tuple]:
         if registries:
             return [(f"{prefix}.{k}" if prefix else k, t, getattr(m, attr), k)
@@ -242,6 +243,8 @@ def _tensors_of(
         return [(f"{prefix}.{k}" if prefix else k, t)
                 for prefix, m in mods for k, t in getattr(m, attr).items() if t is not None]
 
+    if buffers is None:  # (the buffers alone)
+        return of("_buffers")
     return of("_parameters") + of("_buffers") if buffers else of("_parameters")
 
 
@@ -262,6 +265,19 @@ def named_tensors(
         named = list(model.named_parameters(remove_duplicate=False))
         return named + list(model.named_buffers(remove_duplicate=False)) if buffers else named
     return _tensors_of(mods, buffers)
+
+
+def _named_now(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """:func:`named_tensors` as a dict, and which of its names are parameters (a tensor
+    moved to the other registry under its own name keeps its place in the dict)."""
+    mods = _module_tree(model)
+    if mods is None:
+        params = list(model.named_parameters(remove_duplicate=False))
+        named = params + list(model.named_buffers(remove_duplicate=False))
+    else:
+        params = _tensors_of(mods, False)
+        named = params + _tensors_of(mods, None)
+    return dict(named), {n for n, _ in params}
 
 
 class RuntimeIndex:
@@ -308,10 +324,14 @@ class RuntimeIndex:
         self._persistence = [(m, m._non_persistent_buffers_set, set(m._non_persistent_buffers_set))
                              for _, m in listed]
         if mods is None:
-            walked = [(n, t, None, None) for n, t in named_tensors(model)]
+            params = list(model.named_parameters(remove_duplicate=False))
+            self._parameter_names = {n for n, _ in params}
+            walked = [(n, t, None, None)
+                      for n, t in params + list(model.named_buffers(remove_duplicate=False))]
             held = None
         else:
             walked = _tensors_of(mods, True, registries=True)
+            self._parameter_names = None  # (read from the slots' registries when needed)
             self._slots = []
             held = len(walked) + len(self._links)
         self._empty_slots: list[tuple[dict, str]] = (
@@ -419,8 +439,10 @@ class RuntimeIndex:
             if all(map(operator.is_, now, tensors)):
                 return []
             return [n for (n, _, _), t, held in zip(self._slots, now, tensors) if t is not held]
-        now = dict(named_tensors(self.model))
-        return [n for n, t in self.tensors.items() if now.get(n) is not t]
+        now, params = _named_now(self.model)
+        was = self._were_parameters()
+        return [n for n, t in self.tensors.items()
+                if now.get(n) is not t or (n in params) != (n in was)]
 
     def replaced_aliases(self) -> list[str]:
         """Aliases (the other names of a tied tensor, see :attr:`aliases`) no longer
@@ -431,8 +453,20 @@ class RuntimeIndex:
         if self._same_tree():
             return [n for n, reg, key in self._alias_slots
                     if reg.get(key) is not self.tensors[self.aliases[n]]]
-        now = dict(named_tensors(self.model))
-        return [n for n, first in self.aliases.items() if now.get(n) is not self.tensors[first]]
+        now, params = _named_now(self.model)
+        was = self._were_parameters()
+        return [n for n, first in self.aliases.items()
+                if now.get(n) is not self.tensors[first] or (n in params) != (n in was)]
+
+    def _were_parameters(self) -> set[str]:
+        """The names (first names and aliases) that were parameters when the index was
+        built, not buffers."""
+        if self._parameter_names is None:
+            params = set(map(id, self._registries[0::3]))  # (the dicts as they were)
+            self._parameter_names = {
+                n for n, reg, _ in (self._slots or []) + self._alias_slots if id(reg) in params
+            }
+        return self._parameter_names
 
     def added(self, replaced: Sequence[str] | None = None) -> list[str]:
         """Names registered since the index was built that it does not know (a new
@@ -537,6 +571,7 @@ class RuntimeIndex:
         :meth:`replaced` and :meth:`replaced_aliases` find; :meth:`undo` also puts each
         buffer's persistence back). A name whose module is no longer in the tree is
         skipped."""
+        was = self._were_parameters() if names else set()
         for name in names:
             t = self.tensors[self.aliases.get(name, name)]
             parent, _, leaf = name.rpartition(".")
@@ -546,7 +581,7 @@ class RuntimeIndex:
                 continue
             module.__dict__.pop(leaf, None)
             mine, other = (
-                (module._parameters, module._buffers) if isinstance(t, torch.nn.Parameter)
+                (module._parameters, module._buffers) if name in was
                 else (module._buffers, module._parameters)
             )
             other.pop(leaf, None)
@@ -1482,9 +1517,13 @@ class WriteSession:
             if self.recorder is not None:
                 self.ties.update(ties)  # (a report knows the new name)
         rebound = self.index.rebound(bindings)
-        gone = set()
+        gone, moved = set(), set()
         if replaced or added:
-            gone = set(replaced) - {n for n, _ in named_tensors(self.index.model)}
+            now = dict(named_tensors(self.index.model))
+            gone = set(replaced) - now.keys()
+            # (the same tensor under its name, in the other registry)
+            moved = {n for n in replaced
+                     if now.get(n) is self.index.tensors[self.index.aliases.get(n, n)]}
             self.index.undo()  # the module tree's registrations as they were
         left = self.index.not_undone() if replaced else []
         for n in rebound:
@@ -1496,6 +1535,8 @@ class WriteSession:
             tied = f" (a tied name of {first!r})" if first is not None else ""
             did = (f"removed runtime tensor {replaced[0]!r}{tied} (e.g. `del module.weight`)"
                    if replaced[0] in gone else
+                   f"moved runtime tensor {replaced[0]!r}{tied} between the module's parameters "
+                   "and buffers" if replaced[0] in moved else
                    f"registered a new tensor as runtime tensor {replaced[0]!r}{tied} (e.g. "
                    "`module.weight = nn.Parameter(w)`) instead of copying into the existing one")
             undone = ("The original tensor was registered again" if not left else

@@ -205,6 +205,38 @@ def test_the_index_finds_names_registered_after_it_and_removes_them(how, fallbac
     assert index.added() == []
 
 
+_MOVES = {  # a tensor kept under its name, in the other registry
+    "parameter into the buffers": (
+        lambda m: m.lin._buffers.update(weight=m.lin._parameters.pop("weight")), "lin.weight"),
+    "buffer into the parameters": (
+        lambda m: m._parameters.update(steps=m._buffers.pop("steps")), "steps"),
+    # (a Parameter may be registered as a buffer: put back as the buffer it was)
+    "parameter object registered as a buffer into the parameters": (
+        lambda m: m._parameters.update(frozen=m._buffers.pop("frozen")), "frozen"),
+}
+
+
+@pytest.mark.parametrize("move", list(_MOVES))
+@pytest.mark.parametrize("fallback", [False, True], ids=["tree", "torch-walk"])
+def test_a_tensor_moved_to_the_other_registry_is_replaced_on_either_path(move, fallback,
+                                                                         monkeypatch):
+    # the torch walk lists parameters and then buffers as one list: a tensor moved from
+    # one to the other under its own name looked unchanged there (the tree path saw it)
+    import patchkit.intercept as intercept
+
+    model = _with_slots()
+    model.register_buffer("frozen", torch.nn.Parameter(torch.ones(1), requires_grad=False))
+    if fallback:
+        monkeypatch.setattr(intercept, "_module_tree", lambda m: None)
+    before = _tree(model)
+    index = RuntimeIndex(model)
+    do, name = _MOVES[move]
+    do(model)
+    assert index.replaced() == [name] and index.added() == []
+    index.undo()
+    assert _tree(model) == before and index.replaced() == []
+
+
 def _tree(model: torch.nn.Module) -> list:
     """What undo() must put back: every module object, and in each, its registries (the
     dict objects themselves), their keys in order with the object each holds, and its
@@ -272,6 +304,8 @@ _CHANGES = {  # what a loader may do to the tree, and whether it adds a name
         (lambda m: setattr(m, "_modules", {**m._modules, "act": _holder(extra=_param())}), True),
     "a registry replaced by an equal one":
         (lambda m: setattr(m.head, "_parameters", dict(m.head._parameters)), False),
+    "a parameter moved into the buffers":
+        (lambda m: m.emb._buffers.update(weight=m.emb._parameters.pop("weight")), False),
     "the set of buffers out of the state dict replaced":
         (lambda m: setattr(m, "_non_persistent_buffers_set", set()), False),
 }
@@ -334,7 +368,8 @@ def test_a_sparse_call_or_a_rollback_puts_the_tree_back(change):
         # (no tensor changed hands: nothing for a sparse call to refuse, nor to undo)
         patchkit.load_checkpoint_weight_patches(model, [sparse])
     else:
-        with pytest.raises(ContractViolation, match=r"registered|removed"):
+        said = "moved" if "moved" in change else r"registered|removed"
+        with pytest.raises(ContractViolation, match=said):
             patchkit.load_checkpoint_weight_patches(model, [sparse])
         assert _tree(model) == before
     model = _Changes(change)
