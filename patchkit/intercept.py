@@ -193,6 +193,7 @@ class _Owner(NamedTuple):
 
 
 _REGISTRY_NAMES = ("_parameters", "_buffers", "_modules")
+_ATTRIBUTES = operator.attrgetter("__dict__")
 _MODULE_WALK = (
     torch.nn.Module.named_modules,
     torch.nn.Module.named_parameters,
@@ -216,10 +217,17 @@ def _module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]] | 
             return None
         mods.append((prefix, m))
         children = [(f"{prefix}.{k}" if prefix else k, c, depth + 1)
-                    for k, c in m._modules.items() if c is not None]
+                    for k, c in _registry(m, "_modules").items() if c is not None]
         children.reverse()
         stack += children
     return mods
+
+
+def _registry(m: torch.nn.Module, attr: str) -> dict:
+    """``m._parameters`` (``attr``), or an empty dict where a loader deleted it from the
+    module's attributes (a walk of such a tree goes on)."""
+    d = m.__dict__.get(attr)
+    return d if isinstance(d, dict) else {}
 
 
 def _listed_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -238,10 +246,11 @@ def _tensors_of(
     the dict that registers it, its key there)``."""
     def of(attr: str) -> list[tuple]:
         if registries:
-            return [(f"{prefix}.{k}" if prefix else k, t, getattr(m, attr), k)
-                    for prefix, m in mods for k, t in getattr(m, attr).items() if t is not None]
+            return [(f"{prefix}.{k}" if prefix else k, t, _registry(m, attr), k)
+                    for prefix, m in mods for k, t in _registry(m, attr).items()
+                    if t is not None]
         return [(f"{prefix}.{k}" if prefix else k, t)
-                for prefix, m in mods for k, t in getattr(m, attr).items() if t is not None]
+                for prefix, m in mods for k, t in _registry(m, attr).items() if t is not None]
 
     if buffers is None:  # (the buffers alone)
         return of("_buffers")
@@ -314,8 +323,9 @@ class RuntimeIndex:
         # a loader may put a new dict in a module's place of one (``m._parameters = {...}``),
         # which every check below, reading the dicts the index holds, would miss.
         self._holders = tuple(m for _, m in listed)
-        self._registry_places = (  # (each module's own attributes, each registry's name)
-            tuple(m.__dict__ for m in self._holders for _ in _REGISTRY_NAMES),
+        self._holder_names = tuple(p for p, _ in listed)
+        self._registry_places = (  # (each module thrice, each registry's name)
+            tuple(m for m in self._holders for _ in _REGISTRY_NAMES),
             _REGISTRY_NAMES * len(self._holders),
         )
         self._sizes = tuple(map(len, self._registries))
@@ -326,12 +336,19 @@ class RuntimeIndex:
         if mods is None:
             params = list(model.named_parameters(remove_duplicate=False))
             self._parameter_names = {n for n, _ in params}
+            # (what the modules' own registries hold, which a listing of the module's own
+            # may not say: what put_back registers a name as)
+            self._registered: dict[str, bool] | None = {
+                n: k < len(p) for p in [_tensors_of(listed, False)]
+                for k, (n, _) in enumerate(p + _tensors_of(listed, None))
+            }
             walked = [(n, t, None, None)
                       for n, t in params + list(model.named_buffers(remove_duplicate=False))]
             held = None
         else:
             walked = _tensors_of(mods, True, registries=True)
             self._parameter_names = None  # (read from the slots' registries when needed)
+            self._registered = None  # (the same)
             self._slots = []
             held = len(walked) + len(self._links)
         self._empty_slots: list[tuple[dict, str]] = (
@@ -398,11 +415,22 @@ class RuntimeIndex:
     def _same_registries(self) -> bool:
         """Every module the index listed holds the registry dicts it held (no
         ``m._parameters = {...}``)."""
-        try:
-            return all(map(operator.is_, map(operator.getitem, *self._registry_places),
+        mods, names = self._registry_places
+        try:  # (the module's attributes as it holds them now: a loader may replace them too)
+            return all(map(operator.is_, map(operator.getitem, map(_ATTRIBUTES, mods), names),
                            self._registries))
         except KeyError:  # (a registry deleted outright)
             return False
+
+    def swapped_registries(self) -> list[str]:
+        """The registries a module no longer holds, as ``"prefix._parameters"``: a loader
+        replaced (``m._parameters = {...}``) or deleted them. :meth:`undo` puts them
+        back."""
+        return [f"{prefix}.{attr}" if prefix else attr
+                for prefix, m, d, attr in zip(
+                    (p for p in self._holder_names for _ in _REGISTRY_NAMES),
+                    self._registry_places[0], self._registries, self._registry_places[1])
+                if m.__dict__.get(attr) is not d]
 
     @contextlib.contextmanager
     def one_look(self) -> Iterator[None]:
@@ -410,12 +438,20 @@ class RuntimeIndex:
         :meth:`added`) look at the module tree's structure once: for a caller that makes
         several in a row and changes nothing in between."""
         self._tree_seen = self._same_tree()
+        self._sizes_seen = self._same_sizes()
         try:
             yield
         finally:
-            self._tree_seen = None
+            self._tree_seen = self._sizes_seen = None
 
     _tree_seen: bool | None = None
+    _sizes_seen: bool | None = None
+
+    def _same_sizes(self) -> bool:
+        """Every registry of the tree holds as many names as it held."""
+        if self._sizes_seen is not None:
+            return self._sizes_seen
+        return tuple(map(len, self._registries)) == self._sizes
 
     def _same_tree(self) -> bool:
         """Every submodule is the object it was, in its slot, and every registry holds
@@ -432,8 +468,10 @@ class RuntimeIndex:
     def replaced(self) -> list[str]:
         """Names (of :attr:`tensors`) no longer registered to the tensor they named when
         the index was built: ``module.w = nn.Parameter(w)`` or ``register_buffer`` with
-        a new tensor, or the name gone. (:meth:`rebound` sees ``param.data = w``.)"""
-        if self._same_tree():
+        a new tensor, or the name gone, or a new tensor under the name in the other
+        registry (a buffer beside the parameter: the state dict lists the last). (:meth:`rebound`
+        sees ``param.data = w``.)"""
+        if self._same_tree() and self._same_sizes():
             dicts, keys, tensors = self._columns[1]
             now = list(map(dict.get, dicts, keys))
             if all(map(operator.is_, now, tensors)):
@@ -450,7 +488,7 @@ class RuntimeIndex:
         removes them."""
         if not self.aliases:
             return []
-        if self._same_tree():
+        if self._same_tree() and self._same_sizes():
             return [n for n, reg, key in self._alias_slots
                     if reg.get(key) is not self.tensors[self.aliases[n]]]
         now, params = _named_now(self.model)
@@ -459,14 +497,23 @@ class RuntimeIndex:
                 if now.get(n) is not self.tensors[first] or (n in params) != (n in was)]
 
     def _were_parameters(self) -> set[str]:
-        """The names (first names and aliases) that were parameters when the index was
-        built, not buffers."""
+        """The names (first names and aliases) listed as parameters when the index was
+        built, not as buffers."""
         if self._parameter_names is None:
             params = set(map(id, self._registries[0::3]))  # (the dicts as they were)
             self._parameter_names = {
                 n for n, reg, _ in (self._slots or []) + self._alias_slots if id(reg) in params
             }
         return self._parameter_names
+
+    def _was_registered_as_parameter(self, name: str, t: torch.Tensor) -> bool:
+        """Whether a module's ``_parameters`` (not its ``_buffers``) held ``name`` (a first
+        name or an alias) when the index was built (the tree's walk lists just those as
+        parameters); for a name only a module's own listing gave, whether ``t`` is a
+        Parameter."""
+        if self._registered is None:
+            return name in self._were_parameters()
+        return self._registered.get(name, isinstance(t, torch.nn.Parameter))
 
     def added(self, replaced: Sequence[str] | None = None) -> list[str]:
         """Names registered since the index was built that it does not know (a new
@@ -490,7 +537,7 @@ class RuntimeIndex:
         """:meth:`added` with the tensor each name holds."""
         if replaced is None:
             replaced = self.replaced() + self.replaced_aliases()
-        if not replaced and self._same_tree() and tuple(map(len, self._registries)) == self._sizes:
+        if not replaced and self._same_tree() and self._same_sizes():
             dicts, keys = self._columns[2]
             # (a key gone reads as its registry: not None)
             if list(map(dict.get, dicts, keys, dicts)).count(None) == len(keys):
@@ -505,12 +552,19 @@ class RuntimeIndex:
         names the model did not have removed, every registry in its order. (The storage of
         a tensor rebound with ``param.data = w`` is the caller's: see :meth:`rebound`.) A
         registry dict the loader put in a module's place of one (``m._parameters = {...}``)
-        gives way to the module's own again. A submodule the model did not have stays where
-        it holds no tensor."""
+        gives way to the module's own again, and a plain attribute under a registered name
+        (which shadows it) is removed. A submodule the model did not have stays where it
+        holds no tensor."""
         for i, m in enumerate(self._holders):
             for attr, d in zip(_REGISTRY_NAMES, self._registries[3 * i: 3 * i + 3]):
                 if m.__dict__.get(attr) is not d:
                     m.__dict__[attr] = d  # (past nn.Module.__setattr__: the dict itself)
+            # A plain attribute under a registered name (``m.__dict__["weight"] = w``)
+            # shadows the registry for every read of ``m.weight``: gone.
+            for keys in self._keys[3 * i: 3 * i + 3]:
+                for k in keys:
+                    if k in m.__dict__:
+                        del m.__dict__[k]
         for d, k, c in self._links:  # (parents before children: the tree's order)
             if d.get(k) is not c:
                 d[k] = c
@@ -571,7 +625,6 @@ class RuntimeIndex:
         :meth:`replaced` and :meth:`replaced_aliases` find; :meth:`undo` also puts each
         buffer's persistence back). A name whose module is no longer in the tree is
         skipped."""
-        was = self._were_parameters() if names else set()
         for name in names:
             t = self.tensors[self.aliases.get(name, name)]
             parent, _, leaf = name.rpartition(".")
@@ -581,7 +634,8 @@ class RuntimeIndex:
                 continue
             module.__dict__.pop(leaf, None)
             mine, other = (
-                (module._parameters, module._buffers) if name in was
+                (module._parameters, module._buffers)
+                if self._was_registered_as_parameter(name, t)
                 else (module._buffers, module._parameters)
             )
             other.pop(leaf, None)
@@ -1424,7 +1478,9 @@ class WriteSession:
             added = self.index.added(replaced + untied)
         if replaced or untied or added:
             now = dict(named_tensors(self.index.model))
-            found.update({n: now[n] for n in replaced if n in now})
+            # (a tensor moved to the other registry under its name: nothing written)
+            found.update({n: now[n] for n in replaced
+                          if n in now and now[n] is not self.index.tensors[n]})
             for n in untied:
                 if n in now:
                     found[n] = now[n]
@@ -1505,6 +1561,28 @@ class WriteSession:
                 self.rebound[name] = live.data
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
+        call = (f"load_weights (call {self._chunk}, "
+                f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))})")
+        if not self.index._same_registries():
+            # A registry dict of a module's own (``m._parameters = {...}``), or none: what
+            # it holds is the loader's, which may be the staged NaN. The module's own
+            # dicts go back first, then the rest of the tree as it was.
+            swapped = self.index.swapped_registries()
+            rebound = self.index.rebound(bindings)
+            self.index.undo()
+            for n in rebound:
+                self.index.tensors[n].data = bindings[n]
+            left = self.index.not_undone()
+            undone = ("The module's own registries were put back" if not left else
+                      f"The module's own registries were put back, but {left[0]!r} could not "
+                      "be registered again (the model does not keep it in nn.Module's "
+                      "registries), so the model may hold the staged NaN")
+            raise ContractViolation(
+                f"{call} replaced registry {swapped[0]!r} of the module tree with a dict of "
+                "its own, or deleted it (e.g. `module._parameters = {...}`); a sparse load "
+                f"needs same-shaped floating-point copy_ into the existing storage. {undone}",
+                position=positions[0], name=staged[0][0], reason="rebinding", value=swapped[0],
+            )
         # Each may hold the staged NaN: all are undone before the first is raised.
         # (a tied tensor's other name counts too: a new tensor there unties it)
         with self.index.one_look():
@@ -1528,8 +1606,6 @@ class WriteSession:
         left = self.index.not_undone() if replaced else []
         for n in rebound:
             self.index.tensors[n].data = bindings[n]  # the original storage put back
-        call = (f"load_weights (call {self._chunk}, "
-                f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))})")
         if replaced:
             first = self.index.aliases.get(replaced[0])
             tied = f" (a tied name of {first!r})" if first is not None else ""

@@ -237,17 +237,57 @@ def test_a_tensor_moved_to_the_other_registry_is_replaced_on_either_path(move, f
     assert _tree(model) == before and index.replaced() == []
 
 
+class _ListsABufferAsParameter(torch.nn.Module):
+    """Its own listing yields its buffer ``scale`` among its parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2))
+        self.register_buffer("scale", torch.ones(1))
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        yield from super().named_parameters(prefix, recurse, remove_duplicate)
+        yield prefix + "scale", self.scale
+
+
+def test_undo_registers_a_name_in_the_registry_that_held_it_not_the_listing():
+    # put_back went by the listing of a module's own (a buffer listed as a parameter was
+    # put back into _parameters)
+    model = _ListsABufferAsParameter()
+    before = _tree(model)
+    index = RuntimeIndex(model)
+    model._buffers["scale"] = torch.zeros(1)  # (a new tensor under the name)
+    assert index.replaced() == ["scale"]
+    index.undo()
+    assert _tree(model) == before and list(model._parameters) == ["weight"]
+
+
+def test_a_tensor_moved_to_the_other_registry_is_no_write_in_a_report():
+    # (a rebind row of every element, none changed, where nothing was written)
+    import patchkit
+
+    model = _Changes("a parameter moved into the buffers")
+    r = patchkit.inspect_load(model, [patchkit.CheckpointWeightPatch(
+        "steps", (1,), torch.float32, torch.ones(1))])
+    assert r.writes["op"].tolist() == ["aten::copy_"] and list(r.deltas.index) == ["steps"]
+
+
 def _tree(model: torch.nn.Module) -> list:
     """What undo() must put back: every module object, and in each, its registries (the
     dict objects themselves), their keys in order with the object each holds, and its
     buffers left out of the state dict (the set object and its names)."""
+    def reg(m, attr):  # (a loader may have deleted it: none)
+        return vars(m).get(attr, {})
+
     return [
-        (prefix, id(m), [id(m._parameters), id(m._buffers), id(m._modules),
-                         id(m._non_persistent_buffers_set)],
-         [(k, id(v) if v is not None else None) for k, v in m._parameters.items()],
-         [(k, id(v) if v is not None else None) for k, v in m._buffers.items()],
-         [(k, id(v) if v is not None else None) for k, v in m._modules.items()],
-         sorted(m._non_persistent_buffers_set))
+        (prefix, id(m), [id(vars(m).get(a)) for a in (
+            "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")],
+         [(k, id(v) if v is not None else None) for k, v in reg(m, "_parameters").items()],
+         [(k, id(v) if v is not None else None) for k, v in reg(m, "_buffers").items()],
+         [(k, id(v) if v is not None else None) for k, v in reg(m, "_modules").items()],
+         sorted(vars(m).get("_non_persistent_buffers_set", ())),
+         # (a plain attribute under a registered name shadows it)
+         sorted(k for k in vars(m) if k in reg(m, "_parameters") or k in reg(m, "_buffers")))
         for prefix, m in model.named_modules(remove_duplicate=False)
     ]
 
@@ -304,6 +344,15 @@ _CHANGES = {  # what a loader may do to the tree, and whether it adds a name
         (lambda m: setattr(m, "_modules", {**m._modules, "act": _holder(extra=_param())}), True),
     "a registry replaced by an equal one":
         (lambda m: setattr(m.head, "_parameters", dict(m.head._parameters)), False),
+    "a registry deleted, a tensor under its name a plain attribute": (lambda m: (
+        vars(m.emb).pop("_parameters"), vars(m.emb).update(weight=_param())), False),
+    "a module's attributes replaced, with a registry of its own": (lambda m: setattr(
+        m.emb, "__dict__", {**vars(m.emb), "_buffers": {"extra": _param()}}), True),
+    "a parameter registry swapped for one without it, a buffer under its name":
+        (lambda m: (setattr(m.emb, "_parameters", {"bias": None}),
+                    m.emb.register_buffer("weight", torch.full((2, 2), float("nan")))), False),
+    "a buffer under a parameter's name": (lambda m: m.emb._buffers.update(weight=_param()),
+                                          False),
     "a parameter moved into the buffers":
         (lambda m: m.emb._buffers.update(weight=m.emb._parameters.pop("weight")), False),
     "the set of buffers out of the state dict replaced":
@@ -363,12 +412,12 @@ def test_a_sparse_call_or_a_rollback_puts_the_tree_back(change):
     sparse = patchkit.CheckpointWeightPatch("steps", (1,), torch.float32, torch.ones(1),
                                             torch.tensor([0]))
     if change in ("an empty slot deleted", "a name deleted and registered again, last",
-                  "a registry replaced by an equal one",
                   "the set of buffers out of the state dict replaced"):
         # (no tensor changed hands: nothing for a sparse call to refuse, nor to undo)
         patchkit.load_checkpoint_weight_patches(model, [sparse])
     else:
-        said = "moved" if "moved" in change else r"registered|removed"
+        said = ("moved" if "moved" in change else "replaced registry" if "registry" in change
+                else r"registered|removed")
         with pytest.raises(ContractViolation, match=said):
             patchkit.load_checkpoint_weight_patches(model, [sparse])
         assert _tree(model) == before
