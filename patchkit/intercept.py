@@ -278,7 +278,9 @@ def named_tensors(
 
 def _named_now(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
     """:func:`named_tensors` as a dict, and which of its names are parameters (a tensor
-    moved to the other registry under its own name keeps its place in the dict)."""
+    moved to the other registry under its own name keeps its place in the dict). A name
+    listed twice for two tensors (a buffer beside the parameter of that name, a dotted key
+    ``root._parameters["lin.weight"]``) maps to ``None``: it names no one tensor."""
     mods = _module_tree(model)
     if mods is None:
         params = list(model.named_parameters(remove_duplicate=False))
@@ -286,7 +288,12 @@ def _named_now(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str
     else:
         params = _tensors_of(mods, False)
         named = params + _tensors_of(mods, None)
-    return dict(named), {n for n, _ in params}
+    now = dict(named)
+    if len(now) < len(named):
+        for n, t in named:
+            if now[n] is not t:
+                now[n] = None
+    return now, {n for n, _ in params}
 
 
 class RuntimeIndex:
@@ -324,12 +331,20 @@ class RuntimeIndex:
         # which every check below, reading the dicts the index holds, would miss.
         self._holders = tuple(m for _, m in listed)
         self._holder_names = tuple(p for p, _ in listed)
-        self._registry_places = (  # (each module thrice, each registry's name)
-            tuple(m for m in self._holders for _ in _REGISTRY_NAMES),
+        self._registry_places = (  # (each module's attributes thrice, each registry's name)
+            tuple(m.__dict__ for m in self._holders for _ in _REGISTRY_NAMES),
             _REGISTRY_NAMES * len(self._holders),
         )
         self._sizes = tuple(map(len, self._registries))
-        self._keys = list(map(tuple, self._registries))
+        # For undo(): each module's attributes (the dict object) and each registry's items
+        # in order, as the index found them.
+        self._attributes = tuple(m.__dict__ for m in self._holders)
+        self._items = [tuple(d.items()) for d in self._registries]
+        # A plain attribute under a registered name shadows the registry for every read
+        # of ``m.name`` (``m.__dict__["weight"] = w``): where to look for one.
+        shadows = [(a, k) for a, d in zip((a for a in self._attributes for _ in _REGISTRY_NAMES),
+                                         self._registries) for k in d]
+        self._shadow_places = tuple(zip(*shadows)) or ((), ())
         self._prefixes = {p for p, _ in listed}
         self._persistence = [(m, m._non_persistent_buffers_set, set(m._non_persistent_buffers_set))
                              for _, m in listed]
@@ -370,6 +385,15 @@ class RuntimeIndex:
             # Each tensor's place in its storage is worked out when a write first reaches
             # that storage (most loads write a few of a model's tensors).
             self._by_key.setdefault(_storage_key(t), []).append((name, t))
+        # For _same_sizes(): each slot's key and its module's other registry (the buffers
+        # of a parameter), where a tensor under the same name would stand beside it.
+        other = {}
+        for i in range(0, len(self._registries), 3):
+            params, buffers = self._registries[i], self._registries[i + 1]
+            other[id(params)], other[id(buffers)] = buffers, params
+        beside = [(other[id(reg)], key) for _, reg, key in (self._slots or []) + self._alias_slots
+                  if id(reg) in other]
+        self._beside_places = tuple(zip(*beside)) or ((), ())
 
     def sharing(self, key: tuple) -> list[_Owner]:
         """The runtime tensors of the storage ``key`` (see :func:`_storage_key`), in the
@@ -415,12 +439,38 @@ class RuntimeIndex:
     def _same_registries(self) -> bool:
         """Every module the index listed holds the registry dicts it held (no
         ``m._parameters = {...}``)."""
-        mods, names = self._registry_places
-        try:  # (the module's attributes as it holds them now: a loader may replace them too)
-            return all(map(operator.is_, map(operator.getitem, map(_ATTRIBUTES, mods), names),
+        if self._registries_seen is not None:
+            return self._registries_seen
+        # (the module's attributes as the index found them, the dict object: a loader may
+        # replace it too)
+        if not all(map(operator.is_, map(_ATTRIBUTES, self._holders), self._attributes)):
+            return False
+        try:
+            return all(map(operator.is_, map(operator.getitem, *self._registry_places),
                            self._registries))
         except KeyError:  # (a registry deleted outright)
             return False
+
+    _registries_seen: bool | None = None
+
+    def structure_changed(self) -> str | None:
+        """What a loader changed in the module tree past its registries' contents, or
+        ``None``: a module's attributes or a registry dict replaced or deleted (one of
+        :meth:`swapped_registries`), or a plain attribute that shadows a registered name
+        (``m.__dict__["weight"] = w``, which every read of ``m.weight`` then gets)."""
+        if not self._same_registries():
+            swapped = self.swapped_registries()
+            return (f"replaced registry {swapped[0]!r} of the module tree with a dict of its "
+                    "own, or deleted it (e.g. `module._parameters = {...}`)" if swapped else
+                    "replaced a module's attributes (`module.__dict__`)")
+        attrs, keys = self._shadow_places
+        if any(map(operator.contains, attrs, keys)):
+            a, k = next((a, k) for a, k in zip(attrs, keys) if k in a)
+            prefix = self._holder_names[self._attributes.index(a)]
+            name = f"{prefix}.{k}" if prefix else k
+            return (f"set a plain attribute {name!r} that shadows the registered one (e.g. "
+                    "`module.__dict__['weight'] = w`)")
+        return None
 
     def swapped_registries(self) -> list[str]:
         """The registries a module no longer holds, as ``"prefix._parameters"``: a loader
@@ -429,29 +479,36 @@ class RuntimeIndex:
         return [f"{prefix}.{attr}" if prefix else attr
                 for prefix, m, d, attr in zip(
                     (p for p in self._holder_names for _ in _REGISTRY_NAMES),
-                    self._registry_places[0], self._registries, self._registry_places[1])
+                    (m for m in self._holders for _ in _REGISTRY_NAMES),
+                    self._registries, self._registry_places[1])
                 if m.__dict__.get(attr) is not d]
 
     @contextlib.contextmanager
-    def one_look(self) -> Iterator[None]:
+    def one_look(self, registries: bool | None = None) -> Iterator[None]:
         """Checks made in the block (:meth:`replaced`, :meth:`replaced_aliases`,
         :meth:`added`) look at the module tree's structure once: for a caller that makes
-        several in a row and changes nothing in between."""
+        several in a row and changes nothing in between (``registries``: whether every
+        module holds its registry dicts, where the caller has just looked)."""
+        self._registries_seen = self._same_registries() if registries is None else registries
         self._tree_seen = self._same_tree()
         self._sizes_seen = self._same_sizes()
         try:
             yield
         finally:
-            self._tree_seen = self._sizes_seen = None
+            self._tree_seen = self._sizes_seen = self._registries_seen = None
 
     _tree_seen: bool | None = None
     _sizes_seen: bool | None = None
 
     def _same_sizes(self) -> bool:
-        """Every registry of the tree holds as many names as it held."""
+        """Every registry of the tree holds as many names as it held, and no name it
+        registers stands in its module's other registry too (a buffer beside the
+        parameter of that name)."""
         if self._sizes_seen is not None:
             return self._sizes_seen
-        return tuple(map(len, self._registries)) == self._sizes
+        return tuple(map(len, self._registries)) == self._sizes and not any(
+            map(operator.contains, *self._beside_places)
+        )
 
     def _same_tree(self) -> bool:
         """Every submodule is the object it was, in its slot, and every registry holds
@@ -552,35 +609,30 @@ class RuntimeIndex:
         names the model did not have removed, every registry in its order. (The storage of
         a tensor rebound with ``param.data = w`` is the caller's: see :meth:`rebound`.) A
         registry dict the loader put in a module's place of one (``m._parameters = {...}``)
-        gives way to the module's own again, and a plain attribute under a registered name
-        (which shadows it) is removed. A submodule the model did not have stays where it
-        holds no tensor."""
-        for i, m in enumerate(self._holders):
-            for attr, d in zip(_REGISTRY_NAMES, self._registries[3 * i: 3 * i + 3]):
-                if m.__dict__.get(attr) is not d:
-                    m.__dict__[attr] = d  # (past nn.Module.__setattr__: the dict itself)
-            # A plain attribute under a registered name (``m.__dict__["weight"] = w``)
-            # shadows the registry for every read of ``m.weight``: gone.
-            for keys in self._keys[3 * i: 3 * i + 3]:
-                for k in keys:
-                    if k in m.__dict__:
-                        del m.__dict__[k]
-        for d, k, c in self._links:  # (parents before children: the tree's order)
-            if d.get(k) is not c:
-                d[k] = c
-        self.put_back(self.replaced() + self.replaced_aliases())
-        self.remove_added(self.added())
-        for d, k in self._empty_slots:
-            if k not in d:
-                d[k] = None
-        for d, keys in zip(self._registries, self._keys):
-            if len(d) > len(keys):  # (an empty slot the model did not have: no tensor)
-                for k in [k for k in d if d[k] is None and k not in keys]:
-                    del d[k]
-            if tuple(d) != keys and len(d) == len(keys) and set(d) == set(keys):
-                ordered = [(k, d[k]) for k in keys]
+        gives way to the module's own again (and a module's attributes, where the loader
+        replaced its ``__dict__``), and a plain attribute under a registered name (which
+        shadows it) is removed. Every registry of the tree then holds what it held, in its
+        order: a submodule the model did not have is gone too."""
+        for m, attrs in zip(self._holders, self._attributes):
+            if m.__dict__ is not attrs:  # (the module's attributes replaced: its own back)
+                object.__setattr__(m, "__dict__", attrs)
+        for attrs, attr, d in zip(*self._registry_places, self._registries):
+            if attrs.get(attr) is not d:
+                attrs[attr] = d  # (past nn.Module.__setattr__: the dict itself)
+        for d, items in zip(self._registries, self._items):
+            # Each registry as it was, in its order: names registered anew back to their
+            # tensors, submodules to their slots, names and empty slots the model did not
+            # have gone, empty slots it had back, a tensor moved between registries back.
+            if len(d) != len(items) or not all(
+                k2 == k and v2 is v for (k2, v2), (k, v) in zip(d.items(), items)
+            ):
                 d.clear()
-                d.update(ordered)
+                d.update(items)
+        for attrs, k in zip(*self._shadow_places):
+            if k in attrs:
+                # A plain attribute under a registered name (``m.__dict__["weight"] = w``)
+                # shadows the registry for every read of ``m.weight``: gone.
+                del attrs[k]
         for m, now, then in self._persistence:  # (a buffer registered again, as it was)
             if m.__dict__.get("_non_persistent_buffers_set") is not now:
                 m.__dict__["_non_persistent_buffers_set"] = now
@@ -1482,7 +1534,7 @@ class WriteSession:
             found.update({n: now[n] for n in replaced
                           if n in now and now[n] is not self.index.tensors[n]})
             for n in untied:
-                if n in now:
+                if n in now and now[n] is not self.index.tensors[self.index.aliases[n]]:
                     found[n] = now[n]
                     self._bindings.setdefault(n, self._bindings[self.index.aliases[n]])
             ties = self.index.ties_among((n, now[n]) for n in added) if added else {}
@@ -1563,29 +1615,29 @@ class WriteSession:
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         call = (f"load_weights (call {self._chunk}, "
                 f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))})")
-        if not self.index._same_registries():
-            # A registry dict of a module's own (``m._parameters = {...}``), or none: what
-            # it holds is the loader's, which may be the staged NaN. The module's own
-            # dicts go back first, then the rest of the tree as it was.
-            swapped = self.index.swapped_registries()
+        changed = self.index.structure_changed()
+        if changed is not None:
+            # A registry dict of a module's own (``m._parameters = {...}``), or none, or an
+            # attribute that shadows a registered name: what it holds is the loader's,
+            # which may be the staged NaN. The module's own dicts go back first, then the
+            # rest of the tree as it was.
             rebound = self.index.rebound(bindings)
             self.index.undo()
             for n in rebound:
                 self.index.tensors[n].data = bindings[n]
             left = self.index.not_undone()
-            undone = ("The module's own registries were put back" if not left else
-                      f"The module's own registries were put back, but {left[0]!r} could not "
-                      "be registered again (the model does not keep it in nn.Module's "
-                      "registries), so the model may hold the staged NaN")
+            undone = ("The module tree was put back as it was" if not left else
+                      f"The module tree was put back, but {left[0]!r} could not be registered "
+                      "again (the model does not keep it in nn.Module's registries), so the "
+                      "model may hold the staged NaN")
             raise ContractViolation(
-                f"{call} replaced registry {swapped[0]!r} of the module tree with a dict of "
-                "its own, or deleted it (e.g. `module._parameters = {...}`); a sparse load "
-                f"needs same-shaped floating-point copy_ into the existing storage. {undone}",
-                position=positions[0], name=staged[0][0], reason="rebinding", value=swapped[0],
+                f"{call} {changed}; a sparse load needs same-shaped floating-point copy_ into "
+                f"the existing storage. {undone}",
+                position=positions[0], name=staged[0][0], reason="rebinding", value=changed,
             )
         # Each may hold the staged NaN: all are undone before the first is raised.
         # (a tied tensor's other name counts too: a new tensor there unties it)
-        with self.index.one_look():
+        with self.index.one_look(registries=True):
             replaced = self.index.replaced() + self.index.replaced_aliases()
             named = self.index.added_tensors(replaced)
         added = [n for n, _ in named]
@@ -1597,7 +1649,7 @@ class WriteSession:
         rebound = self.index.rebound(bindings)
         gone, moved = set(), set()
         if replaced or added:
-            now = dict(named_tensors(self.index.model))
+            now, _ = _named_now(self.index.model)
             gone = set(replaced) - now.keys()
             # (the same tensor under its name, in the other registry)
             moved = {n for n in replaced

@@ -262,11 +262,13 @@ def test_undo_registers_a_name_in_the_registry_that_held_it_not_the_listing():
     assert _tree(model) == before and list(model._parameters) == ["weight"]
 
 
-def test_a_tensor_moved_to_the_other_registry_is_no_write_in_a_report():
+@pytest.mark.parametrize("change", ["a parameter moved into the buffers",
+                                    "an alias moved into the buffers"])
+def test_a_tensor_moved_to_the_other_registry_is_no_write_in_a_report(change):
     # (a rebind row of every element, none changed, where nothing was written)
     import patchkit
 
-    model = _Changes("a parameter moved into the buffers")
+    model = _Changes(change)
     r = patchkit.inspect_load(model, [patchkit.CheckpointWeightPatch(
         "steps", (1,), torch.float32, torch.ones(1))])
     assert r.writes["op"].tolist() == ["aten::copy_"] and list(r.deltas.index) == ["steps"]
@@ -280,14 +282,15 @@ def _tree(model: torch.nn.Module) -> list:
         return vars(m).get(attr, {})
 
     return [
-        (prefix, id(m), [id(vars(m).get(a)) for a in (
+        (prefix, id(m), id(vars(m)), [id(vars(m).get(a)) for a in (
             "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")],
          [(k, id(v) if v is not None else None) for k, v in reg(m, "_parameters").items()],
          [(k, id(v) if v is not None else None) for k, v in reg(m, "_buffers").items()],
          [(k, id(v) if v is not None else None) for k, v in reg(m, "_modules").items()],
          sorted(vars(m).get("_non_persistent_buffers_set", ())),
          # (a plain attribute under a registered name shadows it)
-         sorted(k for k in vars(m) if k in reg(m, "_parameters") or k in reg(m, "_buffers")))
+         sorted(k for k in vars(m) if k in reg(m, "_parameters") or k in reg(m, "_buffers")
+                or k in reg(m, "_modules")))
         for prefix, m in model.named_modules(remove_duplicate=False)
     ]
 
@@ -295,6 +298,7 @@ def _tree(model: torch.nn.Module) -> list:
 def _undo_model() -> torch.nn.Module:
     model = torch.nn.Module()
     model.emb = torch.nn.Linear(2, 2, bias=False)
+    model.emb.register_buffer("mask", None)  # (an empty buffer slot)
     model.head = torch.nn.Linear(2, 2, bias=False)
     model.head.weight = model.emb.weight  # tied
     model.act = torch.nn.Identity()  # a submodule without tensors
@@ -355,6 +359,21 @@ _CHANGES = {  # what a loader may do to the tree, and whether it adds a name
                                           False),
     "a parameter moved into the buffers":
         (lambda m: m.emb._buffers.update(weight=m.emb._parameters.pop("weight")), False),
+    "an alias moved into the buffers":
+        (lambda m: m.head._buffers.update(weight=m.head._parameters.pop("weight")), False),
+    # what a second review found: a shadowing attribute, a module's attributes without
+    # its state, a tensor beside a name in a registry of the same size, a dotted key
+    "a plain attribute shadowing a registered name":
+        (lambda m: vars(m.emb).update(weight=_param()), False),
+    "a plain attribute shadowing a submodule":
+        (lambda m: vars(m).update(emb=_holder(weight=_param())), False),
+    "a module's attributes replaced by its registries alone": (lambda m: setattr(
+        m.emb, "__dict__", {k: vars(m.emb)[k] for k in ("_parameters", "_buffers",
+                                                        "_modules")}), False),
+    "a buffer beside a parameter, an empty slot of the same registry deleted":
+        (lambda m: (m.emb._buffers.pop("mask"), m.emb._buffers.update(weight=_param())), False),
+    "a dotted key that spells a known name":
+        (lambda m: m._parameters.update({"emb.weight": _param()}), False),
     "the set of buffers out of the state dict replaced":
         (lambda m: setattr(m, "_non_persistent_buffers_set", set()), False),
 }
@@ -416,7 +435,9 @@ def test_a_sparse_call_or_a_rollback_puts_the_tree_back(change):
         # (no tensor changed hands: nothing for a sparse call to refuse, nor to undo)
         patchkit.load_checkpoint_weight_patches(model, [sparse])
     else:
-        said = ("moved" if "moved" in change else "replaced registry" if "registry" in change
+        said = ("moved" if "moved" in change else "shadows" if "shadowing" in change else
+                "replaced a module's attributes" if "registries alone" in change else
+                "replaced registry" if "registry" in change and "same registry" not in change
                 else r"registered|removed")
         with pytest.raises(ContractViolation, match=said):
             patchkit.load_checkpoint_weight_patches(model, [sparse])
