@@ -372,6 +372,8 @@ class RuntimeIndex:
         )
         for name, t, registry, key in walked:
             if id(t) in first:
+                if first[id(t)] == name:  # (listed twice, by a listing of a module's own)
+                    continue
                 self.aliases[name] = first[id(t)]
                 if self._slots is not None:
                     self._alias_slots.append((name, registry, key))

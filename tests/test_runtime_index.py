@@ -256,6 +256,7 @@ def test_undo_registers_a_name_in_the_registry_that_held_it_not_the_listing():
     model = _ListsABufferAsParameter()
     before = _tree(model)
     index = RuntimeIndex(model)
+    assert index.aliases == {}  # (listed twice, one name: no alias of itself)
     model._buffers["scale"] = torch.zeros(1)  # (a new tensor under the name)
     assert index.replaced() == ["scale"]
     index.undo()
