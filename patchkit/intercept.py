@@ -331,19 +331,20 @@ class RuntimeIndex:
         # which every check below, reading the dicts the index holds, would miss.
         self._holders = tuple(m for _, m in listed)
         self._holder_names = tuple(p for p, _ in listed)
-        self._registry_places = (  # (each module's attributes thrice, each registry's name)
-            tuple(m.__dict__ for m in self._holders for _ in _REGISTRY_NAMES),
+        # Each module's attributes (the dict object, which undo() puts back where a loader
+        # replaced it), and the places of its registries in them, one per registry.
+        self._attributes = tuple(m.__dict__ for m in self._holders)
+        self._registry_places = (
+            tuple(a for a in self._attributes for _ in _REGISTRY_NAMES),
             _REGISTRY_NAMES * len(self._holders),
         )
         self._sizes = tuple(map(len, self._registries))
-        # For undo(): each module's attributes (the dict object) and each registry's items
-        # in order, as the index found them.
-        self._attributes = tuple(m.__dict__ for m in self._holders)
+        # For undo(): each registry's items in order, as the index found them.
         self._items = [tuple(d.items()) for d in self._registries]
         # A plain attribute under a registered name shadows the registry for every read
         # of ``m.name`` (``m.__dict__["weight"] = w``): where to look for one.
-        shadows = [(a, k) for a, d in zip((a for a in self._attributes for _ in _REGISTRY_NAMES),
-                                         self._registries) for k in d]
+        shadows = [(a, k) for a, d in zip(self._registry_places[0], self._registries)
+                   for k in d]
         self._shadow_places = tuple(zip(*shadows)) or ((), ())
         self._prefixes = {p for p, _ in listed}
         self._persistence = [(m, m._non_persistent_buffers_set, set(m._non_persistent_buffers_set))
