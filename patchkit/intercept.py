@@ -346,25 +346,17 @@ class RuntimeIndex:
         shadows = [(a, k) for a, d in zip(self._registry_places[0], self._registries)
                    for k in d]
         self._shadow_places = tuple(zip(*shadows)) or ((), ())
-        self._prefixes = {p for p, _ in listed}
         self._persistence = [(m, m._non_persistent_buffers_set, set(m._non_persistent_buffers_set))
                              for _, m in listed]
         if mods is None:
             params = list(model.named_parameters(remove_duplicate=False))
             self._parameter_names = {n for n, _ in params}
-            # (what the modules' own registries hold, which a listing of the module's own
-            # may not say: what put_back registers a name as)
-            self._registered: dict[str, bool] | None = {
-                n: k < len(p) for p in [_tensors_of(listed, False)]
-                for k, (n, _) in enumerate(p + _tensors_of(listed, None))
-            }
             walked = [(n, t, None, None)
                       for n, t in params + list(model.named_buffers(remove_duplicate=False))]
             held = None
         else:
             walked = _tensors_of(mods, True, registries=True)
             self._parameter_names = None  # (read from the slots' registries when needed)
-            self._registered = None  # (the same)
             self._slots = []
             held = len(walked) + len(self._links)
         self._empty_slots: list[tuple[dict, str]] = (
@@ -566,15 +558,6 @@ class RuntimeIndex:
             }
         return self._parameter_names
 
-    def _was_registered_as_parameter(self, name: str, t: torch.Tensor) -> bool:
-        """Whether a module's ``_parameters`` (not its ``_buffers``) held ``name`` (a first
-        name or an alias) when the index was built (the tree's walk lists just those as
-        parameters); for a name only a module's own listing gave, whether ``t`` is a
-        Parameter."""
-        if self._registered is None:
-            return name in self._were_parameters()
-        return self._registered.get(name, isinstance(t, torch.nn.Parameter))
-
     def added(self, replaced: Sequence[str] | None = None) -> list[str]:
         """Names registered since the index was built that it does not know (a new
         ``module.extra = nn.Parameter(w)``, a buffer, a submodule with tensors), in
@@ -648,53 +631,6 @@ class RuntimeIndex:
         model that does not keep its tensors in ``nn.Module``'s registries, which undo()
         cannot reach)."""
         return self.replaced() + self.replaced_aliases()
-
-    def remove_added(self, names: Sequence[str]) -> None:
-        """Undo what :meth:`added` finds: each name leaves the module that registers it, or
-        the submodule that holds it leaves the tree where the index did not know that
-        submodule either."""
-        if not names:
-            return
-        empty = {(id(d), k) for d, k in self._empty_slots}
-        for name in names:
-            parts = name.split(".")
-            # the deepest module the index knew on the way to the name
-            k = len(parts) - 1
-            while k > 0 and ".".join(parts[:k]) not in self._prefixes:
-                k -= 1
-            try:
-                module = self.model.get_submodule(".".join(parts[:k]))
-            except AttributeError:  # (gone with a submodule removed before it)
-                continue
-            for registry in (module._parameters, module._buffers, module._modules):
-                if registry.get(parts[k]) is not None:
-                    if (id(registry), parts[k]) in empty:
-                        registry[parts[k]] = None  # an empty slot it filled (``bias=None``)
-                    else:
-                        del registry[parts[k]]
-                    break
-
-    def put_back(self, names: Sequence[str]) -> None:
-        """Register each of ``names`` (of :attr:`tensors` or :attr:`aliases`) to its
-        original tensor again, as the parameter or buffer it was (undoes what
-        :meth:`replaced` and :meth:`replaced_aliases` find; :meth:`undo` also puts each
-        buffer's persistence back). A name whose module is no longer in the tree is
-        skipped."""
-        for name in names:
-            t = self.tensors[self.aliases.get(name, name)]
-            parent, _, leaf = name.rpartition(".")
-            try:
-                module = self.model.get_submodule(parent)
-            except AttributeError:
-                continue
-            module.__dict__.pop(leaf, None)
-            mine, other = (
-                (module._parameters, module._buffers)
-                if self._was_registered_as_parameter(name, t)
-                else (module._buffers, module._parameters)
-            )
-            other.pop(leaf, None)
-            mine[leaf] = t
 
     def owner(
         self, t: torch.Tensor, key: tuple | None = None

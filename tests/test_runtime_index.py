@@ -197,8 +197,7 @@ def test_the_index_finds_names_registered_after_it_and_removes_them(how, fallbac
     add, names = _ADDITIONS[how]
     add(model)
     assert index.added() == names
-    index.remove_added(index.added())
-    index.put_back(index.replaced())
+    index.undo()
     assert _listing(model) == before
     assert [n for n, _ in model.named_modules()] == ["", "lin"]  # (a new submodule left)
     assert model.lin.bias is None and "bias" in model.lin._parameters  # (the slot stays)
@@ -251,7 +250,7 @@ class _ListsABufferAsParameter(torch.nn.Module):
 
 
 def test_undo_registers_a_name_in_the_registry_that_held_it_not_the_listing():
-    # put_back went by the listing of a module's own (a buffer listed as a parameter was
+    # the undo once went by the listing of a module's own (a buffer listed as a parameter was
     # put back into _parameters)
     model = _ListsABufferAsParameter()
     before = _tree(model)
