@@ -41,7 +41,13 @@ Prints five tables from one run:
    as a report enters its own, of the kind that report uses: a ``TorchFunctionMode`` for
    dense loads, a ``TorchDispatchMode`` (which sees every ATen op) for sparse ones. It is
    what seeing a loader's writes costs before a report does anything with them, the part
-   of a report's time patchkit cannot cut on small tensors;
+   of a report's time patchkit cannot cut on small tensors. A dense row also prints the
+   floor of a report that keeps before-values: the same function mode saving each
+   ``copy_``'s destination before the write (the whole view, as a report saves a view
+   under 16 KiB), and doing nothing else; "save floor" into fresh memory, "kept floor"
+   into the buffers of the last load (as with ``reuse=``). Where the kept floor is above
+   1.5x, no report that sees the writes in Python and keeps what it overwrites can meet
+   the target;
 4. how many times each load of tables 1 to 3 makes the host wait for the device on the
    torch-ops path (what a GPU runs), next to the plain load's: ``int()``/``float()``/
    ``bool()`` of a tensor, ``tolist()``, and ops whose output size needs a read
@@ -57,6 +63,7 @@ Usage: ``python benchmarks/bench_inspect.py [--quick] [--big] [--device cuda] [-
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -340,7 +347,8 @@ def _model_table(
         "of the rounds' ratios (middle half)\n"
         + fmt_table(
             ["model", "params", "patches", "tensors", "changed of written", "plain ms",
-             "floor ms", "floor ratio", "report ms", "ratio", "reuse ms", "reuse ratio",
+             "floor ms", "floor ratio", "save floor", "kept floor", "report ms", "ratio",
+             "reuse ms", "reuse ratio",
              "torch-ops report ms",
              "report extra MiB", "written MiB"],
             rows,
@@ -363,6 +371,31 @@ class _PassOnCalls(TorchFunctionMode):
     """A function mode that passes every call on unchanged (the floor of a dense row)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _SaveEachCopy(TorchFunctionMode):
+    """:class:`_PassOnCalls` that also saves each ``copy_``'s destination before it is
+    written, as a report of views under 16 KiB does (a dense row's "least report": seeing
+    the writes and keeping their before-values, with nothing looked up, compared, counted
+    or recorded): into fresh memory, or, given ``kept`` (a list kept between loads), into
+    the buffer the same write used last time."""
+
+    def __init__(self, kept: list[torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.kept = kept
+        self.saves: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            dest = args[0]
+            if self.kept is None:
+                self.saves.append(dest.clone())
+            else:
+                k = len(self.saves)
+                if k == len(self.kept) or self.kept[k].shape != dest.shape:
+                    self.kept[k:k + 1] = [torch.empty_like(dest)]
+                self.saves.append(self.kept[k].copy_(dest))
         return func(*args, **(kwargs or {}))
 
 
@@ -417,9 +450,27 @@ def _model_rows(label, config, lr, device, repeats, waits) -> list[list[str]]:
             finally:
                 del model.load_weights
 
-        times = interleaved_times([plain, report, report_reuse, torch_ops, floor], device, repeats)
-        s_plain, s_report, s_reuse, _, s_floor = times
-        t_plain, t_report, t_reuse, t_torch, t_floor = (statistics.median(t) for t in times)
+        def save_floor(kept=None, model=model, next_patches=next_patches,
+                       bare_loader=bare_loader):
+            def saving(weights):
+                with _SaveEachCopy(kept):
+                    return bare_loader(weights)
+
+            model.load_weights = saving
+            try:
+                patchkit.load_checkpoint_weight_patches(model, next_patches())
+            finally:
+                del model.load_weights
+
+        kept: list[torch.Tensor] = []
+        runs = [plain, report, report_reuse, torch_ops, floor]
+        if kind == "dense":
+            runs += [save_floor, functools.partial(save_floor, kept)]
+        times = interleaved_times(runs, device, repeats)
+        s_plain, s_report, s_reuse, _, s_floor = times[:5]
+        t_plain, t_report, t_reuse, t_torch, t_floor = (statistics.median(t) for t in times[:5])
+        least = ([fmt_ratio(times[5], s_plain), fmt_ratio(times[6], s_plain)]
+                 if kind == "dense" else ["-", "-"])
         m_plain = peak_extra_bytes(plain, device)
         m_report = peak_extra_bytes(report, device)
         r = report()
@@ -431,7 +482,7 @@ def _model_rows(label, config, lr, device, repeats, waits) -> list[list[str]]:
         params = sum(p.numel() for p in model.parameters())
         rows.append([
             label, f"{params / 1e6:.1f} M", kind, str(len(pair[0])), f"{changed:.2%}",
-            f"{t_plain * 1e3:.1f}", f"{t_floor * 1e3:.1f}", fmt_ratio(s_floor, s_plain),
+            f"{t_plain * 1e3:.1f}", f"{t_floor * 1e3:.1f}", fmt_ratio(s_floor, s_plain), *least,
             f"{t_report * 1e3:.1f}", fmt_ratio(s_report, s_plain, spread=True),
             f"{t_reuse * 1e3:.1f}", fmt_ratio(s_reuse, s_plain), f"{t_torch * 1e3:.1f}",
             f"{(m_report - m_plain) / 2**20:.1f}",

@@ -40,3 +40,22 @@ def test_a_paired_ratio_is_taken_round_by_round():
     assert fmt_ratio([1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 5) == "3.00x"
     assert fmt_ratio([1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 5, spread=True) == "3.00x (1.50-4.50)"
     assert paired_ratio([2.0], [1.0]) == (2.0, 2.0, 2.0)  # one round (--quick)
+
+
+@pytest.mark.parametrize("kept", [None, []], ids=["fresh", "kept"])
+def test_the_least_report_floor_saves_each_destination_before_it_is_written(kept):
+    # (the whole-model table's "save floor" and "kept floor": a floor that saved nothing,
+    # or saved after the write, would be no floor of a report)
+    from bench_inspect import _SaveEachCopy
+
+    w = torch.arange(6.0).reshape(2, 3)
+    for step in range(2):  # (the second load reuses the kept buffers)
+        new = torch.full((2, 3), 10.0 + step)
+        was = w.clone()
+        with _SaveEachCopy(kept) as mode:
+            w[0].copy_(new[0])
+            w.narrow(0, 1, 1).copy_(new[1:])
+        assert [s.tolist() for s in mode.saves] == [was[0].tolist(), was[1:].tolist()]
+        assert torch.equal(w, new)
+        if kept is not None:
+            assert [s.data_ptr() for s in mode.saves] == [b.data_ptr() for b in kept]

@@ -143,8 +143,9 @@ def test_tour_result_ok_is_documented():
          ["plain ms", "report ms", "ratio", "reuse ms", "torch-ops report ms", "written MiB",
           "changed MiB"],
          6,
-         # the whole-model table: the floor of the report's mode next to the report
-         ["model", "floor ms", "floor ratio", "report ms"]),
+         # the whole-model table: the floors of the report's mode, and of a report that only
+         # saves, next to the report
+         ["model", "floor ms", "floor ratio", "save floor", "kept floor", "report ms"]),
     ],
 )
 def test_benchmark_runs_in_quick_mode_and_prints_its_table(script, columns, rows, later):
