@@ -1,5 +1,5 @@
 # Every target sets up .venv first (scripts/bootstrap), so on a fresh machine one
-# command does all the set-up: `make demo` runs the main job, `make test` the tests.
+# command does all the set-up: `make tour` runs the main job, `make test` the tests.
 PY := .venv/bin/python
 STAMP := .venv/.bootstrapped
 
