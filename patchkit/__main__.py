@@ -66,7 +66,50 @@ def _cmd_tour(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .io import print_patch_file_summary
 
-    return print_patch_file_summary(args.file, max_chunk_bytes=args.max_chunk_bytes)
+    code = print_patch_file_summary(args.file, max_chunk_bytes=args.max_chunk_bytes)
+    if code or args.out is None:
+        return code
+    from .errors import PatchError
+
+    try:
+        return _write_inspect_figures(args.file, args.out, args.max_chunk_bytes)
+    except (PatchError, OSError) as e:
+        return _error(e)
+
+
+def _file_stem(name: str, limit: int = 80) -> str:
+    """A patch name as part of a file name: runs of anything but letters, digits, ``.``,
+    ``_`` and ``-`` as one ``_`` (no ``/``: a name cannot reach outside the folder), cut
+    to ``limit`` characters."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)[:limit] or "_"
+
+
+def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int) -> int:
+    """``inspect --out``: the chunk plan's figure (``chunks.png``; a file of dense and
+    sparse patches is two loads: ``chunks_dense.png`` and ``chunks_sparse.png``, each
+    numbering its own patches from 0) and where each sparse patch writes
+    (``density_<position>_<name>.png``), with a line per figure as it is written."""
+    from .io import _shown, load_patches
+    from .plot import plot_chunks, plot_density
+    from .tour import _out_folder
+
+    folder = _out_folder(out, "the figures")
+    patches = load_patches(path)
+    groups = [(kind, [p for p in patches if (p.indices is None) == (kind == "dense")])
+              for kind in ("dense", "sparse")]
+    groups = [(kind, group) for kind, group in groups if group]
+    digits = len(str(max(len(patches) - 1, 0)))
+    jobs = [(f"chunks_{kind}" if len(groups) > 1 else "chunks",
+             lambda group=group: plot_chunks(group, max_chunk_bytes)) for kind, group in groups]
+    jobs += [(f"density_{i:0{digits}d}_{_file_stem(p.name)}", lambda p=p: plot_density(p))
+             for i, p in enumerate(patches) if p.indices is not None]
+    print()
+    for k, (stem, draw) in enumerate(jobs):
+        target = folder / f"{stem}.png"
+        draw().savefig(target, dpi=110, bbox_inches="tight")
+        print(f"[{k + 1}/{len(jobs)}] wrote {_shown(str(target))}", flush=True)
+    print(f"wrote {len(jobs)} figures to {_shown(str(folder))}")
+    return 0
 
 
 def _prog() -> str:
@@ -127,6 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     insp.add_argument(
         "--max-chunk-bytes", type=int, default=512 << 20,
         help="budget for the chunk plan (default 512 MiB)",
+    )
+    insp.add_argument(
+        "--out", default=None,
+        help="also write figures to this folder: the chunk plan, and where each sparse "
+             "patch writes",
     )
     insp.set_defaults(run=_cmd_inspect)
 

@@ -44,18 +44,19 @@ class TourResult:
         return all(self.checks.values())
 
 
-def _out_folder(out: str | Path) -> Path:
+def _out_folder(out: str | Path, what: str = "the tour") -> Path:
     """Make the folder ``out`` (and its parents) if needed; return it as a Path.
 
     Raises :class:`~patchkit.errors.PatchValueError` (``reason`` ``"empty folder
     name"``) for the empty string, which ``Path`` would take for the current folder
     (pass ``"."`` for that), :class:`NotADirectoryError` when ``out``, or a folder above
     it, is a file, and the ``OSError`` of any other failure (e.g.
-    :class:`PermissionError`), each with a message naming ``out`` and the problem.
+    :class:`PermissionError`), each with a message naming ``out``, the problem and
+    ``what`` was to be written there.
     """
     if isinstance(out, str) and not out:
         raise PatchValueError(
-            "cannot write the tour to '': the folder name (--out) is empty; pass '.' "
+            f"cannot write {what} to '': the folder name (--out) is empty; pass '.' "
             "for the current folder", reason="empty folder name", value=out,
         )
     out = Path(out)
@@ -66,11 +67,11 @@ def _out_folder(out: str | Path) -> Path:
         if blocker is not None:
             raise NotADirectoryError(
                 errno.ENOTDIR,
-                f"cannot write the tour to {str(out)!r}: {str(blocker)!r} is a file, "
+                f"cannot write {what} to {str(out)!r}: {str(blocker)!r} is a file, "
                 "not a folder",
             ) from None
         raise type(e)(
-            e.errno, f"cannot create the tour's folder {str(out)!r}: {e.strerror}"
+            e.errno, f"cannot create the folder {str(out)!r} for {what}: {e.strerror}"
         ) from None
     return out
 

@@ -199,3 +199,77 @@ def test_tour_and_demo_refuse_an_empty_out_or_device(tmp_path, monkeypatch, caps
     with pytest.raises(PatchValueError, match="device ''"):
         run_tour(tmp_path / "t", device="")
     assert sorted(os.listdir(tmp_path)) == ["index.html"]
+
+
+def _mixed_patch_file(path: Path, sparse_name: str = "layers.0.w") -> Path:
+    """A patch file of a dense patch (position 0) and two sparse ones (1 and 2)."""
+    import torch
+
+    from patchkit import CheckpointWeightPatch, save_patches
+
+    save_patches(path, [
+        CheckpointWeightPatch("dense.w", (4, 8), torch.float32, torch.arange(32.0)),
+        CheckpointWeightPatch(sparse_name, (16, 32), torch.bfloat16,
+                              values=torch.ones(3), indices=torch.tensor([0, 40, 511])),
+        CheckpointWeightPatch("lm_head.weight", (64, 8), torch.bfloat16,
+                              values=torch.ones(2), indices=torch.tensor([5, 6])),
+    ])
+    return path
+
+
+def test_inspect_out_writes_the_chunk_plans_and_each_sparse_patch_density(tmp_path, capsys):
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 0
+    out = capsys.readouterr().out
+    names = sorted(os.listdir(tmp_path / "figs"))
+    # a file of dense and sparse patches is planned as two loads; the dense patch has no
+    # density figure (it writes every element)
+    assert names == ["chunks_dense.png", "chunks_sparse.png",
+                     "density_1_layers.0.w.png", "density_2_lm_head.weight.png"]
+    for n in names:
+        assert (tmp_path / "figs" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.startswith("patch file: ")  # the summary first, then one line a figure
+    assert [line.split(" wrote ")[0] for line in out.splitlines() if " wrote " in line] == [
+        "[1/4]", "[2/4]", "[3/4]", "[4/4]"]
+    assert out.rstrip().endswith(f"wrote 4 figures to {tmp_path / 'figs'}")
+
+
+def test_inspect_out_keeps_a_patch_name_inside_the_folder(tmp_path, capsys):
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors", sparse_name="../../escape/\x1b[2Jw")
+    (tmp_path / "figs").mkdir()
+    assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 0
+    capsys.readouterr()
+    assert sorted(os.listdir(tmp_path)) == ["figs", "p.safetensors"]
+    assert "density_1_.._.._escape_2Jw.png" in os.listdir(tmp_path / "figs")
+
+
+@pytest.mark.parametrize("out", ["", "file"])
+def test_inspect_out_refuses_an_empty_or_file_folder_with_exit_2(out, tmp_path, capsys,
+                                                                 monkeypatch):
+    from patchkit.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    (tmp_path / "file").write_text("mine")
+    assert main(["inspect", str(f), "--out", out]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.startswith("patch file: ")  # the summary was still printed
+    err = captured.err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "figures" in err
+    assert ("empty" in err) if out == "" else ("is a file" in err)
+    assert sorted(os.listdir(tmp_path)) == ["file", "p.safetensors"]
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_inspect_out_of_a_bad_file_writes_nothing(tmp_path, capsys):
+    from patchkit.__main__ import main
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a patch file")
+    assert main(["inspect", str(bad), "--out", str(tmp_path / "figs")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert not (tmp_path / "figs").exists()
