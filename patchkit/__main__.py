@@ -88,21 +88,28 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int) -> int:
     """``inspect --out``: the chunk plan's figure (``chunks.png``; a file of dense and
     sparse patches is two loads: ``chunks_dense.png`` and ``chunks_sparse.png``, each
     numbering its own patches from 0) and where each sparse patch writes
-    (``density_<position>_<name>.png``), with a line per figure as it is written."""
-    from .io import _shown, load_patches
+    (``density_<position>_<name>.png``), with a line per figure as it is written. Reads
+    the sparse patches' data only: the plans need the file's header alone."""
+    import torch
+
+    from .io import _load, _shown, read_patch_index
+    from .patch import CheckpointWeightPatch
     from .plot import plot_chunks, plot_density
     from .tour import _out_folder
 
     folder = _out_folder(out, "the figures")
-    patches = load_patches(path)
-    groups = [(kind, [p for p in patches if (p.indices is None) == (kind == "dense")])
+    entries = read_patch_index(path)
+    sparse = _load(path, "cpu", sparse_only=True)
+    groups = [(kind, [CheckpointWeightPatch(e.name, e.shape, e.dtype,
+                                            torch.empty(0, device="meta"))
+                      for e in entries if e.sparse == (kind == "sparse")])
               for kind in ("dense", "sparse")]
     groups = [(kind, group) for kind, group in groups if group]
-    digits = len(str(max(len(patches) - 1, 0)))
+    digits = len(str(max(len(entries) - 1, 0)))
     jobs = [(f"chunks_{kind}" if len(groups) > 1 else "chunks",
              lambda group=group: plot_chunks(group, max_chunk_bytes)) for kind, group in groups]
     jobs += [(f"density_{i:0{digits}d}_{_file_stem(p.name)}", lambda p=p: plot_density(p))
-             for i, p in enumerate(patches) if p.indices is not None]
+             for i, p in sparse]
     print()
     for k, (stem, draw) in enumerate(jobs):
         target = folder / f"{stem}.png"

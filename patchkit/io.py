@@ -836,25 +836,34 @@ def load_patches(
     neither a ``str`` nor a ``torch.device``: :class:`~patchkit.errors.PatchTypeError`.
     Without the ``safetensors`` package: :class:`ModuleNotFoundError`.
     """
-    path = os.fspath(path)
-    device = str(_checked_device(device))
+    return [p for _, p in _load(os.fspath(path), str(_checked_device(device)))]
+
+
+def _load(
+    path: str, device: str, sparse_only: bool = False
+) -> list[tuple[int, CheckpointWeightPatch]]:
+    """:func:`load_patches` as ``(position, patch)`` pairs; with ``sparse_only``, the
+    sparse patches alone (no dense patch's values are read)."""
     f = _open(path, device)
     try:
         with f:
             entries = _parse_index(path, f)
             patches = []
             for e in entries:
+                if sparse_only and not e.sparse:
+                    continue
                 values = _own(f.get_tensor(_key(e.position, "values")))
                 indices = _own(f.get_tensor(_key(e.position, "indices"))) if e.sparse else None
-                patches.append(CheckpointWeightPatch(e.name, e.shape, e.dtype, values, indices))
+                patches.append((e.position, CheckpointWeightPatch(e.name, e.shape, e.dtype,
+                                                                  values, indices)))
     except PatchValueError:
         raise
     except Exception as e:
         raise _fail(path, f"unreadable: {e}") from None
     for sparse in (False, True):
-        group = [i for i, p in enumerate(patches) if (p.indices is not None) == sparse]
+        group = [(i, p) for i, p in patches if (p.indices is not None) == sparse]
         try:
-            validate_patches([patches[i] for i in group], positions=group)
+            validate_patches([p for _, p in group], positions=[i for i, _ in group])
         except PatchError as e:
             raise PatchValueError(
                 f"patch file {path!r}: {e}", position=e.position, name=e.name,

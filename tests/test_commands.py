@@ -273,3 +273,17 @@ def test_inspect_out_of_a_bad_file_writes_nothing(tmp_path, capsys):
     assert main(["inspect", str(bad), "--out", str(tmp_path / "figs")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
     assert not (tmp_path / "figs").exists()
+
+
+def test_inspect_out_reads_no_dense_values(tmp_path, capsys, monkeypatch):
+    # (a file of a whole model's dense weights: its plan needs only the header)
+    import patchkit.io
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    read: list[tuple[int, ...]] = []
+    real = patchkit.io._own
+    monkeypatch.setattr(patchkit.io, "_own", lambda t: read.append(tuple(t.shape)) or real(t))
+    assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 0
+    capsys.readouterr()
+    assert sorted(read) == [(2,), (2,), (3,), (3,)]  # the sparse values and indices only
