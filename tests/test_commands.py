@@ -239,12 +239,12 @@ def test_inspect_out_writes_the_chunk_plans_and_each_sparse_patch_density(tmp_pa
 def test_inspect_out_keeps_a_patch_name_inside_the_folder(tmp_path, capsys):
     from patchkit.__main__ import main
 
-    f = _mixed_patch_file(tmp_path / "p.safetensors", sparse_name="../../escape/\x1b[2Jw")
+    f = _mixed_patch_file(tmp_path / "p.safetensors", sparse_name="../../escape/ w:x")
     (tmp_path / "figs").mkdir()
     assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 0
     capsys.readouterr()
     assert sorted(os.listdir(tmp_path)) == ["figs", "p.safetensors"]
-    assert "density_1_.._.._escape_2Jw.png" in os.listdir(tmp_path / "figs")
+    assert "density_1_.._.._escape_w_x.png" in os.listdir(tmp_path / "figs")
 
 
 @pytest.mark.parametrize("out", ["", "file"])
