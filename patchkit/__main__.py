@@ -10,6 +10,8 @@ closed pipe, as in ``patchkit inspect FILE | head -1``: the command stops quietl
 from __future__ import annotations
 
 import argparse
+import html
+import io
 import os
 import re
 import sys
@@ -88,11 +90,12 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int) -> int:
     """``inspect --out``: the chunk plan's figure (``chunks.png``; a file of dense and
     sparse patches is two loads: ``chunks_dense.png`` and ``chunks_sparse.png``, each
     numbering its own patches from 0) and where each sparse patch writes
-    (``density_<position>_<name>.png``), with a line per figure as it is written. Reads
-    the sparse patches' data only: the plans need the file's header alone."""
+    (``density_<position>_<name>.png``), with a line per figure as it is written, then
+    ``index.html``: the summary and the figures on one page. Reads the sparse patches'
+    data only: the plans need the file's header alone."""
     import torch
 
-    from .io import _load, _shown, read_patch_index
+    from .io import _load, _shown, print_patch_file_summary, read_patch_index
     from .patch import CheckpointWeightPatch
     from .plot import plot_chunks, plot_density
     from .tour import _out_folder
@@ -115,8 +118,29 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int) -> int:
         target = folder / f"{stem}.png"
         draw().savefig(target, dpi=110, bbox_inches="tight")
         print(f"[{k + 1}/{len(jobs)}] wrote {_shown(str(target))}", flush=True)
-    print(f"wrote {len(jobs)} figures to {_shown(str(folder))}")
+    summary = io.StringIO()
+    print_patch_file_summary(path, max_chunk_bytes=max_chunk_bytes, file=summary)
+    figures = "\n".join(
+        f'<figure><img src="{html.escape(stem)}.png" alt="{html.escape(stem)}">'
+        f"<figcaption>{html.escape(stem)}.png</figcaption></figure>" for stem, _ in jobs)
+    (folder / "index.html").write_text(_INSPECT_PAGE.format(
+        title=html.escape(os.path.basename(path)), summary=html.escape(summary.getvalue()),
+        figures=figures), encoding="utf-8")
+    print(f"wrote {len(jobs)} figures and index.html to {_shown(str(folder))}")
     return 0
+
+
+_INSPECT_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>patch file {title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 70rem; margin: 2rem auto; }}
+img {{ max-width: 100%; }} pre {{ font-size: 0.8rem; overflow-x: auto; }}
+</style></head><body>
+<h1>patch file {title}</h1>
+<pre>{summary}</pre>
+{figures}
+</body></html>
+"""
 
 
 def _prog() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import os
 import subprocess
 import sys
@@ -226,25 +227,36 @@ def test_inspect_out_writes_the_chunk_plans_and_each_sparse_patch_density(tmp_pa
     names = sorted(os.listdir(tmp_path / "figs"))
     # a file of dense and sparse patches is planned as two loads; the dense patch has no
     # density figure (it writes every element)
-    assert names == ["chunks_dense.png", "chunks_sparse.png",
-                     "density_1_layers.0.w.png", "density_2_lm_head.weight.png"]
-    for n in names:
+    figures = ["chunks_dense.png", "chunks_sparse.png",
+               "density_1_layers.0.w.png", "density_2_lm_head.weight.png"]
+    assert names == [*figures, "index.html"]
+    for n in figures:
         assert (tmp_path / "figs" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.startswith("patch file: ")  # the summary first, then one line a figure
     assert [line.split(" wrote ")[0] for line in out.splitlines() if " wrote " in line] == [
         "[1/4]", "[2/4]", "[3/4]", "[4/4]"]
-    assert out.rstrip().endswith(f"wrote 4 figures to {tmp_path / 'figs'}")
+    assert out.rstrip().endswith(f"wrote 4 figures and index.html to {tmp_path / 'figs'}")
+    page = (tmp_path / "figs" / "index.html").read_text()
+    assert page.count("<img") == 4
+    for n in figures:
+        assert f'src="{n}"' in page
+    # (the summary as printed, each row of it on the page)
+    summary = out.split("\n\n[1/4]")[0]
+    assert "lm_head.weight" in summary and all(
+        html.escape(line) in page for line in summary.splitlines())
 
 
 def test_inspect_out_keeps_a_patch_name_inside_the_folder(tmp_path, capsys):
     from patchkit.__main__ import main
 
-    f = _mixed_patch_file(tmp_path / "p.safetensors", sparse_name="../../escape/ w:x")
+    f = _mixed_patch_file(tmp_path / "p.safetensors", sparse_name="../../escape/ w:x<b>")
     (tmp_path / "figs").mkdir()
     assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 0
     capsys.readouterr()
     assert sorted(os.listdir(tmp_path)) == ["figs", "p.safetensors"]
-    assert "density_1_.._.._escape_w_x.png" in os.listdir(tmp_path / "figs")
+    assert "density_1_.._.._escape_w_x_b_.png" in os.listdir(tmp_path / "figs")
+    page = (tmp_path / "figs" / "index.html").read_text()
+    assert "<b>" not in page and "w:x&lt;b&gt;" in page  # (the name as text, not markup)
 
 
 @pytest.mark.parametrize("out", ["", "file"])
