@@ -93,19 +93,14 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int) -> int:
     (``density_<position>_<name>.png``), with a line per figure as it is written, then
     ``index.html``: the summary and the figures on one page. Reads the sparse patches'
     data only: the plans need the file's header alone."""
-    import torch
-
-    from .io import _load, _shown, print_patch_file_summary, read_patch_index
-    from .patch import CheckpointWeightPatch
+    from .io import _load, _shown, _stand_in, print_patch_file_summary, read_patch_index
     from .plot import plot_chunks, plot_density
     from .tour import _out_folder
 
     folder = _out_folder(out, "the figures")
     entries = read_patch_index(path)
     sparse = _load(path, "cpu", sparse_only=True)
-    groups = [(kind, [CheckpointWeightPatch(e.name, e.shape, e.dtype,
-                                            torch.empty(0, device="meta"))
-                      for e in entries if e.sparse == (kind == "sparse")])
+    groups = [(kind, [_stand_in(e) for e in entries if e.sparse == (kind == "sparse")])
               for kind in ("dense", "sparse")]
     groups = [(kind, group) for kind, group in groups if group]
     digits = len(str(max(len(entries) - 1, 0)))

@@ -944,6 +944,12 @@ def _percent(x: float | None) -> str:
     return f"{100 * x:.3g}%"
 
 
+def _stand_in(e: PatchFileEntry) -> CheckpointWeightPatch:
+    """A patch of ``e``'s name, shape and dtype holding no data (its values on the meta
+    device): what a chunk plan needs, read from a file's header alone."""
+    return CheckpointWeightPatch(e.name, e.shape, e.dtype, torch.empty(0, device="meta"))
+
+
 def print_patch_file_summary(
     path: str | os.PathLike[str],
     *,
@@ -985,10 +991,7 @@ def print_patch_file_summary(
         groups = [(k, g) for k, g in groups if g]
         plans = []
         for kind, group in groups:
-            stand_ins = [
-                CheckpointWeightPatch(e.name, e.shape, e.dtype, torch.empty(0, device="meta"))
-                for e in group
-            ]
+            stand_ins = [_stand_in(e) for e in group]
             plans.append((kind, plan_chunks(stand_ins, max_chunk_bytes,
                                             positions=[e.position for e in group])))
     except (PatchError, ValueError, TypeError, ImportError) as e:
