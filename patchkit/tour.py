@@ -107,6 +107,17 @@ def _repeated(ckpt: dict[str, torch.Tensor]) -> list[CheckpointWeightPatch]:
     ]
 
 
+def figure_words(fig) -> str:
+    """The words a figure shows, one line each: its title, then each axes' title and
+    axis labels, in drawing order. What the figure says, without its pixels: two
+    drawings of the same data on another machine (other fonts) give the same words."""
+    texts = [fig._suptitle] if fig._suptitle is not None else []
+    for ax in fig.axes:
+        texts += [ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label]
+    texts += [t for t in fig.texts if t is not fig._suptitle]
+    return "\n".join(t.get_text() for t in texts if t is not None and t.get_text())
+
+
 def run_tour(
     out: str | Path = "patchkit-tour",
     *,
@@ -147,7 +158,10 @@ def run_tour(
 
     def save(fig, stem: str) -> str:
         path = out / f"{stem}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
+        # The figure's words go into the file (no version or time): a test compares them
+        # with the README's copies, which `make readme-figures` takes from here.
+        fig.savefig(path, dpi=110, bbox_inches="tight",
+                    metadata={"Software": None, "Description": figure_words(fig)})
         result.figures.append(path)
         return path.name
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,25 @@ def test_tour_writes_its_report_and_every_check_holds(tmp_path):
         assert f'src="{fig.name}"' in page
     assert "<table" in page
     assert any(line.startswith("[7/7]") for line in lines)  # progress was reported
+    _the_readme_figures_say_what_the_tour_draws_now(tmp_path / "tour")
+
+
+def _the_readme_figures_say_what_the_tour_draws_now(tour: Path) -> None:
+    """The README's figures are copies of tour figures (``make readme-figures``): each
+    must still show the words the tour's figure shows now (its titles and labels, kept in
+    the PNG; pixels differ between machines' fonts). A change to a figure's numbers or
+    wording that was not followed by ``make readme-figures`` fails here."""
+    from PIL import Image
+
+    copies = re.findall(r"cp build/tour/(\S+\.png) (docs/figures/\S+\.png)",
+                        (ROOT / "Makefile").read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert copies and all(dst in readme for _, dst in copies)
+    for src, dst in copies:
+        drawn = Image.open(tour / src).text.get("Description")
+        kept = Image.open(ROOT / dst).text.get("Description")
+        assert drawn, src
+        assert kept == drawn, f"{dst} is out of date: run `make readme-figures`"
 
 
 def test_demo_prints_the_three_cases_and_every_check_holds():
