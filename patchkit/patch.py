@@ -439,14 +439,19 @@ def _sort_is_cheaper(nnz: int, n: int) -> bool:
     return nnz * max(1, nnz.bit_length()) * 4 < n
 
 
+def _first_nan_entry(patch: CheckpointWeightPatch) -> int:
+    """The failure path only: the position in ``values`` of the first entry that is NaN in
+    the patch's dtype (its index may repeat at other, non-NaN entries)."""
+    cast = patch.values.to(patch.dtype).float()
+    return int(torch.nonzero(torch.isnan(cast))[0, 0])
+
+
 def _first_offending_index(patch: CheckpointWeightPatch, reason: str) -> int:
     """The failure path only: find one offending index (or value position) of ``reason``."""
     values, indices = patch.values, patch.indices
     idx = indices.to(device=values.device, dtype=torch.int64)
     if reason == "NaN":
-        cast = values.to(patch.dtype).float()
-        pos = int(torch.nonzero(torch.isnan(cast))[0, 0])
-        return int(idx[pos])
+        return int(idx[_first_nan_entry(patch)])
     if reason == "out-of-range":
         pos = int(torch.nonzero((idx < 0) | (idx >= numel(patch)))[0, 0])
         return int(idx[pos])
@@ -555,9 +560,8 @@ def validate_patches(
         p = patches[i]
         bad = _first_offending_index(p, reason)
         nan_text = f"NaN value at index {bad}"
-        if p.values.dtype != p.dtype:
-            pos = int(torch.nonzero(p.indices.to(p.values.device) == bad)[0, 0])
-            v = p.values[pos]
+        if reason == "NaN" and p.values.dtype != p.dtype:
+            v = p.values[_first_nan_entry(p)]
             if not bool(torch.isnan(v.float())):
                 nan_text = (
                     f"NaN value at index {bad}: {float(v)!r} becomes NaN when cast to {p.dtype}"

@@ -74,3 +74,19 @@ def test_an_integer_value_that_becomes_nan_in_the_cast_is_rejected_too(load, Pat
         load(m, [p])
     assert (info.value.reason, info.value.value) == ("NaN", 0)
     assert m.w.tolist() == [7.0] * 4
+
+
+@pytest.mark.patchkit_only
+def test_the_nan_message_quotes_the_entry_that_is_nan_when_its_index_repeats(load, Patch):
+    # validate_unique_indices=False lets index 3 appear twice: the message must quote the
+    # entry that is NaN (the second), not the first entry of that index (1.0, fine in bf16)
+    m = PlainModel({"w": (6,)}, dtype=torch.bfloat16)
+    p = Patch("w", (6,), torch.bfloat16, torch.tensor([1.0, float("nan")]), torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="NaN value at index 3") as info:
+        load(m, [p], validate_unique_indices=False)
+    assert "1.0" not in str(info.value) and "becomes NaN" not in str(info.value)
+    # a value that only the cast makes NaN is still quoted, from its own entry
+    p = Patch("w", (6,), torch.float8_e4m3fnuz, torch.tensor([1.0, 1e6]), torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match=r"1000000\.0 becomes NaN when cast"):
+        load(m, [p], validate_unique_indices=False)
+    assert m.w.float().tolist() == [0.0] * 6
