@@ -1971,6 +1971,17 @@ class WriteSession:
         copies in one pass; otherwise torch ops compare first, save, then copy."""
         dest, src = args[0], args[1]
         tname, owner, off = target[1]
+        if self.recorder is None and self._saved_regions:
+            region = Region.of(dest)
+            if region in self._saved_regions:
+                # Saving for a rollback only (nothing counts this write's changes), into
+                # a view saved whole earlier in this load: that save already holds what
+                # the view held before the load (a rollback restores newest first). A
+                # second save would only cost memory: a name sent n times with full
+                # replacements would keep n copies of its tensor (CONTRACT §5: saved
+                # before the first write).
+                self._call_writes += 1
+                return func(*args, **kwargs)
         # Statistics read the bits as the owner's dtype: a loader may write through a
         # reinterpreting view (of the same element size; other sizes are not followed).
         stats = self.recorder is not None and dest.element_size() == owner.element_size()
@@ -1992,6 +2003,8 @@ class WriteSession:
             self.saved.append(saved)
             if diff is not None:
                 self._measure(saved, key)
+            elif fast.index is None:
+                self._saved_regions.add(Region.of(dest))  # saved whole (see above)
             out = dest
         else:
             saves = len(self.saved)
@@ -2048,6 +2061,8 @@ class WriteSession:
         else:
             del diff  # before the clone: the two never need to exist at once
             saved = SavedRegion(tname, off, dest, dest.clone(), view_sum_squares=squares)
+            if self.recorder is None:
+                self._saved_regions.add(Region.of(dest))  # saved whole: see _compared_copy
         self.saved.append(saved)
         return n_changed, func(*args, **kwargs)
 
