@@ -908,7 +908,9 @@ PK_COPY_PARTS(f16, uint16_t)
  * them with pk_count, so they cannot overflow. With stats, the statistics of pk_copy
  * over the written elements go to *stats (b2 over their old values, the differences
  * over those that changed; count and saved are not used). n[1] counts written
- * elements, n[2] changed ones. */
+ * elements, n[2] changed ones; n[3] and n[4] add up the written elements' row-major
+ * positions in the view and their squares (wrapping, as pk_entries sums a patch's), so
+ * that a caller that expected certain positions can tell whether those were written. */
 #define PK_MERGE(NAME, UT, ISNAN, TOD, DIFF)                                                 \
     int64_t pk_count_##NAME(const UT *src, int64_t L, int64_t srs, int64_t p, int64_t p1) {  \
         int64_t k = 0;                                                                       \
@@ -925,6 +927,7 @@ PK_COPY_PARTS(f16, uint16_t)
                          int64_t doff, int64_t p, int64_t p1, int64_t *idx, UT *bef,         \
                          int64_t *n, pk_acc *stats) {                                        \
         int64_t c = n[0], written = n[1], changed = n[2];                                    \
+        uint64_t s1 = (uint64_t)n[3], s2 = (uint64_t)n[4];                                   \
         pk_acc diffs = {0};                                                                  \
         while (p < p1) {                                                                     \
             int64_t row = p / L, col = p % L, run = L - col;                                 \
@@ -945,6 +948,8 @@ PK_COPY_PARTS(f16, uint16_t)
                     if (ISNAN(x1)) continue;                                                 \
                     if (bef) { if (idx) idx[c] = o + j + l; bef[c] = x0; c++; }            \
                     written++;                                                               \
+                    s1 += (uint64_t)(p + j + l);                                             \
+                    s2 += (uint64_t)(p + j + l) * (uint64_t)(p + j + l);                     \
                     changed += x0 != x1;                                                     \
                     if (stats) {                                                             \
                         double x = TOD(x0);                                                  \
@@ -959,6 +964,8 @@ PK_COPY_PARTS(f16, uint16_t)
         n[0] = c;                                                                            \
         n[1] = written;                                                                      \
         n[2] = changed;                                                                      \
+        n[3] = (int64_t)s1;                                                                  \
+        n[4] = (int64_t)s2;                                                                  \
         if (stats) *stats = diffs;                                                           \
     }
 
@@ -984,7 +991,7 @@ PK_MERGE(f16, uint16_t, PK_NAN_F16, pk_f16, PK_DIFF_F16)
     static void pk_merge_task_##NAME(void *c, int64_t k) {                                   \
         pk_job *j = c;                                                                       \
         pk_merge_##NAME(j->dst, j->src, j->L, j->drs, j->srs, j->doff, j->bounds[k],         \
-                        j->bounds[k + 1], j->idx, j->bef, j->out + 3 * k,                    \
+                        j->bounds[k + 1], j->idx, j->bef, j->out + 5 * k,                    \
                         j->accs ? j->accs + k : NULL);                                       \
     }                                                                                        \
     void pk_merge_parts_##NAME(UT *dst, const UT *src, int64_t L, int64_t drs, int64_t srs,  \
@@ -1064,12 +1071,15 @@ PK_SAMPLE(f16, uint16_t)
  * when its value is not NaN and its index lies in the view, rows of L contiguous
  * elements srs apart starting at checkpoint index start (rows rows). out[0] counts them;
  * out[1] and out[2] are two checksums of their indices (patchkit.native.patch_entries
- * says which), so that positions recomputed later from the patch can be checked. */
+ * says which), so that positions recomputed later from the patch can be checked; out[3]
+ * and out[4] the sums of their row-major positions in the view and of their squares
+ * (wrapping), as pk_merge adds up the positions it writes. */
 #define PK_ENTRIES(NAME, UT, ISNAN)                                                          \
     void pk_entries_##NAME(const void *indices, int isize, const UT *values, int64_t nnz,    \
                            int64_t start, int64_t L, int64_t srs, int64_t rows,              \
                            int64_t *out) {                                                   \
         int64_t count = 0, s1 = 0, s2 = 0;                                                   \
+        uint64_t q1 = 0, q2 = 0;                                                             \
         for (int64_t k = 0; k < nnz; k++) {                                                  \
             int64_t i = isize == 4 ? (int64_t)((const int32_t *)indices)[k]                  \
                                    : ((const int64_t *)indices)[k];                          \
@@ -1078,10 +1088,15 @@ PK_SAMPLE(f16, uint16_t)
             count++;                                                                         \
             s1 += i & 0x7fffffff;                                                            \
             s2 += (i % 65521) * 40503 % 65521;                                               \
+            uint64_t at = (uint64_t)(rel / srs * L + rel % srs);                             \
+            q1 += at;                                                                        \
+            q2 += at * at;                                                                   \
         }                                                                                    \
         out[0] = count;                                                                      \
         out[1] = s1;                                                                         \
         out[2] = s2;                                                                         \
+        out[3] = (int64_t)q1;                                                                \
+        out[4] = (int64_t)q2;                                                                \
     }
 PK_ENTRIES(f32, uint32_t, PK_NAN_F32)
 PK_ENTRIES(f64, uint64_t, PK_NAN_F64)

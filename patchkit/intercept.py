@@ -836,7 +836,9 @@ class PatchPositions:
     at the same row-major position took each. ``indices`` and ``values`` are the patch's
     own tensors (referenced, not copied); ``count`` and ``checksums`` (see
     :func:`patchkit.native.patch_entries`) were taken at the write, so a patch changed
-    since is noticed instead of misread."""
+    since is noticed instead of misread; ``position_sums``, the entries' positions in the
+    view summed (see :class:`patchkit.native.PatchEntries`), let the write check that
+    the merge wrote there."""
 
     position: int
     name: str
@@ -846,6 +848,7 @@ class PatchPositions:
     rows: tuple[int, int, int]
     count: int
     checksums: tuple[int, int]
+    position_sums: tuple[int, int] | None = field(default=None, repr=False)
 
     def view_positions(self, view: torch.Tensor) -> torch.Tensor:
         """Row-major positions in ``view`` (the written view) of the written elements, in
@@ -1729,6 +1732,15 @@ class WriteSession:
                 if fast is not None:
                     if fast.index is not None:
                         recipe = None  # the count differed: the offsets were kept
+                    elif recipe is not None and fast.position_sums != recipe.position_sums:
+                        # As many elements written as the patch has entries here, but not
+                        # where its entries are: the staged tensor was changed where no
+                        # torch op shows it (through numpy, say). Where it wrote is where
+                        # the source (as the merge read it, nothing ran since) is not NaN.
+                        fast.index = _storage_offsets(dest, torch.nonzero(
+                            ~torch.isnan(cast if cast.element_size() > 1 else cast.float())
+                            .reshape(-1)).reshape(-1))
+                        recipe = None
                     return self._merged(op, dest, src, targets[0][1], fast, recipe)
             # True where the source is not NaN: the elements this write changes. One mask
             # serves the merge and the save (a second, inverted one would double it).
@@ -1917,7 +1929,7 @@ class WriteSession:
         if found is None:
             return None
         return PatchPositions(hit[0], hit[1], patch.indices, patch.values, hit[2], found.rows,
-                              found.count, found.checksums)
+                              found.count, found.checksums, found.position_sums)
 
     def _merged(self, op, dest, src, target, fast, recipe) -> torch.Tensor:
         """Book-keeping of a NaN-merge that :func:`patchkit.native.merge` did."""

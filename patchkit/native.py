@@ -69,6 +69,7 @@ _KIND_OF = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
             torch.float16: "f16"}
 _KIND_OF_SIZE = {4: "f32", 8: "f64", 2: "bf16"}  # bitwise work only: any dtype of that size
 _BITS_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_U64 = (1 << 64) - 1  # sums the C side lets wrap, read back as unsigned
 # Views of fewer positions run on one thread; bigger ones in parts that this thread and
 # the threads take in turn (_native.c: pk_run): one a thread, or two a thread for views
 # of at least two _PART a thread. Handing a part over costs microseconds (the threads
@@ -228,7 +229,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                                 ctypes.c_int]  # bounds, counts, threads
         merge_parts = getattr(lib, f"pk_merge_parts_{kind}")
         merge_parts.restype = None
-        merge_parts.argtypes = [*head, ctypes.c_void_p,  # n (3 a part)
+        merge_parts.argtypes = [*head, ctypes.c_void_p,  # n (5 a part)
                                 ctypes.POINTER(_Acc), ctypes.c_int]  # stats (or NULL), threads
     # the functions of each kind, looked up once (a load calls them for every write)
     lib.kinds = {
@@ -683,7 +684,9 @@ class MergeResult:
     the caller knew how many there would be (``known_count``) and can recompute them.
     With ``stats``, the
     numbers of :class:`CopyResult` over the written elements: ``squares`` of their old
-    values, the others over those that changed."""
+    values, the others over those that changed. ``position_sums``: the sums of the
+    written elements' row-major positions in the view and of their squares, modulo
+    2**64 (compare with :attr:`PatchEntries.position_sums`)."""
 
     written: int
     changed: int
@@ -693,6 +696,7 @@ class MergeResult:
     sum_abs: float | None = None
     sum_sq_diff: float | None = None
     max_abs: float | None = None
+    position_sums: tuple[int, int] | None = None
 
 
 def merge(
@@ -730,20 +734,22 @@ def merge(
         if sum(sizes) != known_count:
             idx = _empty(sum(sizes), torch.int64)
         bef = _empty(sum(sizes), _BITS_OF_SIZE[dest.element_size()])
-    counts = (ctypes.c_int64 * (3 * nparts))(*[v for b in bases for v in (b, 0, 0)])
+    counts = (ctypes.c_int64 * (5 * nparts))(*[v for b in bases for v in (b, 0, 0, 0, 0)])
     accs = (_Acc * nparts)() if stats else None
     f.merge_parts(
         dptr, sptr, length, drs, srs, doff, nparts, c_bounds,
         idx.data_ptr() if idx is not None else None,
         bef.data_ptr() if bef is not None else None, counts, accs, threads,
     )
-    done = [(counts[3 * k + 1], counts[3 * k + 2], accs[k] if stats else None)
+    done = [(counts[5 * k + 1], counts[5 * k + 2], accs[k] if stats else None)
             for k in range(nparts)]
     return MergeResult(
         written=sum(w for w, _, _ in done),
         changed=sum(c for _, c, _ in done),
         index=idx,
         before=None if bef is None else bef.view(dest.dtype),
+        position_sums=(sum(counts[5 * k + 3] for k in range(nparts)) & _U64,
+                       sum(counts[5 * k + 4] for k in range(nparts)) & _U64),
         **({
             "squares": sum(a.b2 for a in accs),
             "sum_abs": sum(a.sum_abs for a in accs),
@@ -759,11 +765,14 @@ class PatchEntries:
     """What :func:`patch_entries` found: ``count`` entries of the patch land in the view;
     ``checksums`` are two sums over their checkpoint indices ``i``: of ``i & 0x7fffffff``
     and of ``(i % 65521) * 40503 % 65521``; ``rows`` is the walk, as in
-    :class:`MergeResult`."""
+    :class:`MergeResult`; ``position_sums`` the sums of their row-major positions in the
+    view and of those squared, modulo 2**64, as :func:`merge` reports the positions it
+    wrote (equal sums: the merge wrote where these entries say)."""
 
     count: int
     checksums: tuple[int, int]
     rows: tuple[int, int, int]
+    position_sums: tuple[int, int] = (0, 0)
 
 
 def patch_entries(
@@ -789,9 +798,10 @@ def patch_entries(
     lib, (length, drs, srs) = ready
     if srs < length:
         return None  # source rows overlap (a broadcast view): one entry, several writes
-    out = (ctypes.c_int64 * 3)()
+    out = (ctypes.c_int64 * 5)()
     lib.kinds[kind].entries(
         indices.data_ptr(), indices.element_size(), values.data_ptr(), indices.numel(),
         start, length, srs, dest.numel() // length, out,
     )
-    return PatchEntries(out[0], (out[1], out[2]), (length, drs, srs))
+    return PatchEntries(out[0], (out[1], out[2]), (length, drs, srs),
+                        (out[3] & _U64, out[4] & _U64))

@@ -672,6 +672,8 @@ def test_merge_matches_torch_where_on_the_bits(dtype, layout, density, seed, sav
     written = ~torch.isnan(src.reshape(-1))
     assert got.written == int(written.sum())
     assert got.changed == int((bits(before.reshape(-1)) != bits(want.reshape(-1))).sum())
+    at = written.nonzero().reshape(-1)  # row-major positions in the view
+    assert got.position_sums == (int(at.sum()) % 2**64, int((at * at).sum()) % 2**64)
     if save:
         offsets = torch.arange(base.numel()).view(shape)[view].reshape(-1)
         assert torch.equal(got.index, offsets[written])
@@ -1269,3 +1271,65 @@ def test_reusing_lends_the_smallest_buffer_that_fits():
             # 2.5 x _REUSE_MIN bytes: only the bigger one fits
             got = native._empty(5 * m // 2, torch.float32)
             assert got.untyped_storage().data_ptr() == three.data_ptr()
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows,cols", [(slice(None), slice(None)), (slice(3, 9), slice(None)),
+                                       (slice(2, 7), slice(4, 11)), (slice(None), slice(5, 8))])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_a_patchs_entries_and_the_merge_from_its_staged_tensor_sum_the_same_positions(
+    rows, cols, index_dtype
+):
+    # A sparse write keeps no offsets when it can recompute them from its patch; the
+    # merge's position sums must equal the entries' for the same view, else every such
+    # write would fall back to keeping them (and a wrong match would misplace a rollback).
+    shape = (12, 16)
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randperm(12 * 16, generator=g)[:40].sort().values.to(index_dtype)
+    vals = torch.randn(40, generator=g)
+    vals[5] = float("nan")  # a NaN entry writes nothing
+    staged = torch.full(shape, float("nan"))
+    staged.view(-1)[idx.long()] = vals
+    src = staged[rows, cols]
+    start = src.storage_offset()
+    dest = torch.zeros(src.shape)
+    found = native.patch_entries(idx, vals, start, dest, src)
+    got = native.merge(dest, src, save=True, known_count=found.count)
+    assert got.written == found.count and got.index is None
+    assert got.position_sums == found.position_sums
+
+
+@needs_compiler
+@pytest.mark.parametrize("report", [False, True])
+def test_a_staged_tensor_changed_outside_torch_is_still_restored_where_it_was_written(report):
+    # A loader that edits the staged tensor through numpy (which no torch op shows) and
+    # then copies it: as many elements written as the patch has entries, at other
+    # positions. The rollback restored the patch's positions, so it wrote an element the
+    # load never wrote and left one it did.
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(10.0, 22.0).view(4, 3), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, w in weights:
+                a = w.numpy()
+                a[0, 0] = float("nan")  # drop checkpoint element 0 ...
+                a[2, 2] = 4.0  # ... and write element 8 instead
+                self.w.copy_(w)
+            raise RuntimeError("loader fails after writing")
+
+    m = M()
+    start = m.w.detach().clone()
+    p = CheckpointWeightPatch("w", (4, 3), torch.float32, torch.tensor([1.0, 2.0]),
+                              torch.tensor([0, 7]))
+    with pytest.raises(RuntimeError, match="loader fails after writing") as info:
+        if report:
+            inspect_load(m, [p], transactional=True)
+        else:
+            patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(bits(m.w.detach()), bits(start))
+    if report:
+        r = info.value.report
+        assert r.rolled_back
+        assert r.writes["written"].tolist() == [2]
