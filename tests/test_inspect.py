@@ -486,6 +486,73 @@ def test_a_tied_alias_names_the_same_runtime_tensor_in_a_report():
     assert r.before("head").tolist() == [0.0] * 4
 
 
+class _TiedByName(torch.nn.Module):
+    """``emb`` (6, 4) and ``head``, one tied Parameter (``emb`` registered first): each
+    weight is copied into the parameter its name gives."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Parameter(torch.zeros(6, 4), False)
+        self.head = self.emb
+
+    def load_weights(self, weights):
+        for n, t in weights:
+            getattr(self, n).data.copy_(t)
+        return {n for n, _ in weights}
+
+
+def _one_load_per_patch(model, patches, **kwargs):
+    """A foreign loader that runs patchkit's own load once per patch: each call renames a
+    tied alias to its first name (CONTRACT §6), and none drops one."""
+    names = set()
+    for p in patches:
+        names |= patchkit.load_checkpoint_weight_patches(model, [p])
+    return names
+
+
+def _reversed_in_one_call(model, patches, **kwargs):
+    """A foreign loader that sends every patch in one call, last first, under its own name
+    (dense patches only: it does no NaN-merging)."""
+    return model.load_weights([(p.name, _staged(p)) for p in reversed(patches)])
+
+
+@pytest.mark.parametrize("head_first", [False, True], ids=["emb-head", "head-emb"])
+def test_an_observed_loader_that_sends_a_tied_alias_is_credited_with_it(head_first):
+    # a loader that sent the alias (renamed to emb) had it reported dropped, and its write
+    # credited to the emb patch
+    emb = sparse("emb", (6, 4), [0, 1], [1.0, 2.0])
+    head = sparse("head", (6, 4), [5, 6, 7], [3.0, 4.0, 5.0])
+    ps = [head, emb] if head_first else [emb, head]
+    at = {"emb": ps.index(emb), "head": ps.index(head)}
+    m = _TiedByName()
+    r = inspect_load(m, ps, loader=_one_load_per_patch)
+    assert m.emb.view(-1)[:8].tolist() == [1, 2, 0, 0, 0, 3, 4, 5]
+    assert r.calls["names"].tolist() == [("emb",), ("emb",)]
+    assert r.chunks["chunk"].tolist() == [0, 1]
+    assert r.chunks["name"].tolist() == ["emb", "emb"]
+    assert r.chunks["note"][at["head"]] == "renamed from 'head' (tied alias)"
+    assert r.chunks["note"][at["emb"]] == ""
+    assert r.writes["position"].tolist() == [0, 1]
+    assert r.writes["written"].tolist() == [len(ps[0].values), len(ps[1].values)]
+    # Each name sent under itself, in another order: matched by what each call holds.
+    dense_ps = [dense(p.name, torch.full((6, 4), float(k + 1))) for k, p in enumerate(ps)]
+    m = _TiedByName()
+    r = inspect_load(m, dense_ps, loader=_reversed_in_one_call)
+    assert (m.emb == 1).all()
+    assert r.calls["names"].tolist() == [(ps[1].name, ps[0].name)]
+    assert r.chunks["chunk"].tolist() == [0, 0] and r.chunks["note"].tolist() == ["", ""]
+    assert r.writes["position"].tolist() == [1, 0]
+    assert r.writes["name"].tolist() == [ps[1].name, ps[0].name]
+    # patchkit's own loader, observed, really drops the alias: the report says so, as the
+    # report of the load itself does.
+    own = inspect_load(_TiedByName(), ps)
+    r = inspect_load(_TiedByName(), ps, loader=patchkit.load_checkpoint_weight_patches)
+    for rep in (own, r):
+        assert rep.chunks["chunk"].tolist()[at["emb"]] == 0
+        assert rep.chunks["note"][at["head"]].startswith("dropped: tied alias")
+        assert rep.writes["position"].tolist() == [at["emb"]]
+
+
 # -- dense copies that change only part of what they write ---------------------------------
 # A dense copy is compared with its source before it runs and saves only the elements it
 # changes (or its whole view, when most change). The report must read the same either way.
