@@ -308,10 +308,18 @@ class LoadReport:
       that load was ``transactional=True`` and put every write back (False when a region
       could not be written back: the error then says which; the ``writes``
       table still says what the load did before it failed; ``deltas`` compares with the
-      model as it is after the rollback).
+      model as it is after the rollback). With ``loader=``, the observed loader's own
+      rollback is read from the model: when the load raised and every element its calls
+      wrote holds its value from before the load again, bit for bit, it is True where the
+      load was ``transactional=True`` or a change one of its writes made is now undone (a
+      load whose writes changed nothing, not asked to be transactional, shows no
+      rollback); ``loaded``, ``deltas`` and ``written()`` are then those of patchkit's
+      own rollback. Where it undid some targets and left others as written, it is False
+      and the report reads as after an incomplete rollback of patchkit's own: only the
+      targets left keep their saves (``deltas`` rows, ``written()``).
     - ``loaded``: the names the loader reported loaded. After a failure without
       rollback, those of the calls that returned before it (after an incomplete one,
-      those of them that wrote into a target it could not restore).
+      those of them that wrote into a target it did not restore).
 
     The four tables are built when first read (their numbers were all taken when the load
     ended), so that a report in a training loop costs no pandas work until it is looked
@@ -807,6 +815,16 @@ def _inspect_load(
         left = {t for s in sessions for t in s.unrestored}
         if left:
             loaded &= {e.name for e in rec.events if e.target in left}
+    if loader is not None and error is not None and rec.calls:
+        # An observed loader may undo its writes itself (a transactional one) and raise:
+        # what it left as written, compared with the saves, says what stayed loaded.
+        left = _left_as_written([s for session in sessions for s in session.saved])
+        undone = {e.target for e in rec.events if e.changed} - left
+        if (transactional and not left) or undone:
+            rolled_back = not left
+            loaded &= {e.name for e in rec.events if e.target in left}
+            for session in sessions:  # (as patchkit's own rollback keeps them)
+                session.saved = [r for r in session.saved if r.target in left]
     if loader is not None and (error is not None or rollbacks() != rollbacks_before):
         # An observed loader may have undone its writes unseen (patchkit's own loader with
         # transactional=True restores outside any interception, then raises, or returns
@@ -1012,6 +1030,31 @@ def _reasons(calls: list[Chunk], patches, max_chunk_bytes: int) -> list[Chunk]:
         out.append(Chunk(c.index, c.positions, c.names, c.bytes, reason,
                          over_budget=len(c.positions) == 1 and c.bytes > max_chunk_bytes))
     return out
+
+
+def _left_as_written(saved: list[SavedRegion]) -> set[str]:
+    """The targets of ``saved`` (in the order saved) where an element a write saved does
+    not hold its value from before the load now, bit for bit: where saves overlap, an
+    element's value before the load is its oldest save's. Reads each saved element once
+    (one host wait per save on a GPU); only where that finds a difference are overlapping
+    saves told apart, with a second pass over them."""
+    if all(s.changed_now() == 0 for s in saved):
+        return set()
+    left: set[str] = set()
+    seen: dict[tuple, torch.Tensor] = {}  # storage offsets saved so far, by storage
+    for s in saved:
+        key = (s.region.key, s.view.dtype)
+        index = s.storage_index()
+        now, before = bits(s.current()), bits(s.flat_before())
+        earlier = seen.get(key)
+        if earlier is not None:
+            first = ~torch.isin(index, earlier)  # elements this save is the oldest of
+            now, before = now[first], before[first]
+            index = torch.cat([earlier, index])
+        seen[key] = index
+        if bool((now != before).any()):
+            left.add(s.target)
+    return left
 
 
 def _rebuilt(t: torch.Tensor, saved: list[SavedRegion]) -> torch.Tensor:

@@ -1155,8 +1155,69 @@ def test_an_observed_loader_that_rolls_back_unseen_shows_no_change_left(compiled
                      loader=patchkit.load_checkpoint_weight_patches)
     r = info.value.report
     assert float(model.a.abs().sum()) == 0.0  # the observed loader rolled back
-    assert r.deltas.loc["a", "changed"] == 0 and r.deltas.loc["a", "max_abs"] == 0.0
+    # ... and the report says so, as patchkit's own rollback reads: no change left
+    assert r.rolled_back and list(r.deltas.index) == [] and r.loaded == set()
     assert r.writes["changed"].tolist()[0] == 4096  # what the write itself did
+
+
+def _undoes_only(undo):
+    """A foreign loader: one call per patch; when a call raises, it writes back the values
+    from before the load of the weights named in ``undo`` (unseen: outside the calls) and
+    raises again."""
+    def loader(model, patches, **kwargs):
+        old = {n: model.get_parameter(n).detach().clone() for n in undo}
+        names = set()
+        try:
+            for p in patches:
+                names |= set(model.load_weights([(p.name, _staged(p))]) or ())
+        except RuntimeError:
+            for n, t in old.items():
+                model.get_parameter(n).data.copy_(t)
+            raise
+        return names
+    return loader
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_an_observed_loader_that_rolls_back_and_raises_is_reported_rolled_back(compiled):
+    # the report said rolled_back=False and loaded=['a', 'b'], with deltas rows and
+    # written elements for a and b, though the observed loader had restored them
+    import contextlib
+
+    from patchkit import native
+
+    shapes = {"a": (4, 4), "b": (8,), "c": (4, 4)}
+    ps = [dense(n, torch.ones(s)) for n, s in shapes.items()]
+    ps.insert(1, dense("a", torch.full((4, 4), 2.0)))  # a written twice: saves overlap
+    reports = {}
+    for loader in (None, patchkit.load_checkpoint_weight_patches):
+        model = FailingModel(shapes, fail_on="c")
+        with contextlib.nullcontext() if compiled else native.disabled(), \
+                pytest.raises(RuntimeError) as info:
+            inspect_load(model, ps, transactional=True, max_chunk_bytes=1, loader=loader)
+        assert all(float(t.abs().sum()) == 0 for t in model.parameters())
+        reports[loader] = info.value.report
+    for r in reports.values():
+        assert r.rolled_back and r.summary()["rolled back"] is True
+        assert r.loaded == set() and len(r.deltas) == 0
+        assert int(r.written("a").sum()) == int(r.written("b").sum()) == 0
+        assert r.writes["target"].tolist() == ["a", "a", "b"]  # what the load did
+    # A loader that undoes a only: b stays loaded, as after an incomplete rollback.
+    model = FailingModel(shapes, fail_on="c")
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(model, ps, max_chunk_bytes=1, loader=_undoes_only(["a"]))
+    r = info.value.report
+    assert float(model.a.abs().sum()) == 0 and (model.b == 1).all()
+    assert not r.rolled_back and r.loaded == {"b"}
+    assert list(r.deltas.index) == ["b"] and r.deltas.loc["b", "changed"] == 8
+    assert int(r.written("a").sum()) == 0 and int(r.written("b").sum()) == 8
+    # One that undoes nothing: everything it wrote stays loaded.
+    model = FailingModel(shapes, fail_on="c")
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(model, ps, max_chunk_bytes=1, loader=_undoes_only([]))
+    r = info.value.report
+    assert not r.rolled_back and r.loaded == {"a", "b"}
+    assert list(r.deltas.index) == ["a", "b"]
 
 
 class _RebindsThenFails(PlainModel):
@@ -1208,7 +1269,10 @@ def test_an_observed_loader_that_rolls_back_unseen_and_returns_or_rebinds(compil
         r = info.value.report
     assert float(model.a.abs().sum()) == 0.0  # rolled back
     assert patchkit.same_bits(r.after("a"), model.a.detach())
-    assert r.deltas.loc["a", "changed"] == 0 and r.deltas.loc["a", "max_abs"] == 0.0
+    if case == "returns":
+        assert r.deltas.loc["a", "changed"] == 0 and r.deltas.loc["a", "max_abs"] == 0.0
+    else:  # (raised: read as patchkit's own rollback, which leaves no deltas row)
+        assert r.rolled_back and list(r.deltas.index) == []
 
 
 class _IntoTheParameter(PlainModel):
