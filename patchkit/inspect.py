@@ -69,7 +69,7 @@ from .bitwise import (
 )
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
-from .density import _row_major_strides, density_map, region_text
+from .density import _row_major_strides, density_map, distinct_indices, region_text
 from .errors import PatchTypeError
 from .intercept import (
     RuntimeIndex,
@@ -109,7 +109,13 @@ def _kind(p: CheckpointWeightPatch) -> str:
 
 
 def _nnz(p: CheckpointWeightPatch) -> int:
-    return numel(p) if p.indices is None else int(p.indices.numel())
+    """Elements ``p`` writes: all of a dense patch's; a sparse patch's distinct indices
+    (see :func:`~patchkit.density.distinct_indices`: a sort only where they are not
+    strictly increasing). Indices on the meta device hold no numbers: counted as given."""
+    if p.indices is None:
+        return numel(p)
+    idx = p.indices.reshape(-1)
+    return int(idx.numel() if idx.is_meta else distinct_indices(idx).numel())
 
 
 def _dtype(d: torch.dtype) -> str:
@@ -120,11 +126,13 @@ def patch_summary(patches: Iterable[CheckpointWeightPatch]) -> pd.DataFrame:
     """One row per patch, in input order: what it is and what it costs.
 
     Columns: ``position``, ``name``, ``kind`` (dense/sparse), ``shape``, ``dtype``,
-    ``numel``, ``nnz`` (elements written: all of them for dense), ``density``
-    (``nnz / numel``), ``wire_bytes`` (values plus indices as held), ``staged_bytes``
-    (the full checkpoint-shaped tensor). Needs no model and loads nothing. Each item must
-    be a patch (a plain 5-tuple is taken as one); anything else raises
-    :class:`~patchkit.PatchTypeError` naming its position, before any row is built.
+    ``numel``, ``nnz`` (elements written: all of them for dense; for sparse, its distinct
+    indices, so an index given twice, as ``validate_unique_indices=False`` allows, counts
+    once, as in :func:`density_map`; indices that are not strictly increasing cost a sort
+    to count), ``density`` (``nnz / numel``), ``wire_bytes`` (values plus indices as
+    held), ``staged_bytes`` (the full checkpoint-shaped tensor). Needs no model and loads
+    nothing. Each item must be a patch (a plain 5-tuple is taken as one); anything else
+    raises :class:`~patchkit.PatchTypeError` naming its position, before any row is built.
     """
     patches = [_as_patch(p) for p in patch_list(patches)]
     for i, p in enumerate(patches):

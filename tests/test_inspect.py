@@ -167,6 +167,20 @@ def test_patch_summary_reports_density_and_bytes():
     assert df["wire_bytes"].tolist() == [16, 2 * 2 + 2 * 8]
 
 
+def test_nnz_counts_an_index_given_twice_once_as_density_map_does():
+    # 6 entries over 3 distinct positions read nnz 6 (density 0.15) in patch_summary and
+    # chunks, while density_map counted each position once
+    p = sparse("w", (40,), [3, 7, 3, 9, 7, 3], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    unsorted = sparse("u", (40,), [9, 3, 7], [1.0, 2.0, 3.0])  # unique, not sorted
+    r = inspect_load(PlainModel({"w": (40,), "u": (40,)}), [p, unsorted],
+                     validate_unique_indices=False)
+    for df in (patch_summary([p, unsorted]), r.chunks):
+        assert df["nnz"].tolist() == [3, 3]
+        assert df["density"].tolist() == [3 / 40, 3 / 40]
+    assert float(patchkit.density_map(p, bins=(1, 1))) == pytest.approx(3 / 40)  # float32
+    assert r.deltas.loc["w", "elements"] == 3
+
+
 def test_a_failed_load_raises_with_the_partial_report_attached():
     m = Packed()
     ps = [dense("q", torch.ones(4, 4)), dense("nope", torch.ones(4, 4))]
