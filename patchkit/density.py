@@ -91,10 +91,7 @@ def _density(patch: CheckpointWeightPatch, bins: object) -> tuple[torch.Tensor, 
         return torch.zeros((br, bc), dtype=torch.float32, device="cpu"), 0
     if idx is None:
         return torch.ones((br, bc), dtype=torch.float32, device="cpu"), n
-    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-        # Not strictly increasing: an index may repeat (validate_unique_indices=False),
-        # and an element written twice is still one element.
-        idx = torch.unique(idx)
+    idx = distinct_indices(idx)
     r = idx // cols
     c = idx % cols
     rs, cs = _block_starts(rows, br), _block_starts(cols, bc)
@@ -104,6 +101,18 @@ def _density(patch: CheckpointWeightPatch, bins: object) -> tuple[torch.Tensor, 
     cols_per = (cs[1:] - cs[:-1]).to(torch.float64)
     sizes = rows_per[:, None] * cols_per[None, :]
     return (counts / sizes).to(torch.float32), int(idx.numel())
+
+
+def distinct_indices(idx: torch.Tensor) -> torch.Tensor:
+    """The flat indices ``idx`` (1-D) with each index once: ``idx`` itself when it is
+    strictly increasing, as patches from :func:`~patchkit.build.sparse_patches_from_diff`
+    and :func:`~patchkit.build.random_sparse_patch` are (one pass to check, on ``idx``'s
+    device), else sorted by :func:`torch.unique` (O(nnz log nnz)): an index may repeat
+    (``validate_unique_indices=False``), and an element written twice is still one
+    element."""
+    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        return torch.unique(idx)
+    return idx
 
 
 def _as_bins(bins: object) -> tuple[int, int]:

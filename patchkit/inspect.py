@@ -69,7 +69,7 @@ from .bitwise import (
 )
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
-from .density import _row_major_strides, density_map, region_text
+from .density import _row_major_strides, density_map, distinct_indices, region_text
 from .errors import PatchTypeError
 from .intercept import (
     RuntimeIndex,
@@ -109,7 +109,13 @@ def _kind(p: CheckpointWeightPatch) -> str:
 
 
 def _nnz(p: CheckpointWeightPatch) -> int:
-    return numel(p) if p.indices is None else int(p.indices.numel())
+    """Elements ``p`` writes: all of a dense patch's; a sparse patch's distinct indices
+    (see :func:`~patchkit.density.distinct_indices`: a sort only where they are not
+    strictly increasing). Indices on the meta device hold no numbers: counted as given."""
+    if p.indices is None:
+        return numel(p)
+    idx = p.indices.reshape(-1)
+    return int(idx.numel() if idx.is_meta else distinct_indices(idx).numel())
 
 
 def _dtype(d: torch.dtype) -> str:
@@ -120,11 +126,13 @@ def patch_summary(patches: Iterable[CheckpointWeightPatch]) -> pd.DataFrame:
     """One row per patch, in input order: what it is and what it costs.
 
     Columns: ``position``, ``name``, ``kind`` (dense/sparse), ``shape``, ``dtype``,
-    ``numel``, ``nnz`` (elements written: all of them for dense), ``density``
-    (``nnz / numel``), ``wire_bytes`` (values plus indices as held), ``staged_bytes``
-    (the full checkpoint-shaped tensor). Needs no model and loads nothing. Each item must
-    be a patch (a plain 5-tuple is taken as one); anything else raises
-    :class:`~patchkit.PatchTypeError` naming its position, before any row is built.
+    ``numel``, ``nnz`` (elements written: all of them for dense; for sparse, its distinct
+    indices, so an index given twice, as ``validate_unique_indices=False`` allows, counts
+    once, as in :func:`density_map`; indices that are not strictly increasing cost a sort
+    to count), ``density`` (``nnz / numel``), ``wire_bytes`` (values plus indices as
+    held), ``staged_bytes`` (the full checkpoint-shaped tensor). Needs no model and loads
+    nothing. Each item must be a patch (a plain 5-tuple is taken as one); anything else
+    raises :class:`~patchkit.PatchTypeError` naming its position, before any row is built.
     """
     patches = [_as_patch(p) for p in patch_list(patches)]
     for i, p in enumerate(patches):
@@ -308,10 +316,18 @@ class LoadReport:
       that load was ``transactional=True`` and put every write back (False when a region
       could not be written back: the error then says which; the ``writes``
       table still says what the load did before it failed; ``deltas`` compares with the
-      model as it is after the rollback).
+      model as it is after the rollback). With ``loader=``, the observed loader's own
+      rollback is read from the model: when the load raised and every element its calls
+      wrote holds its value from before the load again, bit for bit, it is True where the
+      load was ``transactional=True`` or a change one of its writes made is now undone (a
+      load whose writes changed nothing, not asked to be transactional, shows no
+      rollback); ``loaded``, ``deltas`` and ``written()`` are then those of patchkit's
+      own rollback. Where it undid some targets and left others as written, it is False
+      and the report reads as after an incomplete rollback of patchkit's own: only the
+      targets left keep their saves (``deltas`` rows, ``written()``).
     - ``loaded``: the names the loader reported loaded. After a failure without
       rollback, those of the calls that returned before it (after an incomplete one,
-      those of them that wrote into a target it could not restore).
+      those of them that wrote into a target it did not restore).
 
     The four tables are built when first read (their numbers were all taken when the load
     ended), so that a report in a training loop costs no pandas work until it is looked
@@ -683,7 +699,12 @@ def inspect_load(
       calls the loader made, each patch in the call that sent it (``closed_by`` inferred
       by the contract's rules, ``loader`` where none applies);
     - a sent name is matched to the first patch of that name not sent yet, so a patch
-      list that names one weight twice is followed call by call;
+      list that names one weight twice is followed call by call; for a tied tensor, to
+      the first not sent yet of any of its names (a loader that renames the alias to the
+      first name, CONTRACT §6, sent that patch: ``note`` says it was renamed, and its
+      writes are its own), and where patches of two of its names wait, to the first whose
+      values the staged tensor holds. The plan's drop of a tied alias applies only to a
+      loader that did not send it;
     - a ``copy_`` from a sparse patch's staged tensor counts as the NaN-merge the contract
       asks for: only the elements whose source is not NaN are written and saved, as with
       patchkit's loader. A loader that instead copies the NaN into the model (it does not
@@ -802,6 +823,16 @@ def _inspect_load(
         left = {t for s in sessions for t in s.unrestored}
         if left:
             loaded &= {e.name for e in rec.events if e.target in left}
+    if loader is not None and error is not None and rec.calls:
+        # An observed loader may undo its writes itself (a transactional one) and raise:
+        # what it left as written, compared with the saves, says what stayed loaded.
+        left = _left_as_written([s for session in sessions for s in session.saved])
+        undone = {e.target for e in rec.events if e.changed} - left
+        if (transactional and not left) or undone:
+            rolled_back = not left
+            loaded &= {e.name for e in rec.events if e.target in left}
+            for session in sessions:  # (as patchkit's own rollback keeps them)
+                session.saved = [r for r in session.saved if r.target in left]
     if loader is not None and (error is not None or rollbacks() != rollbacks_before):
         # An observed loader may have undone its writes unseen (patchkit's own loader with
         # transactional=True restores outside any interception, then raises, or returns
@@ -814,14 +845,19 @@ def _inspect_load(
         # A rollback (this load's own, or one it did not see) or the loader itself may
         # have bound original tensors again: those are no longer rebound.
         session.forget_undone_rebindings()
-    if loader is not None and not _as_planned(observed, plan, complete=error is None):
-        # The observed loader chunked otherwise: the table shows the calls it made.
+    sent_name = dict(zip(positions, (p.name for p in kept)))
+    observed_calls = loader is not None and not _as_planned(
+        observed, plan, complete=error is None)
+    if observed_calls:
+        # The observed loader chunked otherwise: the table shows the calls it made, under
+        # the names it sent (what the plan would drop, a tied alias, it may have sent).
         plan = _reasons(observed, patches, max_chunk_bytes)
+        sent_name = {p: n for c in plan for p, n in zip(c.positions, c.names) if p >= 0}
     try:
         with torch.no_grad():  # (statistics of tensors that require grad: no graphs)
             report = _build_report(
-                model, patches, kept, positions, plan, rec, sessions, max_chunk_bytes, loaded,
-                error,
+                model, patches, sent_name, observed_calls, plan, rec, sessions,
+                max_chunk_bytes, loaded, error,
             )
     except Exception:
         if error is not None:
@@ -843,7 +879,7 @@ def _observe_foreign(
     sessions.append(session)
     original = model.load_weights
     had_instance_attr = "load_weights" in vars(model)
-    sent = _SentPositions(patches)
+    sent = _SentPositions(patches, session.index.aliases)
     # A call whose names match no patch (a loader that renames them) may carry a sparse
     # one: its copies are checked for NaN as well.
     any_sparse = any(p.indices is not None for p in patches)
@@ -852,10 +888,11 @@ def _observe_foreign(
         staged = list(weights)
         i = len(observed)
         names = tuple(n for n, _ in staged)
-        if i < len(plan) and plan[i].names == names and _as_planned(observed, plan):
+        if (i < len(plan) and plan[i].names == names and _as_planned(observed, plan)
+                and not sent.ambiguous(names)):
             pos = plan[i].positions
         else:
-            pos = sent.match(names)
+            pos = sent.match(names, [t for _, t in staged])
         sent.mark(names, pos)
         nbytes = sum(t.numel() * t.element_size() for _, t in staged)
         observed.append(Chunk(i, tuple(pos), names, nbytes, "end"))
@@ -892,25 +929,60 @@ def _as_planned(calls: list[Chunk], plan: list[Chunk], complete: bool = False) -
 
 
 class _SentPositions:
-    """Which input positions an observed loader's calls sent, matched by name: a sent name
-    is the first patch of that name not sent yet; a name sent again, the position it was
-    sent from last; -1, a name no patch has."""
+    """Which input positions an observed loader's calls sent, matched by name.
 
-    def __init__(self, patches: Sequence[CheckpointWeightPatch]) -> None:
+    A sent name is the first patch not sent yet of that name or, for a tied tensor, of
+    any of its names (a loader renames an alias to its first name, CONTRACT §6, so a
+    patch for ``head`` arrives as ``embed``). Where patches of two names of one tied
+    tensor both wait, the first of them, in input order, whose values the staged tensor
+    holds (a dense patch's own storage, or its values bit for bit; a sparse patch's values
+    at its indices) is the one sent; when none does (a loader that transformed them), the
+    first in input order. A name sent again once all its patches were sent is the
+    position it was sent from last; a name no patch has, -1.
+    """
+
+    def __init__(self, patches: Sequence[CheckpointWeightPatch],
+                 aliases: dict[str, str] | None = None) -> None:
+        self._patches = patches
+        self._first = dict(aliases or {})  # tied alias -> the tensor's first name
         self._unsent: dict[str, collections.deque[int]] = {}
+        # a tensor's first name -> the names its patches use (two or more: a tied tensor
+        # patched under several of its names)
+        self._names: dict[str, list[str]] = {}
         for i, p in enumerate(patches):
+            if p.name not in self._unsent:
+                first = self._first.get(p.name, p.name)
+                self._names.setdefault(first, []).append(p.name)
             self._unsent.setdefault(p.name, collections.deque()).append(i)
         self._taken: set[int] = set()
         self._last: dict[str, int] = {}
 
-    def match(self, names: Sequence[str]) -> tuple[int, ...]:
-        """The positions of one call's ``names`` (marked sent as they are matched)."""
+    def ambiguous(self, names: Sequence[str]) -> bool:
+        """True when one of ``names`` names a tied tensor whose patches use more than one
+        of its names: which of them a call sent is then not told by its names alone (the
+        plan drops an alias patched with its first name; a loader may send both)."""
+        return any(len(self._names.get(self._first.get(n, n), ())) > 1 for n in names)
+
+    def match(self, names: Sequence[str],
+              staged: Sequence[Any] | None = None) -> tuple[int, ...]:
+        """The positions of one call's ``names`` (marked sent as they are matched);
+        ``staged``: the tensors sent with them, which tell the patches of a tied tensor's
+        names apart."""
         out = []
-        for n in names:
-            queue = self._unsent.get(n)
-            while queue and queue[0] in self._taken:
-                queue.popleft()  # sent already, by position (a call that followed the plan)
-            pos = queue.popleft() if queue else self._last.get(n, -1)
+        for k, n in enumerate(names):
+            waiting = []
+            for m in self._names.get(self._first.get(n, n), [n]):
+                queue = self._unsent.get(m)
+                while queue and queue[0] in self._taken:
+                    queue.popleft()  # sent already (a call that followed the plan)
+                if queue:
+                    waiting.append(queue[0])
+            waiting.sort()
+            if len(waiting) > 1 and staged is not None:
+                pos = next((i for i in waiting if _holds(staged[k], self._patches[i])),
+                           waiting[0])
+            else:
+                pos = waiting[0] if waiting else self._last.get(n, -1)
             self.mark((n,), (pos,))
             out.append(pos)
         return tuple(out)
@@ -921,6 +993,28 @@ class _SentPositions:
             if p >= 0:
                 self._taken.add(p)
             self._last[n] = p
+
+
+def _holds(staged: Any, p: CheckpointWeightPatch) -> bool:
+    """True when ``staged`` is what CONTRACT §3 stages for ``p``: a dense patch's values
+    (its own storage, else compared bit for bit), a sparse patch's values at its indices
+    (compared there only). A tensor of another shape or dtype, or one it cannot compare,
+    is not held."""
+    if not isinstance(staged, torch.Tensor) or not isinstance(p.values, torch.Tensor):
+        return False
+    try:
+        if tuple(staged.shape) != tuple(int(d) for d in p.shape) or staged.dtype != p.dtype:
+            return False
+        values = p.values if p.values.dtype == p.dtype else p.values.to(p.dtype)
+        if p.indices is None:
+            if (staged.data_ptr() == values.data_ptr() and staged.is_contiguous()
+                    and values.is_contiguous()):
+                return True
+            return torch.equal(bits(staged.reshape(-1)), bits(values.reshape(-1).to(staged.device)))
+        idx = p.indices.to(device=staged.device, dtype=torch.int64)
+        return torch.equal(bits(staged.reshape(-1)[idx]), bits(values.to(staged.device)))
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def _reasons(calls: list[Chunk], patches, max_chunk_bytes: int) -> list[Chunk]:
@@ -944,6 +1038,31 @@ def _reasons(calls: list[Chunk], patches, max_chunk_bytes: int) -> list[Chunk]:
         out.append(Chunk(c.index, c.positions, c.names, c.bytes, reason,
                          over_budget=len(c.positions) == 1 and c.bytes > max_chunk_bytes))
     return out
+
+
+def _left_as_written(saved: list[SavedRegion]) -> set[str]:
+    """The targets of ``saved`` (in the order saved) where an element a write saved does
+    not hold its value from before the load now, bit for bit: where saves overlap, an
+    element's value before the load is its oldest save's. Reads each saved element once
+    (one host wait per save on a GPU); only where that finds a difference are overlapping
+    saves told apart, with a second pass over them."""
+    if all(s.changed_now() == 0 for s in saved):
+        return set()
+    left: set[str] = set()
+    seen: dict[tuple, torch.Tensor] = {}  # storage offsets saved so far, by storage
+    for s in saved:
+        key = (s.region.key, s.view.dtype)
+        index = s.storage_index()
+        now, before = bits(s.current()), bits(s.flat_before())
+        earlier = seen.get(key)
+        if earlier is not None:
+            first = ~torch.isin(index, earlier)  # elements this save is the oldest of
+            now, before = now[first], before[first]
+            index = torch.cat([earlier, index])
+        seen[key] = index
+        if bool((now != before).any()):
+            left.add(s.target)
+    return left
 
 
 def _rebuilt(t: torch.Tensor, saved: list[SavedRegion]) -> torch.Tensor:
@@ -976,7 +1095,8 @@ def _rebound_row(name: str, old: torch.Tensor, now: torch.Tensor,
 
 
 def _build_report(
-    model, patches, kept, positions, plan, rec, sessions, max_chunk_bytes, loaded, error
+    model, patches, sent_name, observed_calls, plan, rec, sessions, max_chunk_bytes, loaded,
+    error,
 ) -> LoadReport:
     index = sessions[0].index if sessions else None
     if index is None and isinstance(model, torch.nn.Module):
@@ -1058,7 +1178,7 @@ def _build_report(
     report._registered = tuple(registered)
     report._aliases = aliases
     report._tables = {
-        "chunks": lambda: _chunks_frame(patches, kept, positions, plan, len(calls)),
+        "chunks": lambda: _chunks_frame(patches, sent_name, plan, len(calls), observed_calls),
         "calls": lambda: _frame({
             c: [row[c] for row in calls]
             for c in ("chunk", "names", "returned", "writes", "seconds", "error")
@@ -1069,19 +1189,22 @@ def _build_report(
     return report
 
 
-def _chunks_frame(patches, kept, positions, plan, ran: int) -> pd.DataFrame:
-    """The ``chunks`` table; ``ran``: how many ``load_weights`` calls were made."""
+def _chunks_frame(patches, sent_name: dict[int, str], plan, ran: int,
+                  observed_calls: bool = False) -> pd.DataFrame:
+    """The ``chunks`` table. ``sent_name``: the name each input position was (to be) sent
+    under; ``ran``: how many ``load_weights`` calls were made; ``observed_calls``: ``plan``
+    is the calls an observed loader made, so a position it did not send was not sent,
+    never dropped as a tied alias (that is the plan's rule, CONTRACT §6)."""
     chunk_of: dict[int, Chunk] = {}
     for c in plan:
         for p in c.positions:
             if p >= 0:
                 chunk_of.setdefault(p, c)
-    sent_name = dict(zip(positions, (p.name for p in kept)))
     stopped = (f"not sent: the load stopped in call {ran - 1}" if ran
                else "not sent: the load stopped before its first call")
     notes = []
     for i, p in enumerate(patches):
-        if i not in sent_name:
+        if i not in sent_name and not observed_calls:
             notes.append("dropped: tied alias of a weight patched in the same call")
         elif i not in chunk_of:
             notes.append("not sent by the observed loader" if ran else stopped)

@@ -167,6 +167,20 @@ def test_patch_summary_reports_density_and_bytes():
     assert df["wire_bytes"].tolist() == [16, 2 * 2 + 2 * 8]
 
 
+def test_nnz_counts_an_index_given_twice_once_as_density_map_does():
+    # 6 entries over 3 distinct positions read nnz 6 (density 0.15) in patch_summary and
+    # chunks, while density_map counted each position once
+    p = sparse("w", (40,), [3, 7, 3, 9, 7, 3], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    unsorted = sparse("u", (40,), [9, 3, 7], [1.0, 2.0, 3.0])  # unique, not sorted
+    r = inspect_load(PlainModel({"w": (40,), "u": (40,)}), [p, unsorted],
+                     validate_unique_indices=False)
+    for df in (patch_summary([p, unsorted]), r.chunks):
+        assert df["nnz"].tolist() == [3, 3]
+        assert df["density"].tolist() == [3 / 40, 3 / 40]
+    assert float(patchkit.density_map(p, bins=(1, 1))) == pytest.approx(3 / 40)  # float32
+    assert r.deltas.loc["w", "elements"] == 3
+
+
 def test_a_failed_load_raises_with_the_partial_report_attached():
     m = Packed()
     ps = [dense("q", torch.ones(4, 4)), dense("nope", torch.ones(4, 4))]
@@ -484,6 +498,73 @@ def test_a_tied_alias_names_the_same_runtime_tensor_in_a_report():
     assert r.chunks["name"].tolist() == ["embed"]  # renamed to the canonical name
     assert r.after("head").tolist() == r.after("embed").tolist() == [0.0, 0.0, 5.0, 0.0]
     assert r.before("head").tolist() == [0.0] * 4
+
+
+class _TiedByName(torch.nn.Module):
+    """``emb`` (6, 4) and ``head``, one tied Parameter (``emb`` registered first): each
+    weight is copied into the parameter its name gives."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Parameter(torch.zeros(6, 4), False)
+        self.head = self.emb
+
+    def load_weights(self, weights):
+        for n, t in weights:
+            getattr(self, n).data.copy_(t)
+        return {n for n, _ in weights}
+
+
+def _one_load_per_patch(model, patches, **kwargs):
+    """A foreign loader that runs patchkit's own load once per patch: each call renames a
+    tied alias to its first name (CONTRACT §6), and none drops one."""
+    names = set()
+    for p in patches:
+        names |= patchkit.load_checkpoint_weight_patches(model, [p])
+    return names
+
+
+def _reversed_in_one_call(model, patches, **kwargs):
+    """A foreign loader that sends every patch in one call, last first, under its own name
+    (dense patches only: it does no NaN-merging)."""
+    return model.load_weights([(p.name, _staged(p)) for p in reversed(patches)])
+
+
+@pytest.mark.parametrize("head_first", [False, True], ids=["emb-head", "head-emb"])
+def test_an_observed_loader_that_sends_a_tied_alias_is_credited_with_it(head_first):
+    # a loader that sent the alias (renamed to emb) had it reported dropped, and its write
+    # credited to the emb patch
+    emb = sparse("emb", (6, 4), [0, 1], [1.0, 2.0])
+    head = sparse("head", (6, 4), [5, 6, 7], [3.0, 4.0, 5.0])
+    ps = [head, emb] if head_first else [emb, head]
+    at = {"emb": ps.index(emb), "head": ps.index(head)}
+    m = _TiedByName()
+    r = inspect_load(m, ps, loader=_one_load_per_patch)
+    assert m.emb.view(-1)[:8].tolist() == [1, 2, 0, 0, 0, 3, 4, 5]
+    assert r.calls["names"].tolist() == [("emb",), ("emb",)]
+    assert r.chunks["chunk"].tolist() == [0, 1]
+    assert r.chunks["name"].tolist() == ["emb", "emb"]
+    assert r.chunks["note"][at["head"]] == "renamed from 'head' (tied alias)"
+    assert r.chunks["note"][at["emb"]] == ""
+    assert r.writes["position"].tolist() == [0, 1]
+    assert r.writes["written"].tolist() == [len(ps[0].values), len(ps[1].values)]
+    # Each name sent under itself, in another order: matched by what each call holds.
+    dense_ps = [dense(p.name, torch.full((6, 4), float(k + 1))) for k, p in enumerate(ps)]
+    m = _TiedByName()
+    r = inspect_load(m, dense_ps, loader=_reversed_in_one_call)
+    assert (m.emb == 1).all()
+    assert r.calls["names"].tolist() == [(ps[1].name, ps[0].name)]
+    assert r.chunks["chunk"].tolist() == [0, 0] and r.chunks["note"].tolist() == ["", ""]
+    assert r.writes["position"].tolist() == [1, 0]
+    assert r.writes["name"].tolist() == [ps[1].name, ps[0].name]
+    # patchkit's own loader, observed, really drops the alias: the report says so, as the
+    # report of the load itself does.
+    own = inspect_load(_TiedByName(), ps)
+    r = inspect_load(_TiedByName(), ps, loader=patchkit.load_checkpoint_weight_patches)
+    for rep in (own, r):
+        assert rep.chunks["chunk"].tolist()[at["emb"]] == 0
+        assert rep.chunks["note"][at["head"]].startswith("dropped: tied alias")
+        assert rep.writes["position"].tolist() == [at["emb"]]
 
 
 # -- dense copies that change only part of what they write ---------------------------------
@@ -1088,8 +1169,69 @@ def test_an_observed_loader_that_rolls_back_unseen_shows_no_change_left(compiled
                      loader=patchkit.load_checkpoint_weight_patches)
     r = info.value.report
     assert float(model.a.abs().sum()) == 0.0  # the observed loader rolled back
-    assert r.deltas.loc["a", "changed"] == 0 and r.deltas.loc["a", "max_abs"] == 0.0
+    # ... and the report says so, as patchkit's own rollback reads: no change left
+    assert r.rolled_back and list(r.deltas.index) == [] and r.loaded == set()
     assert r.writes["changed"].tolist()[0] == 4096  # what the write itself did
+
+
+def _undoes_only(undo):
+    """A foreign loader: one call per patch; when a call raises, it writes back the values
+    from before the load of the weights named in ``undo`` (unseen: outside the calls) and
+    raises again."""
+    def loader(model, patches, **kwargs):
+        old = {n: model.get_parameter(n).detach().clone() for n in undo}
+        names = set()
+        try:
+            for p in patches:
+                names |= set(model.load_weights([(p.name, _staged(p))]) or ())
+        except RuntimeError:
+            for n, t in old.items():
+                model.get_parameter(n).data.copy_(t)
+            raise
+        return names
+    return loader
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_an_observed_loader_that_rolls_back_and_raises_is_reported_rolled_back(compiled):
+    # the report said rolled_back=False and loaded=['a', 'b'], with deltas rows and
+    # written elements for a and b, though the observed loader had restored them
+    import contextlib
+
+    from patchkit import native
+
+    shapes = {"a": (4, 4), "b": (8,), "c": (4, 4)}
+    ps = [dense(n, torch.ones(s)) for n, s in shapes.items()]
+    ps.insert(1, dense("a", torch.full((4, 4), 2.0)))  # a written twice: saves overlap
+    reports = {}
+    for loader in (None, patchkit.load_checkpoint_weight_patches):
+        model = FailingModel(shapes, fail_on="c")
+        with contextlib.nullcontext() if compiled else native.disabled(), \
+                pytest.raises(RuntimeError) as info:
+            inspect_load(model, ps, transactional=True, max_chunk_bytes=1, loader=loader)
+        assert all(float(t.abs().sum()) == 0 for t in model.parameters())
+        reports[loader] = info.value.report
+    for r in reports.values():
+        assert r.rolled_back and r.summary()["rolled back"] is True
+        assert r.loaded == set() and len(r.deltas) == 0
+        assert int(r.written("a").sum()) == int(r.written("b").sum()) == 0
+        assert r.writes["target"].tolist() == ["a", "a", "b"]  # what the load did
+    # A loader that undoes a only: b stays loaded, as after an incomplete rollback.
+    model = FailingModel(shapes, fail_on="c")
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(model, ps, max_chunk_bytes=1, loader=_undoes_only(["a"]))
+    r = info.value.report
+    assert float(model.a.abs().sum()) == 0 and (model.b == 1).all()
+    assert not r.rolled_back and r.loaded == {"b"}
+    assert list(r.deltas.index) == ["b"] and r.deltas.loc["b", "changed"] == 8
+    assert int(r.written("a").sum()) == 0 and int(r.written("b").sum()) == 8
+    # One that undoes nothing: everything it wrote stays loaded.
+    model = FailingModel(shapes, fail_on="c")
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(model, ps, max_chunk_bytes=1, loader=_undoes_only([]))
+    r = info.value.report
+    assert not r.rolled_back and r.loaded == {"a", "b"}
+    assert list(r.deltas.index) == ["a", "b"]
 
 
 class _RebindsThenFails(PlainModel):
@@ -1141,7 +1283,10 @@ def test_an_observed_loader_that_rolls_back_unseen_and_returns_or_rebinds(compil
         r = info.value.report
     assert float(model.a.abs().sum()) == 0.0  # rolled back
     assert patchkit.same_bits(r.after("a"), model.a.detach())
-    assert r.deltas.loc["a", "changed"] == 0 and r.deltas.loc["a", "max_abs"] == 0.0
+    if case == "returns":
+        assert r.deltas.loc["a", "changed"] == 0 and r.deltas.loc["a", "max_abs"] == 0.0
+    else:  # (raised: read as patchkit's own rollback, which leaves no deltas row)
+        assert r.rolled_back and list(r.deltas.index) == []
 
 
 class _IntoTheParameter(PlainModel):
