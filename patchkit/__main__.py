@@ -1,8 +1,10 @@
 """Command line: ``python -m patchkit {tour,demo,inspect} ...`` (or ``patchkit ...``).
 
 Exit status: 0 when the command did what it says (every check of ``tour``/``demo`` held);
-1 when a check of ``tour``/``demo`` failed, or when the output's reader went away (a
-closed pipe, as in ``patchkit inspect FILE | head -1``: the command stops quietly);
+1 when a check of ``tour``/``demo`` failed, when the output's reader went away (a
+closed pipe, as in ``patchkit inspect FILE | head -1``: the command stops quietly), or
+when the output could not be written (stdout on a full disk, say: ``error: ...`` on
+stderr);
 2 for bad input (an unreadable patch file, an unusable or empty ``--device`` or
 ``--out``, a bad option), with ``error: ...`` on stderr.
 """
@@ -216,6 +218,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(devnull, sys.stdout.fileno())
         except (AttributeError, OSError, ValueError):  # stdout is no real file (tests)
             pass
+        return 1
+    except OSError as e:
+        # The output could not be written (stdout on a full disk, a figure in --out):
+        # say so on stderr, not as a traceback.
+        print(f"error: {e}", file=sys.stderr)
+        try:
+            sys.stdout.flush()
+        except OSError:  # stdout itself: the flush at exit would fail again
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+            except (AttributeError, OSError, ValueError):
+                pass
         return 1
     return code
 

@@ -626,7 +626,7 @@ class AdamLikeTrainer:
     ``PatchValueError``): ``state_dict`` a mapping of names to tensors; ``lr``,
     ``weight_decay`` and ``grad_std`` finite numbers >= 0; ``eps`` a finite number > 0;
     ``betas`` two numbers in [0, 1) (a beta of 1 would divide by zero in the bias
-    correction and turn every weight NaN); ``seed`` an int.
+    correction and turn every weight NaN); ``seed`` an int in ``[0, 2**64)``.
     """
 
     def __init__(
@@ -653,7 +653,10 @@ class AdamLikeTrainer:
         self.weight_decay = _check_real(weight_decay, "weight_decay", 0.0)
         self.grad_std = _check_real(grad_std, "grad_std", 0.0)
         self.step_count = 0
-        self._generator = torch.Generator(device="cpu").manual_seed(_check_int(seed, "seed", 0))
+        seed = _check_int(seed, "seed", 0)
+        if seed >= 1 << 64:  # (torch's generators take a 64-bit seed)
+            raise PatchValueError(f"seed must be < 2**64, got {seed}", reason="seed", value=seed)
+        self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self._dtypes = {k: t.dtype for k, t in state_dict.items()}
         self._fixed: dict[str, torch.Tensor] = {}
         self.master: dict[str, torch.Tensor] = {}

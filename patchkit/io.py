@@ -475,6 +475,13 @@ _NOT_REGULAR = [
 def _check_destination(dest: str, path: str) -> None:
     """Refuse a ``dest`` no file can be saved at, naming ``path`` (what the caller
     passed; ``dest`` is its link's target, or ``path`` itself) and the problem."""
+    if not dest:
+        raise FileNotFoundError(errno.ENOENT, "cannot save patches: the path is empty", path)
+    if dest.endswith(("/", os.sep)) and not os.path.isdir(dest):
+        raise NotADirectoryError(
+            errno.ENOTDIR, "cannot save patches: the path ends with a folder separator, "
+            "so it names a folder, not a file", path,
+        )
     if os.path.isdir(dest):
         raise IsADirectoryError(
             errno.EISDIR, "cannot save patches: the path is a folder, not a file", path
@@ -612,7 +619,26 @@ def _open(path: str, device: str = "cpu") -> Any:
     if not os.path.isfile(path):
         raise _fail(path, "not a regular file", "not a file")
     try:
-        return safe_open(path, framework="pt", device=device)
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        # A name that is not UTF-8 (Latin-1 bytes on Linux): safetensors opens files by
+        # UTF-8 paths only. The open file's /proc link is one; it keeps its own mapping.
+        if not os.path.isdir("/proc/self/fd"):
+            raise _fail(path, "its path is not valid UTF-8, and safetensors opens files "
+                        "by UTF-8 paths only: rename the file", "path not UTF-8") from None
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return _safe_open(safe_open, f"/proc/self/fd/{fd}", device, path)
+        finally:
+            os.close(fd)
+    return _safe_open(safe_open, path, device, path)
+
+
+def _safe_open(safe_open: Any, at: str, device: str, path: str) -> Any:
+    """``safe_open`` of the file at ``at`` (``path``, or a link to it), its failure a
+    PatchValueError naming ``path``."""
+    try:
+        return safe_open(at, framework="pt", device=device)
     except Exception as e:
         raise _fail(
             path,
@@ -836,7 +862,13 @@ def load_patches(
     neither a ``str`` nor a ``torch.device``: :class:`~patchkit.errors.PatchTypeError`.
     Without the ``safetensors`` package: :class:`ModuleNotFoundError`.
     """
-    return [p for _, p in _load(os.fspath(path), str(_checked_device(device)))]
+    return [p for _, p in _load(os.fspath(path), _device_text(_checked_device(device)))]
+
+
+def _device_text(device: torch.device) -> str:
+    """``device`` as safetensors takes it: ``"cpu"`` for the CPU whatever its index
+    (``"cpu:0"``, which torch takes, safetensors refuses), else torch's name for it."""
+    return "cpu" if device.type == "cpu" else str(device)
 
 
 def _load(

@@ -729,3 +729,11 @@ def test_random_takes_numpy_numbers_and_the_meta_device():
     assert torch.equal(p.values, 2.0 * q.values)  # std scales the same draws
     m = random_sparse_patch("w", (8,), torch.float32, 0.5, device="meta")
     assert m.values.is_meta and m.indices.is_meta
+
+
+@pytest.mark.parametrize("seed", [1 << 64, -1])
+def test_a_seed_outside_64_bits_is_refused_by_name(seed):
+    with pytest.raises(PatchValueError, match="seed must be") as info:
+        AdamLikeTrainer({"w": torch.ones(2)}, seed=seed)
+    assert info.value.reason == "seed" and info.value.value == seed
+    AdamLikeTrainer({"w": torch.ones(2)}, seed=(1 << 64) - 1)  # the largest one torch takes

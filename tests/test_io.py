@@ -1150,3 +1150,58 @@ def test_a_refused_mode_change_is_reported_as_one(tmp_path, monkeypatch):
     with pytest.raises(PermissionError, match="cannot give the written file the mode") as e:
         save_patches(path, [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))])
     assert e.value.filename == str(path) and os.listdir(tmp_path) == []
+
+
+# -- found by review -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)])
+def test_a_cpu_device_with_an_index_loads_the_file(tmp_path, device):
+    # torch takes "cpu:0"; safetensors refuses it, and the refusal read as a corrupt file
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    (p,) = load_patches(path, device=device)
+    assert p.values.tolist() == [1.0, 1.0] and p.values.device.type == "cpu"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux: names are bytes there")
+def test_a_file_whose_name_is_not_utf8_round_trips(tmp_path):
+    # safetensors opens files by UTF-8 paths only: the save worked, the load called the
+    # file corrupt
+    path = os.path.join(os.fsdecode(bytes(tmp_path)), os.fsdecode(b"patch-\xff.safetensors"))
+    patches = [CheckpointWeightPatch("w", (3,), torch.float32, torch.tensor([1.0, 2.0]),
+                                     torch.tensor([0, 2]))]
+    save_patches(path, patches)
+    (p,) = load_patches(path)
+    assert p.values.tolist() == [1.0, 2.0] and p.indices.tolist() == [0, 2]
+    assert [e.name for e in read_patch_index(path)] == ["w"]
+    junk = os.path.join(os.fsdecode(bytes(tmp_path)), os.fsdecode(b"junk-\xff.safetensors"))
+    with open(junk, "wb") as f:
+        f.write(b"not a safetensors file")
+    with pytest.raises(PatchValueError, match="not a readable safetensors file") as info:
+        load_patches(junk)
+    assert info.value.reason == "not safetensors" and "junk-" in str(info.value)
+
+
+@pytest.mark.parametrize("name,error", [("", FileNotFoundError),
+                                        ("missing/", NotADirectoryError)])
+def test_a_path_that_names_no_file_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch, name, error
+):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error, match="cannot save patches: the path"):
+        save_patches(name, [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))])
+    assert os.listdir(tmp_path) == []
+
+
+def test_inspect_says_error_when_its_output_cannot_be_written(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    path = tmp_path / "many.safetensors"
+    save_patches(path, [CheckpointWeightPatch(f"w{i}", (2,), torch.float32, torch.ones(2))
+                        for i in range(3000)])
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "patchkit", "inspect", str(path)],
+                              stdout=full, stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr
