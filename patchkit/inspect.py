@@ -353,6 +353,8 @@ class LoadReport:
     # Every runtime tensor the report knows (targets, names removed, tensors registered
     # and removed again) and its shape: what the figures accept.
     _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, init=False)
+    # Their element strides as the load left them (what the writes' strides step through).
+    _strides: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, init=False)
 
     # -- values ----------------------------------------------------------------------
 
@@ -1057,6 +1059,7 @@ def _build_report(
     report._saved = list(saved)
     report._runtime = runtime
     report._shapes = shapes
+    report._strides = strides
     report._removed = removed
     report._rebound = originals
     report._registered = tuple(registered)
