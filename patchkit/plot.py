@@ -842,10 +842,13 @@ def plot_placement(
     whose region is no box (from its ``target_region`` text, see :func:`region_rects`).
     The checkpoint side is drawn from ``checkpoint_region`` (:func:`region_rects`),
     hatched and dashed where that is no box. At most 64 writes per tensor and 8
-    checkpoint tensors per row are drawn; a note counts the rest. Names are shown as
-    written (no mathtext); a runtime title too long for one line gets its counts on a
-    second line and its name cut to its tail after ``…``. Runtime row and column ticks
-    are whole numbers.
+    checkpoint tensors per row are drawn; a note counts the rest. A runtime title
+    counts the tensor's writes and the elements they wrote (the ``written`` column of
+    ``report.writes``, summed: a NaN-merged write writes only its entries that are not
+    NaN), and where those are fewer, the elements of the views written: ``"1 write, 2
+    elements written of 1,024 in its view"``. Names are shown as written (no mathtext);
+    a runtime title too long for one line gets its counts on a second line and its name
+    cut to its tail after ``…``. Runtime row and column ticks are whole numbers.
 
     ``targets`` is a list of runtime tensor names, or one name as a string. A tied alias
     (``lm_head.weight`` where it is the embedding's Parameter) names the tensor it is
@@ -976,8 +979,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     ax_rt.set_xlabel(xlabel)
     ax_rt.set_ylabel(ylabel)
     _integer_ticks(ax_rt, len(tshape))
-    n_el = int(mine["elements"].sum()) if len(mine) else 0
-    counts = f"{len(mine)} write{'s' if len(mine) != 1 else ''}, {n_el:,} elements"
+    counts = _write_counts(mine)
     # The title may spread past the axes, up to the checkpoint column's title: about
     # 0.48 of the figure's width with the widest legend. Too long for one line, the
     # counts get their own.
@@ -1020,6 +1022,19 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     if not slot:
         ax_ck.text(0.5, 0.5, "no traced source", transform=ax_ck.transAxes, ha="center",
                    va="center", color="0.3")
+
+
+def _write_counts(mine: Any) -> str:
+    """``"2 writes, 64 elements written"``: the writes and the elements they wrote (a
+    NaN-merged write only those whose source is not NaN), and where that is fewer than
+    the elements of the views written, those too."""
+    n_views = int(mine["elements"].sum()) if len(mine) else 0
+    n_written = int(mine["written"].sum()) if len(mine) else 0
+    counts = (f"{len(mine)} write{'s' if len(mine) != 1 else ''}, "
+              f"{n_written:,} element{'s' if n_written != 1 else ''} written")
+    if n_written != n_views:
+        counts += f" of {n_views:,} in {'its view' if len(mine) == 1 else 'their views'}"
+    return counts
 
 
 def _runtime_rects(write: Any, tshape: tuple[int, ...], row_major: bool

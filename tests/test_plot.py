@@ -586,6 +586,22 @@ def test_placement_takes_one_target_name_given_as_a_string():
     assert fig.axes[1].get_title().startswith("runtime ab (4, 4): 1 write")
 
 
+def test_placement_title_counts_the_elements_written_not_those_of_the_views():
+    # a sparse k writes 2 of the 32 elements of its (4, 8) view of qkv
+    report = inspect_load(Shards(), [sparse("k", [0, 9], [1.0, 2.0])])
+    title = plot_placement(report).axes[1].get_title()
+    assert title.endswith(": 1 write, 2 elements written of 32 in its view")
+    report, _ = load("q k v")  # dense: every element of the views, said once
+    title = plot_placement(report).axes[1].get_title()
+    assert title == "runtime qkv (12, 8): 3 writes, 96 elements written"
+    report = inspect_load(Shards(), [sparse("k", [3], [1.0]), sparse("v", [0, 1], [1.0, 1.0])])
+    title = plot_placement(report).axes[1].get_title()
+    assert title.endswith(": 2 writes, 3 elements written of 64 in their views")
+    report = inspect_load(Shards(), [sparse("norm", [3], [1.0])])
+    assert plot_placement(report).axes[1].get_title().endswith(
+        ": 1 write, 1 element written of 8 in its view")
+
+
 def test_placement_of_an_unknown_target_names_it():
     report, _ = load("q")
     with pytest.raises(KeyError, match="nope"):
@@ -725,8 +741,9 @@ def test_delta_of_a_tied_alias_draws_the_tensor_it_is_tied_to():
 def test_placement_of_a_tied_alias_draws_the_tensor_it_is_tied_to():
     report, _ = tied_report()
     fig = plot_placement(report, targets=["lm_head.weight"])
-    assert fig.axes[1].get_title().startswith(
-        "runtime lm_head.weight (tied to model.embed_tokens.weight) (256, 64): 1 write"
+    assert fig.axes[1].get_title() == (
+        "runtime lm_head.weight (tied to model.embed_tokens.weight) (256, 64):\n"
+        "1 write, 3 elements written of 16,384 in its view"
     )
     (i,) = report.writes.index
     assert rects_by_gid(fig, "write ")[f"write {i} runtime"]
@@ -786,7 +803,8 @@ def test_long_names_are_cut_to_their_tail_keeping_shape_and_numbers_on_the_figur
     head = delta.get_suptitle()
     assert head.startswith("…") and f"{tail} (32, 48) float32:\n3 elements written" in head
     title = rt.get_text()
-    assert title.startswith("runtime …") and f"{tail} (32, 48):\n1 write, 1,536 elements" in title
+    counts = "1 write, 3 elements written of 1,536 in its view"
+    assert title.startswith("runtime …") and f"{tail} (32, 48):\n{counts}" in title
     assert LONG not in title + head  # cut: the whole name would run off the figure
 
 
