@@ -195,6 +195,11 @@ def _tag(name: str) -> str:
     return pieces[-1]
 
 
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """``"1 patch"``, ``"2 patches"``."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.3g} %"
 
@@ -452,8 +457,8 @@ def plot_chunks(
         fig = ax.figure
     n_sent = sum(len(c.positions) for c in plan)
     total = sum(c.bytes for c in plan)
-    calls = f"{len(plan)} load_weights call{'s' if len(plan) != 1 else ''}"
-    sent = f"{n_sent} patch{'es' if n_sent != 1 else ''}"
+    calls = _count(len(plan), "load_weights call")
+    sent = _count(n_sent, "patch", "patches")
     ax.set_title(
         f"Chunk plan: {sent}, {format_bytes(total)} staged → {calls}\n"
         f"max_chunk_bytes = {format_bytes(budget)}",
@@ -466,8 +471,8 @@ def plot_chunks(
         text = "no patches"
         if patches and error is not None:  # a report whose load was rejected unplanned
             why = str(error) if len(str(error)) <= 80 else str(error)[:77] + "..."
-            text = (f"{len(patches)} patches, none planned: the load raised "
-                    f"{type(error).__name__}\n{why}")
+            text = (f"{_count(len(patches), 'patch', 'patches')}, none planned: the load "
+                    f"raised {type(error).__name__}\n{why}")
         ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center",
                 parse_math=False)
         return fig

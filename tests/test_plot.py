@@ -216,6 +216,13 @@ def test_a_report_rejected_before_planning_says_so_and_replans_at_a_valid_budget
     }
 
 
+def test_a_rejected_report_of_one_patch_says_patch_not_patches():
+    with pytest.raises(ValueError, match="max_chunk_bytes must be positive") as info:
+        inspect_load(Shards(), chunk_patches()[:1], max_chunk_bytes=0)
+    (note,) = plot_chunks(info.value.report).axes[0].texts
+    assert note.get_text().startswith("1 patch, none planned: the load raised PatchValueError")
+
+
 def test_a_call_a_foreign_loader_ended_is_drawn_with_its_own_legend_entry():
     report, _ = load("q k v")
     observed = [Chunk(0, (0, 1), ("q", "k"), 256, "loader"), Chunk(1, (2,), ("v",), 128, "end")]
