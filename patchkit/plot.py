@@ -598,7 +598,9 @@ def plot_density(
     fit; shown as written, no mathtext), shape, dtype and how many elements it writes.
     Cost is that of :func:`density_map`: O(nnz), so a 128256 × 2560 patch at
     1 % density draws in about a second. A dense patch is uniformly 1. ``bins`` may be
-    one int for both axes. Raises ``TypeError`` when ``patch`` is not a patch (a name:
+    one int for both axes. A patch of no elements (shape ``(0, 5)``) draws no image:
+    axes turned off, with a note (gid ``"empty"``) giving its name and shape and saying
+    there is nothing to draw. Raises ``TypeError`` when ``patch`` is not a patch (a name:
     use :meth:`LoadReport.plot_density <patchkit.inspect.LoadReport.plot_density>`) or
     ``bins`` is not a pair of ints, ``ValueError`` as :func:`density_map` does (bins
     below 1, an index outside the tensor).
@@ -609,8 +611,23 @@ def plot_density(
     dmap, nnz = _density(patch, (br, bc))  # (an index given twice: one element)
     dmap = dmap.numpy()
     own = ax is None
+    n = numel(patch)
+    what = f"{_shape_text(patch.shape)} {str(patch.dtype).removeprefix('torch.')}"
+    if n == 0:  # nothing to map: a note instead of a map of nothing
+        if ax is None:
+            fig: Figure = _new_figure(8, 2.5)
+            ax = fig.add_subplot()
+        else:
+            fig = ax.figure
+        ax.set_axis_off()
+        tail = f"  {what}: no elements, nothing to draw"
+        room = 0.95 * 72 * fig.get_figwidth() * (1.0 if own else ax.get_position().width)
+        name = _fit(str(patch.name), 10, room - _text_width(tail, 10))
+        ax.text(0.5, 0.5, name + tail, transform=ax.transAxes, ha="center", va="center",
+                gid="empty", parse_math=False)
+        return fig
     if ax is None:
-        fig: Figure = _new_figure(7.5, 5.2)
+        fig = _new_figure(7.5, 5.2)
         ax = fig.add_subplot()
     else:
         fig = ax.figure
@@ -621,9 +638,7 @@ def plot_density(
     )
     # Written, not changed: a patch that writes the value already there counts too.
     fig.colorbar(im, ax=ax, label="fraction of elements the patch writes per block")
-    n = numel(patch)
     kind = "dense" if patch.indices is None else "sparse"
-    what = f"{_shape_text(patch.shape)} {str(patch.dtype).removeprefix('torch.')}"
     # The title is centred over the heat map; on patchkit's own figure it may spread
     # over most of the figure's width, on a caller's axes over the axes' width.
     fig_pt = 72 * fig.get_figwidth()

@@ -399,6 +399,25 @@ def test_density_bins_are_checked_and_one_int_means_both_axes():
         plot_density(bad)
 
 
+def test_density_of_a_patch_with_no_elements_says_there_is_nothing_to_draw():
+    empty = [CheckpointWeightPatch("e", (0, 5), torch.float32, torch.ones(0)),
+             CheckpointWeightPatch("e", (0, 5), torch.float32, torch.ones(0),
+                                   torch.zeros(0, dtype=torch.int64))]
+    for p in empty:
+        fig = plot_density(p)
+        (ax,) = fig.axes  # no colorbar
+        assert not ax.images and not ax.axison
+        (note,) = ax.texts
+        assert note.get_gid() == "empty"
+        assert note.get_text() == "e  (0, 5) float32: no elements, nothing to draw"
+    fig = Figure()
+    mine = fig.add_subplot()
+    assert plot_density(empty[0], ax=mine) is fig
+    assert not mine.images and [t.get_gid() for t in mine.texts] == ["empty"]
+    with pytest.raises(TypeError, match="bins"):
+        plot_density(empty[0], bins="ab")
+
+
 def test_density_says_the_patch_writes_not_that_it_changes():
     # 1.0 written over 1.0: every element written, none changed; the map counts writes
     model = PlainModel({"w": (8, 8)}, fill=1.0)
