@@ -189,9 +189,15 @@ def region_text(
     """Describe a written region of a tensor in slice notation, e.g. ``"[32:48, :]"``.
 
     ``offset`` is the flat element offset of the region's first element in the full
-    (contiguous, row-major) tensor; ``view_stride`` its element strides. A region that is
-    a box of the full tensor is written as one slice per dimension (``:`` for a whole
-    dimension); anything else as ``"<n> elements from <offset>"``.
+    (contiguous, row-major) tensor; ``view_stride`` its element strides in that same
+    row-major numbering (``None``: unknown). A region that is a box of the full tensor is
+    written as one slice per dimension (``:`` for a whole dimension), whatever the order
+    of the view's dimensions (the transpose ``w.t()[1:3]`` of an ``(8, 4)`` ``w`` is
+    ``"[:, 1:3]"``). A box that steps over every ``k``-th index of a dimension writes that
+    dimension as ``start:stop:k``, a Python slice that selects exactly the indices
+    written (``w[1::2]`` of an ``(8, 4)`` ``w`` is ``"[1:8:2, :]"``), ``stop`` being the
+    dimension's end where the last index steps past it. Anything else (a range that wraps
+    rows, a diagonal) is ``"<n> elements from <offset>"``.
     """
     full_shape = tuple(int(d) for d in full_shape)
     view_shape = tuple(int(d) for d in view_shape)
@@ -199,16 +205,22 @@ def region_text(
     for d in view_shape:
         n *= d
     strides = _row_major_strides(full_shape)
-    sizes = _box_sizes(strides, view_shape, view_stride) if view_stride is not None else None
-    if sizes is not None:
+    steps = (
+        _box_steps(full_shape, strides, view_shape, view_stride)
+        if view_stride is not None else None
+    )
+    if steps is not None:
         start, rest = [], offset
         for fs in strides:
             start.append(rest // fs if fs else 0)
             rest = rest % fs if fs else rest
-        if all(b + v <= d for b, v, d in zip(start, sizes, full_shape)):
+        if all(b + (v - 1) * k < d for b, (v, k), d in zip(start, steps, full_shape)):
             parts = []
-            for b, v, d in zip(start, sizes, full_shape):
-                parts.append(":" if (b == 0 and v == d) else f"{b}:{b + v}")
+            for b, (v, k), d in zip(start, steps, full_shape):
+                if k == 1:
+                    parts.append(":" if (b == 0 and v == d) else f"{b}:{b + v}")
+                else:
+                    parts.append(f"{b}:{min(d, b + v * k)}:{k}")
             return "[" + ", ".join(parts) + "]"
     if full_shape == () and n == 1:
         return "[]"
@@ -224,23 +236,33 @@ def _row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _box_sizes(
-    full_strides: tuple[int, ...], view_shape: tuple[int, ...], view_stride: Sequence[int]
-) -> list[int] | None:
-    """Per full dimension, the view's extent, when the view is a box of the full tensor.
+def _box_steps(
+    full_shape: tuple[int, ...],
+    full_strides: tuple[int, ...],
+    view_shape: tuple[int, ...],
+    view_stride: Sequence[int],
+) -> list[tuple[int, int]] | None:
+    """Per full dimension, ``(extent, step)`` of the view along it, when each view
+    dimension longer than 1 steps along a full dimension of its own (``step`` indices at a
+    time), in any order; ``None`` otherwise. Full dimensions the view does not step along
+    (``w[3]`` drops one) get ``(1, 1)``. Whether the box lies inside the tensor is the
+    caller's to check.
 
-    Each view dimension longer than 1 must step like one full dimension, in order; full
-    dimensions the view does not step along (``w[3]`` drops one) get extent 1.
+    A view stride is read as a step along the dimension of the largest row-major stride
+    that divides it: along a smaller one, a single step would already leave that
+    dimension.
     """
-    sizes = [1] * len(full_strides)
-    j = 0
+    out = [(1, 1)] * len(full_strides)
+    used: set[int] = set()
     for v, st in zip(view_shape, view_stride):
         if v == 1:
             continue
-        while j < len(full_strides) and full_strides[j] != st:
-            j += 1
-        if j == len(full_strides):
+        if v == 0 or st <= 0:
             return None
-        sizes[j] = v
-        j += 1
-    return sizes
+        j = next((j for j, (d, fs) in enumerate(zip(full_shape, full_strides))
+                  if d > 1 and fs > 0 and st % fs == 0), None)
+        if j is None or j in used:
+            return None
+        used.add(j)
+        out[j] = (v, st // full_strides[j])
+    return out

@@ -273,7 +273,11 @@ class LoadReport:
       an op moved the patch's elements first: a ``torch.cat``, a gather ``w[idx]``, a
       flip, the copy of a transposed view), ``checkpoint_region`` (slice notation),
       ``target`` (the
-      runtime parameter or buffer), ``target_offset``, ``target_region``, ``shape``,
+      runtime parameter or buffer), ``target_offset``, ``target_region`` (slice
+      notation, as :func:`~patchkit.density.region_text` writes it: ``"[32:48, :]"``; a
+      box in any order of dimensions, a transposed view's included, is written as one;
+      every other row ``"[1:8:2, :]"``; a region that is no box, ``"<n> elements from
+      <offset>"``), ``shape``,
       ``elements`` (of the written view: ``shape``'s product), ``written`` (the elements
       that took the source's value: all of them for a dense copy, only those whose
       source is not NaN for a NaN-merged one; for a dense write other than a copy, such
@@ -365,6 +369,8 @@ class LoadReport:
     # Every runtime tensor the report knows (targets, names removed, tensors registered
     # and removed again) and its shape: what the figures accept.
     _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, init=False)
+    # Their element strides as the load left them (what the writes' strides step through).
+    _strides: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, init=False)
 
     # -- values ----------------------------------------------------------------------
 
@@ -1173,6 +1179,7 @@ def _build_report(
     report._saved = list(saved)
     report._runtime = runtime
     report._shapes = shapes
+    report._strides = strides
     report._removed = removed
     report._rebound = originals
     report._registered = tuple(registered)
@@ -1253,7 +1260,7 @@ def _writes_frame(
         tg_region = None
         if tgt is not None:
             step = _in_target(ev.shape, ev.stride, tgt, strides[ev.target])
-            tg_region = region_text(tgt, ev.target_offset, ev.shape, step)
+            tg_region = region_text(tgt, ev.target_offset, ev.shape, step)  # (None: no box)
         for k, v in zip(names, (
             ev.chunk, ev.position, ev.name, ev.checkpoint_offset, ck_region, ev.target,
             ev.target_offset, tg_region, ev.shape, ev.elements,
@@ -1271,30 +1278,34 @@ def _in_target(
     stride: tuple[int, ...],
     target_shape: tuple[int, ...],
     target_stride: tuple[int, ...],
-) -> tuple[int, ...]:
+) -> tuple[int, ...] | None:
     """A written view's element strides in its target's own row-major coordinates, which
-    is what :func:`~patchkit.density.region_text` reads. The same strides for a
-    contiguous target; for a strided one (a column slice of a fused buffer, say) each
-    storage stride is mapped to the row-major stride of the target dimension that steps
-    by it. Strides that match no dimension are returned as they are (the text then falls
-    back to "N elements from offset")."""
+    is what :func:`~patchkit.density.region_text` reads; ``None`` where they cannot be
+    told. The same strides for a contiguous target; for a strided one (a column slice of
+    a fused buffer, say) each storage stride is read as ``k`` steps of the target
+    dimension of the largest storage stride that divides it, and mapped to ``k`` times
+    that dimension's row-major stride: right for a view that stays inside that dimension,
+    which is what ``region_text`` checks before it names a box. ``None`` when a stride
+    divides by no dimension's (or two dimensions step alike, so no single reading
+    holds)."""
     row_major = _row_major_strides(target_shape)
     if tuple(target_stride) == row_major:
-        return stride
+        return tuple(stride)
     by_step: dict[int, int] = {}
     for n, st, rm in zip(target_shape, target_stride, row_major):
         if n > 1:
-            if st in by_step:
-                return stride  # two dimensions step alike: no single reading
+            if st in by_step or st <= 0:
+                return None  # two dimensions step alike: no single reading
             by_step[st] = rm
     mapped = []
     for n, st in zip(shape, stride):
         if n == 1:
             mapped.append(0)
-        elif st in by_step:
-            mapped.append(by_step[st])
-        else:
-            return stride
+            continue
+        own = max((s for s in by_step if st > 0 and st % s == 0), default=None)
+        if own is None:
+            return None
+        mapped.append(st // own * by_step[own])
     return tuple(mapped)
 
 

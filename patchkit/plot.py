@@ -24,7 +24,6 @@ are downsampled to a bounded number of pixels; density maps come from the indice
 from __future__ import annotations
 
 import io
-import itertools
 import math
 import numbers
 import re
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_BINS",
+    "MAX_RECTS",
     "ReportFigure",
     "plot_chunks",
     "plot_delta",
@@ -64,6 +64,7 @@ __all__ = [
     "pool_mean",
     "region_rects",
     "to_png",
+    "view_rects",
     "written_mask",
 ]
 
@@ -192,6 +193,11 @@ def _tag(name: str) -> str:
     if len(pieces) > 1 and pieces[-1] in ("weight", "bias"):
         pieces = pieces[:-1]
     return pieces[-1]
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """``"1 patch"``, ``"2 patches"``."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _pct(x: float) -> str:
@@ -451,8 +457,8 @@ def plot_chunks(
         fig = ax.figure
     n_sent = sum(len(c.positions) for c in plan)
     total = sum(c.bytes for c in plan)
-    calls = f"{len(plan)} load_weights call{'s' if len(plan) != 1 else ''}"
-    sent = f"{n_sent} patch{'es' if n_sent != 1 else ''}"
+    calls = _count(len(plan), "load_weights call")
+    sent = _count(n_sent, "patch", "patches")
     ax.set_title(
         f"Chunk plan: {sent}, {format_bytes(total)} staged → {calls}\n"
         f"max_chunk_bytes = {format_bytes(budget)}",
@@ -465,8 +471,8 @@ def plot_chunks(
         text = "no patches"
         if patches and error is not None:  # a report whose load was rejected unplanned
             why = str(error) if len(str(error)) <= 80 else str(error)[:77] + "..."
-            text = (f"{len(patches)} patches, none planned: the load raised "
-                    f"{type(error).__name__}\n{why}")
+            text = (f"{_count(len(patches), 'patch', 'patches')}, none planned: the load "
+                    f"raised {type(error).__name__}\n{why}")
         ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center",
                 parse_math=False)
         return fig
@@ -592,7 +598,9 @@ def plot_density(
     fit; shown as written, no mathtext), shape, dtype and how many elements it writes.
     Cost is that of :func:`density_map`: O(nnz), so a 128256 × 2560 patch at
     1 % density draws in about a second. A dense patch is uniformly 1. ``bins`` may be
-    one int for both axes. Raises ``TypeError`` when ``patch`` is not a patch (a name:
+    one int for both axes. A patch of no elements (shape ``(0, 5)``) draws no image:
+    axes turned off, with a note (gid ``"empty"``) giving its name and shape and saying
+    there is nothing to draw. Raises ``TypeError`` when ``patch`` is not a patch (a name:
     use :meth:`LoadReport.plot_density <patchkit.inspect.LoadReport.plot_density>`) or
     ``bins`` is not a pair of ints, ``ValueError`` as :func:`density_map` does (bins
     below 1, an index outside the tensor).
@@ -603,8 +611,23 @@ def plot_density(
     dmap, nnz = _density(patch, (br, bc))  # (an index given twice: one element)
     dmap = dmap.numpy()
     own = ax is None
+    n = numel(patch)
+    what = f"{_shape_text(patch.shape)} {str(patch.dtype).removeprefix('torch.')}"
+    if n == 0:  # nothing to map: a note instead of a map of nothing
+        if ax is None:
+            fig: Figure = _new_figure(8, 2.5)
+            ax = fig.add_subplot()
+        else:
+            fig = ax.figure
+        ax.set_axis_off()
+        tail = f"  {what}: no elements, nothing to draw"
+        room = 0.95 * 72 * fig.get_figwidth() * (1.0 if own else ax.get_position().width)
+        name = _fit(str(patch.name), 10, room - _text_width(tail, 10))
+        ax.text(0.5, 0.5, name + tail, transform=ax.transAxes, ha="center", va="center",
+                gid="empty", parse_math=False)
+        return fig
     if ax is None:
-        fig: Figure = _new_figure(7.5, 5.2)
+        fig = _new_figure(7.5, 5.2)
         ax = fig.add_subplot()
     else:
         fig = ax.figure
@@ -615,9 +638,7 @@ def plot_density(
     )
     # Written, not changed: a patch that writes the value already there counts too.
     fig.colorbar(im, ax=ax, label="fraction of elements the patch writes per block")
-    n = numel(patch)
     kind = "dense" if patch.indices is None else "sparse"
-    what = f"{_shape_text(patch.shape)} {str(patch.dtype).removeprefix('torch.')}"
     # The title is centred over the heat map; on patchkit's own figure it may spread
     # over most of the figure's width, on a caller's axes over the axes' width.
     fig_pt = 72 * fig.get_figwidth()
@@ -642,6 +663,12 @@ _BOX = re.compile(r"^\[(.*)\]$")
 _SPAN = re.compile(r"^(\d+) elements from (\d+)$")
 Rect = tuple[int, int, int, int]  # row0, row1, col0, col1 in the 2-D view
 
+MAX_RECTS = 512
+"""Rectangles one region is drawn with, at most: past that, its extent (see
+:func:`region_rects`)."""
+
+_MAX_LISTED = 1 << 20  # runs of a region listed (numpy) on the way to its rectangles
+
 
 def _span_rects(offset: int, n: int, cols: int) -> list[Rect]:
     """A contiguous flat range of a row-major grid as at most three rectangles."""
@@ -662,14 +689,108 @@ def _span_rects(offset: int, n: int, cols: int) -> list[Rect]:
     return out
 
 
+def _runs(base: int, dims: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The integers ``base + Σ i_k·s_k`` (``0 <= i_k < n_k``, ``dims`` the ``(n_k, s_k)``,
+    every ``s_k > 0``) as sorted, disjoint runs ``[start, stop)``, none abutting the
+    next; ``None`` when more than ``_MAX_LISTED`` runs would have to be listed."""
+    merged: list[tuple[int, int]] = []  # dims that step as one are one dim
+    for n, s in sorted(dims, key=lambda d: -d[1]):
+        if merged and merged[-1][1] == n * s:
+            merged[-1] = (merged[-1][0] * n, s)
+        else:
+            merged.append((n, s))
+    length = 1
+    if merged and merged[-1][1] == 1:
+        length = merged.pop()[0]
+    if math.prod(n for n, _ in merged) > _MAX_LISTED:
+        return None
+    starts = np.full(1, base, dtype=np.int64)
+    for n, s in merged:
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
+    starts = np.sort(starts)
+    new = np.ones(len(starts), dtype=bool)
+    new[1:] = starts[1:] > starts[:-1] + length
+    last = np.append(np.flatnonzero(new)[1:] - 1, len(starts) - 1)
+    return starts[new], starts[last] + length
+
+
+def _row_pieces(starts: np.ndarray, stops: np.ndarray, cols: int) -> list[Rect]:
+    """Flat runs of a row-major grid with ``cols`` columns as rectangles: each run cut
+    into its rows, then rectangles of equal columns in consecutive rows merged."""
+    ra, ca = np.divmod(starts, cols)
+    rb, cb = np.divmod(stops, cols)  # (stops are exclusive: cb == 0 ends a row)
+    one = ra == rb
+    head = ~one & (ca > 0)
+    body0 = np.where(head, ra + 1, ra)
+    body = ~one & (rb > body0)
+    tail = ~one & (cb > 0)
+    full = np.full(len(starts), cols, dtype=np.int64)
+    zero = np.zeros(len(starts), dtype=np.int64)
+    r0 = np.concatenate([ra[one], ra[head], body0[body], rb[tail]])
+    r1 = np.concatenate([ra[one] + 1, ra[head] + 1, rb[body], rb[tail] + 1])
+    c0 = np.concatenate([ca[one], ca[head], zero[body], zero[tail]])
+    c1 = np.concatenate([cb[one], full[head], full[body], cb[tail]])
+    order = np.lexsort((r0, c1, c0))
+    r0, r1, c0, c1 = r0[order], r1[order], c0[order], c1[order]
+    new = np.ones(len(r0), dtype=bool)
+    new[1:] = (c0[1:] != c0[:-1]) | (c1[1:] != c1[:-1]) | (r0[1:] != r1[:-1])
+    last = np.append(np.flatnonzero(new)[1:] - 1, len(r0) - 1)
+    out = zip(r0[new].tolist(), r1[last].tolist(), c0[new].tolist(), c1[new].tolist())
+    return sorted(out, key=lambda r: (r[0], r[2]))
+
+
+def view_rects(
+    offset: int, shape: Sequence[int], stride: Sequence[int], cols: int,
+    limit: int = MAX_RECTS,
+) -> tuple[list[Rect], bool]:
+    """Rectangles ``(row0, row1, col0, col1)`` of exactly the elements a view holds.
+
+    The view's elements are the flat positions ``offset + Σ i_k·stride_k`` of a
+    row-major grid with ``cols`` columns (the 2-D view of a contiguous tensor: offset and
+    strides in its row-major element numbering). They come back as runs of columns per
+    row, the runs of consecutive rows with the same columns merged into one rectangle,
+    and ``True``: every other row of a tensor is one rectangle a row, a transposed
+    view's box one rectangle. Where that takes more than ``limit`` rectangles, the
+    region's extent instead, and ``False``: its bounding box where the view is a grid of
+    whole rows by whole columns, else its flat range from first to last element (at most
+    three rectangles). A view with no elements gives ``([], True)``.
+    """
+    dims = [(int(n), int(s)) for n, s in zip(shape, stride) if int(n) != 1]
+    if cols <= 0 or any(n == 0 for n, _ in dims):
+        return [], True
+    if any(s < 0 for _, s in dims):  # (no torch view steps backwards)
+        raise ValueError(f"view_rects: negative stride in {tuple(stride)}")
+    dims = [(n, s) for n, s in dims if s > 0]  # (a stride of 0 repeats the same elements)
+    r0, c0 = divmod(int(offset), cols)
+    row_dims = [(n, s // cols) for n, s in dims if s % cols == 0]
+    col_dims = [(n, s) for n, s in dims if s % cols]
+    c_last = c0 + sum((n - 1) * s for n, s in col_dims)
+    if c_last < cols:  # whole rows by whole columns: the rows times the columns
+        rows, columns = _runs(r0, row_dims), _runs(c0, col_dims)
+        if rows is not None and columns is not None and len(rows[0]) * len(columns[0]) <= limit:
+            return [(a, b, c, d) for a, b in zip(rows[0].tolist(), rows[1].tolist())
+                    for c, d in zip(columns[0].tolist(), columns[1].tolist())], True
+        r_last = r0 + sum((n - 1) * t for n, t in row_dims)
+        return [(r0, r_last + 1, c0, c_last + 1)], False
+    runs = _runs(int(offset), dims)
+    if runs is not None:
+        rects = _row_pieces(*runs, cols)
+        if len(rects) <= limit:
+            return rects, True
+    last = int(offset) + sum((n - 1) * s for n, s in dims)
+    return _span_rects(int(offset), last - int(offset) + 1, cols), False
+
+
 def region_rects(text: str | None, shape: Sequence[int]) -> tuple[list[Rect], bool]:
     """Rectangles ``(row0, row1, col0, col1)`` of a region in the 2-D view of ``shape``.
 
     ``text`` is :func:`~patchkit.density.region_text` notation. A box (``"[0:4, :]"``,
-    ``"[:, 4:8]"``, ``"[2:6]"``, ``"[]"``) gives its exact rectangles and ``True``. Text
-    of the form ``"<n> elements from <offset>"`` (a region that is not a box) gives the
-    rectangles of the flat range ``[offset, offset + n)`` and ``False``: exact when the
-    region was contiguous, an outline of where it starts and ends otherwise. ``None`` or
+    ``"[:, 4:8]"``, ``"[2:6]"``, ``"[]"``, and with steps, ``"[1:8:2, :]"``) gives its
+    exact rectangles and ``True``, as :func:`view_rects` draws them (past
+    :data:`MAX_RECTS` rectangles, its bounding box and ``False``). Text of the form
+    ``"<n> elements from <offset>"`` (a region that is not a box) gives the rectangles
+    of the flat range ``[offset, offset + n)`` and ``False``: exact when the region was
+    contiguous, an outline of where it starts and ends otherwise. ``None`` or
     unreadable text gives ``([], False)``.
     """
     dims = tuple(int(d) for d in shape)
@@ -686,39 +807,26 @@ def region_rects(text: str | None, shape: Sequence[int]) -> tuple[list[Rect], bo
     parts = [p.strip() for p in inner.split(",")] if inner else []
     if len(parts) != len(dims):
         return [], False
-    bounds = []
-    for part, d in zip(parts, dims):
+    offset, view, steps = 0, [], []
+    for part, d, fs in zip(parts, dims, _row_major(dims)):
         if part == ":":
-            bounds.append((0, d))
-            continue
-        a, _, b = part.partition(":")
-        try:
-            bounds.append((int(a), int(b)))
-        except ValueError:
+            a, b, k = 0, d, 1
+        else:
+            try:
+                a, b, k = (int(x) for x in (part + ":1").split(":")[:3])
+            except ValueError:
+                return [], False
+        if k < 1:
             return [], False
-    if not dims:
-        return [(0, 1, 0, 1)], True
-    c0, c1 = bounds[-1]
-    if len(dims) == 1:
-        return [(0, 1, c0, c1)], True
-    lead, lead_dims = bounds[:-1], dims[:-1]
-    # Rows of the view fold the leading dims: the box is one rectangle when every leading
-    # dim after the first is whole, else one rectangle per run of consecutive rows.
-    inner_rows = math.prod(lead_dims[1:])
-    if all(b == (0, d) for b, d in zip(lead[1:], lead_dims[1:])):
-        return [(lead[0][0] * inner_rows, lead[0][1] * inner_rows, c0, c1)], True
-    strides = [math.prod(lead_dims[i + 1 :]) for i in range(len(lead_dims))]
-    outer = [range(a, b) for a, b in lead[:-1]]
-    if math.prod(len(r) for r in outer) > 4096:
-        first = sum(a * s for (a, _), s in zip(lead, strides))
-        last = sum((b - 1) * s for (_, b), s in zip(lead, strides))
-        return [(first, last + 1, c0, c1)], False
-    a_last, b_last = lead[-1]
-    out = []
-    for idx in itertools.product(*outer):
-        base = sum(i * s for i, s in zip(idx, strides))
-        out.append((base + a_last, base + b_last, c0, c1))
-    return out, True
+        offset += a * fs
+        view.append(len(range(a, b, k)))
+        steps.append(k * fs)
+    return view_rects(offset, view, steps, cols)
+
+
+def _row_major(shape: Sequence[int]) -> list[int]:
+    """The element strides of a contiguous tensor of ``shape``."""
+    return [math.prod(shape[i + 1 :]) for i in range(len(shape))]
 
 
 def _write_colour(k: int) -> Any:
@@ -745,10 +853,21 @@ def plot_placement(
     ``"write <i> checkpoint"``, coordinates as fractions of that tensor's rows and
     columns): a row-parallel shard narrowed on the input dimension shows as a vertical
     band. The legend gives each write as ``#position name [checkpoint region] → [runtime
-    region]``. A region that is not a box is drawn hatched and dashed (see
-    :func:`region_rects`). At most 64 writes per tensor and 8 checkpoint tensors per
-    row are drawn; a note counts the rest. Names are shown as written (no mathtext); a
-    runtime title too long for one line gets its counts on a second line and its name
+    region]``. The runtime rectangles of a write cover exactly the elements of the view
+    it wrote, worked out from its ``target_offset``, ``shape`` and ``target_stride``
+    (:func:`view_rects`): every other row of an interleaved ``gate_up`` is one
+    rectangle a row, a transposed view's box one rectangle. A write that would take more
+    than :data:`MAX_RECTS` rectangles is drawn as its extent, hatched and dashed, and
+    the legend's last entry says so; so is one into a target not laid out row-major
+    whose region is no box (from its ``target_region`` text, see :func:`region_rects`).
+    The checkpoint side is drawn from ``checkpoint_region`` (:func:`region_rects`),
+    hatched and dashed where that is no box. At most 64 writes per tensor and 8
+    checkpoint tensors per row are drawn; a note counts the rest. A runtime title
+    counts the tensor's writes and the elements they wrote (the ``written`` column of
+    ``report.writes``, summed: a NaN-merged write writes only its entries that are not
+    NaN), and where those are fewer, the elements of the views written: ``"1 write, 2
+    elements written of 1,024 in its view"``. Names are shown as written (no mathtext);
+    a runtime title too long for one line gets its counts on a second line and its name
     cut to its tail after ``…``. Runtime row and column ticks are whole numbers.
 
     ``targets`` is a list of runtime tensor names, or one name as a string. A tied alias
@@ -821,13 +940,21 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
 
     ax_rt.add_patch(Rectangle((0, 0), max(cols, 1), max(rows, 1), facecolor="0.94",
                               edgecolor="0.3", linewidth=1.0))
+    # The writes' offsets and strides count the target's elements in row-major order
+    # where the target is laid out so (dimensions of size 1 step nowhere).
+    tstride = getattr(report, "_strides", {}).get(target)
+    row_major = tstride is not None and all(
+        st == rm for d, st, rm in zip(tshape, tstride, _row_major(tshape)) if d > 1
+    )
+    approximate = False
     handles: list[Any] = []
     for i, w in shown.iterrows():
         pos = None if pd.isna(w["position"]) else int(w["position"])
         # (a missing region is None, or NaN where pandas fills one in a column of text)
         ck_region = None if pd.isna(w["checkpoint_region"]) else w["checkpoint_region"]
         c = colour[pos]
-        rects, exact = region_rects(w["target_region"], tshape)
+        rects, exact = _runtime_rects(w, tshape, row_major)
+        approximate = approximate or (bool(rects) and not exact)
         style = {} if exact else {"hatch": "//", "linestyle": "--"}
         for r0, r1, c0, c1 in rects:
             ax_rt.add_patch(Rectangle(
@@ -856,10 +983,15 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
                     **({} if ck_exact else {"hatch": "//", "linestyle": "--"}),
                 ))
     extra = len(mine) - len(shown)
-    if len(mine) > len(handles):
+    listed = len(handles)
+    if len(mine) > listed:
         handles.append(Patch(facecolor="none", edgecolor="none",
-                             label=f"… {len(mine) - len(handles)} more writes"
+                             label=f"… {len(mine) - listed} more writes"
                              + (f" ({extra} not drawn)" if extra else "")))
+    if approximate:
+        handles.append(Patch(facecolor="none", edgecolor="0.3", hatch="//", linestyle="--",
+                             label="hatched: a write drawn as its extent, "
+                             "not element by element"))
 
     ax_rt.set_xlim(0, max(cols, 1))
     ax_rt.set_ylim(max(rows, 1), 0)
@@ -867,8 +999,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     ax_rt.set_xlabel(xlabel)
     ax_rt.set_ylabel(ylabel)
     _integer_ticks(ax_rt, len(tshape))
-    n_el = int(mine["elements"].sum()) if len(mine) else 0
-    counts = f"{len(mine)} write{'s' if len(mine) != 1 else ''}, {n_el:,} elements"
+    counts = _write_counts(mine)
     # The title may spread past the axes, up to the checkpoint column's title: about
     # 0.48 of the figure's width with the widest legend. Too long for one line, the
     # counts get their own.
@@ -911,6 +1042,32 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     if not slot:
         ax_ck.text(0.5, 0.5, "no traced source", transform=ax_ck.transAxes, ha="center",
                    va="center", color="0.3")
+
+
+def _write_counts(mine: Any) -> str:
+    """``"2 writes, 64 elements written"``: the writes and the elements they wrote (a
+    NaN-merged write only those whose source is not NaN), and where that is fewer than
+    the elements of the views written, those too."""
+    n_views = int(mine["elements"].sum()) if len(mine) else 0
+    n_written = int(mine["written"].sum()) if len(mine) else 0
+    counts = (f"{len(mine)} write{'s' if len(mine) != 1 else ''}, "
+              f"{n_written:,} element{'s' if n_written != 1 else ''} written")
+    if n_written != n_views:
+        counts += f" of {n_views:,} in {'its view' if len(mine) == 1 else 'their views'}"
+    return counts
+
+
+def _runtime_rects(write: Any, tshape: tuple[int, ...], row_major: bool
+                   ) -> tuple[list[Rect], bool]:
+    """Where one write landed in its runtime tensor: the elements of the view it wrote
+    (its offset, shape and strides) where they count the target's elements row-major,
+    else what its ``target_region`` text says (:func:`region_rects`)."""
+    shape, stride = write["shape"], write["target_stride"]
+    if row_major and isinstance(shape, tuple) and isinstance(stride, tuple) \
+            and len(shape) == len(stride) and not pd.isna(write["target_offset"]):
+        return view_rects(int(write["target_offset"]), shape, stride, grid_shape(tshape)[1])
+    region = None if pd.isna(write["target_region"]) else write["target_region"]
+    return region_rects(region, tshape)
 
 
 def _name_of(write: Any) -> str:

@@ -156,3 +156,37 @@ def test_region_text_ignores_the_stride_of_a_dimension_of_size_one():
     assert (tuple(row.shape), row.stride()) == ((1, 4), (1, 1))
     assert region_text((8, 4), 4, tuple(row.shape), row.stride()) == "[1:2, :]"
     assert region_text((8, 4), 4, (1, 4), (4, 1)) == "[1:2, :]"  # the usual strides
+
+
+def _selected(text: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A bool mask of ``shape``: True where ``w[<text>]`` selects (slice notation)."""
+    parts = [p.strip() for p in text.strip("[]").split(",")]
+    index = tuple(slice(*(int(x) if x else None for x in p.split(":"))) for p in parts)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    mask[index] = True
+    return mask
+
+
+def test_region_text_names_transposed_and_stepped_boxes_as_the_slices_they_are():
+    from patchkit.density import region_text
+
+    w = torch.zeros(8, 4)
+    views = {
+        "[0:8:2, :]": w[0::2],  # gate rows of an interleaved gate_up
+        "[1:8:2, :]": w[1::2],
+        "[:, 1:3]": w.t()[1:3],  # a transposed destination: still a box
+        "[:, 0:4:2]": w[:, ::2],
+        "[2:8:3, 1:2]": w[2::3, 1],
+        "[3:7, 0:4:3]": w[3:7].t()[::3],
+    }
+    for text, v in views.items():
+        got = region_text((8, 4), v.storage_offset(), tuple(v.shape), v.stride())
+        assert got == text
+        written = torch.zeros(8, 4, dtype=torch.bool)
+        written.view(-1)[torch.as_strided(torch.arange(32), v.shape, v.stride(),
+                                          v.storage_offset()).reshape(-1)] = True
+        assert torch.equal(_selected(got, (8, 4)), written), text
+    # not boxes: a diagonal, two view dimensions along one row-major dimension
+    assert region_text((8, 4), 0, (4,), (5,)) == "4 elements from 0"
+    assert region_text((8, 4), 0, (2, 2), (8, 4)) == "4 elements from 0"
+    assert region_text((8, 4), 3, (2, 2), (4, 1)) == "4 elements from 3"  # wraps rows

@@ -23,11 +23,13 @@ from patchkit.inspect import inspect_load
 from patchkit.patch import staged_nbytes
 from patchkit.plot import (
     MAX_BINS,
+    MAX_RECTS,
     plot_chunks,
     plot_delta,
     plot_density,
     plot_placement,
     region_rects,
+    view_rects,
 )
 from patchkit.toymodels import PlainModel, TinyLlamaConfig, TinyLlamaRuntime
 
@@ -214,6 +216,13 @@ def test_a_report_rejected_before_planning_says_so_and_replans_at_a_valid_budget
     }
 
 
+def test_a_rejected_report_of_one_patch_says_patch_not_patches():
+    with pytest.raises(ValueError, match="max_chunk_bytes must be positive") as info:
+        inspect_load(Shards(), chunk_patches()[:1], max_chunk_bytes=0)
+    (note,) = plot_chunks(info.value.report).axes[0].texts
+    assert note.get_text().startswith("1 patch, none planned: the load raised PatchValueError")
+
+
 def test_a_call_a_foreign_loader_ended_is_drawn_with_its_own_legend_entry():
     report, _ = load("q k v")
     observed = [Chunk(0, (0, 1), ("q", "k"), 256, "loader"), Chunk(1, (2,), ("v",), 128, "end")]
@@ -390,6 +399,25 @@ def test_density_bins_are_checked_and_one_int_means_both_axes():
         plot_density(bad)
 
 
+def test_density_of_a_patch_with_no_elements_says_there_is_nothing_to_draw():
+    empty = [CheckpointWeightPatch("e", (0, 5), torch.float32, torch.ones(0)),
+             CheckpointWeightPatch("e", (0, 5), torch.float32, torch.ones(0),
+                                   torch.zeros(0, dtype=torch.int64))]
+    for p in empty:
+        fig = plot_density(p)
+        (ax,) = fig.axes  # no colorbar
+        assert not ax.images and not ax.axison
+        (note,) = ax.texts
+        assert note.get_gid() == "empty"
+        assert note.get_text() == "e  (0, 5) float32: no elements, nothing to draw"
+    fig = Figure()
+    mine = fig.add_subplot()
+    assert plot_density(empty[0], ax=mine) is fig
+    assert not mine.images and [t.get_gid() for t in mine.texts] == ["empty"]
+    with pytest.raises(TypeError, match="bins"):
+        plot_density(empty[0], bins="ab")
+
+
 def test_density_says_the_patch_writes_not_that_it_changes():
     # 1.0 written over 1.0: every element written, none changed; the map counts writes
     model = PlainModel({"w": (8, 8)}, fill=1.0)
@@ -415,6 +443,11 @@ def test_region_rects_reads_slice_notation_into_view_rectangles():
     # 3-D: rows fold the leading dims; a box over the middle dim is one run per outer index
     assert region_rects("[1:2, :, 0:2]", (2, 3, 4)) == ([(3, 6, 0, 2)], True)
     assert region_rects("[:, 1:3, :]", (2, 3, 4)) == ([(1, 3, 0, 4), (4, 6, 0, 4)], True)
+    # a box that steps: a rectangle for each row or column it holds
+    assert region_rects("[1:8:2, :]", (8, 4)) == (
+        [(1, 2, 0, 4), (3, 4, 0, 4), (5, 6, 0, 4), (7, 8, 0, 4)], True
+    )
+    assert region_rects("[2:4, 0:4:3]", (8, 4)) == ([(2, 4, 0, 1), (2, 4, 3, 4)], True)
     # not a box: the flat range, flagged as such
     assert region_rects("10 elements from 3", (6, 8)) == (
         [(0, 1, 3, 8), (1, 2, 0, 5)], False
@@ -459,13 +492,102 @@ def test_placement_shows_column_slices_as_vertical_bands_of_the_runtime_tensor()
     assert bands == [(0, 4, 0, 6), (4, 8, 0, 6)]
 
 
-def test_placement_draws_a_non_box_region_as_its_flat_range_hatched():
+def test_placement_draws_a_flat_range_that_wraps_rows_as_exactly_its_elements():
     report, _ = load("e")
     (i,) = report.writes.index
     assert report.writes.loc[i, "target_region"] == "10 elements from 3"
     rects = rects_by_gid(plot_placement(report), "write ")[f"write {i} runtime"]
-    assert sum(r.get_width() * r.get_height() for r in rects) == 10
-    assert all(r.get_hatch() == "//" for r in rects)
+    assert sorted(extent(r) for r in rects) == [(0, 5, 1, 2), (3, 8, 0, 1)]  # rows 1 and 0
+    assert not any(r.get_hatch() for r in rects)  # not a box, but drawn exactly
+
+
+def cells(rects) -> set[tuple[int, int]]:
+    """The (row, column) cells a list of Rectangles (or Rect tuples) covers, each once."""
+    out: set[tuple[int, int]] = set()
+    for r in rects:
+        x0, x1, y0, y1 = extent(r) if not isinstance(r, tuple) else (r[2], r[3], r[0], r[1])
+        new = {(y, x) for y in range(int(y0), int(y1)) for x in range(int(x0), int(x1))}
+        assert not out & new  # rectangles do not overlap
+        out |= new
+    return out
+
+
+class Interleaved(nn.Module):
+    """``gate`` into rows 0, 2, 4, 6 of ``gate_up`` and ``up`` into rows 1, 3, 5, 7; ``x``
+    through the transposed view ``v.t()[1:3]``, which is the box ``v[:, 1:3]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+        self.v = nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for n, t in weights:
+            if n == "x":
+                self.v.data.t()[1:3].copy_(t)
+            else:
+                self.gate_up.data[(0 if n == "gate" else 1)::2].copy_(t)
+        return {n for n, _ in weights}
+
+
+def test_placement_draws_interleaved_rows_and_a_transposed_box_where_they_landed():
+    m = Interleaved()
+    shapes = {"gate": (4, 4), "up": (4, 4), "x": (2, 6)}
+    patches = [CheckpointWeightPatch(n, s, torch.float32, torch.full((int(np.prod(s)),), k + 1.0))
+               for k, (n, s) in enumerate(shapes.items())]
+    report = inspect_load(m, patches)
+    rects = rects_by_gid(plot_placement(report), "write ")
+    after = {"gate_up": m.gate_up.data, "v": m.v.data}
+    for i, w in report.writes.iterrows():
+        landed = {tuple(rc) for rc in (after[w["target"]] == w["position"] + 1)
+                  .nonzero().tolist()}
+        drawn = rects[f"write {i} runtime"]
+        assert cells(drawn) == landed, w["name"]
+        assert not any(r.get_hatch() for r in drawn)
+    assert len(rects["write 1 runtime"]) == 4  # up: one rectangle for each of its rows
+    assert [extent(r) for r in rects["write 2 runtime"]] == [(1, 3, 0, 6)]  # v[:, 1:3]
+
+
+def test_view_rects_cover_exactly_the_elements_of_a_view():
+    base = torch.arange(6 * 8).reshape(6, 8)
+    views = [base[1::2], base[:, 1:7:3], base.t()[2:5], base.view(-1)[5:30],
+             base.view(-1)[::9], base[1:5].reshape(4, 2, 4)[:, :, 1:3], base[2, 3:4],
+             base.view(-1)[4:].as_strided((5, 6), (8, 1), 4)]  # wraps into the next row
+    for v in views:
+        want = {divmod(int(p), 8) for p in v.reshape(-1)}
+        rects, exact = view_rects(v.storage_offset(), tuple(v.shape), v.stride(), 8)
+        assert exact and cells(rects) == want, (tuple(v.shape), v.stride())
+    assert view_rects(0, (0, 8), (8, 1), 8) == ([], True)
+
+
+def test_a_view_past_the_rectangle_limit_is_drawn_as_its_extent_and_says_so():
+    # every other column: one rectangle a column, over the limit: the bounding box
+    assert view_rects(1, (3, 4), (8, 2), 8, limit=3) == ([(0, 3, 1, 8)], False)
+    assert view_rects(1, (3, 4), (8, 2), 8, limit=4)[1]
+    # not rows by columns: the flat range from the first element to the last
+    assert view_rects(3, (4,), (9,), 8, limit=3) == (
+        [(0, 1, 3, 8), (1, 3, 0, 8), (3, 4, 0, 7)], False  # elements 3 to 30
+    )
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2, 2 * MAX_RECTS + 2), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.data[:, ::2].copy_(t)
+            return {n for n, _ in weights}
+
+    n = MAX_RECTS + 1
+    report = inspect_load(Wide(), [CheckpointWeightPatch("w", (2, n), torch.float32,
+                                                         torch.ones(2 * n))])
+    assert report.writes.loc[0, "target_region"] == f"[:, 0:{2 * n}:2]"
+    fig = plot_placement(report)
+    (rect,) = rects_by_gid(fig, "write ")["write 0 runtime"]
+    assert extent(rect) == (0, 2 * n - 1, 0, 2) and rect.get_hatch() == "//"
+    legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    assert legend[-1] == "hatched: a write drawn as its extent, not element by element"
 
 
 def test_placement_draws_one_row_per_target_and_caps_the_default():
@@ -488,6 +610,22 @@ def test_placement_takes_one_target_name_given_as_a_string():
     fig = plot_placement(report, targets="ab")
     assert len(fig.axes) == 2  # one row: "ab", not "a" and "b"
     assert fig.axes[1].get_title().startswith("runtime ab (4, 4): 1 write")
+
+
+def test_placement_title_counts_the_elements_written_not_those_of_the_views():
+    # a sparse k writes 2 of the 32 elements of its (4, 8) view of qkv
+    report = inspect_load(Shards(), [sparse("k", [0, 9], [1.0, 2.0])])
+    title = plot_placement(report).axes[1].get_title()
+    assert title.endswith(": 1 write, 2 elements written of 32 in its view")
+    report, _ = load("q k v")  # dense: every element of the views, said once
+    title = plot_placement(report).axes[1].get_title()
+    assert title == "runtime qkv (12, 8): 3 writes, 96 elements written"
+    report = inspect_load(Shards(), [sparse("k", [3], [1.0]), sparse("v", [0, 1], [1.0, 1.0])])
+    title = plot_placement(report).axes[1].get_title()
+    assert title.endswith(": 2 writes, 3 elements written of 64 in their views")
+    report = inspect_load(Shards(), [sparse("norm", [3], [1.0])])
+    assert plot_placement(report).axes[1].get_title().endswith(
+        ": 1 write, 1 element written of 8 in its view")
 
 
 def test_placement_of_an_unknown_target_names_it():
@@ -629,8 +767,9 @@ def test_delta_of_a_tied_alias_draws_the_tensor_it_is_tied_to():
 def test_placement_of_a_tied_alias_draws_the_tensor_it_is_tied_to():
     report, _ = tied_report()
     fig = plot_placement(report, targets=["lm_head.weight"])
-    assert fig.axes[1].get_title().startswith(
-        "runtime lm_head.weight (tied to model.embed_tokens.weight) (256, 64): 1 write"
+    assert fig.axes[1].get_title() == (
+        "runtime lm_head.weight (tied to model.embed_tokens.weight) (256, 64):\n"
+        "1 write, 3 elements written of 16,384 in its view"
     )
     (i,) = report.writes.index
     assert rects_by_gid(fig, "write ")[f"write {i} runtime"]
@@ -690,7 +829,8 @@ def test_long_names_are_cut_to_their_tail_keeping_shape_and_numbers_on_the_figur
     head = delta.get_suptitle()
     assert head.startswith("…") and f"{tail} (32, 48) float32:\n3 elements written" in head
     title = rt.get_text()
-    assert title.startswith("runtime …") and f"{tail} (32, 48):\n1 write, 1,536 elements" in title
+    counts = "1 write, 3 elements written of 1,536 in its view"
+    assert title.startswith("runtime …") and f"{tail} (32, 48):\n{counts}" in title
     assert LONG not in title + head  # cut: the whole name would run off the figure
 
 
