@@ -564,6 +564,61 @@ def test_delta_of_a_big_tensor_is_pooled_by_the_density_map_blocks():
     assert images[2][0, 0] == -3.0  # the larger of the two changes in block (0, 0)
 
 
+@pytest.mark.parametrize("band", [500, 150])
+def test_delta_reads_the_tensor_a_band_at_a_time_and_draws_the_numbers_of_the_whole(
+    monkeypatch, band
+):
+    # plot_delta made float copies of the whole before, after and Δ, and full-size masks:
+    # at 128256 × 2560 bfloat16 it took 41 s and 7 GB more memory. Now it reads a band
+    # at a time: here two rows (cutting blocks of rows in two), or 150 elements of a row
+    # of 200 (cutting blocks of columns), and never calls the whole-tensor copies.
+    from patchkit import inspect as pk_inspect
+    from patchkit import plot
+
+    g = torch.Generator().manual_seed(0)
+    model = PlainModel({"w": (300, 200)})
+    with torch.no_grad():
+        model.w.copy_(torch.randn(300, 200, generator=g))
+    idx = torch.randperm(60_000, generator=g)[:6000].sort().values
+    report = inspect_load(model, [CheckpointWeightPatch(
+        "w", (300, 200), torch.float32, torch.randn(6000, generator=g), idx)])
+    before, after = report.before("w").numpy(), report.after("w").numpy()
+    delta, written = after - before, report.written("w").numpy()
+
+    reads = []
+    read = pk_inspect._BeforeAfter.read
+    monkeypatch.setattr(pk_inspect._BeforeAfter, "read",
+                        lambda self, lo, hi: reads.append(hi - lo) or read(self, lo, hi))
+    for whole in ("before", "after", "written"):
+        monkeypatch.setattr(pk_inspect.LoadReport, whole, None)
+    monkeypatch.setattr(plot, "_BAND", band)
+    fig = plot_delta(report, "w", bins=(16, 16))
+    assert max(reads) <= band and sum(reads) == 60_000  # every element once
+
+    rb, cb = _blocks(300, 16), _blocks(200, 16)
+    want_b, want_a, want_d = (np.zeros((16, 16)) for _ in range(3))
+    for i in range(16):
+        for j in range(16):
+            at = np.ix_(rb == i, cb == j)
+            want_b[i, j] = before[at].mean(dtype=np.float64)
+            want_a[i, j] = after[at].mean(dtype=np.float64)
+            want_d[i, j] = delta[at].flat[np.argmax(np.abs(delta[at]))]
+    b, a, d = (np.asarray(ax.images[0].get_array()) for ax in fig.axes if ax.images)
+    np.testing.assert_allclose(b, want_b, rtol=1e-12)
+    np.testing.assert_allclose(a, want_a, rtol=1e-12)
+    np.testing.assert_array_equal(d, want_d)
+    heights = [p.get_height() for p in fig.axes[3].patches]
+    np.testing.assert_array_equal(heights, np.histogram(delta.reshape(-1)[written.reshape(-1)],
+                                                        bins=60)[0])
+
+    # More Δ values than it keeps: counted into the same bins on a second pass.
+    monkeypatch.setattr(plot, "_HIST_KEEP", 100)
+    reads.clear()
+    fig = plot_delta(report, "w", bins=(16, 16))
+    assert sum(reads) == 2 * 60_000
+    assert [p.get_height() for p in fig.axes[3].patches] == heights
+
+
 def test_delta_histogram_counts_the_written_elements_each_once():
     model = Shards()
     keep = float(model.qkv[4, 0])  # k's first element: written with its own value
