@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 import torch
+from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
@@ -723,8 +724,6 @@ def region_rects(text: str | None, shape: Sequence[int]) -> tuple[list[Rect], bo
 
 
 def _write_colour(k: int) -> Any:
-    from matplotlib import colormaps
-
     return colormaps["tab10"](k % 10)
 
 
@@ -980,14 +979,15 @@ def _pieces(rows: int, cols: int, rs: np.ndarray, cs: np.ndarray
 class _Blocks:
     """Statistics per block of a ``rows`` × ``cols`` array cut into ``br`` × ``bc``
     blocks (as :func:`~patchkit.density.density_map` cuts them), taken from the pieces
-    :func:`_pieces` cuts, fed in its order: sums (float64), largest and smallest values.
+    :func:`_pieces` cuts, fed in its order: sums (float64), largest and smallest values
+    of the finite elements, and how many are not finite (NaN, ±inf).
 
     A block's sum adds its rows in order, then the sums of its columns, as
     ``np.add.reduceat`` over rows, then columns, adds them: where the rows are whole
     (a row of at most :data:`_BAND` elements), the numbers are those of the whole array
     at once, bit for bit; pieces of a longer row add their partial sums (the last bits
     of a mean may differ). With ``(br, bc) == (rows, cols)`` the blocks are the elements
-    themselves (as float64).
+    themselves (as float64, non-finite ones as they are).
     """
 
     def __init__(self, rows: int, cols: int, br: int, bc: int, *, sums: bool = True,
@@ -1003,21 +1003,30 @@ class _Blocks:
         if extremes and not self.identity:
             self._hi, self._lo = np.full((br, bc), -np.inf), np.full((br, bc), np.inf)
         self._carry: np.ndarray | None = None  # row sums so far of a block cut in two
+        self.nonfinite = np.zeros((br, bc), dtype=np.int64)
+        """Per block, how many of its elements are NaN or ±inf."""
 
     def add(self, r0: int, c0: int, x: np.ndarray) -> None:
         """Take the piece ``x`` whose first element is at row ``r0``, column ``c0``."""
         n, w = x.shape
+        finite = np.isfinite(x)
+        bad = None if finite.all() else ~finite
         if self._values is not None:
             self._values[r0:r0 + n, c0:c0 + w] = x
+            if bad is not None:
+                self.nonfinite[r0:r0 + n, c0:c0 + w] += bad
             return
+        if bad is not None:
+            x = np.where(finite, x, 0)  # (a 0 changes no sum, nor a largest |value|)
         if w < self.shape[1]:
-            self._add_row_piece(r0, c0, x[0])
+            self._add_row_piece(r0, c0, x[0], None if bad is None else bad[0])
             return
         i0 = int(np.searchsorted(self.rs, r0, side="right")) - 1
         i1 = int(np.searchsorted(self.rs, r0 + n - 1, side="right")) - 1
-        sums, his, los = [], [], []
+        sums, his, los, bads = [], [], [], []
         for i in range(i0, i1 + 1):
-            seg = x[max(int(self.rs[i]) - r0, 0):min(int(self._row_ends[i]) - r0, n)]
+            at = slice(max(int(self.rs[i]) - r0, 0), min(int(self._row_ends[i]) - r0, n))
+            seg = x[at]
             if self._sums is not None:
                 rows = seg
                 if self._carry is not None:  # the rest of a block cut in two: add on
@@ -1031,42 +1040,54 @@ class _Blocks:
             if self._hi is not None:
                 his.append(seg.max(axis=0))
                 los.append(seg.min(axis=0))
+            if bad is not None:
+                bads.append(np.add.reduce(bad[at], axis=0, dtype=np.int64))
         if sums:
             self._sums[i0:i0 + len(sums)] = np.add.reduceat(np.stack(sums), self.cs, axis=1)
+        at = slice(i0, i1 + 1)
         if his:
-            at = slice(i0, i1 + 1)
             self._hi[at] = np.maximum(self._hi[at], np.maximum.reduceat(np.stack(his), self.cs,
                                                                           axis=1))
             self._lo[at] = np.minimum(self._lo[at], np.minimum.reduceat(np.stack(los), self.cs,
                                                                           axis=1))
+        if bads:
+            self.nonfinite[at] += np.add.reduceat(np.stack(bads), self.cs, axis=1)
 
-    def _add_row_piece(self, r: int, c0: int, row: np.ndarray) -> None:
+    def _add_row_piece(self, r: int, c0: int, row: np.ndarray, bad: np.ndarray | None
+                       ) -> None:
         i = int(np.searchsorted(self.rs, r, side="right")) - 1
         j0 = int(np.searchsorted(self.cs, c0, side="right")) - 1
         j1 = int(np.searchsorted(self.cs, c0 + row.shape[0] - 1, side="right")) - 1
         at = np.maximum(self.cs[j0:j1 + 1], c0) - c0
+        js = slice(j0, j1 + 1)
         if self._sums is not None:
-            self._sums[i, j0:j1 + 1] += np.add.reduceat(row, at, dtype=np.float64)
+            self._sums[i, js] += np.add.reduceat(row, at, dtype=np.float64)
         if self._hi is not None:
-            self._hi[i, j0:j1 + 1] = np.maximum(self._hi[i, j0:j1 + 1],
-                                                np.maximum.reduceat(row, at))
-            self._lo[i, j0:j1 + 1] = np.minimum(self._lo[i, j0:j1 + 1],
-                                                np.minimum.reduceat(row, at))
+            self._hi[i, js] = np.maximum(self._hi[i, js], np.maximum.reduceat(row, at))
+            self._lo[i, js] = np.minimum(self._lo[i, js], np.minimum.reduceat(row, at))
+        if bad is not None:
+            self.nonfinite[i, js] += np.add.reduceat(bad, at, dtype=np.int64)
+
+    def _finite(self) -> np.ndarray:
+        rows, cols = self.shape
+        sizes = np.outer(np.diff(np.append(self.rs, rows)), np.diff(np.append(self.cs, cols)))
+        return sizes - self.nonfinite
 
     def mean(self) -> np.ndarray:
-        """Block means (float64)."""
+        """Block means of the finite elements (float64; NaN for a block with none)."""
         if self._values is not None:
             return self._values
-        rows, cols = self.shape
-        counts = np.outer(np.diff(np.append(self.rs, rows)), np.diff(np.append(self.cs, cols)))
-        return self._sums / counts
+        n = self._finite()
+        return np.divide(self._sums, n, out=np.full(n.shape, np.nan), where=n > 0)
 
     def max_abs(self) -> np.ndarray:
-        """Per block, the signed value of largest magnitude (float64; the largest where a
-        positive and a negative value tie)."""
+        """Per block, the finite value of largest magnitude, signed (float64; the
+        positive one where two tie; NaN for a block with none)."""
         if self._values is not None:
             return self._values
-        return np.where(np.abs(self._hi) >= np.abs(self._lo), self._hi, self._lo)
+        out = np.where(np.abs(self._hi) >= np.abs(self._lo), self._hi, self._lo)
+        out[self._finite() == 0] = np.nan
+        return out
 
 
 def _pooled(x: np.ndarray, br: int, bc: int, **kw: bool) -> _Blocks:
@@ -1078,7 +1099,10 @@ def _pooled(x: np.ndarray, br: int, bc: int, **kw: bool) -> _Blocks:
 
 
 def pool_mean(x: np.ndarray, br: int, bc: int) -> np.ndarray:
-    """Block means of a 2-D array over ``br`` × ``bc`` blocks (identity when not smaller)."""
+    """Block means of a 2-D array over ``br`` × ``bc`` blocks (identity when not smaller).
+
+    NaN and ±inf are left out of a block's mean; a block holding nothing else is NaN.
+    """
     if (br, bc) == x.shape:
         return x.astype(np.float64)
     return _pooled(x, br, bc).mean()
@@ -1087,11 +1111,33 @@ def pool_mean(x: np.ndarray, br: int, bc: int) -> np.ndarray:
 def pool_max_abs(x: np.ndarray, br: int, bc: int) -> np.ndarray:
     """Per block, the signed value of largest magnitude (identity when not smaller).
 
-    Unlike a mean, a single large change in a big block stays visible.
+    Unlike a mean, a single large change in a big block stays visible. NaN and ±inf are
+    left out; a block holding nothing else is NaN.
     """
     if (br, bc) == x.shape:
         return x.astype(np.float64)
     return _pooled(x, br, bc, sums=False, extremes=True).max_abs()
+
+
+_NONFINITE = "#FF00FF"  # magenta: in neither viridis nor RdBu_r, and not white
+
+
+def _mark_nonfinite(ax: Axes, pool: _Blocks, rows: int, cols: int) -> str:
+    """Mark the blocks of a heat map that hold NaN or ±inf with a magenta ``×`` (a
+    scatter, gid ``"non-finite"``); the line to add to its title that says so, or
+    ``""`` when there are none."""
+    bad = pool.nonfinite
+    if not bad.any():
+        return ""
+    i, j = np.nonzero(bad)
+    r_end, c_end = np.append(pool.rs[1:], rows), np.append(pool.cs[1:], cols)
+    # a marker about the size of a block (the panel is about 200 × 200 points)
+    size = float(np.clip(0.8 * min(200 / bad.shape[0], 200 / bad.shape[1]), 4, 10))
+    ax.scatter((pool.cs[j] + c_end[j]) / 2, (pool.rs[i] + r_end[i]) / 2, s=size**2,
+               marker="x", color=_NONFINITE, linewidths=1.0, gid="non-finite", zorder=3)
+    n = int(bad.sum())
+    where = "" if pool.identity else f" in {i.size:,} block{'s' if i.size != 1 else ''}"
+    return f"\nNaN/±inf (magenta, ×): {n:,} element{'s' if n != 1 else ''}{where}"
 
 
 def _largest_finite(d: torch.Tensor) -> float:
@@ -1142,7 +1188,11 @@ def _delta_pass(
         before, after, written = reader.read(lo, lo + (r1 - r0) * (c1 - c0))
         b, a = _as_float(before), _as_float(after)
         # exact for integers (int64 beyond 2**53 too), as the deltas table measures
-        d = a - b if floating else difference(after, before).numpy()
+        if floating:
+            with np.errstate(invalid="ignore", over="ignore"):  # (inf − inf: NaN, as it is)
+                d = a - b
+        else:
+            d = difference(after, before).numpy()
         if pools is not None:
             for pool, x in zip(pools, (b, a, d)):
                 pool.add(r0, c0, x.reshape(r1 - r0, c1 - c0))
@@ -1182,14 +1232,23 @@ def plot_delta(
     symmetric diverging scale; unpooled (the exact values) when the tensor fits.
     ``axes[3]`` is a histogram (log y) of Δ over the elements the load wrote, each
     counted once (so its counts total ``report.deltas.loc[target, "elements"]``), or over
-    those whose bits changed with ``changed_only=True``; non-finite Δ are left out and
-    counted in the title. Draws the values :meth:`LoadReport.before` /
-    :meth:`LoadReport.after` / :meth:`LoadReport.written` give, read a band of about 4
-    million elements (whole rows where a row fits) at a time, never the whole tensor at
-    once: the scratch memory is a few float copies of a band, plus the positions of the
-    elements the load saved and wrote (in proportion to what it wrote), the Δ values the
-    histogram counts (up to 8 million; more are counted on a second pass), and one copy
-    of a tensor that is not contiguous. Those read the model as it is now, while the title's numbers
+    those whose bits changed with ``changed_only=True``.
+
+    NaN and ±inf are drawn in magenta (the colour maps' "bad" colour; Δ = 0 is
+    near-white): an unpooled image holds them as they are; a block's mean, or its
+    largest |Δ|, leaves them out, so that its finite elements still show (a block with
+    nothing else is NaN, magenta). A magenta ``×`` (a scatter of gid ``"non-finite"``)
+    marks every block, or element, that holds any, and the panel's title then says how
+    many elements, in how many blocks. The colour scales span the finite values only.
+    The histogram leaves non-finite Δ out and says how many in its title.
+
+    Draws the values :meth:`LoadReport.before` / :meth:`LoadReport.after` /
+    :meth:`LoadReport.written` give, read a band of about 4 million elements (whole rows
+    where a row fits) at a time, never the whole tensor at once: the scratch memory is
+    a few float copies of a band, plus the positions of the elements the load saved and
+    wrote (in proportion to what it wrote), the Δ values the histogram counts (up to 8
+    million; more are counted on a second pass), and one copy of a tensor that is not
+    contiguous. Those read the model as it is now, while the title's numbers
     (``report.deltas``) are the load's: when the written elements whose bits differ now
     are not as many as the load changed, or their largest finite |Δ| is not the load's
     ``max_abs`` (the model changed since, e.g. another load), the title says so in a line
@@ -1265,10 +1324,12 @@ def plot_delta(
         (d_img, "Δ = after − before" + (" (largest |Δ| per block)" if pooled else ""),
          "RdBu_r", -m, m, "Δ"),
     ]
-    for ax, (img, title, cmap, vmin, vmax, label) in zip(axes[:3], panels):
-        im = ax.imshow(img, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest",
-                       aspect="auto", extent=_extent(rows, cols))
+    for ax, pool, (img, title, cmap, vmin, vmax, label) in zip(axes[:3], pools, panels):
+        im = ax.imshow(img, cmap=colormaps[cmap].with_extremes(bad=_NONFINITE), vmin=vmin,
+                       vmax=vmax, interpolation="nearest", aspect="auto",
+                       extent=_extent(rows, cols))
         fig.colorbar(im, ax=ax, label=label, shrink=0.9)
+        title += _mark_nonfinite(ax, pool, rows, cols)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
@@ -1290,7 +1351,7 @@ def plot_delta(
     else:
         ax.text(0.5, 0.5, f"no {what} elements", transform=ax.transAxes, ha="center",
                 va="center", color="0.3")
-    note = f"; {values.nonfinite:,} non-finite left out" if values.nonfinite else ""
+    note = f"\n({values.nonfinite:,} NaN/±inf left out)" if values.nonfinite else ""
     if values.finite:
         # Counts, not powers of ten: plain labels on major and minor ticks, none below 1.
         ax.set_ylim(bottom=0.8)

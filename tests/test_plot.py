@@ -619,6 +619,58 @@ def test_delta_reads_the_tensor_a_band_at_a_time_and_draws_the_numbers_of_the_wh
     assert [p.get_height() for p in fig.axes[3].patches] == heights
 
 
+def _marks(ax):
+    """Centres of the ``×`` that mark NaN/±inf on a heat map."""
+    return [tuple(xy) for c in ax.collections if c.get_gid() == "non-finite"
+            for xy in c.get_offsets()]
+
+
+def test_delta_draws_nan_and_inf_in_a_colour_of_their_own_and_pools_around_them():
+    # The colour maps' bad colour was transparent (white, like Δ = 0), and one NaN made
+    # its whole block NaN: a NaN in the model looked like "no change".
+    model = PlainModel({"w": (100, 100)})
+    with torch.no_grad():
+        model.w.zero_()
+        model.w[50, 50] = float("nan")
+        model.w[0:10, 90:100] = float("inf")  # a whole block (0, 9) of ±inf
+        model.w[95, 5] = -float("inf")
+    idx = torch.arange(10_000)
+    idx = idx[idx != 9505]  # element (95, 5) is not written: it stays -inf
+    report = inspect_load(model, [CheckpointWeightPatch(
+        "w", (100, 100), torch.float32, torch.full((9999,), 2.0), idx)])
+    fig = plot_delta(report, "w", bins=(10, 10))
+    maps = [ax for ax in fig.axes if ax.images]
+    b, a, d = (np.ma.filled(np.ma.asarray(ax.images[0].get_array()), -1.0) for ax in maps)
+    assert b[5, 5] == 0.0 and a[5, 5] == 2.0 and d[5, 5] == 2.0  # the 99 finite ones
+    assert b[9, 0] == 0.0 and a[9, 0] == 2.0 and d[9, 0] == 2.0
+    assert b[0, 9] == -1.0 and a[0, 9] == 2.0 and d[0, 9] == -1.0  # nothing finite: masked
+    for ax in maps:
+        cmap, norm = ax.images[0].cmap, ax.images[0].norm
+        assert cmap.get_bad().tolist() == [1.0, 0.0, 1.0, 1.0]  # magenta, opaque
+        assert not np.allclose(cmap.get_bad(), cmap(norm(0.0)))
+        assert np.isfinite(ax.images[0].get_clim()).all()
+    # a × at the centre (column, row) of each block holding one, and a line in the title
+    assert sorted(_marks(maps[0])) == [(5.0, 95.0), (55.0, 55.0), (95.0, 5.0)]
+    assert sorted(_marks(maps[1])) == [(5.0, 95.0)]
+    assert sorted(_marks(maps[2])) == [(5.0, 95.0), (55.0, 55.0), (95.0, 5.0)]
+    assert maps[0].get_title().endswith("\nNaN/±inf (magenta, ×): 102 elements in 3 blocks")
+    assert maps[1].get_title().endswith("\nNaN/±inf (magenta, ×): 1 element in 1 block")
+    assert maps[2].get_title().endswith("\nNaN/±inf (magenta, ×): 102 elements in 3 blocks")
+    assert "\n(101 NaN/±inf left out)" in fig.axes[3].get_title()
+
+    # Unpooled, an image holds the values as they are, and marks the elements.
+    fig = plot_delta(report, "w", bins=(100, 100))
+    b = np.asarray(fig.axes[0].images[0].get_array().data)
+    assert np.isnan(b[50, 50]) and b[95, 5] == -np.inf and b[0, 0] == 0.0
+    assert len(_marks(fig.axes[0])) == 102
+    assert fig.axes[0].get_title() == "before\nNaN/±inf (magenta, ×): 102 elements"
+    # A tensor with none: no marks and no line.
+    report, _ = load("q k")
+    fig = plot_delta(report, "qkv")
+    assert not any(_marks(ax) for ax in fig.axes)
+    assert not any("NaN" in ax.get_title() for ax in fig.axes)
+
+
 def test_delta_histogram_counts_the_written_elements_each_once():
     model = Shards()
     keep = float(model.qkv[4, 0])  # k's first element: written with its own value
