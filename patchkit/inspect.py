@@ -347,6 +347,9 @@ class LoadReport:
     _removed: tuple[str, ...] = field(default=(), repr=False, init=False)
     # Names the load registered that the model did not have: no values before it.
     _registered: tuple[str, ...] = field(default=(), repr=False, init=False)
+    # Runtime tensors the load wrote and its transactional rollback put back as they were
+    # (their saves went with the rollback: no deltas row, nothing written()).
+    _restored: tuple[str, ...] = field(default=(), repr=False, init=False)
     # Every runtime tensor the report knows (targets, names removed, tensors registered
     # and removed again) and its shape: what the figures accept.
     _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, init=False)
@@ -813,6 +816,11 @@ def _inspect_load(
             tracker.close()
     rolled_back = (error is not None and transactional and loader is None and bool(rec.calls)
                    and not any(s.unrestored for s in sessions))
+    restored: tuple[str, ...] = ()
+    if error is not None and transactional and loader is None and rec.calls:
+        # The rollback put back what the load wrote, but for the targets it could not.
+        left = {t for s in sessions for t in s.unrestored}
+        restored = tuple(dict.fromkeys(e.target for e in rec.events if e.target not in left))
     if error is not None and not rolled_back:
         # What the calls that returned before the failure reported loaded stays loaded;
         # after an incomplete rollback, only the names that wrote into a target it left.
@@ -846,6 +854,7 @@ def _inspect_load(
             raise error from None  # bad input: the load's own error says what is wrong
         raise
     report.rolled_back = rolled_back
+    report._restored = restored
     if error is not None:
         error.report = report  # type: ignore[attr-defined]
         raise error

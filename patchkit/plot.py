@@ -81,6 +81,9 @@ _STALE_WARNING = (
     "the numbers are the load's"
 )
 
+# What plot_delta's title says of a tensor the load wrote and its rollback put back.
+_ROLLED_BACK = "written by this load, then put back as it was by its transactional rollback"
+
 _MAX_WRITES = 64  # writes drawn per runtime tensor; the rest are counted in a note
 _MAX_SOURCES = 8  # checkpoint tensors drawn beside one runtime tensor
 _MAX_LEGEND = 12
@@ -1349,8 +1352,10 @@ def plot_delta(
                 counts = counts + n
             ax.hist(edges[:-1], bins=edges, weights=counts, log=True, color="#4C72B0")
     else:
-        ax.text(0.5, 0.5, f"no {what} elements", transform=ax.transAxes, ha="center",
-                va="center", color="0.3")
+        empty = ("written, then put back by the rollback"
+                 if target in getattr(report, "_restored", ()) else f"no {what} elements")
+        ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center",
+                color="0.3")
     note = f"\n({values.nonfinite:,} NaN/±inf left out)" if values.nonfinite else ""
     if values.finite:
         # Counts, not powers of ten: plain labels on major and minor ticks, none below 1.
@@ -1375,6 +1380,8 @@ def plot_delta(
         stale = n_now != int(row["changed"]) or not math.isclose(
             largest, float(row["max_abs"]), rel_tol=1e-5, abs_tol=1e-300
         )
+    elif target in getattr(report, "_restored", ()):
+        stats = _ROLLED_BACK
     else:
         stats = "not written by this load"
     room = 0.95 * 72 * fig.get_figwidth()

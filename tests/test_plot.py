@@ -845,6 +845,45 @@ def test_delta_warns_once_another_load_put_back_what_the_load_changed():
     assert plot_delta(report, "qkv").get_suptitle().endswith(STALE)
 
 
+def test_delta_of_a_tensor_a_rollback_put_back_says_so(monkeypatch):
+    # the title said "not written by this load" of a tensor the load wrote and its
+    # transactional rollback then restored
+    from patchkit import intercept
+    from patchkit.toymodels import FailingModel
+
+    ps = [CheckpointWeightPatch(n, (4, 4), torch.float32, torch.ones(16)) for n in "abc"]
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(FailingModel({"a": (4, 4), "b": (4, 4), "c": (4, 4)}, fail_on="c"), ps,
+                     max_chunk_bytes=64, transactional=True)
+    report = info.value.report
+    assert report.rolled_back and "a" not in report.deltas.index
+    fig = plot_delta(report, "a")
+    assert fig.get_suptitle() == (
+        "a (4, 4) float32: written by this load, then put back as it was by its "
+        "transactional rollback")
+    assert [t.get_text() for t in fig.axes[3].texts] == ["written, then put back by the rollback"]
+
+    # A rollback that could not put "b" back: "a" was put back, "b" keeps its row.
+    real = intercept.SavedRegion.restore
+
+    def restore(self):
+        if self.target == "b":
+            raise OSError("b cannot be written")
+        real(self)
+
+    monkeypatch.setattr(intercept.SavedRegion, "restore", restore)
+    with pytest.raises(RuntimeError, match="rollback incomplete") as info:
+        inspect_load(FailingModel({"a": (4, 4), "b": (4, 4), "c": (4, 4)}, fail_on="c"), ps,
+                     max_chunk_bytes=64, transactional=True)
+    report = info.value.report
+    assert not report.rolled_back
+    assert "then put back" in plot_delta(report, "a").get_suptitle()
+    assert plot_delta(report, "b").get_suptitle().startswith(
+        "b (4, 4) float32: 16 elements written, 16 changed")
+    # A tensor the load never wrote is still "not written".
+    assert plot_delta(report, "c").get_suptitle().endswith("not written by this load")
+
+
 # -- display -------------------------------------------------------------------------------
 
 
