@@ -1364,7 +1364,7 @@ def plot_delta(
         ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     ax.set_title(f"Δ over {values.finite:,} {what} elements{note}", fontsize=9)
     ax.set_xlabel("Δ = after − before")
-    ax.set_ylabel("elements (log scale)")
+    ax.set_ylabel("elements (log scale)" if values.finite else "elements")
 
     stale = False
     if target in report.deltas.index:

@@ -688,6 +688,16 @@ def test_delta_histogram_counts_the_written_elements_each_once():
     assert "3 changed elements" in fig.axes[3].get_title()
 
 
+def test_delta_histogram_of_no_elements_does_not_claim_a_log_scale():
+    report, _ = load("q")
+    assert "norm" not in report.deltas.index
+    hist = plot_delta(report, "norm").axes[3]
+    assert not hist.patches and hist.get_yscale() == "linear"
+    assert hist.get_ylabel() == "elements"  # it said "elements (log scale)"
+    hist = plot_delta(report, "qkv").axes[3]
+    assert hist.get_yscale() == "log" and hist.get_ylabel() == "elements (log scale)"
+
+
 def test_delta_of_an_unknown_target_names_it():
     report, _ = load("q")
     with pytest.raises(KeyError, match="nope"):
