@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -366,6 +367,9 @@ class LoadReport:
     _removed: tuple[str, ...] = field(default=(), repr=False, init=False)
     # Names the load registered that the model did not have: no values before it.
     _registered: tuple[str, ...] = field(default=(), repr=False, init=False)
+    # Runtime tensors the load wrote and its transactional rollback put back as they were
+    # (their saves went with the rollback: no deltas row, nothing written()).
+    _restored: tuple[str, ...] = field(default=(), repr=False, init=False)
     # Every runtime tensor the report knows (targets, names removed, tensors registered
     # and removed again) and its shape: what the figures accept.
     _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, init=False)
@@ -450,7 +454,7 @@ class LoadReport:
         self._check_saves()
         t = self._tensor(target)
         mask = torch.zeros(t.numel(), dtype=torch.bool, device="cpu")
-        if self._aliases.get(target, target) in self._rebound or target in self._registered:
+        if self._written_whole(target):
             return mask.fill_(True).view(t.shape)  # rebound or new: written whole
         for s in _sharing(self._saved, t):
             pos, _ = _positions(t, s.written_index())
@@ -474,6 +478,12 @@ class LoadReport:
         shape). Raises ``ValueError`` once the report was passed to a later load as
         ``reuse=``, and ``KeyError`` for a name the load registered (new in the model).
         """
+        return _rebuilt(self._original(target), self._saved)
+
+    def _original(self, target: str) -> torch.Tensor:
+        """The tensor whose values, with the saves on it, were ``target``'s before the
+        load: its own, or the original storage's where a call rebound it. Raises as
+        :meth:`before` does."""
         self._check_saves()
         t = self._tensor(target)
         if target in self._registered:
@@ -481,9 +491,20 @@ class LoadReport:
                 f"{target!r} was registered by the load (a name the model did not have): it "
                 "has no values before the load"
             )
-        # A tensor a call rebound: its values before the load are the original storage's.
-        t = self._rebound.get(self._aliases.get(target, target), t)
-        return _rebuilt(t, self._saved)
+        return self._rebound.get(self._aliases.get(target, target), t)
+
+    def _written_whole(self, target: str) -> bool:
+        """Whether the load wrote every element of ``target``: a tensor a call rebound or
+        registered anew."""
+        return self._aliases.get(target, target) in self._rebound or target in self._registered
+
+    def _before_after(self, target: str) -> _BeforeAfter:
+        """:meth:`before`, :meth:`after` and :meth:`written` of ``target``, to be read a
+        range of elements at a time (see :class:`_BeforeAfter`: no copy of the whole
+        tensor). Raises as :meth:`before` does."""
+        old = self._original(target)
+        return _BeforeAfter(old, self._tensor(target), self._saved,
+                            self._written_whole(target))
 
     # -- summaries ---------------------------------------------------------------------
 
@@ -822,6 +843,11 @@ def _inspect_load(
             tracker.close()
     rolled_back = (error is not None and transactional and loader is None and bool(rec.calls)
                    and not any(s.unrestored for s in sessions))
+    restored: tuple[str, ...] = ()
+    if error is not None and transactional and loader is None and rec.calls:
+        # The rollback put back what the load wrote, but for the targets it could not.
+        left = {t for s in sessions for t in s.unrestored}
+        restored = tuple(dict.fromkeys(e.target for e in rec.events if e.target not in left))
     if error is not None and not rolled_back:
         # What the calls that returned before the failure reported loaded stays loaded;
         # after an incomplete rollback, only the names that wrote into a target it left.
@@ -870,6 +896,7 @@ def _inspect_load(
             raise error from None  # bad input: the load's own error says what is wrong
         raise
     report.rolled_back = rolled_back
+    report._restored = restored
     if error is not None:
         error.report = report  # type: ignore[attr-defined]
         raise error
@@ -1080,6 +1107,165 @@ def _rebuilt(t: torch.Tensor, saved: list[SavedRegion]) -> torch.Tensor:
         pos, valid = _positions(t, s.storage_index())
         # (saved in the dtype of the view written: read as ``t``'s, as the statistics do)
         flat[pos.cpu()] = bits(_as_dtype_of(s.flat_before()[valid], t).cpu())
+    return out
+
+
+class _BeforeAfter:
+    """A runtime tensor before and after the load, and where the load wrote it, read a
+    range of its elements (in row-major order) at a time: :meth:`read` gives the values
+    ``before(target)``, ``after(target)`` and ``written(target)`` give there, bit for
+    bit, without a copy of the whole tensor.
+
+    Memory: the positions of the saved and written elements (8 bytes each; none for a
+    whole view saved or written in one contiguous run of the tensor) and a CPU copy of
+    the saved values of a tensor on another device (what the load wrote, in proportion),
+    plus a contiguous CPU copy of a tensor that is not contiguous. ``before_shape`` /
+    ``before_dtype`` and ``shape`` / ``dtype`` are the tensor's before and after the
+    load (they differ only for a tensor a call rebound to another; :meth:`read` then
+    means nothing).
+    """
+
+    def __init__(self, old: torch.Tensor, now: torch.Tensor, saved: list[SavedRegion],
+                 whole: bool) -> None:
+        self.shape, self.dtype = tuple(now.shape), now.dtype
+        self.before_shape, self.before_dtype = tuple(old.shape), old.dtype
+        self._now = _flat_view(now)
+        self._old = self._now if old is now else _flat_view(old)
+        mine = _sharing(saved, old)
+        runs = {id(s): _saved_run(old, s) for s in mine}
+        # the saves to put back, in the order _rebuilt puts them (the oldest last)
+        self._saves = _runs([runs[id(s)] for s in reversed(mine)])
+        self._written: list[_Run] | None = None
+        if not whole:
+            written = []
+            for s in _sharing(saved, now):
+                run = runs.get(id(s)) if old is now and not s.whole_view else None
+                # (where a save holds exactly what its write wrote: the same positions)
+                written.append(_written_run(now, s) if run is None or run[1] is None
+                               else (0, run[1], None))
+            self._written = [(a, torch.unique_consecutive(p), e) if p is not None
+                             else (a, p, e) for a, p, e in _runs(written)]
+
+    def read(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(before, after, written)`` of elements ``[lo, hi)``: ``before`` and
+        ``after`` as 1-D CPU tensors of the tensor's dtypes (``after`` may be a view of
+        the tensor itself: read it, never write it), ``written`` the positions in
+        ``[0, hi - lo)`` of the elements the load wrote (int64, increasing), ``None``
+        where it wrote them all."""
+        after = self._now[lo:hi].to("cpu")
+        before = self._old[lo:hi].to("cpu", copy=True)
+        flat = bits(before)
+        for start, pos, values in self._saves:
+            if pos is None:  # a contiguous run from element ``start``
+                a, b = max(lo, start), min(hi, start + values.shape[0])
+                if a < b:
+                    flat[a - lo:b - lo] = values[a - start:b - start]
+            else:
+                a, b = _between(pos, lo, hi)
+                flat[pos[a:b] - lo] = values[a:b]
+        if self._written is None:
+            return before, after, None
+        parts = []
+        for start, pos, end in self._written:
+            if pos is None:
+                a, b = max(lo, start), min(hi, end)
+                if (a, b) == (lo, hi):
+                    return before, after, None
+                if a < b:
+                    parts.append(torch.arange(a - lo, b - lo, device="cpu"))
+            else:
+                a, b = _between(pos, lo, hi)
+                if a < b:
+                    parts.append(pos[a:b] - lo)
+        if len(parts) == 1:
+            return before, after, parts[0]
+        mask = np.zeros(hi - lo, dtype=bool)
+        for part in parts:
+            mask[part.numpy()] = True
+        return before, after, torch.from_numpy(np.flatnonzero(mask))
+
+
+def _between(pos: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
+    """``(a, b)``: ``pos[a:b]`` are the entries of sorted ``pos`` in ``[lo, hi)``."""
+    ends = torch.tensor([lo, hi], dtype=pos.dtype, device=pos.device)
+    a, b = torch.searchsorted(pos, ends).tolist()
+    return a, b
+
+
+def _flat_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements in row-major order, 1-D: a view of a contiguous tensor (on any
+    device), else a contiguous CPU copy."""
+    t = t.detach()
+    return t.reshape(-1) if t.is_contiguous() else t.to("cpu").contiguous().reshape(-1)
+
+
+# Elements of one tensor, as _BeforeAfter keeps them: ``(start, None, x)`` for a
+# contiguous run from element ``start`` on (``x``: its saved bits, or where it ends), or
+# ``(0, positions, x)`` for the elements at sorted ``positions`` (``x``: their saved bits,
+# or ``None``).
+_Run = tuple[int, "torch.Tensor | None", Any]
+
+
+def _saved_run(t: torch.Tensor, s: SavedRegion) -> _Run:
+    """The elements of ``t`` that save ``s`` holds, with their saved bits (CPU)."""
+    if s.index is None and s.positions is None and _within(s.view, t):
+        values = bits(_as_dtype_of(s.flat_before(), t)).cpu()
+        return s.view.storage_offset() - t.storage_offset(), None, values
+    pos, valid = _positions(t, s.storage_index())
+    values = s.flat_before()
+    if not bool(valid.all()):
+        values = values[valid]
+    return _sorted_run(pos, bits(_as_dtype_of(values, t)))
+
+
+def _written_run(t: torch.Tensor, s: SavedRegion) -> _Run:
+    """The elements of ``t`` that the write of save ``s`` wrote."""
+    if (s.whole_view or (s.index is None and s.positions is None)) and _within(s.view, t):
+        start = s.view.storage_offset() - t.storage_offset()
+        return start, None, start + s.view.numel()
+    pos, _ = _positions(t, s.written_index())
+    return _sorted_run(pos, None)
+
+
+def _sorted_run(pos: torch.Tensor, values: torch.Tensor | None) -> _Run:
+    pos = pos.cpu()
+    values = values.cpu() if values is not None else None
+    if pos.numel() > 1 and not bool((pos[1:] >= pos[:-1]).all()):
+        pos, order = torch.sort(pos, stable=True)
+        values = values[order] if values is not None else None
+    return 0, pos, values
+
+
+def _runs(runs: list[_Run]) -> list[_Run]:
+    """``runs`` with each stretch of consecutive runs at positions merged into one (what
+    putting them in order would leave: where two give one position, the later's bits),
+    so that a read looks up one."""
+    out: list[_Run] = []
+    group: list[_Run] = []
+
+    def flush() -> None:
+        if len(group) == 1:
+            out.append(group[0])
+        elif group:
+            pos = torch.cat([p for _, p, _ in group])
+            if group[0][2] is None:
+                out.append((0, pos.sort().values, None))
+            else:
+                values = torch.cat([v for _, _, v in group])
+                pos, order = torch.sort(pos, stable=True)
+                values = values[order]
+                last = torch.ones_like(pos, dtype=torch.bool)  # the last of equal positions
+                last[:-1] = pos[1:] != pos[:-1]
+                out.append((0, pos[last], values[last]))
+        group.clear()
+
+    for run in runs:
+        if run[1] is None:
+            flush()
+            out.append(run)
+        else:
+            group.append(run)
+    flush()
     return out
 
 

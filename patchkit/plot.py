@@ -18,7 +18,8 @@ not shown: call ``display(fig)``, or ``fig.savefig(path)`` to write it.
 Everything is deterministic (no timestamps, no randomness) and uses the user's words:
 checkpoint vs runtime coordinates, patch, chunk, staged bytes, write, delta. Big tensors
 are downsampled to a bounded number of pixels; density maps come from the indices
-(O(nnz)), never from a materialised tensor.
+(O(nnz)), never from a materialised tensor, and before/after figures read a tensor a
+band of rows at a time.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import io
 import math
 import numbers
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import torch
+from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
@@ -79,6 +81,9 @@ _STALE_WARNING = (
     "warning: the model changed after this load: the images show its current values, "
     "the numbers are the load's"
 )
+
+# What plot_delta's title says of a tensor the load wrote and its rollback put back.
+_ROLLED_BACK = "written by this load, then put back as it was by its transactional rollback"
 
 _MAX_WRITES = 64  # writes drawn per runtime tensor; the rest are counted in a note
 _MAX_SOURCES = 8  # checkpoint tensors drawn beside one runtime tensor
@@ -830,8 +835,6 @@ def _row_major(shape: Sequence[int]) -> list[int]:
 
 
 def _write_colour(k: int) -> Any:
-    from matplotlib import colormaps
-
     return colormaps["tab10"](k % 10)
 
 
@@ -1082,12 +1085,22 @@ def _big_enough(rect: Rect, rows: int, cols: int) -> bool:
 # -- deltas --------------------------------------------------------------------------------
 
 
-def _as_grid(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as a float numpy array in its 2-D view (float64 stays float64)."""
+_BAND = 1 << 22
+"""Elements :func:`plot_delta` reads at a time: its scratch is a few float copies of this
+many (tens of MiB), whatever the size of the tensor."""
+
+_HIST_KEEP = 1 << 23
+"""Δ values :func:`plot_delta` keeps for its histogram; with more, it reads the tensor a
+second time to count them into the bins instead."""
+
+
+def _as_float(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a float numpy array (float64, int64 and int32 as float64, other
+    dtypes as float32; complex: the real part)."""
     if t.is_complex():
         t = t.real
     t = t.to(torch.float64) if t.dtype in (torch.float64, torch.int64, torch.int32) else t.float()
-    return t.reshape(grid_shape(tuple(t.shape))).numpy()
+    return t.numpy()
 
 
 def _starts(n: int, b: int) -> np.ndarray:
@@ -1095,39 +1108,265 @@ def _starts(n: int, b: int) -> np.ndarray:
     return (np.arange(b, dtype=np.int64) * n + b - 1) // b
 
 
-def pool_mean(x: np.ndarray, br: int, bc: int) -> np.ndarray:
-    """Block means of a 2-D array over ``br`` × ``bc`` blocks (identity when not smaller)."""
+def _cut(n: int, starts: np.ndarray, most: int) -> Iterator[tuple[int, int]]:
+    """``[a, b)`` spans covering ``range(n)`` in order: as many whole blocks (``starts``:
+    where each begins) as fit in ``most``, or ``most`` of one block taller than that."""
+    ends = np.append(starts[1:], n)
+    a = 0
+    while a < n:
+        k = int(np.searchsorted(ends, a + most, side="right")) - 1  # last block end in reach
+        b = int(ends[k]) if k >= 0 and ends[k] > a else min(a + most, n)
+        yield a, b
+        a = b
+
+
+def _pieces(rows: int, cols: int, rs: np.ndarray, cs: np.ndarray
+            ) -> Iterator[tuple[int, int, int, int]]:
+    """``(r0, r1, c0, c1)``: pieces of a ``rows`` × ``cols`` grid of about :data:`_BAND`
+    elements, in row-major order, each a run of the flat elements: bands of whole rows
+    (whole blocks of rows, ``rs`` where each begins, where they fit), or, where one row
+    is longer than that, pieces of one row (whole blocks of columns, ``cs``, where they
+    fit)."""
+    if cols <= _BAND:
+        for r0, r1 in _cut(rows, rs, max(1, _BAND // cols)):
+            yield r0, r1, 0, cols
+        return
+    for r in range(rows):
+        for c0, c1 in _cut(cols, cs, _BAND):
+            yield r, r + 1, c0, c1
+
+
+class _Blocks:
+    """Statistics per block of a ``rows`` × ``cols`` array cut into ``br`` × ``bc``
+    blocks (as :func:`~patchkit.density.density_map` cuts them), taken from the pieces
+    :func:`_pieces` cuts, fed in its order: sums (float64), largest and smallest values
+    of the finite elements, and how many are not finite (NaN, ±inf).
+
+    A block's sum adds its rows in order, then the sums of its columns, as
+    ``np.add.reduceat`` over rows, then columns, adds them: where the rows are whole
+    (a row of at most :data:`_BAND` elements), the numbers are those of the whole array
+    at once, bit for bit; pieces of a longer row add their partial sums (the last bits
+    of a mean may differ). With ``(br, bc) == (rows, cols)`` the blocks are the elements
+    themselves (as float64, non-finite ones as they are).
+    """
+
+    def __init__(self, rows: int, cols: int, br: int, bc: int, *, sums: bool = True,
+                 extremes: bool = False) -> None:
+        self.shape = (rows, cols)
+        self.rs, self.cs = _starts(rows, br), _starts(cols, bc)
+        self._row_ends = np.append(self.rs[1:], rows)
+        self.identity = (br, bc) == (rows, cols)
+        self._values = np.empty((rows, cols)) if self.identity else None
+        # (-0.0 + x is x for every x, -0.0 included: an empty sum that changes nothing)
+        self._sums = np.full((br, bc), -0.0) if sums and not self.identity else None
+        self._hi = self._lo = None
+        if extremes and not self.identity:
+            self._hi, self._lo = np.full((br, bc), -np.inf), np.full((br, bc), np.inf)
+        self._carry: np.ndarray | None = None  # row sums so far of a block cut in two
+        self.nonfinite = np.zeros((br, bc), dtype=np.int64)
+        """Per block, how many of its elements are NaN or ±inf."""
+
+    def add(self, r0: int, c0: int, x: np.ndarray) -> None:
+        """Take the piece ``x`` whose first element is at row ``r0``, column ``c0``."""
+        n, w = x.shape
+        finite = np.isfinite(x)
+        bad = None if finite.all() else ~finite
+        if self._values is not None:
+            self._values[r0:r0 + n, c0:c0 + w] = x
+            if bad is not None:
+                self.nonfinite[r0:r0 + n, c0:c0 + w] += bad
+            return
+        if bad is not None:
+            x = np.where(finite, x, 0)  # (a 0 changes no sum, nor a largest |value|)
+        if w < self.shape[1]:
+            self._add_row_piece(r0, c0, x[0], None if bad is None else bad[0])
+            return
+        i0 = int(np.searchsorted(self.rs, r0, side="right")) - 1
+        i1 = int(np.searchsorted(self.rs, r0 + n - 1, side="right")) - 1
+        sums, his, los, bads = [], [], [], []
+        for i in range(i0, i1 + 1):
+            at = slice(max(int(self.rs[i]) - r0, 0), min(int(self._row_ends[i]) - r0, n))
+            seg = x[at]
+            if self._sums is not None:
+                rows = seg
+                if self._carry is not None:  # the rest of a block cut in two: add on
+                    rows = np.concatenate([self._carry[None, :], seg.astype(np.float64)])
+                    self._carry = None
+                part = np.add.reduce(rows, axis=0, dtype=np.float64)
+                if self._row_ends[i] > r0 + n:
+                    self._carry = part
+                else:
+                    sums.append(part)
+            if self._hi is not None:
+                his.append(seg.max(axis=0))
+                los.append(seg.min(axis=0))
+            if bad is not None:
+                bads.append(np.add.reduce(bad[at], axis=0, dtype=np.int64))
+        if sums:
+            self._sums[i0:i0 + len(sums)] = np.add.reduceat(np.stack(sums), self.cs, axis=1)
+        at = slice(i0, i1 + 1)
+        if his:
+            self._hi[at] = np.maximum(self._hi[at], np.maximum.reduceat(np.stack(his), self.cs,
+                                                                          axis=1))
+            self._lo[at] = np.minimum(self._lo[at], np.minimum.reduceat(np.stack(los), self.cs,
+                                                                          axis=1))
+        if bads:
+            self.nonfinite[at] += np.add.reduceat(np.stack(bads), self.cs, axis=1)
+
+    def _add_row_piece(self, r: int, c0: int, row: np.ndarray, bad: np.ndarray | None
+                       ) -> None:
+        i = int(np.searchsorted(self.rs, r, side="right")) - 1
+        j0 = int(np.searchsorted(self.cs, c0, side="right")) - 1
+        j1 = int(np.searchsorted(self.cs, c0 + row.shape[0] - 1, side="right")) - 1
+        at = np.maximum(self.cs[j0:j1 + 1], c0) - c0
+        js = slice(j0, j1 + 1)
+        if self._sums is not None:
+            self._sums[i, js] += np.add.reduceat(row, at, dtype=np.float64)
+        if self._hi is not None:
+            self._hi[i, js] = np.maximum(self._hi[i, js], np.maximum.reduceat(row, at))
+            self._lo[i, js] = np.minimum(self._lo[i, js], np.minimum.reduceat(row, at))
+        if bad is not None:
+            self.nonfinite[i, js] += np.add.reduceat(bad, at, dtype=np.int64)
+
+    def _finite(self) -> np.ndarray:
+        rows, cols = self.shape
+        sizes = np.outer(np.diff(np.append(self.rs, rows)), np.diff(np.append(self.cs, cols)))
+        return sizes - self.nonfinite
+
+    def mean(self) -> np.ndarray:
+        """Block means of the finite elements (float64; NaN for a block with none)."""
+        if self._values is not None:
+            return self._values
+        n = self._finite()
+        return np.divide(self._sums, n, out=np.full(n.shape, np.nan), where=n > 0)
+
+    def max_abs(self) -> np.ndarray:
+        """Per block, the finite value of largest magnitude, signed (float64; the
+        positive one where two tie; NaN for a block with none)."""
+        if self._values is not None:
+            return self._values
+        out = np.where(np.abs(self._hi) >= np.abs(self._lo), self._hi, self._lo)
+        out[self._finite() == 0] = np.nan
+        return out
+
+
+def _pooled(x: np.ndarray, br: int, bc: int, **kw: bool) -> _Blocks:
     rows, cols = x.shape
-    if (br, bc) == (rows, cols):
+    blocks = _Blocks(rows, cols, br, bc, **kw)
+    for r0, r1, c0, c1 in _pieces(rows, cols, blocks.rs, blocks.cs):
+        blocks.add(r0, c0, x[r0:r1, c0:c1])
+    return blocks
+
+
+def pool_mean(x: np.ndarray, br: int, bc: int) -> np.ndarray:
+    """Block means of a 2-D array over ``br`` × ``bc`` blocks (identity when not smaller).
+
+    NaN and ±inf are left out of a block's mean; a block holding nothing else is NaN.
+    """
+    if (br, bc) == x.shape:
         return x.astype(np.float64)
-    rs, cs = _starts(rows, br), _starts(cols, bc)
-    sums = np.add.reduceat(np.add.reduceat(x, rs, axis=0, dtype=np.float64), cs, axis=1)
-    counts = np.outer(np.diff(np.append(rs, rows)), np.diff(np.append(cs, cols)))
-    return sums / counts
+    return _pooled(x, br, bc).mean()
 
 
 def pool_max_abs(x: np.ndarray, br: int, bc: int) -> np.ndarray:
     """Per block, the signed value of largest magnitude (identity when not smaller).
 
-    Unlike a mean, a single large change in a big block stays visible.
+    Unlike a mean, a single large change in a big block stays visible. NaN and ±inf are
+    left out; a block holding nothing else is NaN.
     """
-    rows, cols = x.shape
-    if (br, bc) == (rows, cols):
+    if (br, bc) == x.shape:
         return x.astype(np.float64)
-    rs, cs = _starts(rows, br), _starts(cols, bc)
-    hi = np.maximum.reduceat(np.maximum.reduceat(x, rs, axis=0), cs, axis=1)
-    lo = np.minimum.reduceat(np.minimum.reduceat(x, rs, axis=0), cs, axis=1)
-    return np.where(np.abs(hi) >= np.abs(lo), hi, lo).astype(np.float64)
+    return _pooled(x, br, bc, sums=False, extremes=True).max_abs()
 
 
-def _max_abs_diff(before: torch.Tensor, after: torch.Tensor, mask: np.ndarray) -> float:
-    """Largest finite |after − before| over the flat elements ``mask`` selects (0 for
-    none), in float64 (complex: the modulus), as :attr:`LoadReport.deltas` measures it."""
-    pick = torch.from_numpy(mask)
-    a, b = after[pick], before[pick]
-    d = difference(a, b).abs()
-    d = d[torch.isfinite(d)]
-    return float(d.max()) if d.numel() else 0.0
+_NONFINITE = "#FF00FF"  # magenta: in neither viridis nor RdBu_r, and not white
+
+
+def _mark_nonfinite(ax: Axes, pool: _Blocks, rows: int, cols: int) -> str:
+    """Mark the blocks of a heat map that hold NaN or ±inf with a magenta ``×`` (a
+    scatter, gid ``"non-finite"``); the line to add to its title that says so, or
+    ``""`` when there are none."""
+    bad = pool.nonfinite
+    if not bad.any():
+        return ""
+    i, j = np.nonzero(bad)
+    r_end, c_end = np.append(pool.rs[1:], rows), np.append(pool.cs[1:], cols)
+    # a marker about the size of a block (the panel is about 200 × 200 points)
+    size = float(np.clip(0.8 * min(200 / bad.shape[0], 200 / bad.shape[1]), 4, 10))
+    ax.scatter((pool.cs[j] + c_end[j]) / 2, (pool.rs[i] + r_end[i]) / 2, s=size**2,
+               marker="x", color=_NONFINITE, linewidths=1.0, gid="non-finite", zorder=3)
+    n = int(bad.sum())
+    where = "" if pool.identity else f" in {i.size:,} block{'s' if i.size != 1 else ''}"
+    return f"\nNaN/±inf (magenta, ×): {n:,} element{'s' if n != 1 else ''}{where}"
+
+
+def _largest_finite(d: torch.Tensor) -> float:
+    """Largest finite |d| in float64 (complex: the modulus); 0 for none."""
+    d = np.abs(d.numpy())
+    d = d[np.isfinite(d)]
+    return float(d.max()) if d.size else 0.0
+
+
+class _DeltaValues:
+    """The Δ values a histogram counts, gathered a band at a time: the finite ones kept
+    (up to :data:`_HIST_KEEP` of them, else only their range), the others counted."""
+
+    def __init__(self) -> None:
+        self.kept: list[np.ndarray] | None = []
+        self.finite = 0
+        self.nonfinite = 0
+        self.range: tuple[Any, Any] | None = None  # numpy scalars of the values' dtype
+
+    def add(self, d: np.ndarray) -> None:
+        fin = np.isfinite(d)
+        if not fin.all():
+            self.nonfinite += int(d.size - np.count_nonzero(fin))
+            d = d[fin]
+        if not d.size:
+            return
+        self.finite += d.size
+        lo, hi = d.min(), d.max()
+        self.range = (lo, hi) if self.range is None else (
+            min(self.range[0], lo), max(self.range[1], hi))
+        if self.kept is not None and self.finite > _HIST_KEEP:
+            self.kept = None
+        elif self.kept is not None:
+            self.kept.append(d)
+
+
+def _delta_pass(
+    reader: Any, rows: int, cols: int, pieces: list[tuple[int, int, int, int]],
+    floating: bool, changed_only: bool, pools: tuple[_Blocks, _Blocks, _Blocks] | None,
+) -> Iterator[tuple[np.ndarray, int, float]]:
+    """One pass over the tensor ``reader`` reads, a piece at a time: feeds the before,
+    after and Δ values to ``pools`` (when given) and yields, per piece, the Δ of the
+    elements the histogram counts, how many written elements' bits differ now, and the
+    largest finite |after − before| among them (float64, as ``report.deltas`` measures
+    it)."""
+    for r0, r1, c0, c1 in pieces:
+        lo = r0 * cols + c0
+        before, after, written = reader.read(lo, lo + (r1 - r0) * (c1 - c0))
+        b, a = _as_float(before), _as_float(after)
+        # exact for integers (int64 beyond 2**53 too), as the deltas table measures
+        if floating:
+            with np.errstate(invalid="ignore", over="ignore"):  # (inf − inf: NaN, as it is)
+                d = a - b
+        else:
+            d = difference(after, before).numpy()
+        if pools is not None:
+            for pool, x in zip(pools, (b, a, d)):
+                pool.add(r0, c0, x.reshape(r1 - r0, c1 - c0))
+        at = written  # (positions in the piece; None: all of it)
+        bw, aw = (before, after) if at is None else (before[at], after[at])
+        mask = changed_mask(bw, aw)
+        differs = mask.numpy()
+        n = int(np.count_nonzero(differs))
+        largest = _largest_finite(difference(aw[mask], bw[mask])) if n else 0.0
+        if changed_only:
+            at = np.flatnonzero(differs) if at is None else at.numpy()[differs]
+        elif at is not None:
+            at = at.numpy()
+        yield (d if at is None else d[at]), n, largest
 
 
 def written_mask(report: LoadReport, target: str) -> torch.Tensor:
@@ -1153,16 +1392,30 @@ def plot_delta(
     symmetric diverging scale; unpooled (the exact values) when the tensor fits.
     ``axes[3]`` is a histogram (log y) of Δ over the elements the load wrote, each
     counted once (so its counts total ``report.deltas.loc[target, "elements"]``), or over
-    those whose bits changed with ``changed_only=True``; non-finite Δ are left out and
-    counted in the title. Uses :meth:`LoadReport.before` / :meth:`LoadReport.after`,
-    which read the model as it is now, while the title's numbers (``report.deltas``) are
-    the load's: when the written elements whose bits differ now are not as many as the
-    load changed, or their largest finite |Δ| is not the load's ``max_abs`` (the model
-    changed since, e.g. another load), the title says so in a line of its own ("the
-    model changed after this load ..."). A change that keeps both goes unnoticed. Row and
-    column ticks are whole numbers. The title names the tensor as written (no mathtext),
-    cut to its tail after ``…`` when the line would not fit, the numbers then on a line
-    of their own.
+    those whose bits changed with ``changed_only=True``.
+
+    NaN and ±inf are drawn in magenta (the colour maps' "bad" colour; Δ = 0 is
+    near-white): an unpooled image holds them as they are; a block's mean, or its
+    largest |Δ|, leaves them out, so that its finite elements still show (a block with
+    nothing else is NaN, magenta). A magenta ``×`` (a scatter of gid ``"non-finite"``)
+    marks every block, or element, that holds any, and the panel's title then says how
+    many elements, in how many blocks. The colour scales span the finite values only.
+    The histogram leaves non-finite Δ out and says how many in its title.
+
+    Draws the values :meth:`LoadReport.before` / :meth:`LoadReport.after` /
+    :meth:`LoadReport.written` give, read a band of about 4 million elements (whole rows
+    where a row fits) at a time, never the whole tensor at once: the scratch memory is
+    a few float copies of a band, plus the positions of the elements the load saved and
+    wrote (in proportion to what it wrote), the Δ values the histogram counts (up to 8
+    million; more are counted on a second pass), and one copy of a tensor that is not
+    contiguous. Those read the model as it is now, while the title's numbers
+    (``report.deltas``) are the load's: when the written elements whose bits differ now
+    are not as many as the load changed, or their largest finite |Δ| is not the load's
+    ``max_abs`` (the model changed since, e.g. another load), the title says so in a line
+    of its own ("the model changed after this load ..."). A change that keeps both goes
+    unnoticed. Row and column ticks are whole numbers. The title names the tensor as
+    written (no mathtext), cut to its tail after ``…`` when the line would not fit, the
+    numbers then on a line of their own.
 
     A tied alias (``lm_head.weight`` where it is the embedding's Parameter) draws the
     tensor it is tied to, as :meth:`LoadReport.before` reads it; the title gives both
@@ -1175,19 +1428,19 @@ def plot_delta(
     if target not in _known(report):
         known = ", ".join(repr(t) for t in list(report.targets)[:8])
         raise KeyError(f"no runtime tensor {asked!r} in this report (known: {known})")
-    before_t, after_t = report.before(target), report.after(target)
-    if before_t.shape != after_t.shape:
+    reader = report._before_after(target)
+    if reader.before_shape != reader.shape:
         raise ValueError(
             f"plot_delta: {asked!r} was rebound to a tensor of another shape ("
-            f"{_shape_text(tuple(before_t.shape))} {str(before_t.dtype).removeprefix('torch.')}"
-            f" before the load, {_shape_text(tuple(after_t.shape))} "
-            f"{str(after_t.dtype).removeprefix('torch.')} after): there is no element-wise "
-            "Δ to draw; report.before() and report.after() give both"
+            f"{_shape_text(reader.before_shape)} "
+            f"{str(reader.before_dtype).removeprefix('torch.')} before the load, "
+            f"{_shape_text(reader.shape)} {str(reader.dtype).removeprefix('torch.')} after): "
+            "there is no element-wise Δ to draw; report.before() and report.after() give both"
         )
-    shape = tuple(int(d) for d in before_t.shape)
-    dtype = str(before_t.dtype).removeprefix("torch.")
+    shape = reader.shape
+    dtype = str(reader.before_dtype).removeprefix("torch.")
     form = f"{_shape_text(shape)} {dtype}"
-    if before_t.numel() == 0:
+    if math.prod(shape) == 0:
         _as_bins(bins)  # bad bins raise whatever the tensor
         fig = _new_figure(8, 2.5)
         ax = fig.add_subplot()
@@ -1197,17 +1450,21 @@ def plot_delta(
         ax.text(0.5, 0.5, shown + tail, ha="center", va="center", gid="empty",
                 parse_math=False)
         return fig
-    before, after = _as_grid(before_t), _as_grid(after_t)
-    if before_t.is_complex() or before_t.is_floating_point():
-        delta = after - before
-    else:  # exact for integers (int64 beyond 2**53 too), as the deltas table measures
-        delta = difference(after_t.reshape(before.shape), before_t.reshape(before.shape))
-        delta = delta.numpy()
-    rows, cols = before.shape
+    rows, cols = grid_shape(shape)
     br, bc = _cap_bins(bins, rows, cols)
     pooled = (br, bc) != (rows, cols)
-    b_img, a_img = pool_mean(before, br, bc), pool_mean(after, br, bc)
-    d_img = pool_max_abs(delta, br, bc)
+    # Δ in floats for floating and complex tensors, exactly for integers
+    floating = reader.before_dtype.is_floating_point or reader.before_dtype.is_complex
+    pools = (_Blocks(rows, cols, br, bc), _Blocks(rows, cols, br, bc),
+             _Blocks(rows, cols, br, bc, sums=False, extremes=True))
+    pieces = list(_pieces(rows, cols, pools[0].rs, pools[0].cs))
+    values = _DeltaValues()
+    n_now, largest = 0, 0.0
+    for dw, n, big in _delta_pass(reader, rows, cols, pieces, floating, changed_only, pools):
+        values.add(dw)
+        n_now += n
+        largest = max(largest, big)
+    b_img, a_img, d_img = pools[0].mean(), pools[1].mean(), pools[2].max_abs()
 
     fig = _new_figure(17.0, 4.4)
     axes = fig.subplots(1, 4, width_ratios=[1, 1, 1, 1.1])
@@ -1227,36 +1484,44 @@ def plot_delta(
         (d_img, "Δ = after − before" + (" (largest |Δ| per block)" if pooled else ""),
          "RdBu_r", -m, m, "Δ"),
     ]
-    for ax, (img, title, cmap, vmin, vmax, label) in zip(axes[:3], panels):
-        im = ax.imshow(img, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest",
-                       aspect="auto", extent=_extent(rows, cols))
+    for ax, pool, (img, title, cmap, vmin, vmax, label) in zip(axes[:3], pools, panels):
+        im = ax.imshow(img, cmap=colormaps[cmap].with_extremes(bad=_NONFINITE), vmin=vmin,
+                       vmax=vmax, interpolation="nearest", aspect="auto",
+                       extent=_extent(rows, cols))
         fig.colorbar(im, ax=ax, label=label, shrink=0.9)
+        title += _mark_nonfinite(ax, pool, rows, cols)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         _integer_ticks(ax, len(shape))
 
-    written = written_mask(report, target).numpy()
-    differs = changed_mask(before_t.reshape(-1), after_t.reshape(-1)).numpy()
-    mask = written & differs if changed_only else written
-    dw = delta.reshape(-1)[mask]
-    finite = np.isfinite(dw)
     ax = axes[3]
     what = "changed" if changed_only else "written"
-    if dw.size and finite.any():
-        ax.hist(dw[finite], bins=hist_bins, log=True, color="#4C72B0")
+    if values.finite:
+        if values.kept is not None:
+            ax.hist(np.concatenate(values.kept), bins=hist_bins, log=True, color="#4C72B0")
+        else:  # too many to keep: counted into the bins on a second pass
+            counts, edges = 0, None
+            for dw, _, _ in _delta_pass(reader, rows, cols, pieces, floating, changed_only,
+                                        None):
+                n, edges = np.histogram(dw[np.isfinite(dw)], bins=hist_bins,
+                                        range=values.range)
+                counts = counts + n
+            ax.hist(edges[:-1], bins=edges, weights=counts, log=True, color="#4C72B0")
     else:
-        ax.text(0.5, 0.5, f"no {what} elements", transform=ax.transAxes, ha="center",
-                va="center", color="0.3")
-    note = f"; {int((~finite).sum()):,} non-finite left out" if (~finite).any() else ""
-    if dw.size and finite.any():
+        empty = ("written, then put back by the rollback"
+                 if target in getattr(report, "_restored", ()) else f"no {what} elements")
+        ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center",
+                color="0.3")
+    note = f"\n({values.nonfinite:,} NaN/±inf left out)" if values.nonfinite else ""
+    if values.finite:
         # Counts, not powers of ten: plain labels on major and minor ticks, none below 1.
         ax.set_ylim(bottom=0.8)
         ax.yaxis.set_major_formatter(LogFormatter())
         ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
-    ax.set_title(f"Δ over {int(finite.sum()):,} {what} elements{note}", fontsize=9)
+    ax.set_title(f"Δ over {values.finite:,} {what} elements{note}", fontsize=9)
     ax.set_xlabel("Δ = after − before")
-    ax.set_ylabel("elements (log scale)")
+    ax.set_ylabel("elements (log scale)" if values.finite else "elements")
 
     stale = False
     if target in report.deltas.index:
@@ -1269,11 +1534,11 @@ def plot_delta(
         # load: the written elements whose bits differ now should be as many as it changed
         # (another load put some back otherwise), with the same largest |Δ| (it wrote new
         # values otherwise; the load measured bfloat16 to 1e-6, see LoadReport.deltas).
-        now = written & differs
-        largest = _max_abs_diff(before_t.reshape(-1), after_t.reshape(-1), now)
-        stale = int(now.sum()) != int(row["changed"]) or not math.isclose(
+        stale = n_now != int(row["changed"]) or not math.isclose(
             largest, float(row["max_abs"]), rel_tol=1e-5, abs_tol=1e-300
         )
+    elif target in getattr(report, "_restored", ()):
+        stats = _ROLLED_BACK
     else:
         stats = "not written by this load"
     room = 0.95 * 72 * fig.get_figwidth()

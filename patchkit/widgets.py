@@ -342,10 +342,23 @@ class ReportExplorer(W.VBox):
             text_output(
                 f"writes into {key}:\n{writes[cols].head(20).to_string(index=False)}\n"
                 + (f"… {len(writes) - 20} more writes\n" if len(writes) > 20 else "")
-                + (f"\ndelta:\n{r.deltas.loc[[key]].to_string()}\n" if key in r.deltas.index
-                   else "\ndelta: none (a tensor the load registered has no values before it)\n")
+                + _delta_text(r, key)
             ),
         )
+
+
+def _delta_text(report: LoadReport, target: str) -> str:
+    """The ``report.deltas`` row of ``target`` as text, or why it has none."""
+    if target in report.deltas.index:
+        return f"\ndelta:\n{report.deltas.loc[[target]].to_string()}\n"
+    if target in getattr(report, "_restored", ()):
+        why = ("written, then put back as it was by the load's transactional rollback: "
+               "no change")
+    elif target in getattr(report, "_registered", ()):
+        why = "a tensor the load registered has no values before it"
+    else:
+        why = "report.deltas has no row for it"
+    return f"\ndelta: none ({why})\n"
 
 
 def explore(report: LoadReport) -> ReportExplorer:

@@ -702,6 +702,113 @@ def test_delta_of_a_big_tensor_is_pooled_by_the_density_map_blocks():
     assert images[2][0, 0] == -3.0  # the larger of the two changes in block (0, 0)
 
 
+@pytest.mark.parametrize("band", [500, 150])
+def test_delta_reads_the_tensor_a_band_at_a_time_and_draws_the_numbers_of_the_whole(
+    monkeypatch, band
+):
+    # plot_delta made float copies of the whole before, after and Δ, and full-size masks:
+    # at 128256 × 2560 bfloat16 it took 41 s and 7 GB more memory. Now it reads a band
+    # at a time: here two rows (cutting blocks of rows in two), or 150 elements of a row
+    # of 200 (cutting blocks of columns), and never calls the whole-tensor copies.
+    from patchkit import inspect as pk_inspect
+    from patchkit import plot
+
+    g = torch.Generator().manual_seed(0)
+    model = PlainModel({"w": (300, 200)})
+    with torch.no_grad():
+        model.w.copy_(torch.randn(300, 200, generator=g))
+    idx = torch.randperm(60_000, generator=g)[:6000].sort().values
+    report = inspect_load(model, [CheckpointWeightPatch(
+        "w", (300, 200), torch.float32, torch.randn(6000, generator=g), idx)])
+    before, after = report.before("w").numpy(), report.after("w").numpy()
+    delta, written = after - before, report.written("w").numpy()
+
+    reads = []
+    read = pk_inspect._BeforeAfter.read
+    monkeypatch.setattr(pk_inspect._BeforeAfter, "read",
+                        lambda self, lo, hi: reads.append(hi - lo) or read(self, lo, hi))
+    for whole in ("before", "after", "written"):
+        monkeypatch.setattr(pk_inspect.LoadReport, whole, None)
+    monkeypatch.setattr(plot, "_BAND", band)
+    fig = plot_delta(report, "w", bins=(16, 16))
+    assert max(reads) <= band and sum(reads) == 60_000  # every element once
+
+    rb, cb = _blocks(300, 16), _blocks(200, 16)
+    want_b, want_a, want_d = (np.zeros((16, 16)) for _ in range(3))
+    for i in range(16):
+        for j in range(16):
+            at = np.ix_(rb == i, cb == j)
+            want_b[i, j] = before[at].mean(dtype=np.float64)
+            want_a[i, j] = after[at].mean(dtype=np.float64)
+            want_d[i, j] = delta[at].flat[np.argmax(np.abs(delta[at]))]
+    b, a, d = (np.asarray(ax.images[0].get_array()) for ax in fig.axes if ax.images)
+    np.testing.assert_allclose(b, want_b, rtol=1e-12)
+    np.testing.assert_allclose(a, want_a, rtol=1e-12)
+    np.testing.assert_array_equal(d, want_d)
+    heights = [p.get_height() for p in fig.axes[3].patches]
+    np.testing.assert_array_equal(heights, np.histogram(delta.reshape(-1)[written.reshape(-1)],
+                                                        bins=60)[0])
+
+    # More Δ values than it keeps: counted into the same bins on a second pass.
+    monkeypatch.setattr(plot, "_HIST_KEEP", 100)
+    reads.clear()
+    fig = plot_delta(report, "w", bins=(16, 16))
+    assert sum(reads) == 2 * 60_000
+    assert [p.get_height() for p in fig.axes[3].patches] == heights
+
+
+def _marks(ax):
+    """Centres of the ``×`` that mark NaN/±inf on a heat map."""
+    return [tuple(xy) for c in ax.collections if c.get_gid() == "non-finite"
+            for xy in c.get_offsets()]
+
+
+def test_delta_draws_nan_and_inf_in_a_colour_of_their_own_and_pools_around_them():
+    # The colour maps' bad colour was transparent (white, like Δ = 0), and one NaN made
+    # its whole block NaN: a NaN in the model looked like "no change".
+    model = PlainModel({"w": (100, 100)})
+    with torch.no_grad():
+        model.w.zero_()
+        model.w[50, 50] = float("nan")
+        model.w[0:10, 90:100] = float("inf")  # a whole block (0, 9) of ±inf
+        model.w[95, 5] = -float("inf")
+    idx = torch.arange(10_000)
+    idx = idx[idx != 9505]  # element (95, 5) is not written: it stays -inf
+    report = inspect_load(model, [CheckpointWeightPatch(
+        "w", (100, 100), torch.float32, torch.full((9999,), 2.0), idx)])
+    fig = plot_delta(report, "w", bins=(10, 10))
+    maps = [ax for ax in fig.axes if ax.images]
+    b, a, d = (np.ma.filled(np.ma.asarray(ax.images[0].get_array()), -1.0) for ax in maps)
+    assert b[5, 5] == 0.0 and a[5, 5] == 2.0 and d[5, 5] == 2.0  # the 99 finite ones
+    assert b[9, 0] == 0.0 and a[9, 0] == 2.0 and d[9, 0] == 2.0
+    assert b[0, 9] == -1.0 and a[0, 9] == 2.0 and d[0, 9] == -1.0  # nothing finite: masked
+    for ax in maps:
+        cmap, norm = ax.images[0].cmap, ax.images[0].norm
+        assert cmap.get_bad().tolist() == [1.0, 0.0, 1.0, 1.0]  # magenta, opaque
+        assert not np.allclose(cmap.get_bad(), cmap(norm(0.0)))
+        assert np.isfinite(ax.images[0].get_clim()).all()
+    # a × at the centre (column, row) of each block holding one, and a line in the title
+    assert sorted(_marks(maps[0])) == [(5.0, 95.0), (55.0, 55.0), (95.0, 5.0)]
+    assert sorted(_marks(maps[1])) == [(5.0, 95.0)]
+    assert sorted(_marks(maps[2])) == [(5.0, 95.0), (55.0, 55.0), (95.0, 5.0)]
+    assert maps[0].get_title().endswith("\nNaN/±inf (magenta, ×): 102 elements in 3 blocks")
+    assert maps[1].get_title().endswith("\nNaN/±inf (magenta, ×): 1 element in 1 block")
+    assert maps[2].get_title().endswith("\nNaN/±inf (magenta, ×): 102 elements in 3 blocks")
+    assert "\n(101 NaN/±inf left out)" in fig.axes[3].get_title()
+
+    # Unpooled, an image holds the values as they are, and marks the elements.
+    fig = plot_delta(report, "w", bins=(100, 100))
+    b = np.asarray(fig.axes[0].images[0].get_array().data)
+    assert np.isnan(b[50, 50]) and b[95, 5] == -np.inf and b[0, 0] == 0.0
+    assert len(_marks(fig.axes[0])) == 102
+    assert fig.axes[0].get_title() == "before\nNaN/±inf (magenta, ×): 102 elements"
+    # A tensor with none: no marks and no line.
+    report, _ = load("q k")
+    fig = plot_delta(report, "qkv")
+    assert not any(_marks(ax) for ax in fig.axes)
+    assert not any("NaN" in ax.get_title() for ax in fig.axes)
+
+
 def test_delta_histogram_counts_the_written_elements_each_once():
     model = Shards()
     keep = float(model.qkv[4, 0])  # k's first element: written with its own value
@@ -717,6 +824,16 @@ def test_delta_histogram_counts_the_written_elements_each_once():
     fig = plot_delta(report, "qkv", changed_only=True)
     assert sum(p.get_height() for p in fig.axes[3].patches) == 3
     assert "3 changed elements" in fig.axes[3].get_title()
+
+
+def test_delta_histogram_of_no_elements_does_not_claim_a_log_scale():
+    report, _ = load("q")
+    assert "norm" not in report.deltas.index
+    hist = plot_delta(report, "norm").axes[3]
+    assert not hist.patches and hist.get_yscale() == "linear"
+    assert hist.get_ylabel() == "elements"  # it said "elements (log scale)"
+    hist = plot_delta(report, "qkv").axes[3]
+    assert hist.get_yscale() == "log" and hist.get_ylabel() == "elements (log scale)"
 
 
 def test_delta_of_an_unknown_target_names_it():
@@ -876,6 +993,45 @@ def test_delta_warns_once_another_load_put_back_what_the_load_changed():
     # Element 0 put back: 2 of the 3 differ now, the largest |Δ| (element 1's) is the same.
     inspect_load(model, [sparse("q", [0], [old])])
     assert plot_delta(report, "qkv").get_suptitle().endswith(STALE)
+
+
+def test_delta_of_a_tensor_a_rollback_put_back_says_so(monkeypatch):
+    # the title said "not written by this load" of a tensor the load wrote and its
+    # transactional rollback then restored
+    from patchkit import intercept
+    from patchkit.toymodels import FailingModel
+
+    ps = [CheckpointWeightPatch(n, (4, 4), torch.float32, torch.ones(16)) for n in "abc"]
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(FailingModel({"a": (4, 4), "b": (4, 4), "c": (4, 4)}, fail_on="c"), ps,
+                     max_chunk_bytes=64, transactional=True)
+    report = info.value.report
+    assert report.rolled_back and "a" not in report.deltas.index
+    fig = plot_delta(report, "a")
+    assert fig.get_suptitle() == (
+        "a (4, 4) float32: written by this load, then put back as it was by its "
+        "transactional rollback")
+    assert [t.get_text() for t in fig.axes[3].texts] == ["written, then put back by the rollback"]
+
+    # A rollback that could not put "b" back: "a" was put back, "b" keeps its row.
+    real = intercept.SavedRegion.restore
+
+    def restore(self):
+        if self.target == "b":
+            raise OSError("b cannot be written")
+        real(self)
+
+    monkeypatch.setattr(intercept.SavedRegion, "restore", restore)
+    with pytest.raises(RuntimeError, match="rollback incomplete") as info:
+        inspect_load(FailingModel({"a": (4, 4), "b": (4, 4), "c": (4, 4)}, fail_on="c"), ps,
+                     max_chunk_bytes=64, transactional=True)
+    report = info.value.report
+    assert not report.rolled_back
+    assert "then put back" in plot_delta(report, "a").get_suptitle()
+    assert plot_delta(report, "b").get_suptitle().startswith(
+        "b (4, 4) float32: 16 elements written, 16 changed")
+    # A tensor the load never wrote is still "not written".
+    assert plot_delta(report, "c").get_suptitle().endswith("not written by this load")
 
 
 # -- display -------------------------------------------------------------------------------

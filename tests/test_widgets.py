@@ -155,6 +155,24 @@ def test_explore_of_a_report_handed_to_a_later_load_says_its_delta_figure_is_gon
     assert "writes into qkv" in texts(w.output)
 
 
+def test_explore_of_a_rolled_back_load_says_the_rollback_put_the_tensor_back():
+    # it said the tensor "the load registered has no values before it": it was written,
+    # then put back by the transactional rollback
+    from patchkit.toymodels import FailingModel
+
+    model = FailingModel({"a": (4, 4), "b": (4, 4)}, fail_on="b")
+    ps = [CheckpointWeightPatch(n, (4, 4), torch.float32, torch.ones(16)) for n in "ab"]
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(model, ps, max_chunk_bytes=64, transactional=True)
+    report = info.value.report
+    assert report.rolled_back
+    w = explore(report)
+    w.dropdown.value = ("runtime", "a")
+    assert texts(w.output).splitlines()[-1] == (
+        "delta: none (written, then put back as it was by the load's transactional "
+        "rollback: no change)")
+
+
 def test_explore_planner_moves_independently_of_the_dropdown():
     report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
     w = explore(report)
