@@ -448,8 +448,10 @@ class LoadReport:
         """Bool mask shaped like ``target`` (CPU): True where the load wrote.
 
         Dense writes count their whole view; NaN-merged (sparse) writes count only the
-        elements their source did not keep. Raises ``ValueError`` once the report was
-        passed to a later load as ``reuse=``.
+        elements their source did not keep. After a rollback that put the tensor back
+        (``rolled_back``), all False: the model holds none of the load's values there
+        (the ``writes`` table still lists what the load did before it failed). Raises
+        ``ValueError`` once the report was passed to a later load as ``reuse=``.
         """
         self._check_saves()
         t = self._tensor(target)
