@@ -56,7 +56,10 @@ Prints five tables from one run:
    passes a GPU takes, and it is what a GPU would wait (each wait stalls the host until
    the GPU's queue drains);
 5. ``density_map`` and ``plot_density`` on a 128256 x 2560 bf16 patch at 1 % density
-   (a Llama-3 embedding), next to ``torch.bincount`` over the same indices (the floor).
+   (a Llama-3 embedding), next to ``torch.bincount`` over the same indices (the floor);
+   and ``plot_delta`` of a report of that patch's load (before, after and delta of the
+   626 MiB tensor, read a band at a time), next to one float32 pass over the tensor, with
+   the peak extra memory of both.
 
 Usage: ``python benchmarks/bench_inspect.py [--quick] [--big] [--device cuda] [--repeats N]``.
 """
@@ -297,16 +300,52 @@ def main(argv=None) -> int:
     def pdens():
         plot.plot_density(patch)
 
+    # plot_delta of the same patch after a report of its load into a model of that shape
+    # (the runtime tensor is read a band at a time), next to one float32 pass over the
+    # tensor: what any figure that reads every element costs at least
+    model = OneParam(emb, torch.bfloat16, torch.device("cpu"))
+    report = patchkit.inspect_load(model, [patch])
+
+    def pdelta():
+        plot.plot_delta(report, "w")
+
+    def one_pass():
+        model.w.detach().float().abs_().amax()
+
     r = [
-        ["torch.bincount (floor)", f"{median_seconds(floor, torch.device('cpu'), repeats):.3f}"],
-        ["density_map 64x64", f"{median_seconds(dmap, torch.device('cpu'), repeats):.3f}"],
-        ["plot_density", f"{median_seconds(pdens, torch.device('cpu'), repeats):.3f}"],
+        ["torch.bincount (floor)", f"{median_seconds(floor, torch.device('cpu'), repeats):.3f}",
+         "-"],
+        ["density_map 64x64", f"{median_seconds(dmap, torch.device('cpu'), repeats):.3f}", "-"],
+        ["plot_density", f"{median_seconds(pdens, torch.device('cpu'), repeats):.3f}", "-"],
+        ["one float32 pass over the tensor (floor)",
+         f"{median_seconds(one_pass, torch.device('cpu'), repeats):.3f}",
+         f"{_peak_mib(one_pass):.0f}"],
+        ["plot_delta", f"{median_seconds(pdelta, torch.device('cpu'), repeats):.3f}",
+         f"{_peak_mib(pdelta):.0f}"],
     ]
     nnz = patch.indices.numel()
     print()
-    print(f"{emb[0]} x {emb[1]} bf16 patch, {nnz} changes (1 %), CPU, median of {repeats}")
-    print(fmt_table(["step", "seconds"], r))
+    print(f"{emb[0]} x {emb[1]} bf16 patch, {nnz} changes (1 %), CPU, median of {repeats}; "
+          "plot_delta after a report of its load (the tensor is "
+          f"{emb[0] * emb[1] * 2 / 2**20:.1f} MiB)")
+    print(fmt_table(["step", "seconds", "peak extra MiB"], r))
     return 0
+
+
+def _peak_mib(fn) -> float:
+    """Peak extra memory of ``fn`` on the CPU: torch's allocations (the profiler's
+    events) plus numpy's and Python's (``tracemalloc``), each at its own peak: a bound
+    from above, as the two peaks need not fall at one time."""
+    import tracemalloc
+
+    torch_peak = peak_extra_bytes(fn, torch.device("cpu"))
+    tracemalloc.start()
+    try:
+        fn()
+        _, python_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return (torch_peak + python_peak) / 2**20
 
 
 def _waits(*fns) -> list[str]:

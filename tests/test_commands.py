@@ -184,6 +184,14 @@ def test_benchmark_runs_in_quick_mode_and_prints_its_table(script, columns, rows
         table = next(line for line in body if all(col in line for col in later))
         row = body[body.index(table) + 1]
         assert len(row.split("|")) == len(table.split("|"))  # a row under that header
+    if script == "bench_inspect.py":
+        # the figures' table: plot_delta timed and its memory measured, beside its floor
+        rows_of = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in body}
+        for step in ("density_map 64x64", "plot_density", "plot_delta",
+                     "one float32 pass over the tensor (floor)"):
+            assert step in rows_of, step
+        seconds, mib = (c.strip() for c in rows_of["plot_delta"])
+        assert float(seconds) > 0 and float(mib) >= 0
 
 
 def test_the_report_benchmark_offers_a_row_of_real_model_shapes():
