@@ -316,7 +316,8 @@ class LoadReport:
       in ``||before||``): a load that writes NaN or inf shows as changed elements with
       small or zero numbers. Check ``torch.isfinite(report.after(target))`` where that
       matters. Squares are summed in float64: float64 weights of magnitude above about
-      1e154 give an infinite or NaN ``rel_l2``.
+      1e154 give an infinite or NaN ``rel_l2`` (0, with ``max_abs`` and ``mean_abs`` 0,
+      where the differences themselves overflow float64, as a sign flip of 1e308 does).
     - ``error``: the exception the load raised, or ``None``; ``rolled_back``: True when
       that load was ``transactional=True`` and put every write back (False when a region
       could not be written back: the error then says which; the ``writes``
