@@ -717,7 +717,10 @@ def inspect_load(
     With ``loader=None`` the load is patchkit's own
     :func:`~patchkit.load_checkpoint_weight_patches`, with the same arguments and the same
     effect on the model. With ``loader=`` any callable of that signature (vLLM's, say)
-    runs instead and patchkit only observes it: ``model.load_weights`` is wrapped for
+    runs instead, called as ``loader(model, patches, max_chunk_bytes=...,
+    validate_unique_indices=..., transactional=...)`` with this call's values (so a
+    ``functools.partial`` that fixes one of them is overridden: pass it here instead),
+    and patchkit only observes it: ``model.load_weights`` is wrapped for
     the duration to record each call, and writes into runtime tensors are watched on this
     thread, never changed. Its calls are watched through a torch function mode (see
     :mod:`patchkit.intercept`), so a loader that turns torch function handling off
@@ -866,6 +869,7 @@ def _inspect_load(
         if (transactional and not left) or undone:
             rolled_back = not left
             loaded &= {e.name for e in rec.events if e.target in left}
+            restored = tuple(dict.fromkeys(e.target for e in rec.events if e.target not in left))
             for session in sessions:  # (as patchkit's own rollback keeps them)
                 session.saved = [r for r in session.saved if r.target in left]
     if loader is not None and (error is not None or rollbacks() != rollbacks_before):

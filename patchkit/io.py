@@ -614,6 +614,7 @@ def _open(path: str, device: str = "cpu") -> Any:
     file's.
     """
     safe_open, _, _ = _safetensors()
+    path = os.fsdecode(path)  # (a bytes path: its bytes that are not UTF-8 as surrogates)
     if not os.path.exists(path):
         raise _fail(path, "no such file", "missing")
     if not os.path.isfile(path):

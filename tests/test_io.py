@@ -1205,3 +1205,13 @@ def test_inspect_says_error_when_its_output_cannot_be_written(tmp_path):
                               stdout=full, stderr=subprocess.PIPE, text=True)
     assert done.returncode == 1
     assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr
+
+
+def test_a_bytes_path_loads_as_its_str_does(tmp_path):
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    (p,) = load_patches(os.fsencode(path))
+    assert p.values.tolist() == [1.0, 1.0]
+    assert [e.name for e in read_patch_index(os.fsencode(path))] == ["w"]
+    with pytest.raises(PatchValueError, match="no such file"):
+        load_patches(os.fsencode(tmp_path / "missing.safetensors"))

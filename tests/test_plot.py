@@ -1034,6 +1034,26 @@ def test_delta_of_a_tensor_a_rollback_put_back_says_so(monkeypatch):
     assert plot_delta(report, "c").get_suptitle().endswith("not written by this load")
 
 
+def test_delta_after_an_observed_loaders_own_rollback_says_so_as_after_patchkits():
+    # loader=: a loader that is itself transactional undid its writes and raised; the
+    # report reads as after patchkit's own rollback, so its figure says the same
+    from patchkit import load_checkpoint_weight_patches
+    from patchkit.toymodels import FailingModel
+
+    def transactional_loader(model, patches, **kw):
+        return load_checkpoint_weight_patches(model, patches, **{**kw, "transactional": True})
+
+    ps = [CheckpointWeightPatch(n, (4, 4), torch.float32, torch.ones(16)) for n in "ac"]
+    titles = []
+    for kw in ({"transactional": True}, {"loader": transactional_loader}):
+        with pytest.raises(RuntimeError) as info:
+            inspect_load(FailingModel({"a": (4, 4), "c": (4, 4)}, fail_on="c"), ps, **kw)
+        report = info.value.report
+        assert report.rolled_back
+        titles.append(plot_delta(report, "a").get_suptitle())
+    assert titles[0] == titles[1] and "then put back" in titles[0]
+
+
 # -- display -------------------------------------------------------------------------------
 
 
