@@ -479,7 +479,9 @@ BROKEN_LOADERS: dict[str, type[nn.Module]] = {
 """One loader per way of breaking the sparse contract: short name → class.
 
 Every class is built as ``cls(shapes, dtype=..., device=..., fill=...)``, has a
-``load_weights`` that works for dense loads, and carries ``CLAUSE`` (the sentence of
+``load_weights`` that works for dense loads (except ``reports_without_writing``, whose
+writes wait for its ``apply_pending()``: a dense load reports every name loaded and
+changes nothing until then), and carries ``CLAUSE`` (the sentence of
 CONTRACT.md §4 it breaks) and ``REASON`` (the ``.reason`` of the
 :class:`~patchkit.ContractViolation` a sparse load raises). The overlapping-destinations
 loader is rejected only when at least two of its weights travel in one call.
@@ -580,6 +582,22 @@ def tiny_llama_shapes(config: TinyLlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# vLLM pads a vocabulary to a multiple of this many rows before it splits it over ranks
+# (its DEFAULT_VOCAB_PADDING_SIZE); a multiple of it needs no padding.
+_VOCAB_PADDING = 64
+
+
+def _check_float_dtype(dtype: object, who: str) -> None:
+    """Refuse a ``dtype`` that is not a floating-point :class:`torch.dtype` (weights are
+    floats; an integer checkpoint would round them to zeros, and an integer runtime
+    cannot take a sparse patch)."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{who}: dtype must be a torch.dtype, got {type(dtype).__name__} "
+                        f"{dtype!r}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"{who}: dtype must be a floating-point dtype, got {dtype}")
+
+
 def tiny_llama_checkpoint(
     config: TinyLlamaConfig | None = None,
     seed: int = 0,
@@ -595,6 +613,9 @@ def tiny_llama_checkpoint(
     and owns its storage.
     """
     config = TinyLlamaConfig() if config is None else config
+    if not isinstance(config, TinyLlamaConfig):
+        raise TypeError(f"config must be a TinyLlamaConfig, got {type(config).__name__}")
+    _check_float_dtype(dtype, "tiny_llama_checkpoint")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in tiny_llama_shapes(config).items():
@@ -722,7 +743,12 @@ class TinyLlamaRuntime(nn.Module):
 
     ``tp_size`` must divide ``num_heads``, ``num_kv_heads``, ``intermediate_size`` and
     ``vocab_size`` (:class:`ValueError` otherwise; replicating kv heads over ranks, as vLLM
-    does when ``tp_size > num_kv_heads``, is not modelled). Each parameter carries a
+    does when ``tp_size > num_kv_heads``, is not modelled), and ``vocab_size`` must be a
+    multiple of 64: vLLM pads any other vocabulary to one and zero-fills the padding rows
+    on every load, which is not modelled either (:class:`ValueError` saying so).
+    ``tp_size`` and ``tp_rank`` that are not ints raise :class:`TypeError`, and so does a
+    ``dtype`` that is not a :class:`torch.dtype`; one that is not floating point raises
+    :class:`ValueError`. Each parameter carries a
     ``weight_loader(param, loaded_weight, shard_id=None)`` attribute, as in vLLM.
     """
 
@@ -740,7 +766,17 @@ class TinyLlamaRuntime(nn.Module):
             raise TypeError(f"config must be a TinyLlamaConfig, got {type(config).__name__}")
         for arg, v in (("tp_size", tp_size), ("tp_rank", tp_rank)):
             if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{arg} must be an int, got {v!r}")
+                raise TypeError(f"{arg} must be an int, got {type(v).__name__} {v!r}")
+        _check_float_dtype(dtype, "TinyLlamaRuntime")
+        if config.vocab_size % _VOCAB_PADDING:
+            padded = -(-config.vocab_size // _VOCAB_PADDING) * _VOCAB_PADDING
+            raise ValueError(
+                f"vocab_size={config.vocab_size} is not a multiple of {_VOCAB_PADDING}: vLLM "
+                f"would pad the vocabulary to {padded} rows, split those over the ranks and "
+                "zero-fill the padding rows on every load, which this toy does not model "
+                "(WritesThenFillsModel shows that fill); use a multiple of "
+                f"{_VOCAB_PADDING}"
+            )
         if tp_size < 1:
             raise ValueError(f"tp_size must be at least 1, got {tp_size}")
         if not 0 <= tp_rank < tp_size:

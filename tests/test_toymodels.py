@@ -650,3 +650,34 @@ def test_module_imports_torch_only():
             imported.add((node.module or "").split(".")[0])
     assert imported <= {"__future__", "math", "collections", "dataclasses", "typing", "torch"}
     assert all(hasattr(toymodels, n) for n in toymodels.__all__)
+
+
+# -- found by review -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [100, 250, 257])
+def test_a_vocabulary_vllm_would_pad_is_refused_not_laid_out_unpadded(vocab):
+    # vLLM pads the vocabulary to a multiple of 64 before splitting it; the toy does not
+    # model that, so a vocabulary needing padding would get other shards than vLLM's
+    with pytest.raises(ValueError, match=r"vocab_size=\d+ is not a multiple of 64: vLLM would "
+                                         r"pad the vocabulary to \d+ rows"):
+        TinyLlamaRuntime(TinyLlamaConfig(vocab_size=vocab), 0, 1)
+    tiny_llama_checkpoint(TinyLlamaConfig(vocab_size=vocab))  # a checkpoint is fine
+    assert TinyLlamaRuntime(TinyLlamaConfig(vocab_size=192), 1, 2).vocab_per_rank == 96
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: TinyLlamaRuntime(TinyLlamaConfig(), 0, "2"), TypeError, "tp_size must be an int"),
+        (lambda: TinyLlamaRuntime(TinyLlamaConfig(), 0.0, 2), TypeError, "tp_rank must be an int"),
+        (lambda: TinyLlamaRuntime(dtype=torch.int32), ValueError, "floating-point dtype"),
+        (lambda: TinyLlamaRuntime(dtype="float32"), TypeError, "dtype must be a torch.dtype"),
+        (lambda: tiny_llama_checkpoint(dtype="float32"), TypeError, "dtype must be a torch.dtype"),
+        (lambda: tiny_llama_checkpoint(dtype=torch.int32), ValueError, "floating-point dtype"),
+        (lambda: tiny_llama_checkpoint({}), TypeError, "config must be a TinyLlamaConfig"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
