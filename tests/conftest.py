@@ -222,3 +222,50 @@ def Patch(selected_loader: SelectedLoader) -> type:
 def patchkit_selected(selected_loader: SelectedLoader) -> bool:
     """True when patchkit's own loader is under test (its extensions can be checked)."""
     return selected_loader.is_patchkit
+
+
+# -- a model and a fault that several test files use ---------------------------------------
+
+
+class Interleaved(torch.nn.Module):
+    """``gate`` into rows 0, 2, 4, 6 of ``gate_up`` and ``up`` into rows 1, 3, 5, 7; ``x``
+    through the transposed view ``v.t()[1:3]``, which is the box ``v[:, 1:3]``: writes
+    whose views are not row-major boxes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+        self.v = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for n, t in weights:
+            if n == "x":
+                self.v.data.t()[1:3].copy_(t)
+            else:
+                self.gate_up.data[(0 if n == "gate" else 1)::2].copy_(t)
+        return {n for n, _ in weights}
+
+
+@pytest.fixture
+def interleaved() -> Interleaved:
+    """A fresh :class:`Interleaved` model (all zeros)."""
+    return Interleaved()
+
+
+@pytest.fixture
+def unrestorable(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """``unrestorable(target)``: from then on (for the test), a rollback cannot write the
+    saved regions of ``target`` back (``OSError``); every other region restores as usual."""
+    from patchkit import intercept
+
+    def make(target: str) -> None:
+        real = intercept.SavedRegion.restore
+
+        def restore(self):
+            if self.target == target:
+                raise OSError(f"{target} cannot be written")
+            real(self)
+
+        monkeypatch.setattr(intercept.SavedRegion, "restore", restore)
+
+    return make

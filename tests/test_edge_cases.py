@@ -503,8 +503,7 @@ def test_bits_of_unsigned_types_are_signed_views_of_the_same_bits():
     assert picked.dtype == torch.uint32 and picked.to(torch.int64).tolist() == [2**32 - 1, 0]
 
 
-def test_a_region_that_cannot_be_restored_does_not_stop_the_rest(monkeypatch):
-    from patchkit import intercept
+def test_a_region_that_cannot_be_restored_does_not_stop_the_rest(unrestorable):
     from patchkit.toymodels import PlainModel
 
     class Boom(PlainModel):
@@ -516,14 +515,7 @@ def test_a_region_that_cannot_be_restored_does_not_stop_the_rest(monkeypatch):
             return super().load_weights(weights)
 
     m = Boom({"a": (4,), "b": (4,), "c": (4,)}, fill=1.0)
-    real = intercept.SavedRegion.restore
-
-    def restore(self):
-        if self.target == "b":
-            raise OSError("b cannot be written")
-        real(self)
-
-    monkeypatch.setattr(intercept.SavedRegion, "restore", restore)
+    unrestorable("b")
     patches = [CWP(n, (4,), torch.float32, torch.full((4,), 5.0)) for n in "abc"]
     with pytest.raises(RuntimeError, match=r"rollback incomplete: 1 of 3 .*'b' keep") as e:
         patchkit.load_checkpoint_weight_patches(
@@ -536,7 +528,7 @@ def test_a_region_that_cannot_be_restored_does_not_stop_the_rest(monkeypatch):
     assert m.get_parameter("b").tolist() == [5.0] * 4
 
 
-def test_a_report_of_an_incomplete_rollback_is_not_rolled_back(monkeypatch):
+def test_a_report_of_an_incomplete_rollback_is_not_rolled_back(monkeypatch, unrestorable):
     from patchkit import intercept
     from patchkit.toymodels import PlainModel
 
@@ -547,7 +539,6 @@ def test_a_report_of_an_incomplete_rollback_is_not_rolled_back(monkeypatch):
                 raise KeyError("boom")
             return super().load_weights(weights)
 
-    real = intercept.SavedRegion.restore
     sessions = []
     real_discard = intercept.WriteSession.discard
     kept = []
@@ -559,16 +550,11 @@ def test_a_report_of_an_incomplete_rollback_is_not_rolled_back(monkeypatch):
         finally:
             kept.append(self)
 
-    def restore(self):
-        if self.target == "b":
-            raise OSError("b cannot be written")
-        real(self)
-
     def discard(self):
         sessions.append(self)
         real_discard(self)
 
-    monkeypatch.setattr(intercept.SavedRegion, "restore", restore)
+    unrestorable("b")
     monkeypatch.setattr(intercept.WriteSession, "discard", discard)
     monkeypatch.setattr(intercept.WriteSession, "restore", restore_all)
     m = Boom({"a": (4,), "b": (4,)}, fill=1.0)

@@ -369,33 +369,11 @@ def test_region_text_names_boxes_also_when_the_view_drops_a_dimension():
     assert region_text((8, 4), 3, (5,), (1,)) == "5 elements from 3"  # wraps a row
 
 
-class Interleaved(torch.nn.Module):
-    """gate into rows 0, 2, 4, 6 of ``gate_up``, up into rows 1, 3, 5, 7; ``x`` into the
-    transposed view ``v.t()[1:3]`` of ``v``, which is the box ``v[:, 1:3]``."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate_up = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
-        self.v = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
-
-    def load_weights(self, weights):
-        for n, t in weights:
-            if n == "x":
-                self.v.data.t()[1:3].copy_(t)
-            else:
-                self.gate_up.data[(0 if n == "gate" else 1)::2].copy_(t)
-        return {n for n, _ in weights}
-
-
-def interleaved_report():
-    return inspect_load(Interleaved(), [
+def test_writes_name_interleaved_rows_and_a_transposed_box_as_slices(interleaved):
+    r = inspect_load(interleaved, [
         dense("gate", torch.ones(4, 4)), dense("up", 2 * torch.ones(4, 4)),
         dense("x", 3 * torch.ones(2, 6)),
     ])
-
-
-def test_writes_name_interleaved_rows_and_a_transposed_box_as_slices():
-    r = interleaved_report()
     got = dict(zip(r.writes["name"], r.writes["target_region"]))
     assert got == {"gate": "[0:8:2, :]", "up": "[1:8:2, :]", "x": "[:, 1:3]"}
 

@@ -512,26 +512,10 @@ def cells(rects) -> set[tuple[int, int]]:
     return out
 
 
-class Interleaved(nn.Module):
-    """``gate`` into rows 0, 2, 4, 6 of ``gate_up`` and ``up`` into rows 1, 3, 5, 7; ``x``
-    through the transposed view ``v.t()[1:3]``, which is the box ``v[:, 1:3]``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate_up = nn.Parameter(torch.zeros(8, 4), requires_grad=False)
-        self.v = nn.Parameter(torch.zeros(6, 4), requires_grad=False)
-
-    def load_weights(self, weights):
-        for n, t in weights:
-            if n == "x":
-                self.v.data.t()[1:3].copy_(t)
-            else:
-                self.gate_up.data[(0 if n == "gate" else 1)::2].copy_(t)
-        return {n for n, _ in weights}
-
-
-def test_placement_draws_interleaved_rows_and_a_transposed_box_where_they_landed():
-    m = Interleaved()
+def test_placement_draws_interleaved_rows_and_a_transposed_box_where_they_landed(
+    interleaved,
+):
+    m = interleaved
     shapes = {"gate": (4, 4), "up": (4, 4), "x": (2, 6)}
     patches = [CheckpointWeightPatch(n, s, torch.float32, torch.full((int(np.prod(s)),), k + 1.0))
                for k, (n, s) in enumerate(shapes.items())]
@@ -995,10 +979,9 @@ def test_delta_warns_once_another_load_put_back_what_the_load_changed():
     assert plot_delta(report, "qkv").get_suptitle().endswith(STALE)
 
 
-def test_delta_of_a_tensor_a_rollback_put_back_says_so(monkeypatch):
+def test_delta_of_a_tensor_a_rollback_put_back_says_so(unrestorable):
     # the title said "not written by this load" of a tensor the load wrote and its
     # transactional rollback then restored
-    from patchkit import intercept
     from patchkit.toymodels import FailingModel
 
     ps = [CheckpointWeightPatch(n, (4, 4), torch.float32, torch.ones(16)) for n in "abc"]
@@ -1014,14 +997,7 @@ def test_delta_of_a_tensor_a_rollback_put_back_says_so(monkeypatch):
     assert [t.get_text() for t in fig.axes[3].texts] == ["written, then put back by the rollback"]
 
     # A rollback that could not put "b" back: "a" was put back, "b" keeps its row.
-    real = intercept.SavedRegion.restore
-
-    def restore(self):
-        if self.target == "b":
-            raise OSError("b cannot be written")
-        real(self)
-
-    monkeypatch.setattr(intercept.SavedRegion, "restore", restore)
+    unrestorable("b")
     with pytest.raises(RuntimeError, match="rollback incomplete") as info:
         inspect_load(FailingModel({"a": (4, 4), "b": (4, 4), "c": (4, 4)}, fail_on="c"), ps,
                      max_chunk_bytes=64, transactional=True)
