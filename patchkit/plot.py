@@ -49,7 +49,7 @@ from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, grid_shape
 from .loader import _as_patch as _as_record
 from .patch import CheckpointWeightPatch, numel, staged_nbytes
-from .units import format_bytes
+from .units import _count, format_bytes
 
 if TYPE_CHECKING:
     from .inspect import LoadReport
@@ -198,11 +198,6 @@ def _tag(name: str) -> str:
     if len(pieces) > 1 and pieces[-1] in ("weight", "bias"):
         pieces = pieces[:-1]
     return pieces[-1]
-
-
-def _count(n: int, one: str, many: str | None = None) -> str:
-    """``"1 patch"``, ``"2 patches"``."""
-    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _pct(x: float) -> str:

@@ -33,3 +33,8 @@ def format_bytes(n: int) -> str:
 def _digits(value: float) -> int:
     """Decimals for three significant digits of a value in [1, 1024)."""
     return 0 if value >= 100 else 1 if value >= 10 else 2
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """``"1 patch"``, ``"2 patches"``: ``n`` and the word, singular for one."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"

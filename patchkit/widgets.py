@@ -42,7 +42,7 @@ from .plot import (
     plot_placement,
     to_png,
 )
-from .units import format_bytes
+from .units import _count, format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -77,11 +77,6 @@ def figure_output(fig: Figure) -> dict[str, Any]:
 def text_output(text: str) -> dict[str, Any]:
     """Text as one ``stdout`` stream output."""
     return {"output_type": "stream", "name": "stdout", "text": text}
-
-
-def _count(n: int, one: str, many: str | None = None) -> str:
-    """``"1 patch"``, ``"2 patches"``."""
-    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def plan_text(plan: Sequence[Chunk], budget: int) -> str:
