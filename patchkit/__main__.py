@@ -170,6 +170,16 @@ def _plain(rst: str) -> str:
     return re.sub(r"``(.+?)``", r"'\1'", rst)
 
 
+def _stdout_to_devnull() -> None:
+    """Point stdout at devnull, so that the flush at exit does not fail again on a stdout
+    that cannot be written (the recipe of Python's signal docs for a closed pipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # stdout is no real file (tests)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m patchkit`` and the ``patchkit`` script; returns the
     exit status (see the module docstring)."""
@@ -211,13 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = args.run(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     except BrokenPipeError:
-        # The reader went away (``... | head``): stop quietly. Point stdout at devnull so
-        # the flush at exit does not fail again (the recipe of Python's signal docs).
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        except (AttributeError, OSError, ValueError):  # stdout is no real file (tests)
-            pass
+        # The reader went away (``... | head``): stop quietly.
+        _stdout_to_devnull()
         return 1
     except OSError as e:
         # The output could not be written (stdout on a full disk, a figure in --out):
@@ -225,12 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         try:
             sys.stdout.flush()
-        except OSError:  # stdout itself: the flush at exit would fail again
-            try:
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
-            except (AttributeError, OSError, ValueError):
-                pass
+        except OSError:  # stdout itself
+            _stdout_to_devnull()
         return 1
     return code
 

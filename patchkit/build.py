@@ -143,13 +143,15 @@ def _check_shape(shape: object, name: str) -> tuple[int, ...]:
     return dims
 
 
-def _check_int(value: object, what: str, minimum: int) -> int:
+def _check_int(value: object, what: str, minimum: int, below: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise PatchTypeError(
             f"{what} must be an int, got {type(value).__name__}", reason=what, value=value
         )
     if value < minimum:
         raise PatchValueError(f"{what} must be >= {minimum}, got {value}", reason=what, value=value)
+    if below is not None and value >= below:
+        raise PatchValueError(f"{what} must be < {below}, got {value}", reason=what, value=value)
     return value
 
 
@@ -653,9 +655,8 @@ class AdamLikeTrainer:
         self.weight_decay = _check_real(weight_decay, "weight_decay", 0.0)
         self.grad_std = _check_real(grad_std, "grad_std", 0.0)
         self.step_count = 0
-        seed = _check_int(seed, "seed", 0)
-        if seed >= 1 << 64:  # (torch's generators take a 64-bit seed)
-            raise PatchValueError(f"seed must be < 2**64, got {seed}", reason="seed", value=seed)
+        # (torch's generators take a 64-bit seed)
+        seed = _check_int(seed, "seed", 0, below=1 << 64)
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self._dtypes = {k: t.dtype for k, t in state_dict.items()}
         self._fixed: dict[str, torch.Tensor] = {}
