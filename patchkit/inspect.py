@@ -853,7 +853,7 @@ def _inspect_load(
     if error is not None and transactional and loader is None and rec.calls:
         # The rollback put back what the load wrote, but for the targets it could not.
         left = {t for s in sessions for t in s.unrestored}
-        restored = tuple(dict.fromkeys(e.target for e in rec.events if e.target not in left))
+        restored = _targets_outside(rec.events, left)
     if error is not None and not rolled_back:
         # What the calls that returned before the failure reported loaded stays loaded;
         # after an incomplete rollback, only the names that wrote into a target it left.
@@ -869,7 +869,7 @@ def _inspect_load(
         if (transactional and not left) or undone:
             rolled_back = not left
             loaded &= {e.name for e in rec.events if e.target in left}
-            restored = tuple(dict.fromkeys(e.target for e in rec.events if e.target not in left))
+            restored = _targets_outside(rec.events, left)
             for session in sessions:  # (as patchkit's own rollback keeps them)
                 session.saved = [r for r in session.saved if r.target in left]
     if loader is not None and (error is not None or rollbacks() != rollbacks_before):
@@ -908,6 +908,12 @@ def _inspect_load(
         error.report = report  # type: ignore[attr-defined]
         raise error
     return report
+
+
+def _targets_outside(events: Sequence[WriteEvent], left: set[str]) -> tuple[str, ...]:
+    """The targets ``events`` wrote, in order, once each, but those in ``left`` (what a
+    rollback put back: every target written but the ones it left as written)."""
+    return tuple(dict.fromkeys(e.target for e in events if e.target not in left))
 
 
 def _observe_foreign(

@@ -2015,7 +2015,7 @@ class WriteSession:
             self.saved.append(saved)
             if diff is not None:
                 self._measure(saved, key)
-            elif fast.index is None:
+            if self.recorder is None and fast.index is None:
                 self._saved_regions.add(Region.of(dest))  # saved whole (see above)
             out = dest
         else:
