@@ -32,6 +32,7 @@ inspection); observing never changes a value.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import operator
@@ -948,6 +949,10 @@ class _Source(NamedTuple):
     ref: Any = None
 
 
+_LO = operator.attrgetter("lo")
+_HI = operator.attrgetter("hi")
+
+
 class _Provenance:
     """Which staged patch a tensor's elements came from, and at what element offset.
 
@@ -966,9 +971,12 @@ class _Provenance:
 
     def __init__(self) -> None:
         self._by_key: dict[tuple, list[_Source]] = {}
+        # the storages whose stretches include one an op made (that may expire)
+        self._weak: set[tuple] = set()
 
     def clear(self) -> None:
         self._by_key.clear()
+        self._weak.clear()
 
     def add_staged(self, position: int | None, name: str, staged: torch.Tensor) -> None:
         if staged.numel():
@@ -977,17 +985,28 @@ class _Provenance:
                       _Source(lo, hi, position, name, staged.storage_offset(), True))
 
     def _put(self, key: tuple, src: _Source) -> None:
-        """Record ``src``, in place of what its bytes held before."""
+        """Record ``src``, in place of what its bytes held before (and, where the storage
+        holds stretches of storages an op made, of those that were freed).
+
+        A storage's stretches never overlap and are sorted by ``lo``, so by ``hi`` too:
+        the ones ``src`` replaces are found by bisection, and a call that stages many
+        patches in one bucket pays O(log n) a patch, not O(n)."""
         got = self._by_key.get(key)
         if got is None:
             self._by_key[key] = [src]
+            if src.ref is not None:
+                self._weak.add(key)
             return
-        kept = [e for e in got if (e.hi <= src.lo or src.hi <= e.lo)
-                and (e.ref is None or not e.ref.expired())]
-        kept.append(src)
-        if len(kept) > 1:
-            kept.sort(key=lambda e: e.lo)
-        self._by_key[key] = kept
+        if key in self._weak or src.ref is not None:
+            got = [e for e in got if e.ref is None or not e.ref.expired()]
+            if any(e.ref is not None for e in got) or src.ref is not None:
+                self._weak.add(key)
+            else:
+                self._weak.discard(key)
+            self._by_key[key] = got
+        first = bisect.bisect_right(got, src.lo, key=_HI)  # the first that ends past lo
+        after = bisect.bisect_left(got, src.hi, key=_LO, lo=first)  # the first at/after hi
+        got[first:after] = (src,)
 
     def _find(self, t: torch.Tensor, key: tuple) -> _Source | None:
         """The stretch where ``t`` starts, if ``t``'s storage has one that is alive."""
@@ -995,12 +1014,8 @@ class _Provenance:
         if got is None:
             return None
         first = t.storage_offset() * t.element_size()
-        hit = None
-        for e in got:  # (one stretch, but for a bucket of patches: sorted by lo)
-            if e.lo > first:
-                break
-            if first < e.hi:
-                hit = e
+        at = bisect.bisect_right(got, first, key=_LO) - 1  # the last that starts by first
+        hit = got[at] if at >= 0 and first < got[at].hi else None
         if hit is not None and hit.ref is not None and hit.ref.expired():
             # The storage an op made was freed, and its address is in use again.
             alive = [e for e in got if e.ref is None or not e.ref.expired()]
