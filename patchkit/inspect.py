@@ -1538,15 +1538,7 @@ def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str,
         t = o.tensor
         regions, ext = zip(*entries)
         contained = [_contained(s.view, e, o) for s, e in entries]
-        overlapping = (
-            len(regions) > 1
-            and any(
-                # byte extents that meet first (cheap), then the exact test
-                ext[i][1] < ext[j][2] and ext[j][1] < ext[i][2]
-                and regions[i].region.overlaps(regions[j].region)
-                for i in range(len(regions)) for j in range(i)
-            )
-        ) or any(
+        overlapping = (len(regions) > 1 and _any_overlap(regions, ext)) or any(
             s.whole_view and (s.view_sum_squares is None or not inside)
             for s, inside in zip(regions, contained)
         )
@@ -1560,6 +1552,22 @@ def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str,
             accs.append((target, acc))
     _Stats.settle([acc for _, acc in accs])
     return [acc.row(target) for target, acc in accs]
+
+
+def _any_overlap(regions: Sequence[SavedRegion], ext: Sequence[tuple]) -> bool:
+    """Whether two of ``regions`` (of one storage; ``ext``: their ``(key, start, end)``
+    byte extents) share an element. A sweep in order of start: only regions whose
+    extents meet get the exact test, so regions side by side (a tensor written row by
+    row) cost O(n log n), not a test of every pair."""
+    order = sorted(range(len(regions)), key=lambda i: ext[i][1])
+    open_: list[int] = []  # regions whose extent reaches past the sweep's position
+    for i in order:
+        start = ext[i][1]
+        open_ = [j for j in open_ if ext[j][2] > start]
+        if any(regions[i].region.overlaps(regions[j].region) for j in open_):
+            return True
+        open_.append(i)
+    return False
 
 
 def _deltas_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:

@@ -951,6 +951,7 @@ class _Source(NamedTuple):
 
 _LO = operator.attrgetter("lo")
 _HI = operator.attrgetter("hi")
+_START = operator.itemgetter(0)
 
 
 class _Provenance:
@@ -1358,9 +1359,11 @@ class WriteSession:
         self.track_sources = True
         self.provenance = _Provenance()
         self.saved: list[SavedRegion] = []
-        # Saves whose statistics were measured while writing, by storage, until a later
-        # write reaches one and makes its numbers stale (see _forget_measured).
+        # Saves whose statistics were measured while writing, by storage (sorted by where
+        # their span starts; with each storage's widest span), until a later write
+        # reaches one and makes its numbers stale (see _forget_measured).
         self._measured: dict[tuple, list[tuple[int, int, SavedRegion]]] = {}
+        self._measured_widest: dict[tuple, int] = {}
         self._saved_regions: set[Region] = set()
         self._sparse = False
         self._nan_masked = False
@@ -1902,23 +1905,31 @@ class WriteSession:
             self._forget_measured_in(t, _storage_key(t))
 
     def _forget_measured_in(self, t: torch.Tensor, key: tuple) -> None:
-        """:meth:`_forget_measured` for one written view ``t`` of storage ``key``."""
+        """:meth:`_forget_measured` for one written view ``t`` of storage ``key``.
+
+        The storage's measured regions are kept sorted by where their span starts, with
+        the widest span's length: only those starting less than that before the write's
+        end are looked at (a loader that writes a tensor row by row pays a bisection per
+        write, not a scan of every row it wrote before)."""
         regions = self._measured.get(key)
         if not regions:
             return
         lo, hi = _byte_span(t)
+        first = bisect.bisect_right(regions, lo - self._measured_widest[key], key=_START)
+        last = bisect.bisect_left(regions, hi, lo=first, key=_START)
         written = None
         keep = []
-        for entry in regions:
-            r0, r1, sr = entry
-            if r0 < hi and lo < r1:
+        for entry in regions[first:last]:
+            _, r1, sr = entry
+            if lo < r1:
                 if written is None:
                     written = Region.of(t)
                 if not sr.region.columns_apart(written):
                     sr.diff_stats = None
                     continue
             keep.append(entry)
-        self._measured[key] = keep
+        if len(keep) < last - first:
+            regions[first:last] = keep
 
     def _measure(self, saved: SavedRegion, key: tuple | None = None) -> None:
         """Keep ``saved`` (whose statistics were measured while writing) for
@@ -1927,7 +1938,17 @@ class WriteSession:
         if saved.span is None:
             saved.span = _span_of(saved.view, key)
         key, a0, a1, _ = saved.span
-        self._measured.setdefault(key, []).append((a0, a1, saved))
+        regions = self._measured.get(key)
+        if not regions:  # (none yet, or every one forgotten)
+            self._measured[key] = [(a0, a1, saved)]
+            self._measured_widest[key] = a1 - a0
+            return
+        if a0 >= regions[-1][0]:
+            regions.append((a0, a1, saved))  # (a loader writing in storage order)
+        else:
+            regions.insert(bisect.bisect_right(regions, a0, key=_START), (a0, a1, saved))
+        if a1 - a0 > self._measured_widest[key]:
+            self._measured_widest[key] = a1 - a0
 
     def _patch_positions(self, dest, src) -> PatchPositions | None:
         """How a merge from ``src`` could recompute where it wrote from its sparse patch
@@ -2202,6 +2223,7 @@ class WriteSession:
         """Forget the saved regions (the load succeeded)."""
         self.saved.clear()
         self._measured.clear()
+        self._measured_widest.clear()
         self._saved_regions.clear()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import typing
 
@@ -120,6 +121,95 @@ def test_overlapping_regions_of_one_tensor_count_each_element_once():
     assert r.deltas.loc["w", "elements"] == 8
     assert r.deltas.loc["w", "changed"] == 8
     assert torch.equal(r.before("w"), torch.zeros(8, device="cpu"))
+
+
+class _Scattered(torch.nn.Module):
+    """One matrix written by a loader in many pieces, in a shuffled order, and then in a
+    few more through a uint8 view of the same bytes (which the report does not follow:
+    the pieces measured before that such a write reaches are read again after the load).
+    ``crossing``: the pieces are single rows, column slices and blocks that cross earlier
+    ones; else blocks of whole rows side by side, each written once."""
+
+    def __init__(self, seed: int, crossing: bool):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.nn.Parameter(torch.randn(48, 16, generator=g), False)
+        self.g, self.crossing = g, crossing
+
+    def _pieces(self):
+        g = self.g
+        if not self.crossing:
+            cuts = sorted(torch.randperm(47, generator=g)[:15].add(1).tolist())
+            rows = list(zip([0, *cuts], [*cuts, 48]))
+            return [(rows[i], (0, 16)) for i in torch.randperm(len(rows), generator=g)]
+        pieces = []
+        for _ in range(40):
+            kind = int(torch.randint(0, 3, (1,), generator=g))
+            r0 = int(torch.randint(0, 47, (1,), generator=g))
+            r1 = r0 + 1 + int(torch.randint(0, 48 - r0 - 1, (1,), generator=g)) * (kind > 0)
+            c0 = int(torch.randint(0, 15, (1,), generator=g)) * (kind > 1)
+            c1 = 16 if kind < 2 else c0 + 1 + int(torch.randint(0, 16 - c0 - 1, (1,), generator=g))
+            pieces.append(((r0, r1), (c0, c1)))
+        return pieces
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            w = self.w.data
+            for (r0, r1), (c0, c1) in self._pieces():
+                w[r0:r1, c0:c1].copy_(t[r0:r1, c0:c1])
+            for _ in range(3):
+                r0 = int(torch.randint(0, 47, (1,), generator=self.g))
+                src = t[r0:r0 + 1] + 1  # (bits the loader made: not the patch's)
+                w[r0:r0 + 1].view(torch.uint8).copy_(src.view(torch.uint8))
+        return {n for n, _ in weights}
+
+
+_nothing = contextlib.nullcontext
+
+
+@pytest.mark.parametrize("crossing", [True, False])
+@pytest.mark.parametrize("seed", range(3))
+def test_deltas_of_a_matrix_written_piecewise_in_any_order_match_the_snapshot(seed, crossing):
+    # What the load wrote, found by hand: the pieces' union, and before/after bits there.
+    g = torch.Generator().manual_seed(100 + seed)
+    new = torch.randn(48, 16, generator=g)
+    for disabled in (False, True):
+        m = _Scattered(seed, crossing)
+        start = m.w.detach().clone()
+        new_here = torch.where(torch.rand(48, 16, generator=g) < 0.5, start, new)  # half kept
+        with patchkit.native.disabled() if disabled else _nothing():
+            r = inspect_load(m, [dense("w", new_here)])
+        written = r.written("w")
+        after = m.w.detach()
+        d = (after - start)[written].double()
+        row = r.deltas.loc["w"]
+        assert row["elements"] == int(written.sum()) == (768 if not crossing else row["elements"])
+        assert row["changed"] == int((bits(after) != bits(start))[written].sum())
+        assert row["max_abs"] == pytest.approx(float(d.abs().max()), rel=1e-6)
+        assert row["mean_abs"] == pytest.approx(float(d.abs().mean()), rel=1e-5)
+        ref = float(d.norm() / start[written].double().norm())
+        assert row["rel_l2"] == pytest.approx(ref, rel=1e-5)
+        assert torch.equal(bits(r.before("w")), bits(start))
+
+
+def test_the_sweep_for_overlapping_saves_agrees_with_testing_every_pair():
+    from patchkit.inspect import _any_overlap
+    from patchkit.intercept import Region, _span_of
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.zeros(40, 12)
+    for _ in range(300):
+        views = []
+        for _ in range(int(torch.randint(2, 7, (1,), generator=g))):
+            r0, c0 = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
+            r1 = r0 + 1 + int(torch.randint(0, 3, (1,), generator=g))
+            c1 = c0 + 1 + int(torch.randint(0, 12 - c0, (1,), generator=g))
+            views.append(w[r0 * 3:r1 * 3, c0:c1])  # rows far apart, or column slices
+        regions = [typing.cast(typing.Any, type("S", (), {"region": Region.of(v)})) for v in views]
+        ext = [_span_of(v)[:3] for v in views]
+        pairs = any(regions[i].region.overlaps(regions[j].region)
+                    for i in range(len(views)) for j in range(i))
+        assert _any_overlap(regions, ext) == pairs
 
 
 def test_chunks_table_is_the_plan_and_calls_table_is_what_the_loader_did():
