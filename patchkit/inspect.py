@@ -810,7 +810,8 @@ def _inspect_load(
     sessions: list[WriteSession] = []
     planned = None
     try:
-        kept, positions = canonicalize_tied(model, patches)
+        # (an observed loader warns of a dropped alias itself, where it drops one)
+        kept, positions = canonicalize_tied(model, patches, warn=loader is None)
         plan = plan_chunks(kept, max_chunk_bytes, positions=positions)
         planned = (kept, positions, plan)  # the load's own: planned once
     except Exception:  # bad input: the load below raises the error that names it

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
+from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
 from .errors import PatchTypeError, PatchValueError, where
 from .intercept import WriteRecorder, WriteSession, named_tensors
@@ -14,6 +18,8 @@ from .patch import CheckpointWeightPatch, patch_list, validate_patches
 from .staging import stage
 
 __all__ = ["canonicalize_tied", "load_checkpoint_weight_patches"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def load_checkpoint_weight_patches(
@@ -218,7 +224,7 @@ def _check_meta(model: Any, patches: Sequence[CheckpointWeightPatch]) -> None:
 
 
 def canonicalize_tied(
-    model: torch.nn.Module, patches: Sequence[CheckpointWeightPatch]
+    model: torch.nn.Module, patches: Sequence[CheckpointWeightPatch], *, warn: bool = True
 ) -> tuple[list[CheckpointWeightPatch], list[int]]:
     """CONTRACT §6: rename or drop patches that name the alias of a tied parameter.
 
@@ -227,6 +233,11 @@ def canonicalize_tied(
     for the canonical name, unless a patch for the canonical name is in the same call,
     in which case it is dropped (the shared storage is written once). Returns the kept
     patches and their positions in the input.
+
+    [patchkit] A dropped alias patch that would have changed what the load writes (its
+    shape, dtype, indices or values differ from every patch of the canonical name) is
+    not loaded silently: with ``warn``, a :class:`UserWarning` names it. A tied trainer's
+    state dict, whose two names hold one tensor, costs no comparison.
     """
     canonical: dict[int, str] = {}
     alias_of: dict[str, str] = {}
@@ -244,11 +255,68 @@ def canonicalize_tied(
         if target is None:
             kept.append(p)
         elif target in names:
+            if warn:
+                _warn_if_dropped_differs(i, p, target, patches)
             continue
         else:
             kept.append(p._replace(name=target))
         positions.append(i)
     return kept, positions
+
+
+def _warn_if_dropped_differs(
+    i: int, p: CheckpointWeightPatch, target: str, patches: Sequence[CheckpointWeightPatch]
+) -> None:
+    """Warn that alias patch ``i`` is dropped when no patch of ``target`` (the canonical
+    name) carries what it carries."""
+    same = [j for j, q in enumerate(patches) if q.name == target]
+    if any(_same_content(p, patches[j]) for j in same):
+        return
+    warnings.warn(
+        f"{where(i, p.name)} is not loaded: it names the tied alias of {target!r}, which "
+        f"this load also patches ({'patches' if len(same) > 1 else 'patch'} "
+        f"{', '.join(map(str, same))}), and CONTRACT §6 writes the shared storage once, from "
+        "the canonical name's patches. Its values differ from those; send one name per "
+        "tied tensor",
+        UserWarning,
+        stacklevel=_outside_patchkit(),
+    )
+
+
+def _outside_patchkit() -> int:
+    """The ``stacklevel`` of a warning raised here that names the caller's line: the
+    first frame outside this package (a load's depth differs by entry point)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def _same_content(a: CheckpointWeightPatch, b: CheckpointWeightPatch) -> bool:
+    """Whether two (valid) patches write the same: the same shape, dtype and indices,
+    and values that stage to the same bits (one tensor: no comparison at all)."""
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        return False
+    if (a.indices is None) != (b.indices is None):
+        return False
+    if a.indices is not None and not _same_tensor(a.indices, b.indices):
+        if a.indices.shape != b.indices.shape or a.indices.device != b.indices.device:
+            return False
+        if not torch.equal(a.indices.to(torch.int64), b.indices.to(torch.int64)):
+            return False
+    if _same_tensor(a.values, b.values):
+        return True
+    if a.values.shape != b.values.shape or a.values.device != b.values.device:
+        return False
+    return torch.equal(bits(a.values.to(a.dtype)), bits(b.values.to(a.dtype)))
+
+
+def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """The same elements of the same memory, read the same way."""
+    return x is y or (
+        x.dtype == y.dtype and x.device == y.device and x.data_ptr() == y.data_ptr()
+        and x.shape == y.shape and x.stride() == y.stride()
+    )
 
 
 def _names(returned: Any) -> set[str] | None:

@@ -47,7 +47,8 @@ def test_alias_is_dropped_when_the_canonical_name_is_in_the_same_call(load, mk, 
     canon = mk.sparse(CANON, SHAPE, [1], [7.0])
     alias = mk.sparse(ALIAS, SHAPE, [2], [9.0])
     patches = [alias, canon] if alias_first else [canon, alias]
-    assert load(m, patches) == {CANON}
+    with pytest.warns(UserWarning, match=f"patch {int(not alias_first)} .* is not loaded"):
+        assert load(m, patches) == {CANON}
     assert m.calls == [[CANON]]  # one call, one entry: no overlapping writes
     expected = start()
     expected.view(-1)[1] = 7.0
@@ -61,7 +62,8 @@ def test_alias_is_dropped_even_when_the_budget_would_separate_them(load, mk):
         mk.dense("norm", torch.zeros(3)),
         mk.dense(ALIAS, torch.full(SHAPE, 5.0)),
     ]
-    load(m, patches, max_chunk_bytes=60)
+    with pytest.warns(UserWarning, match="patch 2 .* is not loaded"):
+        load(m, patches, max_chunk_bytes=60)
     assert m.calls == [[CANON], ["norm"]]
     assert m.embed_tokens.weight.detach().eq(1.0).all()
 
@@ -87,12 +89,13 @@ def test_chunk_plan_of_the_kept_patches_keeps_caller_positions(load, mk):
         mk.sparse(ALIAS, SHAPE, [0], [1.0]),
         mk.sparse(CANON, SHAPE, [1], [2.0]),
     ]
-    kept, positions = canonicalize_tied(m, patches)
+    kept, positions = canonicalize_tied(m, patches, warn=False)
     assert positions == [0, 2]
     assert [p.name for p in kept] == ["norm", CANON]
     chunks = plan_chunks(kept, 1 << 20, positions=positions)
     assert [c.positions for c in chunks] == [(0, 2)]
-    load(m, patches)
+    with pytest.warns(UserWarning, match="patch 1 .* is not loaded"):
+        load(m, patches)
     assert m.calls == [["norm", CANON]]
 
 
@@ -112,3 +115,42 @@ def test_untied_models_keep_every_name(load, mk):
     load(m, [mk.sparse(CANON, SHAPE, [1], [7.0]), mk.sparse(ALIAS, SHAPE, [2], [9.0])])
     assert m.calls == [[CANON, ALIAS]]
     assert m.lm_head.weight.view(-1)[2].item() == 9.0
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_dropped_alias_whose_values_differ_is_named_in_a_warning(load, mk, kind):
+    m = TiedModel()
+    if kind == "dense":
+        patches = [mk.dense(CANON, torch.ones(SHAPE)), mk.dense(ALIAS, torch.full(SHAPE, 2.0))]
+    else:  # the same values at another index
+        patches = [mk.sparse(CANON, SHAPE, [1], [7.0]), mk.sparse(ALIAS, SHAPE, [2], [7.0])]
+    with pytest.warns(UserWarning) as caught:
+        load(m, patches)
+    (w,) = [w for w in caught if "tied alias" in str(w.message)]
+    assert str(w.message).startswith(f"patch 1 ('{ALIAS}') is not loaded")
+    assert "(patch 0)" in str(w.message)
+    assert w.filename == __file__  # the caller's line, whatever the depth of the load
+
+
+def test_a_dropped_alias_that_carries_the_canonical_values_loads_without_a_warning(load, mk):
+    import warnings
+
+    m = TiedModel()
+    canon = mk.dense(CANON, torch.ones(SHAPE))
+    equal = canon._replace(name=ALIAS, values=canon.values.double().clone())  # other tensor
+    for alias in (canon._replace(name=ALIAS), equal):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            load(m, [canon, alias])
+    assert m.calls == [[CANON], [CANON]]
+
+
+@pytest.mark.parametrize("observed", [False, True])
+def test_a_report_warns_of_a_dropped_alias_once(mk, observed):
+    import patchkit
+
+    patches = [mk.sparse(CANON, SHAPE, [1], [7.0]), mk.sparse(ALIAS, SHAPE, [2], [9.0])]
+    loader = patchkit.load_checkpoint_weight_patches if observed else None
+    with pytest.warns(UserWarning) as caught:
+        patchkit.inspect_load(TiedModel(), patches, loader=loader)
+    assert sum("tied alias" in str(w.message) for w in caught) == 1
