@@ -735,9 +735,12 @@ def inspect_load(
       list that names one weight twice is followed call by call; for a tied tensor, to
       the first not sent yet of any of its names (a loader that renames the alias to the
       first name, CONTRACT §6, sent that patch: ``note`` says it was renamed, and its
-      writes are its own), and where patches of two of its names wait, to the first whose
-      values the staged tensor holds. The plan's drop of a tied alias applies only to a
-      loader that did not send it;
+      writes are its own), and where patches of two of its names wait, to the one whose
+      own storage the staged tensor is (a dense patch's values, staged as CONTRACT §3
+      says), else to one whose values it holds bit for bit; among equals (patches of
+      equal values), to the one patchkit's plan sends there while the calls follow it,
+      else to the first. The plan's drop of a tied alias applies only to a loader that
+      did not send it;
     - a ``copy_`` from a sparse patch's staged tensor counts as the NaN-merge the contract
       asks for: only the elements whose source is not NaN are written and saved, as with
       patchkit's loader. A loader that instead copies the NaN into the model (it does not
@@ -934,11 +937,12 @@ def _observe_foreign(
         staged = list(weights)
         i = len(observed)
         names = tuple(n for n, _ in staged)
-        if (i < len(plan) and plan[i].names == names and _as_planned(observed, plan)
-                and not sent.ambiguous(names)):
-            pos = plan[i].positions
-        else:
-            pos = sent.match(names, [t for _, t in staged])
+        planned = (plan[i].positions if i < len(plan) and plan[i].names == names
+                   and _as_planned(observed, plan) else None)
+        if planned is not None and not sent.ambiguous(names):
+            pos = planned
+        else:  # (a call that follows the plan keeps its positions where staged agrees)
+            pos = sent.match(names, [t for _, t in staged], planned)
         sent.mark(names, pos)
         nbytes = sum(t.numel() * t.element_size() for _, t in staged)
         observed.append(Chunk(i, tuple(pos), names, nbytes, "end"))
@@ -980,11 +984,13 @@ class _SentPositions:
     A sent name is the first patch not sent yet of that name or, for a tied tensor, of
     any of its names (a loader renames an alias to its first name, CONTRACT §6, so a
     patch for ``head`` arrives as ``embed``). Where patches of two names of one tied
-    tensor both wait, the first of them, in input order, whose values the staged tensor
-    holds (a dense patch's own storage, or its values bit for bit; a sparse patch's values
-    at its indices) is the one sent; when none does (a loader that transformed them), the
-    first in input order. A name sent again once all its patches were sent is the
-    position it was sent from last; a name no patch has, -1.
+    tensor both wait, the staged tensor tells which was sent: first the one whose own
+    storage it is (a dense patch's values viewed as its shape, as CONTRACT §3 stages
+    them), else one whose values it holds bit for bit (a sparse patch's at its indices);
+    among equals (two patches of equal values, or none held: a loader that transformed
+    them), the one the plan sends there when the call follows the plan, else the first
+    in input order. A name sent again once all its patches were sent is the position it
+    was sent from last; a name no patch has, -1.
     """
 
     def __init__(self, patches: Sequence[CheckpointWeightPatch],
@@ -1009,11 +1015,12 @@ class _SentPositions:
         plan drops an alias patched with its first name; a loader may send both)."""
         return any(len(self._names.get(self._first.get(n, n), ())) > 1 for n in names)
 
-    def match(self, names: Sequence[str],
-              staged: Sequence[Any] | None = None) -> tuple[int, ...]:
+    def match(self, names: Sequence[str], staged: Sequence[Any] | None = None,
+              planned: Sequence[int] | None = None) -> tuple[int, ...]:
         """The positions of one call's ``names`` (marked sent as they are matched);
         ``staged``: the tensors sent with them, which tell the patches of a tied tensor's
-        names apart."""
+        names apart; ``planned``: the positions the plan sends these names from, for a
+        call that follows the plan (preferred where ``staged`` does not tell)."""
         out = []
         for k, n in enumerate(names):
             waiting = []
@@ -1024,9 +1031,13 @@ class _SentPositions:
                 if queue:
                     waiting.append(queue[0])
             waiting.sort()
-            if len(waiting) > 1 and staged is not None:
-                pos = next((i for i in waiting if _holds(staged[k], self._patches[i])),
-                           waiting[0])
+            if len(waiting) > 1:
+                want = planned[k] if planned is not None else -1
+                held = ([_holds(staged[k], self._patches[i]) for i in waiting]
+                        if staged is not None else [0] * len(waiting))
+                # the most surely held; among equals the planned one, then input order
+                pos = max(zip(held, (i == want for i in waiting), (-i for i in waiting)))
+                pos = -pos[2]
             else:
                 pos = waiting[0] if waiting else self._last.get(n, -1)
             self.mark((n,), (pos,))
@@ -1041,26 +1052,31 @@ class _SentPositions:
             self._last[n] = p
 
 
-def _holds(staged: Any, p: CheckpointWeightPatch) -> bool:
-    """True when ``staged`` is what CONTRACT §3 stages for ``p``: a dense patch's values
-    (its own storage, else compared bit for bit), a sparse patch's values at its indices
-    (compared there only). A tensor of another shape or dtype, or one it cannot compare,
-    is not held."""
+def _holds(staged: Any, p: CheckpointWeightPatch) -> int:
+    """How surely ``staged`` is what CONTRACT §3 stages for ``p``: 2 when it is a dense
+    patch's own storage (its values viewed as its shape), 1 when it holds the patch's
+    values bit for bit (a dense patch's everywhere, a sparse patch's at its indices,
+    compared there only), 0 when not: a tensor of another shape or dtype, or one it
+    cannot compare."""
     if not isinstance(staged, torch.Tensor) or not isinstance(p.values, torch.Tensor):
-        return False
+        return 0
     try:
         if tuple(staged.shape) != tuple(int(d) for d in p.shape) or staged.dtype != p.dtype:
-            return False
+            return 0
         values = p.values if p.values.dtype == p.dtype else p.values.to(p.dtype)
         if p.indices is None:
-            if (staged.data_ptr() == values.data_ptr() and staged.is_contiguous()
-                    and values.is_contiguous()):
-                return True
-            return torch.equal(bits(staged.reshape(-1)), bits(values.reshape(-1).to(staged.device)))
-        idx = p.indices.to(device=staged.device, dtype=torch.int64)
-        return torch.equal(bits(staged.reshape(-1)[idx]), bits(values.to(staged.device)))
+            if (values is p.values and staged.device == values.device
+                    and staged.data_ptr() == values.data_ptr()
+                    and staged.is_contiguous() and values.is_contiguous()):
+                return 2  # (same dtype, shape's numel and start: the very same elements)
+            same = torch.equal(bits(staged.reshape(-1)),
+                               bits(values.reshape(-1).to(staged.device)))
+        else:
+            idx = p.indices.to(device=staged.device, dtype=torch.int64)
+            same = torch.equal(bits(staged.reshape(-1)[idx]), bits(values.to(staged.device)))
+        return 1 if same else 0
     except (RuntimeError, TypeError, ValueError):
-        return False
+        return 0
 
 
 def _reasons(calls: list[Chunk], patches, max_chunk_bytes: int) -> list[Chunk]:

@@ -666,6 +666,43 @@ def test_an_observed_loader_that_sends_a_tied_alias_is_credited_with_it(head_fir
         assert rep.writes["position"].tolist() == [at["emb"]]
 
 
+def _copies_staged(model, patches, **kwargs):
+    """A foreign loader that runs patchkit's own load on copies of the patches' values:
+    its calls follow the plan, but no staged tensor is the storage of a patch passed in."""
+    copies = [p._replace(values=p.values.clone()) for p in patches]
+    return patchkit.load_checkpoint_weight_patches(model, copies, **kwargs)
+
+
+def test_an_observed_loader_credits_a_tied_patch_by_storage_then_by_the_plan():
+    # lm_head (an alias of embed_tokens) and embed_tokens patched with equal values: the
+    # observed built-in loader, which drops lm_head and sends embed_tokens' own storage,
+    # was reported to send lm_head renamed, and embed_tokens not at all
+    from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+    cfg = TinyLlamaConfig(tie_word_embeddings=True)
+    ck = tiny_llama_checkpoint(cfg, seed=0)
+    e = ck["model.embed_tokens.weight"]
+    ps = [dense("lm_head.weight", e), dense("model.norm.weight", ck["model.norm.weight"]),
+          dense("model.embed_tokens.weight", e)]
+    columns = ["chunk", "position", "name", "note"]
+    reports = [inspect_load(TinyLlamaRuntime(cfg), ps, loader=loader)
+               for loader in (None, patchkit.load_checkpoint_weight_patches, _copies_staged)]
+    for r in reports:
+        assert r.chunks["note"][0].startswith("dropped: tied alias")
+        assert r.chunks["note"].tolist()[1:] == ["", ""]
+        assert r.chunks["chunk"].isna().tolist() == [True, False, False]
+        assert r.chunks["chunk"].tolist()[1:] == [0, 0]
+        assert r.writes["position"].tolist() == [1, 2]
+        assert r.writes["name"].tolist() == ["model.norm.weight", "model.embed_tokens.weight"]
+        assert r.chunks[columns].equals(reports[0].chunks[columns])
+    # Equal values, one sent under each name: each credited to the patch it is the
+    # storage of, whichever comes first.
+    ps = [dense("emb", torch.ones(6, 4)), dense("head", torch.ones(6, 4))]
+    r = inspect_load(_TiedByName(), ps, loader=_reversed_in_one_call)
+    assert r.calls["names"].tolist() == [("head", "emb")]
+    assert r.writes["position"].tolist() == [1, 0]
+
+
 # -- dense copies that change only part of what they write ---------------------------------
 # A dense copy is compared with its source before it runs and saves only the elements it
 # changes (or its whole view, when most change). The report must read the same either way.
