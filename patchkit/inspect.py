@@ -323,14 +323,20 @@ class LoadReport:
       could not be written back: the error then says which; the ``writes``
       table still says what the load did before it failed; ``deltas`` compares with the
       model as it is after the rollback). With ``loader=``, the observed loader's own
-      rollback is read from the model: when the load raised and every element its calls
-      wrote holds its value from before the load again, bit for bit, it is True where the
-      load was ``transactional=True`` or a change one of its writes made is now undone (a
-      load whose writes changed nothing, not asked to be transactional, shows no
-      rollback); ``loaded``, ``deltas`` and ``written()`` are then those of patchkit's
-      own rollback. Where it undid some targets and left others as written, it is False
-      and the report reads as after an incomplete rollback of patchkit's own: only the
-      targets left keep their saves (``deltas`` rows, ``written()``).
+      rollback is read from the model when the load raised: the loader undid a target
+      when its calls' own writes had left it changed and every element they wrote there
+      holds its value from before the load again, bit for bit. What the writes had left
+      is read when the last call ends, where that call raised (so a target that a later
+      write of the load itself put back is no undo); where the loader raised after its
+      last call returned, every target one of its writes changed counts as left changed.
+      When every element its calls wrote holds its value from before the load again,
+      ``rolled_back`` is True where the load was ``transactional=True`` or the loader
+      undid a target (a load whose writes changed nothing, or put their targets back
+      themselves, not asked to be transactional, shows no rollback); ``loaded``,
+      ``deltas`` and ``written()`` are then those of patchkit's own rollback. Where it
+      undid some targets and not others, it is False and the report reads as after an
+      incomplete rollback of patchkit's own: only the targets it did not undo keep their
+      saves (``deltas`` rows, ``written()``).
     - ``loaded``: the names the loader reported loaded. After a failure without
       rollback, those of the calls that returned before it (after an incomplete one,
       those of them that wrote into a target it did not restore).
@@ -823,6 +829,7 @@ def _inspect_load(
     error: BaseException | None = None
     loaded: set[str] = set()
     observed: list[Chunk] = []
+    failed: list[tuple[int, set[str]]] = []  # (calls made, targets left) where one raised
     rollbacks_before = rollbacks()
     try:
         if loader is None:
@@ -839,7 +846,7 @@ def _inspect_load(
             )
         else:
             loaded = _observe_foreign(
-                model, patches, plan, rec, sessions, loader, observed,
+                model, patches, plan, rec, sessions, loader, observed, failed,
                 max_chunk_bytes=max_chunk_bytes,
                 validate_unique_indices=validate_unique_indices,
                 transactional=transactional,
@@ -866,15 +873,22 @@ def _inspect_load(
             loaded &= {e.name for e in rec.events if e.target in left}
     if loader is not None and error is not None and rec.calls:
         # An observed loader may undo its writes itself (a transactional one) and raise:
-        # what it left as written, compared with the saves, says what stayed loaded.
-        left = _left_as_written([s for session in sessions for s in session.saved])
-        undone = {e.target for e in rec.events if e.changed} - left
+        # what it left as written, compared with what its calls' own writes had left
+        # when the last of them ended, says what it undid and what stayed loaded.
+        saved = [s for session in sessions for s in session.saved]
+        left = _left_as_written(saved)
+        undone = _left_by_calls(rec.events, saved, failed, len(observed)) - left
         if (transactional and not left) or undone:
+            # Every element back as before the load: read as patchkit's own rollback. Else
+            # only the targets it undid lose their saves; one whose own writes put it
+            # back keeps them, as after a failure without rollback.
             rolled_back = not left
-            loaded &= {e.name for e in rec.events if e.target in left}
-            restored = _targets_outside(rec.events, left)
+            gone = ({e.target for e in rec.events} | {s.target for s in saved}
+                    if rolled_back else undone)
+            loaded &= {e.name for e in rec.events if e.target not in gone}
+            restored = tuple(t for t in _targets_outside(rec.events, set()) if t in gone)
             for session in sessions:  # (as patchkit's own rollback keeps them)
-                session.saved = [r for r in session.saved if r.target in left]
+                session.saved = [r for r in session.saved if r.target not in gone]
     if loader is not None and (error is not None or rollbacks() != rollbacks_before):
         # An observed loader may have undone its writes unseen (patchkit's own loader with
         # transactional=True restores outside any interception, then raises, or returns
@@ -919,11 +933,25 @@ def _targets_outside(events: Sequence[WriteEvent], left: set[str]) -> tuple[str,
     return tuple(dict.fromkeys(e.target for e in events if e.target not in left))
 
 
+def _left_by_calls(events: Sequence[WriteEvent], saved: list[SavedRegion],
+                   failed: list[tuple[int, set[str]]], calls: int) -> set[str]:
+    """The targets the observed calls' own writes left changed when the last call ended:
+    what :func:`_left_as_written` read then, where that call raised (``failed``'s last
+    entry was taken after ``calls`` calls). Where it returned (the loader raised later),
+    that was not read: every saved target a write changed counts as left changed (so a
+    target whose own later write put its values back reads as undone by the loader)."""
+    if failed and failed[-1][0] == calls:
+        return failed[-1][1]
+    return {e.target for e in events if e.changed} & {s.target for s in saved}
+
+
 def _observe_foreign(
-    model, patches, plan, rec, sessions, loader, observed, **kwargs
+    model, patches, plan, rec, sessions, loader, observed, failed, **kwargs
 ) -> set[str]:
     """Run ``loader`` with ``model.load_weights`` wrapped to record each call; the calls,
-    as :class:`Chunk` records with a provisional ``closed_by``, go to ``observed``."""
+    as :class:`Chunk` records with a provisional ``closed_by``, go to ``observed``. When a
+    call raises, ``(calls made, targets its writes left changed)`` goes to ``failed``
+    before the loader sees the error (and may undo writes unseen)."""
     session = WriteSession(model, save_regions=True, recorder=rec, count_changes=True)
     sessions.append(session)
     original = model.load_weights
@@ -947,13 +975,21 @@ def _observe_foreign(
         nbytes = sum(t.numel() * t.element_size() for _, t in staged)
         observed.append(Chunk(i, tuple(pos), names, nbytes, "end"))
         call_patches = [patches[p] if p >= 0 else None for p in pos]
-        with session.call(i, staged, pos, sparse=False, patches=call_patches,
-                          maybe_sparse=any_sparse,
-                          observed=True) as r:
-            out = original(staged, *a, **kw)
-            if out is not None and not isinstance(out, set | frozenset | list | tuple):
-                out = list(out)  # a generator: run it while the writes are watched
-            r.returned = _names(out)
+        try:
+            with session.call(i, staged, pos, sparse=False, patches=call_patches,
+                              maybe_sparse=any_sparse,
+                              observed=True) as r:
+                out = original(staged, *a, **kw)
+                if out is not None and not isinstance(out, set | frozenset | list | tuple):
+                    out = list(out)  # a generator: run it while the writes are watched
+                r.returned = _names(out)
+        except BaseException:
+            # What the calls' own writes left (read once, on failure only): a target
+            # whose values are back as before the load only because of the loader's
+            # later writes is then no rollback of its own.
+            with contextlib.suppress(Exception):
+                failed.append((len(observed), _left_as_written(session.saved)))
+            raise
         return out
 
     model.load_weights = recording_load_weights
