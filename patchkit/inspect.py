@@ -323,14 +323,20 @@ class LoadReport:
       could not be written back: the error then says which; the ``writes``
       table still says what the load did before it failed; ``deltas`` compares with the
       model as it is after the rollback). With ``loader=``, the observed loader's own
-      rollback is read from the model: when the load raised and every element its calls
-      wrote holds its value from before the load again, bit for bit, it is True where the
-      load was ``transactional=True`` or a change one of its writes made is now undone (a
-      load whose writes changed nothing, not asked to be transactional, shows no
-      rollback); ``loaded``, ``deltas`` and ``written()`` are then those of patchkit's
-      own rollback. Where it undid some targets and left others as written, it is False
-      and the report reads as after an incomplete rollback of patchkit's own: only the
-      targets left keep their saves (``deltas`` rows, ``written()``).
+      rollback is read from the model when the load raised: the loader undid a target
+      when its calls' own writes had left it changed and every element they wrote there
+      holds its value from before the load again, bit for bit. What the writes had left
+      is read when the last call ends, where that call raised (so a target that a later
+      write of the load itself put back is no undo); where the loader raised after its
+      last call returned, every target one of its writes changed counts as left changed.
+      When every element its calls wrote holds its value from before the load again,
+      ``rolled_back`` is True where the load was ``transactional=True`` or the loader
+      undid a target (a load whose writes changed nothing, or put their targets back
+      themselves, not asked to be transactional, shows no rollback); ``loaded``,
+      ``deltas`` and ``written()`` are then those of patchkit's own rollback. Where it
+      undid some targets and not others, it is False and the report reads as after an
+      incomplete rollback of patchkit's own: only the targets it did not undo keep their
+      saves (``deltas`` rows, ``written()``).
     - ``loaded``: the names the loader reported loaded. After a failure without
       rollback, those of the calls that returned before it (after an incomplete one,
       those of them that wrote into a target it did not restore).
@@ -735,9 +741,12 @@ def inspect_load(
       list that names one weight twice is followed call by call; for a tied tensor, to
       the first not sent yet of any of its names (a loader that renames the alias to the
       first name, CONTRACT §6, sent that patch: ``note`` says it was renamed, and its
-      writes are its own), and where patches of two of its names wait, to the first whose
-      values the staged tensor holds. The plan's drop of a tied alias applies only to a
-      loader that did not send it;
+      writes are its own), and where patches of two of its names wait, to the one whose
+      own storage the staged tensor is (a dense patch's values, staged as CONTRACT §3
+      says), else to one whose values it holds bit for bit; among equals (patches of
+      equal values), to the one patchkit's plan sends there while the calls follow it,
+      else to the first. The plan's drop of a tied alias applies only to a loader that
+      did not send it;
     - a ``copy_`` from a sparse patch's staged tensor counts as the NaN-merge the contract
       asks for: only the elements whose source is not NaN are written and saved, as with
       patchkit's loader. A loader that instead copies the NaN into the model (it does not
@@ -821,6 +830,7 @@ def _inspect_load(
     error: BaseException | None = None
     loaded: set[str] = set()
     observed: list[Chunk] = []
+    failed: list[tuple[int, set[str]]] = []  # (calls made, targets left) where one raised
     rollbacks_before = rollbacks()
     try:
         if loader is None:
@@ -837,7 +847,7 @@ def _inspect_load(
             )
         else:
             loaded = _observe_foreign(
-                model, patches, plan, rec, sessions, loader, observed,
+                model, patches, plan, rec, sessions, loader, observed, failed,
                 max_chunk_bytes=max_chunk_bytes,
                 validate_unique_indices=validate_unique_indices,
                 transactional=transactional,
@@ -864,15 +874,22 @@ def _inspect_load(
             loaded &= {e.name for e in rec.events if e.target in left}
     if loader is not None and error is not None and rec.calls:
         # An observed loader may undo its writes itself (a transactional one) and raise:
-        # what it left as written, compared with the saves, says what stayed loaded.
-        left = _left_as_written([s for session in sessions for s in session.saved])
-        undone = {e.target for e in rec.events if e.changed} - left
+        # what it left as written, compared with what its calls' own writes had left
+        # when the last of them ended, says what it undid and what stayed loaded.
+        saved = [s for session in sessions for s in session.saved]
+        left = _left_as_written(saved)
+        undone = _left_by_calls(rec.events, saved, failed, len(observed)) - left
         if (transactional and not left) or undone:
+            # Every element back as before the load: read as patchkit's own rollback. Else
+            # only the targets it undid lose their saves; one whose own writes put it
+            # back keeps them, as after a failure without rollback.
             rolled_back = not left
-            loaded &= {e.name for e in rec.events if e.target in left}
-            restored = _targets_outside(rec.events, left)
+            gone = ({e.target for e in rec.events} | {s.target for s in saved}
+                    if rolled_back else undone)
+            loaded &= {e.name for e in rec.events if e.target not in gone}
+            restored = tuple(t for t in _targets_outside(rec.events, set()) if t in gone)
             for session in sessions:  # (as patchkit's own rollback keeps them)
-                session.saved = [r for r in session.saved if r.target in left]
+                session.saved = [r for r in session.saved if r.target not in gone]
     if loader is not None and (error is not None or rollbacks() != rollbacks_before):
         # An observed loader may have undone its writes unseen (patchkit's own loader with
         # transactional=True restores outside any interception, then raises, or returns
@@ -917,11 +934,25 @@ def _targets_outside(events: Sequence[WriteEvent], left: set[str]) -> tuple[str,
     return tuple(dict.fromkeys(e.target for e in events if e.target not in left))
 
 
+def _left_by_calls(events: Sequence[WriteEvent], saved: list[SavedRegion],
+                   failed: list[tuple[int, set[str]]], calls: int) -> set[str]:
+    """The targets the observed calls' own writes left changed when the last call ended:
+    what :func:`_left_as_written` read then, where that call raised (``failed``'s last
+    entry was taken after ``calls`` calls). Where it returned (the loader raised later),
+    that was not read: every saved target a write changed counts as left changed (so a
+    target whose own later write put its values back reads as undone by the loader)."""
+    if failed and failed[-1][0] == calls:
+        return failed[-1][1]
+    return {e.target for e in events if e.changed} & {s.target for s in saved}
+
+
 def _observe_foreign(
-    model, patches, plan, rec, sessions, loader, observed, **kwargs
+    model, patches, plan, rec, sessions, loader, observed, failed, **kwargs
 ) -> set[str]:
     """Run ``loader`` with ``model.load_weights`` wrapped to record each call; the calls,
-    as :class:`Chunk` records with a provisional ``closed_by``, go to ``observed``."""
+    as :class:`Chunk` records with a provisional ``closed_by``, go to ``observed``. When a
+    call raises, ``(calls made, targets its writes left changed)`` goes to ``failed``
+    before the loader sees the error (and may undo writes unseen)."""
     session = WriteSession(model, save_regions=True, recorder=rec, count_changes=True)
     sessions.append(session)
     original = model.load_weights
@@ -935,22 +966,31 @@ def _observe_foreign(
         staged = list(weights)
         i = len(observed)
         names = tuple(n for n, _ in staged)
-        if (i < len(plan) and plan[i].names == names and _as_planned(observed, plan)
-                and not sent.ambiguous(names)):
-            pos = plan[i].positions
-        else:
-            pos = sent.match(names, [t for _, t in staged])
+        planned = (plan[i].positions if i < len(plan) and plan[i].names == names
+                   and _as_planned(observed, plan) else None)
+        if planned is not None and not sent.ambiguous(names):
+            pos = planned
+        else:  # (a call that follows the plan keeps its positions where staged agrees)
+            pos = sent.match(names, [t for _, t in staged], planned)
         sent.mark(names, pos)
         nbytes = sum(t.numel() * t.element_size() for _, t in staged)
         observed.append(Chunk(i, tuple(pos), names, nbytes, "end"))
         call_patches = [patches[p] if p >= 0 else None for p in pos]
-        with session.call(i, staged, pos, sparse=False, patches=call_patches,
-                          maybe_sparse=any_sparse,
-                          observed=True) as r:
-            out = original(staged, *a, **kw)
-            if out is not None and not isinstance(out, set | frozenset | list | tuple):
-                out = list(out)  # a generator: run it while the writes are watched
-            r.returned = _names(out)
+        try:
+            with session.call(i, staged, pos, sparse=False, patches=call_patches,
+                              maybe_sparse=any_sparse,
+                              observed=True) as r:
+                out = original(staged, *a, **kw)
+                if out is not None and not isinstance(out, set | frozenset | list | tuple):
+                    out = list(out)  # a generator: run it while the writes are watched
+                r.returned = _names(out)
+        except BaseException:
+            # What the calls' own writes left (read once, on failure only): a target
+            # whose values are back as before the load only because of the loader's
+            # later writes is then no rollback of its own.
+            with contextlib.suppress(Exception):
+                failed.append((len(observed), _left_as_written(session.saved)))
+            raise
         return out
 
     model.load_weights = recording_load_weights
@@ -981,11 +1021,13 @@ class _SentPositions:
     A sent name is the first patch not sent yet of that name or, for a tied tensor, of
     any of its names (a loader renames an alias to its first name, CONTRACT §6, so a
     patch for ``head`` arrives as ``embed``). Where patches of two names of one tied
-    tensor both wait, the first of them, in input order, whose values the staged tensor
-    holds (a dense patch's own storage, or its values bit for bit; a sparse patch's values
-    at its indices) is the one sent; when none does (a loader that transformed them), the
-    first in input order. A name sent again once all its patches were sent is the
-    position it was sent from last; a name no patch has, -1.
+    tensor both wait, the staged tensor tells which was sent: first the one whose own
+    storage it is (a dense patch's values viewed as its shape, as CONTRACT §3 stages
+    them), else one whose values it holds bit for bit (a sparse patch's at its indices);
+    among equals (two patches of equal values, or none held: a loader that transformed
+    them), the one the plan sends there when the call follows the plan, else the first
+    in input order. A name sent again once all its patches were sent is the position it
+    was sent from last; a name no patch has, -1.
     """
 
     def __init__(self, patches: Sequence[CheckpointWeightPatch],
@@ -1010,11 +1052,12 @@ class _SentPositions:
         plan drops an alias patched with its first name; a loader may send both)."""
         return any(len(self._names.get(self._first.get(n, n), ())) > 1 for n in names)
 
-    def match(self, names: Sequence[str],
-              staged: Sequence[Any] | None = None) -> tuple[int, ...]:
+    def match(self, names: Sequence[str], staged: Sequence[Any] | None = None,
+              planned: Sequence[int] | None = None) -> tuple[int, ...]:
         """The positions of one call's ``names`` (marked sent as they are matched);
         ``staged``: the tensors sent with them, which tell the patches of a tied tensor's
-        names apart."""
+        names apart; ``planned``: the positions the plan sends these names from, for a
+        call that follows the plan (preferred where ``staged`` does not tell)."""
         out = []
         for k, n in enumerate(names):
             waiting = []
@@ -1025,9 +1068,13 @@ class _SentPositions:
                 if queue:
                     waiting.append(queue[0])
             waiting.sort()
-            if len(waiting) > 1 and staged is not None:
-                pos = next((i for i in waiting if _holds(staged[k], self._patches[i])),
-                           waiting[0])
+            if len(waiting) > 1:
+                want = planned[k] if planned is not None else -1
+                held = ([_holds(staged[k], self._patches[i]) for i in waiting]
+                        if staged is not None else [0] * len(waiting))
+                # the most surely held; among equals the planned one, then input order
+                pos = max(zip(held, (i == want for i in waiting), (-i for i in waiting)))
+                pos = -pos[2]
             else:
                 pos = waiting[0] if waiting else self._last.get(n, -1)
             self.mark((n,), (pos,))
@@ -1042,26 +1089,31 @@ class _SentPositions:
             self._last[n] = p
 
 
-def _holds(staged: Any, p: CheckpointWeightPatch) -> bool:
-    """True when ``staged`` is what CONTRACT §3 stages for ``p``: a dense patch's values
-    (its own storage, else compared bit for bit), a sparse patch's values at its indices
-    (compared there only). A tensor of another shape or dtype, or one it cannot compare,
-    is not held."""
+def _holds(staged: Any, p: CheckpointWeightPatch) -> int:
+    """How surely ``staged`` is what CONTRACT §3 stages for ``p``: 2 when it is a dense
+    patch's own storage (its values viewed as its shape), 1 when it holds the patch's
+    values bit for bit (a dense patch's everywhere, a sparse patch's at its indices,
+    compared there only), 0 when not: a tensor of another shape or dtype, or one it
+    cannot compare."""
     if not isinstance(staged, torch.Tensor) or not isinstance(p.values, torch.Tensor):
-        return False
+        return 0
     try:
         if tuple(staged.shape) != tuple(int(d) for d in p.shape) or staged.dtype != p.dtype:
-            return False
+            return 0
         values = p.values if p.values.dtype == p.dtype else p.values.to(p.dtype)
         if p.indices is None:
-            if (staged.data_ptr() == values.data_ptr() and staged.is_contiguous()
-                    and values.is_contiguous()):
-                return True
-            return torch.equal(bits(staged.reshape(-1)), bits(values.reshape(-1).to(staged.device)))
-        idx = p.indices.to(device=staged.device, dtype=torch.int64)
-        return torch.equal(bits(staged.reshape(-1)[idx]), bits(values.to(staged.device)))
+            if (values is p.values and staged.device == values.device
+                    and staged.data_ptr() == values.data_ptr()
+                    and staged.is_contiguous() and values.is_contiguous()):
+                return 2  # (same dtype, shape's numel and start: the very same elements)
+            same = torch.equal(bits(staged.reshape(-1)),
+                               bits(values.reshape(-1).to(staged.device)))
+        else:
+            idx = p.indices.to(device=staged.device, dtype=torch.int64)
+            same = torch.equal(bits(staged.reshape(-1)[idx]), bits(values.to(staged.device)))
+        return 1 if same else 0
     except (RuntimeError, TypeError, ValueError):
-        return False
+        return 0
 
 
 def _reasons(calls: list[Chunk], patches, max_chunk_bytes: int) -> list[Chunk]:

@@ -666,6 +666,44 @@ def test_an_observed_loader_that_sends_a_tied_alias_is_credited_with_it(head_fir
         assert rep.writes["position"].tolist() == [at["emb"]]
 
 
+
+def _copies_staged(model, patches, **kwargs):
+    """A foreign loader that runs patchkit's own load on copies of the patches' values:
+    its calls follow the plan, but no staged tensor is the storage of a patch passed in."""
+    copies = [p._replace(values=p.values.clone()) for p in patches]
+    return patchkit.load_checkpoint_weight_patches(model, copies, **kwargs)
+
+
+def test_an_observed_loader_credits_a_tied_patch_by_storage_then_by_the_plan():
+    # lm_head (an alias of embed_tokens) and embed_tokens patched with equal values: the
+    # observed built-in loader, which drops lm_head and sends embed_tokens' own storage,
+    # was reported to send lm_head renamed, and embed_tokens not at all
+    from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+    cfg = TinyLlamaConfig(tie_word_embeddings=True)
+    ck = tiny_llama_checkpoint(cfg, seed=0)
+    e = ck["model.embed_tokens.weight"]
+    ps = [dense("lm_head.weight", e), dense("model.norm.weight", ck["model.norm.weight"]),
+          dense("model.embed_tokens.weight", e)]
+    columns = ["chunk", "position", "name", "note"]
+    reports = [inspect_load(TinyLlamaRuntime(cfg), ps, loader=loader)
+               for loader in (None, patchkit.load_checkpoint_weight_patches, _copies_staged)]
+    for r in reports:
+        assert r.chunks["note"][0].startswith("dropped: tied alias")
+        assert r.chunks["note"].tolist()[1:] == ["", ""]
+        assert r.chunks["chunk"].isna().tolist() == [True, False, False]
+        assert r.chunks["chunk"].tolist()[1:] == [0, 0]
+        assert r.writes["position"].tolist() == [1, 2]
+        assert r.writes["name"].tolist() == ["model.norm.weight", "model.embed_tokens.weight"]
+        assert r.chunks[columns].equals(reports[0].chunks[columns])
+    # Equal values, one sent under each name: each credited to the patch it is the
+    # storage of, whichever comes first.
+    ps = [dense("emb", torch.ones(6, 4)), dense("head", torch.ones(6, 4))]
+    r = inspect_load(_TiedByName(), ps, loader=_reversed_in_one_call)
+    assert r.calls["names"].tolist() == [("head", "emb")]
+    assert r.writes["position"].tolist() == [1, 0]
+
+
 # -- dense copies that change only part of what they write ---------------------------------
 # A dense copy is compared with its source before it runs and saves only the elements it
 # changes (or its whole view, when most change). The report must read the same either way.
@@ -1331,6 +1369,51 @@ def test_an_observed_loader_that_rolls_back_and_raises_is_reported_rolled_back(c
     r = info.value.report
     assert not r.rolled_back and r.loaded == {"a", "b"}
     assert list(r.deltas.index) == ["a", "b"]
+
+
+
+def _failed_report(model, ps, **kw):
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(model, ps, max_chunk_bytes=1, **kw)
+    return info.value.report
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_a_failed_observed_load_whose_own_writes_put_a_target_back_is_no_rollback(compiled):
+    # a written 0 -> 1, then back to 0 by the load's own later write: observed, the report
+    # took a for undone by the loader (loaded=[], no deltas row, nothing written()), though
+    # no rollback happened and the load itself reports it loaded
+    from patchkit import native
+
+    shapes = {"a": (4,), "b": (4,), "d": (4,), "c": (4,)}
+    ps = [dense("a", torch.ones(4)), dense("a", torch.zeros(4)), dense("b", torch.ones(4)),
+          dense("d", torch.ones(4)), dense("c", torch.ones(4))]  # FailingModel raises at c
+    with contextlib.nullcontext() if compiled else native.disabled():
+        reports = [_failed_report(FailingModel(shapes, fail_on="c"), ps, loader=loader)
+                   for loader in (None, patchkit.load_checkpoint_weight_patches,
+                                  _undoes_only([]))]
+        # A loader that undoes b (unseen) undid b only: a, put back by the load's own
+        # write, keeps its saves, as d does.
+        model = FailingModel(shapes, fail_on="c")
+        partial = _failed_report(model, ps, loader=_undoes_only(["b"]))
+    for r in reports:
+        assert not r.rolled_back and r.loaded == {"a", "b", "d"}
+        assert list(r.deltas.index) == ["a", "b", "d"]
+        assert r.deltas.loc["a", "elements"] == 4 and r.deltas.loc["a", "changed"] == 0
+        assert r.written("a").tolist() == [True] * 4
+    assert float(model.b.abs().sum()) == 0 and (model.d == 1).all()
+    assert not partial.rolled_back and partial.loaded == {"a", "d"}
+    assert list(partial.deltas.index) == ["a", "d"]
+    assert partial.written("a").tolist() == [True] * 4
+    assert partial.written("b").tolist() == [False] * 4
+    # A real rollback is still read as one, the target put back by its own writes too.
+    for loader in (None, patchkit.load_checkpoint_weight_patches):
+        model = FailingModel(shapes, fail_on="c")
+        with contextlib.nullcontext() if compiled else native.disabled():
+            r = _failed_report(model, ps, loader=loader, transactional=True)
+        assert all(float(t.abs().sum()) == 0 for t in model.parameters())
+        assert r.rolled_back and r.loaded == set() and len(r.deltas) == 0
+        assert r.written("a").tolist() == r.written("b").tolist() == [False] * 4
 
 
 class _RebindsThenFails(PlainModel):
