@@ -5,7 +5,7 @@ quarter million elements or more is split into parts that this thread and up to
 ``torch.get_num_threads() - 1`` others take in turn: torch's own OpenMP threads where the
 file compiles with ``-fopenmp`` (one pool of threads in the process, which matters on a
 machine with few cores), else patchkit's own C threads (``PATCHKIT_OPENMP=0`` asks for
-those):
+those); in a process forked after patchkit was imported, on the calling thread alone:
 
 - :func:`compare_copy`, for a dense ``copy_`` whose regions are saved (a report, or
   ``transactional=True``): the load must know which elements' bits the copy changes,
@@ -28,7 +28,8 @@ report loop's last report: ``inspect_load(..., reuse=)``), else into fresh memor
 The C file is compiled the first time a load needs it, with the machine's C compiler
 (``$CC``, else ``cc``), into a cache folder (``$PATCHKIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/patchkit``, else ``~/.cache/patchkit``), once per version of the file
-and CPU. Without a compiler, with ``PATCHKIT_NATIVE=0``, inside :func:`disabled`, or for a
+and CPU (where that folder cannot be written, in the temporary folder's ``patchkit``).
+Without a compiler, with ``PATCHKIT_NATIVE=0``, inside :func:`disabled`, or for a
 write it does not cover, patchkit uses torch ops: the same bits written, saved and
 counted, slower. :func:`status` says which path this process has.
 
@@ -136,7 +137,10 @@ def _cpu_id() -> str:
 
 def _compile(cc: str, flags: list[str], out: Path) -> str | None:
     """Compile the C file to ``out`` (atomically); the compiler's last error line, or None."""
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    except OSError as e:  # a folder this process cannot write
+        return str(e)
     os.close(fd)
     try:
         done = subprocess.run(
@@ -154,6 +158,19 @@ def _compile(cc: str, flags: list[str], out: Path) -> str | None:
             os.unlink(tmp)
 
 
+def _writable(folder: Path) -> bool:
+    """Whether a file can be made in ``folder`` (made first where missing): tried, not
+    read from its mode bits, which do not bind root or tell a read-only mount."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, suffix=".probe")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 def _build() -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("PATCHKIT_NATIVE", "1") == "0":
         return None, "torch ops (PATCHKIT_NATIVE=0)"
@@ -161,11 +178,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     if shutil.which(cc) is None:
         return None, f"torch ops (no C compiler: {cc!r} not found; set CC)"
     folder = _cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        folder = Path(tempfile.gettempdir()) / "patchkit"
-        folder.mkdir(parents=True, exist_ok=True)
+    fallback = Path(tempfile.gettempdir()) / "patchkit"
     source = _SOURCE.read_bytes()
     lib = lib_path = error = None
     # With OpenMP first (see _native.c: the parts of a view then run on torch's threads),
@@ -178,6 +191,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             b"\0".join([source, cc.encode(), " ".join(flags).encode(), _cpu_id().encode()])
         ).hexdigest()[:16]
         candidate = folder / f"native-{key}.so"
+        if not candidate.exists() and not _writable(folder):
+            # (a read-only home, a path under a file): a build there is read where one
+            # exists, else made in the temporary folder
+            candidate = fallback / candidate.name
+            if not _writable(fallback):
+                error = f"no writable folder for the build ({folder}, {fallback})"
+                break
         if not candidate.exists():
             failed = _compile(cc, flags, candidate)
             if failed is not None:
@@ -278,8 +298,11 @@ def reusing(storages: list[torch.UntypedStorage]) -> Iterator[None]:
     same tensors every step can hand the last step's buffers to the next
     (:func:`patchkit.inspect_load`'s ``reuse=``)."""
     previous = getattr(_reuse, "pool", None), getattr(_reuse, "sizes", None)
-    pool = sorted((st for st in storages if st.device.type == "cpu" and st.nbytes() >= _REUSE_MIN),
-                  key=lambda st: st.nbytes())
+    # (a storage listed twice, or through two views, is lent once: two saves in one
+    # buffer would overwrite each other)
+    distinct = {st.data_ptr(): st for st in storages
+                if st.device.type == "cpu" and st.nbytes() >= _REUSE_MIN}
+    pool = sorted(distinct.values(), key=lambda st: st.nbytes())
     _reuse.pool, _reuse.sizes = pool, [st.nbytes() for st in pool]
     try:
         yield
@@ -356,7 +379,10 @@ def _library() -> ctypes.CDLL | None:
     if _status is None:
         with _lock:
             if _status is None:
-                _lib, _status = _build()
+                try:
+                    _lib, _status = _build()
+                except OSError as e:  # (reading the C file, say): torch ops, said once
+                    _lib, _status = None, f"torch ops (building the fast path failed: {e})"
     return _lib
 
 
@@ -384,7 +410,23 @@ def disabled() -> Iterator[None]:
 
 
 def _threads() -> int:
-    return torch.get_num_threads()
+    """The threads a view's parts may run on: torch's count, but one in a process forked
+    after this module was imported (libgomp starts no team in such a child when the
+    parent had OpenMP threads, and the C side's own fork handler only exists once the
+    library is loaded: one loaded first in the child would wait for that team forever)."""
+    return 1 if _forked else torch.get_num_threads()
+
+
+_forked = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _reset_for_tests() -> None:

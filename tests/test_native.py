@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -624,6 +625,78 @@ def test_the_build_is_cached_per_source_and_cpu(fresh_build):
     native._reset_for_tests()
     assert native.status().startswith(f"compiled ({lib}; parts on ")
     assert lib.stat().st_mtime_ns == stamp, "a cached build was compiled again"
+
+
+@needs_compiler
+def test_a_cache_folder_that_cannot_be_written_builds_in_the_temporary_folder(
+    fresh_build, monkeypatch, tmp_path
+):
+    # As a read-only mount (or a home shared read-only) refuses it: making a file there.
+    import tempfile
+
+    making = tempfile.mkstemp
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+
+    def refuse_the_cache(*args, dir=None, **kw):
+        if dir is not None and Path(dir) == fresh_build:
+            raise PermissionError(13, "Read-only file system", str(dir))
+        return making(*args, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse_the_cache)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(temporary))
+    status = native.status()
+    assert status.startswith(f"compiled ({temporary / 'patchkit'}"), status
+    dest, src, at = _split_copy_case(3)
+    assert native.compare_copy(dest, src, torch.float32).changed == len(at)
+    assert not list(fresh_build.glob("*.so"))
+
+
+@needs_compiler
+def test_a_child_forked_before_the_library_loads_still_finishes_its_parts(tmp_path):
+    # The parent's torch has OpenMP threads; the child loads the compiled path itself
+    # (no fork handler of the library's own then) and copies a view big enough for parts.
+    import subprocess
+    import sys
+
+    script = tmp_path / "fork_first.py"
+    script.write_text(
+        "import os, torch, patchkit.native as native\n"
+        "torch.set_num_threads(2)\n"
+        "(torch.randn(1 << 22) * 2).sum()\n"
+        "a = torch.randn(1 << 20); b = a.clone(); b[::7] = 0\n"
+        "want = int((a != b).sum())\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    got = native.compare_copy(a, b, torch.float32)\n"
+        "    os._exit(0 if got is not None and got.changed == want else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child', os.waitstatus_to_exitcode(status))\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the forked child's copy did not finish within 120 s")
+    assert done.stdout.strip() == "child 0", done.stdout + done.stderr
+
+
+@needs_compiler
+def test_a_storage_lent_twice_is_lent_once():
+    n = 65535
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(n, dtype=torch.float64, generator=g)
+    b = a.clone()
+    m = torch.rand(n, generator=g) < 0.2
+    b[m] = torch.randn(int(m.sum()), dtype=torch.float64, generator=g)
+    changed = torch.nonzero(bits(a) != bits(b)).reshape(-1)
+    start = a.clone()
+    base = torch.empty(8 * len(changed), dtype=torch.uint8)
+    with native.reusing([base.untyped_storage(), base[:].untyped_storage()]):
+        got = native.compare_copy(a, b, torch.float64)
+    assert got.index.untyped_storage().data_ptr() != got.before.untyped_storage().data_ptr()
+    assert torch.equal(got.index, changed)
+    assert torch.equal(bits(got.before), bits(start[changed]))
 
 
 # -- the NaN-merge of sparse loads -------------------------------------------------------
