@@ -33,7 +33,10 @@ offsets would spare little there); a sparse save through torch ops adds 8 bytes 
 written element. Transient: 1-byte masks of the view being written (torch ops) and
 scratch for the statistics, which work in blocks of 262144 elements (a few MiB). The
 tables are pandas DataFrames built on first read; every number in them is taken when
-the load ends.
+the load ends. Python's cyclic garbage collector is paused while a report's load runs
+(process-wide, as ``gc.disable()`` is; its state is restored after, also on error): the
+report's own objects would set off collections mid-load that cost more than the writes
+on a model of many small tensors.
 
 In a loop that reports every step, ``inspect_load(..., reuse=last_report)`` writes the
 new saves into the last report's buffers (where one fits: a save may then sit in a buffer
@@ -47,9 +50,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import gc
 import html
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -802,10 +806,26 @@ def inspect_load(
             reason="no load_weights", value=type(model).__name__,
         )
     lent = reuse._hand_over() if reuse is not None else []
-    with native.reusing(lent):
+    with native.reusing(lent), _collector_paused():
         del lent  # the pool holds them now: what the load does not take is freed after it
         return _inspect_load(model, patches, max_chunk_bytes, validate_unique_indices,
                              transactional, loader, progress)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, as it was after. A report
+    records a few objects per write (a save, an event, the tensors they hold): on a
+    model of many small tensors the collections they set off mid-load (a full one every
+    few dozen loads, 100 ms and more in a process that imported torch and pandas) cost
+    more than the writes; after the load, one collection of the young objects is due."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _inspect_load(

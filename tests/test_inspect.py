@@ -212,6 +212,37 @@ def test_the_sweep_for_overlapping_saves_agrees_with_testing_every_pair():
         assert _any_overlap(regions, ext) == pairs
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_garbage_collector_is_paused_for_the_load_and_restored_after(enabled, fails):
+    import gc
+
+    seen = []
+
+    class Watches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4), False)
+
+        def load_weights(self, weights):
+            seen.append(gc.isenabled())
+            if fails:
+                raise RuntimeError("the loader failed")
+            for _, t in weights:
+                self.w.data.copy_(t)
+            return {n for n, _ in weights}
+
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        with pytest.raises(RuntimeError) if fails else _nothing():
+            inspect_load(Watches(), [dense("w", torch.ones(4))])
+        assert seen == [False]
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 def test_chunks_table_is_the_plan_and_calls_table_is_what_the_loader_did():
     m = Packed()
     g = torch.Generator().manual_seed(2)
