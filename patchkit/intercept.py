@@ -1150,16 +1150,36 @@ _ELEMENTWISE_COPIES = {_aten._to_copy.default, _aten.clone.default}
 # process, not once per load.
 _MUTATED: dict = {}
 
+# In-place ops that change only the view's own shape, strides or offset (or its autograd
+# metadata, ``detach_``) and write no element. Their schema marks ``self`` written
+# (``Tensor(a!)``), but they leave every byte of the storage as it was; a later write
+# through the changed alias is an op of its own, seen and handled as any other. torch
+# tags them ``inplace_view``, but that tag also covers ``resize_``, ``resize_as_`` and
+# ``set_``, which may reallocate a storage (growing it for every tensor sharing it) or
+# bind the tensor to another one: those stay writes (refused in a sparse load). So only
+# the tagged ops named here are let through, and an op torch adds to the tag later is
+# a write until it is known to be safe.
+_METADATA_ONLY = frozenset({
+    "aten::as_strided_", "aten::detach_", "aten::squeeze_", "aten::swapaxes_",
+    "aten::swapdims_", "aten::t_", "aten::transpose_", "aten::unsqueeze_",
+})
+
 
 def _mutated_args(func: torch._ops.OpOverload) -> tuple:
-    """``(index, name)`` of each argument that ``func`` writes in place."""
+    """``(index, name)`` of each argument whose elements ``func`` may write in place:
+    those its schema marks written, none for an op that changes only a view's metadata
+    (see ``_METADATA_ONLY``)."""
     got = _MUTATED.get(func)
     if got is None:
-        got = _MUTATED[func] = tuple(
-            (i, a.name)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
+        if (torch.Tag.inplace_view in func.tags
+                and func._schema.name in _METADATA_ONLY):
+            got = _MUTATED[func] = ()
+        else:
+            got = _MUTATED[func] = tuple(
+                (i, a.name)
+                for i, a in enumerate(func._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            )
     return got
 
 

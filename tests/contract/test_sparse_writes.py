@@ -413,3 +413,34 @@ def test_a_fill_tells_the_caller_to_send_that_weight_dense(load, mk, write, op):
 def test_other_rejected_ops_carry_no_fill_hint(load, mk):
     err = _rejected(load, mk, lambda m, w: m.b.mul_(2.0), "mul_")
     assert "send it dense" not in str(err)
+
+
+# -- in-place ops that change only a view's metadata -----------------------------------------
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize(
+    "reshape",
+    [
+        pytest.param(lambda d: (d.unsqueeze_(0), d.squeeze_(0)), id="unsqueeze_ squeeze_"),
+        pytest.param(lambda d: (d.unsqueeze_(1), d.squeeze_()), id="squeeze_ all"),
+        pytest.param(lambda d: (d.t_(), d.t_()), id="t_ twice"),
+        pytest.param(lambda d: (d.transpose_(0, 1), d.swapdims_(1, 0)), id="transpose_ swapdims_"),
+        pytest.param(lambda d: d.as_strided_((3, 4), (4, 1), d.storage_offset()), id="as_strided_"),
+    ],
+)
+def test_in_place_ops_that_only_reshape_an_alias_write_nothing_and_are_allowed(load, mk, reshape):
+    # CONTRACT §4 refuses in-place *writes into runtime storage*: these change the alias's
+    # shape or strides and no element; the copy through the alias is merged as any other.
+    class Reshaping(RecordingModel):
+        def load_weights(self, weights):
+            for _, w in weights:
+                d = self.w.data
+                reshape(d)
+                d.copy_(w)
+            return {n for n, _ in weights}
+
+    m = Reshaping({"w": start()})
+    assert load(m, [mk.sparse("w", (3, 4), IDX, VALS)]) == {"w"}
+    assert same_bits(m.w.detach(), merged(IDX, VALS))
+    assert m.w.shape == (3, 4) and m.w.stride() == (4, 1)
