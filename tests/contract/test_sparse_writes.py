@@ -232,13 +232,13 @@ class OneWrite(RecordingModel):
         return {n for n, _ in weights}
 
 
-def _rejected(load, mk, write, match, *, names="ab"):
+def _rejected(load, mk, write, match, *, names="ab", **kwargs):
     m = OneWrite(write)
     m.register_buffer("counts", torch.zeros(3, 4, dtype=torch.int32))
     before = snapshot(m)
     patches = [mk.sparse(n, (3, 4), IDX, VALS) for n in names]
     with pytest.raises(NotImplementedError, match=match) as excinfo:
-        load(m, patches)
+        load(m, patches, **kwargs)
     after = snapshot(m)
     if "a" in names:  # written before the rejected op, in the same call: it stays
         assert same_bits(after["a"], merged(IDX, VALS))
@@ -310,6 +310,40 @@ def test_other_in_place_writes_are_rejected_naming_the_op(load, mk, write, op):
 @pytest.mark.patchkit_only
 def test_rejected_op_as_first_write_of_the_call_writes_nothing(load, mk):
     _rejected(load, mk, lambda m, w: m.b.fill_(0.0), "fill_", names="b")
+
+
+# What the strict checks' errors name: the patch a refused op served, where it is known.
+UNTRACED = [
+    pytest.param(lambda m, w: m.b.data.zero_(), "zero_", id="zero_"),
+    pytest.param(lambda m, w: m.b.mul_(2.0), "mul_", id="mul_"),
+    pytest.param(lambda m, w: m.b.copy_(torch.ones(4)), "same-shaped floating-point",
+                 id="broadcast copy of a new tensor"),
+]
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize(("write", "match"), UNTRACED)
+def test_a_refused_op_with_no_patch_as_source_names_no_patch_of_a_call_of_several(
+    load, mk, write, match
+):
+    # Patch 0 ('a') was copied earlier in the call, then the op on 'b' was refused: that
+    # the call last read patch 0 says nothing about which patch the op served.
+    err = _rejected(load, mk, write, match)
+    assert (err.position, err.name) == (None, None)
+    assert "load_weights (call 0, runtime tensor 'b')" in str(err)
+    assert "no patch as its source" in str(err)
+    assert "2 patches (patch 0 ('a'), patch 1 ('b'))" in str(err)
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize(("write", "match"), UNTRACED)
+def test_a_refused_op_with_no_patch_as_source_names_the_only_patch_of_its_call(
+    load, mk, write, match
+):
+    err = _rejected(load, mk, write, match, max_chunk_bytes=1)  # a call per patch
+    assert (err.position, err.name) == (1, "b")
+    assert "load_weights (call 1, patch 1 ('b'), runtime tensor 'b')" in str(err)
+    assert "no patch as its source" not in str(err)
 
 
 @pytest.mark.patchkit_only
