@@ -1393,6 +1393,9 @@ class WriteSession:
         # (position, name) of each patch of the call in progress (position None: an
         # observed name that matches no patch)
         self._call_patches: tuple[tuple[int | None, str], ...] = ()
+        # runtime tensor name -> the patch of the last copy into it in this call (None:
+        # not traced), which an error that names no patch reports as a fact
+        self._call_fed: dict[str, tuple[int | None, str] | None] = {}
         self._patches: dict[int, Any] = {}
         self._bindings: dict[str, torch.Tensor] | None = None
         self._model_gpus: set[torch.device] | None = None  # (see _gpus)
@@ -1446,6 +1449,7 @@ class WriteSession:
         self._call_writes = 0
         self._call_patches = tuple(
             (pos if pos >= 0 else None, name) for pos, (name, _) in zip(positions, staged))
+        self._call_fed = {}
         self.provenance.clear()
         if self.track_sources:
             for pos, (name, t) in zip(positions, staged):
@@ -2145,8 +2149,9 @@ class WriteSession:
         the one the refused op served: the patch its source (a copy's source, else the
         op's tensor arguments, ``source``) was traced to, else the call's only patch.
         Otherwise both are ``None`` and the message says that no patch was the op's
-        source: earlier ops of the call say nothing about which patch a later op serves
-        (a loader may zero a tensor before copying the next patch into it)."""
+        source (and, as a fact, not a verdict, which patch the call last copied into that
+        runtime tensor): earlier ops of the call say nothing about which patch a later op
+        serves (a loader may zero a packed tensor before copying the next patch into it)."""
         dest, (tname, _, toff) = targets[0]
         src = args[1] if func is _COPY and len(args) > 1 else None
         hit = self.provenance.lookup(src) if isinstance(src, torch.Tensor) else None
@@ -2169,7 +2174,7 @@ class WriteSession:
             raise ContractViolation(
                 f"{at} wrote with {op}; a sparse (NaN-masked) load supports only "
                 "same-shaped floating-point copy_ into parameters and buffers. This op "
-                f"wrote nothing{hint}{self._no_source_note(name)}",
+                f"wrote nothing{hint}{self._no_source_note(name, tname)}",
                 position=pos, name=name, reason="unsupported op", value=op,
             )
         if (
@@ -2186,7 +2191,7 @@ class WriteSession:
             raise ContractViolation(
                 f"{at} copied a {got} source into a {tuple(dest.shape)} {dest.dtype} view; "
                 "a sparse load needs same-shaped floating-point copy_ (no broadcasting, no "
-                f"integer storage). This copy wrote nothing{self._no_source_note(name)}",
+                f"integer storage). This copy wrote nothing{self._no_source_note(name, tname)}",
                 position=pos, name=name, reason="same-shaped floating-point",
                 value=(tuple(src.shape) if isinstance(src, torch.Tensor) else None,
                        tuple(dest.shape)),
@@ -2199,24 +2204,29 @@ class WriteSession:
                     f"{at} wrote a {tuple(dest.shape)} view at element {toff} that overlaps "
                     "a view written earlier in the same call: overlapping runtime views "
                     "cannot be NaN-merged. The first write stays applied; this one wrote "
-                    f"nothing{self._no_source_note(name)}",
+                    f"nothing{self._no_source_note(name, tname)}",
                     position=pos, name=name, reason="overlapping runtime views", value=toff,
                 )
         earliers.append(region)
+        self._call_fed[tname] = (pos, name) if name is not None else None
 
-    def _no_source_note(self, name: str | None, shown: int = 4) -> str:
+    def _no_source_note(self, name: str | None, tname: str, shown: int = 4) -> str:
         """What a refused op's error adds when it names no patch (``name`` is ``None``):
         the op had none as its source, and which of the call's patches (the first
-        ``shown``) it served is not known. Nothing when it names one."""
+        ``shown``) it served is not known; and which patch the call last copied into
+        runtime tensor ``tname``, where one did. Nothing when it names one."""
         if name is not None:
             return ""
         listed = ", ".join(where(p, n) for p, n in self._call_patches[:shown])
         more = len(self._call_patches) - shown
         if more > 0:
             listed += f" and {more} more"
+        fed = self._call_fed.get(tname)
+        last = (f" (before this op, the call last copied {where(*fed)} into runtime tensor "
+                f"{tname!r})" if fed is not None else "")
         return (". No patch is named: the op had no patch as its source, and which of "
                 f"the call's {len(self._call_patches)} patches ({listed}) it served is not "
-                "known")
+                f"known{last}")
 
     def _save(
         self, t: torch.Tensor, target: str, offset: int, write: torch.Tensor | None

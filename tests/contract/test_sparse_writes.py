@@ -336,6 +336,24 @@ def test_a_refused_op_with_no_patch_as_source_names_no_patch_of_a_call_of_severa
 
 
 @pytest.mark.patchkit_only
+def test_a_refused_op_after_a_copy_into_its_tensor_tells_that_copy_but_names_no_patch(load, mk):
+    # A padded embedding copies its rows, then fills the padding: the fill came after a
+    # copy of patch 1 into 'b', but a packed tensor filled before its next patch's copy
+    # looks the same, so the error states the copy and blames no patch.
+    def copy_then_fill(m, w):
+        m.b.data[:2].copy_(w[:2])
+        m.b.data[2:].fill_(0.0)
+
+    m = OneWrite(copy_then_fill)
+    with pytest.raises(NotImplementedError, match="fill_") as excinfo:
+        load(m, [mk.sparse(n, (3, 4), IDX, VALS) for n in "ab"])
+    err = excinfo.value
+    assert (err.position, err.name) == (None, None)
+    assert "no patch as its source" in str(err)
+    assert "the call last copied patch 1 ('b') into runtime tensor 'b'" in str(err)
+
+
+@pytest.mark.patchkit_only
 @pytest.mark.parametrize(("write", "match"), UNTRACED)
 def test_a_refused_op_with_no_patch_as_source_names_the_only_patch_of_its_call(
     load, mk, write, match
