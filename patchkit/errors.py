@@ -21,7 +21,9 @@ class PatchError(Exception):
     Attributes a caller can rely on (``None`` where they do not apply):
 
     - ``position``: index of the offending patch in the caller's input order;
-    - ``name``: that patch's checkpoint name;
+    - ``name``: that patch's checkpoint name (both ``None`` also where no one patch is
+      known to be at fault, e.g. an op a sparse load refuses whose source is no patch,
+      in a ``load_weights`` call of several patches: the message then says so);
     - ``reason``: a short machine-readable reason, e.g. ``"NaN"``, ``"out-of-range"``,
       ``"duplicate"``, ``"mixed"``, ``"overlapping runtime views"``;
     - ``value``: one offending value (an index, a count, a dtype, an op name).

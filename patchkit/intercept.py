@@ -1150,16 +1150,36 @@ _ELEMENTWISE_COPIES = {_aten._to_copy.default, _aten.clone.default}
 # process, not once per load.
 _MUTATED: dict = {}
 
+# In-place ops that change only the view's own shape, strides or offset (or its autograd
+# metadata, ``detach_``) and write no element. Their schema marks ``self`` written
+# (``Tensor(a!)``), but they leave every byte of the storage as it was; a later write
+# through the changed alias is an op of its own, seen and handled as any other. torch
+# tags them ``inplace_view``, but that tag also covers ``resize_``, ``resize_as_`` and
+# ``set_``, which may reallocate a storage (growing it for every tensor sharing it) or
+# bind the tensor to another one: those stay writes (refused in a sparse load). So only
+# the tagged ops named here are let through, and an op torch adds to the tag later is
+# a write until it is known to be safe.
+_METADATA_ONLY = frozenset({
+    "aten::as_strided_", "aten::detach_", "aten::squeeze_", "aten::swapaxes_",
+    "aten::swapdims_", "aten::t_", "aten::transpose_", "aten::unsqueeze_",
+})
+
 
 def _mutated_args(func: torch._ops.OpOverload) -> tuple:
-    """``(index, name)`` of each argument that ``func`` writes in place."""
+    """``(index, name)`` of each argument whose elements ``func`` may write in place:
+    those its schema marks written, none for an op that changes only a view's metadata
+    (see ``_METADATA_ONLY``)."""
     got = _MUTATED.get(func)
     if got is None:
-        got = _MUTATED[func] = tuple(
-            (i, a.name)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
+        if (torch.Tag.inplace_view in func.tags
+                and func._schema.name in _METADATA_ONLY):
+            got = _MUTATED[func] = ()
+        else:
+            got = _MUTATED[func] = tuple(
+                (i, a.name)
+                for i, a in enumerate(func._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            )
     return got
 
 
@@ -1191,10 +1211,8 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         s = self.s
         who = None
-        if s._sparse:  # the patch an error of a sparse write names, when its source is not
+        if s._sparse:  # the one patch this op's arguments come from (an error names it)
             who = s.provenance.source_of(args, kwargs)
-            if who is not None:
-                s._last_patch = who
         mutated = _mutated_args(func)
         if not mutated:
             out = func(*args, **kwargs)
@@ -1227,7 +1245,7 @@ class _Mode(TorchDispatchMode):
                 if func is _COPY:
                     s.provenance.derive(args[1], args[0], whole=False)
             return out
-        return s._runtime_write(func, args, kwargs, targets)
+        return s._runtime_write(func, args, kwargs, targets, who)
 
 
 def _tensor_funcs(*names: str) -> set:
@@ -1372,7 +1390,12 @@ class WriteSession:
         # The regions this call wrote, by storage: only those of one storage can overlap.
         self._call_regions: dict[tuple, list[Region]] = {}
         self._call_writes = 0
-        self._last_patch: tuple[int, str] | None = None
+        # (position, name) of each patch of the call in progress (position None: an
+        # observed name that matches no patch)
+        self._call_patches: tuple[tuple[int | None, str], ...] = ()
+        # runtime tensor name -> the patch of the last copy into it in this call (None:
+        # not traced), which an error that names no patch reports as a fact
+        self._call_fed: dict[str, tuple[int | None, str] | None] = {}
         self._patches: dict[int, Any] = {}
         self._bindings: dict[str, torch.Tensor] | None = None
         self._model_gpus: set[torch.device] | None = None  # (see _gpus)
@@ -1424,7 +1447,9 @@ class WriteSession:
         self._chunk = chunk
         self._call_regions = {}
         self._call_writes = 0
-        self._last_patch = None
+        self._call_patches = tuple(
+            (pos if pos >= 0 else None, name) for pos, (name, _) in zip(positions, staged))
+        self._call_fed = {}
         self.provenance.clear()
         if self.track_sources:
             for pos, (name, t) in zip(positions, staged):
@@ -1714,7 +1739,10 @@ class WriteSession:
             if version is not None and dest._version == version:
                 _increment_version(dest)
 
-    def _runtime_write(self, func, args, kwargs, targets):
+    def _runtime_write(self, func, args, kwargs, targets, source=None):
+        """A write op into runtime tensors (``targets``: each written view with its
+        owner's ``(name, owner, offset)``); ``source``: the one patch the op's arguments
+        come from, where known (an error of a sparse call names it)."""
         if self._measured:
             self._forget_measured(targets)
         op = _op_name(func)
@@ -1724,7 +1752,7 @@ class WriteSession:
         # is measured around it, never done here.
         alone = not torch._C._len_torch_dispatch_stack()
         if self._sparse:
-            self._check_sparse_write(func, op, args, targets)
+            self._check_sparse_write(func, op, args, targets, source)
         elif (is_copy and self.save_regions and alone and not self._nan_masked
               and _comparable_copy(args, kwargs, targets)):
             return self._compared_copy(func, op, args, kwargs, targets[0])
@@ -2114,12 +2142,27 @@ class WriteSession:
         self.saved.append(saved)
         return n_changed, func(*args, **kwargs)
 
-    def _check_sparse_write(self, func, op, args, targets) -> None:
-        """CONTRACT §4 strict checks, before the write: raise and nothing is written."""
+    def _check_sparse_write(self, func, op, args, targets, source=None) -> None:
+        """CONTRACT §4 strict checks, before the write: raise and nothing is written.
+
+        The error names a patch (``position``, ``name``) only where it is known to be
+        the one the refused op served: the patch its source (a copy's source, else the
+        op's tensor arguments, ``source``) was traced to, else the call's only patch.
+        Otherwise both are ``None`` and the message says that no patch was the op's
+        source (and, as a fact, not a verdict, which patch the call last copied into that
+        runtime tensor): earlier ops of the call say nothing about which patch a later op
+        serves (a loader may zero a packed tensor before copying the next patch into it)."""
         dest, (tname, _, toff) = targets[0]
         src = args[1] if func is _COPY and len(args) > 1 else None
         hit = self.provenance.lookup(src) if isinstance(src, torch.Tensor) else None
-        pos, name = (hit[0], hit[1]) if hit else self._last_patch or (None, None)
+        if hit is not None:
+            pos, name = hit[0], hit[1]
+        elif source is not None:
+            pos, name = source
+        elif len(self._call_patches) == 1:
+            pos, name = self._call_patches[0]
+        else:
+            pos, name = None, None
         who = f"{where(pos, name)}, " if name is not None else ""
         at = f"load_weights (call {self._chunk}, {who}runtime tensor {tname!r})"
         if func is not _COPY:
@@ -2131,7 +2174,7 @@ class WriteSession:
             raise ContractViolation(
                 f"{at} wrote with {op}; a sparse (NaN-masked) load supports only "
                 "same-shaped floating-point copy_ into parameters and buffers. This op "
-                f"wrote nothing{hint}",
+                f"wrote nothing{hint}{self._no_source_note(name, tname)}",
                 position=pos, name=name, reason="unsupported op", value=op,
             )
         if (
@@ -2148,7 +2191,7 @@ class WriteSession:
             raise ContractViolation(
                 f"{at} copied a {got} source into a {tuple(dest.shape)} {dest.dtype} view; "
                 "a sparse load needs same-shaped floating-point copy_ (no broadcasting, no "
-                "integer storage). This copy wrote nothing",
+                f"integer storage). This copy wrote nothing{self._no_source_note(name, tname)}",
                 position=pos, name=name, reason="same-shaped floating-point",
                 value=(tuple(src.shape) if isinstance(src, torch.Tensor) else None,
                        tuple(dest.shape)),
@@ -2161,10 +2204,29 @@ class WriteSession:
                     f"{at} wrote a {tuple(dest.shape)} view at element {toff} that overlaps "
                     "a view written earlier in the same call: overlapping runtime views "
                     "cannot be NaN-merged. The first write stays applied; this one wrote "
-                    "nothing",
+                    f"nothing{self._no_source_note(name, tname)}",
                     position=pos, name=name, reason="overlapping runtime views", value=toff,
                 )
         earliers.append(region)
+        self._call_fed[tname] = (pos, name) if name is not None else None
+
+    def _no_source_note(self, name: str | None, tname: str, shown: int = 4) -> str:
+        """What a refused op's error adds when it names no patch (``name`` is ``None``):
+        the op had none as its source, and which of the call's patches (the first
+        ``shown``) it served is not known; and which patch the call last copied into
+        runtime tensor ``tname``, where one did. Nothing when it names one."""
+        if name is not None:
+            return ""
+        listed = ", ".join(where(p, n) for p, n in self._call_patches[:shown])
+        more = len(self._call_patches) - shown
+        if more > 0:
+            listed += f" and {more} more"
+        fed = self._call_fed.get(tname)
+        last = (f" (before this op, the call last copied {where(*fed)} into runtime tensor "
+                f"{tname!r})" if fed is not None else "")
+        return (". No patch is named: the op had no patch as its source, and which of "
+                f"the call's {len(self._call_patches)} patches ({listed}) it served is not "
+                f"known{last}")
 
     def _save(
         self, t: torch.Tensor, target: str, offset: int, write: torch.Tensor | None

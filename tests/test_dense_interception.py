@@ -459,3 +459,39 @@ def test_a_transactional_load_saves_a_region_once_however_often_a_name_rewrites_
     # the compact save of the 2 % change, then one whole save: not one per write
     assert len(saved) == 2, [None if s.index is None else s.index.numel() for s in saved]
     assert held <= n * 4 + (n // 50) * 12
+
+
+
+def _reshape_then_copy(m, name, w):
+    d = getattr(m, name).data
+    if d.dim() == 2:
+        d.t_()
+        d.transpose_(0, 1)
+    d.unsqueeze_(0)
+    d.squeeze_(0)
+    d.copy_(w)
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_in_place_ops_that_only_reshape_an_alias_are_not_writes_of_a_dense_load(transactional):
+    # unsqueeze_, t_, transpose_ change a `.data` alias's shape or strides and write no
+    # element: a report lists only the copies, and a load that saves what it writes saves
+    # what the copies alone would save (no whole copy of the tensor for a reshaping op).
+    from patchkit.loader import run_load
+
+    def saves(write):
+        m = Two(write)
+        sessions = []
+        run_load(m, ps, transactional=transactional, save_regions=True, session_out=sessions)
+        for n, p in m.named_parameters():
+            assert p.shape == start[n].shape and p.is_contiguous()
+            assert torch.equal(bits(p.detach()), bits(ps["ab".index(n)].values.reshape(p.shape)))
+        return [(s.target, s.index is None, s.before.numel()) for s in sessions[0].saved]
+
+    start = {n: p.detach().clone() for n, p in Two(None).named_parameters()}
+    ps = [dense(n, start[n] + (torch.arange(start[n].numel()).reshape(start[n].shape) == 1))
+          for n in ("a", "b")]  # one element of each changes
+    r = inspect_load(Two(_reshape_then_copy), ps)
+    assert r.writes["op"].tolist() == ["aten::copy_", "aten::copy_"]
+    assert r.writes["target"].tolist() == ["a", "b"]
+    assert saves(_reshape_then_copy) == saves(WRITES["copy_"][0])

@@ -232,13 +232,13 @@ class OneWrite(RecordingModel):
         return {n for n, _ in weights}
 
 
-def _rejected(load, mk, write, match, *, names="ab"):
+def _rejected(load, mk, write, match, *, names="ab", **kwargs):
     m = OneWrite(write)
     m.register_buffer("counts", torch.zeros(3, 4, dtype=torch.int32))
     before = snapshot(m)
     patches = [mk.sparse(n, (3, 4), IDX, VALS) for n in names]
     with pytest.raises(NotImplementedError, match=match) as excinfo:
-        load(m, patches)
+        load(m, patches, **kwargs)
     after = snapshot(m)
     if "a" in names:  # written before the rejected op, in the same call: it stays
         assert same_bits(after["a"], merged(IDX, VALS))
@@ -310,6 +310,58 @@ def test_other_in_place_writes_are_rejected_naming_the_op(load, mk, write, op):
 @pytest.mark.patchkit_only
 def test_rejected_op_as_first_write_of_the_call_writes_nothing(load, mk):
     _rejected(load, mk, lambda m, w: m.b.fill_(0.0), "fill_", names="b")
+
+
+# What the strict checks' errors name: the patch a refused op served, where it is known.
+UNTRACED = [
+    pytest.param(lambda m, w: m.b.data.zero_(), "zero_", id="zero_"),
+    pytest.param(lambda m, w: m.b.mul_(2.0), "mul_", id="mul_"),
+    pytest.param(lambda m, w: m.b.copy_(torch.ones(4)), "same-shaped floating-point",
+                 id="broadcast copy of a new tensor"),
+]
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize(("write", "match"), UNTRACED)
+def test_a_refused_op_with_no_patch_as_source_names_no_patch_of_a_call_of_several(
+    load, mk, write, match
+):
+    # Patch 0 ('a') was copied earlier in the call, then the op on 'b' was refused: that
+    # the call last read patch 0 says nothing about which patch the op served.
+    err = _rejected(load, mk, write, match)
+    assert (err.position, err.name) == (None, None)
+    assert "load_weights (call 0, runtime tensor 'b')" in str(err)
+    assert "no patch as its source" in str(err)
+    assert "2 patches (patch 0 ('a'), patch 1 ('b'))" in str(err)
+
+
+@pytest.mark.patchkit_only
+def test_a_refused_op_after_a_copy_into_its_tensor_tells_that_copy_but_names_no_patch(load, mk):
+    # A padded embedding copies its rows, then fills the padding: the fill came after a
+    # copy of patch 1 into 'b', but a packed tensor filled before its next patch's copy
+    # looks the same, so the error states the copy and blames no patch.
+    def copy_then_fill(m, w):
+        m.b.data[:2].copy_(w[:2])
+        m.b.data[2:].fill_(0.0)
+
+    m = OneWrite(copy_then_fill)
+    with pytest.raises(NotImplementedError, match="fill_") as excinfo:
+        load(m, [mk.sparse(n, (3, 4), IDX, VALS) for n in "ab"])
+    err = excinfo.value
+    assert (err.position, err.name) == (None, None)
+    assert "no patch as its source" in str(err)
+    assert "the call last copied patch 1 ('b') into runtime tensor 'b'" in str(err)
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize(("write", "match"), UNTRACED)
+def test_a_refused_op_with_no_patch_as_source_names_the_only_patch_of_its_call(
+    load, mk, write, match
+):
+    err = _rejected(load, mk, write, match, max_chunk_bytes=1)  # a call per patch
+    assert (err.position, err.name) == (1, "b")
+    assert "load_weights (call 1, patch 1 ('b'), runtime tensor 'b')" in str(err)
+    assert "no patch as its source" not in str(err)
 
 
 @pytest.mark.patchkit_only
@@ -413,3 +465,34 @@ def test_a_fill_tells_the_caller_to_send_that_weight_dense(load, mk, write, op):
 def test_other_rejected_ops_carry_no_fill_hint(load, mk):
     err = _rejected(load, mk, lambda m, w: m.b.mul_(2.0), "mul_")
     assert "send it dense" not in str(err)
+
+
+# -- in-place ops that change only a view's metadata -----------------------------------------
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize(
+    "reshape",
+    [
+        pytest.param(lambda d: (d.unsqueeze_(0), d.squeeze_(0)), id="unsqueeze_ squeeze_"),
+        pytest.param(lambda d: (d.unsqueeze_(1), d.squeeze_()), id="squeeze_ all"),
+        pytest.param(lambda d: (d.t_(), d.t_()), id="t_ twice"),
+        pytest.param(lambda d: (d.transpose_(0, 1), d.swapdims_(1, 0)), id="transpose_ swapdims_"),
+        pytest.param(lambda d: d.as_strided_((3, 4), (4, 1), d.storage_offset()), id="as_strided_"),
+    ],
+)
+def test_in_place_ops_that_only_reshape_an_alias_write_nothing_and_are_allowed(load, mk, reshape):
+    # CONTRACT §4 refuses in-place *writes into runtime storage*: these change the alias's
+    # shape or strides and no element; the copy through the alias is merged as any other.
+    class Reshaping(RecordingModel):
+        def load_weights(self, weights):
+            for _, w in weights:
+                d = self.w.data
+                reshape(d)
+                d.copy_(w)
+            return {n for n, _ in weights}
+
+    m = Reshaping({"w": start()})
+    assert load(m, [mk.sparse("w", (3, 4), IDX, VALS)]) == {"w"}
+    assert same_bits(m.w.detach(), merged(IDX, VALS))
+    assert m.w.shape == (3, 4) and m.w.stride() == (4, 1)
