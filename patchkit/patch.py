@@ -145,11 +145,17 @@ def _checked_device(device: object, *, allow_meta: bool = False) -> torch.device
     return dev
 
 
-def _check_structure(position: int, patch: object) -> None:
-    """CONTRACT §1.2: the cheap per-patch checks, on metadata only (no device work)."""
+def _check_structure(position: int | None, patch: object) -> None:
+    """CONTRACT §1.2: the cheap per-patch checks, on metadata only (no device work).
+
+    ``position`` names the patch in messages (``None``: a patch on its own, named by its
+    name only, as :func:`~patchkit.density.density_map` takes one). The checks of its
+    numbers (NaN, out-of-range or duplicate indices, integers that fit) are
+    :func:`validate_patches`'."""
     if not isinstance(patch, tuple) or len(patch) != 5:
+        at = "patch" if position is None else f"patch {position}"
         raise PatchTypeError(
-            f"patch {position}: expected a CheckpointWeightPatch "
+            f"{at}: expected a CheckpointWeightPatch "
             f"(name, shape, dtype, values, indices), got {type(patch).__name__}",
             position=position,
             reason="not a patch",

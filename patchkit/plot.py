@@ -48,7 +48,7 @@ from .bitwise import changed_mask, difference
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, grid_shape
 from .loader import _as_patch as _as_record
-from .patch import CheckpointWeightPatch, numel, staged_nbytes
+from .patch import CheckpointWeightPatch, _check_structure, numel, staged_nbytes
 from .units import _count, format_bytes
 
 if TYPE_CHECKING:
@@ -603,9 +603,13 @@ def plot_density(
     there is nothing to draw. Raises ``TypeError`` when ``patch`` is not a patch (a name:
     use :meth:`LoadReport.plot_density <patchkit.inspect.LoadReport.plot_density>`) or
     ``bins`` is not a pair of ints, ``ValueError`` as :func:`density_map` does (bins
-    below 1, an index outside the tensor).
+    below 1, an index outside the tensor), and for a patch the loader refuses on its own
+    (indices not an int32/int64 tensor, a negative dimension, ...) the loader's
+    ``PatchTypeError``/``PatchValueError``, as :func:`density_map` does, before anything
+    is drawn.
     """
     patch = _as_patch(patch, "plot_density")
+    _check_structure(None, patch)  # (the index range: in _density)
     rows, cols = grid_shape(patch.shape)
     br, bc = _cap_bins(bins, rows, cols)
     dmap, nnz = _density(patch, (br, bc))  # (an index given twice: one element)

@@ -386,6 +386,17 @@ def test_density_of_something_not_a_patch_names_what_it_got():
                                   density_map(p, (2, 2)).numpy())
 
 
+def test_density_of_a_patch_the_loader_refuses_raises_as_density_map_does():
+    truncated = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(2),
+                                      torch.tensor([1.7, 15.9]))
+    with pytest.raises(TypeError, match=r"patch 'w': indices must be int32 or int64"):
+        plot_density(truncated)
+    negative = CheckpointWeightPatch("w", (-4, 4), torch.float32, torch.ones(2),
+                                     torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"patch 'w': shape has a negative dimension"):
+        plot_density(negative)
+
+
 def test_density_bins_are_checked_and_one_int_means_both_axes():
     p = CheckpointWeightPatch("w", (8, 8), torch.float32, torch.ones(3), torch.tensor([0, 9, 63]))
     np.testing.assert_array_equal(plot_density(p, bins=4).axes[0].images[0].get_array(),
