@@ -37,6 +37,7 @@ from .errors import PatchTypeError, PatchValueError, where
 from .patch import (
     CheckpointWeightPatch,
     _checked_device,
+    check_flag,
     numel,
     patch_list,
     validate_patches,
@@ -187,8 +188,10 @@ def dense_patches(
 
     ``state_dict`` must be a mapping of non-empty str names to tensors:
     :class:`~patchkit.errors.PatchTypeError` / :class:`~patchkit.errors.PatchValueError`
-    name the entry otherwise, before any patch is made.
+    name the entry otherwise, before any patch is made; ``clone`` must be a bool
+    (``PatchTypeError``).
     """
+    check_flag(clone, "clone")
     _check_mapping(state_dict, "state_dict")
     out: list[CheckpointWeightPatch] = []
     for name, t in state_dict.items():

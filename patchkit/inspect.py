@@ -94,6 +94,7 @@ from .loader import _as_patch, _names, canonicalize_tied, run_load
 from .patch import (
     CheckpointWeightPatch,
     _check_structure,
+    check_flag,
     check_max_chunk_bytes,
     numel,
     patch_list,
@@ -792,8 +793,13 @@ def inspect_load(
     run half a second, so a short load shows nothing; a callable is called with a
     :class:`~patchkit.LoadProgress` after every call instead (an exception it raises
     stops the load like the loader's own would). See :mod:`patchkit.progress`.
+
+    ``validate_unique_indices`` and ``transactional`` must be ``True`` or ``False``, with
+    ``loader=`` too (:class:`~patchkit.PatchTypeError` before anything is read or run).
     """
     check_progress(progress)
+    check_flag(validate_unique_indices, "validate_unique_indices")
+    check_flag(transactional, "transactional")
     if reuse is not None and not isinstance(reuse, LoadReport):
         raise PatchTypeError(f"reuse must be a LoadReport or None, got {type(reuse).__name__}",
                              reason="reuse type", value=type(reuse).__name__)

@@ -48,7 +48,7 @@ from .bitwise import changed_mask, difference
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, grid_shape
 from .loader import _as_patch as _as_record
-from .patch import CheckpointWeightPatch, _check_structure, numel, staged_nbytes
+from .patch import CheckpointWeightPatch, _check_structure, check_flag, numel, staged_nbytes
 from .units import _count, format_bytes
 
 if TYPE_CHECKING:
@@ -1420,9 +1420,11 @@ def plot_delta(
     tensor it is tied to, as :meth:`LoadReport.before` reads it; the title gives both
     names. A tensor with no elements draws one empty axes with a note saying so (no
     images). An unknown ``target`` raises ``KeyError``; a ``report`` that is not a load
-    report, ``TypeError``; ``bins`` as in :func:`plot_density`.
+    report, or a ``changed_only`` that is not a bool, ``TypeError``; ``bins`` as in
+    :func:`plot_density`.
     """
     _check_report(report, "plot_delta")
+    check_flag(changed_only, "changed_only")
     asked, target = target, _resolve(report, target)
     if target not in _known(report):
         known = ", ".join(repr(t) for t in list(report.targets)[:8])

@@ -196,6 +196,54 @@ def test_density_map_counts_a_repeated_index_once():
         r._replace(indices=torch.tensor([0, 5, 15])), bins=(2, 2)).tolist()
 
 
+# -- flags ---------------------------------------------------------------------------------
+
+
+NOT_BOOLS = [None, "no", "", 0, 1, np.True_, torch.tensor(True)]
+
+
+@pytest.mark.parametrize("bad", NOT_BOOLS, ids=repr)
+@pytest.mark.parametrize("flag", ["transactional", "validate_unique_indices"])
+@pytest.mark.parametrize("call", ["load", "inspect", "inspect with loader"])
+def test_a_flag_that_is_not_a_bool_is_refused_before_anything_is_done(call, flag, bad):
+    m = PlainModel({"a": (4,)})
+    read = []
+
+    def patches():  # an iterable read once
+        read.append(True)
+        yield CWP("a", (4,), torch.float32, torch.ones(2), torch.tensor([0, 1]))
+
+    ran = []
+
+    def loader(*args, **kw):
+        ran.append(kw)
+        return patchkit.load_checkpoint_weight_patches(*args, **kw)
+
+    run = {
+        "load": patchkit.load_checkpoint_weight_patches,
+        "inspect": inspect_load,
+        "inspect with loader": lambda m, ps, **kw: inspect_load(m, ps, loader=loader, **kw),
+    }[call]
+    with pytest.raises(PatchTypeError, match=f"{flag} must be True or False, got ") as info:
+        run(m, patches(), **{flag: bad})
+    assert info.value.reason == f"{flag} type" and info.value.value is bad
+    # (the loader reads patches first, as CONTRACT.md says; inspect_load checks its
+    # arguments before it reads them)
+    assert read == ([True] if call == "load" else []) and ran == []
+    assert m.a.tolist() == [0.0] * 4
+    run(m, patches(), **{flag: True})  # a bool is taken
+    assert m.a.tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_validate_patches_and_dense_patches_take_bools_only():
+    with pytest.raises(PatchTypeError, match="validate_unique_indices must be True or False"):
+        validate_patches([_p()], validate_unique_indices="no")
+    with pytest.raises(PatchTypeError, match=r"clone must be True or False, got int: 1"):
+        patchkit.dense_patches({"a": torch.ones(2)}, clone=1)
+    t = torch.ones(2)
+    assert patchkit.dense_patches({"a": t}, clone=True)[0].values.data_ptr() != t.data_ptr()
+
+
 # -- builders ------------------------------------------------------------------------------
 
 

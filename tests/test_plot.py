@@ -821,6 +821,15 @@ def test_delta_histogram_counts_the_written_elements_each_once():
     assert "3 changed elements" in fig.axes[3].get_title()
 
 
+def test_delta_changed_only_is_a_bool():
+    report, _ = load("q")
+    for bad in (None, "no", 1):
+        with pytest.raises(TypeError, match=r"changed_only must be True or False"):
+            plot_delta(report, "qkv", changed_only=bad)
+        with pytest.raises(TypeError, match=r"changed_only must be True or False"):
+            report.plot_delta("qkv", changed_only=bad)
+
+
 def test_delta_histogram_of_no_elements_does_not_claim_a_log_scale():
     report, _ = load("q")
     assert "norm" not in report.deltas.index
