@@ -244,6 +244,27 @@ def test_validate_patches_and_dense_patches_take_bools_only():
     assert patchkit.dense_patches({"a": t}, clone=True)[0].values.data_ptr() != t.data_ptr()
 
 
+# -- comparisons ---------------------------------------------------------------------------
+
+
+def test_same_bits_and_same_state_name_what_is_not_a_tensor_or_a_state():
+    t = torch.ones(2)
+    for a, b, match in ((np.ones(2), np.ones(2), "same_bits: a must be a torch.Tensor, got "
+                                                 "ndarray"),
+                        (t, [1.0, 1.0], "same_bits: b must be a torch.Tensor, got list")):
+        with pytest.raises(TypeError, match=match):
+            patchkit.same_bits(a, b)
+    for a, b, match in (({"w": t}, None, "same_state: b must be a mapping .* got NoneType"),
+                        ([t], {"w": t}, "same_state: a must be a mapping .* got list"),
+                        ({"w": t}, {"w": np.ones(2)},
+                         r"same_state: b\['w'\] must be a torch.Tensor, got ndarray")):
+        with pytest.raises(TypeError, match=match):
+            patchkit.same_state(a, b)
+    assert patchkit.same_bits(t, torch.ones(2)) and not patchkit.same_bits(t, -t)
+    assert not patchkit.same_state({"w": t}, {"v": np.ones(2)})  # other names: not equal
+    assert patchkit.same_state({"w": t}, {"w": t.clone()})
+
+
 # -- builders ------------------------------------------------------------------------------
 
 
