@@ -4,6 +4,7 @@ failed before its fix (a silent wrong result, or a bare error from deep inside).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -350,10 +351,36 @@ def test_inspect_refuses_a_bad_budget_for_a_file_of_no_patches(tmp_path):
     ("n", "text"),
     [(1023, "1023 B"), (1024, "1 KiB"), (1048575, "1 MiB"), (1024**2, "1 MiB"),
      (1023 * 1024, "1023 KiB"), (2**30 - 1, "1 GiB"), (1000 * 1024, "1000 KiB"),
-     (int(1.18 * 2**30), "1.18 GiB"), (1024**5 * 3000, "3000 PiB"), (-1048575, "-1 MiB")],
+     (int(1.18 * 2**30), "1.18 GiB"), (1024**5 * 3000, "2.93 EiB"), (-1048575, "-1 MiB")],
 )
 def test_a_size_never_reads_1024_of_a_unit(n, text):
     assert format_bytes(n) == text
+
+
+SIZES = [(2**63 - 1, "8 EiB"), (1024**7 * 5, "5 ZiB"), (1024**8 * 1023, "1023 YiB"),
+         (10**30, "8.27e5 YiB"), (1024**9 - 1, "1.02e3 YiB"), (-(10**30), "-8.27e5 YiB"),
+         (10**400, "8.27e375 YiB"), (np.int64(5000), "4.88 KiB"),
+         (1.5, "1.5 B"), (204.8, "205 B"), (512.0, "512 B"), (2.5 * 2**20, "2.5 MiB")]
+
+
+@pytest.mark.parametrize(("n", "text"), SIZES, ids=[text for _, text in SIZES])
+def test_a_size_has_three_significant_digits_in_any_unit_or_beyond_the_last(n, text):
+    # 10**30 read '888178419700125 PiB'
+    assert format_bytes(n) == text
+    if "e" in text:
+        mantissa = text.split("e")[0].lstrip("-")
+        assert len(mantissa.replace(".", "")) <= 3
+
+
+@pytest.mark.parametrize(("n", "error"), [(True, TypeError), (np.bool_(False), TypeError),
+                                          ("1", TypeError), (None, TypeError),
+                                          (torch.tensor(3), TypeError),
+                                          (float("nan"), ValueError), (-math.inf, ValueError)],
+                         ids=repr)
+def test_a_size_that_is_not_a_finite_number_is_refused(n, error):
+    # True read 'True B'
+    with pytest.raises(error, match="format_bytes: n must be a"):
+        format_bytes(n)
 
 
 def test_every_error_here_is_a_patch_error():
