@@ -178,12 +178,44 @@ def count_true(mask: torch.Tensor) -> torch.Tensor:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` have the same shape, dtype and bits (any devices)."""
+    """True when ``a`` and ``b`` have the same shape, dtype and bits (any devices).
+
+    Both must be :class:`torch.Tensor` s (a numpy array is not compared: convert it with
+    ``torch.from_numpy``); anything else raises ``TypeError`` naming the argument.
+    """
+    _check_tensor(a, "same_bits: a")
+    _check_tensor(b, "same_bits: b")
+    return _same_bits(a, b)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     return torch.equal(bits(a.detach().cpu()), bits(b.detach().cpu()))
 
 
 def same_state(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
-    """True when two state dicts have the same names and every tensor the same bits."""
-    return a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    """True when two state dicts have the same names and every tensor the same bits.
+
+    ``a`` and ``b`` must be mappings (a ``dict``, a ``state_dict()``) and the values
+    compared :class:`torch.Tensor` s: anything else raises ``TypeError`` naming it (the
+    values of dicts whose names differ are not looked at: the answer is False).
+    """
+    for what, state in (("a", a), ("b", b)):
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"same_state: {what} must be a mapping of names to tensors (a state dict), "
+                f"got {type(state).__name__}"
+            )
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        _check_tensor(a[k], f"same_state: a[{k!r}]")
+        _check_tensor(b[k], f"same_state: b[{k!r}]")
+    return all(_same_bits(a[k], b[k]) for k in a)
+
+
+def _check_tensor(t: object, what: str) -> None:
+    """``TypeError`` saying that ``what`` must be a tensor, unless ``t`` is one."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")

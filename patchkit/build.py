@@ -37,6 +37,7 @@ from .errors import PatchTypeError, PatchValueError, where
 from .patch import (
     CheckpointWeightPatch,
     _checked_device,
+    check_flag,
     numel,
     patch_list,
     validate_patches,
@@ -187,8 +188,10 @@ def dense_patches(
 
     ``state_dict`` must be a mapping of non-empty str names to tensors:
     :class:`~patchkit.errors.PatchTypeError` / :class:`~patchkit.errors.PatchValueError`
-    name the entry otherwise, before any patch is made.
+    name the entry otherwise, before any patch is made; ``clone`` must be a bool
+    (``PatchTypeError``).
     """
+    check_flag(clone, "clone")
     _check_mapping(state_dict, "state_dict")
     out: list[CheckpointWeightPatch] = []
     for name, t in state_dict.items():
@@ -421,7 +424,9 @@ def random_sparse_patch(
     parse or this machine does not have; :class:`~patchkit.errors.PatchTypeError` for a
     name that is not a str, a shape that is not a tuple of ints (an int, or a float that
     would be truncated), a ``density`` or ``std`` that is not a real number (numpy
-    scalars are), or a non-floating ``dtype`` (a sparse patch needs NaN).
+    scalars are), a non-floating ``dtype`` (a sparse patch needs NaN), or a
+    ``generator`` that is not a :class:`torch.Generator` (a seed such as ``42`` is not
+    one: pass ``torch.Generator().manual_seed(42)``).
     """
     name = _check_name(name)
     shape = _check_shape(shape, name)
@@ -446,6 +451,12 @@ def random_sparse_patch(
                               name=name, reason="pattern", value=pattern)
     _check_index_dtype(index_dtype, allow_none=True)
     block = _check_int(block, "block", 1)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise PatchTypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}: "
+            f"{generator!r} (for a seed, pass torch.Generator().manual_seed(seed))",
+            name=name, reason="generator type", value=generator,
+        )
     n = math.prod(shape)
     idx_dtype = _index_dtype_for(n, index_dtype, name)
     rows, cols = grid_shape(shape)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from .errors import PatchTypeError, PatchValueError, where
-from .patch import CheckpointWeightPatch, numel
+from .patch import CheckpointWeightPatch, _check_structure, numel
 
 __all__ = ["density_map", "grid_shape", "region_text"]
 
@@ -55,11 +55,16 @@ def density_map(
     element: its map is all ones; a patch with no elements gives zeros.
 
     ``patch`` is a :class:`~patchkit.CheckpointWeightPatch` (or a plain 5-tuple);
-    anything else raises ``TypeError``. ``bins`` is a pair of positive ints
+    anything else raises ``TypeError``. The patch must pass the checks the loader makes
+    of each patch on its own (:func:`~patchkit.patch.validate_patches`: a str name, a
+    shape of ints none negative, 1-D tensors of values and of int32/int64 indices of one
+    length, ...), which raise :class:`~patchkit.PatchTypeError` /
+    :class:`~patchkit.PatchValueError` as the loader's do, and every index must lie in
+    ``[0, numel)`` (``ValueError`` naming the patch and the first index that does not;
+    checked with one min/max over the indices). NaN values are not looked at, and a
+    repeated index is allowed (see above). ``bins`` is a pair of positive ints
     ``(rows, columns)``, or one int ``b`` meaning ``(b, b)``: anything else raises
-    ``TypeError`` (not ints) or ``ValueError`` (not positive). An index outside
-    ``[0, numel)`` raises ``ValueError`` naming the patch and the first such index
-    (checked with one min/max over the indices).
+    ``TypeError`` (not ints) or ``ValueError`` (not positive).
 
     >>> import torch
     >>> p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(2), torch.tensor([0, 5]))
@@ -73,12 +78,14 @@ def density_map(
             f"density_map: patch must be a CheckpointWeightPatch, got {type(patch).__name__}",
             reason="not a patch", value=type(patch).__name__,
         )
+    _check_structure(None, patch)
     return _density(patch, bins)[0]
 
 
 def _density(patch: CheckpointWeightPatch, bins: object) -> tuple[torch.Tensor, int]:
     """``(density_map(patch, bins), elements the patch writes)``: each element once, an
-    index given twice too."""
+    index given twice too. ``patch`` must have passed ``_check_structure``; its indices
+    are checked to be in range here."""
     want_r, want_c = _as_bins(bins)
     rows, cols = grid_shape(patch.shape)
     br = max(1, min(want_r, rows))
@@ -145,19 +152,23 @@ def _is_int(v: object) -> bool:
     return True
 
 
-def _check_range(patch: CheckpointWeightPatch, idx: torch.Tensor, n: int) -> None:
-    """Every flat index in ``[0, n)``; else ``ValueError`` naming the first that is not."""
+def _check_range(patch: CheckpointWeightPatch, idx: torch.Tensor, n: int,
+                 position: int | None = None) -> None:
+    """Every flat index of ``idx`` (1-D, integers, any device) in ``[0, n)``; else
+    ``ValueError`` naming the patch (at ``position``, when given) and the first index that
+    is not. One min/max over the indices (a host wait on an accelerator)."""
     if idx.numel() == 0:
         return
     lo, hi = (int(v) for v in torch.aminmax(idx))
     if lo >= 0 and hi < n:
         return
+    idx = idx.to(torch.int64)  # (the failure path: n may not be an int32)
     k = int(torch.nonzero((idx < 0) | (idx >= n))[0, 0])
     bad = int(idx[k])
     raise PatchValueError(
-        f"{where(None, patch.name)}: out-of-range index {bad} at indices[{k}] for shape "
+        f"{where(position, patch.name)}: out-of-range index {bad} at indices[{k}] for shape "
         f"{tuple(int(d) for d in patch.shape)} ({n} elements; valid: [0, {n}))",
-        name=patch.name, reason="out-of-range", value=bad,
+        position=position, name=patch.name, reason="out-of-range", value=bad,
     )
 
 

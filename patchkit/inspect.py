@@ -74,7 +74,13 @@ from .bitwise import (
 )
 from .build import wire_bytes
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
-from .density import _row_major_strides, density_map, distinct_indices, region_text
+from .density import (
+    _check_range,
+    _row_major_strides,
+    density_map,
+    distinct_indices,
+    region_text,
+)
 from .errors import PatchTypeError
 from .intercept import (
     RuntimeIndex,
@@ -92,6 +98,7 @@ from .loader import _as_patch, _names, canonicalize_tied, run_load
 from .patch import (
     CheckpointWeightPatch,
     _check_structure,
+    check_flag,
     check_max_chunk_bytes,
     numel,
     patch_list,
@@ -136,12 +143,24 @@ def patch_summary(patches: Iterable[CheckpointWeightPatch]) -> pd.DataFrame:
     once, as in :func:`density_map`; indices that are not strictly increasing cost a sort
     to count), ``density`` (``nnz / numel``), ``wire_bytes`` (values plus indices as
     held), ``staged_bytes`` (the full checkpoint-shaped tensor). Needs no model and loads
-    nothing. Each item must be a patch (a plain 5-tuple is taken as one); anything else
-    raises :class:`~patchkit.PatchTypeError` naming its position, before any row is built.
+    nothing.
+
+    Each item must be a patch (a plain 5-tuple is taken as one) that passes the checks
+    the loader makes of each patch on its own (:func:`~patchkit.patch.validate_patches`:
+    types, shape, lengths, dtypes) and whose indices all lie in ``[0, numel)`` (one
+    min/max over each sparse patch's indices; indices on the meta device hold no numbers
+    and are not checked). The first that does not raises
+    :class:`~patchkit.PatchTypeError` / :class:`~patchkit.PatchValueError` naming its
+    position, as the loader would, before any row is built. What a summary does not
+    refuse, though a load would: dense and sparse patches in one list, NaN values, a
+    repeated index (counted once in ``nnz``) and integer values out of their dtype's range.
     """
     patches = [_as_patch(p) for p in patch_list(patches)]
     for i, p in enumerate(patches):
         _check_structure(i, p)
+    for i, p in enumerate(patches):
+        if p.indices is not None and not p.indices.is_meta:
+            _check_range(p, p.indices, numel(p), position=i)
     return _frame(_summary_columns(patches), samples=_SUMMARY_SAMPLES)
 
 
@@ -787,8 +806,13 @@ def inspect_load(
     run half a second, so a short load shows nothing; a callable is called with a
     :class:`~patchkit.LoadProgress` after every call instead (an exception it raises
     stops the load like the loader's own would). See :mod:`patchkit.progress`.
+
+    ``validate_unique_indices`` and ``transactional`` must be ``True`` or ``False``, with
+    ``loader=`` too (:class:`~patchkit.PatchTypeError` before anything is read or run).
     """
     check_progress(progress)
+    check_flag(validate_unique_indices, "validate_unique_indices")
+    check_flag(transactional, "transactional")
     if reuse is not None and not isinstance(reuse, LoadReport):
         raise PatchTypeError(f"reuse must be a LoadReport or None, got {type(reuse).__name__}",
                              reason="reuse type", value=type(reuse).__name__)

@@ -14,7 +14,7 @@ from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
 from .errors import PatchTypeError, PatchValueError, where
 from .intercept import WriteRecorder, WriteSession, named_tensors
-from .patch import CheckpointWeightPatch, patch_list, validate_patches
+from .patch import CheckpointWeightPatch, check_flag, patch_list, validate_patches
 from .staging import stage
 
 __all__ = ["canonicalize_tied", "load_checkpoint_weight_patches"]
@@ -83,6 +83,11 @@ def load_checkpoint_weight_patches(
     Returns the union of the names the ``load_weights`` calls returned (a call returning
     ``None`` adds nothing). An empty ``patches`` makes no call and returns ``set()``.
     Runs under :func:`torch.no_grad`.
+
+    ``validate_unique_indices`` and ``transactional`` must be ``True`` or ``False``:
+    anything else (``None``, ``0``, ``"no"``) raises :class:`~patchkit.PatchTypeError`
+    once ``patches`` is read (the contract reads it first), before any patch is checked
+    or loaded.
     """
     return run_load(
         model,
@@ -116,7 +121,9 @@ def run_load(
     (a caller that has them already), used once the patches are valid.
     """
     with torch.no_grad():
-        patches = [_as_patch(p) for p in patch_list(patches)]
+        patches = [_as_patch(p) for p in patch_list(patches)]  # read first (CONTRACT)
+        check_flag(validate_unique_indices, "validate_unique_indices")
+        check_flag(transactional, "transactional")
         kind = validate_patches(
             patches,
             max_chunk_bytes=max_chunk_bytes,

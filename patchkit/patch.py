@@ -21,6 +21,7 @@ from .errors import PatchTypeError, PatchValueError, where
 
 __all__ = [
     "CheckpointWeightPatch",
+    "check_flag",
     "check_max_chunk_bytes",
     "is_sparse",
     "numel",
@@ -145,11 +146,17 @@ def _checked_device(device: object, *, allow_meta: bool = False) -> torch.device
     return dev
 
 
-def _check_structure(position: int, patch: object) -> None:
-    """CONTRACT §1.2: the cheap per-patch checks, on metadata only (no device work)."""
+def _check_structure(position: int | None, patch: object) -> None:
+    """CONTRACT §1.2: the cheap per-patch checks, on metadata only (no device work).
+
+    ``position`` names the patch in messages (``None``: a patch on its own, named by its
+    name only, as :func:`~patchkit.density.density_map` takes one). The checks of its
+    numbers (NaN, out-of-range or duplicate indices, integers that fit) are
+    :func:`validate_patches`'."""
     if not isinstance(patch, tuple) or len(patch) != 5:
+        at = "patch" if position is None else f"patch {position}"
         raise PatchTypeError(
-            f"patch {position}: expected a CheckpointWeightPatch "
+            f"{at}: expected a CheckpointWeightPatch "
             f"(name, shape, dtype, values, indices), got {type(patch).__name__}",
             position=position,
             reason="not a patch",
@@ -492,6 +499,22 @@ def check_max_chunk_bytes(max_chunk_bytes: object) -> int:
     return int(as_float)
 
 
+def check_flag(value: object, what: str) -> bool:
+    """``value`` when it is a ``bool``; else :class:`~patchkit.errors.PatchTypeError`
+    naming the argument ``what`` (``reason`` ``"<what> type"``, ``value`` the value).
+
+    A flag is ``True`` or ``False`` only: ``None``, ``0``/``1``, a string (``"no"`` is
+    truthy) and numpy's ``bool_`` raise, so that a misspelt value cannot pick a mode
+    silently. Callers check their flags before they read or change anything.
+    """
+    if isinstance(value, bool):
+        return value
+    raise PatchTypeError(
+        f"{what} must be True or False, got {type(value).__name__}: {value!r}",
+        reason=f"{what} type", value=value,
+    )
+
+
 def validate_patches(
     patches: Sequence[CheckpointWeightPatch],
     *,
@@ -509,7 +532,9 @@ def validate_patches(
     host waits once per device; the search for an offending index happens only after that
     combined check has failed. Patches whose values or indices are on the meta device
     (a dry run: they hold no numbers) pass the checks of their values unchecked.
+    ``validate_unique_indices`` must be a bool (:func:`check_flag`).
     """
+    check_flag(validate_unique_indices, "validate_unique_indices")
     if positions is None:
         positions = range(len(patches))
     if max_chunk_bytes is not None:

@@ -48,7 +48,7 @@ from .bitwise import changed_mask, difference
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, grid_shape
 from .loader import _as_patch as _as_record
-from .patch import CheckpointWeightPatch, numel, staged_nbytes
+from .patch import CheckpointWeightPatch, _check_structure, check_flag, numel, staged_nbytes
 from .units import _count, format_bytes
 
 if TYPE_CHECKING:
@@ -237,6 +237,27 @@ def _check_report(report: object, fn: str) -> None:
             f"{fn}: report must be a LoadReport (from patchkit.inspect_load), "
             f"got {_what(report)}"
         )
+
+
+def _check_ax(ax: object, fn: str) -> None:
+    """``TypeError`` naming the argument unless ``ax`` is ``None`` or a matplotlib
+    :class:`~matplotlib.axes.Axes` to draw into."""
+    if ax is not None and not isinstance(ax, Axes):
+        raise TypeError(
+            f"{fn}: ax must be a matplotlib Axes (e.g. fig.add_subplot()) or None, "
+            f"got {_what(ax)}"
+        )
+
+
+def _check_count(value: object, what: str, fn: str) -> int:
+    """``value`` as an int when it is a positive whole number (numpy ints too);
+    ``TypeError`` naming the argument for ``bool`` and non-integers, ``ValueError`` for
+    one below 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{fn}: {what} must be a positive int, got {_what(value)}")
+    if value < 1:
+        raise ValueError(f"{fn}: {what} must be at least 1, got {value}")
+    return int(value)
 
 
 def _as_patch(patch: Any, fn: str, position: int | None = None) -> Any:
@@ -446,8 +467,10 @@ def plot_chunks(
     :class:`ReportFigure`. A report whose load was rejected before it was planned (e.g.
     for ``max_chunk_bytes=0``) draws no bars and a note with the load's error; pass a
     valid ``max_chunk_bytes`` to plan its patches as given. Anything but a report or a
-    list of patches raises ``TypeError`` naming what it got.
+    list of patches raises ``TypeError`` naming what it got, and so does an ``ax`` that is
+    not a matplotlib ``Axes``.
     """
+    _check_ax(ax, "plot_chunks")
     patches, plan, budget = _plan_for(report_or_patches, max_chunk_bytes)
     own = ax is None
     if ax is None:
@@ -603,9 +626,15 @@ def plot_density(
     there is nothing to draw. Raises ``TypeError`` when ``patch`` is not a patch (a name:
     use :meth:`LoadReport.plot_density <patchkit.inspect.LoadReport.plot_density>`) or
     ``bins`` is not a pair of ints, ``ValueError`` as :func:`density_map` does (bins
-    below 1, an index outside the tensor).
+    below 1, an index outside the tensor), and for a patch the loader refuses on its own
+    (indices not an int32/int64 tensor, a negative dimension, ...) the loader's
+    ``PatchTypeError``/``PatchValueError``, as :func:`density_map` does, before anything
+    is drawn. An ``ax`` that is not a matplotlib ``Axes`` (or ``None``: a figure of its
+    own) raises ``TypeError``.
     """
+    _check_ax(ax, "plot_density")
     patch = _as_patch(patch, "plot_density")
+    _check_structure(None, patch)  # (the index range: in _density)
     rows, cols = grid_shape(patch.shape)
     br, bc = _cap_bins(bins, rows, cols)
     dmap, nnz = _density(patch, (br, bc))  # (an index given twice: one element)
@@ -1253,11 +1282,28 @@ def _pooled(x: np.ndarray, br: int, bc: int, **kw: bool) -> _Blocks:
     return blocks
 
 
+def _pool_blocks(x: object, br: object, bc: object, fn: str) -> tuple[int, int]:
+    """The blocks :func:`pool_mean` and :func:`pool_max_abs` cut ``x`` into: ``br`` and
+    ``bc`` (positive ints) capped at its rows and columns (at least 1 each). ``TypeError``
+    for an ``x`` that is not a numpy array or blocks that are not ints, ``ValueError``
+    for an ``x`` that is not 2-D or blocks below 1."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{fn}: x must be a 2-D numpy array, got {_what(x)}")
+    if x.ndim != 2:
+        raise ValueError(f"{fn}: x must be a 2-D numpy array, got shape {x.shape}")
+    br, bc = _check_count(br, "br", fn), _check_count(bc, "bc", fn)
+    rows, cols = x.shape
+    return max(1, min(br, rows)), max(1, min(bc, cols))
+
+
 def pool_mean(x: np.ndarray, br: int, bc: int) -> np.ndarray:
     """Block means of a 2-D array over ``br`` × ``bc`` blocks (identity when not smaller).
 
     NaN and ±inf are left out of a block's mean; a block holding nothing else is NaN.
+    ``x`` is a 2-D numpy array; ``br`` and ``bc`` are positive ints, capped at its rows
+    and columns (``TypeError`` / ``ValueError`` otherwise, see :func:`pool_max_abs`).
     """
+    br, bc = _pool_blocks(x, br, bc, "pool_mean")
     if (br, bc) == x.shape:
         return x.astype(np.float64)
     return _pooled(x, br, bc).mean()
@@ -1268,7 +1314,14 @@ def pool_max_abs(x: np.ndarray, br: int, bc: int) -> np.ndarray:
 
     Unlike a mean, a single large change in a big block stays visible. NaN and ±inf are
     left out; a block holding nothing else is NaN.
+
+    ``x`` must be a 2-D numpy array (``TypeError`` for anything else but an array,
+    ``ValueError`` for another number of dimensions); ``br`` and ``bc``, positive ints
+    (numpy ints too; ``TypeError`` for ``bool`` and non-integers, ``ValueError`` below
+    1). More blocks than ``x`` has rows (columns) mean one row (column) per block, as
+    :func:`~patchkit.density.density_map` caps them.
     """
+    br, bc = _pool_blocks(x, br, bc, "pool_max_abs")
     if (br, bc) == x.shape:
         return x.astype(np.float64)
     return _pooled(x, br, bc, sums=False, extremes=True).max_abs()
@@ -1416,9 +1469,13 @@ def plot_delta(
     tensor it is tied to, as :meth:`LoadReport.before` reads it; the title gives both
     names. A tensor with no elements draws one empty axes with a note saying so (no
     images). An unknown ``target`` raises ``KeyError``; a ``report`` that is not a load
-    report, ``TypeError``; ``bins`` as in :func:`plot_density`.
+    report, or a ``changed_only`` that is not a bool, ``TypeError``; ``bins`` as in
+    :func:`plot_density`. ``hist_bins``, the histogram's number of bars, is a positive
+    int (``TypeError`` for ``bool`` and non-integers, ``ValueError`` below 1).
     """
     _check_report(report, "plot_delta")
+    check_flag(changed_only, "changed_only")
+    hist_bins = _check_count(hist_bins, "hist_bins", "plot_delta")
     asked, target = target, _resolve(report, target)
     if target not in _known(report):
         known = ", ".join(repr(t) for t in list(report.targets)[:8])

@@ -29,6 +29,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .errors import PatchValueError
+from .patch import _checked_device
+
 __all__ = [
     "BROKEN_LOADERS",
     "FailingModel",
@@ -125,6 +128,25 @@ def _as_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------
 
 
+def _model_device(device: object) -> torch.device:
+    """``device`` as a :class:`torch.device` this machine has, checked before any tensor
+    is made, with the error every other entry point gives
+    (:func:`patchkit.patch._checked_device`: ``"cuda"`` on a machine without CUDA is a
+    :class:`~patchkit.PatchValueError` saying it "is not available here", not torch's
+    ``AssertionError``). ``"meta"`` is taken (a model to plan with); an int is an index
+    of the current accelerator, as ``torch.device(0)`` reads it."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        try:
+            device = torch.device(device)
+        except RuntimeError as e:
+            raise PatchValueError(
+                f"device {device!r} (an index of the current accelerator) is not available "
+                f"here: {e}",
+                reason="device unavailable", value=device,
+            ) from None
+    return _checked_device(device, allow_meta=True)
+
+
 class PlainModel(nn.Module):
     """Checkpoint name == parameter name; ``load_weights`` does ``param.data.copy_(w)``.
 
@@ -143,6 +165,11 @@ class PlainModel(nn.Module):
     equal, else :class:`ValueError`) and returns the set of names it loaded. An unknown
     name raises :class:`UnknownWeightError` (a :class:`KeyError`) before anything of that
     entry is written; entries before it in the same call stay written.
+
+    A ``device`` this machine does not have (``"cuda"`` without CUDA) raises
+    :class:`~patchkit.PatchValueError` ("is not available here"), one that is not a
+    device :class:`~patchkit.PatchTypeError`, before any parameter is made (here and in
+    every model of this module).
     """
 
     def __init__(
@@ -153,6 +180,7 @@ class PlainModel(nn.Module):
         fill: float = 0.0,
     ) -> None:
         super().__init__()
+        device = _model_device(device)
         self.checkpoint_shapes: dict[str, tuple[int, ...]] = {
             name: _as_shape(name, s) for name, s in shapes.items()
         }
@@ -386,6 +414,7 @@ class OverlappingDestinationsModel(nn.Module):
         overlap: int = 1,
     ) -> None:
         super().__init__()
+        device = _model_device(device)
         if overlap < 1:
             raise ValueError(f"overlap must be at least 1, got {overlap}")
         self.overlap = overlap
@@ -748,7 +777,8 @@ class TinyLlamaRuntime(nn.Module):
     on every load, which is not modelled either (:class:`ValueError` saying so).
     ``tp_size`` and ``tp_rank`` that are not ints raise :class:`TypeError`, and so does a
     ``dtype`` that is not a :class:`torch.dtype`; one that is not floating point raises
-    :class:`ValueError`. Each parameter carries a
+    :class:`ValueError`, and so does a ``device`` this machine does not have
+    (:class:`~patchkit.PatchValueError`, as for :class:`PlainModel`). Each parameter carries a
     ``weight_loader(param, loaded_weight, shard_id=None)`` attribute, as in vLLM.
     """
 
@@ -768,6 +798,7 @@ class TinyLlamaRuntime(nn.Module):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{arg} must be an int, got {type(v).__name__} {v!r}")
         _check_float_dtype(dtype, "TinyLlamaRuntime")
+        device = _model_device(device)
         if config.vocab_size % _VOCAB_PADDING:
             padded = -(-config.vocab_size // _VOCAB_PADDING) * _VOCAB_PADDING
             raise ValueError(

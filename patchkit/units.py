@@ -2,37 +2,83 @@
 
 from __future__ import annotations
 
+import decimal
+import math
+import numbers
+
 __all__ = ["format_bytes"]
 
+_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
+_TOP = 1024 ** (len(_UNITS) + 1)  # 1024 of the last unit: no unit left to write it in
 
-def format_bytes(n: int) -> str:
+
+def format_bytes(n: float) -> str:
     """Human-readable binary size: ``"512 B"``, ``"1.5 KiB"``, ``"512 MiB"``, ``"1.18 GiB"``.
 
-    At most three significant digits past the unit change; exact values lose trailing
-    zeros. Negative numbers keep their sign.
+    ``n`` is a number of bytes. An int (a numpy int too) below 1024 is written exactly
+    (``"1023 B"``). From 1 KiB on, the number is written in the largest binary unit
+    (KiB, MiB, GiB, TiB, PiB, EiB, ZiB, YiB) that keeps it below 1024, rounded to two
+    decimals below 10, one below 100 and none from 100 on, trailing zeros dropped: three
+    significant digits, or four from 1000 to 1023 of a unit (``"1000 KiB"``). A number
+    that rounds up to 1024 of a unit is 1 of the next (1048575 B is ``"1 MiB"``). From
+    1024 YiB on (no unit is left) it is ``m e k YiB`` with a mantissa of three
+    significant digits (``10**30`` is ``"8.27e5 YiB"``). A float (a tick on a plot's
+    axis) is taken too and rounded the same way below 1 KiB as well (``1.5`` is
+    ``"1.5 B"``, ``204.8`` is ``"205 B"``). Negative numbers keep their sign.
+
+    ``bool`` and anything that is not a real number raise ``TypeError``; NaN and
+    infinities raise ``ValueError``.
     """
+    if isinstance(n, bool) or not isinstance(n, numbers.Real):
+        raise TypeError(
+            f"format_bytes: n must be a number of bytes (an int or a float), got "
+            f"{type(n).__name__}: {n!r}"
+        )
+    if isinstance(n, numbers.Integral):
+        n = int(n)
+    else:
+        n = float(n)
+        if not math.isfinite(n):
+            raise ValueError(f"format_bytes: n must be a finite number of bytes, got {n!r}")
     if n < 0:
         return "-" + format_bytes(-n)
-    if n < 1024:
+    if isinstance(n, int) and n < 1024:
         return f"{n} B"
-    units = ("KiB", "MiB", "GiB", "TiB", "PiB")
-    value = float(n)
-    k = -1
-    # (a value that rounds up to 1024 of a unit is 1 of the next: 1048575 B is "1 MiB")
-    while k < 0 or (round(value, _digits(value)) >= 1024 and k < len(units) - 1):
-        value /= 1024
-        k += 1
-    unit = units[k]
-    digits = _digits(value)
-    text = f"{value:.{digits}f}"
-    if "." in text:
-        text = text.rstrip("0").rstrip(".")
-    return f"{text} {unit}"
+    if n < _TOP:  # (a float holds it)
+        value = float(n)
+        k = -1  # the unit: bytes, then _UNITS[k]
+        # (a value that rounds up to 1024 of a unit is 1 of the next: 1048575 B is "1 MiB")
+        while round(value, _digits(value)) >= 1024 and k < len(_UNITS) - 1:
+            value /= 1024
+            k += 1
+        if round(value, _digits(value)) < 1024:
+            text = f"{value:.{_digits(value)}f}"
+            if "." in text:
+                text = text.rstrip("0").rstrip(".")
+            return f"{text} {'B' if k < 0 else _UNITS[k]}"
+    return f"{_scientific(n, 1024 ** len(_UNITS))} {_UNITS[-1]}"
 
 
 def _digits(value: float) -> int:
     """Decimals for three significant digits of a value in [1, 1024)."""
     return 0 if value >= 100 else 1 if value >= 10 else 2
+
+
+def _scientific(n: float, unit: int) -> str:
+    """``n / unit`` (at least 1000) as ``"<mantissa>e<exponent>"``, the mantissa rounded to
+    three significant digits, trailing zeros dropped: ``"8.27e5"``. Exact for an int of
+    any size (no float conversion that could overflow)."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 28
+        ctx.Emax = decimal.MAX_EMAX
+        ctx.rounding = decimal.ROUND_HALF_EVEN
+        q = decimal.Decimal(n) / unit
+        e = q.adjusted()
+        m = q.scaleb(-e).quantize(decimal.Decimal("0.01"))
+        if m >= 10:  # 9.995 rounds to 10.00: one more power of ten
+            m, e = (m / 10).quantize(decimal.Decimal("0.01")), e + 1
+    text = f"{m:f}".rstrip("0").rstrip(".")
+    return f"{text}e{e}"
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:

@@ -4,6 +4,7 @@ failed before its fix (a silent wrong result, or a bare error from deep inside).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -196,6 +197,75 @@ def test_density_map_counts_a_repeated_index_once():
         r._replace(indices=torch.tensor([0, 5, 15])), bins=(2, 2)).tolist()
 
 
+# -- flags ---------------------------------------------------------------------------------
+
+
+NOT_BOOLS = [None, "no", "", 0, 1, np.True_, torch.tensor(True)]
+
+
+@pytest.mark.parametrize("bad", NOT_BOOLS, ids=repr)
+@pytest.mark.parametrize("flag", ["transactional", "validate_unique_indices"])
+@pytest.mark.parametrize("call", ["load", "inspect", "inspect with loader"])
+def test_a_flag_that_is_not_a_bool_is_refused_before_anything_is_done(call, flag, bad):
+    m = PlainModel({"a": (4,)})
+    read = []
+
+    def patches():  # an iterable read once
+        read.append(True)
+        yield CWP("a", (4,), torch.float32, torch.ones(2), torch.tensor([0, 1]))
+
+    ran = []
+
+    def loader(*args, **kw):
+        ran.append(kw)
+        return patchkit.load_checkpoint_weight_patches(*args, **kw)
+
+    run = {
+        "load": patchkit.load_checkpoint_weight_patches,
+        "inspect": inspect_load,
+        "inspect with loader": lambda m, ps, **kw: inspect_load(m, ps, loader=loader, **kw),
+    }[call]
+    with pytest.raises(PatchTypeError, match=f"{flag} must be True or False, got ") as info:
+        run(m, patches(), **{flag: bad})
+    assert info.value.reason == f"{flag} type" and info.value.value is bad
+    # (the loader reads patches first, as CONTRACT.md says; inspect_load checks its
+    # arguments before it reads them)
+    assert read == ([True] if call == "load" else []) and ran == []
+    assert m.a.tolist() == [0.0] * 4
+    run(m, patches(), **{flag: True})  # a bool is taken
+    assert m.a.tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_validate_patches_and_dense_patches_take_bools_only():
+    with pytest.raises(PatchTypeError, match="validate_unique_indices must be True or False"):
+        validate_patches([_p()], validate_unique_indices="no")
+    with pytest.raises(PatchTypeError, match=r"clone must be True or False, got int: 1"):
+        patchkit.dense_patches({"a": torch.ones(2)}, clone=1)
+    t = torch.ones(2)
+    assert patchkit.dense_patches({"a": t}, clone=True)[0].values.data_ptr() != t.data_ptr()
+
+
+# -- comparisons ---------------------------------------------------------------------------
+
+
+def test_same_bits_and_same_state_name_what_is_not_a_tensor_or_a_state():
+    t = torch.ones(2)
+    for a, b, match in ((np.ones(2), np.ones(2), "same_bits: a must be a torch.Tensor, got "
+                                                 "ndarray"),
+                        (t, [1.0, 1.0], "same_bits: b must be a torch.Tensor, got list")):
+        with pytest.raises(TypeError, match=match):
+            patchkit.same_bits(a, b)
+    for a, b, match in (({"w": t}, None, "same_state: b must be a mapping .* got NoneType"),
+                        ([t], {"w": t}, "same_state: a must be a mapping .* got list"),
+                        ({"w": t}, {"w": np.ones(2)},
+                         r"same_state: b\['w'\] must be a torch.Tensor, got ndarray")):
+        with pytest.raises(TypeError, match=match):
+            patchkit.same_state(a, b)
+    assert patchkit.same_bits(t, torch.ones(2)) and not patchkit.same_bits(t, -t)
+    assert not patchkit.same_state({"w": t}, {"v": np.ones(2)})  # other names: not equal
+    assert patchkit.same_state({"w": t}, {"w": t.clone()})
+
+
 # -- builders ------------------------------------------------------------------------------
 
 
@@ -281,10 +351,36 @@ def test_inspect_refuses_a_bad_budget_for_a_file_of_no_patches(tmp_path):
     ("n", "text"),
     [(1023, "1023 B"), (1024, "1 KiB"), (1048575, "1 MiB"), (1024**2, "1 MiB"),
      (1023 * 1024, "1023 KiB"), (2**30 - 1, "1 GiB"), (1000 * 1024, "1000 KiB"),
-     (int(1.18 * 2**30), "1.18 GiB"), (1024**5 * 3000, "3000 PiB"), (-1048575, "-1 MiB")],
+     (int(1.18 * 2**30), "1.18 GiB"), (1024**5 * 3000, "2.93 EiB"), (-1048575, "-1 MiB")],
 )
 def test_a_size_never_reads_1024_of_a_unit(n, text):
     assert format_bytes(n) == text
+
+
+SIZES = [(2**63 - 1, "8 EiB"), (1024**7 * 5, "5 ZiB"), (1024**8 * 1023, "1023 YiB"),
+         (10**30, "8.27e5 YiB"), (1024**9 - 1, "1.02e3 YiB"), (-(10**30), "-8.27e5 YiB"),
+         (10**400, "8.27e375 YiB"), (np.int64(5000), "4.88 KiB"),
+         (1.5, "1.5 B"), (204.8, "205 B"), (512.0, "512 B"), (2.5 * 2**20, "2.5 MiB")]
+
+
+@pytest.mark.parametrize(("n", "text"), SIZES, ids=[text for _, text in SIZES])
+def test_a_size_has_three_significant_digits_in_any_unit_or_beyond_the_last(n, text):
+    # 10**30 read '888178419700125 PiB'
+    assert format_bytes(n) == text
+    if "e" in text:
+        mantissa = text.split("e")[0].lstrip("-")
+        assert len(mantissa.replace(".", "")) <= 3
+
+
+@pytest.mark.parametrize(("n", "error"), [(True, TypeError), (np.bool_(False), TypeError),
+                                          ("1", TypeError), (None, TypeError),
+                                          (torch.tensor(3), TypeError),
+                                          (float("nan"), ValueError), (-math.inf, ValueError)],
+                         ids=repr)
+def test_a_size_that_is_not_a_finite_number_is_refused(n, error):
+    # True read 'True B'
+    with pytest.raises(error, match="format_bytes: n must be a"):
+        format_bytes(n)
 
 
 def test_every_error_here_is_a_patch_error():

@@ -380,6 +380,16 @@ def test_random_validation():
         random_sparse_patch("w", (4,), torch.float32, 0.5, pattern="blocks", block=0)
 
 
+@pytest.mark.parametrize("pattern", ["uniform", "rows", "blocks"])
+@pytest.mark.parametrize("bad", [42, "seed", torch.tensor(1)], ids=repr)
+def test_random_generator_must_be_a_torch_generator(pattern, bad):
+    with pytest.raises(PatchTypeError,
+                       match=r"generator must be a torch.Generator or None, got ") as info:
+        random_sparse_patch("w", (4, 4), torch.float32, 0.5, pattern=pattern, generator=bad)
+    assert (info.value.name, info.value.reason, info.value.value) == ("w", "generator type", bad)
+    assert "manual_seed" in str(info.value)
+
+
 # --------------------------------------------------------------------------- split
 
 

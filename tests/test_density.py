@@ -72,8 +72,8 @@ def test_density_of_a_2_to_the_40_element_patch_never_builds_anything_of_its_siz
 
 
 def test_density_where_index_times_bins_would_overflow_int64():
-    n = 2**62
-    p = CheckpointWeightPatch("huge", (n,), torch.float32, torch.ones(3),
+    n = 2**62  # (of a 1-byte dtype: a tensor of 2**62 float32 is one no load can stage)
+    p = CheckpointWeightPatch("huge", (n,), torch.float8_e4m3fn, torch.ones(3),
                               torch.tensor([0, n // 2 - 1, n - 1]))
     got = density_map(p, bins=(1, 64))
     assert got.nonzero()[:, 1].tolist() == [0, 31, 63]
@@ -145,6 +145,39 @@ def test_a_negative_index_among_indices_inside_the_tensor_is_refused():
     with pytest.raises(ValueError, match=r"out-of-range index -1 at indices\[1\]") as info:
         density_map(p, bins=(2, 2))
     assert (info.value.value, info.value.reason) == (-1, "out-of-range")
+
+
+BAD_PATCHES = [
+    # (what is wrong, patch, error type, reason): each one the loader refuses too
+    ("float indices", ((4, 4), torch.ones(2), torch.tensor([1.7, 15.9])), TypeError,
+     "indices dtype"),
+    ("int16 indices", ((4, 4), torch.ones(2), torch.tensor([1, 2], dtype=torch.int16)),
+     TypeError, "indices dtype"),
+    ("numpy indices", ((4, 4), torch.ones(2), np.array([1, 2])), TypeError, "indices type"),
+    ("negative dim", ((-4, 4), torch.ones(2), torch.tensor([1, 2])), ValueError,
+     "negative dimension"),
+    ("2-D values", ((4, 4), torch.ones(1, 2), torch.tensor([1, 2])), ValueError,
+     "values not 1-D"),
+    ("lengths", ((4, 4), torch.ones(3), torch.tensor([1, 2])), ValueError, "length mismatch"),
+]
+
+
+@pytest.mark.parametrize(("what", "parts", "error", "reason"), BAD_PATCHES,
+                         ids=[b[0] for b in BAD_PATCHES])
+def test_a_patch_the_loader_refuses_is_refused_as_the_loader_refuses_it(
+        what, parts, error, reason):
+    from patchkit.patch import validate_patches
+
+    shape, values, indices = parts
+    p = CheckpointWeightPatch("w", shape, torch.float32, values, indices)
+    with pytest.raises(error) as loader:
+        validate_patches([p])
+    with pytest.raises(error) as info:
+        density_map(p, 4)
+    assert info.value.reason == loader.value.reason == reason
+    assert str(info.value).startswith("patch 'w': ")
+    assert str(info.value).removeprefix("patch 'w': ") == str(loader.value).removeprefix(
+        "patch 0 ('w'): ")
 
 
 def test_region_text_ignores_the_stride_of_a_dimension_of_size_one():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import patchkit
 from patchkit import CheckpointWeightPatch, inspect_load, patch_summary, plan_chunks
 from patchkit.bitwise import bits
-from patchkit.errors import ContractViolation, PatchTypeError
+from patchkit.errors import ContractViolation, PatchTypeError, PatchValueError
 from patchkit.toymodels import FailingModel, PlainModel
 
 
@@ -286,6 +286,27 @@ def test_patch_summary_reports_density_and_bytes():
     assert df["density"].tolist() == [1.0, 2 / 16]
     assert df["staged_bytes"].tolist() == [16, 32]
     assert df["wire_bytes"].tolist() == [16, 2 * 2 + 2 * 8]
+
+
+def test_patch_summary_refuses_an_index_outside_the_tensor_as_a_load_would():
+    ok = sparse("a", (4, 4), [0, 3], [1.0, 2.0])
+    for idx, bad in (([2, 99], 99), ([-1, 2], -1), ([16], 16)):
+        p = sparse("w", (4, 4), idx, [1.0] * len(idx))
+        with pytest.raises(PatchValueError,
+                           match=rf"patch 1 \('w'\): out-of-range index {bad}") as e:
+            patch_summary([ok, p])
+        assert (e.value.position, e.value.reason, e.value.value) == (1, "out-of-range", bad)
+        with pytest.raises(PatchValueError, match=rf"out-of-range index {bad}"):
+            patchkit.load_checkpoint_weight_patches(PlainModel({"a": (4, 4), "w": (4, 4)}),
+                                                    [ok, p])
+    # an int32 index against a tensor of more elements than int32 holds
+    big = CheckpointWeightPatch("b", (2**32,), torch.float32, torch.ones(2),
+                                torch.tensor([-5, 3], dtype=torch.int32))
+    with pytest.raises(PatchValueError, match=r"out-of-range index -5 at indices\[0\]"):
+        patch_summary([big])
+    # what a summary takes that a load refuses: NaN, a repeated index, dense with sparse
+    nan = sparse("n", (4,), [1, 1], [float("nan"), 2.0])
+    assert patch_summary([nan, dense("d", torch.ones(2))])["nnz"].tolist() == [1, 2]
 
 
 def test_nnz_counts_an_index_given_twice_once_as_density_map_does():

@@ -386,6 +386,54 @@ def test_density_of_something_not_a_patch_names_what_it_got():
                                   density_map(p, (2, 2)).numpy())
 
 
+def test_density_of_a_patch_the_loader_refuses_raises_as_density_map_does():
+    truncated = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(2),
+                                      torch.tensor([1.7, 15.9]))
+    with pytest.raises(TypeError, match=r"patch 'w': indices must be int32 or int64"):
+        plot_density(truncated)
+    negative = CheckpointWeightPatch("w", (-4, 4), torch.float32, torch.ones(2),
+                                     torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"patch 'w': shape has a negative dimension"):
+        plot_density(negative)
+
+
+def test_every_figure_that_takes_ax_names_an_ax_that_is_not_axes():
+    report, patches = load("q")
+    p = sparse("q", [0, 5], [1.0, 2.0])
+    for fn, draw in (("plot_chunks", lambda ax: plot_chunks(patches, ax=ax)),
+                     ("plot_chunks", lambda ax: report.plot_chunks(ax=ax)),
+                     ("plot_density", lambda ax: plot_density(p, ax=ax)),
+                     ("plot_density", lambda ax: report.plot_density("q", ax=ax))):
+        for bad in ("x", 0, Figure()):
+            with pytest.raises(TypeError, match=rf"{fn}: ax must be a matplotlib Axes .*"
+                                                rf"got {type(bad).__name__}"):
+                draw(bad)
+        fig = Figure()
+        assert draw(fig.add_subplot()) is fig
+
+
+def test_pool_mean_and_max_abs_check_their_array_and_blocks():
+    from patchkit.plot import pool_max_abs, pool_mean
+
+    x = np.arange(12.0).reshape(3, 4)
+    for pool in (pool_mean, pool_max_abs):
+        name = pool.__name__
+        for args, error, match in (
+            ((x, 0, 2), ValueError, "br must be at least 1, got 0"),
+            ((x, 2, -1), ValueError, "bc must be at least 1, got -1"),
+            ((x, True, 2), TypeError, "br must be a positive int, got bool"),
+            ((x, 2, 1.0), TypeError, "bc must be a positive int, got float"),
+            ((x.ravel(), 1, 2), ValueError, r"x must be a 2-D numpy array, got shape \(12,\)"),
+            ((x.tolist(), 1, 2), TypeError, "x must be a 2-D numpy array, got list"),
+        ):
+            with pytest.raises(error, match=f"{name}: {match}"):
+                pool(*args)
+        # more blocks than rows or columns: one row or column per block
+        np.testing.assert_array_equal(pool(x, 5, 9), x)
+        np.testing.assert_array_equal(pool(x, 5, np.int64(2)), pool(x, 3, 2))
+    assert pool_mean(x, 1, 2).tolist() == [[4.5, 6.5]]
+
+
 def test_density_bins_are_checked_and_one_int_means_both_axes():
     p = CheckpointWeightPatch("w", (8, 8), torch.float32, torch.ones(3), torch.tensor([0, 9, 63]))
     np.testing.assert_array_equal(plot_density(p, bins=4).axes[0].images[0].get_array(),
@@ -808,6 +856,30 @@ def test_delta_histogram_counts_the_written_elements_each_once():
     fig = plot_delta(report, "qkv", changed_only=True)
     assert sum(p.get_height() for p in fig.axes[3].patches) == 3
     assert "3 changed elements" in fig.axes[3].get_title()
+
+
+def test_delta_changed_only_is_a_bool():
+    report, _ = load("q")
+    for bad in (None, "no", 1):
+        with pytest.raises(TypeError, match=r"changed_only must be True or False"):
+            plot_delta(report, "qkv", changed_only=bad)
+        with pytest.raises(TypeError, match=r"changed_only must be True or False"):
+            report.plot_delta("qkv", changed_only=bad)
+
+
+def test_delta_hist_bins_is_a_positive_int_named_as_such():
+    report, _ = load("q")
+    for bad, error, match in ((0, ValueError, "hist_bins must be at least 1, got 0"),
+                              (-3, ValueError, "hist_bins must be at least 1, got -3"),
+                              (True, TypeError, "hist_bins must be a positive int, got bool"),
+                              (2.5, TypeError, "hist_bins must be a positive int, got float"),
+                              ("60", TypeError, "hist_bins must be a positive int, got str")):
+        with pytest.raises(error, match=f"plot_delta: {match}"):
+            plot_delta(report, "qkv", hist_bins=bad)
+        with pytest.raises(error, match=f"plot_delta: {match}"):
+            report.plot_delta("qkv", hist_bins=bad)
+    hist = plot_delta(report, "qkv", hist_bins=np.int64(5)).axes[3]
+    assert len(hist.patches) == 5
 
 
 def test_delta_histogram_of_no_elements_does_not_claim_a_log_scale():

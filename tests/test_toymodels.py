@@ -642,13 +642,17 @@ def test_module_imports_torch_only():
     import patchkit.toymodels as toymodels
 
     tree = ast.parse(pathlib.Path(toymodels.__file__).read_text())
-    imported = set()
+    imported, own = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            own.add(node.module)
         elif isinstance(node, ast.ImportFrom):
             imported.add((node.module or "").split(".")[0])
     assert imported <= {"__future__", "math", "collections", "dataclasses", "typing", "torch"}
+    # patchkit's own torch-only modules, which `import patchkit` has loaded already
+    assert own <= {"errors", "patch"}
     assert all(hasattr(toymodels, n) for n in toymodels.__all__)
 
 
@@ -664,6 +668,39 @@ def test_a_vocabulary_vllm_would_pad_is_refused_not_laid_out_unpadded(vocab):
         TinyLlamaRuntime(TinyLlamaConfig(vocab_size=vocab), 0, 1)
     tiny_llama_checkpoint(TinyLlamaConfig(vocab_size=vocab))  # a checkpoint is fine
     assert TinyLlamaRuntime(TinyLlamaConfig(vocab_size=192), 1, 2).vocab_per_rank == 96
+
+
+ABSENT = f"cuda:{torch.cuda.device_count()}"  # a GPU this machine does not have
+
+
+@pytest.mark.parametrize("make", [
+    lambda device: PlainModel({"w": (4,)}, device=device),
+    lambda device: PlainModel.from_state_dict({"w": torch.ones(4)}, device=device),
+    lambda device: FailingModel({"w": (4,)}, device=device, fail_on="w"),
+    lambda device: WritesThenFillsModel({"w": (4,)}, device=device),
+    lambda device: OverlappingDestinationsModel({"a": (4,), "b": (4,)}, device=device),
+    lambda device: TinyLlamaRuntime(device=device),
+], ids=["plain", "from_state_dict", "failing", "fills", "overlapping", "llama"])
+def test_a_device_this_machine_lacks_is_refused_as_elsewhere_before_anything_is_made(make):
+    with pytest.raises(patchkit.PatchValueError, match=rf"device '{ABSENT}' is not available "
+                                                       r"here") as info:
+        make(ABSENT)
+    assert (info.value.reason, info.value.value) == ("device unavailable", ABSENT)
+    if not torch.cuda.is_available():  # torch's own "Torch not compiled with CUDA enabled"
+        with pytest.raises(patchkit.PatchValueError, match="'cuda' is not available here"):
+            make("cuda")
+    with pytest.raises(patchkit.PatchValueError, match="'bogus' is not a torch device"):
+        make("bogus")
+    with pytest.raises(patchkit.PatchTypeError, match=r"device must be a str or torch\.device"):
+        make(2.5)
+    assert {p.device.type for p in make("meta").parameters()} == {"meta"}  # a model to plan with
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without an accelerator")
+def test_a_device_index_without_an_accelerator_is_refused():
+    with pytest.raises(patchkit.PatchValueError, match=r"device 0 \(an index of the current "
+                                                       r"accelerator\) is not available here"):
+        PlainModel({"w": (4,)}, device=0)
 
 
 @pytest.mark.parametrize(
