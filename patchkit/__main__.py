@@ -13,7 +13,9 @@ it stopped);
 2 for bad input, found before anything runs or is written: an unreadable patch file,
 an unusable or empty ``--device`` or ``--out`` (a file, a folder that cannot be
 written, or one that holds a folder where ``index.html`` or a figure goes), a bad
-option, with ``error: ...`` on stderr.
+option, with ``error: ...`` on stderr;
+130 when interrupted (Ctrl-C): ``interrupted`` on stderr, the files written so far
+left in ``--out``.
 """
 
 from __future__ import annotations
@@ -276,6 +278,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (``... | head``): stop quietly.
         _stdout_to_devnull()
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, not a traceback; 128 + SIGINT, as a shell reports it.
+        try:
+            sys.stdout.flush()
+        except OSError:
+            _stdout_to_devnull()
+        print("interrupted", file=sys.stderr)
+        return 130
     except OSError as e:
         # The output could not be written (stdout on a full disk, a figure in --out):
         # say so on stderr, not as a traceback.

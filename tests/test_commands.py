@@ -442,3 +442,55 @@ def test_inspect_out_into_an_existing_folder_says_so_and_leaves_other_files(tmp_
     assert "<img" in (tmp_path / "figs" / "index.html").read_text()
     assert len(os.listdir(tmp_path / "figs")) == 6  # 4 figures, index.html, mine.txt
 
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    import patchkit.tour
+    from patchkit.__main__ import main
+
+    def interrupted(out, device=None, echo=print):
+        echo("patchkit tour: ...")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(patchkit.tour, "run_tour", interrupted)
+    try:
+        code = main(["tour", "--out", str(tmp_path / "t"), "--device", "cpu"])
+    except KeyboardInterrupt:  # (not let through: pytest would stop the whole run)
+        pytest.fail("KeyboardInterrupt went through main")
+    assert code == 130
+    o, err = capsys.readouterr()
+    assert o == "patchkit tour: ...\n" and err == "interrupted\n"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "130 when interrupted (Ctrl-C)" in " ".join(capsys.readouterr().out.split())
+    for command in ("tour", "inspect"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "other files are left" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_real_sigint_stops_the_command_with_one_line_and_exit_130(tmp_path):
+    import signal
+
+    # the tour, made to wait for the signal: stdout says when it runs
+    code = (
+        "import sys, time\n"
+        "import patchkit.tour\n"
+        "from patchkit.__main__ import main\n"
+        "def slow(out, device=None, echo=print):\n"
+        "    print('running', flush=True)\n"
+        "    time.sleep(60)\n"
+        "patchkit.tour.run_tour = slow\n"
+        f"sys.exit(main(['tour', '--out', {str(tmp_path / 't')!r}, '--device', 'cpu']))\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         # (a shell's background job would ignore SIGINT: not this one)
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert p.stdout.readline() == "running\n"
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert err == "interrupted\n"
