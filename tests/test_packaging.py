@@ -222,3 +222,30 @@ def test_widgets_no_cell_shows_are_numbered_by_what_they_refer_to_as_well():
     outs = {script.stable_widget_ids(notebook(*[uuid.uuid4().hex for _ in range(5)]))
             for _ in range(12)}
     assert len(outs) == 1
+
+
+def test_make_lab_installs_jupyterlab_on_first_use_and_make_test_does_not():
+    import shutil
+
+    import pytest
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    installed = [*extras["dependencies"], *extras["optional-dependencies"]["notebooks"],
+                 *extras["optional-dependencies"]["dev"]]
+    assert not [r for r in installed if _split(r)[0] in ("jupyterlab", "notebook")]
+    assert "jupyterlab" not in (ROOT / "scripts" / "bootstrap").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "make lab" in readme and "jupyterlab notebooks/" in " ".join(readme.split())
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+
+    def dry_run(target: str) -> str:  # (make -n prints the commands, runs none)
+        return subprocess.run(["make", "-n", target], capture_output=True, text=True,
+                              cwd=ROOT, check=True).stdout
+
+    lab = dry_run("lab")
+    assert 'python -c "import jupyterlab" 2>/dev/null || ' in lab  # installed once
+    assert 'pip install --quiet "jupyterlab>=4"' in lab
+    assert "python -m jupyterlab --ServerApp.root_dir=notebooks" in lab
+    assert "jupyterlab" not in dry_run("test")
+
