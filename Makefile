@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.bootstrapped
 
-.PHONY: tour demo test lint bench notebooks readme-figures
+.PHONY: tour demo test lint bench notebooks lab readme-figures
 
 $(STAMP): pyproject.toml scripts/bootstrap
 	scripts/bootstrap
@@ -24,6 +24,15 @@ bench: $(STAMP)
 # Re-execute the tutorial notebooks in place (when a change to their story is intended).
 notebooks: $(STAMP)
 	$(PY) scripts/execute-notebooks
+
+# JupyterLab on the notebooks. Not part of the set-up (`make test` runs the notebooks
+# without it): installed into .venv on first use. More options for it in LAB_ARGS, e.g.
+# `make lab LAB_ARGS="--no-browser --port 8890"`.
+LAB_SPEC := jupyterlab>=4
+LAB_ARGS ?=
+lab: $(STAMP)
+	$(PY) -c "import jupyterlab" 2>/dev/null || $(PY) -m pip install --quiet "$(LAB_SPEC)"
+	$(PY) -m jupyterlab --ServerApp.root_dir=notebooks $(LAB_ARGS)
 
 # The main job: a report of dense, sparse and repeated-name loads in patchkit-tour/.
 tour: $(STAMP)

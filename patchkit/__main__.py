@@ -1,17 +1,27 @@
 """Command line: ``python -m patchkit {tour,demo,inspect} ...`` (or ``patchkit ...``).
 
+``--out`` may name an existing folder: the files of the same names as the command's
+(``index.html`` and its figures) are replaced, other files are left as they are, and
+the command says that it writes into an existing folder.
+
 Exit status: 0 when the command did what it says (every check of ``tour``/``demo`` held);
 1 when a check of ``tour``/``demo`` failed, when the output's reader went away (a
 closed pipe, as in ``patchkit inspect FILE | head -1``: the command stops quietly), or
-when the output could not be written (stdout on a full disk, say: ``error: ...`` on
-stderr);
-2 for bad input (an unreadable patch file, an unusable or empty ``--device`` or
-``--out``, a bad option), with ``error: ...`` on stderr.
+when the output could not be written once the command ran (stdout or ``--out`` on a
+full disk, say: ``error: ...`` on stderr, for ``--out`` naming the files written before
+it stopped);
+2 for bad input, found before anything runs or is written: an unreadable patch file,
+an unusable or empty ``--device`` or ``--out`` (a file, a folder that cannot be
+written, or one that holds a folder where ``index.html`` or a figure goes), a bad
+option, with ``error: ...`` on stderr;
+130 when interrupted (Ctrl-C): ``interrupted`` on stderr, the files written so far
+left in ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import html
 import io
 import os
@@ -57,27 +67,43 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_tour(args: argparse.Namespace) -> int:
     from .errors import PatchError
-    from .tour import _out_folder, run_tour
+    from .tour import OUTPUTS, _check_out, run_tour
 
     try:
         device = _device(args.device)
-        out = _out_folder(args.out)
+        _check_out(args.out, "the tour", OUTPUTS)
     except (PatchError, OSError) as e:
         return _error(e)
-    return 0 if run_tour(out, device=device).ok else 1
+    # (a write that fails from here on is an OSError: exit 1, see main)
+    return 0 if run_tour(args.out, device=device).ok else 1
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .io import print_patch_file_summary
+    from .errors import PatchError
+    from .io import print_patch_file_summary, read_patch_index
 
+    figures: list[tuple[str, str | int]] = []
+    entries = None
+    if args.out is not None:
+        # --out is checked before the summary is printed; its figures' names need the
+        # file's header (a bad file: the summary says so, and nothing is written)
+        from .tour import _check_out
+
+        with contextlib.suppress(PatchError, ValueError, TypeError, ImportError):
+            entries = read_patch_index(args.file)
+        figures = _inspect_figures(entries or [])
+        try:
+            _check_out(args.out, "the figures",
+                       [*(f"{stem}.png" for stem, _ in figures), "index.html"])
+        except (PatchError, OSError) as e:
+            return _error(e)
     code = print_patch_file_summary(args.file, max_chunk_bytes=args.max_chunk_bytes)
     if code or args.out is None:
         return code
-    from .errors import PatchError
-
     try:
-        return _write_inspect_figures(args.file, args.out, args.max_chunk_bytes)
-    except (PatchError, OSError) as e:
+        return _write_inspect_figures(args.file, args.out, args.max_chunk_bytes,
+                                      entries or [], figures)
+    except PatchError as e:
         return _error(e)
 
 
@@ -88,42 +114,65 @@ def _file_stem(name: str, limit: int = 80) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)[:limit] or "_"
 
 
-def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int) -> int:
-    """``inspect --out``: the chunk plan's figure (``chunks.png``; a file of dense and
-    sparse patches is two loads: ``chunks_dense.png`` and ``chunks_sparse.png``, each
-    numbering its own patches from 0) and where each sparse patch writes
-    (``density_<position>_<name>.png``), with a line per figure as it is written, then
-    ``index.html``: the summary and the figures on one page. Reads the sparse patches'
-    data only: the plans need the file's header alone."""
-    from .io import _load, _shown, _stand_in, print_patch_file_summary, read_patch_index
-    from .plot import plot_chunks, plot_density
-    from .tour import _out_folder
-
-    folder = _out_folder(out, "the figures")
-    entries = read_patch_index(path)
-    sparse = _load(path, "cpu", sparse_only=True)
-    groups = [(kind, [_stand_in(e) for e in entries if e.sparse == (kind == "sparse")])
-              for kind in ("dense", "sparse")]
-    groups = [(kind, group) for kind, group in groups if group]
+def _inspect_figures(entries: Sequence) -> list[tuple[str, str | int]]:
+    """The figures ``inspect --out`` draws for a file of ``entries`` (its header's
+    :class:`~patchkit.io.PatchFileEntry` list), as ``(file stem, what)``: the chunk
+    plan's (``chunks``; a file of dense and sparse patches is two loads: ``chunks_dense``
+    and ``chunks_sparse``, each numbering its own patches from 0; ``what`` is the kind),
+    then where each sparse patch writes (``density_<position>_<name>``; ``what`` is the
+    position)."""
+    kinds = [k for k in ("dense", "sparse") if any(e.sparse == (k == "sparse") for e in entries)]
     digits = len(str(max(len(entries) - 1, 0)))
-    jobs = [(f"chunks_{kind}" if len(groups) > 1 else "chunks",
-             lambda group=group: plot_chunks(group, max_chunk_bytes)) for kind, group in groups]
-    jobs += [(f"density_{i:0{digits}d}_{_file_stem(p.name)}", lambda p=p: plot_density(p))
-             for i, p in sparse]
+    figures: list[tuple[str, str | int]] = [
+        (f"chunks_{k}" if len(kinds) > 1 else "chunks", k) for k in kinds]
+    figures += [(f"density_{e.position:0{digits}d}_{_file_stem(e.name)}", e.position)
+                for e in entries if e.sparse]
+    return figures
+
+
+def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: Sequence,
+                           figures: list[tuple[str, str | int]]) -> int:
+    """``inspect --out``: ``figures`` (see :func:`_inspect_figures`; ``entries``, the
+    file's header) with a line per figure as it is written, then ``index.html``: the
+    summary and the figures on one page. Reads the sparse patches' data only: the plans
+    need the file's header alone. A write that fails raises its ``OSError``, saying
+    which files were written before it."""
+    from .io import _load, _shown, _stand_in, print_patch_file_summary
+    from .plot import plot_chunks, plot_density
+    from .tour import _out_folder, _stopped
+
+    existed = os.path.isdir(out)
+    sparse = dict(_load(path, "cpu", sparse_only=True))
+    folder = _out_folder(out, "the figures")
+    groups = {kind: [_stand_in(e) for e in entries if e.sparse == (kind == "sparse")]
+              for kind in ("dense", "sparse")}
     print()
-    for k, (stem, draw) in enumerate(jobs):
+    if existed:
+        print(f"writing into the existing folder {_shown(str(folder))} (its index.html and "
+              "figures of these names are replaced, other files are left)")
+    done: list[str] = []
+    for k, (stem, what) in enumerate(figures):
         target = folder / f"{stem}.png"
-        draw().savefig(target, dpi=110, bbox_inches="tight")
-        print(f"[{k + 1}/{len(jobs)}] wrote {_shown(str(target))}", flush=True)
+        fig = (plot_chunks(groups[what], max_chunk_bytes) if isinstance(what, str)
+               else plot_density(sparse[what]))
+        try:
+            fig.savefig(target, dpi=110, bbox_inches="tight")
+        except OSError as e:
+            raise _stopped(e, done, len(figures) + 1, folder) from e
+        done.append(target.name)
+        print(f"[{k + 1}/{len(figures)}] wrote {_shown(str(target))}", flush=True)
     summary = io.StringIO()
     print_patch_file_summary(path, max_chunk_bytes=max_chunk_bytes, file=summary)
-    figures = "\n".join(
+    page = "\n".join(
         f'<figure><img src="{html.escape(stem)}.png" alt="{html.escape(stem)}">'
-        f"<figcaption>{html.escape(stem)}.png</figcaption></figure>" for stem, _ in jobs)
-    (folder / "index.html").write_text(_INSPECT_PAGE.format(
-        title=html.escape(os.path.basename(path)), summary=html.escape(summary.getvalue()),
-        figures=figures), encoding="utf-8")
-    print(f"wrote {len(jobs)} figures and index.html to {_shown(str(folder))}")
+        f"<figcaption>{html.escape(stem)}.png</figcaption></figure>" for stem, _ in figures)
+    try:
+        (folder / "index.html").write_text(_INSPECT_PAGE.format(
+            title=html.escape(os.path.basename(path)), summary=html.escape(summary.getvalue()),
+            figures=page), encoding="utf-8")
+    except OSError as e:
+        raise _stopped(e, done, len(figures) + 1, folder) from e
+    print(f"wrote {len(figures)} figures and index.html to {_shown(str(folder))}")
     return 0
 
 
@@ -199,7 +248,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tour = sub.add_parser(
         "tour", help="dense, sparse and repeated-name loads, written as figures + index.html"
     )
-    tour.add_argument("--out", default="patchkit-tour", help="folder (default patchkit-tour/)")
+    tour.add_argument(
+        "--out", default="patchkit-tour",
+        help="folder (default patchkit-tour/), made if missing; in an existing one, "
+             "index.html and the tour's figures are replaced, other files are left",
+    )
     tour.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     tour.set_defaults(run=_cmd_tour)
 
@@ -212,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     insp.add_argument(
         "--out", default=None,
         help="also write figures to this folder: the chunk plan, and where each sparse "
-             "patch writes",
+             "patch writes, with an index.html; made if missing; in an existing one, "
+             "files of those names are replaced, other files are left",
     )
     insp.set_defaults(run=_cmd_inspect)
 
@@ -224,6 +278,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (``... | head``): stop quietly.
         _stdout_to_devnull()
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, not a traceback; 128 + SIGINT, as a shell reports it.
+        try:
+            sys.stdout.flush()
+        except OSError:
+            _stdout_to_devnull()
+        print("interrupted", file=sys.stderr)
+        return 130
     except OSError as e:
         # The output could not be written (stdout on a full disk, a figure in --out):
         # say so on stderr, not as a traceback.

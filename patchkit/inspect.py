@@ -802,10 +802,11 @@ def inspect_load(
     buffers, and only those that nothing else holds.
 
     ``progress``: ``True`` shows how far a long load is, one step per ``load_weights``
-    call (a bar in a Jupyter kernel with ipywidgets, else a line on stderr), once it has
-    run half a second, so a short load shows nothing; a callable is called with a
-    :class:`~patchkit.LoadProgress` after every call instead (an exception it raises
-    stops the load like the loader's own would). See :mod:`patchkit.progress`.
+    call (a bar in a Jupyter kernel with ipywidgets, else a line on stderr: rewritten in
+    place on a terminal; in a log, the final status, after a line every 10 s of a long
+    load), once it has run half a second, so a short load shows nothing; a callable is
+    called with a :class:`~patchkit.LoadProgress` after every call instead (an exception
+    it raises stops the load like the loader's own would). See :mod:`patchkit.progress`.
 
     ``validate_unique_indices`` and ``transactional`` must be ``True`` or ``False``, with
     ``loader=`` too (:class:`~patchkit.PatchTypeError` before anything is read or run).

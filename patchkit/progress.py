@@ -3,10 +3,13 @@
 A report of a whole model's sparse load takes seconds to tens of seconds on a CPU (one
 layer of Llama-3-8B's shapes: about 0.4 s; 32 of them: about 15 s on these 2-core
 machines). ``progress=True`` shows how far it is, one step per ``load_weights`` call: a
-progress bar in a Jupyter kernel (ipywidgets, where installed), else one line on stderr
-that rewrites itself. Either appears only once the load has run for
-:data:`SHOW_AFTER` seconds, so a short load prints nothing. ``progress=callable`` calls
-it with a :class:`LoadProgress` after every call instead, and shows nothing itself.
+progress bar in a Jupyter kernel (ipywidgets, where installed), else one line on stderr:
+on a terminal (or in a kernel) a line that rewrites itself (``\r``); elsewhere (a log
+file, a pipe) plain lines, each ending in a newline: one every :data:`LOG_EVERY`
+seconds of a long load, then the final status, written once. Either appears only once
+the load has run for :data:`SHOW_AFTER` seconds, so a short load prints nothing.
+``progress=callable`` calls it with a :class:`LoadProgress` after every call instead,
+and shows nothing itself.
 
 Imports nothing beyond the standard library until a bar is shown.
 """
@@ -22,10 +25,13 @@ from typing import Any
 from .errors import PatchTypeError
 from .units import format_bytes
 
-__all__ = ["SHOW_AFTER", "LoadProgress"]
+__all__ = ["LOG_EVERY", "SHOW_AFTER", "LoadProgress"]
 
 SHOW_AFTER = 0.5
 """Seconds a load runs before ``progress=True`` shows anything."""
+LOG_EVERY = 10.0
+"""Off a terminal, ``progress=True`` writes a line at most this often (seconds), and the
+final status once at the end: a load shorter than this leaves one line in a log."""
 _EVERY = 0.1  # a shown bar is redrawn at most this often (and once at the end)
 
 
@@ -136,8 +142,8 @@ class _View:
             try:
                 return _WidgetView(label)
             except ImportError:  # no ipywidgets: the text line works in a notebook too
-                pass
-        return _TextView()
+                return _TextView()
+        return _TextView() if _is_terminal(sys.stderr) else _LogView()
 
     def update(self, state: LoadProgress, label: str) -> None:
         raise NotImplementedError
@@ -166,6 +172,33 @@ class _TextView(_View):
         self._write(state.text(label), "\n")
 
 
+class _LogView(_View):
+    """Off a terminal (a log file, a pipe): no ``\r``; a line every :data:`LOG_EVERY`
+    seconds, then the final status, unless the last line written already said it."""
+
+    def __init__(self) -> None:
+        self._said: LoadProgress | None = None
+
+    def _write(self, state: LoadProgress, label: str) -> None:
+        self._said = state
+        try:
+            sys.stderr.write(state.text(label) + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):  # a closed or broken stderr: the load goes on
+            pass
+
+    def update(self, state: LoadProgress, label: str) -> None:
+        since = state.seconds - (self._said.seconds if self._said is not None else 0.0)
+        if since >= LOG_EVERY:
+            self._write(state, label)
+
+    def finish(self, state: LoadProgress, label: str) -> None:
+        said = self._said
+        if said is None or (said.calls_done, said.calls, said.bytes_done, said.failed) != (
+                state.calls_done, state.calls, state.bytes_done, state.failed):
+            self._write(state, label)
+
+
 class _WidgetView(_View):
     def __init__(self, label: str) -> None:
         import ipywidgets as W
@@ -182,6 +215,14 @@ class _WidgetView(_View):
     def finish(self, state: LoadProgress, label: str) -> None:
         self.update(state, label)
         self._bar.bar_style = "danger" if state.failed else "success"
+
+
+def _is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (False for a file, a pipe, a closed stream)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def _in_kernel() -> bool:

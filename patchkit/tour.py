@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import errno
 import html
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,15 +45,27 @@ class TourResult:
         return all(self.checks.values())
 
 
-def _out_folder(out: str | Path, what: str = "the tour") -> Path:
-    """Make the folder ``out`` (and its parents) if needed; return it as a Path.
+OUTPUTS = (
+    "dense_chunks.png", "dense_placement_rank0.png", "dense_placement_rank1.png",
+    "sparse_density.png", "sparse_delta_qkv_rank0.png", "repeated_chunks.png", "index.html",
+)
+"""The files :func:`run_tour` writes into its folder, in the order it writes them."""
 
-    Raises :class:`~patchkit.errors.PatchValueError` (``reason`` ``"empty folder
-    name"``) for the empty string, which ``Path`` would take for the current folder
-    (pass ``"."`` for that), :class:`NotADirectoryError` when ``out``, or a folder above
-    it, is a file, and the ``OSError`` of any other failure (e.g.
-    :class:`PermissionError`), each with a message naming ``out``, the problem and
-    ``what`` was to be written there.
+
+def _check_out(out: str | Path, what: str = "the tour", files: Iterable[str] = ()) -> Path:
+    """Check, writing nothing, that the folder ``out`` can take ``what``; return it as a
+    Path.
+
+    Raises what :func:`_out_folder` would raise for ``out``, found before anything is
+    made: :class:`~patchkit.errors.PatchValueError` (``reason`` ``"empty folder name"``)
+    for the empty string, :class:`NotADirectoryError` when ``out``, or a folder above it,
+    is a file, :class:`PermissionError` when the folder (or the nearest one above it that
+    exists) cannot be written. Where ``out`` exists, each of ``files`` (names in it)
+    that exists must be a file that can be written: a folder of that name raises
+    :class:`IsADirectoryError`, anything else that is no regular file
+    :class:`OSError`, a file that cannot be written :class:`PermissionError`. Each
+    message names ``out``, the problem and ``what`` was to be written there. Cheap
+    checks only: a write can still fail later (a full disk).
     """
     if isinstance(out, str) and not out:
         raise PatchValueError(
@@ -60,6 +73,39 @@ def _out_folder(out: str | Path, what: str = "the tour") -> Path:
             "for the current folder", reason="empty folder name", value=out,
         )
     out = Path(out)
+    where = f"cannot write {what} to {str(out)!r}"
+    nearest = next((p for p in (out, *out.parents) if p.exists()), None)
+    if nearest is None:  # (no folder above it exists: mkdir says why)
+        return out
+    if not nearest.is_dir():
+        raise NotADirectoryError(
+            errno.ENOTDIR, f"{where}: {str(nearest)!r} is a file, not a folder")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise PermissionError(
+            errno.EACCES, f"{where}: the folder {str(nearest)!r} cannot be written")
+    if nearest != out:
+        return out
+    for name in files:
+        target = out / name
+        if target.is_dir():
+            raise IsADirectoryError(
+                errno.EISDIR, f"{where}: {str(target)!r} is a folder, not a file")
+        if target.exists() and not target.is_file():
+            raise OSError(f"{where}: {str(target)!r} is not a regular file")
+        if target.exists() and not os.access(target, os.W_OK):
+            raise PermissionError(
+                errno.EACCES, f"{where}: the file {str(target)!r} cannot be replaced")
+    return out
+
+
+def _out_folder(out: str | Path, what: str = "the tour") -> Path:
+    """Make the folder ``out`` (and its parents) if needed; return it as a Path.
+
+    Raises the errors of :func:`_check_out` (an empty name, a file in the way, a folder
+    that cannot be written), and the ``OSError`` of any other failure to make it, with a
+    message naming ``out``, the problem and ``what`` was to be written there.
+    """
+    out = _check_out(out, what)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -74,6 +120,18 @@ def _out_folder(out: str | Path, what: str = "the tour") -> Path:
             e.errno, f"cannot create the folder {str(out)!r} for {what}: {e.strerror}"
         ) from None
     return out
+
+
+def _stopped(e: OSError, done: list[str], of: int, folder: Path) -> OSError:
+    """``e`` (a write into ``folder`` that failed) with what was written before it: the
+    error a command stopped part-way through reports."""
+    wrote = f"wrote {len(done)} of {of} files ({', '.join(done)})" if done else \
+        f"wrote none of its {of} files"
+    message = f"{e}; stopped part-way: {wrote} to {str(folder)!r}, no index.html"
+    try:
+        return type(e)(message)
+    except TypeError:  # (a subclass that takes other arguments)
+        return OSError(message)
 
 
 def _sparse_step(ckpt: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
@@ -130,14 +188,21 @@ def run_tour(
     runs, a device this machine cannot use (``"cuda"`` without CUDA, ``"meta"``, a bad
     or empty string) raises :class:`~patchkit.errors.PatchValueError` naming it, and so
     does an empty ``out`` (``""``, which would be the current folder: pass ``"."``); an
-    ``out`` that cannot be made a folder (it, or a folder above it, is a file) raises an
-    ``OSError`` naming it (see :func:`_out_folder`); ``out`` is created only after the
-    device passed.
+    ``out`` that cannot be made a folder (it, or a folder above it, is a file) or cannot
+    be written, or that holds a folder (or another file that cannot be replaced) under
+    the name of one of :data:`OUTPUTS`, raises an ``OSError`` naming it (see
+    :func:`_check_out`); ``out`` is created only after the device passed.
+
+    An existing ``out`` is written into: the files of :data:`OUTPUTS` are replaced,
+    other files are left as they are (the first line ``echo``-ed says so). A write that
+    fails once the tour runs (a full disk) raises its ``OSError``, with a message that
+    says which files were written before it.
     """
     from .io import _checked_device
 
     dev = _checked_device(("cuda" if torch.cuda.is_available() else "cpu")
                           if device is None else device)
+    existed = _check_out(out, "the tour", OUTPUTS).is_dir()
     out = _out_folder(out)
 
     from . import plot
@@ -160,13 +225,18 @@ def run_tour(
         path = out / f"{stem}.png"
         # The figure's words go into the file (no version or time): a test compares them
         # with the README's copies, which `make readme-figures` takes from here.
-        fig.savefig(path, dpi=110, bbox_inches="tight",
-                    metadata={"Software": None, "Description": figure_words(fig)})
+        try:
+            fig.savefig(path, dpi=110, bbox_inches="tight",
+                        metadata={"Software": None, "Description": figure_words(fig)})
+        except OSError as e:
+            raise _stopped(e, [f.name for f in result.figures], len(OUTPUTS), out) from e
         result.figures.append(path)
         return path.name
 
+    where = (f"writing into the existing folder {out}/ (its index.html and figures are "
+             "replaced, other files are left)") if existed else f"writing to {out}/"
     echo(f"patchkit tour: tiny Llama, bf16, {TP} tensor-parallel ranks, on {dev.type}; "
-         f"writing to {out}/")
+         f"{where}")
 
     # 1. dense --------------------------------------------------------------------------
     progress(0)
@@ -239,7 +309,11 @@ def run_tour(
         f"<li>{html.escape(k)}: <b>{'yes' if v else 'NO'}</b></li>"
         for k, v in result.checks.items()
     )
-    (out / "index.html").write_text(_PAGE.format(checks=checks, sections="".join(sections)))
+    try:
+        (out / "index.html").write_text(
+            _PAGE.format(checks=checks, sections="".join(sections)), encoding="utf-8")
+    except OSError as e:
+        raise _stopped(e, [f.name for f in result.figures], len(OUTPUTS), out) from e
     for k, v in result.checks.items():
         echo(f"    {k}: {'yes' if v else 'NO'}")
     echo(f"wrote {out / 'index.html'} and {len(result.figures)} figures")

@@ -15,12 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tour_writes_its_report_and_every_check_holds(tmp_path):
-    from patchkit.tour import run_tour
+    from patchkit.tour import OUTPUTS, run_tour
 
+    # (into a folder that exists: it says so, replaces its own files and leaves others)
+    (tmp_path / "tour").mkdir()
+    (tmp_path / "tour" / "mine.txt").write_text("mine")
+    (tmp_path / "tour" / "index.html").write_text("an earlier tour's")
     lines: list[str] = []
     result = run_tour(tmp_path / "tour", echo=lines.append)
     assert result.ok, result.checks
     assert len(result.checks) == 3
+    assert "writing into the existing folder" in lines[0] and "replaced" in lines[0]
+    assert sorted(os.listdir(tmp_path / "tour")) == sorted([*OUTPUTS, "mine.txt"])
+    assert [f.name for f in result.figures] == list(OUTPUTS[:-1])
+    assert (tmp_path / "tour" / "mine.txt").read_text() == "mine"
     page = (tmp_path / "tour" / "index.html").read_text()
     for fig in result.figures:
         assert fig.exists() and fig.stat().st_size > 1000
@@ -297,7 +305,7 @@ def test_inspect_out_refuses_an_empty_or_file_folder_with_exit_2(out, tmp_path, 
     (tmp_path / "file").write_text("mine")
     assert main(["inspect", str(f), "--out", out]) == 2
     captured = capsys.readouterr()
-    assert captured.out.startswith("patch file: ")  # the summary was still printed
+    assert captured.out == ""  # --out is refused before the summary is printed
     err = captured.err
     assert err.startswith("error: ") and err.count("\n") == 1 and "figures" in err
     assert ("empty" in err) if out == "" else ("is a file" in err)
@@ -327,3 +335,162 @@ def test_inspect_out_reads_no_dense_values(tmp_path, capsys, monkeypatch):
     assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 0
     capsys.readouterr()
     assert sorted(read) == [(2,), (2,), (3,), (3,)]  # the sparse values and indices only
+
+
+def _failing_savefig(monkeypatch, on_call: int) -> None:
+    """Figure.savefig fails (a full disk) on call ``on_call`` (1-based), writing nothing."""
+    import errno
+
+    import matplotlib.figure
+
+    real = matplotlib.figure.Figure.savefig
+    calls = []
+
+    def savefig(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == on_call:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+
+
+@pytest.mark.parametrize("command", ["tour", "inspect"])
+def test_an_out_holding_a_folder_where_a_file_goes_is_refused_before_anything_runs(
+        command, tmp_path, capsys):
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    out = tmp_path / "out"
+    blocked = "sparse_density.png" if command == "tour" else "chunks_sparse.png"
+    (out / blocked).mkdir(parents=True)
+    (out / "mine.txt").write_text("mine")
+    argv = (["tour", "--out", str(out), "--device", "cpu"] if command == "tour"
+            else ["inspect", str(f), "--out", str(out)])
+    assert main(argv) == 2
+    o, err = capsys.readouterr()
+    assert o == "" and err.startswith("error: ") and err.count("\n") == 1
+    assert f"{str(out / blocked)!r} is a folder, not a file" in err
+    assert sorted(os.listdir(out)) == sorted([blocked, "mine.txt"])  # nothing written
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_anything_runs(
+        tmp_path, capsys, monkeypatch):
+    # (these tests may run as root, for whom every mode bit allows writing: os.access says
+    # what a user without the right would be told)
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "index.html").write_text("mine")
+    real = os.access
+    for locked, what in ((out, "the folder"), (out / "index.html", "the file")):
+        monkeypatch.setattr(os, "access", lambda p, mode, locked=locked, **kw: (
+            False if Path(p) == locked else real(p, mode, **kw)))
+        for argv in (["tour", "--out", str(out), "--device", "cpu"],
+                     ["inspect", str(f), "--out", str(out)]):
+            assert main(argv) == 2, argv
+            o, err = capsys.readouterr()
+            assert o == "" and err.startswith("error: ") and err.count("\n") == 1
+            assert f"{what} {str(locked)!r} cannot be" in err
+    assert sorted(os.listdir(out)) == ["index.html"]
+
+
+def test_tour_that_fails_part_way_says_what_it_wrote_and_exits_1(tmp_path, capsys,
+                                                                  monkeypatch):
+    from patchkit.__main__ import main
+
+    _failing_savefig(monkeypatch, on_call=4)  # the sparse density figure
+    assert main(["tour", "--out", str(tmp_path / "t"), "--device", "cpu"]) == 1
+    o, err = capsys.readouterr()
+    assert o.startswith("patchkit tour: ") and f"writing to {tmp_path / 't'}/" in o
+    written = ["dense_chunks.png", "dense_placement_rank0.png", "dense_placement_rank1.png"]
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert "No space left on device" in err
+    assert (f"stopped part-way: wrote 3 of 7 files ({', '.join(written)}) to "
+            f"{str(tmp_path / 't')!r}, no index.html") in err
+    assert sorted(os.listdir(tmp_path / "t")) == written
+
+
+def test_inspect_that_fails_part_way_says_what_it_wrote_and_exits_1(tmp_path, capsys,
+                                                                     monkeypatch):
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    _failing_savefig(monkeypatch, on_call=2)
+    assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 1
+    o, err = capsys.readouterr()
+    assert o.startswith("patch file: ") and "[1/4] wrote " in o
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert (f"stopped part-way: wrote 1 of 5 files (chunks_dense.png) to "
+            f"{str(tmp_path / 'figs')!r}, no index.html") in err
+    assert os.listdir(tmp_path / "figs") == ["chunks_dense.png"]
+
+
+def test_inspect_out_into_an_existing_folder_says_so_and_leaves_other_files(tmp_path, capsys):
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    (tmp_path / "figs").mkdir()
+    (tmp_path / "figs" / "mine.txt").write_text("mine")
+    (tmp_path / "figs" / "index.html").write_text("an earlier one")
+    assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 0
+    out = capsys.readouterr().out
+    assert f"writing into the existing folder {tmp_path / 'figs'} (" in out
+    assert (tmp_path / "figs" / "mine.txt").read_text() == "mine"
+    assert "<img" in (tmp_path / "figs" / "index.html").read_text()
+    assert len(os.listdir(tmp_path / "figs")) == 6  # 4 figures, index.html, mine.txt
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    import patchkit.tour
+    from patchkit.__main__ import main
+
+    def interrupted(out, device=None, echo=print):
+        echo("patchkit tour: ...")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(patchkit.tour, "run_tour", interrupted)
+    try:
+        code = main(["tour", "--out", str(tmp_path / "t"), "--device", "cpu"])
+    except KeyboardInterrupt:  # (not let through: pytest would stop the whole run)
+        pytest.fail("KeyboardInterrupt went through main")
+    assert code == 130
+    o, err = capsys.readouterr()
+    assert o == "patchkit tour: ...\n" and err == "interrupted\n"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "130 when interrupted (Ctrl-C)" in " ".join(capsys.readouterr().out.split())
+    for command in ("tour", "inspect"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "other files are left" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_real_sigint_stops_the_command_with_one_line_and_exit_130(tmp_path):
+    import signal
+
+    # the tour, made to wait for the signal: stdout says when it runs
+    code = (
+        "import sys, time\n"
+        "import patchkit.tour\n"
+        "from patchkit.__main__ import main\n"
+        "def slow(out, device=None, echo=print):\n"
+        "    print('running', flush=True)\n"
+        "    time.sleep(60)\n"
+        "patchkit.tour.run_tour = slow\n"
+        f"sys.exit(main(['tour', '--out', {str(tmp_path / 't')!r}, '--device', 'cpu']))\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         # (a shell's background job would ignore SIGINT: not this one)
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert p.stdout.readline() == "running\n"
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert err == "interrupted\n"

@@ -222,3 +222,63 @@ def test_widgets_no_cell_shows_are_numbered_by_what_they_refer_to_as_well():
     outs = {script.stable_widget_ids(notebook(*[uuid.uuid4().hex for _ in range(5)]))
             for _ in range(12)}
     assert len(outs) == 1
+
+
+def test_make_lab_installs_jupyterlab_on_first_use_and_make_test_does_not():
+    import shutil
+
+    import pytest
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    installed = [*extras["dependencies"], *extras["optional-dependencies"]["notebooks"],
+                 *extras["optional-dependencies"]["dev"]]
+    assert not [r for r in installed if _split(r)[0] in ("jupyterlab", "notebook")]
+    assert "jupyterlab" not in (ROOT / "scripts" / "bootstrap").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "make lab" in readme and "jupyterlab notebooks/" in " ".join(readme.split())
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+
+    def dry_run(target: str) -> str:  # (make -n prints the commands, runs none)
+        return subprocess.run(["make", "-n", target], capture_output=True, text=True,
+                              cwd=ROOT, check=True).stdout
+
+    lab = dry_run("lab")
+    assert 'python -c "import jupyterlab" 2>/dev/null || ' in lab  # installed once
+    assert 'pip install --quiet "jupyterlab>=4"' in lab
+    assert "python -m jupyterlab --ServerApp.root_dir=notebooks" in lab
+    assert "jupyterlab" not in dry_run("test")
+
+
+def test_plot_density_quotes_the_benchmark_numbers_the_readme_quotes():
+    from patchkit.plot import plot_density
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    doc = " ".join(plot_density.__doc__.split())
+    measured = re.search(r"measured on the 2-core machine `density_map` at (\S+ s) .*?"
+                         r"`plot_density` at (\S+ s)", readme)
+    assert measured, "README: the figures' timings"
+    dmap, pdens = measured.groups()
+    assert f"measured {dmap} for ``density_map`` and {pdens} for ``plot_density``" in doc
+    assert "2-core machine" in doc
+
+
+def test_readme_says_how_to_draw_its_placement_figure_after_the_example(capsys):
+    # the README's placement figure is the tour's; the README names the call that draws it
+    # after the example: that call runs there and draws the same figure
+    from PIL import Image
+
+    from patchkit.tour import figure_words
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## A first load", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    call = re.search(r"after the example, `([^`]+\.plot_placement\(\))` draws it",
+                     " ".join(section.split()))
+    assert call, "README: the call that draws the placement figure"
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    capsys.readouterr()
+    fig = eval(call.group(1), scope)
+    kept = Image.open(ROOT / "docs" / "figures" / "placement.png").text.get("Description")
+    assert figure_words(fig) == kept

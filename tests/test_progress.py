@@ -74,8 +74,14 @@ def test_a_callable_that_raises_stops_the_load_and_a_transactional_one_rolls_bac
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def _stderr_of(fn, monkeypatch) -> str:
-    buf = io.StringIO()
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _stderr_of(fn, monkeypatch, terminal: bool = False) -> str:
+    """What ``fn`` writes to stderr: a terminal's, or (by default) a log file's."""
+    buf = _Terminal() if terminal else io.StringIO()
     monkeypatch.setattr(sys, "stderr", buf)
     fn()
     return buf.getvalue()
@@ -94,7 +100,8 @@ def test_true_draws_one_rewriting_line_that_ends_with_the_totals(setup, monkeypa
     monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
     reports = []
     out = _stderr_of(lambda: reports.append(inspect_load(
-        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch)
+        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch,
+        terminal=True)
     calls = len(reports[0].calls)
     assert calls == len(patchkit.plan_chunks(dense_patches(after), BUDGET)) > 3
     assert out.startswith("\rinspect_load: 1/") and out.endswith("\n")
@@ -127,10 +134,48 @@ def test_a_failed_load_ends_the_line_with_failed(monkeypatch):
             inspect_load(model, dense_patches(ckpt), max_chunk_bytes=BUDGET,
                          progress=seen.append)
 
-    out = _stderr_of(run, monkeypatch)
+    out = _stderr_of(run, monkeypatch, terminal=True)
     assert out.rsplit("\r", 1)[1].startswith("inspect_load: 3/")
     assert out.endswith(", failed\n")
     assert [p.failed for p in seen] == [False, False, True]
+
+    def run_logged():
+        model.n = 0
+        with pytest.raises(RuntimeError, match="third call"):
+            inspect_load(model, dense_patches(ckpt), max_chunk_bytes=BUDGET, progress=True)
+
+    log = _stderr_of(run_logged, monkeypatch)
+    assert log.startswith("inspect_load: 3/") and log.endswith(", failed\n")
+    assert "\r" not in log and log.count("\n") == 1
+
+
+def test_off_a_terminal_a_short_load_writes_its_final_status_once(setup, monkeypatch):
+    # (a log file: no carriage returns, one line)
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    reports = []
+    out = _stderr_of(lambda: reports.append(inspect_load(
+        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch)
+    calls = len(reports[0].calls)
+    assert calls > 3
+    assert "\r" not in out and out.count("\n") == 1 and out.endswith("\n")
+    assert out.startswith(f"inspect_load: {calls}/{calls} calls, ")
+
+
+def test_off_a_terminal_a_long_load_writes_a_line_at_a_time_and_the_end_once(
+        setup, monkeypatch):
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    monkeypatch.setattr(progress_mod, "LOG_EVERY", 0.0)  # (a line for every call)
+    monkeypatch.setattr(progress_mod, "_EVERY", 0.0)
+    reports = []
+    out = _stderr_of(lambda: reports.append(inspect_load(
+        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch)
+    calls = len(reports[0].calls)
+    lines = out.splitlines()
+    assert "\r" not in out and out.endswith("\n")
+    assert [line.split(" calls, ")[0] for line in lines] == [
+        f"inspect_load: {k}/{calls}" for k in range(1, calls + 1)]  # the last one once
 
 
 def test_in_a_kernel_a_widget_bar_is_shown_and_finished(setup, monkeypatch):
