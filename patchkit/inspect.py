@@ -1412,6 +1412,12 @@ def _box_slices(shape: tuple[int, ...], i0: int, i1: int) -> list[tuple[slice, .
     return out
 
 
+def _flat_range(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``x.reshape(-1)[lo:hi]`` (a copy of those elements alone, for a strided ``x``)."""
+    parts = [x[index].reshape(-1) for index in _box_slices(tuple(x.shape), lo, hi)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 # Elements of one tensor, as _BeforeAfter keeps them: ``(box, None, x)`` for the elements
 # of a :class:`_Box` (``x``: their saved bits, arranged as :meth:`_Box.take` arranges
 # them, or ``None``), or ``(None, positions, x)`` for the elements at sorted
@@ -1901,7 +1907,13 @@ def _as_dtype_of(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion, contained: bool) -> None:
     """One saved region that no other region of ``t`` overlaps (``contained``: every
-    element of its view is an element of ``t``, see :func:`_contained`)."""
+    element of its view is an element of ``t``, see :func:`_contained`).
+
+    Reads the saved values and the values now, pair by pair: a strided view saved whole
+    (a transposed one, say) a block of ``_BLOCK`` elements at a time on the CPU, never
+    copied whole. A region reaching outside ``t`` is cut to ``t``'s elements: a view
+    saved whole as a :class:`_Box` of ``t`` where it is one (no index), else through
+    storage offsets (8 bytes per saved element)."""
     if contained and s.diff_stats is not None and s.view_sum_squares is not None:
         # Measured while writing (patchkit.native): nothing to read again.
         changed, sum_abs, sum_d2, max_abs = s.diff_stats
@@ -1912,40 +1924,72 @@ def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion, contained: bool) -
         acc.max_abs = max(acc.max_abs, max_abs)
         acc.sum_b2 += s.view_sum_squares
         return
-    inside = _within(s.view, t)
-    if inside:
-        b, a = s.flat_before(), s.current()  # every saved element lies in ``t``
+    whole = _saved_whole(s)
+    box = None
+    if contained or _within(s.view, t):  # every saved element lies in ``t``
+        b, a = (s.before, s.view) if whole else (s.flat_before(), s.current())
+    elif whole and (box := _box_of(s.view, t)) is not None:
+        b, a = box.take(s.before), box.take(s.view)
     else:
         _, valid = _positions(t, s.storage_index())
         b, a = s.flat_before()[valid], s.current()[valid]
     b, a = _as_dtype_of(b, t), _as_dtype_of(a, t)
-    acc.add_pairs(b, a)
-    if s.index is None or not s.whole_view:
-        # The saved elements are exactly the written ones (a whole view, or NaN-merged).
-        acc.elements += int(b.numel())
-        if contained and s.view_sum_squares is not None:
-            acc.sum_b2 += s.view_sum_squares
-        else:
-            acc.add_squares(b)
+    # A compared dense copy that saved only what it changed summed the squares of its
+    # whole view before it wrote (the caller checked that the view lies in ``t``); the
+    # other saves hold exactly the written elements (a whole view, or NaN-merged).
+    compact = s.index is not None and s.whole_view
+    measured = compact or (contained and s.view_sum_squares is not None)
+    for bp, ap in _flat_pairs(b, a):
+        acc.add_pairs(bp, ap)
+        if not measured:
+            acc.add_squares(bp)
+    acc.elements += s.view.numel() if compact else b.numel()
+    if measured:
+        acc.sum_b2 += float(s.view_sum_squares)
+
+
+def _flat_pairs(b: torch.Tensor, a: torch.Tensor):
+    """``b`` and ``a`` (one shape) as pairs of 1-D tensors, in row-major order: whole
+    where both flatten without a copy, or on a device (whose passes take big blocks);
+    else ``_BLOCK`` elements at a time, so that a strided view is never copied whole."""
+    if (b.is_contiguous() and a.is_contiguous()) or host_waits(a.device):
+        yield b.reshape(-1), a.reshape(-1)
         return
-    # A compared dense copy saved only what it changed; it summed the squares of its
-    # whole view before it wrote (the caller checked that the view lies in ``t``).
-    acc.elements += s.view.numel()
-    acc.sum_b2 += float(s.view_sum_squares)
+    n = b.numel()
+    for lo in range(0, n, _BLOCK):
+        hi = min(n, lo + _BLOCK)
+        yield _flat_range(b, lo, hi), _flat_range(a, lo, hi)
 
 
 def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: Sequence[SavedRegion]) -> None:
-    """Regions of ``t`` that overlap: rebuild ``t``'s before-values (oldest save wins) and
-    its written mask, then count over the written elements. O(numel(t)) scratch."""
+    """Regions of ``t`` that overlap: ``t``'s values before the load (where saves
+    overlap, the oldest save's) and where the load wrote it, then the numbers over the
+    written elements.
+
+    Scratch: for a contiguous ``t`` on the CPU, ``_BLOCK`` elements at a time (a few MiB,
+    read through :class:`_BeforeAfter`), whatever the size of ``t``, plus the positions
+    of the elements saved or written other than as whole views (compact saves,
+    NaN-merges: about 8 bytes per saved element, in proportion to what the load
+    changed); a view saved or written whole costs nothing per element. On a device (see
+    :func:`~patchkit.bitwise.host_waits`), or for a ``t`` that is not contiguous, a copy
+    of ``t`` and a 1-byte mask of its elements, plus the storage offsets that
+    :func:`_put_back` takes there."""
+    n = t.numel()
+    if t.is_contiguous() and not host_waits(t.device):
+        reader = _BeforeAfter(t, t, regions, whole=False)
+        for lo in range(0, n, _BLOCK):
+            b, a, written = reader.read(lo, min(n, lo + _BLOCK))
+            if written is not None:
+                b, a = b[written], a[written]
+            acc.elements += b.numel()
+            acc.add_squares(b)
+            acc.add_pairs(b, a)
+        return
     flat_now = t.detach().reshape(-1)
     before = flat_now.clone()
-    written = torch.zeros(t.numel(), dtype=torch.bool, device=t.device)
-    for s in reversed(regions):
-        pos, valid = _positions(t, s.storage_index())
-        bits(before)[pos] = bits(_as_dtype_of(s.flat_before()[valid], t))
-    for s in regions:
-        wpos, _ = _positions(t, s.written_index())
-        written.index_fill_(0, wpos, True)
+    written = torch.zeros(n, dtype=torch.bool, device=t.device)
+    _put_back(before, t, regions[::-1])
+    _mark_written(written, t, regions)
     b, a = before[written], flat_now[written]
     acc.elements += b.numel()
     acc.add_squares(b)

@@ -6,12 +6,17 @@ boxes of their tensor, with no index array of the tensor's size (see
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+import patchkit.inspect as pk_inspect
+import patchkit.intercept as pk_intercept
 from patchkit import CheckpointWeightPatch, inspect_load, native
 from patchkit.bitwise import bits, device_passes
 from patchkit.intercept import _storage_offsets
@@ -255,6 +260,101 @@ def test_boxes_address_exactly_the_elements_the_storage_offsets_give():
     assert boxes > 300
 
 
+class _Recorded(TorchDispatchMode):
+    """Records the dtype and size of every tensor an op makes (not a view or an input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor)}
+        for o in tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in given:
+                self.made[(o.dtype, o.numel())] += 1
+        return out
+
+    def largest(self, dtype=None):
+        return max((n for d, n in self.made if dtype is None or d == dtype), default=0)
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch ops", "device passes"])
+@pytest.mark.parametrize("layout", ["transposed", "repeated", "columns", "interleaved",
+                                    "shared", "crossing"])
+def test_views_written_whole_are_rebuilt_without_an_index_of_their_size(
+    monkeypatch, layout, path
+):
+    # Rebuilding what a dense load saved built int64 storage offsets of every element of
+    # each view saved or written whole (about 46 bytes per element for two saves of one
+    # tensor: 756 MiB for 32 MiB of bfloat16). Now such views are addressed as boxes.
+    size, params, writes = LAYOUTS[layout]
+    model = Flat(size, params, dict(writes), torch.float32)
+    patches = _patches(model, writes, 1.0, torch.float32, seed=2)  # every element changes
+    smallest = min(t.numel() for t in model.parameters())
+    indices: list[int] = []
+    for module, name in ((pk_intercept, "_storage_offsets"), (pk_inspect, "_storage_offsets"),
+                         (pk_inspect, "_positions")):
+        original = getattr(module, name)
+
+        def recording(*a, _original=original):
+            out = _original(*a)
+            indices.append(max(x.numel() for x in tree_leaves(out) if x.dtype == torch.int64))
+            return out
+
+        monkeypatch.setattr(module, name, recording)
+    recorded = _Recorded()
+    delta_rows = pk_inspect._delta_rows
+
+    def measured(*a):
+        with recorded:
+            return delta_rows(*a)
+
+    monkeypatch.setattr(pk_inspect, "_delta_rows", measured)
+    with PATHS[path]():
+        r = inspect_load(model, patches)
+        assert len(r.deltas)
+        with recorded:
+            for name, t in model.named_parameters():
+                assert r.before(name).shape == t.shape
+                r.written(name)
+                reader = r._before_after(name)  # plot_delta's reads
+                for lo in range(0, t.numel(), 500):
+                    reader.read(lo, min(t.numel(), lo + 500))
+    assert max(indices, default=0) < smallest // 4
+    assert recorded.largest(torch.int64) < smallest // 4
+
+
+def test_the_statistics_of_overlapping_writes_work_in_blocks(monkeypatch):
+    # Two saves of one tensor (a name sent twice) made the statistics rebuild the whole
+    # tensor: a copy, a mask and int64 offsets of every element. Now they read it a block
+    # at a time: no tensor they make holds more than a few blocks' elements.
+    monkeypatch.setattr(pk_inspect, "_BLOCK", 1024)
+    n = 256 * 128
+    for share in (0.02, 1.0):
+        model = Flat(n, {"w": (0, (256, 128), (128, 1))},
+                     {"w": (0, (256, 128), (128, 1))}, torch.bfloat16)
+        first = _patches(model, [("w", (0, (256, 128), (128, 1)))], share, torch.bfloat16, 3)
+        second = _patches(model, [("w", (0, (256, 128), (128, 1)))], share, torch.bfloat16, 4)
+        recorded = _Recorded()
+        delta_rows = pk_inspect._delta_rows
+
+        def measured(*a, _rows=delta_rows, _rec=recorded):
+            with _rec:
+                return _rows(*a)
+
+        monkeypatch.setattr(pk_inspect, "_delta_rows", measured)
+        before = model.w.detach().clone()
+        r = inspect_load(model, first + second)
+        monkeypatch.setattr(pk_inspect, "_delta_rows", delta_rows)
+        changed = int((bits(model.w) != bits(before)).sum())
+        assert r.deltas.loc["w", "elements"] == n and r.deltas.loc["w", "changed"] == changed
+        # the positions of a compact save (in proportion to what changed), else blocks
+        saved = int(share * 2 * n) if share < 1 else 0
+        assert recorded.largest() <= max(4 * 1024, 2 * saved)
+
+
 def test_a_dense_write_over_neighbours_in_one_storage_leaves_their_numbers_alone():
     # A write through a view over b and half of c (one flat storage): each tensor gets its
     # own part, a neither; before() of a is its own values, untouched.
@@ -267,3 +367,30 @@ def test_a_dense_write_over_neighbours_in_one_storage_leaves_their_numbers_alone
     assert r.written("c")[: R // 2].all() and not r.written("c")[R // 2:].any()
     for name, t in snap.items():
         assert torch.equal(bits(r.before(name)), bits(t))
+
+
+def test_patchkit_reports_the_same_numbers_for_a_transposed_destination_as_for_a_plain_one():
+    # The same values written through param.data.t() and into a transposed copy of the
+    # parameter, which the plain write fills: the same numbers, bit for bit where exact.
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(R2, C2, generator=g)
+    new = torch.where(torch.rand(R2, C2, generator=g) < 0.5, torch.randn(R2, C2, generator=g), w)
+    p = CheckpointWeightPatch("w", (R2, C2), torch.float32, new.reshape(-1).clone())
+    for path in PATHS.values():
+        with path():
+            model = Flat(R2 * C2, {"w": (0, (R2, C2), (C2, 1))},
+                         {"w": (0, (R2, C2), (C2, 1))}, torch.float32)
+            with torch.no_grad():
+                model.w.copy_(w)
+            plain = inspect_load(model, [p])
+            model = Flat(R2 * C2, {"w": (0, (C2, R2), (R2, 1))},
+                         {"w": (0, (R2, C2), (1, R2))}, torch.float32)
+            with torch.no_grad():
+                model.w.copy_(w.t())
+            transposed = inspect_load(model, [p])
+        a, b = plain.deltas.loc["w"], transposed.deltas.loc["w"]
+        assert (a["elements"], a["changed"]) == (b["elements"], b["changed"])
+        for k in ("max_abs", "mean_abs", "rel_l2"):
+            assert a[k] == pytest.approx(b[k], rel=1e-9)
+        assert torch.equal(transposed.before("w"), w.t())
+
