@@ -31,9 +31,19 @@ margin, until the report is dropped; views under 65536 elements are counted firs
 get exactly that room; views under 16 KiB are saved whole on that path, in one pass, since
 offsets would spare little there); a sparse save through torch ops adds 8 bytes per
 written element. Transient: 1-byte masks of the view being written (torch ops) and
-scratch for the statistics, which work in blocks of 262144 elements (a few MiB). The
-tables are pandas DataFrames built on first read; every number in them is taken when
-the load ends.
+scratch for the statistics, which work in blocks of 262144 elements (a few MiB), plus
+scratch in proportion to the elements saved with their offsets. Reading the saves back
+(the statistics, ``before()``, ``written()``, ``plot_delta``) finds the elements of a
+view saved or written whole (rows, a block of columns, every other row, a transposed
+view) in a contiguous tensor by arithmetic, with no index, so that bound holds also
+where writes into one tensor overlap (a name sent twice: its old values are rebuilt a
+block at a time); ``before()`` costs the copy it returns, ``written()`` its mask. Where
+the tensor is not contiguous (a parameter kept transposed, say), or a strided view
+reaches outside its tensor, the saves there are read through int64 storage offsets
+instead (a few 8-byte arrays of the tensor's or the view's size); on a GPU, overlapping
+writes into one tensor are rebuilt whole (a copy of it, a 1-byte mask, and torch's
+8-byte positions of the written elements). The tables are pandas DataFrames built on
+first read; every number in them is taken when the load ends.
 
 In a loop that reports every step, ``inspect_load(..., reuse=last_report)`` writes the
 new saves into the last report's buffers (where one fits: a save may then sit in a buffer
