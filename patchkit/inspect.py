@@ -31,9 +31,20 @@ margin, until the report is dropped; views under 65536 elements are counted firs
 get exactly that room; views under 16 KiB are saved whole on that path, in one pass, since
 offsets would spare little there); a sparse save through torch ops adds 8 bytes per
 written element. Transient: 1-byte masks of the view being written (torch ops) and
-scratch for the statistics, which work in blocks of 262144 elements (a few MiB). The
-tables are pandas DataFrames built on first read; every number in them is taken when
-the load ends. Python's cyclic garbage collector is paused while a report's load runs
+scratch for the statistics, which work in blocks of 262144 elements (a few MiB), plus
+scratch in proportion to the elements saved with their offsets. Reading the saves back
+(the statistics, ``before()``, ``written()``, ``plot_delta``) finds the elements of a
+view saved or written whole (rows, a block of columns, every other row, a transposed
+view) in a contiguous tensor by arithmetic, with no index, so that bound holds also
+where writes into one tensor overlap (a name sent twice: its old values are rebuilt a
+block at a time); ``before()`` costs the copy it returns, ``written()`` its mask. Where
+the tensor is not contiguous (a parameter kept transposed, say), or a strided view
+reaches outside its tensor, the saves there are read through int64 storage offsets
+instead (a few 8-byte arrays of the tensor's or the view's size); on a GPU, overlapping
+writes into one tensor are rebuilt whole (a copy of it, a 1-byte mask, and torch's
+8-byte positions of the written elements). The tables are pandas DataFrames built on
+first read; every number in them is taken when the load ends.
+Python's cyclic garbage collector is paused while a report's load runs
 (process-wide, as ``gc.disable()`` is; its state is restored after, also on error): the
 report's own objects would set off collections mid-load that cost more than the writes
 on a model of many small tensors.
@@ -488,9 +499,7 @@ class LoadReport:
         mask = torch.zeros(t.numel(), dtype=torch.bool, device="cpu")
         if self._written_whole(target):
             return mask.fill_(True).view(t.shape)  # rebound or new: written whole
-        for s in _sharing(self._saved, t):
-            pos, _ = _positions(t, s.written_index())
-            mask[pos.cpu()] = True
+        _mark_written(mask, t, _sharing(self._saved, t))
         return mask.view(t.shape)
 
     def after(self, target: str) -> torch.Tensor:
@@ -1210,15 +1219,60 @@ def _left_as_written(saved: list[SavedRegion]) -> set[str]:
 
 
 def _rebuilt(t: torch.Tensor, saved: list[SavedRegion]) -> torch.Tensor:
-    """``t`` as it was before the load (a CPU copy): its values now with the saved
-    elements of its storage put back, newest first (so the oldest win)."""
-    out = t.detach().cpu().contiguous().clone()
-    flat = bits(out.view(-1))
-    for s in reversed(_sharing(saved, t)):
-        pos, valid = _positions(t, s.storage_index())
-        # (saved in the dtype of the view written: read as ``t``'s, as the statistics do)
-        flat[pos.cpu()] = bits(_as_dtype_of(s.flat_before()[valid], t).cpu())
+    """``t`` as it was before the load (a contiguous CPU copy): its values now with the
+    saved elements of its storage put back, newest first (so the oldest win). Memory
+    beyond the copy: see :func:`_put_back`."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    out.copy_(t.detach())
+    _put_back(out.view(-1), t, _sharing(saved, t)[::-1])
     return out
+
+
+def _put_back(flat: torch.Tensor, t: torch.Tensor, saves: Sequence[SavedRegion]) -> None:
+    """Write the saved values of ``saves`` (saves in ``t``'s storage) that lie in ``t``
+    into ``flat``, ``t``'s elements in row-major order (1-D, contiguous, any device), in
+    the order given: where saves overlap, the last one's value stays.
+
+    A view saved whole is addressed as a :class:`_Box` of ``t`` where it is one (a
+    contiguous ``t``): O(its elements) work and no index. The other saves (compact ones,
+    NaN-merges) go through their storage offsets, 8 bytes per saved element (in
+    proportion to what the load changed); so does every save of a ``t`` that is not
+    contiguous, a view saved whole included (8 bytes per element of the view, and a
+    sorted copy of ``t``'s offsets: see :func:`_positions`)."""
+    raw = _raw(flat)
+    for s in saves:
+        box = _box_of(s.view, t) if _saved_whole(s) else None
+        if box is not None:
+            # (saved in the dtype of the view written: read as ``t``'s, as the statistics do)
+            box.put(raw, box.take(_raw(_as_dtype_of(s.before, t))))
+            continue
+        pos, valid = _positions(t, s.storage_index())
+        values = _raw(_as_dtype_of(s.flat_before()[valid], t))
+        raw[pos.to(flat.device)] = values.to(flat.device)
+
+
+def _mark_written(mask: torch.Tensor, t: torch.Tensor, saves: Sequence[SavedRegion]) -> None:
+    """Set ``mask`` (bool, ``t``'s elements in row-major order, 1-D, any device) True at
+    every element of ``t`` that the writes of ``saves`` wrote. A view written whole (a
+    dense write) is filled as a :class:`_Box` of ``t`` where it is one, with no index;
+    the rest through storage offsets, as :func:`_put_back` reads them."""
+    for s in saves:
+        box = _box_of(s.view, t) if _wrote_view(s) else None
+        if box is not None:
+            box.fill(mask)
+            continue
+        pos, _ = _positions(t, s.written_index())
+        mask[pos.to(mask.device)] = True
+
+
+def _saved_whole(s: SavedRegion) -> bool:
+    """Whether ``s`` saved its whole view (its values only, no offsets kept)."""
+    return s.index is None and s.positions is None
+
+
+def _wrote_view(s: SavedRegion) -> bool:
+    """Whether the write of ``s`` wrote its whole view (a dense write)."""
+    return s.whole_view or _saved_whole(s)
 
 
 class _BeforeAfter:
@@ -1227,16 +1281,20 @@ class _BeforeAfter:
     ``before(target)``, ``after(target)`` and ``written(target)`` give there, bit for
     bit, without a copy of the whole tensor.
 
-    Memory: the positions of the saved and written elements (8 bytes each; none for a
-    whole view saved or written in one contiguous run of the tensor) and a CPU copy of
-    the saved values of a tensor on another device (what the load wrote, in proportion),
-    plus a contiguous CPU copy of a tensor that is not contiguous. ``before_shape`` /
-    ``before_dtype`` and ``shape`` / ``dtype`` are the tensor's before and after the
-    load (they differ only for a tensor a call rebound to another; :meth:`read` then
-    means nothing).
+    Memory: for a contiguous tensor, nothing per element for a view saved or written
+    whole (a dense write: a block of rows or columns, every other row, a transposed
+    view, a part of a flat storage shared with other tensors), whose elements a read
+    finds by arithmetic (see :class:`_Box`); 8 bytes per element for the positions of the
+    elements saved or written otherwise (a compact save, a NaN-merge: in proportion to
+    what the load changed, kept sorted). A tensor that is not contiguous is read from a
+    contiguous CPU copy of it, and then every save and write costs its positions, whole
+    views included. On another device than the CPU it keeps a CPU copy of the saved
+    values (what the load wrote, in proportion). ``before_shape`` / ``before_dtype`` and
+    ``shape`` / ``dtype`` are the tensor's before and after the load (they differ only
+    for a tensor a call rebound to another; :meth:`read` then means nothing).
     """
 
-    def __init__(self, old: torch.Tensor, now: torch.Tensor, saved: list[SavedRegion],
+    def __init__(self, old: torch.Tensor, now: torch.Tensor, saved: Sequence[SavedRegion],
                  whole: bool) -> None:
         self.shape, self.dtype = tuple(now.shape), now.dtype
         self.before_shape, self.before_dtype = tuple(old.shape), old.dtype
@@ -1253,44 +1311,44 @@ class _BeforeAfter:
                 run = runs.get(id(s)) if old is now and not s.whole_view else None
                 # (where a save holds exactly what its write wrote: the same positions)
                 written.append(_written_run(now, s) if run is None or run[1] is None
-                               else (0, run[1], None))
-            self._written = [(a, torch.unique_consecutive(p), e) if p is not None
-                             else (a, p, e) for a, p, e in _runs(written)]
+                               else (None, run[1], None))
+            self._written = [(b, torch.unique_consecutive(p), e) if p is not None
+                             else (b, p, e) for b, p, e in _runs(written)]
 
     def read(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(before, after, written)`` of elements ``[lo, hi)``: ``before`` and
         ``after`` as 1-D CPU tensors of the tensor's dtypes (``after`` may be a view of
         the tensor itself: read it, never write it), ``written`` the positions in
         ``[0, hi - lo)`` of the elements the load wrote (int64, increasing), ``None``
-        where it wrote them all."""
+        where it wrote them all. Scratch: O(hi - lo)."""
         after = self._now[lo:hi].to("cpu")
         before = self._old[lo:hi].to("cpu", copy=True)
-        flat = bits(before)
-        for start, pos, values in self._saves:
-            if pos is None:  # a contiguous run from element ``start``
-                a, b = max(lo, start), min(hi, start + values.shape[0])
-                if a < b:
-                    flat[a - lo:b - lo] = values[a - start:b - start]
+        flat = _raw(before)
+        for box, pos, values in self._saves:
+            if box is not None:
+                box.put(flat, values, lo)
             else:
                 a, b = _between(pos, lo, hi)
                 flat[pos[a:b] - lo] = values[a:b]
         if self._written is None:
             return before, after, None
-        parts = []
-        for start, pos, end in self._written:
-            if pos is None:
-                a, b = max(lo, start), min(hi, end)
-                if (a, b) == (lo, hi):
+        boxes, parts = [], []
+        for box, pos, _ in self._written:
+            if box is not None:
+                n = box.count(lo, hi)
+                if n == hi - lo:
                     return before, after, None
-                if a < b:
-                    parts.append(torch.arange(a - lo, b - lo, device="cpu"))
+                if n:
+                    boxes.append(box)
             else:
                 a, b = _between(pos, lo, hi)
                 if a < b:
                     parts.append(pos[a:b] - lo)
-        if len(parts) == 1:
+        if not boxes and len(parts) == 1:
             return before, after, parts[0]
         mask = np.zeros(hi - lo, dtype=bool)
+        for box in boxes:
+            box.fill(torch.from_numpy(mask), lo)  # (the same memory)
         for part in parts:
             mask[part.numpy()] = True
         return before, after, torch.from_numpy(np.flatnonzero(mask))
@@ -1310,30 +1368,188 @@ def _flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if t.is_contiguous() else t.to("cpu").contiguous().reshape(-1)
 
 
-# Elements of one tensor, as _BeforeAfter keeps them: ``(start, None, x)`` for a
-# contiguous run from element ``start`` on (``x``: its saved bits, or where it ends), or
-# ``(0, positions, x)`` for the elements at sorted ``positions`` (``x``: their saved bits,
-# or ``None``).
-_Run = tuple[int, "torch.Tensor | None", Any]
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as integers of its width (:func:`~patchkit.bitwise.bits`: copies move its
+    bits unchanged), a complex tensor as it is (its elements have no integer of their
+    width; a copy within one dtype moves them unchanged as well)."""
+    return x if x.is_complex() else bits(x)
+
+
+class _Box:
+    """Where the elements of a view (saved or written whole) lie in a contiguous tensor
+    ``t`` of the same storage and element size, with no index: in a flat buffer laid out
+    like ``t`` (position ``k``: ``t``'s element ``k`` in row-major order) they are
+    ``buf.as_strided(shape, stride, offset)``, and :meth:`take` arranges a tensor shaped
+    like the view (its saved values, or the view itself) in the same order.
+
+    The dimensions run from the largest stride down, each stride past the reach of the
+    dimensions inside it, so that positions grow in the box's row-major order: its
+    elements in a range of positions are at most two boxes per dimension, found by
+    arithmetic (:meth:`pieces`). Made by :func:`_box_of`; every method costs O(1) memory
+    besides what it is given, and O(elements it touches) work."""
+
+    __slots__ = ("_cut", "_keep", "_order", "_view_shape", "end", "offset", "shape", "stride")
+
+    def __init__(self, shape: tuple[int, ...], stride: tuple[int, ...], offset: int, *,
+                 cut: tuple[int, int] | None = None, order: tuple[int, ...] = (),
+                 view_shape: tuple[int, ...] = ()) -> None:
+        self.shape, self.stride, self.offset = shape, stride, offset
+        # one past the last position (``offset`` when empty)
+        self.end = offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(
+            shape) else offset
+        self._cut = cut  # a contiguous view: its flat elements [lo, hi) are the box
+        self._view_shape = view_shape
+        keep = [d for d, n in enumerate(view_shape) if n > 1]
+        self._keep = tuple(slice(None) if n > 1 else 0 for n in view_shape)
+        self._order = tuple(keep.index(d) for d in order)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``, a tensor of the view's shape (or its elements, 1-D), arranged as the box:
+        a view of ``x`` (no copy where ``x`` is the view or its contiguous save)."""
+        if self._cut is not None:
+            lo, hi = self._cut
+            return x.reshape(-1)[lo:hi]
+        return x.reshape(self._view_shape)[self._keep].permute(self._order)
+
+    def _below(self, x: int) -> int:
+        """How many of the box's elements lie at positions below ``x``."""
+        x -= self.offset
+        count, last = 0, len(self.shape) - 1
+        for k, (n, st) in enumerate(zip(self.shape, self.stride)):
+            if x <= 0:
+                break
+            q = min(n, -(-x // st))  # indices along k that start below x
+            if k == last:
+                return count + q
+            count += (q - 1) * math.prod(self.shape[k + 1:])
+            x -= (q - 1) * st
+        return count
+
+    def count(self, lo: int, hi: int) -> int:
+        """How many of the box's elements lie at positions ``[lo, hi)``."""
+        if hi <= self.offset or lo >= self.end:
+            return 0
+        return self._below(hi) - self._below(lo)
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[tuple[slice, ...], tuple[int, ...], int]]:
+        """``(index, shape, position)`` of the boxes that together hold the box's elements
+        at positions ``[lo, hi)``: ``take(x)[index]`` are their values, ``shape`` their
+        shape (strides: the box's), ``position`` that of their first element."""
+        if hi <= self.offset or lo >= self.end:
+            return []
+        out = []
+        for index in _box_slices(self.shape, self._below(lo), self._below(hi)):
+            at = self.offset + sum(i.start * st for i, st in zip(index, self.stride))
+            out.append((index, tuple(i.stop - i.start for i in index), at))
+        return out
+
+    def put(self, buf: torch.Tensor, values: torch.Tensor, lo: int = 0) -> None:
+        """Copy ``values`` (arranged as the box, any device) into 1-D contiguous ``buf``,
+        which holds positions ``[lo, lo + len(buf))``: the box's elements there."""
+        for index, shape, at in self.pieces(lo, lo + buf.numel()):
+            _at(buf, shape, self.stride, at - lo).copy_(values[index])
+
+    def fill(self, mask: torch.Tensor, lo: int = 0) -> None:
+        """Set True the box's elements in bool ``mask``, laid out as :meth:`put`'s ``buf``."""
+        for _, shape, at in self.pieces(lo, lo + mask.numel()):
+            _at(mask, shape, self.stride, at - lo).fill_(True)
+
+
+def _at(buf: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...], k: int) -> torch.Tensor:
+    """The elements of 1-D contiguous ``buf`` at ``shape`` / ``stride`` from its ``k``-th."""
+    return buf.as_strided(shape, stride, buf.storage_offset() + k)
+
+
+def _box_of(view: torch.Tensor, t: torch.Tensor) -> _Box | None:
+    """The elements of ``view`` that lie in ``t`` as a :class:`_Box`, where no index is
+    needed: ``t`` contiguous, and ``view`` either contiguous (cut to ``t``'s elements:
+    a write over ``t`` and its neighbours in one flat storage gives ``t``'s part, maybe
+    none), or lying wholly in ``t`` with strides that never make two elements meet or
+    cross (a block of columns, every other row, a transposed view: what a write can be
+    given). A view whose extent misses ``t``'s (of any ``t``) gives an empty box. ``None``
+    otherwise. ``view`` must share ``t``'s storage and element size."""
+    off = view.storage_offset() - t.storage_offset()
+    if not view.numel() or off + _reach(view) < 0 or off > _reach(t) or not t.numel():
+        return _Box((0,), (1,), 0, cut=(0, 0))  # no element of view lies in t
+    if not t.is_contiguous():
+        return None
+    n = t.numel()
+    if view.is_contiguous():
+        lo = max(off, 0)
+        hi = max(lo, min(off + view.numel(), n))
+        return _Box((hi - lo,), (1,), lo, cut=(lo - off, hi - off))
+    dims = sorted((d for d in range(view.dim()) if view.shape[d] > 1), key=view.stride,
+                  reverse=True)
+    shape = tuple(view.shape[d] for d in dims)
+    stride = tuple(view.stride(d) for d in dims)
+    reach = 0  # of the dimensions inside the one at hand
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if st <= reach:
+            return None
+        reach += (size - 1) * st
+    if off < 0 or off + reach >= n:
+        return None
+    return _Box(shape, stride, off, order=tuple(dims), view_shape=tuple(view.shape))
+
+
+def _reach(x: torch.Tensor) -> int:
+    """How far past its first element the last element of ``x`` lies in its storage."""
+    return sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+
+
+def _box_slices(shape: tuple[int, ...], i0: int, i1: int) -> list[tuple[slice, ...]]:
+    """Indices of the boxes that together hold the elements at row-major positions
+    ``[i0, i1)`` of a box of ``shape``, in order: at most two per dimension."""
+    if i0 >= i1:
+        return []
+    if len(shape) == 1:
+        return [(slice(i0, i1),)]
+    inner = math.prod(shape[1:])
+    a, ra = divmod(i0, inner)
+    b, rb = divmod(i1, inner)
+    if a == b:
+        return [(slice(a, a + 1), *rest) for rest in _box_slices(shape[1:], ra, rb)]
+    out = []
+    if ra:
+        out += [(slice(a, a + 1), *rest) for rest in _box_slices(shape[1:], ra, inner)]
+        a += 1
+    if a < b:
+        out.append((slice(a, b), *(slice(0, n) for n in shape[1:])))
+    if rb:
+        out += [(slice(b, b + 1), *rest) for rest in _box_slices(shape[1:], 0, rb)]
+    return out
+
+
+def _flat_range(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``x.reshape(-1)[lo:hi]`` (a copy of those elements alone, for a strided ``x``)."""
+    parts = [x[index].reshape(-1) for index in _box_slices(tuple(x.shape), lo, hi)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# Elements of one tensor, as _BeforeAfter keeps them: ``(box, None, x)`` for the elements
+# of a :class:`_Box` (``x``: their saved bits, arranged as :meth:`_Box.take` arranges
+# them, or ``None``), or ``(None, positions, x)`` for the elements at sorted
+# ``positions`` (``x``: their saved bits, or ``None``).
+_Run = tuple["_Box | None", "torch.Tensor | None", "torch.Tensor | None"]
 
 
 def _saved_run(t: torch.Tensor, s: SavedRegion) -> _Run:
     """The elements of ``t`` that save ``s`` holds, with their saved bits (CPU)."""
-    if s.index is None and s.positions is None and _within(s.view, t):
-        values = bits(_as_dtype_of(s.flat_before(), t)).cpu()
-        return s.view.storage_offset() - t.storage_offset(), None, values
+    box = _box_of(s.view, t) if _saved_whole(s) else None
+    if box is not None:
+        return box, None, box.take(_raw(_as_dtype_of(s.before, t))).cpu()
     pos, valid = _positions(t, s.storage_index())
     values = s.flat_before()
     if not bool(valid.all()):
         values = values[valid]
-    return _sorted_run(pos, bits(_as_dtype_of(values, t)))
+    return _sorted_run(pos, _raw(_as_dtype_of(values, t)))
 
 
 def _written_run(t: torch.Tensor, s: SavedRegion) -> _Run:
     """The elements of ``t`` that the write of save ``s`` wrote."""
-    if (s.whole_view or (s.index is None and s.positions is None)) and _within(s.view, t):
-        start = s.view.storage_offset() - t.storage_offset()
-        return start, None, start + s.view.numel()
+    box = _box_of(s.view, t) if _wrote_view(s) else None
+    if box is not None:
+        return box, None, None
     pos, _ = _positions(t, s.written_index())
     return _sorted_run(pos, None)
 
@@ -1344,7 +1560,7 @@ def _sorted_run(pos: torch.Tensor, values: torch.Tensor | None) -> _Run:
     if pos.numel() > 1 and not bool((pos[1:] >= pos[:-1]).all()):
         pos, order = torch.sort(pos, stable=True)
         values = values[order] if values is not None else None
-    return 0, pos, values
+    return None, pos, values
 
 
 def _runs(runs: list[_Run]) -> list[_Run]:
@@ -1360,14 +1576,14 @@ def _runs(runs: list[_Run]) -> list[_Run]:
         elif group:
             pos = torch.cat([p for _, p, _ in group])
             if group[0][2] is None:
-                out.append((0, pos.sort().values, None))
+                out.append((None, pos.sort().values, None))
             else:
                 values = torch.cat([v for _, _, v in group])
                 pos, order = torch.sort(pos, stable=True)
                 values = values[order]
                 last = torch.ones_like(pos, dtype=torch.bool)  # the last of equal positions
                 last[:-1] = pos[1:] != pos[:-1]
-                out.append((0, pos[last], values[last]))
+                out.append((None, pos[last], values[last]))
         group.clear()
 
     for run in runs:
@@ -1799,7 +2015,13 @@ def _as_dtype_of(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion, contained: bool) -> None:
     """One saved region that no other region of ``t`` overlaps (``contained``: every
-    element of its view is an element of ``t``, see :func:`_contained`)."""
+    element of its view is an element of ``t``, see :func:`_contained`).
+
+    Reads the saved values and the values now, pair by pair: a strided view saved whole
+    (a transposed one, say) a block of ``_BLOCK`` elements at a time on the CPU, never
+    copied whole. A region reaching outside ``t`` is cut to ``t``'s elements: a view
+    saved whole as a :class:`_Box` of ``t`` where it is one (no index), else through
+    storage offsets (8 bytes per saved element)."""
     if contained and s.diff_stats is not None and s.view_sum_squares is not None:
         # Measured while writing (patchkit.native): nothing to read again.
         changed, sum_abs, sum_d2, max_abs = s.diff_stats
@@ -1810,40 +2032,72 @@ def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion, contained: bool) -
         acc.max_abs = max(acc.max_abs, max_abs)
         acc.sum_b2 += s.view_sum_squares
         return
-    inside = _within(s.view, t)
-    if inside:
-        b, a = s.flat_before(), s.current()  # every saved element lies in ``t``
+    whole = _saved_whole(s)
+    box = None
+    if contained or _within(s.view, t):  # every saved element lies in ``t``
+        b, a = (s.before, s.view) if whole else (s.flat_before(), s.current())
+    elif whole and (box := _box_of(s.view, t)) is not None:
+        b, a = box.take(s.before), box.take(s.view)
     else:
         _, valid = _positions(t, s.storage_index())
         b, a = s.flat_before()[valid], s.current()[valid]
     b, a = _as_dtype_of(b, t), _as_dtype_of(a, t)
-    acc.add_pairs(b, a)
-    if s.index is None or not s.whole_view:
-        # The saved elements are exactly the written ones (a whole view, or NaN-merged).
-        acc.elements += int(b.numel())
-        if contained and s.view_sum_squares is not None:
-            acc.sum_b2 += s.view_sum_squares
-        else:
-            acc.add_squares(b)
+    # A compared dense copy that saved only what it changed summed the squares of its
+    # whole view before it wrote (the caller checked that the view lies in ``t``); the
+    # other saves hold exactly the written elements (a whole view, or NaN-merged).
+    compact = s.index is not None and s.whole_view
+    measured = compact or (contained and s.view_sum_squares is not None)
+    for bp, ap in _flat_pairs(b, a):
+        acc.add_pairs(bp, ap)
+        if not measured:
+            acc.add_squares(bp)
+    acc.elements += s.view.numel() if compact else b.numel()
+    if measured:
+        acc.sum_b2 += float(s.view_sum_squares)
+
+
+def _flat_pairs(b: torch.Tensor, a: torch.Tensor):
+    """``b`` and ``a`` (one shape) as pairs of 1-D tensors, in row-major order: whole
+    where both flatten without a copy, or on a device (whose passes take big blocks);
+    else ``_BLOCK`` elements at a time, so that a strided view is never copied whole."""
+    if (b.is_contiguous() and a.is_contiguous()) or host_waits(a.device):
+        yield b.reshape(-1), a.reshape(-1)
         return
-    # A compared dense copy saved only what it changed; it summed the squares of its
-    # whole view before it wrote (the caller checked that the view lies in ``t``).
-    acc.elements += s.view.numel()
-    acc.sum_b2 += float(s.view_sum_squares)
+    n = b.numel()
+    for lo in range(0, n, _BLOCK):
+        hi = min(n, lo + _BLOCK)
+        yield _flat_range(b, lo, hi), _flat_range(a, lo, hi)
 
 
 def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: Sequence[SavedRegion]) -> None:
-    """Regions of ``t`` that overlap: rebuild ``t``'s before-values (oldest save wins) and
-    its written mask, then count over the written elements. O(numel(t)) scratch."""
+    """Regions of ``t`` that overlap: ``t``'s values before the load (where saves
+    overlap, the oldest save's) and where the load wrote it, then the numbers over the
+    written elements.
+
+    Scratch: for a contiguous ``t`` on the CPU, ``_BLOCK`` elements at a time (a few MiB,
+    read through :class:`_BeforeAfter`), whatever the size of ``t``, plus the positions
+    of the elements saved or written other than as whole views (compact saves,
+    NaN-merges: about 8 bytes per saved element, in proportion to what the load
+    changed); a view saved or written whole costs nothing per element. On a device (see
+    :func:`~patchkit.bitwise.host_waits`), or for a ``t`` that is not contiguous, a copy
+    of ``t`` and a 1-byte mask of its elements, plus the storage offsets that
+    :func:`_put_back` takes there."""
+    n = t.numel()
+    if t.is_contiguous() and not host_waits(t.device):
+        reader = _BeforeAfter(t, t, regions, whole=False)
+        for lo in range(0, n, _BLOCK):
+            b, a, written = reader.read(lo, min(n, lo + _BLOCK))
+            if written is not None:
+                b, a = b[written], a[written]
+            acc.elements += b.numel()
+            acc.add_squares(b)
+            acc.add_pairs(b, a)
+        return
     flat_now = t.detach().reshape(-1)
     before = flat_now.clone()
-    written = torch.zeros(t.numel(), dtype=torch.bool, device=t.device)
-    for s in reversed(regions):
-        pos, valid = _positions(t, s.storage_index())
-        bits(before)[pos] = bits(_as_dtype_of(s.flat_before()[valid], t))
-    for s in regions:
-        wpos, _ = _positions(t, s.written_index())
-        written.index_fill_(0, wpos, True)
+    written = torch.zeros(n, dtype=torch.bool, device=t.device)
+    _put_back(before, t, regions[::-1])
+    _mark_written(written, t, regions)
     b, a = before[written], flat_now[written]
     acc.elements += b.numel()
     acc.add_squares(b)

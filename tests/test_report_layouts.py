@@ -1,0 +1,396 @@
+"""A report's ``before()``, ``written()``, ``deltas`` and the reads ``plot_delta`` makes, for
+writes through views of every layout a loader uses, against a snapshot taken before the
+load; and what rebuilding them costs: views saved or written whole are addressed as
+boxes of their tensor, with no index array of the tensor's size (see
+``patchkit.inspect._Box``)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import patchkit.inspect as pk_inspect
+import patchkit.intercept as pk_intercept
+from patchkit import CheckpointWeightPatch, inspect_load, native
+from patchkit.bitwise import bits, device_passes
+from patchkit.intercept import _storage_offsets
+
+
+class Flat(torch.nn.Module):
+    """Runtime tensors that are views of one flat storage (``params``: name ->
+    ``(offset, shape, stride)``); ``load_weights`` writes each patch through the view its
+    name is given in ``writes`` (the same kind of triple), with ``copy_``."""
+
+    def __init__(self, size, params, writes, dtype, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.flat = torch.randn(size, generator=g).to(dtype)  # (not a runtime tensor)
+        self.writes = writes
+        for name, (off, shape, stride) in params.items():
+            self.register_parameter(name, torch.nn.Parameter(
+                self.flat.as_strided(shape, stride, off), requires_grad=False))
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            off, shape, stride = self.writes[name]
+            self.flat.as_strided(shape, stride, off).copy_(t)
+        return {n for n, _ in weights}
+
+
+R, C = 48, 40  # a view of 48 x 40 float32 is 7.5 KiB: the compiled path saves it whole
+R2, C2 = 96, 80  # ... and of 96 x 80, 30 KiB: compact where few elements change
+
+# name: (storage size, runtime tensors, writes in the order sent)
+LAYOUTS = {
+    # param.data.t().copy_(w): a dense write through a transposed view
+    "transposed": (R2 * C2, {"w": (0, (C2, R2), (R2, 1))},
+                   [("w", (0, (R2, C2), (1, R2)))]),
+    # one name sent twice: two saves of one view
+    "repeated": (R2 * C2, {"w": (0, (R2, C2), (C2, 1))},
+                 [("w", (0, (R2, C2), (C2, 1))), ("w", (0, (R2, C2), (C2, 1)))]),
+    # gate and up in the halves of the columns of one fused matrix
+    "columns": (R2 * 2 * C2, {"gate_up": (0, (R2, 2 * C2), (2 * C2, 1))},
+                [("gate", (0, (R2, C2), (2 * C2, 1))), ("up", (C2, (R2, C2), (2 * C2, 1)))]),
+    # gate and up interleaved: param[0::2] and param[1::2]
+    "interleaved": (2 * R2 * C2, {"gate_up": (0, (2 * R2, C2), (C2, 1))},
+                    [("gate", (0, (R2, C2), (2 * C2, 1))), ("up", (C2, (R2, C2), (2 * C2, 1)))]),
+    # three tensors in one flat storage: a write over the middle one and half of the next,
+    # a transposed write into the last, a small one into the first
+    "shared": (3 * R * C, {"a": (0, (R, C), (C, 1)), "b": (R * C, (R, C), (C, 1)),
+                           "c": (2 * R * C, (R, C), (C, 1))},
+               [("bc", (R * C, (R + R // 2, C), (C, 1))),
+                ("c", (2 * R * C, (C, R), (1, C))),
+                ("a", (C, (2, C), (C, 1)))]),
+    # a column block, then rows across it, then the whole tensor transposed: overlapping
+    "crossing": (R2 * C2, {"w": (0, (R2, C2), (C2, 1))},
+                 [("cols", (3, (R2, 5), (C2, 1))), ("rows", (10 * C2, (7, C2), (C2, 1))),
+                  ("all", (0, (C2, R2), (1, C2)))]),
+    # a runtime tensor that is not contiguous (kept transposed), written whole and in part
+    "strided": (R * C, {"w": (0, (C, R), (1, C))},
+                [("w", (0, (C, R), (1, C))), ("part", (2 * C, (5, R - 2), (1, C)))]),
+}
+
+PATHS = {
+    "compiled": contextlib.nullcontext,
+    "torch ops": native.disabled,
+    "device passes": lambda: _both(native.disabled(), device_passes()),  # a GPU's, on the CPU
+}
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
+
+
+def _patches(model, writes, share, dtype, seed):
+    """A dense patch per write: the view's values now, ``share`` of them changed."""
+    g = torch.Generator().manual_seed(seed)
+    ps = []
+    for name, (off, shape, stride) in writes:
+        now = model.flat.as_strided(shape, stride, off).float()
+        new = torch.where(torch.rand(shape, generator=g) < share,
+                          torch.randn(shape, generator=g), now)
+        ps.append(CheckpointWeightPatch(name, shape, dtype, new.to(dtype).reshape(-1)))
+    return ps
+
+
+def _expected_written(size, params, writes):
+    flat = torch.zeros(size, dtype=torch.bool)
+    for _, (off, shape, stride) in writes:
+        flat.as_strided(shape, stride, off).fill_(True)
+    return {n: flat.as_strided(shape, stride, off).clone() for n, (off, shape, stride)
+            in params.items()}
+
+
+def _read_all(reader, n, step):
+    """What plot_delta reads: the whole tensor, ``step`` elements at a time."""
+    befores, afters, written = [], [], []
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        b, a, w = reader.read(lo, hi)
+        befores.append(b.clone())
+        afters.append(a.clone())
+        written.append(torch.arange(lo, hi) if w is None else w + lo)
+    return torch.cat(befores), torch.cat(afters), torch.cat(written)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("share", [0.03, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_report_rebuilds_every_layout_bit_for_bit(layout, dtype, share, path):
+    size, params, writes = LAYOUTS[layout]
+    model = Flat(size, params, dict(writes), dtype)
+    snap = {n: t.detach().clone() for n, t in model.named_parameters()}
+    flat_before = model.flat.clone()
+    patches = _patches(model, writes, share, dtype, seed=1)
+    with PATHS[path]():
+        r = inspect_load(model, patches)
+    expected = _expected_written(size, params, writes)
+    # the load wrote where the writes say, and only there
+    outside = ~_expected_written(size, {"all": (0, (size,), (1,))}, writes)["all"]
+    assert torch.equal(bits(model.flat)[outside], bits(flat_before)[outside])
+    _check(r, model, snap, expected)
+
+
+def _check(r, model, snap, expected):
+    """``r``'s before(), written(), deltas and plot_delta reads against the snapshot
+    ``snap`` taken before the load and the ``expected`` written masks."""
+    for name, before in snap.items():
+        after = getattr(model, name).detach()
+        mask = expected[name]
+        assert torch.equal(bits(r.before(name)), bits(before)), name
+        assert r.before(name).is_contiguous()
+        assert torch.equal(r.written(name), mask), name
+        if mask.any():
+            row = r.deltas.loc[name]
+            d = (after.double() - before.double())[mask]
+            assert row["elements"] == int(mask.sum())
+            assert row["changed"] == int((bits(after) != bits(before))[mask].sum())
+            assert row["max_abs"] == pytest.approx(float(d.abs().max()), rel=1e-5)
+            assert row["mean_abs"] == pytest.approx(float(d.abs().mean()), rel=1e-5)
+            norm = float(before.double()[mask].norm())
+            assert row["rel_l2"] == pytest.approx(float(d.norm()) / norm, rel=1e-5)
+        else:
+            assert name not in r.deltas.index
+        # plot_delta's reads, in pieces that cut rows and boxes anywhere
+        n = before.numel()
+        for step in (7, 100, n):
+            b, a, w = _read_all(r._before_after(name), n, step)
+            assert torch.equal(bits(b), bits(before.reshape(-1)))
+            assert torch.equal(bits(a), bits(after.reshape(-1)))
+            assert torch.equal(w, torch.nonzero(mask.reshape(-1)).reshape(-1))
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("few_first", [True, False])
+@pytest.mark.parametrize("layout", ["transposed", "columns", "interleaved"])
+def test_compact_and_whole_saves_of_one_view_rebuild_bit_for_bit(layout, few_first, path):
+    # One name sent twice: a write that changes few elements (saved with their offsets:
+    # a run of positions) and one that changes them all (saved whole: a box), overlapping
+    # in one tensor; the oldest save wins.
+    size, params, writes = LAYOUTS[layout]
+    writes = [writes[0], writes[0]]
+    model = Flat(size, params, dict(writes), torch.float32)
+    snap = {n: t.detach().clone() for n, t in model.named_parameters()}
+    (every,) = _patches(model, writes[:1], 1.0, torch.float32, seed=8)
+    (few,) = _patches(model, writes[:1], 0.02, torch.float32, seed=7)
+    if not few_first:  # a few changes to what the first write leaves
+        g = torch.Generator().manual_seed(9)
+        values = every.values.clone()
+        at = torch.rand(values.shape, generator=g) < 0.02
+        values[at] = torch.randn(int(at.sum()), generator=g)
+        few = CheckpointWeightPatch(every.name, every.shape, every.dtype, values)
+    with PATHS[path]():
+        r = inspect_load(model, [few, every] if few_first else [every, few])
+    if path != "device passes":
+        whole = [s.index is None for s in r._saved]
+        assert whole == ([False, True] if few_first else [True, False])
+    _check(r, model, snap, _expected_written(size, params, writes))
+
+
+def _reference(view, t):
+    """Positions in contiguous ``t`` of ``view``'s elements (in its row-major order), and
+    which of them lie in ``t``: by the storage offsets of every element."""
+    pos = _storage_offsets(view, None) - t.storage_offset()
+    return pos, (pos >= 0) & (pos < t.numel())
+
+
+def _random_view(t, storage, rng):
+    """A view a loader could write: a slice with steps of ``t`` (or of the storage around
+    it), its dimensions in any order; or the storage's elements as rows of any length."""
+    kind = rng.random()
+    if kind < 0.2:  # a contiguous run, maybe reaching over t's edges
+        lo = rng.randrange(storage.numel())
+        return storage[lo:lo + rng.randrange(1, storage.numel() - lo + 1)]
+    base = t if kind < 0.8 else storage.as_strided(  # t and a row either side of it
+        (t.shape[0] + 2, *t.shape[1:]), t.stride(), t.storage_offset() - t.stride(0))
+    index = []
+    for n in base.shape:
+        a = rng.randrange(n)
+        b = rng.randrange(a + 1, n + 1)
+        index.append(slice(a, b, rng.choice([1, 1, 2, 3])))
+    view = base[tuple(index)]
+    dims = list(range(view.dim()))
+    rng.shuffle(dims)
+    return view.permute(dims)
+
+
+def test_boxes_address_exactly_the_elements_the_storage_offsets_give():
+    from patchkit.inspect import _box_of
+
+    rng = random.Random(0)
+    boxes = 0
+    for _ in range(400):
+        shape = tuple(rng.randrange(1, 7) for _ in range(rng.randrange(1, 4)))
+        n = 1
+        for d in shape:
+            n *= d
+        pad = rng.randrange(0, 9) + n // shape[0]  # (a row of t, at least)
+        storage = torch.arange(n + 2 * pad, dtype=torch.int32)
+        t = storage[pad:pad + n].view(shape)
+        view = _random_view(t, storage, rng)
+        box = _box_of(view, t)
+        pos, inside = _reference(view, t)
+        if box is None:
+            # only a strided view that reaches outside t goes by offsets
+            assert not view.is_contiguous() and not bool(inside.all())
+            continue
+        boxes += 1
+        values = torch.arange(1, view.numel() + 1, dtype=torch.int32)
+        for lo, hi in [(0, n), *((a, rng.randrange(a, n + 1)) for a in
+                                 (rng.randrange(n + 1) for _ in range(4)))]:
+            at = inside & (pos >= lo) & (pos < hi)
+            assert box.count(lo, hi) == int(at.sum())
+            want = torch.zeros(hi - lo, dtype=torch.int32)
+            want[pos[at] - lo] = values[at]
+            got = torch.zeros(hi - lo, dtype=torch.int32)
+            box.put(got, box.take(values.view(view.shape)), lo)
+            assert torch.equal(got, want), (tuple(view.shape), view.stride(), lo, hi)
+            mask = torch.zeros(hi - lo, dtype=torch.bool)
+            box.fill(mask, lo)
+            assert torch.equal(mask, want != 0)
+    assert boxes > 300
+
+
+class _Recorded(TorchDispatchMode):
+    """Records the dtype and size of every tensor an op makes (not a view or an input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor)}
+        for o in tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in given:
+                self.made[(o.dtype, o.numel())] += 1
+        return out
+
+    def largest(self, dtype=None):
+        return max((n for d, n in self.made if dtype is None or d == dtype), default=0)
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch ops", "device passes"])
+@pytest.mark.parametrize("layout", ["transposed", "repeated", "columns", "interleaved",
+                                    "shared", "crossing"])
+def test_views_written_whole_are_rebuilt_without_an_index_of_their_size(
+    monkeypatch, layout, path
+):
+    # Rebuilding what a dense load saved built int64 storage offsets of every element of
+    # each view saved or written whole (about 46 bytes per element for two saves of one
+    # tensor: 756 MiB for 32 MiB of bfloat16). Now such views are addressed as boxes.
+    size, params, writes = LAYOUTS[layout]
+    model = Flat(size, params, dict(writes), torch.float32)
+    patches = _patches(model, writes, 1.0, torch.float32, seed=2)  # every element changes
+    smallest = min(t.numel() for t in model.parameters())
+    indices: list[int] = []
+    for module, name in ((pk_intercept, "_storage_offsets"), (pk_inspect, "_storage_offsets"),
+                         (pk_inspect, "_positions")):
+        original = getattr(module, name)
+
+        def recording(*a, _original=original):
+            out = _original(*a)
+            indices.append(max(x.numel() for x in tree_leaves(out) if x.dtype == torch.int64))
+            return out
+
+        monkeypatch.setattr(module, name, recording)
+    recorded = _Recorded()
+    delta_rows = pk_inspect._delta_rows
+
+    def measured(*a):
+        with recorded:
+            return delta_rows(*a)
+
+    monkeypatch.setattr(pk_inspect, "_delta_rows", measured)
+    with PATHS[path]():
+        r = inspect_load(model, patches)
+        assert len(r.deltas)
+        with recorded:
+            for name, t in model.named_parameters():
+                assert r.before(name).shape == t.shape
+                r.written(name)
+                reader = r._before_after(name)  # plot_delta's reads
+                for lo in range(0, t.numel(), 500):
+                    reader.read(lo, min(t.numel(), lo + 500))
+    assert max(indices, default=0) < smallest // 4
+    assert recorded.largest(torch.int64) < smallest // 4
+
+
+def test_the_statistics_of_overlapping_writes_work_in_blocks(monkeypatch):
+    # Two saves of one tensor (a name sent twice) made the statistics rebuild the whole
+    # tensor: a copy, a mask and int64 offsets of every element. Now they read it a block
+    # at a time: no tensor they make holds more than a few blocks' elements.
+    monkeypatch.setattr(pk_inspect, "_BLOCK", 1024)
+    n = 256 * 128
+    for share in (0.02, 1.0):
+        model = Flat(n, {"w": (0, (256, 128), (128, 1))},
+                     {"w": (0, (256, 128), (128, 1))}, torch.bfloat16)
+        first = _patches(model, [("w", (0, (256, 128), (128, 1)))], share, torch.bfloat16, 3)
+        second = _patches(model, [("w", (0, (256, 128), (128, 1)))], share, torch.bfloat16, 4)
+        recorded = _Recorded()
+        delta_rows = pk_inspect._delta_rows
+
+        def measured(*a, _rows=delta_rows, _rec=recorded):
+            with _rec:
+                return _rows(*a)
+
+        monkeypatch.setattr(pk_inspect, "_delta_rows", measured)
+        before = model.w.detach().clone()
+        r = inspect_load(model, first + second)
+        monkeypatch.setattr(pk_inspect, "_delta_rows", delta_rows)
+        changed = int((bits(model.w) != bits(before)).sum())
+        assert r.deltas.loc["w", "elements"] == n and r.deltas.loc["w", "changed"] == changed
+        # the positions of a compact save (in proportion to what changed), else blocks
+        saved = int(share * 2 * n) if share < 1 else 0
+        assert recorded.largest() <= max(4 * 1024, 2 * saved)
+
+
+def test_a_dense_write_over_neighbours_in_one_storage_leaves_their_numbers_alone():
+    # A write through a view over b and half of c (one flat storage): each tensor gets its
+    # own part, a neither; before() of a is its own values, untouched.
+    size, params, writes = LAYOUTS["shared"]
+    model = Flat(size, params, {"bc": writes[0][1]}, torch.float32)
+    snap = {n: t.detach().clone() for n, t in model.named_parameters()}
+    r = inspect_load(model, _patches(model, writes[:1], 1.0, torch.float32, seed=5))
+    assert r.deltas["elements"].to_dict() == {"b": R * C, "c": R * C // 2}
+    assert not r.written("a").any() and r.written("b").all()
+    assert r.written("c")[: R // 2].all() and not r.written("c")[R // 2:].any()
+    for name, t in snap.items():
+        assert torch.equal(bits(r.before(name)), bits(t))
+
+
+def test_patchkit_reports_the_same_numbers_for_a_transposed_destination_as_for_a_plain_one():
+    # The same values written through param.data.t() and into a transposed copy of the
+    # parameter, which the plain write fills: the same numbers, bit for bit where exact.
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(R2, C2, generator=g)
+    new = torch.where(torch.rand(R2, C2, generator=g) < 0.5, torch.randn(R2, C2, generator=g), w)
+    p = CheckpointWeightPatch("w", (R2, C2), torch.float32, new.reshape(-1).clone())
+    for path in PATHS.values():
+        with path():
+            model = Flat(R2 * C2, {"w": (0, (R2, C2), (C2, 1))},
+                         {"w": (0, (R2, C2), (C2, 1))}, torch.float32)
+            with torch.no_grad():
+                model.w.copy_(w)
+            plain = inspect_load(model, [p])
+            model = Flat(R2 * C2, {"w": (0, (C2, R2), (R2, 1))},
+                         {"w": (0, (R2, C2), (1, R2))}, torch.float32)
+            with torch.no_grad():
+                model.w.copy_(w.t())
+            transposed = inspect_load(model, [p])
+        a, b = plain.deltas.loc["w"], transposed.deltas.loc["w"]
+        assert (a["elements"], a["changed"]) == (b["elements"], b["changed"])
+        for k in ("max_abs", "mean_abs", "rel_l2"):
+            assert a[k] == pytest.approx(b[k], rel=1e-9)
+        assert torch.equal(transposed.before("w"), w.t())
+
