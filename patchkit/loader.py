@@ -122,8 +122,7 @@ def run_load(
     """
     with torch.no_grad():
         patches = [_as_patch(p) for p in patch_list(patches)]  # read first (CONTRACT)
-        check_flag(validate_unique_indices, "validate_unique_indices")
-        check_flag(transactional, "transactional")
+        check_flag(transactional, "transactional")  # (validate_patches checks the other)
         kind = validate_patches(
             patches,
             max_chunk_bytes=max_chunk_bytes,
