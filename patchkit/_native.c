@@ -286,15 +286,21 @@ static inline void pk_stat(pk_acc *acc, double d) {
  * machines and dtypes do no elements here.
  *
  * The list of a window is built from its masks' nonzero bytes only: a window of a few
- * changes costs a table look-up for each such byte, not four for every group. The
- * bfloat16 lane squares its old values in float (exact: 8-bit significands) and sums
- * them in float within the window (16 terms a lane: at most 1e-6 relative error), then
- * in double; pk_compact_bf16 sums a run again in double when float could not hold its
- * squares (PK_TINY_bf16, and the finite check). */
+ * changes costs a table look-up for each such byte, not four for every group. What a
+ * window costs beyond its elements is about two mispredicted branches (the ends of the
+ * loop over those bytes and of the walk), so a window is 1024 elements: at 512, a 1-2 %
+ * change spent a third of its time on them (single-thread A/B on 1 M elements in cache:
+ * bfloat16 at 2 %, 120 -> 87 us; float32 alike); at 2048, a 10 % change streaming from
+ * memory got slower, its walk too long for the prefetches ahead. The bfloat16 lane
+ * squares its old values in float (exact: 8-bit significands) and sums them in float
+ * over 16 groups (16 terms a lane: at most 1e-6 relative error), then in double;
+ * pk_compact_bf16 sums a run again in double when float could not hold its squares
+ * (PK_TINY_bf16, and the finite check). */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#define PK_W 512 /* elements per window */
+#define PK_W 1024          /* elements per window */
+#define PK_WG (PK_W / 32) /* its groups (a multiple of 16) */
 /* b2 of a run below this is summed again in double (pk_b2), and the statistics of a whole
  * run whose squared differences sum below it measured again in double: the bfloat16 lanes
  * square in float, where squares of values below about 1e-19 lose bits or vanish. (A run
@@ -341,18 +347,22 @@ static inline int pk_append8(int32_t *list, int cnt, uint32_t byte, int32_t base
 }
 
 /* The positions of the set bits of a window's masks (mask g covers elements 32g..32g+31;
- * 16 masks, those past the window zero) to list[0...]; their number. The masks' nonzero
- * bytes are found first (two compares of the 64 bytes), so a window with a few changes
- * spends a table look-up on each of those bytes and on nothing else. */
-static inline int pk_window_list(int32_t *list, const uint32_t masks[16]) {
+ * PK_WG masks, those past the window zero) to list[0...]; their number. The masks'
+ * nonzero bytes are listed first (two compares of each 64 bytes, in loops of a fixed
+ * length), so a window with a few changes spends a table look-up on each of those bytes
+ * and on nothing else, in one loop of a varying length. */
+static inline int pk_window_list(int32_t *list, const uint32_t masks[PK_WG]) {
     const uint8_t *b = (const uint8_t *)masks;
     const __m256i zero = _mm256_setzero_si256();
-    uint64_t nz = ~(uint64_t)(
-        (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(pk_load(b), zero)) |
-        (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(pk_load(b + 32), zero)) << 32);
-    int32_t bytes[64 + 8];
+    int32_t bytes[4 * PK_WG + 8];
     int nb = 0, cnt = 0;
-    for (int q = 0; q < 8; q++) nb = pk_append8(bytes, nb, nz >> (8 * q) & 255, 8 * q);
+    for (int h = 0; h < 4 * PK_WG; h += 64) {
+        uint64_t nz = ~(uint64_t)(
+            (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(pk_load(b + h), zero)) |
+            (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(pk_load(b + h + 32), zero))
+                << 32);
+        for (int q = 0; q < 8; q++) nb = pk_append8(bytes, nb, nz >> (8 * q) & 255, h + 8 * q);
+    }
     for (int t = 0; t < nb; t++) cnt = pk_append8(list, cnt, b[bytes[t]], 8 * bytes[t]);
     return cnt;
 }
@@ -379,13 +389,18 @@ static inline double pk_hsum(__m256d a, __m256d b, __m256d c, __m256d e) {
         int64_t start = j, end = n - j > PK_W ? j + PK_W : n;                                \
         __m256d w0 = _mm256_setzero_pd(), w1 = w0, w2 = w0, w3 = w0;                         \
         __m256 v0 = _mm256_setzero_ps(), v1 = v0, v2 = v0, v3 = v0; /* float squares (bf16) */ \
-        uint32_t masks[16] = {0};                                                            \
+        uint32_t masks[PK_WG] = {0};                                                         \
         for (int g = 0; j + 32 <= end; j += 32, g++) {                                       \
             uint32_t m;                                                                      \
             _mm_prefetch((const char *)(d + j + PK_AHEAD), _MM_HINT_T0);                     \
             _mm_prefetch((const char *)(s + j + PK_AHEAD), _MM_HINT_T0);                     \
             GROUP(j);                                                                        \
             masks[g] = m;                                                                    \
+            if ((g & 15) == 15) { /* (bfloat16: 16 terms a float lane) */                    \
+                PK_ADD8(_mm256_add_ps(v0, v1), w0, w1);                                      \
+                PK_ADD8(_mm256_add_ps(v2, v3), w2, w3);                                      \
+                v0 = v1 = v2 = v3 = _mm256_setzero_ps();                                     \
+            }                                                                                \
         }                                                                                    \
         int cnt = pk_window_list(list, masks);                                               \
         if (k + cnt > cap) { /* the portable loop finds where the room ends */               \
