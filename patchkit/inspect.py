@@ -1638,7 +1638,8 @@ def _build_report(
     removed: tuple[str, ...] = ()
     heirs: dict[str, str] = {}  # first name -> the alias that holds its original tensor now
     if index is not None:
-        gone = index.replaced() + index.replaced_aliases()  # (nothing to walk when empty)
+        # (nothing to walk when empty; one look when the tree is as the index found it)
+        gone = [] if index.unchanged() else index.replaced() + index.replaced_aliases()
         if gone:
             now = dict(named_tensors(model))
             removed = tuple(n for n in gone if n not in now)

@@ -194,6 +194,11 @@ class _Owner(NamedTuple):
 
 
 _REGISTRY_NAMES = ("_parameters", "_buffers", "_modules")
+# Tensor methods as plain functions, for checks over every runtime tensor that run as C
+# loops (``map``) and not as Python ones.
+_DETACH = torch.Tensor.detach
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CUDA = operator.attrgetter("is_cuda")
 _ATTRIBUTES = operator.attrgetter("__dict__")
 _MODULE_WALK = (
     torch.nn.Module.named_modules,
@@ -412,7 +417,7 @@ class RuntimeIndex:
 
         Compare with :meth:`rebound` after a loader call to notice ``param.data = w``.
         """
-        return {n: t.detach() for n, t in self.tensors.items()}
+        return dict(zip(self.tensors, map(_DETACH, self.tensors.values())))
 
     def rebound(self, bindings: dict[str, torch.Tensor]) -> list[str]:
         """Names whose storage is no longer the one recorded in ``bindings``."""
@@ -426,11 +431,36 @@ class RuntimeIndex:
     def _columns(self) -> tuple:
         """The slots as columns, for checks that run as C loops (``map``) and not as
         Python ones: (link registries, keys, children), (tensor registries, keys,
-        tensors), (empty-slot registries, keys)."""
+        tensors), (empty-slot registries, keys), (alias registries, keys, the tensor each
+        alias names)."""
         links = tuple(zip(*self._links)) or ((), (), ())
         slots = tuple(zip(*((reg, key, self.tensors[n]) for n, reg, key in self._slots or ())))
         empty = tuple(zip(*self._empty_slots)) or ((), ())
-        return links, slots or ((), (), ()), empty
+        aliases = tuple(zip(*((reg, key, self.tensors[self.aliases[n]])
+                              for n, reg, key in self._alias_slots)))
+        return links, slots or ((), (), ()), empty, aliases or ((), (), ())
+
+    def unchanged(self) -> bool:
+        """Whether the module tree is as the index found it, in all that
+        :meth:`replaced`, :meth:`replaced_aliases` and :meth:`added` look at: the
+        same module attributes and registry dicts, every submodule, tensor and alias in
+        its slot, every registry of its size, every empty slot empty. Then all three are
+        empty, known at the cost of one look (a load checks after each call, and most
+        calls change nothing); ``False`` only says that they have to look closer (always,
+        for a tree :func:`_module_tree` leaves to torch)."""
+        if self._slots is None:
+            return False
+        links, slots, empty, aliases = self._columns
+        return (
+            self._same_registries()
+            and all(map(operator.is_, map(dict.get, links[0], links[1]), links[2]))
+            and tuple(map(len, self._registries)) == self._sizes
+            and all(map(operator.is_, map(dict.get, slots[0], slots[1]), slots[2]))
+            and all(map(operator.is_, map(dict.get, aliases[0], aliases[1]), aliases[2]))
+            # (a key gone reads as its registry: not None)
+            and list(map(dict.get, empty[0], empty[1], empty[0])).count(None) == len(empty[1])
+            and not any(map(operator.contains, *self._beside_places))
+        )
 
     def _same_registries(self) -> bool:
         """Every module the index listed holds the registry dicts it held (no
@@ -1409,7 +1439,7 @@ class WriteSession:
         # under a new name: name -> the tensor's first name (no write)
         self.registered: dict[str, torch.Tensor] = {}
         self.ties: dict[str, str] = {}
-        self._binding_ptrs: dict[str, int] | None = None
+        self._binding_ptrs: list[int] | None = None  # (see _note_rebinding)
 
     # -- one load_weights call -------------------------------------------------------
 
@@ -1487,11 +1517,15 @@ class WriteSession:
 
     def _gpus(self, staged: Sequence[tuple[str, torch.Tensor]]) -> set[torch.device]:
         """The CUDA devices of the model's tensors (found once per load) and of ``staged``:
-        those a recorded call's time waits for."""
+        those a recorded call's time waits for. (``is_cuda`` first: a tensor's ``device``
+        is a new object each time it is read.)"""
         if self._model_gpus is None:
-            self._model_gpus = {t.device for t in self.index.tensors.values()
-                                if t.device.type == "cuda"}
-        return self._model_gpus | {t.device for _, t in staged if t.device.type == "cuda"}
+            tensors = self.index.tensors.values()
+            self._model_gpus = ({t.device for t in tensors if t.is_cuda}
+                                if any(map(_IS_CUDA, tensors)) else set())
+        if not any(_IS_CUDA(t) for _, t in staged):
+            return self._model_gpus
+        return self._model_gpus | {t.device for _, t in staged if t.is_cuda}
 
     def _note_rebinding(self) -> None:
         """After a watched dense call: a runtime tensor whose storage the call replaced
@@ -1500,11 +1534,15 @@ class WriteSession:
         tensor (op ``"rebind"``, its source the new data: a staged tensor names its
         patch) and keep the tensor now in :attr:`rebound`; its values before the load are
         those of the original storage, which the bindings still hold."""
-        if self._binding_ptrs is None:
-            self._binding_ptrs = {n: t.data_ptr() for n, t in self._bindings.items()}
+        tensors = self.index.tensors
+        if self._binding_ptrs is None:  # (in the order of the index's tensors)
+            self._binding_ptrs = list(map(_DATA_PTR, map(self._bindings.get, tensors)))
         # (the original storages are alive in the bindings: new data has another address)
-        ptrs = self._binding_ptrs
-        rebound = {n: t for n, t in self.index.tensors.items() if t.data_ptr() != ptrs[n]}
+        ptrs = list(map(_DATA_PTR, tensors.values()))
+        if ptrs == self._binding_ptrs and self.index.unchanged():
+            return  # (the common case: nothing rebound, replaced or registered)
+        rebound = {n: t for (n, t), now, then in zip(tensors.items(), ptrs, self._binding_ptrs)
+                   if now != then}
         found = dict(rebound)
         with self.index.one_look():
             replaced = self.index.replaced()
@@ -1622,9 +1660,12 @@ class WriteSession:
             )
         # Each may hold the staged NaN: all are undone before the first is raised.
         # (a tied tensor's other name counts too: a new tensor there unties it)
-        with self.index.one_look(registries=True):
-            replaced = self.index.replaced() + self.index.replaced_aliases()
-            named = self.index.added_tensors(replaced)
+        if self.index.unchanged():  # (the common case, at the cost of one look)
+            replaced, named = [], []
+        else:
+            with self.index.one_look(registries=True):
+                replaced = self.index.replaced() + self.index.replaced_aliases()
+                named = self.index.added_tensors(replaced)
         added = [n for n, _ in named]
         if added:  # (a known tensor tied under a new name holds no staged values)
             ties = self.index.ties_among(named)
