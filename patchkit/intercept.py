@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import math
 import operator
 import sys
@@ -318,6 +319,9 @@ class RuntimeIndex:
         self._by_key: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.aliases: dict[str, str] = {}
+        # The aliases among the parameters alone, each with the parameter's first name:
+        # what CONTRACT §6 renames (see patchkit.loader.canonicalize_tied).
+        self.tied_parameters: dict[str, str] = {}
         first: dict[int, str] = {}
         mods = _module_tree(model)
         # Where each tensor is registered, and the tree's links, for replaced(): checked
@@ -357,23 +361,26 @@ class RuntimeIndex:
         if mods is None:
             params = list(model.named_parameters(remove_duplicate=False))
             self._parameter_names = {n for n, _ in params}
-            walked = [(n, t, None, None)
-                      for n, t in params + list(model.named_buffers(remove_duplicate=False))]
+            params = [(n, t, None, None) for n, t in params]
+            buffers = [(n, t, None, None) for n, t in model.named_buffers(remove_duplicate=False)]
             held = None
         else:
-            walked = _tensors_of(mods, True, registries=True)
+            params = _tensors_of(mods, False, registries=True)
+            buffers = _tensors_of(mods, None, registries=True)
             self._parameter_names = None  # (read from the slots' registries when needed)
             self._slots = []
-            held = len(walked) + len(self._links)
+            held = len(params) + len(buffers) + len(self._links)
         self._empty_slots: list[tuple[dict, str]] = (
             [] if sum(self._sizes) == held  # (no slot is None: nothing to look for)
             else [(d, k) for d in self._registries for k, v in d.items() if v is None]
         )
-        for name, t, registry, key in walked:
+        for k, (name, t, registry, key) in enumerate(itertools.chain(params, buffers)):
             if id(t) in first:
                 if first[id(t)] == name:  # (listed twice, by a listing of a module's own)
                     continue
                 self.aliases[name] = first[id(t)]
+                if k < len(params):  # (parameters come first: its first name is one too)
+                    self.tied_parameters[name] = first[id(t)]
                 if self._slots is not None:
                     self._alias_slots.append((name, registry, key))
                 continue
@@ -1397,8 +1404,10 @@ class WriteSession:
         save_regions: bool = False,
         recorder: WriteRecorder | None = None,
         count_changes: bool = False,
+        index: RuntimeIndex | None = None,
     ) -> None:
-        self.index = RuntimeIndex(model)
+        # (``index``: one of ``model`` as it is now, where the caller has built it)
+        self.index = RuntimeIndex(model) if index is None else index
         self.save_regions = save_regions
         self.recorder = recorder
         self.count_changes = count_changes
