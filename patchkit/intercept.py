@@ -253,8 +253,8 @@ def _tensors_of(
     the dict that registers it, its key there)``."""
     def of(attr: str) -> list[tuple]:
         if registries:
-            return [(f"{prefix}.{k}" if prefix else k, t, _registry(m, attr), k)
-                    for prefix, m in mods for k, t in _registry(m, attr).items()
+            return [(f"{prefix}.{k}" if prefix else k, t, d, k)
+                    for prefix, m in mods for d in (_registry(m, attr),) for k, t in d.items()
                     if t is not None]
         return [(f"{prefix}.{k}" if prefix else k, t)
                 for prefix, m in mods for k, t in _registry(m, attr).items() if t is not None]
@@ -951,12 +951,12 @@ def _comparable_source(dest: torch.Tensor, src: Any, key: tuple) -> tuple | None
     covers; else ``None``."""
     if not isinstance(src, torch.Tensor):
         return None
-    if src.shape != dest.shape or src.dtype != dest.dtype or src.device != dest.device:
+    skey = _storage_key(src)  # (its device, compared with the one in dest's key)
+    if src.shape != dest.shape or src.dtype != dest.dtype or skey[0] != key[0]:
         return None
-    if dest.is_complex() or dest.element_size() not in (1, 2, 4, 8):
+    if src.dtype.is_complex or src.element_size() not in (1, 2, 4, 8):
         return None
     # A source sharing storage with the destination would change while being copied.
-    skey = _storage_key(src)
     return None if skey == key else skey
 
 
@@ -1344,17 +1344,25 @@ class _DenseMode(TorchFunctionMode):
     def __init__(self, session: WriteSession) -> None:
         super().__init__()
         self.s = session
-        self.below = _Mode(session)
+        # The dispatch mode for the calls this one does not handle, made when the first
+        # such call comes (a loader that only takes views and copies makes none).
+        self._below: _Mode | None = None
         # Under torch.set_default_device (a function mode, which would place the
         # session's own buffers), the session's work runs with function modes off.
         self.shield = torch._C._len_torch_function_stack() > 0
+
+    @property
+    def below(self) -> _Mode:
+        if self._below is None:
+            self._below = _Mode(self.s)
+        return self._below
 
     @staticmethod
     def fits() -> bool:
         """Whether this mode can stand in for :class:`_Mode` on this thread now: no
         function mode is active other than torch's default-device one, so no other
         mode would miss a ``copy_`` this mode handles."""
-        return all(
+        return not torch._C._len_torch_function_stack() or all(
             isinstance(m, DeviceContext) for m in torch.overrides._get_current_function_mode_stack()
         )
 
@@ -1779,7 +1787,7 @@ class WriteSession:
                     and not torch._C._len_torch_dispatch_stack()):
                 skey = _comparable_source(dest, src, key)
                 if skey is not None:
-                    if self._measured:
+                    if self._measured.get(key):  # (none of this storage: nothing to forget)
                         self._forget_measured_in(dest, key)
                     return self._compared_copy(
                         _COPY, _COPY_NAME, args, {}, (dest, own), key, skey
@@ -2070,21 +2078,17 @@ class WriteSession:
         the caller has it; ``written``: the elements that took the source's value, where
         fewer than the view's)."""
         hit = self.provenance.lookup(src, key=skey) if isinstance(src, torch.Tensor) else None
+        if hit is None:
+            position = name = checkpoint_offset = source_shape = source_stride = None
+        else:
+            position, name, checkpoint_offset = hit
+            source_shape, source_stride = tuple(src.shape), tuple(src.stride())
+        # (positional, in the order of WriteEvent's fields: a report records one per write,
+        # and keywords cost more than the rest of the event)
         self.recorder.on_write(WriteEvent(
-            chunk=self._chunk,
-            op=op,
-            target=tname,
-            target_offset=off,
-            shape=tuple(t.shape),
-            stride=tuple(t.stride()),
-            elements=t.numel(),
-            position=hit[0] if hit else None,
-            name=hit[1] if hit else None,
-            checkpoint_offset=hit[2] if hit else None,
-            changed=changed if self.count_changes else None,
-            source_shape=tuple(src.shape) if hit else None,
-            source_stride=tuple(src.stride()) if hit else None,
-            written=written,
+            self._chunk, op, tname, off, tuple(t.shape), tuple(t.stride()), t.numel(),
+            position, name, checkpoint_offset, changed if self.count_changes else None,
+            source_shape, source_stride, written,
         ))
 
     def _compared_copy(self, func, op, args, kwargs, target, key=None, skey=None):
