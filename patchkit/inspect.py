@@ -973,7 +973,7 @@ def _inspect_load(
         with torch.no_grad():  # (statistics of tensors that require grad: no graphs)
             report = _build_report(
                 model, patches, sent_name, observed_calls, plan, rec, sessions,
-                max_chunk_bytes, loaded, error, index,
+                max_chunk_bytes, loaded, error, index, own_loader=loader is None,
             )
     except Exception:
         if error is not None:
@@ -1622,9 +1622,11 @@ def _rebound_row(name: str, old: torch.Tensor, now: torch.Tensor,
 
 def _build_report(
     model, patches, sent_name, observed_calls, plan, rec, sessions, max_chunk_bytes, loaded,
-    error, index=None,
+    error, index=None, own_loader=False,
 ) -> LoadReport:
-    # (``index``: the load's, built before it ran, where building one did not fail)
+    # (``index``: the load's, built before it ran, where building one did not fail;
+    # ``own_loader``: patchkit's loader ran, which touches no module tree after its last
+    # call but to put it back as the index found it)
     index = sessions[0].index if sessions else index
     if index is None and isinstance(model, torch.nn.Module):
         index = RuntimeIndex(model)  # no session (an empty or rejected load): the targets
@@ -1646,8 +1648,11 @@ def _build_report(
     removed: tuple[str, ...] = ()
     heirs: dict[str, str] = {}  # first name -> the alias that holds its original tensor now
     if index is not None:
-        # (nothing to walk when empty; one look when the tree is as the index found it)
-        gone = [] if index.unchanged() else index.replaced() + index.replaced_aliases()
+        # (nothing to walk when empty; one look when the tree is as the index found it,
+        # none where the session's look after patchkit's last call found it so)
+        looked = own_loader and session is not None and session.tree_as_found
+        gone = ([] if looked or index.unchanged()
+                else index.replaced() + index.replaced_aliases())
         if gone:
             now = dict(named_tensors(model))
             removed = tuple(n for n in gone if n not in now)

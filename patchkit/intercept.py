@@ -1457,6 +1457,10 @@ class WriteSession:
         self.registered: dict[str, torch.Tensor] = {}
         self.ties: dict[str, str] = {}
         self._binding_ptrs: list[int] | None = None  # (see _note_rebinding)
+        # True when the look at the module tree after the last call found it as the
+        # index found it (RuntimeIndex.unchanged): a caller that knows nothing has
+        # touched the tree since need not look again.
+        self.tree_as_found = False
 
     # -- one load_weights call -------------------------------------------------------
 
@@ -1497,6 +1501,7 @@ class WriteSession:
         self._call_patches = tuple(
             (pos if pos >= 0 else None, name) for pos, (name, _) in zip(positions, staged))
         self._call_fed = {}
+        self.tree_as_found = False
         self.provenance.clear()
         if self.track_sources:
             for pos, (name, t) in zip(positions, staged):
@@ -1557,6 +1562,7 @@ class WriteSession:
         # (the original storages are alive in the bindings: new data has another address)
         ptrs = list(map(_DATA_PTR, tensors.values()))
         if ptrs == self._binding_ptrs and self.index.unchanged():
+            self.tree_as_found = True
             return  # (the common case: nothing rebound, replaced or registered)
         rebound = {n: t for (n, t), now, then in zip(tensors.items(), ptrs, self._binding_ptrs)
                    if now != then}
@@ -1679,6 +1685,7 @@ class WriteSession:
         # (a tied tensor's other name counts too: a new tensor there unties it)
         if self.index.unchanged():  # (the common case, at the cost of one look)
             replaced, named = [], []
+            self.tree_as_found = True
         else:
             with self.index.one_look(registries=True):
                 replaced = self.index.replaced() + self.index.replaced_aliases()
