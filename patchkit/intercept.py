@@ -274,7 +274,9 @@ def named_tensors(
     Where no module of the model overrides torch's ways of listing them, the module tree
     is walked here, in the order ``named_modules`` visits it, at less than half the cost
     of torch's nested generators (on a model of 300 modules, 0.3 ms against 0.7 ms; a
-    load pays it once or twice). A module that overrides one gets torch's own answer.
+    load pays it once: a watched load's :class:`RuntimeIndex` walks the tree, and knows
+    the tied parameters a plain one finds with this; more only where a loader changed the
+    tree). A module that overrides one gets torch's own answer.
     """
     mods = _module_tree(model)
     if mods is None:  # torch's own walk (which raises RecursionError on a tree that loops)
