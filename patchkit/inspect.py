@@ -105,7 +105,7 @@ from .intercept import (
     named_tensors,
     rollbacks,
 )
-from .loader import _as_patch, _names, canonicalize_tied, run_load
+from .loader import _as_patch, _canonicalized, _names, run_load
 from .patch import (
     CheckpointWeightPatch,
     _check_structure,
@@ -872,9 +872,13 @@ def _inspect_load(
         max_chunk_bytes = check_max_chunk_bytes(max_chunk_bytes)
     sessions: list[WriteSession] = []
     planned = None
+    index = None
     try:
+        # The load's index of the model (its session's, and the report's), built first:
+        # it knows the tied parameters, so the module tree is walked once.
+        index = RuntimeIndex(model)
         # (an observed loader warns of a dropped alias itself, where it drops one)
-        kept, positions = canonicalize_tied(model, patches, warn=loader is None)
+        kept, positions = _canonicalized(patches, index.tied_parameters, warn=loader is None)
         plan = plan_chunks(kept, max_chunk_bytes, positions=positions)
         planned = (kept, positions, plan)  # the load's own: planned once
     except Exception:  # bad input: the load below raises the error that names it
@@ -898,10 +902,11 @@ def _inspect_load(
                 save_regions=True,
                 session_out=sessions,
                 planned=planned,
+                index=index,
             )
         else:
             loaded = _observe_foreign(
-                model, patches, plan, rec, sessions, loader, observed, failed,
+                model, patches, plan, rec, sessions, loader, observed, failed, index,
                 max_chunk_bytes=max_chunk_bytes,
                 validate_unique_indices=validate_unique_indices,
                 transactional=transactional,
@@ -968,7 +973,7 @@ def _inspect_load(
         with torch.no_grad():  # (statistics of tensors that require grad: no graphs)
             report = _build_report(
                 model, patches, sent_name, observed_calls, plan, rec, sessions,
-                max_chunk_bytes, loaded, error,
+                max_chunk_bytes, loaded, error, index, own_loader=loader is None,
             )
     except Exception:
         if error is not None:
@@ -1001,13 +1006,15 @@ def _left_by_calls(events: Sequence[WriteEvent], saved: list[SavedRegion],
 
 
 def _observe_foreign(
-    model, patches, plan, rec, sessions, loader, observed, failed, **kwargs
+    model, patches, plan, rec, sessions, loader, observed, failed, index, **kwargs
 ) -> set[str]:
     """Run ``loader`` with ``model.load_weights`` wrapped to record each call; the calls,
     as :class:`Chunk` records with a provisional ``closed_by``, go to ``observed``. When a
     call raises, ``(calls made, targets its writes left changed)`` goes to ``failed``
-    before the loader sees the error (and may undo writes unseen)."""
-    session = WriteSession(model, save_regions=True, recorder=rec, count_changes=True)
+    before the loader sees the error (and may undo writes unseen). ``index``: the model's
+    :class:`~patchkit.intercept.RuntimeIndex`, where the caller built it (else ``None``)."""
+    session = WriteSession(model, save_regions=True, recorder=rec, count_changes=True,
+                           index=index)
     sessions.append(session)
     original = model.load_weights
     had_instance_attr = "load_weights" in vars(model)
@@ -1615,9 +1622,12 @@ def _rebound_row(name: str, old: torch.Tensor, now: torch.Tensor,
 
 def _build_report(
     model, patches, sent_name, observed_calls, plan, rec, sessions, max_chunk_bytes, loaded,
-    error,
+    error, index=None, own_loader=False,
 ) -> LoadReport:
-    index = sessions[0].index if sessions else None
+    # (``index``: the load's, built before it ran, where building one did not fail;
+    # ``own_loader``: patchkit's loader ran, which touches no module tree after its last
+    # call but to put it back as the index found it)
+    index = sessions[0].index if sessions else index
     if index is None and isinstance(model, torch.nn.Module):
         index = RuntimeIndex(model)  # no session (an empty or rejected load): the targets
     runtime = dict(index.tensors) if index is not None else {}
@@ -1638,7 +1648,11 @@ def _build_report(
     removed: tuple[str, ...] = ()
     heirs: dict[str, str] = {}  # first name -> the alias that holds its original tensor now
     if index is not None:
-        gone = index.replaced() + index.replaced_aliases()  # (nothing to walk when empty)
+        # (nothing to walk when empty; one look when the tree is as the index found it,
+        # none where the session's look after patchkit's last call found it so)
+        looked = own_loader and session is not None and session.tree_as_found
+        gone = ([] if looked or index.unchanged()
+                else index.replaced() + index.replaced_aliases())
         if gone:
             now = dict(named_tensors(model))
             removed = tuple(n for n in gone if n not in now)

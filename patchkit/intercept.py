@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import math
 import operator
 import sys
@@ -194,6 +195,11 @@ class _Owner(NamedTuple):
 
 
 _REGISTRY_NAMES = ("_parameters", "_buffers", "_modules")
+# Tensor methods as plain functions, for checks over every runtime tensor that run as C
+# loops (``map``) and not as Python ones.
+_DETACH = torch.Tensor.detach
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CUDA = operator.attrgetter("is_cuda")
 _ATTRIBUTES = operator.attrgetter("__dict__")
 _MODULE_WALK = (
     torch.nn.Module.named_modules,
@@ -247,8 +253,8 @@ def _tensors_of(
     the dict that registers it, its key there)``."""
     def of(attr: str) -> list[tuple]:
         if registries:
-            return [(f"{prefix}.{k}" if prefix else k, t, _registry(m, attr), k)
-                    for prefix, m in mods for k, t in _registry(m, attr).items()
+            return [(f"{prefix}.{k}" if prefix else k, t, d, k)
+                    for prefix, m in mods for d in (_registry(m, attr),) for k, t in d.items()
                     if t is not None]
         return [(f"{prefix}.{k}" if prefix else k, t)
                 for prefix, m in mods for k, t in _registry(m, attr).items() if t is not None]
@@ -268,7 +274,9 @@ def named_tensors(
     Where no module of the model overrides torch's ways of listing them, the module tree
     is walked here, in the order ``named_modules`` visits it, at less than half the cost
     of torch's nested generators (on a model of 300 modules, 0.3 ms against 0.7 ms; a
-    load pays it once or twice). A module that overrides one gets torch's own answer.
+    load pays it once: a watched load's :class:`RuntimeIndex` walks the tree, and knows
+    the tied parameters a plain one finds with this; more only where a loader changed the
+    tree). A module that overrides one gets torch's own answer.
     """
     mods = _module_tree(model)
     if mods is None:  # torch's own walk (which raises RecursionError on a tree that loops)
@@ -313,6 +321,9 @@ class RuntimeIndex:
         self._by_key: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.aliases: dict[str, str] = {}
+        # The aliases among the parameters alone, each with the parameter's first name:
+        # what CONTRACT §6 renames (see patchkit.loader.canonicalize_tied).
+        self.tied_parameters: dict[str, str] = {}
         first: dict[int, str] = {}
         mods = _module_tree(model)
         # Where each tensor is registered, and the tree's links, for replaced(): checked
@@ -352,23 +363,26 @@ class RuntimeIndex:
         if mods is None:
             params = list(model.named_parameters(remove_duplicate=False))
             self._parameter_names = {n for n, _ in params}
-            walked = [(n, t, None, None)
-                      for n, t in params + list(model.named_buffers(remove_duplicate=False))]
+            params = [(n, t, None, None) for n, t in params]
+            buffers = [(n, t, None, None) for n, t in model.named_buffers(remove_duplicate=False)]
             held = None
         else:
-            walked = _tensors_of(mods, True, registries=True)
+            params = _tensors_of(mods, False, registries=True)
+            buffers = _tensors_of(mods, None, registries=True)
             self._parameter_names = None  # (read from the slots' registries when needed)
             self._slots = []
-            held = len(walked) + len(self._links)
+            held = len(params) + len(buffers) + len(self._links)
         self._empty_slots: list[tuple[dict, str]] = (
             [] if sum(self._sizes) == held  # (no slot is None: nothing to look for)
             else [(d, k) for d in self._registries for k, v in d.items() if v is None]
         )
-        for name, t, registry, key in walked:
+        for k, (name, t, registry, key) in enumerate(itertools.chain(params, buffers)):
             if id(t) in first:
                 if first[id(t)] == name:  # (listed twice, by a listing of a module's own)
                     continue
                 self.aliases[name] = first[id(t)]
+                if k < len(params):  # (parameters come first: its first name is one too)
+                    self.tied_parameters[name] = first[id(t)]
                 if self._slots is not None:
                     self._alias_slots.append((name, registry, key))
                 continue
@@ -412,7 +426,7 @@ class RuntimeIndex:
 
         Compare with :meth:`rebound` after a loader call to notice ``param.data = w``.
         """
-        return {n: t.detach() for n, t in self.tensors.items()}
+        return dict(zip(self.tensors, map(_DETACH, self.tensors.values())))
 
     def rebound(self, bindings: dict[str, torch.Tensor]) -> list[str]:
         """Names whose storage is no longer the one recorded in ``bindings``."""
@@ -426,11 +440,36 @@ class RuntimeIndex:
     def _columns(self) -> tuple:
         """The slots as columns, for checks that run as C loops (``map``) and not as
         Python ones: (link registries, keys, children), (tensor registries, keys,
-        tensors), (empty-slot registries, keys)."""
+        tensors), (empty-slot registries, keys), (alias registries, keys, the tensor each
+        alias names)."""
         links = tuple(zip(*self._links)) or ((), (), ())
         slots = tuple(zip(*((reg, key, self.tensors[n]) for n, reg, key in self._slots or ())))
         empty = tuple(zip(*self._empty_slots)) or ((), ())
-        return links, slots or ((), (), ()), empty
+        aliases = tuple(zip(*((reg, key, self.tensors[self.aliases[n]])
+                              for n, reg, key in self._alias_slots)))
+        return links, slots or ((), (), ()), empty, aliases or ((), (), ())
+
+    def unchanged(self) -> bool:
+        """Whether the module tree is as the index found it, in all that
+        :meth:`replaced`, :meth:`replaced_aliases` and :meth:`added` look at: the
+        same module attributes and registry dicts, every submodule, tensor and alias in
+        its slot, every registry of its size, every empty slot empty. Then all three are
+        empty, known at the cost of one look (a load checks after each call, and most
+        calls change nothing); ``False`` only says that they have to look closer (always,
+        for a tree :func:`_module_tree` leaves to torch)."""
+        if self._slots is None:
+            return False
+        links, slots, empty, aliases = self._columns
+        return (
+            self._same_registries()
+            and all(map(operator.is_, map(dict.get, links[0], links[1]), links[2]))
+            and tuple(map(len, self._registries)) == self._sizes
+            and all(map(operator.is_, map(dict.get, slots[0], slots[1]), slots[2]))
+            and all(map(operator.is_, map(dict.get, aliases[0], aliases[1]), aliases[2]))
+            # (a key gone reads as its registry: not None)
+            and list(map(dict.get, empty[0], empty[1], empty[0])).count(None) == len(empty[1])
+            and not any(map(operator.contains, *self._beside_places))
+        )
 
     def _same_registries(self) -> bool:
         """Every module the index listed holds the registry dicts it held (no
@@ -914,12 +953,12 @@ def _comparable_source(dest: torch.Tensor, src: Any, key: tuple) -> tuple | None
     covers; else ``None``."""
     if not isinstance(src, torch.Tensor):
         return None
-    if src.shape != dest.shape or src.dtype != dest.dtype or src.device != dest.device:
+    skey = _storage_key(src)  # (its device, compared with the one in dest's key)
+    if src.shape != dest.shape or src.dtype != dest.dtype or skey[0] != key[0]:
         return None
-    if dest.is_complex() or dest.element_size() not in (1, 2, 4, 8):
+    if src.dtype.is_complex or src.element_size() not in (1, 2, 4, 8):
         return None
     # A source sharing storage with the destination would change while being copied.
-    skey = _storage_key(src)
     return None if skey == key else skey
 
 
@@ -1307,17 +1346,25 @@ class _DenseMode(TorchFunctionMode):
     def __init__(self, session: WriteSession) -> None:
         super().__init__()
         self.s = session
-        self.below = _Mode(session)
+        # The dispatch mode for the calls this one does not handle, made when the first
+        # such call comes (a loader that only takes views and copies makes none).
+        self._below: _Mode | None = None
         # Under torch.set_default_device (a function mode, which would place the
         # session's own buffers), the session's work runs with function modes off.
         self.shield = torch._C._len_torch_function_stack() > 0
+
+    @property
+    def below(self) -> _Mode:
+        if self._below is None:
+            self._below = _Mode(self.s)
+        return self._below
 
     @staticmethod
     def fits() -> bool:
         """Whether this mode can stand in for :class:`_Mode` on this thread now: no
         function mode is active other than torch's default-device one, so no other
         mode would miss a ``copy_`` this mode handles."""
-        return all(
+        return not torch._C._len_torch_function_stack() or all(
             isinstance(m, DeviceContext) for m in torch.overrides._get_current_function_mode_stack()
         )
 
@@ -1367,8 +1414,10 @@ class WriteSession:
         save_regions: bool = False,
         recorder: WriteRecorder | None = None,
         count_changes: bool = False,
+        index: RuntimeIndex | None = None,
     ) -> None:
-        self.index = RuntimeIndex(model)
+        # (``index``: one of ``model`` as it is now, where the caller has built it)
+        self.index = RuntimeIndex(model) if index is None else index
         self.save_regions = save_regions
         self.recorder = recorder
         self.count_changes = count_changes
@@ -1409,7 +1458,11 @@ class WriteSession:
         # under a new name: name -> the tensor's first name (no write)
         self.registered: dict[str, torch.Tensor] = {}
         self.ties: dict[str, str] = {}
-        self._binding_ptrs: dict[str, int] | None = None
+        self._binding_ptrs: list[int] | None = None  # (see _note_rebinding)
+        # True when the look at the module tree after the last call found it as the
+        # index found it (RuntimeIndex.unchanged): a caller that knows nothing has
+        # touched the tree since need not look again.
+        self.tree_as_found = False
 
     # -- one load_weights call -------------------------------------------------------
 
@@ -1450,6 +1503,7 @@ class WriteSession:
         self._call_patches = tuple(
             (pos if pos >= 0 else None, name) for pos, (name, _) in zip(positions, staged))
         self._call_fed = {}
+        self.tree_as_found = False
         self.provenance.clear()
         if self.track_sources:
             for pos, (name, t) in zip(positions, staged):
@@ -1487,11 +1541,15 @@ class WriteSession:
 
     def _gpus(self, staged: Sequence[tuple[str, torch.Tensor]]) -> set[torch.device]:
         """The CUDA devices of the model's tensors (found once per load) and of ``staged``:
-        those a recorded call's time waits for."""
+        those a recorded call's time waits for. (``is_cuda`` first: a tensor's ``device``
+        is a new object each time it is read.)"""
         if self._model_gpus is None:
-            self._model_gpus = {t.device for t in self.index.tensors.values()
-                                if t.device.type == "cuda"}
-        return self._model_gpus | {t.device for _, t in staged if t.device.type == "cuda"}
+            tensors = self.index.tensors.values()
+            self._model_gpus = ({t.device for t in tensors if t.is_cuda}
+                                if any(map(_IS_CUDA, tensors)) else set())
+        if not any(_IS_CUDA(t) for _, t in staged):
+            return self._model_gpus
+        return self._model_gpus | {t.device for _, t in staged if t.is_cuda}
 
     def _note_rebinding(self) -> None:
         """After a watched dense call: a runtime tensor whose storage the call replaced
@@ -1500,11 +1558,16 @@ class WriteSession:
         tensor (op ``"rebind"``, its source the new data: a staged tensor names its
         patch) and keep the tensor now in :attr:`rebound`; its values before the load are
         those of the original storage, which the bindings still hold."""
-        if self._binding_ptrs is None:
-            self._binding_ptrs = {n: t.data_ptr() for n, t in self._bindings.items()}
+        tensors = self.index.tensors
+        if self._binding_ptrs is None:  # (in the order of the index's tensors)
+            self._binding_ptrs = list(map(_DATA_PTR, map(self._bindings.get, tensors)))
         # (the original storages are alive in the bindings: new data has another address)
-        ptrs = self._binding_ptrs
-        rebound = {n: t for n, t in self.index.tensors.items() if t.data_ptr() != ptrs[n]}
+        ptrs = list(map(_DATA_PTR, tensors.values()))
+        if ptrs == self._binding_ptrs and self.index.unchanged():
+            self.tree_as_found = True
+            return  # (the common case: nothing rebound, replaced or registered)
+        rebound = {n: t for (n, t), now, then in zip(tensors.items(), ptrs, self._binding_ptrs)
+                   if now != then}
         found = dict(rebound)
         with self.index.one_look():
             replaced = self.index.replaced()
@@ -1622,9 +1685,13 @@ class WriteSession:
             )
         # Each may hold the staged NaN: all are undone before the first is raised.
         # (a tied tensor's other name counts too: a new tensor there unties it)
-        with self.index.one_look(registries=True):
-            replaced = self.index.replaced() + self.index.replaced_aliases()
-            named = self.index.added_tensors(replaced)
+        if self.index.unchanged():  # (the common case, at the cost of one look)
+            replaced, named = [], []
+            self.tree_as_found = True
+        else:
+            with self.index.one_look(registries=True):
+                replaced = self.index.replaced() + self.index.replaced_aliases()
+                named = self.index.added_tensors(replaced)
         added = [n for n, _ in named]
         if added:  # (a known tensor tied under a new name holds no staged values)
             ties = self.index.ties_among(named)
@@ -1729,7 +1796,7 @@ class WriteSession:
                     and not torch._C._len_torch_dispatch_stack()):
                 skey = _comparable_source(dest, src, key)
                 if skey is not None:
-                    if self._measured:
+                    if self._measured.get(key):  # (none of this storage: nothing to forget)
                         self._forget_measured_in(dest, key)
                     return self._compared_copy(
                         _COPY, _COPY_NAME, args, {}, (dest, own), key, skey
@@ -2020,21 +2087,17 @@ class WriteSession:
         the caller has it; ``written``: the elements that took the source's value, where
         fewer than the view's)."""
         hit = self.provenance.lookup(src, key=skey) if isinstance(src, torch.Tensor) else None
+        if hit is None:
+            position = name = checkpoint_offset = source_shape = source_stride = None
+        else:
+            position, name, checkpoint_offset = hit
+            source_shape, source_stride = tuple(src.shape), tuple(src.stride())
+        # (positional, in the order of WriteEvent's fields: a report records one per write,
+        # and keywords cost more than the rest of the event)
         self.recorder.on_write(WriteEvent(
-            chunk=self._chunk,
-            op=op,
-            target=tname,
-            target_offset=off,
-            shape=tuple(t.shape),
-            stride=tuple(t.stride()),
-            elements=t.numel(),
-            position=hit[0] if hit else None,
-            name=hit[1] if hit else None,
-            checkpoint_offset=hit[2] if hit else None,
-            changed=changed if self.count_changes else None,
-            source_shape=tuple(src.shape) if hit else None,
-            source_stride=tuple(src.stride()) if hit else None,
-            written=written,
+            self._chunk, op, tname, off, tuple(t.shape), tuple(t.stride()), t.numel(),
+            position, name, checkpoint_offset, changed if self.count_changes else None,
+            source_shape, source_stride, written,
         ))
 
     def _compared_copy(self, func, op, args, kwargs, target, key=None, skey=None):

@@ -13,7 +13,7 @@ import torch
 from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
 from .errors import PatchTypeError, PatchValueError, where
-from .intercept import WriteRecorder, WriteSession, named_tensors
+from .intercept import RuntimeIndex, WriteRecorder, WriteSession, named_tensors
 from .patch import CheckpointWeightPatch, check_flag, patch_list, validate_patches
 from .staging import stage
 
@@ -109,6 +109,7 @@ def run_load(
     save_regions: bool = False,
     session_out: list | None = None,
     planned: tuple[list, list, list] | None = None,
+    index: RuntimeIndex | None = None,
 ) -> set[str]:
     """The loader with its observation hooks (used by :mod:`patchkit.inspect`).
 
@@ -118,7 +119,9 @@ def run_load(
     so the caller can read the saved regions after the load; ``planned``, when given, is
     ``(kept, positions, chunks)`` as :func:`canonicalize_tied` and
     :func:`~patchkit.chunking.plan_chunks` make them for these patches, model and budget
-    (a caller that has them already), used once the patches are valid.
+    (a caller that has them already), used once the patches are valid; ``index``, when
+    given, is a :class:`~patchkit.intercept.RuntimeIndex` of ``model`` as it is now (the
+    caller's, built for the same load), which a watched load uses instead of its own.
     """
     with torch.no_grad():
         patches = [_as_patch(p) for p in patch_list(patches)]  # read first (CONTRACT)
@@ -138,20 +141,27 @@ def run_load(
                 "contract applies patches through the model's own checkpoint loader",
                 reason="no load_weights", value=type(model).__name__,
             )
+        sparse = kind == "sparse"
+        watched = sparse or transactional or recorder is not None or save_regions
+        if watched and index is None:
+            # (the session's index, built first: it knows the tied parameters, so the
+            # module tree is walked once)
+            index = RuntimeIndex(model)
         if planned is not None:
             kept, positions, chunks = planned
         else:
-            kept, positions = canonicalize_tied(model, patches)
+            kept, positions = (canonicalize_tied(model, patches) if index is None
+                               else _canonicalized(patches, index.tied_parameters))
             chunks = plan_chunks(kept, max_chunk_bytes, positions=positions)
         by_position = dict(zip(positions, kept))
-        sparse = kind == "sparse"
         session = None
-        if sparse or transactional or recorder is not None or save_regions:
+        if watched:
             session = WriteSession(
                 model,
                 save_regions=transactional or save_regions,
                 recorder=recorder,
                 count_changes=recorder is not None,
+                index=index,
             )
             if session_out is not None:
                 session_out.append(session)
@@ -251,6 +261,16 @@ def canonicalize_tied(
         first = canonical.setdefault(id(p), name)
         if first != name:
             alias_of[name] = first
+    return _canonicalized(patches, alias_of, warn=warn)
+
+
+def _canonicalized(
+    patches: Sequence[CheckpointWeightPatch], alias_of: dict[str, str], *, warn: bool = True
+) -> tuple[list[CheckpointWeightPatch], list[int]]:
+    """:func:`canonicalize_tied` with the model's tied parameters known already
+    (``alias_of``: each alias's first name, as a :class:`~patchkit.intercept.RuntimeIndex`
+    has them in ``tied_parameters``), so that a load that builds an index walks the
+    module tree once."""
     if not alias_of:
         return list(patches), list(range(len(patches)))
     names = {p.name for p in patches}

@@ -772,6 +772,49 @@ def test_a_name_the_load_removed_is_not_a_target_any_more(gone):
     assert "removed" not in r.summary() and r.targets == {"a": (4,), "c": (4,)}
 
 
+class _DeletesLater(PlainModel):
+    """Copies each weight into its parameter; the call that loads ``c`` then deletes
+    ``b`` (tied to ``a``) from the model."""
+
+    def __init__(self):
+        super().__init__({"a": (4,), "c": (4,)})
+        self.b = self.a
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            self.get_parameter(name).data.copy_(w)
+            if name == "c":
+                del self.b
+        return {n for n, _ in weights}
+
+
+def _load_then_delete(model, patches, **kwargs):
+    """An observed loader: patchkit's, then ``del model.b`` after its last call."""
+    loaded = patchkit.load_checkpoint_weight_patches(model, patches, **kwargs)
+    del model.b
+    return loaded
+
+
+@pytest.mark.parametrize("when", ["in the last call", "after the last call"])
+def test_a_name_removed_late_in_a_load_is_seen_by_the_report(when):
+    # the report skips its look at the module tree where patchkit's own loader's look
+    # after its last call found it unchanged: a look after an earlier call, or one before
+    # an observed loader went on, says nothing of the tree as the load left it
+    patches = [CWP("a", (4,), torch.float32, torch.ones(4)),
+               CWP("c", (4,), torch.float32, torch.full((4,), 2.0))]
+    if when == "in the last call":
+        model = _DeletesLater()
+        r = inspect_load(model, patches, max_chunk_bytes=16)  # (a call per patch)
+        assert len(r.calls) == 2
+    else:
+        model = PlainModel({"a": (4,), "c": (4,)})
+        model.b = model.a
+        r = inspect_load(model, patches, loader=_load_then_delete)
+    assert "b" not in dict(model.named_parameters(remove_duplicate=False))
+    assert r.summary()["removed"] == ["b"]
+    assert r.targets == {"a": (4,), "c": (4,)}
+
+
 class _RegistersNew(PlainModel):
     """Copies each weight into ``a``, then registers what ``how`` says under names the
     model did not have; raises at ``z``."""

@@ -450,3 +450,47 @@ def test_a_sparse_call_or_a_rollback_puts_the_tree_back(change):
         patchkit.load_checkpoint_weight_patches(model, dense, transactional=True,
                                                 max_chunk_bytes=4)
     assert _tree(model) == before and float(model.steps) == 0.0
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_the_index_says_unchanged_only_of_a_tree_its_closer_looks_find_as_it_was(change):
+    # unchanged() spares a load the closer looks after each call: where it says so, they
+    # must find nothing replaced, untied or added
+    model = _undo_model()
+    index = RuntimeIndex(model)
+    assert index.unchanged()
+    _CHANGES[change][0](model)
+    if index.unchanged():
+        assert index.replaced() == [] and index.replaced_aliases() == []
+        assert index.added() == []
+    index.undo()
+    assert index.unchanged()
+
+
+@pytest.mark.parametrize("name", [*_models(), "a parameter also a buffer", "its own walk"])
+def test_the_index_knows_the_tied_parameters_canonicalize_tied_renames(name):
+    # a load builds its index first and takes the tied names from it, so that the module
+    # tree is walked once: the same renames and drops as canonicalize_tied's own walk
+    from patchkit.loader import _canonicalized, canonicalize_tied
+    from patchkit.patch import CheckpointWeightPatch
+
+    if name == "a parameter also a buffer":  # (a buffer alias is no tied parameter)
+        model = _Everything()
+        model.register_buffer("shadow", model.embed.weight)
+        model.extra = model.blocks[0].lin.weight
+    elif name == "its own walk":
+        model = _Hiding()
+        model.again = model.kept
+    else:
+        model = _models()[name]
+    patches = [CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.detach().reshape(-1))
+               for n, t in named_tensors(model)]
+    patches += patches[::-1]  # (an alias whose first name is sent too: dropped)
+    def names(canonicalized):
+        kept, positions = canonicalized
+        return [p.name for p in kept], positions
+
+    assert names(_canonicalized(patches, RuntimeIndex(model).tied_parameters, warn=False)) == (
+        names(canonicalize_tied(model, patches, warn=False)))
+    assert not name.startswith("a parameter") or "shadow" not in RuntimeIndex(
+        model).tied_parameters
