@@ -378,12 +378,33 @@ static inline double pk_hsum(__m256d a, __m256d b, __m256d c, __m256d e) {
     return (q[0] + q[1]) + (q[2] + q[3]);
 }
 
+/* |new - old| of four pairs of doubles where finite (else 0; unchanged lanes add 0), into
+ * the sums and the maximum */
+static inline void pk_vdiff(__m256d *sa, __m256d *sd, __m256d *mx, __m256d o, __m256d x) {
+    const __m256d mag = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffll));
+    __m256d e = _mm256_and_pd(_mm256_sub_pd(x, o), mag);
+    e = _mm256_and_pd(e, _mm256_cmp_pd(e, _mm256_set1_pd(PK_DBL_MAX), _CMP_LE_OQ));
+    *sa = _mm256_add_pd(*sa, e);
+    *sd = _mm256_fmadd_pd(e, e, *sd);
+    *mx = _mm256_max_pd(*mx, e);
+}
+/* eight elements as floats (exact for both) */
+#define PK_PS8_f32(p) _mm256_loadu_ps((const float *)(p))
+#define PK_PS8_bf16(p) _mm256_castsi256_ps(_mm256_slli_epi32(                                 \
+    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+
 /* The driver of both dtypes: GROUP(j) sets m (the changed lanes of elements j..j+31) and,
- * with stats, adds their old values' squares to w0..w3. */
-#define PK_FAST_WINDOWS(UT, TOD, GROUP)                                                      \
+ * with stats, adds their old values' squares to w0..w3. The walk of a window's changes
+ * saves and copies them and puts their new values in a row (nw), beside the old ones in
+ * bef; their statistics are then taken eight at a time in double, as pk_stat takes them
+ * one at a time (which does the last few): no branch per element, and a 10 % change
+ * costs a quarter less (float32, 1 M elements: 410 -> 300 us). */
+#define PK_FAST_WINDOWS(UT, TOD, GROUP, PS8)                                                 \
     __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;                             \
     pk_acc st = {0}; /* the changed elements' statistics, in registers until the end */      \
+    __m256d sa0 = a0, sa1 = a0, sd0 = a0, sd1 = a0, mx0 = a0, mx1 = a0;                      \
     int32_t list[PK_W + 8];                                                                  \
+    UT nw[PK_W]; /* a window's new values of its changed elements, in order */               \
     int64_t j = 0, k = *c;                                                                   \
     while (j + 32 <= n) {                                                                    \
         int64_t start = j, end = n - j > PK_W ? j + PK_W : n;                                \
@@ -416,17 +437,34 @@ static inline double pk_hsum(__m256d a, __m256d b, __m256d c, __m256d e) {
         for (int q = 0; q < cnt; q++) {                                                      \
             int64_t at = start + list[q];                                                    \
             UT x0 = d[at], x1 = s[at];                                                       \
-            idx[k] = o + at;                                                                 \
-            bef[k] = x0;                                                                     \
-            k++;                                                                             \
-            if (stats) pk_stat(&st, TOD(x1) - TOD(x0));                                      \
+            idx[k + q] = o + at;                                                             \
+            bef[k + q] = x0;                                                                 \
+            nw[q] = x1;                                                                      \
             d[at] = x1;                                                                      \
         }                                                                                    \
+        if (stats && cnt) {                                                                  \
+            UT *ow = bef + k;                                                                \
+            int q = 0;                                                                       \
+            for (; q + 8 <= cnt; q += 8) {                                                   \
+                __m256 po = PS8(ow + q), px = PS8(nw + q);                                   \
+                pk_vdiff(&sa0, &sd0, &mx0, _mm256_cvtps_pd(_mm256_castps256_ps128(po)),      \
+                         _mm256_cvtps_pd(_mm256_castps256_ps128(px)));                       \
+                pk_vdiff(&sa1, &sd1, &mx1, _mm256_cvtps_pd(_mm256_extractf128_ps(po, 1)),    \
+                         _mm256_cvtps_pd(_mm256_extractf128_ps(px, 1)));                     \
+            }                                                                                \
+            for (; q < cnt; q++) pk_stat(&st, TOD(nw[q]) - TOD(ow[q]));                      \
+        }                                                                                    \
+        k += cnt;                                                                            \
     }                                                                                        \
     if (stats) {                                                                             \
+        double m4[4];                                                                        \
         *b2 += pk_hsum(a0, a1, a2, a3);                                                      \
-        diffs->sum_abs += st.sum_abs;                                                        \
-        diffs->sum_d2 += st.sum_d2;                                                          \
+        _mm256_storeu_pd(m4, _mm256_max_pd(mx0, mx1));                                       \
+        for (int l = 0; l < 4; l++)                                                          \
+            if (m4[l] > st.max_abs) st.max_abs = m4[l];                                      \
+        const __m256d z = _mm256_setzero_pd();                                               \
+        diffs->sum_abs += st.sum_abs + pk_hsum(sa0, sa1, z, z);                              \
+        diffs->sum_d2 += st.sum_d2 + pk_hsum(sd0, sd1, z, z);                                \
         if (st.max_abs > diffs->max_abs) diffs->max_abs = st.max_abs;                        \
     }                                                                                        \
     *c = k;                                                                                  \
@@ -470,14 +508,14 @@ static inline int64_t pk_fast_f32(uint32_t *restrict d, const uint32_t *restrict
                                   int64_t o, int64_t *restrict idx, uint32_t *restrict bef,
                                   int64_t *c, int64_t cap, int stats, double *b2,
                                   pk_acc *diffs) {
-    PK_FAST_WINDOWS(uint32_t, pk_f32, PK_GROUP_F32)
+    PK_FAST_WINDOWS(uint32_t, pk_f32, PK_GROUP_F32, PK_PS8_f32)
 }
 
 static inline int64_t pk_fast_bf16(uint16_t *restrict d, const uint16_t *restrict s, int64_t n,
                                    int64_t o, int64_t *restrict idx, uint16_t *restrict bef,
                                    int64_t *c, int64_t cap, int stats, double *b2,
                                    pk_acc *diffs) {
-    PK_FAST_WINDOWS(uint16_t, pk_bf16, PK_GROUP_BF16)
+    PK_FAST_WINDOWS(uint16_t, pk_bf16, PK_GROUP_BF16, PK_PS8_bf16)
 }
 
 /* Whole mode's fast lane: 32 bytes of elements at a time, the old bits streamed to w
