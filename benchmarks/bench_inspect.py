@@ -44,7 +44,7 @@ Prints five tables from one run:
    of a report's time patchkit cannot cut on small tensors. A dense row also prints the
    floor of a report that keeps before-values: the same function mode saving each
    ``copy_``'s destination before the write (the whole view, as a report saves a view
-   under 16 KiB), and doing nothing else; "save floor" into fresh memory, "kept floor"
+   under 128 KiB), and doing nothing else; "save floor" into fresh memory, "kept floor"
    into the buffers of the last load (as with ``reuse=``). Where the kept floor is above
    1.5x, no report that sees the writes in Python and keeps what it overwrites can meet
    the target;
@@ -415,7 +415,7 @@ class _PassOnCalls(TorchFunctionMode):
 
 class _SaveEachCopy(TorchFunctionMode):
     """:class:`_PassOnCalls` that also saves each ``copy_``'s destination before it is
-    written, as a report of views under 16 KiB does (a dense row's "least report": seeing
+    written, as a report of views under 128 KiB does (a dense row's "least report": seeing
     the writes and keeping their before-values, with nothing looked up, compared, counted
     or recorded): into fresh memory, or, given ``kept`` (a list kept between loads), into
     the buffer the same write used last time."""

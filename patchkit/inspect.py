@@ -28,7 +28,7 @@ staged patch (the saves then cost exactly the bytes written); a dense save choos
 only when they cost less than the whole view (the compiled path keeps the room it set
 aside for them, about 1.25 times the share of changes a sample of the view found plus a
 margin, until the report is dropped; views under 65536 elements are counted first, and
-get exactly that room; views under 16 KiB are saved whole on that path, in one pass, since
+get exactly that room; views under 128 KiB are saved whole on that path, in one pass, since
 offsets would spare little there); a sparse save through torch ops adds 8 bytes per
 written element. Transient: 1-byte masks of the view being written (torch ops) and
 scratch for the statistics, which work in blocks of 262144 elements (a few MiB), plus

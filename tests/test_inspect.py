@@ -843,23 +843,25 @@ def test_dense_copies_that_change_part_of_their_view_report_like_full_saves(step
 def test_a_dense_copy_that_changes_a_few_elements_saves_only_those():
     # (views of fewer than native._WHOLE_BELOW bytes are saved whole: this one is bigger)
     g = torch.Generator().manual_seed(3)
-    start = torch.randn(6 * 256, 8, generator=g)
+    rows = 8192  # (the view: rows x 8 float32, 256 KiB)
+    start = torch.randn(2 * rows, 8, generator=g)
 
     class Tall(Views):
-        VIEWS: typing.ClassVar = {"top": (slice(0, 3 * 256), slice(None))}
+        VIEWS: typing.ClassVar = {"top": (slice(0, rows), slice(None))}
 
     m = Tall(start)
-    src = start[: 3 * 256].clone()
+    assert rows * 8 * 4 > patchkit.native._WHOLE_BELOW
+    src = start[:rows].clone()
     src[1, 2] = 5.0
     src[2, 7] = -5.0
     r = inspect_load(m, [dense("top", src)])
     (saved,) = r._saved
     assert saved.whole_view and saved.before.numel() == 2
-    assert r.writes["changed"].tolist() == [2] and r.writes["elements"].tolist() == [24 * 256]
-    assert r.deltas.loc["w", "elements"] == 24 * 256 and r.deltas.loc["w", "changed"] == 2
+    assert r.writes["changed"].tolist() == [2] and r.writes["elements"].tolist() == [8 * rows]
+    assert r.deltas.loc["w", "elements"] == 8 * rows and r.deltas.loc["w", "changed"] == 2
     assert torch.equal(r.before("w"), start)
-    written = torch.zeros(6 * 256, 8, dtype=torch.bool, device="cpu")
-    written[: 3 * 256] = True
+    written = torch.zeros(2 * rows, 8, dtype=torch.bool, device="cpu")
+    written[:rows] = True
     want = _reference(start, m.w.detach(), written)
     for col in ("max_abs", "mean_abs", "rel_l2"):
         assert math.isclose(r.deltas.loc["w", col], want[col], rel_tol=1e-5), col
@@ -928,7 +930,7 @@ def test_rel_l2_when_a_few_small_elements_become_large(dtype):
     # ||before|| must not come from ||after||^2 - ||changed after||^2 + ...: with two huge
     # new values among small ones that difference cancels (and once went negative).
     # (more than native._WHOLE_BELOW bytes, so that only the changed elements are saved)
-    w = torch.ones(8192, dtype=dtype, device="cpu")
+    w = torch.ones(65536, dtype=dtype, device="cpu")
     if dtype.is_floating_point:
         w *= 1e-3
     new = w.clone()
