@@ -459,16 +459,14 @@ class RuntimeIndex:
         for a tree :func:`_module_tree` leaves to torch)."""
         if self._slots is None:
             return False
-        links, slots, empty, aliases = self._columns
+        _, slots, empty, aliases = self._columns
         return (
-            self._same_registries()
-            and all(map(operator.is_, map(dict.get, links[0], links[1]), links[2]))
-            and tuple(map(len, self._registries)) == self._sizes
+            self._same_tree()
+            and self._same_sizes()
             and all(map(operator.is_, map(dict.get, slots[0], slots[1]), slots[2]))
             and all(map(operator.is_, map(dict.get, aliases[0], aliases[1]), aliases[2]))
             # (a key gone reads as its registry: not None)
             and list(map(dict.get, empty[0], empty[1], empty[0])).count(None) == len(empty[1])
-            and not any(map(operator.contains, *self._beside_places))
         )
 
     def _same_registries(self) -> bool:
