@@ -1,6 +1,6 @@
 """What a report costs: ``inspect_load`` against a plain load of the same patches.
 
-Prints five tables from one run:
+Prints six tables from one run:
 
 1. time and peak extra memory of ``patchkit.inspect_load`` next to
    ``patchkit.load_checkpoint_weight_patches`` (the baseline). Each timed load alternates
@@ -59,7 +59,11 @@ Prints five tables from one run:
    (a Llama-3 embedding), next to ``torch.bincount`` over the same indices (the floor);
    and ``plot_delta`` of a report of that patch's load (before, after and delta of the
    626 MiB tensor, read a band at a time), next to one float32 pass over the tensor, with
-   the peak extra memory of both.
+   the peak extra memory of both;
+6. issue 4's target, row by row: each report of tables 1 and 3 against "a report costs at
+   most 1.5x the plain load's time and extra memory no larger than the bytes written",
+   its time judged also against the larger of 1.5x and its kept floor (dense rows: what
+   keeping the before-values costs before a report does anything else).
 
 Usage: ``python benchmarks/bench_inspect.py [--quick] [--big] [--device cuda] [--repeats N]``.
 """
@@ -70,6 +74,8 @@ import functools
 import os
 import statistics
 import sys
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -83,6 +89,7 @@ from _common import (
     host_waits_of,
     interleaved_times,
     median_seconds,
+    paired_ratio,
     peak_extra_bytes,
 )
 from bench_loader import OneParam, make_patch
@@ -123,6 +130,7 @@ def main(argv=None) -> int:
     rows = []
     tx_rows = []
     wait_rows: list[list[str]] = []
+    targets: list[_Target] = []  # table 6: each report row against issue 4's target
     for shape in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             for kind in ("dense 2%", "dense 100%", "sparse 1%"):
@@ -234,6 +242,12 @@ def main(argv=None) -> int:
                         f"{merged / 2**20:.2f}",
                     ]
                 )
+                targets.append(_Target(
+                    f"{kind}, {str(dtype).removeprefix('torch.')}, {shape[0]}x{shape[1]}",
+                    paired_ratio(s_report, s_plain)[0],
+                    paired_ratio(s_buffer, s_plain)[0] if idx is None else None,
+                    m_report - m_plain, merged,
+                ))
                 wait_rows.append([
                     f"{kind}, {str(dtype).removeprefix('torch.')}, {shape[0]}x{shape[1]}",
                     *_waits(plain, report, transactional), str(len(r.writes)),
@@ -270,7 +284,7 @@ def main(argv=None) -> int:
 
     # -- a whole model ---------------------------------------------------------------------
     print()
-    table, model_waits = _model_table(device, repeats, quick, big)
+    table, model_waits = _model_table(device, repeats, quick, big, targets)
     print(table)
 
     print()
@@ -329,7 +343,53 @@ def main(argv=None) -> int:
           "plot_delta after a report of its load (the tensor is "
           f"{emb[0] * emb[1] * 2 / 2**20:.1f} MiB)")
     print(fmt_table(["step", "seconds", "peak extra MiB"], r))
+
+    print()
+    print(_target_table(targets))
     return 0
+
+
+class _Target(NamedTuple):
+    """One report row of tables 1 and 3, as issue 4's target reads it."""
+
+    load: str
+    ratio: float  # the report's time over the plain load's (median of the rounds' ratios)
+    kept_floor: float | None  # a plain load plus one copy of what it writes, into kept memory
+    extra: int  # the report's peak extra bytes over the plain load's
+    written: int  # the bytes the load wrote
+
+
+_TARGET = 1.5
+
+
+def _target_table(targets: Sequence[_Target]) -> str:
+    """Table 6: every report row of tables 1 and 3 against the target of issue 4 (a report
+    costs at most 1.5x the plain load's time, and extra memory no larger than the bytes
+    written), with the time judged twice: against 1.5x, and against the larger of 1.5x and
+    the row's kept floor (what keeping the before-values costs by itself; dense rows only).
+    """
+    def yes(ok: bool) -> str:
+        return "yes" if ok else "no"
+
+    rows = [
+        [t.load, f"{t.ratio:.2f}x", yes(t.ratio <= _TARGET),
+         "-" if t.kept_floor is None else f"{t.kept_floor:.2f}x",
+         "-" if t.kept_floor is None else yes(t.ratio <= max(_TARGET, t.kept_floor)),
+         f"{t.extra / 2**20:.2f}", f"{t.written / 2**20:.2f}", yes(t.extra <= t.written)]
+        for t in targets
+    ]
+    met = sum(t.ratio <= _TARGET for t in targets)
+    memory = sum(t.extra <= t.written for t in targets)
+    return (
+        f"issue 4's target, row by row: time within {_TARGET}x in {met} of {len(targets)} "
+        f"rows, extra memory within the bytes written in {memory} of {len(targets)}\n"
+        + fmt_table(
+            ["load", "report ratio", f"<= {_TARGET}x", "kept floor",
+             f"<= max({_TARGET}x, kept floor)", "report extra MiB", "written MiB",
+             "extra <= written"],
+            rows,
+        )
+    )
 
 
 def _peak_mib(fn) -> float:
@@ -355,7 +415,8 @@ def _waits(*fns) -> list[str]:
 
 
 def _model_table(
-    device: torch.device, repeats: int, quick: bool, big: bool = False
+    device: torch.device, repeats: int, quick: bool, big: bool = False,
+    targets: list[_Target] | None = None,
 ) -> tuple[str, list[list[str]]]:
     """Table 3 (see the module docstring), and the host-wait rows of its loads."""
     from patchkit.toymodels import TinyLlamaConfig
@@ -379,7 +440,7 @@ def _model_table(
                             num_layers=1, num_heads=32, num_kv_heads=8), 1e-6)
     rows, waits = [], []
     for label, (config, lr) in configs.items():
-        rows += _model_rows(label, config, lr, device, repeats, waits)
+        rows += _model_rows(label, config, lr, device, repeats, waits, targets)
     return (
         f"whole models: rank 0 of 2 of a bf16 TinyLlamaRuntime on {device.type}, two "
         f"AdamLikeTrainer steps in turn, median of {repeats} interleaved rounds; ratio: median "
@@ -438,7 +499,7 @@ class _SaveEachCopy(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model_rows(label, config, lr, device, repeats, waits) -> list[list[str]]:
+def _model_rows(label, config, lr, device, repeats, waits, targets=None) -> list[list[str]]:
     from patchkit.build import AdamLikeTrainer, dense_patches, sparse_patches_from_diff
     from patchkit.toymodels import TinyLlamaRuntime, tiny_llama_checkpoint
 
@@ -527,6 +588,12 @@ def _model_rows(label, config, lr, device, repeats, waits) -> list[list[str]]:
             f"{(m_report - m_plain) / 2**20:.1f}",
             f"{written / 2**20:.1f}",
         ])
+        if targets is not None:
+            targets.append(_Target(
+                f"{label}, {kind} ({len(pair[0])} patches)", paired_ratio(s_report, s_plain)[0],
+                paired_ratio(times[6], s_plain)[0] if kind == "dense" else None,
+                m_report - m_plain, written,
+            ))
         waits.append([f"{label}, {kind} ({len(pair[0])} patches)", *_waits(plain, report), "-",
                       str(len(r.writes))])
     return rows

@@ -59,3 +59,27 @@ def test_the_least_report_floor_saves_each_destination_before_it_is_written(kept
         assert torch.equal(w, new)
         if kept is not None:
             assert [s.data_ptr() for s in mode.saves] == [b.data_ptr() for b in kept]
+
+
+def test_the_target_table_judges_each_row_by_its_own_numbers():
+    # (table 6 of bench_inspect: a row meets the time target at or under 1.5x, the relaxed
+    # one at or under its kept floor where that is higher, and the memory target when the
+    # report's extra bytes are at most the bytes written)
+    from bench_inspect import _Target, _target_table
+
+    mib = 2**20
+    out = _target_table([
+        _Target("under", 1.49, 1.2, mib, 2 * mib),
+        _Target("over, floor lower", 1.97, 1.31, 3 * mib, 2 * mib),
+        _Target("over, floor higher", 1.6, 1.7, 2 * mib, 2 * mib),
+        _Target("sparse", 1.51, None, 0, mib),
+    ])
+    head, *lines = out.splitlines()
+    assert "time within 1.5x in 1 of 4 rows" in head
+    assert "extra memory within the bytes written in 3 of 4" in head
+    cells = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
+             for ln in lines[2:]}
+    assert cells["under"] == ["1.49x", "yes", "1.20x", "yes", "1.00", "2.00", "yes"]
+    assert cells["over, floor lower"] == ["1.97x", "no", "1.31x", "no", "3.00", "2.00", "no"]
+    assert cells["over, floor higher"][1:4] == ["no", "1.70x", "yes"]
+    assert cells["sparse"][1:4] == ["no", "-", "-"]

@@ -200,6 +200,15 @@ def test_benchmark_runs_in_quick_mode_and_prints_its_table(script, columns, rows
             assert step in rows_of, step
         seconds, mib = (c.strip() for c in rows_of["plot_delta"])
         assert float(seconds) > 0 and float(mib) >= 0
+        # the target table: one row per report row of the single-tensor (6) and the
+        # whole-model (2) tables, each time verdict read off its own ratio
+        lines = out.stdout.splitlines()
+        at = next(i for i, line in enumerate(lines) if "<= max(1.5x, kept floor)" in line)
+        verdicts = [[c.strip() for c in line.split("|")[1:-1]]
+                    for line in lines[at + 2:] if line.startswith("| ")]
+        assert len(verdicts) == 8
+        for load, ratio, within, *_ in verdicts:
+            assert within == ("yes" if float(ratio.rstrip("x")) <= 1.5 else "no"), load
 
 
 def test_the_report_benchmark_offers_a_row_of_real_model_shapes():
