@@ -28,7 +28,9 @@ report loop's last report: ``inspect_load(..., reuse=)``), else into fresh memor
 The C file is compiled the first time a load needs it, with the machine's C compiler
 (``$CC``, else ``cc``), into a cache folder (``$PATCHKIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/patchkit``, else ``~/.cache/patchkit``), once per version of the file
-and CPU (where that folder cannot be written, in the temporary folder's ``patchkit``).
+and CPU (where that folder cannot be written, in the temporary folder's
+``patchkit-native-<uid>``: a name Python cannot import, so a script run from the
+temporary folder still imports patchkit itself).
 Without a compiler, with ``PATCHKIT_NATIVE=0``, inside :func:`disabled`, or for a
 write it does not cover, patchkit uses torch ops: the same bits written, saved and
 counted, slower. :func:`status` says which path this process has.
@@ -118,6 +120,17 @@ def _cache_dir() -> Path:
     return Path(base) / "patchkit"
 
 
+def _fallback_dir() -> Path:
+    """Where a build goes when the cache folder cannot be written: a folder of this user's
+    in the temporary folder. Not ``patchkit``: the temporary folder is often the current
+    one (``cd /tmp``), and a folder ``patchkit`` there would be imported as an empty
+    namespace package in place of an editable install of patchkit. A hyphen keeps the
+    name out of the import system; the user id keeps one user's folder (made with the
+    usual 755) from refusing another's builds."""
+    uid = os.getuid() if hasattr(os, "getuid") else os.getpid()
+    return Path(tempfile.gettempdir()) / f"patchkit-native-{uid}"
+
+
 # -fno-trapping-math lets the compiler vectorize the branch-free statistics (patchkit never
 # reads floating-point exception flags); -fno-tree-loop-distribute-patterns keeps the
 # copies inside the vectorized loops instead of turning them into memcpy calls.
@@ -180,7 +193,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     if shutil.which(cc) is None:
         return None, f"torch ops (no C compiler: {cc!r} not found; set CC)"
     folder = _cache_dir()
-    fallback = Path(tempfile.gettempdir()) / "patchkit"
+    fallback = _fallback_dir()
     source = _SOURCE.read_bytes()
     lib = lib_path = error = None
     # With OpenMP first (see _native.c: the parts of a view then run on torch's threads),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -649,10 +650,24 @@ def test_a_cache_folder_that_cannot_be_written_builds_in_the_temporary_folder(
     monkeypatch.setattr(tempfile, "mkstemp", refuse_the_cache)
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(temporary))
     status = native.status()
-    assert status.startswith(f"compiled ({temporary / 'patchkit'}"), status
+    folder = temporary / f"patchkit-native-{os.getuid()}"
+    assert status.startswith(f"compiled ({folder}"), status
     dest, src, at = _split_copy_case(3)
     assert native.compare_copy(dest, src, torch.float32).changed == len(at)
     assert not list(fresh_build.glob("*.so"))
+    assert [p.name for p in temporary.iterdir()] == [folder.name]
+    # A script run from the temporary folder (``cd /tmp``) still imports patchkit itself:
+    # a folder named ``patchkit`` there would be imported instead, as an empty namespace
+    # package, where patchkit is installed in editable mode (as ``make`` installs it).
+    import subprocess
+    import sys
+
+    code = "import patchkit; print(patchkit.load_checkpoint_weight_patches.__name__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, cwd=temporary, timeout=120, check=False,
+    )
+    assert done.stdout.strip() == "load_checkpoint_weight_patches", done.stderr[-2000:]
 
 
 @needs_compiler
