@@ -281,6 +281,9 @@ class _Table:
         return frame
 
 
+_TABLES = ("chunks", "calls", "writes", "deltas")
+
+
 @dataclass(eq=False)
 class LoadReport:
     """What one load did, as pandas tables (and figures, through its ``plot_*`` methods).
@@ -381,6 +384,16 @@ class LoadReport:
 
     ``before(target)`` and ``after(target)`` give the runtime tensor before and after the
     load (CPU copies; elements never written are taken from the current value).
+
+    A report pickles (to a file, or back from a worker process: ``multiprocessing``, a
+    Ray task, and an exception raised with the report attached; ``copy.deepcopy`` makes
+    the same copy): the pickle keeps the
+    four tables (built then), the numbers, ``error`` and the patches (their values and
+    indices), so ``summary()``, both reprs, ``plot_chunks``, ``plot_placement`` and
+    ``plot_density`` work on the copy. It does not keep the model's tensors nor the
+    saved before-values: the copy's ``before()``, ``after()``, ``written()`` and
+    ``plot_delta`` raise ``ValueError``. To send only the numbers, send
+    ``report.summary()`` or the tables.
     """
 
     chunks: ClassVar[_Table] = _Table()
@@ -416,6 +429,20 @@ class LoadReport:
     _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, init=False)
     # Their element strides as the load left them (what the writes' strides step through).
     _strides: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, init=False)
+    # A copy made by unpickling (see the class docstring): its targets, as the load left
+    # them; it has no tensors.
+    _detached: ClassVar[bool] = False
+    _kept_targets: ClassVar[dict[str, tuple[int, ...]]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickle of this report keeps: the tables (built now), the numbers, the
+        error and the patches; not the model's tensors or the saved before-values."""
+        state = dict(self.__dict__)
+        for table in _TABLES:
+            state["_frame_" + table] = getattr(self, table)
+        state.update(_tables={}, _saved=[], _runtime={}, _rebound={}, _detached=True,
+                     _kept_targets=self.targets)
+        return state
 
     # -- values ----------------------------------------------------------------------
 
@@ -425,10 +452,13 @@ class LoadReport:
         first name, as the load left them. A name the load removed (``del module.w``) is
         not one (a tied tensor then goes by its next name), though the tables, ``after()``
         and ``before()`` still know it: it held that tensor while the load wrote it."""
+        if self._detached:
+            return dict(self._kept_targets)
         removed = set(self._removed)
         return {n: tuple(t.shape) for n, t in self._runtime.items() if n not in removed}
 
     def _tensor(self, target: str) -> torch.Tensor:
+        self._check_attached()
         target = self._aliases.get(target, target)  # a tied alias names the same tensor
         try:
             return self._runtime[target]
@@ -477,7 +507,16 @@ class LoadReport:
         except (AttributeError, TypeError, RuntimeError):  # a torch that counts otherwise
             return []
 
+    def _check_attached(self) -> None:
+        if self._detached:
+            raise ValueError(
+                "this report was unpickled: it keeps its tables, numbers and patches, not "
+                "the model's tensors or the before-values, so before(), after(), written() "
+                "and plot_delta need the report the load returned"
+            )
+
     def _check_saves(self) -> None:
+        self._check_attached()
         if self._handed_over:
             raise ValueError(
                 "this report's before-values were handed to a later load "
@@ -791,7 +830,9 @@ def inspect_load(
 
     Failures: if the load raises, the exception propagates unchanged with the partial
     report attached as ``exc.report`` (the writes made so far stay, unless
-    ``transactional=True`` restored them).
+    ``transactional=True`` restored them). The report pickles with the exception, so a
+    worker process's failed load reaches its parent as itself (see :class:`LoadReport`
+    for what a pickled report keeps).
 
     Memory: see the module docstring (the bytes written, never the whole model).
 

@@ -1,0 +1,195 @@
+"""A report pickles: its tables, numbers, error and patches cross a process boundary (a
+worker's report, or its exception with the report attached); the model's tensors and the
+saved before-values do not."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pandas as pd
+import pytest
+import torch
+
+import patchkit
+from patchkit import CheckpointWeightPatch
+from patchkit.build import AdamLikeTrainer, sparse_patches_from_diff
+from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """A sparse step loaded into rank 0 of a tiny Llama, reported; and the model."""
+    config = TinyLlamaConfig()
+    start = tiny_llama_checkpoint(config, seed=0)
+    step = AdamLikeTrainer(start, lr=1e-4, seed=0).step()
+    model = TinyLlamaRuntime(config, tp_rank=0, tp_size=2)
+    patchkit.load_checkpoint_weight_patches(
+        model, [CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.flatten())
+                for n, t in start.items()])
+    patches = sparse_patches_from_diff(start, step)
+    return model, patches, patchkit.inspect_load(model, patches, max_chunk_bytes=64 << 10)
+
+
+def test_a_pickled_report_keeps_its_tables_numbers_and_patches(loaded):
+    _, patches, report = loaded
+    copy = pickle.loads(pickle.dumps(report))
+    for table in ("chunks", "calls", "writes", "deltas"):
+        pd.testing.assert_frame_equal(getattr(copy, table), getattr(report, table))
+    assert copy.summary() == report.summary()
+    assert repr(copy) == repr(report)
+    assert copy._repr_html_() == report._repr_html_()
+    assert copy.targets == report.targets and QKV in copy.targets
+    assert copy.loaded == report.loaded and copy.error is None
+    assert [p.name for p in copy.patches] == [p.name for p in patches]
+    assert all(torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+               for a, b in zip(copy.patches, patches))
+
+
+def test_a_pickled_report_draws_what_needs_no_tensors(loaded):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, patches, report = loaded
+    copy = pickle.loads(pickle.dumps(report))
+    for draw in (lambda r: r.plot_chunks(), lambda r: r.plot_placement(QKV),
+                 lambda r: r.plot_density(patches[1].name, bins=(8, 8))):
+        mine, theirs = draw(copy), draw(report)
+        assert [ax.get_title() for ax in mine.axes] == [ax.get_title() for ax in theirs.axes]
+        assert [len(ax.patches) + len(ax.images) for ax in mine.axes] == [
+            len(ax.patches) + len(ax.images) for ax in theirs.axes]
+        plt.close(mine)
+        plt.close(theirs)
+
+
+def test_a_pickled_report_holds_no_tensor_of_the_model(loaded):
+    model, _, report = loaded
+    ours = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # what the report holds reaches the model's tensors; what its pickle holds does not
+    assert ours <= _storages(dict(report.__dict__))
+    blob = io.BytesIO()
+    pickler = _Spy(blob)
+    pickler.dump(report)
+    assert pickler.tensors and not ours & {
+        t.untyped_storage().data_ptr() for t in pickler.tensors}
+    copy = pickle.loads(blob.getvalue())
+    assert copy._runtime == {} and copy._saved == [] and copy._rebound == {}
+    for method in ("before", "after", "written"):
+        with pytest.raises(ValueError, match="unpickled"):
+            getattr(copy, method)(QKV)
+    with pytest.raises(ValueError, match="unpickled"):
+        copy.plot_delta(QKV)
+    # the report itself keeps all of it, and a pickle of the copy is the same again
+    assert report.before(QKV).shape == report.after(QKV).shape == report.written(QKV).shape
+    again = pickle.loads(pickle.dumps(copy))
+    pd.testing.assert_frame_equal(again.deltas, report.deltas)
+    assert again.targets == report.targets
+
+
+class _Spy(pickle.Pickler):
+    """A pickler that lists the tensors it pickles."""
+
+    def __init__(self, file) -> None:
+        super().__init__(file)
+        self.tensors: list[torch.Tensor] = []
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+        return NotImplemented
+
+
+def _storages(obj, seen=None) -> set[int]:
+    """The data pointers of the storages of every tensor reachable from ``obj`` through
+    dicts, lists, tuples, sets and objects' ``__dict__``."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return set()
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return {obj.untyped_storage().data_ptr()}
+    if isinstance(obj, dict):
+        items = [*obj.keys(), *obj.values()]
+    elif isinstance(obj, list | tuple | set | frozenset):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        items = list(vars(obj).values())
+    else:
+        return set()
+    out: set[int] = set()
+    for item in items:
+        out |= _storages(item, seen)
+    return out
+
+
+def test_a_failed_load_s_error_pickles_with_its_report():
+    class Refusing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                if name != "w":
+                    raise KeyError(f"no weight {name!r}")
+                self.w.copy_(t)
+            return {n for n, _ in weights}
+
+    patches = [CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(16)),
+               CheckpointWeightPatch("x", (4, 4), torch.float32, torch.ones(16))]
+    with pytest.raises(KeyError) as info:
+        patchkit.inspect_load(Refusing(), patches, max_chunk_bytes=64)
+    sent = pickle.loads(pickle.dumps(info.value))
+    assert type(sent) is KeyError and sent.args == info.value.args
+    assert sent.report.error is sent  # (the report's error is the exception itself)
+    assert sent.report.summary() == info.value.report.summary()
+    assert list(sent.report.writes["target"]) == ["w"]
+
+
+def test_a_worker_process_s_failed_load_reaches_the_parent_as_itself(tmp_path):
+    # (multiprocessing pickles a worker's exception, and with it the report attached: a
+    # report that did not pickle replaced the load's own error by a pickling error)
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent("""
+        import concurrent.futures as cf, multiprocessing as mp
+        import torch, patchkit
+        from patchkit import CheckpointWeightPatch
+
+        class Refusing(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+            def load_weights(self, weights):
+                for name, t in weights:
+                    if name != "w":
+                        raise KeyError(f"no weight {name!r}")
+                    self.w.copy_(t)
+                return {n for n, _ in weights}
+
+        def job(fail):
+            ps = [CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(16))]
+            if fail:
+                ps.append(CheckpointWeightPatch("x", (4, 4), torch.float32, torch.ones(16)))
+            return patchkit.inspect_load(Refusing(), ps, max_chunk_bytes=64)
+
+        if __name__ == "__main__":
+            with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+                r = ex.submit(job, False).result()
+                print("report", r.summary()["elements changed"])
+                try:
+                    ex.submit(job, True).result()
+                except KeyError as e:
+                    print("error", e.args[0], list(e.report.writes["target"]))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, check=False, cwd=tmp_path)
+    assert done.stdout.splitlines() == ["report 16", "error no weight 'x' ['w']"], (
+        done.stdout + done.stderr[-3000:])
