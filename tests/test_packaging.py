@@ -8,8 +8,12 @@ import sys
 import zipfile
 from pathlib import Path
 
-import tomllib
 import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the dev extra's tomli (the same module)
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +22,9 @@ CONDA_NAME = {"torch": "pytorch"}
 
 
 def _split(req: str) -> tuple[str, str]:
-    m = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*(.*)$", req)
+    """``(name, version spec)`` of a requirement, without its environment marker (conda's
+    file lists a package pip installs only on some Pythons unconditionally)."""
+    m = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*([^;#]*)", req)
     assert m, req
     return m.group(1).lower(), m.group(2).replace(" ", "")
 
