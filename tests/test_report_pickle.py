@@ -4,6 +4,7 @@ saved before-values do not."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import pickle
 import subprocess
@@ -129,19 +130,23 @@ def _storages(obj, seen=None) -> set[int]:
     return out
 
 
+class Refusing(torch.nn.Module):
+    """One 4 x 4 weight ``w``; any other name raises ``KeyError`` after ``w`` was written
+    (a load that fails in its second call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name != "w":
+                raise KeyError(f"no weight {name!r}")
+            self.w.copy_(t)
+        return {n for n, _ in weights}
+
+
 def test_a_failed_load_s_error_pickles_with_its_report():
-    class Refusing(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
-
-        def load_weights(self, weights):
-            for name, t in weights:
-                if name != "w":
-                    raise KeyError(f"no weight {name!r}")
-                self.w.copy_(t)
-            return {n for n, _ in weights}
-
     patches = [CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(16)),
                CheckpointWeightPatch("x", (4, 4), torch.float32, torch.ones(16))]
     with pytest.raises(KeyError) as info:
@@ -157,22 +162,12 @@ def test_a_worker_process_s_failed_load_reaches_the_parent_as_itself(tmp_path):
     # (multiprocessing pickles a worker's exception, and with it the report attached: a
     # report that did not pickle replaced the load's own error by a pickling error)
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent("""
+    head = textwrap.dedent("""
         import concurrent.futures as cf, multiprocessing as mp
         import torch, patchkit
         from patchkit import CheckpointWeightPatch
-
-        class Refusing(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
-
-            def load_weights(self, weights):
-                for name, t in weights:
-                    if name != "w":
-                        raise KeyError(f"no weight {name!r}")
-                    self.w.copy_(t)
-                return {n for n, _ in weights}
+    """)
+    script.write_text(head + "\n\n" + inspect.getsource(Refusing) + textwrap.dedent("""
 
         def job(fail):
             ps = [CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(16))]
