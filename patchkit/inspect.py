@@ -387,13 +387,12 @@ class LoadReport:
 
     A report pickles (to a file, or back from a worker process: ``multiprocessing``, a
     Ray task, and an exception raised with the report attached; ``copy.deepcopy`` makes
-    the same copy): the pickle keeps the
-    four tables (built then), the numbers, ``error`` and the patches (their values and
-    indices), so ``summary()``, both reprs, ``plot_chunks``, ``plot_placement`` and
-    ``plot_density`` work on the copy. It does not keep the model's tensors nor the
-    saved before-values: the copy's ``before()``, ``after()``, ``written()`` and
-    ``plot_delta`` raise ``ValueError``. To send only the numbers, send
-    ``report.summary()`` or the tables.
+    the same copy): the pickle keeps the four tables (built then), the numbers,
+    ``error`` and the patches (their values and indices), so ``summary()``, both reprs,
+    ``plot_chunks``, ``plot_placement`` and ``plot_density`` work on the copy. It does
+    not keep the model's tensors nor the saved before-values: the copy's ``before()``,
+    ``after()``, ``written()`` and ``plot_delta`` raise ``ValueError``. To send only the
+    numbers, send ``report.summary()`` or the tables.
     """
 
     chunks: ClassVar[_Table] = _Table()
