@@ -415,8 +415,8 @@ def _waits(*fns) -> list[str]:
 
 
 def _model_table(
-    device: torch.device, repeats: int, quick: bool, big: bool = False,
-    targets: list[_Target] | None = None,
+    device: torch.device, repeats: int, quick: bool, big: bool,
+    targets: list[_Target],
 ) -> tuple[str, list[list[str]]]:
     """Table 3 (see the module docstring), and the host-wait rows of its loads."""
     from patchkit.toymodels import TinyLlamaConfig
@@ -499,7 +499,7 @@ class _SaveEachCopy(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model_rows(label, config, lr, device, repeats, waits, targets=None) -> list[list[str]]:
+def _model_rows(label, config, lr, device, repeats, waits, targets) -> list[list[str]]:
     from patchkit.build import AdamLikeTrainer, dense_patches, sparse_patches_from_diff
     from patchkit.toymodels import TinyLlamaRuntime, tiny_llama_checkpoint
 
@@ -588,12 +588,11 @@ def _model_rows(label, config, lr, device, repeats, waits, targets=None) -> list
             f"{(m_report - m_plain) / 2**20:.1f}",
             f"{written / 2**20:.1f}",
         ])
-        if targets is not None:
-            targets.append(_Target(
-                f"{label}, {kind} ({len(pair[0])} patches)", paired_ratio(s_report, s_plain)[0],
-                paired_ratio(times[6], s_plain)[0] if kind == "dense" else None,
-                m_report - m_plain, written,
-            ))
+        targets.append(_Target(
+            f"{label}, {kind} ({len(pair[0])} patches)", paired_ratio(s_report, s_plain)[0],
+            paired_ratio(times[6], s_plain)[0] if kind == "dense" else None,
+            m_report - m_plain, written,
+        ))
         waits.append([f"{label}, {kind} ({len(pair[0])} patches)", *_waits(plain, report), "-",
                       str(len(r.writes))])
     return rows

@@ -281,9 +281,6 @@ class _Table:
         return frame
 
 
-_TABLES = ("chunks", "calls", "writes", "deltas")
-
-
 @dataclass(eq=False)
 class LoadReport:
     """What one load did, as pandas tables (and figures, through its ``plot_*`` methods).
@@ -437,8 +434,9 @@ class LoadReport:
         """What a pickle of this report keeps: the tables (built now), the numbers, the
         error and the patches; not the model's tensors or the saved before-values."""
         state = dict(self.__dict__)
-        for table in _TABLES:
-            state["_frame_" + table] = getattr(self, table)
+        for name, attr in vars(LoadReport).items():
+            if isinstance(attr, _Table):  # (each table built now, kept as its frame)
+                state["_frame_" + name] = getattr(self, name)
         state.update(_tables={}, _saved=[], _runtime={}, _rebound={}, _detached=True,
                      _kept_targets=self.targets)
         return state
