@@ -211,6 +211,8 @@ def _check_structure(position: int | None, patch: object) -> None:
             f"{at}: values must be a torch.Tensor, got {type(values).__name__}",
             position=position, name=name, reason="values type", value=type(values).__name__,
         )
+    if values.is_nested:  # (before its shape: a nested tensor has none to print)
+        _refuse_layout(at, position, name, "values", values)
     if values.ndim != 1:
         raise PatchValueError(
             f"{at}: values must be 1-D, got shape {tuple(values.shape)}",
@@ -247,6 +249,8 @@ def _check_structure(position: int | None, patch: object) -> None:
             f"{at}: indices must be a torch.Tensor or None, got {type(indices).__name__}",
             position=position, name=name, reason="indices type", value=type(indices).__name__,
         )
+    if indices.is_nested:
+        _refuse_layout(at, position, name, "indices", indices)
     if indices.ndim != 1:
         raise PatchValueError(
             f"{at}: indices must be 1-D, got shape {tuple(indices.shape)}",
@@ -269,10 +273,11 @@ def _check_structure(position: int | None, patch: object) -> None:
 
 
 def _refuse_layout(at: str, position: int, name: str, what: str, t: torch.Tensor) -> None:
-    """A patch tensor must be a plain strided tensor, not a torch.sparse one. (Meta
-    tensors pass: a model on the meta device loads them, e.g. to plan chunks.)"""
+    """A patch tensor must be a plain strided tensor, not a torch.sparse or nested one.
+    (Meta tensors pass: a model on the meta device loads them, e.g. to plan chunks.)"""
+    got = f"a nested tensor (layout {t.layout})" if t.is_nested else f"layout {t.layout}"
     raise PatchTypeError(
-        f"{at}: {what} must be a dense (strided) tensor, got layout {t.layout}",
+        f"{at}: {what} must be a dense (strided) tensor, got {got}",
         position=position, name=name, reason=f"{what} layout", value=t.layout,
     )
 

@@ -7,6 +7,8 @@ last, after valid patches that a small budget would have sent in earlier calls).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -535,6 +537,24 @@ def test_torch_sparse_values_or_indices_are_refused_by_name(load, mk):
                                 torch.tensor([1]).to_sparse())
     err = rejected(load, [good_sparse(mk), bad], TypeError, max_chunk_bytes=24)
     assert (err.position, err.reason) == (1, "indices layout")
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_values_or_indices_are_refused_by_name(load, mk, layout):
+    # (a strided nested tensor cannot even say its shape: its check comes first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch warns that nested tensors are a prototype)
+        values = torch.nested.nested_tensor([torch.ones(3), torch.ones(3)], layout=layout)
+        indices = torch.nested.nested_tensor([torch.tensor([0]), torch.tensor([1])],
+                                             layout=layout)
+    bad = patchkit.CheckpointWeightPatch("b", SHAPE, torch.float32, values, None)
+    err = rejected(load, [good_dense(mk), bad], TypeError, max_chunk_bytes=24)
+    assert (err.position, err.name, err.reason) == (1, "b", "values layout")
+    assert "nested" in str(err)
+    bad = patchkit.CheckpointWeightPatch("b", SHAPE, torch.float32, torch.ones(2), indices)
+    err = rejected(load, [good_sparse(mk), bad], TypeError, max_chunk_bytes=24)
+    assert (err.position, err.name, err.reason) == (1, "b", "indices layout")
 
 
 @pytest.mark.patchkit_only
