@@ -420,6 +420,11 @@ class LoadReport:
     # Runtime tensors the load wrote and its transactional rollback put back as they were
     # (their saves went with the rollback: no deltas row, nothing written()).
     _restored: tuple[str, ...] = field(default=(), repr=False, init=False)
+    # Runtime tensors on the meta device: they hold no numbers, so their writes have no
+    # counts and they have no before or after; and how many of them the load wrote into
+    # (a dry run, where any).
+    _meta: frozenset[str] = field(default=frozenset(), repr=False, init=False)
+    _dry: int = field(default=0, repr=False, init=False)
     # Every runtime tensor the report knows (targets, names removed, tensors registered
     # and removed again) and its shape: what the figures accept.
     _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, init=False)
@@ -477,6 +482,16 @@ class LoadReport:
         ``ValueError``; the tables, numbers and other figures stay."""
         return self._handed_over
 
+    @property
+    def dry_run(self) -> bool:
+        """True when the load wrote into runtime tensors on the meta device (a model made
+        under ``torch.device("meta")``, to see where a big model's patches land without
+        its memory): the ``writes`` table says where each write landed, but not what it
+        changed (``changed`` is ``None``, and so is ``written`` for a NaN-merged write);
+        such tensors have no ``deltas`` row, and ``before()``, ``after()``, ``written()``
+        and ``plot_delta`` of them raise ``ValueError``."""
+        return self._dry > 0
+
     def _hand_over(self) -> list[torch.UntypedStorage]:
         """Give up the saves (for ``inspect_load(..., reuse=self)``): the storages of the
         CPU save buffers that nothing outside this report uses, to be written over."""
@@ -512,6 +527,15 @@ class LoadReport:
                 "and plot_delta need the report the load returned"
             )
 
+    def _check_numbers(self, target: str) -> None:
+        """Refuse a runtime tensor on the meta device: it holds no values to show."""
+        if self._aliases.get(target, target) in self._meta:
+            raise ValueError(
+                f"{target!r} is on the meta device (this report is of a dry run): it holds "
+                "no numbers, so the report knows where the load wrote into it (the writes "
+                "table, plot_placement), not what it wrote or changed"
+            )
+
     def _check_saves(self) -> None:
         self._check_attached()
         if self._handed_over:
@@ -531,6 +555,7 @@ class LoadReport:
         ``ValueError`` once the report was passed to a later load as ``reuse=``.
         """
         self._check_saves()
+        self._check_numbers(target)
         t = self._tensor(target)
         mask = torch.zeros(t.numel(), dtype=torch.bool, device="cpu")
         if self._written_whole(target):
@@ -540,7 +565,9 @@ class LoadReport:
 
     def after(self, target: str) -> torch.Tensor:
         """The runtime tensor ``target`` as it is now (a CPU copy)."""
-        return self._tensor(target).detach().to("cpu", copy=True)
+        t = self._tensor(target)
+        self._check_numbers(target)
+        return t.detach().to("cpu", copy=True)
 
     def before(self, target: str) -> torch.Tensor:
         """The runtime tensor ``target`` as it was before the load (a CPU copy).
@@ -563,6 +590,7 @@ class LoadReport:
         :meth:`before` does."""
         self._check_saves()
         t = self._tensor(target)
+        self._check_numbers(target)
         if target in self._registered:
             raise KeyError(
                 f"{target!r} was registered by the load (a name the model did not have): it "
@@ -591,7 +619,9 @@ class LoadReport:
         dropped tied alias, or a patch whose call never ran, stages nothing), elements
         written and changed, names loaded, and for a failed load its error (type and first
         line of the message) and whether a transactional load rolled it back; ``removed``
-        lists the names the load removed from the model, where it removed any."""
+        lists the names the load removed from the model, where it removed any. A dry run
+        (:attr:`dry_run`) gives no element counts (``None``) and says how many runtime
+        tensors on the meta device the load wrote (``"dry run"``)."""
         kinds = sorted(set(self.chunks["kind"]))
         out = {
             "patches": len(self.patches),
@@ -603,9 +633,17 @@ class LoadReport:
             "runtime writes": len(self.writes),
             "elements written": int(self.deltas["elements"].sum()) if len(self.deltas) else 0,
             "elements changed": int(self.deltas["changed"].sum()) if len(self.deltas) else 0,
+            "dry run": None,
             "names loaded": len(self.loaded),
             "error": None if self.error is None else _error_text(self.error),
         }
+        if self._dry:
+            # (counts of tensors that hold no numbers: not known, so none are given)
+            out["elements written"] = out["elements changed"] = None
+            n = self._dry
+            out["dry run"] = f"{n} runtime tensor{'' if n == 1 else 's'} written on the meta device"
+        else:
+            del out["dry run"]
         if self.rolled_back:
             out["rolled back"] = True
         if self._removed:
@@ -832,6 +870,12 @@ def inspect_load(
     for what a pickled report keeps).
 
     Memory: see the module docstring (the bytes written, never the whole model).
+
+    A dry run: a model made on the meta device (``with torch.device("meta"):``, to see
+    where a big model's patches land without its memory; patches on the meta device, or
+    real ones) gives a report of where each write landed (``chunks``, ``calls``,
+    ``writes``, ``plot_placement``), not of what it changed, which no tensor there
+    holds: see :attr:`LoadReport.dry_run`.
 
     A report holds references to its patches (their values and indices) and to the
     model's tensors for as long as it is kept, also after it was passed on as
@@ -1734,6 +1778,7 @@ def _build_report(
     for e in events:  # (a tensor registered and removed again: as it was written)
         if e.target not in shapes:
             shapes[e.target], strides[e.target] = e.shape, e.stride
+    meta = frozenset(n for n, t in runtime.items() if t.is_meta)
     report = LoadReport(
         patches=patches,
         plan=plan,
@@ -1749,13 +1794,15 @@ def _build_report(
     report._rebound = originals
     report._registered = tuple(registered)
     report._aliases = aliases
+    report._meta = meta
+    report._dry = len({e.target for e in events} & meta)
     report._tables = {
         "chunks": lambda: _chunks_frame(patches, sent_name, plan, len(calls), observed_calls),
         "calls": lambda: _frame({
             c: [row[c] for row in calls]
             for c in ("chunk", "names", "returned", "writes", "seconds", "error")
         }, samples=_CALLS_SAMPLES),
-        "writes": lambda: _writes_frame(events, patches, shapes, strides),
+        "writes": lambda: _writes_frame(events, patches, shapes, strides, meta),
         "deltas": lambda: _deltas_frame(delta_rows),
     }
     return report
@@ -1805,7 +1852,10 @@ def _writes_frame(
     patches: list[CheckpointWeightPatch],
     shapes: dict[str, tuple[int, ...]],
     strides: dict[str, tuple[int, ...]],
+    meta: set[str] = frozenset(),
 ) -> pd.DataFrame:
+    """The ``writes`` table. ``meta``: targets on the meta device (a dry run), where only a
+    dense patch's copy says how many elements it wrote (all of its view)."""
     shapes_by_pos = {i: tuple(int(d) for d in p.shape) for i, p in enumerate(patches)}
     names = (
         "chunk", "position", "name", "checkpoint_offset", "checkpoint_region", "target",
@@ -1826,10 +1876,13 @@ def _writes_frame(
         if tgt is not None:
             step = _in_target(ev.shape, ev.stride, tgt, strides[ev.target])
             tg_region = region_text(tgt, ev.target_offset, ev.shape, step)  # (None: no box)
+        written = ev.elements if ev.written is None else ev.written
+        if ev.target in meta and (ev.position is None or ev.position not in shapes_by_pos
+                                  or patches[ev.position].indices is not None):
+            written = None  # (a NaN-merge, or a source not traced: no numbers to count)
         for k, v in zip(names, (
             ev.chunk, ev.position, ev.name, ev.checkpoint_offset, ck_region, ev.target,
-            ev.target_offset, tg_region, ev.shape, ev.elements,
-            ev.elements if ev.written is None else ev.written, ev.changed, ev.op,
+            ev.target_offset, tg_region, ev.shape, ev.elements, written, ev.changed, ev.op,
             ev.source_stride, ev.stride,
         )):
             cols[k].append(v)

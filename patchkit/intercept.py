@@ -69,8 +69,11 @@ _COPY = _aten.copy_.default
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
     """Which storage ``t`` views: its device and the address where the storage starts
     (``t``'s own address less its offset: the same number as
-    ``t.untyped_storage().data_ptr()``, without building a storage object)."""
-    return (t.device, t.data_ptr() - t.storage_offset() * t.element_size())
+    ``t.untyped_storage().data_ptr()``, without building a storage object). Storages
+    with no memory (every storage on the meta device, and empty ones) all start at
+    address 0: those are told apart by the storage object's own address instead."""
+    start = t.data_ptr() - t.storage_offset() * t.element_size()
+    return (t.device, start) if start else (t.device, t.untyped_storage()._cdata)
 
 
 @dataclass(frozen=True)
@@ -433,7 +436,7 @@ class RuntimeIndex:
         return [
             n
             for n, t in self.tensors.items()
-            if t.untyped_storage().data_ptr() != bindings[n].untyped_storage().data_ptr()
+            if _storage_key(t) != _storage_key(bindings[n])
         ]
 
     @cached_property
@@ -1866,7 +1869,10 @@ class WriteSession:
         else:
             saved = [self._save(t, tname, off, write) for t, (tname, _, off) in targets]
         befores = None
-        if self.count_changes:
+        # A dry run (a model on the meta device) holds no numbers: its writes are recorded
+        # with where they landed, but with no count of what they wrote or changed.
+        dry = targets[0][0].is_meta
+        if self.count_changes and not dry:
             befores = [
                 bits(sr.before) if sr is not None else bits(t).clone()
                 for sr, (t, _) in zip(saved, targets)
@@ -1896,7 +1902,7 @@ class WriteSession:
             written = None
             if reinterpreted_written is not None:
                 written = reinterpreted_written
-            elif write is not None:
+            elif write is not None and not dry:
                 one = saved[0] if len(saved) == 1 else None
                 if one is not None and one.index is not None:
                     written = one.before.numel()  # saved at nonzero(write): no count to read
@@ -1932,7 +1938,7 @@ class WriteSession:
                 continue
             u, uoff = _owner_span(t, owner)
             mapped.append((u, (tname, owner, uoff)))
-            if write is None:
+            if write is None or u.is_meta:
                 saved.append(self._save(u, tname, uoff, None))
                 continue
             at = _storage_offsets(t, torch.nonzero(write.reshape(-1)).reshape(-1))
@@ -2143,6 +2149,8 @@ class WriteSession:
             if self.recorder is None and fast.index is None:
                 self._saved_regions.add(Region.of(dest))  # saved whole (see above)
             out = dest
+        elif dest.is_meta:  # a dry run: nothing to save or count
+            n_changed, out = None, func(*args, **kwargs)
         else:
             saves = len(self.saved)
             try:
@@ -2298,7 +2306,7 @@ class WriteSession:
         elements its source writes (``write``: not NaN), every time: two sparse writes into
         one region change different elements.
         """
-        if not self.save_regions:
+        if not self.save_regions or t.is_meta:  # (a dry run's tensors hold nothing to keep)
             return None
         if write is None:
             region = Region.of(t)

@@ -325,12 +325,14 @@ class ReportExplorer(W.VBox):
         writes = r.writes[r.writes["target"] == key]
         cols = ["chunk", "position", "name", "checkpoint_region", "target_region",
                 "elements", "changed"]
-        delta = (
-            text_output("before/after figure: none, this report's before-values were handed "
-                        "to a later load (reuse=)\n")
-            if r.handed_over else _figure_or_note("before/after figure",
-                                                  lambda: plot_delta(r, key))
-        )
+        if r.handed_over:
+            delta = text_output("before/after figure: none, this report's before-values were "
+                                "handed to a later load (reuse=)\n")
+        elif key in r._meta:
+            delta = text_output("before/after figure: none, the tensor is on the meta device "
+                                "(a dry run: no numbers)\n")
+        else:
+            delta = _figure_or_note("before/after figure", lambda: plot_delta(r, key))
         return (
             _figure_or_note("placement figure", lambda: plot_placement(r, targets=[key])),
             delta,
@@ -349,6 +351,8 @@ def _delta_text(report: LoadReport, target: str) -> str:
     if target in getattr(report, "_restored", ()):
         why = ("written, then put back as it was by the load's transactional rollback: "
                "no change")
+    elif target in getattr(report, "_meta", ()):
+        why = "on the meta device: a dry run writes no numbers"
     elif target in getattr(report, "_registered", ()):
         why = "a tensor the load registered has no values before it"
     else:

@@ -1,0 +1,136 @@
+"""Dry runs: a model on the meta device loads, and inspect_load reports where it wrote."""
+
+from __future__ import annotations
+
+import pickle
+
+import matplotlib
+import pytest
+import torch
+
+import patchkit
+from patchkit import CheckpointWeightPatch, inspect_load, load_checkpoint_weight_patches
+from patchkit.build import AdamLikeTrainer, dense_patches, sparse_patches_from_diff
+from patchkit.intercept import _storage_key
+from patchkit.toymodels import PlainModel, TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+from patchkit.widgets import explore
+
+META = torch.device("meta")
+# Where a write landed: every column of ``writes`` but the counts.
+PLACEMENT = ["chunk", "position", "name", "checkpoint_offset", "checkpoint_region", "target",
+             "target_offset", "target_region", "shape", "elements", "op",
+             "checkpoint_stride", "target_stride"]
+
+
+@pytest.fixture(autouse=True)
+def _headless():
+    backend = matplotlib.get_backend()
+    matplotlib.use("Agg")
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    matplotlib.use(backend)
+
+
+def _on_meta(patches):
+    return [p._replace(values=p.values.to(META),
+                       indices=None if p.indices is None else p.indices.to(META))
+            for p in patches]
+
+
+@pytest.fixture(scope="module")
+def steps():
+    cfg = TinyLlamaConfig()
+    start = tiny_llama_checkpoint(cfg, dtype=torch.bfloat16)
+    step = AdamLikeTrainer(start, lr=1e-3).step()
+    return cfg, start, {"dense": dense_patches(step),
+                        "sparse": sparse_patches_from_diff(start, step)}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+@pytest.mark.parametrize("meta_patches", [False, True])
+def test_a_dry_run_places_every_write_where_the_real_load_does(steps, rank, kind, meta_patches):
+    cfg, start, patches = steps
+    real = TinyLlamaRuntime(cfg, tp_rank=rank, tp_size=2, dtype=torch.bfloat16)
+    load_checkpoint_weight_patches(real, dense_patches(start))
+    dry = TinyLlamaRuntime(cfg, tp_rank=rank, tp_size=2, dtype=torch.bfloat16, device=META)
+    ps = patches[kind]
+    ours = inspect_load(real, ps, max_chunk_bytes=8 << 10)
+    theirs = inspect_load(dry, _on_meta(ps) if meta_patches else ps, max_chunk_bytes=8 << 10)
+    assert len(ours.writes) > 10
+    assert theirs.writes[PLACEMENT].equals(ours.writes[PLACEMENT])
+    assert theirs.calls["names"].tolist() == ours.calls["names"].tolist()
+    assert theirs.loaded == ours.loaded
+    # what a tensor with no numbers cannot say
+    assert theirs.writes["changed"].isna().all() and ours.writes["changed"].notna().all()
+    if kind == "dense":
+        assert theirs.writes["written"].equals(theirs.writes["elements"])
+    else:
+        assert theirs.writes["written"].isna().all()
+    assert len(theirs.deltas) == 0 and len(ours.deltas) > 0
+    assert theirs.dry_run and not ours.dry_run
+    s = theirs.summary()
+    assert s["elements written"] is None and s["elements changed"] is None
+    targets = theirs.writes["target"].nunique()
+    assert s["dry run"] == f"{targets} runtime tensors written on the meta device"
+    assert "dry run" not in ours.summary()
+    assert f"dry run={targets} runtime tensors" in repr(theirs)
+    assert "elements changed" not in repr(theirs) and "dry run" in theirs._repr_html_()
+
+
+def test_a_dry_run_has_no_values_to_show():
+    m = PlainModel({"a": (4,), "b": (2, 3)}, device=META)
+    r = inspect_load(m, [CheckpointWeightPatch("a", (4,), torch.float32, torch.ones(4))])
+    assert r.dry_run and r.summary()["dry run"] == "1 runtime tensor written on the meta device"
+    for target in ("a", "b"):  # written, and not
+        for read in (r.before, r.after, r.written, r.plot_delta):
+            with pytest.raises(ValueError, match=f"'{target}' is on the meta device"):
+                read(target)
+    fig = r.plot_placement()
+    assert fig.axes and any(ax.patches for ax in fig.axes)
+    r.plot_chunks()
+    copy = pickle.loads(pickle.dumps(r))
+    assert copy.dry_run and copy.summary() == r.summary()
+
+
+def test_the_explorer_of_a_dry_run_says_why_it_draws_no_delta():
+    m = PlainModel({"a": (4,)}, device=META)
+    r = inspect_load(m, [CheckpointWeightPatch("a", (4,), torch.float32, torch.ones(2),
+                                               torch.tensor([0, 3]))])
+    w = explore(r)
+    w.dropdown.value = ("runtime", "a")
+    text = "".join(o["text"] for o in w.output.outputs if o["output_type"] == "stream")
+    assert "before/after figure: none, the tensor is on the meta device" in text
+    assert "delta: none (on the meta device" in text
+    assert "not drawn" not in text  # (no error stands in for a view)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_transactional_dry_run_loads(sparse):
+    m = PlainModel({"w": (4,)}, device=META)
+    p = (CheckpointWeightPatch("w", (4,), torch.float32, torch.tensor([3.0]), torch.tensor([1]))
+         if sparse else CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(4)))
+    assert load_checkpoint_weight_patches(m, [p], transactional=True) == {"w"}
+    assert load_checkpoint_weight_patches(m, _on_meta([p]), transactional=True) == {"w"}
+
+
+def test_meta_storages_are_told_apart():
+    a, b = torch.empty(4, 4, device=META), torch.empty(4, 4, device=META)
+    assert _storage_key(a) != _storage_key(b)
+    assert _storage_key(a) == _storage_key(a[1:]) == _storage_key(a.t())
+    # (and real ones by their address, as before)
+    c = torch.zeros(4)
+    assert _storage_key(c) == (c.device, c.untyped_storage().data_ptr())
+
+
+def test_observing_a_loader_on_a_meta_model():
+    cfg = TinyLlamaConfig()
+    ps = dense_patches(tiny_llama_checkpoint(cfg, dtype=torch.bfloat16))
+    real = TinyLlamaRuntime(cfg, tp_rank=1, tp_size=2, dtype=torch.bfloat16)
+    dry = TinyLlamaRuntime(cfg, tp_rank=1, tp_size=2, dtype=torch.bfloat16, device=META)
+    ours = inspect_load(real, ps, loader=patchkit.load_checkpoint_weight_patches)
+    theirs = inspect_load(dry, _on_meta(ps), loader=patchkit.load_checkpoint_weight_patches)
+    assert theirs.dry_run
+    assert theirs.writes[PLACEMENT].equals(ours.writes[PLACEMENT])
