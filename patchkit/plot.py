@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import math
 import numbers
+import operator
 import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -355,7 +356,7 @@ def _plan_for(
     if _is_report(source):
         patches = list(source.patches)
         if max_chunk_bytes is None or max_chunk_bytes == source.max_chunk_bytes:
-            return patches, list(source.plan), int(source.max_chunk_bytes)
+            return patches, list(source.plan), _report_budget(source)
         positions = [p for c in source.plan for p in c.positions]
         names = [n for c in source.plan for n in c.names]
         if patches and not positions and getattr(source, "error", None) is not None:
@@ -365,6 +366,24 @@ def _plan_for(
     patches = list(source)
     budget = DEFAULT_MAX_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes
     return patches, plan_chunks(patches, budget), budget
+
+
+def _report_budget(report: LoadReport) -> Any:
+    """A report's ``max_chunk_bytes`` as an int, or as given where it is none (a load
+    rejected for its budget: ``inf``, ``None``, ``"512MiB"``, ``1.5``), which the title
+    then shows as it was given."""
+    budget = report.max_chunk_bytes
+    if isinstance(budget, bool):
+        return budget
+    try:
+        return operator.index(budget)
+    except TypeError:
+        return budget
+
+
+def _budget_text(budget: Any) -> str:
+    return (format_bytes(budget) if isinstance(budget, int) and not isinstance(budget, bool)
+            else f"{budget!r} (refused)")
 
 
 def _as_source(source: Any, fn: str) -> Any:
@@ -484,7 +503,7 @@ def plot_chunks(
     sent = _count(n_sent, "patch", "patches")
     ax.set_title(
         f"Chunk plan: {sent}, {format_bytes(total)} staged → {calls}\n"
-        f"max_chunk_bytes = {format_bytes(budget)}",
+        f"max_chunk_bytes = {_budget_text(budget)}",
         fontsize=10,
     )
     ax.set_xlabel("load_weights call")

@@ -216,6 +216,23 @@ def test_a_report_rejected_before_planning_says_so_and_replans_at_a_valid_budget
     }
 
 
+@pytest.mark.parametrize("budget", [float("inf"), float("nan"), None, "512MiB", 1.5, True])
+def test_a_report_rejected_for_a_budget_that_is_no_int_draws_it_as_given(budget):
+    # (vLLM takes max_chunk_bytes=inf: code ported from it meets this refusal first)
+    ps = chunk_patches()
+    with pytest.raises((TypeError, ValueError)) as info:
+        inspect_load(Shards(), ps, max_chunk_bytes=budget)
+    report = info.value.report
+    fig = plot_chunks(report)
+    assert bar_totals(fig) == {}
+    assert fig.axes[0].get_title().endswith(f"max_chunk_bytes = {budget!r} (refused)")
+    (note,) = fig.axes[0].texts
+    assert note.get_text().startswith("6 patches, none planned: the load raised Patch")
+    assert bar_totals(plot_chunks(report, max_chunk_bytes=300)) == {
+        c.index: c.bytes for c in plan_chunks(ps, 300)
+    }
+
+
 def test_a_rejected_report_of_one_patch_says_patch_not_patches():
     with pytest.raises(ValueError, match="max_chunk_bytes must be positive") as info:
         inspect_load(Shards(), chunk_patches()[:1], max_chunk_bytes=0)
