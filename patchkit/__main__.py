@@ -6,7 +6,8 @@ the command says that it writes into an existing folder.
 
 Exit status: 0 when the command did what it says (every check of ``tour``/``demo`` held);
 1 when a check of ``tour``/``demo`` failed, when the output's reader went away (a
-closed pipe, as in ``patchkit inspect FILE | head -1``: the command stops quietly), or
+closed pipe, as in ``patchkit tour | head -1``: the command stops quietly; an output
+short enough to be in the pipe before the reader left ends with 0), or
 when the output could not be written once the command ran (stdout or ``--out`` on a
 full disk, say: ``error: ...`` on stderr, for ``--out`` naming the files written before
 it stopped);
@@ -27,7 +28,7 @@ import io
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     summary and the figures on one page. Reads the sparse patches' data only: the plans
     need the file's header alone. A write that fails raises its ``OSError``, saying
     which files were written before it."""
-    from .io import _load, _shown, _stand_in, print_patch_file_summary
+    from .io import _escaped, _load, _shown, _stand_in, print_patch_file_summary
     from .plot import plot_chunks, plot_density
     from .tour import _out_folder, _stopped
 
@@ -166,10 +167,14 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     page = "\n".join(
         f'<figure><img src="{html.escape(stem)}.png" alt="{html.escape(stem)}">'
         f"<figcaption>{html.escape(stem)}.png</figcaption></figure>" for stem, _ in figures)
+    # (encoded before the file is opened: a name that is no text, from a file name that
+    # is not UTF-8, is escaped, and nothing can fail once the old page is gone)
+    data = _INSPECT_PAGE.format(
+        title=html.escape(_escaped(os.path.basename(path))),
+        summary=html.escape(summary.getvalue()), figures=page,
+    ).encode("utf-8", "backslashreplace")
     try:
-        (folder / "index.html").write_text(_INSPECT_PAGE.format(
-            title=html.escape(os.path.basename(path)), summary=html.escape(summary.getvalue()),
-            figures=page), encoding="utf-8")
+        (folder / "index.html").write_bytes(data)
     except OSError as e:
         raise _stopped(e, done, len(figures) + 1, folder) from e
     print(f"wrote {len(figures)} figures and index.html to {_shown(str(folder))}")
@@ -229,9 +234,36 @@ def _stdout_to_devnull() -> None:
         pass
 
 
+@contextlib.contextmanager
+def _escaping_output() -> Iterator[None]:
+    """Within the block, stdout and stderr write what their encoding cannot hold (a path
+    or name on an ASCII or Latin-1 terminal, ``PYTHONIOENCODING=ascii``) as backslash
+    escapes, instead of raising ``UnicodeEncodeError`` halfway through a command; as
+    they were after it."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        errors = getattr(stream, "errors", None)
+        try:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, io.UnsupportedOperation):
+            continue  # (not a text stream that can change: written as it is)
+        changed.append((stream, errors))
+    try:
+        yield
+    finally:
+        for stream, errors in changed:
+            with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+                stream.reconfigure(errors=errors)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m patchkit`` and the ``patchkit`` script; returns the
     exit status (see the module docstring)."""
+    with _escaping_output():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog=_prog(), description=_plain(__doc__ or ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -46,7 +46,7 @@ from .patch import (
     patch_list,
     validate_patches,
 )
-from .units import format_bytes
+from .units import _count, format_bytes
 
 __all__ = [
     "FORMAT_KEY",
@@ -1039,7 +1039,8 @@ def print_patch_file_summary(
 
     n_sparse = sum(e.sparse for e in entries)
     print(f"patch file: {show(path)}", file=out)
-    print(f"{len(entries)} patches ({n_sparse} sparse, {len(entries) - n_sparse} dense), "
+    print(f"{_count(len(entries), 'patch', 'patches')} ({n_sparse} sparse, "
+          f"{len(entries) - n_sparse} dense), "
           f"format {FORMAT_NAME} v{FORMAT_VERSION}", file=out)
     if meta:
         print("metadata:", file=out)

@@ -503,3 +503,38 @@ def test_a_real_sigint_stops_the_command_with_one_line_and_exit_130(tmp_path):
         p.kill()
     assert p.returncode == 130, err
     assert err == "interrupted\n"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="file names are bytes on POSIX only")
+def test_inspect_out_of_a_file_whose_name_is_not_utf8_writes_its_page(tmp_path, capsys):
+    from patchkit.__main__ import main
+
+    name = os.fsdecode(b"caf\xe9.safetensors")  # (a Latin-1 name: a lone surrogate in str)
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    os.rename(f, tmp_path / name)
+    (tmp_path / "figs").mkdir()
+    (tmp_path / "figs" / "index.html").write_text("an earlier one")
+    assert main(["inspect", str(tmp_path / name), "--out", str(tmp_path / "figs")]) == 0
+    capsys.readouterr()
+    page = (tmp_path / "figs" / "index.html").read_text(encoding="utf-8")
+    assert "<title>patch file caf\\udce9.safetensors</title>" in page
+    assert page.count("<img") == 4
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_inspect_out_to_a_folder_its_output_cannot_spell_escapes_the_name(tmp_path, encoding):
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    out = tmp_path / "figures 层 ü"
+    r = subprocess.run([sys.executable, "-m", "patchkit", "inspect", str(f), "--out", str(out)],
+                       capture_output=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONIOENCODING": encoding})
+    assert (r.returncode, r.stderr) == (0, b"")
+    shown = str(out).encode(encoding, "backslashreplace")
+    assert r.stdout.rstrip().endswith(b"wrote 4 figures and index.html to " + shown)
+    assert len(os.listdir(out)) == 5
+    # (and the process's own streams are as they were after main())
+    from patchkit.__main__ import main
+
+    errors = sys.stdout.errors
+    main(["inspect", str(f)])
+    assert sys.stdout.errors == errors

@@ -528,6 +528,14 @@ def _summary_file(tmp_path):
     return str(path), ps
 
 
+def test_summary_of_one_patch_says_patch(tmp_path, capsys):
+    path = tmp_path / "one.safetensors"
+    save_patches(path, [CheckpointWeightPatch("w", (3,), torch.float32, torch.ones(1),
+                                              torch.tensor([1]))])
+    assert print_patch_file_summary(str(path)) == 0
+    assert "\n1 patch (1 sparse, 0 dense), format " in capsys.readouterr().out
+
+
 def test_summary_table_and_plan(tmp_path, capsys):
     path, ps = _summary_file(tmp_path)
     assert print_patch_file_summary(path, max_chunk_bytes=6000) == 0
