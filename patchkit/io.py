@@ -262,7 +262,7 @@ def save_patches(
     _, save_file, safetensor_error = _safetensors()
 
     user = _check_metadata(metadata)
-    path = os.fspath(path)
+    path = os.fsdecode(path)  # (bytes too, as the readers take them)
     dest = _destination(path)  # a symbolic link's target: the link stays
     _check_destination(dest, path)
     patches = [

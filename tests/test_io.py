@@ -1223,3 +1223,11 @@ def test_a_bytes_path_loads_as_its_str_does(tmp_path):
     assert [e.name for e in read_patch_index(os.fsencode(path))] == ["w"]
     with pytest.raises(PatchValueError, match="no such file"):
         load_patches(os.fsencode(tmp_path / "missing.safetensors"))
+
+
+def test_a_bytes_path_saves_as_it_loads(tmp_path):
+    ps = [CheckpointWeightPatch("w", (3,), torch.float32, torch.ones(3))]
+    path = os.fsencode(tmp_path / "b.safetensors")
+    save_patches(path, ps)
+    (got,) = load_patches(path)
+    assert got.name == "w" and torch.equal(got.values, ps[0].values)
