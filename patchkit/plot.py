@@ -1095,11 +1095,16 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
 def _write_counts(mine: Any) -> str:
     """``"2 writes, 64 elements written"``: the writes and the elements they wrote (a
     NaN-merged write only those whose source is not NaN), and where that is fewer than
-    the elements of the views written, those too."""
+    the elements of the views written, those too; where that number is not known (a
+    dry run's NaN-merges), ``"2 writes into 64 elements of their views"``."""
     n_views = int(mine["elements"].sum()) if len(mine) else 0
+    writes = f"{len(mine)} write{'s' if len(mine) != 1 else ''}"
+    if len(mine) and mine["written"].isna().any():
+        # (a dry run's NaN-merges: how many elements they let through is not known)
+        return (f"{writes} into {n_views:,} element{'s' if n_views != 1 else ''} of "
+                f"{'its view' if len(mine) == 1 else 'their views'}")
     n_written = int(mine["written"].sum()) if len(mine) else 0
-    counts = (f"{len(mine)} write{'s' if len(mine) != 1 else ''}, "
-              f"{n_written:,} element{'s' if n_written != 1 else ''} written")
+    counts = f"{writes}, {n_written:,} element{'s' if n_written != 1 else ''} written"
     if n_written != n_views:
         counts += f" of {n_views:,} in {'its view' if len(mine) == 1 else 'their views'}"
     return counts

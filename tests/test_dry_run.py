@@ -134,3 +134,12 @@ def test_observing_a_loader_on_a_meta_model():
     theirs = inspect_load(dry, _on_meta(ps), loader=patchkit.load_checkpoint_weight_patches)
     assert theirs.dry_run
     assert theirs.writes[PLACEMENT].equals(ours.writes[PLACEMENT])
+
+
+def test_the_placement_of_a_sparse_dry_run_counts_views_not_writes():
+    m = PlainModel({"a": (4, 4)}, device=META)
+    p = CheckpointWeightPatch("a", (4, 4), torch.float32, torch.ones(2), torch.tensor([0, 5]))
+    fig = inspect_load(m, [p]).plot_placement()
+    titles = [ax.get_title() for ax in fig.axes]
+    assert any("1 write into 16 elements of its view" in t for t in titles), titles
+    assert not any("elements written" in t for t in titles)
