@@ -1852,7 +1852,7 @@ def _writes_frame(
     patches: list[CheckpointWeightPatch],
     shapes: dict[str, tuple[int, ...]],
     strides: dict[str, tuple[int, ...]],
-    meta: set[str] = frozenset(),
+    meta: frozenset[str] = frozenset(),
 ) -> pd.DataFrame:
     """The ``writes`` table. ``meta``: targets on the meta device (a dry run), where only a
     dense patch's copy says how many elements it wrote (all of its view)."""
