@@ -63,6 +63,7 @@ import contextlib
 import dataclasses
 import gc
 import html
+import inspect as _pyinspect
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -804,6 +805,23 @@ def _error_text(error: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _takes_keyword(fn: Callable[..., Any], name: str) -> bool | None:
+    """Whether ``fn`` takes a keyword argument ``name`` (or any, through ``**kwargs``);
+    ``None`` where its signature cannot be read."""
+    try:
+        params = _pyinspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind in (
+        p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)) for p in params)
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if name and module else repr(fn)
+
+
 def _human(key: str, v: Any) -> str:
     if "bytes" in key and isinstance(v, int):
         return format_bytes(v)
@@ -830,8 +848,11 @@ def inspect_load(
     :func:`~patchkit.load_checkpoint_weight_patches`, with the same arguments and the same
     effect on the model. With ``loader=`` any callable of that signature (vLLM's, say)
     runs instead, called as ``loader(model, patches, max_chunk_bytes=...,
-    validate_unique_indices=..., transactional=...)`` with this call's values (so a
-    ``functools.partial`` that fixes one of them is overridden: pass it here instead),
+    validate_unique_indices=...)`` with this call's values, and ``transactional=True``
+    where asked for (vLLM's function takes no ``transactional``: with it, a loader
+    whose signature has none is refused, :class:`~patchkit.PatchTypeError`, before
+    anything runs); a ``functools.partial`` that fixes one of them is overridden, so
+    pass it here instead,
     and patchkit only observes it: ``model.load_weights`` is wrapped for
     the duration to record each call, and writes into runtime tensors are watched on this
     thread, never changed. Its calls are watched through a torch function mode (see
@@ -914,6 +935,13 @@ def inspect_load(
             f"got {type(loader).__name__}: {loader!r}",
             reason="loader type", value=loader,
         )
+    if transactional and loader is not None and _takes_keyword(loader, "transactional") is False:
+        raise PatchTypeError(
+            f"transactional=True: the loader {_callable_name(loader)} takes no transactional "
+            "argument (vLLM's does not), and patchkit cannot make another loader's load "
+            "transactional; observe it without, or load with patchkit's own loader",
+            reason="loader not transactional", value=_callable_name(loader),
+        )
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "load_weights", None)):
         raise PatchTypeError(
             f"model {type(model).__name__} is not a torch.nn.Module with a "
@@ -987,11 +1015,13 @@ def _inspect_load(
                 index=index,
             )
         else:
+            # (``transactional`` only when asked for: vLLM's function has no such
+            # argument, and inspect_load refused it above for a loader without one)
             loaded = _observe_foreign(
                 model, patches, plan, rec, sessions, loader, observed, failed, index,
                 max_chunk_bytes=max_chunk_bytes,
                 validate_unique_indices=validate_unique_indices,
-                transactional=transactional,
+                **({"transactional": True} if transactional else {}),
             )
         loaded = set(loaded or ())
     except BaseException as exc:

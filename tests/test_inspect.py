@@ -1722,3 +1722,25 @@ def test_the_report_follows_rebindings_the_loader_undid_or_made_on_the_same_stor
     with pytest.raises(RuntimeError, match="no z today") as info:
         inspect_load(model, patches, max_chunk_bytes=64, **kw)
     assert patchkit.same_bits(info.value.report.after("a"), model.a.detach())
+
+
+def test_a_loader_with_vllms_signature_is_observed_without_transactional():
+    # (vLLM's function takes max_chunk_bytes and validate_unique_indices, no transactional)
+    def vllm_signature(model, patches, *, max_chunk_bytes=512 << 20,
+                       validate_unique_indices=True):
+        return patchkit.load_checkpoint_weight_patches(
+            model, patches, max_chunk_bytes=max_chunk_bytes,
+            validate_unique_indices=validate_unique_indices)
+
+    ps = [sparse("q", (4, 4), [0, 7], [1.5, -2.0]), dense("norm", torch.ones(4) * 3)]
+    ours_model, theirs_model = Packed(), Packed()
+    ours = inspect_load(ours_model, ps[:1], max_chunk_bytes=128)
+    theirs = inspect_load(theirs_model, ps[:1], max_chunk_bytes=128, loader=vllm_signature)
+    assert theirs.error is None
+    assert theirs.deltas["changed"].to_dict() == ours.deltas["changed"].to_dict()
+    before = bits(theirs_model.qkv.detach()).clone()
+    with pytest.raises(PatchTypeError, match="takes no transactional argument") as e:
+        inspect_load(theirs_model, ps[1:], transactional=True, loader=vllm_signature)
+    assert e.value.reason == "loader not transactional"
+    assert torch.equal(bits(theirs_model.qkv.detach()), before)  # nothing ran
+    assert float(theirs_model.norm[0]) == 1.0
