@@ -38,7 +38,12 @@ IDX, VALS = [0, 5, 6, 11], [-1.0, -2.0, -3.0, -4.0]
 # -- NaN merging ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("via", ["copy_", "data", "slice"])
+# A slice assignment (``param.data[:] = w``) copies at the ATen level without calling
+# ``Tensor.copy_``: patchkit merges it as the copy it is; a loader that watches only
+# Python's ``Tensor.copy_`` (vLLM's) writes the NaN into the model. CONTRACT §4 speaks of
+# ``copy_`` only, so those cases are patchkit's (README: where patchkit and vLLM differ).
+@pytest.mark.parametrize("via", ["copy_", "data",
+                                 pytest.param("slice", marks=pytest.mark.patchkit_only)])
 def test_sparse_copy_keeps_runtime_values_where_staged_is_nan(load, mk, via):
     m = RecordingModel({"w": start()}, via=via)
     assert load(m, [mk.sparse("w", (3, 4), IDX, VALS)]) == {"w"}
@@ -87,6 +92,7 @@ def test_every_way_of_copying_into_runtime_storage_is_merged(load, mk, write):
     assert same_bits(m.w.detach(), merged(IDX, VALS))
 
 
+@pytest.mark.patchkit_only  # (see test_sparse_copy_keeps_runtime_values_where_staged_is_nan)
 def test_slice_assignment_is_merged_and_leaves_the_rest(load, mk):
     class TopRows(RecordingModel):
         def load_weights(self, weights):

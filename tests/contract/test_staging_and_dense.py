@@ -69,6 +69,24 @@ def test_single_use_iterable_is_read_once_before_anything_happens(load, mk):
     assert events == ["iter", "exhausted", "load a", "load b"]
 
 
+def test_patches_are_read_before_the_budget_is_checked(load, mk):
+    # "read once, into a list, before anything else happens": a bad budget too is found
+    # only after the iterable was read to its end
+    events = []
+
+    class Once:
+        def __iter__(self):
+            events.append("iter")
+            yield mk.dense("a", torch.ones(4))
+            events.append("exhausted")
+
+    m = RecordingModel({"a": torch.zeros(4)})
+    with pytest.raises(ValueError):
+        load(m, Once(), max_chunk_bytes=0)
+    assert events == ["iter", "exhausted"]
+    assert m.names_per_call() == []
+
+
 def test_generator_with_a_bad_patch_makes_no_call(load, mk):
     m = RecordingModel({"a": torch.zeros(4)})
     gen = (p for p in [mk.sparse("a", (4,), [0], [1.0]), mk.sparse("a", (4,), [7], [1.0])])
