@@ -84,20 +84,39 @@ def resolve_loader(spec: str | None, *, search_path: Iterable[str] = ()) -> Sele
 
 
 def _import(module_name: str, search_path: list[str], spec: str):
+    """The module ``module_name``, tried again with ``search_path`` in front of
+    ``sys.path`` when it is not found; a usage error naming the spec when it is not found
+    either way, or when importing it raises (a name it imports is missing, a syntax
+    error, an exception of its own): never a pytest internal error."""
+    module = _try_import(module_name, spec)
+    if module is not None:
+        return module
+    extra = [p for p in search_path if p not in sys.path]
+    sys.path[:0] = extra
+    try:
+        module = _try_import(module_name, spec)
+    finally:
+        for p in extra:
+            sys.path.remove(p)
+    if module is None:
+        raise pytest.UsageError(f"--loader/{ENV_VAR} {spec!r}: No module named {module_name!r}")
+    return module
+
+
+def _try_import(module_name: str, spec: str):
+    """``module_name`` imported, ``None`` where it (or a package it is in) is not found."""
     try:
         return importlib.import_module(module_name)
-    except ModuleNotFoundError as first:
-        extra = [p for p in search_path if p not in sys.path]
-        if not extra:
-            raise pytest.UsageError(f"--loader/{ENV_VAR} {spec!r}: {first}") from None
-        sys.path[:0] = extra
-        try:
-            return importlib.import_module(module_name)
-        except ModuleNotFoundError as second:
-            raise pytest.UsageError(f"--loader/{ENV_VAR} {spec!r}: {second}") from None
-        finally:
-            for p in extra:
-                sys.path.remove(p)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name + ".").startswith(e.name + "."):
+            return None  # the module itself, or its package: not on the path
+        failed = e
+    except Exception as e:  # (its own code raised while it was imported)
+        failed = e
+    raise pytest.UsageError(
+        f"--loader/{ENV_VAR} {spec!r}: importing {module_name} failed: "
+        f"{type(failed).__name__}: {failed}"
+    ) from None
 
 
 _SELECTED = pytest.StashKey[SelectedLoader]()

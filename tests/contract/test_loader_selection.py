@@ -105,6 +105,22 @@ def test_bad_loader_spec_is_a_usage_error(session, spec):
     result.stderr.fnmatch_lines(["*--loader/PATCHKIT_LOADER*"])
 
 
+@pytest.mark.parametrize(("source", "shown"), [
+    ("from torch import no_such_name_xyz\n", "importing _broken failed: ImportError: cannot"),
+    ("import no_such_dependency_xyz\n",
+     "importing _broken failed: ModuleNotFoundError: No module named 'no_such_dependency_xyz'"),
+    ("raise RuntimeError('set-up failed')\n",
+     "importing _broken failed: RuntimeError: set-up failed"),
+    ("def load(:\n", "importing _broken failed: SyntaxError:"),
+])
+def test_a_loader_module_that_fails_to_import_is_a_usage_error(session, pytester, source, shown):
+    pytester.makepyfile(_broken=source)
+    result = session("--loader=_broken:load")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--loader/PATCHKIT_LOADER '_broken:load': {shown}*"])
+    assert "INTERNALERROR" not in result.stderr.str() + result.stdout.str()
+
+
 def test_alt_loader_forwards_to_patchkit():
     from . import _alt_loader
 
