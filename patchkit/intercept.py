@@ -37,7 +37,9 @@ import contextlib
 import itertools
 import math
 import operator
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -1393,6 +1395,91 @@ class _DenseMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
 
 
+class _SignalDeferral:
+    """Python signal handlers held back while a compiled write is not yet saved.
+
+    The compiled paths (:mod:`patchkit.native`) copy and save in one C call, and the
+    save is registered in :attr:`WriteSession.saved` by the Python after it. A signal
+    that arrives meanwhile (Ctrl-C, a SIGTERM handler that raises ``SystemExit``) has its
+    Python handler run at the first bytecode after the C call returns: its exception
+    would leave a write that no rollback knows of. While a session's calls run on the
+    main thread (where Python runs signal handlers), every signal with a Python handler
+    goes through :meth:`_handler`, which runs the handler at once outside a write and
+    holds it back to the end of one (:meth:`leave`). Between calls, and on other threads,
+    nothing changes.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0  # writes in progress whose saves are not registered yet
+        self._pending: list[tuple[int, Any]] = []
+        self._handlers: dict[int, Any] = {}  # signal -> the handler it had
+        self._uses = 0
+        self._signals: tuple[int, ...] | None = None  # (the valid ones, listed once)
+
+    def install(self) -> bool:
+        """Take over the Python signal handlers (once, however many sessions nest);
+        False off the main thread, where there is nothing to hold back."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if self._uses == 0:
+            if self._signals is None:
+                self._signals = tuple(int(s) for s in signal.valid_signals())
+            for sig in self._signals:
+                try:
+                    handler = _sig.getsignal(sig)
+                    if callable(handler) and handler != self._handler:
+                        _sig.signal(sig, self._handler)
+                        self._handlers[sig] = handler
+                except (OSError, ValueError, RuntimeError):  # (one Python cannot set)
+                    continue
+        self._uses += 1
+        return True
+
+    def uninstall(self) -> None:
+        self._uses -= 1
+        if self._uses:
+            return
+        handlers, self._handlers = self._handlers, {}
+        for sig, handler in handlers.items():
+            try:
+                if _sig.getsignal(sig) == self._handler:  # (not one set since)
+                    _sig.signal(sig, handler)
+            except (OSError, ValueError, RuntimeError):
+                continue
+        self.depth = 0
+        pending, self._pending = self._pending, []
+        for signum, frame in pending:
+            handler = handlers.get(signum)
+            if callable(handler):
+                handler(signum, frame)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.depth:
+            self._pending.append((signum, frame))
+            return
+        handler = self._handlers.get(signum)
+        if callable(handler):
+            handler(signum, frame)
+
+    def leave(self) -> None:
+        """The end of a write whose save is registered: run what was held back."""
+        self.depth -= 1
+        if self._pending and not self.depth:
+            pending, self._pending = self._pending, []
+            for signum, frame in pending:
+                handler = self._handlers.get(signum)
+                if callable(handler):
+                    handler(signum, frame)
+
+
+try:  # the C module under ``signal``: the same calls, without its enums (20x faster)
+    import _signal as _sig
+except ImportError:  # pragma: no cover - not CPython
+    _sig = signal  # type: ignore[misc]
+
+_DEFERRAL = _SignalDeferral()
+
+
 class WriteSession:
     """The interception state of one load.
 
@@ -1464,6 +1551,9 @@ class WriteSession:
         # index found it (RuntimeIndex.unchanged): a caller that knows nothing has
         # touched the tree since need not look again.
         self.tree_as_found = False
+        # The signal deferral while a call runs on the main thread, else None (see
+        # _SignalDeferral): the compiled writes hold signals back until saved.
+        self._guard: _SignalDeferral | None = None
 
     # -- one load_weights call -------------------------------------------------------
 
@@ -1523,6 +1613,8 @@ class WriteSession:
             _wait_for(gpus)  # (work queued before the call is not the call's)
         t0 = time.perf_counter()
         error = True
+        guarded = self.save_regions and _DEFERRAL.install()
+        self._guard = _DEFERRAL if guarded else None
         try:
             with _Mode(self) if sparse or not _DenseMode.fits() else _DenseMode(self):
                 yield result
@@ -1530,15 +1622,21 @@ class WriteSession:
                 self._check_after_sparse_call(bindings, result.returned, staged, positions)
             error = False
         finally:
-            # (a sparse call that returns has its rebindings undone and refused above; one
-            # that raised leaves them, which a report shows)
-            if watch or (sparse and error and self.recorder is not None):
-                self._note_rebinding()
-            if self.recorder is not None:
-                _wait_for(gpus)  # a GPU's copies run after their launch returns
-                self.recorder.on_call_end(chunk, result.returned, time.perf_counter() - t0, error)
-            self._sparse = False
-            self._nan_masked = False
+            try:
+                # (a sparse call that returns has its rebindings undone and refused above;
+                # one that raised leaves them, which a report shows)
+                if watch or (sparse and error and self.recorder is not None):
+                    self._note_rebinding()
+                if self.recorder is not None:
+                    _wait_for(gpus)  # a GPU's copies run after their launch returns
+                    self.recorder.on_call_end(
+                        chunk, result.returned, time.perf_counter() - t0, error)
+                self._sparse = False
+                self._nan_masked = False
+            finally:
+                if guarded:
+                    self._guard = None
+                    _DEFERRAL.uninstall()  # (a signal held back runs here at the latest)
 
     def _gpus(self, staged: Sequence[tuple[str, torch.Tensor]]) -> set[torch.device]:
         """The CUDA devices of the model's tensors (found once per load) and of ``staged``:
@@ -1810,7 +1908,18 @@ class WriteSession:
     def _runtime_write(self, func, args, kwargs, targets, source=None):
         """A write op into runtime tensors (``targets``: each written view with its
         owner's ``(name, owner, offset)``); ``source``: the one patch the op's arguments
-        come from, where known (an error of a sparse call names it)."""
+        come from, where known (an error of a sparse call names it). Signals wait until
+        the write is saved and recorded (see :class:`_SignalDeferral`)."""
+        guard = self._guard
+        if guard is None:
+            return self._unguarded_write(func, args, kwargs, targets, source)
+        guard.depth += 1
+        try:
+            return self._unguarded_write(func, args, kwargs, targets, source)
+        finally:
+            guard.leave()
+
+    def _unguarded_write(self, func, args, kwargs, targets, source=None):
         if self._measured:
             self._forget_measured(targets)
         op = _op_name(func)
@@ -2111,7 +2220,18 @@ class WriteSession:
         keys of the destination and the source, where the caller has them.
 
         On the CPU the compiled path (:mod:`patchkit.native`) compares, saves, counts and
-        copies in one pass; otherwise torch ops compare first, save, then copy."""
+        copies in one pass; otherwise torch ops compare first, save, then copy. Signals
+        wait until the write is saved and recorded (see :class:`_SignalDeferral`)."""
+        guard = self._guard
+        if guard is None:
+            return self._unguarded_compared_copy(func, op, args, kwargs, target, key, skey)
+        guard.depth += 1
+        try:
+            return self._unguarded_compared_copy(func, op, args, kwargs, target, key, skey)
+        finally:
+            guard.leave()
+
+    def _unguarded_compared_copy(self, func, op, args, kwargs, target, key, skey):
         dest, src = args[0], args[1]
         tname, owner, off = target[1]
         if self.recorder is None and self._saved_regions:

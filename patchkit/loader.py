@@ -60,7 +60,9 @@ def load_checkpoint_weight_patches(
     5. ``transactional=False`` (the default, as in vLLM): a loader failure leaves the
        writes made so far in place and propagates unchanged. **[patchkit]**
        ``transactional=True``: every runtime region is saved before its first write, and
-       any exception restores them all bit for bit before it propagates. The extra memory
+       any exception restores them all bit for bit before it propagates, a signal's too
+       (Ctrl-C, a SIGTERM handler that raises): on the main thread a signal that comes
+       while a write is being saved has its handler wait until it is. The extra memory
        is at most the size of the regions written (a dense copy from a same-shaped source
        of the same dtype and device saves only the elements it changes). Dense calls are
        watched through a torch function mode: a write the loader makes inside

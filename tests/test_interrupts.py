@@ -1,0 +1,114 @@
+"""A signal during a transactional load (Ctrl-C, a SIGTERM handler that raises) is rolled
+back like any other exception, however close it comes to a compiled write."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+import torch
+
+import patchkit
+from patchkit import CheckpointWeightPatch, inspect_load, native
+from patchkit.toymodels import PlainModel
+
+SHAPES = {"a": (64, 64), "b": (64, 64)}
+
+
+def _patches(kind: str) -> list[CheckpointWeightPatch]:
+    n = 64 * 64
+    if kind == "dense":
+        return [CheckpointWeightPatch(k, s, torch.float32, torch.ones(n))
+                for k, s in SHAPES.items()]
+    idx = torch.arange(0, n, 2)
+    return [CheckpointWeightPatch(k, s, torch.float32, torch.ones(idx.numel()), idx)
+            for k, s in SHAPES.items()]
+
+
+@pytest.fixture
+def compiled():
+    if not native.status().startswith("compiled"):
+        pytest.skip(f"the compiled path is off here: {native.status()}")
+
+
+def _signal_after_the_first(monkeypatch, name: str, sig: int = signal.SIGINT) -> list[int]:
+    """``native.<name>`` raises ``sig`` in this thread right after its first C call
+    returns: the signal's Python handler runs at the next bytecode, inside this wrapper,
+    after the write and before its save is registered."""
+    real = getattr(native, name)
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1 and out is not None:
+            signal.raise_signal(sig)
+        return out
+
+    monkeypatch.setattr(native, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("run", ["load", "inspect_load"])
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_ctrl_c_right_after_a_compiled_write_is_rolled_back(compiled, monkeypatch, kind, run):
+    calls = _signal_after_the_first(monkeypatch, "compare_copy" if kind == "dense" else "merge")
+    m = PlainModel(SHAPES, dtype=torch.float32)
+    handlers = {s: signal.getsignal(s) for s in signal.valid_signals()}
+    load = patchkit.load_checkpoint_weight_patches if run == "load" else inspect_load
+    with pytest.raises(KeyboardInterrupt) as e:
+        load(m, _patches(kind), transactional=True)
+    assert calls  # (the compiled path wrote)
+    for name, p in m.named_parameters():
+        assert int(p.count_nonzero()) == 0, name  # every write put back
+    if run == "inspect_load":
+        report = e.value.report
+        assert report.rolled_back and len(report.writes) == 1  # the write is on record
+    assert {s: signal.getsignal(s) for s in signal.valid_signals()} == handlers
+
+
+def test_a_handler_that_does_not_raise_runs_once_after_the_write(compiled, monkeypatch):
+    _signal_after_the_first(monkeypatch, "compare_copy", signal.SIGUSR1)
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        m = PlainModel(SHAPES, dtype=torch.float32)
+        r = inspect_load(m, _patches("dense"), transactional=True)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert seen == [signal.SIGUSR1]
+    assert r.error is None and len(r.writes) == 2
+    assert all(bool((p == 1).all()) for p in m.parameters())
+
+
+def test_a_load_on_another_thread_leaves_the_handlers_alone(compiled):
+    m = PlainModel(SHAPES, dtype=torch.float32)
+    during = []
+
+    class Watching(PlainModel):
+        def load_weights(self, weights):
+            during.append(signal.getsignal(signal.SIGINT))
+            return m.load_weights(weights)
+
+    w = Watching(SHAPES, dtype=torch.float32)
+    w.a, w.b = m.a, m.b  # (its loader writes m's tensors: the same ones)
+    t = threading.Thread(
+        target=patchkit.load_checkpoint_weight_patches, args=(w, _patches("dense")),
+        kwargs={"transactional": True},
+    )
+    t.start()
+    t.join()
+    assert during == [signal.default_int_handler]
+    main_thread_run = []
+
+    class Main(Watching):
+        def load_weights(self, weights):
+            main_thread_run.append(signal.getsignal(signal.SIGINT))
+            return m.load_weights(weights)
+
+    main = Main(SHAPES, dtype=torch.float32)
+    main.a, main.b = m.a, m.b
+    patchkit.load_checkpoint_weight_patches(main, _patches("dense"), transactional=True)
+    assert main_thread_run and main_thread_run[0] is not signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
