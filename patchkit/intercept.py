@@ -1461,6 +1461,20 @@ class _SignalDeferral:
         if callable(handler):
             handler(signum, frame)
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within the block (a rollback), on the main thread, signals wait for its end: a
+        second Ctrl-C does not stop a rollback halfway."""
+        installed = self.install()
+        if installed:
+            self.depth += 1
+        try:
+            yield
+        finally:
+            if installed:
+                self.depth -= 1
+                self.uninstall()  # (what was held back runs here)
+
     def leave(self) -> None:
         """The end of a write whose save is registered: run what was held back."""
         self.depth -= 1

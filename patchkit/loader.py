@@ -13,7 +13,7 @@ import torch
 from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
 from .errors import PatchTypeError, PatchValueError, where
-from .intercept import RuntimeIndex, WriteRecorder, WriteSession, named_tensors
+from .intercept import _DEFERRAL, RuntimeIndex, WriteRecorder, WriteSession, named_tensors
 from .patch import CheckpointWeightPatch, check_flag, patch_list, validate_patches
 from .staging import stage
 
@@ -188,34 +188,40 @@ def run_load(
                 del staged
         except BaseException as exc:
             if transactional and session is not None:
-                # The module tree's registrations as they were (tensors registered anew
-                # under any of a tied tensor's names, names removed or new, submodules
-                # replaced); then the storage of tensors whose `.data` was rebound; then
-                # the saved values.
-                session.index.undo()
-                left = session.index.not_undone()
-                for name in session.index.rebound(bindings):
-                    session.index.tensors[name].data = bindings[name]
-                try:
-                    session.restore()
-                except BaseException:
-                    # Keep only what a report of it needs: the saves of the targets left
-                    # as the load wrote them (the error's traceback holds the session).
-                    left = set(session.unrestored)
-                    session.saved = [r for r in session.saved if r.target in left]
-                    raise
-                session.discard()
-                if left:
-                    raise RuntimeError(
-                        f"the rollback could not register runtime tensor {left[0]!r} again "
-                        f"(of {len(left)} the load registered anew): the model does not keep "
-                        "it in nn.Module's registries, so it holds the tensor the loader "
-                        "gave it; the saved values were restored"
-                    ) from exc
+                with _DEFERRAL.holding():  # (a second Ctrl-C waits for the rollback)
+                    _roll_back(session, bindings, exc)
             raise
         if transactional and session is not None and not save_regions:
             session.discard()
         return loaded
+
+
+def _roll_back(session: WriteSession, bindings: dict[str, torch.Tensor] | None,
+               exc: BaseException) -> None:
+    """A transactional load's rollback after ``exc``: the module tree's registrations as
+    they were (tensors registered anew under any of a tied tensor's names, names removed
+    or new, submodules replaced); then the storage of tensors whose ``.data`` was
+    rebound; then the saved values. Raises what stops it."""
+    session.index.undo()
+    left = session.index.not_undone()
+    for name in session.index.rebound(bindings):
+        session.index.tensors[name].data = bindings[name]
+    try:
+        session.restore()
+    except BaseException:
+        # Keep only what a report of it needs: the saves of the targets left as the load
+        # wrote them (the error's traceback holds the session).
+        unrestored = set(session.unrestored)
+        session.saved = [r for r in session.saved if r.target in unrestored]
+        raise
+    session.discard()
+    if left:
+        raise RuntimeError(
+            f"the rollback could not register runtime tensor {left[0]!r} again "
+            f"(of {len(left)} the load registered anew): the model does not keep "
+            "it in nn.Module's registries, so it holds the tensor the loader "
+            "gave it; the saved values were restored"
+        ) from exc
 
 
 def _check_meta(model: Any, patches: Sequence[CheckpointWeightPatch]) -> None:

@@ -112,3 +112,28 @@ def test_a_load_on_another_thread_leaves_the_handlers_alone(compiled):
     patchkit.load_checkpoint_weight_patches(main, _patches("dense"), transactional=True)
     assert main_thread_run and main_thread_run[0] is not signal.default_int_handler
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_waits_for_the_rollback(monkeypatch):
+    from patchkit.intercept import WriteSession
+
+    class Fails(PlainModel):
+        def load_weights(self, weights):
+            for name, w in weights:
+                self.get_parameter(name).data.copy_(w)
+            raise ValueError("the loader failed after writing")
+
+    real = WriteSession.restore
+
+    def interrupted_restore(self):
+        signal.raise_signal(signal.SIGINT)  # (its handler would run at the next bytecode)
+        real(self)
+
+    monkeypatch.setattr(WriteSession, "restore", interrupted_restore)
+    m = Fails(SHAPES, dtype=torch.float32)
+    with pytest.raises(KeyboardInterrupt) as e:
+        patchkit.load_checkpoint_weight_patches(m, _patches("dense"), transactional=True)
+    assert isinstance(e.value.__context__, ValueError)  # (raised once the rollback ended)
+    for name, p in m.named_parameters():
+        assert int(p.count_nonzero()) == 0, name
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
