@@ -1411,8 +1411,12 @@ class _SignalDeferral:
 
     def __init__(self) -> None:
         self.depth = 0  # writes in progress whose saves are not registered yet
-        self._pending: list[tuple[int, Any]] = []
-        self._handlers: dict[int, Any] = {}  # signal -> the handler it had
+        self._pending: list[int] = []  # signals held back, in order of arrival, once each
+        self._handlers: dict[int, Any] = {}  # signal -> the handler it had: taken over now
+        # Every handler ever taken over, by signal: what _handler runs for a signal that
+        # reaches it after its handler was put back (a handler set during a load that
+        # calls the one it found, which was _handler, keeps doing so afterwards).
+        self._known: dict[int, Any] = {}
         self._uses = 0
         self._signals: tuple[int, ...] | None = None  # (the valid ones, listed once)
 
@@ -1428,38 +1432,61 @@ class _SignalDeferral:
                 try:
                     handler = _sig.getsignal(sig)
                     if callable(handler) and handler != self._handler:
+                        # (recorded first: a signal that comes in between finds it)
+                        self._handlers[sig] = self._known[sig] = handler
                         _sig.signal(sig, self._handler)
-                        self._handlers[sig] = handler
                 except (OSError, ValueError, RuntimeError):  # (one Python cannot set)
-                    continue
+                    self._handlers.pop(sig, None)
         self._uses += 1
         return True
 
     def uninstall(self) -> None:
+        """The end of a session's call: the last one puts the handlers back; then what
+        was held back runs, where no write is in progress."""
         self._uses -= 1
-        if self._uses:
-            return
-        handlers, self._handlers = self._handlers, {}
-        for sig, handler in handlers.items():
+        if self._uses == 0:
+            self.depth += 1  # (a signal that comes meanwhile waits: the handlers first)
             try:
-                if _sig.getsignal(sig) == self._handler:  # (not one set since)
-                    _sig.signal(sig, handler)
-            except (OSError, ValueError, RuntimeError):
-                continue
-        self.depth = 0
-        pending, self._pending = self._pending, []
-        for signum, frame in pending:
-            handler = handlers.get(signum)
-            if callable(handler):
-                handler(signum, frame)
+                for sig, handler in self._handlers.items():
+                    try:
+                        if _sig.getsignal(sig) == self._handler:  # (not one set since)
+                            _sig.signal(sig, handler)
+                    except (OSError, ValueError, RuntimeError):
+                        continue
+                self._handlers = {}
+            finally:
+                self.depth -= 1
+        if self.depth == 0 and self._pending:
+            self._deliver()
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.depth:
-            self._pending.append((signum, frame))
+            if signum not in self._pending:  # (as the OS does: one pending of a kind)
+                self._pending.append(signum)
             return
-        handler = self._handlers.get(signum)
+        handler = self._known.get(signum)
         if callable(handler):
             handler(signum, frame)
+        elif signum == signal.SIGINT:  # (never swallowed)
+            signal.default_int_handler(signum, frame)
+
+    def _deliver(self) -> None:
+        """Raise the held-back signals again, for their handlers to run now as Python
+        runs them: each in turn, and where one raises, the others at the next chance
+        (blocked while raised, where the platform can, so that all are pending when
+        one handler runs)."""
+        pending, self._pending = self._pending, []
+        mask = getattr(signal, "pthread_sigmask", None)
+        if mask is None or len(pending) == 1:
+            for signum in pending:
+                signal.raise_signal(signum)
+            return
+        before = mask(signal.SIG_BLOCK, pending)
+        try:
+            for signum in pending:
+                signal.raise_signal(signum)
+        finally:
+            mask(signal.SIG_SETMASK, before)  # (all delivered here)
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -1479,11 +1506,7 @@ class _SignalDeferral:
         """The end of a write whose save is registered: run what was held back."""
         self.depth -= 1
         if self._pending and not self.depth:
-            pending, self._pending = self._pending, []
-            for signum, frame in pending:
-                handler = self._handlers.get(signum)
-                if callable(handler):
-                    handler(signum, frame)
+            self._deliver()
 
 
 try:  # the C module under ``signal``: the same calls, without its enums (20x faster)
@@ -1994,7 +2017,7 @@ class WriteSession:
         befores = None
         # A dry run (a model on the meta device) holds no numbers: its writes are recorded
         # with where they landed, but with no count of what they wrote or changed.
-        dry = targets[0][0].is_meta
+        dry = any(t.is_meta for t, _ in targets)
         if self.count_changes and not dry:
             befores = [
                 bits(sr.before) if sr is not None else bits(t).clone()
@@ -2085,7 +2108,8 @@ class WriteSession:
             return None, None
         dest, src = args[0], args[1]
         if (not isinstance(src, torch.Tensor) or src.shape != dest.shape
-                or not src.is_floating_point() or not dest.is_floating_point()):
+                or not src.is_floating_point() or not dest.is_floating_point()
+                or dest.is_meta):  # (a dry run: no NaN to find, nothing to count)
             return None, None
         hit = self.provenance.lookup(src)
         patch = self._patches.get(hit[0]) if hit is not None else None

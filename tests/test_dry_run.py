@@ -143,3 +143,32 @@ def test_the_placement_of_a_sparse_dry_run_counts_views_not_writes():
     titles = [ax.get_title() for ax in fig.axes]
     assert any("1 write into 16 elements of its view" in t for t in titles), titles
     assert not any("elements written" in t for t in titles)
+
+
+@pytest.mark.parametrize("meta_patches", [False, True])
+def test_observing_a_loader_of_sparse_patches_on_a_meta_model(meta_patches):
+    m = PlainModel({"a": (4, 4)}, device=META)
+    ps = [CheckpointWeightPatch("a", (4, 4), torch.float32, torch.ones(2), torch.tensor([0, 5]))]
+    r = inspect_load(m, _on_meta(ps) if meta_patches else ps,
+                     loader=patchkit.load_checkpoint_weight_patches)
+    assert r.error is None and r.dry_run
+    assert r.writes["target_region"].tolist() == ["[:, :]"]
+    assert r.writes["changed"].isna().all() and r.writes["written"].isna().all()
+
+
+def test_a_foreach_copy_into_a_real_and_a_meta_tensor_counts_neither():
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+            self.b = torch.nn.Parameter(torch.zeros(4, device=META), requires_grad=False)
+
+        def load_weights(self, weights):
+            ws = dict(weights)
+            torch._foreach_copy_([self.a, self.b], [ws["a"], ws["b"]])
+            return set(ws)
+
+    ps = [CheckpointWeightPatch(n, (4,), torch.float32, torch.ones(4)) for n in "ab"]
+    r = inspect_load(Mixed(), ps)
+    assert r.error is None and r.dry_run
+    assert sorted(r.writes["target"]) == ["a", "b"] and r.writes["changed"].isna().all()

@@ -69,17 +69,88 @@ def test_ctrl_c_right_after_a_compiled_write_is_rolled_back(compiled, monkeypatc
 
 
 def test_a_handler_that_does_not_raise_runs_once_after_the_write(compiled, monkeypatch):
-    _signal_after_the_first(monkeypatch, "compare_copy", signal.SIGUSR1)
-    seen = []
-    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    from patchkit.intercept import WriteSession
+
+    events = []
+    real_copy, real_record = native.compare_copy, WriteSession._record
+
+    def compare_copy(*args, **kwargs):
+        out = real_copy(*args, **kwargs)
+        events.append("copied")
+        if events.count("copied") == 1:
+            signal.raise_signal(signal.SIGUSR1)
+        return out
+
+    def record(self, *args, **kwargs):
+        events.append("recorded")
+        return real_record(self, *args, **kwargs)
+
+    monkeypatch.setattr(native, "compare_copy", compare_copy)
+    monkeypatch.setattr(WriteSession, "_record", record)
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: events.append("handler"))
     try:
         m = PlainModel(SHAPES, dtype=torch.float32)
         r = inspect_load(m, _patches("dense"), transactional=True)
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    assert seen == [signal.SIGUSR1]
+    # the handler ran once, after the write it interrupted was saved and recorded
+    assert events == ["copied", "recorded", "handler", "copied", "recorded"]
     assert r.error is None and len(r.writes) == 2
     assert all(bool((p == 1).all()) for p in m.parameters())
+
+
+def test_a_handler_set_during_a_load_that_calls_the_one_it_found_keeps_working():
+    # (a library set up inside load_weights chains to the handler it finds: the
+    # deferral's own, which must pass the signal on after the load too)
+    chained = []
+
+    class SetsAHandler(PlainModel):
+        def load_weights(self, weights):
+            found = signal.getsignal(signal.SIGINT)
+
+            def cleanup_then_previous(signum, frame):
+                chained.append(signum)
+                found(signum, frame)
+
+            signal.signal(signal.SIGINT, cleanup_then_previous)
+            return super().load_weights(weights)
+
+    m = SetsAHandler(SHAPES, dtype=torch.float32)
+    try:
+        patchkit.load_checkpoint_weight_patches(m, _patches("dense"), transactional=True)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(100):  # (the handler runs at one of these bytecodes)
+                pass
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert chained == [signal.SIGINT]
+
+
+def test_two_signals_held_back_both_run_when_the_first_raises(compiled, monkeypatch):
+    ran = []
+    real = native.compare_copy
+
+    def compare_copy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if not ran:
+            ran.append("copied")
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGUSR1)
+        return out
+
+    monkeypatch.setattr(native, "compare_copy", compare_copy)
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: ran.append("USR1"))
+    try:
+        m = PlainModel(SHAPES, dtype=torch.float32)
+        with pytest.raises(KeyboardInterrupt):
+            patchkit.load_checkpoint_weight_patches(m, _patches("dense"), transactional=True)
+        for _ in range(100):  # (where the second one runs, if it was not run yet)
+            pass
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert ran == ["copied", "USR1"]
+    assert all(int(p.count_nonzero()) == 0 for p in m.parameters())
 
 
 def test_a_load_on_another_thread_leaves_the_handlers_alone(compiled):
