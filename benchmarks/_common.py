@@ -26,15 +26,22 @@ __all__ = [
 def bench_args(
     description: str, argv=None, *, big: str | None = None
 ) -> tuple[torch.device, int, bool]:
-    """The options every benchmark takes: ``(device, repeats, quick)``; with ``big`` (its
-    help text), also a ``--big`` switch, whose value comes fourth."""
+    """The options every benchmark takes: ``(device, repeats, quick)``, and ``--threads
+    N``, which sets torch's thread count; with ``big`` (its help text), also a ``--big``
+    switch, whose value comes fourth."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch's thread count for the run (default: torch's own)")
     if big is not None:
         ap.add_argument("--big", action="store_true", help=big)
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     out = torch.device(args.device), (1 if args.quick else args.repeats), args.quick
     return (*out, args.big) if big is not None else out
 

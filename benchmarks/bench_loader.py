@@ -18,7 +18,7 @@ For dense and sparse (0.1 %, 1 %, 10 %) patches of fp32 and bf16 tensors of 1 M,
   next to the peak of validation alone and the staged size (a full checkpoint-shaped
   tensor, also for sparse patches).
 
-Usage: ``python benchmarks/bench_loader.py [--quick] [--device cuda] [--repeats N]``.
+Usage: ``python benchmarks/bench_loader.py [--quick] [--device cuda] [--repeats N] [--threads N]``.
 """
 
 from __future__ import annotations
