@@ -43,9 +43,9 @@ def test_a_paired_ratio_is_taken_round_by_round():
 
 
 @pytest.mark.parametrize("kept", [None, []], ids=["fresh", "kept"])
-def test_the_least_report_floor_saves_each_destination_before_it_is_written(kept):
-    # (the whole-model table's "save floor" and "kept floor": a floor that saved nothing,
-    # or saved after the write, would be no floor of a report)
+def test_the_save_reference_saves_each_destination_before_it_is_written(kept):
+    # (the whole-model table's "save ref" and "kept ref": a reference that saved nothing,
+    # or saved after the write, would measure less than a report of this design must do)
     from bench_inspect import _SaveEachCopy
 
     w = torch.arange(6.0).reshape(2, 3)
