@@ -153,35 +153,33 @@ def test_two_signals_held_back_both_run_when_the_first_raises(compiled, monkeypa
     assert all(int(p.count_nonzero()) == 0 for p in m.parameters())
 
 
-def test_a_load_on_another_thread_leaves_the_handlers_alone(compiled):
-    m = PlainModel(SHAPES, dtype=torch.float32)
-    during = []
+def _sigint_seen_by_a_load(on_thread: bool) -> list:
+    """SIGINT's handler as a transactional load's ``load_weights`` sees it, the load run
+    on this thread or on another one."""
+    seen = []
 
     class Watching(PlainModel):
         def load_weights(self, weights):
-            during.append(signal.getsignal(signal.SIGINT))
-            return m.load_weights(weights)
+            seen.append(signal.getsignal(signal.SIGINT))
+            return super().load_weights(weights)
 
-    w = Watching(SHAPES, dtype=torch.float32)
-    w.a, w.b = m.a, m.b  # (its loader writes m's tensors: the same ones)
-    t = threading.Thread(
-        target=patchkit.load_checkpoint_weight_patches, args=(w, _patches("dense")),
-        kwargs={"transactional": True},
-    )
-    t.start()
-    t.join()
-    assert during == [signal.default_int_handler]
-    main_thread_run = []
+    def load():
+        m = Watching(SHAPES, dtype=torch.float32)
+        patchkit.load_checkpoint_weight_patches(m, _patches("dense"), transactional=True)
 
-    class Main(Watching):
-        def load_weights(self, weights):
-            main_thread_run.append(signal.getsignal(signal.SIGINT))
-            return m.load_weights(weights)
+    if on_thread:
+        t = threading.Thread(target=load)
+        t.start()
+        t.join()
+    else:
+        load()
+    return seen
 
-    main = Main(SHAPES, dtype=torch.float32)
-    main.a, main.b = m.a, m.b
-    patchkit.load_checkpoint_weight_patches(main, _patches("dense"), transactional=True)
-    assert main_thread_run and main_thread_run[0] is not signal.default_int_handler
+
+def test_a_load_on_another_thread_leaves_the_handlers_alone(compiled):
+    assert _sigint_seen_by_a_load(on_thread=True) == [signal.default_int_handler]
+    (during,) = _sigint_seen_by_a_load(on_thread=False)  # (taken over on this one)
+    assert during is not signal.default_int_handler
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
