@@ -439,16 +439,7 @@ def _peak_mib(fn) -> float:
     """Peak extra memory of ``fn`` on the CPU: torch's allocations (the profiler's
     events) plus numpy's and Python's (``tracemalloc``), each at its own peak: a bound
     from above, as the two peaks need not fall at one time."""
-    import tracemalloc
-
-    torch_peak = peak_extra_bytes(fn, torch.device("cpu"))
-    tracemalloc.start()
-    try:
-        fn()
-        _, python_peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return (torch_peak + python_peak) / 2**20
+    return (peak_extra_bytes(fn, torch.device("cpu")) + _python_peak(fn)) / 2**20
 
 
 def _waits(*fns) -> list[str]:

@@ -117,7 +117,7 @@ from .patch import (
     staged_nbytes,
 )
 from .progress import LoadProgress, Tracker, check_progress
-from .units import format_bytes
+from .units import _count, format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -632,19 +632,21 @@ class LoadReport:
             "staged bytes": sum(c.bytes for c in self.plan if c.index < len(self.calls)),
             "max_chunk_bytes": self.max_chunk_bytes,
             "runtime writes": len(self.writes),
-            "elements written": int(self.deltas["elements"].sum()) if len(self.deltas) else 0,
-            "elements changed": int(self.deltas["changed"].sum()) if len(self.deltas) else 0,
-            "dry run": None,
-            "names loaded": len(self.loaded),
-            "error": None if self.error is None else _error_text(self.error),
         }
         if self._dry:
             # (counts of tensors that hold no numbers: not known, so none are given)
-            out["elements written"] = out["elements changed"] = None
-            n = self._dry
-            out["dry run"] = f"{n} runtime tensor{'' if n == 1 else 's'} written on the meta device"
+            out.update({"elements written": None, "elements changed": None,
+                        "dry run": f"{_count(self._dry, 'runtime tensor')} written on the "
+                                   "meta device"})
         else:
-            del out["dry run"]
+            out.update({
+                "elements written":
+                    int(self.deltas["elements"].sum()) if len(self.deltas) else 0,
+                "elements changed":
+                    int(self.deltas["changed"].sum()) if len(self.deltas) else 0,
+            })
+        out.update({"names loaded": len(self.loaded),
+                    "error": None if self.error is None else _error_text(self.error)})
         if self.rolled_back:
             out["rolled back"] = True
         if self._removed:

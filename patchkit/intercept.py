@@ -1418,7 +1418,6 @@ class _SignalDeferral:
         # calls the one it found, which was _handler, keeps doing so afterwards).
         self._known: dict[int, Any] = {}
         self._uses = 0
-        self._signals: tuple[int, ...] | None = None  # (those of _HELD here, listed once)
 
     def install(self) -> bool:
         """Take over the Python signal handlers (once, however many sessions nest);
@@ -1426,9 +1425,7 @@ class _SignalDeferral:
         if threading.current_thread() is not threading.main_thread():
             return False
         if self._uses == 0:
-            if self._signals is None:
-                self._signals = tuple(int(getattr(signal, n)) for n in _HELD if hasattr(signal, n))
-            for sig in self._signals:
+            for sig in _HELD:
                 try:
                     handler = _sig.getsignal(sig)
                     if callable(handler) and handler != self._handler:
@@ -1512,8 +1509,9 @@ class _SignalDeferral:
 # The signals held back: those a Python program handles, and whose handler may raise
 # (Ctrl-C, termination and hang-up, timers, the user's); looking at all 64 would cost a
 # report 30 us more after a garbage collection.
-_HELD = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM", "SIGPROF",
-         "SIGUSR1", "SIGUSR2")
+_HELD = tuple(int(getattr(signal, name)) for name in (
+    "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1",
+    "SIGUSR2") if hasattr(signal, name))
 
 try:  # the C module under ``signal``: the same calls, without its enums (20x faster)
     import _signal as _sig
@@ -1953,12 +1951,17 @@ class WriteSession:
         owner's ``(name, owner, offset)``); ``source``: the one patch the op's arguments
         come from, where known (an error of a sparse call names it). Signals wait until
         the write is saved and recorded (see :class:`_SignalDeferral`)."""
+        return self._guarded(self._unguarded_write, func, args, kwargs, targets, source)
+
+    def _guarded(self, write, *args):
+        """``write(*args)``, with signals held back until it returns where this call
+        takes them over (see :class:`_SignalDeferral`)."""
         guard = self._guard
         if guard is None:
-            return self._unguarded_write(func, args, kwargs, targets, source)
+            return write(*args)
         guard.depth += 1
         try:
-            return self._unguarded_write(func, args, kwargs, targets, source)
+            return write(*args)
         finally:
             guard.leave()
 
@@ -2023,7 +2026,8 @@ class WriteSession:
         befores = None
         # A dry run (a model on the meta device) holds no numbers: its writes are recorded
         # with where they landed, but with no count of what they wrote or changed.
-        dry = any(t.is_meta for t, _ in targets)
+        dry = (self.count_changes or self.recorder is not None) and any(
+            t.is_meta for t, _ in targets)
         if self.count_changes and not dry:
             befores = [
                 bits(sr.before) if sr is not None else bits(t).clone()
@@ -2266,14 +2270,8 @@ class WriteSession:
         On the CPU the compiled path (:mod:`patchkit.native`) compares, saves, counts and
         copies in one pass; otherwise torch ops compare first, save, then copy. Signals
         wait until the write is saved and recorded (see :class:`_SignalDeferral`)."""
-        guard = self._guard
-        if guard is None:
-            return self._unguarded_compared_copy(func, op, args, kwargs, target, key, skey)
-        guard.depth += 1
-        try:
-            return self._unguarded_compared_copy(func, op, args, kwargs, target, key, skey)
-        finally:
-            guard.leave()
+        return self._guarded(self._unguarded_compared_copy, func, op, args, kwargs, target,
+                             key, skey)
 
     def _unguarded_compared_copy(self, func, op, args, kwargs, target, key, skey):
         dest, src = args[0], args[1]

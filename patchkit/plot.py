@@ -1098,7 +1098,7 @@ def _write_counts(mine: Any) -> str:
     the elements of the views written, those too; where that number is not known (a
     dry run's NaN-merges), ``"2 writes into 64 elements of their views"``."""
     n_views = int(mine["elements"].sum()) if len(mine) else 0
-    writes = f"{len(mine)} write{'s' if len(mine) != 1 else ''}"
+    writes = _count(len(mine), "write")
     if len(mine) and mine["written"].isna().any():
         # (a dry run's NaN-merges: how many elements they let through is not known)
         return (f"{writes} into {n_views:,} element{'s' if n_views != 1 else ''} of "
