@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Mapping
 
 import torch
 
 __all__ = ["bits", "block_size", "changed_mask", "count_true", "device_passes", "difference",
-           "host_waits", "same_bits", "same_state", "select", "squares_on_device",
-           "sum_squares"]
+           "has_numbers", "host_waits", "same_bits", "same_state", "select",
+           "squares_on_device", "sum_squares"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # The unsigned types wider than a byte have no index kernels in torch (index_select,
@@ -38,6 +39,20 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.is_floating_point:
         return t.view(_INT_OF_SIZE[t.element_size()])
     return t
+
+
+@functools.cache
+def has_numbers(dtype: torch.dtype) -> bool:
+    """Whether torch reads ``dtype``'s elements as numbers (casts them to float64, or
+    complex128): every float, integer, bool and complex dtype but the packed ones
+    (``float4_e2m1fn_x2``, the ``bits*`` dtypes), whose elements only compare bit for
+    bit. Found once per dtype by casting one CPU element."""
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    try:
+        torch.zeros(dtype.itemsize, dtype=torch.uint8).view(dtype).to(wide)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
 
 
 def select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

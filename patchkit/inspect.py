@@ -80,6 +80,7 @@ from .bitwise import (
     changed_mask,
     count_true,
     difference,
+    has_numbers,
     host_waits,
     squares_on_device,
     sum_squares,
@@ -342,7 +343,9 @@ class LoadReport:
       against the value before the load), ``max_abs``, ``mean_abs`` (over the written
       elements) and ``rel_l2`` (``||after - before|| / ||before||`` over the written
       elements), all read as the runtime tensor's own dtype (packed int32 words as
-      integers, whatever view wrote them). For bfloat16 on x86 CPUs the compiled path
+      integers, whatever view wrote them); NaN for a packed dtype torch reads no numbers
+      from (``float4_e2m1fn_x2``: only ``changed`` is counted). For bfloat16 on x86 CPUs
+      the compiled path
       measures partly in float32: ``rel_l2`` always, and ``max_abs`` and ``mean_abs``
       where most of a write changed, can be off by up to 1e-6 relative (see
       :class:`patchkit.native.CopyResult`). Non-finite values are counted in
@@ -2033,6 +2036,7 @@ class _Stats:
     def __init__(self) -> None:
         self.elements = self.changed = 0
         self.max_abs = self.sum_abs = self.sum_d2 = self.sum_b2 = 0.0
+        self.numbers = True  # False once a packed dtype's pairs came: changes counted only
         # sums on a device, not read yet: (changed, sum |d|, sum d^2, max |d|, sum b^2)
         self.pending: list[torch.Tensor] = []
 
@@ -2059,6 +2063,8 @@ class _Stats:
         On a device it is pending until :meth:`settle`, taken in one pass that leaves the
         non-finite elements out (no second pass to decide on, and nothing of ``values``
         kept until then)."""
+        if not has_numbers(values.dtype):
+            return
         if not host_waits(values.device):
             self.sum_b2 += sum_squares(values)
             return
@@ -2076,6 +2082,13 @@ class _Stats:
         On the CPU it works a cache-sized block at a time, on the changed elements of
         each; on a device the host waits for (CUDA), :meth:`_add_pairs_on_device`.
         """
+        if not has_numbers(after.dtype):
+            # a packed dtype (float4_e2m1fn_x2): its changes are counted, bit for bit
+            self.numbers = False
+            for lo in range(0, after.numel(), _BLOCK):
+                self.changed += int(count_true(
+                    changed_mask(before[lo : lo + _BLOCK], after[lo : lo + _BLOCK])))
+            return
         if host_waits(after.device):
             self._add_pairs_on_device(before, after)
             return
@@ -2126,11 +2139,11 @@ class _Stats:
     def row(self, target: str) -> dict[str, Any]:
         if self.pending:
             _Stats.settle([self])
+        row = {"target": target, "elements": self.elements, "changed": self.changed}
+        if not self.numbers:  # a packed dtype: no numbers to take differences of
+            return row | dict.fromkeys(("max_abs", "mean_abs", "rel_l2"), math.nan)
         dn, bn = math.sqrt(self.sum_d2), math.sqrt(self.sum_b2)
-        return {
-            "target": target,
-            "elements": self.elements,
-            "changed": self.changed,
+        return row | {
             "max_abs": self.max_abs,
             "mean_abs": self.sum_abs / self.elements if self.elements else 0.0,
             "rel_l2": dn / bn if bn > 0 else (0.0 if dn == 0 else math.inf),

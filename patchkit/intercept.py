@@ -53,7 +53,15 @@ from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import native
-from .bitwise import bits, changed_mask, count_true, host_waits, select, squares_on_device
+from .bitwise import (
+    bits,
+    changed_mask,
+    count_true,
+    has_numbers,
+    host_waits,
+    select,
+    squares_on_device,
+)
 from .errors import ContractViolation, where
 
 __all__ = [
@@ -2289,7 +2297,9 @@ class WriteSession:
                 return func(*args, **kwargs)
         # Statistics read the bits as the owner's dtype: a loader may write through a
         # reinterpreting view (of the same element size; other sizes are not followed).
-        stats = self.recorder is not None and dest.element_size() == owner.element_size()
+        # A packed dtype (float4_e2m1fn_x2) has no numbers: its changes are counted only.
+        stats = (self.recorder is not None and dest.element_size() == owner.element_size()
+                 and has_numbers(owner.dtype))
         # An inference tensor outside inference mode: torch allows some writes into it
         # (through ``.data``) and refuses others (into the parameter, or a view of it),
         # so torch's own copy_ writes it, not the compiled path.

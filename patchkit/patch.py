@@ -332,12 +332,15 @@ def _check_fits_integers(position: int, patch: CheckpointWeightPatch) -> None:
     refuse the others, it writes an arbitrary integer (NaN, infinity or 1e20 into int32
     is -2147483648) or wraps (3e9 into int32 is -1294967296, 300 into uint8 is 44).
     Floating values are truncated toward zero, as a cast does; they must be finite and
-    in ``[min, max + 1)`` of the dtype. One pass, only for values that may not fit."""
+    truncate into ``[min, max]`` of the dtype (``(min - 1, max + 1)``: int8 takes -128.5
+    and 127.5). One pass, only for values that may not fit."""
     info = torch.iinfo(patch.dtype)
     v = patch.values
     if v.is_floating_point():
+        if v.element_size() == 1:
+            v = v.float()  # the 8-bit floats have no comparison kernels: exact in float32
         # (min and max + 1 are powers of two: exact in every float dtype that reaches them)
-        fits = torch.isfinite(v) & (v >= info.min) & (v < float(info.max) + 1.0)
+        fits = torch.isfinite(v) & (torch.trunc(v) >= info.min) & (v < float(info.max) + 1.0)
     elif v.dtype == torch.uint64:
         # no comparison kernels for uint64: its bits as int64, where the numbers from 2**63
         # on read negative (and fit no other integer dtype: only uint64 holds them)

@@ -45,7 +45,7 @@ from matplotlib.patheffects import withStroke
 from matplotlib.textpath import text_to_path
 from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 
-from .bitwise import changed_mask, difference
+from .bitwise import changed_mask, difference, has_numbers
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, grid_shape
 from .loader import _as_patch as _as_record
@@ -1517,6 +1517,12 @@ def plot_delta(
         )
     shape = reader.shape
     dtype = str(reader.before_dtype).removeprefix("torch.")
+    if not has_numbers(reader.before_dtype):
+        raise ValueError(
+            f"plot_delta: {asked!r} is {dtype}, a packed dtype torch reads no numbers from "
+            "(its elements compare only bit for bit): report.deltas counts its changed "
+            "elements, and report.before() and report.after() give its bits"
+        )
     form = f"{_shape_text(shape)} {dtype}"
     if math.prod(shape) == 0:
         _as_bins(bins)  # bad bins raise whatever the tensor

@@ -105,6 +105,10 @@ def test_density_map_of_something_that_is_not_a_patch_is_a_type_error():
         (torch.uint8, [-1.0], -1.0, "out of range"),
         (torch.int64, [2.0**63], 2.0**63, "out of range"),
         (torch.int32, [float("inf")], float("inf"), "not finite"),
+        (torch.int8, [-129.0], -129.0, "out of range"),  # truncates to -129
+        (torch.int8, torch.tensor([1.0, -448.0]).to(torch.float8_e4m3fn), -448.0, "out of range"),
+        (torch.int8, torch.tensor([float("nan")]).to(torch.float8_e4m3fn), math.nan,
+         "not finite"),
         # unsigned values and dtypes, which torch compares only in part
         (torch.uint64, torch.tensor([1, -2]), -2, "out of range"),
         (torch.uint8, torch.tensor([300], dtype=torch.uint16), 300, "out of range"),
@@ -120,7 +124,7 @@ def test_a_value_outside_an_integer_dtype_is_refused_before_the_first_call(
     p = CWP("i", (values.numel(),), dtype, values)
     with pytest.raises(PatchValueError, match=r"patch 0 \('i'\): value ") as info:
         patchkit.load_checkpoint_weight_patches(m, [p])
-    assert (info.value.reason, info.value.value) == (reason, pytest.approx(bad))
+    assert (info.value.reason, info.value.value) == (reason, pytest.approx(bad, nan_ok=True))
     assert m.i.tolist() == [0] * values.numel()
 
 
@@ -136,6 +140,13 @@ def test_a_value_outside_an_integer_dtype_is_refused_before_the_first_call(
         (torch.uint32, torch.tensor([2**32 - 1]), [2**32 - 1]),
         (torch.uint8, torch.tensor([7], dtype=torch.uint64), [7]),
         (torch.int32, torch.tensor([65535], dtype=torch.uint16), [65535]),
+        # truncated toward zero into the range (-128.5 and -0.5 were refused)
+        (torch.int8, [-128.5, 127.5], [-128, 127]),
+        (torch.uint8, [-0.5, 0.5], [0, 0]),
+        # 8-bit float values (were a raw NotImplementedError: no isfinite or >= kernels)
+        (torch.int32, torch.tensor([1.0, 2.0, -4.0]).to(torch.float8_e4m3fn), [1, 2, -4]),
+        (torch.int32, torch.tensor([1.0, 2.0, -4.0]).to(torch.float8_e5m2fnuz), [1, 2, -4]),
+        (torch.int16, torch.tensor([1.0, 2.0, 4.0]).to(torch.float8_e8m0fnu), [1, 2, 4]),
     ],
 )
 def test_values_an_integer_dtype_holds_load(dtype, values, want):
