@@ -16,6 +16,7 @@ from .errors import PatchTypeError, PatchValueError, where
 from .intercept import _DEFERRAL, RuntimeIndex, WriteRecorder, WriteSession, named_tensors
 from .patch import CheckpointWeightPatch, check_flag, patch_list, validate_patches
 from .staging import stage
+from .units import _count
 
 __all__ = ["canonicalize_tied", "load_checkpoint_weight_patches"]
 
@@ -149,11 +150,11 @@ def run_load(
             # (the session's index, built first: it knows the tied parameters, so the
             # module tree is walked once)
             index = RuntimeIndex(model)
+        alias_of = _tied_aliases(model) if index is None else index.tied_parameters
         if planned is not None:
             kept, positions, chunks = planned
         else:
-            kept, positions = (canonicalize_tied(model, patches) if index is None
-                               else _canonicalized(patches, index.tied_parameters))
+            kept, positions = _canonicalized(patches, alias_of)
             chunks = plan_chunks(kept, max_chunk_bytes, positions=positions)
         by_position = dict(zip(positions, kept))
         session = None
@@ -185,6 +186,9 @@ def run_load(
                         r.returned = returned = _names(load_weights(staged))
                 if returned is not None:
                     loaded.update(returned)
+                    if alias_of:
+                        _warn_if_renamed_not_loaded(chunk.positions, patches, by_position,
+                                                    returned, alias_of)
                 del staged
         except BaseException as exc:
             if transactional and session is not None:
@@ -263,13 +267,18 @@ def canonicalize_tied(
     not loaded silently: with ``warn``, a :class:`UserWarning` names it. A tied trainer's
     state dict, whose two names hold one tensor, costs no comparison.
     """
+    return _canonicalized(patches, _tied_aliases(model), warn=warn)
+
+
+def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Each alias of a Parameter registered under several names -> its first name."""
     canonical: dict[int, str] = {}
     alias_of: dict[str, str] = {}
     for name, p in named_tensors(model, buffers=False):
         first = canonical.setdefault(id(p), name)
         if first != name:
             alias_of[name] = first
-    return _canonicalized(patches, alias_of, warn=warn)
+    return alias_of
 
 
 def _canonicalized(
@@ -315,6 +324,33 @@ def _warn_if_dropped_differs(
         UserWarning,
         stacklevel=_outside_patchkit(),
     )
+
+
+def _warn_if_renamed_not_loaded(
+    chunk_positions: Sequence[int], patches: Sequence[CheckpointWeightPatch],
+    sent: dict[int, CheckpointWeightPatch], returned: set[str], alias_of: dict[str, str],
+) -> None:
+    """[patchkit] Warn for each patch of this call that CONTRACT §6 renamed to its tied
+    Parameter's first registered name when the loader returned no name of that
+    Parameter: a loader that skips the name it was sent (vLLM's skip ``lm_head.weight``
+    when the embedding is tied; a model that registers ``lm_head`` first makes that the
+    canonical name) leaves the update unwritten, and says so only by what it returns."""
+    for pos in chunk_positions:
+        name, asked = sent[pos].name, patches[pos].name
+        if name == asked:
+            continue
+        names = {name, *(a for a, first in alias_of.items() if first == name)}
+        if names & returned:
+            continue
+        warnings.warn(
+            f"{where(pos, asked)} was sent as {name!r}, the first registered name of the "
+            f"tied Parameter it names (CONTRACT §6), and the loader's call returned no name "
+            f"of that Parameter (of the {_count(len(returned), 'name')} it returned): it may "
+            f"not have written the update. A loader that skips {name!r} loads a tied weight "
+            "only under the other name: register that module first",
+            UserWarning,
+            stacklevel=_outside_patchkit(),
+        )
 
 
 def _outside_patchkit() -> int:

@@ -154,3 +154,59 @@ def test_a_report_warns_of_a_dropped_alias_once(mk, observed):
     with pytest.warns(UserWarning) as caught:
         patchkit.inspect_load(TiedModel(), patches, loader=loader)
     assert sum("tied alias" in str(w.message) for w in caught) == 1
+
+
+class HeadFirst(torch.nn.Module):
+    """A tied embedding whose ``lm_head`` is registered first (so ``lm_head.weight`` is the
+    canonical name), with vLLM's usual loader, which skips ``lm_head.weight`` when the
+    embedding is tied: a patch of the embedding, renamed to ``lm_head.weight``, is not
+    written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(SHAPE[1], SHAPE[0], bias=False)
+        self.embed_tokens = torch.nn.Embedding(*SHAPE)
+        self.lm_head.weight = self.embed_tokens.weight
+        self.skip = True
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, w in weights:
+            if name == ALIAS and self.skip:
+                continue
+            params[name].data.copy_(w)
+            loaded.add(name)
+        return loaded
+
+
+@pytest.mark.parametrize("report", [False, True])
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_renamed_patch_the_loader_did_not_load_is_named_in_a_warning(load, mk, kind, report):
+    import patchkit
+
+    m = HeadFirst()
+    before = m.embed_tokens.weight.detach().clone()
+    patch = (mk.dense(CANON, torch.full(SHAPE, 2.0)) if kind == "dense"
+             else mk.sparse(CANON, SHAPE, [0, 14], [-1.0, -2.0]))
+    with pytest.warns(UserWarning) as caught:
+        if report:
+            patchkit.inspect_load(m, [patch])
+        else:
+            assert load(m, [patch]) == set()
+    (w,) = [w for w in caught if "was sent as" in str(w.message)]
+    assert str(w.message).startswith(f"patch 0 ('{CANON}') was sent as '{ALIAS}'")
+    assert "returned no name of that Parameter" in str(w.message)
+    assert w.filename == __file__  # the caller's line
+    assert same_bits(m.embed_tokens.weight.detach(), before)  # (what the warning is about)
+
+
+def test_a_renamed_patch_the_loader_loaded_raises_no_warning(load, mk):
+    import warnings
+
+    m = HeadFirst()
+    m.skip = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load(m, [mk.dense(CANON, torch.full(SHAPE, 2.0))]) == {ALIAS}
+    assert bool((m.embed_tokens.weight == 2.0).all())
