@@ -308,7 +308,9 @@ class LoadReport:
       one staged tensor: made by an op from two patches, say), ``checkpoint_offset``
       (flat element offset of the source region in the checkpoint tensor; ``None`` when
       an op moved the patch's elements first: a ``torch.cat``, a gather ``w[idx]``, a
-      flip, the copy of a transposed view), ``checkpoint_region`` (slice notation),
+      flip, the copy of a transposed view; or when the write is an op other than a copy,
+      ``index_copy_``, ``param[idx] = w``, an ``out=`` op, which names its patch but
+      follows no view of it), ``checkpoint_region`` (slice notation),
       ``target`` (the
       runtime parameter or buffer), ``target_offset``, ``target_region`` (slice
       notation, as :func:`~patchkit.density.region_text` writes it: ``"[32:48, :]"``; a

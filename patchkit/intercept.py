@@ -2083,8 +2083,14 @@ class WriteSession:
                     changed = torch.stack(counts).tolist()
                 else:  # (a foreach copy over tensors of several devices)
                     changed = [int(c) for c in counts]
+            who = None
+            if not is_copy and self.provenance:
+                # index_copy_, index_put_ (``param[idx] = w``), an out= op: the one patch
+                # its other arguments come from, if one (where in it, no view says)
+                who = source if source is not None else self.provenance.source_of(
+                    args, kwargs)
             for k, (t, (tname, _, off)) in enumerate(targets):
-                self._record(op, t, tname, off, src, changed[k], written=written)
+                self._record(op, t, tname, off, src, changed[k], written=written, who=who)
         return out
 
     def _save_in_owner_units(self, targets, write):
@@ -2250,14 +2256,18 @@ class WriteSession:
             self._record(op, dest, tname, off, src, fast.changed, written=fast.written)
         return dest
 
-    def _record(self, op, t, tname, off, src, changed, skey=None, written=None) -> None:
+    def _record(self, op, t, tname, off, src, changed, skey=None, written=None,
+                who=None) -> None:
         """Tell the recorder of one write into runtime tensor ``tname`` (``changed`` is
         kept only when the session counts changes; ``skey``: ``src``'s storage key, where
         the caller has it; ``written``: the elements that took the source's value, where
-        fewer than the view's)."""
+        fewer than the view's; ``who``: ``(position, name)`` of the one patch an op other
+        than a copy wrote from, at no offset a view tells)."""
         hit = self.provenance.lookup(src, key=skey) if isinstance(src, torch.Tensor) else None
         if hit is None:
             position = name = checkpoint_offset = source_shape = source_stride = None
+            if who is not None:
+                position, name = who
         else:
             position, name, checkpoint_offset = hit
             source_shape, source_stride = tuple(src.shape), tuple(src.stride())

@@ -188,6 +188,38 @@ def test_a_write_from_data_an_op_moved_names_the_patch_at_no_offset(how, kind):
     assert w["checkpoint_offset"].isna().all() and w["checkpoint_region"].isna().all()
 
 
+class _Ops(nn.Module):
+    """Writes each patch with an op other than ``copy_``: rows in reverse order
+    (``index_copy_``, ``param[idx] = w``) or an ``out=`` op."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a = nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+
+    def load_weights(self, weights):
+        rows = torch.tensor([3, 2, 1, 0])
+        for n, w in weights:
+            t = getattr(self, n).data
+            if self.how == "index_copy_":
+                t.index_copy_(0, rows, w)
+            elif self.how == "setitem":
+                t[rows] = w
+            else:
+                torch.mul(w, 1.0, out=t)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("how", ["index_copy_", "setitem", "out="])
+def test_a_dense_write_by_an_op_other_than_a_copy_names_its_patch_at_no_offset(how):
+    # (was: no patch at all, though the op's source is one staged tensor)
+    ps = [CWP(n, (4, 3), torch.float32, torch.arange(12.0) + i) for i, n in enumerate("ab")]
+    w = patchkit.inspect_load(_Ops(how), ps).writes
+    assert w[["target", "position", "name"]].values.tolist() == [["a", 0, "a"], ["b", 1, "b"]]
+    assert w["checkpoint_offset"].isna().all()
+
+
 def test_a_patch_traced_exactly_keeps_its_offset():
     p = CWP("w", (8, 4), torch.float32, torch.arange(32.0))
     w = patchkit.inspect_load(_Moves("plain"), [p]).writes
