@@ -30,7 +30,9 @@ The C file is compiled the first time a load needs it, with the machine's C comp
 ``$XDG_CACHE_HOME/patchkit``, else ``~/.cache/patchkit``), once per version of the file
 and CPU (where that folder cannot be written, in the temporary folder's
 ``patchkit-native-<uid>``: a name Python cannot import, so a script run from the
-temporary folder still imports patchkit itself).
+temporary folder still imports patchkit itself). A folder or build that another user
+owns, or that any user may write, is never loaded (it could hold their code): torch ops
+then, and :func:`status` says why.
 Without a compiler, with ``PATCHKIT_NATIVE=0``, inside :func:`disabled`, or for a
 write it does not cover, patchkit uses torch ops: the same bits written, saved and
 counted, slower. :func:`status` says which path this process has.
@@ -173,11 +175,30 @@ def _compile(cc: str, flags: list[str], out: Path) -> str | None:
             os.unlink(tmp)
 
 
-def _writable(folder: Path) -> bool:
-    """Whether a file can be made in ``folder`` (made first where missing): tried, not
-    read from its mode bits, which do not bind root or tell a read-only mount."""
+def _untrusted(path: Path) -> str | None:
+    """Why a build (or its folder) at ``path`` must not be loaded, or ``None``: a file
+    another user owns, or one any user may write, could hold their code (the temporary
+    folder is everyone's, and its folder name is easy to guess), which loading it would
+    run in this process. Root's files are trusted, as the system's own libraries are."""
+    if not hasattr(os, "getuid"):
+        return None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as e:
+        return str(e)
+    if st.st_uid not in (os.getuid(), 0):
+        return f"{path} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o002:
+        return f"any user may write {path}"
+    return None
+
+
+def _writable(folder: Path) -> bool:
+    """Whether a file can be made in ``folder`` (made first where missing, for this user
+    only): tried, not read from its mode bits, which do not bind root or tell a read-only
+    mount."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder, suffix=".probe")
     except OSError:
         return False
@@ -213,11 +234,19 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             if not _writable(fallback):
                 error = f"no writable folder for the build ({folder}, {fallback})"
                 break
+        distrust = _untrusted(candidate.parent)
+        if distrust is not None:
+            error = f"not building or loading in {candidate.parent}: {distrust}"
+            break
         if not candidate.exists():
             failed = _compile(cc, flags, candidate)
             if failed is not None:
                 error = f"compiling {_SOURCE.name} failed: {failed}"
                 continue
+        distrust = _untrusted(candidate)
+        if distrust is not None:
+            error = f"not loading {candidate.name}: {distrust}"
+            break
         try:
             lib = ctypes.CDLL(str(candidate))
         except OSError as e:  # e.g. an OpenMP runtime this process cannot load

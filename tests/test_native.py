@@ -1425,3 +1425,39 @@ def test_a_staged_tensor_changed_outside_torch_is_still_restored_where_it_was_wr
         r = info.value.report
         assert r.rolled_back
         assert r.writes["written"].tolist() == [2]
+
+
+@needs_compiler
+@pytest.mark.parametrize("what", ["build", "folder"])
+def test_a_build_any_user_may_write_is_never_loaded(fresh_build, what):
+    # (another user could have put their code there: loading it would run it here)
+    assert native.status().startswith("compiled")
+    (lib,) = fresh_build.glob("native-*.so")
+    bad = lib if what == "build" else fresh_build
+    bad.chmod(bad.stat().st_mode | 0o002)
+    native._reset_for_tests()
+    try:
+        status = native.status()
+        assert status.startswith("torch ops (not "), status
+        assert f"any user may write {bad}" in status
+        assert native.compare_copy(torch.zeros(4), torch.ones(4), None) is None
+    finally:
+        bad.chmod(bad.stat().st_mode & ~0o002)
+
+
+@needs_compiler
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0,
+                    reason="only root can give a file to another user")
+def test_a_build_another_user_owns_is_never_loaded(fresh_build, monkeypatch, tmp_path):
+    # The temporary folder's patchkit-native-<uid>, made first by someone else.
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    planted = temporary / "patchkit-native-0"
+    planted.mkdir()
+    os.chown(planted, 65534, 65534)
+    monkeypatch.setattr(native, "_cache_dir", lambda: Path("/proc/no-cache-here"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(temporary))
+    status = native.status()
+    assert status == (f"torch ops (not building or loading in {planted}: {planted} belongs "
+                      "to another user (uid 65534))"), status
+    assert not list(planted.iterdir())
