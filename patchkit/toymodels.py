@@ -134,7 +134,11 @@ def _model_device(device: object) -> torch.device:
     (:func:`patchkit.patch._checked_device`: ``"cuda"`` on a machine without CUDA is a
     :class:`~patchkit.PatchValueError` saying it "is not available here", not torch's
     ``AssertionError``). ``"meta"`` is taken (a model to plan with); an int is an index
-    of the current accelerator, as ``torch.device(0)`` reads it."""
+    of the current accelerator, as ``torch.device(0)`` reads it; ``None`` is torch's
+    default device, as for torch's own layers (``with torch.device("meta"):`` makes a
+    model to plan with)."""
+    if device is None:
+        device = torch.get_default_device()
     if isinstance(device, int) and not isinstance(device, bool):
         try:
             device = torch.device(device)
@@ -166,6 +170,10 @@ class PlainModel(nn.Module):
     name raises :class:`UnknownWeightError` (a :class:`KeyError`) before anything of that
     entry is written; entries before it in the same call stay written.
 
+    ``device`` defaults to torch's default device, as torch's own layers do: the CPU,
+    or what ``torch.set_default_device`` or a ``with torch.device(...):`` block around
+    the model's construction sets (``"meta"``: a dry-run model, see
+    :func:`patchkit.inspect_load`).
     A ``device`` this machine does not have (``"cuda"`` without CUDA) raises
     :class:`~patchkit.PatchValueError` ("is not available here"), one that is not a
     device :class:`~patchkit.PatchTypeError`, before any parameter is made (here and in
@@ -176,7 +184,7 @@ class PlainModel(nn.Module):
         self,
         shapes: Mapping[str, Sequence[int]],
         dtype: torch.dtype = torch.float32,
-        device: DeviceLike = "cpu",
+        device: DeviceLike | None = None,
         fill: float = 0.0,
     ) -> None:
         super().__init__()
@@ -206,8 +214,8 @@ class PlainModel(nn.Module):
         first = next(iter(state.values()), None)
         if dtype is None:
             dtype = first.dtype if first is not None else torch.float32
-        if device is None:
-            device = first.device if first is not None else "cpu"
+        if device is None and first is not None:
+            device = first.device
         model = cls({n: tuple(t.shape) for n, t in state.items()}, dtype=dtype, device=device)
         with torch.no_grad():
             model.load_weights(state.items())
@@ -296,7 +304,7 @@ class WritesThenFillsModel(PlainModel):
         self,
         shapes: Mapping[str, Sequence[int]],
         dtype: torch.dtype = torch.float32,
-        device: DeviceLike = "cpu",
+        device: DeviceLike | None = None,
         fill: float = 0.0,
         *,
         pad_rows: int = 1,
@@ -364,7 +372,7 @@ class ReportsWithoutWritingModel(PlainModel):
         self,
         shapes: Mapping[str, Sequence[int]],
         dtype: torch.dtype = torch.float32,
-        device: DeviceLike = "cpu",
+        device: DeviceLike | None = None,
         fill: float = 0.0,
     ) -> None:
         super().__init__(shapes, dtype=dtype, device=device, fill=fill)
@@ -408,7 +416,7 @@ class OverlappingDestinationsModel(nn.Module):
         self,
         shapes: Mapping[str, Sequence[int]],
         dtype: torch.dtype = torch.float32,
-        device: DeviceLike = "cpu",
+        device: DeviceLike | None = None,
         fill: float = 0.0,
         *,
         overlap: int = 1,
@@ -470,7 +478,7 @@ class FailingModel(PlainModel):
         self,
         shapes: Mapping[str, Sequence[int]],
         dtype: torch.dtype = torch.float32,
-        device: DeviceLike = "cpu",
+        device: DeviceLike | None = None,
         fill: float = 0.0,
         *,
         fail_on: str,
@@ -754,7 +762,7 @@ class TinyLlamaRuntime(nn.Module):
 
     Parameters (names as :meth:`named_parameters` reports them; ``*`` = per layer
     ``model.layers.{i}``), each ``requires_grad=False``, zero-initialised, in ``dtype`` on
-    ``device``:
+    ``device`` (torch's default device where not given, as for :class:`PlainModel`):
 
     ========================================  ==============================================
     ``model.embed_tokens.weight``             rows ``[r*V/T, (r+1)*V/T)`` of the embedding
@@ -788,7 +796,7 @@ class TinyLlamaRuntime(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         dtype: torch.dtype = torch.bfloat16,
-        device: DeviceLike = "cpu",
+        device: DeviceLike | None = None,
     ) -> None:
         super().__init__()
         config = TinyLlamaConfig() if config is None else config

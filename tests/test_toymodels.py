@@ -673,14 +673,18 @@ def test_a_vocabulary_vllm_would_pad_is_refused_not_laid_out_unpadded(vocab):
 ABSENT = f"cuda:{torch.cuda.device_count()}"  # a GPU this machine does not have
 
 
-@pytest.mark.parametrize("make", [
+MAKERS = [
     lambda device: PlainModel({"w": (4,)}, device=device),
     lambda device: PlainModel.from_state_dict({"w": torch.ones(4)}, device=device),
     lambda device: FailingModel({"w": (4,)}, device=device, fail_on="w"),
     lambda device: WritesThenFillsModel({"w": (4,)}, device=device),
     lambda device: OverlappingDestinationsModel({"a": (4,), "b": (4,)}, device=device),
     lambda device: TinyLlamaRuntime(device=device),
-], ids=["plain", "from_state_dict", "failing", "fills", "overlapping", "llama"])
+]
+MAKER_IDS = ["plain", "from_state_dict", "failing", "fills", "overlapping", "llama"]
+
+
+@pytest.mark.parametrize("make", MAKERS, ids=MAKER_IDS)
 def test_a_device_this_machine_lacks_is_refused_as_elsewhere_before_anything_is_made(make):
     with pytest.raises(patchkit.PatchValueError, match=rf"device '{ABSENT}' is not available "
                                                        r"here") as info:
@@ -694,6 +698,16 @@ def test_a_device_this_machine_lacks_is_refused_as_elsewhere_before_anything_is_
     with pytest.raises(patchkit.PatchTypeError, match=r"device must be a str or torch\.device"):
         make(2.5)
     assert {p.device.type for p in make("meta").parameters()} == {"meta"}  # a model to plan with
+
+
+@pytest.mark.parametrize("make", MAKERS, ids=MAKER_IDS)
+def test_a_model_without_a_device_is_made_on_torchs_default_device(make):
+    # as torch's own layers: the README's dry run, ``with torch.device("meta"):``, made a
+    # real CPU model that the load then wrote into
+    assert {p.device.type for p in make(None).parameters()} == {"cpu"}
+    with torch.device("meta"):
+        assert {p.device.type for p in make(None).parameters()} == {"meta"}
+    assert {p.device.type for p in make("cpu").parameters()} == {"cpu"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without an accelerator")
