@@ -14,7 +14,8 @@ it stopped);
 2 for bad input, found before anything runs or is written: an unreadable patch file,
 an unusable or empty ``--device`` or ``--out`` (a file, a folder that cannot be
 written, or one that holds a folder where ``index.html`` or a figure goes), a bad
-option, with ``error: ...`` on stderr;
+option, matplotlib missing for a command that draws (``tour``, ``inspect --out``), with
+``error: ...`` on stderr;
 130 when interrupted (Ctrl-C): ``interrupted`` on stderr, the files written so far
 left in ``--out``.
 """
@@ -66,14 +67,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if run_demo(device=device) else 1
 
 
+def _figures() -> None:
+    """Import :mod:`patchkit.plot`: ``ImportError`` naming the extra where matplotlib is
+    missing (checked before a command that draws runs)."""
+    from . import plot  # noqa: F401
+
+
 def _cmd_tour(args: argparse.Namespace) -> int:
     from .errors import PatchError
-    from .tour import OUTPUTS, _check_out, run_tour
+    from .tour import OUTPUTS, _check_out, _out_folder, run_tour
 
     try:
+        _figures()
         device = _device(args.device)
         _check_out(args.out, "the tour", OUTPUTS)
-    except (PatchError, OSError) as e:
+        _out_folder(args.out)  # (one the checks pass that cannot be made: /proc/x, say)
+    except (PatchError, OSError, ImportError) as e:
         return _error(e)
     # (a write that fails from here on is an OSError: exit 1, see main)
     return 0 if run_tour(args.out, device=device).ok else 1
@@ -90,6 +99,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         # file's header (a bad file: the summary says so, and nothing is written)
         from .tour import _check_out
 
+        try:
+            _figures()
+        except ImportError as e:
+            return _error(e)
         with contextlib.suppress(PatchError, ValueError, TypeError, ImportError):
             entries = read_patch_index(args.file)
         figures = _inspect_figures(entries or [])

@@ -118,7 +118,9 @@ _off = 0  # depth of disabled() blocks
 def _cache_dir() -> Path:
     if os.environ.get("PATCHKIT_CACHE_DIR"):
         return Path(os.environ["PATCHKIT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base or not os.path.isabs(base):  # (the XDG spec: a relative one is ignored)
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "patchkit"
 
 

@@ -35,6 +35,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 import torch
+
+try:
+    import matplotlib  # noqa: F401
+except ImportError as e:  # (the figures are an extra; the loader and the tables are not)
+    raise ImportError(
+        "patchkit.plot (the figures: plot_*, report.plot_*) needs matplotlib: "
+        "pip install 'patchkit[notebooks]'"
+    ) from e
 from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure

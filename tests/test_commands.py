@@ -155,6 +155,32 @@ def test_tour_and_demo_refuse_a_bad_out_or_device_cleanly(tmp_path, monkeypatch,
         run_tour(afile, device="cpu")
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_tour_out_that_cannot_be_made_is_bad_input(capsys):
+    # /proc passes the cheap checks for root (os.access says it can be written) but
+    # takes no folder: exit 2 before anything runs (was 1, as if the tour had failed)
+    from patchkit.__main__ import main
+
+    assert main(["tour", "--out", "/proc/no-such/tour", "--device", "cpu"]) == 2
+    o, err = capsys.readouterr()
+    assert o == "" and err.startswith("error: ") and "'/proc/no-such/tour'" in err
+
+
+def test_commands_that_draw_say_which_extra_they_need_when_matplotlib_is_missing(tmp_path):
+    code = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # the notebooks extra not installed\n"
+        "from patchkit.__main__ import main\n"
+        f"print(main(['tour', '--out', {str(tmp_path / 't')!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, check=False)
+    assert done.stdout.strip() == "2", done.stdout + done.stderr
+    assert done.stderr.strip() == ("error: patchkit.plot (the figures: plot_*, report.plot_*) "
+                                   "needs matplotlib: pip install 'patchkit[notebooks]'")
+    assert not (tmp_path / "t").exists()
+
+
 def test_tour_result_ok_is_documented():
     from patchkit.tour import TourResult
 

@@ -1461,3 +1461,14 @@ def test_a_build_another_user_owns_is_never_loaded(fresh_build, monkeypatch, tmp
     assert status == (f"torch ops (not building or loading in {planted}: {planted} belongs "
                       "to another user (uid 65534))"), status
     assert not list(planted.iterdir())
+
+
+@pytest.mark.parametrize(("xdg", "want"), [
+    ("/somewhere/cache", "/somewhere/cache/patchkit"),
+    ("relative/cache", "~/.cache/patchkit"),  # the XDG spec: ignored (was: under the cwd)
+    ("", "~/.cache/patchkit"),
+])
+def test_the_cache_folder_follows_xdg_cache_home_when_it_is_absolute(monkeypatch, xdg, want):
+    monkeypatch.delenv("PATCHKIT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    assert native._cache_dir() == Path(os.path.expanduser(want))

@@ -92,6 +92,56 @@ def test_a_lazy_submodule_whose_extra_is_missing_is_no_attribute():
     assert _fresh_python(code).split() == ["True", "True", "False", "True"]
 
 
+def test_a_report_without_matplotlib_loads_and_its_figures_name_the_extra():
+    code = (
+        "import sys, torch\n"
+        "sys.modules['matplotlib'] = None  # the notebooks extra not installed\n"
+        "import patchkit\n"
+        "from patchkit.toymodels import PlainModel\n"
+        "p = patchkit.CheckpointWeightPatch('w', (2,), torch.float32, torch.ones(2))\n"
+        "r = patchkit.inspect_load(PlainModel({'w': (2,)}), [p])\n"
+        "print(int(r.deltas.loc['w', 'changed']))\n"
+        "try:\n"
+        "    r.plot_placement()\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    assert _fresh_python(code).splitlines() == [
+        "2", "patchkit.plot (the figures: plot_*, report.plot_*) needs matplotlib: "
+             "pip install 'patchkit[notebooks]'"]
+
+
+def test_every_module_a_plain_install_imports_is_a_dependency():
+    # (a plain ``pip install`` could not save a patch file or make a report: numpy and
+    # pandas were only in the notebooks extra)
+    import ast
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {_split(r)[0] for r in project["dependencies"]}
+    extras = {"plot.py": {"matplotlib"}, "widgets.py": {"matplotlib", "ipywidgets"},
+              "progress.py": {"ipywidgets", "IPython"}}  # (progress: only in a kernel)
+
+    def imported(node) -> set[str]:  # (what runs: not the ``if TYPE_CHECKING:`` blocks)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            return imported_in(node.orelse)
+        if isinstance(node, ast.Import):
+            return {a.name.split(".")[0] for a in node.names}
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            return {node.module.split(".")[0]}
+        return imported_in(ast.iter_child_nodes(node))
+
+    def imported_in(nodes) -> set[str]:
+        return set().union(*(imported(n) for n in nodes))
+
+    for f in sorted((ROOT / "patchkit").glob("*.py")):
+        found = imported(ast.parse(f.read_text()))
+        third = {m for m in found if m not in sys.stdlib_module_names and m != "patchkit"}
+        third -= extras.get(f.name, set())
+        assert {m.lower() for m in third} <= core, (f.name, third - core)
+    # safetensors writes through numpy: a file written with only the core installed
+    assert {"numpy", "pandas", "safetensors"} <= core
+
+
 def test_public_names_are_exported_and_documented():
     import patchkit
 
@@ -143,7 +193,10 @@ def test_the_wheel_carries_the_c_file_that_patchkit_native_compiles(tmp_path):
     )
     (wheel,) = tmp_path.glob("patchkit-*.whl")
     with zipfile.ZipFile(wheel) as z:
-        assert "patchkit/_native.c" in z.namelist()
+        names = z.namelist()
+    assert "patchkit/_native.c" in names
+    assert "patchkit/py.typed" in names  # (a user's type checker reads the annotations)
+    assert any(n.endswith("licenses/LICENSE") for n in names), names
 
 
 def _execute_notebooks_script():
