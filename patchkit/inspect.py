@@ -96,6 +96,7 @@ from .density import (
 )
 from .errors import PatchTypeError
 from .intercept import (
+    _DEFERRAL,
     RuntimeIndex,
     SavedRegion,
     WriteEvent,
@@ -107,7 +108,7 @@ from .intercept import (
     named_tensors,
     rollbacks,
 )
-from .loader import _as_patch, _canonicalized, _names, run_load
+from .loader import _as_patch, _canonicalized, _names, _roll_back, run_load
 from .patch import (
     CheckpointWeightPatch,
     _check_structure,
@@ -899,6 +900,12 @@ def inspect_load(
 
     Memory: see the module docstring (the bytes written, never the whole model).
 
+    Signals, with ``transactional=True`` (on the main thread): from the load's end until
+    the report is made, a signal's handler waits; one that raises then (Ctrl-C) rolls the
+    load back, as during the load, and its exception carries the report, whose
+    ``rolled_back`` is True. One that comes as the call returns, the report made, leaves
+    the load standing, as one just after the call does.
+
     A dry run: a model made on the meta device (``with torch.device("meta"):``, to see
     where a big model's patches land without its memory; patches on the meta device, or
     real ones) gives a report of where each write landed (``chunks``, ``calls``,
@@ -957,10 +964,12 @@ def inspect_load(
             reason="no load_weights", value=type(model).__name__,
         )
     lent = reuse._hand_over() if reuse is not None else []
-    with native.reusing(lent), _collector_paused():
-        del lent  # the pool holds them now: what the load does not take is freed after it
-        return _inspect_load(model, patches, max_chunk_bytes, validate_unique_indices,
-                             transactional, loader, progress)
+    scope = contextlib.ExitStack()  # (_inspect_load closes it, before its signals go)
+    scope.enter_context(native.reusing(lent))
+    scope.enter_context(_collector_paused())
+    del lent  # the pool holds them now: what the load does not take is freed after it
+    return _inspect_load(model, patches, max_chunk_bytes, validate_unique_indices,
+                         transactional, loader, progress, scope)
 
 
 @contextlib.contextmanager
@@ -969,7 +978,9 @@ def _collector_paused() -> Iterator[None]:
     records a few objects per write (a save, an event, the tensors they hold): on a
     model of many small tensors the collections they set off mid-load (a full one every
     few dozen loads, 100 ms and more in a process that imported torch and pandas) cost
-    more than the writes; after the load, one collection of the young objects is due."""
+    more than the writes; after the load, one collection of the young objects is due,
+    made here: where the next allocation made it, after a transactional report let its
+    signals go, a Ctrl-C during that collection came out of the call after it ended."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -977,11 +988,26 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+            gc.collect(0)
 
 
 def _inspect_load(
     model, patches, max_chunk_bytes, validate_unique_indices, transactional, loader,
-    progress=False,
+    progress=False, scope: contextlib.ExitStack | None = None,
+) -> LoadReport:
+    """:func:`inspect_load` once its arguments are checked; ``scope``: what the load runs
+    in (the buffers lent for reuse, the collector paused), closed here, before the
+    signals a transactional load held back are let go (a Ctrl-C in the closing of a
+    ``with`` after the report was made would leave the load standing, and no report)."""
+    with scope or contextlib.ExitStack():
+        return _inspect_load_in(model, patches, max_chunk_bytes, validate_unique_indices,
+                                transactional, loader, progress,
+                                scope or contextlib.ExitStack())
+
+
+def _inspect_load_in(
+    model, patches, max_chunk_bytes, validate_unique_indices, transactional, loader,
+    progress, scope: contextlib.ExitStack,
 ) -> LoadReport:
     patches = [_as_patch(p) for p in patch_list(patches)]
     # As an int, when valid; when not, the load below raises the error that names it.
@@ -1007,6 +1033,10 @@ def _inspect_load(
     observed: list[Chunk] = []
     failed: list[tuple[int, set[str]]] = []  # (calls made, targets left) where one raised
     rollbacks_before = rollbacks()
+    # A transactional load's signals wait from its end until its report is built: one
+    # that comes meanwhile then rolls the load back (its saves are the report's), as
+    # one during the load does (see _report_of).
+    hold = contextlib.ExitStack()
     try:
         if loader is None:
             loaded = run_load(
@@ -1021,6 +1051,8 @@ def _inspect_load(
                 planned=planned,
                 index=index,
             )
+            if transactional:
+                hold.enter_context(_DEFERRAL.holding())
         else:
             # (``transactional`` only when asked for: vLLM's function has no such
             # argument, and inspect_load refused it above for a loader without one)
@@ -1036,10 +1068,58 @@ def _inspect_load(
     finally:
         if tracker is not None:
             tracker.close()
-    rolled_back = (error is not None and transactional and loader is None and bool(rec.calls)
+    if (error is not None and transactional and loader is None and rec.calls
+            and not any(s.rolled_back for s in sessions)):
+        # A signal after the load's last call, before the signals were held: roll back
+        # as the load itself would have (what stops the rollback replaces the error).
+        error, loaded = _late_rollback(sessions, error), set()
+    try:
+        try:
+            report = _report_of(
+                model, patches, transactional, loader, error, loaded, rec, sessions, kept,
+                positions, plan, observed, failed, rollbacks_before, max_chunk_bytes, index)
+        finally:
+            scope.close()
+            hold.close()  # (what waited is delivered here)
+    except BaseException as late:
+        if error is not None or not transactional or loader is not None:
+            raise
+        # What a signal raised once the load had ended (a KeyboardInterrupt while the
+        # report was made): the load is rolled back, and the report says so.
+        error = _late_rollback(sessions, late)
+        with _DEFERRAL.holding():
+            report = _report_of(
+                model, patches, transactional, loader, error, set(), rec, sessions, kept,
+                positions, plan, observed, failed, rollbacks_before, max_chunk_bytes, index)
+    if error is not None:
+        error.report = report  # type: ignore[attr-defined]
+        raise error
+    return report
+
+
+def _late_rollback(sessions: list[WriteSession], error: BaseException) -> BaseException:
+    """Roll back a transactional load that ended before ``error`` came (its saves are
+    intact: a report keeps them); return the error to raise: ``error``, or what stopped
+    the rollback."""
+    (session,) = sessions
+    try:
+        with _DEFERRAL.holding():  # (a second Ctrl-C waits for the rollback)
+            _roll_back(session, session.bindings, error)
+    except BaseException as e:
+        return e
+    return error
+
+
+def _report_of(model, patches, transactional, loader, error, loaded, rec, sessions, kept,
+               positions, plan, observed, failed, rollbacks_before, max_chunk_bytes,
+               index) -> LoadReport:
+    """The report of a load that ended (``error``: what it raised, or ``None``)."""
+    rolled_back = (error is not None and transactional and loader is None
+                   and any(s.rolled_back for s in sessions)
                    and not any(s.unrestored for s in sessions))
     restored: tuple[str, ...] = ()
-    if error is not None and transactional and loader is None and rec.calls:
+    if error is not None and transactional and loader is None and any(
+            s.rolled_back for s in sessions):
         # The rollback put back what the load wrote, but for the targets it could not.
         left = {t for s in sessions for t in s.unrestored}
         restored = _targets_outside(rec.events, left)
@@ -1100,9 +1180,6 @@ def _inspect_load(
         raise
     report.rolled_back = rolled_back
     report._restored = restored
-    if error is not None:
-        error.report = report  # type: ignore[attr-defined]
-        raise error
     return report
 
 

@@ -1421,10 +1421,13 @@ class _SignalDeferral:
         self.depth = 0  # writes in progress whose saves are not registered yet
         self._pending: list[int] = []  # signals held back, in order of arrival, once each
         self._handlers: dict[int, Any] = {}  # signal -> the handler it had: taken over now
-        # Every handler ever taken over, by signal: what _handler runs for a signal that
-        # reaches it after its handler was put back (a handler set during a load that
-        # calls the one it found, which was _handler, keeps doing so afterwards).
-        self._known: dict[int, Any] = {}
+        # Every handler ever taken over, by signal, oldest first: what _handler runs for a
+        # signal that reaches it after its handler was put back (a handler set during a
+        # load that calls the one it found, which was _handler, keeps doing so
+        # afterwards); the newest, and where that one calls _handler (it was set while
+        # _handler was in place, and taken over by a later load), the one before it.
+        self._known: dict[int, list[Any]] = {}
+        self._running: dict[int, int] = {}  # signal -> _handler calls in progress
         self._uses = 0
 
     def install(self) -> bool:
@@ -1438,7 +1441,11 @@ class _SignalDeferral:
                     handler = _sig.getsignal(sig)
                     if callable(handler) and handler != self._handler:
                         # (recorded first: a signal that comes in between finds it)
-                        self._handlers[sig] = self._known[sig] = handler
+                        self._handlers[sig] = handler
+                        known = self._known.setdefault(sig, [])
+                        if handler in known:
+                            known.remove(handler)
+                        known.append(handler)
                         _sig.signal(sig, self._handler)
                 except (OSError, ValueError, RuntimeError):  # (one Python cannot set)
                     self._handlers.pop(sig, None)
@@ -1469,11 +1476,21 @@ class _SignalDeferral:
             if signum not in self._pending:  # (as the OS does: one pending of a kind)
                 self._pending.append(signum)
             return
-        handler = self._known.get(signum)
-        if callable(handler):
-            handler(signum, frame)
-        elif signum == signal.SIGINT:  # (never swallowed)
-            signal.default_int_handler(signum, frame)
+        known = self._known.get(signum, [])
+        installed = _sig.getsignal(signum)
+        if installed != self._handler and installed in known:
+            # Called by the handler in place, which found this one: the ones before it.
+            known = known[:known.index(installed)]
+        level = self._running.get(signum, 0)  # (a handler that called this one: older)
+        handler = known[-1 - level] if level < len(known) else None
+        self._running[signum] = level + 1
+        try:
+            if callable(handler):
+                handler(signum, frame)
+            elif signum == signal.SIGINT:  # (never swallowed)
+                signal.default_int_handler(signum, frame)
+        finally:
+            self._running[signum] = level
 
     def _deliver(self) -> None:
         """Raise the held-back signals again, for their handlers to run now as Python
@@ -1587,6 +1604,9 @@ class WriteSession:
         self._model_gpus: set[torch.device] | None = None  # (see _gpus)
         # the targets a restore() could not write back (keeping what the load wrote)
         self.unrestored: list[str] = []
+        self.rolled_back = False  # restore() ran (a transactional rollback began)
+        # a transactional load's registrations before its first call (its rollback's)
+        self.bindings: dict[str, torch.Tensor] | None = None
         # Watched dense calls: runtime tensors the loader rebound (``param.data = w``) or
         # registered anew, by name -> the tensor now (see _note_rebinding).
         self.rebound: dict[str, torch.Tensor] = {}
@@ -2515,6 +2535,7 @@ class WriteSession:
         """
         failed: list[tuple[SavedRegion, BaseException]] = []
         self.unrestored = []
+        self.rolled_back = True
         _ROLLBACKS[0] += 1
         with torch.no_grad():
             for saved in reversed(self.saved):

@@ -63,7 +63,10 @@ def load_checkpoint_weight_patches(
        ``transactional=True``: every runtime region is saved before its first write, and
        any exception restores them all bit for bit before it propagates, a signal's too
        (Ctrl-C, a SIGTERM handler that raises): on the main thread a signal that comes
-       while a write is being saved has its handler wait until it is. The extra memory
+       while a write is being saved has its handler wait until it is, and so does one
+       that comes while the finished load lets its saves go, its last step: that one
+       finds the load done, and it stands (as after a Ctrl-C just after the call). The
+       extra memory
        is at most the size of the regions written (a dense copy from a same-shaped source
        of the same dtype and device saves only the elements it changes). Dense calls are
        watched through a torch function mode: a write the loader makes inside
@@ -171,6 +174,9 @@ def run_load(
         loaded: set[str] = set()
         # Transactional loads also undo `param.data = w` (no write, so nothing is saved).
         bindings = session.index.bindings() if transactional and session is not None else None
+        if session is not None:
+            session.bindings = bindings  # (a report that rolls back later needs them)
+        finished = False  # the saves are let go: no rollback can run from here
         try:
             for chunk in chunks:
                 staged = [(by_position[p].name, stage(by_position[p])) for p in chunk.positions]
@@ -190,13 +196,18 @@ def run_load(
                         _warn_if_renamed_not_loaded(chunk.positions, patches, by_position,
                                                     returned, alias_of)
                 del staged
+            if transactional and session is not None and not save_regions:
+                # A signal after the last call (until here) rolls the load back, as any
+                # error before the call returns does; one while the saves are let go
+                # waits for that, and then finds a finished load.
+                with _DEFERRAL.holding():
+                    finished = True
+                    session.discard()
         except BaseException as exc:
-            if transactional and session is not None:
+            if transactional and session is not None and not finished:
                 with _DEFERRAL.holding():  # (a second Ctrl-C waits for the rollback)
                     _roll_back(session, bindings, exc)
             raise
-        if transactional and session is not None and not save_regions:
-            session.discard()
         return loaded
 
 

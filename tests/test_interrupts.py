@@ -206,3 +206,59 @@ def test_a_second_ctrl_c_waits_for_the_rollback(monkeypatch):
     for name, p in m.named_parameters():
         assert int(p.count_nonzero()) == 0, name
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _signal_around(monkeypatch, module, name: str, *, after: bool) -> None:
+    """``module.<name>`` raises SIGINT in this thread as it is called, or as it returns
+    (a Ctrl-C that comes at that moment), the first time."""
+    real = getattr(module, name)
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if not after and len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+        out = real(*args, **kwargs)
+        if after and len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(module, name, wrapper)
+
+
+@pytest.mark.parametrize("when", ["as the load returns", "while the report is made"])
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_ctrl_c_after_a_transactional_reports_last_call_rolls_it_back(monkeypatch, kind, when):
+    # (was: the model kept the new weights, with no report, or with one that said
+    # ``rolled_back`` though nothing had been put back)
+    import patchkit.inspect as pk_inspect
+
+    if when == "as the load returns":
+        _signal_around(monkeypatch, pk_inspect, "run_load", after=True)
+    else:
+        _signal_around(monkeypatch, pk_inspect, "_report_of", after=False)
+    m = PlainModel(SHAPES, dtype=torch.float32)
+    before = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    handlers = {s: signal.getsignal(s) for s in signal.valid_signals()}
+    with pytest.raises(KeyboardInterrupt) as e:
+        inspect_load(m, _patches(kind), transactional=True, max_chunk_bytes=1)
+    report = e.value.report
+    assert report.rolled_back and report.error is e.value
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    assert report.summary()["names loaded"] == 0
+    assert len(report.calls) == 2 and len(report.writes) == 2  # the load had ended
+    assert handlers == {s: signal.getsignal(s) for s in signal.valid_signals()}
+
+
+def test_ctrl_c_after_a_transactional_loads_last_call_rolls_it_back(monkeypatch):
+    import patchkit.loader as pk_loader
+
+    # (the load's last step before it lets its saves go: ``holding`` for the discard)
+    _signal_around(monkeypatch, pk_loader._DEFERRAL, "holding", after=False)
+    m = PlainModel(SHAPES, dtype=torch.float32)
+    before = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    with pytest.raises(KeyboardInterrupt):
+        patchkit.load_checkpoint_weight_patches(m, _patches("dense"), transactional=True,
+                                                max_chunk_bytes=1)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
