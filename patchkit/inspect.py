@@ -978,9 +978,7 @@ def _collector_paused() -> Iterator[None]:
     records a few objects per write (a save, an event, the tensors they hold): on a
     model of many small tensors the collections they set off mid-load (a full one every
     few dozen loads, 100 ms and more in a process that imported torch and pandas) cost
-    more than the writes; after the load, one collection of the young objects is due,
-    made here: where the next allocation made it, after a transactional report let its
-    signals go, a Ctrl-C during that collection came out of the call after it ended."""
+    more than the writes; after the load, one collection of the young objects is due."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -988,7 +986,6 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-            gc.collect(0)
 
 
 def _inspect_load(
