@@ -65,6 +65,7 @@ import gc
 import html
 import inspect as _pyinspect
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -282,6 +283,12 @@ class _Table:
             frame = obj._tables[self.name]()
             obj.__dict__[key] = frame
         return frame
+
+
+# Taken while a report's saves are handed to a load (reuse=): a report passed to two
+# loads on two threads at once gave both the same buffers, so that one load's saves
+# overwrote the other's (a rollback then wrote the other model's values).
+_HANDING_OVER = threading.Lock()
 
 
 @dataclass(eq=False)
@@ -502,20 +509,22 @@ class LoadReport:
     def _hand_over(self) -> list[torch.UntypedStorage]:
         """Give up the saves (for ``inspect_load(..., reuse=self)``): the storages of the
         CPU save buffers that nothing outside this report uses, to be written over."""
-        if self._handed_over:
-            return []
+        with _HANDING_OVER:  # (one report passed to two loads at once: one gets its saves)
+            if self._handed_over:
+                return []
+            saved, self._saved = self._saved, []
+            self._handed_over = True
         storages = {
             st.data_ptr(): st
             for st in (
                 t.untyped_storage()
-                for s in self._saved
+                for s in saved
                 for t in (s.before, s.index)
                 if t is not None and t.device.type == "cpu"
                 and t.numel() * t.element_size() >= native._REUSE_MIN
             )
         }  # (a comprehension: no loop variable keeps a save alive below)
-        self._saved = []
-        self._handed_over = True
+        del saved
         use_count = getattr(torch._C, "_storage_Use_Count", None)
         if use_count is None:
             return []  # no way to tell that nothing else holds them

@@ -1228,6 +1228,35 @@ def test_reuse_leaves_a_buffer_that_is_held_elsewhere_alone(monkeypatch):
 
 
 @needs_compiler
+def test_a_report_handed_to_two_loads_at_once_lends_its_saves_to_one(monkeypatch):
+    # (was: both could get the same buffers, so one load's saves overwrote the other's:
+    # the report read as not handed over while its buffers were being gathered)
+    import threading
+
+    m = _Model(torch.float32)
+    report = inspect_load(m, _bumped(m, torch.float32, 1.0, 1), max_chunk_bytes=4000)
+    assert report._saved
+    seen: list[tuple[bool, int]] = []
+    others: list[int] = []
+
+    class Spy:
+        """1 (lend these small saves, see above); while the buffers are gathered, a
+        second load asks for them, and what the report says is noted."""
+
+        def __le__(self, n):
+            if not seen:
+                seen.append((report._handed_over, len(report._saved)))
+                t = threading.Thread(target=lambda: others.append(len(report._hand_over())))
+                t.start()
+                t.join()
+            return n >= 1
+
+    monkeypatch.setattr(native, "_REUSE_MIN", Spy())
+    first = report._hand_over()
+    assert seen == [(True, 0)] and others == [0] and len(first) > 0
+
+
+@needs_compiler
 def test_reuse_with_a_failing_transactional_load_restores_everything():
     m = _Model(torch.float32)
     start = {n: t.detach().clone() for n, t in m.state_dict().items()}
