@@ -1259,7 +1259,9 @@ def _observe_foreign(
     model.load_weights = recording_load_weights
     try:
         with torch.no_grad():
-            loaded = loader(model, patches, **kwargs)
+            # (read inside the observation: a generator-function loader loads only while
+            # it is iterated)
+            loaded = _names(loader(model, patches, **kwargs))
         if session.violations:
             raise session.violations[0]  # the loader finished; what it broke is known now
         return loaded

@@ -633,6 +633,19 @@ def test_a_loader_returning_a_generator_is_reported_with_its_names():
     assert r.loaded == {"q"} and r.calls["returned"].tolist() == [("q",)]
 
 
+def test_an_observed_generator_function_loader_is_watched_while_it_loads():
+    # (its writes ran after the observation ended: 0 calls, 0 writes, the model changed)
+    def lazy_loader(model, patches, **kw):
+        yield from patchkit.load_checkpoint_weight_patches(model, patches, **kw)
+
+    m = PlainModel({"a": (4,)})
+    r = inspect_load(m, [CheckpointWeightPatch("a", (4,), torch.float32, torch.ones(4))],
+                     loader=lazy_loader)
+    assert m.a.tolist() == [1.0] * 4
+    assert (len(r.calls), len(r.writes), r.loaded) == (1, 1, {"a"})
+    assert int(r.deltas.loc["a", "changed"]) == 4
+
+
 def test_a_tied_alias_names_the_same_runtime_tensor_in_a_report():
     class Tied(torch.nn.Module):
         def __init__(self):
