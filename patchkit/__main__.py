@@ -30,6 +30,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -73,6 +74,17 @@ def _figures() -> None:
     from . import plot  # noqa: F401
 
 
+def _can_make(out: str, make) -> None:
+    """Make the folder ``out`` with ``make`` and remove what it made: the ``OSError`` of
+    one the cheap checks pass but that cannot be made (``/proc/x`` as root), before
+    anything runs; a folder that did not exist is still new to the command."""
+    path = Path(out)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    make(out)
+    for p in missing:  # (the deepest first)
+        p.rmdir()
+
+
 def _cmd_tour(args: argparse.Namespace) -> int:
     from .errors import PatchError
     from .tour import OUTPUTS, _check_out, _out_folder, run_tour
@@ -81,7 +93,7 @@ def _cmd_tour(args: argparse.Namespace) -> int:
         _figures()
         device = _device(args.device)
         _check_out(args.out, "the tour", OUTPUTS)
-        _out_folder(args.out)  # (one the checks pass that cannot be made: /proc/x, say)
+        _can_make(args.out, _out_folder)
     except (PatchError, OSError, ImportError) as e:
         return _error(e)
     # (a write that fails from here on is an OSError: exit 1, see main)
