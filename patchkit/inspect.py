@@ -973,12 +973,19 @@ def inspect_load(
             reason="no load_weights", value=type(model).__name__,
         )
     lent = reuse._hand_over() if reuse is not None else []
-    scope = contextlib.ExitStack()  # (_inspect_load closes it, before its signals go)
-    scope.enter_context(native.reusing(lent))
-    scope.enter_context(_collector_paused())
-    del lent  # the pool holds them now: what the load does not take is freed after it
-    return _inspect_load(model, patches, max_chunk_bytes, validate_unique_indices,
-                         transactional, loader, progress, scope)
+    # What the load runs in: the buffers lent for reuse, the collector paused. Closed
+    # by _inspect_load once the report is made, before a transactional load's held
+    # signals go (one raised in the closing of a ``with`` here, after the report was
+    # made, would leave the load standing and give no report); else here.
+    scope = contextlib.ExitStack()
+    try:
+        scope.enter_context(native.reusing(lent))
+        scope.enter_context(_collector_paused())
+        del lent  # the pool holds them now: what the load does not take is freed after it
+        return _inspect_load(model, patches, max_chunk_bytes, validate_unique_indices,
+                             transactional, loader, progress, scope)
+    finally:
+        scope.close()
 
 
 @contextlib.contextmanager
@@ -998,20 +1005,6 @@ def _collector_paused() -> Iterator[None]:
 
 
 def _inspect_load(
-    model, patches, max_chunk_bytes, validate_unique_indices, transactional, loader,
-    progress=False, scope: contextlib.ExitStack | None = None,
-) -> LoadReport:
-    """:func:`inspect_load` once its arguments are checked; ``scope``: what the load runs
-    in (the buffers lent for reuse, the collector paused), closed here, before the
-    signals a transactional load held back are let go (a Ctrl-C in the closing of a
-    ``with`` after the report was made would leave the load standing, and no report)."""
-    with scope or contextlib.ExitStack():
-        return _inspect_load_in(model, patches, max_chunk_bytes, validate_unique_indices,
-                                transactional, loader, progress,
-                                scope or contextlib.ExitStack())
-
-
-def _inspect_load_in(
     model, patches, max_chunk_bytes, validate_unique_indices, transactional, loader,
     progress, scope: contextlib.ExitStack,
 ) -> LoadReport:
