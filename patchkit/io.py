@@ -1079,7 +1079,7 @@ def print_patch_file_summary(
             closed = c.closed_by + (" (over budget: travels alone)" if c.over_budget else "")
             crows.append([str(c.index), _positions_text(c.positions), format_bytes(c.bytes),
                           closed])
-        for line in _table(["call", "patches", "staged bytes", "closed by"], crows,
+        for line in _table(["call", "patches #", "staged bytes", "closed by"], crows,
                            right={0, 2}):
             print(line, file=out)
     return 0

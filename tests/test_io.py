@@ -559,6 +559,10 @@ def test_summary_table_and_plan(tmp_path, capsys):
            "3 load_weights calls" in out
     assert "(dense patches; one load): 1 load_weights call\n" in out
     assert "repeated name" in out and "3-5" in out
+    # (the plan's column of patch positions is headed as the patch table's "#" column:
+    # "patches" read as a count)
+    assert [ln.split() for ln in lines if ln.split()[:1] == ["call"]] == [
+        ["call", "patches", "#", "staged", "bytes", "closed", "by"]] * 2
 
 
 def test_summary_over_budget_and_cli(tmp_path, capsys):
