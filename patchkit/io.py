@@ -607,8 +607,10 @@ def _fail(
     )
 
 
-def _open(path: str, device: str = "cpu") -> Any:
-    """``safe_open`` with every failure turned into a PatchValueError naming the file.
+def _open(path: str, device: str = "cpu", *, keep: bool = False) -> Any:
+    """``safe_open`` with every failure turned into a PatchValueError naming the file;
+    with ``keep``, ``(that, a binary file object of the same open file)``, to read
+    tensor data from with plain reads (see :func:`_read_tensor`).
 
     ``device`` must have been checked (:func:`_checked_device`): a failure here is the
     file's.
@@ -620,19 +622,60 @@ def _open(path: str, device: str = "cpu") -> Any:
     if not os.path.isfile(path):
         raise _fail(path, "not a regular file", "not a file")
     try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        # A name that is not UTF-8 (Latin-1 bytes on Linux): safetensors opens files by
-        # UTF-8 paths only. The open file's /proc link is one; it keeps its own mapping.
-        if not os.path.isdir("/proc/self/fd"):
-            raise _fail(path, "its path is not valid UTF-8, and safetensors opens files "
-                        "by UTF-8 paths only: rename the file", "path not UTF-8") from None
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            return _safe_open(safe_open, f"/proc/self/fd/{fd}", device, path)
-        finally:
-            os.close(fd)
-    return _safe_open(safe_open, path, device, path)
+        fh = open(path, "rb")  # noqa: SIM115 (closed below, or by the caller)
+    except OSError as e:  # (permission denied, say: not a missing or corrupt file)
+        raise _fail(path, f"cannot be opened: {e.strerror or e}", "unreadable") from None
+    try:
+        if os.path.isdir("/proc/self/fd"):
+            # The open file's /proc link: the header safetensors reads and the data read
+            # here are one file's, whatever renames the path meanwhile (and safetensors
+            # opens files by UTF-8 paths only: a Latin-1 name is fine this way).
+            f = _safe_open(safe_open, f"/proc/self/fd/{fh.fileno()}", device, path)
+        else:
+            try:
+                path.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _fail(path, "its path is not valid UTF-8, and safetensors opens files "
+                            "by UTF-8 paths only: rename the file", "path not UTF-8") from None
+            f = _safe_open(safe_open, path, device, path)
+    except BaseException:
+        fh.close()
+        raise
+    if keep:
+        return f, fh
+    fh.close()
+    return f
+
+
+def _data_layout(fh: Any) -> tuple[int, dict[str, tuple[str, list[int], int, int]]]:
+    """Where a safetensors file's tensors lie (the header safetensors checked already):
+    ``(start of the data, {key: (dtype code, shape, begin, end)})``, offsets from that
+    start."""
+    fh.seek(0)
+    n = int.from_bytes(fh.read(8), "little")
+    header = json.loads(fh.read(n))
+    return 8 + n, {k: (v["dtype"], v["shape"], *v["data_offsets"])
+                   for k, v in header.items() if k != "__metadata__"}
+
+
+def _read_tensor(path: str, fh: Any, start: int, layout: tuple, device: str) -> torch.Tensor:
+    """One tensor of the file, read with plain reads into memory of its own (a memory
+    map of a file that another writer truncates meanwhile kills the process with SIGBUS;
+    a read comes back short, which is said by name)."""
+    code, shape, begin, end = layout
+    buf = torch.empty(end - begin, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    fh.seek(start + begin)
+    got = 0
+    while got < len(view):
+        k = fh.readinto(view[got:])
+        if not k:
+            raise _fail(path, f"the file ended {end - begin - got} bytes before the data its "
+                        "header describes: it was cut short, or rewritten while it was read",
+                        "truncated")
+        got += k
+    t = buf.view(_CODE_TO_DTYPE[code]).reshape(shape)
+    return t if device == "cpu" else t.to(device)
 
 
 def _safe_open(safe_open: Any, at: str, device: str, path: str) -> Any:
@@ -827,13 +870,6 @@ def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
         raise _fail(path, f"unreadable: {e}") from None
 
 
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in memory of its own: safetensors' CPU tensors are views of the file's
-    memory map (a rewritten file would change them, a truncated one fault on reading);
-    a tensor on another device is already a copy."""
-    return t.clone() if t.device.type == "cpu" else t
-
-
 def load_patches(
     path: str | os.PathLike[str], *, device: torch.device | str = "cpu"
 ) -> list[CheckpointWeightPatch]:
@@ -848,12 +884,15 @@ def load_patches(
 
     The patches own their memory: their values and indices are copies, not views of
     the file, so rewriting, truncating or deleting the file afterwards does not change
-    them (nor does writing to them change the file). The cost is one copy of the
-    file's tensor data: on the CPU the patches take process memory equal to those bytes
-    (where a memory map would have shared the operating system's file cache, and read
-    only what was touched), on an accelerator the data is copied to the device, as it
-    would be anyway. The header
-    readers (:func:`read_patch_index`, :func:`read_patch_metadata`) read no tensor data.
+    them (nor does writing to them change the file). The data is read with plain reads
+    from the file the header was read from (not a memory map): a file another writer
+    cuts short while it is read raises :class:`~patchkit.errors.PatchValueError`
+    (``reason`` ``"truncated"``), and a rename onto its path meanwhile is not seen.
+    The cost is one copy of the file's tensor data: on the CPU the patches take
+    process memory equal to those bytes (where a memory map would have shared the
+    operating system's file cache, and read only what was touched), on an accelerator
+    the data is copied to the device, as it would be anyway. The header readers
+    (:func:`read_patch_index`, :func:`read_patch_metadata`) read no tensor data.
 
     ``device`` is checked before the file is opened: a string torch does not parse,
     ``"meta"`` (patches need memory that holds their values) or an accelerator this
@@ -877,16 +916,19 @@ def _load(
 ) -> list[tuple[int, CheckpointWeightPatch]]:
     """:func:`load_patches` as ``(position, patch)`` pairs; with ``sparse_only``, the
     sparse patches alone (no dense patch's values are read)."""
-    f = _open(path, device)
+    f, fh = _open(path, device, keep=True)
     try:
-        with f:
+        with f, fh:
             entries = _parse_index(path, f)
+            start, layout = _data_layout(fh)
             patches = []
             for e in entries:
                 if sparse_only and not e.sparse:
                     continue
-                values = _own(f.get_tensor(_key(e.position, "values")))
-                indices = _own(f.get_tensor(_key(e.position, "indices"))) if e.sparse else None
+                values = _read_tensor(path, fh, start, layout[_key(e.position, "values")],
+                                      device)
+                indices = (_read_tensor(path, fh, start, layout[_key(e.position, "indices")],
+                                        device) if e.sparse else None)
                 patches.append((e.position, CheckpointWeightPatch(e.name, e.shape, e.dtype,
                                                                   values, indices)))
     except PatchValueError:

@@ -1235,3 +1235,48 @@ def test_a_bytes_path_saves_as_it_loads(tmp_path):
     save_patches(path, ps)
     (got,) = load_patches(path)
     assert got.name == "w" and torch.equal(got.values, ps[0].values)
+
+
+def test_a_file_cut_short_while_it_is_read_is_an_error_not_a_crash(tmp_path, monkeypatch):
+    # A trainer that writes the next step onto the same path (scp, curl -o, cp) truncates
+    # it: read through a memory map, the next tensor's pages were gone and the process
+    # died of SIGBUS. Plain reads come back short, and say so.
+    import patchkit.io as pk_io
+
+    path = tmp_path / "p.safetensors"
+    ps = [CheckpointWeightPatch(n, (256, 256), torch.float32, torch.ones(256 * 256))
+          for n in ("a", "b")]
+    save_patches(path, ps)
+    real = pk_io._read_tensor
+    reads = []
+
+    def then_truncate(*args, **kwargs):
+        out = real(*args, **kwargs)
+        reads.append(1)
+        if len(reads) == 1:
+            os.truncate(path, 4096)
+        return out
+
+    monkeypatch.setattr(pk_io, "_read_tensor", then_truncate)
+    with pytest.raises(PatchValueError, match=r"the file ended .* bytes before the data its "
+                                              r"header describes") as info:
+        load_patches(path)
+    assert info.value.reason == "truncated" and str(path) in str(info.value)
+
+
+def test_a_file_that_cannot_be_opened_says_why(tmp_path, monkeypatch):
+    # (was: "not a readable safetensors file (truncated, corrupt or another format): No
+    # such file or directory" for an intact file the process may not read)
+    import patchkit.io as pk_io
+
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch("a", (2,), torch.float32, torch.ones(2))])
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(pk_io, "open", refuse, raising=False)
+    for read in (load_patches, read_patch_index):
+        with pytest.raises(PatchValueError, match="cannot be opened: Permission denied") as e:
+            read(path)
+        assert e.value.reason == "unreadable"
