@@ -164,13 +164,20 @@ def _bytes_tick(v: float, _pos: Any = None) -> str:
     return format_bytes(v).replace(".0 ", " ")
 
 
+def _drawable(text: str) -> str:
+    """``text`` with each lone surrogate written as its escape, ``\\ud800`` (a name
+    read from a file may hold one; matplotlib's font code refuses it: ``TypeError``)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _short(name: str, n: int = 24, parts: int = 3) -> str:
     """A checkpoint name cut to its last ``parts`` dotted components and ``n`` characters.
 
     ``model.layers.0.self_attn.q_proj.weight`` → ``…self_attn.q_proj.weight``: the tail
     says what the tensor is; the layer prefix is shared by its neighbours.
     """
-    pieces = name.split(".")
+    pieces = _drawable(name).split(".")
+    name = ".".join(pieces)
     if len(pieces) > parts:
         name = "…" + ".".join(pieces[-parts:])
     return name if len(name) <= n else "…" + name[-(n - 1) :]
@@ -188,10 +195,13 @@ def _text_width(text: str, size: float) -> float:
 def _fit(name: str, size: float, width: float) -> str:
     """``name`` as is when it fits in ``width`` points at font ``size``; else ``…`` and
     the longest tail of it that fits (at least one character): the tail of a dotted name
-    says what the tensor is."""
-    if _text_width(name, size) <= width:
+    says what the tensor is. Work bounded by what fits, whatever the name's length (no
+    glyph is narrower than a fifth of the font size: a longer name cannot fit)."""
+    name = _drawable(name)
+    most = max(1, int(width / (0.2 * size)))
+    if len(name) <= most and _text_width(name, size) <= width:
         return name
-    lo, hi = 1, max(1, len(name) - 1)
+    lo, hi = 1, max(1, min(len(name) - 1, most))
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if _text_width("…" + name[-mid:], size) <= width:
@@ -203,7 +213,7 @@ def _fit(name: str, size: float, width: float) -> str:
 
 def _tag(name: str) -> str:
     """The most telling dotted component: ``model.layers.0.mlp.up_proj.weight`` → ``up_proj``."""
-    pieces = name.split(".")
+    pieces = _drawable(name).split(".")
     if len(pieces) > 1 and pieces[-1] in ("weight", "bias"):
         pieces = pieces[:-1]
     return pieces[-1]
@@ -307,6 +317,7 @@ def _shown_name(
 ) -> str:
     """How a figure names a runtime tensor asked for as ``target``; with a font ``size``,
     each name is cut (see :func:`_fit`) so that the whole fits in ``width`` points."""
+    target, runtime = _drawable(target), _drawable(runtime)
     shown = target if target == runtime else f"{target} (tied to {runtime})"
     if size is None or _text_width(shown, size) <= width:
         return shown

@@ -1313,3 +1313,56 @@ def test_density_title_counts_an_index_given_twice_once():
                               torch.tensor([0, 0, 0]))
     title = plot_density(p).axes[0].get_title()
     assert "writes 1 of 2 elements (50" in title
+
+
+class _AnyName(nn.Module):
+    """One runtime tensor ``w`` that every patch, whatever its name, is copied into."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w.data.copy_(t)
+        return {"w"}
+
+
+def test_a_name_with_a_lone_surrogate_is_drawn_escaped():
+    # (a patch file's JSON header may hold "\ud800": matplotlib's font code raised
+    # TypeError when the figure was drawn, and `inspect --out` crashed)
+    import io
+
+    name = "model.w\ud800.weight"
+    dense = CheckpointWeightPatch(name, (4, 4), torch.float32, torch.ones(16))
+    sparse = CheckpointWeightPatch(name, (4, 4), torch.float32, torch.ones(2),
+                                   torch.tensor([1, 5]))
+    figs = [plot_chunks([dense, sparse], 64), plot_density(sparse)]
+    for p in (dense, sparse):
+        r = inspect_load(_AnyName(), [p])
+        figs += [r.plot_placement(), r.plot_delta("w"), r.plot_chunks()]
+    texts = []
+    for fig in figs:
+        fig.savefig(io.BytesIO(), format="png")  # (drawn: the font code sees every text)
+        texts += [t.get_text() for t in fig.findobj(matplotlib.text.Text)]
+    assert any("\\ud800" in t for t in texts)
+    assert not any("\ud800" in t for t in texts)
+
+
+def test_fitting_a_very_long_name_measures_only_what_can_fit(monkeypatch):
+    # (a 1.6 M-character name took 34 s: every probe measured up to the whole name)
+    import patchkit.plot as pk_plot
+
+    widths = []
+    real = pk_plot._text_width
+
+    def measured(text, size):
+        widths.append(len(text))
+        return real(text, size)
+
+    monkeypatch.setattr(pk_plot, "_text_width", measured)
+    name = "layer." * 200_000 + "q_proj.weight"
+    shown = pk_plot._fit(name, 10, 300.0)
+    assert shown.startswith("…") and shown.endswith("q_proj.weight")
+    assert real(shown, 10) <= 300.0
+    assert max(widths) <= 300 / 2 + 2 and len(widths) <= 20
