@@ -78,11 +78,14 @@ def _can_make(out: str, make) -> None:
     """Make the folder ``out`` with ``make`` and remove what it made: the ``OSError`` of
     one the cheap checks pass but that cannot be made (``/proc/x`` as root), before
     anything runs; a folder that did not exist is still new to the command."""
-    path = Path(out)
+    path = Path(os.path.abspath(out))  # (``new/..``: no folder of its own to remove)
     missing = [p for p in (path, *path.parents) if not p.exists()]
-    make(out)
-    for p in missing:  # (the deepest first)
-        p.rmdir()
+    try:
+        make(out)
+    finally:
+        for p in missing:  # (the deepest first; where make failed, what it made)
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 def _cmd_tour(args: argparse.Namespace) -> int:

@@ -909,7 +909,8 @@ def inspect_load(
 
     Memory: see the module docstring (the bytes written, never the whole model).
 
-    Signals, with ``transactional=True`` (on the main thread): from the load's end until
+    Signals, with ``transactional=True`` and patchkit's own loader (on the main thread;
+    an observed ``loader=`` rolls back what it rolls back): from the load's end until
     the report is made, a signal's handler waits; one that raises then (Ctrl-C) rolls the
     load back, as during the load, and its exception carries the report, whose
     ``rolled_back`` is True. One that comes as the call returns, the report made, leaves
@@ -1050,7 +1051,7 @@ def _inspect_load(
                 planned=planned,
                 index=index,
             )
-            if transactional:
+            if transactional and sessions:  # (a load of no patches makes no session)
                 hold.enter_context(_DEFERRAL.holding())
         else:
             # (``transactional`` only when asked for: vLLM's function has no such
@@ -1066,7 +1067,11 @@ def _inspect_load(
         error = exc
     finally:
         if tracker is not None:
-            tracker.close()
+            try:
+                tracker.close()
+            except BaseException:
+                hold.close()  # (not left holding signals: a Ctrl-C would wait for good)
+                raise
     if (error is not None and transactional and loader is None and rec.calls
             and not any(s.rolled_back for s in sessions)):
         # A signal after the load's last call, before the signals were held: roll back
@@ -1081,7 +1086,7 @@ def _inspect_load(
             scope.close()
             hold.close()  # (what waited is delivered here)
     except BaseException as late:
-        if error is not None or not transactional or loader is not None:
+        if error is not None or not transactional or loader is not None or not sessions:
             raise
         # What a signal raised once the load had ended (a KeyboardInterrupt while the
         # report was made): the load is rolled back, and the report says so.

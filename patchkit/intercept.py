@@ -1421,13 +1421,14 @@ class _SignalDeferral:
         self.depth = 0  # writes in progress whose saves are not registered yet
         self._pending: list[int] = []  # signals held back, in order of arrival, once each
         self._handlers: dict[int, Any] = {}  # signal -> the handler it had: taken over now
-        # Every handler ever taken over, by signal, oldest first: what _handler runs for a
-        # signal that reaches it after its handler was put back (a handler set during a
-        # load that calls the one it found, which was _handler, keeps doing so
-        # afterwards); the newest, and where that one calls _handler (it was set while
-        # _handler was in place, and taken over by a later load), the one before it.
+        # The handlers taken over, by signal, oldest first (the last _KNOWN): _handler
+        # runs the newest. A handler set during a load may call the one it found, which
+        # was _handler, during the load and after it; and a later load may take it over
+        # in turn. So a call that comes back from the handler _handler called (with the
+        # same frame) runs the one before it, and so does a call while a handler that
+        # is in place calls it: never the caller again.
         self._known: dict[int, list[Any]] = {}
-        self._running: dict[int, int] = {}  # signal -> _handler calls in progress
+        self._chains: dict[int, tuple[Any, int]] = {}  # signal -> (frame, depth) running
         self._uses = 0
 
     def install(self) -> bool:
@@ -1446,6 +1447,7 @@ class _SignalDeferral:
                         if handler in known:
                             known.remove(handler)
                         known.append(handler)
+                        del known[:-_KNOWN]  # (a fresh closure each step: not kept forever)
                         _sig.signal(sig, self._handler)
                 except (OSError, ValueError, RuntimeError):  # (one Python cannot set)
                     self._handlers.pop(sig, None)
@@ -1481,16 +1483,22 @@ class _SignalDeferral:
         if installed != self._handler and installed in known:
             # Called by the handler in place, which found this one: the ones before it.
             known = known[:known.index(installed)]
-        level = self._running.get(signum, 0)  # (a handler that called this one: older)
+        chain = self._chains.get(signum)
+        # Called back, with its frame, by the handler this one called: the next older
+        # one. Else a signal of its own (one that came while a handler ran, say).
+        level = chain[1] + 1 if chain is not None and chain[0] is frame else 0
         handler = known[-1 - level] if level < len(known) else None
-        self._running[signum] = level + 1
+        self._chains[signum] = (frame, level)
         try:
             if callable(handler):
                 handler(signum, frame)
             elif signum == signal.SIGINT:  # (never swallowed)
                 signal.default_int_handler(signum, frame)
         finally:
-            self._running[signum] = level
+            if chain is None:
+                self._chains.pop(signum, None)
+            else:
+                self._chains[signum] = chain
 
     def _deliver(self) -> None:
         """Raise the held-back signals again, for their handlers to run now as Python
@@ -1530,6 +1538,8 @@ class _SignalDeferral:
         if self._pending and not self.depth:
             self._deliver()
 
+
+_KNOWN = 8  # handlers remembered per signal (see _SignalDeferral._known)
 
 # The signals held back: those a Python program handles, and whose handler may raise
 # (Ctrl-C, termination and hang-up, timers, the user's); looking at all 64 would cost a

@@ -138,7 +138,9 @@ def _model_device(device: object) -> torch.device:
     default device, as for torch's own layers (``with torch.device("meta"):`` makes a
     model to plan with)."""
     if device is None:
-        device = torch.get_default_device()
+        # (what a factory function makes a tensor on: torch.get_default_device() reads a
+        # ``with torch.device(...):`` block only from torch 2.8 on)
+        device = torch.empty(0).device
     if isinstance(device, int) and not isinstance(device, bool):
         try:
             device = torch.device(device)

@@ -166,6 +166,16 @@ def test_a_tour_out_that_cannot_be_made_is_bad_input(capsys):
     assert o == "" and err.startswith("error: ") and "'/proc/no-such/tour'" in err
 
 
+def test_a_tour_out_through_dot_dot_is_made_as_given(tmp_path, capsys):
+    # (the check that --out can be made tried to remove "new/..": exit 2)
+    from patchkit.__main__ import main
+
+    out = tmp_path / "new" / ".." / "tour"
+    assert main(["tour", "--out", str(out), "--device", "cpu"]) == 0
+    assert (tmp_path / "tour" / "index.html").is_file()
+    assert "existing folder" not in capsys.readouterr().out  # (still new to the command)
+
+
 def test_commands_that_draw_say_which_extra_they_need_when_matplotlib_is_missing(tmp_path):
     code = (
         "import sys\n"

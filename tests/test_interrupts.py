@@ -262,3 +262,85 @@ def test_ctrl_c_after_a_transactional_loads_last_call_rolls_it_back(monkeypatch)
                                                 max_chunk_bytes=1)
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
 
+
+
+def test_a_signal_while_a_handler_runs_during_a_load_reaches_that_handler_again():
+    # (a slow SIGTERM handler that gets a second SIGTERM: during a load the second was
+    # taken for a handler calling on to the one it found, and dropped)
+    calls = []
+
+    def on_term(signum, frame):
+        calls.append(signum)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGTERM)  # the second, while this one runs
+
+    class TermDuringLoad(PlainModel):
+        def load_weights(self, weights):
+            signal.raise_signal(signal.SIGTERM)
+            return super().load_weights(weights)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        patchkit.load_checkpoint_weight_patches(
+            TermDuringLoad(SHAPES, dtype=torch.float32), _patches("dense"),
+            transactional=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert calls == [signal.SIGTERM, signal.SIGTERM]
+
+
+def test_handlers_taken_over_step_after_step_are_not_all_kept():
+    # (a trainer that sets a fresh closure as its handler every step kept each one, and
+    # what it referenced, for the life of the process)
+    import gc
+    import weakref
+
+    from patchkit.intercept import _DEFERRAL, _KNOWN
+
+    class Step:
+        pass
+
+    alive = []
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        for _ in range(3 * _KNOWN):
+            step = Step()
+            alive.append(weakref.ref(step))
+            signal.signal(signal.SIGTERM, lambda s, f, step=step: None)
+            del step
+            patchkit.load_checkpoint_weight_patches(
+                PlainModel(SHAPES, dtype=torch.float32), _patches("dense"), transactional=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    gc.collect()
+    assert sum(r() is not None for r in alive) <= _KNOWN + 1
+    assert len(_DEFERRAL._known[signal.SIGTERM]) <= _KNOWN
+
+
+def test_a_transactional_report_of_no_patches_lets_a_ctrl_c_through(monkeypatch):
+    # (it held the signal, then failed to roll back a load that made no session, and
+    # raised that ValueError in place of the KeyboardInterrupt)
+    import patchkit.inspect as pk_inspect
+
+    _signal_around(monkeypatch, pk_inspect, "_report_of", after=False)
+    with pytest.raises(KeyboardInterrupt):
+        inspect_load(PlainModel(SHAPES, dtype=torch.float32), [], transactional=True)
+
+
+def test_a_failure_to_close_the_progress_view_leaves_no_signal_held(monkeypatch):
+    # (a transactional report kept holding every signal while the exception lived: a
+    # Ctrl-C in a notebook that kept the traceback did nothing)
+    import patchkit.inspect as pk_inspect
+    from patchkit.intercept import _DEFERRAL
+
+    def broken_close(self):
+        raise RuntimeError("the progress view could not close")
+
+    monkeypatch.setattr(pk_inspect.Tracker, "close", broken_close)
+    with pytest.raises(RuntimeError, match="could not close") as e:
+        inspect_load(PlainModel(SHAPES, dtype=torch.float32), _patches("dense"),
+                     transactional=True, progress=lambda _: None)
+    assert (_DEFERRAL.depth, _DEFERRAL._uses) == (0, 0)
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+    del e
