@@ -1259,7 +1259,7 @@ def _observe_foreign(
         with torch.no_grad():
             # (read inside the observation: a generator-function loader loads only while
             # it is iterated)
-            loaded = _names(loader(model, patches, **kwargs))
+            loaded = set(loader(model, patches, **kwargs) or ())
         if session.violations:
             raise session.violations[0]  # the loader finished; what it broke is known now
         return loaded
