@@ -175,6 +175,43 @@ class Region:
         return bool(theirs.any())
 
 
+class _Written:
+    """The regions of one storage a call has written, for the overlap check of each new
+    one: while their byte extents are apart (a tensor written row block by row block,
+    experts one by one), the ones a new extent meets are found by bisection, so a call
+    of k writes into one tensor costs O(k log k), not O(k^2); once two extents meet
+    (interleaved or column views), every region is a candidate."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.regions: list[Region] = []
+        self.apart = True
+
+    def meeting(self, region: Region) -> list[Region]:
+        """The written regions whose extents meet ``region``'s (all, once two met)."""
+        if not self.apart:
+            return self.regions
+        a0, a1 = region.extent()
+        return self.regions[bisect.bisect_right(self.ends, a0):
+                            bisect.bisect_left(self.starts, a1)]
+
+    def add(self, region: Region) -> None:
+        a0, a1 = region.extent()
+        if a0 == a1:
+            return  # (an empty view shares no byte with any)
+        if self.apart:
+            k = bisect.bisect_right(self.ends, a0)
+            if k < len(self.starts) and self.starts[k] < a1:
+                self.apart = False
+            else:
+                self.starts.insert(k, a0)
+                self.ends.insert(k, a1)
+                self.regions.insert(k, region)
+                return
+        self.regions.append(region)
+
+
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """``[start, end)``: the bytes of its storage that non-empty ``t`` spans, its extent
     (for a strided tensor, a column slice of a fused buffer say, wider than its numel
@@ -442,11 +479,19 @@ class RuntimeIndex:
         return dict(zip(self.tensors, map(_DETACH, self.tensors.values())))
 
     def rebound(self, bindings: dict[str, torch.Tensor]) -> list[str]:
-        """Names whose storage is no longer the one recorded in ``bindings``."""
+        """Names whose storage is no longer the one recorded in ``bindings``.
+
+        A load checks after each call: the data pointers first, in one C loop (the
+        storages recorded are alive, so a new one has another address), and the storage
+        keys only where a pointer moved or is 0 (an empty or meta tensor)."""
+        now = list(map(_DATA_PTR, self.tensors.values()))
+        then = list(map(_DATA_PTR, map(bindings.__getitem__, self.tensors)))
+        if now == then and 0 not in now:
+            return []
         return [
             n
-            for n, t in self.tensors.items()
-            if _storage_key(t) != _storage_key(bindings[n])
+            for (n, t), p, q in zip(self.tensors.items(), now, then)
+            if (p != q or p == 0) and _storage_key(t) != _storage_key(bindings[n])
         ]
 
     @cached_property
@@ -1601,7 +1646,7 @@ class WriteSession:
         self.violations: list[ContractViolation] = []
         self._chunk = -1
         # The regions this call wrote, by storage: only those of one storage can overlap.
-        self._call_regions: dict[tuple, list[Region]] = {}
+        self._call_regions: dict[tuple, _Written] = {}
         self._call_writes = 0
         # (position, name) of each patch of the call in progress (position None: an
         # observed name that matches no patch)
@@ -2478,8 +2523,10 @@ class WriteSession:
                        tuple(dest.shape)),
             )
         region = Region.of(dest)
-        earliers = self._call_regions.setdefault(region.key, [])
-        for earlier in earliers:
+        earliers = self._call_regions.get(region.key)
+        if earliers is None:
+            earliers = self._call_regions[region.key] = _Written()
+        for earlier in earliers.meeting(region):
             if region.overlaps(earlier):
                 raise ContractViolation(
                     f"{at} wrote a {tuple(dest.shape)} view at element {toff} that overlaps "
@@ -2488,7 +2535,7 @@ class WriteSession:
                     f"nothing{self._no_source_note(name, tname)}",
                     position=pos, name=name, reason="overlapping runtime views", value=toff,
                 )
-        earliers.append(region)
+        earliers.add(region)
         self._call_fed[tname] = (pos, name) if name is not None else None
 
     def _no_source_note(self, name: str | None, tname: str, shown: int = 4) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -149,66 +150,76 @@ def run_load(
             )
         sparse = kind == "sparse"
         watched = sparse or transactional or recorder is not None or save_regions
-        if watched and index is None:
-            # (the session's index, built first: it knows the tied parameters, so the
-            # module tree is walked once)
-            index = RuntimeIndex(model)
-        alias_of = _tied_aliases(model) if index is None else index.tied_parameters
-        if planned is not None:
-            kept, positions, chunks = planned
-        else:
-            kept, positions = _canonicalized(patches, alias_of)
-            chunks = plan_chunks(kept, max_chunk_bytes, positions=positions)
-        by_position = dict(zip(positions, kept))
-        session = None
-        if watched:
-            session = WriteSession(
-                model,
-                save_regions=transactional or save_regions,
-                recorder=recorder,
-                count_changes=recorder is not None,
-                index=index,
-            )
-            if session_out is not None:
-                session_out.append(session)
-        loaded: set[str] = set()
-        # Transactional loads also undo `param.data = w` (no write, so nothing is saved).
-        bindings = session.index.bindings() if transactional and session is not None else None
-        if session is not None:
-            session.bindings = bindings  # (a report that rolls back later needs them)
-        finished = False  # the saves are let go: no rollback can run from here
+        # A watched load makes a few objects per runtime tensor and per write: Python's
+        # cyclic collector, set off by them, cost two thirds of a sparse load's time on a
+        # model of 100 k tensors. It is off for the load, as it was after.
+        collecting = watched and gc.isenabled()
+        if collecting:
+            gc.disable()
         try:
-            for chunk in chunks:
-                staged = [(by_position[p].name, stage(by_position[p])) for p in chunk.positions]
-                if session is None:
-                    returned = _names(load_weights(staged))
-                else:
-                    with session.call(
-                        chunk.index, staged, chunk.positions, sparse=sparse,
-                        patches=[by_position[p] for p in chunk.positions],
-                    ) as r:
-                        # Read the names inside the interception: a generator-function
-                        # loader does its copies only while it is iterated.
-                        r.returned = returned = _names(load_weights(staged))
-                if returned is not None:
-                    loaded.update(returned)
-                    if alias_of:
-                        _warn_if_renamed_not_loaded(chunk.positions, patches, by_position,
-                                                    returned, alias_of)
-                del staged
-            if transactional and session is not None and not save_regions:
-                # A signal after the last call (until here) rolls the load back, as any
-                # error before the call returns does; one while the saves are let go
-                # waits for that, and then finds a finished load.
-                with _DEFERRAL.holding():
-                    finished = True
-                    session.discard()
-        except BaseException as exc:
-            if transactional and session is not None and not finished:
-                with _DEFERRAL.holding():  # (a second Ctrl-C waits for the rollback)
-                    _roll_back(session, bindings, exc)
-            raise
-        return loaded
+            if watched and index is None:
+                # (the session's index, built first: it knows the tied parameters, so the
+                # module tree is walked once)
+                index = RuntimeIndex(model)
+            alias_of = _tied_aliases(model) if index is None else index.tied_parameters
+            if planned is not None:
+                kept, positions, chunks = planned
+            else:
+                kept, positions = _canonicalized(patches, alias_of)
+                chunks = plan_chunks(kept, max_chunk_bytes, positions=positions)
+            by_position = dict(zip(positions, kept))
+            session = None
+            if watched:
+                session = WriteSession(
+                    model,
+                    save_regions=transactional or save_regions,
+                    recorder=recorder,
+                    count_changes=recorder is not None,
+                    index=index,
+                )
+                if session_out is not None:
+                    session_out.append(session)
+            loaded: set[str] = set()
+            # Transactional loads also undo `param.data = w` (no write, so nothing is saved).
+            bindings = session.index.bindings() if transactional and session is not None else None
+            if session is not None:
+                session.bindings = bindings  # (a report that rolls back later needs them)
+            finished = False  # the saves are let go: no rollback can run from here
+            try:
+                for chunk in chunks:
+                    staged = [(by_position[p].name, stage(by_position[p])) for p in chunk.positions]
+                    if session is None:
+                        returned = _names(load_weights(staged))
+                    else:
+                        with session.call(
+                            chunk.index, staged, chunk.positions, sparse=sparse,
+                            patches=[by_position[p] for p in chunk.positions],
+                        ) as r:
+                            # Read the names inside the interception: a generator-function
+                            # loader does its copies only while it is iterated.
+                            r.returned = returned = _names(load_weights(staged))
+                    if returned is not None:
+                        loaded.update(returned)
+                        if alias_of:
+                            _warn_if_renamed_not_loaded(chunk.positions, patches, by_position,
+                                                        returned, alias_of)
+                    del staged
+                if transactional and session is not None and not save_regions:
+                    # A signal after the last call (until here) rolls the load back, as any
+                    # error before the call returns does; one while the saves are let go
+                    # waits for that, and then finds a finished load.
+                    with _DEFERRAL.holding():
+                        finished = True
+                        session.discard()
+            except BaseException as exc:
+                if transactional and session is not None and not finished:
+                    with _DEFERRAL.holding():  # (a second Ctrl-C waits for the rollback)
+                        _roll_back(session, bindings, exc)
+                raise
+            return loaded
+        finally:
+            if collecting:
+                gc.enable()
 
 
 def _roll_back(session: WriteSession, bindings: dict[str, torch.Tensor] | None,

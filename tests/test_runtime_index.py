@@ -494,3 +494,116 @@ def test_the_index_knows_the_tied_parameters_canonicalize_tied_renames(name):
         names(canonicalize_tied(model, patches, warn=False)))
     assert not name.startswith("a parameter") or "shadow" not in RuntimeIndex(
         model).tied_parameters
+
+
+# -- what a watched load costs per call and per write (counted, not timed) --------------
+
+
+def test_the_overlap_check_of_a_sparse_call_compares_a_write_with_its_neighbours_only(
+        monkeypatch):
+    # (each copy was compared with every earlier one into the tensor: 16 k row slices of
+    # one tensor took 136 s)
+    import patchkit
+    import patchkit.intercept as pk_intercept
+
+    class Slices(torch.nn.Module):
+        def __init__(self, k):
+            super().__init__()
+            self.k = k
+            self.w = torch.nn.Parameter(torch.zeros(4 * k, 3), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                order = list(range(self.k))
+                order = order[::2] + order[1::2]  # (not in storage order)
+                for i in order:
+                    self.w.data[4 * i:4 * i + 4].copy_(t[4 * i:4 * i + 4])
+            return {"w"}
+
+    compared = []
+    real = pk_intercept.Region.overlaps
+
+    def counted(self, other):
+        compared.append(1)
+        return real(self, other)
+
+    monkeypatch.setattr(pk_intercept.Region, "overlaps", counted)
+    k = 2000
+    m = Slices(k)
+    idx = torch.arange(0, 12 * k, 5)
+    p = patchkit.CheckpointWeightPatch("w", (4 * k, 3), torch.float32,
+                                       torch.ones(idx.numel()), idx)
+    patchkit.load_checkpoint_weight_patches(m, [p])
+    assert m.w.view(-1)[idx].eq(1).all() and int(m.w.ne(0).sum()) == idx.numel()
+    assert len(compared) <= 2 * k  # (was k * (k - 1) / 2)
+
+
+def test_written_regions_meet_exactly_where_brute_force_says():
+    import random
+
+    from patchkit.intercept import Region, _Written
+
+    base = torch.zeros(64, 16)
+    rng = random.Random(0)
+    for _ in range(200):
+        views = []
+        for _ in range(rng.randint(1, 12)):
+            kind = rng.choice(["rows", "cols", "every other", "empty"])
+            if kind == "rows":
+                a = rng.randrange(64)
+                views.append(base[a:a + rng.randint(1, 8)])
+            elif kind == "cols":
+                a = rng.randrange(16)
+                views.append(base[:, a:a + rng.randint(1, 4)])
+            elif kind == "every other":
+                views.append(base[rng.randrange(2)::2])
+            else:
+                views.append(base[3:3])
+        written = _Written()
+        for i, v in enumerate(views):
+            r = Region.of(v)
+            brute = [j for j in range(i) if r.overlaps(Region.of(views[j]))]
+            found = any(r.overlaps(e) for e in written.meeting(r))
+            assert found == bool(brute)
+            if not found:
+                written.add(r)
+            else:
+                break  # (a sparse call stops at its first overlap)
+
+
+def test_a_call_that_rebinds_nothing_reads_no_storage_keys(monkeypatch):
+    import patchkit.intercept as pk_intercept
+    from patchkit.toymodels import PlainModel
+
+    m = PlainModel({f"w{i}": (4,) for i in range(50)})
+    index = pk_intercept.RuntimeIndex(m)
+    bindings = index.bindings()
+    keys = []
+    real = pk_intercept._storage_key
+    monkeypatch.setattr(pk_intercept, "_storage_key", lambda t: keys.append(1) or real(t))
+    assert index.rebound(bindings) == [] and keys == []
+    m.w7.data = torch.ones(4)  # rebound: found, by its key
+    assert index.rebound(bindings) == ["w7"] and 0 < len(keys) <= 2
+
+
+def test_a_watched_load_runs_with_the_cyclic_collector_off_and_puts_it_back():
+    import gc
+
+    import patchkit
+    from patchkit.toymodels import PlainModel
+
+    seen = []
+
+    class Watch(PlainModel):
+        def load_weights(self, weights):
+            seen.append(gc.isenabled())
+            return super().load_weights(weights)
+
+    p = patchkit.CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(1),
+                                       torch.tensor([2]))
+    assert gc.isenabled()
+    patchkit.load_checkpoint_weight_patches(Watch({"w": (4,)}), [p])  # sparse: watched
+    dense = p._replace(values=torch.ones(4), indices=None)
+    patchkit.load_checkpoint_weight_patches(Watch({"w": (4,)}), [dense], transactional=True)
+    patchkit.load_checkpoint_weight_patches(Watch({"w": (4,)}), [dense])  # plain: not watched
+    assert seen == [False, False, True] and gc.isenabled()
