@@ -375,8 +375,14 @@ def test_inspect_out_reads_no_dense_values(tmp_path, capsys, monkeypatch):
 
     f = _mixed_patch_file(tmp_path / "p.safetensors")
     read: list[tuple[int, ...]] = []
-    real = patchkit.io._own
-    monkeypatch.setattr(patchkit.io, "_own", lambda t: read.append(tuple(t.shape)) or real(t))
+    real = patchkit.io._read_tensor
+
+    def reading(*args, **kwargs):
+        t = real(*args, **kwargs)
+        read.append(tuple(t.shape))
+        return t
+
+    monkeypatch.setattr(patchkit.io, "_read_tensor", reading)
     assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 0
     capsys.readouterr()
     assert sorted(read) == [(2,), (2,), (3,), (3,)]  # the sparse values and indices only
