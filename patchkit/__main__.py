@@ -74,14 +74,16 @@ def _figures() -> None:
     from . import plot  # noqa: F401
 
 
-def _can_make(out: str, make) -> None:
-    """Make the folder ``out`` with ``make`` and remove what it made: the ``OSError`` of
-    one the cheap checks pass but that cannot be made (``/proc/x`` as root), before
-    anything runs; a folder that did not exist is still new to the command."""
+def _can_make(out: str) -> None:
+    """Make the folder ``out`` (as the tour will) and remove what it made: the
+    ``OSError`` of one the cheap checks pass but that cannot be made (``/proc/x`` as
+    root), before anything runs; a folder that did not exist is still new to the tour."""
+    from .tour import _out_folder
+
     path = Path(os.path.abspath(out))  # (``new/..``: no folder of its own to remove)
     missing = [p for p in (path, *path.parents) if not p.exists()]
     try:
-        make(out)
+        _out_folder(out)
     finally:
         for p in missing:  # (the deepest first; where make failed, what it made)
             with contextlib.suppress(OSError):
@@ -90,13 +92,13 @@ def _can_make(out: str, make) -> None:
 
 def _cmd_tour(args: argparse.Namespace) -> int:
     from .errors import PatchError
-    from .tour import OUTPUTS, _check_out, _out_folder, run_tour
+    from .tour import OUTPUTS, _check_out, run_tour
 
     try:
         _figures()
         device = _device(args.device)
         _check_out(args.out, "the tour", OUTPUTS)
-        _can_make(args.out, _out_folder)
+        _can_make(args.out)
     except (PatchError, OSError, ImportError) as e:
         return _error(e)
     # (a write that fails from here on is an OSError: exit 1, see main)

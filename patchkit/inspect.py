@@ -61,6 +61,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import gc
 import html
 import inspect as _pyinspect
@@ -1062,7 +1063,6 @@ def _inspect_load(
                 validate_unique_indices=validate_unique_indices,
                 **({"transactional": True} if transactional else {}),
             )
-        loaded = set(loaded or ())
     except BaseException as exc:
         error = exc
     finally:
@@ -1077,11 +1077,12 @@ def _inspect_load(
         # A signal after the load's last call, before the signals were held: roll back
         # as the load itself would have (what stops the rollback replaces the error).
         error, loaded = _late_rollback(sessions, error), set()
+    report_of = functools.partial(
+        _report_of, model, patches, transactional, loader, rec, sessions, kept, positions,
+        plan, observed, failed, rollbacks_before, max_chunk_bytes, index)
     try:
         try:
-            report = _report_of(
-                model, patches, transactional, loader, error, loaded, rec, sessions, kept,
-                positions, plan, observed, failed, rollbacks_before, max_chunk_bytes, index)
+            report = report_of(error=error, loaded=loaded)
         finally:
             scope.close()
             hold.close()  # (what waited is delivered here)
@@ -1092,9 +1093,7 @@ def _inspect_load(
         # report was made): the load is rolled back, and the report says so.
         error = _late_rollback(sessions, late)
         with _DEFERRAL.holding():
-            report = _report_of(
-                model, patches, transactional, loader, error, set(), rec, sessions, kept,
-                positions, plan, observed, failed, rollbacks_before, max_chunk_bytes, index)
+            report = report_of(error=error, loaded=set())
     if error is not None:
         error.report = report  # type: ignore[attr-defined]
         raise error
@@ -1108,15 +1107,15 @@ def _late_rollback(sessions: list[WriteSession], error: BaseException) -> BaseEx
     (session,) = sessions
     try:
         with _DEFERRAL.holding():  # (a second Ctrl-C waits for the rollback)
-            _roll_back(session, session.bindings, error)
+            _roll_back(session, error)
     except BaseException as e:
         return e
     return error
 
 
-def _report_of(model, patches, transactional, loader, error, loaded, rec, sessions, kept,
-               positions, plan, observed, failed, rollbacks_before, max_chunk_bytes,
-               index) -> LoadReport:
+def _report_of(model, patches, transactional, loader, rec, sessions, kept, positions, plan,
+               observed, failed, rollbacks_before, max_chunk_bytes, index, *,
+               error: BaseException | None, loaded: set[str]) -> LoadReport:
     """The report of a load that ended (``error``: what it raised, or ``None``)."""
     rolled_back = (error is not None and transactional and loader is None
                    and any(s.rolled_back for s in sessions)

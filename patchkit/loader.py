@@ -180,10 +180,11 @@ def run_load(
                 if session_out is not None:
                     session_out.append(session)
             loaded: set[str] = set()
-            # Transactional loads also undo `param.data = w` (no write, so nothing is saved).
-            bindings = session.index.bindings() if transactional and session is not None else None
-            if session is not None:
-                session.bindings = bindings  # (a report that rolls back later needs them)
+            if transactional and session is not None:
+                # Transactional loads also undo `param.data = w` (no write, nothing saved).
+                session.bindings = session.index.bindings()
+            # the patches CONTRACT §6 renamed (checked against what each call returned)
+            renamed = {p for p in positions if by_position[p].name != patches[p].name}
             finished = False  # the saves are let go: no rollback can run from here
             try:
                 for chunk in chunks:
@@ -200,9 +201,10 @@ def run_load(
                             r.returned = returned = _names(load_weights(staged))
                     if returned is not None:
                         loaded.update(returned)
-                        if alias_of:
-                            _warn_if_renamed_not_loaded(chunk.positions, patches, by_position,
-                                                        returned, alias_of)
+                        if renamed:
+                            _warn_if_renamed_not_loaded(
+                                sorted(renamed.intersection(chunk.positions)), patches,
+                                by_position, returned, alias_of)
                     del staged
                 if transactional and session is not None and not save_regions:
                     # A signal after the last call (until here) rolls the load back, as any
@@ -214,7 +216,7 @@ def run_load(
             except BaseException as exc:
                 if transactional and session is not None and not finished:
                     with _DEFERRAL.holding():  # (a second Ctrl-C waits for the rollback)
-                        _roll_back(session, bindings, exc)
+                        _roll_back(session, exc)
                 raise
             return loaded
         finally:
@@ -222,14 +224,14 @@ def run_load(
                 gc.enable()
 
 
-def _roll_back(session: WriteSession, bindings: dict[str, torch.Tensor] | None,
-               exc: BaseException) -> None:
+def _roll_back(session: WriteSession, exc: BaseException) -> None:
     """A transactional load's rollback after ``exc``: the module tree's registrations as
     they were (tensors registered anew under any of a tied tensor's names, names removed
     or new, submodules replaced); then the storage of tensors whose ``.data`` was
     rebound; then the saved values. Raises what stops it."""
     session.index.undo()
     left = session.index.not_undone()
+    bindings = session.bindings
     for name in session.index.rebound(bindings):
         session.index.tensors[name].data = bindings[name]
     try:
@@ -349,18 +351,17 @@ def _warn_if_dropped_differs(
 
 
 def _warn_if_renamed_not_loaded(
-    chunk_positions: Sequence[int], patches: Sequence[CheckpointWeightPatch],
+    positions: Sequence[int], patches: Sequence[CheckpointWeightPatch],
     sent: dict[int, CheckpointWeightPatch], returned: set[str], alias_of: dict[str, str],
 ) -> None:
-    """[patchkit] Warn for each patch of this call that CONTRACT §6 renamed to its tied
-    Parameter's first registered name when the loader returned no name of that
-    Parameter: a loader that skips the name it was sent (vLLM's skip ``lm_head.weight``
-    when the embedding is tied; a model that registers ``lm_head`` first makes that the
-    canonical name) leaves the update unwritten, and says so only by what it returns."""
-    for pos in chunk_positions:
+    """[patchkit] Warn for each patch at ``positions`` (of this call) that CONTRACT §6
+    renamed (``sent``) to its tied Parameter's first registered name when the loader
+    returned no name of that Parameter: a loader that skips the name it was sent
+    (vLLM's skip ``lm_head.weight`` when the embedding is tied; a model that registers
+    ``lm_head`` first makes that the canonical name) leaves the update unwritten, and
+    says so only by what it returns."""
+    for pos in positions:
         name, asked = sent[pos].name, patches[pos].name
-        if name == asked:
-            continue
         names = {name, *(a for a, first in alias_of.items() if first == name)}
         if names & returned:
             continue
