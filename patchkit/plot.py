@@ -45,6 +45,8 @@ except ImportError as e:  # (the figures are an extra; the loader and the tables
     ) from e
 from matplotlib import colormaps
 from matplotlib.axes import Axes
+from matplotlib.collections import PolyCollection
+from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.lines import Line2D
@@ -98,6 +100,7 @@ _MAX_WRITES = 64  # writes drawn per runtime tensor; the rest are counted in a n
 _MAX_SOURCES = 8  # checkpoint tensors drawn beside one runtime tensor
 _MAX_LEGEND = 12
 _MAX_ANNOTATED_CALLS = 60
+_MAX_SEGMENT_ARTISTS = 1000  # past this, plot_chunks draws its segments as collections
 
 _REASON_STYLE = {
     # colour, hatch: distinguishable in greyscale and for colour-blind readers
@@ -469,6 +472,33 @@ def _bar_pieces(
     return [(ps, name, height) for ps, name, height, _ in pieces]
 
 
+def _draw_segments(ax: Axes, segments: Sequence[tuple]) -> None:
+    """Draw :func:`plot_chunks`' segments: one :class:`~matplotlib.patches.Rectangle`
+    each, or past :data:`_MAX_SEGMENT_ARTISTS` one
+    :class:`~matplotlib.collections.PolyCollection` per hatch (gid ``"segments"``, its
+    paths the segments in call order, bottom up, and ``segment_gids`` their gids)."""
+    if len(segments) <= _MAX_SEGMENT_ARTISTS:
+        for gid, x0, y0, h, face, alpha, edge, lw, hatch in segments:
+            # add_artist, not add_patch: the limits are set by the caller, and add_patch's
+            # per-patch update of the data limits dominates the cost of thousands of bars.
+            ax.add_artist(Rectangle((x0, y0), 0.8, h, facecolor=face, alpha=alpha,
+                                    edgecolor=edge, linewidth=lw, hatch=hatch, gid=gid))
+        return
+    by_hatch: dict[str, list[tuple]] = {}
+    for s in segments:
+        by_hatch.setdefault(s[8], []).append(s)
+    for hatch, group in by_hatch.items():
+        verts = [((x0, y0), (x0 + 0.8, y0), (x0 + 0.8, y0 + h), (x0, y0 + h))
+                 for _, x0, y0, h, *_ in group]
+        coll = PolyCollection(
+            verts, facecolors=[to_rgba(s[4], s[5]) for s in group],
+            edgecolors=[to_rgba(s[6]) for s in group], linewidths=[s[7] for s in group],
+            hatch=hatch or None, gid="segments",
+        )
+        coll.segment_gids = [s[0] for s in group]  # type: ignore[attr-defined]
+        ax.add_collection(coll, autolim=False)
+
+
 def plot_chunks(
     report_or_patches: LoadReport | Sequence[CheckpointWeightPatch],
     max_chunk_bytes: int | None = None,
@@ -487,15 +517,22 @@ def plot_chunks(
     to the call's staged bytes: one per patch, gid ``"segment <call> <position>"`` and
     height its staged bytes, except that consecutive patches of a call each too thin to
     see (under about a pixel) share one rectangle, gid ``"segment <call> <first>..<last>"``
-    (the positions of the first and last of them), height their total. Segments too
+    (the positions of the first and last of them), height their total. Past 1000
+    segments (thousands of calls: a slider move of :func:`~patchkit.widgets.chunk_planner`
+    then redraws in a fraction of a second, not tens of seconds) they are drawn instead
+    by :class:`~matplotlib.collections.PolyCollection` s, gid ``"segments"``, one per
+    hatch, whose paths are the same rectangles, bottom up in call order, and whose
+    ``segment_gids`` attribute lists the gids above, one per path. Segments too
     small for a white edge (under about 4 pixels, 3 points, wide or tall) are drawn
-    without one. The dashed budget
+    without one, and bars under 6 points wide without a hatch (the colour carries the
+    reason). The dashed budget
     line (gid ``"budget"``, y = ``max_chunk_bytes``; above the visible range when the
     budget dwarfs every call, with a note saying so); one annotation per call (gid
     ``"closed_by"``, text ``budget`` / ``repeated name`` / ``end``) for up to 60 calls,
     inside the axes and clear of the title and the note, beyond which the bar colours and
     hatches (see the legend) carry the reason; an ``"over budget"`` annotation (gid
-    ``"over_budget"``) on a single patch larger than the budget. A segment carries its
+    ``"over_budget"``) on a single patch larger than the budget, in those same up to 60
+    calls (beyond, its red edge and the legend mark it). A segment carries its
     patch's short name (gid ``"segment label"``: ``up_proj`` for
     ``model.layers.0.mlp.up_proj.weight``) across the bar where it fits, upright where
     only that fits, and none where neither does; the closing reasons sit on a white box
@@ -553,25 +590,26 @@ def plot_chunks(
     label_chars = int(bar_pt / 4.5)
     label_min = 0.07 * top
     pt_per_byte = height_pt / top
+    # Each segment as (gid, x0, bottom, height, facecolor, alpha, edgecolor, linewidth,
+    # hatch): drawn as Rectangles, or past _MAX_SEGMENT_ARTISTS as collections (a
+    # Rectangle costs about 0.3 ms to make and draw, a collection's path a few µs).
+    segments: list[tuple] = []
     for c in plan:
         colour, hatch = _REASON_STYLE[c.closed_by]
         bottom = 0
         for k, (positions, name, height) in enumerate(_bar_pieces(c, patches, thin)):
             merged = len(positions) > 1
             edge = not merged and bar_pt >= 3.0 and height >= edge_min
-            # add_artist, not add_patch: the limits are set below, and add_patch's
-            # per-patch update of the data limits dominates the cost of thousands of bars.
-            ax.add_artist(
-                Rectangle(
-                    (c.index - 0.4, bottom), 0.8, height,
-                    facecolor=colour, alpha=0.95 if k % 2 == 0 else 0.7,
-                    edgecolor=_OVER_BUDGET if c.over_budget else "white" if edge else "none",
-                    linewidth=2.0 if c.over_budget else 0.8 if edge else 0.0,
-                    hatch="xx" if c.over_budget else hatch,
-                    gid=f"segment {c.index} "
-                    + (f"{positions[0]}..{positions[-1]}" if merged else str(positions[0])),
-                )
-            )
+            segments.append((
+                f"segment {c.index} "
+                + (f"{positions[0]}..{positions[-1]}" if merged else str(positions[0])),
+                c.index - 0.4, bottom, height, colour, 0.95 if k % 2 == 0 else 0.7,
+                _OVER_BUDGET if c.over_budget else "white" if edge else "none",
+                2.0 if c.over_budget else 0.8 if edge else 0.0,
+                # (a hatch in a bar under 6 pt wide shows as noise, and drawing it costs
+                # more than the rest of the figure: the colour carries the reason there)
+                ("xx" if c.over_budget else hatch) if bar_pt >= 6.0 else "",
+            ))
             tag = f"{len(positions)} patches" if merged else _tag(name)
             across = len(tag) <= label_chars and height >= label_min
             upright = not across and bar_pt >= 10.0 and (
@@ -595,7 +633,7 @@ def plot_chunks(
                 bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none",
                       "alpha": 0.85},
             )
-        if c.over_budget:
+        if c.over_budget and annotated:
             ax.annotate(
                 "over budget", xy=(c.index, min(c.bytes, top) / 2), ha="center", va="center",
                 fontsize=7, color=_OVER_BUDGET, fontweight="bold", rotation=90,
@@ -603,6 +641,7 @@ def plot_chunks(
                       "edgecolor": _OVER_BUDGET},
                 gid="over_budget",
             )
+    _draw_segments(ax, segments)
     ax.update_datalim([(-0.4, 0.0), (len(plan) - 0.6, tallest)])
     ax.axhline(budget, linestyle="--", color="0.15", linewidth=1.2, gid="budget")
     if budget_off_scale:

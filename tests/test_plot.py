@@ -1366,3 +1366,66 @@ def test_fitting_a_very_long_name_measures_only_what_can_fit(monkeypatch):
     assert shown.startswith("…") and shown.endswith("q_proj.weight")
     assert real(shown, 10) <= 300.0
     assert max(widths) <= 300 / 2 + 2 and len(widths) <= 20
+
+
+def collection_segments(fig: Figure) -> dict[str, tuple[float, float, float, str]]:
+    """The segments that plot_chunks drew as collections: gid -> (x0, bottom, height,
+    hatch), read from the paths of the collections with gid "segments"."""
+    out = {}
+    for coll in fig.axes[0].collections:
+        if coll.get_gid() != "segments":
+            continue
+        for gid, path in zip(coll.segment_gids, coll.get_paths(), strict=True):
+            (x0, y0), (x1, y1) = path.vertices.min(axis=0), path.vertices.max(axis=0)
+            assert round(x1 - x0, 9) == 0.8
+            out[gid] = (x0, y0, y1 - y0, coll.get_hatch() or "")
+    return out
+
+
+def test_thousands_of_calls_are_drawn_as_collections_with_the_same_segments():
+    # 1500 calls of two 1 KiB patches each, every 100th patch over budget on its own
+    ps = [CheckpointWeightPatch(f"layers.{i}.w", (16, 16 if i % 100 else 48), torch.float32,
+                                torch.zeros(256 if i % 100 else 768)) for i in range(3000)]
+    plan = plan_chunks(ps, 2048)
+    assert len(plan) > 1000 and any(c.over_budget for c in plan)
+    fig = plot_chunks(ps, max_chunk_bytes=2048)
+    assert not rects_by_gid(fig, "segment ")  # no Rectangle per segment
+    segs = collection_segments(fig)
+    want = {f"segment {c.index} {p}" for c in plan for p in c.positions}
+    assert set(segs) == want
+    totals: dict[int, float] = {}
+    for gid, (x0, _y0, h, _) in segs.items():
+        call, pos = map(int, gid.split()[1:])
+        assert round(x0 + 0.4, 9) == call and h == staged_nbytes(ps[pos])
+        totals[call] = totals.get(call, 0) + h
+    assert totals == {c.index: c.bytes for c in plan}
+    # stacked: within a call, each segment starts where the one below it ends
+    for c in plan:
+        tops = [0.0]
+        for p in c.positions:
+            x0, y0, h, _ = segs[f"segment {c.index} {p}"]
+            assert y0 == tops[-1]
+            tops.append(y0 + h)
+    # bars this narrow carry no hatch, and nothing is annotated past 60 calls; an
+    # over-budget call keeps its red edge
+    assert all(hatch == "" for *_, hatch in segs.values())
+    ax = fig.axes[0]
+    assert not [t for t in ax.texts if t.get_gid() in ("closed_by", "over_budget")]
+    (coll,) = [c for c in ax.collections if c.get_gid() == "segments"]
+    over = {f"segment {c.index} {c.positions[0]}" for c in plan if c.over_budget}
+    edges = dict(zip(coll.segment_gids, map(tuple, coll.get_edgecolors())))
+    red = tuple(matplotlib.colors.to_rgba("#C44E52"))
+    assert {g for g, e in edges.items() if e == red} == over
+    FigureCanvasAgg(fig).draw()  # and it draws
+
+
+def test_a_bar_too_narrow_for_a_hatch_is_drawn_without_one():
+    ps = chunk_patches()
+    wide = plot_chunks(ps, max_chunk_bytes=300)
+    assert any(r.get_hatch() for rs in rects_by_gid(wide, "segment ").values() for r in rs)
+    # the same plan on axes 20 points wide: bars a few points wide
+    fig = Figure(figsize=(6, 3))
+    ax = fig.add_axes((0.1, 0.1, 20 / 432, 0.8))
+    plot_chunks(ps, max_chunk_bytes=300, ax=ax)
+    rects = [r for rs in rects_by_gid(fig, "segment ").values() for r in rs]
+    assert rects and not any(r.get_hatch() for r in rects)
