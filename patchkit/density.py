@@ -45,9 +45,10 @@ def density_map(
     the elements the patch writes, whatever their values: writing the value already
     there counts too (whether a write changed anything depends on the model, see
     ``LoadReport.deltas``, ``changed``). Computed
-    from the indices in O(nnz + bins) time and memory, never by building the full tensor
-    or anything of its size, so a 128256 × 2560 patch is cheap and a 2**40-element one
-    works. An index given more than once (a patch loaded with
+    from the indices in O(nnz + bins) time, never by building the full tensor or anything
+    of its size, so a 128256 × 2560 patch is cheap and a 2**40-element one works; the
+    indices are taken a million at a time, so the memory beyond the patch's own is a few
+    tens of MiB whatever its nnz. An index given more than once (a patch loaded with
     ``validate_unique_indices=False``) counts once; indices that are not strictly
     increasing are sorted for that first (O(nnz log nnz); patches from
     :func:`~patchkit.build.sparse_patches_from_diff` and
@@ -61,7 +62,8 @@ def density_map(
     length, ...), which raise :class:`~patchkit.PatchTypeError` /
     :class:`~patchkit.PatchValueError` as the loader's do, and every index must lie in
     ``[0, numel)`` (``ValueError`` naming the patch and the first index that does not;
-    checked with one min/max over the indices). NaN values are not looked at, and a
+    checked with one min/max over the indices; indices on the meta device, which hold no
+    values, raise ``ValueError`` too). NaN values are not looked at, and a
     repeated index is allowed (see above). ``bins`` is a pair of positive ints
     ``(rows, columns)``, or one int ``b`` meaning ``(b, b)``: anything else raises
     ``TypeError`` (not ints) or ``ValueError`` (not positive).
@@ -91,23 +93,50 @@ def _density(patch: CheckpointWeightPatch, bins: object) -> tuple[torch.Tensor, 
     br = max(1, min(want_r, rows))
     bc = max(1, min(want_c, cols))
     n = numel(patch)
-    idx = None if patch.indices is None else patch.indices.to("cpu", torch.int64).reshape(-1)
+    idx = None if patch.indices is None else patch.indices.reshape(-1)
+    if idx is not None and idx.is_meta and idx.numel():
+        raise PatchValueError(
+            f"{where(None, patch.name)}: its indices are on the meta device (a dry run), "
+            f"which holds no values: there is no map of where {idx.numel()} indices sit",
+            name=patch.name, reason="meta indices", value=idx.numel(),
+        )
     if idx is not None:
         _check_range(patch, idx, n)
     if n == 0:
         return torch.zeros((br, bc), dtype=torch.float32, device="cpu"), 0
     if idx is None:
         return torch.ones((br, bc), dtype=torch.float32, device="cpu"), n
-    idx = distinct_indices(idx)
-    r = idx // cols
-    c = idx % cols
+    if not _increasing(idx):
+        idx = torch.unique(idx)  # (an index given twice counts once: sorted, then once each)
     rs, cs = _block_starts(rows, br), _block_starts(cols, bc)
-    rb, cb = _block_of(r, rows, br, rs), _block_of(c, cols, bc, cs)
-    counts = torch.bincount(rb * bc + cb, minlength=br * bc).reshape(br, bc).to(torch.float64)
+    counts = torch.zeros(br * bc, dtype=torch.int64, device="cpu")
+    # In pieces of _PIECE indices: the temporaries (int64 rows, columns, blocks) are a
+    # few tens of MiB, not ~40 bytes per index of the patch.
+    for k in range(0, idx.numel(), _PIECE):
+        part = idx[k:k + _PIECE].to("cpu", torch.int64)
+        r = part // cols
+        c = part - r * cols  # (not in place: part may be a view of the patch's indices)
+        rb = _block_of(r, rows, br, rs)  # (a new tensor: changed in place below)
+        counts += torch.bincount(rb.mul_(bc).add_(_block_of(c, cols, bc, cs)),
+                                 minlength=br * bc)
     rows_per = (rs[1:] - rs[:-1]).to(torch.float64)
     cols_per = (cs[1:] - cs[:-1]).to(torch.float64)
     sizes = rows_per[:, None] * cols_per[None, :]
-    return (counts / sizes).to(torch.float32), int(idx.numel())
+    return (counts.reshape(br, bc).to(torch.float64) / sizes).to(torch.float32), int(idx.numel())
+
+
+_PIECE = 1 << 20  # indices a density map handles at a time
+
+
+def _increasing(idx: torch.Tensor) -> bool:
+    """Whether the 1-D ``idx`` is strictly increasing, checked in pieces of
+    :data:`_PIECE` on ``idx``'s own device (a bool temporary per piece, not per index)."""
+    n = idx.numel()
+    for k in range(0, n - 1, _PIECE):
+        part = idx[k:k + _PIECE + 1]  # (one past the piece: the next piece's first)
+        if not bool((part[1:] > part[:-1]).all()):
+            return False
+    return True
 
 
 def distinct_indices(idx: torch.Tensor) -> torch.Tensor:
@@ -117,9 +146,7 @@ def distinct_indices(idx: torch.Tensor) -> torch.Tensor:
     device), else sorted by :func:`torch.unique` (O(nnz log nnz)): an index may repeat
     (``validate_unique_indices=False``), and an element written twice is still one
     element."""
-    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-        return torch.unique(idx)
-    return idx
+    return idx if _increasing(idx) else torch.unique(idx)
 
 
 def _as_bins(bins: object) -> tuple[int, int]:

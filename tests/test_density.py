@@ -223,3 +223,57 @@ def test_region_text_names_transposed_and_stepped_boxes_as_the_slices_they_are()
     assert region_text((8, 4), 0, (4,), (5,)) == "4 elements from 0"
     assert region_text((8, 4), 0, (2, 2), (8, 4)) == "4 elements from 0"
     assert region_text((8, 4), 3, (2, 2), (4, 1)) == "4 elements from 3"  # wraps rows
+
+
+@pytest.mark.parametrize("order", ["increasing", "shuffled", "repeated at a piece's edge"])
+def test_density_taken_in_pieces_equals_the_block_means(monkeypatch, order):
+    import patchkit.density as density
+
+    monkeypatch.setattr(density, "_PIECE", 7)  # many pieces, and edges between them
+    g = torch.Generator().manual_seed(3)
+    shape = (37, 23)
+    idx = torch.randperm(math.prod(shape), generator=g)[:200].sort().values
+    if order == "shuffled":
+        idx = idx[torch.randperm(200, generator=g)]
+    elif order == "repeated at a piece's edge":
+        idx[7] = idx[6]  # increasing within each piece, not across the first edge
+    for dtype in (torch.int32, torch.int64):  # (int64: the pieces are views of the patch's)
+        p = CheckpointWeightPatch("w", shape, torch.float32, torch.ones(200), idx.to(dtype))
+        for bins in [(5, 4), (37, 23), (64, 64)]:
+            want = brute_force(p._replace(indices=idx.to(torch.int64)), bins)
+            np.testing.assert_array_equal(density_map(p, bins).numpy(), want)
+        assert torch.equal(p.indices, idx.to(dtype))  # left as they were
+
+
+def test_density_makes_no_temporary_of_the_patchs_size():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import patchkit.density as density
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in () if func.is_view else out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.most = max(Largest.most, t.numel())
+            return out
+
+    nnz = 3 * density._PIECE + 5
+    step = 7
+    idx = torch.arange(nnz, dtype=torch.int32) * step  # increasing, int32: converted too
+    p = CheckpointWeightPatch("w", (nnz, step), torch.bfloat16,
+                              torch.ones(nnz, dtype=torch.bfloat16), idx)
+    with Largest():
+        got = density_map(p, bins=(4, 7))
+    assert Largest.most <= density._PIECE
+    assert torch.equal(got, torch.tensor([[1.0] + [0.0] * 6] * 4))
+
+
+def test_a_density_map_of_indices_on_the_meta_device_is_refused_by_name():
+    p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(2, device="meta"),
+                              torch.tensor([0, 5], device="meta"))
+    with pytest.raises(ValueError, match=r"patch 'w'.*meta device") as e:
+        density_map(p)
+    assert e.value.reason == "meta indices"
