@@ -573,14 +573,21 @@ def wire_bytes(patches: CheckpointWeightPatch | Iterable[CheckpointWeightPatch])
         patches = [patches]  # one patch (a CheckpointWeightPatch or a plain 5-tuple)
     total = 0
     for i, p in enumerate(patch_list(patches)):
-        if not (isinstance(p, tuple) and len(p) == 5 and isinstance(p[3], torch.Tensor)
-                and (p[4] is None or isinstance(p[4], torch.Tensor))):
+        if not (isinstance(p, tuple) and len(p) == 5):
             raise PatchTypeError(
                 f"patch {i}: expected a CheckpointWeightPatch (name, shape, dtype, values, "
                 f"indices), got {type(p).__name__}",
                 position=i, reason="not a patch", value=type(p).__name__,
             )
-        _, _, _, values, indices = p
+        name, _, _, values, indices = p
+        for field, t in (("values", values), ("indices", indices)):
+            if not (isinstance(t, torch.Tensor) or (field == "indices" and t is None)):
+                raise PatchTypeError(
+                    f"{where(i, name)}: {field} must be a torch.Tensor"
+                    f"{' or None' if field == 'indices' else ''}, got {type(t).__name__}",
+                    position=i, name=name if isinstance(name, str) else None,
+                    reason=f"{field} type", value=type(t).__name__,
+                )
         total += values.numel() * values.element_size()
         if indices is not None:
             total += indices.numel() * indices.element_size()

@@ -6,14 +6,17 @@ This is the only place the walk exists. The loader and every inspection helper c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from .errors import PatchValueError
 from .patch import (
     CheckpointWeightPatch,
-    _check_structure,
+    _check_metadata,
     _numel_below,
     check_max_chunk_bytes,
     patch_list,
@@ -111,23 +114,29 @@ def plan_chunks(
     for pos, patch in zip(positions, patches):
         if type(patch) is tuple and len(patch) == 5:
             patch = CheckpointWeightPatch(*patch)  # a plain 5-tuple, as a load takes it
-        try:
+        shape = patch.shape if type(patch) is CheckpointWeightPatch else None
+        name = patch.name if shape is not None else None
+        if (type(shape) is tuple and type(name) is str and name
+                and type(patch.dtype) is torch.dtype
+                and all(type(d) is int and d >= 0 for d in shape)):
+            # (the common case, checked in one pass: a tuple of ints none negative, a
+            # name, a dtype; anything else gets every check of _check_metadata)
             size = patch.dtype.itemsize
-            n = _numel_below([int(d) for d in patch.shape], (1 << 63) // size)
+            n = _numel_below(shape, (1 << 63) // size)
             if n is None:  # (a shape no tensor holds: no big-integer product of it)
-                raise OverflowError
-            nbytes = n * size
-        except Exception:
-            _check_structure(pos, patch)  # names what is wrong with it
-            raise
+                _check_metadata(pos, patch)  # (raises, naming it)
+        else:
+            dims = _check_metadata(pos, patch)  # (raises, naming what is wrong)
+            name, size, n = patch[0], patch[2].itemsize, math.prod(dims)
+        nbytes = n * size
         if cur_pos:
-            if patch.name in cur_seen:
+            if name in cur_seen:
                 close("repeated name")
             elif cur_bytes + nbytes > max_chunk_bytes:
                 close("budget")
         cur_pos.append(pos)
-        cur_names.append(patch.name)
-        cur_seen.add(patch.name)
+        cur_names.append(name)
+        cur_seen.add(name)
         cur_bytes += nbytes
     if cur_pos:
         close("end")

@@ -54,7 +54,8 @@ class PatchTypeError(PatchError, TypeError):
 
 
 class ContractViolation(PatchError, NotImplementedError):
-    """A model's ``load_weights`` did something a sparse (NaN-masked) load cannot support."""
+    """A model's ``load_weights`` did something a sparse (NaN-masked) load cannot support,
+    or returned anything but the names it loaded (an iterable of str) or ``None``."""
 
 
 def where(position: int | None, name: str | None) -> str:

@@ -114,6 +114,7 @@ from .loader import _as_patch, _canonicalized, _names, _roll_back, run_load
 from .patch import (
     CheckpointWeightPatch,
     _check_structure,
+    _given_name,
     check_flag,
     check_max_chunk_bytes,
     numel,
@@ -121,7 +122,7 @@ from .patch import (
     staged_nbytes,
 )
 from .progress import LoadProgress, Tracker, check_progress
-from .units import _count, format_bytes
+from .units import _count, format_bytes, shown_text
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -209,17 +210,26 @@ _WRITES_SAMPLES = {
 _DELTAS_SAMPLES = {"elements": 0, "changed": 0, "max_abs": 0.0, "mean_abs": 0.0, "rel_l2": 0.0}
 
 
-def _summary_columns(patches: Iterable[CheckpointWeightPatch]) -> dict[str, list]:
+def _summary_columns(patches: Iterable[CheckpointWeightPatch],
+                     malformed: dict[int, str] | None = None) -> dict[str, list]:
     """:func:`patch_summary`'s columns, in order. A frame built from columns costs a
-    fraction of one built from rows, or changed column by column afterwards."""
+    fraction of one built from rows, or changed column by column afterwards.
+    ``malformed``: positions of items that are no valid patch (the input of a refused
+    load), whose row holds only its name, where it has a str one."""
     cols: dict[str, list] = {
         k: [] for k in ("position", "name", "kind", "shape", "dtype", "numel", "nnz",
                         "density", "wire_bytes", "staged_bytes")
     }
     for i, p in enumerate(patches):
+        cols["position"].append(i)
+        if malformed and i in malformed:
+            cols["name"].append(_given_name(p))
+            for k in ("kind", "shape", "dtype", "numel", "nnz", "density", "wire_bytes",
+                      "staged_bytes"):
+                cols[k].append(None)
+            continue
         n = numel(p)
         nnz = _nnz(p)
-        cols["position"].append(i)
         cols["name"].append(p.name)
         cols["kind"].append(_kind(p))
         cols["shape"].append(tuple(int(d) for d in p.shape))
@@ -229,7 +239,23 @@ def _summary_columns(patches: Iterable[CheckpointWeightPatch]) -> dict[str, list
         cols["density"].append((nnz / n) if n else 0.0)
         cols["wire_bytes"].append(wire_bytes(p))
         cols["staged_bytes"].append(staged_nbytes(p))
+    if malformed:  # (counts stay integers beside the missing ones: <NA>, not NaN)
+        for k in ("numel", "nnz", "wire_bytes", "staged_bytes"):
+            cols[k] = pd.array(cols[k], dtype="Int64")
     return cols
+
+
+def _malformed(patches: Sequence[object]) -> dict[int, str]:
+    """Positions of the items that fail the loader's checks of a patch on its own
+    (:func:`~patchkit.patch._check_structure`), each with the message it raises: what a
+    report of a refused load shows in place of their numbers."""
+    out = {}
+    for i, p in enumerate(patches):
+        try:
+            _check_structure(i, p)
+        except (TypeError, ValueError) as e:
+            out[i] = str(e)
+    return out
 
 
 class _Recorder:
@@ -639,7 +665,7 @@ class LoadReport:
         lists the names the load removed from the model, where it removed any. A dry run
         (:attr:`dry_run`) gives no element counts (``None``) and says how many runtime
         tensors on the meta device the load wrote (``"dry run"``)."""
-        kinds = sorted(set(self.chunks["kind"]))
+        kinds = sorted(set(self.chunks["kind"].dropna()))  # (none for a malformed item)
         out = {
             "patches": len(self.patches),
             "kind": None if not kinds else kinds[0] if len(kinds) == 1 else "mixed",
@@ -677,7 +703,8 @@ class LoadReport:
             parts.append("chunks:\n" + _head_text(self.chunks.drop(columns=["note"]), False))
             if len(self.deltas):
                 parts.append("deltas:\n" + _head_text(self.deltas.round(6), True))
-        return "\n\n".join(parts)
+        # (a lone surrogate in a name, which no terminal or Jupyter message takes, escaped)
+        return shown_text("\n\n".join(parts))
 
     def _repr_html_(self) -> str:
         s = self.summary()
@@ -705,7 +732,7 @@ class LoadReport:
                     index=title == "deltas", float_format="{:.4g}".format))
                 out.append("</details>")
         out.append("</div>")
-        return "".join(out)
+        return shown_text("".join(out))
 
     # -- figures (matplotlib on first use) ---------------------------------------------------
 
@@ -731,9 +758,9 @@ class LoadReport:
         kw = {"bins": bins, "ax": ax}
 
         if isinstance(patch_or_name, str):
-            matches = [p for p in self.patches if p.name == patch_or_name]
+            matches = [p for p in self.patches if _given_name(p) == patch_or_name]
             if not matches:
-                known = ", ".join(repr(p.name) for p in self.patches[:8])
+                known = ", ".join(repr(_given_name(p)) for p in self.patches[:8])
                 raise KeyError(
                     f"no patch named {patch_or_name!r} in this report (some are: {known})"
                 )
@@ -1163,7 +1190,10 @@ def _report_of(model, patches, transactional, loader, rec, sessions, kept, posit
         # A rollback (this load's own, or one it did not see) or the loader itself may
         # have bound original tensors again: those are no longer rebound.
         session.forget_undone_rebindings()
-    sent_name = dict(zip(positions, (p.name for p in kept)))
+    # (a load refused before its first call may have been given items that are no patch)
+    malformed = _malformed(patches) if error is not None and not rec.calls else {}
+    sent_name = dict(zip(positions, (
+        _given_name(p) if i in malformed else p.name for i, p in zip(positions, kept))))
     observed_calls = loader is not None and not _as_planned(
         observed, plan, complete=error is None)
     if observed_calls:
@@ -1176,6 +1206,7 @@ def _report_of(model, patches, transactional, loader, rec, sessions, kept, posit
             report = _build_report(
                 model, patches, sent_name, observed_calls, plan, rec, sessions,
                 max_chunk_bytes, loaded, error, index, own_loader=loader is None,
+                malformed=malformed,
             )
     except Exception:
         if error is not None:
@@ -1220,7 +1251,7 @@ def _observe_foreign(
     sent = _SentPositions(patches, session.index.aliases)
     # A call whose names match no patch (a loader that renames them) may carry a sparse
     # one: its copies are checked for NaN as well.
-    any_sparse = any(p.indices is not None for p in patches)
+    any_sparse = any(getattr(p, "indices", None) is not None for p in patches)
 
     def recording_load_weights(weights, *a, **kw):
         staged = list(weights)
@@ -1243,7 +1274,7 @@ def _observe_foreign(
                 out = original(staged, *a, **kw)
                 if out is not None and not isinstance(out, set | frozenset | list | tuple):
                     out = list(out)  # a generator: run it while the writes are watched
-                r.returned = _names(out)
+                r.returned = _names(out, observed[-1])
         except BaseException:
             # What the calls' own writes left (read once, on failure only): a target
             # whose values are back as before the load only because of the loader's
@@ -1301,10 +1332,11 @@ class _SentPositions:
         # patched under several of its names)
         self._names: dict[str, list[str]] = {}
         for i, p in enumerate(patches):
-            if p.name not in self._unsent:
-                first = self._first.get(p.name, p.name)
-                self._names.setdefault(first, []).append(p.name)
-            self._unsent.setdefault(p.name, collections.deque()).append(i)
+            name = _given_name(p)  # (None, which no call sends, for an item with no name)
+            if name not in self._unsent:
+                first = self._first.get(name, name)
+                self._names.setdefault(first, []).append(name)
+            self._unsent.setdefault(name, collections.deque()).append(i)
         self._taken: set[int] = set()
         self._last: dict[str, int] = {}
 
@@ -1823,7 +1855,7 @@ def _rebound_row(name: str, old: torch.Tensor, now: torch.Tensor,
 
 def _build_report(
     model, patches, sent_name, observed_calls, plan, rec, sessions, max_chunk_bytes, loaded,
-    error, index=None, own_loader=False,
+    error, index=None, own_loader=False, malformed=None,
 ) -> LoadReport:
     # (``index``: the load's, built before it ran, where building one did not fail;
     # ``own_loader``: patchkit's loader ran, which touches no module tree after its last
@@ -1916,7 +1948,8 @@ def _build_report(
     report._meta = meta
     report._dry = len({e.target for e in events} & meta)
     report._tables = {
-        "chunks": lambda: _chunks_frame(patches, sent_name, plan, len(calls), observed_calls),
+        "chunks": lambda: _chunks_frame(patches, sent_name, plan, len(calls), observed_calls,
+                                        malformed),
         "calls": lambda: _frame({
             c: [row[c] for row in calls]
             for c in ("chunk", "names", "returned", "writes", "seconds", "error")
@@ -1928,11 +1961,14 @@ def _build_report(
 
 
 def _chunks_frame(patches, sent_name: dict[int, str], plan, ran: int,
-                  observed_calls: bool = False) -> pd.DataFrame:
+                  observed_calls: bool = False,
+                  malformed: dict[int, str] | None = None) -> pd.DataFrame:
     """The ``chunks`` table. ``sent_name``: the name each input position was (to be) sent
     under; ``ran``: how many ``load_weights`` calls were made; ``observed_calls``: ``plan``
     is the calls an observed loader made, so a position it did not send was not sent,
-    never dropped as a tied alias (that is the plan's rule, CONTRACT §6)."""
+    never dropped as a tied alias (that is the plan's rule, CONTRACT §6); ``malformed``:
+    positions of items that are no valid patch, with why (see :func:`_malformed`)."""
+    malformed = malformed or {}
     chunk_of: dict[int, Chunk] = {}
     for c in plan:
         for p in c.positions:
@@ -1942,7 +1978,9 @@ def _chunks_frame(patches, sent_name: dict[int, str], plan, ran: int,
                else "not sent: the load stopped before its first call")
     notes = []
     for i, p in enumerate(patches):
-        if i not in sent_name and not observed_calls:
+        if i in malformed:
+            notes.append(f"not a valid patch: {malformed[i]}")
+        elif i not in sent_name and not observed_calls:
             notes.append("dropped: tied alias of a weight patched in the same call")
         elif i not in chunk_of:
             notes.append("not sent by the observed loader" if ran else stopped)
@@ -1952,10 +1990,12 @@ def _chunks_frame(patches, sent_name: dict[int, str], plan, ran: int,
             notes.append(f"renamed from {p.name!r} (tied alias)")
         else:
             notes.append("")
-    summary = _summary_columns(patches)
+    summary = _summary_columns(patches, malformed)
     del summary["wire_bytes"]
     summary["bytes"] = summary.pop("staged_bytes")
-    summary["name"] = [sent_name.get(i, p.name) for i, p in enumerate(patches)]
+    # (not sent_name.get(i, p.name): a malformed item may have no name to read)
+    summary["name"] = [sent_name[i] if i in sent_name else p.name  # noqa: SIM401
+                       for i, p in enumerate(patches)]
     chunk = [chunk_of[i].index if i in chunk_of else None for i in range(len(patches))]
     return _frame({
         "chunk": pd.array(chunk, dtype="Int64"),
@@ -1975,7 +2015,9 @@ def _writes_frame(
 ) -> pd.DataFrame:
     """The ``writes`` table. ``meta``: targets on the meta device (a dry run), where only a
     dense patch's copy says how many elements it wrote (all of its view)."""
-    shapes_by_pos = {i: tuple(int(d) for d in p.shape) for i, p in enumerate(patches)}
+    shapes_by_pos = {i: tuple(int(d) for d in patches[i].shape)
+                     for i in {ev.position for ev in events}
+                     if i is not None and 0 <= i < len(patches)}
     names = (
         "chunk", "position", "name", "checkpoint_offset", "checkpoint_region", "target",
         "target_offset", "target_region", "shape", "elements", "written", "changed", "op",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -12,8 +13,8 @@ from typing import Any
 import torch
 
 from .bitwise import bits
-from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
-from .errors import PatchTypeError, PatchValueError, where
+from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
+from .errors import ContractViolation, PatchTypeError, PatchValueError, where
 from .intercept import _DEFERRAL, RuntimeIndex, WriteRecorder, WriteSession, named_tensors
 from .patch import CheckpointWeightPatch, check_flag, patch_list, validate_patches
 from .staging import stage
@@ -190,7 +191,7 @@ def run_load(
                 for chunk in chunks:
                     staged = [(by_position[p].name, stage(by_position[p])) for p in chunk.positions]
                     if session is None:
-                        returned = _names(load_weights(staged))
+                        returned = _names(load_weights(staged), chunk)
                     else:
                         with session.call(
                             chunk.index, staged, chunk.positions, sparse=sparse,
@@ -198,7 +199,7 @@ def run_load(
                         ) as r:
                             # Read the names inside the interception: a generator-function
                             # loader does its copies only while it is iterated.
-                            r.returned = returned = _names(load_weights(staged))
+                            r.returned = returned = _names(load_weights(staged), chunk)
                     if returned is not None:
                         loaded.update(returned)
                         if renamed:
@@ -412,9 +413,42 @@ def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
     )
 
 
-def _names(returned: Any) -> set[str] | None:
-    """A loader's return value as a set of names (``None`` stays ``None``)."""
-    return None if returned is None else set(returned)
+def _names(returned: Any, chunk: Chunk | None = None) -> set[str] | None:
+    """A loader's return value as a set of names (``None`` stays ``None``). Anything but
+    ``None`` or an iterable of str (a str itself, a number, names that are not str) is a
+    loader outside the contract: ``NotImplementedError`` naming the call (``chunk``: the
+    call's plan, which names its patches) and what it returned."""
+    if returned is None:
+        return None
+    names = None
+    if not isinstance(returned, str | bytes):
+        with contextlib.suppress(TypeError):  # (not iterable, or an item not hashable)
+            names = set(returned)
+    if names is not None and all(isinstance(n, str) for n in names):
+        return names
+    bad = (returned if names is None
+           else next(n for n in names if not isinstance(n, str)))
+    what = (f"{returned!r}"[:80] if names is None
+            else f"a {type(bad).__name__} among its names, {bad!r}"[:80])
+    call = "load_weights" if chunk is None else f"load_weights ({_call_text(chunk)})"
+    # (the call's patch, where it carried one)
+    one = chunk is not None and len(chunk.positions) == 1 and chunk.positions[0] >= 0
+    raise ContractViolation(
+        f"{call} returned {what} ({type(returned).__name__}): a loader of the contract "
+        "returns the names it loaded (an iterable of str, e.g. a set) or None; the call's "
+        "writes stay, unless transactional=True put them back",
+        position=chunk.positions[0] if one else None, name=chunk.names[0] if one else None,
+        reason="returned names", value=returned,
+    )
+
+
+def _call_text(chunk: Chunk, shown: int = 3) -> str:
+    """``"call 2, patch 4 ('a'), patch 5 ('b')"``: how a message names a call, its first
+    ``shown`` patches, then how many more."""
+    parts = [where(p if p >= 0 else None, n)  # (-1: an observed name no patch has)
+             for p, n in zip(chunk.positions[:shown], chunk.names)]
+    more = len(chunk.positions) - shown
+    return ", ".join([f"call {chunk.index}", *parts] + ([f"{more} more"] if more > 0 else []))
 
 
 def _as_patch(p: Any) -> Any:

@@ -146,13 +146,18 @@ def _checked_device(device: object, *, allow_meta: bool = False) -> torch.device
     return dev
 
 
-def _check_structure(position: int | None, patch: object) -> None:
-    """CONTRACT §1.2: the cheap per-patch checks, on metadata only (no device work).
+def _given_name(p: object) -> str | None:
+    """The name of an item given as a patch, where it has a str one (a malformed patch's
+    may be anything, or missing)."""
+    name = p[0] if isinstance(p, tuple) and p else None
+    return name if isinstance(name, str) else None
 
-    ``position`` names the patch in messages (``None``: a patch on its own, named by its
-    name only, as :func:`~patchkit.density.density_map` takes one). The checks of its
-    numbers (NaN, out-of-range or duplicate indices, integers that fit) are
-    :func:`validate_patches`'."""
+
+def _check_metadata(position: int | None, patch: object) -> tuple[int, ...]:
+    """The checks of :func:`_check_structure` that read a patch's name, shape and dtype
+    only (what :func:`~patchkit.plan_chunks` needs): it is a 5-tuple, the name a non-empty
+    str, the dtype a ``torch.dtype``, the shape ints none negative whose bytes stay below
+    2**63. Returns the shape's dims as ints."""
     if not isinstance(patch, tuple) or len(patch) != 5:
         at = "patch" if position is None else f"patch {position}"
         raise PatchTypeError(
@@ -162,7 +167,7 @@ def _check_structure(position: int | None, patch: object) -> None:
             reason="not a patch",
             value=type(patch).__name__,
         )
-    name, shape, dtype, values, indices = patch
+    name, shape, dtype = patch[0], patch[1], patch[2]
     at = where(position, name)
     if not isinstance(name, str):
         raise PatchTypeError(
@@ -206,6 +211,26 @@ def _check_structure(position: int | None, patch: object) -> None:
                 f"{at}: shape has a negative dimension: {_shape_text(dims)}",
                 position=position, name=name, reason="negative dimension", value=d,
             )
+    if _numel_below(dims, (1 << 63) // dtype.itemsize) is None:
+        # torch indexes elements and bytes with int64: no tensor this big can be staged
+        raise PatchValueError(
+            f"{at}: shape {_shape_text(dims)} of {dtype} is more than a tensor can hold "
+            f"(its bytes must stay below 2**63)",
+            position=position, name=name, reason="shape too large", value=dims,
+        )
+    return dims
+
+
+def _check_structure(position: int | None, patch: object) -> None:
+    """CONTRACT §1.2: the cheap per-patch checks, on metadata only (no device work).
+
+    ``position`` names the patch in messages (``None``: a patch on its own, named by its
+    name only, as :func:`~patchkit.density.density_map` takes one). The checks of its
+    numbers (NaN, out-of-range or duplicate indices, integers that fit) are
+    :func:`validate_patches`'."""
+    dims = _check_metadata(position, patch)
+    name, _, dtype, values, indices = patch
+    at = where(position, name)
     if not isinstance(values, torch.Tensor):
         raise PatchTypeError(
             f"{at}: values must be a torch.Tensor, got {type(values).__name__}",
@@ -220,14 +245,7 @@ def _check_structure(position: int | None, patch: object) -> None:
         )
     if values.layout is not torch.strided:
         _refuse_layout(at, position, name, "values", values)
-    n = _numel_below(dims, (1 << 63) // dtype.itemsize)
-    if n is None:
-        # torch indexes elements and bytes with int64: no tensor this big can be staged
-        raise PatchValueError(
-            f"{at}: shape {_shape_text(dims)} of {dtype} is more than a tensor can hold "
-            f"(its bytes must stay below 2**63)",
-            position=position, name=name, reason="shape too large", value=dims,
-        )
+    n = math.prod(dims)
     if indices is None:
         if values.numel() != n:
             raise PatchValueError(

@@ -60,7 +60,7 @@ from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, grid_shape
 from .loader import _as_patch as _as_record
 from .patch import CheckpointWeightPatch, _check_structure, check_flag, numel, staged_nbytes
-from .units import _count, format_bytes
+from .units import _count, format_bytes, shown_name
 
 if TYPE_CHECKING:
     from .inspect import LoadReport
@@ -168,9 +168,11 @@ def _bytes_tick(v: float, _pos: Any = None) -> str:
 
 
 def _drawable(text: str) -> str:
-    """``text`` with each lone surrogate written as its escape, ``\\ud800`` (a name
-    read from a file may hold one; matplotlib's font code refuses it: ``TypeError``)."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    """``text`` with each lone surrogate and control character written as its escape,
+    ``\\ud800``, ``\\r`` (a name read from a file may hold one; matplotlib's font code
+    refuses a surrogate, ``TypeError``, and a ``\\r`` cuts the title it is in): see
+    :func:`~patchkit.units.shown_name`."""
+    return shown_name(text)
 
 
 def _short(name: str, n: int = 24, parts: int = 3) -> str:
@@ -220,6 +222,11 @@ def _tag(name: str) -> str:
     if len(pieces) > 1 and pieces[-1] in ("weight", "bias"):
         pieces = pieces[:-1]
     return pieces[-1]
+
+
+def _elements(n: int) -> str:
+    """``"element"`` for one, else ``"elements"`` (the count is written beside it)."""
+    return "element" if n == 1 else "elements"
 
 
 def _pct(x: float) -> str:
@@ -1022,7 +1029,8 @@ def plot_placement(
             "pass targets=[...] for others)"
         )
     fig.suptitle(title, fontsize=11)
-    shapes = {i: tuple(int(d) for d in p.shape) for i, p in enumerate(report.patches)}
+    shapes = {i: tuple(int(d) for d in report.patches[i].shape)
+              for i in {int(k) for k in writes["position"].dropna()}}
     for row, target in enumerate(chosen):
         _draw_target(axes[row][0], axes[row][1], target, report, writes, shapes)
     return fig
@@ -1661,7 +1669,8 @@ def plot_delta(
         ax.set_ylim(bottom=0.8)
         ax.yaxis.set_major_formatter(LogFormatter())
         ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
-    ax.set_title(f"Δ over {values.finite:,} {what} elements{note}", fontsize=9)
+    ax.set_title(f"Δ over {values.finite:,} {what} {_elements(values.finite)}{note}",
+                 fontsize=9)
     ax.set_xlabel("Δ = after − before")
     ax.set_ylabel("elements (log scale)" if values.finite else "elements")
 
@@ -1669,7 +1678,8 @@ def plot_delta(
     if target in report.deltas.index:
         row = report.deltas.loc[target]
         stats = (
-            f"{int(row['elements']):,} elements written, {int(row['changed']):,} changed, "
+            f"{int(row['elements']):,} {_elements(int(row['elements']))} written, "
+            f"{int(row['changed']):,} changed, "
             f"max |Δ| {row['max_abs']:.3g}, relative L2 change {row['rel_l2']:.3g}"
         )
         # before() and after() read the model as it is now, the numbers were fixed at the

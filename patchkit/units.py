@@ -12,6 +12,29 @@ _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
 _TOP = 1024 ** (len(_UNITS) + 1)  # 1024 of the last unit: no unit left to write it in
 
 
+def shown_name(name: str) -> str:
+    """``name`` as text any display takes: each lone surrogate (a name read from a file
+    may hold one, and neither a Jupyter message nor matplotlib's fonts take it) and each
+    control character (a ``\\r`` would rewrite the line it is shown on, a ``\\n`` break
+    a title) written as its escape, ``\\ud800``, ``\\r``, ``\\x1b``; every other
+    character as it is. ``name`` itself when it needs none (the common case: one check)."""
+    if name.isprintable():
+        return name
+    return "".join(c if c.isprintable() or not _escaped(c) else repr(c)[1:-1] for c in name)
+
+
+def _escaped(c: str) -> bool:
+    """A control character (C0, DEL, C1) or a lone surrogate."""
+    o = ord(c)
+    return o < 0x20 or 0x7F <= o < 0xA0 or 0xD800 <= o < 0xE000
+
+
+def shown_text(text: str) -> str:
+    """``text`` (lines of it: its newlines kept) with each lone surrogate written as its
+    escape, ``\\ud800``: what a Jupyter message can carry."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def format_bytes(n: float) -> str:
     """Human-readable binary size: ``"512 B"``, ``"1.5 KiB"``, ``"512 MiB"``, ``"1.18 GiB"``.
 

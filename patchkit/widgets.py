@@ -30,7 +30,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk
-from .patch import CheckpointWeightPatch, check_max_chunk_bytes, staged_nbytes
+from .patch import (
+    CheckpointWeightPatch,
+    _check_metadata,
+    _given_name,
+    check_max_chunk_bytes,
+    staged_nbytes,
+)
 from .plot import (
     _as_source,
     _check_report,
@@ -42,7 +48,7 @@ from .plot import (
     plot_placement,
     to_png,
 )
-from .units import _count, format_bytes
+from .units import _count, format_bytes, shown_name, shown_text
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -75,8 +81,14 @@ def figure_output(fig: Figure) -> dict[str, Any]:
 
 
 def text_output(text: str) -> dict[str, Any]:
-    """Text as one ``stdout`` stream output."""
-    return {"output_type": "stream", "name": "stdout", "text": text}
+    """Text as one ``stdout`` stream output (a lone surrogate, which no Jupyter message
+    carries, written as its escape)."""
+    return {"output_type": "stream", "name": "stdout", "text": shown_text(text)}
+
+
+def _shown(name: str | None) -> str:
+    """A name as a label shows it (``None``: an item with no str name)."""
+    return "None" if name is None else shown_name(name)
 
 
 def plan_text(plan: Sequence[Chunk], budget: int) -> str:
@@ -90,7 +102,8 @@ def plan_text(plan: Sequence[Chunk], budget: int) -> str:
     )
     lines = [head]
     for c in plan[:_MAX_CALL_LINES]:
-        names = ", ".join(c.names[:4]) + (f", … (+{len(c.names) - 4})" if len(c.names) > 4 else "")
+        names = ", ".join(map(shown_name, c.names[:4])) + (
+            f", … (+{len(c.names) - 4})" if len(c.names) > 4 else "")
         over = ", over budget (travels alone)" if c.over_budget else ""
         lines.append(
             f"  call {c.index}: {len(c.positions)} patch{'es' if len(c.positions) != 1 else ''}"
@@ -172,12 +185,13 @@ class ChunkPlanner(W.VBox):
             check_max_chunk_bytes(max_chunk_bytes)
         self.source = _as_source(patches, "chunk_planner")
         if _is_report(self.source):
-            sizes = [staged_nbytes(p) for p in self.source.patches]
+            # (a refused load's report may hold items that are no patch: left out here)
+            sizes = _staged_sizes(self.source.patches, strict=False)
             wanted = max_chunk_bytes
             if wanted is None and _valid_budget(self.source.max_chunk_bytes):
                 wanted = self.source.max_chunk_bytes
         else:
-            sizes = [staged_nbytes(p) for p in self.source]
+            sizes = _staged_sizes(self.source, strict=True)
             wanted = max_chunk_bytes
         low, high, start = _slider_range(sizes, wanted)
         lo_exp, hi_exp = math.log2(low), math.log2(high)
@@ -226,6 +240,21 @@ class ChunkPlanner(W.VBox):
         )
 
 
+def _staged_sizes(patches: Sequence[Any], strict: bool) -> list[int]:
+    """The staged bytes of each patch whose name, shape and dtype pass the loader's checks;
+    where one does not, ``strict`` raises the error that names it, else it is left out."""
+    sizes = []
+    for i, p in enumerate(patches):
+        try:
+            _check_metadata(i, p)
+        except (TypeError, ValueError):
+            if strict:
+                raise
+            continue
+        sizes.append(staged_nbytes(p))
+    return sizes
+
+
 def chunk_planner(
     patches: LoadReport | Sequence[CheckpointWeightPatch],
     max_chunk_bytes: int | None = None,
@@ -265,12 +294,13 @@ class ReportExplorer(W.VBox):
         _check_report(report, "explore")
         self.report = report
         options: list[tuple[str, tuple[str, Any]]] = [
-            (f"patch {i}: {p.name}", ("patch", i)) for i, p in enumerate(report.patches)
+            (f"patch {i}: {_shown(_given_name(p))}", ("patch", i))
+            for i, p in enumerate(report.patches)
         ]
         # (the tensors with a deltas row, then those written without one: registered)
         runtime = dict.fromkeys([*report.deltas.index,
                                  *(t for t in report.writes["target"] if t is not None)])
-        options += [(f"runtime: {t}", ("runtime", t)) for t in runtime]
+        options += [(f"runtime: {shown_name(t)}", ("runtime", t)) for t in runtime]
         self.dropdown = W.Dropdown(
             options=options, description="show", layout=W.Layout(width="60%")
         )
@@ -279,7 +309,7 @@ class ReportExplorer(W.VBox):
         error = getattr(report, "error", None)
         rejected = (
             "" if error is None else
-            f"<br>the load raised {type(error).__name__}: {html.escape(str(error))}"
+            f"<br>the load raised {type(error).__name__}: {html.escape(shown_text(str(error)))}"
         )
         head = W.HTML(
             f"<b>LoadReport</b>: {_count(len(report.patches), 'patch', 'patches')}, "
@@ -313,7 +343,9 @@ class ReportExplorer(W.VBox):
     def _views(self, choice: tuple[str, Any] | None) -> tuple[dict[str, Any], ...]:
         r = self.report
         if choice is None:
-            return (text_output("nothing to show: the report has no patches\n"),)
+            return (text_output("nothing to show: the report has no patches\n" if not
+                                self.dropdown.options else "nothing chosen: pick a patch or "
+                                "a runtime tensor above\n"),)
         kind, key = choice
         if kind == "patch":
             row = r.chunks[r.chunks["position"] == key]
@@ -337,7 +369,8 @@ class ReportExplorer(W.VBox):
             _figure_or_note("placement figure", lambda: plot_placement(r, targets=[key])),
             delta,
             text_output(
-                f"writes into {key}:\n{writes[cols].head(20).to_string(index=False)}\n"
+                f"writes into {shown_name(key)}:\n"
+                f"{writes[cols].head(20).to_string(index=False)}\n"
                 + (f"… {len(writes) - 20} more writes\n" if len(writes) > 20 else "")
                 + _delta_text(r, key)
             ),

@@ -1429,3 +1429,32 @@ def test_a_bar_too_narrow_for_a_hatch_is_drawn_without_one():
     plot_chunks(ps, max_chunk_bytes=300, ax=ax)
     rects = [r for rs in rects_by_gid(fig, "segment ").values() for r in rs]
     assert rects and not any(r.get_hatch() for r in rects)
+
+
+def test_a_name_with_a_control_character_is_drawn_escaped():
+    # ("\r" in a name cut the title and legend entry it was in, "Glyph missing" besides)
+    import io
+
+    name = "model.cr\rret\n.weight"
+    dense = CheckpointWeightPatch(name, (4, 4), torch.float32, torch.ones(16))
+    sparse = CheckpointWeightPatch(name, (4, 4), torch.float32, torch.ones(2),
+                                   torch.tensor([1, 5]))
+    figs = [plot_chunks([dense, sparse], 64), plot_density(sparse)]
+    r = inspect_load(_AnyName(), [dense])
+    figs += [r.plot_placement(), r.plot_delta("w")]
+    texts = []
+    for fig in figs:
+        fig.savefig(io.BytesIO(), format="png")
+        texts += [t.get_text() for t in fig.findobj(matplotlib.text.Text)]
+    assert any("cr\\rret\\n" in t for t in texts)
+    assert not any("\r" in t for t in texts)
+
+
+def test_one_element_is_counted_in_the_singular():
+    r = inspect_load(PlainModel({"s": ()}), [CheckpointWeightPatch("s", (), torch.float32,
+                                                                   torch.ones(1))])
+    fig = r.plot_delta("s")
+    texts = [t.get_text() for t in fig.findobj(matplotlib.text.Text)]
+    assert any("1 element written" in t for t in texts)
+    assert any("Δ over 1 written element" in t for t in texts)
+    assert not any("1 elements" in t for t in texts)

@@ -337,3 +337,53 @@ def test_planner_rounds_the_slider_to_the_nearest_whole_byte():
     assert w.plan == plan_chunks(patches(), 256)
     assert w.plan[0].positions == (0, 1)
     assert w.readout.value == "256 B"
+
+
+class _OddNames(nn.Module):
+    """Parameters named with a lone surrogate and with a carriage return (a patch file's
+    JSON header may hold either), loaded by name."""
+
+    NAMES = ("w\ud800", "cr\rret")
+
+    def __init__(self):
+        super().__init__()
+        for n in self.NAMES:
+            self.register_parameter(n, nn.Parameter(torch.zeros(3, 4), requires_grad=False))
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for n, t in weights:
+            params[n].data.copy_(t)
+        return {n for n, _ in weights}
+
+
+def _sent_as_json(obj) -> None:
+    """What a Jupyter kernel does with a display message: JSON, then strict UTF-8 (a lone
+    surrogate raises UnicodeEncodeError there)."""
+    import json
+
+    json.dumps(obj, ensure_ascii=False).encode("utf-8")
+
+
+def test_names_with_a_lone_surrogate_or_a_control_character_reach_a_notebook_escaped():
+    from patchkit.widgets import plan_text
+
+    patches = [CheckpointWeightPatch(n, (3, 4), torch.float32, torch.ones(12))
+               for n in _OddNames.NAMES]
+    report = inspect_load(_OddNames(), patches)
+    for text in (repr(report), report._repr_html_()):
+        _sent_as_json(text)
+        assert "w\\ud800" in text
+    explorer = explore(report)
+    labels = [label for label, _ in explorer.dropdown.options]
+    assert "patch 0: w\\ud800" in labels and "runtime: cr\\rret" in labels
+    _sent_as_json(explorer.dropdown.get_state())
+    for _, value in explorer.dropdown.options:
+        explorer.dropdown.value = value
+        _sent_as_json(list(explorer.output.outputs))
+        text = "".join(o.get("text", "") for o in explorer.output.outputs)
+        assert "\r" not in text and "\ud800" not in text
+    planner = chunk_planner(report.patches, 48)
+    _sent_as_json(list(planner.output.outputs))
+    shown = plan_text(planner.plan, 48)
+    assert "(cr\\rret)" in shown and "\r" not in shown

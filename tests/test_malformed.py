@@ -1,0 +1,183 @@
+"""Input that is no valid patch, and loaders that return something other than names:
+refused by patchkit's own errors, naming the patch, with the model as it was, and the
+report of such a load readable in every form (tables, text, HTML, pickle, figures,
+widgets)."""
+
+from __future__ import annotations
+
+import pickle
+
+import matplotlib
+import pandas as pd
+import pytest
+import torch
+
+import patchkit
+from patchkit import (
+    CheckpointWeightPatch,
+    ContractViolation,
+    PatchTypeError,
+    PatchValueError,
+    inspect_load,
+    load_checkpoint_weight_patches,
+    plan_chunks,
+)
+from patchkit.build import wire_bytes
+from patchkit.toymodels import PlainModel
+
+P = CheckpointWeightPatch
+GOOD = P("a", (4,), torch.float32, torch.ones(4))
+
+NOT_A_PATCH = {
+    "None": None,
+    "4-tuple": ("a", (4,), torch.float32, torch.ones(4)),
+    "dict": {"name": "a"},
+}
+BAD_FIELDS = {
+    "values list": P("a", (4,), torch.float32, [1.0] * 4),
+    "dtype str": P("a", (4,), "float32", torch.ones(4)),
+    "shape None": P("a", None, torch.float32, torch.ones(4)),
+    "name int": P(5, (4,), torch.float32, torch.ones(4)),
+    "negative dim": P("a", (-4,), torch.float32, torch.ones(4)),
+}
+
+
+def _loaders():
+    return {"own": {}, "observed": {"loader": load_checkpoint_weight_patches}}
+
+
+@pytest.mark.parametrize("loader", ["own", "observed"])
+@pytest.mark.parametrize("bad", [*NOT_A_PATCH, *BAD_FIELDS])
+def test_a_refused_load_of_a_malformed_patch_has_a_report_that_reads_in_every_form(bad, loader):
+    matplotlib.use("Agg")
+    item = {**NOT_A_PATCH, **BAD_FIELDS}[bad]
+    model = PlainModel({"a": (4,), "b": (4,)})
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    good_b = P("b", (4,), torch.float32, torch.full((4,), 2.0))
+    with pytest.raises(patchkit.PatchError) as e:
+        inspect_load(model, [good_b, item], **_loaders()[loader])
+    assert isinstance(e.value, TypeError | ValueError)
+    assert e.value.position == 1 and str(e.value).startswith("patch 1")
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+    report = e.value.report
+    chunks = report.chunks
+    assert list(chunks["position"]) == [0, 1]
+    assert chunks["name"].iloc[0] == "b" and chunks["bytes"].iloc[0] == 16
+    assert chunks["note"].iloc[1].startswith("not a valid patch: patch 1")
+    assert chunks["bytes"].iloc[1] is pd.NA and pd.isna(chunks["kind"].iloc[1])
+    assert str(chunks["bytes"].dtype) == "Int64"  # (16, not 16.0, beside the missing one)
+    assert "patches=2" in repr(report) and "load_weights calls=0" in repr(report)
+    assert "LoadReport" in report._repr_html_()
+    assert report.summary()["patches"] == 2
+    again = pickle.loads(pickle.dumps(e.value))
+    assert again.report.chunks["note"].tolist() == chunks["note"].tolist()
+    explorer = report.explore()
+    for value, _ in [(v, lab) for lab, v in explorer.dropdown.options]:
+        explorer.dropdown.value = value  # each view, or a line saying why there is none
+        assert explorer.output.outputs
+    report.plot_chunks()
+    report.plot_placement()
+
+
+def test_plan_chunks_refuses_what_the_loader_refuses_by_name_and_position():
+    for bad, item in BAD_FIELDS.items():
+        if bad == "values list":
+            continue  # (a plan reads names, shapes and dtypes only)
+        with pytest.raises(patchkit.PatchError) as e:
+            plan_chunks([GOOD, item], 1024)
+        assert e.value.position == 1, bad
+    # the cases a conversion with int() let through: a float dim, a str shape, an empty
+    # name, a bool dim
+    for item, reason in [
+        (P("a", (2.5,), torch.float32, torch.ones(2)), "shape type"),
+        (P("a", "44", torch.float32, torch.ones(16)), "shape type"),
+        (P("", (4,), torch.float32, torch.ones(4)), "empty name"),
+        (P("a", (True, 4), torch.float32, torch.ones(4)), "shape type"),
+        (P(["a"], (4,), torch.float32, torch.ones(4)), "name type"),
+    ]:
+        with pytest.raises((PatchTypeError, PatchValueError)) as e:
+            plan_chunks([item, GOOD])
+        assert e.value.position == 0 and e.value.reason == reason
+    # what it accepts as the loader does: torch.Size, numpy ints, a list
+    import numpy as np
+
+    ok = [P("a", torch.Size([4]), torch.float32, torch.ones(4)),
+          P("b", [np.int64(2), 2], torch.float32, torch.ones(4)), GOOD]
+    assert [c.bytes for c in plan_chunks(ok, 32)] == [32, 16]
+
+
+def test_the_chunk_figures_and_planner_refuse_a_malformed_patch_by_name():
+    from patchkit.plot import plot_chunks
+    from patchkit.widgets import chunk_planner
+
+    for item in (BAD_FIELDS["dtype str"], BAD_FIELDS["shape None"], BAD_FIELDS["negative dim"]):
+        with pytest.raises(patchkit.PatchError, match=r"^patch 1 \('a'\)"):
+            chunk_planner([GOOD, item])
+        with pytest.raises(patchkit.PatchError, match=r"^patch 1 \('a'\)"):
+            plot_chunks([GOOD, item])
+
+
+def test_wire_bytes_names_the_field_that_is_no_tensor():
+    with pytest.raises(PatchTypeError, match=r"patch 1 \('a'\): values must be a torch.Tensor"):
+        wire_bytes([GOOD, BAD_FIELDS["values list"]])
+    with pytest.raises(PatchTypeError, match=r"patch 0 \('a'\): indices must be a torch"):
+        wire_bytes([P("a", (4,), torch.float32, torch.ones(1), [0])])
+
+
+class Returning(PlainModel):
+    """Loads as PlainModel, then returns ``self.ret`` instead of the names."""
+
+    ret: object = None
+
+    def load_weights(self, weights):
+        super().load_weights(weights)
+        return self.ret
+
+
+@pytest.mark.parametrize("ret, shown", [
+    ("ab", "'ab' (str)"),
+    (7, "7 (int)"),
+    ([1], "a int among its names, 1 (list)"),
+    ([["a"]], "[['a']] (list)"),
+    ({b"a"}, "a bytes among its names, b'a' (set)"),
+])
+@pytest.mark.parametrize("transactional", [False, True])
+def test_a_loader_that_returns_no_names_is_outside_the_contract(ret, shown, transactional):
+    model = Returning({"a": (4,), "b": (4,)})
+    model.ret = ret
+    patches = [GOOD, P("b", (4,), torch.float32, torch.ones(4))]
+    with pytest.raises(ContractViolation) as e:
+        load_checkpoint_weight_patches(model, patches, max_chunk_bytes=16,
+                                       transactional=transactional)
+    assert isinstance(e.value, NotImplementedError)
+    assert str(e.value).startswith(f"load_weights (call 0, patch 0 ('a')) returned {shown}")
+    assert (e.value.position, e.value.name, e.value.reason) == (0, "a", "returned names")
+    # the call's writes stay, unless the load was transactional; nothing after it runs
+    assert model.a.tolist() == ([0.0] * 4 if transactional else [1.0] * 4)
+    assert model.b.tolist() == [0.0] * 4
+    # the report of it says the same
+    model = Returning({"a": (4,), "b": (4,)})
+    model.ret = ret
+    with pytest.raises(ContractViolation) as e:
+        inspect_load(model, patches, max_chunk_bytes=16, transactional=transactional)
+    assert e.value.report.calls["error"].tolist() == [True]
+
+
+def test_a_loader_may_return_names_in_any_iterable_or_none():
+    for ret, want in [(None, set()), ({"a"}, {"a"}), (("a",), {"a"}), ({"a": 1}, {"a"}),
+                      (iter(["a"]), {"a"}), (frozenset(), set())]:
+        model = Returning({"a": (4,)})
+        model.ret = ret
+        assert load_checkpoint_weight_patches(model, [GOOD]) == want
+        assert model.a.tolist() == [1.0] * 4
+
+
+def test_many_patches_in_the_call_are_counted_past_the_first_three():
+    model = Returning({n: (1,) for n in "abcde"})
+    model.ret = 7
+    patches = [P(n, (1,), torch.float32, torch.ones(1)) for n in "abcde"]
+    with pytest.raises(ContractViolation) as e:
+        load_checkpoint_weight_patches(model, patches)
+    assert str(e.value).startswith(
+        "load_weights (call 0, patch 0 ('a'), patch 1 ('b'), patch 2 ('c'), 2 more) returned 7")
+    assert e.value.position is None  # (no one patch is at fault)
