@@ -968,9 +968,12 @@ def inspect_load(
     ``progress``: ``True`` shows how far a long load is, one step per ``load_weights``
     call (a bar in a Jupyter kernel with ipywidgets, else a line on stderr: rewritten in
     place on a terminal; in a log, the final status, after a line every 10 s of a long
-    load), once it has run half a second, so a short load shows nothing; a callable is
-    called with a :class:`~patchkit.LoadProgress` after every call instead (an exception
-    it raises stops the load like the loader's own would). See :mod:`patchkit.progress`.
+    load), once it has run half a second, so a short load shows nothing, and a display
+    that fails (no stderr) stops showing without stopping the load; a callable is called
+    with a :class:`~patchkit.LoadProgress` after every call instead (an exception it
+    raises stops the load like the loader's own would; after a call that raised, it is
+    told so, ``failed=True``, and what it raises then is added to the load's error as a
+    note, on Python 3.11+, not raised in its place). See :mod:`patchkit.progress`.
 
     ``validate_unique_indices`` and ``transactional`` must be ``True`` or ``False``, with
     ``loader=`` too (:class:`~patchkit.PatchTypeError` before anything is read or run).
@@ -1092,6 +1095,9 @@ def _inspect_load(
             )
     except BaseException as exc:
         error = exc
+        if tracker is not None and tracker.suppressed is not None and hasattr(exc, "add_note"):
+            exc.add_note("(the progress callback, told of the failed call, raised too: "
+                         f"{type(tracker.suppressed).__name__}: {tracker.suppressed})")
     finally:
         if tracker is not None:
             try:

@@ -100,6 +100,9 @@ class Tracker:
         self._view: _View | None = None
         self._last: LoadProgress | None = None
         self._shown = -_EVERY  # when the bar was last redrawn
+        # What the callback raised when told of a failed call: the load's own error stays
+        # the one raised, and notes this one (see inspect_load).
+        self.suppressed: Exception | None = None
 
     @property
     def active(self) -> bool:
@@ -118,19 +121,37 @@ class Tracker:
         self._bytes += nbytes
         state = self._last = self._state(names, failed)
         if self._callback is not None:
-            self._callback(state)
+            if not failed:
+                self._callback(state)  # (it may raise, to stop the load)
+            else:  # (the call raised: that error is the load's, not what this raises)
+                try:
+                    self._callback(state)
+                except Exception as e:
+                    self.suppressed = e
         if self._show and state.seconds - self._shown >= _EVERY:
             if self._view is None and state.seconds >= SHOW_AFTER:
-                self._view = _View.open(self._label)
+                self._view = self._shown_safely(lambda: _View.open(self._label))
             if self._view is not None:
-                self._view.update(state, self._label)
+                self._shown_safely(lambda: self._view.update(state, self._label))
                 self._shown = state.seconds
 
     def close(self) -> None:
         """The load is over: a bar that was shown says how it ended."""
         if self._view is not None and self._last is not None:
-            self._view.finish(self._state(self._last.names, self._last.failed), self._label)
+            last = self._state(self._last.names, self._last.failed)
+            self._shown_safely(lambda: self._view.finish(last, self._label))
             self._view = None
+
+    def _shown_safely(self, show: Callable[[], Any]) -> Any:
+        """``show()``, or ``None`` when it raised: a display that fails (no stderr, one
+        without ``flush``, a kernel whose front end is gone) stops showing, and never
+        stops the load it shows."""
+        try:
+            return show()
+        except Exception:
+            self._show = False
+            self._view = None
+            return None
 
 
 class _View:
@@ -162,8 +183,8 @@ class _TextView(_View):
         try:
             sys.stderr.write("\r" + line + pad + end)
             sys.stderr.flush()
-        except (OSError, ValueError):  # a closed or broken stderr: the load goes on
-            pass
+        except (OSError, ValueError, AttributeError):  # a closed, broken or missing
+            pass  # stderr (None, or one without flush): the load goes on
 
     def update(self, state: LoadProgress, label: str) -> None:
         self._write(state.text(label), "")
@@ -184,8 +205,8 @@ class _LogView(_View):
         try:
             sys.stderr.write(state.text(label) + "\n")
             sys.stderr.flush()
-        except (OSError, ValueError):  # a closed or broken stderr: the load goes on
-            pass
+        except (OSError, ValueError, AttributeError):  # a closed, broken or missing
+            pass  # stderr (None, or one without flush): the load goes on
 
     def update(self, state: LoadProgress, label: str) -> None:
         since = state.seconds - (self._said.seconds if self._said is not None else 0.0)

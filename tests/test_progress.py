@@ -214,3 +214,58 @@ def test_load_progress_text_and_fraction():
     empty = LoadProgress(calls_done=1, calls=2, bytes_done=0, total_bytes=0, seconds=0.0,
                          names=())
     assert empty.fraction == 0.5
+
+
+class _WriteOnly:
+    """A stderr with write() and nothing else (as some log redirectors are)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+
+@pytest.mark.parametrize("stderr", ["None", "write only"])
+@pytest.mark.parametrize("long_load", [False, True])
+def test_a_display_that_fails_never_stops_or_fails_the_load(setup, monkeypatch, stderr,
+                                                              long_load):
+    model, ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    if long_load:  # (a line at every call, not only at the end)
+        monkeypatch.setattr(progress_mod, "LOG_EVERY", 0.0)
+        monkeypatch.setattr(progress_mod, "_EVERY", 0.0)
+    monkeypatch.setattr(sys, "stderr", None if stderr == "None" else _WriteOnly())
+    report = inspect_load(model, sparse_patches_from_diff(ckpt, after),
+                          max_chunk_bytes=BUDGET, progress=True, transactional=True)
+    assert len(report.calls) > 3 and report.error is None and not report.rolled_back
+    for name, t in after.items():  # every patch loaded, none rolled back
+        if name in report.deltas.index:
+            assert report.deltas.loc[name, "changed"] >= 0
+    assert report.summary()["elements changed"] > 0
+    assert patchkit.same_state({n: report.after(n) for n in report.deltas.index},
+                               {n: t for n, t in model.state_dict().items()
+                                if n in report.deltas.index})
+
+
+def test_a_callback_that_raises_when_told_of_a_failed_call_leaves_the_loads_error(
+        monkeypatch):
+    cfg = TinyLlamaConfig(num_layers=2)
+    ckpt = tiny_llama_checkpoint(cfg)
+    model = _FailsOnThirdCall(cfg, device=torch.get_default_device())
+    told = []
+
+    def callback(p: LoadProgress) -> None:
+        told.append(p.failed)
+        if p.failed:
+            raise KeyError("callback")
+
+    with pytest.raises(RuntimeError, match="third call") as e:
+        inspect_load(model, dense_patches(ckpt), max_chunk_bytes=BUDGET, progress=callback)
+    assert told == [False, False, True]
+    assert e.value.report.summary()["error"].startswith("RuntimeError: third call")
+    if sys.version_info >= (3, 11):
+        assert e.value.__notes__ == [
+            "(the progress callback, told of the failed call, raised too: KeyError: "
+            "'callback')"]
