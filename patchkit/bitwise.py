@@ -206,7 +206,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return torch.equal(bits(a.detach().cpu()), bits(b.detach().cpu()))
+    # (a lazy conjugate or negative view has no bits of its own to view: resolved first)
+    return torch.equal(bits(a.detach().cpu().resolve_conj().resolve_neg()),
+                       bits(b.detach().cpu().resolve_conj().resolve_neg()))
 
 
 def same_state(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:

@@ -72,7 +72,8 @@ class UnknownWeightError(KeyError):
         return self.message
 
     def __reduce__(self):
-        return (type(self), (self.name, self.model, self.hint))
+        # (and its attributes: what was attached to it, a failed load's report included)
+        return (type(self), (self.name, self.model, self.hint), self.__dict__)
 
 
 # --------------------------------------------------------------------------------------

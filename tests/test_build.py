@@ -747,3 +747,13 @@ def test_a_seed_outside_64_bits_is_refused_by_name(seed):
         AdamLikeTrainer({"w": torch.ones(2)}, seed=seed)
     assert info.value.reason == "seed" and info.value.value == seed
     AdamLikeTrainer({"w": torch.ones(2)}, seed=(1 << 64) - 1)  # the largest one torch takes
+
+
+def test_same_bits_compares_lazy_conjugate_and_negative_views_by_their_values():
+    from patchkit.bitwise import same_bits
+
+    z = torch.tensor([1 + 1j, -2 - 0.5j])
+    assert same_bits(z.conj(), torch.tensor([1 - 1j, -2 + 0.5j]))
+    assert not same_bits(z.conj(), z)
+    assert same_bits(z.conj().imag, torch.tensor([-1.0, 0.5]))  # a negative view
+    assert same_bits(z, z.conj().conj())

@@ -240,10 +240,7 @@ def test_a_display_that_fails_never_stops_or_fails_the_load(setup, monkeypatch, 
     report = inspect_load(model, sparse_patches_from_diff(ckpt, after),
                           max_chunk_bytes=BUDGET, progress=True, transactional=True)
     assert len(report.calls) > 3 and report.error is None and not report.rolled_back
-    for name, t in after.items():  # every patch loaded, none rolled back
-        if name in report.deltas.index:
-            assert report.deltas.loc[name, "changed"] >= 0
-    assert report.summary()["elements changed"] > 0
+    assert report.summary()["elements changed"] > 0  # loaded, and not rolled back:
     assert patchkit.same_state({n: report.after(n) for n in report.deltas.index},
                                {n: t for n, t in model.state_dict().items()
                                 if n in report.deltas.index})

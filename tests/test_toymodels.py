@@ -732,3 +732,16 @@ def test_a_device_index_without_an_accelerator_is_refused():
 def test_bad_arguments_are_refused_by_name(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_an_unknown_weight_error_pickles_with_the_report_attached_to_it():
+    # (a worker's failed load reaches its parent as itself, report included: the error
+    # the toy models raise for an unknown name lost the report on the way)
+    import pickle
+
+    p = CheckpointWeightPatch("zz", (4,), torch.float32, torch.ones(1), torch.tensor([0]))
+    with pytest.raises(UnknownWeightError) as info:
+        patchkit.inspect_load(PlainModel({"a": (4,)}), [p])
+    again = pickle.loads(pickle.dumps(info.value))
+    assert isinstance(again, UnknownWeightError) and again.name == "zz"
+    assert again.report.summary() == info.value.report.summary()
