@@ -751,14 +751,18 @@ class LoadReport:
     ) -> Figure:
         """Where a patch writes, as a heat map: :func:`patchkit.plot.plot_density` (``bins``
         per axis, ``ax``). A patch of this report is named by its name (the first patch
-        of that name) or given itself; when the load dropped it (a tied alias), renamed
-        it or never sent it, the title says so (the ``note`` of ``chunks``)."""
+        of that name; a tied alias the load renamed, by the name it was sent under too,
+        as ``chunks`` shows it) or given itself; when the load dropped it (a tied alias),
+        renamed it or never sent it, the title says so (the ``note`` of ``chunks``)."""
         from . import plot
 
         kw = {"bins": bins, "ax": ax}
 
         if isinstance(patch_or_name, str):
-            matches = [p for p in self.patches if _given_name(p) == patch_or_name]
+            matches = [p for p in self.patches if _given_name(p) == patch_or_name] or [
+                # (else the name it was sent under: a tied alias the load renamed)
+                self.patches[i] for i, n in zip(self.chunks["position"], self.chunks["name"])
+                if n == patch_or_name]
             if not matches:
                 known = ", ".join(repr(_given_name(p)) for p in self.patches[:8])
                 raise KeyError(

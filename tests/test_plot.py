@@ -1174,6 +1174,10 @@ def test_density_of_a_report_patch_the_load_dropped_or_renamed_says_so_in_its_ti
     assert "dropped" not in r.plot_density("embed").axes[0].get_title()
     r = inspect_load(Tied(), [patch("head", 2)])
     assert "(renamed from 'head' (tied alias))" in r.plot_density(r.patches[0]).axes[0].get_title()
+    # named as chunks shows it, the name it was sent under, as well as by its own
+    assert r.chunks["name"].tolist() == ["embed"]
+    for name in ("embed", "head"):
+        assert "(renamed from 'head'" in r.plot_density(name).axes[0].get_title()
 
 
 # -- audit cases ---------------------------------------------------------------------------
