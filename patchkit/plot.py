@@ -43,7 +43,7 @@ except ImportError as e:  # (the figures are an extra; the loader and the tables
         "patchkit.plot (the figures: plot_*, report.plot_*) needs matplotlib: "
         "pip install 'patchkit[notebooks]'"
     ) from e
-from matplotlib import colormaps
+from matplotlib import colormaps, rcParams
 from matplotlib.axes import Axes
 from matplotlib.collections import PolyCollection
 from matplotlib.colors import to_rgba
@@ -337,12 +337,30 @@ def _shown_name(
     return f"{_fit(target, size, room)} (tied to {_fit(runtime, size, room)})"
 
 
+class _FittingLocator(MaxNLocator):
+    """Whole-number ticks along x, as many as fit side by side: their count is set when
+    the axes are drawn, from the axes' width and the widest label (``"128,256"`` beside
+    ``"0"``), so that no two labels run into each other on a narrow panel."""
+
+    def __call__(self) -> Sequence[float]:
+        axis = self.axis
+        if axis is not None and axis.axes is not None:
+            vmin, vmax = axis.get_view_interval()
+            chars = len(f"{round(max(abs(vmin), abs(vmax))):,}") + (vmin < 0 or vmax < 0)
+            size = FontProperties(size=rcParams["xtick.labelsize"]).get_size_in_points()
+            width = axis.axes.bbox.width * 72 / axis.axes.figure.dpi  # (points)
+            # a digit or comma is about 0.6 em wide; a label needs its own width and
+            # about one em of space beside it
+            self.set_params(nbins=max(1, int(width // ((0.6 * chars + 1.0) * size))))
+        return super().__call__()
+
+
 def _integer_ticks(ax: Axes, ndim: int) -> None:
     """Whole row and column numbers on a heat map's axes, written out in full
     (``2,000,000``: no ``1e6`` multiplier over the axes, where it runs into the title);
     no row ticks for a tensor of fewer than two dimensions (it is one row)."""
     whole = FuncFormatter(lambda v, _pos=None: f"{round(v):,}")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(_FittingLocator(integer=True))
     ax.xaxis.set_major_formatter(whole)
     if ndim < 2:
         ax.set_yticks([])

@@ -7,6 +7,8 @@ annotations, image arrays), never through pixels.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import sys
 
 import matplotlib
@@ -1462,3 +1464,28 @@ def test_one_element_is_counted_in_the_singular():
     assert any("1 element written" in t for t in texts)
     assert any("Δ over 1 written element" in t for t in texts)
     assert not any("1 elements" in t for t in texts)
+
+
+def _overlapping_x_labels(fig) -> int:
+    """Pairs of neighbouring x tick labels whose boxes overlap, once drawn."""
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    bad = 0
+    for ax in fig.axes:
+        boxes = sorted((t.get_window_extent(renderer) for t in ax.get_xticklabels()
+                        if t.get_visible() and t.get_text()), key=lambda b: b.x0)
+        bad += sum(a.x1 > b.x0 for a, b in itertools.pairwise(boxes))
+    return bad
+
+
+@pytest.mark.parametrize("shape", [(4, 4096), (2, 128256), (3_000_000,)], ids=str)
+def test_column_numbers_never_run_into_each_other(shape):
+    # (a 4096-column delta read "0 5001,0001,5002,000...": nine labels on a 3-inch panel)
+    n = math.prod(shape)
+    p = CheckpointWeightPatch("w", shape, torch.float32, torch.ones(3), torch.tensor([0, 7, n - 1]))
+    r = inspect_load(PlainModel({"w": shape}), [p])
+    for fig in (r.plot_delta("w"), r.plot_placement(), plot_density(p)):
+        assert _overlapping_x_labels(fig) == 0
+        labels = [t.get_text() for t in fig.axes[0].get_xticklabels() if t.get_text()]
+        assert len(labels) >= 2  # still numbered
