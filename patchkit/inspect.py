@@ -501,6 +501,7 @@ class LoadReport:
         return {n: tuple(t.shape) for n, t in self._runtime.items() if n not in removed}
 
     def _tensor(self, target: str) -> torch.Tensor:
+        _check_target(target)
         self._check_attached()
         target = self._aliases.get(target, target)  # a tied alias names the same tensor
         try:
@@ -572,6 +573,7 @@ class LoadReport:
 
     def _check_numbers(self, target: str) -> None:
         """Refuse a runtime tensor on the meta device: it holds no values to show."""
+        _check_target(target)
         if self._aliases.get(target, target) in self._meta:
             raise ValueError(
                 f"{target!r} is on the meta device (this report is of a dry run): it holds "
@@ -1225,6 +1227,16 @@ def _report_of(model, patches, transactional, loader, rec, sessions, kept, posit
     report.rolled_back = rolled_back
     report._restored = restored
     return report
+
+
+def _check_target(target: object) -> None:
+    """``TypeError`` unless ``target`` is a str (a runtime tensor's name), saying what it
+    got (a list or a tensor would otherwise fail as ``unhashable type``)."""
+    if not isinstance(target, str):
+        raise TypeError(
+            f"a runtime tensor is named by a str (as report.deltas.index and "
+            f"report.writes['target'] list them), got {type(target).__name__}: {target!r}"[:300]
+        )
 
 
 def _targets_outside(events: Sequence[WriteEvent], left: set[str]) -> tuple[str, ...]:

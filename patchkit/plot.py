@@ -29,7 +29,7 @@ import math
 import numbers
 import operator
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -1019,6 +1019,10 @@ def plot_placement(
         chosen = written[:max_targets]
         left_out = len(written) - len(chosen)
     else:
+        if not isinstance(targets, str) and (
+                isinstance(targets, bytes | bytearray) or not isinstance(targets, Iterable)):
+            raise TypeError("plot_placement: targets must be a runtime tensor's name (str) or "
+                            f"a list of names, got {_what(targets)}")
         chosen = [targets] if isinstance(targets, str) else list(targets)
         left_out = 0
         if not chosen:
@@ -1578,14 +1582,18 @@ def plot_delta(
     A tied alias (``lm_head.weight`` where it is the embedding's Parameter) draws the
     tensor it is tied to, as :meth:`LoadReport.before` reads it; the title gives both
     names. A tensor with no elements draws one empty axes with a note saying so (no
-    images). An unknown ``target`` raises ``KeyError``; a ``report`` that is not a load
-    report, or a ``changed_only`` that is not a bool, ``TypeError``; ``bins`` as in
+    images). An unknown ``target`` raises ``KeyError``; a ``target`` that is not a str, a
+    ``report`` that is not a load report, or a ``changed_only`` that is not a bool,
+    ``TypeError``; ``bins`` as in
     :func:`plot_density`. ``hist_bins``, the histogram's number of bars, is a positive
     int (``TypeError`` for ``bool`` and non-integers, ``ValueError`` below 1).
     """
     _check_report(report, "plot_delta")
     check_flag(changed_only, "changed_only")
     hist_bins = _check_count(hist_bins, "hist_bins", "plot_delta")
+    if not isinstance(target, str):
+        raise TypeError(f"plot_delta: target must be a runtime tensor's name (str), "
+                        f"got {_what(target)}")
     asked, target = target, _resolve(report, target)
     if target not in _known(report):
         known = ", ".join(repr(t) for t in list(report.targets)[:8])

@@ -181,3 +181,15 @@ def test_many_patches_in_the_call_are_counted_past_the_first_three():
     assert str(e.value).startswith(
         "load_weights (call 0, patch 0 ('a'), patch 1 ('b'), patch 2 ('c'), 2 more) returned 7")
     assert e.value.position is None  # (no one patch is at fault)
+
+
+def test_a_runtime_tensor_named_by_anything_but_a_str_is_a_type_error_saying_so():
+    matplotlib.use("Agg")
+    report = inspect_load(PlainModel({"a": (4,)}), [GOOD])
+    for method in (report.after, report.before, report.written, report.plot_delta):
+        with pytest.raises(TypeError, match=r"(named by a str|name \(str\)).* got list: "):
+            method(["a"])
+    for bad, shown in ((5, "int: 5"), (b"a", "bytes: b'a'")):
+        with pytest.raises(TypeError, match=f"targets must be .* got {shown}"):
+            report.plot_placement(bad)
+    assert report.plot_placement(("a",)) is not None  # (a tuple of names is a list of them)
