@@ -478,14 +478,18 @@ class RuntimeIndex:
         """
         return dict(zip(self.tensors, map(_DETACH, self.tensors.values())))
 
-    def rebound(self, bindings: dict[str, torch.Tensor]) -> list[str]:
+    def rebound(self, bindings: dict[str, torch.Tensor],
+                then: list[int] | None = None) -> list[str]:
         """Names whose storage is no longer the one recorded in ``bindings``.
 
         A load checks after each call: the data pointers first, in one C loop (the
         storages recorded are alive, so a new one has another address), and the storage
-        keys only where a pointer moved or is 0 (an empty or meta tensor)."""
+        keys only where a pointer moved or is 0 (an empty or meta tensor). ``then``: the
+        data pointers of ``bindings`` in the order of :attr:`tensors`, where the caller
+        keeps them (they do not change while the bindings live)."""
         now = list(map(_DATA_PTR, self.tensors.values()))
-        then = list(map(_DATA_PTR, map(bindings.__getitem__, self.tensors)))
+        if then is None:
+            then = list(map(_DATA_PTR, map(bindings.__getitem__, self.tensors)))
         if now == then and 0 not in now:
             return []
         return [
@@ -1782,14 +1786,13 @@ class WriteSession:
         patch) and keep the tensor now in :attr:`rebound`; its values before the load are
         those of the original storage, which the bindings still hold."""
         tensors = self.index.tensors
-        if self._binding_ptrs is None:  # (in the order of the index's tensors)
-            self._binding_ptrs = list(map(_DATA_PTR, map(self._bindings.get, tensors)))
+        binding_ptrs = self._bound_ptrs()
         # (the original storages are alive in the bindings: new data has another address)
         ptrs = list(map(_DATA_PTR, tensors.values()))
-        if ptrs == self._binding_ptrs and self.index.unchanged():
+        if ptrs == binding_ptrs and self.index.unchanged():
             self.tree_as_found = True
             return  # (the common case: nothing rebound, replaced or registered)
-        rebound = {n: t for (n, t), now, then in zip(tensors.items(), ptrs, self._binding_ptrs)
+        rebound = {n: t for (n, t), now, then in zip(tensors.items(), ptrs, binding_ptrs)
                    if now != then}
         found = dict(rebound)
         with self.index.one_look():
@@ -1852,6 +1855,14 @@ class WriteSession:
                 changed = t.numel()
             self._call_writes += 1
             self._record("rebind", t, name, 0, t, changed)
+
+    def _bound_ptrs(self) -> list[int]:
+        """The data pointers of the load's bindings, in the order of the index's tensors:
+        read once per load (the bindings keep those storages alive, so they stay put)."""
+        if self._binding_ptrs is None:
+            self._binding_ptrs = list(map(_DATA_PTR, map(self._bindings.get,
+                                                         self.index.tensors)))
+        return self._binding_ptrs
 
     def forget_undone_rebindings(self) -> None:
         """When the load ends: drop from :attr:`rebound` the names bound to their
@@ -1921,7 +1932,9 @@ class WriteSession:
             added = [n for n in added if n not in ties]
             if self.recorder is not None:
                 self.ties.update(ties)  # (a report knows the new name)
-        rebound = self.index.rebound(bindings)
+        # (bindings is this load's own: its pointers, read once, are kept)
+        rebound = self.index.rebound(
+            bindings, self._bound_ptrs() if bindings is self._bindings else None)
         gone, moved = set(), set()
         if replaced or added:
             now, _ = _named_now(self.index.model)

@@ -607,3 +607,22 @@ def test_a_watched_load_runs_with_the_cyclic_collector_off_and_puts_it_back():
     patchkit.load_checkpoint_weight_patches(Watch({"w": (4,)}), [dense], transactional=True)
     patchkit.load_checkpoint_weight_patches(Watch({"w": (4,)}), [dense])  # plain: not watched
     assert seen == [False, False, True] and gc.isenabled()
+
+
+def test_a_sparse_load_reads_its_bindings_pointers_once_not_at_every_call(monkeypatch):
+    # (after each call every runtime tensor's data pointer is read, to see a rebinding;
+    # the pointers of the bindings it compares with do not move: read once per load)
+    import patchkit
+    import patchkit.intercept as pk_intercept
+    from patchkit.toymodels import PlainModel
+
+    n, calls = 40, 10
+    m = PlainModel({f"w{i}": (4,) for i in range(n)})
+    ps = [patchkit.CheckpointWeightPatch(f"w{i}", (4,), torch.float32, torch.ones(1),
+                                         torch.tensor([1])) for i in range(calls)]
+    reads = []
+    real = pk_intercept._DATA_PTR
+    monkeypatch.setattr(pk_intercept, "_DATA_PTR", lambda t: reads.append(1) or real(t))
+    patchkit.load_checkpoint_weight_patches(m, ps, max_chunk_bytes=16)  # one call each
+    assert all(m.get_parameter(f"w{i}")[1] == 1 for i in range(calls))
+    assert len(reads) <= n * (calls + 1) + 4 * calls  # (was 2 n per call)
