@@ -106,6 +106,15 @@ def _cmd_tour(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .io import _pinned
+
+    # (the summary and the figures read the file several times: all of one file, even
+    # where another replaces it meanwhile)
+    with _pinned(args.file):
+        return _inspect(args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
     from .errors import PatchError
     from .io import print_patch_file_summary, read_patch_index
 

@@ -22,6 +22,7 @@ the functions that need it; where it cannot be imported they raise
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -29,7 +30,7 @@ import os
 import re
 import stat
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -607,6 +608,33 @@ def _fail(
     )
 
 
+_PINNED: dict[str, Any] = {}  # a path -> the binary file _pinned opened at it
+
+
+@contextlib.contextmanager
+def _pinned(path: str) -> Iterator[None]:
+    """Within the block, this module's reads of ``path`` (``read_patch_index``,
+    ``print_patch_file_summary``, ``load_patches``: each opens it anew) all read the one
+    file that was at ``path`` when the block began, whatever replaces or renames it
+    meanwhile (a trainer writing the next step over it): ``python -m patchkit inspect
+    FILE --out`` reads it several times. Linux only (``/proc/self/fd``); elsewhere, and
+    where the file cannot be opened (the first read then says why), nothing changes."""
+    path = os.fsdecode(path)
+    fh = None
+    if os.path.isdir("/proc/self/fd") and path not in _PINNED:
+        with contextlib.suppress(OSError):
+            if os.path.isfile(path):
+                fh = open(path, "rb")  # noqa: SIM115 (closed below)
+    if fh is not None:
+        _PINNED[path] = fh
+    try:
+        yield
+    finally:
+        if fh is not None:
+            del _PINNED[path]
+            fh.close()
+
+
 def _open(path: str, device: str = "cpu", *, keep: bool = False) -> Any:
     """``safe_open`` with every failure turned into a PatchValueError naming the file;
     with ``keep``, ``(that, a binary file object of the same open file)``, to read
@@ -617,6 +645,18 @@ def _open(path: str, device: str = "cpu", *, keep: bool = False) -> Any:
     """
     safe_open, _, _ = _safetensors()
     path = os.fsdecode(path)  # (a bytes path: its bytes that are not UTF-8 as surrogates)
+    held = _PINNED.get(path)
+    if held is not None:  # (the file that was at path when _pinned began: see there)
+        fh = open(f"/proc/self/fd/{held.fileno()}", "rb")  # noqa: SIM115 (as below)
+        try:
+            f = _safe_open(safe_open, f"/proc/self/fd/{fh.fileno()}", device, path)
+        except BaseException:
+            fh.close()
+            raise
+        if keep:
+            return f, fh
+        fh.close()
+        return f
     if not os.path.exists(path):
         raise _fail(path, "no such file", "missing")
     if not os.path.isfile(path):

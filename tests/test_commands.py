@@ -580,3 +580,39 @@ def test_inspect_out_to_a_folder_its_output_cannot_spell_escapes_the_name(tmp_pa
     errors = sys.stdout.errors
     main(["inspect", str(f)])
     assert sys.stdout.errors == errors
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="pins files by /proc/self/fd")
+def test_inspect_out_reads_one_file_when_another_replaces_it_meanwhile(tmp_path, capsys,
+                                                                       monkeypatch):
+    # (a trainer writing the next step over the same path: the command read the file up
+    # to four times, and could show one file's summary with another's figures)
+    import torch
+
+    import patchkit.io as pk_io
+    from patchkit import CheckpointWeightPatch, save_patches
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    other = tmp_path / "next.safetensors"
+    save_patches(other, [CheckpointWeightPatch("next.w", (2,), torch.float32, torch.ones(2))])
+    real = pk_io.read_patch_index
+    replaced = []
+
+    def then_replace(path):
+        out = real(path)
+        if not replaced:  # (once the figures' names are known, the path is another file)
+            os.replace(other, f)
+            replaced.append(True)
+        return out
+
+    monkeypatch.setattr(pk_io, "read_patch_index", then_replace)
+    assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 0
+    out = capsys.readouterr().out
+    assert replaced and "next.w" not in out
+    assert "layers.0.w" in out and "lm_head.weight" in out  # the first file's, throughout
+    page = (tmp_path / "figs" / "index.html").read_text()
+    assert "next.w" not in page and "lm_head.weight" in page
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir() if p.name.startswith("density"))
+    # and the file at the path is the new one, unread
+    assert [e.name for e in real(f)] == ["next.w"]
