@@ -86,9 +86,17 @@ def text_output(text: str) -> dict[str, Any]:
     return {"output_type": "stream", "name": "stdout", "text": shown_text(text)}
 
 
-def _shown(name: str | None) -> str:
-    """A name as a label shows it (``None``: an item with no str name)."""
-    return "None" if name is None else shown_name(name)
+def _shown(name: str | None, most: int = 120) -> str:
+    """A name as a label shows it (``None``: an item with no str name): escaped (see
+    :func:`~patchkit.units.shown_name`), and past ``most`` characters its start and end
+    around an ellipsis (a label is drawn on one line; the whole name is in the tables)."""
+    if name is None:
+        return "None"
+    text = shown_name(name)
+    if len(text) <= most:
+        return text
+    half = (most - 1) // 2
+    return text[:half] + "…" + text[len(text) - (most - 1 - half):]
 
 
 def plan_text(plan: Sequence[Chunk], budget: int) -> str:
@@ -300,7 +308,7 @@ class ReportExplorer(W.VBox):
         # (the tensors with a deltas row, then those written without one: registered)
         runtime = dict.fromkeys([*report.deltas.index,
                                  *(t for t in report.writes["target"] if t is not None)])
-        options += [(f"runtime: {shown_name(t)}", ("runtime", t)) for t in runtime]
+        options += [(f"runtime: {_shown(t)}", ("runtime", t)) for t in runtime]
         self.dropdown = W.Dropdown(
             options=options, description="show", layout=W.Layout(width="60%")
         )

@@ -387,3 +387,26 @@ def test_names_with_a_lone_surrogate_or_a_control_character_reach_a_notebook_esc
     _sent_as_json(list(planner.output.outputs))
     shown = plan_text(planner.plan, 48)
     assert "(cr\\rret)" in shown and "\r" not in shown
+
+
+def test_a_very_long_name_is_cut_in_its_dropdown_label_not_in_the_tables():
+    name = "model." + "x" * 10_000 + ".weight"
+    patches = [CheckpointWeightPatch(name, (2,), torch.float32, torch.ones(2))]
+    report = inspect_load(_LongNamed(name), patches)
+    labels = [label for label, _ in explore(report).dropdown.options]
+    assert len(labels) == 2 and all(len(label) <= 130 for label in labels)
+    assert labels[0].startswith("patch 0: model.xxx") and labels[0].endswith("xxx.weight")
+    assert "…" in labels[0] and labels[1].startswith("runtime: model_xx")
+    assert report.chunks["name"].iloc[0] == name  # (the whole name, where it is data)
+
+
+class _LongNamed(nn.Module):
+    def __init__(self, name):
+        super().__init__()
+        self.register_parameter(name.replace(".", "_"), nn.Parameter(torch.zeros(2), False))
+        self.key = name.replace(".", "_")
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            getattr(self, self.key).data.copy_(t)
+        return {n for n, _ in weights}
