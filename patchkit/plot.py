@@ -722,8 +722,8 @@ def plot_density(
     The title gives the patch's name (cut to its tail, after ``…``, when too long to
     fit; shown as written, no mathtext), shape, dtype and how many elements it writes.
     Cost is that of :func:`density_map`: O(nnz), plus a bounded image; for a 128256 ×
-    2560 bf16 patch at 1 % density, ``benchmarks/bench_inspect.py`` measured 0.03 s for
-    ``density_map`` and 0.04 s for ``plot_density`` on the 2-core machine patchkit is
+    2560 bf16 patch at 1 % density, ``benchmarks/bench_inspect.py`` measured 0.02-0.03 s for
+    ``density_map`` and 0.03-0.04 s for ``plot_density`` on the 2-core machine patchkit is
     developed on (a measurement, not a promise). A dense patch is uniformly 1. ``bins``
     may be one int for both axes. A patch of no elements (shape ``(0, 5)``) draws no image:
     axes turned off, with a note (gid ``"empty"``) giving its name and shape and saying
