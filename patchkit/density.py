@@ -47,10 +47,11 @@ def density_map(
     ``LoadReport.deltas``, ``changed``). Computed
     from the indices in O(nnz + bins) time, never by building the full tensor or anything
     of its size, so a 128256 × 2560 patch is cheap and a 2**40-element one works; the
-    indices are taken a million at a time, so the memory beyond the patch's own is a few
-    tens of MiB whatever its nnz. An index given more than once (a patch loaded with
-    ``validate_unique_indices=False``) counts once; indices that are not strictly
-    increasing are sorted for that first (O(nnz log nnz); patches from
+    indices are taken a million at a time, so for indices in increasing order (as
+    patchkit's builders make them) the memory beyond the patch's own is a few tens of MiB
+    whatever its nnz (others are sorted first, into a copy of them). An index given more
+    than once (a patch loaded with ``validate_unique_indices=False``) counts once;
+    indices that are not strictly increasing are sorted for that first (O(nnz log nnz); patches from
     :func:`~patchkit.build.sparse_patches_from_diff` and
     :func:`~patchkit.build.random_sparse_patch` are sorted). A dense patch writes every
     element: its map is all ones; a patch with no elements gives zeros.

@@ -59,6 +59,7 @@ skip the page faults that fresh memory costs.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import dataclasses
 import functools
@@ -1294,7 +1295,7 @@ def _observe_foreign(
                               maybe_sparse=any_sparse,
                               observed=True) as r:
                 out = original(staged, *a, **kw)
-                if out is not None and not isinstance(out, set | frozenset | list | tuple):
+                if isinstance(out, collections.abc.Iterator):
                     out = list(out)  # a generator: run it while the writes are watched
                 r.returned = _names(out, observed[-1])
         except BaseException:

@@ -47,7 +47,7 @@ from .patch import (
     patch_list,
     validate_patches,
 )
-from .units import _count, format_bytes
+from .units import _count, format_bytes, shown_name
 
 __all__ = [
     "FORMAT_KEY",
@@ -1011,13 +1011,9 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
     return out
 
 
-def _escaped(text: str) -> str:
-    """``text`` with each non-printable character (newlines, terminal escape codes,
-    other control and format characters, lone surrogates) written as ``repr`` writes it
-    (``\\n``, ``\\x1b``, ``\\u202e``)."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+# ``text`` with each non-printable character (newlines, terminal escape codes, other
+# control and format characters, lone surrogates) written as ``repr`` writes it
+_escaped = shown_name
 
 
 def _shown(text: str) -> str:

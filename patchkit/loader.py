@@ -417,18 +417,27 @@ def _names(returned: Any, chunk: Chunk | None = None) -> set[str] | None:
     """A loader's return value as a set of names (``None`` stays ``None``). Anything but
     ``None`` or an iterable of str (a str itself, a number, names that are not str) is a
     loader outside the contract: ``NotImplementedError`` naming the call (``chunk``: the
-    call's plan, which names its patches) and what it returned."""
+    call's plan, which names its patches) and what it returned. An iterator is read
+    here (a generator-function loader does its copies meanwhile): what it raises
+    propagates as it is."""
     if returned is None:
         return None
-    names = None
+    shown, names = returned, None
     if not isinstance(returned, str | bytes):
-        with contextlib.suppress(TypeError):  # (not iterable, or an item not hashable)
-            names = set(returned)
+        try:
+            it = iter(returned)
+        except TypeError:  # (not iterable)
+            it = None
+        if it is not None:
+            items = list(it)  # (the loader's own errors propagate from here)
+            if it is returned:  # (an iterator, used up: what it gave is what to show)
+                shown = items
+            with contextlib.suppress(TypeError):  # (an item not hashable)
+                names = set(items)
     if names is not None and all(isinstance(n, str) for n in names):
         return names
-    bad = (returned if names is None
-           else next(n for n in names if not isinstance(n, str)))
-    what = (f"{returned!r}"[:80] if names is None
+    bad = shown if names is None else next(n for n in names if not isinstance(n, str))
+    what = (f"{shown!r}"[:80] if names is None
             else f"a {type(bad).__name__} among its names, {bad!r}"[:80])
     call = "load_weights" if chunk is None else f"load_weights ({_call_text(chunk)})"
     # (the call's patch, where it carried one)
@@ -438,7 +447,9 @@ def _names(returned: Any, chunk: Chunk | None = None) -> set[str] | None:
         "returns the names it loaded (an iterable of str, e.g. a set) or None; the call's "
         "writes stay, unless transactional=True put them back",
         position=chunk.positions[0] if one else None, name=chunk.names[0] if one else None,
-        reason="returned names", value=returned,
+        # (a value that pickles, as the error must, with its report: not a generator)
+        reason="returned names",
+        value=bad if isinstance(bad, int | float | str | bytes) else f"{bad!r}"[:80],
     )
 
 

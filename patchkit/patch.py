@@ -153,11 +153,12 @@ def _given_name(p: object) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def _check_metadata(position: int | None, patch: object) -> tuple[int, ...]:
+def _check_metadata(position: int | None, patch: object, *,
+                    size: bool = True) -> tuple[int, ...]:
     """The checks of :func:`_check_structure` that read a patch's name, shape and dtype
     only (what :func:`~patchkit.plan_chunks` needs): it is a 5-tuple, the name a non-empty
     str, the dtype a ``torch.dtype``, the shape ints none negative whose bytes stay below
-    2**63. Returns the shape's dims as ints."""
+    2**63 (that last one only with ``size``). Returns the shape's dims as ints."""
     if not isinstance(patch, tuple) or len(patch) != 5:
         at = "patch" if position is None else f"patch {position}"
         raise PatchTypeError(
@@ -211,6 +212,13 @@ def _check_metadata(position: int | None, patch: object) -> tuple[int, ...]:
                 f"{at}: shape has a negative dimension: {_shape_text(dims)}",
                 position=position, name=name, reason="negative dimension", value=d,
             )
+    if size:
+        _check_size(at, position, name, dims, dtype)
+    return dims
+
+
+def _check_size(at: str, position: int | None, name: str, dims: tuple[int, ...],
+                dtype: torch.dtype) -> None:
     if _numel_below(dims, (1 << 63) // dtype.itemsize) is None:
         # torch indexes elements and bytes with int64: no tensor this big can be staged
         raise PatchValueError(
@@ -218,7 +226,6 @@ def _check_metadata(position: int | None, patch: object) -> tuple[int, ...]:
             f"(its bytes must stay below 2**63)",
             position=position, name=name, reason="shape too large", value=dims,
         )
-    return dims
 
 
 def _check_structure(position: int | None, patch: object) -> None:
@@ -228,7 +235,7 @@ def _check_structure(position: int | None, patch: object) -> None:
     name only, as :func:`~patchkit.density.density_map` takes one). The checks of its
     numbers (NaN, out-of-range or duplicate indices, integers that fit) are
     :func:`validate_patches`'."""
-    dims = _check_metadata(position, patch)
+    dims = _check_metadata(position, patch, size=False)  # (the size after the values)
     name, _, dtype, values, indices = patch
     at = where(position, name)
     if not isinstance(values, torch.Tensor):
@@ -245,6 +252,7 @@ def _check_structure(position: int | None, patch: object) -> None:
         )
     if values.layout is not torch.strided:
         _refuse_layout(at, position, name, "values", values)
+    _check_size(at, position, name, dims, dtype)
     n = math.prod(dims)
     if indices is None:
         if values.numel() != n:

@@ -13,20 +13,16 @@ _TOP = 1024 ** (len(_UNITS) + 1)  # 1024 of the last unit: no unit left to write
 
 
 def shown_name(name: str) -> str:
-    """``name`` as text any display takes: each lone surrogate (a name read from a file
-    may hold one, and neither a Jupyter message nor matplotlib's fonts take it) and each
-    control character (a ``\\r`` would rewrite the line it is shown on, a ``\\n`` break
-    a title) written as its escape, ``\\ud800``, ``\\r``, ``\\x1b``; every other
-    character as it is. ``name`` itself when it needs none (the common case: one check)."""
+    """``name`` as text any display takes: each character that is not printable (a
+    control character: a ``\\r`` would rewrite the line it is shown on, a ``\\n`` break
+    a title; a format character such as U+202E, which reverses what follows; a lone
+    surrogate, which neither a Jupyter message nor matplotlib's fonts take) written as
+    ``repr`` writes it, ``\\r``, ``\\u202e``, ``\\ud800``; every other character as it
+    is. ``name`` itself when it needs none (the common case: one check). Terminal output
+    (``python -m patchkit inspect``) escapes names the same way."""
     if name.isprintable():
         return name
-    return "".join(c if c.isprintable() or not _escaped(c) else repr(c)[1:-1] for c in name)
-
-
-def _escaped(c: str) -> bool:
-    """A control character (C0, DEL, C1) or a lone surrogate."""
-    o = ord(c)
-    return o < 0x20 or 0x7F <= o < 0xA0 or 0xD800 <= o < 0xE000
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
 
 
 def shown_text(text: str) -> str:

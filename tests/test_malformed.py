@@ -6,6 +6,7 @@ widgets)."""
 from __future__ import annotations
 
 import pickle
+import re
 
 import matplotlib
 import pandas as pd
@@ -193,3 +194,63 @@ def test_a_runtime_tensor_named_by_anything_but_a_str_is_a_type_error_saying_so(
         with pytest.raises(TypeError, match=f"targets must be .* got {shown}"):
             report.plot_placement(bad)
     assert report.plot_placement(("a",)) is not None  # (a tuple of names is a list of them)
+
+
+class GenModel(PlainModel):
+    """A generator-function loader: it copies while it is iterated, then fails."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            self.get_parameter(name).data.copy_(w)
+            yield name
+            raise TypeError("a bug inside the loader")
+
+
+def test_a_type_error_inside_a_generator_loader_propagates_as_it_is():
+    import pickle
+
+    for run in (lambda m, ps: load_checkpoint_weight_patches(m, ps),
+                lambda m, ps: inspect_load(m, ps),
+                lambda m, ps: inspect_load(m, ps, loader=load_checkpoint_weight_patches)):
+        with pytest.raises(TypeError, match="a bug inside the loader") as e:
+            run(GenModel({"a": (4,)}), [GOOD])
+        assert not isinstance(e.value, ContractViolation)
+        pickle.loads(pickle.dumps(e.value))  # (with its report, where it has one)
+
+
+class YieldsNumbers(PlainModel):
+    def load_weights(self, weights):
+        for name, w in weights:
+            self.get_parameter(name).data.copy_(w)
+            yield 1
+
+
+def test_a_contract_violation_for_what_a_loader_returned_pickles_and_names_the_items():
+    import pickle
+
+    with pytest.raises(ContractViolation) as e:
+        inspect_load(YieldsNumbers({"a": (4,)}), [GOOD])
+    assert "returned a int among its names, 1 (generator)" in str(e.value)
+    assert e.value.value == 1
+    again = pickle.loads(pickle.dumps(e.value))
+    assert again.report.calls["error"].tolist() == [True]
+
+
+@pytest.mark.parametrize("ret, shown", [("ab", "'ab' (str)"), (7, "7 (int)"),
+                                        (b"a", "b'a' (bytes)")])
+def test_an_observed_loaders_model_that_returns_no_names_is_named_the_same_way(ret, shown):
+    model = Returning({"a": (4,)})
+    model.ret = ret
+    with pytest.raises(ContractViolation, match=rf"returned {re.escape(shown)}"):
+        inspect_load(model, [GOOD], loader=load_checkpoint_weight_patches)
+
+
+def test_a_shape_too_large_is_checked_after_the_values_as_before():
+    from patchkit.patch import _check_structure
+
+    huge = (1 << 62, 4)
+    for values, reason in (([1.0, 2.0], "values type"), (torch.ones(2, 2), "values not 1-D"),
+                           (torch.ones(3), "shape too large")):
+        with pytest.raises(patchkit.PatchError) as e:
+            _check_structure(0, ("w", huge, torch.float32, values, None))
+        assert e.value.reason == reason

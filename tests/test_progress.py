@@ -266,3 +266,39 @@ def test_a_callback_that_raises_when_told_of_a_failed_call_leaves_the_loads_erro
         assert e.value.__notes__ == [
             "(the progress callback, told of the failed call, raised too: KeyError: "
             "'callback')"]
+
+
+class _BrokenView:
+    """A shown bar whose front end is gone: every update and the finish raise."""
+
+    opened = 0
+
+    @classmethod
+    def open(cls, label):
+        cls.opened += 1
+        return cls()
+
+    def update(self, state, label):
+        raise RuntimeError("the front end is gone")
+
+    finish = update
+
+
+@pytest.mark.parametrize("broken", ["opening", "updating"])
+def test_a_bar_that_fails_to_show_stops_showing_and_the_load_goes_on(setup, monkeypatch,
+                                                                     broken):
+    model, ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    monkeypatch.setattr(progress_mod, "_EVERY", 0.0)
+    _BrokenView.opened = 0
+    if broken == "opening":
+        def fail(label):
+            _BrokenView.opened += 1
+            raise RuntimeError("no display")
+        monkeypatch.setattr(progress_mod._View, "open", staticmethod(fail))
+    else:
+        monkeypatch.setattr(progress_mod._View, "open", _BrokenView.open)
+    report = inspect_load(model, sparse_patches_from_diff(ckpt, after),
+                          max_chunk_bytes=BUDGET, progress=True, transactional=True)
+    assert len(report.calls) > 3 and report.error is None and not report.rolled_back
+    assert _BrokenView.opened == 1  # (tried once, then left alone)
