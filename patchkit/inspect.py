@@ -1268,6 +1268,7 @@ def _observe_foreign(
     :class:`~patchkit.intercept.RuntimeIndex`, where the caller built it (else ``None``)."""
     session = WriteSession(model, save_regions=True, recorder=rec, count_changes=True,
                            index=index)
+    session.index.refuse_wrappers("an inspected load")
     sessions.append(session)
     original = model.load_weights
     had_instance_attr = "load_weights" in vars(model)

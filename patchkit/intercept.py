@@ -76,6 +76,21 @@ __all__ = [
 _aten = torch.ops.aten
 _COPY = _aten.copy_.default
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (their storage is their own: no check)
+
+
+def _holds_no_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` (not empty) is a tensor subclass with no memory of its own: its
+    values live in inner tensors (``__tensor_flatten__``: a DTensor, a quantized
+    wrapper), and it reads as data pointer 0 off the meta device."""
+    if hasattr(t, "__tensor_flatten__"):
+        return True
+    try:
+        return not t.is_meta and t.data_ptr() == 0
+    except RuntimeError:  # ("has no storage": the same thing, said otherwise)
+        return True
+
+
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
     """Which storage ``t`` views: its device and the address where the storage starts
     (``t``'s own address less its offset: the same number as
@@ -374,6 +389,9 @@ class RuntimeIndex:
         # The aliases among the parameters alone, each with the parameter's first name:
         # what CONTRACT §6 renames (see patchkit.loader.canonicalize_tied).
         self.tied_parameters: dict[str, str] = {}
+        # Tensors whose values live in inner tensors of their own (a DTensor, a quantized
+        # wrapper subclass): writes into those are not seen, see refuse_wrappers().
+        self.wrappers: list[str] = []
         first: dict[int, str] = {}
         mods = _module_tree(model)
         # Where each tensor is registered, and the tree's links, for replaced(): checked
@@ -442,6 +460,8 @@ class RuntimeIndex:
                 self._slots.append((name, registry, key))
             if t.numel() == 0:
                 continue
+            if type(t) not in _PLAIN and _holds_no_memory(t):
+                self.wrappers.append(name)
             # Each tensor's place in its storage is worked out when a write first reaches
             # that storage (most loads write a few of a model's tensors).
             self._by_key.setdefault(_storage_key(t), []).append((name, t))
@@ -454,6 +474,27 @@ class RuntimeIndex:
         beside = [(other[id(reg)], key) for _, reg, key in (self._slots or []) + self._alias_slots
                   if id(reg) in other]
         self._beside_places = tuple(zip(*beside)) or ((), ())
+
+    def refuse_wrappers(self, what: str) -> None:
+        """``ContractViolation`` (before anything is written) when the model holds a
+        tensor subclass whose values live in inner tensors (:attr:`wrappers`): a write
+        into it, or into what it wraps (``param.to_local().copy_(w)``), reaches storage
+        this index does not know, so a load that must see its writes (``what``: a
+        sparse, transactional or inspected one) could neither NaN-merge, record nor
+        restore it."""
+        if not self.wrappers:
+            return
+        name = self.wrappers[0]
+        t = self.tensors[name]
+        more = f" (and {len(self.wrappers) - 1} more)" if len(self.wrappers) > 1 else ""
+        raise ContractViolation(
+            f"{what} into this model is refused before anything is written: runtime "
+            f"tensor {name!r}{more} is a {type(t).__name__}, a tensor subclass whose "
+            "values live in inner tensors (a DTensor, a quantized wrapper), whose writes "
+            "patchkit cannot see, NaN-merge or restore; a plain dense load "
+            "(load_checkpoint_weight_patches, not transactional) goes through",
+            reason="tensor subclass", value=name,
+        )
 
     def sharing(self, key: tuple) -> list[_Owner]:
         """The runtime tensors of the storage ``key`` (see :func:`_storage_key`), in the

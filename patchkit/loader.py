@@ -162,6 +162,9 @@ def run_load(
                 # (the session's index, built first: it knows the tied parameters, so the
                 # module tree is walked once)
                 index = RuntimeIndex(model)
+            if watched:
+                index.refuse_wrappers("an inspected load" if recorder is not None
+                                      else "a sparse load" if sparse else "a transactional load")
             alias_of = _tied_aliases(model) if index is None else index.tied_parameters
             if planned is not None:
                 kept, positions, chunks = planned

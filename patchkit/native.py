@@ -548,6 +548,11 @@ def _prepare(dest: torch.Tensor, src: torch.Tensor):
     n = dest.numel()
     if _off or not dest.is_cpu or not src.is_cpu or n == 0:
         return None
+    try:
+        if not dest.data_ptr() or not src.data_ptr():
+            return None  # (a tensor subclass whose values live in inner tensors: no memory)
+    except RuntimeError:  # ("has no storage": the same)
+        return None
     lib = _lib if _status is not None else _library()
     if lib is None:
         return None

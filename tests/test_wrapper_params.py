@@ -1,0 +1,106 @@
+"""Runtime tensors that are wrapper subclasses (a quantized weight, a DTensor): their
+values live in inner tensors that a load's interception does not see. Loads that must see
+their writes (sparse, transactional, inspected) are refused before anything is written;
+a plain dense load goes through; the compiled path never touches their (absent) memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+import patchkit
+from patchkit import CheckpointWeightPatch, ContractViolation, inspect_load, native
+
+aten = torch.ops.aten
+
+
+class Int8W(torch.Tensor):
+    """A float32 tensor stored as int8 values and one scale (as a quantized weight is)."""
+
+    @staticmethod
+    def __new__(cls, qdata, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=torch.float32,
+                                                   device=qdata.device, requires_grad=False)
+
+    def __init__(self, qdata, scale):
+        self.qdata, self.scale = qdata, scale
+
+    def __tensor_flatten__(self):
+        return ["qdata", "scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, size, stride):
+        return Int8W(inner["qdata"], inner["scale"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten.copy_.default and isinstance(args[0], Int8W):
+            dst, src = args
+            src = src.qdata.float() * src.scale if isinstance(src, Int8W) else src
+            dst.qdata.copy_((src / dst.scale).round().clamp(-128, 127).to(torch.int8))
+            return dst
+        if func in (aten.detach.default, aten.alias.default):
+            return Int8W(args[0].qdata, args[0].scale)
+
+        def plain(t):
+            return t.qdata.float() * t.scale if isinstance(t, Int8W) else t
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+
+
+class Quantized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(Int8W(torch.arange(16, dtype=torch.int8).view(4, 4),
+                                    torch.tensor(0.5)), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            getattr(self, name).data.copy_(w)
+        return {name for name, _ in weights}
+
+    def state(self):
+        return self.w.qdata.clone(), self.b.detach().clone()
+
+
+DENSE_W = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.full((16,), 2.0))
+SPARSE_B = CheckpointWeightPatch("b", (4,), torch.float32, torch.tensor([1.0]),
+                                 torch.tensor([2]))
+
+
+@pytest.mark.parametrize("how", ["sparse", "transactional", "inspect", "inspect observed"])
+def test_a_load_that_must_see_its_writes_is_refused_before_writing(how):
+    model = Quantized()
+    before = model.state()
+    run = {
+        "sparse": lambda: patchkit.load_checkpoint_weight_patches(model, [SPARSE_B]),
+        "transactional": lambda: patchkit.load_checkpoint_weight_patches(
+            model, [DENSE_W], transactional=True),
+        "inspect": lambda: inspect_load(model, [DENSE_W]),
+        "inspect observed": lambda: inspect_load(
+            model, [DENSE_W], loader=patchkit.load_checkpoint_weight_patches),
+    }[how]
+    with pytest.raises(ContractViolation) as e:
+        run()
+    assert e.value.reason == "tensor subclass" and e.value.value == "w"
+    assert "refused before anything is written: runtime tensor 'w' is a Int8W" in str(e.value)
+    after = model.state()
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+
+
+def test_a_plain_dense_load_goes_through():
+    model = Quantized()
+    patchkit.load_checkpoint_weight_patches(model, [DENSE_W])
+    assert model.w.qdata.tolist() == [[4] * 4] * 4  # 2.0 at a scale of 0.5
+
+
+def test_the_compiled_path_leaves_a_tensor_with_no_memory_of_its_own_to_torch():
+    dest = Quantized().w
+    assert dest.data_ptr() == 0
+    assert native._prepare(dest, torch.ones(4, 4)) is None
+    if native._library() is not None:  # (and a plain one of the same shape goes to C)
+        assert native._prepare(torch.zeros(4, 4), torch.ones(4, 4)) is not None
