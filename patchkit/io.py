@@ -648,23 +648,15 @@ def _open(path: str, device: str = "cpu", *, keep: bool = False) -> Any:
     held = _PINNED.get(path)
     if held is not None:  # (the file that was at path when _pinned began: see there)
         fh = open(f"/proc/self/fd/{held.fileno()}", "rb")  # noqa: SIM115 (as below)
+    else:
+        if not os.path.exists(path):
+            raise _fail(path, "no such file", "missing")
+        if not os.path.isfile(path):
+            raise _fail(path, "not a regular file", "not a file")
         try:
-            f = _safe_open(safe_open, f"/proc/self/fd/{fh.fileno()}", device, path)
-        except BaseException:
-            fh.close()
-            raise
-        if keep:
-            return f, fh
-        fh.close()
-        return f
-    if not os.path.exists(path):
-        raise _fail(path, "no such file", "missing")
-    if not os.path.isfile(path):
-        raise _fail(path, "not a regular file", "not a file")
-    try:
-        fh = open(path, "rb")  # noqa: SIM115 (closed below, or by the caller)
-    except OSError as e:  # (permission denied, say: not a missing or corrupt file)
-        raise _fail(path, f"cannot be opened: {e.strerror or e}", "unreadable") from None
+            fh = open(path, "rb")  # noqa: SIM115 (closed below, or by the caller)
+        except OSError as e:  # (permission denied, say: not a missing or corrupt file)
+            raise _fail(path, f"cannot be opened: {e.strerror or e}", "unreadable") from None
     try:
         if os.path.isdir("/proc/self/fd"):
             # The open file's /proc link: the header safetensors reads and the data read
