@@ -116,11 +116,12 @@ def plan_chunks(
             patch = CheckpointWeightPatch(*patch)  # a plain 5-tuple, as a load takes it
         shape = patch.shape if type(patch) is CheckpointWeightPatch else None
         name = patch.name if shape is not None else None
-        if (type(shape) is tuple and type(name) is str and name
+        if ((type(shape) is tuple or type(shape) is torch.Size) and type(name) is str and name
                 and type(patch.dtype) is torch.dtype
                 and all(type(d) is int and d >= 0 for d in shape)):
-            # (the common case, checked in one pass: a tuple of ints none negative, a
-            # name, a dtype; anything else gets every check of _check_metadata)
+            # (the common case, checked in one pass: a tuple (or a torch.Size, as
+            # ``t.shape`` gives) of ints none negative, a name, a dtype; anything else gets
+            # every check of _check_metadata)
             size = patch.dtype.itemsize
             n = _numel_below(shape, (1 << 63) // size)
             if n is None:  # (a shape no tensor holds: no big-integer product of it)

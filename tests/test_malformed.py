@@ -254,3 +254,18 @@ def test_a_shape_too_large_is_checked_after_the_values_as_before():
         with pytest.raises(patchkit.PatchError) as e:
             _check_structure(0, ("w", huge, torch.float32, values, None))
         assert e.value.reason == reason
+
+
+def test_plan_chunks_takes_plain_and_torch_size_shapes_without_the_full_checks(monkeypatch):
+    # (every patch of a plan is checked; the common shapes in one pass, not field by field)
+    import patchkit.chunking as chunking
+
+    calls = []
+    real = chunking._check_metadata
+    monkeypatch.setattr(chunking, "_check_metadata", lambda *a: calls.append(a) or real(*a))
+    ps = [P("a", (4, 4), torch.float32, torch.ones(16)),
+          P("b", torch.Size([4, 4]), torch.float32, torch.ones(16))]
+    assert [c.bytes for c in plan_chunks(ps, 64)] == [64, 64]
+    assert calls == []
+    plan_chunks([P("c", [4, 4], torch.float32, torch.ones(16))], 64)  # (a list: checked)
+    assert len(calls) == 1
