@@ -76,15 +76,22 @@ __all__ = [
 _aten = torch.ops.aten
 _COPY = _aten.copy_.default
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (their storage is their own: no check)
+_WRAP_KINDS: dict[type, int] = {}  # a tensor subclass -> _may_wrap(it)
+
+
+def _may_wrap(cls: type) -> int:
+    """Whether a tensor of subclass ``cls`` may hold its values in inner tensors: 2 when
+    it always does (``__tensor_flatten__``: a DTensor, a traceable wrapper), 1 when it
+    dispatches ops itself (a wrapper that may have no memory of its own), 0 when not (a
+    Parameter subclass as vLLM's: its storage is its own). Once per class."""
+    if hasattr(cls, "__tensor_flatten__"):
+        return 2
+    return 0 if cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__ else 1
 
 
 def _holds_no_memory(t: torch.Tensor) -> bool:
-    """Whether ``t`` (not empty) is a tensor subclass with no memory of its own: its
-    values live in inner tensors (``__tensor_flatten__``: a DTensor, a quantized
-    wrapper), and it reads as data pointer 0 off the meta device."""
-    if hasattr(t, "__tensor_flatten__"):
-        return True
+    """Whether ``t`` (not empty) reads as data pointer 0 off the meta device: a tensor
+    subclass with no memory of its own."""
     try:
         return not t.is_meta and t.data_ptr() == 0
     except RuntimeError:  # ("has no storage": the same thing, said otherwise)
@@ -460,8 +467,13 @@ class RuntimeIndex:
                 self._slots.append((name, registry, key))
             if t.numel() == 0:
                 continue
-            if type(t) not in _PLAIN and _holds_no_memory(t):
-                self.wrappers.append(name)
+            cls = type(t)
+            if cls is not torch.Tensor and cls is not torch.nn.Parameter:
+                kind = _WRAP_KINDS.get(cls)  # (a dict, not a call: 100 k tensors of a
+                if kind is None:             # Parameter subclass as vLLM's are common)
+                    kind = _WRAP_KINDS[cls] = _may_wrap(cls)
+                if kind == 2 or (kind == 1 and _holds_no_memory(t)):
+                    self.wrappers.append(name)
             # Each tensor's place in its storage is worked out when a write first reaches
             # that storage (most loads write a few of a model's tensors).
             self._by_key.setdefault(_storage_key(t), []).append((name, t))
