@@ -93,8 +93,11 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """Bool tensor shaped like ``after``: True where the bits differ from ``before``."""
-    ne = bits(before.to(after.device)) != bits(after)
+    """Bool tensor shaped like ``after``: True where the bits differ from ``before``.
+    A lazy conjugate or negative view (``x.conj()``, ``torch._neg_view``) is compared by
+    the values it shows (resolved first, a copy of that tensor only)."""
+    before = before.to(after.device).resolve_conj().resolve_neg()
+    ne = bits(before) != bits(after.resolve_conj().resolve_neg())
     return ne.any(dim=-1) if after.dtype.is_complex else ne
 
 

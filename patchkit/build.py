@@ -26,12 +26,12 @@ import math
 import numbers
 import operator
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Literal
 
 import torch
 
-from .bitwise import changed_mask, count_true
+from .bitwise import bits, changed_mask, count_true, has_numbers
 from .density import grid_shape
 from .errors import PatchTypeError, PatchValueError, where
 from .patch import (
@@ -66,6 +66,20 @@ _PATTERNS = ("uniform", "rows", "blocks")
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous 1-D tensor (a view when ``t`` is already contiguous)."""
     return t.detach().contiguous().reshape(-1)
+
+
+def _real_float(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a floating-point dtype torch computes with: not the packed
+    ``float4_e2m1fn_x2``, which has no NaN (so no sparse patch: the loader refuses it)
+    and no arithmetic (so nothing to train)."""
+    return dtype.is_floating_point and has_numbers(dtype)
+
+
+def _sparse_dtype_text(dtype: object) -> str:
+    """Why ``dtype`` cannot be a sparse patch's dtype, for a message."""
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return f"{dtype} is a packed format with no NaN"
+    return f"got {dtype!r}"
 
 
 def _index_dtype_for(n: int, index_dtype: torch.dtype | None, name: str) -> torch.dtype:
@@ -125,6 +139,53 @@ def _check_mapping(d: object, what: str) -> Mapping[str, torch.Tensor]:
                 name=name, reason="values type", value=type(t).__name__,
             )
     return d
+
+
+def _check_comparable(before: Mapping[str, torch.Tensor],
+                      after: Mapping[str, torch.Tensor]) -> None:
+    """Every tensor of the two dicts must have values to compare: a plain (strided,
+    non-nested) tensor not on the meta device (``PatchTypeError`` for another layout,
+    ``PatchValueError`` for meta, naming the weight and the dict)."""
+    for what, d in (("before", before), ("after", after)):
+        for name, t in d.items():
+            if t.is_nested or t.layout is not torch.strided:
+                got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+                raise PatchTypeError(
+                    f"weight {name!r}: {what} is {got}; only plain (strided) tensors can be "
+                    "compared (for torch.sparse, pass t.to_dense())",
+                    name=name, reason="layout", value=t.layout,
+                )
+            if t.is_meta:
+                raise PatchValueError(
+                    f"weight {name!r}: {what} is on the meta device, which holds no values "
+                    "to compare",
+                    name=name, reason="meta tensor", value=t.device,
+                )
+
+
+_DIFF_BLOCK = 1 << 22
+
+
+def _pieces(b: torch.Tensor, a: torch.Tensor) -> Iterator[tuple[int, torch.Tensor,
+                                                                torch.Tensor]]:
+    """``(flat offset, piece of b, piece of a)`` covering two same-shape tensors in
+    row-major order, about ``_DIFF_BLOCK`` elements a piece (flat ranges of contiguous
+    tensors; otherwise blocks of whole rows, a row at least, and element ranges of a 1-D
+    tensor), so that a diff's masks and positions are held for one piece at a time,
+    never for the whole tensor."""
+    n = a.numel()
+    if n <= _DIFF_BLOCK:
+        yield 0, b, a
+        return
+    if a.is_contiguous() and b.is_contiguous():
+        fa, fb = a.reshape(-1), b.reshape(-1)
+        for lo in range(0, n, _DIFF_BLOCK):
+            yield lo, fb[lo : lo + _DIFF_BLOCK], fa[lo : lo + _DIFF_BLOCK]
+        return
+    per_row = n // a.shape[0]
+    step = max(1, _DIFF_BLOCK // per_row)
+    for r in range(0, a.shape[0], step):
+        yield r * per_row, b[r : r + step], a[r : r + step]
 
 
 def _check_shape(shape: object, name: str) -> tuple[int, ...]:
@@ -224,20 +285,25 @@ def sparse_patches_from_diff(
     - ``index_dtype`` (default ``torch.int32``): int32 for a tensor with more than
       ``2**31`` elements raises :class:`~patchkit.errors.PatchValueError` (before any
       diff is computed); ``None`` picks int32 where it fits, int64 elsewhere.
-    - ``before`` is moved to the device of ``after`` where they differ; patches live on
-      ``after``'s device.
+    - ``before`` is moved to the device of ``after`` where they differ (a piece at a
+      time); patches live on ``after``'s device.
+    - Memory: beyond the patches themselves, a weight's diff holds scratch for about
+      4 M elements at a time (a mask and its positions: under 40 MiB), whatever its size
+      or layout; a transposed or sliced view is never copied whole.
 
-    ``before`` and ``after`` must be mappings of non-empty str names to tensors
+    ``before`` and ``after`` must be mappings of non-empty str names to plain tensors
     (:class:`~patchkit.errors.PatchTypeError` / ``PatchValueError`` name the entry
-    otherwise, before any diff is computed). Raises
+    otherwise, before any diff is computed: a torch.sparse or nested tensor, or one on
+    the meta device, which has no values). Raises
     :class:`~patchkit.errors.PatchValueError` (a ``ValueError``) when the two
     dicts name different weights, or a weight's shape or dtype differs (naming the weight
     and both values), and when changed elements have NaN as their new value (NaN is the
     "unchanged" sentinel of a sparse load): the message names every such weight with its
     count and says to send those weights dense. Raises
     :class:`~patchkit.errors.PatchTypeError` (a ``TypeError``) when a weight with a
-    non-floating dtype (an integer buffer, say) changed: a sparse patch needs a dtype that
-    has NaN, so send it dense. Unchanged non-floating weights are skipped silently.
+    non-floating dtype (an integer buffer, say) or the packed ``float4_e2m1fn_x2``
+    changed: a sparse patch needs a dtype that has NaN, so send it dense. Unchanged
+    weights of such dtypes are skipped silently.
 
     Warns (``UserWarning``) when a weight of ``before`` shares memory with the same
     weight of ``after``: its diff is then empty whatever the trainer did (a trainer that
@@ -255,6 +321,7 @@ def sparse_patches_from_diff(
             f"only in before: {missing}; only in after: {extra}",
             name=first, reason="names differ", value=(missing, extra),
         )
+    _check_comparable(before, after)
     plan: list[tuple[str, torch.Tensor, torch.Tensor, torch.dtype]] = []
     for name, a in after.items():
         b = before[name]
@@ -286,24 +353,38 @@ def sparse_patches_from_diff(
     nan_counts: dict[str, int] = {}
     not_float: dict[str, int] = {}
     for name, b, a, idx_dtype in plan:
-        if b.device != a.device:
-            b = b.to(a.device)
-        mask = changed_mask(b, a).reshape(-1)
-        idx = torch.nonzero(mask).reshape(-1)  # ascending
-        nnz = idx.numel()
+        real = _real_float(a.dtype)
+        idx_parts: list[torch.Tensor] = []
+        value_parts: list[torch.Tensor] = []
+        nnz = n_nan = 0
+        for lo, pb, pa in _pieces(b, a.detach()):
+            shown = changed_mask(pb, pa)  # (pb moved to pa's device a piece at a time)
+            part = torch.nonzero(shown.reshape(-1)).reshape(-1)  # ascending
+            if not part.numel():
+                continue
+            nnz += part.numel()
+            if not real:
+                continue  # (only counted: such a weight is refused below)
+            if pa.is_contiguous():
+                values = pa.reshape(-1).index_select(0, part)
+            else:
+                # gathered through the mask (row-major, as ``part``), as same-width
+                # integers, which every dtype has: no contiguous copy of the piece
+                values = bits(pa)[shown].view(pa.dtype)
+            n_nan += int(torch.isnan(values).sum())
+            value_parts.append(values)
+            idx_parts.append((part + lo if lo else part).to(idx_dtype))
         if nnz == 0:
             continue
-        if not a.dtype.is_floating_point:
+        if not real:
             not_float[name] = nnz
             continue
-        values = _flat(a).index_select(0, idx)
-        n_nan = int(torch.isnan(values).sum())
         if n_nan:
             nan_counts[name] = n_nan
             continue
-        patches.append(
-            CheckpointWeightPatch(name, tuple(a.shape), a.dtype, values, idx.to(idx_dtype))
-        )
+        values, idx = (value_parts[0], idx_parts[0]) if len(idx_parts) == 1 else (
+            torch.cat(value_parts), torch.cat(idx_parts))
+        patches.append(CheckpointWeightPatch(name, tuple(a.shape), a.dtype, values, idx))
 
     def listing(counts: dict[str, int], what: str) -> str:
         return ", ".join(f"{n!r} ({c} {what})" for n, c in counts.items())
@@ -313,10 +394,12 @@ def sparse_patches_from_diff(
         extra_nan = (
             f"; also NaN new values in {listing(nan_counts, 'NaN')}" if nan_counts else ""
         )
+        changed = ", ".join(f"{n!r} ({c} changed, {after[n].dtype})"
+                            for n, c in not_float.items())
         raise PatchTypeError(
-            "a sparse patch needs a floating-point dtype (NaN marks 'unchanged'), but these "
-            f"non-floating weights changed: {listing(not_float, 'changed')}; send them "
-            f"dense (dense_patches){extra_nan}",
+            "a sparse patch needs a floating-point dtype that holds NaN (NaN marks "
+            f"'unchanged'), but these weights of other dtypes changed: {changed}; send "
+            f"them dense (dense_patches){extra_nan}",
             name=first, reason="sparse dtype", value=dict(not_float),
         )
     if nan_counts:
@@ -337,8 +420,9 @@ def changed_fraction(
 
     The same notion of change as :func:`sparse_patches_from_diff`, but it never raises
     for NaN or non-floating weights. Names, shapes and dtypes must match (else
-    :class:`~patchkit.errors.PatchValueError`; a value that is not a tensor,
-    :class:`~patchkit.errors.PatchTypeError`). Returns 0.0 for dicts with no elements.
+    :class:`~patchkit.errors.PatchValueError`; a value that is not a tensor, or a
+    torch.sparse or nested one, :class:`~patchkit.errors.PatchTypeError`; a meta tensor,
+    ``PatchValueError``). Returns 0.0 for dicts with no elements.
     """
     _check_mapping(before, "before")
     _check_mapping(after, "after")
@@ -347,6 +431,7 @@ def changed_fraction(
             "before and after name different weights", reason="names differ",
             value=(sorted(set(before) - set(after)), sorted(set(after) - set(before))),
         )
+    _check_comparable(before, after)
     changed = total = 0
     for name, a in after.items():
         b = before[name]
@@ -411,7 +496,8 @@ def random_sparse_patch(
       dimensions are multiples of the block size. Costs O(numel) memory for a mask.
 
     Values are ``std``-scaled standard normal numbers drawn from ``generator`` on the CPU
-    (``None``: torch's global CPU generator), cast to ``dtype`` and then moved with the
+    (``None``: torch's global CPU generator) in float32 (in float64 for a float64 patch),
+    cast to ``dtype`` and then moved with the
     indices to ``device``; a value whose cast is NaN (a format without infinities,
     e.g. ``float8_e4m3fnuz``, far out of range) is replaced by 0, so values are never
     NaN. Indices are sorted, distinct, of ``index_dtype`` (int64 by default; ``None``:
@@ -424,15 +510,17 @@ def random_sparse_patch(
     parse or this machine does not have; :class:`~patchkit.errors.PatchTypeError` for a
     name that is not a str, a shape that is not a tuple of ints (an int, or a float that
     would be truncated), a ``density`` or ``std`` that is not a real number (numpy
-    scalars are), a non-floating ``dtype`` (a sparse patch needs NaN), or a
+    scalars are), a non-floating or packed (``float4_e2m1fn_x2``) ``dtype`` (a sparse
+    patch needs NaN), or a
     ``generator`` that is not a :class:`torch.Generator` (a seed such as ``42`` is not
     one: pass ``torch.Generator().manual_seed(42)``).
     """
     name = _check_name(name)
     shape = _check_shape(shape, name)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+    if not isinstance(dtype, torch.dtype) or not _real_float(dtype):
         raise PatchTypeError(
-            f"a sparse patch needs a floating-point dtype (NaN marks 'unchanged'), got {dtype!r}",
+            "a sparse patch needs a floating-point dtype that holds NaN (NaN marks "
+            f"'unchanged'): {_sparse_dtype_text(dtype)}",
             name=name, reason="sparse dtype", value=dtype,
         )
     if isinstance(density, bool) or not isinstance(density, numbers.Real):
@@ -477,7 +565,11 @@ def random_sparse_patch(
         mask = mask.repeat_interleave(bw, 1)[:, :cols]
         idx = torch.nonzero(mask.reshape(-1)).reshape(-1)
 
-    values = (torch.randn(idx.numel(), generator=generator, device="cpu") * std).to(dtype)
+    # drawn in float32, or float64 for a float64 patch (so its values use its precision
+    # and a tiny std such as 1e-50 does not round them all to 0)
+    draw = torch.float64 if dtype == torch.float64 else torch.float32
+    values = (torch.randn(idx.numel(), generator=generator, device="cpu", dtype=draw)
+              * std).to(dtype)
     nan = torch.isnan(values)
     if bool(nan.any()):
         values = torch.where(nan, torch.zeros((), dtype=dtype, device="cpu"), values)
@@ -503,7 +595,8 @@ def split_patch(
       contiguous ranges, each becoming a sparse patch (indices ``arange(start, stop)`` of
       ``index_dtype``; ``None`` = int32 where it fits), so the parts of several dense
       patches can go in one call (a call cannot mix dense and sparse). This needs a
-      floating-point dtype (:class:`~patchkit.errors.PatchTypeError` otherwise) and values
+      floating-point dtype that holds NaN (:class:`~patchkit.errors.PatchTypeError`
+      otherwise, for the packed ``float4_e2m1fn_x2`` too) and values
       that are not NaN once cast to ``dtype`` (:class:`~patchkit.errors.PatchValueError`:
       such a weight must stay dense).
     - Empty parts are dropped: with ``parts`` larger than the number of elements you get
@@ -529,10 +622,11 @@ def split_patch(
         groups = zip(torch.tensor_split(values, parts), torch.tensor_split(indices, parts))
         return [patch._replace(values=v, indices=i) for v, i in groups if v.numel()]
 
-    if not dtype.is_floating_point:
+    if not _real_float(dtype):
         raise PatchTypeError(
             f"{where(None, name)}: splitting a dense patch makes sparse parts, which need a "
-            f"floating-point dtype (NaN marks 'unchanged'), got {dtype}",
+            "floating-point dtype that holds NaN (NaN marks 'unchanged'): "
+            f"{_sparse_dtype_text(dtype)}",
             name=name, reason="sparse dtype", value=dtype,
         )
     n = numel(patch)
@@ -623,8 +717,9 @@ class AdamLikeTrainer:
     ``w -= lr * (m / (1-b1**t)) / (sqrt(v / (1-b2**t)) + eps) + lr * weight_decay * w``
 
     and returns a new state dict: the master weights cast back to each tensor's original
-    dtype, in the original key order (non-floating tensors are returned unchanged and
-    never trained). The returned tensors are fresh (the trainer never writes into them),
+    dtype, in the original key order (non-floating tensors, and those of the packed
+    ``float4_e2m1fn_x2``, which has no arithmetic, are returned unchanged and never
+    trained). The returned tensors are fresh (the trainer never writes into them),
     so consecutive results can be diffed.
 
     Why this is realistic: each master weight moves by about ``lr`` per step, but a bf16
@@ -689,7 +784,7 @@ class AdamLikeTrainer:
                 self._tied[k] = first[key]
                 continue
             first[key] = k
-            if t.dtype.is_floating_point:
+            if _real_float(t.dtype):
                 keep = torch.float64 if t.dtype == torch.float64 else torch.float32
                 self.master[k] = t.detach().to(keep, copy=True)
                 self._m[k] = torch.zeros_like(self.master[k])

@@ -225,7 +225,7 @@ def test_diff_non_floating_weights():
     (p,) = sparse_patches_from_diff(before, same)
     assert p.name == "w"
     changed = {"w": torch.ones(3), "steps": torch.tensor([1, 2, 4])}
-    with pytest.raises(TypeError, match=r"'steps' \(1 changed\).*dense") as info:
+    with pytest.raises(TypeError, match=r"'steps' \(1 changed, torch.int64\).*dense") as info:
         sparse_patches_from_diff(before, changed)
     assert isinstance(info.value, PatchTypeError)
 
@@ -757,3 +757,143 @@ def test_same_bits_compares_lazy_conjugate_and_negative_views_by_their_values():
     assert not same_bits(z.conj(), z)
     assert same_bits(z.conj().imag, torch.tensor([-1.0, 0.5]))  # a negative view
     assert same_bits(z, z.conj().conj())
+
+
+# --------------------------------------------------------------------------- packed float4
+
+FP4 = getattr(torch, "float4_e2m1fn_x2", None)
+needs_fp4 = pytest.mark.skipif(FP4 is None, reason="this torch has no float4_e2m1fn_x2")
+
+
+def _fp4(*codes: int) -> torch.Tensor:
+    return torch.tensor(codes, dtype=torch.uint8).view(FP4)
+
+
+@needs_fp4
+def test_a_changed_float4_weight_is_refused_sparse_by_name_and_an_unchanged_one_skipped():
+    before = {"q": _fp4(0, 1, 2, 3), "w": torch.zeros(3)}
+    after = {"q": _fp4(0, 1, 7, 3), "w": torch.tensor([0.0, 1.0, 0.0])}
+    with pytest.raises(PatchTypeError, match=r"'q' \(1 changed, torch.float4_e2m1fn_x2\)") as e:
+        sparse_patches_from_diff(before, after)
+    assert e.value.reason == "sparse dtype" and e.value.name == "q" and e.value.value == {"q": 1}
+    same = {"q": _fp4(0, 1, 2, 3), "w": torch.tensor([0.0, 1.0, 0.0])}
+    (p,) = sparse_patches_from_diff(before, same)
+    assert p.name == "w" and p.indices.tolist() == [1]
+
+
+@needs_fp4
+def test_float4_cannot_be_split_into_sparse_parts_or_drawn_sparse():
+    dense = CheckpointWeightPatch("q", (4,), FP4, _fp4(0, 1, 2, 3), None)
+    with pytest.raises(PatchTypeError, match="packed format with no NaN") as e:
+        split_patch(dense, 2)
+    assert e.value.reason == "sparse dtype" and e.value.name == "q"
+    with pytest.raises(PatchTypeError, match="packed format with no NaN") as e:
+        random_sparse_patch("q", (4,), FP4, 0.5)
+    assert e.value.reason == "sparse dtype" and e.value.value == FP4
+
+
+@needs_fp4
+def test_the_trainer_keeps_a_float4_tensor_unchanged_and_trains_the_rest():
+    q = _fp4(0, 1, 2, 3)
+    trainer = AdamLikeTrainer({"q": q, "w": torch.zeros(4)}, lr=1e-2)
+    out = trainer.step()
+    assert out["q"].dtype == FP4 and torch.equal(out["q"].view(torch.uint8), q.view(torch.uint8))
+    assert out["q"].data_ptr() != q.data_ptr()  # fresh, as the docstring says
+    assert bool((out["w"] != 0).all())
+
+
+# --------------------------------------------------------------------------- lazy views, meta
+
+
+def test_diffs_compare_lazy_conjugate_and_negative_views_by_their_values():
+    z = torch.tensor([1 + 1j, -2 - 0.5j])
+    assert changed_fraction({"z": z.conj()}, {"z": z.conj().resolve_conj()}) == 0.0
+    assert changed_fraction({"z": z.conj()}, {"z": z}) == 1.0
+    y = torch.tensor([1.0, -2.0, 3.0])
+    neg = torch._neg_view(y)  # shows -y
+    assert changed_fraction({"y": neg}, {"y": -y}) == 0.0
+    assert sparse_patches_from_diff({"y": neg}, {"y": -y}) == []
+    shown = torch._neg_view(torch.tensor([1.0, 5.0, 3.0]))
+    (p,) = sparse_patches_from_diff({"y": -y}, {"y": shown})
+    assert p.indices.tolist() == [1] and p.values.tolist() == [-5.0]
+
+
+@pytest.mark.parametrize("fn", [sparse_patches_from_diff, changed_fraction])
+def test_meta_and_torch_sparse_tensors_are_refused_by_name_before_any_warning(fn):
+    m = torch.empty(4, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "share memory" warning first)
+        with pytest.raises(PatchValueError, match="'w': before is on the meta device") as e:
+            fn({"w": m}, {"w": m})
+    assert e.value.reason == "meta tensor" and e.value.name == "w"
+    with pytest.raises(PatchValueError, match="'w': after is on the meta device"):
+        fn({"w": torch.zeros(4)}, {"w": m})
+    s = torch.eye(3).to_sparse()
+    with pytest.raises(PatchTypeError, match=r"'w': after is layout torch.sparse_coo") as e:
+        fn({"w": torch.eye(3)}, {"w": s})
+    assert e.value.reason == "layout"
+
+
+def test_a_float64_random_patch_is_drawn_in_float64():
+    g = torch.Generator().manual_seed(0)
+    p = random_sparse_patch("w", (1000,), torch.float64, 0.5, generator=g, std=1e-50)
+    assert bool((p.values != 0).all()) and 1e-51 < float(p.values.abs().median()) < 1e-49
+    g = torch.Generator().manual_seed(0)
+    v = random_sparse_patch("w", (1000,), torch.float64, 0.5, generator=g).values
+    assert bool((v != v.float().double()).any())  # more than float32's precision
+    # the other dtypes draw float32 numbers, as before
+    import patchkit.build as build
+
+    g = torch.Generator().manual_seed(0)
+    f = random_sparse_patch("w", (1000,), torch.bfloat16, 0.5, generator=g).values
+    g = torch.Generator().manual_seed(0)
+    build._distinct_positions(1000, 500, g)
+    assert torch.equal(f, torch.randn(500, generator=g).to(torch.bfloat16))
+
+
+# --------------------------------------------------------------------------- diffs in pieces
+
+
+def _reference_diff(b: torch.Tensor, a: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    fb, fa = b.contiguous().reshape(-1), a.contiguous().reshape(-1)
+    ne = fb.view(torch.int16 if fa.element_size() == 2 else torch.int32) != fa.view(
+        torch.int16 if fa.element_size() == 2 else torch.int32)
+    idx = torch.nonzero(ne).reshape(-1)
+    return idx.tolist(), fa[idx]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided", "1-D strided", "3-D"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_diff_taken_in_pieces_equals_the_whole_diff(monkeypatch, layout, dtype):
+    import patchkit.build as build
+
+    monkeypatch.setattr(build, "_DIFF_BLOCK", 64)  # many pieces, some rows cut none
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(37, 29, generator=g).to(dtype)
+    new = torch.where(torch.rand(37, 29, generator=g) < 0.2,
+                      torch.randn(37, 29, generator=g).to(dtype), base)
+    view = {"contiguous": lambda t: t, "transposed": lambda t: t.t(),
+            "strided": lambda t: t[:, ::2], "1-D strided": lambda t: t.reshape(-1)[::3],
+            "3-D": lambda t: t[:36].reshape(4, 9, 29).transpose(0, 1)}[layout]
+    b, a = view(base), view(new)
+    want_idx, want_values = _reference_diff(b, a)
+    assert want_idx  # (something changed)
+    (p,) = sparse_patches_from_diff({"w": b}, {"w": a})
+    assert p.indices.dtype == torch.int32 and p.indices.tolist() == want_idx
+    assert torch.equal(p.values, want_values) and p.shape == tuple(a.shape)
+    got = torch.full((a.numel(),), float("nan"), dtype=dtype)
+    got[p.indices.long()] = p.values
+    assert torch.equal(torch.where(got.isnan(), b.reshape(-1), got), a.reshape(-1))
+
+
+def test_nan_new_values_are_counted_over_every_piece(monkeypatch):
+    import patchkit.build as build
+
+    monkeypatch.setattr(build, "_DIFF_BLOCK", 8)
+    b = torch.zeros(10, 10)
+    a = b.clone()
+    a[0, 0] = a[5, 5] = a[9, 9] = float("nan")
+    a[3, 3] = 1.0
+    with pytest.raises(PatchValueError, match=r"'w' \(3 NaN\)") as e:
+        sparse_patches_from_diff({"w": b.t()}, {"w": a.t()})
+    assert e.value.value == {"w": 3}
