@@ -20,6 +20,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_loader.py
 	$(PY) benchmarks/bench_inspect.py
+	$(PY) benchmarks/bench_build.py
 
 # Re-execute the tutorial notebooks in place (when a change to their story is intended).
 notebooks: $(STAMP)

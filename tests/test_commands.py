@@ -204,6 +204,9 @@ def test_tour_result_ok_is_documented():
     [
         ("bench_loader.py",
          ["patchkit ms", "validate ms", "floor ms", "ratio", "peak extra MiB"], 16, []),
+        ("bench_build.py",
+         ["patchkit ms", "one-shot ms", "ratio", "patchkit peak MiB", "one-shot peak MiB",
+          "patch MiB"], 2, []),
         ("bench_inspect.py",
          ["plain ms", "report ms", "ratio", "reuse ms", "torch-ops report ms", "written MiB",
           "changed MiB"],
