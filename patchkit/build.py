@@ -169,9 +169,9 @@ _DIFF_BLOCK = 1 << 22
 def _pieces(b: torch.Tensor, a: torch.Tensor) -> Iterator[tuple[int, torch.Tensor,
                                                                 torch.Tensor]]:
     """``(flat offset, piece of b, piece of a)`` covering two same-shape tensors in
-    row-major order, about ``_DIFF_BLOCK`` elements a piece (flat ranges of contiguous
-    tensors; otherwise blocks of whole rows, a row at least, and element ranges of a 1-D
-    tensor), so that a diff's masks and positions are held for one piece at a time,
+    row-major order, at most ``_DIFF_BLOCK`` elements a piece (flat ranges of contiguous
+    tensors; otherwise blocks of whole rows, or each row in pieces where one row is
+    longer), so that a diff's masks and positions are held for one piece at a time,
     never for the whole tensor."""
     n = a.numel()
     if n <= _DIFF_BLOCK:
@@ -183,7 +183,12 @@ def _pieces(b: torch.Tensor, a: torch.Tensor) -> Iterator[tuple[int, torch.Tenso
             yield lo, fb[lo : lo + _DIFF_BLOCK], fa[lo : lo + _DIFF_BLOCK]
         return
     per_row = n // a.shape[0]
-    step = max(1, _DIFF_BLOCK // per_row)
+    if per_row > _DIFF_BLOCK:  # rows too long for one piece: each row in pieces
+        for r in range(a.shape[0]):
+            for lo, pb, pa in _pieces(b[r], a[r]):
+                yield r * per_row + lo, pb, pa
+        return
+    step = _DIFF_BLOCK // per_row
     for r in range(0, a.shape[0], step):
         yield r * per_row, b[r : r + step], a[r : r + step]
 

@@ -862,25 +862,39 @@ def _reference_diff(b: torch.Tensor, a: torch.Tensor) -> tuple[list[int], torch.
     return idx.tolist(), fa[idx]
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided", "1-D strided", "3-D"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided", "1-D strided", "3-D",
+                                    "long rows", "long rows 3-D"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_diff_taken_in_pieces_equals_the_whole_diff(monkeypatch, layout, dtype):
     import patchkit.build as build
 
-    monkeypatch.setattr(build, "_DIFF_BLOCK", 64)  # many pieces, some rows cut none
+    monkeypatch.setattr(build, "_DIFF_BLOCK", 64)  # many pieces, long rows cut in pieces
+    seen = []
+    real_mask = build.changed_mask
+
+    def mask(pb, pa):  # (called once per piece)
+        assert pb.shape == pa.shape
+        seen.append(pa.numel())
+        return real_mask(pb, pa)
+
+    monkeypatch.setattr(build, "changed_mask", mask)
     g = torch.Generator().manual_seed(3)
     base = torch.randn(37, 29, generator=g).to(dtype)
     new = torch.where(torch.rand(37, 29, generator=g) < 0.2,
                       torch.randn(37, 29, generator=g).to(dtype), base)
     view = {"contiguous": lambda t: t, "transposed": lambda t: t.t(),
             "strided": lambda t: t[:, ::2], "1-D strided": lambda t: t.reshape(-1)[::3],
-            "3-D": lambda t: t[:36].reshape(4, 9, 29).transpose(0, 1)}[layout]
+            "3-D": lambda t: t[:36].reshape(4, 9, 29).transpose(0, 1),
+            "long rows": lambda t: t.reshape(-1)[:1000].reshape(4, 250)[:, ::2],
+            "long rows 3-D": lambda t: t.reshape(-1)[:1000].reshape(2, 5, 100)[:, :, ::3]}[layout]
     b, a = view(base), view(new)
     want_idx, want_values = _reference_diff(b, a)
     assert want_idx  # (something changed)
     (p,) = sparse_patches_from_diff({"w": b}, {"w": a})
     assert p.indices.dtype == torch.int32 and p.indices.tolist() == want_idx
     assert torch.equal(p.values, want_values) and p.shape == tuple(a.shape)
+    # the pieces cover the tensor once, none bigger than a block
+    assert sum(seen) == a.numel() and len(seen) > 1 and max(seen) <= 64
     got = torch.full((a.numel(),), float("nan"), dtype=dtype)
     got[p.indices.long()] = p.values
     assert torch.equal(torch.where(got.isnan(), b.reshape(-1), got), a.reshape(-1))
