@@ -911,3 +911,20 @@ def test_nan_new_values_are_counted_over_every_piece(monkeypatch):
     with pytest.raises(PatchValueError, match=r"'w' \(3 NaN\)") as e:
         sparse_patches_from_diff({"w": b.t()}, {"w": a.t()})
     assert e.value.value == {"w": 3}
+
+
+def test_changed_fraction_counts_in_pieces_what_the_whole_comparison_counts(monkeypatch):
+    import patchkit.build as build
+
+    g = torch.Generator().manual_seed(5)
+    b = torch.randn(40, 30, generator=g)
+    a = torch.where(torch.rand(40, 30, generator=g) < 0.3, torch.randn(40, 30, generator=g), b)
+    want = int((b.view(torch.int32) != a.view(torch.int32)).sum()) / a.numel()
+    sizes = []
+    real_mask = build.changed_mask
+    monkeypatch.setattr(build, "changed_mask",
+                        lambda pb, pa: sizes.append(pa.numel()) or real_mask(pb, pa))
+    monkeypatch.setattr(build, "_DIFF_BLOCK", 100)
+    assert changed_fraction({"w": b.t()}, {"w": a.t()}) == want
+    assert changed_fraction({"w": b}, {"w": a}) == want
+    assert max(sizes) <= 100 and sum(sizes) == 2 * a.numel()
