@@ -54,8 +54,10 @@ class PatchTypeError(PatchError, TypeError):
 
 
 class ContractViolation(PatchError, NotImplementedError):
-    """A model's ``load_weights`` did something a sparse (NaN-masked) load cannot support,
-    or returned anything but the names it loaded (an iterable of str) or ``None``."""
+    """A model's ``load_weights`` did something a sparse (NaN-masked) load cannot support
+    (or a transactional or inspected one cannot save: a write through a view whose
+    elements overlap, a tensor subclass), or returned anything but the names it loaded
+    (an iterable of str) or ``None``."""
 
 
 def where(position: int | None, name: str | None) -> str:

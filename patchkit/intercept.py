@@ -2085,6 +2085,8 @@ class WriteSession:
                     and not torch._C._len_torch_dispatch_stack()):
                 skey = _comparable_source(dest, src, key)
                 if skey is not None:
+                    if not dest.is_contiguous():
+                        self._refuse_self_overlap(_COPY_NAME, [(dest, own)], src)
                     if self._measured.get(key):  # (none of this storage: nothing to forget)
                         self._forget_measured_in(dest, key)
                     return self._compared_copy(
@@ -2115,10 +2117,12 @@ class WriteSession:
             guard.leave()
 
     def _unguarded_write(self, func, args, kwargs, targets, source=None):
-        if self._measured:
-            self._forget_measured(targets)
         op = _op_name(func)
         is_copy = func is _COPY
+        self._refuse_self_overlap(op, targets, args[1] if is_copy and len(args) > 1 else None,
+                                  source)
+        if self._measured:
+            self._forget_measured(targets)
         # Another dispatch mode under this one (a loader's own, say) still has to see the
         # write and may change what it writes: then the op goes on to it, and the write
         # is measured around it, never done here.
@@ -2546,15 +2550,7 @@ class WriteSession:
         serves (a loader may zero a packed tensor before copying the next patch into it)."""
         dest, (tname, _, toff) = targets[0]
         src = args[1] if func is _COPY and len(args) > 1 else None
-        hit = self.provenance.lookup(src) if isinstance(src, torch.Tensor) else None
-        if hit is not None:
-            pos, name = hit[0], hit[1]
-        elif source is not None:
-            pos, name = source
-        elif len(self._call_patches) == 1:
-            pos, name = self._call_patches[0]
-        else:
-            pos, name = None, None
+        pos, name = self._fed_by(src, source)
         who = f"{where(pos, name)}, " if name is not None else ""
         at = f"load_weights (call {self._chunk}, {who}runtime tensor {tname!r})"
         if func is not _COPY:
@@ -2603,6 +2599,44 @@ class WriteSession:
                 )
         earliers.add(region)
         self._call_fed[tname] = (pos, name) if name is not None else None
+
+    def _fed_by(self, src: object, source: tuple[int | None, str] | None
+                ) -> tuple[int | None, str | None]:
+        """``(position, name)`` of the patch an op served, for its error: the one its
+        source (``src``, a copy's) was traced to, else ``source`` (traced from the op's
+        other arguments), else the call's only patch; ``(None, None)`` where none is
+        known (see :meth:`_check_sparse_write`)."""
+        hit = self.provenance.lookup(src) if isinstance(src, torch.Tensor) else None
+        if hit is not None:
+            return hit[0], hit[1]
+        if source is not None:
+            return source
+        if len(self._call_patches) == 1:
+            return self._call_patches[0]
+        return None, None
+
+    def _refuse_self_overlap(self, op: str, targets, src: object, source=None) -> None:
+        """``ContractViolation`` before a write through a view whose elements share
+        memory (``Tensor.unfold`` with a step below its size, an ``as_strided`` view):
+        which of the values written to one address stays is up to the order torch writes
+        them in, and a save, a NaN-merge or a count of such a write would take one memory
+        element for several. Nothing is written."""
+        for dest, (tname, _, _) in targets:
+            if dest.is_contiguous() or not _overlaps_itself(dest):
+                continue
+            pos, name = self._fed_by(src, source)
+            who = f"{where(pos, name)}, " if name is not None else ""
+            raise ContractViolation(
+                f"load_weights (call {self._chunk}, {who}runtime tensor {tname!r}) wrote "
+                f"with {op} through a {tuple(dest.shape)} view of strides "
+                f"{tuple(dest.stride())} whose elements share memory (overlapping windows, "
+                "as Tensor.unfold or as_strided make): which value stays where they meet "
+                "is up to the order torch writes them in, and a sparse, transactional or "
+                "inspected load can neither save, merge nor count such a write. This op "
+                f"wrote nothing{self._no_source_note(name, tname)}",
+                position=pos, name=name, reason="self-overlapping view",
+                value=tuple(dest.stride()),
+            )
 
     def _no_source_note(self, name: str | None, tname: str, shown: int = 4) -> str:
         """What a refused op's error adds when it names no patch (``name`` is ``None``):
@@ -2692,6 +2726,27 @@ _ROLLBACKS = [0]
 def rollbacks() -> int:
     """How many transactional rollbacks this process has begun (see ``_ROLLBACKS``)."""
     return _ROLLBACKS[0]
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """True when two elements of the view ``t`` share memory (exact). Decided from the
+    strides alone when each dimension, taken from the smallest stride up, steps past
+    all the inner ones reach (every view that slicing, ``narrow``, ``transpose`` or
+    ``permute`` make); otherwise by listing the element offsets (``t.numel()`` int64s:
+    only for views such as ``unfold``'s, which may overlap)."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    reach = 1  # elements spanned by the dimensions taken so far
+    for st, n in dims:
+        if st < reach:
+            break
+        reach += st * (n - 1)
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, st in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+    flat = offsets.reshape(-1)
+    return torch.unique(flat).numel() < flat.numel()
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
