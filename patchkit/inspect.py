@@ -369,8 +369,15 @@ class LoadReport:
       under a new name, is one more alias and no write); a sparse call that returns has
       its rebindings undone and refused, so only one that raised shows them), and the
       element
-      strides of both views (``checkpoint_stride``,
-      ``target_stride``). A write through a view of another element size than its
+      strides of both views in memory, as ``view.stride()`` gives them
+      (``checkpoint_stride``, ``target_stride``). Offsets count elements row-major in
+      the tensor's own indexing (``t.flatten()[target_offset]`` is the view's first
+      element), whatever its layout: for a target stored row-major (contiguous, as
+      checkpoint tensors are staged) offset and strides go together
+      (``t.view(-1).as_strided(shape, target_stride, target_offset)`` is the written
+      view); for one that is not (a transposed or column-sliced parameter) the strides
+      are not steps of the offset's indexing, and ``target_region`` says where the view
+      is. A write through a view of another element size than its
       runtime tensor's (fp8 values packed four to an int32 word, written through
       ``.view(torch.float8_e4m3fn)``) is given in the runtime tensor's own elements: the
       span its bytes reach, and for a NaN-merge, ``written`` elements that hold a byte

@@ -1800,3 +1800,34 @@ def test_a_loader_with_vllms_signature_is_observed_without_transactional():
     assert e.value.reason == "loader not transactional"
     assert torch.equal(bits(theirs_model.qkv.detach()), before)  # nothing ran
     assert float(theirs_model.norm[0]) == 1.0
+
+
+def test_write_offsets_count_row_major_and_strides_are_the_views_in_memory():
+    # What the writes table's docstring says the two columns are: for a row-major target
+    # they rebuild the written view; for a transposed one the offset still counts its own
+    # indexing and target_region names the box.
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(4, 6).t(), requires_grad=False)
+            self.q = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+
+        def load_weights(self, weights):
+            for n, w in weights:
+                getattr(self, n).data[2:5, 1:2].copy_(w[2:5, 1:2])
+            return {n for n, _ in weights}
+
+    patches = [CheckpointWeightPatch(n, (6, 4), torch.float32, torch.arange(24.0) + 1)
+               for n in ("p", "q")]
+    m = M()
+    r = inspect_load(m, patches)
+    rows = r.writes.set_index("target")
+    for n in ("p", "q"):
+        t = getattr(m, n).detach()
+        assert int(rows.loc[n, "target_offset"]) == 9  # [2, 1] of a (6, 4) tensor
+        assert t.flatten()[9] == 10.0 and rows.loc[n, "target_region"] == "[2:5, 1:2]"
+        assert rows.loc[n, "target_stride"] == t[2:5, 1:2].stride()
+    q = rows.loc["q"]
+    view = m.q.detach().view(-1).as_strided(q["shape"], q["target_stride"],
+                                            int(q["target_offset"]))
+    assert view.flatten().tolist() == [10.0, 14.0, 18.0]
