@@ -230,7 +230,10 @@ def _elements(n: int) -> str:
 
 
 def _pct(x: float) -> str:
-    return f"{100 * x:.3g} %"
+    """``x`` (a fraction) as a percentage of 3 significant digits, never "100 %" for
+    less than all of it."""
+    text = f"{100 * x:.3g}"
+    return (">99.9" if x < 1 and text == "100" else text) + " %"
 
 
 def _shape_text(shape: Sequence[int]) -> str:
@@ -1234,9 +1237,9 @@ second time to count them into the bins instead."""
 
 def _as_float(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor as a float numpy array (float64, int64 and int32 as float64, other
-    dtypes as float32; complex: the real part)."""
+    dtypes as float32; complex: the modulus, in float64)."""
     if t.is_complex():
-        t = t.real
+        return t.to(torch.complex128).abs().numpy()
     t = t.to(torch.float64) if t.dtype in (torch.float64, torch.int64, torch.int32) else t.float()
     return t.numpy()
 
@@ -1496,6 +1499,20 @@ class _DeltaValues:
             self.kept.append(d)
 
 
+def _hist_range(found: tuple[Any, Any], bins: int) -> tuple[float, float]:
+    """The histogram's range for Δ values from ``found[0]`` to ``found[1]``: those, or,
+    where they are too close together for ``bins`` bars of a width float64 tells apart
+    (one value, as one changed element gives), a range around them that is (numpy's
+    own ±0.5 is below float64's resolution from about 2**47 on, and raised)."""
+    lo, hi = float(found[0]), float(found[1])
+    need = max(abs(lo), abs(hi)) * 2.0**-40 * bins  # (40 of float64's 52 bits: ample)
+    if hi - lo >= need and hi > lo:
+        return lo, hi
+    half = max(need, 0.5)
+    mid = lo / 2 + hi / 2  # (no overflow near float64's largest)
+    return mid - half, mid + half
+
+
 def _delta_pass(
     reader: Any, rows: int, cols: int, pieces: list[tuple[int, int, int, int]],
     floating: bool, changed_only: bool, pools: tuple[_Blocks, _Blocks, _Blocks] | None,
@@ -1509,10 +1526,14 @@ def _delta_pass(
         lo = r0 * cols + c0
         before, after, written = reader.read(lo, lo + (r1 - r0) * (c1 - c0))
         b, a = _as_float(before), _as_float(after)
-        # exact for integers (int64 beyond 2**53 too), as the deltas table measures
-        if floating:
+        # in float64 for floats (two float32 or bfloat16 values 3e38 apart are a finite
+        # 6e38), |after − before| for complex, exactly for integers (int64 beyond 2**53
+        # too): as the deltas table measures
+        if after.is_complex():
+            d = difference(after, before).abs().numpy()
+        elif floating:
             with np.errstate(invalid="ignore", over="ignore"):  # (inf − inf: NaN, as it is)
-                d = a - b
+                d = a.astype(np.float64) - b
         else:
             d = difference(after, before).numpy()
         if pools is not None:
@@ -1554,7 +1575,12 @@ def plot_delta(
     symmetric diverging scale; unpooled (the exact values) when the tensor fits.
     ``axes[3]`` is a histogram (log y) of Δ over the elements the load wrote, each
     counted once (so its counts total ``report.deltas.loc[target, "elements"]``), or over
-    those whose bits changed with ``changed_only=True``.
+    those whose bits changed with ``changed_only=True``. Δ is taken in float64 for
+    floating dtypes (two float32 or bfloat16 values 3e38 apart are a finite 6e38) and
+    exactly for integers, as ``report.deltas`` measures it. A complex tensor is drawn as
+    moduli: before and after as ``|z|``, and ``|Δ| = |after − before|`` on a one-sided
+    scale from 0 (a change of the imaginary part shows), the histogram too. A histogram
+    of a single value (one changed element) is one bar around it, however large it is.
 
     NaN and ±inf are drawn in magenta (the colour maps' "bad" colour; Δ = 0 is
     near-white): an unpooled image holds them as they are; a block's mean, or its
@@ -1654,11 +1680,14 @@ def plot_delta(
     m = m if m > 0 else 1.0
     xlabel, ylabel = _axis_words(len(shape), "runtime")
     how = f" ({br} × {bc} block means)" if pooled else ""
+    cplx = reader.before_dtype.is_complex  # (moduli, and |Δ| on a one-sided scale)
+    value = "|z|" if cplx else "value"
+    delta = "|Δ| = |after − before|" if cplx else "Δ = after − before"
     panels = [
-        (b_img, f"before{how}", "viridis", lo, hi, "value"),
-        (a_img, f"after{how}", "viridis", lo, hi, "value"),
-        (d_img, "Δ = after − before" + (" (largest |Δ| per block)" if pooled else ""),
-         "RdBu_r", -m, m, "Δ"),
+        (b_img, f"before{' |z|' if cplx else ''}{how}", "viridis", lo, hi, value),
+        (a_img, f"after{' |z|' if cplx else ''}{how}", "viridis", lo, hi, value),
+        (d_img, delta + (" (largest |Δ| per block)" if pooled else ""),
+         *(("Reds", 0.0, m, "|Δ|") if cplx else ("RdBu_r", -m, m, "Δ"))),
     ]
     for ax, pool, (img, title, cmap, vmin, vmax, label) in zip(axes[:3], pools, panels):
         im = ax.imshow(img, cmap=colormaps[cmap].with_extremes(bad=_NONFINITE), vmin=vmin,
@@ -1674,14 +1703,15 @@ def plot_delta(
     ax = axes[3]
     what = "changed" if changed_only else "written"
     if values.finite:
+        span = _hist_range(values.range, hist_bins)
         if values.kept is not None:
-            ax.hist(np.concatenate(values.kept), bins=hist_bins, log=True, color="#4C72B0")
+            ax.hist(np.concatenate(values.kept), bins=hist_bins, range=span, log=True,
+                    color="#4C72B0")
         else:  # too many to keep: counted into the bins on a second pass
             counts, edges = 0, None
             for dw, _, _ in _delta_pass(reader, rows, cols, pieces, floating, changed_only,
                                         None):
-                n, edges = np.histogram(dw[np.isfinite(dw)], bins=hist_bins,
-                                        range=values.range)
+                n, edges = np.histogram(dw[np.isfinite(dw)], bins=hist_bins, range=span)
                 counts = counts + n
             ax.hist(edges[:-1], bins=edges, weights=counts, log=True, color="#4C72B0")
     else:
@@ -1695,9 +1725,9 @@ def plot_delta(
         ax.set_ylim(bottom=0.8)
         ax.yaxis.set_major_formatter(LogFormatter())
         ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
-    ax.set_title(f"Δ over {values.finite:,} {what} {_elements(values.finite)}{note}",
-                 fontsize=9)
-    ax.set_xlabel("Δ = after − before")
+    ax.set_title(f"{'|Δ|' if cplx else 'Δ'} over {values.finite:,} {what} "
+                 f"{_elements(values.finite)}{note}", fontsize=9)
+    ax.set_xlabel(delta)
     ax.set_ylabel("elements (log scale)" if values.finite else "elements")
 
     stale = False

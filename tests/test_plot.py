@@ -695,10 +695,11 @@ def test_delta_images_are_before_after_and_their_difference():
     b, a, d = (np.asarray(ax.images[0].get_array()) for ax in fig.axes if ax.images)
     np.testing.assert_array_equal(b, before)
     np.testing.assert_array_equal(a, after)
-    np.testing.assert_array_equal(d, after - before)
+    exact = after.astype(np.float64) - before  # (in float64: no rounding, no overflow)
+    np.testing.assert_array_equal(d, exact)
     assert not np.all(d[8:] != 0)  # v was not written: its rows did not change
     lo, hi = [ax for ax in fig.axes if ax.images][2].images[0].get_clim()
-    assert lo == -hi and hi == np.abs(after - before).max()
+    assert lo == -hi and hi == np.abs(exact).max()
 
 
 def test_delta_of_int64_weights_beyond_2_53_is_exact():
@@ -772,7 +773,7 @@ def test_delta_reads_the_tensor_a_band_at_a_time_and_draws_the_numbers_of_the_wh
     report = inspect_load(model, [CheckpointWeightPatch(
         "w", (300, 200), torch.float32, torch.randn(6000, generator=g), idx)])
     before, after = report.before("w").numpy(), report.after("w").numpy()
-    delta, written = after - before, report.written("w").numpy()
+    delta, written = after.astype(np.float64) - before, report.written("w").numpy()
 
     reads = []
     read = pk_inspect._BeforeAfter.read
@@ -1474,3 +1475,78 @@ def test_column_numbers_never_run_into_each_other(shape):
         assert _overlapping_x_labels(fig) == 0
         labels = [t.get_text() for t in fig.axes[0].get_xticklabels() if t.get_text()]
         assert len(labels) >= 2  # still numbered
+
+
+# --------------------------------------------------------------------------- Δ at the edges
+
+
+def _one_write(dtype, start, new, shape=(4, 5), at=7):
+    """A report of a dense load into a ``shape`` tensor of ``start`` whose element ``at``
+    becomes ``new``."""
+    m = PlainModel({"w": shape}, dtype=dtype)
+    x = torch.full(shape, start, dtype=dtype)
+    m.load_weights([("w", x)])
+    y = x.clone().reshape(-1)
+    y[at] = new
+    return inspect_load(m, [CheckpointWeightPatch("w", shape, dtype, y)])
+
+
+def test_delta_of_a_complex_tensor_draws_moduli_and_the_modulus_of_the_change():
+    # It drew the real parts: a change of the imaginary part left every panel blank
+    # while the title said 1 changed, max |Δ| 1.
+    report = _one_write(torch.complex64, 0, 1j)
+    fig = plot_delta(report, "w")
+    b, a, d = (np.asarray(ax.images[0].get_array()) for ax in fig.axes if ax.images)
+    want = np.zeros((4, 5))
+    want[1, 2] = 1.0
+    np.testing.assert_array_equal(b, np.zeros((4, 5)))
+    np.testing.assert_array_equal(a, want)
+    np.testing.assert_array_equal(d, want)
+    images = [ax for ax in fig.axes if ax.images]
+    assert images[2].images[0].get_clim() == (0.0, 1.0)  # |Δ| >= 0: a one-sided scale
+    assert "|Δ|" in images[2].get_title() and "|z|" in images[0].get_title()
+    hist = fig.axes[3]
+    assert [p.get_height() for p in hist.patches if p.get_height()] == [19, 1]
+    assert hist.patches[-1].get_x() < 1.0 <= hist.patches[-1].get_x() + hist.patches[-1].get_width()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_finite_delta_beyond_float32s_range_is_drawn_and_counted(dtype):
+    # 3e38 - (-3e38) overflowed float32: the one change was drawn magenta as NaN/±inf
+    # and left out of the histogram, which said "0 written elements".
+    m = PlainModel({"w": (4, 5)}, dtype=dtype)
+    x = torch.full((20,), -3e38).to(dtype)
+    m.load_weights([("w", x.reshape(4, 5))])
+    y = x.clone()
+    y[7] = torch.tensor(3e38).to(dtype)
+    report = inspect_load(m, [CheckpointWeightPatch("w", (4, 5), dtype, y)])
+    fig = plot_delta(report, "w")
+    d = [np.asarray(ax.images[0].get_array()) for ax in fig.axes if ax.images][2]
+    want = float(y[7].double()) - float(x[7].double())
+    assert d[1, 2] == want and np.isfinite(d).all()
+    assert not [c for ax in fig.axes for c in ax.collections if c.get_gid() == "non-finite"]
+    assert fig.axes[3].get_title() == "Δ over 20 written elements"
+    assert sum(p.get_height() for p in fig.axes[3].patches) == 20
+
+
+@pytest.mark.parametrize(("dtype", "new"), [(torch.float32, 3e5), (torch.float32, 1e6),
+                                            (torch.int64, 2**60), (torch.float64, 1e300)])
+def test_a_histogram_of_one_large_value_is_drawn(dtype, new):
+    # numpy widened a one-value range by ±0.5, which float32 (or float64 past 2**47)
+    # cannot cut into 60 bars: ValueError, and no figure.
+    report = _one_write(dtype, 0, new)
+    fig = plot_delta(report, "w", changed_only=True)
+    bars = [p for p in fig.axes[3].patches if p.get_height()]
+    assert len(bars) == 1 and bars[0].get_height() == 1
+    x0, w = bars[0].get_x(), bars[0].get_width()
+    assert x0 <= float(new) <= x0 + w
+
+
+def test_a_nearly_full_patch_is_not_titled_100_percent():
+    from patchkit.plot import _pct
+
+    assert _pct(999_999 / 1_000_000) == ">99.9 %" and _pct(1.0) == "100 %"
+    assert _pct(0.5) == "50 %" and _pct(0.0) == "0 %"
+    p = CheckpointWeightPatch("w", (1000, 1000), torch.float32, torch.ones(999_999),
+                              torch.arange(999_999))
+    assert "(>99.9 %)" in plot_density(p).axes[0].get_title()
