@@ -240,11 +240,32 @@ def _shape_text(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + (",)" if len(shape) == 1 else ")")
 
 
-def _cap_bins(bins: int | Sequence[int], rows: int, cols: int) -> tuple[int, int]:
+def _cap_bins(bins: int | Sequence[int], rows: int, cols: int,
+              most: tuple[int, int] = (MAX_BINS, MAX_BINS)) -> tuple[int, int]:
+    """``bins`` capped at :data:`MAX_BINS`, at ``most`` (a panel's pixels) and at the
+    tensor's ``rows`` and ``cols``."""
     want_r, want_c = _as_bins(bins)  # a pair of positive ints (or one int): else raises
-    br = max(1, min(want_r, MAX_BINS, max(rows, 1)))
-    bc = max(1, min(want_c, MAX_BINS, max(cols, 1)))
+    br = max(1, min(want_r, MAX_BINS, most[0], max(rows, 1)))
+    bc = max(1, min(want_c, MAX_BINS, most[1], max(cols, 1)))
     return br, bc
+
+
+# Pixels (rows, columns) a heat map of patchkit's own figures has at their 100 dpi, less
+# a margin for a longer title: plot_density's panel is about 400 x 465, each of
+# plot_delta's 339 x 224. More blocks than pixels would be drawn as a subset of them (a
+# renderer samples), and a block with the only change in it could vanish.
+_DENSITY_PX = (360, 440)
+_DELTA_PX = (300, 200)
+# A heat map is drawn over the axes' frame (spines: 2.5), under the NaN/±inf marks (3):
+# a block a pixel high at the edge would otherwise be hidden under the frame's line.
+_OVER_SPINES = 2.6
+
+
+def _pixels(ax: Axes) -> tuple[int, int]:
+    """About how many pixels (rows, columns) a caller's axes has at its figure's dpi, as
+    laid out now (less a tenth, for what a colorbar will take)."""
+    box = ax.get_window_extent()
+    return max(1, int(0.9 * box.height)), max(1, int(0.9 * box.width))
 
 
 def _what(obj: object) -> str:
@@ -715,35 +736,39 @@ def plot_density(
 ) -> Figure:
     """Where a patch writes: a heat map of :func:`~patchkit.density.density_map`.
 
-    The tensor is drawn as its 2-D view (rows × last dimension) in checkpoint
-    coordinates: the image's extent is the real row and column range, so tick labels are
-    whole checkpoint row and column numbers. ``bins`` is capped at :data:`MAX_BINS` per
-    axis (and at the tensor's rows/columns); the single image (``ax.images[0]``) holds
-    exactly ``density_map(patch, capped bins)``: per block, the fraction of its elements
-    the patch writes, whether or not a write changes the value (a load's ``changed``
-    counts say which did); colour scale from 0 to the densest block, with a colorbar.
-    The title gives the patch's name (cut to its tail, after ``…``, when too long to
-    fit; shown as written, no mathtext), shape, dtype and how many elements it writes.
-    Cost is that of :func:`density_map`: O(nnz), plus a bounded image; for a 128256 ×
-    2560 bf16 patch at 1 % density, ``benchmarks/bench_inspect.py`` measured 0.02-0.03 s for
-    ``density_map`` and 0.03-0.04 s for ``plot_density`` on the 2-core machine patchkit is
-    developed on (a measurement, not a promise). A dense patch is uniformly 1. ``bins``
+    The tensor is drawn as its 2-D view (rows × last dimension) in checkpoint coordinates:
+    the image's extent is the real row and column range, so tick labels are whole checkpoint
+    row and column numbers. ``bins`` is capped at :data:`MAX_BINS` per axis, at the tensor's
+    rows/columns, and at the panel's pixels, so that every block is drawn at least one pixel
+    wide and high (more blocks than pixels are drawn as a sample of them, and a block
+    holding the only change may vanish): 360 × 440 on this function's own figure, or about
+    what ``ax`` measures when it is called; the title gives the blocks drawn, and
+    :func:`~patchkit.density.density_map` gives finer grids. The single image
+    (``ax.images[0]``) holds exactly ``density_map(patch, capped bins)``: per block, the
+    fraction of its elements the patch writes, whether or not a write changes the value (a
+    load's ``changed`` counts say which did); colour scale from 0 to the densest block, with
+    a colorbar. The title gives the patch's name (cut to its tail, after ``…``, when too
+    long to fit; shown as written, no mathtext), shape, dtype and how many elements it
+    writes. Cost is that of :func:`density_map`: O(nnz), plus a bounded image; for a 128256
+    × 2560 bf16 patch at 1 % density, ``benchmarks/bench_inspect.py`` measured 0.02-0.03 s
+    for ``density_map`` and 0.03-0.04 s for ``plot_density`` on the 2-core machine patchkit
+    is developed on (a measurement, not a promise). A dense patch is uniformly 1. ``bins``
     may be one int for both axes. A patch of no elements (shape ``(0, 5)``) draws no image:
     axes turned off, with a note (gid ``"empty"``) giving its name and shape and saying
     there is nothing to draw. Raises ``TypeError`` when ``patch`` is not a patch (a name:
     use :meth:`LoadReport.plot_density <patchkit.inspect.LoadReport.plot_density>`) or
-    ``bins`` is not a pair of ints, ``ValueError`` as :func:`density_map` does (bins
-    below 1, an index outside the tensor), and for a patch the loader refuses on its own
-    (indices not an int32/int64 tensor, a negative dimension, ...) the loader's
-    ``PatchTypeError``/``PatchValueError``, as :func:`density_map` does, before anything
-    is drawn. An ``ax`` that is not a matplotlib ``Axes`` (or ``None``: a figure of its
-    own) raises ``TypeError``.
+    ``bins`` is not a pair of ints, ``ValueError`` as :func:`density_map` does (bins below
+    1, an index outside the tensor), and for a patch the loader refuses on its own (indices
+    not an int32/int64 tensor, a negative dimension, ...) the loader's
+    ``PatchTypeError``/``PatchValueError``, as :func:`density_map` does, before anything is
+    drawn. An ``ax`` that is not a matplotlib ``Axes`` (or ``None``: a figure of its own)
+    raises ``TypeError``.
     """
     _check_ax(ax, "plot_density")
     patch = _as_patch(patch, "plot_density")
     _check_structure(None, patch)  # (the index range: in _density)
     rows, cols = grid_shape(patch.shape)
-    br, bc = _cap_bins(bins, rows, cols)
+    br, bc = _cap_bins(bins, rows, cols, _DENSITY_PX if ax is None else _pixels(ax))
     dmap, nnz = _density(patch, (br, bc))  # (an index given twice: one element)
     dmap = dmap.numpy()
     own = ax is None
@@ -770,7 +795,7 @@ def plot_density(
     top = float(dmap.max()) if dmap.size else 0.0
     im = ax.imshow(
         dmap, cmap="viridis", vmin=0.0, vmax=top if top > 0 else 1.0,
-        interpolation="nearest", aspect="auto", extent=_extent(rows, cols),
+        interpolation="nearest", aspect="auto", extent=_extent(rows, cols), zorder=_OVER_SPINES,
     )
     # Written, not changed: a patch that writes the value already there counts too.
     fig.colorbar(im, ax=ax, label="fraction of elements the patch writes per block")
@@ -1568,7 +1593,9 @@ def plot_delta(
     """Before, after and Δ = after − before of one runtime tensor, and a Δ histogram.
 
     Heat maps are in runtime (row, column) coordinates of the tensor's 2-D view; a tensor
-    with more rows or columns than ``bins`` (capped at :data:`MAX_BINS`) is cut into
+    with more rows or columns than ``bins`` (capped at 300 × 200, about each panel's
+    pixels, so that every block is drawn: more blocks than pixels are drawn as a sample of
+    them, and a block holding the only change may vanish) is cut into
     blocks as :func:`~patchkit.density.density_map` cuts them. ``axes[0..2].images[0]``
     hold: before and after as block means (:func:`pool_mean`, one shared colour scale),
     and Δ as the signed largest-magnitude value per block (:func:`pool_max_abs`) on a
@@ -1653,7 +1680,7 @@ def plot_delta(
                 parse_math=False)
         return fig
     rows, cols = grid_shape(shape)
-    br, bc = _cap_bins(bins, rows, cols)
+    br, bc = _cap_bins(bins, rows, cols, _DELTA_PX)
     pooled = (br, bc) != (rows, cols)
     # Δ in floats for floating and complex tensors, exactly for integers
     floating = reader.before_dtype.is_floating_point or reader.before_dtype.is_complex
@@ -1692,7 +1719,7 @@ def plot_delta(
     for ax, pool, (img, title, cmap, vmin, vmax, label) in zip(axes[:3], pools, panels):
         im = ax.imshow(img, cmap=colormaps[cmap].with_extremes(bad=_NONFINITE), vmin=vmin,
                        vmax=vmax, interpolation="nearest", aspect="auto",
-                       extent=_extent(rows, cols))
+                       extent=_extent(rows, cols), zorder=_OVER_SPINES)
         fig.colorbar(im, ax=ax, label=label, shrink=0.9)
         title += _mark_nonfinite(ax, pool, rows, cols)
         ax.set_title(title, fontsize=9)

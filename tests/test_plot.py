@@ -376,7 +376,9 @@ def test_density_bins_are_capped_to_a_bounded_image():
     p = CheckpointWeightPatch("big", (3000, 2000), torch.float32, torch.ones(3),
                               torch.tensor([0, n // 2, n - 1]))
     fig = plot_density(p, bins=(5000, 5000))
-    assert fig.axes[0].images[0].get_array().shape == (MAX_BINS, MAX_BINS)
+    # at most MAX_BINS, and no more blocks than the panel has pixels (360 x 440)
+    assert fig.axes[0].images[0].get_array().shape == (360, 440)
+    assert max(360, 440) <= MAX_BINS
     small = CheckpointWeightPatch("s", (3, 5), torch.float32, torch.zeros(15))
     assert plot_density(small, bins=(64, 64)).axes[0].images[0].get_array().shape == (3, 5)
 
@@ -1550,3 +1552,37 @@ def test_a_nearly_full_patch_is_not_titled_100_percent():
     p = CheckpointWeightPatch("w", (1000, 1000), torch.float32, torch.ones(999_999),
                               torch.arange(999_999))
     assert "(>99.9 %)" in plot_density(p).axes[0].get_title()
+
+
+def test_heat_maps_have_no_more_blocks_than_their_panels_have_pixels():
+    # With bins above a panel's pixel count a renderer draws a sample of the blocks:
+    # the one block holding a single change vanished from plot_delta's Δ panel 12 times
+    # in 12 at bins=1024 (and a block a pixel high at the edge hid under the frame).
+    m = PlainModel({"w": (2048, 2048)})
+    p = CheckpointWeightPatch("w", (2048, 2048), torch.float32, torch.tensor([5.0]),
+                              torch.tensor([2048 * 2047 + 5]))  # the last row's edge
+    report = inspect_load(m, [p])
+    fig = plot_delta(report, "w", bins=(1024, 1024))
+    fig.canvas.draw()
+    for ax in [ax for ax in fig.axes if ax.images]:
+        img = ax.images[0]
+        rows, cols = np.asarray(img.get_array()).shape
+        box = ax.get_window_extent()
+        assert (rows, cols) == (300, 200) and rows <= box.height and cols <= box.width
+        assert img.get_zorder() > max(s.get_zorder() for s in ax.spines.values())
+    d = np.asarray([ax for ax in fig.axes if ax.images][2].images[0].get_array())
+    assert d[-1, 0] == 5.0  # (max |Δ| per block: the change is its block's value)
+    fig = plot_density(p, bins=1024)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    rows, cols = ax.images[0].get_array().shape
+    assert rows <= ax.get_window_extent().height and cols <= ax.get_window_extent().width
+    assert f"{rows} × {cols} blocks" in ax.get_title()
+    # on a caller's small axes: about what the axes measures
+    small = Figure(figsize=(3, 2), dpi=100)
+    ax = small.add_subplot()
+    plot_density(p, bins=1024, ax=ax)
+    rows, cols = ax.images[0].get_array().shape
+    assert rows < 200 and cols < 300 and rows <= ax.get_window_extent().height
+    # the default is not capped
+    assert plot_density(p).axes[0].images[0].get_array().shape == (128, 128)
