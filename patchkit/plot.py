@@ -738,7 +738,9 @@ def plot_density(
 
     The tensor is drawn as its 2-D view (rows × last dimension) in checkpoint coordinates:
     the image's extent is the real row and column range, so tick labels are whole checkpoint
-    row and column numbers. ``bins`` is capped at :data:`MAX_BINS` per axis, at the tensor's
+    row and column numbers (blocks are drawn equally sized: where ``bins`` does not divide
+    the rows or columns, a block's drawn edges are off its real ones by under a row or
+    column). ``bins`` is capped at :data:`MAX_BINS` per axis, at the tensor's
     rows/columns, and at the panel's pixels, so that every block is drawn at least one pixel
     wide and high (more blocks than pixels are drawn as a sample of them, and a block
     holding the only change may vanish): 360 × 440 on this function's own figure, or about
