@@ -1527,12 +1527,14 @@ class _DeltaValues:
 
 
 def _hist_range(found: tuple[Any, Any], bins: int) -> tuple[float, float]:
-    """The histogram's range for Δ values from ``found[0]`` to ``found[1]``: those, or,
-    where they are too close together for ``bins`` bars of a width float64 tells apart
-    (one value, as one changed element gives), a range around them that is (numpy's
-    own ±0.5 is below float64's resolution from about 2**47 on, and raised)."""
+    """The histogram's range for Δ values from ``found[0]`` to ``found[1]`` (numpy
+    scalars, whose dtype numpy makes the bars' edges in): those, or, where they are too
+    close together for ``bins`` bars of a width that dtype tells apart (one value, as
+    one changed element gives), a range around them that is (numpy's own ±0.5 is below
+    float32's resolution from about 2**18 on, float64's from 2**47, and raised)."""
+    eps = float(np.finfo(np.result_type(found[0], found[1], np.float32)).eps)
     lo, hi = float(found[0]), float(found[1])
-    need = max(abs(lo), abs(hi)) * 2.0**-40 * bins  # (40 of float64's 52 bits: ample)
+    need = max(abs(lo), abs(hi)) * eps * 16 * bins  # (bars 16 units in the last place)
     if hi - lo >= need and hi > lo:
         return lo, hi
     half = max(need, 0.5)
@@ -1553,14 +1555,18 @@ def _delta_pass(
         lo = r0 * cols + c0
         before, after, written = reader.read(lo, lo + (r1 - r0) * (c1 - c0))
         b, a = _as_float(before), _as_float(after)
-        # in float64 for floats (two float32 or bfloat16 values 3e38 apart are a finite
-        # 6e38), |after − before| for complex, exactly for integers (int64 beyond 2**53
-        # too): as the deltas table measures
+        # |after − before| for complex, exactly for integers (int64 beyond 2**53 too), as
+        # the deltas table measures; for floats in their own precision, or in float64
+        # where that overflows (two float32 or bfloat16 values 3e38 apart: a finite 6e38)
         if after.is_complex():
             d = difference(after, before).abs().numpy()
         elif floating:
-            with np.errstate(invalid="ignore", over="ignore"):  # (inf − inf: NaN, as it is)
-                d = a.astype(np.float64) - b
+            try:
+                with np.errstate(invalid="ignore", over="raise"):  # (inf − inf: NaN, as it is)
+                    d = a - b
+            except FloatingPointError:
+                with np.errstate(invalid="ignore", over="ignore"):
+                    d = a.astype(np.float64) - b
         else:
             d = difference(after, before).numpy()
         if pools is not None:
@@ -1604,9 +1610,10 @@ def plot_delta(
     symmetric diverging scale; unpooled (the exact values) when the tensor fits.
     ``axes[3]`` is a histogram (log y) of Δ over the elements the load wrote, each
     counted once (so its counts total ``report.deltas.loc[target, "elements"]``), or over
-    those whose bits changed with ``changed_only=True``. Δ is taken in float64 for
-    floating dtypes (two float32 or bfloat16 values 3e38 apart are a finite 6e38) and
-    exactly for integers, as ``report.deltas`` measures it. A complex tensor is drawn as
+    those whose bits changed with ``changed_only=True``. Δ is taken in float32 for
+    float32 and narrower dtypes, in float64 for a band of the tensor where float32
+    overflows (two values 3e38 apart are a finite 6e38) and for float64, and exactly for
+    integers, as ``report.deltas`` measures it. A complex tensor is drawn as
     moduli: before and after as ``|z|``, and ``|Δ| = |after − before|`` on a one-sided
     scale from 0 (a change of the imaginary part shows), the histogram too. A histogram
     of a single value (one changed element) is one bar around it, however large it is.
