@@ -294,7 +294,8 @@ def sparse_patches_from_diff(
       time); patches live on ``after``'s device.
     - Memory: beyond the patches themselves, a weight's diff holds scratch for about
       4 M elements at a time (a mask and its positions: under 40 MiB), whatever its size
-      or layout; a transposed or sliced view is never copied whole.
+      or layout, and its patch twice while the pieces' parts are joined; a transposed or
+      sliced view is never copied whole.
 
     ``before`` and ``after`` must be mappings of non-empty str names to plain tensors
     (:class:`~patchkit.errors.PatchTypeError` / ``PatchValueError`` name the entry
@@ -363,6 +364,9 @@ def sparse_patches_from_diff(
         value_parts: list[torch.Tensor] = []
         nnz = n_nan = 0
         for lo, pb, pa in _pieces(b, a.detach()):
+            # a lazy conjugate or negative view has no bits of its own to gather: the
+            # values it shows, resolved a piece at a time
+            pa = pa.resolve_conj().resolve_neg()
             shown = changed_mask(pb, pa)  # (pb moved to pa's device a piece at a time)
             part = torch.nonzero(shown.reshape(-1)).reshape(-1)  # ascending
             if not part.numel():

@@ -2732,8 +2732,9 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     """True when two elements of the view ``t`` share memory (exact). Decided from the
     strides alone when each dimension, taken from the smallest stride up, steps past
     all the inner ones reach (every view that slicing, ``narrow``, ``transpose`` or
-    ``permute`` make); otherwise by listing the element offsets (``t.numel()`` int64s:
-    only for views such as ``unfold``'s, which may overlap)."""
+    ``permute`` make); a view of more elements than the addresses it spans overlaps;
+    otherwise by listing the element offsets (``t.numel()`` int64s, at most as many as
+    the addresses spanned: only for views such as ``unfold``'s, which may overlap)."""
     dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
     reach = 1  # elements spanned by the dimensions taken so far
     for st, n in dims:
@@ -2742,6 +2743,9 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
         reach += st * (n - 1)
     else:
         return False
+    span = 1 + sum(st * (n - 1) for st, n in dims)  # addresses from the first to the last
+    if t.numel() > span:  # more elements than addresses: some share one
+        return True
     offsets = torch.zeros((), dtype=torch.int64)
     for n, st in zip(t.shape, t.stride()):
         offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st

@@ -816,6 +816,12 @@ def test_diffs_compare_lazy_conjugate_and_negative_views_by_their_values():
     shown = torch._neg_view(torch.tensor([1.0, 5.0, 3.0]))
     (p,) = sparse_patches_from_diff({"y": -y}, {"y": shown})
     assert p.indices.tolist() == [1] and p.values.tolist() == [-5.0]
+    # a non-contiguous negative view (the imaginary part of a conjugate), gathered too
+    z = torch.tensor([[1 + 1j, 2 + 2j], [3 + 3j, 4 + 4j]])
+    im = z.conj().imag.t()  # shows -imag, transposed
+    assert im.is_neg() and not im.is_contiguous()
+    (p,) = sparse_patches_from_diff({"i": torch.zeros(2, 2)}, {"i": im})
+    assert p.indices.tolist() == [0, 1, 2, 3] and p.values.tolist() == [-1.0, -3.0, -2.0, -4.0]
 
 
 @pytest.mark.parametrize("fn", [sparse_patches_from_diff, changed_fraction])

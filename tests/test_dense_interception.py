@@ -589,3 +589,5 @@ def test_overlaps_itself_agrees_with_listing_every_offset():
         assert _overlaps_itself(v) == want, (shape, stride)
         seen[want] += 1
     assert seen[True] > 50 and seen[False] > 50  # both kinds were drawn
+    # more elements than addresses: told without listing 16 M offsets
+    assert _overlaps_itself(torch.zeros(2**18).unfold(0, 64, 1))
