@@ -256,16 +256,23 @@ def _cap_bins(bins: int | Sequence[int], rows: int, cols: int,
 # renderer samples), and a block with the only change in it could vanish.
 _DENSITY_PX = (360, 440)
 _DELTA_PX = (300, 200)
-# A heat map is drawn over the axes' frame (spines: 2.5), under the NaN/±inf marks (3):
-# a block a pixel high at the edge would otherwise be hidden under the frame's line.
-_OVER_SPINES = 2.6
+
+
+def _frame_under(ax: Axes) -> None:
+    """Draw ``ax``'s frame (spines) under its heat map, whose outermost blocks, a pixel
+    wide at the most bins, would be hidden under the frame's line otherwise; what else
+    is drawn on the axes (a caller's lines, the NaN/±inf marks) stays over the map."""
+    for spine in ax.spines.values():
+        spine.set_zorder(-1)
 
 
 def _pixels(ax: Axes) -> tuple[int, int]:
-    """About how many pixels (rows, columns) a caller's axes has at its figure's dpi, as
-    laid out now (less a tenth, for what a colorbar will take)."""
+    """About how many pixels (rows, columns) a caller's axes will have for its heat map at
+    its figure's dpi: as laid out now, less the fifth of its width a colorbar takes
+    (fraction 0.15 and pad 0.05) and a margin for the labels and title a layout engine
+    makes room for."""
     box = ax.get_window_extent()
-    return max(1, int(0.9 * box.height)), max(1, int(0.9 * box.width))
+    return max(1, int(0.8 * box.height)), max(1, int(0.7 * box.width))
 
 
 def _what(obj: object) -> str:
@@ -744,7 +751,9 @@ def plot_density(
     rows/columns, and at the panel's pixels, so that every block is drawn at least one pixel
     wide and high (more blocks than pixels are drawn as a sample of them, and a block
     holding the only change may vanish): 360 × 440 on this function's own figure, or about
-    what ``ax`` measures when it is called; the title gives the blocks drawn, and
+    what ``ax`` measures when it is called, less room for its colorbar (the frame is drawn
+    under the map; what a caller draws on ``ax`` afterwards, over it); the title gives the
+    blocks drawn, and
     :func:`~patchkit.density.density_map` gives finer grids. The single image
     (``ax.images[0]``) holds exactly ``density_map(patch, capped bins)``: per block, the
     fraction of its elements the patch writes, whether or not a write changes the value (a
@@ -797,8 +806,9 @@ def plot_density(
     top = float(dmap.max()) if dmap.size else 0.0
     im = ax.imshow(
         dmap, cmap="viridis", vmin=0.0, vmax=top if top > 0 else 1.0,
-        interpolation="nearest", aspect="auto", extent=_extent(rows, cols), zorder=_OVER_SPINES,
+        interpolation="nearest", aspect="auto", extent=_extent(rows, cols),
     )
+    _frame_under(ax)
     # Written, not changed: a patch that writes the value already there counts too.
     fig.colorbar(im, ax=ax, label="fraction of elements the patch writes per block")
     kind = "dense" if patch.indices is None else "sparse"
@@ -1526,20 +1536,30 @@ class _DeltaValues:
             self.kept.append(d)
 
 
-def _hist_range(found: tuple[Any, Any], bins: int) -> tuple[float, float]:
+def _hist_range(found: tuple[Any, Any], bins: int) -> tuple[tuple[float, float], Any]:
     """The histogram's range for Δ values from ``found[0]`` to ``found[1]`` (numpy
-    scalars, whose dtype numpy makes the bars' edges in): those, or, where they are too
-    close together for ``bins`` bars of a width that dtype tells apart (one value, as
-    one changed element gives), a range around them that is (numpy's own ±0.5 is below
-    float32's resolution from about 2**18 on, float64's from 2**47, and raised)."""
-    eps = float(np.finfo(np.result_type(found[0], found[1], np.float32)).eps)
+    scalars), and the dtype to count them in, in which numpy makes the bars' edges:
+    float32 where the values are float32 and the range's ends and width are finite in
+    it, else float64. The range is the values', or, where they are too close together
+    for ``bins`` bars of a width that dtype tells apart (one value, as one changed
+    element gives), a range around them that is (numpy's own ±0.5 is below float32's
+    resolution from about 2**18 on, float64's from 2**47, and raised)."""
     lo, hi = float(found[0]), float(found[1])
-    need = max(abs(lo), abs(hi)) * eps * 16 * bins  # (bars 16 units in the last place)
-    if hi - lo >= need and hi > lo:
-        return lo, hi
-    half = max(need, 0.5)
-    mid = lo / 2 + hi / 2  # (no overflow near float64's largest)
-    return mid - half, mid + half
+    dtype = np.result_type(found[0], found[1], np.float32)
+    for _ in range(2):
+        need = max(abs(lo), abs(hi)) * float(np.finfo(dtype).eps) * 16 * bins
+        if hi - lo >= need and hi > lo:
+            span = (lo, hi)
+        else:
+            half = max(need, 0.5)
+            mid = lo / 2 + hi / 2  # (no overflow near the largest float)
+            span = (mid - half, mid + half)
+        # (numpy takes the range's width in the edges' dtype: it must be finite there)
+        if dtype == np.float64 or max(abs(span[0]), abs(span[1])) < \
+                float(np.finfo(np.float32).max) / 4:
+            return span, dtype
+        dtype = np.dtype(np.float64)
+    return span, dtype
 
 
 def _delta_pass(
@@ -1616,7 +1636,9 @@ def plot_delta(
     integers, as ``report.deltas`` measures it. A complex tensor is drawn as
     moduli: before and after as ``|z|``, and ``|Δ| = |after − before|`` on a one-sided
     scale from 0 (a change of the imaginary part shows), the histogram too. A histogram
-    of a single value (one changed element) is one bar around it, however large it is.
+    of a single value (one changed element) is one bar around it, up to float32's
+    largest value; matplotlib cannot draw a float64 tensor whose values or Δ span more
+    than about 1e308 (its colour scales and histogram take the span's width).
 
     NaN and ±inf are drawn in magenta (the colour maps' "bad" colour; Δ = 0 is
     near-white): an unpooled image holds them as they are; a block's mean, or its
@@ -1728,7 +1750,8 @@ def plot_delta(
     for ax, pool, (img, title, cmap, vmin, vmax, label) in zip(axes[:3], pools, panels):
         im = ax.imshow(img, cmap=colormaps[cmap].with_extremes(bad=_NONFINITE), vmin=vmin,
                        vmax=vmax, interpolation="nearest", aspect="auto",
-                       extent=_extent(rows, cols), zorder=_OVER_SPINES)
+                       extent=_extent(rows, cols))
+        _frame_under(ax)
         fig.colorbar(im, ax=ax, label=label, shrink=0.9)
         title += _mark_nonfinite(ax, pool, rows, cols)
         ax.set_title(title, fontsize=9)
@@ -1739,15 +1762,16 @@ def plot_delta(
     ax = axes[3]
     what = "changed" if changed_only else "written"
     if values.finite:
-        span = _hist_range(values.range, hist_bins)
+        span, dtype = _hist_range(values.range, hist_bins)
         if values.kept is not None:
-            ax.hist(np.concatenate(values.kept), bins=hist_bins, range=span, log=True,
-                    color="#4C72B0")
+            ax.hist(np.concatenate(values.kept).astype(dtype, copy=False), bins=hist_bins,
+                    range=span, log=True, color="#4C72B0")
         else:  # too many to keep: counted into the bins on a second pass
             counts, edges = 0, None
             for dw, _, _ in _delta_pass(reader, rows, cols, pieces, floating, changed_only,
                                         None):
-                n, edges = np.histogram(dw[np.isfinite(dw)], bins=hist_bins, range=span)
+                n, edges = np.histogram(dw[np.isfinite(dw)].astype(dtype, copy=False),
+                                        bins=hist_bins, range=span)
                 counts = counts + n
             ax.hist(edges[:-1], bins=edges, weights=counts, log=True, color="#4C72B0")
     else:

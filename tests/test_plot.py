@@ -1532,7 +1532,9 @@ def test_a_finite_delta_beyond_float32s_range_is_drawn_and_counted(dtype):
 
 
 @pytest.mark.parametrize(("dtype", "new"), [(torch.float32, 3e5), (torch.float32, 1e6),
-                                            (torch.int64, 2**60), (torch.float64, 1e300)])
+                                            (torch.int64, 2**60), (torch.float64, 1e300),
+                                            (torch.float32, torch.finfo(torch.float32).max),
+                                            (torch.bfloat16, torch.finfo(torch.bfloat16).max)])
 def test_a_histogram_of_one_large_value_is_drawn(dtype, new):
     # numpy widened a one-value range by ±0.5, which float32 (or float64 past 2**47)
     # cannot cut into 60 bars: ValueError, and no figure.
@@ -1542,6 +1544,27 @@ def test_a_histogram_of_one_large_value_is_drawn(dtype, new):
     assert len(bars) == 1 and bars[0].get_height() == 1
     x0, w = bars[0].get_x(), bars[0].get_width()
     assert x0 <= float(new) <= x0 + w
+
+
+def test_a_band_whose_delta_overflows_float32_is_counted_on_the_second_pass(monkeypatch):
+    # Only that band's Δ is float64; the second pass counted the float32 bands with
+    # edges made in float32, where -6e38 is -inf: ValueError, no figure.
+    from patchkit import plot
+
+    m = PlainModel({"w": (60, 50)})
+    x = torch.ones(60, 50)
+    x[0, 0] = 3e38
+    m.load_weights([("w", x)])
+    y = torch.full((60, 50), 2.0)
+    y[0, 0] = -3e38
+    report = inspect_load(m, [CheckpointWeightPatch("w", (60, 50), torch.float32,
+                                                    y.reshape(-1))])
+    monkeypatch.setattr(plot, "_BAND", 500)  # (10 rows a band: one band overflows)
+    monkeypatch.setattr(plot, "_HIST_KEEP", 100)  # (a second pass)
+    fig = plot_delta(report, "w")
+    heights = [p.get_height() for p in fig.axes[3].patches]
+    assert sum(heights) == 3000 and heights[0] == 1 and heights[-1] == 2999
+    assert fig.axes[3].patches[0].get_x() <= -6e38
 
 
 def test_a_nearly_full_patch_is_not_titled_100_percent():
@@ -1578,11 +1601,18 @@ def test_heat_maps_have_no_more_blocks_than_their_panels_have_pixels():
     rows, cols = ax.images[0].get_array().shape
     assert rows <= ax.get_window_extent().height and cols <= ax.get_window_extent().width
     assert f"{rows} × {cols} blocks" in ax.get_title()
-    # on a caller's small axes: about what the axes measures
-    small = Figure(figsize=(3, 2), dpi=100)
-    ax = small.add_subplot()
-    plot_density(p, bins=1024, ax=ax)
-    rows, cols = ax.images[0].get_array().shape
-    assert rows < 200 and cols < 300 and rows <= ax.get_window_extent().height
+    # on a caller's axes: what the axes will have once its colorbar and labels are in
+    for layout, grid in itertools.product([None, "constrained", "tight"], [1, 2]):
+        mine = Figure(figsize=(6, 4), dpi=100, layout=layout)
+        FigureCanvasAgg(mine)
+        ax = mine.subplots(grid, grid, squeeze=False)[0, 0]
+        plot_density(p, bins=1024, ax=ax)
+        ax.axhline(1000, color="red")  # a caller's line: over the heat map, not under
+        mine.canvas.draw()
+        rows, cols = ax.images[0].get_array().shape
+        box = ax.get_window_extent()
+        assert rows <= box.height and cols <= box.width, (layout, grid)
+        assert ax.lines[0].get_zorder() > ax.images[0].get_zorder()
+        assert max(s.get_zorder() for s in ax.spines.values()) < ax.images[0].get_zorder()
     # the default is not capped
     assert plot_density(p).axes[0].images[0].get_array().shape == (128, 128)
