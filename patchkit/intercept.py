@@ -937,7 +937,9 @@ class SavedRegion:
     def changed_now(self) -> int:
         """How many of the saved elements differ now, bit for bit, from their saved
         values (one host wait on a GPU)."""
-        return int(count_true(bits(self.current()) != bits(self.flat_before())))
+        ne = bits(self.current()) != bits(self.flat_before())
+        # (a complex element's bits are two numbers: changed when either is)
+        return int(count_true(ne.any(-1) if self.before.is_complex() else ne))
 
     def restore(self) -> None:
         """Write the saved values back (outside any interception; an inference tensor in
@@ -2223,7 +2225,9 @@ class WriteSession:
                 counts = []
                 for sr, (t, _), before in zip(saved, targets, befores):
                     now = bits(sr.current() if sr is not None and sr.index is not None else t)
-                    counts.append(count_true(now.reshape(before.shape) != before))
+                    ne = now.reshape(before.shape) != before
+                    # (a complex element's bits are two numbers: changed when either is)
+                    counts.append(count_true(ne.any(-1) if t.is_complex() else ne))
                 if len({c.device for c in counts}) == 1:
                     changed = torch.stack(counts).tolist()
                 else:  # (a foreach copy over tensors of several devices)

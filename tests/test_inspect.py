@@ -1831,3 +1831,24 @@ def test_write_offsets_count_row_major_and_strides_are_the_views_in_memory():
     view = m.q.detach().view(-1).as_strided(q["shape"], q["target_stride"],
                                             int(q["target_offset"]))
     assert view.flatten().tolist() == [10.0, 14.0, 18.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_a_complex_element_changed_in_both_parts_counts_once_in_writes(dtype):
+    # writes.changed counted the real and the imaginary part of each element: 32 of 16.
+    m = PlainModel({"z": (4, 4)}, dtype=dtype)
+    new = torch.full((16,), 1 + 1j, dtype=dtype)
+    new[:3] = 0  # (3 unchanged)
+    r = inspect_load(m, [CheckpointWeightPatch("z", (4, 4), dtype, new)])
+    row = r.writes.iloc[0]
+    assert (row["elements"], row["written"], row["changed"]) == (16, 16, 13)
+    assert int(r.deltas.loc["z", "changed"]) == 13
+
+
+def test_the_text_repr_writes_small_deltas_as_numbers_not_zero():
+    m = PlainModel({"w": (4, 4)})
+    m.load_weights([("w", torch.ones(4, 4))])
+    r = inspect_load(m, [CheckpointWeightPatch("w", (4, 4), torch.float32,
+                                               torch.ones(16) + 3e-7)])
+    text = repr(r).split("deltas:")[1]
+    assert "3.576e-07" in text and " 0.0 " not in text
