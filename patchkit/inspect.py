@@ -326,8 +326,11 @@ class LoadReport:
     - ``chunks``: one row per input patch, in input order: ``chunk`` (the ``load_weights``
       call that carried it, ``<NA>`` for a dropped tied alias), ``position``, ``name``
       (as sent), ``kind``, ``shape``, ``dtype``, ``numel``, ``nnz``, ``density``,
-      ``bytes`` (its staged bytes; for a dropped or not-sent patch, what it would have
-      staged), ``closed_by`` (why its chunk ended: ``budget``,
+      ``bytes`` (its staged bytes as patchkit stages it, in the patch's dtype; for a
+      dropped or not-sent patch, what it would have staged; an observed loader that
+      stages its own tensors, cast to another dtype say, may stage other bytes, which
+      ``summary()`` counts where its calls leave the plan), ``closed_by`` (why its
+      chunk ended: ``budget``,
       ``repeated name``, ``end``; ``loader`` for a call that an observed loader ended for
       reasons of its own), ``note`` (tied-weight renames and drops; ``not sent`` for a
       patch whose call never ran because the load stopped first). Taken from
@@ -712,7 +715,8 @@ class LoadReport:
         with pd.option_context("display.width", 120, "display.max_columns", 20):
             parts.append("chunks:\n" + _head_text(self.chunks.drop(columns=["note"]), False))
             if len(self.deltas):
-                parts.append("deltas:\n" + _head_text(self.deltas.round(6), True))
+                # (4 significant digits: a 3e-7 step of a small learning rate is not 0.0)
+                parts.append("deltas:\n" + _head_text(self.deltas, True, "{:.4g}".format))
         # (a lone surrogate in a name, which no terminal or Jupyter message takes, escaped)
         return shown_text("\n\n".join(parts))
 
@@ -831,12 +835,14 @@ _HTML_ROWS = 8
 _COLWIDTH = 60
 
 
-def _head_text(df: pd.DataFrame, index: bool) -> str:
-    """``df`` as text: whole, or its first rows and a line saying how many more."""
+def _head_text(df: pd.DataFrame, index: bool, floats: Any = None) -> str:
+    """``df`` as text: whole, or its first rows and a line saying how many more
+    (``floats``: how float cells are written, pandas' own format otherwise)."""
     if len(df) <= _REPR_MAX:
-        return df.to_string(index=index, max_colwidth=_COLWIDTH)
+        return df.to_string(index=index, max_colwidth=_COLWIDTH, float_format=floats)
     more = len(df) - _REPR_ROWS
-    return (df.head(_REPR_ROWS).to_string(index=index, max_colwidth=_COLWIDTH)
+    return (df.head(_REPR_ROWS).to_string(index=index, max_colwidth=_COLWIDTH,
+                                          float_format=floats)
             + f"\n... {more} more rows")
 
 

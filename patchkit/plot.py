@@ -419,13 +419,16 @@ def _extent(rows: int, cols: int) -> tuple[float, float, float, float]:
 
 
 def _plan_for(
-    source: LoadReport | Sequence[CheckpointWeightPatch], max_chunk_bytes: int | None
+    source: LoadReport | Sequence[CheckpointWeightPatch], max_chunk_bytes: int | None,
+    *, replan: bool = False,
 ) -> tuple[list[CheckpointWeightPatch], list[Chunk], int]:
     """(patches by input position, plan, budget) for a report or a list of patches.
 
-    A report's own plan is used unless another ``max_chunk_bytes`` is asked for; then the
-    patches the report's load actually sent (tied aliases dropped or renamed) are planned
-    again with :func:`~patchkit.plan_chunks`, exactly as the loader would. A report whose
+    A report's own plan (its calls) is used unless another ``max_chunk_bytes`` is asked
+    for, or ``replan`` (a planner, which shows plans, not calls: an observed loader's
+    calls may follow no plan); then the patches the report's load actually sent (tied
+    aliases dropped or renamed) are planned again with :func:`~patchkit.plan_chunks`,
+    exactly as the loader would, at that budget or the report's. A report whose
     load was rejected before it was planned (no chunk carries any of its patches) has
     its patches planned as given. Anything but a report or a list of patches raises
     ``TypeError``.
@@ -433,8 +436,12 @@ def _plan_for(
     source = _as_source(source, "plot_chunks")
     if _is_report(source):
         patches = list(source.patches)
-        if max_chunk_bytes is None or max_chunk_bytes == source.max_chunk_bytes:
-            return patches, list(source.plan), _report_budget(source)
+        own = max_chunk_bytes is None or max_chunk_bytes == source.max_chunk_bytes
+        budget = _report_budget(source)
+        if own and (not replan or not isinstance(budget, int) or isinstance(budget, bool)):
+            return patches, list(source.plan), budget  # (a budget refused: its calls, none)
+        if max_chunk_bytes is None:
+            max_chunk_bytes = budget
         positions = [p for c in source.plan for p in c.positions]
         names = [n for c in source.plan for n in c.names]
         if patches and not positions and getattr(source, "error", None) is not None:
@@ -516,10 +523,16 @@ def _bar_pieces(
     c: Chunk, patches: Sequence[CheckpointWeightPatch], thin: float
 ) -> list[tuple[list[int], str, int]]:
     """The rectangles of one bar, bottom up: ``(positions, name, height)``. One per patch,
-    except that consecutive patches each under ``thin`` bytes share one."""
+    except that consecutive patches each under ``thin`` bytes share one. The heights add
+    up to the call's bytes: where an observed loader staged tensors of its own (another
+    dtype, say), its call's bytes are shared among the patches in proportion to what
+    patchkit would stage for each."""
+    own = [staged_nbytes(patches[pos]) for pos in c.positions]
+    total = sum(own)
+    scale = c.bytes / total if total and c.bytes and c.bytes != total else 1
     pieces: list[tuple[list[int], str, int, bool]] = []
-    for pos, name in zip(c.positions, c.names):
-        height = staged_nbytes(patches[pos])
+    for pos, name, mine in zip(c.positions, c.names, own):
+        height = mine * scale
         if height < thin and pieces and pieces[-1][3]:
             ps, first, total, _ = pieces[-1]
             pieces[-1] = ([*ps, pos], first, total + height, True)
@@ -571,7 +584,9 @@ def plot_chunks(
     What the figure holds, for a caller that reads it back: one stacked bar per call at
     x = call index, made of :class:`~matplotlib.patches.Rectangle` s whose heights add up
     to the call's staged bytes: one per patch, gid ``"segment <call> <position>"`` and
-    height its staged bytes, except that consecutive patches of a call each too thin to
+    height its staged bytes (an observed loader that staged tensors of its own, cast to
+    another dtype say: its call's bytes, shared in proportion to the patches' own),
+    except that consecutive patches of a call each too thin to
     see (under about a pixel) share one rectangle, gid ``"segment <call> <first>..<last>"``
     (the positions of the first and last of them), height their total. Past 1000
     segments (thousands of calls: a slider move of :func:`~patchkit.widgets.chunk_planner`
@@ -601,8 +616,15 @@ def plot_chunks(
     list of patches raises ``TypeError`` naming what it got, and so does an ``ax`` that is
     not a matplotlib ``Axes``.
     """
+    return _plot_chunks(report_or_patches, max_chunk_bytes, ax, replan=False)
+
+
+def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes | None, *,
+                 replan: bool) -> Figure:
+    """:func:`plot_chunks`; ``replan``: a report's patches planned at its own budget too,
+    not its calls (see :func:`_plan_for`)."""
     _check_ax(ax, "plot_chunks")
-    patches, plan, budget = _plan_for(report_or_patches, max_chunk_bytes)
+    patches, plan, budget = _plan_for(report_or_patches, max_chunk_bytes, replan=replan)
     own = ax is None
     if ax is None:
         fig: Figure = _new_figure(max(6.0, min(14.0, 3.0 + 0.45 * len(plan))), 4.2)
@@ -699,7 +721,9 @@ def plot_chunks(
             )
     _draw_segments(ax, segments)
     ax.update_datalim([(-0.4, 0.0), (len(plan) - 0.6, tallest)])
-    ax.axhline(budget, linestyle="--", color="0.15", linewidth=1.2, gid="budget")
+    # (a budget past float's range, 2**1024 say: drawn at 2**1023, off the scale as it is)
+    ax.axhline(min(budget, 2.0**1023), linestyle="--", color="0.15", linewidth=1.2,
+               gid="budget")
     if budget_off_scale:
         ax.text(
             0.99, 0.98, f"max_chunk_bytes = {format_bytes(budget)} (above this scale)",

@@ -42,7 +42,7 @@ from .plot import (
     _check_report,
     _is_report,
     _plan_for,
-    plot_chunks,
+    _plot_chunks,
     plot_delta,
     plot_density,
     plot_placement,
@@ -97,6 +97,18 @@ def _shown(name: str | None, most: int = 120) -> str:
         return text
     half = (most - 1) // 2
     return text[:half] + "…" + text[len(text) - (most - 1 - half):]
+
+
+def _told_apart(options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Dropdown ``options`` whose labels are made distinct: a label that several carry
+    (long names cut to the same start and end, see :func:`_shown`) gains `` (2)``,
+    `` (3)``, ... on its second and later uses."""
+    seen: dict[str, int] = {}
+    out = []
+    for label, value in options:
+        k = seen[label] = seen.get(label, 0) + 1
+        out.append((label if k == 1 else f"{label} ({k})", value))
+    return out
 
 
 def plan_text(plan: Sequence[Chunk], budget: int) -> str:
@@ -158,8 +170,11 @@ def _slider_range(
     low = max(1.0, min(positive) / 2) if positive else 1.0
     high = max(2.0 * sum(positive), 4.0 * low)
     if wanted is not None:
-        low, high = min(low, float(wanted)), max(high, float(wanted))
-        return low, high, float(wanted)
+        # (past float's range, 2**1024 say: 2**1023, which plans as it does, at or above
+        # the total)
+        at = float(min(wanted, 2**1023))
+        low, high = min(low, at), max(high, at)
+        return low, high, at
     # Any budget at or above the total gives the plan the default gives, so the default is
     # clipped into range without changing the plan.
     return low, high, min(float(DEFAULT_MAX_CHUNK_BYTES), high)
@@ -235,7 +250,7 @@ class ChunkPlanner(W.VBox):
         budget = self.max_chunk_bytes
         self.readout.value = format_bytes(budget)
         try:
-            _, self.plan, budget = _plan_for(self.source, budget)
+            _, self.plan, budget = _plan_for(self.source, budget, replan=True)
             text = text_output(plan_text(self.plan, budget))
         except Exception as exc:
             self.plan = []
@@ -243,7 +258,7 @@ class ChunkPlanner(W.VBox):
             return
         self.output.outputs = (
             _figure_or_note("chunk plan figure",
-                            lambda: plot_chunks(self.source, max_chunk_bytes=budget)),
+                            lambda: _plot_chunks(self.source, budget, None, replan=True)),
             text,
         )
 
@@ -309,8 +324,9 @@ class ReportExplorer(W.VBox):
         runtime = dict.fromkeys([*report.deltas.index,
                                  *(t for t in report.writes["target"] if t is not None)])
         options += [(f"runtime: {_shown(t)}", ("runtime", t)) for t in runtime]
+        self._runtime = len(runtime)
         self.dropdown = W.Dropdown(
-            options=options, description="show", layout=W.Layout(width="60%")
+            options=_told_apart(options), description="show", layout=W.Layout(width="60%")
         )
         self.output = W.Output()
         self.planner = ChunkPlanner(report)
@@ -332,7 +348,7 @@ class ReportExplorer(W.VBox):
     def __repr__(self) -> str:
         return (
             f"ReportExplorer(patches={len(self.report.patches)}, "
-            f"runtime tensors={len(self.report.deltas)})"
+            f"runtime tensors={self._runtime})"
         )
 
     def _on_change(self, _change: Any) -> None:

@@ -300,7 +300,7 @@ def test_planner_shows_why_its_figure_or_plan_cannot_be_made(monkeypatch):
     def fails(*_a, **_k):
         raise RuntimeError("no figure today")
 
-    monkeypatch.setattr(widgets, "plot_chunks", fails)
+    monkeypatch.setattr(widgets, "_plot_chunks", fails)
     w.slider.value = 200
     assert [o["output_type"] for o in w.output.outputs] == ["stream", "stream"]
     text = texts(w.output)
@@ -410,3 +410,86 @@ class _LongNamed(nn.Module):
         for _, t in weights:
             getattr(self, self.key).data.copy_(t)
         return {n for n, _ in weights}
+
+
+# -- what the widgets say, for every kind of report ----------------------------------------
+
+
+def _one_call_loader(model, weights, max_chunk_bytes=None, **kw):
+    """An observed loader that sends every patch in one call, whatever the budget."""
+    model.load_weights([(p.name, p.values.reshape(p.shape)) for p in weights])
+
+
+def test_planner_of_an_observed_report_shows_plans_at_every_budget_its_own_included():
+    # At exactly the report's budget it showed the loader's 1 call, and plan_chunks' 2
+    # at any other value: the planner shows plans, not calls.
+    ps = patches()
+    report = inspect_load(Packed(), ps, max_chunk_bytes=300, loader=_one_call_loader)
+    assert len(report.plan) == 1  # (the loader's own call)
+    w = chunk_planner(report)
+    for budget in (299, 300, 301):
+        w.slider.value = budget
+        want = plan_chunks(ps, budget)
+        assert [c.positions for c in w.plan] == [c.positions for c in want], budget
+        assert f"→ {len(want)} load_weights calls" in texts(w.output)
+    # the report's own figure still draws the calls the loader made
+    assert len(report.plot_chunks().axes[0].get_xticks()) == 1
+
+
+def test_an_observed_call_that_staged_another_dtype_has_bars_that_add_up_to_it():
+    class Cast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.zeros(16, 16), requires_grad=False)
+            self.b = nn.Parameter(torch.zeros(16), requires_grad=False)
+
+        def load_weights(self, weights):
+            for n, t in weights:
+                getattr(self, n).data.copy_(t)
+            return {n for n, _ in weights}
+
+    def widening(model, weights, max_chunk_bytes=None, **kw):
+        model.load_weights([(p.name, p.values.reshape(p.shape).float()) for p in weights])
+
+    ps = [CheckpointWeightPatch("a", (16, 16), torch.bfloat16, torch.ones(256).bfloat16()),
+          CheckpointWeightPatch("b", (16,), torch.bfloat16, torch.ones(16).bfloat16())]
+    report = inspect_load(Cast(), ps, max_chunk_bytes=256, loader=widening)
+    assert report.summary()["staged bytes"] == 4 * 272  # float32, as the loader staged
+    fig = report.plot_chunks()
+    heights = [r.get_height() for r in fig.axes[0].patches
+               if (r.get_gid() or "").startswith("segment")]
+    assert sum(heights) == 4 * 272 and heights == [1024, 64]
+
+
+def test_explorer_repr_counts_the_runtime_tensors_it_lists():
+    class Boom(Packed):
+        def load_weights(self, weights):
+            super().load_weights(weights)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError) as e:
+        inspect_load(Boom(), patches(), transactional=True)
+    report = e.value.report
+    w = explore(report)
+    listed = [v for _, v in w.dropdown.options if v[0] == "runtime"]
+    assert len(listed) == 2 and repr(w) == "ReportExplorer(patches=4, runtime tensors=2)"
+
+
+def test_a_budget_past_floats_range_is_planned_and_drawn():
+    huge = 2**1024
+    report = inspect_load(Packed(), patches(), max_chunk_bytes=huge)
+    assert len(report.plot_chunks().axes[0].get_xticks()) == 1
+    w = chunk_planner(patches(), max_chunk_bytes=huge)
+    assert len(w.plan) == 1 and w.plan == plan_chunks(patches(), w.max_chunk_bytes)
+    explore(report)
+
+
+def test_long_names_cut_to_the_same_label_are_told_apart():
+    stem = "model." + "segment" * 40
+    names = [f"{stem}.{i}.{stem}.weight" for i in range(3)]
+    model = PlainModel({n: (2,) for n in names})
+    report = inspect_load(model, [CheckpointWeightPatch(n, (2,), torch.float32, torch.ones(2))
+                                  for n in names])
+    labels = [label for label, _ in explore(report).dropdown.options]
+    assert len(set(labels)) == len(labels) == 6
+    assert labels[4].endswith(" (2)") and labels[5].endswith(" (3)")
