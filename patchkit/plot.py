@@ -258,10 +258,16 @@ _DENSITY_PX = (360, 440)
 _DELTA_PX = (300, 200)
 
 
+_MAP_Z = 1.6
+"""A heat map's zorder: over a grid a style turns on (axis at 0.5, or 1.5 with
+``axes.axisbelow: "line"``), under lines, patches and text (2 and up)."""
+
+
 def _frame_under(ax: Axes) -> None:
-    """Draw ``ax``'s frame (spines) under its heat map, whose outermost blocks, a pixel
-    wide at the most bins, would be hidden under the frame's line otherwise; what else
-    is drawn on the axes (a caller's lines, the NaN/±inf marks) stays over the map."""
+    """Draw ``ax``'s frame (spines) under its heat map (see :data:`_MAP_Z`), whose
+    outermost blocks, a pixel wide at the most bins, would be hidden under the frame's
+    line otherwise; what else is drawn on the axes (a caller's lines, the NaN/±inf
+    marks) stays over the map."""
     for spine in ax.spines.values():
         spine.set_zorder(-1)
 
@@ -269,10 +275,13 @@ def _frame_under(ax: Axes) -> None:
 def _pixels(ax: Axes) -> tuple[int, int]:
     """About how many pixels (rows, columns) a caller's axes will have for its heat map at
     its figure's dpi: as laid out now, less the fifth of its width a colorbar takes
-    (fraction 0.15 and pad 0.05) and a margin for the labels and title a layout engine
-    makes room for."""
+    (fraction 0.15 and pad 0.05) and the points the labels, ticks and title a layout
+    engine makes room for take (an axes laid out without one keeps more than this)."""
     box = ax.get_window_extent()
-    return max(1, int(0.8 * box.height)), max(1, int(0.7 * box.width))
+    pt = ax.figure.dpi / 72  # (pixels a point)
+    # the colorbar's fifth of the width; then what its ticks and label, the y ticks and
+    # label, the x ticks and label and a two-line title take in a layout: fixed sizes
+    return (max(1, int(box.height - 75 * pt)), max(1, int(0.8 * box.width - 100 * pt)))
 
 
 def _what(obj: object) -> str:
@@ -446,6 +455,11 @@ def _plan_for(
         names = [n for c in source.plan for n in c.names]
         if patches and not positions and getattr(source, "error", None) is not None:
             return patches, plan_chunks(patches, max_chunk_bytes), max_chunk_bytes
+        if any(p < 0 for p in positions):
+            # An observed loader sent names that match no patch (it renamed them): what it
+            # would send at another budget is not known, so the patches are planned as
+            # given, as patchkit's loader would send them.
+            return patches, plan_chunks(patches, max_chunk_bytes), max_chunk_bytes
         sent = [patches[i]._replace(name=n) for i, n in zip(positions, names)]
         return patches, plan_chunks(sent, max_chunk_bytes, positions=positions), max_chunk_bytes
     patches = list(source)
@@ -527,10 +541,17 @@ def _bar_pieces(
     up to the call's bytes: where an observed loader staged tensors of its own (another
     dtype, say), its call's bytes are shared among the patches in proportion to what
     patchkit would stage for each."""
-    own = [staged_nbytes(patches[pos]) for pos in c.positions]
+    # (a name an observed loader sent that matches no patch, position -1: its share of
+    # what the call staged beyond the known patches' sizes)
+    own: list[float] = [staged_nbytes(patches[pos]) if pos >= 0 else 0 for pos in c.positions]
+    unknown = [k for k, pos in enumerate(c.positions) if pos < 0]
+    if unknown:
+        rest = max(0, c.bytes - sum(own)) / len(unknown)
+        for k in unknown:
+            own[k] = rest
     total = sum(own)
     scale = c.bytes / total if total and c.bytes and c.bytes != total else 1
-    pieces: list[tuple[list[int], str, int, bool]] = []
+    pieces: list[tuple[list[int], str, float, bool]] = []
     for pos, name, mine in zip(c.positions, c.names, own):
         height = mine * scale
         if height < thin and pieces and pieces[-1][3]:
@@ -585,7 +606,9 @@ def plot_chunks(
     x = call index, made of :class:`~matplotlib.patches.Rectangle` s whose heights add up
     to the call's staged bytes: one per patch, gid ``"segment <call> <position>"`` and
     height its staged bytes (an observed loader that staged tensors of its own, cast to
-    another dtype say: its call's bytes, shared in proportion to the patches' own),
+    another dtype say: its call's bytes, shared in proportion to the patches' own; a
+    name it sent that matches no patch, position ``-1``: an equal share of the bytes
+    the known patches do not account for),
     except that consecutive patches of a call each too thin to
     see (under about a pixel) share one rectangle, gid ``"segment <call> <first>..<last>"``
     (the positions of the first and last of them), height their total. Past 1000
@@ -830,7 +853,7 @@ def plot_density(
     top = float(dmap.max()) if dmap.size else 0.0
     im = ax.imshow(
         dmap, cmap="viridis", vmin=0.0, vmax=top if top > 0 else 1.0,
-        interpolation="nearest", aspect="auto", extent=_extent(rows, cols),
+        interpolation="nearest", aspect="auto", extent=_extent(rows, cols), zorder=_MAP_Z,
     )
     _frame_under(ax)
     # Written, not changed: a patch that writes the value already there counts too.
@@ -1571,7 +1594,9 @@ def _hist_range(found: tuple[Any, Any], bins: int) -> tuple[tuple[float, float],
     lo, hi = float(found[0]), float(found[1])
     dtype = np.result_type(found[0], found[1], np.float32)
     for _ in range(2):
-        need = max(abs(lo), abs(hi)) * float(np.finfo(dtype).eps) * 16 * bins
+        info = np.finfo(dtype)  # (bars 16 units in the last place, or subnormal steps)
+        need = max(max(abs(lo), abs(hi)) * float(info.eps), float(info.smallest_subnormal)) \
+            * 16 * bins
         if hi - lo >= need and hi > lo:
             span = (lo, hi)
         else:
@@ -1774,7 +1799,7 @@ def plot_delta(
     for ax, pool, (img, title, cmap, vmin, vmax, label) in zip(axes[:3], pools, panels):
         im = ax.imshow(img, cmap=colormaps[cmap].with_extremes(bad=_NONFINITE), vmin=vmin,
                        vmax=vmax, interpolation="nearest", aspect="auto",
-                       extent=_extent(rows, cols))
+                       extent=_extent(rows, cols), zorder=_MAP_Z)
         _frame_under(ax)
         fig.colorbar(im, ax=ax, label=label, shrink=0.9)
         title += _mark_nonfinite(ax, pool, rows, cols)

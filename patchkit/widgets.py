@@ -104,10 +104,17 @@ def _told_apart(options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     (long names cut to the same start and end, see :func:`_shown`) gains `` (2)``,
     `` (3)``, ... on its second and later uses."""
     seen: dict[str, int] = {}
+    used = {label for label, _ in options}
     out = []
     for label, value in options:
         k = seen[label] = seen.get(label, 0) + 1
-        out.append((label if k == 1 else f"{label} ({k})", value))
+        if k > 1:
+            while f"{label} ({k})" in used:  # (a label of its own may read so already)
+                k += 1
+            seen[label] = k
+            label = f"{label} ({k})"
+            used.add(label)
+        out.append((label, value))
     return out
 
 

@@ -1534,7 +1534,7 @@ def test_a_finite_delta_beyond_float32s_range_is_drawn_and_counted(dtype):
 @pytest.mark.parametrize(("dtype", "new"), [(torch.float32, 3e5), (torch.float32, 1e6),
                                             (torch.int64, 2**60), (torch.float64, 1e300),
                                             (torch.float32, torch.finfo(torch.float32).max),
-                                            (torch.bfloat16, torch.finfo(torch.bfloat16).max)])
+                                            (torch.float32, 1.4e-45)])  # (a subnormal step)
 def test_a_histogram_of_one_large_value_is_drawn(dtype, new):
     # numpy widened a one-value range by ±0.5, which float32 (or float64 past 2**47)
     # cannot cut into 60 bars: ValueError, and no figure.
@@ -1544,6 +1544,9 @@ def test_a_histogram_of_one_large_value_is_drawn(dtype, new):
     assert len(bars) == 1 and bars[0].get_height() == 1
     x0, w = bars[0].get_x(), bars[0].get_width()
     assert x0 <= float(new) <= x0 + w
+    # with the unchanged elements too: 0 and the one value, however close together
+    fig = plot_delta(report, "w")
+    assert sum(p.get_height() for p in fig.axes[3].patches) == 20
 
 
 def test_a_band_whose_delta_overflows_float32_is_counted_on_the_second_pass(monkeypatch):
@@ -1577,6 +1580,7 @@ def test_a_nearly_full_patch_is_not_titled_100_percent():
     assert "(>99.9 %)" in plot_density(p).axes[0].get_title()
 
 
+@pytest.mark.filterwarnings("ignore:Tight layout not applied")  # (3 x 3 axes in 3 x 2 in)
 def test_heat_maps_have_no_more_blocks_than_their_panels_have_pixels():
     # With bins above a panel's pixel count a renderer draws a sample of the blocks:
     # the one block holding a single change vanished from plot_delta's Δ panel 12 times
@@ -1602,8 +1606,9 @@ def test_heat_maps_have_no_more_blocks_than_their_panels_have_pixels():
     assert rows <= ax.get_window_extent().height and cols <= ax.get_window_extent().width
     assert f"{rows} × {cols} blocks" in ax.get_title()
     # on a caller's axes: what the axes will have once its colorbar and labels are in
-    for layout, grid in itertools.product([None, "constrained", "tight"], [1, 2]):
-        mine = Figure(figsize=(6, 4), dpi=100, layout=layout)
+    for size, layout, grid in itertools.product([(3, 2), (4, 3), (6, 4)],
+                                                [None, "constrained", "tight"], [1, 2, 3]):
+        mine = Figure(figsize=size, dpi=100, layout=layout)
         FigureCanvasAgg(mine)
         ax = mine.subplots(grid, grid, squeeze=False)[0, 0]
         plot_density(p, bins=1024, ax=ax)
@@ -1611,8 +1616,25 @@ def test_heat_maps_have_no_more_blocks_than_their_panels_have_pixels():
         mine.canvas.draw()
         rows, cols = ax.images[0].get_array().shape
         box = ax.get_window_extent()
-        assert rows <= box.height and cols <= box.width, (layout, grid)
+        assert rows <= box.height and cols <= box.width, (size, layout, grid)
         assert ax.lines[0].get_zorder() > ax.images[0].get_zorder()
         assert max(s.get_zorder() for s in ax.spines.values()) < ax.images[0].get_zorder()
     # the default is not capped
     assert plot_density(p).axes[0].images[0].get_array().shape == (128, 128)
+
+
+def test_a_styles_grid_is_drawn_under_the_heat_maps():
+    # Drawing the frame under the map first put the map at zorder 0, under the grid a
+    # style (ggplot, seaborn's darkgrid) turns on: white lines across one-pixel blocks.
+    import matplotlib.pyplot as plt
+
+    p = CheckpointWeightPatch("w", (64, 64), torch.float32, torch.ones(64 * 64))
+    with plt.style.context("ggplot"):
+        fig = plot_density(p)
+        m = PlainModel({"w": (64, 64)})
+        delta = plot_delta(inspect_load(m, [p]), "w")
+    for ax in [fig.axes[0], *[a for a in delta.axes if a.images]]:
+        assert ax.xaxis.get_gridlines()[0].get_visible()  # (the style's grid is on)
+        z = ax.images[0].get_zorder()
+        assert ax.xaxis.get_zorder() < z and ax.yaxis.get_zorder() < z
+        assert max(sp.get_zorder() for sp in ax.spines.values()) < z < 2  # under lines

@@ -493,3 +493,41 @@ def test_long_names_cut_to_the_same_label_are_told_apart():
     labels = [label for label, _ in explore(report).dropdown.options]
     assert len(set(labels)) == len(labels) == 6
     assert labels[4].endswith(" (2)") and labels[5].endswith(" (3)")
+
+
+def test_labels_are_told_apart_even_where_a_suffix_is_taken():
+    from patchkit.widgets import _told_apart
+
+    got = _told_apart([("a", 1), ("a (2)", 2), ("a", 3), ("a", 4)])
+    assert [label for label, _ in got] == ["a", "a (2)", "a (3)", "a (4)"]
+    assert [v for _, v in got] == [1, 2, 3, 4]
+
+
+def test_a_loader_that_renames_names_is_planned_as_its_patches_are_given():
+    # The sent names match no patch (position -1), and the planner took patches[-1],
+    # the last patch, for each: 32 B planned for a 16400 B call.
+    ps = [CheckpointWeightPatch("big", (64, 64), torch.float32, torch.ones(4096)),
+          CheckpointWeightPatch("small", (4,), torch.float32, torch.ones(4))]
+
+    class Renamed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big = nn.Parameter(torch.zeros(64, 64), requires_grad=False)
+            self.small = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+        def load_weights(self, weights):
+            for n, t in weights:
+                getattr(self, n.removeprefix("model.")).data.copy_(t)
+            return {n for n, _ in weights}
+
+    def renaming(model, patches, max_chunk_bytes=None, **kw):
+        model.load_weights([("model." + p.name, p.values.reshape(p.shape)) for p in patches])
+
+    report = inspect_load(Renamed(), ps, loader=renaming)
+    assert report.plan[0].positions == (-1, -1) and report.plan[0].bytes == 16400
+    w = chunk_planner(report)
+    assert w.plan == plan_chunks(ps, w.max_chunk_bytes) and w.plan[0].bytes == 16400
+    fig = report.plot_chunks()
+    heights = [r.get_height() for r in fig.axes[0].patches
+               if (r.get_gid() or "").startswith("segment")]
+    assert sum(heights) == 16400
