@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 __all__ = ["bits", "block_size", "changed_mask", "count_true", "device_passes", "difference",
-           "has_numbers", "host_waits", "same_bits", "same_state", "select",
+           "has_numbers", "host_waits", "per_element", "same_bits", "same_state", "select",
            "squares_on_device", "sum_squares"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -92,13 +92,20 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x >> 32, x & 0xFFFFFFFF
 
 
+def per_element(ne: torch.Tensor, complex_: bool) -> torch.Tensor:
+    """A comparison of :func:`bits` views per element of the tensors compared: a complex
+    element's bits are two numbers (a trailing dimension of 2), and it differs when
+    either does."""
+    return ne.any(dim=-1) if complex_ else ne
+
+
 def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """Bool tensor shaped like ``after``: True where the bits differ from ``before``.
     A lazy conjugate or negative view (``x.conj()``, ``torch._neg_view``) is compared by
     the values it shows (resolved first, a copy of that tensor only)."""
     before = before.to(after.device).resolve_conj().resolve_neg()
     ne = bits(before) != bits(after.resolve_conj().resolve_neg())
-    return ne.any(dim=-1) if after.dtype.is_complex else ne
+    return per_element(ne, after.dtype.is_complex)
 
 
 _COUNT_BLOCK = 1 << 20

@@ -59,6 +59,7 @@ from .bitwise import (
     count_true,
     has_numbers,
     host_waits,
+    per_element,
     select,
     squares_on_device,
 )
@@ -938,8 +939,7 @@ class SavedRegion:
         """How many of the saved elements differ now, bit for bit, from their saved
         values (one host wait on a GPU)."""
         ne = bits(self.current()) != bits(self.flat_before())
-        # (a complex element's bits are two numbers: changed when either is)
-        return int(count_true(ne.any(-1) if self.before.is_complex() else ne))
+        return int(count_true(per_element(ne, self.before.is_complex())))
 
     def restore(self) -> None:
         """Write the saved values back (outside any interception; an inference tensor in
@@ -2226,8 +2226,7 @@ class WriteSession:
                 for sr, (t, _), before in zip(saved, targets, befores):
                     now = bits(sr.current() if sr is not None and sr.index is not None else t)
                     ne = now.reshape(before.shape) != before
-                    # (a complex element's bits are two numbers: changed when either is)
-                    counts.append(count_true(ne.any(-1) if t.is_complex() else ne))
+                    counts.append(count_true(per_element(ne, t.is_complex())))
                 if len({c.device for c in counts}) == 1:
                     changed = torch.stack(counts).tolist()
                 else:  # (a foreach copy over tensors of several devices)

@@ -415,6 +415,21 @@ class _LongNamed(nn.Module):
 # -- what the widgets say, for every kind of report ----------------------------------------
 
 
+class _ByName(nn.Module):
+    """Zero float32 parameters of the given shapes; ``load_weights`` copies each weight
+    into the parameter of its name (a ``model.`` prefix, as vLLM maps names, dropped)."""
+
+    def __init__(self, **shapes: tuple[int, ...]) -> None:
+        super().__init__()
+        for n, shape in shapes.items():
+            setattr(self, n, nn.Parameter(torch.zeros(shape), requires_grad=False))
+
+    def load_weights(self, weights):
+        for n, t in weights:
+            getattr(self, n.removeprefix("model.")).data.copy_(t)
+        return {n for n, _ in weights}
+
+
 def _one_call_loader(model, weights, max_chunk_bytes=None, **kw):
     """An observed loader that sends every patch in one call, whatever the budget."""
     model.load_weights([(p.name, p.values.reshape(p.shape)) for p in weights])
@@ -437,23 +452,12 @@ def test_planner_of_an_observed_report_shows_plans_at_every_budget_its_own_inclu
 
 
 def test_an_observed_call_that_staged_another_dtype_has_bars_that_add_up_to_it():
-    class Cast(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Parameter(torch.zeros(16, 16), requires_grad=False)
-            self.b = nn.Parameter(torch.zeros(16), requires_grad=False)
-
-        def load_weights(self, weights):
-            for n, t in weights:
-                getattr(self, n).data.copy_(t)
-            return {n for n, _ in weights}
-
     def widening(model, weights, max_chunk_bytes=None, **kw):
         model.load_weights([(p.name, p.values.reshape(p.shape).float()) for p in weights])
 
     ps = [CheckpointWeightPatch("a", (16, 16), torch.bfloat16, torch.ones(256).bfloat16()),
           CheckpointWeightPatch("b", (16,), torch.bfloat16, torch.ones(16).bfloat16())]
-    report = inspect_load(Cast(), ps, max_chunk_bytes=256, loader=widening)
+    report = inspect_load(_ByName(a=(16, 16), b=(16,)), ps, max_chunk_bytes=256, loader=widening)
     assert report.summary()["staged bytes"] == 4 * 272  # float32, as the loader staged
     fig = report.plot_chunks()
     heights = [r.get_height() for r in fig.axes[0].patches
@@ -509,21 +513,10 @@ def test_a_loader_that_renames_names_is_planned_as_its_patches_are_given():
     ps = [CheckpointWeightPatch("big", (64, 64), torch.float32, torch.ones(4096)),
           CheckpointWeightPatch("small", (4,), torch.float32, torch.ones(4))]
 
-    class Renamed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.big = nn.Parameter(torch.zeros(64, 64), requires_grad=False)
-            self.small = nn.Parameter(torch.zeros(4), requires_grad=False)
-
-        def load_weights(self, weights):
-            for n, t in weights:
-                getattr(self, n.removeprefix("model.")).data.copy_(t)
-            return {n for n, _ in weights}
-
     def renaming(model, patches, max_chunk_bytes=None, **kw):
         model.load_weights([("model." + p.name, p.values.reshape(p.shape)) for p in patches])
 
-    report = inspect_load(Renamed(), ps, loader=renaming)
+    report = inspect_load(_ByName(big=(64, 64), small=(4,)), ps, loader=renaming)
     assert report.plan[0].positions == (-1, -1) and report.plan[0].bytes == 16400
     w = chunk_planner(report)
     assert w.plan == plan_chunks(ps, w.max_chunk_bytes) and w.plan[0].bytes == 16400
