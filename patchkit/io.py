@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
@@ -47,7 +48,7 @@ from .patch import (
     patch_list,
     validate_patches,
 )
-from .units import _count, format_bytes, shown_name
+from .units import _count, _percent_digits, format_bytes, shown_name
 
 __all__ = [
     "FORMAT_KEY",
@@ -101,11 +102,65 @@ _DTYPE_TO_CODE = {dtype: code for code, dtype in _CODE_TO_DTYPE.items()}
 def storable_dtypes() -> frozenset[torch.dtype]:
     """The tensor dtypes a patch file can hold for ``values`` (and indices: int32/int64).
 
-    The dtypes both this torch and the safetensors format know: float64/32/16, bfloat16,
-    the float8 types this torch has, signed and unsigned integers, bool and complex64.
-    A patch's checkpoint ``dtype`` may be any torch dtype: it is stored by name.
+    The dtypes this torch, the safetensors format and the installed ``safetensors``
+    package all know: float64/32/16, bfloat16, the float8 types, signed and unsigned
+    integers, bool and complex64. Older ``safetensors`` releases read fewer (0.7.0 lacks
+    float8_e4m3fnuz and float8_e5m2fnuz, 0.6.2 complex64 too, 0.4.5 float8_e8m0fnu too;
+    0.8.0 reads them all): those this one cannot read are left out, as this machine
+    could not read such a file back. Without the package, the dtypes this torch and the
+    format share. A patch's checkpoint
+    ``dtype`` may be any torch dtype: it is stored by name.
     """
-    return frozenset(_DTYPE_TO_CODE)
+    return frozenset(d for d, code in _DTYPE_TO_CODE.items() if code in _readable_codes())
+
+
+@functools.lru_cache(maxsize=1)
+def _readable_codes() -> frozenset[str]:
+    """The dtype codes the installed ``safetensors`` reads (each tried on a header of one
+    empty tensor: a few microseconds, once), or all that patchkit maps when it is not
+    installed."""
+    try:
+        import safetensors
+    except ImportError:
+        return frozenset(_DTYPE_TO_CODE.values())
+    found = set()
+    for code in _DTYPE_TO_CODE.values():
+        text = json.dumps({"t": {"dtype": code, "shape": [0], "data_offsets": [0, 0]}})
+        text += " " * (-len(text) % 8)
+        try:
+            safetensors.deserialize(len(text).to_bytes(8, "little") + text.encode())
+        except Exception:
+            continue
+        found.add(code)
+    return frozenset(found)
+
+
+def _safetensors_version() -> str:
+    try:
+        import safetensors
+    except ImportError:
+        return "(none)"
+    return getattr(safetensors, "__version__", "(unknown version)")
+
+
+def _check_storable(t: torch.Tensor, i: int, name: str, what: str,
+                    readable: frozenset[str]) -> None:
+    """Refuse ``t`` (patch ``i``'s ``what``) when a patch file cannot hold its dtype, or the
+    installed ``safetensors`` could not read it back."""
+    code = _DTYPE_TO_CODE.get(t.dtype)
+    if code is None:
+        raise PatchTypeError(
+            f"{where(i, name)}: {what} of dtype {t.dtype} cannot be stored in a patch file "
+            f"(storable: {sorted(_dtype_name(d) for d in storable_dtypes())})",
+            position=i, name=name, reason="unstorable dtype", value=t.dtype,
+        )
+    if code not in readable:
+        raise PatchTypeError(
+            f"{where(i, name)}: {what} of dtype {t.dtype} cannot be stored here: the "
+            f"installed safetensors {_safetensors_version()} cannot read dtype code {code!r} "
+            f"back (upgrade it: pip install 'safetensors>=0.8')",
+            position=i, name=name, reason="unstorable dtype", value=t.dtype,
+        )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -282,37 +337,17 @@ def save_patches(
         else p
         for p in patch_list(patches)
     ]
+    readable = _readable_codes()
+    tensors: dict[str, torch.Tensor] = {}  # the caller's, until copied below
+    entries: list[dict[str, Any]] = []
     for i, p in enumerate(patches):
         _refuse_meta(p, i)  # first: validate_patches cannot read meta indices either
         validate_patches([p], positions=[i])
-
-    tensors: dict[str, torch.Tensor] = {}
-    entries: list[dict[str, Any]] = []
-    seen_storage: set[tuple[torch.device, int]] = set()
-
-    def prepare(t: torch.Tensor, i: int, name: str, what: str) -> torch.Tensor:
-        if t.dtype not in _DTYPE_TO_CODE:
-            raise PatchTypeError(
-                f"{where(i, name)}: {what} of dtype {t.dtype} cannot be stored in a patch "
-                f"file (storable: {sorted(_dtype_name(d) for d in _DTYPE_TO_CODE)})",
-                position=i, name=name, reason="unstorable dtype", value=t.dtype,
-            )
-        # resolve torch's lazy conjugate / negative bits: safetensors copies the raw
-        # memory, which holds the values before conjugation or negation
-        t = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-        if t.numel():
-            key = (t.device, t.untyped_storage().data_ptr())
-            if key in seen_storage:
-                t = t.clone()
-            else:
-                seen_storage.add(key)
-        return t
-
-    for i, p in enumerate(patches):
         sparse = p.indices is not None
-        tensors[_key(i, "values")] = prepare(p.values, i, p.name, "values")
-        if sparse:
-            tensors[_key(i, "indices")] = prepare(p.indices, i, p.name, "indices")
+        for part, t in (("values", p.values), ("indices", p.indices)):
+            if t is not None:
+                _check_storable(t, i, p.name, part, readable)
+                tensors[_key(i, part)] = t
         entries.append(
             {
                 "name": p.name,
@@ -326,13 +361,30 @@ def save_patches(
         )
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "patches": entries}
     meta = {FORMAT_KEY: json.dumps(header, separators=(",", ":")), **user}
-    size = _header_bytes(tensors, meta)
+    size = _header_bytes(tensors, meta)  # (dtypes and shapes only: no copy needed)
     if size > _MAX_HEADER_BYTES:
         raise _header_too_large(path, patches, len(tensors), user, f"would take {size} bytes "
                                 f"({format_bytes(size)})", size)
 
+    # The temporary before any copy: a folder that cannot be written is said before any
+    # tensor is copied (patches on a GPU would otherwise all come to host memory first).
     tmp = _create_temporary(dest, path)
     try:
+        seen_storage: set[tuple[torch.device, int]] = set()
+
+        def prepare(t: torch.Tensor) -> torch.Tensor:
+            # resolve torch's lazy conjugate / negative bits: safetensors copies the raw
+            # memory, which holds the values before conjugation or negation
+            t = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+            if t.numel():
+                key = (t.device, t.untyped_storage().data_ptr())
+                if key in seen_storage:
+                    t = t.clone()
+                else:
+                    seen_storage.add(key)
+            return t
+
+        tensors = {k: prepare(t) for k, t in tensors.items()}
         try:  # overwriting: keep the file's permission bits
             mode = stat.S_IMODE(os.stat(dest).st_mode) & 0o777
         except OSError:  # a new file: those open() gives (0o666 less the umask), read off
@@ -365,25 +417,36 @@ def _write_safetensors(filename: str, tensors: Mapping[str, torch.Tensor],
     ``filename`` in the safetensors format, as ``safetensors.torch.save_file`` does, on a
     little-endian machine: 8 bytes of header length, the JSON header (each tensor's dtype
     code, shape and byte range in the data; ``__metadata__``), padded with spaces to a
-    multiple of 8 bytes, then each tensor's bytes in turn, written from its own memory.
+    multiple of 8 bytes, then the tensors' bytes, each written from its own memory and
+    starting at a multiple of its element size (8-byte elements first, as ``save_file``
+    orders them).
 
     Not through ``save_file``: that hands each tensor to C through a numpy array made by
     ``np.ctypeslib.as_array``, which creates (and ctypes keeps for good) two ctypes types
     for every byte size it meets. Sparse patches change size every step, so a trainer
     that saved one file a step leaked about 11 KiB per tensor per step."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    # The data in order of falling element size (stable: patch order within a size), so
+    # that each tensor starts at a multiple of its element size (the data begins at a
+    # multiple of 8 and the format allows no gaps): a reader that maps the file hands out
+    # aligned tensors. The header lists them in patch order with their offsets.
+    order = sorted(tensors, key=lambda k: -tensors[k].element_size())
+    spans: dict[str, list[int]] = {}
     start = 0
-    for key, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[key] = {"dtype": _DTYPE_TO_CODE[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [start, start + n]}
+    for key in order:
+        n = tensors[key].numel() * tensors[key].element_size()
+        spans[key] = [start, start + n]
         start += n
+    for key, t in tensors.items():
+        header[key] = {"dtype": _DTYPE_TO_CODE[t.dtype], "shape": list(t.shape),
+                       "data_offsets": spans[key]}
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
     with open(filename, "wb") as fh:
         fh.write(len(text).to_bytes(8, "little"))
         fh.write(text)
-        for t in tensors.values():
+        for key in order:
+            t = tensors[key]
             if t.numel():
                 fh.write(t.reshape(-1).view(torch.uint8).numpy())  # (a view: no copy)
 
@@ -761,11 +824,38 @@ def _safe_open(safe_open: Any, at: str, device: str, path: str) -> Any:
     try:
         return safe_open(at, framework="pt", device=device)
     except Exception as e:
+        unread = _codes_not_read_here(at)
+        if unread:
+            raise _fail(
+                path,
+                f"it holds tensors of dtype code {', '.join(map(repr, unread))}, which the "
+                f"installed safetensors {_safetensors_version()} cannot read (upgrade it: pip "
+                "install 'safetensors>=0.8')",
+                "unreadable dtype", value=unread[0],
+            ) from None
         raise _fail(
             path,
             f"not a readable safetensors file (truncated, corrupt or another format): {e}",
             "not safetensors",
         ) from None
+
+
+def _codes_not_read_here(at: str) -> list[str]:
+    """The dtype codes in the safetensors header of the file at ``at`` that patchkit knows
+    but the installed ``safetensors`` cannot read (empty where the header cannot be read
+    or holds none: the file's problem is another)."""
+    try:
+        with open(at, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= _MAX_HEADER_BYTES:
+                return []
+            header = json.loads(fh.read(n))
+        codes = {v.get("dtype") for k, v in header.items()
+                 if k != "__metadata__" and isinstance(v, dict)}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return []
+    readable = _readable_codes()
+    return sorted(c for c in codes if c in _CODE_TO_DTYPE and c not in readable)
 
 
 def _user_metadata(raw: Mapping[str, str] | None) -> dict[str, str]:
@@ -1089,7 +1179,7 @@ def _encodable(out: TextIO) -> Callable[[str], str]:
 def _percent(x: float | None) -> str:
     if x is None:
         return "-"
-    return f"{100 * x:.3g}%"
+    return _percent_digits(x) + "%"
 
 
 def _stand_in(e: PatchFileEntry) -> CheckpointWeightPatch:
@@ -1130,7 +1220,7 @@ def print_patch_file_summary(
     ``error: ...`` to stderr and returns 2.
     """
     out = sys.stdout if file is None else file
-    path = os.fspath(path)
+    path = os.fsdecode(path)  # (bytes too, as the readers take them)
     try:
         max_chunk_bytes = check_max_chunk_bytes(max_chunk_bytes)  # also with no patches
         entries = read_patch_index(path)

@@ -107,7 +107,9 @@ def _checked_device(device: object, *, allow_meta: bool = False) -> torch.device
     ``value`` set, the message naming the device) for a string torch does not parse,
     ``"meta"`` (no memory to hold values; accepted with ``allow_meta``) and an
     accelerator this machine does not have (e.g. ``"cuda"`` where
-    ``torch.cuda.is_available()`` is False, or ``"cuda:3"`` with two GPUs).
+    ``torch.cuda.is_available()`` is False, ``"cuda:3"`` with two GPUs, or a device type
+    this torch build cannot make tensors on: ``"hip"`` on a CUDA build, ``"xla"``
+    without torch_xla).
     """
     if not isinstance(device, (str, torch.device)):
         raise PatchTypeError(
@@ -143,7 +145,24 @@ def _checked_device(device: object, *, allow_meta: bool = False) -> torch.device
                 f"{device_count()} {dev.type} device(s)",
                 reason="device unavailable", value=device,
             )
+        try:  # (a device type torch parses but this build or machine cannot hold tensors on:
+            # "hip", "xla", "lazy", "hpu", ...; allocates nothing)
+            torch.empty(0, device=dev)
+        except Exception as e:
+            raise PatchValueError(
+                f"device {str(device)!r} is not available here: torch cannot make a tensor "
+                f"on it ({type(e).__name__}: {_first_sentence(e)})",
+                reason="device unavailable", value=device,
+            ) from None
     return dev
+
+
+def _first_sentence(e: BaseException, most: int = 200) -> str:
+    """The first sentence of ``e``'s message (torch's dispatcher errors run to pages),
+    cut to ``most`` characters."""
+    text = " ".join(str(e).split())
+    head = text.split(". ", 1)[0]
+    return head if len(head) <= most else head[: most - 3] + "..."
 
 
 def _given_name(p: object) -> str | None:

@@ -60,7 +60,7 @@ from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, grid_shape
 from .loader import _as_patch as _as_record
 from .patch import CheckpointWeightPatch, _check_structure, check_flag, numel, staged_nbytes
-from .units import _count, format_bytes, shown_name
+from .units import _count, _percent_digits, format_bytes, shown_name
 
 if TYPE_CHECKING:
     from .inspect import LoadReport
@@ -232,8 +232,7 @@ def _elements(n: int) -> str:
 def _pct(x: float) -> str:
     """``x`` (a fraction) as a percentage of 3 significant digits, never "100 %" for
     less than all of it."""
-    text = f"{100 * x:.3g}"
-    return (">99.9" if x < 1 and text == "100" else text) + " %"
+    return _percent_digits(x) + " %"
 
 
 def _shape_text(shape: Sequence[int]) -> str:

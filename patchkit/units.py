@@ -103,3 +103,10 @@ def _scientific(n: float, unit: int) -> str:
 def _count(n: int, one: str, many: str | None = None) -> str:
     """``"1 patch"``, ``"2 patches"``: ``n`` and the word, singular for one."""
     return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def _percent_digits(x: float) -> str:
+    """``x`` (a fraction) as a percentage of 3 significant digits, without the sign:
+    never "100" for less than all of it (">99.9")."""
+    text = f"{100 * x:.3g}"
+    return ">99.9" if x < 1 and text == "100" else text

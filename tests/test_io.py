@@ -1369,3 +1369,149 @@ def test_metadata_with_a_lone_surrogate_is_refused_by_name_before_writing(tmp_pa
         assert os.listdir(tmp_path) == []
     save_patches(tmp_path / "p.safetensors", p)
     assert load_patches(tmp_path / "p.safetensors")[0].name == "w\ud800"
+
+
+# -- fifth hunt: devices, unwritable folders, older safetensors, alignment ----------------
+
+
+@pytest.mark.parametrize("device", ["hip", "xla", "lazy", "hpu", "privateuseone"])
+def test_a_device_type_this_torch_cannot_use_is_named_not_blamed_on_the_file(tmp_path, device):
+    # (only cuda/mps/xpu/mtia have an is_available(): the others reached safetensors,
+    # which called a good file "not a readable safetensors file")
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    with pytest.raises(PatchValueError, match=rf"device '{device}' is not available here") as e:
+        load_patches(path, device=device)
+    assert e.value.reason == "device unavailable" and e.value.value == device
+
+
+def test_an_unwritable_folder_is_said_before_any_tensor_is_copied(tmp_path, monkeypatch):
+    import patchkit.io as pio
+
+    copies = []
+    real = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous",
+                        lambda self, *a, **k: copies.append(self.shape) or real(self, *a, **k))
+
+    def refuse(dest, path):
+        raise PermissionError(errno.EACCES, "cannot create a temporary file", path)
+
+    monkeypatch.setattr(pio, "_create_temporary", refuse)
+    values = torch.arange(24.0)[::2]  # (not contiguous: a save copies it)
+    with pytest.raises(PermissionError):
+        save_patches(tmp_path / "p.safetensors",
+                     [CheckpointWeightPatch("w", (4, 3), torch.float32, values)])
+    assert copies == []
+    assert os.listdir(tmp_path) == []
+
+
+def test_input_errors_still_come_before_the_folder_is_touched(tmp_path, monkeypatch):
+    import patchkit.io as pio
+
+    made = []
+    monkeypatch.setattr(pio, "_create_temporary", lambda dest, path: made.append(dest))
+    with pytest.raises(PatchTypeError, match="cannot be stored") as e:
+        save_patches(tmp_path / "p.safetensors",
+                     [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2)),
+                      CheckpointWeightPatch("v", (2,), torch.complex128,
+                                            torch.ones(2, dtype=torch.complex128))])
+    assert e.value.position == 1 and e.value.reason == "unstorable dtype"
+    assert made == []
+
+
+def test_every_dtype_patchkit_maps_is_read_by_the_installed_safetensors():
+    import patchkit.io as pio
+
+    # the probe behind storable_dtypes, against safetensors' own reader
+    assert pio._readable_codes() == frozenset(pio._DTYPE_TO_CODE.values())
+    for dtype in storable_dtypes():
+        code = pio._DTYPE_TO_CODE[dtype]
+        size = dtype.itemsize
+        text = json.dumps({"t": {"dtype": code, "shape": [1], "data_offsets": [0, size]}})
+        text += " " * (-len(text) % 8)
+        data = len(text).to_bytes(8, "little") + text.encode() + bytes(size)
+        assert dict(safetensors.deserialize(data))["t"]["dtype"]  # (raises for unknown codes)
+
+
+def test_a_dtype_the_installed_safetensors_cannot_read_back_is_refused_and_named(
+        tmp_path, monkeypatch):
+    # safetensors 0.6.2 reads no complex64 (C64), 0.7.0 no float8 *fnuz: such a file
+    # saved, and then load_patches called it "truncated, corrupt or another format"
+    import patchkit.io as pio
+
+    path = tmp_path / "c.safetensors"
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    save_patches(path, [CheckpointWeightPatch("z", (2,), torch.complex64, z)])  # (all read)
+
+    older = frozenset(pio._DTYPE_TO_CODE.values()) - {"C64"}
+    monkeypatch.setattr(pio, "_readable_codes", lambda: older)
+    assert torch.complex64 not in storable_dtypes()
+    assert torch.float32 in storable_dtypes()
+    with pytest.raises(PatchTypeError, match=r"cannot read dtype code 'C64' back") as e:
+        save_patches(tmp_path / "d.safetensors",
+                     [CheckpointWeightPatch("z", (2,), torch.complex64, z)])
+    assert e.value.reason == "unstorable dtype" and e.value.name == "z"
+    assert not (tmp_path / "d.safetensors").exists()
+
+    # reading such a file with a safetensors that refuses its header: named
+    safe_open, save, error = pio._safetensors()
+
+    def older_open(at, framework, device):
+        raise error("Error while deserializing header: unknown variant `C64`")
+
+    monkeypatch.setattr(pio, "_safetensors", lambda: (older_open, save, error))
+    for read in (load_patches, read_patch_index):
+        with pytest.raises(PatchValueError, match=r"dtype code 'C64'.*cannot read") as e:
+            read(path)
+        assert e.value.reason == "unreadable dtype" and e.value.value == "C64"
+
+
+def test_each_tensor_of_a_file_starts_at_a_multiple_of_its_element_size(tmp_path):
+    # an odd number of bf16 values put the int64 indices after them at an odd offset:
+    # readers that map the file got misaligned tensors
+    path = tmp_path / "a.safetensors"
+    patches = [
+        CheckpointWeightPatch("s", (10,), torch.bfloat16,
+                              torch.ones(3, dtype=torch.bfloat16), torch.tensor([1, 4, 7])),
+        CheckpointWeightPatch("b", (3,), torch.bool, torch.tensor([True, False, True])),
+        CheckpointWeightPatch("d", (2,), torch.float64, torch.ones(2, dtype=torch.float64)),
+        CheckpointWeightPatch("i", (5,), torch.int32, torch.arange(5, dtype=torch.int32)),
+    ]
+    save_patches(path, patches)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    assert (8 + n) % 8 == 0
+    header = json.loads(raw[8:8 + n])
+    sizes = {"BF16": 2, "I64": 8, "BOOL": 1, "F64": 8, "I32": 4}
+    spans = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    for k, v in header.items():
+        if k != "__metadata__":
+            assert v["data_offsets"][0] % sizes[v["dtype"]] == 0, (k, v)
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        for k in f.keys():
+            t = f.get_tensor(k)
+            assert t.data_ptr() % t.element_size() == 0, k
+    got = load_patches(path)
+    for a, b in zip(got, patches):
+        assert a.name == b.name and same_bits(a.values, b.values)
+        assert (a.indices is None) == (b.indices is None)
+        if a.indices is not None:
+            assert torch.equal(a.indices, b.indices)
+
+
+def test_the_summary_takes_a_bytes_path_as_the_readers_do(tmp_path, capsys):
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    assert print_patch_file_summary(os.fsencode(path)) == 0
+    assert "p.safetensors" in capsys.readouterr().out
+
+
+def test_the_summary_never_rounds_a_partial_density_to_100_percent(tmp_path, capsys):
+    path = tmp_path / "p.safetensors"
+    n = 100_000
+    idx = torch.arange(n - 1)  # 99.999 %
+    save_patches(path, [CheckpointWeightPatch("w", (n,), torch.float32, torch.ones(n - 1), idx)])
+    assert print_patch_file_summary(path) == 0
+    out = capsys.readouterr().out
+    assert ">99.9%" in out and "100%" not in out
