@@ -1077,7 +1077,9 @@ def _inspect_load(
         planned = (kept, positions, plan)  # the load's own: planned once
     except Exception:  # bad input: the load below raises the error that names it
         kept, positions, plan = list(patches), list(range(len(patches))), []
-    tracker = Tracker(progress, [c.bytes for c in plan]) if progress else None
+    # (``is True``: a callable may be falsy, an empty list subclass say, and is still called)
+    tracker = (Tracker(progress, [c.bytes for c in plan])
+               if progress is True or callable(progress) else None)
     rec = _Recorder(tracker)
     error: BaseException | None = None
     loaded: set[str] = set()
@@ -1121,7 +1123,7 @@ def _inspect_load(
     finally:
         if tracker is not None:
             try:
-                tracker.close()
+                tracker.close(failed=error is not None)
             except BaseException:
                 hold.close()  # (not left holding signals: a Ctrl-C would wait for good)
                 raise

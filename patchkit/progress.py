@@ -45,7 +45,9 @@ class LoadProgress:
     - ``bytes_done``, ``total_bytes``: the staged bytes of those calls, of all planned calls;
     - ``seconds``: since the load started;
     - ``names``: the checkpoint names the last call was sent;
-    - ``failed``: the last call raised (no call follows).
+    - ``failed``: the last call raised (no call follows); in the final status a bar shows,
+      also a load that failed between or after its calls (a contract check after the
+      last call, a Ctrl-C while the next chunk was staged).
     """
 
     calls_done: int
@@ -135,10 +137,11 @@ class Tracker:
                 self._shown_safely(lambda: self._view.update(state, self._label))
                 self._shown = state.seconds
 
-    def close(self) -> None:
-        """The load is over: a bar that was shown says how it ended."""
+    def close(self, failed: bool = False) -> None:
+        """The load is over (``failed``: it raised, in a call or not): a bar that was shown
+        says how it ended."""
         if self._view is not None and self._last is not None:
-            last = self._state(self._last.names, self._last.failed)
+            last = self._state(self._last.names, self._last.failed or failed)
             self._shown_safely(lambda: self._view.finish(last, self._label))
             self._view = None
 

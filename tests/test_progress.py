@@ -302,3 +302,51 @@ def test_a_bar_that_fails_to_show_stops_showing_and_the_load_goes_on(setup, monk
                           max_chunk_bytes=BUDGET, progress=True, transactional=True)
     assert len(report.calls) > 3 and report.error is None and not report.rolled_back
     assert _BrokenView.opened == 1  # (tried once, then left alone)
+
+
+def _fails_after_its_calls(model, patches, **kw):
+    patchkit.load_checkpoint_weight_patches(model, patches, **kw)
+    raise RuntimeError("fails after its last call")
+
+
+def test_a_load_that_fails_between_or_after_its_calls_ends_failed_too(setup, monkeypatch):
+    # (every call returned: the status said success while the load raised, and the
+    # widget bar turned green)
+    pytest.importorskip("ipywidgets")
+    import IPython.display
+
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+
+    def run():
+        with pytest.raises(RuntimeError, match="after its last call"):
+            inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True,
+                         loader=_fails_after_its_calls)
+
+    log = _stderr_of(run, monkeypatch)
+    assert log.count("\n") == 1 and log.endswith(", failed\n")
+    calls = len(patchkit.plan_chunks(dense_patches(after), BUDGET))
+    assert log.startswith(f"inspect_load: {calls}/{calls} calls, ")
+    line = _stderr_of(run, monkeypatch, terminal=True)
+    assert line.endswith(", failed\n")
+
+    shown = []
+    monkeypatch.setattr(progress_mod, "_in_kernel", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    _stderr_of(run, monkeypatch)
+    (box,) = shown
+    bar, label = box.children
+    assert bar.bar_style == "danger" and label.value.endswith(", failed")
+
+
+class _FalsyCallable(list):
+    def __call__(self, state):
+        self.append(state)
+
+
+def test_a_callable_progress_is_called_even_when_it_is_falsy(setup):
+    model, _ckpt, after = setup
+    seen = _FalsyCallable()
+    assert not seen and callable(seen)
+    report = inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET, progress=seen)
+    assert len(seen) == len(report.calls) > 3
