@@ -13,7 +13,8 @@ full disk, say: ``error: ...`` on stderr, for ``--out`` naming the files written
 it stopped);
 2 for bad input, found before anything runs or is written: an unreadable patch file,
 an unusable or empty ``--device`` or ``--out`` (a file, a folder that cannot be
-written, or one that holds a folder where ``index.html`` or a figure goes), a bad
+written or made, or one that holds a folder where ``index.html`` or a figure goes), a
+closed stdout (``>&-``), a bad
 option, matplotlib missing for a command that draws (``tour``, ``inspect --out``), with
 ``error: ...`` on stderr;
 130 when interrupted (Ctrl-C): ``interrupted`` on stderr, the files written so far
@@ -74,16 +75,17 @@ def _figures() -> None:
     from . import plot  # noqa: F401
 
 
-def _can_make(out: str) -> None:
-    """Make the folder ``out`` (as the tour will) and remove what it made: the
-    ``OSError`` of one the cheap checks pass but that cannot be made (``/proc/x`` as
-    root), before anything runs; a folder that did not exist is still new to the tour."""
+def _can_make(out: str, what: str = "the tour") -> None:
+    """Make the folder ``out`` (as the tour, or ``inspect --out``, will) and remove what it
+    made: the ``OSError`` of one the cheap checks pass but that cannot be made
+    (``/proc/x`` as root, a dangling link), before anything runs; a folder that did not
+    exist is still new to the command."""
     from .tour import _out_folder
 
     path = Path(os.path.abspath(out))  # (``new/..``: no folder of its own to remove)
     missing = [p for p in (path, *path.parents) if not p.exists()]
     try:
-        _out_folder(out)
+        _out_folder(out, what)
     finally:
         for p in missing:  # (the deepest first; where make failed, what it made)
             with contextlib.suppress(OSError):
@@ -135,6 +137,7 @@ def _inspect(args: argparse.Namespace) -> int:
         try:
             _check_out(args.out, "the figures",
                        [*(f"{stem}.png" for stem, _ in figures), "index.html"])
+            _can_make(args.out, "the figures")
         except (PatchError, OSError) as e:
             return _error(e)
     code = print_patch_file_summary(args.file, max_chunk_bytes=args.max_chunk_bytes)
@@ -179,7 +182,7 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     which files were written before it."""
     from .io import _escaped, _load, _shown, _stand_in, print_patch_file_summary
     from .plot import plot_chunks, plot_density
-    from .tour import _out_folder, _stopped
+    from .tour import _out_folder, _stopped, _write_page
 
     existed = os.path.isdir(out)
     sparse = dict(_load(path, "cpu", sparse_only=True))
@@ -206,14 +209,14 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     page = "\n".join(
         f'<figure><img src="{html.escape(stem)}.png" alt="{html.escape(stem)}">'
         f"<figcaption>{html.escape(stem)}.png</figcaption></figure>" for stem, _ in figures)
-    # (encoded before the file is opened: a name that is no text, from a file name that
-    # is not UTF-8, is escaped, and nothing can fail once the old page is gone)
+    # (encoded first: a name that is no text, from a file name that is not UTF-8, is
+    # escaped; the old page is replaced only by a whole new one)
     data = _INSPECT_PAGE.format(
         title=html.escape(_escaped(os.path.basename(path))),
         summary=html.escape(summary.getvalue()), figures=page,
     ).encode("utf-8", "backslashreplace")
     try:
-        (folder / "index.html").write_bytes(data)
+        _write_page(folder / "index.html", data)
     except OSError as e:
         raise _stopped(e, done, len(figures) + 1, folder) from e
     print(f"wrote {len(figures)} figures and index.html to {_shown(str(folder))}")
@@ -342,6 +345,10 @@ def _main(argv: Sequence[str] | None) -> int:
     insp.set_defaults(run=_cmd_inspect)
 
     args = parser.parse_args(argv)
+    if sys.stdout is None:  # (started with stdout closed, ``>&-``: Python sets it to None)
+        print("error: standard output is closed, so what the command prints would be lost: "
+              "run it with stdout open, or sent to /dev/null", file=sys.stderr)
+        return 2
     try:
         code = args.run(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit

@@ -7,9 +7,11 @@ figures as PNG files and an ``index.html`` that shows them beside the tables.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import html
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -122,12 +124,40 @@ def _out_folder(out: str | Path, what: str = "the tour") -> Path:
     return out
 
 
+def _write_page(page: Path, data: bytes) -> None:
+    """Write ``data`` to ``page`` through a new file beside it that is then renamed over
+    it: a write that fails (a full disk) leaves an earlier page whole, and no temporary
+    file. A new page gets the mode ``open()`` gives; a replaced one keeps its own."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = page.with_name(f".{page.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)  # (the umask applied by the system)
+        except FileExistsError:
+            continue
+        break
+    else:
+        raise FileExistsError(errno.EEXIST, f"no free temporary name beside {str(page)!r}")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(tmp, stat.S_IMODE(os.stat(page).st_mode))
+        os.replace(tmp, page)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _stopped(e: OSError, done: list[str], of: int, folder: Path) -> OSError:
     """``e`` (a write into ``folder`` that failed) with what was written before it: the
     error a command stopped part-way through reports."""
     wrote = f"wrote {len(done)} of {of} files ({', '.join(done)})" if done else \
         f"wrote none of its {of} files"
-    message = f"{e}; stopped part-way: {wrote} to {str(folder)!r}, no index.html"
+    page = ("index.html not written (the one there is an earlier run's, as it was)"
+            if (folder / "index.html").is_file() else "no index.html")
+    message = f"{e}; stopped part-way: {wrote} to {str(folder)!r}, {page}"
     try:
         return type(e)(message)
     except TypeError:  # (a subclass that takes other arguments)
@@ -310,8 +340,8 @@ def run_tour(
         for k, v in result.checks.items()
     )
     try:
-        (out / "index.html").write_text(
-            _PAGE.format(checks=checks, sections="".join(sections)), encoding="utf-8")
+        _write_page(out / "index.html",
+                    _PAGE.format(checks=checks, sections="".join(sections)).encode("utf-8"))
     except OSError as e:
         raise _stopped(e, [f.name for f in result.figures], len(OUTPUTS), out) from e
     for k, v in result.checks.items():

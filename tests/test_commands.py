@@ -619,3 +619,86 @@ def test_inspect_out_reads_one_file_when_another_replaces_it_meanwhile(tmp_path,
     assert sorted(p.name for p in (tmp_path / "figs").iterdir() if p.name.startswith("density"))
     # and the file at the path is the new one, unread
     assert [e.name for e in real(f)] == ["next.w"]
+
+
+_FULL_DISK_PAGE = r"""
+import resource, signal, sys
+from patchkit.__main__ import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past the limit: EFBIG, no kill)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_page_write_that_fails_leaves_the_earlier_page_whole(tmp_path):
+    # index.html was truncated, then written in place: a full disk left a cut-off page
+    # where the earlier report had been, and the error said "no index.html"
+    import torch
+
+    from patchkit import CheckpointWeightPatch, save_patches
+
+    f = tmp_path / "p.safetensors"
+    save_patches(f, [CheckpointWeightPatch(f"layer.{i}." + "w" * 150, (2,), torch.float32,
+                                           torch.ones(2)) for i in range(2000)])
+    out = tmp_path / "figs"
+    out.mkdir()
+    (out / "index.html").write_text("an earlier report")
+    run = [sys.executable, "-c", _FULL_DISK_PAGE]
+    # the limit lets the figure through (tens of KiB) and stops the page (hundreds)
+    free = subprocess.run([*run, str(1 << 40), "inspect", str(f), "--out",
+                           str(tmp_path / "sizes")], capture_output=True, text=True)
+    assert free.returncode == 0, free.stderr
+    png = (tmp_path / "sizes" / "chunks.png").stat().st_size
+    page = (tmp_path / "sizes" / "index.html").stat().st_size
+    assert 2 * png < page
+    r = subprocess.run([*run, str(2 * png), "inspect", str(f), "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ") and "File too large" in r.stderr
+    assert ("index.html not written (the one there is an earlier run's, as it was)"
+            in r.stderr)
+    assert (out / "index.html").read_text() == "an earlier report"
+    assert sorted(os.listdir(out)) == ["chunks.png", "index.html"]  # no temporary
+
+
+def test_write_page_keeps_a_replaced_pages_mode_and_gives_a_new_one_opens(tmp_path):
+    from patchkit.tour import _write_page
+
+    old = tmp_path / "index.html"
+    old.write_text("old")
+    old.chmod(0o640)
+    _write_page(old, b"new")
+    assert old.read_bytes() == b"new" and (old.stat().st_mode & 0o777) == 0o640
+    mask = os.umask(0o022)
+    try:
+        _write_page(tmp_path / "fresh.html", b"x")
+    finally:
+        os.umask(mask)
+    assert ((tmp_path / "fresh.html").stat().st_mode & 0o777) == 0o644
+    assert sorted(os.listdir(tmp_path)) == ["fresh.html", "index.html"]
+
+
+def test_an_inspect_out_that_cannot_be_made_is_bad_input_before_the_summary(tmp_path, capsys):
+    # a dangling link, /proc/x: the summary was printed, then exit 1 as if a write failed
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for out in (str(tmp_path / "dangling"), "/proc/no-such/figs"):
+        assert main(["inspect", str(f), "--out", out]) == 2
+        o, err = capsys.readouterr()
+        assert o == "" and err.startswith("error: ") and "for the figures" in err
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_closed_stdout_is_bad_input_before_anything_runs(tmp_path, monkeypatch, capsys):
+    # (``>&-``: Python sets sys.stdout to None; every command ran, then a traceback)
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 2
+    assert main(["tour", "--out", str(tmp_path / "t"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: standard output is closed") == 2
+    assert not (tmp_path / "figs").exists() and not (tmp_path / "t").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import math
 import os
@@ -1454,7 +1455,7 @@ def test_a_dtype_the_installed_safetensors_cannot_read_back_is_refused_and_named
     assert not (tmp_path / "d.safetensors").exists()
 
     # reading such a file with a safetensors that refuses its header: named
-    safe_open, save, error = pio._safetensors()
+    _, save, error = pio._safetensors()
 
     def older_open(at, framework, device):
         raise error("Error while deserializing header: unknown variant `C64`")
@@ -1484,12 +1485,12 @@ def test_each_tensor_of_a_file_starts_at_a_multiple_of_its_element_size(tmp_path
     header = json.loads(raw[8:8 + n])
     sizes = {"BF16": 2, "I64": 8, "BOOL": 1, "F64": 8, "I32": 4}
     spans = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
-    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     for k, v in header.items():
         if k != "__metadata__":
             assert v["data_offsets"][0] % sizes[v["dtype"]] == 0, (k, v)
     with safetensors.safe_open(str(path), framework="pt") as f:
-        for k in f.keys():
+        for k in f.keys():  # noqa: SIM118 (a safe_open is no dict)
             t = f.get_tensor(k)
             assert t.data_ptr() % t.element_size() == 0, k
     got = load_patches(path)
