@@ -333,7 +333,7 @@ def test_a_failure_to_close_the_progress_view_leaves_no_signal_held(monkeypatch)
     import patchkit.inspect as pk_inspect
     from patchkit.intercept import _DEFERRAL
 
-    def broken_close(self):
+    def broken_close(self, failed=False):
         raise RuntimeError("the progress view could not close")
 
     monkeypatch.setattr(pk_inspect.Tracker, "close", broken_close)
