@@ -1168,6 +1168,15 @@ def _late_rollback(sessions: list[WriteSession], error: BaseException) -> BaseEx
     return error
 
 
+def _names_into(events, kept: Callable[[str], bool]) -> set[str]:
+    """The names a loader may have returned for writes into the targets ``kept`` keeps:
+    each such write's patch name (a loader that returns checkpoint names) and the
+    target's own name (one that returns runtime names, as vLLM's model loaders do:
+    ``qkv_proj`` for ``q_proj``)."""
+    hit = [e for e in events if kept(e.target)]
+    return {e.name for e in hit} | {e.target for e in hit}
+
+
 def _report_of(model, patches, transactional, loader, rec, sessions, kept, positions, plan,
                observed, failed, rollbacks_before, max_chunk_bytes, index, *,
                error: BaseException | None, loaded: set[str]) -> LoadReport:
@@ -1187,7 +1196,7 @@ def _report_of(model, patches, transactional, loader, rec, sessions, kept, posit
         loaded = {n for c in rec.calls if not c["error"] and c["returned"] for n in c["returned"]}
         left = {t for s in sessions for t in s.unrestored}
         if left:
-            loaded &= {e.name for e in rec.events if e.target in left}
+            loaded &= _names_into(rec.events, lambda t: t in left)
     if loader is not None and error is not None and rec.calls:
         # An observed loader may undo its writes itself (a transactional one) and raise:
         # what it left as written, compared with what its calls' own writes had left
@@ -1202,7 +1211,7 @@ def _report_of(model, patches, transactional, loader, rec, sessions, kept, posit
             rolled_back = not left
             gone = ({e.target for e in rec.events} | {s.target for s in saved}
                     if rolled_back else undone)
-            loaded &= {e.name for e in rec.events if e.target not in gone}
+            loaded &= _names_into(rec.events, lambda t: t not in gone)
             restored = tuple(t for t in _targets_outside(rec.events, set()) if t in gone)
             for session in sessions:  # (as patchkit's own rollback keeps them)
                 session.saved = [r for r in session.saved if r.target not in gone]

@@ -4,7 +4,9 @@ vLLM does not run on a CPU-only machine, so the tutorials, tests and the command
 use these stand-ins. Each one is an :class:`torch.nn.Module` with a
 ``load_weights(weights) -> set[str]`` method that takes ``(checkpoint name, tensor)``
 pairs, maps every checkpoint tensor to its runtime place and copies it there with
-``copy_``, the way vLLM's loaders do.
+``copy_``, the way vLLM's loaders do (but for one case: vLLM's ``default_weight_loader``
+fills a one-element parameter with ``fill_(w.item())``, which a sparse load refuses;
+these models copy it).
 
 - :class:`PlainModel`: checkpoint name == parameter name, ``param.data.copy_(w)``.
 - :class:`TinyLlamaRuntime`: a Llama-shaped model laid out as vLLM lays it out on one
@@ -55,8 +57,10 @@ DeviceLike = torch.device | str | int
 class UnknownWeightError(KeyError):
     """A checkpoint name that a toy model's ``load_weights`` does not know.
 
-    A :class:`KeyError` (as a failed lookup in vLLM's ``params_dict[name]`` is) whose
-    message reads as plain text; ``.name`` is the offending checkpoint name. It pickles.
+    A :class:`KeyError` (as a failed lookup in vLLM's ``params_dict[name]`` is, for a
+    name under ``model.``; vLLM's ``AutoWeightsLoader`` raises ``ValueError`` for an
+    unknown top-level module) whose message reads as plain text; ``.name`` is the
+    offending checkpoint name. It pickles.
     """
 
     def __init__(self, name: str, model: str = "model", hint: str = "") -> None:
@@ -750,6 +754,29 @@ class _ParamFactory:
         return self._new((rt.config.hidden_size,), rt._load_replicated)
 
 
+def _check_full(param: nn.Parameter, loaded_weight: object, want: tuple[int, ...]) -> None:
+    """The checkpoint tensor a weight loader takes has the full checkpoint shape ``want``."""
+    if not isinstance(loaded_weight, torch.Tensor):
+        raise TypeError(
+            f"weight_loader: loaded_weight must be a torch.Tensor, got "
+            f"{type(loaded_weight).__name__}"
+        )
+    if tuple(loaded_weight.shape) != tuple(want):
+        raise ValueError(
+            f"weight_loader: the checkpoint tensor for a parameter of shape "
+            f"{tuple(param.shape)} on this rank must have shape {tuple(want)}, got "
+            f"{tuple(loaded_weight.shape)}"
+        )
+
+
+def _shard_id_message(param: str, shard_id: object, allowed: str) -> str:
+    extra = (
+        " (vLLM reads shard_id None as a checkpoint that stores the packed tensor fused; "
+        "this toy does not model fused checkpoints)" if shard_id is None else ""
+    )
+    return f"weight_loader of {param}: shard_id must be {allowed}, got {shard_id!r}{extra}"
+
+
 # (runtime parameter part, checkpoint part, shard id): vLLM's "stacked params mapping".
 _STACKED_PARAMS = (
     ("qkv_proj", "q_proj", "q"),
@@ -790,7 +817,12 @@ class TinyLlamaRuntime(nn.Module):
     ``dtype`` that is not a :class:`torch.dtype`; one that is not floating point raises
     :class:`ValueError`, and so does a ``device`` this machine does not have
     (:class:`~patchkit.PatchValueError`, as for :class:`PlainModel`). Each parameter carries a
-    ``weight_loader(param, loaded_weight, shard_id=None)`` attribute, as in vLLM.
+    ``weight_loader(param, loaded_weight, shard_id=None)`` attribute, as in vLLM: it takes
+    the full checkpoint tensor (:class:`ValueError` for another shape, before writing, as
+    vLLM's asserts refuse it) and, for ``qkv_proj``, ``shard_id`` ``'q'``, ``'k'`` or
+    ``'v'``, for ``gate_up_proj`` 0 or 1 (:class:`ValueError` otherwise; vLLM's ``None``,
+    a checkpoint storing the packed tensor fused, is not modelled). The norms' loader
+    stands in for vLLM's ``default_weight_loader``, which vLLM's norms fall back to.
     """
 
     def __init__(
@@ -869,12 +901,15 @@ class TinyLlamaRuntime(nn.Module):
         return self.model.embed_tokens.weight.device
 
     # -- weight loaders: each narrows the checkpoint tensor and makes exactly one copy_ --
+    # Each checks what vLLM's asserts check (the shard's shape, the shard id) and raises
+    # ValueError before writing anything, where a copy_ would broadcast or a narrow wrap.
 
     def _load_output_shard(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         """Rows (output dim) shard ``tp_rank``: embedding, lm_head."""
         size = param.shape[0]
+        _check_full(param, loaded_weight, (size * self.tp_size, *param.shape[1:]))
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def _load_input_shard(
@@ -882,23 +917,38 @@ class TinyLlamaRuntime(nn.Module):
     ) -> None:
         """Columns (input dim) shard ``tp_rank``: row-parallel o_proj, down_proj."""
         size = param.shape[1]
+        _check_full(param, loaded_weight, (param.shape[0], size * self.tp_size))
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * size, size))
 
     def _load_replicated(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
+        """The whole tensor: norms (vLLM's ``default_weight_loader``)."""
+        _check_full(param, loaded_weight, tuple(param.shape))
         param.data.copy_(loaded_weight)
 
-    def _load_qkv(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object) -> None:
+    def _load_qkv(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Shard ``tp_rank`` of q, k or v (``shard_id``) into its rows of ``qkv_proj``."""
         q, kv = self.q_per_rank, self.kv_per_rank
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        where = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+        if not isinstance(shard_id, str) or shard_id not in where:
+            raise ValueError(_shard_id_message("qkv_proj", shard_id, "'q', 'k' or 'v'"))
+        offset, size = where[shard_id]
+        _check_full(param, loaded_weight, (size * self.tp_size, param.shape[1]))
         src = loaded_weight.narrow(0, self.tp_rank * size, size)
         param.data.narrow(0, offset, size).copy_(src)
 
     def _load_gate_up(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
+        """Shard ``tp_rank`` of gate (``shard_id`` 0) or up (1) into its rows of
+        ``gate_up_proj``."""
+        if isinstance(shard_id, bool) or shard_id not in (0, 1):
+            raise ValueError(_shard_id_message("gate_up_proj", shard_id, "0 or 1"))
         size = self.intermediate_per_rank
+        _check_full(param, loaded_weight, (size * self.tp_size, param.shape[1]))
         src = loaded_weight.narrow(0, self.tp_rank * size, size)
         param.data.narrow(0, shard_id * size, size).copy_(src)
 
@@ -914,17 +964,26 @@ class TinyLlamaRuntime(nn.Module):
         which narrows the checkpoint tensor to this rank's shard and makes exactly one
         ``copy_`` into a view of the parameter (``copy_`` casts dtype and device).
 
-        With ``tie_word_embeddings`` an ``lm_head.weight`` entry is skipped and not
-        returned, as in vLLM. A name the model does not have raises
-        :class:`UnknownWeightError` (a :class:`KeyError`); a tensor of the wrong shape
-        raises :class:`ValueError`; both before that entry writes anything (earlier
-        entries stay written). Returns the set of checkpoint names loaded.
+        Returns the set of **runtime parameter names** written, as vLLM's Llama loader
+        does: ``q_proj``, ``k_proj`` and ``v_proj`` of a layer all report
+        ``...self_attn.qkv_proj.weight``, ``gate_proj`` and ``up_proj``
+        ``...mlp.gate_up_proj.weight``; the other names are their own. So what a load
+        returns is not the set of names it was sent (a full checkpoint of ``L`` layers
+        returns ``3 * L`` fewer names than it has).
+
+        Skipped, not written and not returned, as vLLM skips them: ``lm_head.weight`` when
+        the embeddings are tied; rotary caches (names containing ``rotary_emb.inv_freq``,
+        ``rotary_emb.cos_cached`` or ``rotary_emb.sin_cached``); and a ``.bias`` name the
+        model has no parameter for (vLLM skips those for GPTQ checkpoints). Any other name
+        the model does not have raises :class:`UnknownWeightError` (a :class:`KeyError`);
+        a tensor of the wrong shape raises :class:`ValueError`; both before that entry
+        writes anything (earlier entries stay written).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         tied = self.config.tie_word_embeddings
         loaded: set[str] = set()
         for name, w in weights:
-            if tied and name == "lm_head.weight":
+            if (tied and name == "lm_head.weight") or _skipped_as_vllm_does(name):
                 continue
             want = self._shapes.get(name)
             if want is None:
@@ -943,14 +1002,26 @@ class TinyLlamaRuntime(nn.Module):
             for param_part, ckpt_part, shard_id in _STACKED_PARAMS:
                 if ckpt_part in parts:
                     parts[parts.index(ckpt_part)] = param_part
-                    param = params[".".join(parts)]
+                    param_name = ".".join(parts)
+                    param = params[param_name]
                     param.weight_loader(param, w, shard_id)
                     break
             else:
+                param_name = name
                 param = params[name]
                 param.weight_loader(param, w)
-            loaded.add(name)
+            loaded.add(param_name)
         return loaded
+
+
+def _skipped_as_vllm_does(name: str) -> bool:
+    """Checkpoint names vLLM's Llama loader passes over without writing or returning them:
+    rotary caches, and (for GPTQ checkpoints) biases of layers that have none. No layer of
+    :class:`TinyLlamaRuntime` has a bias, and the real checkpoint names never end so."""
+    return (
+        any(f"rotary_emb.{c}" in name for c in ("inv_freq", "cos_cached", "sin_cached"))
+        or name.endswith(".bias")
+    )
 
 
 def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.Tensor]:

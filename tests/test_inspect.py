@@ -1483,6 +1483,40 @@ def test_an_observed_loader_that_rolls_back_and_raises_is_reported_rolled_back(c
 
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_a_failed_load_keeps_the_runtime_names_a_vllm_style_loader_returned(compiled):
+    # TinyLlamaRuntime returns runtime names (qkv_proj for q_proj), as vLLM's loaders do.
+    # After a failure that an observed loader partly undid, the report kept only the names
+    # that were also patch names: qkv_proj and gate_up_proj of every layer were dropped.
+    from patchkit import native
+    from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+    class FailsAtNorm(TinyLlamaRuntime):
+        def load_weights(self, weights):
+            out = set()
+            for name, w in weights:
+                if name == "model.norm.weight":
+                    raise RuntimeError("simulated failure")
+                out |= super().load_weights([(name, w)])
+            return out
+
+    config = TinyLlamaConfig()
+    ckpt = tiny_llama_checkpoint(config, seed=3)
+    ps = patchkit.dense_patches(ckpt)
+    undone = "model.layers.0.self_attn.qkv_proj.weight"
+    with contextlib.nullcontext() if compiled else native.disabled():
+        r = _failed_report(FailsAtNorm(config, tp_size=2), ps, loader=_undoes_only([undone]))
+        own = _failed_report(FailsAtNorm(config, tp_size=2), ps)
+    sent = list(ckpt)[: list(ckpt).index("model.norm.weight")]
+    packed = {n.replace(".q_proj.", ".qkv_proj.").replace(".k_proj.", ".qkv_proj.")
+              .replace(".v_proj.", ".qkv_proj.").replace(".gate_proj.", ".gate_up_proj.")
+              .replace(".up_proj.", ".gate_up_proj.") for n in sent}
+    assert "model.layers.1.self_attn.qkv_proj.weight" in packed
+    assert not r.rolled_back and r.loaded == packed - {undone}
+    assert own.loaded == packed  # (no rollback, nothing undone: every returned name)
+    assert undone not in r.deltas.index and undone in own.deltas.index
+
+
 def _failed_report(model, ps, **kw):
     with pytest.raises(RuntimeError) as info:
         inspect_load(model, ps, max_chunk_bytes=1, **kw)

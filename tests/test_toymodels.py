@@ -51,6 +51,21 @@ def dense(ckpt: dict) -> list[CheckpointWeightPatch]:
     return [CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.flatten()) for n, t in ckpt.items()]
 
 
+def returned_names(names, tied: bool = False) -> set[str]:
+    """What vLLM's Llama loader returns for these checkpoint names: the runtime parameter
+    each lands in (q/k/v into qkv_proj, gate/up into gate_up_proj), a tied lm_head not."""
+    out = set()
+    for n in names:
+        if tied and n == "lm_head.weight":
+            continue
+        for part, packed in (("q_proj", "qkv_proj"), ("k_proj", "qkv_proj"),
+                             ("v_proj", "qkv_proj"), ("gate_proj", "gate_up_proj"),
+                             ("up_proj", "gate_up_proj")):
+            n = n.replace(f".{part}.", f".{packed}.")
+        out.add(n)
+    return out
+
+
 def load_ranks(config, tp_size, ckpt, **kw) -> list[TinyLlamaRuntime]:
     ranks = [TinyLlamaRuntime(config, r, tp_size, **kw) for r in range(tp_size)]
     for rt in ranks:
@@ -198,7 +213,11 @@ def test_load_then_gather_is_bit_exact(tp_size, tied):
     ckpt = tiny_llama_checkpoint(c, seed=tp_size)
     ranks = [TinyLlamaRuntime(c, r, tp_size) for r in range(tp_size)]
     for rt in ranks:
-        assert rt.load_weights(iter(ckpt.items())) == set(ckpt)
+        returned = rt.load_weights(iter(ckpt.items()))
+        assert returned == returned_names(ckpt, tied)
+        # (vLLM's names: every one a parameter of the runtime, 3 per layer fewer)
+        assert returned <= dict(rt.named_parameters(remove_duplicate=False)).keys()
+        assert len(returned) == len(ckpt) - 3 * c.num_layers
     got = gather_checkpoint(ranks)
     assert_same_checkpoint(got, ckpt)
     # fresh CPU tensors: writing the gathered copy leaves the runtime alone
@@ -332,7 +351,7 @@ def test_dense_patches_through_patchkit_equal_direct_load(tied):
     via = [TinyLlamaRuntime(c, r, 2) for r in range(2)]
     for rt in via:
         got = load_checkpoint_weight_patches(rt, dense(ckpt), max_chunk_bytes=40_000)
-        assert got == set(ckpt)
+        assert got == returned_names(ckpt, tied)
     assert len(patchkit.plan_chunks(dense(ckpt), 40_000)) > 3  # really several calls
     assert_same_checkpoint(gather_checkpoint(via), gather_checkpoint(direct))
     assert_same_checkpoint(gather_checkpoint(via), ckpt)
@@ -356,7 +375,8 @@ def test_sparse_patch_changes_only_chosen_elements(device):
                                              vals.to(device), idx.to(device)))
         expected[name].view(-1)[idx] = vals
     for rt in ranks:
-        assert load_checkpoint_weight_patches(rt, patches, max_chunk_bytes=50_000) == set(chosen)
+        got = load_checkpoint_weight_patches(rt, patches, max_chunk_bytes=50_000)
+        assert got == returned_names(chosen)
     got = gather_checkpoint(ranks)
     assert_same_checkpoint(got, expected)
     changed = sum(int((bits(got[n]) != bits(ckpt[n])).sum()) for n in ckpt)
@@ -371,7 +391,7 @@ def test_sparse_patch_changes_only_chosen_elements(device):
 @pytest.mark.parametrize(
     "name",
     ["model.layers.2.self_attn.q_proj.weight", "model.layers.0.self_attn.qkv_proj.weight",
-     "model.embed.weight", "lm_head.bias", "q_proj"],
+     "model.embed.weight", "lm_head.scale", "q_proj", "model.layers.0.rotary_emb.theta"],
 )
 def test_unknown_name_raises_naming_it(name):
     rt = TinyLlamaRuntime(TinyLlamaConfig())
@@ -379,6 +399,56 @@ def test_unknown_name_raises_naming_it(name):
         rt.load_weights([(name, torch.zeros(64, 64))])
     assert isinstance(info.value, UnknownWeightError)
     assert info.value.name == name and repr(name) in str(info.value)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_names_vllm_skips_are_skipped_not_written_nor_returned(tied):
+    c = TinyLlamaConfig(tie_word_embeddings=tied)
+    rt = TinyLlamaRuntime(c)
+    before = {n: t.clone() for n, t in rt.state_dict().items()}
+    skipped = ["model.layers.0.self_attn.rotary_emb.inv_freq",
+               "model.layers.1.self_attn.rotary_emb.cos_cached",
+               "model.layers.1.self_attn.rotary_emb.sin_cached",
+               "model.layers.0.self_attn.q_proj.bias", "lm_head.bias"]
+    assert rt.load_weights([(n, torch.ones(3)) for n in skipped]) == set()
+    assert all(same_bits(t, before[n]) for n, t in rt.state_dict().items())
+    # (through the loader: a sparse call of only such names returns the empty set, fine)
+    p = CheckpointWeightPatch(skipped[0], (3,), torch.float32, torch.ones(1), torch.tensor([0]))
+    assert load_checkpoint_weight_patches(rt, [p]) == set()
+
+
+def test_weight_loaders_refuse_what_vllm_asserts_against_before_writing():
+    rt = TinyLlamaRuntime(TinyLlamaConfig(), tp_rank=1, tp_size=2)
+    layer = rt.model.layers[0]
+    qkv, gate_up = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
+    o, norm = layer.self_attn.o_proj.weight, layer.input_layernorm.weight
+    emb = rt.model.embed_tokens.weight
+    h = rt.config.hidden_size
+    cases = [
+        (norm, torch.ones(1), None, "must have shape"),  # (copy_ would broadcast it)
+        (o, torch.ones(1, rt.config.q_size), None, "must have shape"),
+        (emb, torch.ones(2 * rt.config.vocab_size, h), None, "must have shape"),
+        (emb, torch.ones(rt.config.vocab_size, 1), None, "must have shape"),
+        (qkv, torch.ones(rt.config.q_size, h), "x", "shard_id must be 'q', 'k' or 'v'"),
+        (qkv, torch.ones(rt.config.q_size, h), None, "fused"),
+        (qkv, torch.ones(rt.config.kv_size, h), "q", "must have shape"),
+        (gate_up, torch.ones(rt.config.intermediate_size, h), -1, "shard_id must be 0 or 1"),
+        (gate_up, torch.ones(rt.config.intermediate_size, h), True, "shard_id must be 0 or 1"),
+        (gate_up, torch.ones(rt.config.intermediate_size, h), None, "fused"),
+    ]
+    before = {n: t.clone() for n, t in rt.state_dict().items()}
+    for param, w, shard_id, match in cases:
+        with pytest.raises(ValueError, match=match):
+            if shard_id is None:
+                param.weight_loader(param, w)
+            else:
+                param.weight_loader(param, w, shard_id)
+    assert all(same_bits(t, before[n]) for n, t in rt.state_dict().items())
+    # the right shapes and ids still load
+    qkv.weight_loader(qkv, torch.ones(rt.config.kv_size, h), "v")
+    gate_up.weight_loader(gate_up, torch.ones(rt.config.intermediate_size, h), 1)
+    assert int(qkv.count_nonzero()) == rt.kv_per_rank * h
+    assert int(gate_up.count_nonzero()) == rt.intermediate_per_rank * h
 
 
 def test_unknown_weight_error_pickles():
