@@ -1009,7 +1009,9 @@ class PatchPositions:
         """Row-major positions in ``view`` (the written view) of the written elements, in
         increasing order (the merge's order). O(nnz log nnz) work and memory.
 
-        Raises ``ValueError`` when the patch's indices or values changed since the load.
+        Raises ``ValueError`` when the patch's indices, or which of its values are NaN,
+        changed since the load (the positions read from them; other value changes do not
+        move a position and are not seen).
         """
         length, _, srs = self.rows
         i = self.indices.to(torch.int64)[~torch.isnan(self.values)]
