@@ -205,11 +205,13 @@ def count_true(mask: torch.Tensor) -> torch.Tensor:
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when ``a`` and ``b`` have the same shape, dtype and bits (any devices).
 
-    Both must be :class:`torch.Tensor` s (a numpy array is not compared: convert it with
-    ``torch.from_numpy``); anything else raises ``TypeError`` naming the argument.
+    Both must be plain (strided, not nested) :class:`torch.Tensor` s with values, so not
+    on the meta device (a numpy array is not compared: convert it with
+    ``torch.from_numpy``; a torch.sparse one with ``.to_dense()``): anything else raises
+    ``TypeError`` naming the argument (``ValueError`` for meta).
     """
-    _check_tensor(a, "same_bits: a")
-    _check_tensor(b, "same_bits: b")
+    _check_comparable(a, "same_bits: a")
+    _check_comparable(b, "same_bits: b")
     return _same_bits(a, b)
 
 
@@ -225,8 +227,9 @@ def same_state(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> 
     """True when two state dicts have the same names and every tensor the same bits.
 
     ``a`` and ``b`` must be mappings (a ``dict``, a ``state_dict()``) and the values
-    compared :class:`torch.Tensor` s: anything else raises ``TypeError`` naming it (the
-    values of dicts whose names differ are not looked at: the answer is False).
+    compared tensors as :func:`same_bits` takes them: anything else raises ``TypeError``
+    (``ValueError`` for meta) naming it (the values of dicts whose names differ are not
+    looked at: the answer is False).
     """
     for what, state in (("a", a), ("b", b)):
         if not isinstance(state, Mapping):
@@ -237,8 +240,8 @@ def same_state(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> 
     if a.keys() != b.keys():
         return False
     for k in a:
-        _check_tensor(a[k], f"same_state: a[{k!r}]")
-        _check_tensor(b[k], f"same_state: b[{k!r}]")
+        _check_comparable(a[k], f"same_state: a[{k!r}]")
+        _check_comparable(b[k], f"same_state: b[{k!r}]")
     return all(_same_bits(a[k], b[k]) for k in a)
 
 
@@ -246,3 +249,15 @@ def _check_tensor(t: object, what: str) -> None:
     """``TypeError`` saying that ``what`` must be a tensor, unless ``t`` is one."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_comparable(t: object, what: str) -> None:
+    """``t`` is a tensor whose bits :func:`same_bits` can read: a plain (strided, not
+    nested) one (``TypeError`` otherwise), not on the meta device (``ValueError``)."""
+    _check_tensor(t, what)
+    if t.is_nested or t.layout is not torch.strided:
+        got = "a nested tensor" if t.is_nested else f"of layout {t.layout}"
+        raise TypeError(f"{what} is {got}; only plain (strided) tensors are compared "
+                        "(for torch.sparse, pass t.to_dense())")
+    if t.is_meta:
+        raise ValueError(f"{what} is on the meta device, which holds no bits to compare")

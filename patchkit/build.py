@@ -37,6 +37,7 @@ from .errors import PatchTypeError, PatchValueError, where
 from .patch import (
     CheckpointWeightPatch,
     _checked_device,
+    _ordered,
     check_flag,
     numel,
     patch_list,
@@ -123,9 +124,10 @@ def _check_name(name: object, what: str = "name") -> str:
     return name
 
 
-def _check_mapping(d: object, what: str) -> Mapping[str, torch.Tensor]:
+def _check_mapping(d: object, what: str, *, plain: bool = False) -> Mapping[str, torch.Tensor]:
     """``d`` as a mapping of names to tensors, every key a non-empty str and every value
-    a tensor (``PatchTypeError`` / ``PatchValueError`` naming the entry otherwise)."""
+    a tensor (``PatchTypeError`` / ``PatchValueError`` naming the entry otherwise); with
+    ``plain``, every tensor also a plain (strided, not nested) one (:func:`_check_layout`)."""
     if not isinstance(d, Mapping):
         raise PatchTypeError(
             f"{what} must be a mapping of names to tensors (a state dict), got "
@@ -138,7 +140,21 @@ def _check_mapping(d: object, what: str) -> Mapping[str, torch.Tensor]:
                 f"{what}[{name!r}] must be a torch.Tensor, got {type(t).__name__}",
                 name=name, reason="values type", value=type(t).__name__,
             )
+        if plain:
+            _check_layout(name, f"{what}[{name!r}]", t)
     return d
+
+
+def _check_layout(name: str, what: str, t: torch.Tensor) -> None:
+    """``PatchTypeError`` naming ``what`` (the weight ``name``'s tensor) when ``t`` is not
+    a plain strided tensor: a nested one, or torch.sparse / mkldnn layouts."""
+    if t.is_nested or t.layout is not torch.strided:
+        got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise PatchTypeError(
+            f"weight {name!r}: {what} is {got}; only plain (strided) tensors are taken "
+            "(for torch.sparse, pass t.to_dense())",
+            name=name, reason="layout", value=t.layout,
+        )
 
 
 def _check_comparable(before: Mapping[str, torch.Tensor],
@@ -148,13 +164,7 @@ def _check_comparable(before: Mapping[str, torch.Tensor],
     ``PatchValueError`` for meta, naming the weight and the dict)."""
     for what, d in (("before", before), ("after", after)):
         for name, t in d.items():
-            if t.is_nested or t.layout is not torch.strided:
-                got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-                raise PatchTypeError(
-                    f"weight {name!r}: {what} is {got}; only plain (strided) tensors can be "
-                    "compared (for torch.sparse, pass t.to_dense())",
-                    name=name, reason="layout", value=t.layout,
-                )
+            _check_layout(name, what, t)
             if t.is_meta:
                 raise PatchValueError(
                     f"weight {name!r}: {what} is on the meta device, which holds no values "
@@ -197,7 +207,7 @@ def _check_shape(shape: object, name: str) -> tuple[int, ...]:
     """``shape`` as a tuple of ints >= 0 (``PatchTypeError`` for anything but an iterable
     of ints, ``PatchValueError`` for a negative dimension)."""
     try:
-        dims = tuple(shape)  # type: ignore[arg-type]
+        dims = tuple(_ordered(shape))
         if any(isinstance(d, bool) for d in dims):
             raise TypeError
         dims = tuple(operator.index(d) for d in dims)
@@ -258,7 +268,7 @@ def dense_patches(
     (``PatchTypeError``).
     """
     check_flag(clone, "clone")
-    _check_mapping(state_dict, "state_dict")
+    _check_mapping(state_dict, "state_dict", plain=True)
     out: list[CheckpointWeightPatch] = []
     for name, t in state_dict.items():
         values = _flat(t)
@@ -609,7 +619,7 @@ def split_patch(
       floating-point dtype that holds NaN (:class:`~patchkit.errors.PatchTypeError`
       otherwise, for the packed ``float4_e2m1fn_x2`` too) and values
       that are not NaN once cast to ``dtype`` (:class:`~patchkit.errors.PatchValueError`:
-      such a weight must stay dense).
+      such a weight must stay dense; meta values, which hold no numbers, are not checked).
     - Empty parts are dropped: with ``parts`` larger than the number of elements you get
       one part per element. A patch with no elements gives one (empty, sparse) part, so
       the result is never empty.
@@ -641,7 +651,8 @@ def split_patch(
             name=name, reason="sparse dtype", value=dtype,
         )
     n = numel(patch)
-    cast_nan = int(torch.isnan(values.to(dtype)).sum()) if n else 0
+    # (meta values hold no numbers, as for the loader's checks: a dry run's split)
+    cast_nan = int(torch.isnan(values.to(dtype)).sum()) if n and not values.is_meta else 0
     if cast_nan:
         raise PatchValueError(
             f"{where(None, name)}: {cast_nan} values are NaN (as {dtype}); NaN cannot be sent "
@@ -766,7 +777,7 @@ class AdamLikeTrainer:
         grad_std: float = 1.0,
         seed: int = 0,
     ) -> None:
-        _check_mapping(state_dict, "state_dict")
+        _check_mapping(state_dict, "state_dict", plain=True)
         self.lr = _check_real(lr, "lr", 0.0)
         try:
             b1, b2 = betas

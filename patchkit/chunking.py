@@ -7,13 +7,14 @@ This is the only place the walk exists. The loader and every inspection helper c
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from .errors import PatchValueError
+from .errors import PatchTypeError, PatchValueError
 from .patch import (
     CheckpointWeightPatch,
     _check_metadata,
@@ -55,6 +56,39 @@ class Chunk:
     over_budget: bool = False
 
 
+def _checked_positions(positions: object, n: int) -> Sequence[int]:
+    """``positions`` for ``n`` patches, checked (see :func:`plan_chunks`)."""
+    if positions is None:
+        return range(n)
+    if not isinstance(positions, list | tuple | range):
+        raise PatchTypeError(
+            f"positions must be a list of ints (one per patch), got {type(positions).__name__}",
+            reason="positions", value=type(positions).__name__,
+        )
+    if len(positions) != n:
+        raise PatchValueError(
+            f"positions has {len(positions)} entries for {n} patches (one each)",
+            reason="positions", value=len(positions),
+        )
+    for i, p in enumerate(positions):
+        if type(p) is not int and (isinstance(p, bool) or not isinstance(p, numbers.Integral)):
+            raise PatchTypeError(
+                f"positions[{i}] must be an int, got {type(p).__name__} {p!r}",
+                reason="positions", value=p,
+            )
+        if p < 0:
+            raise PatchValueError(f"positions[{i}] is negative: {p}", reason="positions",
+                                  value=p)
+    if len(set(positions)) != n:
+        seen: set[int] = set()
+        for p in positions:
+            if p in seen:
+                raise PatchValueError(f"positions names patch position {p} more than once",
+                                      reason="positions", value=p)
+            seen.add(p)
+    return [int(p) for p in positions] if type(positions) is not range else positions
+
+
 def plan_chunks(
     patches: Iterable[CheckpointWeightPatch],
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
@@ -71,7 +105,9 @@ def plan_chunks(
     Needs only each patch's ``name``, ``shape`` and ``dtype``: nothing is staged or moved.
     ``positions`` relabels the patches (the loader passes the caller's positions after
     dropping tied aliases); it defaults to ``0..len-1`` and must have one entry per patch
-    (:class:`~patchkit.errors.PatchValueError` otherwise). ``patches`` must be a list of
+    (:class:`~patchkit.errors.PatchValueError` otherwise), each a distinct int >= 0
+    (``PatchTypeError`` for a non-int or a ``positions`` that is not a list or tuple,
+    ``PatchValueError`` for a negative or repeated one). ``patches`` must be a list of
     patches (or plain 5-tuples, as a load takes them) and each item a patch with a valid
     name, shape and dtype:
     :class:`~patchkit.errors.PatchTypeError` / ``PatchValueError`` name the first one
@@ -84,13 +120,7 @@ def plan_chunks(
     """
     max_chunk_bytes = check_max_chunk_bytes(max_chunk_bytes)
     patches = patch_list(patches)
-    if positions is None:
-        positions = range(len(patches))
-    elif len(positions) != len(patches):
-        raise PatchValueError(
-            f"positions has {len(positions)} entries for {len(patches)} patches (one each)",
-            reason="positions", value=len(positions),
-        )
+    positions = _checked_positions(positions, len(patches))
     chunks: list[Chunk] = []
     cur_pos: list[int] = []
     cur_names: list[str] = []

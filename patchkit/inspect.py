@@ -120,6 +120,7 @@ from .patch import (
     check_max_chunk_bytes,
     numel,
     patch_list,
+    resolved,
     staged_nbytes,
 )
 from .progress import LoadProgress, Tracker, check_progress
@@ -1060,7 +1061,7 @@ def _inspect_load(
     model, patches, max_chunk_bytes, validate_unique_indices, transactional, loader,
     progress, scope: contextlib.ExitStack,
 ) -> LoadReport:
-    patches = [_as_patch(p) for p in patch_list(patches)]
+    patches = [resolved(_as_patch(p)) for p in patch_list(patches)]
     # As an int, when valid; when not, the load below raises the error that names it.
     with contextlib.suppress(TypeError, ValueError):
         max_chunk_bytes = check_max_chunk_bytes(max_chunk_bytes)

@@ -942,8 +942,9 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
             raise bad(f"values have shape {vshape}, the header says [{nnz}]", "count", vshape)
         n = _numel_below(shape, 1 << 63)
         if n is None or n * dtype.itemsize >= 1 << 63:  # as validate_patches refuses it
-            held = "at least 2**63" if n is None else str(n)
-            raise bad(f"shape {_shape_text(shape)} of {dtype} holds {held} elements, "
+            held = ("a dimension of 2**63 or more" if any(d >= 1 << 63 for d in shape)
+                    else "at least 2**63 elements" if n is None else f"{n} elements")
+            raise bad(f"shape {_shape_text(shape)} of {dtype} holds {held}, "
                       "more than a tensor can (its bytes must stay below 2**63)", "header",
                       shape)
         indices_dtype = None
@@ -1217,8 +1218,13 @@ def print_patch_file_summary(
     a UnicodeEncodeError.
 
     Returns 0; a bad file (or a bad budget, or no ``safetensors`` package) prints
-    ``error: ...`` to stderr and returns 2.
+    ``error: ...`` to stderr and returns 2. A ``file`` with no ``write`` method (a path
+    string, say: open it first) raises ``TypeError`` before anything is read.
     """
+    if file is not None and not callable(getattr(file, "write", None)):
+        raise TypeError(f"print_patch_file_summary: file must be a text stream with a write "
+                        f"method (e.g. an open file or io.StringIO), got "
+                        f"{type(file).__name__}: {file!r:.60}")
     out = sys.stdout if file is None else file
     path = os.fsdecode(path)  # (bytes too, as the readers take them)
     try:

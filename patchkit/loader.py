@@ -16,8 +16,8 @@ from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .errors import ContractViolation, PatchTypeError, PatchValueError, where
 from .intercept import _DEFERRAL, RuntimeIndex, WriteRecorder, WriteSession, named_tensors
-from .patch import CheckpointWeightPatch, check_flag, patch_list, validate_patches
-from .staging import stage
+from .patch import CheckpointWeightPatch, check_flag, patch_list, resolved, validate_patches
+from .staging import _stage
 from .units import _count
 
 __all__ = ["canonicalize_tied", "load_checkpoint_weight_patches"]
@@ -132,7 +132,8 @@ def run_load(
     caller's, built for the same load), which a watched load uses instead of its own.
     """
     with torch.no_grad():
-        patches = [_as_patch(p) for p in patch_list(patches)]  # read first (CONTRACT)
+        # (read first, as CONTRACT says; a lazily negated tensor made plain)
+        patches = [resolved(_as_patch(p)) for p in patch_list(patches)]
         check_flag(transactional, "transactional")  # (validate_patches checks the other)
         kind = validate_patches(
             patches,
@@ -192,7 +193,8 @@ def run_load(
             finished = False  # the saves are let go: no rollback can run from here
             try:
                 for chunk in chunks:
-                    staged = [(by_position[p].name, stage(by_position[p])) for p in chunk.positions]
+                    staged = [(by_position[p].name, _stage(by_position[p]))
+                              for p in chunk.positions]
                     if session is None:
                         returned = _names(load_weights(staged), chunk)
                     else:

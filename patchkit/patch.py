@@ -10,8 +10,9 @@ import math
 import numbers
 import operator
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any, NamedTuple
 
 import torch
 
@@ -72,6 +73,23 @@ def staged_nbytes(patch: CheckpointWeightPatch) -> int:
     A sparse patch costs the same as a dense one: its staging tensor is full size.
     """
     return numel(patch) * patch.dtype.itemsize
+
+
+def resolved(patch: Any) -> Any:
+    """``patch`` with any lazily negated ``values`` or ``indices`` (torch's negative bit,
+    as ``complex.conj().imag`` gives) made plain: the same numbers in memory of their own.
+
+    The loader's byte-level paths (the native copy, the bit comparisons, staging's bit
+    scatter) read memory as it is, and a view with the negative bit holds the numbers
+    un-negated there. Anything that is not a patch with tensors is returned as it is,
+    for validation to name; a patch with nothing to resolve is returned itself.
+    """
+    values, indices = getattr(patch, "values", None), getattr(patch, "indices", None)
+    fix = {f: t.resolve_neg() for f, t in (("values", values), ("indices", indices))
+           if isinstance(t, torch.Tensor) and t.is_neg()}
+    if not fix or not hasattr(patch, "_replace"):
+        return patch
+    return patch._replace(**fix)
 
 
 def patch_list(patches: object, what: str = "patches") -> list:
@@ -210,7 +228,7 @@ def _check_metadata(position: int | None, patch: object, *,
             position=position, name=name, reason="shape type", value=type(shape).__name__,
         )
     try:
-        dims = tuple(shape)
+        dims = tuple(_ordered(shape))
     except TypeError:
         raise PatchTypeError(
             f"{at}: shape must be a tuple of ints, got {shape!r}",
@@ -236,13 +254,24 @@ def _check_metadata(position: int | None, patch: object, *,
     return dims
 
 
+def _ordered(shape: object) -> Any:
+    """``shape`` itself, or :class:`TypeError` when it is iterable but no shape: a set or
+    mapping (no order to its dims) or text (``str``/``bytes``, whose characters or bytes
+    would read as dims)."""
+    if isinstance(shape, str | bytes | bytearray | memoryview | AbstractSet | Mapping):
+        raise TypeError(type(shape).__name__)
+    return shape
+
+
 def _check_size(at: str, position: int | None, name: str, dims: tuple[int, ...],
                 dtype: torch.dtype) -> None:
     if _numel_below(dims, (1 << 63) // dtype.itemsize) is None:
         # torch indexes elements and bytes with int64: no tensor this big can be staged
+        why = ("each dimension must stay below 2**63" if any(d >= 1 << 63 for d in dims)
+               else "its bytes must stay below 2**63")
         raise PatchValueError(
             f"{at}: shape {_shape_text(dims)} of {dtype} is more than a tensor can hold "
-            f"(its bytes must stay below 2**63)",
+            f"({why})",
             position=position, name=name, reason="shape too large", value=dims,
         )
 
@@ -333,9 +362,11 @@ def _is_integral(dtype: torch.dtype) -> bool:
 
 def _numel_below(dims: Sequence[int], limit: int) -> int | None:
     """The product of ``dims`` when it is below ``limit``, else ``None``; it stops as soon
-    as the product reaches the limit (a long list of dims costs no big-integer work)."""
+    as the product reaches the limit (a long list of dims costs no big-integer work).
+    A dimension of ``2**63`` or more is ``None`` too, even beside a 0: torch keeps each
+    size in an int64, so no tensor has that shape, empty or not."""
     if 0 in dims:
-        return 0
+        return None if any(d >= 1 << 63 for d in dims) else 0
     n = 1
     for d in dims:
         n *= d

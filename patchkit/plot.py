@@ -129,6 +129,12 @@ def to_png(fig: Figure, dpi: float = 100) -> bytes:
     Drawn once at the figure's size: patchkit's figures use constrained layout, which
     already fits their contents, so a "tight" bounding box (a second draw) is not needed.
     """
+    if not isinstance(fig, Figure):
+        raise TypeError(f"to_png: fig must be a matplotlib Figure, got {_what(fig)}")
+    if (isinstance(dpi, bool) or not isinstance(dpi, numbers.Real)
+            or not (math.isfinite(dpi) and dpi > 0)):
+        raise (TypeError if not isinstance(dpi, numbers.Real) or isinstance(dpi, bool)
+               else ValueError)(f"to_png: dpi must be a positive number, got {_what(dpi)}")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
     return buf.getvalue()
@@ -958,6 +964,23 @@ def _row_pieces(starts: np.ndarray, stops: np.ndarray, cols: int) -> list[Rect]:
     return sorted(out, key=lambda r: (r[0], r[2]))
 
 
+def _view_int(v: object, what: str) -> int:
+    """An int argument of :func:`view_rects` (numpy ints too): ``TypeError`` for a bool or
+    a non-integer, ``ValueError`` for one beyond int64 (no tensor has such a view)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"view_rects: {what} must be an int, got {_what(v)}")
+    if not -(1 << 63) <= v < 1 << 63:
+        raise ValueError(f"view_rects: {what} {v} is beyond int64: no tensor has such a view")
+    return int(v)
+
+
+def _view_ints(vs: object, what: str) -> list[int]:
+    """A sequence of ints argument of :func:`view_rects` (a shape, strides)."""
+    if isinstance(vs, str | bytes) or not isinstance(vs, Sequence | torch.Size):
+        raise TypeError(f"view_rects: {what} must be a sequence of ints, got {_what(vs)}")
+    return [_view_int(v, f"{what} entry") for v in vs]
+
+
 def view_rects(
     offset: int, shape: Sequence[int], stride: Sequence[int], cols: int,
     limit: int = MAX_RECTS,
@@ -974,7 +997,16 @@ def view_rects(
     whole rows by whole columns, else its flat range from first to last element (at most
     three rectangles). A view with no elements gives ``([], True)``.
     """
-    dims = [(int(n), int(s)) for n, s in zip(shape, stride) if int(n) != 1]
+    offset, cols, limit = (_view_int(v, what) for v, what in
+                           ((offset, "offset"), (cols, "cols"), (limit, "limit")))
+    shape, stride = _view_ints(shape, "shape"), _view_ints(stride, "stride")
+    if len(shape) != len(stride):
+        raise ValueError(f"view_rects: shape {tuple(shape)} and stride {tuple(stride)} "
+                         "differ in length")
+    if offset < 0 or any(n < 0 for n in shape):
+        raise ValueError(f"view_rects: offset and shape must not be negative, got offset "
+                         f"{offset}, shape {tuple(shape)}")
+    dims = [(n, s) for n, s in zip(shape, stride) if n != 1]
     if cols <= 0 or any(n == 0 for n, _ in dims):
         return [], True
     if any(s < 0 for _, s in dims):  # (no torch view steps backwards)
@@ -1654,7 +1686,10 @@ def _delta_pass(
 
 
 def written_mask(report: LoadReport, target: str) -> torch.Tensor:
-    """Flat bool mask over ``target``'s elements: True where the load wrote (CPU)."""
+    """Flat bool mask over ``target``'s elements: True where the load wrote (CPU).
+    ``report`` must be a load report (``TypeError``); ``target`` as
+    :meth:`~patchkit.inspect.LoadReport.written` takes it."""
+    _check_report(report, "written_mask")
     return report.written(target).reshape(-1)
 
 

@@ -6,22 +6,30 @@ import torch
 
 from . import native
 from .bitwise import bits
-from .patch import CheckpointWeightPatch
+from .patch import CheckpointWeightPatch, resolved, validate_patches
 
 __all__ = ["stage"]
 
 
 def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
-    """Return the checkpoint-shaped tensor for one (validated) patch.
+    """Return the checkpoint-shaped tensor for one patch, as a load stages it.
 
     - Dense: ``values`` cast to ``dtype`` and viewed as ``shape`` (no copy when ``values``
       already has that dtype and is contiguous).
     - Sparse: a tensor of ``shape`` and ``dtype`` filled with NaN, with ``values`` (cast to
       ``dtype``) written at ``indices``; positions left NaN mean "keep the runtime value".
 
-    The staged tensor lives on the device of ``values``.
+    The staged tensor lives on the device of ``values``. The patch is checked first, as a
+    load checks it (:func:`~patchkit.patch.validate_patches`: ``PatchTypeError`` /
+    ``PatchValueError`` naming it, e.g. for an index out of range or a NaN value).
     """
-    _, shape, dtype, values, indices = patch
+    validate_patches([patch])
+    return _stage(patch)
+
+
+def _stage(patch: CheckpointWeightPatch) -> torch.Tensor:
+    """:func:`stage` of a patch validation has passed (what the loader calls)."""
+    _, shape, dtype, values, indices = resolved(patch)
     if type(shape) is not tuple:
         # (validation has checked the dims of a tuple; torch reads them as they are)
         shape = tuple(int(d) for d in shape)

@@ -24,6 +24,8 @@ Everything here is deterministic and imports torch only.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from .errors import PatchValueError
-from .patch import _checked_device
+from .patch import _checked_device, _ordered
 
 __all__ = [
     "BROKEN_LOADERS",
@@ -118,9 +120,26 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+def _check_fill(fill: object, dtype: object) -> None:
+    """``fill`` is a real number that ``dtype`` holds (``TypeError`` / ``ValueError``,
+    before any parameter is made)."""
+    if isinstance(fill, bool) or not isinstance(fill, numbers.Real):
+        raise TypeError(f"PlainModel: fill must be a real number, got {type(fill).__name__} "
+                        f"{fill!r}")
+    if isinstance(dtype, torch.dtype):
+        try:
+            torch.full((), fill, dtype=dtype)  # (one CPU element: what the model's fill does)
+        except (RuntimeError, OverflowError) as e:
+            raise ValueError(f"PlainModel: fill {fill!r} is not a value of {dtype} "
+                             f"({str(e).splitlines()[0]})") from None
+
+
 def _as_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
     try:
-        dims = tuple(int(d) for d in shape)
+        raw = tuple(_ordered(shape))
+        if any(isinstance(d, bool) for d in raw):
+            raise TypeError
+        dims = tuple(operator.index(d) for d in raw)
     except TypeError:
         raise TypeError(f"shape of {name!r} must be a sequence of ints, got {shape!r}") from None
     if any(d < 0 for d in dims):
@@ -195,10 +214,16 @@ class PlainModel(nn.Module):
         fill: float = 0.0,
     ) -> None:
         super().__init__()
+        if not isinstance(shapes, Mapping):
+            raise TypeError(
+                f"PlainModel: shapes must be a mapping of names to shapes (e.g. "
+                f"{{'w': (4, 8)}}), got {type(shapes).__name__}"
+            )
         device = _model_device(device)
         self.checkpoint_shapes: dict[str, tuple[int, ...]] = {
             name: _as_shape(name, s) for name, s in shapes.items()
         }
+        _check_fill(fill, dtype)
         self._by_name: dict[str, nn.Parameter] = {}
         for name, shape in self.checkpoint_shapes.items():
             param = _frozen(
@@ -606,6 +631,10 @@ def tiny_llama_shapes(config: TinyLlamaConfig) -> dict[str, tuple[int, ...]]:
     ``post_attention_layernorm.weight``; ``model.norm.weight``; ``lm_head.weight`` unless
     ``tie_word_embeddings``.
     """
+    if not isinstance(config, TinyLlamaConfig):
+        raise TypeError(
+            f"tiny_llama_shapes: config must be a TinyLlamaConfig, got {type(config).__name__}"
+        )
     c = config
     h = c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}

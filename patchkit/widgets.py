@@ -82,7 +82,9 @@ def figure_output(fig: Figure) -> dict[str, Any]:
 
 def text_output(text: str) -> dict[str, Any]:
     """Text as one ``stdout`` stream output (a lone surrogate, which no Jupyter message
-    carries, written as its escape)."""
+    carries, written as its escape). ``text`` must be a str (``TypeError``)."""
+    if not isinstance(text, str):
+        raise TypeError(f"text_output: text must be a str, got {type(text).__name__}")
     return {"output_type": "stream", "name": "stdout", "text": shown_text(text)}
 
 
@@ -119,7 +121,19 @@ def _told_apart(options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 
 
 def plan_text(plan: Sequence[Chunk], budget: int) -> str:
-    """The plan in words: one line per ``load_weights`` call and why it closed."""
+    """The plan in words: one line per ``load_weights`` call and why it closed.
+
+    ``plan`` is a list of :class:`~patchkit.Chunk` (as :func:`~patchkit.plan_chunks`
+    makes it) and ``budget`` the ``max_chunk_bytes`` it was planned for
+    (``TypeError`` / ``ValueError`` otherwise)."""
+    budget = check_max_chunk_bytes(budget)
+    if isinstance(plan, str | bytes) or not isinstance(plan, Sequence):
+        raise TypeError("plan_text: plan must be a list of Chunk (as plan_chunks makes it), "
+                        f"got {type(plan).__name__}")
+    for i, c in enumerate(plan):
+        if not isinstance(c, Chunk):
+            raise TypeError(f"plan_text: plan[{i}] must be a Chunk (as plan_chunks makes "
+                            f"them), got {type(c).__name__}")
     n = sum(len(c.positions) for c in plan)
     total = sum(c.bytes for c in plan)
     head = (

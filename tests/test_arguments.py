@@ -496,3 +496,191 @@ def test_a_dry_run_on_a_meta_model_with_real_buffers_loads_meta_patches():
     m.register_buffer("inv_freq", torch.ones(2), persistent=False)
     assert patchkit.load_checkpoint_weight_patches(
         m, [CWP("w", (4,), torch.float32, torch.ones(4, device=meta))]) == {"w"}
+
+
+# -- found by the sixth hunt (every public callable's arguments) --------------------------
+
+
+def _neg(values):
+    """``values`` negated lazily: torch's negative bit, as ``complex.conj().imag`` sets it."""
+    return torch._neg_view(values)
+
+
+@pytest.mark.parametrize("how", ["plain", "transactional", "inspect", "sparse", "sparse-inspect"])
+@pytest.mark.parametrize("fill", [0.0, 1.0])
+def test_values_with_the_negative_bit_load_negated_on_every_path(how, fill):
+    # the compiled copy read their memory as it is (5, 6 written for -5, -6) under
+    # transactional=True and inspect_load; a sparse load raised a bare RuntimeError
+    # after its first chunk had been written
+    sparse = how.startswith("sparse")
+    m = PlainModel({"a": (4,), "b": (4,)}, fill=fill)
+    vals = _neg(torch.tensor([5.0, 6.0, 7.0, 8.0]))
+    assert vals.is_neg()
+    if sparse:
+        idx = torch.tensor([0, 2])
+        ps = [CWP("a", (4,), torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([0, 1])),
+              CWP("b", (4,), torch.float32, vals[:2], idx)]
+        want = [-5.0, fill, -6.0, fill]
+    else:
+        ps = [_p("a"), CWP("b", (4,), torch.float32, vals)]
+        want = [-5.0, -6.0, -7.0, -8.0]
+    kw = {"max_chunk_bytes": 16}  # a call per patch
+    if how == "transactional":
+        kw["transactional"] = True
+    if how.endswith("inspect"):
+        r = inspect_load(m, ps, **kw)
+        assert r.after("b").tolist() == want
+    else:
+        patchkit.load_checkpoint_weight_patches(m, ps, **kw)
+    assert m.b.tolist() == want
+    # (the caller's tensor is left as it was: still a lazily negated view)
+    assert vals.is_neg() and vals.tolist() == [-5.0, -6.0, -7.0, -8.0]
+
+
+def test_stage_of_values_with_the_negative_bit_stages_them_negated():
+    p = CWP("b", (4,), torch.float32, _neg(torch.tensor([5.0, 6.0])), torch.tensor([1, 3]))
+    staged = patchkit.stage(p)
+    assert staged[1::2].tolist() == [-5.0, -6.0] and staged[::2].isnan().all()
+
+
+def test_a_shape_with_a_zero_and_a_dimension_beyond_int64_is_refused_before_any_call():
+    # 0 in the dims made every check pass: the first chunk was written, then torch's own
+    # TypeError ('Overflow when unpacking long long') came from staging, naming nothing
+    huge = CWP("a", (2**70, 0), torch.float32, torch.ones(0))
+    m = PlainModel({"a": (4,)})
+    with pytest.raises(PatchValueError, match=r"patch 1 \(.a.\): shape .* \(each dimension "
+                                              r"must stay below 2\*\*63") as e:
+        patchkit.load_checkpoint_weight_patches(m, [_p("a"), huge])
+    assert e.value.position == 1 and e.value.reason == "shape too large"
+    assert m.a.tolist() == [0.0] * 4
+    with pytest.raises(PatchValueError, match="below 2\\*\\*63"):
+        plan_chunks([huge])
+    assert plan_chunks([CWP("a", (2**62, 0), torch.float32, torch.ones(0))])[0].bytes == 0
+
+
+def test_split_patch_splits_a_dense_patch_on_the_meta_device():
+    p = CWP("w", (4,), torch.float32, torch.empty(4, device="meta"))
+    parts = patchkit.split_patch(p, 2)
+    assert [tuple(q.indices.shape) for q in parts] == [(2,), (2,)]
+    assert all(q.values.is_meta and q.indices.is_meta for q in parts)
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "nested"])
+def test_dense_patches_and_the_trainer_refuse_a_tensor_that_is_not_plain(layout):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch calls nested tensors a prototype)
+        t = (torch.ones(3).to_sparse() if layout == "sparse_coo"
+             else torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
+    sd = {"ok": torch.ones(2), "w": t}
+    with pytest.raises(PatchTypeError, match=r"weight 'w': state_dict\['w'\] is ") as e:
+        patchkit.dense_patches(sd)
+    assert (e.value.name, e.value.reason) == ("w", "layout")
+    with pytest.raises(PatchTypeError, match=r"weight 'w'"):
+        patchkit.AdamLikeTrainer(sd)
+
+
+@pytest.mark.parametrize("shape", [{3, 2}, frozenset({4}), {2: 3}, b"\x02\x03", "23",
+                                   bytearray(b"\x04")])
+def test_a_shape_with_no_order_or_made_of_text_is_refused(shape):
+    # a set validated (in its own order: {3, 2} loaded as (2, 3)); bytes and str read
+    # their bytes and characters as dims
+    with pytest.raises(PatchTypeError, match="shape must be a tuple of ints"):
+        validate_patches([CWP("w", shape, torch.float32, torch.ones(6))])
+    with pytest.raises(PatchTypeError, match="shape must be a tuple of ints"):
+        patchkit.random_sparse_patch("w", shape, torch.float32, 0.5)
+    with pytest.raises(TypeError, match="must be a sequence of ints"):
+        PlainModel({"w": shape})
+
+
+def test_plain_model_takes_shapes_as_tuples_lists_sizes_and_numpy_ints_not_bools():
+    m = PlainModel({"a": [2, 3], "b": torch.Size([4]), "c": (np.int64(2),)})
+    assert [tuple(p.shape) for p in m.parameters()] == [(2, 3), (4,), (2,)]
+    for bad in [(True,), (2.5,)]:
+        with pytest.raises(TypeError, match="must be a sequence of ints"):
+            PlainModel({"a": bad})
+
+
+def test_stage_checks_the_patch_as_a_load_does():
+    # stage() took anything: an index out of range was a bare IndexError, and duplicate
+    # indices, NaN values and 2-D values were staged silently
+    cases = [
+        (CWP("w", (4,), torch.float32, torch.ones(1), torch.tensor([9])), "out-of-range index"),
+        (CWP("w", (4,), torch.float32, torch.ones(2), torch.tensor([0, 0])), "duplicate index"),
+        (CWP("w", (4,), torch.float32, torch.tensor([math.nan]), torch.tensor([1])), "NaN value"),
+        (CWP("w", (4,), torch.float32, torch.ones(2, 2)), "must be 1-D"),
+    ]
+    for p, match in cases:
+        with pytest.raises(PatchError, match=match):
+            patchkit.stage(p)
+
+
+@pytest.mark.parametrize("positions, error, match", [
+    ("ab", PatchTypeError, "must be a list of ints"),
+    (b"ab", PatchTypeError, "must be a list of ints"),
+    ((i for i in range(2)), PatchTypeError, "must be a list of ints"),
+    ([1.5, 2], PatchTypeError, r"positions\[0\] must be an int"),
+    ([True, 2], PatchTypeError, r"positions\[0\] must be an int"),
+    ([None, 2], PatchTypeError, r"positions\[0\] must be an int"),
+    ([0, -1], PatchValueError, r"positions\[1\] is negative"),
+    ([3, 3], PatchValueError, "position 3 more than once"),
+    ([0], PatchValueError, "1 entries for 2 patches"),
+])
+def test_plan_chunks_checks_its_positions(positions, error, match):
+    with pytest.raises(error, match=match):
+        plan_chunks([_p("a"), _p("b")], positions=positions)
+
+
+def test_plan_chunks_takes_positions_as_ints_of_any_kind():
+    plan = plan_chunks([_p("a"), _p("b")], 16, positions=(np.int64(5), 7))
+    assert [c.positions for c in plan] == [(5,), (7,)]
+    assert all(type(i) is int for c in plan for i in c.positions)
+
+
+def test_public_helpers_refuse_arguments_of_the_wrong_kind_with_type_and_value_errors(tmp_path):
+    import io
+
+    from patchkit import plot, widgets
+    from patchkit.io import print_patch_file_summary, save_patches
+    from patchkit.toymodels import tiny_llama_shapes
+
+    path = str(tmp_path / "p.safetensors")
+    save_patches(path, [_p("a")])
+    report = inspect_load(PlainModel({"a": (4,)}), [_p("a")])
+    cases = [
+        (lambda: plot.to_png(None), TypeError, "fig must be a matplotlib Figure"),
+        (lambda: plot.to_png(plot.plot_chunks(report), dpi=0), ValueError, "dpi"),
+        (lambda: widgets.figure_output("x"), TypeError, "fig must be a matplotlib Figure"),
+        (lambda: plot.written_mask(None, "a"), TypeError, "report must be a LoadReport"),
+        (lambda: widgets.plan_text("ab", 100), TypeError, "plan must be a list of Chunk"),
+        (lambda: widgets.plan_text([1], 100), TypeError, r"plan\[0\] must be a Chunk"),
+        (lambda: widgets.plan_text(report.plan, -1), ValueError, "max_chunk_bytes"),
+        (lambda: widgets.text_output(5), TypeError, "text must be a str"),
+        (lambda: plot.view_rects(2**70, (2, 2), (4, 1), 4), ValueError, "beyond int64"),
+        (lambda: plot.view_rects(0, (2, 2), (4, 1), math.nan), TypeError, "cols must be"),
+        (lambda: plot.view_rects(0, (2, 2), (4, 1), 1.5), TypeError, "cols must be an int"),
+        (lambda: plot.view_rects(0, (2, 2), (4,), 4), ValueError, "differ in length"),
+        (lambda: plot.view_rects(0, "ab", (4, 1), 4), TypeError, "shape must be a sequence"),
+        (lambda: print_patch_file_summary(path, file="out.txt"), TypeError, "write method"),
+        (lambda: tiny_llama_shapes(None), TypeError, "config must be a TinyLlamaConfig"),
+        (lambda: PlainModel([("a", (2,))]), TypeError, "shapes must be a mapping"),
+        (lambda: PlainModel({"a": (2,)}, dtype=torch.int8, fill=1000.0), ValueError,
+         "fill 1000.0 is not a value of torch.int8"),
+        (lambda: PlainModel({"a": (2,)}, fill="1"), TypeError, "fill must be a real number"),
+        (lambda: patchkit.same_bits(torch.ones(2).to_sparse(), torch.ones(2)), TypeError,
+         "same_bits: a is of layout torch.sparse_coo"),
+        (lambda: patchkit.same_bits(torch.ones(2), torch.ones(2, device="meta")), ValueError,
+         "same_bits: b is on the meta device"),
+        (lambda: patchkit.same_state({"w": torch.ones(2)}, {"w": torch.ones(2).to_sparse()}),
+         TypeError, r"same_state: b\['w'\] is of layout"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+    # what they take still works
+    out = io.StringIO()
+    assert print_patch_file_summary(path, file=out) == 0 and "a" in out.getvalue()
+    assert plot.view_rects(np.int64(0), torch.Size([2, 2]), (4, 1), 4) == (
+        [(0, 2, 0, 2)], True)
+    assert plot.written_mask(report, "a").tolist() == [True] * 4

@@ -720,7 +720,8 @@ def test_module_imports_torch_only():
             own.add(node.module)
         elif isinstance(node, ast.ImportFrom):
             imported.add((node.module or "").split(".")[0])
-    assert imported <= {"__future__", "math", "collections", "dataclasses", "typing", "torch"}
+    assert imported <= {"__future__", "math", "numbers", "operator", "collections",
+                        "dataclasses", "typing", "torch"}
     # patchkit's own torch-only modules, which `import patchkit` has loaded already
     assert own <= {"errors", "patch"}
     assert all(hasattr(toymodels, n) for n in toymodels.__all__)
