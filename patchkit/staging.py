@@ -24,12 +24,13 @@ def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
     ``PatchValueError`` naming it, e.g. for an index out of range or a NaN value).
     """
     validate_patches([patch])
-    return _stage(patch)
+    return _stage(resolved(patch))
 
 
 def _stage(patch: CheckpointWeightPatch) -> torch.Tensor:
-    """:func:`stage` of a patch validation has passed (what the loader calls)."""
-    _, shape, dtype, values, indices = resolved(patch)
+    """:func:`stage` of a patch validation has passed, its tensors plain
+    (:func:`~patchkit.patch.resolved`): what the loader calls."""
+    _, shape, dtype, values, indices = patch
     if type(shape) is not tuple:
         # (validation has checked the dims of a tuple; torch reads them as they are)
         shape = tuple(int(d) for d in shape)
