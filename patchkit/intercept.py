@@ -400,6 +400,9 @@ class RuntimeIndex:
         # Tensors whose values live in inner tensors of their own (a DTensor, a quantized
         # wrapper subclass): writes into those are not seen, see refuse_wrappers().
         self.wrappers: list[str] = []
+        # Runtime tensors that are lazy views (torch's negative or conjugate bit): their
+        # memory does not hold their values, see refuse_wrappers().
+        self.lazy: list[str] = []
         first: dict[int, str] = {}
         mods = _module_tree(model)
         # Where each tensor is registered, and the tree's links, for replaced(): checked
@@ -475,6 +478,8 @@ class RuntimeIndex:
                     kind = _WRAP_KINDS[cls] = _may_wrap(cls)
                 if kind == 2 or (kind == 1 and _holds_no_memory(t)):
                     self.wrappers.append(name)
+            if t.is_neg() or t.is_conj():
+                self.lazy.append(name)
             # Each tensor's place in its storage is worked out when a write first reaches
             # that storage (most loads write a few of a model's tensors).
             self._by_key.setdefault(_storage_key(t), []).append((name, t))
@@ -490,11 +495,25 @@ class RuntimeIndex:
 
     def refuse_wrappers(self, what: str) -> None:
         """``ContractViolation`` (before anything is written) when the model holds a
+        runtime tensor with torch's lazy negative or conjugate bit (:attr:`lazy`), or a
         tensor subclass whose values live in inner tensors (:attr:`wrappers`): a write
         into it, or into what it wraps (``param.to_local().copy_(w)``), reaches storage
         this index does not know, so a load that must see its writes (``what``: a
         sparse, transactional or inspected one) could neither NaN-merge, record nor
         restore it."""
+        if self.lazy:
+            name = self.lazy[0]
+            more = f" (and {len(self.lazy) - 1} more)" if len(self.lazy) > 1 else ""
+            raise ContractViolation(
+                f"{what} into this model is refused before anything is written: runtime "
+                f"tensor {name!r}{more} is a lazily {_lazy_kind(self.tensors[name])} view "
+                "(torch's flag, as z.conj() or torch._neg_view set it), whose memory does "
+                "not hold its values, and patchkit saves, merges and compares runtime "
+                "memory bit for bit; make it plain where the model is built "
+                "(t.resolve_conj().resolve_neg()); a plain dense load "
+                "(load_checkpoint_weight_patches, not transactional) goes through",
+                reason="lazy view", value=name,
+            )
         if not self.wrappers:
             return
         name = self.wrappers[0]
@@ -1108,6 +1127,12 @@ class _Source(NamedTuple):
 _LO = operator.attrgetter("lo")
 _HI = operator.attrgetter("hi")
 _START = operator.itemgetter(0)
+
+
+def _lazy_kind(t: torch.Tensor) -> str:
+    """What lazy flag ``t`` carries, for a message."""
+    return ("conjugated and negated" if t.is_conj() and t.is_neg()
+            else "conjugated" if t.is_conj() else "negated")
 
 
 class _Provenance:
@@ -2070,6 +2095,8 @@ class WriteSession:
         dest, src = args
         if type(dest) not in _PLAIN or type(src) not in _PLAIN:
             return None
+        if src.is_neg() or src.is_conj() or dest.is_neg() or dest.is_conj():
+            return None  # (the general path: it makes the source plain, refuses the view)
         if (dest.requires_grad or src.requires_grad) and torch.is_grad_enabled():
             return None
         if not dest.numel():
@@ -2123,6 +2150,11 @@ class WriteSession:
     def _unguarded_write(self, func, args, kwargs, targets, source=None):
         op = _op_name(func)
         is_copy = func is _COPY
+        self._refuse_lazy_views(op, targets, args, source)
+        if is_copy and len(args) > 1:
+            plain = self._plain_source(args[1])
+            if plain is not args[1]:
+                args = (args[0], plain, *args[2:])
         self._refuse_self_overlap(op, targets, args[1] if is_copy and len(args) > 1 else None,
                                   source)
         if self._measured:
@@ -2619,6 +2651,41 @@ class WriteSession:
         if len(self._call_patches) == 1:
             return self._call_patches[0]
         return None, None
+
+    def _plain_source(self, src: object) -> object:
+        """``src`` as a tensor whose memory holds its values: a lazily negated or
+        conjugated one (``conj().imag``, ``torch._neg_view``) resolved into a new tensor,
+        which keeps the patch it came from; anything else as it is. The compiled paths and
+        the bit comparisons read memory as it is."""
+        if not isinstance(src, torch.Tensor) or not (src.is_neg() or src.is_conj()):
+            return src
+        with torch._C.DisableTorchFunction():
+            out = src.resolve_conj().resolve_neg()
+        if self.provenance:
+            self.provenance.taint(out, (src,), self.provenance.source_of((src,), {}))
+        return out
+
+    def _refuse_lazy_views(self, op: str, targets, args, source=None) -> None:
+        """``ContractViolation`` before a write through a lazily negated or conjugated
+        view of a runtime tensor (``p.conj().copy_(w)``, ``z.conj().imag``): torch writes
+        the negated or conjugated values, which a save, a merge or a count of its memory
+        would take for others. Nothing is written. (A runtime tensor that is such a view
+        itself is refused before the load: :meth:`RuntimeIndex.refuse_wrappers`.)"""
+        for dest, (tname, _, _) in targets:
+            if not (dest.is_neg() or dest.is_conj()):
+                continue
+            src = args[1] if op == _COPY_NAME and len(args) > 1 else None
+            pos, name = self._fed_by(src, source)
+            who = f"{where(pos, name)}, " if name is not None else ""
+            raise ContractViolation(
+                f"load_weights (call {self._chunk}, {who}runtime tensor {tname!r}) wrote "
+                f"with {op} through a lazily {_lazy_kind(dest)} view of it (torch's flag, "
+                "as .conj() or .conj().imag set it): a sparse, transactional or inspected "
+                "load saves, merges and counts memory bit for bit, which such a view "
+                "writes negated or conjugated; write into the tensor itself. This op wrote "
+                f"nothing{self._no_source_note(name, tname)}",
+                position=pos, name=name, reason="lazy view", value=tname,
+            )
 
     def _refuse_self_overlap(self, op: str, targets, src: object, source=None) -> None:
         """``ContractViolation`` before a write through a view whose elements share
