@@ -1122,6 +1122,8 @@ def _inspect_load(
             exc.add_note("(the progress callback, told of the failed call, raised too: "
                          f"{type(tracker.suppressed).__name__}: {tracker.suppressed})")
     finally:
+        for session in sessions:
+            session.end_calls()  # (a call a signal left open: its modes go first)
         if tracker is not None:
             try:
                 tracker.close(failed=error is not None)

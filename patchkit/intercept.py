@@ -1135,6 +1135,25 @@ def _lazy_kind(t: torch.Tensor) -> str:
             else "conjugated" if t.is_conj() else "negated")
 
 
+def _is_own(mode: object, session: WriteSession) -> bool:
+    """Whether ``mode`` is one of ``session``'s interception modes."""
+    return isinstance(mode, _Mode | _DenseMode) and mode.s is session
+
+
+@contextlib.contextmanager
+def _no_modes() -> Iterator[None]:
+    """No dispatch mode and no function mode in effect inside (both put back after):
+    a rollback's writes are not another load's to watch. Torch's default-device mode
+    goes too; a rollback makes no tensor without naming its device."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if not (torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack()):
+        yield
+        return
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
+
+
 class _Provenance:
     """Which staged patch a tensor's elements came from, and at what element offset.
 
@@ -1764,11 +1783,47 @@ class WriteSession:
         # The signal deferral while a call runs on the main thread, else None (see
         # _SignalDeferral): the compiled writes hold signals back until saved.
         self._guard: _SignalDeferral | None = None
+        # The generator of the last call's block (see call()): one that a signal stopped
+        # at its edge is never resumed, and end_calls() ends it.
+        self._open_call: Any = None
 
     # -- one load_weights call -------------------------------------------------------
 
+    def call(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[_CallResult]:
+        """:meth:`_call` (see there), remembered so that :meth:`end_calls` can end it."""
+        self.end_calls()  # (a stale one first: its modes are still in place)
+        scope = self._call(*args, **kwargs)
+        self._open_call = scope.gen  # type: ignore[attr-defined]
+        return scope
+
+    def end_calls(self) -> None:
+        """End the last call's block if it did not end: a signal (Ctrl-C, a handler that
+        raises) that lands in ``contextlib``'s ``__exit__`` before it resumes the block
+        leaves the block suspended, its interception modes in place and its signal
+        handlers installed; the exception still propagates. Closing the block runs its
+        ``finally`` (as an error of the call). The loader calls this before a rollback
+        and when a load ends; a no-op otherwise."""
+        gen, self._open_call = self._open_call, None
+        if gen is not None and gen.gi_frame is not None and gen.gi_running is False:
+            gen.close()
+        self._pop_own_modes()
+
+    def _pop_own_modes(self) -> None:
+        """Take this session's interception modes off the top of this thread's mode
+        stacks: ones a signal left there, landing inside torch's own ``__enter__`` or
+        ``__exit__`` of a mode (a window no ``finally`` of patchkit's covers). Another's
+        mode above them stays, and so do they."""
+        from torch.utils._python_dispatch import _pop_mode
+
+        while (n := torch._C._len_torch_dispatch_stack()) and _is_own(
+                torch._C._get_dispatch_stack_at(n - 1), self):
+            _pop_mode()
+        while (n := torch._C._len_torch_function_stack()) and _is_own(
+                torch._C._get_function_stack_at(n - 1), self):
+            torch._C._pop_torch_function_stack()
+
     @contextlib.contextmanager
-    def call(
+    def _call(
         self,
         chunk: int,
         staged: Sequence[tuple[str, torch.Tensor]],
@@ -2757,7 +2812,10 @@ class WriteSession:
         """Put every saved region back as it was before the load's first write into it.
 
         Regions are restored newest first, so where two saved regions overlap the older
-        (earlier) contents win. Runs outside any interception. A region that cannot be
+        (earlier) contents win. Runs outside any interception: an unfinished call of this
+        session is ended first (:meth:`end_calls`), and the dispatch and function modes
+        in place (an enclosing load's, when this load runs inside its loader) are off
+        while it writes. A region that cannot be
         written back does not stop the others: every other region is restored, then a
         ``RuntimeError`` names the targets left as the load wrote them (raised from the
         first such failure; the load's own error is its ``__context__``).
@@ -2766,7 +2824,8 @@ class WriteSession:
         self.unrestored = []
         self.rolled_back = True
         _ROLLBACKS[0] += 1
-        with torch.no_grad():
+        self.end_calls()
+        with torch.no_grad(), _no_modes():
             for saved in reversed(self.saved):
                 try:
                     saved.restore()

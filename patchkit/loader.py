@@ -156,9 +156,10 @@ def run_load(
         # cyclic collector, set off by them, cost two thirds of a sparse load's time on a
         # model of 100 k tensors. It is off for the load, as it was after.
         collecting = watched and gc.isenabled()
-        if collecting:
-            gc.disable()
+        session = None
         try:
+            if collecting:  # (inside the try: a signal right after it still re-enables)
+                gc.disable()
             if watched and index is None:
                 # (the session's index, built first: it knows the tied parameters, so the
                 # module tree is walked once)
@@ -220,12 +221,16 @@ def run_load(
                         finished = True
                         session.discard()
             except BaseException as exc:
+                if session is not None:
+                    session.end_calls()  # (a call a signal left open: its modes go first)
                 if transactional and session is not None and not finished:
                     with _DEFERRAL.holding():  # (a second Ctrl-C waits for the rollback)
                         _roll_back(session, exc)
                 raise
             return loaded
         finally:
+            if session is not None:
+                session.end_calls()
             if collecting:
                 gc.enable()
 
