@@ -56,11 +56,18 @@ def has_numbers(dtype: torch.dtype) -> bool:
 
 
 def select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t.index_select(0, index)`` (a copy) for every dtype, uint16/32/64 included
-    (selected as the signed type of their width: the same bits)."""
+    """``t.index_select(0, index)`` (a copy) for every dtype: uint16/32/64 selected as
+    the signed type of their width, and a dtype with no ``index_select`` kernel here
+    (``float4_e2m1fn_x2``, the ``bits*`` dtypes) as the int of its element size: the
+    same bits."""
     signed = _SIGNED_OF_UNSIGNED.get(t.dtype)
     if signed is None:
-        return t.index_select(0, index)
+        try:
+            return t.index_select(0, index)
+        except NotImplementedError:
+            signed = _INT_OF_SIZE.get(t.element_size())
+            if signed is None or t.is_complex():
+                raise
     return t.view(signed).index_select(0, index).view(t.dtype)
 
 

@@ -67,6 +67,7 @@ import gc
 import html
 import inspect as _pyinspect
 import math
+import pickle
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -497,6 +498,7 @@ class LoadReport:
                 state["_frame_" + name] = getattr(self, name)
         state.update(_tables={}, _saved=[], _runtime={}, _rebound={}, _detached=True,
                      _kept_targets=self.targets)
+        state["patches"] = [_picklable_patch(p) for p in self.patches]
         return state
 
     # -- values ----------------------------------------------------------------------
@@ -1158,6 +1160,49 @@ def _inspect_load(
     return report
 
 
+# The int dtype of each element size: what a tensor of a dtype torch's pickle cannot
+# rebuild travels as (see _picklable_patch).
+_INT_OF_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class _ViewedAs:
+    """A tensor that pickles as its bits and its dtype, and unpickles as the tensor
+    itself: torch's pickle writes float8, uint16/32/64, complex32 and the packed dtypes
+    but cannot read them back ("UntypedStorage has no attribute 'dtype'", torch 2.13)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __reduce__(self):
+        raw = self.t.detach().view(_INT_OF_ITEMSIZE[self.t.element_size()])
+        return (_view_as, (raw, self.t.dtype))
+
+
+def _view_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return raw.view(dtype)
+
+
+@functools.cache
+def _pickles(dtype: torch.dtype) -> bool:
+    """Whether torch's pickle rebuilds a tensor of ``dtype`` (tried once per dtype)."""
+    try:
+        pickle.loads(pickle.dumps(torch.zeros(8, dtype=torch.uint8).view(dtype)))
+    except Exception:
+        return False
+    return True
+
+
+def _picklable_patch(p: Any) -> Any:
+    """``p`` with each tensor of a dtype torch's pickle cannot rebuild wrapped in
+    :class:`_ViewedAs` (a report of a float8 load pickled, then failed to unpickle)."""
+    if not isinstance(p, CheckpointWeightPatch):
+        return p
+    fix = {f: _ViewedAs(t) for f in ("values", "indices")
+           if isinstance(t := getattr(p, f), torch.Tensor) and t.element_size() in
+           _INT_OF_ITEMSIZE and not t.is_meta and not _pickles(t.dtype)}
+    return p._replace(**fix) if fix else p
+
+
 def _late_rollback(sessions: list[WriteSession], error: BaseException) -> BaseException:
     """Roll back a transactional load that ended before ``error`` came (its saves are
     intact: a report keeps them); return the error to raise: ``error``, or what stopped
@@ -1538,7 +1583,8 @@ def _put_back(flat: torch.Tensor, t: torch.Tensor, saves: Sequence[SavedRegion])
             box.put(raw, box.take(_raw(_as_dtype_of(s.before, t))))
             continue
         pos, valid = _positions(t, s.storage_index())
-        values = _raw(_as_dtype_of(s.flat_before()[valid], t))
+        # (masked as bits: a packed dtype such as float4_e2m1fn_x2 has no index kernel)
+        values = _raw(_as_dtype_of(s.flat_before(), t))[valid]
         raw[pos.to(flat.device)] = values.to(flat.device)
 
 

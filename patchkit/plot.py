@@ -85,7 +85,10 @@ MAX_BINS = 1024
 """Most blocks per axis of any heat map: images stay under a million pixels."""
 
 MAX_TARGETS = 6
-"""Runtime tensors :func:`plot_placement` draws when not told which."""
+"""Runtime tensors :func:`plot_placement` draws when not told how many."""
+
+_MOST_TARGETS = 32  # (rows of 2.6 inches: a taller figure takes seconds a row to draw)
+_MOST_HIST_BINS = MAX_BINS  # (a Δ histogram's bars: more than its panel has pixels)
 
 # The line plot_delta adds to its title when the model changed after the load.
 _STALE_WARNING = (
@@ -1119,23 +1122,27 @@ def plot_placement(
     a runtime title too long for one line gets its counts on a second line and its name
     cut to its tail after ``…``. Runtime row and column ticks are whole numbers.
 
-    ``targets`` is a list of runtime tensor names, or one name as a string. A tied alias
+    ``targets`` is a list of runtime tensor names, or one name as a string; of a list
+    longer than ``max_targets`` (at most 32) the first ``max_targets`` are drawn, with
+    the note. A tied alias
     (``lm_head.weight`` where it is the embedding's Parameter) names the tensor it is
     tied to, as in :meth:`LoadReport.before`; its row's title gives both names. An
     unknown name raises ``KeyError``; a ``report`` that is not a load report, a name that
     is not a str or a ``max_targets`` that is not an int, ``TypeError``; an empty
-    ``targets`` or a ``max_targets`` below 1, ``ValueError``.
+    ``targets`` or a ``max_targets`` outside 1 to 32, ``ValueError``.
     """
     _check_report(report, "plot_placement")
     if isinstance(max_targets, bool) or not isinstance(max_targets, numbers.Integral):
         raise TypeError(f"plot_placement: max_targets must be an int, got {_what(max_targets)}")
-    if max_targets < 1:
-        raise ValueError(f"plot_placement: max_targets must be at least 1, got {max_targets}")
+    if not 1 <= max_targets <= _MOST_TARGETS:
+        raise ValueError(f"plot_placement: max_targets must be from 1 to {_MOST_TARGETS} "
+                         f"(a row each), got {max_targets}")
     writes = report.writes
     written = list(dict.fromkeys(t for t in writes["target"] if t is not None))
     if targets is None:
         chosen = written[:max_targets]
         left_out = len(written) - len(chosen)
+        note = "runtime tensors written; pass targets=[...] for others"
     else:
         if not isinstance(targets, str) and (
                 isinstance(targets, bytes | bytearray) or not isinstance(targets, Iterable)):
@@ -1153,6 +1160,10 @@ def plot_placement(
         if unknown:
             known = ", ".join(repr(t) for t in list(report.targets)[:8])
             raise KeyError(f"no runtime tensor {unknown[0]!r} in this report (known: {known})")
+        # (a list longer than max_targets: its first ones, as for the tensors written)
+        left_out = max(len(chosen) - max_targets, 0)
+        chosen = chosen[:max_targets]
+        note = f"targets asked for; pass max_targets= (up to {_MOST_TARGETS}) for more"
     if not chosen:
         fig = _new_figure(8, 2.5)
         ax = fig.add_subplot()
@@ -1165,8 +1176,7 @@ def plot_placement(
     title = "Placement: checkpoint regions → runtime regions"
     if left_out:
         title += (
-            f"\n(showing {len(chosen)} of {len(written)} runtime tensors written; "
-            "pass targets=[...] for others)"
+            f"\n(showing {len(chosen)} of {len(chosen) + left_out} {note})"
         )
     fig.suptitle(title, fontsize=11)
     shapes = {i: tuple(int(d) for d in report.patches[i].shape)
@@ -1752,12 +1762,16 @@ def plot_delta(
     images). An unknown ``target`` raises ``KeyError``; a ``target`` that is not a str, a
     ``report`` that is not a load report, or a ``changed_only`` that is not a bool,
     ``TypeError``; ``bins`` as in
-    :func:`plot_density`. ``hist_bins``, the histogram's number of bars, is a positive
-    int (``TypeError`` for ``bool`` and non-integers, ``ValueError`` below 1).
+    :func:`plot_density`. ``hist_bins``, the histogram's number of bars, is an int from
+    1 to 1024 (``TypeError`` for ``bool`` and non-integers, ``ValueError`` outside: more
+    bars than the panel has pixels only cost time).
     """
     _check_report(report, "plot_delta")
     check_flag(changed_only, "changed_only")
     hist_bins = _check_count(hist_bins, "hist_bins", "plot_delta")
+    if hist_bins > _MOST_HIST_BINS:
+        raise ValueError(f"plot_delta: hist_bins must be at most {_MOST_HIST_BINS} (more bars "
+                         f"than the histogram has pixels), got {hist_bins}")
     if not isinstance(target, str):
         raise TypeError(f"plot_delta: target must be a runtime tensor's name (str), "
                         f"got {_what(target)}")

@@ -308,8 +308,8 @@ def test_placement_checks_max_targets_and_targets():
     r = inspect_load(PlainModel({"a": (4,), "b": (3,)}),
                      patchkit.dense_patches({"a": torch.ones(4), "b": torch.ones(3)}))
     for kw, error, match in (
-        ({"max_targets": 0}, ValueError, "max_targets must be at least 1, got 0"),
-        ({"max_targets": -1}, ValueError, "at least 1"),
+        ({"max_targets": 0}, ValueError, r"max_targets must be from 1 to 32 .*, got 0"),
+        ({"max_targets": -1}, ValueError, "from 1 to 32"),
         ({"max_targets": "2"}, TypeError, "max_targets must be an int"),
         ({"max_targets": True}, TypeError, "max_targets must be an int"),
         ({"targets": []}, ValueError, "targets is empty"),

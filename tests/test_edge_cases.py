@@ -1183,3 +1183,42 @@ def test_the_explorer_shows_a_registered_tensor_writes_and_undo_drops_new_empty_
             model, [CWP("a", (4,), torch.float32, torch.ones(4))], transactional=True)
     assert list(model._parameters) == ["a"] and not model._buffers
     assert not model._non_persistent_buffers_set
+
+
+@pytest.mark.parametrize("shape, changed", [((), 0), ((2, 3), 0), ((1000,), 1),
+                                            ((1000,), 600)])
+@pytest.mark.parametrize("transactional", [False, True])
+def test_a_packed_float4_tensor_is_inspected_and_rolled_back(shape, changed, transactional):
+    # the compact save selected the changed elements with index_select, which has no
+    # float4_e2m1fn_x2 kernel: a bare NotImplementedError where a plain load worked
+    fp4 = torch.float4_e2m1fn_x2
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(shape, dtype=torch.uint8).view(fp4),
+                                  requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.data.copy_(t)
+            if transactional:
+                raise RuntimeError("fails after writing")
+            return {"w"}
+
+    m = Model()
+    n = m.w.numel()
+    raw = torch.zeros(n, dtype=torch.uint8)
+    raw[:changed] = 0x21  # (two packed fp4 values: 0.5 and 1.0)
+    p = CWP("w", shape, fp4, raw.view(fp4))
+    if transactional:
+        with pytest.raises(RuntimeError, match="fails after writing") as e:
+            inspect_load(m, [p], transactional=True)
+        r = e.value.report
+        assert int(m.w.view(torch.uint8).count_nonzero()) == 0
+        assert r.rolled_back and "w" not in r.deltas.index
+    else:
+        r = inspect_load(m, [p])
+        assert int(m.w.view(torch.uint8).count_nonzero()) == changed
+        assert int(r.before("w").view(torch.uint8).count_nonzero()) == 0
+        assert r.deltas.loc["w", ["elements", "changed"]].tolist() == [n, changed]

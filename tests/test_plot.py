@@ -1638,3 +1638,25 @@ def test_a_styles_grid_is_drawn_under_the_heat_maps():
         z = ax.images[0].get_zorder()
         assert ax.xaxis.get_zorder() < z and ax.yaxis.get_zorder() < z
         assert max(sp.get_zorder() for sp in ax.spines.values()) < z < 2  # under lines
+
+
+def test_a_placement_of_more_targets_than_max_targets_draws_the_first_with_a_note():
+    # an explicit list ignored max_targets: 300 targets made a 781-inch figure (190 s)
+    shapes = {f"w{i}": (2, 2) for i in range(10)}
+    ps = [CheckpointWeightPatch(n, (2, 2), torch.float32, torch.ones(4)) for n in shapes]
+    r = inspect_load(PlainModel(shapes), ps)
+    fig = plot_placement(r, targets=list(shapes), max_targets=3)
+    assert len(fig.axes) == 6  # (two axes a row)
+    assert "showing 3 of 10 targets asked for" in fig._suptitle.get_text()
+    assert "showing 2 of 10 runtime tensors written" in plot_placement(
+        r, max_targets=2)._suptitle.get_text()
+    with pytest.raises(ValueError, match="from 1 to 32"):
+        plot_placement(r, max_targets=33)
+
+
+def test_a_delta_histogram_has_at_most_as_many_bars_as_its_panel_has_pixels():
+    # hist_bins=10**5 drew 10**5 bars (50 s)
+    report, _ = load("q")
+    with pytest.raises(ValueError, match="at most 1024"):
+        plot_delta(report, "qkv", hist_bins=10**5)
+    assert len(plot_delta(report, "qkv", hist_bins=1024).axes[3].patches) == 1024

@@ -4,6 +4,7 @@ saved before-values do not."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import pickle
@@ -16,9 +17,14 @@ import pytest
 import torch
 
 import patchkit
-from patchkit import CheckpointWeightPatch
+from patchkit import CheckpointWeightPatch, inspect_load, same_bits
 from patchkit.build import AdamLikeTrainer, sparse_patches_from_diff
-from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+from patchkit.toymodels import (
+    PlainModel,
+    TinyLlamaConfig,
+    TinyLlamaRuntime,
+    tiny_llama_checkpoint,
+)
 
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
 
@@ -188,3 +194,25 @@ def test_a_worker_process_s_failed_load_reaches_the_parent_as_itself(tmp_path):
                           timeout=300, check=False, cwd=tmp_path)
     assert done.stdout.splitlines() == ["report 16", "error no weight 'x' ['w']"], (
         done.stdout + done.stderr[-3000:])
+
+
+@pytest.mark.parametrize("dtype, sparse", [
+    (torch.float8_e4m3fn, False), (torch.float8_e4m3fn, True), (torch.float8_e5m2, True),
+    (torch.uint16, False), (torch.uint32, False), (torch.uint64, False)])
+def test_a_report_of_a_dtype_torchs_pickle_cannot_rebuild_unpickles(dtype, sparse):
+    # it pickled, then failed to unpickle ("UntypedStorage has no attribute 'dtype'"):
+    # torch writes float8 and uint16/32/64 tensors but cannot read them back
+    m = PlainModel({"w": (2, 4)}, dtype=dtype)
+    values = torch.arange(1, 9).to(dtype)
+    if sparse:
+        p = CheckpointWeightPatch("w", (2, 4), dtype, values[:3], torch.tensor([0, 5, 7]))
+    else:
+        p = CheckpointWeightPatch("w", (2, 4), dtype, values[1::2].repeat(2))  # (strided)
+    r = inspect_load(m, [p])
+    back = pickle.loads(pickle.dumps(r))
+    (q,) = back.patches
+    assert q.dtype == dtype and q.values.dtype == p.values.dtype
+    assert same_bits(q.values, p.values)
+    assert q.indices is None if not sparse else same_bits(q.indices, p.indices)
+    assert back.deltas.equals(r.deltas) and back.writes.equals(r.writes)
+    assert same_bits(copy.deepcopy(r).patches[0].values, p.values)
