@@ -128,7 +128,7 @@ def _check_fill(fill: object, dtype: object) -> None:
                         f"{fill!r}")
     if isinstance(dtype, torch.dtype):
         try:
-            torch.full((), fill, dtype=dtype)  # (one CPU element: what the model's fill does)
+            torch.full((2,), fill, dtype=dtype)  # (torch checks a fill of one element less)
         except (RuntimeError, OverflowError) as e:
             raise ValueError(f"PlainModel: fill {fill!r} is not a value of {dtype} "
                              f"({str(e).splitlines()[0]})") from None

@@ -668,6 +668,9 @@ def test_public_helpers_refuse_arguments_of_the_wrong_kind_with_type_and_value_e
         (lambda: PlainModel({"a": (2,)}, dtype=torch.int8, fill=1000.0), ValueError,
          "fill 1000.0 is not a value of torch.int8"),
         (lambda: PlainModel({"a": (2,)}, fill="1"), TypeError, "fill must be a real number"),
+        # (torch itself saturates a one-element fill of inf to 448, and refuses a longer one)
+        (lambda: PlainModel({"a": (2,)}, dtype=torch.float8_e4m3fn, fill=math.inf),
+         ValueError, "fill inf is not a value of torch.float8_e4m3fn"),
         (lambda: patchkit.same_bits(torch.ones(2).to_sparse(), torch.ones(2)), TypeError,
          "same_bits: a is of layout torch.sparse_coo"),
         (lambda: patchkit.same_bits(torch.ones(2), torch.ones(2, device="meta")), ValueError,
