@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 
@@ -235,8 +236,10 @@ def region_text(
     ``"[:, 1:3]"``). A box that steps over every ``k``-th index of a dimension writes that
     dimension as ``start:stop:k``, a Python slice that selects exactly the indices
     written (``w[1::2]`` of an ``(8, 4)`` ``w`` is ``"[1:8:2, :]"``), ``stop`` being the
-    dimension's end where the last index steps past it. Anything else (a range that wraps
-    rows, a diagonal) is ``"<n> elements from <offset>"``.
+    dimension's end where the last index steps past it. A view that reshapes
+    (``w.view(-1)[6:18]`` of a ``(4, 6)`` ``w``, whose elements are one flat range) is
+    written as the box that range covers where it is one (``"[1:3, :]"``). Anything else
+    (a range that wraps rows partly, a diagonal) is ``"<n> elements from <offset>"``.
     """
     full_shape = tuple(int(d) for d in full_shape)
     view_shape = tuple(int(d) for d in view_shape)
@@ -263,7 +266,46 @@ def region_text(
             return "[" + ", ".join(parts) + "]"
     if full_shape == () and n == 1:
         return "[]"
+    if n and view_stride is not None and _runs_flat(view_shape, view_stride):
+        # a view that reshapes (``w.view(-1)[6:18]``): its elements are one flat range,
+        # which may still be a box of the full tensor
+        box = _flat_box(full_shape, offset, offset + n)
+        if box is not None:
+            return box
     return f"{n} elements from {offset}"
+
+
+def _runs_flat(view_shape: tuple[int, ...], view_stride: Sequence[int]) -> bool:
+    """Whether a view of these strides holds consecutive elements, row-major."""
+    want = _row_major_strides(view_shape)
+    return all(int(s) == w for d, s, w in zip(view_shape, view_stride, want) if d != 1)
+
+
+def _flat_box(shape: tuple[int, ...], a: int, b: int) -> str | None:
+    """The flat range ``[a, b)`` of a row-major tensor of ``shape`` as a box in slice
+    notation (``[1:3, :]`` for rows 1 and 2 of a ``(4, 6)`` tensor), or ``None`` when it
+    is none (it wraps a row partly)."""
+    k = len(shape)
+    for j in range(k + 1):
+        block = math.prod(shape[j:])  # elements under one index of dimension j - 1
+        if a % block or b % block:
+            continue
+        lo, hi = a // block, b // block
+        if j == 0:
+            return "[" + ", ".join(":" for _ in shape) + "]"
+        size = shape[j - 1]
+        if lo // size != (hi - 1) // size:
+            continue  # (it spans more than one index of a dimension before j - 1)
+        fixed, rest = [], lo // size
+        for d in reversed(shape[: j - 1]):
+            fixed.append(rest % d)
+            rest //= d
+        parts = [f"{i}:{i + 1}" for i in reversed(fixed)]
+        first, last = lo % size, (hi - 1) % size + 1
+        parts.append(":" if (first, last) == (0, size) else f"{first}:{last}")
+        parts += [":"] * (k - j)
+        return "[" + ", ".join(parts) + "]"
+    return None
 
 
 def _row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from patchkit import CheckpointWeightPatch
-from patchkit.density import density_map, grid_shape
+from patchkit.density import density_map, grid_shape, region_text
 
 
 def brute_force(patch: CheckpointWeightPatch, bins: tuple[int, int]) -> np.ndarray:
@@ -277,3 +277,20 @@ def test_a_density_map_of_indices_on_the_meta_device_is_refused_by_name():
     with pytest.raises(ValueError, match=r"patch 'w'.*meta device") as e:
         density_map(p)
     assert e.value.reason == "meta indices"
+
+
+@pytest.mark.parametrize("full, offset, view, stride, text", [
+    ((4, 6), 6, (12,), (1,), "[1:3, :]"),         # w.view(-1)[6:18]: rows 1 and 2
+    ((24,), 0, (4, 6), (6, 1), "[:]"),            # a (24,) w written as w.view(4, 6)
+    ((4, 6), 0, (24,), (1,), "[:, :]"),
+    ((2, 3, 4), 12, (12,), (1,), "[1:2, :, :]"),
+    ((2, 3, 4), 16, (8,), (1,), "[1:2, 1:3, :]"),
+    ((2, 3, 4), 13, (3,), (1,), "[1:2, 0:1, 1:4]"),
+    ((2, 3, 4), 13, (1, 3), (3, 1), "[1:2, 0:1, 1:4]"),  # (a size-1 dim, any stride)
+    ((4, 6), 7, (12,), (1,), "12 elements from 7"),  # wraps rows partly: no box
+    ((4, 6), 0, (4,), (7,), "4 elements from 0"),  # a diagonal: no box, no flat run
+])
+def test_a_reshaping_view_that_covers_a_box_is_written_as_that_box(
+        full, offset, view, stride, text):
+    # a write through w.view(-1)[6:18] was "12 elements from 6", not "[1:3, :]"
+    assert region_text(full, offset, view, stride) == text
