@@ -503,30 +503,19 @@ class RuntimeIndex:
         restore it."""
         if self.lazy:
             name = self.lazy[0]
-            more = f" (and {len(self.lazy) - 1} more)" if len(self.lazy) > 1 else ""
-            raise ContractViolation(
-                f"{what} into this model is refused before anything is written: runtime "
-                f"tensor {name!r}{more} is a lazily {_lazy_kind(self.tensors[name])} view "
-                "(torch's flag, as z.conj() or torch._neg_view set it), whose memory does "
-                "not hold its values, and patchkit saves, merges and compares runtime "
-                "memory bit for bit; make it plain where the model is built "
-                "(t.resolve_conj().resolve_neg()); a plain dense load "
-                "(load_checkpoint_weight_patches, not transactional) goes through",
-                reason="lazy view", value=name,
-            )
-        if not self.wrappers:
-            return
-        name = self.wrappers[0]
-        t = self.tensors[name]
-        more = f" (and {len(self.wrappers) - 1} more)" if len(self.wrappers) > 1 else ""
-        raise ContractViolation(
-            f"{what} into this model is refused before anything is written: runtime "
-            f"tensor {name!r}{more} is a {type(t).__name__}, a tensor subclass whose "
-            "values live in inner tensors (a DTensor, a quantized wrapper), whose writes "
-            "patchkit cannot see, NaN-merge or restore; a plain dense load "
-            "(load_checkpoint_weight_patches, not transactional) goes through",
-            reason="tensor subclass", value=name,
-        )
+            _refuse_before_load(
+                what, self.lazy,
+                f"a lazily {_lazy_kind(self.tensors[name])} view (torch's flag, as z.conj() "
+                "or torch._neg_view set it), whose memory does not hold its values, and "
+                "patchkit saves, merges and compares runtime memory bit for bit; make it "
+                "plain where the model is built (t.resolve_conj().resolve_neg())",
+                "lazy view")
+        if self.wrappers:
+            _refuse_before_load(
+                what, self.wrappers,
+                f"a {type(self.tensors[self.wrappers[0]]).__name__}, a tensor subclass whose "
+                "values live in inner tensors (a DTensor, a quantized wrapper), whose writes "
+                "patchkit cannot see, NaN-merge or restore", "tensor subclass")
 
     def sharing(self, key: tuple) -> list[_Owner]:
         """The runtime tensors of the storage ``key`` (see :func:`_storage_key`), in the
@@ -1127,6 +1116,18 @@ class _Source(NamedTuple):
 _LO = operator.attrgetter("lo")
 _HI = operator.attrgetter("hi")
 _START = operator.itemgetter(0)
+
+
+def _refuse_before_load(what: str, names: list[str], why: str, reason: str) -> None:
+    """``ContractViolation``: a watched load (``what``) refused for the runtime tensors
+    ``names`` (the first named, the rest counted), each being ``why``."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    raise ContractViolation(
+        f"{what} into this model is refused before anything is written: runtime tensor "
+        f"{names[0]!r}{more} is {why}; a plain dense load (load_checkpoint_weight_patches, "
+        "not transactional) goes through",
+        reason=reason, value=names[0],
+    )
 
 
 def _lazy_kind(t: torch.Tensor) -> str:
