@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,6 +19,7 @@ from .patch import (
     CheckpointWeightPatch,
     _check_metadata,
     _numel_below,
+    _ordered,
     check_max_chunk_bytes,
     patch_list,
 )
@@ -60,11 +61,17 @@ def _checked_positions(positions: object, n: int) -> Sequence[int]:
     """``positions`` for ``n`` patches, checked (see :func:`plan_chunks`)."""
     if positions is None:
         return range(n)
-    if not isinstance(positions, list | tuple | range):
+    try:
+        if isinstance(positions, Iterator):
+            raise TypeError  # (used up by the first reading: not a list)
+        if isinstance(positions, torch.Tensor):
+            positions = positions.tolist()
+        positions = list(_ordered(positions))
+    except TypeError:
         raise PatchTypeError(
             f"positions must be a list of ints (one per patch), got {type(positions).__name__}",
             reason="positions", value=type(positions).__name__,
-        )
+        ) from None
     if len(positions) != n:
         raise PatchValueError(
             f"positions has {len(positions)} entries for {n} patches (one each)",
@@ -79,14 +86,7 @@ def _checked_positions(positions: object, n: int) -> Sequence[int]:
         if p < 0:
             raise PatchValueError(f"positions[{i}] is negative: {p}", reason="positions",
                                   value=p)
-    if len(set(positions)) != n:
-        seen: set[int] = set()
-        for p in positions:
-            if p in seen:
-                raise PatchValueError(f"positions names patch position {p} more than once",
-                                      reason="positions", value=p)
-            seen.add(p)
-    return [int(p) for p in positions] if type(positions) is not range else positions
+    return [int(p) for p in positions]
 
 
 def plan_chunks(
@@ -105,9 +105,10 @@ def plan_chunks(
     Needs only each patch's ``name``, ``shape`` and ``dtype``: nothing is staged or moved.
     ``positions`` relabels the patches (the loader passes the caller's positions after
     dropping tied aliases); it defaults to ``0..len-1`` and must have one entry per patch
-    (:class:`~patchkit.errors.PatchValueError` otherwise), each a distinct int >= 0
-    (``PatchTypeError`` for a non-int or a ``positions`` that is not a list or tuple,
-    ``PatchValueError`` for a negative or repeated one). ``patches`` must be a list of
+    (:class:`~patchkit.errors.PatchValueError` otherwise), each an int >= 0
+    (``PatchTypeError`` for a non-int, or a ``positions`` that is no sequence: a str, a
+    set, an iterator; ``PatchValueError`` for a negative one; one may repeat, as an
+    observed loader that sent a patch twice has it). ``patches`` must be a list of
     patches (or plain 5-tuples, as a load takes them) and each item a patch with a valid
     name, shape and dtype:
     :class:`~patchkit.errors.PatchTypeError` / ``PatchValueError`` name the first one

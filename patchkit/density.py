@@ -266,7 +266,8 @@ def region_text(
             return "[" + ", ".join(parts) + "]"
     if full_shape == () and n == 1:
         return "[]"
-    if n and view_stride is not None and _runs_flat(view_shape, view_stride):
+    if (n and view_stride is not None and offset >= 0 and offset + n <= math.prod(full_shape)
+            and _runs_flat(view_shape, view_stride)):
         # a view that reshapes (``w.view(-1)[6:18]``): its elements are one flat range,
         # which may still be a box of the full tensor
         box = _flat_box(full_shape, offset, offset + n)

@@ -1784,17 +1784,19 @@ class WriteSession:
         # The signal deferral while a call runs on the main thread, else None (see
         # _SignalDeferral): the compiled writes hold signals back until saved.
         self._guard: _SignalDeferral | None = None
-        # The generator of the last call's block (see call()): one that a signal stopped
-        # at its edge is never resumed, and end_calls() ends it.
-        self._open_call: Any = None
+        # The generators of the calls' blocks (see call()), innermost last: one that a
+        # signal stopped at its edge is never resumed, and end_calls() ends it.
+        self._open_calls: list[Any] = []
 
     # -- one load_weights call -------------------------------------------------------
 
     def call(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[_CallResult]:
-        """:meth:`_call` (see there), remembered so that :meth:`end_calls` can end it."""
-        self.end_calls()  # (a stale one first: its modes are still in place)
+        """:meth:`_call` (see there), remembered so that :meth:`end_calls` can end it.
+        (A call may run inside another of the same session: a ``load_weights`` that
+        calls itself under an observed loader. So none is ended here.)"""
         scope = self._call(*args, **kwargs)
-        self._open_call = scope.gen  # type: ignore[attr-defined]
+        self._open_calls = [g for g in self._open_calls if g.gi_frame is not None]
+        self._open_calls.append(scope.gen)  # type: ignore[attr-defined]
         return scope
 
     def end_calls(self) -> None:
@@ -1803,10 +1805,11 @@ class WriteSession:
         leaves the block suspended, its interception modes in place and its signal
         handlers installed; the exception still propagates. Closing the block runs its
         ``finally`` (as an error of the call). The loader calls this before a rollback
-        and when a load ends; a no-op otherwise."""
-        gen, self._open_call = self._open_call, None
-        if gen is not None and gen.gi_frame is not None and gen.gi_running is False:
-            gen.close()
+        and when a load ends, where no call of it runs; a no-op otherwise."""
+        opened, self._open_calls = self._open_calls, []
+        for gen in reversed(opened):  # (innermost first)
+            if gen.gi_frame is not None and not gen.gi_running:
+                gen.close()
         self._pop_own_modes()
 
     def _pop_own_modes(self) -> None:

@@ -229,10 +229,12 @@ def run_load(
                 raise
             return loaded
         finally:
-            if session is not None:
-                session.end_calls()
-            if collecting:
-                gc.enable()
+            try:
+                if session is not None:
+                    session.end_calls()
+            finally:  # (a signal in end_calls still finds the collector back on)
+                if collecting:
+                    gc.enable()
 
 
 def _roll_back(session: WriteSession, exc: BaseException) -> None:

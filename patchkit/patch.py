@@ -258,6 +258,8 @@ def _ordered(shape: object) -> Any:
     """``shape`` itself, or :class:`TypeError` when it is iterable but no shape: a set or
     mapping (no order to its dims) or text (``str``/``bytes``, whose characters or bytes
     would read as dims)."""
+    if type(shape) is tuple or type(shape) is torch.Size:  # (the common case, at once)
+        return shape
     if isinstance(shape, str | bytes | bytearray | memoryview | AbstractSet | Mapping):
         raise TypeError(type(shape).__name__)
     return shape

@@ -59,7 +59,14 @@ from .bitwise import changed_mask, difference, has_numbers
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, grid_shape
 from .loader import _as_patch as _as_record
-from .patch import CheckpointWeightPatch, _check_structure, check_flag, numel, staged_nbytes
+from .patch import (
+    CheckpointWeightPatch,
+    _check_structure,
+    _ordered,
+    check_flag,
+    numel,
+    staged_nbytes,
+)
 from .units import _count, _percent_digits, format_bytes, shown_name
 
 if TYPE_CHECKING:
@@ -979,9 +986,14 @@ def _view_int(v: object, what: str) -> int:
 
 def _view_ints(vs: object, what: str) -> list[int]:
     """A sequence of ints argument of :func:`view_rects` (a shape, strides)."""
-    if isinstance(vs, str | bytes) or not isinstance(vs, Sequence | torch.Size):
-        raise TypeError(f"view_rects: {what} must be a sequence of ints, got {_what(vs)}")
-    return [_view_int(v, f"{what} entry") for v in vs]
+    try:
+        if isinstance(vs, Iterator):
+            raise TypeError
+        items = list(_ordered(vs.tolist() if isinstance(vs, torch.Tensor | np.ndarray) else vs))
+    except TypeError:
+        raise TypeError(f"view_rects: {what} must be a sequence of ints, got {_what(vs)}"
+                        ) from None
+    return [_view_int(v, f"{what} entry") for v in items]
 
 
 def view_rects(

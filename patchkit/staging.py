@@ -23,6 +23,8 @@ def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
     load checks it (:func:`~patchkit.patch.validate_patches`: ``PatchTypeError`` /
     ``PatchValueError`` naming it, e.g. for an index out of range or a NaN value).
     """
+    if type(patch) is tuple and len(patch) == 5:  # (a plain 5-tuple, as a load takes it)
+        patch = CheckpointWeightPatch(*patch)
     validate_patches([patch])
     return _stage(resolved(patch))
 

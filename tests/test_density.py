@@ -289,6 +289,9 @@ def test_a_density_map_of_indices_on_the_meta_device_is_refused_by_name():
     ((2, 3, 4), 13, (1, 3), (3, 1), "[1:2, 0:1, 1:4]"),  # (a size-1 dim, any stride)
     ((4, 6), 7, (12,), (1,), "12 elements from 7"),  # wraps rows partly: no box
     ((4, 6), 0, (4,), (7,), "4 elements from 0"),  # a diagonal: no box, no flat run
+    ((4, 6), 24, (6,), (1,), "6 elements from 24"),  # beyond the tensor: as it is told
+    ((4, 6), 0, (48,), (1,), "48 elements from 0"),
+    ((0, 4), 0, (2,), (1,), "2 elements from 0"),
 ])
 def test_a_reshaping_view_that_covers_a_box_is_written_as_that_box(
         full, offset, view, stride, text):
