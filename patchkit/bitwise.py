@@ -262,9 +262,18 @@ def _check_comparable(t: object, what: str) -> None:
     """``t`` is a tensor whose bits :func:`same_bits` can read: a plain (strided, not
     nested) one (``TypeError`` otherwise), not on the meta device (``ValueError``)."""
     _check_tensor(t, what)
-    if t.is_nested or t.layout is not torch.strided:
-        got = "a nested tensor" if t.is_nested else f"of layout {t.layout}"
+    got = _not_plain(t)
+    if got is not None:
+        got = got if t.is_nested else f"of {got}"
         raise TypeError(f"{what} is {got}; only plain (strided) tensors are compared "
                         "(for torch.sparse, pass t.to_dense())")
     if t.is_meta:
         raise ValueError(f"{what} is on the meta device, which holds no bits to compare")
+
+
+def _not_plain(t: torch.Tensor) -> str | None:
+    """What makes ``t`` no plain (strided, not nested) tensor, for a message (``"a nested
+    tensor"``, ``"layout torch.sparse_coo"``), or ``None`` for a plain one."""
+    if t.is_nested:
+        return "a nested tensor"
+    return None if t.layout is torch.strided else f"layout {t.layout}"

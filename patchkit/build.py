@@ -24,20 +24,19 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import operator
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Literal
 
 import torch
 
-from .bitwise import bits, changed_mask, count_true, has_numbers
+from .bitwise import _not_plain, bits, changed_mask, count_true, has_numbers
 from .density import grid_shape
 from .errors import PatchTypeError, PatchValueError, where
 from .patch import (
     CheckpointWeightPatch,
     _checked_device,
-    _ordered,
+    _shape_dims,
     check_flag,
     numel,
     patch_list,
@@ -148,8 +147,8 @@ def _check_mapping(d: object, what: str, *, plain: bool = False) -> Mapping[str,
 def _check_layout(name: str, what: str, t: torch.Tensor) -> None:
     """``PatchTypeError`` naming ``what`` (the weight ``name``'s tensor) when ``t`` is not
     a plain strided tensor: a nested one, or torch.sparse / mkldnn layouts."""
-    if t.is_nested or t.layout is not torch.strided:
-        got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+    got = _not_plain(t)
+    if got is not None:
         raise PatchTypeError(
             f"weight {name!r}: {what} is {got}; only plain (strided) tensors are taken "
             "(for torch.sparse, pass t.to_dense())",
@@ -207,10 +206,7 @@ def _check_shape(shape: object, name: str) -> tuple[int, ...]:
     """``shape`` as a tuple of ints >= 0 (``PatchTypeError`` for anything but an iterable
     of ints, ``PatchValueError`` for a negative dimension)."""
     try:
-        dims = tuple(_ordered(shape))
-        if any(isinstance(d, bool) for d in dims):
-            raise TypeError
-        dims = tuple(operator.index(d) for d in dims)
+        dims = _shape_dims(shape)
     except TypeError:
         raise PatchTypeError(f"weight {name!r}: shape must be a tuple of ints, got {shape!r}",
                              name=name, reason="shape type", value=shape) from None

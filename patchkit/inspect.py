@@ -79,6 +79,7 @@ import torch
 
 from . import native
 from .bitwise import (
+    _INT_OF_SIZE,
     bits,
     block_size,
     changed_mask,
@@ -112,9 +113,10 @@ from .intercept import (
     named_tensors,
     rollbacks,
 )
-from .loader import _as_patch, _canonicalized, _names, _roll_back, run_load
+from .loader import _canonicalized, _names, _roll_back, run_load
 from .patch import (
     CheckpointWeightPatch,
+    _as_patch,
     _check_structure,
     _given_name,
     check_flag,
@@ -1160,11 +1162,6 @@ def _inspect_load(
     return report
 
 
-# The int dtype of each element size: what a tensor of a dtype torch's pickle cannot
-# rebuild travels as (see _picklable_patch).
-_INT_OF_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 class _ViewedAs:
     """A tensor that pickles as its bits and its dtype, and unpickles as the tensor
     itself: torch's pickle writes float8, uint16/32/64, complex32 and the packed dtypes
@@ -1174,7 +1171,7 @@ class _ViewedAs:
         self.t = t
 
     def __reduce__(self):
-        raw = self.t.detach().view(_INT_OF_ITEMSIZE[self.t.element_size()])
+        raw = self.t.detach().view(_INT_OF_SIZE[self.t.element_size()])
         return (_view_as, (raw, self.t.dtype))
 
 
@@ -1199,7 +1196,7 @@ def _picklable_patch(p: Any) -> Any:
         return p
     fix = {f: _ViewedAs(t) for f in ("values", "indices")
            if isinstance(t := getattr(p, f), torch.Tensor) and t.element_size() in
-           _INT_OF_ITEMSIZE and not t.is_meta and not _pickles(t.dtype)}
+           _INT_OF_SIZE and not t.is_meta and not _pickles(t.dtype)}
     return p._replace(**fix) if fix else p
 
 

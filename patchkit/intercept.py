@@ -1800,8 +1800,8 @@ class WriteSession:
         return scope
 
     def end_calls(self) -> None:
-        """End the last call's block if it did not end: a signal (Ctrl-C, a handler that
-        raises) that lands in ``contextlib``'s ``__exit__`` before it resumes the block
+        """End the calls' blocks that did not end: a signal (Ctrl-C, a handler that
+        raises) that lands in ``contextlib``'s ``__exit__`` before it resumes a block
         leaves the block suspended, its interception modes in place and its signal
         handlers installed; the exception still propagates. Closing the block runs its
         ``finally`` (as an error of the call). The loader calls this before a rollback
@@ -2816,10 +2816,10 @@ class WriteSession:
         """Put every saved region back as it was before the load's first write into it.
 
         Regions are restored newest first, so where two saved regions overlap the older
-        (earlier) contents win. Runs outside any interception: an unfinished call of this
-        session is ended first (:meth:`end_calls`), and the dispatch and function modes
-        in place (an enclosing load's, when this load runs inside its loader) are off
-        while it writes. A region that cannot be
+        (earlier) contents win. Runs outside any interception: its callers end this
+        session's calls first (:meth:`end_calls`), and the dispatch and function modes in
+        place (an enclosing load's, when this load runs inside its loader) are off while
+        it writes. A region that cannot be
         written back does not stop the others: every other region is restored, then a
         ``RuntimeError`` names the targets left as the load wrote them (raised from the
         first such failure; the load's own error is its ``__context__``).
@@ -2828,7 +2828,6 @@ class WriteSession:
         self.unrestored = []
         self.rolled_back = True
         _ROLLBACKS[0] += 1
-        self.end_calls()
         with torch.no_grad(), _no_modes():
             for saved in reversed(self.saved):
                 try:

@@ -16,7 +16,14 @@ from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .errors import ContractViolation, PatchTypeError, PatchValueError, where
 from .intercept import _DEFERRAL, RuntimeIndex, WriteRecorder, WriteSession, named_tensors
-from .patch import CheckpointWeightPatch, check_flag, patch_list, resolved, validate_patches
+from .patch import (
+    CheckpointWeightPatch,
+    _as_patch,
+    check_flag,
+    patch_list,
+    resolved,
+    validate_patches,
+)
 from .staging import _stage
 from .units import _count
 
@@ -472,11 +479,3 @@ def _call_text(chunk: Chunk, shown: int = 3) -> str:
              for p, n in zip(chunk.positions[:shown], chunk.names)]
     more = len(chunk.positions) - shown
     return ", ".join([f"call {chunk.index}", *parts] + ([f"{more} more"] if more > 0 else []))
-
-
-def _as_patch(p: Any) -> Any:
-    """A plain 5-tuple becomes a :class:`CheckpointWeightPatch`; anything else is kept
-    as it is (another implementation's NamedTuple, or a bad value validation reports)."""
-    if type(p) is tuple and len(p) == 5:
-        return CheckpointWeightPatch(*p)
-    return p

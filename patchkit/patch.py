@@ -75,6 +75,14 @@ def staged_nbytes(patch: CheckpointWeightPatch) -> int:
     return numel(patch) * patch.dtype.itemsize
 
 
+def _as_patch(p: Any) -> Any:
+    """A plain 5-tuple becomes a :class:`CheckpointWeightPatch`; anything else is kept
+    as it is (another implementation's NamedTuple, or a bad value validation reports)."""
+    if type(p) is tuple and len(p) == 5:
+        return CheckpointWeightPatch(*p)
+    return p
+
+
 def resolved(patch: Any) -> Any:
     """``patch`` with any lazily negated ``values`` or ``indices`` (torch's negative bit,
     as ``complex.conj().imag`` gives) made plain: the same numbers in memory of their own.
@@ -228,16 +236,7 @@ def _check_metadata(position: int | None, patch: object, *,
             position=position, name=name, reason="shape type", value=type(shape).__name__,
         )
     try:
-        dims = tuple(_ordered(shape))
-    except TypeError:
-        raise PatchTypeError(
-            f"{at}: shape must be a tuple of ints, got {shape!r}",
-            position=position, name=name, reason="shape type", value=shape,
-        ) from None
-    try:
-        if any(isinstance(d, bool) for d in dims):
-            raise TypeError
-        dims = tuple(operator.index(d) for d in dims)
+        dims = _shape_dims(shape)
     except TypeError:
         raise PatchTypeError(
             f"{at}: shape must be a tuple of ints, got {shape!r}",
@@ -252,6 +251,15 @@ def _check_metadata(position: int | None, patch: object, *,
     if size:
         _check_size(at, position, name, dims, dtype)
     return dims
+
+
+def _shape_dims(shape: object) -> tuple[int, ...]:
+    """``shape``'s dims as ints (numpy ints too), or :class:`TypeError` when it is no
+    ordered iterable of ints (:func:`_ordered`; a ``bool`` is no dim)."""
+    dims = tuple(_ordered(shape))
+    if any(isinstance(d, bool) for d in dims):
+        raise TypeError("bool")
+    return tuple(operator.index(d) for d in dims)
 
 
 def _ordered(shape: object) -> Any:

@@ -58,7 +58,6 @@ from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 from .bitwise import changed_mask, difference, has_numbers
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, grid_shape
-from .loader import _as_patch as _as_record
 from .patch import (
     CheckpointWeightPatch,
     _check_structure,
@@ -66,6 +65,9 @@ from .patch import (
     check_flag,
     numel,
     staged_nbytes,
+)
+from .patch import (
+    _as_patch as _as_record,
 )
 from .units import _count, _percent_digits, format_bytes, shown_name
 
@@ -141,10 +143,10 @@ def to_png(fig: Figure, dpi: float = 100) -> bytes:
     """
     if not isinstance(fig, Figure):
         raise TypeError(f"to_png: fig must be a matplotlib Figure, got {_what(fig)}")
-    if (isinstance(dpi, bool) or not isinstance(dpi, numbers.Real)
-            or not (math.isfinite(dpi) and dpi > 0)):
-        raise (TypeError if not isinstance(dpi, numbers.Real) or isinstance(dpi, bool)
-               else ValueError)(f"to_png: dpi must be a positive number, got {_what(dpi)}")
+    if isinstance(dpi, bool) or not isinstance(dpi, numbers.Real):
+        raise TypeError(f"to_png: dpi must be a positive number, got {_what(dpi)}")
+    if not (math.isfinite(dpi) and dpi > 0):
+        raise ValueError(f"to_png: dpi must be a positive number, got {_what(dpi)}")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
     return buf.getvalue()
@@ -333,14 +335,16 @@ def _check_ax(ax: object, fn: str) -> None:
         )
 
 
-def _check_count(value: object, what: str, fn: str) -> int:
-    """``value`` as an int when it is a positive whole number (numpy ints too);
-    ``TypeError`` naming the argument for ``bool`` and non-integers, ``ValueError`` for
-    one below 1."""
+def _check_count(value: object, what: str, fn: str, most: int | None = None) -> int:
+    """``value`` as an int when it is a positive whole number (numpy ints too), at most
+    ``most`` where given; ``TypeError`` naming the argument for ``bool`` and
+    non-integers, ``ValueError`` for one below 1 or above ``most``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{fn}: {what} must be a positive int, got {_what(value)}")
     if value < 1:
         raise ValueError(f"{fn}: {what} must be at least 1, got {value}")
+    if most is not None and value > most:
+        raise ValueError(f"{fn}: {what} must be at most {most}, got {value}")
     return int(value)
 
 
@@ -1780,10 +1784,7 @@ def plot_delta(
     """
     _check_report(report, "plot_delta")
     check_flag(changed_only, "changed_only")
-    hist_bins = _check_count(hist_bins, "hist_bins", "plot_delta")
-    if hist_bins > _MOST_HIST_BINS:
-        raise ValueError(f"plot_delta: hist_bins must be at most {_MOST_HIST_BINS} (more bars "
-                         f"than the histogram has pixels), got {hist_bins}")
+    hist_bins = _check_count(hist_bins, "hist_bins", "plot_delta", most=_MOST_HIST_BINS)
     if not isinstance(target, str):
         raise TypeError(f"plot_delta: target must be a runtime tensor's name (str), "
                         f"got {_what(target)}")

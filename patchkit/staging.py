@@ -6,7 +6,7 @@ import torch
 
 from . import native
 from .bitwise import bits
-from .patch import CheckpointWeightPatch, resolved, validate_patches
+from .patch import CheckpointWeightPatch, _as_patch, resolved, validate_patches
 
 __all__ = ["stage"]
 
@@ -23,8 +23,7 @@ def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
     load checks it (:func:`~patchkit.patch.validate_patches`: ``PatchTypeError`` /
     ``PatchValueError`` naming it, e.g. for an index out of range or a NaN value).
     """
-    if type(patch) is tuple and len(patch) == 5:  # (a plain 5-tuple, as a load takes it)
-        patch = CheckpointWeightPatch(*patch)
+    patch = _as_patch(patch)  # (a plain 5-tuple too, as a load takes it)
     validate_patches([patch])
     return _stage(resolved(patch))
 

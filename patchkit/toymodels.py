@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 
 from .errors import PatchValueError
-from .patch import _checked_device, _ordered
+from .patch import _checked_device, _shape_dims
 
 __all__ = [
     "BROKEN_LOADERS",
@@ -136,10 +135,7 @@ def _check_fill(fill: object, dtype: object) -> None:
 
 def _as_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
     try:
-        raw = tuple(_ordered(shape))
-        if any(isinstance(d, bool) for d in raw):
-            raise TypeError
-        dims = tuple(operator.index(d) for d in raw)
+        dims = _shape_dims(shape)
     except TypeError:
         raise TypeError(f"shape of {name!r} must be a sequence of ints, got {shape!r}") from None
     if any(d < 0 for d in dims):
