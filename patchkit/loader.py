@@ -80,7 +80,11 @@ def load_checkpoint_weight_patches(
        of the same dtype and device saves only the elements it changes). Dense calls are
        watched through a torch function mode: a write the loader makes inside
        ``torch._C.DisableTorchFunction()`` or through a storage there is not seen, so not
-       restored; nor is one made on another thread. The module tree's registrations are
+       restored; nor is one made on another thread. A call in which no write was seen
+       though it returned names (every write unseen) raises :class:`ContractViolation`
+       (``reason="unseen writes"``) as it ends, and the calls before it are put back;
+       what it wrote stays. A call that mixes seen and unseen writes is not caught. The
+       module tree's registrations are
        put back as they were (a rebound or newly registered runtime tensor gets its
        original back; a name the model did not have is removed; submodules, empty slots
        such as ``bias=None``, buffers' persistence and the order of names are restored).

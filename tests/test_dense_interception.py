@@ -591,3 +591,86 @@ def test_overlaps_itself_agrees_with_listing_every_offset():
     assert seen[True] > 50 and seen[False] > 50  # both kinds were drawn
     # more elements than addresses: told without listing 16 M offsets
     assert _overlaps_itself(torch.zeros(2**18).unfold(0, 64, 1))
+
+
+def _on_another_thread(m, name, w):
+    t = threading.Thread(target=lambda: getattr(m, name).data.copy_(w))
+    t.start()
+    t.join(WAIT)
+
+
+def _through_the_storage(m, name, w):
+    getattr(m, name).data.untyped_storage().copy_(w.contiguous().untyped_storage())
+
+
+UNSEEN = {
+    "another thread": _on_another_thread,
+    "a storage": _through_the_storage,
+    "function handling off": lambda m, name, w: _with_torch_function_off(m, name, w),
+}
+
+
+def _with_torch_function_off(m, name, w):
+    with torch._C.DisableTorchFunction():
+        getattr(m, name).data.copy_(w)
+
+
+@pytest.mark.parametrize("how", list(UNSEEN))
+def test_a_transactional_call_whose_writes_no_mode_sees_is_refused(how):
+    # A transactional load took such writes for none and rolled back nothing of them:
+    # the model kept b's new values after "rolling back"; now the call that wrote them
+    # is refused as it ends, and what was seen before it is put back
+    def write(m, name, w):
+        (UNSEEN[how] if name == "b" else (lambda m, n, w: m.a.data.copy_(w)))(m, name, w)
+
+    m = Two(write)
+    a0 = bits(m.a.detach()).clone()
+    ps = patches()
+    with pytest.raises(patchkit.ContractViolation, match=r"call 1, patch 1 \('b'\)\) returned "
+                       r"\['b'\], but no write .* was seen") as info:
+        patchkit.load_checkpoint_weight_patches(m, ps, transactional=True, max_chunk_bytes=64)
+    e = info.value
+    assert (e.position, e.name, e.reason, e.value) == (1, "b", "unseen writes", ("b",))
+    assert "no rollback can put it back" in str(e)
+    assert torch.equal(bits(m.a.detach()), a0)  # the seen call, put back
+    assert torch.equal(m.b.detach(), ps[1].values)  # the unseen one, as said
+
+
+@pytest.mark.parametrize("how", list(UNSEEN))
+def test_a_report_of_a_call_whose_writes_no_mode_sees_is_refused(how):
+    # the report said the load changed nothing (no writes, no deltas)
+    m = Two(lambda m, name, w: UNSEEN[how](m, name, w))
+    ps = patches()
+    with pytest.raises(patchkit.ContractViolation, match="a report cannot show what it did"
+                       ) as info:
+        inspect_load(m, ps)
+    r = info.value.report
+    assert r.calls["error"].tolist() == [True]
+    assert r.writes.empty
+    assert torch.equal(m.a.detach().reshape(-1), ps[0].values)  # (not transactional)
+
+
+def test_calls_that_write_nothing_a_mode_misses_are_not_refused():
+    # a plain dense load runs a loader that writes on another thread; a watched one is
+    # not refused for a call that says it loaded nothing, for a rebinding, or for a
+    # write of no elements
+    m = Two(lambda m, name, w: _on_another_thread(m, name, w))
+    ps = patches()
+    assert patchkit.load_checkpoint_weight_patches(m, ps) == {"a", "b"}
+    assert torch.equal(m.b.detach(), ps[1].values)
+
+    class Says(Two):
+        def load_weights(self, weights):
+            for name, w in weights:
+                self.write(self, name, w)
+            return self.says
+
+    for says, write in [(set(), lambda m, n, w: None),
+                        ({"a", "b"}, lambda m, n, w: setattr(getattr(m, n), "data", w.clone())),
+                        ({"a", "b"}, lambda m, n, w: getattr(m, n).data[:0].copy_(w[:0]))]:
+        for run in (lambda m: patchkit.load_checkpoint_weight_patches(
+                        m, patches(), transactional=True),
+                    lambda m: inspect_load(m, patches()).loaded):
+            m = Says(write)
+            m.says = says
+            assert run(m) == says
