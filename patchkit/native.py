@@ -577,8 +577,22 @@ def _parts_of(n: int, threads: int, parallel_min: int, part: int) -> tuple[int, 
     return tuple(n * i // k for i in range(k + 1))
 
 
+def _array(ctype: type, n: int) -> type:
+    """The ctypes array type of ``n`` ``ctype``, made once. ctypes keeps the types it
+    makes only through weak references, and a type is a reference cycle: each garbage
+    collection frees them, and the next load made them again (8 us and 3 KB each, which a
+    report's load, run with the collector paused, kept until its end)."""
+    t = _ARRAYS.get((ctype, n))
+    if t is None:
+        t = _ARRAYS[ctype, n] = ctype * n
+    return t
+
+
+_ARRAYS: dict[tuple[type, int], type] = {}  # (a few sizes: parts of a view, entries)
+
+
 def _int64s(values) -> ctypes.Array:
-    return (ctypes.c_int64 * len(values))(*values)
+    return _array(ctypes.c_int64, len(values))(*values)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -652,10 +666,10 @@ def compare_copy(
     bases = [sum(caps[:k]) for k in range(nparts)]
     idx = _empty(sum(caps), torch.int64)
     bef = _empty(sum(caps), bits)
-    accs = (_Acc * nparts)()
+    accs = _array(_Acc, nparts)()
     for k in range(nparts):
         accs[k].saved = bases[k]
-    reached = (ctypes.c_int64 * nparts)()
+    reached = _array(ctypes.c_int64, nparts)()
     total = _Acc()
     # (part k saves from bases[k], the end of part k - 1's room: what the C side assumes
     # when it packs the entries together)
@@ -744,8 +758,8 @@ def _whole(f: _Kind, dest, src, geometry, bounds, want) -> CopyResult:
         nparts = len(bounds) - 1
         total = _Acc()
         f.copy_parts(dptr, sptr, length, drs, srs, doff, nparts, _bounds_array(bounds), None, wptr,
-                     None, 1, want, (_Acc * nparts)(), (ctypes.c_int64 * nparts)(), _threads(),
-                     ctypes.byref(total))  # a whole save always finishes: total is set
+                     None, 1, want, _array(_Acc, nparts)(), _array(ctypes.c_int64, nparts)(),
+                     _threads(), ctypes.byref(total))  # a whole save always finishes: total is set
         accs = [total]
     return _result(None, whole, accs, want)
 
@@ -821,14 +835,14 @@ def merge(
     idx = bef = None
     bases = [0] * nparts
     if save:
-        sizes = (ctypes.c_int64 * nparts)()
+        sizes = _array(ctypes.c_int64, nparts)()
         f.count_parts(sptr, length, srs, nparts, c_bounds, sizes, threads)
         bases = [sum(sizes[:k]) for k in range(nparts)]
         if sum(sizes) != known_count:
             idx = _empty(sum(sizes), torch.int64)
         bef = _empty(sum(sizes), _BITS_OF_SIZE[dest.element_size()])
-    counts = (ctypes.c_int64 * (5 * nparts))(*[v for b in bases for v in (b, 0, 0, 0, 0)])
-    accs = (_Acc * nparts)() if stats else None
+    counts = _array(ctypes.c_int64, 5 * nparts)(*[v for b in bases for v in (b, 0, 0, 0, 0)])
+    accs = _array(_Acc, nparts)() if stats else None
     f.merge_parts(
         dptr, sptr, length, drs, srs, doff, nparts, c_bounds,
         idx.data_ptr() if idx is not None else None,
@@ -891,7 +905,7 @@ def patch_entries(
     lib, (length, drs, srs) = ready
     if srs < length:
         return None  # source rows overlap (a broadcast view): one entry, several writes
-    out = (ctypes.c_int64 * 5)()
+    out = _array(ctypes.c_int64, 5)()
     lib.kinds[kind].entries(
         indices.data_ptr(), indices.element_size(), values.data_ptr(), indices.numel(),
         start, length, srs, dest.numel() // length, out,
