@@ -473,6 +473,9 @@ class LoadReport:
     _removed: tuple[str, ...] = field(default=(), repr=False, init=False)
     # Names the load registered that the model did not have: no values before it.
     _registered: tuple[str, ...] = field(default=(), repr=False, init=False)
+    # Calls that returned names (or None), with something staged, in which no write was
+    # seen (WriteSession.quiet_calls): their indices.
+    _quiet: tuple[int, ...] = field(default=(), repr=False, init=False)
     # Runtime tensors the load wrote and its transactional rollback put back as they were
     # (their saves went with the rollback: no deltas row, nothing written()).
     _restored: tuple[str, ...] = field(default=(), repr=False, init=False)
@@ -680,9 +683,15 @@ class LoadReport:
         dropped tied alias, or a patch whose call never ran, stages nothing), elements
         written and changed, names loaded, and for a failed load its error (type and first
         line of the message) and whether a transactional load rolled it back; ``removed``
-        lists the names the load removed from the model, where it removed any. A dry run
-        (:attr:`dry_run`) gives no element counts (``None``) and says how many runtime
-        tensors on the meta device the load wrote (``"dry run"``)."""
+        lists the names the load removed from the model, where it removed any;
+        ``calls with no write seen`` lists the calls that returned names (or ``None``)
+        with something staged but made no write the report saw, where there are any:
+        either they wrote nothing (a loader that skips weights another rank holds, or
+        ones it finds unchanged) or they wrote where no interception sees (on another
+        thread, through a storage, with torch function handling off, in TorchScript),
+        and the report misses those writes. A dry run (:attr:`dry_run`) gives no element
+        counts (``None``) and says how many runtime tensors on the meta device the load
+        wrote (``"dry run"``)."""
         kinds = sorted(set(self.chunks["kind"].dropna()))  # (none for a malformed item)
         out = {
             "patches": len(self.patches),
@@ -711,6 +720,10 @@ class LoadReport:
             out["rolled back"] = True
         if self._removed:
             out["removed"] = list(self._removed)
+        if self._quiet:
+            # (a loader that skips what another rank holds writes nothing: that is fine;
+            # one that writes on another thread is not watched: its writes are missing)
+            out["calls with no write seen"] = list(self._quiet)
         return out
 
     def __repr__(self) -> str:
@@ -2038,6 +2051,7 @@ def _build_report(
     report._removed = removed
     report._rebound = originals
     report._registered = tuple(registered)
+    report._quiet = tuple(c for c, _, _ in session.quiet_calls) if session is not None else ()
     report._aliases = aliases
     report._meta = meta
     report._dry = len({e.target for e in events} & meta)

@@ -522,12 +522,6 @@ class RuntimeIndex:
         order of ``named_parameters`` then ``named_buffers`` (empty: none)."""
         return self._owners_of(key) or []
 
-    def owns_storage_of(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` views the storage of a runtime tensor (a view of no elements
-        included, whose own address torch gives as 0)."""
-        start = t.untyped_storage().data_ptr()
-        return bool(start) and self._owners_of((t.device, start)) is not None
-
     def _owners_of(self, key: tuple) -> list[_Owner] | None:
         owners = self._owners.get(key)
         if owners is None:
@@ -1444,8 +1438,6 @@ class _Mode(TorchDispatchMode):
                         targets.append((t, own))
                     else:
                         others.append(t)
-                elif isinstance(t, torch.Tensor) and s.index.owns_storage_of(t):
-                    s._call_empty_write = True  # (writes nothing: nothing to save or show)
         if not targets:
             out = func(*args, **kwargs)
             if s.track_sources:
@@ -1762,9 +1754,10 @@ class WriteSession:
         # The regions this call wrote, by storage: only those of one storage can overlap.
         self._call_regions: dict[tuple, _Written] = {}
         self._call_writes = 0
-        # an in-place op of this call wrote a zero-element view of runtime storage (not a
-        # write that is counted, but a write: see _check_dense_call_wrote)
-        self._call_empty_write = False
+        # Watched dense calls that returned names (or None) with something staged but in
+        # which no write was seen: (call index, the call and its patches in words, what
+        # it returned) (see _note_if_quiet).
+        self.quiet_calls: list[tuple[int, str, list[str] | None]] = []
         # (position, name) of each patch of the call in progress (position None: an
         # observed name that matches no patch)
         self._call_patches: tuple[tuple[int | None, str], ...] = ()
@@ -1871,7 +1864,6 @@ class WriteSession:
         self._chunk = chunk
         self._call_regions = {}
         self._call_writes = 0
-        self._call_empty_write = False
         self._call_patches = tuple(
             (pos if pos >= 0 else None, name) for pos, (name, _) in zip(positions, staged))
         self._call_fed = {}
@@ -1901,8 +1893,6 @@ class WriteSession:
                 yield result
             if sparse:
                 self._check_after_sparse_call(bindings, result.returned, staged, positions)
-            elif self.save_regions and not self._call_writes and not self._call_empty_write:
-                self._check_dense_call_wrote(result.returned, staged, positions)
             error = False
         finally:
             try:
@@ -1910,6 +1900,8 @@ class WriteSession:
                 # one that raised leaves them, which a report shows)
                 if watch or (sparse and error and self.recorder is not None):
                     self._note_rebinding()
+                if not sparse and not error and self.save_regions:
+                    self._note_if_quiet(result.returned, staged, positions)
                 if self.recorder is not None:
                     _wait_for(gpus)  # a GPU's copies run after their launch returns
                     self.recorder.on_call_end(
@@ -2049,35 +2041,25 @@ class WriteSession:
             elif not _same_view(live, t):
                 self.rebound[name] = live.data
 
-    def _check_dense_call_wrote(self, returned, staged, positions) -> None:
-        """After a dense call whose writes are saved (a transactional load, a report) in
-        which the interception saw no write: if the call returned names for tensors that
-        hold something, it wrote where no mode sees (on another thread, through a
-        storage, with torch function handling off, in TorchScript), unless it rebound or
-        registered tensors (which a rollback and a report handle). Such writes are not
-        saved: a rollback could not put them back, and a report would show a load that
-        changed nothing. Raises :class:`ContractViolation` (``reason="unseen writes"``)
-        as the first such call ends; the earlier calls' saves are intact."""
-        if returned is None or not returned or all(t.numel() == 0 for _, t in staged):
-            return  # (a loader that owns none of the weights, or has nothing to write)
-        bindings = self._bindings if self._bindings is not None else self.bindings
-        if self.rebound or self.registered or (bindings is not None and (
-                self.index.rebound(bindings) or not self.index.unchanged())):
-            return  # (rebound or registered, now or by an earlier call: seen as such)
-        call = (f"load_weights (call {self._chunk}, "
-                f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))})")
-        done = ("what it wrote (if anything) stays in the model, as no rollback can put it "
-                "back" if self.recorder is None else
-                "a report cannot show what it did")
-        raise ContractViolation(
-            f"{call} returned {sorted(returned)!r}, but no write into a runtime parameter "
-            "or buffer was seen; writes made on another thread, through a storage "
-            "(untyped_storage().copy_), with torch function handling off or inside "
-            f"TorchScript are not watched, so they are not saved: {done}. A plain dense "
-            "load (no transactional=, no report) runs such a loader",
-            position=positions[0], name=staged[0][0], reason="unseen writes",
-            value=tuple(sorted(returned)),
-        )
+    def _note_if_quiet(self, returned, staged, positions) -> None:
+        """After a dense call whose writes are saved (a transactional load, a report): a
+        call that returned names (or ``None``) with something staged, yet in which no
+        write was seen (nor a rebinding or registration, which a rollback and a report
+        handle), goes into :attr:`quiet_calls`. Either it wrote nothing (a loader that
+        skips weights another rank holds, or ones whose bits it already has) or it wrote
+        where no mode sees: on another thread, through a storage, with torch function
+        handling off, in TorchScript. Those writes are not saved, so a rollback cannot
+        put them back; it says so when it runs (a warning), and a report lists such calls
+        in its summary. Not an error: the first kind of call is a correct one."""
+        if self._call_writes or (returned is not None and not returned) or all(
+                t.numel() == 0 for _, t in staged):
+            return
+        if self.recorder is None and self.bindings is not None and (
+                self.index.rebound(self.bindings) or not self.index.unchanged()):
+            return  # (a transactional load: a rebinding or registration, now or earlier)
+        where_ = ", ".join(where(p, n) for p, (n, _) in zip(positions, staged))
+        self.quiet_calls.append((self._chunk, f"load_weights (call {self._chunk}, {where_})",
+                                 None if returned is None else sorted(returned)))
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         call = (f"load_weights (call {self._chunk}, "

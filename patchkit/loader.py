@@ -80,11 +80,9 @@ def load_checkpoint_weight_patches(
        of the same dtype and device saves only the elements it changes). Dense calls are
        watched through a torch function mode: a write the loader makes inside
        ``torch._C.DisableTorchFunction()`` or through a storage there is not seen, so not
-       restored; nor is one made on another thread. A call in which no write was seen
-       though it returned names (every write unseen) raises :class:`ContractViolation`
-       (``reason="unseen writes"``) as it ends, and the calls before it are put back;
-       what it wrote stays. A call that mixes seen and unseen writes is not caught. The
-       module tree's registrations are
+       restored; nor is one made on another thread. A rollback warns of the calls that
+       returned names (or ``None``) without a write it saw (a ``UserWarning``): what
+       they wrote, if anything, stays. The module tree's registrations are
        put back as they were (a rebound or newly registered runtime tensor gets its
        original back; a name the model did not have is removed; submodules, empty slots
        such as ``bias=None``, buffers' persistence and the order of names are restored).
@@ -267,6 +265,7 @@ def _roll_back(session: WriteSession, exc: BaseException) -> None:
         session.saved = [r for r in session.saved if r.target in unrestored]
         raise
     session.discard()
+    _warn_if_quiet_calls(session)
     if left:
         raise RuntimeError(
             f"the rollback could not register runtime tensor {left[0]!r} again "
@@ -274,6 +273,26 @@ def _roll_back(session: WriteSession, exc: BaseException) -> None:
             "it in nn.Module's registries, so it holds the tensor the loader "
             "gave it; the saved values were restored"
         ) from exc
+
+
+def _warn_if_quiet_calls(session: WriteSession) -> None:
+    """After a rollback: warn of the load's calls that returned names (or ``None``) but
+    made no write the session saw (:attr:`WriteSession.quiet_calls`). What such a call
+    wrote, if anything, was written where no interception sees and stays in the model."""
+    if not session.quiet_calls:
+        return
+    _, call, returned = session.quiet_calls[0]
+    said = "returned None" if returned is None else f"returned {returned!r}"
+    more = len(session.quiet_calls) - 1
+    others = f" (and {_count(more, 'other call')} alike)" if more else ""
+    warnings.warn(
+        f"the rollback put back every write it saw, but {call} {said} without a write it "
+        f"saw{others}: a loader that writes on another thread, through a storage "
+        "(untyped_storage().copy_), with torch function handling off or inside TorchScript "
+        "is not watched, and what it wrote there stays in the model",
+        UserWarning,
+        stacklevel=_outside_patchkit(),
+    )
 
 
 def _check_meta(model: Any, patches: Sequence[CheckpointWeightPatch]) -> None:
