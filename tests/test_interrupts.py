@@ -26,6 +26,18 @@ def _patches(kind: str) -> list[CheckpointWeightPatch]:
             for k, s in SHAPES.items()]
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """Python's own SIGINT handler (KeyboardInterrupt) for each test, as an interactive
+    run has: a process started in the background of a shell script, or under some
+    runners, inherits SIGINT ignored, and these tests raise it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture
 def compiled():
     if not native.status().startswith("compiled"):
