@@ -908,7 +908,14 @@ def _callable_name(fn: Callable[..., Any]) -> str:
 def _human(key: str, v: Any) -> str:
     if "bytes" in key and isinstance(v, int):
         return format_bytes(v)
+    if isinstance(v, list) and len(v) > _LIST_SHOWN:
+        # (summary() has them all: calls with no write seen may be thousands)
+        head = ", ".join(map(repr, v[:_LIST_SHOWN - 2]))
+        return f"[{head}, ..., {v[-1]!r}] ({len(v)})"
     return str(v)
+
+
+_LIST_SHOWN = 8  # items of a list a repr shows (the first six, the last, and the count)
 
 
 # ------------------------------------------------------------------------------------------
@@ -2051,7 +2058,7 @@ def _build_report(
     report._removed = removed
     report._rebound = originals
     report._registered = tuple(registered)
-    report._quiet = tuple(c for c, _, _ in session.quiet_calls) if session is not None else ()
+    report._quiet = tuple(session.quiet_calls) if session is not None else ()
     report._aliases = aliases
     report._meta = meta
     report._dry = len({e.target for e in events} & meta)

@@ -750,7 +750,7 @@ class RuntimeIndex:
         known = self.tensors.keys() | self.aliases.keys()
         return [(n, t) for n, t in named_tensors(self.model) if n not in known]
 
-    def undo(self) -> None:
+    def undo(self) -> bool:
         """Put the module tree's registrations back as the index found them: each
         submodule in its slot, each name registered to its original tensor again (as the
         parameter or buffer it was, in or out of the state dict), each empty slot empty,
@@ -760,13 +760,17 @@ class RuntimeIndex:
         gives way to the module's own again (and a module's attributes, where the loader
         replaced its ``__dict__``), and a plain attribute under a registered name (which
         shadows it) is removed. Every registry of the tree then holds what it held, in its
-        order: a submodule the model did not have is gone too."""
+        order: a submodule the model did not have is gone too. Returns whether it put
+        anything back."""
+        changed = False
         for m, attrs in zip(self._holders, self._attributes):
             if m.__dict__ is not attrs:  # (the module's attributes replaced: its own back)
                 object.__setattr__(m, "__dict__", attrs)
+                changed = True
         for attrs, attr, d in zip(*self._registry_places, self._registries):
             if attrs.get(attr) is not d:
                 attrs[attr] = d  # (past nn.Module.__setattr__: the dict itself)
+                changed = True
         for d, items in zip(self._registries, self._items):
             # Each registry as it was, in its order: names registered anew back to their
             # tensors, submodules to their slots, names and empty slots the model did not
@@ -776,17 +780,22 @@ class RuntimeIndex:
             ):
                 d.clear()
                 d.update(items)
+                changed = True
         for attrs, k in zip(*self._shadow_places):
             if k in attrs:
                 # A plain attribute under a registered name (``m.__dict__["weight"] = w``)
                 # shadows the registry for every read of ``m.weight``: gone.
                 del attrs[k]
+                changed = True
         for m, now, then in self._persistence:  # (a buffer registered again, as it was)
             if m.__dict__.get("_non_persistent_buffers_set") is not now:
                 m.__dict__["_non_persistent_buffers_set"] = now
+                changed = True
             if now != then:
                 now.clear()
                 now.update(then)
+                changed = True
+        return changed
 
     def not_undone(self) -> list[str]:
         """After :meth:`undo`: names still not registered to their original tensor (a
@@ -1755,9 +1764,11 @@ class WriteSession:
         self._call_regions: dict[tuple, _Written] = {}
         self._call_writes = 0
         # Watched dense calls that returned names (or None) with something staged but in
-        # which no write was seen: (call index, the call and its patches in words, what
-        # it returned) (see _note_if_quiet).
-        self.quiet_calls: list[tuple[int, str, list[str] | None]] = []
+        # which no write was seen: their indices (see _note_if_quiet); and the first one
+        # in words, with what it returned
+        self.quiet_calls: list[int] = []
+        self.first_quiet: tuple[str, list[str] | None] | None = None
+        self._tied_names: dict[str, list[str]] | None = None  # first name -> its aliases
         # (position, name) of each patch of the call in progress (position None: an
         # observed name that matches no patch)
         self._call_patches: tuple[tuple[int | None, str], ...] = ()
@@ -2044,22 +2055,58 @@ class WriteSession:
     def _note_if_quiet(self, returned, staged, positions) -> None:
         """After a dense call whose writes are saved (a transactional load, a report): a
         call that returned names (or ``None``) with something staged, yet in which no
-        write was seen (nor a rebinding or registration, which a rollback and a report
-        handle), goes into :attr:`quiet_calls`. Either it wrote nothing (a loader that
-        skips weights another rank holds, or ones whose bits it already has) or it wrote
-        where no mode sees: on another thread, through a storage, with torch function
-        handling off, in TorchScript. Those writes are not saved, so a rollback cannot
-        put them back; it says so when it runs (a warning), and a report lists such calls
-        in its summary. Not an error: the first kind of call is a correct one."""
+        write was seen, goes into :attr:`quiet_calls`. Either it wrote nothing (a loader
+        that skips weights another rank holds, or ones whose bits it already has) or it
+        wrote where no mode sees: on another thread, through a storage or numpy, with
+        torch function handling off, in TorchScript. Those writes are not saved, so a
+        rollback cannot put them back; it says so when it runs (a warning), and a report
+        lists such calls in its summary. Not an error: the first kind of call is a
+        correct one. A report's call that rebound or registered a tensor has that as a
+        write (:meth:`_note_rebinding`); a transactional load without a report looks only
+        at the runtime tensors the call names (:meth:`_renamed_or_rebound`: a pass over
+        every tensor after each call would make a load of many calls quadratic), and its
+        rollback says when the load rebound or registered any."""
         if self._call_writes or (returned is not None and not returned) or all(
                 t.numel() == 0 for _, t in staged):
             return
-        if self.recorder is None and self.bindings is not None and (
-                self.index.rebound(self.bindings) or not self.index.unchanged()):
-            return  # (a transactional load: a rebinding or registration, now or earlier)
-        where_ = ", ".join(where(p, n) for p, (n, _) in zip(positions, staged))
-        self.quiet_calls.append((self._chunk, f"load_weights (call {self._chunk}, {where_})",
-                                 None if returned is None else sorted(returned)))
+        if self.recorder is None and self.bindings is not None:
+            names = [n for n, _ in staged]
+            if returned is not None and len(returned) <= 4 * len(names):
+                names += returned  # (not a loader's every name so far: that is quadratic)
+            if self._renamed_or_rebound(names):
+                return
+        self.quiet_calls.append(self._chunk)
+        if self.first_quiet is None:
+            where_ = ", ".join(where(p, n) for p, (n, _) in zip(positions, staged))
+            self.first_quiet = (f"load_weights (call {self._chunk}, {where_})",
+                                None if returned is None else sorted(returned))
+
+    def _renamed_or_rebound(self, names) -> bool:
+        """Whether one of the runtime tensors ``names`` (runtime names, or tied names of
+        them) now holds other storage than when the load began, or is no longer what its
+        module holds under its name: a call that rebound or registered it wrote no element
+        a mode sees, and a rollback puts it back."""
+        tensors, aliases, bindings = self.index.tensors, self.index.aliases, self.bindings
+        model = self.index.model
+        if self._tied_names is None:
+            self._tied_names = {}
+            for alias, first in aliases.items():
+                self._tied_names.setdefault(first, []).append(alias)
+        for n in names:
+            n = aliases.get(n, n)
+            t = tensors.get(n)
+            if t is None or n not in bindings:
+                continue  # (a checkpoint name only, such as q_proj of a packed qkv_proj)
+            if _storage_key(t) != _storage_key(bindings[n]):
+                return True
+            for name in (n, *self._tied_names.get(n, ())):
+                path, _, attr = name.rpartition(".")
+                try:
+                    if getattr(model.get_submodule(path), attr) is not t:
+                        return True
+                except AttributeError:
+                    return True  # (removed)
+        return False
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         call = (f"load_weights (call {self._chunk}, "

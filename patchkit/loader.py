@@ -251,11 +251,15 @@ def _roll_back(session: WriteSession, exc: BaseException) -> None:
     they were (tensors registered anew under any of a tied tensor's names, names removed
     or new, submodules replaced); then the storage of tensors whose ``.data`` was
     rebound; then the saved values. Raises what stops it."""
-    session.index.undo()
+    tree_changed = session.index.undo()
     left = session.index.not_undone()
     bindings = session.bindings
-    for name in session.index.rebound(bindings):
+    rebound = session.index.rebound(bindings)
+    for name in rebound:
         session.index.tensors[name].data = bindings[name]
+    # (a call with no write seen may have rebound or registered a tensor, which this
+    # rollback put back; only a report's calls looked, each as it ended)
+    tree_changed = (tree_changed or bool(rebound)) and session.recorder is None
     try:
         session.restore()
     except BaseException:
@@ -265,7 +269,7 @@ def _roll_back(session: WriteSession, exc: BaseException) -> None:
         session.saved = [r for r in session.saved if r.target in unrestored]
         raise
     session.discard()
-    _warn_if_quiet_calls(session)
+    _warn_if_quiet_calls(session, exc, tree_changed)
     if left:
         raise RuntimeError(
             f"the rollback could not register runtime tensor {left[0]!r} again "
@@ -275,24 +279,35 @@ def _roll_back(session: WriteSession, exc: BaseException) -> None:
         ) from exc
 
 
-def _warn_if_quiet_calls(session: WriteSession) -> None:
+def _warn_if_quiet_calls(session: WriteSession, exc: BaseException, tree_changed: bool
+                         ) -> None:
     """After a rollback: warn of the load's calls that returned names (or ``None``) but
     made no write the session saw (:attr:`WriteSession.quiet_calls`). What such a call
-    wrote, if anything, was written where no interception sees and stays in the model."""
-    if not session.quiet_calls:
+    wrote, if anything, was written where no interception sees and stays in the model.
+    ``tree_changed``: the load rebound or registered a tensor, which the rollback put
+    back, and which a quiet call of a load without a report may have been. Where warnings
+    are errors, the warning goes onto ``exc`` as a note (Python 3.11+) instead: the
+    load's own error stays the one raised."""
+    if session.first_quiet is None:
         return
-    _, call, returned = session.quiet_calls[0]
+    call, returned = session.first_quiet
     said = "returned None" if returned is None else f"returned {returned!r}"
     more = len(session.quiet_calls) - 1
     others = f" (and {_count(more, 'other call')} alike)" if more else ""
-    warnings.warn(
-        f"the rollback put back every write it saw, but {call} {said} without a write it "
-        f"saw{others}: a loader that writes on another thread, through a storage "
-        "(untyped_storage().copy_), with torch function handling off or inside TorchScript "
-        "is not watched, and what it wrote there stays in the model",
-        UserWarning,
-        stacklevel=_outside_patchkit(),
-    )
+    unless = (" (unless they rebound or registered tensors, which the rollback put back: "
+              "the load did)" if tree_changed else "")
+    try:
+        warnings.warn(
+            f"the rollback put back every write it saw, but {call} {said} without a write "
+            f"it saw{others}: a loader that writes on another thread, through a storage "
+            "(untyped_storage().copy_) or numpy, with torch function handling off or inside "
+            f"TorchScript is not watched, and what it wrote there stays in the model{unless}",
+            UserWarning,
+            stacklevel=_outside_patchkit(),
+        )
+    except Warning as w:
+        if hasattr(exc, "add_note"):
+            exc.add_note(str(w))
 
 
 def _check_meta(model: Any, patches: Sequence[CheckpointWeightPatch]) -> None:
