@@ -64,6 +64,7 @@ from .bitwise import (
     squares_on_device,
 )
 from .errors import ContractViolation, where
+from .units import _count
 
 __all__ = [
     "Region",
@@ -2208,10 +2209,30 @@ class WriteSession:
                 "without copying into any runtime parameter or buffer; a sparse load cannot "
                 "tell what it did. A loader that owns none of these weights returns an empty "
                 "collection. (A loader that copies on another thread is not watched: its "
-                "copies may have put the staged NaN into the model, which no rollback sees)",
+                "copies may have put the staged NaN into the model, which no rollback "
+                f"sees{self._nan_holders()})",
                 position=positions[0], name=staged[0][0], reason="without copying",
                 value=None if returned is None else tuple(sorted(returned)),
             )
+
+    def _nan_holders(self, most: int = 3) -> str:
+        """For a refusal that says the staged NaN may be in the model: which runtime
+        tensors hold NaN now, with how many (the first ``most``), as a clause; empty when
+        none does. Reads every floating-point tensor of the model once (an error path)."""
+        found = []
+        for name, t in self.index.tensors.items():
+            try:
+                if t.is_floating_point() and not t.is_meta and t.numel():
+                    n = int(torch.isnan(t.detach()).sum())
+                    if n:
+                        found.append((name, n))
+            except (RuntimeError, NotImplementedError):  # (no isnan for some dtypes)
+                continue
+        if not found:
+            return ""
+        shown = ", ".join(f"{n!r} ({_count(k, 'element')})" for n, k in found[:most])
+        more = f" and {_count(len(found) - most, 'more tensor')}" if len(found) > most else ""
+        return f"; runtime tensors that hold NaN now: {shown}{more}"
 
     # -- a write into runtime storage --------------------------------------------------
 

@@ -1222,3 +1222,36 @@ def test_a_packed_float4_tensor_is_inspected_and_rolled_back(shape, changed, tra
         assert int(m.w.view(torch.uint8).count_nonzero()) == changed
         assert int(r.before("w").view(torch.uint8).count_nonzero()) == 0
         assert r.deltas.loc["w", ["elements", "changed"]].tolist() == [n, changed]
+
+
+def test_a_sparse_refusal_without_copying_names_the_tensors_that_hold_nan_now():
+    # A loader that copies on another thread puts the staged NaN into the model before
+    # the call is refused; the refusal said it "may" have, and not where
+    import threading
+
+    from patchkit.errors import ContractViolation
+
+    class OnAThread(PlainModel):
+        def load_weights(self, weights):
+            for name, w in weights:
+                t = threading.Thread(target=getattr(self, name).data.copy_, args=(w,))
+                t.start()
+                t.join(10.0)
+            return {n for n, _ in weights}
+
+    class Stashes(PlainModel):
+        def load_weights(self, weights):
+            return {n for n, _ in weights}  # (writes nothing: nothing holds NaN)
+
+    shapes = {"a": (4, 4), "b": (8,)}
+    p = CWP("a", (4, 4), torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([0, 5]))
+    m = OnAThread(shapes)
+    with torch.no_grad():
+        m.b[3] = float("nan")  # (a NaN of the model's own counts too: a fact, not a guess)
+    with pytest.raises(ContractViolation, match="without copying") as info:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert "runtime tensors that hold NaN now: 'a' (14 elements), 'b' (1 element))" in str(
+        info.value)
+    with pytest.raises(ContractViolation, match="without copying") as info:
+        patchkit.load_checkpoint_weight_patches(Stashes(shapes), [p])
+    assert "hold NaN now" not in str(info.value)
