@@ -697,6 +697,14 @@ class RuntimeIndex:
         return [n for n, t in self.tensors.items()
                 if now.get(n) is not t or (n in params) != (n in was)]
 
+    @cached_property
+    def tied_names(self) -> dict[str, list[str]]:
+        """A tied tensor's first name -> its other names (:attr:`aliases` turned round)."""
+        out: dict[str, list[str]] = {}
+        for alias, first in self.aliases.items():
+            out.setdefault(first, []).append(alias)
+        return out
+
     def replaced_aliases(self) -> list[str]:
         """Aliases (the other names of a tied tensor, see :attr:`aliases`) no longer
         registered to it: ``module.lm_head.weight = nn.Parameter(w)`` unties them, ``del``
@@ -1769,7 +1777,6 @@ class WriteSession:
         # in words, with what it returned
         self.quiet_calls: list[int] = []
         self.first_quiet: tuple[str, list[str] | None] | None = None
-        self._tied_names: dict[str, list[str]] | None = None  # first name -> its aliases
         # (position, name) of each patch of the call in progress (position None: an
         # observed name that matches no patch)
         self._call_patches: tuple[tuple[int | None, str], ...] = ()
@@ -2088,11 +2095,7 @@ class WriteSession:
         module holds under its name: a call that rebound or registered it wrote no element
         a mode sees, and a rollback puts it back."""
         tensors, aliases, bindings = self.index.tensors, self.index.aliases, self.bindings
-        model = self.index.model
-        if self._tied_names is None:
-            self._tied_names = {}
-            for alias, first in aliases.items():
-                self._tied_names.setdefault(first, []).append(alias)
+        model, tied = self.index.model, self.index.tied_names
         for n in names:
             n = aliases.get(n, n)
             t = tensors.get(n)
@@ -2100,7 +2103,7 @@ class WriteSession:
                 continue  # (a checkpoint name only, such as q_proj of a packed qkv_proj)
             if _storage_key(t) != _storage_key(bindings[n]):
                 return True
-            for name in (n, *self._tied_names.get(n, ())):
+            for name in (n, *tied.get(n, ())):
                 path, _, attr = name.rpartition(".")
                 try:
                     if getattr(model.get_submodule(path), attr) is not t:

@@ -251,7 +251,7 @@ def _roll_back(session: WriteSession, exc: BaseException) -> None:
     they were (tensors registered anew under any of a tied tensor's names, names removed
     or new, submodules replaced); then the storage of tensors whose ``.data`` was
     rebound; then the saved values. Raises what stops it."""
-    tree_changed = session.index.undo()
+    registrations_undone = session.index.undo()
     left = session.index.not_undone()
     bindings = session.bindings
     rebound = session.index.rebound(bindings)
@@ -259,7 +259,7 @@ def _roll_back(session: WriteSession, exc: BaseException) -> None:
         session.index.tensors[name].data = bindings[name]
     # (a call with no write seen may have rebound or registered a tensor, which this
     # rollback put back; only a report's calls looked, each as it ended)
-    tree_changed = (tree_changed or bool(rebound)) and session.recorder is None
+    tree_changed = (registrations_undone or bool(rebound)) and session.recorder is None
     try:
         session.restore()
     except BaseException:
