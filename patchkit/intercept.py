@@ -91,6 +91,20 @@ def _may_wrap(cls: type) -> int:
     return 0 if cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__ else 1
 
 
+_UNINITIALIZED = torch.nn.parameter.UninitializedTensorMixin
+_STRIDED = torch.strided
+
+
+def _storageless_kind(t: torch.Tensor) -> str:
+    """What a runtime tensor with no strided memory of its own is, for a message."""
+    if isinstance(t, _UNINITIALIZED):
+        return (f"an {type(t).__name__} (a lazy module's tensor, not materialized yet: "
+                "its first forward pass does that)")
+    if t.is_nested:
+        return "a nested tensor"
+    return f"a tensor of layout {str(t.layout).removeprefix('torch.')}"
+
+
 def _holds_no_memory(t: torch.Tensor) -> bool:
     """Whether ``t`` (not empty) reads as data pointer 0 off the meta device: a tensor
     subclass with no memory of its own."""
@@ -404,6 +418,10 @@ class RuntimeIndex:
         # Runtime tensors that are lazy views (torch's negative or conjugate bit): their
         # memory does not hold their values, see refuse_wrappers().
         self.lazy: list[str] = []
+        # Runtime tensors with no strided memory of their own (a lazy module's
+        # UninitializedParameter, a sparse or nested tensor), each with what it is: left
+        # out of the index (nothing can be looked up in them), see refuse_wrappers().
+        self.storageless: dict[str, str] = {}
         first: dict[int, str] = {}
         mods = _module_tree(model)
         # Where each tensor is registered, and the tree's links, for replaced(): checked
@@ -466,14 +484,20 @@ class RuntimeIndex:
                 if self._slots is not None:
                     self._alias_slots.append((name, registry, key))
                 continue
+            cls = type(t)
+            plain = cls is torch.Tensor or cls is torch.nn.Parameter
+            if (not plain and issubclass(cls, _UNINITIALIZED)) or (
+                    t.layout is not _STRIDED or t.is_nested):
+                # (no memory to index: left out, and a watched load refuses the model)
+                self.storageless[name] = _storageless_kind(t)
+                continue
             first[id(t)] = name
             self.tensors[name] = t
             if self._slots is not None:
                 self._slots.append((name, registry, key))
             if t.numel() == 0:
                 continue
-            cls = type(t)
-            if cls is not torch.Tensor and cls is not torch.nn.Parameter:
+            if not plain:
                 kind = _WRAP_KINDS.get(cls)  # (a dict, not a call: 100 k tensors of a
                 if kind is None:             # Parameter subclass as vLLM's are common)
                     kind = _WRAP_KINDS[cls] = _may_wrap(cls)
@@ -496,12 +520,20 @@ class RuntimeIndex:
 
     def refuse_wrappers(self, what: str) -> None:
         """``ContractViolation`` (before anything is written) when the model holds a
-        runtime tensor with torch's lazy negative or conjugate bit (:attr:`lazy`), or a
+        runtime tensor with no strided memory of its own (:attr:`storageless`: a lazy
+        module's tensor not yet materialized, a sparse or nested tensor), one with
+        torch's lazy negative or conjugate bit (:attr:`lazy`), or a
         tensor subclass whose values live in inner tensors (:attr:`wrappers`): a write
         into it, or into what it wraps (``param.to_local().copy_(w)``), reaches storage
         this index does not know, so a load that must see its writes (``what``: a
         sparse, transactional or inspected one) could neither NaN-merge, record nor
         restore it."""
+        if self.storageless:
+            names = list(self.storageless)
+            _refuse_before_load(
+                what, names,
+                f"{self.storageless[names[0]]}, which has no strided memory that patchkit "
+                "could save, NaN-merge or restore", "no strided memory")
         if self.lazy:
             name = self.lazy[0]
             _refuse_before_load(
@@ -756,7 +788,7 @@ class RuntimeIndex:
             # (a key gone reads as its registry: not None)
             if list(map(dict.get, dicts, keys, dicts)).count(None) == len(keys):
                 return []
-        known = self.tensors.keys() | self.aliases.keys()
+        known = self.tensors.keys() | self.aliases.keys() | self.storageless.keys()
         return [(n, t) for n, t in named_tensors(self.model) if n not in known]
 
     def undo(self) -> bool:

@@ -5,6 +5,8 @@ a plain dense load goes through; the compiled path never touches their (absent) 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -143,3 +145,77 @@ def test_a_dry_run_of_a_model_holding_a_traceable_wrapper_is_refused_too():
     b = CheckpointWeightPatch("b", (4,), torch.float32, torch.empty(4, device="meta"))
     with pytest.raises(ContractViolation, match="runtime tensor 'w' is a Int8W"):
         inspect_load(model, [b])
+
+
+class HoldsStorageless(nn.Module):
+    """A plain weight ``a`` that loads take, beside a runtime tensor ``odd`` with no strided
+    memory of its own that no load touches."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+        if kind == "uninitialized parameter":
+            self.odd = nn.UninitializedParameter(requires_grad=False)
+        elif kind == "uninitialized buffer":
+            self.odd = nn.UninitializedBuffer()
+        elif kind == "sparse_coo":
+            self.register_buffer("odd", torch.eye(3).to_sparse())
+        else:
+            with warnings.catch_warnings():  # (torch's "beta" and "prototype" notices)
+                warnings.simplefilter("ignore", UserWarning)
+                self.register_buffer("odd", {
+                    "sparse_csr": lambda: torch.eye(3).to_sparse_csr(),
+                    "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+                    "jagged": lambda: torch.nested.nested_tensor(
+                        [torch.ones(2), torch.ones(3)], layout=torch.jagged),
+                }[kind]())
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            getattr(self, name).data.copy_(w)
+        return {name for name, _ in weights}
+
+
+STORAGELESS = {
+    "uninitialized parameter": "an UninitializedParameter (a lazy module's tensor",
+    "uninitialized buffer": "an UninitializedBuffer (a lazy module's tensor",
+    "sparse_coo": "a tensor of layout sparse_coo",
+    "sparse_csr": "a tensor of layout sparse_csr",
+    "nested": "a nested tensor",
+    "jagged": "a nested tensor",
+}
+DENSE_A = CheckpointWeightPatch("a", (4, 4), torch.float32, torch.arange(16.0))
+SPARSE_A = CheckpointWeightPatch("a", (4, 4), torch.float32, torch.tensor([7.0]),
+                                 torch.tensor([3]))
+
+
+@pytest.mark.parametrize("kind", list(STORAGELESS))
+@pytest.mark.parametrize("how", ["sparse", "transactional", "inspect", "inspect observed"])
+def test_a_runtime_tensor_without_strided_memory_refuses_a_watched_load_by_name(how, kind):
+    # (these raised torch's own ValueError or RuntimeError from inside patchkit; a nested
+    # buffer let an inspected load write, then failed building its report)
+    model = HoldsStorageless(kind)
+    run = {
+        "sparse": lambda: patchkit.load_checkpoint_weight_patches(model, [SPARSE_A]),
+        "transactional": lambda: patchkit.load_checkpoint_weight_patches(
+            model, [DENSE_A], transactional=True),
+        "inspect": lambda: inspect_load(model, [SPARSE_A]),
+        "inspect observed": lambda: inspect_load(
+            model, [DENSE_A], loader=patchkit.load_checkpoint_weight_patches),
+    }[how]
+    with pytest.raises(ContractViolation) as e:
+        run()
+    assert (e.value.reason, e.value.value) == ("no strided memory", "odd")
+    assert (f"before anything is written: runtime tensor 'odd' is {STORAGELESS[kind]}"
+            in str(e.value))
+    assert "no strided memory that patchkit could save, NaN-merge or restore" in str(e.value)
+    assert torch.equal(model.a, torch.zeros(4, 4))
+
+
+@pytest.mark.parametrize("kind", list(STORAGELESS))
+def test_a_runtime_tensor_without_strided_memory_lets_a_plain_dense_load_through(kind):
+    model = HoldsStorageless(kind)
+    patchkit.load_checkpoint_weight_patches(model, [DENSE_A])
+    assert torch.equal(model.a.flatten(), torch.arange(16.0))
+    report = inspect_load(model, [])  # (nothing loaded: a report of the model all the same)
+    assert report.writes.empty and "odd" not in report.deltas.index
