@@ -373,10 +373,12 @@ class LoadReport:
       holds the original tensor names it from then on; ``"register"`` for a tensor
       registered under a name the model did not have, which is then a target: written
       whole, with no ``deltas`` row and no ``before()`` (a tensor the model has, tied
-      under a new name, is one more alias and no write); a sparse call that returns has
-      its rebindings undone and refused, so only one that raised shows them), and the
-      element
-      strides of both views in memory, as ``view.stride()`` gives them
+      under a new name, is one more alias and no write); a sparse call's rebindings and
+      registrations are undone, refused when it returns and put back when it raises, so
+      only a dense call's show, and a sparse one's that could not be put back; a report
+      of another loader logs each call as it ends, before that loader puts anything
+      back), and the
+      element strides of both views in memory, as ``view.stride()`` gives them
       (``checkpoint_stride``, ``target_stride``). Offsets count elements row-major in
       the tensor's own indexing (``t.flatten()[target_offset]`` is the view's first
       element), whatever its layout: for a target stored row-major (contiguous, as

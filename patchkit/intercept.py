@@ -41,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -1940,15 +1941,21 @@ class WriteSession:
         guarded = self.save_regions and _DEFERRAL.install()
         self._guard = _DEFERRAL if guarded else None
         try:
-            with _Mode(self) if sparse or not _DenseMode.fits() else _DenseMode(self):
-                yield result
+            try:
+                with _Mode(self) if sparse or not _DenseMode.fits() else _DenseMode(self):
+                    yield result
+            except BaseException as exc:
+                if sparse:
+                    self._undo_after_raise(bindings, exc)
+                raise
             if sparse:
                 self._check_after_sparse_call(bindings, result.returned, staged, positions)
             error = False
         finally:
             try:
-                # (a sparse call that returns has its rebindings undone and refused above;
-                # one that raised leaves them, which a report shows)
+                # (a sparse call has its rebindings undone: refused above when it returns,
+                # put back when it raised; what a rollback could not put back, a report
+                # shows)
                 if watch or (sparse and error and self.recorder is not None):
                     self._note_rebinding()
                 if not sparse and not error and self.save_regions:
@@ -2143,6 +2150,46 @@ class WriteSession:
                 except AttributeError:
                     return True  # (removed)
         return False
+
+    def _undo_after_raise(self, bindings: dict[str, torch.Tensor], exc: BaseException) -> None:
+        """A sparse call that raised: what it rebound (``param.data = w``), registered
+        (``module.w = nn.Parameter(w)``) or changed in the module tree may hold the staged
+        NaN, so it is put back, as after a call that returns (where it is refused); the
+        copies it made stay (CONTRACT §5). ``exc`` propagates, with a note that says what
+        was put back (a warning before Python 3.11, which has no notes). A transactional
+        load's rollback puts back all of it, and its copies too: nothing to do here."""
+        if self.bindings is not None:
+            return
+        index = self.index
+        rebound = index.rebound(
+            bindings, self._bound_ptrs() if bindings is self._bindings else None)
+        names = list(rebound)
+        if index.structure_changed() is not None:
+            names.append("the module tree")
+        elif not index.unchanged():
+            with index.one_look():
+                replaced = index.replaced() + index.replaced_aliases()
+                names += [n for n in replaced if n not in names]
+                names += [n for n, _ in index.added_tensors(replaced)]
+            if not names:
+                names.append("the module tree")
+        if not names:
+            return
+        index.undo()
+        for n in rebound:
+            index.tensors[n].data = bindings[n]
+        left = index.not_undone()
+        shown = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more"
+                                                    if len(names) > 3 else "")
+        note = (f"(patchkit: load_weights call {self._chunk} of a sparse load raised after it "
+                f"rebound or registered runtime tensors ({shown}), which may hold the staged "
+                "NaN; they were put back as they were" + (
+                    "" if not left else f", except {left[0]!r}, which the model does not keep "
+                    "in nn.Module's registries") + "; the call's copies stay)")
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        else:  # (Python 3.10)
+            warnings.warn(note, stacklevel=2)
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         call = (f"load_weights (call {self._chunk}, "

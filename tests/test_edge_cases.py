@@ -710,27 +710,72 @@ def test_a_sparse_call_that_registers_a_new_tensor_under_an_alias_is_refused(how
     assert not torch.isnan(model.b).any()
 
 
+@pytest.mark.parametrize("observed", [False, True], ids=["own", "observed"])
 @pytest.mark.parametrize("rebinding", ["anew", ".data"])
-def test_a_failed_sparse_call_shows_the_rebinding_it_left(rebinding):
-    # a sparse call that raises keeps what the loader did (not transactional); its
-    # rebinding was in an observed report but not in the own loader's
+def test_a_failed_sparse_call_has_its_rebinding_put_back(rebinding, observed):
+    # a sparse call that raised left what it rebound or registered, holding the staged
+    # NaN (a call that returns has it undone and refused); the call's copies stay
     class Rebinds(PlainModel):
         def load_weights(self, weights):
             for _, w in weights:
+                self.b.data.copy_(torch.nan_to_num(w, nan=5.0))  # a copy: it stays
                 if rebinding == "anew":
                     self.a = torch.nn.Parameter(w.clone(), requires_grad=False)
                 else:
                     self.a.data = w.clone()
                 raise RuntimeError("no more today")
 
-    model = Rebinds({"a": (4,)})
+    model = Rebinds({"a": (4,), "b": (4,)})
+    original = model.a
     patch = CWP("a", (4,), torch.float32, torch.tensor([7.0, 8.0]), torch.tensor([0, 2]))
+    kw = {"loader": patchkit.load_checkpoint_weight_patches} if observed else {}
     with pytest.raises(RuntimeError, match="no more today") as info:
-        inspect_load(model, [patch])
+        inspect_load(model, [patch], **kw)
+    assert model.a is original and model.a.tolist() == [0.0] * 4
+    assert model.b.tolist() == [7.0, 5.0, 8.0, 5.0]
+    if hasattr(info.value, "add_note"):
+        assert info.value.__notes__ == [
+            "(patchkit: load_weights call 0 of a sparse load raised after it rebound or "
+            "registered runtime tensors ('a'), which may hold the staged NaN; they were put "
+            "back as they were; the call's copies stay)"]
     r = info.value.report
-    assert r.writes[["target", "op", "changed"]].values.tolist() == [["a", "rebind", 4]]
-    assert patchkit.same_bits(r.after("a"), model.a.detach())  # the staged NaN, as left
-    assert r.before("a").tolist() == [0.0] * 4
+    # (an observed loader's report logs each call as it ends: the rebinding, which the
+    # observed loader, patchkit's own, then put back; deltas and after() are the model's)
+    assert r.writes[["target", "op", "changed"]].values.tolist() == (
+        [["b", "aten::copy_", 4]] + [["a", "rebind", 4]] * observed)
+    assert list(r.deltas.index) == ["b"] and r.after("a").tolist() == [0.0] * 4
+    with pytest.raises(RuntimeError, match="no more today") as info:
+        patchkit.load_checkpoint_weight_patches(model, [patch])
+    assert model.a is original and model.a.tolist() == [0.0] * 4
+
+
+def test_a_failed_sparse_call_puts_back_each_tensor_it_changed_and_the_tree():
+    class Meddles(PlainModel):
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.a.data = w.clone()
+                self.c = torch.nn.Parameter(w.clone(), requires_grad=False)
+                self.extra = torch.nn.Parameter(w.clone(), requires_grad=False)
+            raise KeyError("stop")
+
+    model = Meddles({"a": (4,), "c": (4,)})
+    tensors = dict(model.named_parameters())
+    patch = CWP("a", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([1]))
+    with pytest.raises(KeyError) as info:
+        patchkit.load_checkpoint_weight_patches(model, [patch])
+    assert dict(model.named_parameters()) == tensors
+    assert not any(torch.isnan(t).any() for t in tensors.values())
+    if hasattr(info.value, "add_note"):
+        assert "rebound or registered runtime tensors ('a', 'c', 'extra')" in (
+            info.value.__notes__[0])
+    # transactional: the rollback puts back all of it, with no note of the call's
+    model = Meddles({"a": (4,), "c": (4,)})
+    tensors = dict(model.named_parameters())
+    with pytest.raises(KeyError) as info:
+        patchkit.load_checkpoint_weight_patches(model, [patch], transactional=True)
+    assert dict(model.named_parameters()) == tensors
+    assert not any(torch.isnan(t).any() for t in tensors.values())
+    assert not getattr(info.value, "__notes__", [])
 
 
 class _Deletes(PlainModel):
