@@ -1367,13 +1367,17 @@ def _observe_foreign(
     # A call whose names match no patch (a loader that renames them) may carry a sparse
     # one: its copies are checked for NaN as well.
     any_sparse = any(getattr(p, "indices", None) is not None for p in patches)
+    # Whether the calls so far sent what the plan's first calls send (_as_planned of
+    # them), kept as they come: asking anew at each call made a load of many calls
+    # quadratic.
+    following = [_as_planned(observed, plan)]
 
     def recording_load_weights(weights, *a, **kw):
         staged = list(weights)
         i = len(observed)
         names = tuple(n for n, _ in staged)
-        planned = (plan[i].positions if i < len(plan) and plan[i].names == names
-                   and _as_planned(observed, plan) else None)
+        planned = (plan[i].positions if following[0] and i < len(plan)
+                   and plan[i].names == names else None)
         if planned is not None and not sent.ambiguous(names):
             pos = planned
         else:  # (a call that follows the plan keeps its positions where staged agrees)
@@ -1381,6 +1385,8 @@ def _observe_foreign(
         sent.mark(names, pos)
         nbytes = sum(t.numel() * t.element_size() for _, t in staged)
         observed.append(Chunk(i, tuple(pos), names, nbytes, "end"))
+        following[0] = following[0] and i < len(plan) and (
+            plan[i].names == names and plan[i].positions == tuple(pos))
         call_patches = [patches[p] if p >= 0 else None for p in pos]
         try:
             with session.call(i, staged, pos, sparse=False, patches=call_patches,

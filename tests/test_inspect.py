@@ -1048,6 +1048,24 @@ def test_an_observed_loader_that_chunks_otherwise_is_reported_call_by_call():
     assert r.plan == plan_chunks(ps, 64)
 
 
+def test_observing_many_calls_compares_each_with_the_plan_once(monkeypatch):
+    # each call compared every call so far with the plan: 8000 calls took 5.9 s
+    import patchkit.inspect as pi
+
+    looked = []
+    as_planned = pi._as_planned
+
+    def counted(calls, plan, complete=False):
+        looked.append(len(calls))
+        return as_planned(calls, plan, complete)
+
+    monkeypatch.setattr(pi, "_as_planned", counted)
+    ps = [dense("a", torch.full((4,), float(i))) for i in range(200)]
+    r = inspect_load(PlainModel({"a": (4,)}), ps, loader=patchkit.load_checkpoint_weight_patches)
+    assert len(r.calls) == 200 and r.chunks["closed_by"].tolist()[:2] == ["repeated name"] * 2
+    assert sum(looked) <= 2 * len(ps), looked[:5]
+
+
 def test_an_observed_sparse_load_reports_what_patchkits_own_load_reports():
     p = sparse("a", (100,), [7], [5.0])
     ours_model = PlainModel({"a": (100,)}, fill=1.0)
