@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
+import itertools
 import os
 import sys
 import warnings
@@ -375,13 +377,20 @@ def _canonicalized(
     names = {p.name for p in patches}
     kept: list[CheckpointWeightPatch] = []
     positions: list[int] = []
+    by_name: dict[str, list[int]] | None = None  # name -> its patches' positions
+    rank: collections.Counter[str] = collections.Counter()  # patches of a name so far
     for i, p in enumerate(patches):
         target = alias_of.get(p.name)
         if target is None:
             kept.append(p)
         elif target in names:
             if warn:
-                _warn_if_dropped_differs(i, p, target, patches)
+                if by_name is None:  # (built once: a scan per dropped patch was quadratic)
+                    by_name = {}
+                    for j, q in enumerate(patches):
+                        by_name.setdefault(q.name, []).append(j)
+                _warn_if_dropped_differs(i, p, target, patches, by_name[target], rank[p.name])
+                rank[p.name] += 1
             continue
         else:
             kept.append(p._replace(name=target))
@@ -390,12 +399,16 @@ def _canonicalized(
 
 
 def _warn_if_dropped_differs(
-    i: int, p: CheckpointWeightPatch, target: str, patches: Sequence[CheckpointWeightPatch]
+    i: int, p: CheckpointWeightPatch, target: str, patches: Sequence[CheckpointWeightPatch],
+    same: list[int], rank: int,
 ) -> None:
     """Warn that alias patch ``i`` is dropped when no patch of ``target`` (the canonical
-    name) carries what it carries."""
-    same = [j for j, q in enumerate(patches) if q.name == target]
-    if any(_same_content(p, patches[j]) for j in same):
+    name; ``same``: their positions) carries what it carries. ``rank``: how many patches
+    of ``p``'s name came before it. The canonical patch of that rank is compared first:
+    a tensor and its tied copy split alike (``split_patch``) match part for part, so a
+    load of such parts makes one comparison per part, not one per pair."""
+    first = [same[rank]] if rank < len(same) else []
+    if any(_same_content(p, patches[j]) for j in itertools.chain(first, same)):
         return
     warnings.warn(
         f"{where(i, p.name)} is not loaded: it names the tied alias of {target!r}, which "
