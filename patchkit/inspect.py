@@ -1212,13 +1212,25 @@ def _pickles(dtype: torch.dtype) -> bool:
 
 
 def _picklable_patch(p: Any) -> Any:
-    """``p`` with each tensor of a dtype torch's pickle cannot rebuild wrapped in
-    :class:`_ViewedAs` (a report of a float8 load pickled, then failed to unpickle)."""
+    """``p`` with each tensor that views part of a larger storage copied out (torch's
+    pickle writes a view's whole storage: a report of 1600 ``split_patch`` parts of one
+    2 MiB tensor pickled to 1.6 GiB), and each of a dtype torch's pickle cannot rebuild
+    wrapped in :class:`_ViewedAs` (a report of a float8 load pickled, then failed to
+    unpickle)."""
     if not isinstance(p, CheckpointWeightPatch):
         return p
-    fix = {f: _ViewedAs(t) for f in ("values", "indices")
-           if isinstance(t := getattr(p, f), torch.Tensor) and t.element_size() in
-           _INT_OF_SIZE and not t.is_meta and not _pickles(t.dtype)}
+    fix = {}
+    for f in ("values", "indices"):
+        t = getattr(p, f)
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            continue
+        out = t
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            out = t.clone(memory_format=torch.contiguous_format)
+        if t.element_size() in _INT_OF_SIZE and not _pickles(t.dtype):
+            out = _ViewedAs(out)
+        if out is not t:
+            fix[f] = out
     return p._replace(**fix) if fix else p
 
 
