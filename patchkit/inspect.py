@@ -2243,8 +2243,8 @@ def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str,
     owner_of: dict[str, _Owner] = {}
     for s in saved:
         key, a0, a1, step = s.span if s.span is not None else _span_of(s.view)
-        for o in index.sharing(key):
-            if step == o.step and a0 < o.end and o.start < a1:
+        for o in index.overlapping(key, a0, a1):
+            if step == o.step:
                 regions_of.setdefault(o.name, []).append((s, (key, a0, a1)))
                 owner_of[o.name] = o
     accs: list[tuple[str, _Stats]] = []

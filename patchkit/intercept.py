@@ -284,6 +284,7 @@ class _Owner(NamedTuple):
 
 
 _REGISTRY_NAMES = ("_parameters", "_buffers", "_modules")
+_SCAN_MAX = 16  # owners of one storage looked through one by one; more are bisected
 # Tensor methods as plain functions, for checks over every runtime tensor that run as C
 # loops (``map``) and not as Python ones.
 _DETACH = torch.Tensor.detach
@@ -407,6 +408,8 @@ class RuntimeIndex:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._owners: dict[tuple, list[_Owner]] = {}
+        # For overlapping(): a storage's owners sorted by start, where it has many
+        self._spans: dict[tuple, tuple[list[int], list[int], list[int]]] = {}
         self._by_key: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.aliases: dict[str, str] = {}
@@ -555,6 +558,33 @@ class RuntimeIndex:
         """The runtime tensors of the storage ``key`` (see :func:`_storage_key`), in the
         order of ``named_parameters`` then ``named_buffers`` (empty: none)."""
         return self._owners_of(key) or []
+
+    def overlapping(self, key: tuple, a0: int, a1: int) -> list[_Owner]:
+        """The runtime tensors of the storage ``key`` whose byte extents meet the bytes
+        ``[a0, a1)``, in the order of :meth:`sharing`. A storage that many tensors share
+        (views of one flat buffer) is searched by bisection, not scanned: a load of n
+        writes into n such tensors costs O(n log n), not O(n^2)."""
+        owners = self._owners_of(key)
+        if not owners:
+            return []
+        if len(owners) <= _SCAN_MAX:
+            return [o for o in owners if a0 < o.end and o.start < a1]
+        spans = self._spans.get(key)
+        if spans is None:
+            order = sorted(range(len(owners)), key=lambda i: owners[i].start)
+            starts = [owners[i].start for i in order]
+            # (the furthest end of the owners up to each one: where a walk back stops)
+            reach = list(itertools.accumulate((owners[i].end for i in order), max))
+            spans = self._spans[key] = (order, starts, reach)
+        order, starts, reach = spans
+        found = []
+        i = bisect.bisect_left(starts, a1) - 1  # (the last owner that starts before a1)
+        while i >= 0 and reach[i] > a0:
+            if owners[order[i]].end > a0:
+                found.append(order[i])
+            i -= 1
+        found.sort()
+        return [owners[j] for j in found]
 
     def _owners_of(self, key: tuple) -> list[_Owner] | None:
         owners = self._owners.get(key)
@@ -861,7 +891,7 @@ class RuntimeIndex:
             o = owners[0]
             if o.dense and o.start <= b < o.end:
                 return o.name, o.tensor, (b - o.start) // o.step
-        near = [o for o in owners if o.start <= b < o.end]
+        near = self.overlapping(key if key is not None else owners[0].key, b, b + 1)
         if len(near) > 1 or (near and not near[0].dense):
             # Strided tensors that share a storage (column slices of one fused buffer)
             # have byte ranges that interleave: prefer the one that holds t's first
