@@ -1984,8 +1984,8 @@ class WriteSession:
         finally:
             try:
                 # (a sparse call has its rebindings undone: refused above when it returns,
-                # put back when it raised; what a rollback could not put back, a report
-                # shows)
+                # put back when it raised; what could not be put back, a tensor the model
+                # keeps outside nn.Module's registries, a report shows)
                 if watch or (sparse and error and self.recorder is not None):
                     self._note_rebinding()
                 if not sparse and not error and self.save_regions:
@@ -2193,33 +2193,41 @@ class WriteSession:
         index = self.index
         rebound = index.rebound(
             bindings, self._bound_ptrs() if bindings is self._bindings else None)
-        names = list(rebound)
-        if index.structure_changed() is not None:
-            names.append("the module tree")
-        elif not index.unchanged():
-            with index.one_look():
+        changed = index.structure_changed()
+        replaced: list[str] = []
+        added: list[str] = []
+        if changed is None and not index.unchanged():
+            with index.one_look(registries=True):
                 replaced = index.replaced() + index.replaced_aliases()
-                names += [n for n in replaced if n not in names]
-                names += [n for n, _ in index.added_tensors(replaced)]
-            if not names:
-                names.append("the module tree")
-        if not names:
+                named = index.added_tensors(replaced)
+            # (a known tensor tied under a new name holds no staged values: it stays, as
+            # after a call that returns; so does a submodule or slot with no tensor)
+            ties = index.ties_among(named) if named else {}
+            added = [n for n, _ in named if n not in ties]
+        names = list(dict.fromkeys([*rebound, *replaced, *added]))
+        if changed is None and not names:
             return
-        index.undo()
+        if changed is not None or replaced or added:
+            index.undo()
+        left = index.not_undone() if changed is not None or replaced else []
         for n in rebound:
             index.tensors[n].data = bindings[n]
-        left = index.not_undone()
         shown = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more"
                                                     if len(names) > 3 else "")
+        did = " and ".join(
+            ([f"rebound or registered runtime tensors ({shown})"] if names else [])
+            + ([changed] if changed is not None else []))
         note = (f"(patchkit: load_weights call {self._chunk} of a sparse load raised after it "
-                f"rebound or registered runtime tensors ({shown}), which may hold the staged "
-                "NaN; they were put back as they were" + (
-                    "" if not left else f", except {left[0]!r}, which the model does not keep "
-                    "in nn.Module's registries") + "; the call's copies stay)")
+                f"{did}, which may hold the staged NaN; the module tree was put back as it "
+                "was" + ("" if not left else f", except {left[0]!r}, which the model does "
+                         "not keep in nn.Module's registries") + "; the call's copies stay)")
         if hasattr(exc, "add_note"):
             exc.add_note(note)
-        else:  # (Python 3.10)
-            warnings.warn(note, stacklevel=2)
+            return
+        from .loader import _outside_patchkit  # (Python 3.10; loader imports this module)
+
+        with contextlib.suppress(Warning):  # (warnings as errors: the loader's error stays)
+            warnings.warn(note, UserWarning, stacklevel=_outside_patchkit())
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         call = (f"load_weights (call {self._chunk}, "

@@ -449,9 +449,11 @@ def _warn_if_renamed_not_loaded(
 
 def _outside_patchkit() -> int:
     """The ``stacklevel`` of a warning raised here that names the caller's line: the
-    first frame outside this package (a load's depth differs by entry point)."""
+    first frame outside this package (a load's depth differs by entry point) and outside
+    ``contextlib`` (whose frames lie between a call's block and its end)."""
     level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+                                 or frame.f_code.co_filename == contextlib.__file__):
         level, frame = level + 1, frame.f_back
     return level
 

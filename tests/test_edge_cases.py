@@ -3,6 +3,8 @@ line it names is changed in a plausible way (an off-by-one, a dropped check)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pandas as pd
 import pytest
 import torch
@@ -736,8 +738,8 @@ def test_a_failed_sparse_call_has_its_rebinding_put_back(rebinding, observed):
     if hasattr(info.value, "add_note"):
         assert info.value.__notes__ == [
             "(patchkit: load_weights call 0 of a sparse load raised after it rebound or "
-            "registered runtime tensors ('a'), which may hold the staged NaN; they were put "
-            "back as they were; the call's copies stay)"]
+            "registered runtime tensors ('a'), which may hold the staged NaN; the module "
+            "tree was put back as it was; the call's copies stay)"]
     r = info.value.report
     # (an observed loader's report logs each call as it ends: the rebinding, which the
     # observed loader, patchkit's own, then put back; deltas and after() are the model's)
@@ -776,6 +778,79 @@ def test_a_failed_sparse_call_puts_back_each_tensor_it_changed_and_the_tree():
     assert dict(model.named_parameters()) == tensors
     assert not any(torch.isnan(t).any() for t in tensors.values())
     assert not getattr(info.value, "__notes__", [])
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_a_sparse_call_that_adds_no_tensor_keeps_what_it_added(raises):
+    # a submodule with no tensor, an empty slot and a known tensor tied under a new name
+    # hold no staged values: a call that returns keeps them, and one that raises did not
+    class Adds(PlainModel):
+        def load_weights(self, weights):
+            for name, w in weights:
+                self.get_parameter(name).data.copy_(w)
+            self.helper = torch.nn.Identity()
+            self.register_buffer("cache", None)
+            self.again = self.a
+            if raises:
+                raise KeyError("stop")
+            return {n for n, _ in weights}
+
+    model = Adds({"a": (4,)})
+    patch = CWP("a", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([1]))
+    with pytest.raises(KeyError) if raises else contextlib.nullcontext() as info:
+        patchkit.load_checkpoint_weight_patches(model, [patch])
+    assert isinstance(model.helper, torch.nn.Identity) and "cache" in model._buffers
+    assert model.again is model.a and model.a.tolist() == [0.0, 7.0, 0.0, 0.0]
+    assert not getattr(getattr(info, "value", None), "__notes__", [])
+
+
+def test_a_sparse_call_that_raises_after_swapping_a_registry_says_what_it_did():
+    class Swaps(PlainModel):
+        def load_weights(self, weights):
+            for _, w in weights:
+                self._parameters = {"a": torch.nn.Parameter(w.clone(), requires_grad=False)}
+            raise KeyError("stop")
+
+    model = Swaps({"a": (4,)})
+    original = model.a
+    patch = CWP("a", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([1]))
+    with pytest.raises(KeyError) as info:
+        patchkit.load_checkpoint_weight_patches(model, [patch])
+    assert model.a is original and model.a.tolist() == [0.0] * 4
+    if hasattr(info.value, "add_note"):
+        (note,) = info.value.__notes__
+        assert "raised after it replaced registry '_parameters' of the module tree" in note
+        assert "the module tree was put back as it was" in note
+
+
+def test_the_note_of_an_undone_sparse_call_never_replaces_the_loaders_error(monkeypatch):
+    # Python 3.10 has no notes: a warning says it, and where warnings are errors the
+    # loader's own error still propagates (an exception type without add_note stands in)
+    import warnings
+
+    class NoNotes(Exception):
+        def __getattribute__(self, name):
+            if name == "add_note":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    class Rebinds(PlainModel):
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.a.data = w.clone()
+            raise NoNotes("the loader's own")
+
+    patch = CWP("a", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([1]))
+    model = Rebinds({"a": (4,)})
+    with (pytest.warns(UserWarning, match="rebound or registered runtime tensors") as caught,
+          pytest.raises(NoNotes)):
+        patchkit.load_checkpoint_weight_patches(model, [patch])
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(NoNotes, match="the loader's own"):
+            patchkit.load_checkpoint_weight_patches(model, [patch])
+    assert model.a.tolist() == [0.0] * 4
 
 
 class _Deletes(PlainModel):
