@@ -478,6 +478,9 @@ class LoadReport:
     # Calls that returned names (or None), with something staged, in which no write was
     # seen (WriteSession.quiet_calls): their indices.
     _quiet: tuple[int, ...] = field(default=(), repr=False, init=False)
+    # runtime tensors with no strided memory of their own, each with what it is (see
+    # patchkit.intercept.RuntimeIndex.storageless): only a load that did not watch sees one
+    _storageless: dict[str, str] = field(default_factory=dict, repr=False, init=False)
     # Runtime tensors the load wrote and its transactional rollback put back as they were
     # (their saves went with the rollback: no deltas row, nothing written()).
     _restored: tuple[str, ...] = field(default=(), repr=False, init=False)
@@ -515,7 +518,11 @@ class LoadReport:
         """Every runtime tensor of the model (parameters and buffers) and its shape, by
         first name, as the load left them. A name the load removed (``del module.w``) is
         not one (a tied tensor then goes by its next name), though the tables, ``after()``
-        and ``before()`` still know it: it held that tensor while the load wrote it."""
+        and ``before()`` still know it: it held that tensor while the load wrote it. Nor
+        is a tensor with no strided memory of its own (a lazy module's
+        ``UninitializedParameter``, a sparse or nested tensor), which only a report of a
+        load that wrote nothing can meet: a load that watches its writes refuses such a
+        model."""
         if self._detached:
             return dict(self._kept_targets)
         removed = set(self._removed)
@@ -532,6 +539,12 @@ class LoadReport:
                 raise KeyError(
                     f"{target!r} was registered by the load and removed again: the report "
                     "keeps its writes rows, not the tensor"
+                ) from None
+            if target in self._storageless:
+                raise KeyError(
+                    f"{target!r} is {self._storageless[target]}, with no strided memory of "
+                    "its own: no report holds its values (a load that watches its writes "
+                    "refuses this model)"
                 ) from None
             known = ", ".join(repr(t) for t in list(self._runtime)[:8])
             raise KeyError(
@@ -2081,6 +2094,7 @@ def _build_report(
     report._quiet = tuple(session.quiet_calls) if session is not None else ()
     report._aliases = aliases
     report._meta = meta
+    report._storageless = dict(index.storageless) if index is not None else {}
     report._dry = len({e.target for e in events} & meta)
     report._tables = {
         "chunks": lambda: _chunks_frame(patches, sent_name, plan, len(calls), observed_calls,

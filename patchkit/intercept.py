@@ -102,7 +102,7 @@ def _storageless_kind(t: torch.Tensor) -> str:
         return (f"an {type(t).__name__} (a lazy module's tensor, not materialized yet: "
                 "its first forward pass does that)")
     if t.is_nested:
-        return "a nested tensor"
+        return "a nested tensor, whose elements are no single strided view of its memory"
     return f"a tensor of layout {str(t.layout).removeprefix('torch.')}"
 
 
@@ -423,9 +423,11 @@ class RuntimeIndex:
         # memory does not hold their values, see refuse_wrappers().
         self.lazy: list[str] = []
         # Runtime tensors with no strided memory of their own (a lazy module's
-        # UninitializedParameter, a sparse or nested tensor), each with what it is: left
-        # out of the index (nothing can be looked up in them), see refuse_wrappers().
+        # UninitializedParameter, a sparse or nested tensor, not empty), each with what it
+        # is: left out of the index and of tensors (nothing can be looked up in them), see
+        # refuse_wrappers().
         self.storageless: dict[str, str] = {}
+        self._unindexed: set[str] = set()  # those and the empty ones of their kinds
         first: dict[int, str] = {}
         mods = _module_tree(model)
         # Where each tensor is registered, and the tree's links, for replaced(): checked
@@ -492,7 +494,11 @@ class RuntimeIndex:
             plain = cls is torch.Tensor or cls is torch.nn.Parameter
             if (not plain and issubclass(cls, _UNINITIALIZED)) or (
                     t.layout is not _STRIDED or t.is_nested):
-                # (no memory to index: left out, and a watched load refuses the model)
+                # (nothing to index: left out; a watched load refuses the model unless the
+                # tensor is empty, as an empty strided one is never written)
+                self._unindexed.add(name)
+                if not isinstance(t, _UNINITIALIZED) and t.numel() == 0:
+                    continue
                 self.storageless[name] = _storageless_kind(t)
                 continue
             first[id(t)] = name
@@ -536,8 +542,8 @@ class RuntimeIndex:
             names = list(self.storageless)
             _refuse_before_load(
                 what, names,
-                f"{self.storageless[names[0]]}, which has no strided memory that patchkit "
-                "could save, NaN-merge or restore", "no strided memory")
+                f"{self.storageless[names[0]]}: patchkit saves, NaN-merges and restores "
+                "strided memory only", "no strided memory")
         if self.lazy:
             name = self.lazy[0]
             _refuse_before_load(
@@ -819,7 +825,7 @@ class RuntimeIndex:
             # (a key gone reads as its registry: not None)
             if list(map(dict.get, dicts, keys, dicts)).count(None) == len(keys):
                 return []
-        known = self.tensors.keys() | self.aliases.keys() | self.storageless.keys()
+        known = self.tensors.keys() | self.aliases.keys() | self._unindexed
         return [(n, t) for n, t in named_tensors(self.model) if n not in known]
 
     def undo(self) -> bool:

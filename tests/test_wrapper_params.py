@@ -208,7 +208,7 @@ def test_a_runtime_tensor_without_strided_memory_refuses_a_watched_load_by_name(
     assert (e.value.reason, e.value.value) == ("no strided memory", "odd")
     assert (f"before anything is written: runtime tensor 'odd' is {STORAGELESS[kind]}"
             in str(e.value))
-    assert "no strided memory that patchkit could save, NaN-merge or restore" in str(e.value)
+    assert "patchkit saves, NaN-merges and restores strided memory only" in str(e.value)
     assert torch.equal(model.a, torch.zeros(4, 4))
 
 
@@ -219,3 +219,25 @@ def test_a_runtime_tensor_without_strided_memory_lets_a_plain_dense_load_through
     assert torch.equal(model.a.flatten(), torch.arange(16.0))
     report = inspect_load(model, [])  # (nothing loaded: a report of the model all the same)
     assert report.writes.empty and "odd" not in report.deltas.index
+    assert list(report.targets) == ["a"]
+    with pytest.raises(KeyError, match=f"'odd' is {STORAGELESS[kind][:12]}.*no report holds"):
+        report.after("odd")
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "nested"])
+def test_an_empty_runtime_tensor_without_strided_memory_refuses_nothing(layout):
+    # (an empty one holds nothing to write, as an empty strided tensor, which loads skip)
+    model = HoldsStorageless("uninitialized buffer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model.odd = {
+            "sparse_coo": lambda: torch.zeros(0, 3).to_sparse(),
+            "sparse_csr": lambda: torch.zeros(0, 3).to_sparse_csr(),
+            "nested": lambda: torch.nested.nested_tensor([torch.ones(0), torch.ones(0)]),
+        }[layout]()
+    assert model.odd.numel() == 0
+    patchkit.load_checkpoint_weight_patches(model, [SPARSE_A])
+    patchkit.load_checkpoint_weight_patches(model, [DENSE_A], transactional=True)
+    assert torch.equal(model.a.flatten(), torch.arange(16.0))
+    report = inspect_load(model, [SPARSE_A])
+    assert report.deltas["changed"].to_dict() == {"a": 1}
