@@ -79,21 +79,25 @@ SPARSE_B = CheckpointWeightPatch("b", (4,), torch.float32, torch.tensor([1.0]),
                                  torch.tensor([2]))
 
 
+def _watched_load(how: str, model, *, sparse, dense, sparse_inspected: bool = False):
+    """A load that must see its writes (``how``): sparse, transactional, inspected (of
+    the sparse patch with ``sparse_inspected``), or inspected through an observed loader."""
+    if how == "sparse":
+        return patchkit.load_checkpoint_weight_patches(model, [sparse])
+    if how == "transactional":
+        return patchkit.load_checkpoint_weight_patches(model, [dense], transactional=True)
+    if how == "inspect":
+        return inspect_load(model, [sparse if sparse_inspected else dense])
+    return inspect_load(model, [dense], loader=patchkit.load_checkpoint_weight_patches)
+
+
 @pytest.mark.parametrize("wrapper", [Int8W, Int8Bare], ids=["traceable", "bare"])
 @pytest.mark.parametrize("how", ["sparse", "transactional", "inspect", "inspect observed"])
 def test_a_load_that_must_see_its_writes_is_refused_before_writing(how, wrapper):
     model = Quantized(wrapper)
     before = model.state()
-    run = {
-        "sparse": lambda: patchkit.load_checkpoint_weight_patches(model, [SPARSE_B]),
-        "transactional": lambda: patchkit.load_checkpoint_weight_patches(
-            model, [DENSE_W], transactional=True),
-        "inspect": lambda: inspect_load(model, [DENSE_W]),
-        "inspect observed": lambda: inspect_load(
-            model, [DENSE_W], loader=patchkit.load_checkpoint_weight_patches),
-    }[how]
     with pytest.raises(ContractViolation) as e:
-        run()
+        _watched_load(how, model, sparse=SPARSE_B, dense=DENSE_W)
     assert e.value.reason == "tensor subclass" and e.value.value == "w"
     assert ("refused before anything is written: runtime tensor 'w' is a "
             f"{wrapper.__name__}") in str(e.value)
@@ -195,16 +199,8 @@ def test_a_runtime_tensor_without_strided_memory_refuses_a_watched_load_by_name(
     # (these raised torch's own ValueError or RuntimeError from inside patchkit; a nested
     # buffer let an inspected load write, then failed building its report)
     model = HoldsStorageless(kind)
-    run = {
-        "sparse": lambda: patchkit.load_checkpoint_weight_patches(model, [SPARSE_A]),
-        "transactional": lambda: patchkit.load_checkpoint_weight_patches(
-            model, [DENSE_A], transactional=True),
-        "inspect": lambda: inspect_load(model, [SPARSE_A]),
-        "inspect observed": lambda: inspect_load(
-            model, [DENSE_A], loader=patchkit.load_checkpoint_weight_patches),
-    }[how]
     with pytest.raises(ContractViolation) as e:
-        run()
+        _watched_load(how, model, sparse=SPARSE_A, dense=DENSE_A, sparse_inspected=True)
     assert (e.value.reason, e.value.value) == ("no strided memory", "odd")
     assert (f"before anything is written: runtime tensor 'odd' is {STORAGELESS[kind]}"
             in str(e.value))
