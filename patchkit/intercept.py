@@ -2224,9 +2224,9 @@ class WriteSession:
             ([f"rebound or registered runtime tensors ({shown})"] if names else [])
             + ([changed] if changed is not None else []))
         note = (f"(patchkit: load_weights call {self._chunk} of a sparse load raised after it "
-                f"{did}, which may hold the staged NaN; the module tree was put back as it "
-                "was" + ("" if not left else f", except {left[0]!r}, which the model does "
-                         "not keep in nn.Module's registries") + "; the call's copies stay)")
+                f"{did}, which may hold the staged NaN; that was put back as it was" + (
+                    "" if not left else f", except {left[0]!r}, which the model does not keep "
+                    "in nn.Module's registries") + "; the call's copies stay)")
         if hasattr(exc, "add_note"):
             exc.add_note(note)
             return

@@ -738,8 +738,8 @@ def test_a_failed_sparse_call_has_its_rebinding_put_back(rebinding, observed):
     if hasattr(info.value, "add_note"):
         assert info.value.__notes__ == [
             "(patchkit: load_weights call 0 of a sparse load raised after it rebound or "
-            "registered runtime tensors ('a'), which may hold the staged NaN; the module "
-            "tree was put back as it was; the call's copies stay)"]
+            "registered runtime tensors ('a'), which may hold the staged NaN; that was put "
+            "back as it was; the call's copies stay)"]
     r = info.value.report
     # (an observed loader's report logs each call as it ends: the rebinding, which the
     # observed loader, patchkit's own, then put back; deltas and after() are the model's)
@@ -820,7 +820,7 @@ def test_a_sparse_call_that_raises_after_swapping_a_registry_says_what_it_did():
     if hasattr(info.value, "add_note"):
         (note,) = info.value.__notes__
         assert "raised after it replaced registry '_parameters' of the module tree" in note
-        assert "the module tree was put back as it was" in note
+        assert "that was put back as it was" in note
 
 
 def test_the_note_of_an_undone_sparse_call_never_replaces_the_loaders_error(monkeypatch):
