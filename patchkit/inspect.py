@@ -1395,13 +1395,14 @@ def _observe_foreign(
     # Whether the calls so far sent what the plan's first calls send (_as_planned of
     # them), kept as they come: asking anew at each call made a load of many calls
     # quadratic.
-    following = [_as_planned(observed, plan)]
+    following = _as_planned(observed, plan)
 
     def recording_load_weights(weights, *a, **kw):
+        nonlocal following
         staged = list(weights)
         i = len(observed)
         names = tuple(n for n, _ in staged)
-        planned = (plan[i].positions if following[0] and i < len(plan)
+        planned = (plan[i].positions if following and i < len(plan)
                    and plan[i].names == names else None)
         if planned is not None and not sent.ambiguous(names):
             pos = planned
@@ -1410,7 +1411,7 @@ def _observe_foreign(
         sent.mark(names, pos)
         nbytes = sum(t.numel() * t.element_size() for _, t in staged)
         observed.append(Chunk(i, tuple(pos), names, nbytes, "end"))
-        following[0] = following[0] and i < len(plan) and (
+        following = following and i < len(plan) and (
             plan[i].names == names and plan[i].positions == tuple(pos))
         call_patches = [patches[p] if p >= 0 else None for p in pos]
         try:

@@ -283,6 +283,22 @@ class _Owner(NamedTuple):
     dense: bool
 
 
+class _PutBack(NamedTuple):
+    """What :meth:`WriteSession._put_back` undid after a sparse call: a change of the
+    module tree's structure (:meth:`RuntimeIndex.structure_changed`, or ``None``), the
+    names rebound, replaced and added (not tied: ``ties``, which stay), which replaced
+    names were gone or moved, and the names it could not register again."""
+
+    changed: str | None
+    rebound: list[str]
+    replaced: list[str]
+    added: list[str]
+    ties: dict[str, str]
+    gone: set[str]
+    moved: set[str]
+    left: list[str]
+
+
 _REGISTRY_NAMES = ("_parameters", "_buffers", "_modules")
 _SCAN_MAX = 16  # owners of one storage looked through one by one; more are bisected
 # Tensor methods as plain functions, for checks over every runtime tensor that run as C
@@ -889,7 +905,8 @@ class RuntimeIndex:
         ``None`` means ``t`` is not runtime storage (a scratch buffer, a staged tensor).
         ``key``: ``t``'s storage key, where the caller has it already.
         """
-        owners = self._owners_of(_storage_key(t) if key is None else key)
+        key = _storage_key(t) if key is None else key
+        owners = self._owners_of(key)
         if not owners:
             return None
         b = t.storage_offset() * t.element_size()
@@ -897,7 +914,7 @@ class RuntimeIndex:
             o = owners[0]
             if o.dense and o.start <= b < o.end:
                 return o.name, o.tensor, (b - o.start) // o.step
-        near = self.overlapping(key if key is not None else owners[0].key, b, b + 1)
+        near = self.overlapping(key, b, b + 1)
         if len(near) > 1 or (near and not near[0].dense):
             # Strided tensors that share a storage (column slices of one fused buffer)
             # have byte ranges that interleave: prefer the one that holds t's first
@@ -2187,46 +2204,70 @@ class WriteSession:
                     return True  # (removed)
         return False
 
-    def _undo_after_raise(self, bindings: dict[str, torch.Tensor], exc: BaseException) -> None:
-        """A sparse call that raised: what it rebound (``param.data = w``), registered
-        (``module.w = nn.Parameter(w)``) or changed in the module tree may hold the staged
-        NaN, so it is put back, as after a call that returns (where it is refused); the
-        copies it made stay (CONTRACT §5). ``exc`` propagates, with a note that says what
-        was put back (a warning before Python 3.11, which has no notes). A transactional
-        load's rollback puts back all of it, and its copies too: nothing to do here."""
-        if self.bindings is not None:
-            return
+    def _put_back(self, bindings: dict[str, torch.Tensor]) -> _PutBack:
+        """After a sparse call: undo what it changed past its copies, each of which may
+        hold the staged NaN (a registry swapped, a tensor rebound, registered anew under a
+        name, a tied tensor's other name included, removed, or moved between a module's
+        parameters and buffers, a new one registered), and say what that was. A known
+        tensor tied under a new name, and a submodule or slot with no tensor, hold no
+        staged values and stay. Nothing is looked at closer when the tree is as the index
+        found it, the common case, at the cost of one look."""
         index = self.index
+        # (bindings is this load's own: its pointers, read once, are kept)
         rebound = index.rebound(
             bindings, self._bound_ptrs() if bindings is self._bindings else None)
         changed = index.structure_changed()
         replaced: list[str] = []
         added: list[str] = []
-        if changed is None and not index.unchanged():
-            with index.one_look(registries=True):
-                replaced = index.replaced() + index.replaced_aliases()
-                named = index.added_tensors(replaced)
-            # (a known tensor tied under a new name holds no staged values: it stays, as
-            # after a call that returns; so does a submodule or slot with no tensor)
-            ties = index.ties_among(named) if named else {}
-            added = [n for n, _ in named if n not in ties]
-        names = list(dict.fromkeys([*rebound, *replaced, *added]))
-        if changed is None and not names:
-            return
+        ties: dict[str, str] = {}
+        gone: set[str] = set()
+        moved: set[str] = set()
+        if changed is None:
+            if index.unchanged():
+                self.tree_as_found = True
+            else:
+                with index.one_look(registries=True):
+                    replaced = index.replaced() + index.replaced_aliases()
+                    named = index.added_tensors(replaced)
+                ties = index.ties_among(named) if named else {}
+                added = [n for n, _ in named if n not in ties]
+                if replaced or added:
+                    now, _ = _named_now(index.model)
+                    gone = set(replaced) - now.keys()
+                    # (the same tensor under its name, in the other registry)
+                    moved = {n for n in replaced
+                             if now.get(n) is index.tensors[index.aliases.get(n, n)]}
         if changed is not None or replaced or added:
+            # (a module's own registry dicts go back first, then the rest of the tree)
             index.undo()
         left = index.not_undone() if changed is not None or replaced else []
         for n in rebound:
-            index.tensors[n].data = bindings[n]
+            index.tensors[n].data = bindings[n]  # the original storage put back
+        return _PutBack(changed, rebound, replaced, added, ties, gone, moved, left)
+
+    def _undo_after_raise(self, bindings: dict[str, torch.Tensor], exc: BaseException) -> None:
+        """A sparse call that raised: what it rebound (``param.data = w``), registered
+        (``module.w = nn.Parameter(w)``) or changed in the module tree may hold the staged
+        NaN, so it is put back (:meth:`_put_back`), as after a call that returns (where it
+        is refused); the copies it made stay (CONTRACT §5). ``exc`` propagates, with a
+        note that says what was put back (a warning before Python 3.11, which has no
+        notes). A transactional load's rollback puts back all of it, and its copies too:
+        nothing to do here."""
+        if self.bindings is not None:
+            return
+        back = self._put_back(bindings)
+        names = list(dict.fromkeys([*back.rebound, *back.replaced, *back.added]))
+        if back.changed is None and not names:
+            return
         shown = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more"
                                                     if len(names) > 3 else "")
         did = " and ".join(
             ([f"rebound or registered runtime tensors ({shown})"] if names else [])
-            + ([changed] if changed is not None else []))
+            + ([back.changed] if back.changed is not None else []))
         note = (f"(patchkit: load_weights call {self._chunk} of a sparse load raised after it "
                 f"{did}, which may hold the staged NaN; that was put back as it was" + (
-                    "" if not left else f", except {left[0]!r}, which the model does not keep "
-                    "in nn.Module's registries") + "; the call's copies stay)")
+                    "" if not back.left else f", except {back.left[0]!r}, which the model "
+                    "does not keep in nn.Module's registries") + "; the call's copies stay)")
         if hasattr(exc, "add_note"):
             exc.add_note(note)
             return
@@ -2238,62 +2279,32 @@ class WriteSession:
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         call = (f"load_weights (call {self._chunk}, "
                 f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))})")
-        changed = self.index.structure_changed()
-        if changed is not None:
+        # Each change may hold the staged NaN: all are undone before the first is raised.
+        back = self._put_back(bindings)
+        left = back.left
+        if back.changed is not None:
             # A registry dict of a module's own (``m._parameters = {...}``), or none, or an
-            # attribute that shadows a registered name: what it holds is the loader's,
-            # which may be the staged NaN. The module's own dicts go back first, then the
-            # rest of the tree as it was.
-            rebound = self.index.rebound(bindings)
-            self.index.undo()
-            for n in rebound:
-                self.index.tensors[n].data = bindings[n]
-            left = self.index.not_undone()
+            # attribute that shadows a registered name: what it holds is the loader's.
             undone = ("The module tree was put back as it was" if not left else
                       f"The module tree was put back, but {left[0]!r} could not be registered "
                       "again (the model does not keep it in nn.Module's registries), so the "
                       "model may hold the staged NaN")
             raise ContractViolation(
-                f"{call} {changed}; a sparse load needs same-shaped floating-point copy_ into "
-                f"the existing storage. {undone}",
-                position=positions[0], name=staged[0][0], reason="rebinding", value=changed,
+                f"{call} {back.changed}; a sparse load needs same-shaped floating-point copy_ "
+                f"into the existing storage. {undone}",
+                position=positions[0], name=staged[0][0], reason="rebinding",
+                value=back.changed,
             )
-        # Each may hold the staged NaN: all are undone before the first is raised.
-        # (a tied tensor's other name counts too: a new tensor there unties it)
-        if self.index.unchanged():  # (the common case, at the cost of one look)
-            replaced, named = [], []
-            self.tree_as_found = True
-        else:
-            with self.index.one_look(registries=True):
-                replaced = self.index.replaced() + self.index.replaced_aliases()
-                named = self.index.added_tensors(replaced)
-        added = [n for n, _ in named]
-        if added:  # (a known tensor tied under a new name holds no staged values)
-            ties = self.index.ties_among(named)
-            added = [n for n in added if n not in ties]
-            if self.recorder is not None:
-                self.ties.update(ties)  # (a report knows the new name)
-        # (bindings is this load's own: its pointers, read once, are kept)
-        rebound = self.index.rebound(
-            bindings, self._bound_ptrs() if bindings is self._bindings else None)
-        gone, moved = set(), set()
-        if replaced or added:
-            now, _ = _named_now(self.index.model)
-            gone = set(replaced) - now.keys()
-            # (the same tensor under its name, in the other registry)
-            moved = {n for n in replaced
-                     if now.get(n) is self.index.tensors[self.index.aliases.get(n, n)]}
-            self.index.undo()  # the module tree's registrations as they were
-        left = self.index.not_undone() if replaced else []
-        for n in rebound:
-            self.index.tensors[n].data = bindings[n]  # the original storage put back
+        if back.ties and self.recorder is not None:
+            self.ties.update(back.ties)  # (a report knows the new name)
+        replaced, rebound, added = back.replaced, back.rebound, back.added
         if replaced:
             first = self.index.aliases.get(replaced[0])
             tied = f" (a tied name of {first!r})" if first is not None else ""
             did = (f"removed runtime tensor {replaced[0]!r}{tied} (e.g. `del module.weight`)"
-                   if replaced[0] in gone else
+                   if replaced[0] in back.gone else
                    f"moved runtime tensor {replaced[0]!r}{tied} between the module's parameters "
-                   "and buffers" if replaced[0] in moved else
+                   "and buffers" if replaced[0] in back.moved else
                    f"registered a new tensor as runtime tensor {replaced[0]!r}{tied} (e.g. "
                    "`module.weight = nn.Parameter(w)`) instead of copying into the existing one")
             undone = ("The original tensor was registered again" if not left else
