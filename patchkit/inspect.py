@@ -107,6 +107,8 @@ from .intercept import (
     WriteEvent,
     WriteSession,
     _Owner,
+    _RegionIndex,
+    _saved_region,
     _span_of,
     _storage_key,
     _storage_offsets,
@@ -2286,17 +2288,15 @@ def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str,
 
 def _any_overlap(regions: Sequence[SavedRegion], ext: Sequence[tuple]) -> bool:
     """Whether two of ``regions`` (of one storage; ``ext``: their ``(key, start, end)``
-    byte extents) share an element. A sweep in order of start: only regions whose
-    extents meet get the exact test, so regions side by side (a tensor written row by
-    row) cost O(n log n), not a test of every pair."""
-    order = sorted(range(len(regions)), key=lambda i: ext[i][1])
-    open_: list[int] = []  # regions whose extent reaches past the sweep's position
-    for i in order:
-        start = ext[i][1]
-        open_ = [j for j in open_ if ext[j][2] > start]
-        if any(regions[i].region.overlaps(regions[j].region) for j in open_):
+    byte extents) share an element. Each is compared only with those a
+    :class:`~patchkit.intercept._RegionIndex` of the ones before it says it may meet, so
+    regions side by side (a tensor written row by row) or column slices of one matrix
+    cost O(n log n), not a test of every pair."""
+    seen = _RegionIndex(_saved_region)
+    for s, (_, a0, a1) in zip(regions, ext):
+        if any(s.region.overlaps(o.region) for o in seen.meeting(a0, a1, s.region)):
             return True
-        open_.append(i)
+        seen.add(s, a0, a1)
     return False
 
 

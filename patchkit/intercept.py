@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple, Protocol
@@ -168,9 +168,18 @@ class Region:
 
     def _rows(self) -> tuple[int, int] | None:
         """``(L, S)`` when the view is rows of ``L`` contiguous elements ``S`` elements
-        apart (one row: ``S == L``), else ``None``."""
+        apart (one row: ``S == L``; a single column: ``L == 1``), else ``None``."""
+        return self._row_shape
+
+    @cached_property
+    def _row_shape(self) -> tuple[int, int] | None:
         rows = native._rows_of(self.shape, self.stride, self.stride)
-        return None if rows is None else rows[:2]
+        if rows is not None:
+            return rows[:2]
+        strided = [(d, s) for d, s in zip(self.shape, self.stride) if d != 1]
+        if len(strided) == 1 and strided[0][1] > 1:
+            return (1, strided[0][1])  # one element per row: a column
+        return None
 
     def columns_apart(self, other: Region) -> bool:
         """True when the two views are rows the same distance apart in one storage, with
@@ -214,41 +223,218 @@ class Region:
         return bool(theirs.any())
 
 
-class _Written:
-    """The regions of one storage a call has written, for the overlap check of each new
-    one: while their byte extents are apart (a tensor written row block by row block,
-    experts one by one), the ones a new extent meets are found by bisection, so a call
-    of k writes into one tensor costs O(k log k), not O(k^2); once two extents meet
-    (interleaved or column views), every region is a candidate."""
+class _Band:
+    """The members of a :class:`_RegionIndex` grid that cover one column interval, as
+    ``(first row, end row, start byte, end byte, item)``, sorted by first row, with the
+    tallest one's height: those a row interval meets are found by bisection."""
+
+    __slots__ = ("c0", "c1", "entries", "tallest")
+
+    def __init__(self, c0: int, c1: int) -> None:
+        self.c0, self.c1 = c0, c1
+        self.entries: list[tuple] = []
+        self.tallest = 0
+
+    def add(self, entry: tuple) -> None:
+        if not self.entries or entry[0] >= self.entries[-1][0]:
+            self.entries.append(entry)  # (rows written in order)
+        else:
+            self.entries.insert(bisect.bisect_right(self.entries, entry[0], key=_START), entry)
+        self.tallest = max(self.tallest, entry[1] - entry[0])
+
+    def meeting(self, r0: int, r1: int, out: list) -> None:
+        entries = self.entries
+        first = bisect.bisect_right(entries, r0 - self.tallest, key=_START)
+        last = bisect.bisect_left(entries, r1, lo=first, key=_START)
+        out.extend(e[4] for e in entries[first:last] if e[1] > r0)
+
+    def discard(self, r0: int, item: object) -> None:
+        entries = self.entries
+        k = bisect.bisect_left(entries, r0, key=_START)
+        while entries[k][4] is not item:
+            k += 1
+        del entries[k]
+
+
+class _Grid:
+    """The members of a :class:`_RegionIndex` that are rectangles of one matrix: rows of
+    elements ``stride`` apart (its key: that stride and the element size). Its bands are
+    sorted by first column, with the widest one's width: the bands a column interval
+    meets are found by bisection, then the rows of each."""
+
+    __slots__ = ("bands", "by_columns", "c0s", "widest")
 
     def __init__(self) -> None:
+        self.bands: list[_Band] = []
+        self.c0s: list[int] = []
+        self.by_columns: dict[tuple[int, int], _Band] = {}
+        self.widest = 0
+
+    def band(self, c0: int, c1: int) -> _Band:
+        band = self.by_columns.get((c0, c1))
+        if band is None:
+            band = self.by_columns[c0, c1] = _Band(c0, c1)
+            k = bisect.bisect_right(self.c0s, c0)
+            self.c0s.insert(k, c0)
+            self.bands.insert(k, band)
+            self.widest = max(self.widest, c1 - c0)
+        return band
+
+    def meeting(self, rect: tuple[int, int, int, int], out: list) -> None:
+        r0, r1, c0, c1 = rect
+        first = bisect.bisect_right(self.c0s, c0 - self.widest)
+        for band in self.bands[first:bisect.bisect_left(self.c0s, c1, lo=first)]:
+            if band.c1 > c0 and band.entries:
+                band.meeting(r0, r1, out)
+
+    def meeting_bytes(self, a0: int, a1: int, out: list) -> None:
+        for band in self.bands:
+            out.extend(e[4] for e in band.entries if e[2] < a1 and a0 < e[3])
+
+
+class _RegionIndex:
+    """Regions of one storage (``items``, each with the byte extent it was added with),
+    for finding those a new region may share an element with: :meth:`meeting` returns
+    every added item that does (and perhaps some that do not: callers test those).
+
+    While the added extents are apart (a tensor written row block by row block, experts
+    one by one), the ones a new extent meets are found by bisection. Once two extents
+    meet, each item whose view is rows of elements a fixed stride apart (column slices of
+    a matrix, single columns, interleaved rows, whole rows) is kept as a rectangle of the
+    matrix of that row stride, in bands of one column interval sorted by row: a region
+    meets the rectangles its own meets, found by bisection on columns and then rows, so a
+    loader writing a tensor column by column costs O(k log k), not a test of every pair.
+    Anything else (a view of another element size, a row that wraps) is compared with
+    every item whose extent meets its own, as before. ``region_of`` gives an item's
+    :class:`Region` (the item itself by default), asked only once two extents met."""
+
+    def __init__(self, region_of: Callable[[Any], Region] | None = None) -> None:
+        self._region_of = region_of
         self.starts: list[int] = []
         self.ends: list[int] = []
-        self.regions: list[Region] = []
+        self.items: list[Any] = []
         self.apart = True
+        self._grids: dict[tuple[int, int], _Grid] = {}
+        self._loose: list[tuple[int, int, Any]] = []
+        self._where: dict[int, tuple] = {}  # id(item) -> its grid and band (once met)
 
-    def meeting(self, region: Region) -> list[Region]:
-        """The written regions whose extents meet ``region``'s (all, once two met)."""
-        if not self.apart:
-            return self.regions
-        a0, a1 = region.extent()
-        return self.regions[bisect.bisect_right(self.ends, a0):
-                            bisect.bisect_left(self.starts, a1)]
+    def __len__(self) -> int:
+        return len(self.items) if self.apart else len(self._where)
 
-    def add(self, region: Region) -> None:
-        a0, a1 = region.extent()
+    def add(self, item: Any, a0: int, a1: int) -> None:
+        """Add ``item``, whose view spans bytes ``[a0, a1)`` (nothing, when empty)."""
         if a0 == a1:
             return  # (an empty view shares no byte with any)
         if self.apart:
-            k = bisect.bisect_right(self.ends, a0)
-            if k < len(self.starts) and self.starts[k] < a1:
-                self.apart = False
+            ends = self.ends
+            if not ends or a0 >= ends[-1]:
+                k = len(ends)  # (written in storage order)
             else:
-                self.starts.insert(k, a0)
-                self.ends.insert(k, a1)
-                self.regions.insert(k, region)
-                return
-        self.regions.append(region)
+                k = bisect.bisect_right(ends, a0)
+                if k < len(self.starts) and self.starts[k] < a1:
+                    self._unpart()
+                    self._place(item, a0, a1)
+                    return
+            self.starts.insert(k, a0)
+            ends.insert(k, a1)
+            self.items.insert(k, item)
+            return
+        self._place(item, a0, a1)
+
+    def meeting(self, a0: int, a1: int, region: Region | Callable[[], Region]) -> list:
+        """The items that may share an element with ``region`` (spanning ``[a0, a1)``;
+        a callable is asked for it only when needed)."""
+        if self.apart:
+            return self.items[bisect.bisect_right(self.ends, a0):
+                              bisect.bisect_left(self.starts, a1)]
+        if not isinstance(region, Region):
+            region = region()
+        out: list = []
+        for key, grid in self._grids.items():
+            rect = _rect_in(region, key)
+            if rect is None:
+                grid.meeting_bytes(a0, a1, out)
+            else:
+                grid.meeting(rect, out)
+        out.extend(item for b0, b1, item in self._loose if b0 < a1 and a0 < b1)
+        return out
+
+    def discard(self, item: Any, a0: int) -> None:
+        """Take out ``item``, added with extent start ``a0``."""
+        if self.apart:
+            k = bisect.bisect_left(self.starts, a0)
+            while self.items[k] is not item:
+                k += 1
+            del self.starts[k], self.ends[k], self.items[k]
+            return
+        where = self._where.pop(id(item))
+        if where[0] is None:
+            self._loose = [e for e in self._loose if e[2] is not item]
+        else:
+            self._grids[where[0]].by_columns[where[1]].discard(where[2], item)
+
+    def _unpart(self) -> None:
+        self.apart = False
+        for item, a0, a1 in zip(self.items, self.starts, self.ends):
+            self._place(item, a0, a1)
+        self.starts, self.ends, self.items = [], [], []
+
+    def _place(self, item: Any, a0: int, a1: int) -> None:
+        region = item if self._region_of is None else self._region_of(item)
+        found = None
+        rows = region._rows()
+        if rows is not None and not region.byte_offset % region.itemsize:
+            length, step = rows
+            if length < step:
+                key = (step, region.itemsize)
+                rect = _rect_in(region, key)
+                if rect is not None:
+                    found = key, rect
+            else:  # one run of elements: a rectangle of any grid it fits, else a row
+                for key in self._grids:
+                    rect = _rect_in(region, key)
+                    if rect is not None:
+                        found = key, rect
+                        break
+                else:
+                    key = (length, region.itemsize)
+                    found = key, _rect_in(region, key)
+                    if found[1] is None:
+                        found = None
+        if found is None:
+            self._loose.append((a0, a1, item))
+            self._where[id(item)] = (None,)
+            return
+        key, (r0, r1, c0, c1) = found
+        grid = self._grids.get(key)
+        if grid is None:
+            grid = self._grids[key] = _Grid()
+        grid.band(c0, c1).add((r0, r1, a0, a1, item))
+        self._where[id(item)] = (key, (c0, c1), r0)
+
+
+def _rect_in(region: Region, grid: tuple[int, int]) -> tuple[int, int, int, int] | None:
+    """``(first row, end row, first column, end column)``: ``region``'s elements as a
+    rectangle of the matrix of rows ``grid[0]`` elements apart (of ``grid[1]``-byte
+    elements, from the storage's start), or ``None`` when they are none."""
+    stride, itemsize = grid
+    if region.itemsize != itemsize or region.byte_offset % itemsize or region.numel == 0:
+        return None
+    rows = region._rows()
+    if rows is None:
+        return None
+    length, step = rows
+    row, col = divmod(region.byte_offset // itemsize, stride)
+    if length < step:
+        if step != stride or col + length > stride:
+            return None
+        return (row, row + region.numel // length, col, col + length)
+    n = region.numel  # one run of n elements
+    if col + n <= stride:
+        return (row, row + 1, col, col + n)
+    if col == 0 and not n % stride:
+        return (row, row + n // stride, 0, stride)
+    return None
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -1220,6 +1406,7 @@ class _Source(NamedTuple):
 _LO = operator.attrgetter("lo")
 _HI = operator.attrgetter("hi")
 _START = operator.itemgetter(0)
+_saved_region = operator.attrgetter("region")  # (a SavedRegion's Region, for _RegionIndex)
 
 
 def _refuse_before_load(what: str, names: list[str], why: str, reason: str) -> None:
@@ -1848,15 +2035,14 @@ class WriteSession:
         # Saves whose statistics were measured while writing, by storage (sorted by where
         # their span starts; with each storage's widest span), until a later write
         # reaches one and makes its numbers stale (see _forget_measured).
-        self._measured: dict[tuple, list[tuple[int, int, SavedRegion]]] = {}
-        self._measured_widest: dict[tuple, int] = {}
+        self._measured: dict[tuple, _RegionIndex] = {}
         self._saved_regions: set[Region] = set()
         self._sparse = False
         self._nan_masked = False
         self.violations: list[ContractViolation] = []
         self._chunk = -1
         # The regions this call wrote, by storage: only those of one storage can overlap.
-        self._call_regions: dict[tuple, _Written] = {}
+        self._call_regions: dict[tuple, _RegionIndex] = {}
         self._call_writes = 0
         # Watched dense calls that returned names (or None) with something staged but in
         # which no write was seen: their indices (see _note_if_quiet); and the first one
@@ -2649,29 +2835,25 @@ class WriteSession:
     def _forget_measured_in(self, t: torch.Tensor, key: tuple) -> None:
         """:meth:`_forget_measured` for one written view ``t`` of storage ``key``.
 
-        The storage's measured regions are kept sorted by where their span starts, with
-        the widest span's length: only those starting less than that before the write's
-        end are looked at (a loader that writes a tensor row by row pays a bisection per
-        write, not a scan of every row it wrote before)."""
+        The storage's measured regions are kept in a :class:`_RegionIndex`: only those it
+        says may meet the write are looked at (a loader that writes a tensor row by row,
+        or column by column, pays a bisection per write, not a scan of every region it
+        wrote before)."""
         regions = self._measured.get(key)
         if not regions:
             return
         lo, hi = _byte_span(t)
-        first = bisect.bisect_right(regions, lo - self._measured_widest[key], key=_START)
-        last = bisect.bisect_left(regions, hi, lo=first, key=_START)
-        written = None
-        keep = []
-        for entry in regions[first:last]:
-            _, r1, sr = entry
-            if lo < r1:
-                if written is None:
-                    written = Region.of(t)
-                if not sr.region.columns_apart(written):
-                    sr.diff_stats = None
-                    continue
-            keep.append(entry)
-        if len(keep) < last - first:
-            regions[first:last] = keep
+        written: list[Region] = []
+
+        def region() -> Region:
+            if not written:
+                written.append(Region.of(t))
+            return written[0]
+
+        for sr in regions.meeting(lo, hi, region):
+            if not sr.region.columns_apart(region()):
+                sr.diff_stats = None
+                regions.discard(sr, sr.span[1])
 
     def _measure(self, saved: SavedRegion, key: tuple | None = None) -> None:
         """Keep ``saved`` (whose statistics were measured while writing) for
@@ -2681,16 +2863,9 @@ class WriteSession:
             saved.span = _span_of(saved.view, key)
         key, a0, a1, _ = saved.span
         regions = self._measured.get(key)
-        if not regions:  # (none yet, or every one forgotten)
-            self._measured[key] = [(a0, a1, saved)]
-            self._measured_widest[key] = a1 - a0
-            return
-        if a0 >= regions[-1][0]:
-            regions.append((a0, a1, saved))  # (a loader writing in storage order)
-        else:
-            regions.insert(bisect.bisect_right(regions, a0, key=_START), (a0, a1, saved))
-        if a1 - a0 > self._measured_widest[key]:
-            self._measured_widest[key] = a1 - a0
+        if regions is None:
+            regions = self._measured[key] = _RegionIndex(_saved_region)
+        regions.add(saved, a0, a1)
 
     def _patch_positions(self, dest, src) -> PatchPositions | None:
         """How a merge from ``src`` could recompute where it wrote from its sparse patch
@@ -2914,8 +3089,9 @@ class WriteSession:
         region = Region.of(dest)
         earliers = self._call_regions.get(region.key)
         if earliers is None:
-            earliers = self._call_regions[region.key] = _Written()
-        for earlier in earliers.meeting(region):
+            earliers = self._call_regions[region.key] = _RegionIndex()
+        a0, a1 = region.extent()
+        for earlier in earliers.meeting(a0, a1, region):
             if region.overlaps(earlier):
                 raise ContractViolation(
                     f"{at} wrote a {tuple(dest.shape)} view at element {toff} that overlaps "
@@ -2924,7 +3100,7 @@ class WriteSession:
                     f"nothing{self._no_source_note(name, tname)}",
                     position=pos, name=name, reason="overlapping runtime views", value=toff,
                 )
-        earliers.add(region)
+        earliers.add(region, a0, a1)
         self._call_fed[tname] = (pos, name) if name is not None else None
 
     def _fed_by(self, src: object, source: tuple[int | None, str] | None
@@ -3079,7 +3255,6 @@ class WriteSession:
         """Forget the saved regions (the load succeeded)."""
         self.saved.clear()
         self._measured.clear()
-        self._measured_widest.clear()
         self._saved_regions.clear()
 
 
