@@ -12,10 +12,11 @@ when the output could not be written once the command ran (stdout or ``--out`` o
 full disk, say: ``error: ...`` on stderr, for ``--out`` naming the files written before
 it stopped);
 2 for bad input, found before anything runs or is written: an unreadable patch file,
-an unusable or empty ``--device`` or ``--out`` (a file, a folder that cannot be
-written or made, or one that holds a folder where ``index.html`` or a figure goes), a
-closed stdout (``>&-``), a bad
-option, matplotlib missing for a command that draws (``tour``, ``inspect --out``), with
+or one :func:`~patchkit.load_patches` would refuse (``inspect`` reads and checks each
+sparse patch first, unless ``--header-only``), an unusable or empty ``--device`` or
+``--out`` (a file, a folder that cannot be written or made, or one that holds a folder
+where ``index.html`` or a figure goes), a closed stdout (``>&-``), a bad option,
+matplotlib missing for a command that draws (``tour``, ``inspect --out``), with
 ``error: ...`` on stderr;
 130 when interrupted (Ctrl-C): ``interrupted`` on stderr, the files written so far
 left in ``--out``.
@@ -140,12 +141,14 @@ def _inspect(args: argparse.Namespace) -> int:
             _can_make(args.out, "the figures")
         except (PatchError, OSError) as e:
             return _error(e)
-    code = print_patch_file_summary(args.file, max_chunk_bytes=args.max_chunk_bytes)
+    check = not args.header_only
+    code = print_patch_file_summary(args.file, max_chunk_bytes=args.max_chunk_bytes,
+                                    check=check)
     if code or args.out is None:
         return code
     try:
         return _write_inspect_figures(args.file, args.out, args.max_chunk_bytes,
-                                      entries or [], figures)
+                                      entries or [], figures, check)
     except PatchError as e:
         return _error(e)
 
@@ -174,13 +177,13 @@ def _inspect_figures(entries: Sequence) -> list[tuple[str, str | int]]:
 
 
 def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: Sequence,
-                           figures: list[tuple[str, str | int]]) -> int:
+                           figures: list[tuple[str, str | int]], checked: bool) -> int:
     """``inspect --out``: ``figures`` (see :func:`_inspect_figures`; ``entries``, the
     file's header) with a line per figure as it is written, then ``index.html``: the
-    summary and the figures on one page. Reads the sparse patches' data only: the plans
-    need the file's header alone. A write that fails raises its ``OSError``, saying
-    which files were written before it."""
-    from .io import _escaped, _load, _shown, _stand_in, print_patch_file_summary
+    summary (``checked``: as printed after a check) and the figures on one page. Reads
+    the sparse patches' data only: the plans need the file's header alone. A write that
+    fails raises its ``OSError``, saying which files were written before it."""
+    from .io import _escaped, _load, _print_summary, _shown, _stand_in
     from .plot import plot_chunks, plot_density
     from .tour import _out_folder, _stopped, _write_page
 
@@ -205,7 +208,7 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
         done.append(target.name)
         print(f"[{k + 1}/{len(figures)}] wrote {_shown(str(target))}", flush=True)
     summary = io.StringIO()
-    print_patch_file_summary(path, max_chunk_bytes=max_chunk_bytes, file=summary)
+    _print_summary(path, max_chunk_bytes, summary, False, checked)
     page = "\n".join(
         f'<figure><img src="{html.escape(stem)}.png" alt="{html.escape(stem)}">'
         f"<figcaption>{html.escape(stem)}.png</figcaption></figure>" for stem, _ in figures)
@@ -341,6 +344,13 @@ def _main(argv: Sequence[str] | None) -> int:
         help="also write figures to this folder: the chunk plan, and where each sparse "
              "patch writes, with an index.html; made if missing; in an existing one, "
              "files of those names are replaced, other files are left",
+    )
+    insp.add_argument(
+        "--header-only", action="store_true",
+        help="read the file's header alone: quicker for a file of large sparse patches, "
+             "but their values and indices are not checked (by default every sparse "
+             "patch is read and checked, one at a time, so that a file load_patches "
+             "would refuse is bad input, exit 2)",
     )
     insp.set_defaults(run=_cmd_inspect)
 

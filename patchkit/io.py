@@ -42,8 +42,11 @@ from .errors import PatchError, PatchTypeError, PatchValueError, where
 from .patch import (
     CheckpointWeightPatch,
     _checked_device,
+    _is_integral,
+    _may_not_fit,
     _numel_below,
     _shape_text,
+    check_flag,
     check_max_chunk_bytes,
     patch_list,
     validate_patches,
@@ -1084,35 +1087,76 @@ def _load(
 ) -> list[tuple[int, CheckpointWeightPatch]]:
     """:func:`load_patches` as ``(position, patch)`` pairs; with ``sparse_only``, the
     sparse patches alone (no dense patch's values are read)."""
+    patches = list(_read_each(path, device, (lambda e: e.sparse) if sparse_only else None))
+    for sparse in (False, True):
+        group = [(i, p) for i, p in patches if (p.indices is not None) == sparse]
+        _validated(path, [p for _, p in group], [i for i, _ in group])
+    return patches
+
+
+def _read_each(
+    path: str, device: str, wanted: Callable[[PatchFileEntry], bool] | None = None
+) -> Iterator[tuple[int, CheckpointWeightPatch]]:
+    """``(position, patch)`` of each patch of the file (of each ``wanted`` says to read),
+    read one at a time, in the file's order, unchecked; a problem with the file raises
+    :class:`~patchkit.errors.PatchValueError` naming it."""
     f, fh = _open(path, device, keep=True)
     try:
         with f, fh:
             entries = _parse_index(path, f)
             start, layout = _data_layout(fh)
-            patches = []
             for e in entries:
-                if sparse_only and not e.sparse:
+                if wanted is not None and not wanted(e):
                     continue
                 values = _read_tensor(path, fh, start, layout[_key(e.position, "values")],
                                       device)
                 indices = (_read_tensor(path, fh, start, layout[_key(e.position, "indices")],
                                         device) if e.sparse else None)
-                patches.append((e.position, CheckpointWeightPatch(e.name, e.shape, e.dtype,
-                                                                  values, indices)))
+                yield e.position, CheckpointWeightPatch(e.name, e.shape, e.dtype, values,
+                                                        indices)
     except PatchValueError:
         raise
     except Exception as e:
         raise _fail(path, f"unreadable: {e}") from None
-    for sparse in (False, True):
-        group = [(i, p) for i, p in patches if (p.indices is not None) == sparse]
-        try:
-            validate_patches([p for _, p in group], positions=[i for i, _ in group])
-        except PatchError as e:
-            raise PatchValueError(
-                f"patch file {path!r}: {e}", position=e.position, name=e.name,
-                reason=e.reason, value=e.value,
-            ) from None
-    return patches
+
+
+def _validated(path: str, patches: list[CheckpointWeightPatch], positions: list[int]) -> None:
+    """:func:`~patchkit.patch.validate_patches` of patches read from file ``path``: a
+    problem raises :class:`~patchkit.errors.PatchValueError` naming the file too."""
+    try:
+        validate_patches(patches, positions=positions)
+    except PatchError as e:
+        raise PatchValueError(
+            f"patch file {path!r}: {e}", position=e.position, name=e.name,
+            reason=e.reason, value=e.value,
+        ) from None
+
+
+def _needs_data(e: PatchFileEntry) -> bool:
+    """Whether checking ``e`` needs its data, not only the file's header: a sparse patch
+    (NaN values, indices out of range or repeated), or a dense one of integers whose
+    values' dtype may hold numbers it cannot (see :func:`~patchkit.patch.validate_patches`).
+    Everything else the header says (shapes, dtypes, counts) was checked in reading it."""
+    return e.sparse or (_is_integral(e.dtype) and _may_not_fit(e.values_dtype, e.dtype))
+
+
+def check_patch_file(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
+    """Check that :func:`load_patches` would accept the file at ``path``, holding no more
+    than one patch in memory; return its header (as :func:`read_patch_index`).
+
+    Reads the header, then the data of each patch whose check needs it (every sparse
+    patch's values and indices: NaN values, indices out of range or repeated; a dense
+    patch of integers whose values may not fit), one patch at a time, and drops it. Other
+    dense patches' values are not read: the header has what their checks need. So a file
+    of a model's dense weights is checked in the time of reading its header, and one of
+    sparse patches in the time of reading their data. Raises what :func:`load_patches`
+    raises for the same file (:class:`~patchkit.errors.PatchValueError` naming the file
+    and the first offending patch by position, in the file's order)."""
+    path = os.fsdecode(path)
+    entries = read_patch_index(path)
+    for position, patch in _read_each(path, "cpu", _needs_data):
+        _validated(path, [patch], [position])
+    return entries
 
 
 # --------------------------------------------------------------------------- summary
@@ -1194,10 +1238,16 @@ def print_patch_file_summary(
     *,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     file: TextIO | None = None,
+    check: bool = True,
 ) -> int:
     """Print a plain-text summary of a patch file; return an exit code.
 
-    Reads only the file's header (no tensor data). Prints, to ``file`` (default
+    With ``check`` (the default) the file is first checked as :func:`check_patch_file`
+    checks it (the data of its sparse patches is read, one at a time; a dense patch's
+    values only where they are integers that may not fit): a file :func:`load_patches`
+    would refuse is a bad file, and nothing is printed to ``file``. With
+    ``check=False`` only the header is read (no tensor data), and the summary says that
+    the values were not checked. Prints, to ``file`` (default
     stdout): the patch count and user metadata; one row per patch (position, name,
     kind, shape (past 8 dims: the first 7, the last and their count), dtype,
     ``written``: the elements the patch writes, i.e. the values it
@@ -1219,8 +1269,17 @@ def print_patch_file_summary(
 
     Returns 0; a bad file (or a bad budget, or no ``safetensors`` package) prints
     ``error: ...`` to stderr and returns 2. A ``file`` with no ``write`` method (a path
-    string, say: open it first) raises ``TypeError`` before anything is read.
+    string, say: open it first), or a ``check`` that is not a bool, raises
+    ``TypeError`` before anything is read.
     """
+    return _print_summary(path, max_chunk_bytes, file, check, check)
+
+
+def _print_summary(path: str | os.PathLike[str], max_chunk_bytes: int,
+                   file: TextIO | None, check: bool, checked: bool) -> int:
+    """:func:`print_patch_file_summary`; ``checked``: whether the summary says the file
+    was checked (``True`` with ``check=False``: a caller checked it already)."""
+    check_flag(check, "check")
     if file is not None and not callable(getattr(file, "write", None)):
         raise TypeError(f"print_patch_file_summary: file must be a text stream with a write "
                         f"method (e.g. an open file or io.StringIO), got "
@@ -1229,7 +1288,7 @@ def print_patch_file_summary(
     path = os.fsdecode(path)  # (bytes too, as the readers take them)
     try:
         max_chunk_bytes = check_max_chunk_bytes(max_chunk_bytes)  # also with no patches
-        entries = read_patch_index(path)
+        entries = check_patch_file(path) if check else read_patch_index(path)
         meta = read_patch_metadata(path)
         groups = [(kind, [e for e in entries if e.kind == kind]) for kind in ("dense", "sparse")]
         groups = [(k, g) for k, g in groups if g]
@@ -1260,6 +1319,8 @@ def print_patch_file_summary(
     if not entries:
         print("no patches: a load makes no load_weights call", file=out)
         return 0
+    print("checked: load_patches accepts this file" if checked else
+          "not checked: the header alone was read (values and indices were not)", file=out)
 
     print("", file=out)
     header = ["#", "name", "kind", "shape", "dtype", "written", "density", "wire bytes"]

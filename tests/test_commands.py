@@ -388,7 +388,12 @@ def test_inspect_out_reads_no_dense_values(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(patchkit.io, "_read_tensor", reading)
     assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 0
     capsys.readouterr()
-    assert sorted(read) == [(2,), (2,), (3,), (3,)]  # the sparse values and indices only
+    # the sparse values and indices only: read to check them, then to draw them
+    assert sorted(read) == [(2,), (2,), (2,), (2,), (3,), (3,), (3,), (3,)]
+    read.clear()
+    assert main(["inspect", str(f), "--out", str(tmp_path / "figs"), "--header-only"]) == 0
+    assert "not checked: the header alone was read" in capsys.readouterr().out
+    assert sorted(read) == [(2,), (2,), (3,), (3,)]  # (drawn only)
 
 
 def _failing_savefig(monkeypatch, on_call: int) -> None:

@@ -26,6 +26,7 @@ from patchkit.chunking import plan_chunks
 from patchkit.errors import PatchTypeError, PatchValueError
 from patchkit.io import (
     FORMAT_KEY,
+    check_patch_file,
     format_bytes,
     load_patches,
     print_patch_file_summary,
@@ -1519,3 +1520,74 @@ def test_the_summary_never_rounds_a_partial_density_to_100_percent(tmp_path, cap
     assert print_patch_file_summary(path) == 0
     out = capsys.readouterr().out
     assert ">99.9%" in out and "100%" not in out
+
+
+# --------------------------------------------------------------------------- checking a file
+
+
+def _checkable_file(tmp_path):
+    ps = [
+        CheckpointWeightPatch("w", (4, 4), torch.float32, torch.arange(16.0)),
+        CheckpointWeightPatch("q", (4,), torch.int8, torch.tensor([1, 2, 3, 4], dtype=torch.int32)),
+        CheckpointWeightPatch("e", (3, 3), torch.bfloat16, torch.tensor([1.0, 2.0]),
+                              torch.tensor([0, 8])),
+    ]
+    path = str(tmp_path / "p.safetensors")
+    save_patches(path, ps)
+    return path
+
+
+def _corrupt(key, value):
+    def change(ts):
+        ts = dict(ts)
+        ts[key] = value
+        return ts
+    return change
+
+
+@pytest.mark.parametrize("key, value, reason", [
+    (None, None, None),  # the file as saved
+    ("000002.indices", torch.tensor([0, 9]), "out of range"),
+    ("000002.indices", torch.tensor([8, 8]), "duplicate index"),
+    ("000002.values", torch.tensor([1.0, float("nan")]), "NaN value"),
+    ("000001.values", torch.tensor([1, 2, 300, 4], dtype=torch.int32), "integers that do not fit"),
+])
+def test_checking_a_file_gives_load_patches_verdict_and_the_summary_follows_it(
+        tmp_path, capsys, monkeypatch, key, value, reason):
+    # (the summary read the header alone: `inspect` called a file fine that load_patches
+    # refused, and `inspect --out` refused it after printing that summary)
+    import patchkit.io
+
+    path = _checkable_file(tmp_path)
+    if key is not None:
+        path = rewrite(path, str(tmp_path / "bad.safetensors"), tensors=_corrupt(key, value))
+    try:
+        load_patches(path)
+        refused = None
+    except PatchValueError as e:
+        refused = str(e)
+    assert (refused is None) == (reason is None), refused
+    read: list[tuple] = []
+    real = patchkit.io._read_tensor
+    monkeypatch.setattr(patchkit.io, "_read_tensor",
+                        lambda *a, **k: read.append(a[3]) or real(*a, **k))
+    if refused is None:
+        assert [e.name for e in check_patch_file(path)] == ["w", "q", "e"]
+    else:
+        with pytest.raises(PatchValueError) as caught:
+            check_patch_file(path)
+        assert str(caught.value) == refused
+    assert len(read) <= 3  # q's values, e's values and indices: never w's
+    capsys.readouterr()
+    code = print_patch_file_summary(path)
+    out, err = capsys.readouterr()
+    if refused is None:
+        assert code == 0 and "checked: load_patches accepts this file" in out
+    else:
+        assert (code, out) == (2, "") and err == f"error: {refused}\n"
+    assert print_patch_file_summary(path, check=False) == 0
+    assert "not checked: the header alone was read" in capsys.readouterr().out
+    assert main(["inspect", path]) == (0 if refused is None else 2)
+    assert main(["inspect", path, "--header-only"]) == 0
+    with pytest.raises(TypeError, match="check"):
+        print_patch_file_summary(path, check="yes")
