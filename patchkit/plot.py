@@ -292,13 +292,18 @@ def _frame_under(ax: Axes) -> None:
 def _pixels(ax: Axes) -> tuple[int, int]:
     """About how many pixels (rows, columns) a caller's axes will have for its heat map at
     its figure's dpi: as laid out now, less the fifth of its width a colorbar takes
-    (fraction 0.15 and pad 0.05) and the points the labels, ticks and title a layout
-    engine makes room for take (an axes laid out without one keeps more than this)."""
+    (fraction 0.15 and pad 0.05); in a figure with a layout engine (``layout=
+    "constrained"`` or ``"tight"``), less also the points the labels, ticks and title
+    the engine will make room for. A figure without one keeps its axes where they are,
+    whatever their labels: a small axes in a grid of subplots keeps its pixels."""
     box = ax.get_window_extent()
+    cols = 0.8 * box.width  # (the colorbar's fifth of the width)
+    if ax.figure.get_layout_engine() is None:
+        return (max(1, int(box.height)), max(1, int(cols)))
     pt = ax.figure.dpi / 72  # (pixels a point)
-    # the colorbar's fifth of the width; then what its ticks and label, the y ticks and
-    # label, the x ticks and label and a two-line title take in a layout: fixed sizes
-    return (max(1, int(box.height - 75 * pt)), max(1, int(0.8 * box.width - 100 * pt)))
+    # what the colorbar's ticks and label, the y ticks and label, the x ticks and label
+    # and a two-line title take in a layout: fixed sizes
+    return (max(1, int(box.height - 75 * pt)), max(1, int(cols - 100 * pt)))
 
 
 def _what(obj: object) -> str:
