@@ -1547,28 +1547,32 @@ def _pooled(x: np.ndarray, br: int, bc: int, **kw: bool) -> _Blocks:
 
 def _pool_blocks(x: object, br: object, bc: object, fn: str) -> tuple[int, int]:
     """The blocks :func:`pool_mean` and :func:`pool_max_abs` cut ``x`` into: ``br`` and
-    ``bc`` (positive ints) capped at its rows and columns (at least 1 each). ``TypeError``
-    for an ``x`` that is not a numpy array or blocks that are not ints, ``ValueError``
-    for an ``x`` that is not 2-D or blocks below 1."""
+    ``bc`` (positive ints) capped at its rows and columns (0 along a side it has none
+    of). ``TypeError`` for an ``x`` that is not a numpy array of real numbers or blocks
+    that are not ints, ``ValueError`` for an ``x`` that is not 2-D or blocks below 1."""
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{fn}: x must be a 2-D numpy array, got {_what(x)}")
     if x.ndim != 2:
         raise ValueError(f"{fn}: x must be a 2-D numpy array, got shape {x.shape}")
+    if x.dtype.kind not in "biuf":
+        raise TypeError(f"{fn}: x must hold real numbers (bool, int or float), got dtype "
+                        f"{x.dtype}")
     br, bc = _check_count(br, "br", fn), _check_count(bc, "bc", fn)
     rows, cols = x.shape
-    return max(1, min(br, rows)), max(1, min(bc, cols))
+    return min(br, rows), min(bc, cols)  # (no rows or columns: no blocks along that side)
 
 
 def pool_mean(x: np.ndarray, br: int, bc: int) -> np.ndarray:
     """Block means of a 2-D array over ``br`` × ``bc`` blocks (identity when not smaller).
 
     NaN and ±inf are left out of a block's mean; a block holding nothing else is NaN.
-    ``x`` is a 2-D numpy array; ``br`` and ``bc`` are positive ints, capped at its rows
-    and columns (``TypeError`` / ``ValueError`` otherwise, see :func:`pool_max_abs`).
+    ``x`` is a 2-D numpy array of real numbers; ``br`` and ``bc`` are positive ints,
+    capped at its rows and columns (``TypeError`` / ``ValueError`` otherwise, see
+    :func:`pool_max_abs`). An ``x`` with no rows or no columns gives an empty result.
     """
     br, bc = _pool_blocks(x, br, bc, "pool_mean")
-    if (br, bc) == x.shape:
-        return x.astype(np.float64)
+    if (br, bc) == x.shape or not x.size:
+        return x.astype(np.float64)[:br, :bc]
     return _pooled(x, br, bc).mean()
 
 
@@ -1578,15 +1582,16 @@ def pool_max_abs(x: np.ndarray, br: int, bc: int) -> np.ndarray:
     Unlike a mean, a single large change in a big block stays visible. NaN and ±inf are
     left out; a block holding nothing else is NaN.
 
-    ``x`` must be a 2-D numpy array (``TypeError`` for anything else but an array,
-    ``ValueError`` for another number of dimensions); ``br`` and ``bc``, positive ints
-    (numpy ints too; ``TypeError`` for ``bool`` and non-integers, ``ValueError`` below
-    1). More blocks than ``x`` has rows (columns) mean one row (column) per block, as
-    :func:`~patchkit.density.density_map` caps them.
+    ``x`` must be a 2-D numpy array of real numbers: bool, int or float (``TypeError``
+    for anything else, complex included, ``ValueError`` for another number of
+    dimensions); ``br`` and ``bc``, positive ints (numpy ints too; ``TypeError`` for
+    ``bool`` and non-integers, ``ValueError`` below 1). More blocks than ``x`` has rows
+    (columns) mean one row (column) per block, as :func:`~patchkit.density.density_map`
+    caps them; an ``x`` with no rows (columns) gives a result with none.
     """
     br, bc = _pool_blocks(x, br, bc, "pool_max_abs")
-    if (br, bc) == x.shape:
-        return x.astype(np.float64)
+    if (br, bc) == x.shape or not x.size:
+        return x.astype(np.float64)[:br, :bc]
     return _pooled(x, br, bc, sums=False, extremes=True).max_abs()
 
 

@@ -446,9 +446,17 @@ def test_pool_mean_and_max_abs_check_their_array_and_blocks():
             ((x, 2, 1.0), TypeError, "bc must be a positive int, got float"),
             ((x.ravel(), 1, 2), ValueError, r"x must be a 2-D numpy array, got shape \(12,\)"),
             ((x.tolist(), 1, 2), TypeError, "x must be a 2-D numpy array, got list"),
+            ((x + 1j, 1, 2), TypeError, "x must hold real numbers .* got dtype complex128"),
+            ((x.astype(str), 1, 2), TypeError, "x must hold real numbers"),
         ):
             with pytest.raises(error, match=f"{name}: {match}"):
                 pool(*args)
+        # no rows or no columns: no blocks along that side (was ZeroDivisionError, or
+        # one block row made of no rows)
+        for shape, blocks in (((0, 4), (0, 2)), ((4, 0), (2, 0)), ((0, 0), (0, 0))):
+            got = pool(np.ones(shape), 2, 2)
+            assert (got.shape, got.dtype) == (blocks, np.float64), (name, shape)
+        np.testing.assert_array_equal(pool(x > 4, 3, 4), (x > 4).astype(np.float64))
         # more blocks than rows or columns: one row or column per block
         np.testing.assert_array_equal(pool(x, 5, 9), x)
         np.testing.assert_array_equal(pool(x, 5, np.int64(2)), pool(x, 3, 2))
