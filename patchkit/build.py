@@ -35,6 +35,7 @@ from .density import grid_shape
 from .errors import PatchTypeError, PatchValueError, where
 from .patch import (
     CheckpointWeightPatch,
+    _check_structure,
     _checked_device,
     _shape_dims,
     check_flag,
@@ -679,7 +680,11 @@ def wire_bytes(patches: CheckpointWeightPatch | Iterable[CheckpointWeightPatch])
     ``indices``. Counts the tensors actually held (their dtypes), not the checkpoint
     dtype, and no per-patch framing (names, shapes). A plain 5-tuple counts as a patch,
     as a load takes it; anything else raises :class:`~patchkit.errors.PatchTypeError`
-    naming its position.
+    naming its position. Each patch gets the checks a load makes of its structure
+    (name, shape, dtypes, a dense patch's value count, a sparse one's index count:
+    :class:`~patchkit.errors.PatchTypeError` / :class:`~patchkit.errors.PatchValueError`
+    naming it), so a patch no load would take has no size; its numbers (NaN, indices out
+    of range or repeated) are not read (:func:`~patchkit.patch.validate_patches` does).
     """
     if isinstance(patches, tuple) and len(patches) == 5 and isinstance(patches[0], str):
         patches = [patches]  # one patch (a CheckpointWeightPatch or a plain 5-tuple)
@@ -691,15 +696,8 @@ def wire_bytes(patches: CheckpointWeightPatch | Iterable[CheckpointWeightPatch])
                 f"indices), got {type(p).__name__}",
                 position=i, reason="not a patch", value=type(p).__name__,
             )
-        name, _, _, values, indices = p
-        for field, t in (("values", values), ("indices", indices)):
-            if not (isinstance(t, torch.Tensor) or (field == "indices" and t is None)):
-                raise PatchTypeError(
-                    f"{where(i, name)}: {field} must be a torch.Tensor"
-                    f"{' or None' if field == 'indices' else ''}, got {type(t).__name__}",
-                    position=i, name=name if isinstance(name, str) else None,
-                    reason=f"{field} type", value=type(t).__name__,
-                )
+        _check_structure(i, p)
+        values, indices = p[3], p[4]
         total += values.numel() * values.element_size()
         if indices is not None:
             total += indices.numel() * indices.element_size()

@@ -611,6 +611,24 @@ def test_wire_bytes_takes_one_plain_tuple_and_names_what_is_not_a_patch():
     assert (info.value.position, info.value.reason) == (1, "not a patch")
 
 
+@pytest.mark.parametrize(("patch", "match"), [
+    (("w", (4, 4), torch.float32, torch.ones(3), None), "needs prod"),
+    (("w", (4, 4), torch.float32, torch.ones(2), torch.tensor([0])), "1 indices but 2 values"),
+    (("", (4,), torch.float32, torch.ones(4), None), "name is empty"),
+    (("w", (2, 2), torch.float32, torch.ones(2, 2), None), "values must be 1-D"),
+    (("w", (4,), "float32", torch.ones(4), None), "dtype"),
+])
+def test_wire_bytes_of_a_patch_no_load_takes_is_refused_naming_it(patch, match):
+    # (it gave a byte count for each of these, where patch_summary and a load refuse them)
+    good = CheckpointWeightPatch("g", (2,), torch.float32, torch.ones(2))
+    with pytest.raises((PatchValueError, PatchTypeError), match=match) as info:
+        wire_bytes([good, CheckpointWeightPatch(*patch)])
+    assert info.value.position == 1 and str(info.value).startswith("patch 1 ")
+    # its numbers are not read: an index out of range still has a size
+    assert wire_bytes(CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(1),
+                                            torch.tensor([9]))) == 12
+
+
 @pytest.mark.parametrize(("kw", "err"), [
     ({"betas": (1.0, 0.999)}, PatchValueError),
     ({"betas": (0.9,)}, PatchTypeError),
