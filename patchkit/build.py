@@ -218,10 +218,13 @@ def _check_shape(shape: object, name: str) -> tuple[int, ...]:
 
 
 def _check_int(value: object, what: str, minimum: int, below: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an int (a numpy int too, not a bool) in ``[minimum, below)``:
+    ``PatchTypeError`` for anything else, ``PatchValueError`` out of range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise PatchTypeError(
             f"{what} must be an int, got {type(value).__name__}", reason=what, value=value
         )
+    value = int(value)
     if value < minimum:
         raise PatchValueError(f"{what} must be >= {minimum}, got {value}", reason=what, value=value)
     if below is not None and value >= below:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Sequence
 
@@ -172,13 +173,9 @@ def _as_bins(bins: object) -> tuple[int, int]:
 
 
 def _is_int(v: object) -> bool:
-    if isinstance(v, bool):
-        return False
-    try:
-        operator.index(v)
-    except TypeError:
-        return False
-    return True
+    """An int or a numpy int, not a bool (nor a 0-d tensor, which ``operator.index``
+    takes: the builders' counts refuse one too)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _check_range(patch: CheckpointWeightPatch, idx: torch.Tensor, n: int,

@@ -184,6 +184,14 @@ def _key(i: int, part: str) -> str:
 _NEED_SAFETENSORS = "patch files need the safetensors package: pip install safetensors"
 
 
+def _check_path(path: object, fn: str) -> None:
+    """``TypeError`` naming ``fn``'s ``path`` argument unless it is a path (``str``,
+    ``bytes`` or ``os.PathLike``), before anything is read or written."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{fn}: path must be a file's path (str, bytes or os.PathLike), got "
+                        f"{type(path).__name__}: {_short_repr(path, 60)}")
+
+
 def _safetensors() -> Any:
     """``(safe_open, save_file, SafetensorError)``; a ModuleNotFoundError saying what to
     install if missing."""
@@ -328,6 +336,7 @@ def save_patches(
 
     Without the ``safetensors`` package: :class:`ModuleNotFoundError`.
     """
+    _check_path(path, "save_patches")
     _, save_file, safetensor_error = _safetensors()
 
     user = _check_metadata(metadata)
@@ -1013,6 +1022,7 @@ def read_patch_index(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
     the path (the format version, or the first tensor the header does not describe,
     where one of those is the problem).
     """
+    _check_path(path, "read_patch_index")
     path = os.fspath(path)
     f = _open(path)
     try:
@@ -1029,6 +1039,7 @@ def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
 
     The file is checked as by :func:`read_patch_index`.
     """
+    _check_path(path, "read_patch_metadata")
     path = os.fspath(path)
     f = _open(path)
     try:
@@ -1073,6 +1084,7 @@ def load_patches(
     neither a ``str`` nor a ``torch.device``: :class:`~patchkit.errors.PatchTypeError`.
     Without the ``safetensors`` package: :class:`ModuleNotFoundError`.
     """
+    _check_path(path, "load_patches")
     return [p for _, p in _load(os.fspath(path), _device_text(_checked_device(device)))]
 
 
@@ -1152,6 +1164,7 @@ def check_patch_file(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
     sparse patches in the time of reading their data. Raises what :func:`load_patches`
     raises for the same file (:class:`~patchkit.errors.PatchValueError` naming the file
     and the first offending patch by position, in the file's order)."""
+    _check_path(path, "check_patch_file")
     path = os.fsdecode(path)
     entries = read_patch_index(path)
     for position, patch in _read_each(path, "cpu", _needs_data):
@@ -1284,6 +1297,7 @@ def _print_summary(path: str | os.PathLike[str], max_chunk_bytes: int,
         raise TypeError(f"print_patch_file_summary: file must be a text stream with a write "
                         f"method (e.g. an open file or io.StringIO), got "
                         f"{type(file).__name__}: {file!r:.60}")
+    _check_path(path, "print_patch_file_summary")
     out = sys.stdout if file is None else file
     path = os.fsdecode(path)  # (bytes too, as the readers take them)
     try:

@@ -43,7 +43,8 @@ def format_bytes(n: float) -> str:
     1024 YiB on (no unit is left) it is ``m e k YiB`` with a mantissa of three
     significant digits (``10**30`` is ``"8.27e5 YiB"``). A float (a tick on a plot's
     axis) is taken too and rounded the same way below 1 KiB as well (``1.5`` is
-    ``"1.5 B"``, ``204.8`` is ``"205 B"``). Negative numbers keep their sign.
+    ``"1.5 B"``, ``204.8`` is ``"205 B"``). Negative numbers keep their sign, except those
+    that round to ``"0 B"`` (``-0.0``, ``-0.004``).
 
     ``bool`` and anything that is not a real number raise ``TypeError``; NaN and
     infinities raise ``ValueError``.
@@ -59,8 +60,10 @@ def format_bytes(n: float) -> str:
         n = float(n)
         if not math.isfinite(n):
             raise ValueError(f"format_bytes: n must be a finite number of bytes, got {n!r}")
+        n += 0.0  # (-0.0 is 0.0)
     if n < 0:
-        return "-" + format_bytes(-n)
+        text = format_bytes(-n)
+        return text if text == "0 B" else "-" + text  # (a value that rounds to 0 has no sign)
     if isinstance(n, int) and n < 1024:
         return f"{n} B"
     if n < _TOP:  # (a float holds it)

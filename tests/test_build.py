@@ -7,6 +7,7 @@ import math
 import struct
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -426,6 +427,16 @@ def test_split_patch_is_equivalent(seed, shape, parts, sparse, index_dtype):
     assert same_bits(want, got)
     # each part goes in its own load_weights call (repeated name)
     assert len(plan_chunks(out, 1 << 30)) == len(out)
+
+
+def test_split_patch_takes_a_numpy_int_and_refuses_a_bool_or_a_tensor():
+    # (np.int64(2) was refused, where density_map's bins took one)
+    p = CheckpointWeightPatch("w", (4,), torch.float32, torch.arange(4.0))
+    parts = split_patch(p, np.int64(2))
+    assert [q.values.tolist() for q in parts] == [[0.0, 1.0], [2.0, 3.0]]
+    for bad in (True, torch.tensor(2), 2.0):
+        with pytest.raises(PatchTypeError, match="parts must be an int"):
+            split_patch(p, bad)
 
 
 def test_split_patch_dense_parts_are_contiguous_ranges():

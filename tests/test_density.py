@@ -84,9 +84,11 @@ def test_bins_may_be_one_int_for_both_axes():
     p = CheckpointWeightPatch("w", (6, 6), torch.float32, torch.ones(3), torch.tensor([0, 7, 35]))
     assert torch.equal(density_map(p, 3), density_map(p, (3, 3)))
     assert torch.equal(density_map(p, [2, 3]), density_map(p, (2, 3)))
+    assert torch.equal(density_map(p, np.int32(3)), density_map(p, (3, 3)))  # numpy ints too
 
 
-@pytest.mark.parametrize("bins", [3.0, "ab", (2,), (2, 2, 2), (True, 2), (2, 2.5), None])
+@pytest.mark.parametrize("bins", [3.0, "ab", (2,), (2, 2, 2), (True, 2), (2, 2.5), None,
+                                  torch.tensor(2), (2, torch.tensor(3)), np.bool_(True)])
 def test_bins_that_are_not_ints_raise_type_error_naming_bins(bins):
     p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(1), torch.tensor([0]))
     with pytest.raises(TypeError, match="bins") as info:

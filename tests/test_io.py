@@ -519,6 +519,9 @@ def test_format_bytes():
     assert format_bytes(3 << 30) == "3 GiB"
     assert format_bytes(5 << 40) == "5 TiB"
     assert format_bytes(-2048) == "-2 KiB"
+    # a value that rounds to nothing has no sign (was "-0 B")
+    assert [format_bytes(x) for x in (-0.0, -1e-9, -0.004, -0.006)] == [
+        "0 B", "0 B", "0 B", "-0.01 B"]
 
 
 def _summary_file(tmp_path):
@@ -1591,3 +1594,18 @@ def test_checking_a_file_gives_load_patches_verdict_and_the_summary_follows_it(
     assert main(["inspect", path, "--header-only"]) == 0
     with pytest.raises(TypeError, match="check"):
         print_patch_file_summary(path, check="yes")
+
+
+@pytest.mark.parametrize("fn, args", [
+    (load_patches, ()), (read_patch_index, ()), (read_patch_metadata, ()),
+    (check_patch_file, ()), (print_patch_file_summary, ()), (save_patches, ([],)),
+])
+@pytest.mark.parametrize("path", [None, 3, ["p.safetensors"]])
+def test_a_path_that_is_no_path_is_a_type_error_naming_the_argument(fn, args, path, tmp_path,
+                                                                    monkeypatch):
+    # (was os's "expected str, bytes or os.PathLike object, not NoneType")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TypeError, match=rf"^{fn.__name__}: path must be a file's path .*, got "
+                                        rf"{type(path).__name__}: "):
+        fn(path, *args)
+    assert list(tmp_path.iterdir()) == []  # (nothing written)
