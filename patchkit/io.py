@@ -1145,30 +1145,44 @@ def _validated(path: str, patches: list[CheckpointWeightPatch], positions: list[
 
 
 def _needs_data(e: PatchFileEntry) -> bool:
-    """Whether checking ``e`` needs its data, not only the file's header: a sparse patch
+    """Whether checking ``e``, once its structure passed, needs its data: a sparse patch
     (NaN values, indices out of range or repeated), or a dense one of integers whose
-    values' dtype may hold numbers it cannot (see :func:`~patchkit.patch.validate_patches`).
-    Everything else the header says (shapes, dtypes, counts) was checked in reading it."""
+    values' dtype may hold numbers it cannot (see :func:`~patchkit.patch.validate_patches`)."""
     return e.sparse or (_is_integral(e.dtype) and _may_not_fit(e.values_dtype, e.dtype))
+
+
+def _shape_only(e: PatchFileEntry) -> CheckpointWeightPatch:
+    """A patch with ``e``'s name, shape, dtypes and counts whose tensors are on the meta
+    device: the structure checks read nothing more, and skip the checks of numbers."""
+    values = torch.empty(e.nnz, dtype=e.values_dtype, device="meta")
+    indices = (torch.empty(e.nnz, dtype=e.indices_dtype, device="meta")
+               if e.indices_dtype is not None else None)
+    return CheckpointWeightPatch(e.name, e.shape, e.dtype, values, indices)
 
 
 def check_patch_file(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
     """Check that :func:`load_patches` would accept the file at ``path``, holding no more
     than one patch in memory; return its header (as :func:`read_patch_index`).
 
-    Reads the header, then the data of each patch whose check needs it (every sparse
+    Makes the checks :func:`load_patches` makes, in its order: the dense patches, then
+    the sparse ones, each group's structure first (names, shapes, dtypes, counts, read
+    from the header), then the numbers of each patch whose check needs them (a sparse
     patch's values and indices: NaN values, indices out of range or repeated; a dense
-    patch of integers whose values may not fit), one patch at a time, and drops it. Other
-    dense patches' values are not read: the header has what their checks need. So a file
-    of a model's dense weights is checked in the time of reading its header, and one of
-    sparse patches in the time of reading their data. Raises what :func:`load_patches`
-    raises for the same file (:class:`~patchkit.errors.PatchValueError` naming the file
-    and the first offending patch by position, in the file's order)."""
+    patch of integers whose values may not fit), read one patch at a time and dropped.
+    Other dense patches' values are never read. So a file of a model's dense weights is
+    checked in the time of reading its header, and one of sparse patches in the time of
+    reading their data. Raises what :func:`load_patches` raises for the same file: a
+    :class:`~patchkit.errors.PatchValueError` (or ``PatchTypeError``) naming the file
+    and the first offending patch."""
     _check_path(path, "check_patch_file")
     path = os.fsdecode(path)
     entries = read_patch_index(path)
-    for position, patch in _read_each(path, "cpu", _needs_data):
-        _validated(path, [patch], [position])
+    for sparse in (False, True):
+        group = [e for e in entries if e.sparse == sparse]
+        _validated(path, [_shape_only(e) for e in group], [e.position for e in group])
+        for position, patch in _read_each(
+                path, "cpu", lambda e, sparse=sparse: e.sparse == sparse and _needs_data(e)):
+            _validated(path, [patch], [position])
     return entries
 
 
@@ -1282,8 +1296,8 @@ def print_patch_file_summary(
 
     Returns 0; a bad file (or a bad budget, or no ``safetensors`` package) prints
     ``error: ...`` to stderr and returns 2. A ``file`` with no ``write`` method (a path
-    string, say: open it first), or a ``check`` that is not a bool, raises
-    ``TypeError`` before anything is read.
+    string, say: open it first), a ``check`` that is not a bool, or a ``path`` that is
+    no path raises ``TypeError`` before anything is read.
     """
     return _print_summary(path, max_chunk_bytes, file, check, check)
 

@@ -1548,6 +1548,65 @@ def _corrupt(key, value):
     return change
 
 
+_CORRUPTIONS = [
+    ("000000.values", torch.arange(16.0).to(torch.complex64)),  # not stageable: header only
+    ("000001.values", torch.tensor([1, 2, 300, 4], dtype=torch.int32)),
+    ("000002.indices", torch.tensor([0, 9])),
+    ("000002.values", torch.tensor([1.0, float("nan")])),
+    ("000002.indices", torch.tensor([8, 8])),
+    ("000003.values", torch.tensor([1, 2], dtype=torch.complex64)),  # not stageable
+]
+
+
+def test_checking_a_file_refuses_what_load_patches_refuses_first_whatever_is_wrong(tmp_path):
+    # (the check went patch by patch in the file's order and read only some patches: a
+    # dense float patch of complex values passed it, and with two faults it named the
+    # other patch than load_patches)
+    import random
+
+    ps = [
+        CheckpointWeightPatch("w", (4, 4), torch.float32, torch.arange(16.0)),
+        CheckpointWeightPatch("q", (4,), torch.int8, torch.tensor([1, 2, 3, 4], dtype=torch.int32)),
+        CheckpointWeightPatch("e", (3, 3), torch.bfloat16, torch.tensor([1.0, 2.0]),
+                              torch.tensor([0, 8])),
+        CheckpointWeightPatch("m", (4,), torch.float32, torch.tensor([1.0, 2.0]),
+                              torch.tensor([1, 2])),
+    ]
+    good = str(tmp_path / "good.safetensors")
+    save_patches(good, ps)
+    rng = random.Random(0)
+    verdicts = set()
+    for k in range(40):
+        faults = rng.sample(_CORRUPTIONS, rng.randint(0, 3))
+        if len({key for key, _ in faults}) < len(faults):
+            continue  # (one change per tensor)
+
+        def change(ts, faults=faults):
+            return {**ts, **dict(faults)}
+
+        def header(h, faults=faults):  # (what the tensors now hold: a consistent file)
+            for key, t in faults:
+                if key.endswith("values"):
+                    h["patches"][int(key[:6])]["values_dtype"] = str(t.dtype).split(".")[1]
+            return h
+
+        path = rewrite(good, str(tmp_path / f"f{k}.safetensors"), tensors=change,
+                       header=header)
+        try:
+            load_patches(path)
+            expected = None
+        except (PatchValueError, PatchTypeError) as e:
+            expected = (type(e), str(e))
+        try:
+            check_patch_file(path)
+            got = None
+        except (PatchValueError, PatchTypeError) as e:
+            got = (type(e), str(e))
+        assert got == expected, faults
+        verdicts.add(None if expected is None else expected[1].split(": ")[1])
+    assert len(verdicts) >= 4  # (refused, in several ways, and accepted)
+
+
 @pytest.mark.parametrize("key, value, reason", [
     (None, None, None),  # the file as saved
     ("000002.indices", torch.tensor([0, 9]), "out of range"),
