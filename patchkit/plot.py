@@ -49,6 +49,7 @@ from matplotlib.collections import PolyCollection
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
+from matplotlib.layout_engine import PlaceHolderLayoutEngine
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.patheffects import withStroke
@@ -298,7 +299,9 @@ def _pixels(ax: Axes) -> tuple[int, int]:
     whatever their labels: a small axes in a grid of subplots keeps its pixels."""
     box = ax.get_window_extent()
     cols = 0.8 * box.width  # (the colorbar's fifth of the width)
-    if ax.figure.get_layout_engine() is None:
+    engine = ax.figure.get_layout_engine()
+    # (one switched off, set_layout_engine("none") after another, is a placeholder)
+    if engine is None or isinstance(engine, PlaceHolderLayoutEngine):
         return (max(1, int(box.height)), max(1, int(cols)))
     pt = ax.figure.dpi / 72  # (pixels a point)
     # what the colorbar's ticks and label, the y ticks and label, the x ticks and label

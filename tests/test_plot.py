@@ -1630,6 +1630,16 @@ def test_heat_maps_have_no_more_blocks_than_their_panels_have_pixels():
             assert rows >= 0.9 * box.height and cols >= 0.9 * box.width, (size, grid)
         assert ax.lines[0].get_zorder() > ax.images[0].get_zorder()
         assert max(s.get_zorder() for s in ax.spines.values()) < ax.images[0].get_zorder()
+    # a layout engine switched off (a placeholder is left) lays nothing out either
+    mine = Figure(figsize=(6, 4), dpi=100, layout="constrained")
+    mine.set_layout_engine("none")
+    FigureCanvasAgg(mine)
+    ax = mine.subplots(3, 3, squeeze=False)[0, 0]
+    plot_density(p, bins=1024, ax=ax)
+    mine.canvas.draw()
+    rows, cols = ax.images[0].get_array().shape
+    box = ax.get_window_extent()
+    assert 0.9 * box.height <= rows <= box.height and 0.9 * box.width <= cols <= box.width
     # the default is not capped
     assert plot_density(p).axes[0].images[0].get_array().shape == (128, 128)
 
