@@ -12,8 +12,10 @@ what each write changes is saved before it happens (the same mechanism as
   the source is the patch's staged tensor, keeps only the old values: where they were is
   recomputed from the patch's own indices when needed (``before()``, ``written()``, a
   transactional restore). The report holds references to the patch's tensors (no
-  copies), so leave them unchanged while it is in use (a changed patch is detected and
-  raises ``ValueError``). Elsewhere it keeps
+  copies), so leave them unchanged while it is in use: a changed patch is detected and
+  raises ``ValueError`` where the report reads it (``before()``, ``written()`` and a
+  restore check what the load wrote; ``plot_density`` refuses a patch whose tensors an
+  in-place torch op changed since). Elsewhere it keeps
   storage offsets with the values;
 - a dense ``copy_`` from a same-shaped source of the same dtype and device saves only
   the elements it changes (or its whole view, when offsets would cost more than the
@@ -99,7 +101,7 @@ from .density import (
     distinct_indices,
     region_text,
 )
-from .errors import PatchTypeError
+from .errors import PatchTypeError, where
 from .intercept import (
     _DEFERRAL,
     RuntimeIndex,
@@ -152,6 +154,20 @@ def _nnz(p: CheckpointWeightPatch) -> int:
         return numel(p)
     idx = p.indices.reshape(-1)
     return int(idx.numel() if idx.is_meta else distinct_indices(idx).numel())
+
+
+def _versions(p: object) -> tuple[int | None, int | None]:
+    """The version counters of a patch's values and indices (``None`` for one that is
+    no tensor, or an inference tensor, which keeps none)."""
+    def version(t: object) -> int | None:
+        if not isinstance(t, torch.Tensor) or t.is_inference():
+            return None
+        return t._version
+
+    try:
+        return version(p[3]), version(p[4])  # type: ignore[index]
+    except (TypeError, IndexError, KeyError):
+        return None, None  # (an item that is no patch: a refused load's input)
 
 
 def _dtype(d: torch.dtype) -> str:
@@ -473,6 +489,10 @@ class LoadReport:
     _tables: dict[str, Callable[[], pd.DataFrame]] = field(
         default_factory=dict, repr=False, init=False)
     _handed_over: bool = field(default=False, repr=False, init=False)
+    # The version counters of each patch's values and indices when the load ended (see
+    # _patch_changed); None: not known (a pickled report's copies).
+    _patch_versions: list[tuple[int | None, int | None]] | None = field(
+        default=None, repr=False, init=False)
     # Names the load removed from the model (``del module.w``): not targets any more.
     _removed: tuple[str, ...] = field(default=(), repr=False, init=False)
     # Names the load registered that the model did not have: no values before it.
@@ -511,7 +531,20 @@ class LoadReport:
         state.update(_tables={}, _saved=[], _runtime={}, _rebound={}, _detached=True,
                      _kept_targets=self.targets)
         state["patches"] = [_picklable_patch(p) for p in self.patches]
+        state["_patch_versions"] = None  # (the copies a reader gets start counting anew)
         return state
+
+    def _patch_changed(self, position: int) -> str | None:
+        """What of patch ``position`` changed in place since the load (``"values"``,
+        ``"indices"`` or both: their version counters moved, as any in-place torch op
+        moves them), or ``None``."""
+        if self._patch_versions is None:
+            return None
+        now = _versions(self.patches[position])
+        then = self._patch_versions[position]
+        moved = [what for what, a, b in zip(("values", "indices"), then, now)
+                 if a is not None and a != b]
+        return " and ".join(moved) or None
 
     # -- values ----------------------------------------------------------------------
 
@@ -802,7 +835,10 @@ class LoadReport:
         per axis, ``ax``). A patch of this report is named by its name (the first patch
         of that name; a tied alias the load renamed, by the name it was sent under too,
         as ``chunks`` shows it) or given itself; when the load dropped it (a tied alias),
-        renamed it or never sent it, the title says so (the ``note`` of ``chunks``)."""
+        renamed it or never sent it, the title says so (the ``note`` of ``chunks``).
+        Raises ``ValueError`` for a patch of this report whose values or indices an
+        in-place op changed since the load (their version counters moved): the map would
+        show the new ones (:func:`patchkit.plot.plot_density` of the patch draws those)."""
         from . import plot
 
         kw = {"bins": bins, "ax": ax}
@@ -823,8 +859,17 @@ class LoadReport:
                 "plot_density takes a patch of this report or its name, got "
                 f"{type(patch_or_name).__name__}: {patch_or_name!r}"
             )
-        fig = plot.plot_density(patch_or_name, **kw)
         at = next((i for i, p in enumerate(self.patches) if p is patch_or_name), None)
+        changed = self._patch_changed(at) if at is not None else None
+        if changed:
+            raise ValueError(
+                f"{where(at, _given_name(patch_or_name))}: its {changed} changed in place "
+                "after the load, so its map would show the new ones, not where this load "
+                "wrote (a report keeps the patch's tensors, not copies of them: leave them "
+                "unchanged while the report is in use); patchkit.plot.plot_density(patch) "
+                "draws the patch as it is now"
+            )
+        fig = plot.plot_density(patch_or_name, **kw)
         note = self.chunks["note"].iloc[at] if at is not None else ""
         if note:
             ax = ax or fig.axes[0]
@@ -2099,6 +2144,7 @@ def _build_report(
     report._meta = meta
     report._storageless = dict(index.storageless) if index is not None else {}
     report._dry = len({e.target for e in events} & meta)
+    report._patch_versions = [_versions(p) for p in patches]
     report._tables = {
         "chunks": lambda: _chunks_frame(patches, sent_name, plan, len(calls), observed_calls,
                                         malformed),

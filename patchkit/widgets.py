@@ -44,7 +44,6 @@ from .plot import (
     _plan_for,
     _plot_chunks,
     plot_delta,
-    plot_density,
     plot_placement,
     to_png,
 )
@@ -395,13 +394,14 @@ class ReportExplorer(W.VBox):
         if kind == "patch":
             row = r.chunks[r.chunks["position"] == key]
             return (
-                _figure_or_note("density map", lambda: plot_density(r.patches[key])),
+                # (the report's own: it refuses a patch changed in place since the load)
+                _figure_or_note("density map", lambda: r.plot_density(r.patches[key])),
                 text_output(row.drop(columns=["note"]).to_string(index=False) + "\n"
                             + "".join(f"note: {n}\n" for n in row["note"] if n)),
             )
         writes = r.writes[r.writes["target"] == key]
         cols = ["chunk", "position", "name", "checkpoint_region", "target_region",
-                "elements", "changed"]
+                "elements", "written", "changed"]
         if r.handed_over:
             delta = text_output("before/after figure: none, this report's before-values were "
                                 "handed to a later load (reuse=)\n")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import patchkit.plot
 from patchkit import (
     CheckpointWeightPatch,
     format_bytes,
@@ -271,6 +272,50 @@ def test_explore_shows_why_a_figure_cannot_be_drawn_in_place_of_it():
     assert "writes into b" in text and "writes into a" not in text
 
 
+def test_a_patch_changed_in_place_after_the_load_is_not_drawn_as_the_load_wrote_it():
+    # (the explorer's patch view and report.plot_density drew the new indices, under a
+    # title counting the load's writes, without a word)
+    import pickle
+
+    model = PlainModel({"a": (8, 8), "b": (8, 8)})
+    pa = CheckpointWeightPatch("a", (8, 8), torch.float32, torch.ones(3), torch.tensor([1, 2, 3]))
+    pb = CheckpointWeightPatch("b", (8, 8), torch.float32, torch.ones(3), torch.tensor([1, 2, 3]))
+    report = inspect_load(model, [pa, pb])
+    kept = pickle.loads(pickle.dumps(report))
+    w = explore(report)
+    pb.indices.copy_(torch.tensor([60, 61, 62]))  # a transport reusing its buffers
+    for name, what in (("b", "indices"), ("a", None)):
+        if what is None:
+            assert report.plot_density(name).axes[0].images  # (a: unchanged, drawn)
+        else:
+            with pytest.raises(ValueError, match=rf"^patch 1 \('b'\): its {what} changed in "
+                                                 "place after the load"):
+                report.plot_density(name)
+    pa.values.mul_(2)
+    with pytest.raises(ValueError, match=r"^patch 0 \('a'\): its values changed in place"):
+        report.plot_density(pa)
+    w.dropdown.value = ("patch", 1)
+    assert [o["output_type"] for o in w.output.outputs] == ["stream", "stream"]
+    assert "density map: not drawn: ValueError: patch 1 ('b'): its indices changed" in texts(
+        w.output)
+    # a pickled copy keeps its own patches: the changes above are not its
+    assert kept.plot_density("b").axes[0].images
+    # the patch itself draws as it is now
+    assert patchkit.plot.plot_density(pb).axes[0].images
+
+
+def test_explore_shows_how_many_elements_each_write_wrote():
+    # ("elements" of a sparse write is its view's; "written", the elements the merge
+    # wrote, was left out, so "elements 64, changed 3" did not add up)
+    model = PlainModel({"a": (8, 8)})
+    pa = CheckpointWeightPatch("a", (8, 8), torch.float32, torch.ones(3), torch.tensor([1, 2, 3]))
+    w = explore(inspect_load(model, [pa]))
+    w.dropdown.value = ("runtime", "a")
+    rows = texts(w.output).split("writes into a:\n")[1].splitlines()
+    head, first = rows[0].split(), rows[1].split()
+    assert head[-3:] == ["elements", "written", "changed"] and first[-3:] == ["64", "3", "3"]
+
+
 def test_explore_shows_any_error_of_a_figure_in_place_of_it(monkeypatch):
     report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
     w = explore(report)
@@ -278,7 +323,7 @@ def test_explore_shows_any_error_of_a_figure_in_place_of_it(monkeypatch):
     def fails(*_a, **_k):
         raise RuntimeError("no figure today")
 
-    monkeypatch.setattr(widgets, "plot_density", fails)
+    monkeypatch.setattr(patchkit.plot, "plot_density", fails)
     w.dropdown.value = ("patch", 3)
     assert [o["output_type"] for o in w.output.outputs] == ["stream", "stream"]
     assert "density map: not drawn: RuntimeError: no figure today\n" in texts(w.output)
