@@ -159,15 +159,18 @@ def _nnz(p: CheckpointWeightPatch) -> int:
 def _versions(p: object) -> tuple[int | None, int | None]:
     """The version counters of a patch's values and indices (``None`` for one that is
     no tensor, or an inference tensor, which keeps none)."""
-    def version(t: object) -> int | None:
-        if not isinstance(t, torch.Tensor) or t.is_inference():
-            return None
-        return t._version
-
     try:
-        return version(p[3]), version(p[4])  # type: ignore[index]
+        values, indices = p[3], p[4]  # type: ignore[index]
     except (TypeError, IndexError, KeyError):
         return None, None  # (an item that is no patch: a refused load's input)
+    return _version(values), None if indices is None else _version(indices)
+
+
+def _version(t: object) -> int | None:
+    try:
+        return t._version  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # (no tensor; an inference tensor keeps none)
+        return None
 
 
 def _dtype(d: torch.dtype) -> str:
@@ -2340,7 +2343,9 @@ def _any_overlap(regions: Sequence[SavedRegion], ext: Sequence[tuple]) -> bool:
     cost O(n log n), not a test of every pair."""
     seen = _RegionIndex(_saved_region)
     for s, (_, a0, a1) in zip(regions, ext):
-        if any(s.region.overlaps(o.region) for o in seen.meeting(a0, a1, s.region)):
+        # (a region's Region is made only where an extent meets its own)
+        met = seen.meeting(a0, a1, functools.partial(_saved_region, s))
+        if met and any(s.region.overlaps(o.region) for o in met):
             return True
         seen.add(s, a0, a1)
     return False

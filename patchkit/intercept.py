@@ -308,15 +308,17 @@ class _RegionIndex:
     every item whose extent meets its own, as before. ``region_of`` gives an item's
     :class:`Region` (the item itself by default), asked only once two extents met."""
 
+    __slots__ = ("_grids", "_loose", "_region_of", "_where", "apart", "ends", "items",
+                 "starts")
+
     def __init__(self, region_of: Callable[[Any], Region] | None = None) -> None:
+        # (one per written storage, made on each dense write's first save: the grids,
+        # loose items and locations are made only once two extents meet)
         self._region_of = region_of
         self.starts: list[int] = []
         self.ends: list[int] = []
         self.items: list[Any] = []
         self.apart = True
-        self._grids: dict[tuple[int, int], _Grid] = {}
-        self._loose: list[tuple[int, int, Any]] = []
-        self._where: dict[int, tuple] = {}  # id(item) -> its grid and band (once met)
 
     def __len__(self) -> int:
         return len(self.items) if self.apart else len(self._where)
@@ -327,14 +329,16 @@ class _RegionIndex:
             return  # (an empty view shares no byte with any)
         if self.apart:
             ends = self.ends
-            if not ends or a0 >= ends[-1]:
-                k = len(ends)  # (written in storage order)
-            else:
-                k = bisect.bisect_right(ends, a0)
-                if k < len(self.starts) and self.starts[k] < a1:
-                    self._unpart()
-                    self._place(item, a0, a1)
-                    return
+            if not ends or a0 >= ends[-1]:  # (written in storage order)
+                self.starts.append(a0)
+                ends.append(a1)
+                self.items.append(item)
+                return
+            k = bisect.bisect_right(ends, a0)
+            if k < len(self.starts) and self.starts[k] < a1:
+                self._unpart()
+                self._place(item, a0, a1)
+                return
             self.starts.insert(k, a0)
             ends.insert(k, a1)
             self.items.insert(k, item)
@@ -375,6 +379,9 @@ class _RegionIndex:
 
     def _unpart(self) -> None:
         self.apart = False
+        self._grids: dict[tuple[int, int], _Grid] = {}
+        self._loose: list[tuple[int, int, Any]] = []
+        self._where: dict[int, tuple] = {}  # id(item) -> its grid and band
         for item, a0, a1 in zip(self.items, self.starts, self.ends):
             self._place(item, a0, a1)
         self.starts, self.ends, self.items = [], [], []
