@@ -1528,15 +1528,19 @@ def test_the_summary_never_rounds_a_partial_density_to_100_percent(tmp_path, cap
 # --------------------------------------------------------------------------- checking a file
 
 
-def _checkable_file(tmp_path):
+def _checkable_file(tmp_path, n: int = 3):
+    """A file of the first ``n`` of: a dense float patch, a dense int8 one whose int32
+    values may not fit, two sparse ones."""
     ps = [
         CheckpointWeightPatch("w", (4, 4), torch.float32, torch.arange(16.0)),
         CheckpointWeightPatch("q", (4,), torch.int8, torch.tensor([1, 2, 3, 4], dtype=torch.int32)),
         CheckpointWeightPatch("e", (3, 3), torch.bfloat16, torch.tensor([1.0, 2.0]),
                               torch.tensor([0, 8])),
+        CheckpointWeightPatch("m", (4,), torch.float32, torch.tensor([1.0, 2.0]),
+                              torch.tensor([1, 2])),
     ]
-    path = str(tmp_path / "p.safetensors")
-    save_patches(path, ps)
+    path = str(tmp_path / f"good{n}.safetensors")
+    save_patches(path, ps[:n])
     return path
 
 
@@ -1564,16 +1568,7 @@ def test_checking_a_file_refuses_what_load_patches_refuses_first_whatever_is_wro
     # other patch than load_patches)
     import random
 
-    ps = [
-        CheckpointWeightPatch("w", (4, 4), torch.float32, torch.arange(16.0)),
-        CheckpointWeightPatch("q", (4,), torch.int8, torch.tensor([1, 2, 3, 4], dtype=torch.int32)),
-        CheckpointWeightPatch("e", (3, 3), torch.bfloat16, torch.tensor([1.0, 2.0]),
-                              torch.tensor([0, 8])),
-        CheckpointWeightPatch("m", (4,), torch.float32, torch.tensor([1.0, 2.0]),
-                              torch.tensor([1, 2])),
-    ]
-    good = str(tmp_path / "good.safetensors")
-    save_patches(good, ps)
+    good = _checkable_file(tmp_path, 4)
     rng = random.Random(0)
     verdicts = set()
     for k in range(40):
