@@ -16,6 +16,7 @@ Imports nothing beyond the standard library until a bar is shown.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -75,8 +76,27 @@ class LoadProgress:
 
 
 def check_progress(progress: Any) -> None:
-    """``PatchTypeError`` unless ``progress`` is a bool, ``None`` or a callable."""
-    if progress is None or isinstance(progress, bool) or callable(progress):
+    """``PatchTypeError`` unless ``progress`` is a bool, ``None`` or a callable that can
+    be called with one argument (the :class:`LoadProgress`): checked before anything is
+    read or run, so that a callback of the wrong signature (``progress=LoadProgress``,
+    the class; a ``lambda:`` of no argument) does not stop a load after its first call,
+    with the model half updated. A callable whose signature cannot be read is taken."""
+    if progress is None or isinstance(progress, bool):
+        return
+    if callable(progress):
+        try:
+            signature = inspect.signature(progress)
+        except (TypeError, ValueError):
+            return  # (a builtin, say: its call will tell)
+        try:
+            signature.bind(None)
+        except TypeError as e:
+            raise PatchTypeError(
+                "progress must be a callable taking one argument (a patchkit.LoadProgress), "
+                f"but {getattr(progress, '__qualname__', type(progress).__name__)}"
+                f"{signature} cannot be called with one ({e}); nothing was loaded",
+                reason="progress signature", value=progress,
+            ) from None
         return
     raise PatchTypeError(
         "progress must be True (show a bar), False/None (nothing) or a callable taking a "

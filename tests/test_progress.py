@@ -206,6 +206,32 @@ def test_a_bad_progress_is_a_type_error_before_anything_loads(setup, bad):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def _two(a, b):
+    return None
+
+
+class _Calls:
+    def __call__(self):
+        return None
+
+
+@pytest.mark.parametrize("bad", [LoadProgress, lambda: None, _two, _Calls()])
+def test_a_progress_callable_of_the_wrong_signature_is_refused_before_anything_loads(
+        setup, bad):
+    # (it stopped the load after its first call with a TypeError, the model half updated)
+    model, _ckpt, after = setup
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PatchTypeError, match=r"progress must be a callable taking one "
+                                             r"argument .* nothing was loaded") as info:
+        inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET, progress=bad)
+    assert info.value.reason == "progress signature"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    seen = []  # one that takes one argument (or more, with defaults) is fine
+    inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET,
+                 progress=lambda p, extra=None: seen.append(p.calls_done))
+    assert seen == list(range(1, len(seen) + 1)) and len(seen) > 1
+
+
 def test_load_progress_text_and_fraction():
     p = LoadProgress(calls_done=3, calls=12, bytes_done=3 << 29, total_bytes=6 << 30,
                      seconds=4.06, names=("a",))
