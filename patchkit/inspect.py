@@ -522,6 +522,9 @@ class LoadReport:
     # A copy made by unpickling (see the class docstring): its targets, as the load left
     # them; it has no tensors.
     _detached: ClassVar[bool] = False
+    # Runtime tensors on the meta device before the load that a call replaced with ones
+    # that hold memory (a dry-run model a loader materialises): no before-values.
+    _was_meta: ClassVar[frozenset[str]] = frozenset()
     _kept_targets: ClassVar[dict[str, tuple[int, ...]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -603,8 +606,11 @@ class LoadReport:
         its memory): the ``writes`` table says where each write landed, but not what it
         changed (``changed`` is ``None``, and so is ``written`` for a NaN-merged write);
         such tensors have no ``deltas`` row, and ``before()``, ``after()``, ``written()``
-        and ``plot_delta`` of them raise ``ValueError``."""
-        return self._dry > 0
+        and ``plot_delta`` of them raise ``ValueError``. Also True when a call replaced
+        a meta tensor with one that holds memory (a loader that materialises the model,
+        ``module.w = nn.Parameter(w)``): that tensor's ``after()`` and ``written()`` work,
+        its ``before()`` and ``plot_delta`` raise ``ValueError``."""
+        return self._dry > 0 or bool(self._was_meta)
 
     def _hand_over(self) -> list[torch.UntypedStorage]:
         """Give up the saves (for ``inspect_load(..., reuse=self)``): the storages of the
@@ -648,7 +654,7 @@ class LoadReport:
         _check_target(target)
         if self._aliases.get(target, target) in self._meta:
             raise ValueError(
-                f"{target!r} is on the meta device (this report is of a dry run): it holds "
+                f"{target!r} is on the meta device (as in a dry run): it holds "
                 "no numbers, so the report knows where the load wrote into it (the writes "
                 "table, plot_placement), not what it wrote or changed"
             )
@@ -713,6 +719,12 @@ class LoadReport:
                 f"{target!r} was registered by the load (a name the model did not have): it "
                 "has no values before the load"
             )
+        if self._aliases.get(target, target) in self._was_meta:
+            raise ValueError(
+                f"{target!r} was on the meta device before the load, and a call put a tensor "
+                "that holds memory in its place: it had no values before the load (after() "
+                "and written() have the ones now)"
+            )
         return self._rebound.get(self._aliases.get(target, target), t)
 
     def _written_whole(self, target: str) -> bool:
@@ -755,11 +767,14 @@ class LoadReport:
             "max_chunk_bytes": self.max_chunk_bytes,
             "runtime writes": len(self.writes),
         }
-        if self._dry:
+        if self._dry or self._was_meta:
             # (counts of tensors that hold no numbers: not known, so none are given)
             out.update({"elements written": None, "elements changed": None,
-                        "dry run": f"{_count(self._dry, 'runtime tensor')} written on the "
-                                   "meta device"})
+                        "dry run": "; ".join(filter(None, (
+                            self._dry and f"{_count(self._dry, 'runtime tensor')} written "
+                                          "on the meta device",
+                            self._was_meta and f"{_count(len(self._was_meta), 'meta tensor')} "
+                                               "each replaced by a tensor with memory")))})
         else:
             out.update({
                 "elements written":
@@ -2109,6 +2124,8 @@ def _build_report(
     if rebound:
         delta_rows = [r for r in delta_rows if r["target"] not in rebound] + [
             _rebound_row(n, originals[n], t, saved) for n, t in rebound.items()
+            # (a dry run's tensor, then or now, holds no numbers: no deltas row)
+            if not (t.is_meta or originals[n].is_meta)
         ]
     calls = list(rec.calls)
     events = list(rec.events)
@@ -2145,6 +2162,8 @@ def _build_report(
     report._quiet = tuple(session.quiet_calls) if session is not None else ()
     report._aliases = aliases
     report._meta = meta
+    report._was_meta = frozenset(n for n, t in originals.items()
+                                 if t.is_meta and not rebound[n].is_meta)
     report._storageless = dict(index.storageless) if index is not None else {}
     report._dry = len({e.target for e in events} & meta)
     report._patch_versions = [_versions(p) for p in patches]

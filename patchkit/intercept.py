@@ -2240,11 +2240,16 @@ class WriteSession:
         binding_ptrs = self._bound_ptrs()
         # (the original storages are alive in the bindings: new data has another address)
         ptrs = list(map(_DATA_PTR, tensors.values()))
-        if ptrs == binding_ptrs and self.index.unchanged():
+        # Address 0 (the meta device of a dry run, an empty tensor) tells nothing: those
+        # are compared by storage (a meta model's param.data = w was seen as no change).
+        moved_at_0 = set() if 0 not in ptrs else {
+            n for (n, t), p in zip(tensors.items(), ptrs)
+            if p == 0 and _storage_key(t) != _storage_key(self._bindings[n])}
+        if ptrs == binding_ptrs and not moved_at_0 and self.index.unchanged():
             self.tree_as_found = True
             return  # (the common case: nothing rebound, replaced or registered)
         rebound = {n: t for (n, t), now, then in zip(tensors.items(), ptrs, binding_ptrs)
-                   if now != then}
+                   if now != then or n in moved_at_0}
         found = dict(rebound)
         with self.index.one_look():
             replaced = self.index.replaced()
@@ -2274,7 +2279,8 @@ class WriteSession:
                     continue  # registered in an earlier call, and recorded then
                 self.registered[n] = t
                 self._call_writes += 1
-                self._record("register", t.data, n, 0, t.data, t.numel())
+                self._record("register", t.data, n, 0, t.data,
+                             None if t.is_meta else t.numel())  # (a dry run: not known)
         new = {}
         for name, t in found.items():
             last = self.rebound.get(name)
@@ -2300,8 +2306,11 @@ class WriteSession:
             t = t.data
             self.rebound[name] = t
             old = self._bindings[name]
-            if old.shape == t.shape and old.dtype == t.dtype:
-                changed = int(count_true(changed_mask(old.reshape(-1), t.reshape(-1))))
+            if old.is_meta or t.is_meta:
+                changed = None  # (a dry run: no numbers to compare)
+            elif old.shape == t.shape and old.dtype == t.dtype:
+                changed = int(count_true(changed_mask(old.reshape(-1).to(t.device),
+                                                      t.reshape(-1))))
             else:
                 changed = t.numel()
             self._call_writes += 1

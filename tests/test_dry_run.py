@@ -172,3 +172,45 @@ def test_a_foreach_copy_into_a_real_and_a_meta_tensor_counts_neither():
     r = inspect_load(Mixed(), ps)
     assert r.error is None and r.dry_run
     assert sorted(r.writes["target"]) == ["a", "b"] and r.writes["changed"].isna().all()
+
+
+class _Rebinding(PlainModel):
+    def load_one(self, name, param, w):
+        param.data = w.clone()
+
+
+class _Registering(PlainModel):
+    def load_one(self, name, param, w):
+        module, attr = name.rsplit(".", 1) if "." in name else ("", name)
+        setattr(self.get_submodule(module), attr,
+                torch.nn.Parameter(w.clone(), requires_grad=False))
+
+
+# (param.data = w of a CPU tensor into a meta parameter is refused by torch itself)
+@pytest.mark.parametrize(("cls", "meta_patches"),
+                         [(_Rebinding, True), (_Registering, False), (_Registering, True)])
+def test_a_dry_run_records_a_loader_that_swaps_in_new_tensors(cls, meta_patches):
+    # (on the meta device every address is 0: param.data = w was seen as no change, and
+    # a new Parameter crashed the report on counting changes between meta tensors)
+    shapes = {"a.weight": (4, 3), "b": (5,)}
+    patches = [CheckpointWeightPatch(n, s, torch.float32, torch.ones(torch.Size(s).numel()))
+               for n, s in shapes.items()]
+    real = inspect_load(cls(shapes), patches)
+    with torch.device("meta"):
+        model = cls(shapes)
+    report = inspect_load(model, _on_meta(patches) if meta_patches else patches)
+    want = real.writes[["target", "op", "elements"]].values.tolist()
+    assert sorted(want) == [["a.weight", "rebind", 12], ["b", "rebind", 5]]
+    assert report.writes[["target", "op", "elements"]].values.tolist() == want
+    assert report.dry_run and report.writes["changed"].isna().all()
+    assert report.deltas.empty and report.summary()["elements written"] is None
+    if meta_patches:  # (the model stays on the meta device)
+        with pytest.raises(ValueError, match=r"'a\.weight' is on the meta device"):
+            report.before("a.weight")
+    else:  # (a loader that materialises it: real tensors now, none before)
+        assert report.summary()["dry run"] == "2 meta tensors each replaced by a tensor with memory"
+        for read in (report.before, report.plot_delta):
+            with pytest.raises(ValueError, match=r"'a\.weight' was on the meta device before"):
+                read("a.weight")
+        assert report.after("a.weight").eq(1).all() and report.written("a.weight").all()
+    assert report.plot_placement().axes
