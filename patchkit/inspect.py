@@ -68,6 +68,7 @@ import functools
 import gc
 import html
 import inspect as _pyinspect
+import io
 import math
 import pickle
 import threading
@@ -468,7 +469,12 @@ class LoadReport:
     ``plot_chunks``, ``plot_placement`` and ``plot_density`` work on the copy. It does
     not keep the model's tensors nor the saved before-values: the copy's ``before()``,
     ``after()``, ``written()`` and ``plot_delta`` raise ``ValueError``. To send only the
-    numbers, send ``report.summary()`` or the tables.
+    numbers, send ``report.summary()`` or the tables. An ``error`` that does not survive
+    a pickle and unpickle in the process that pickles it (a class whose ``__init__``
+    takes other arguments than its ``args``, say) is kept as a ``RuntimeError`` giving
+    its type and message; one whose class the reading process cannot import (defined in
+    a worker's ``__main__``) still fails the whole pickle there, as any pickle of it
+    would.
     """
 
     chunks: ClassVar[_Table] = _Table()
@@ -538,7 +544,16 @@ class LoadReport:
                      _kept_targets=self.targets)
         state["patches"] = [_picklable_patch(p) for p in self.patches]
         state["_patch_versions"] = None  # (the copies a reader gets start counting anew)
+        kept = None if self.error is None else _KeptError.of(self.error, self)
+        if kept is not None:
+            state["error"] = kept
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        error = state.get("error")
+        if isinstance(error, _KeptError):
+            state = {**state, "error": error.restore()}
+        self.__dict__.update(state)
 
     def _patch_changed(self, position: int) -> str | None:
         """What of patch ``position`` changed in place since the load (``"values"``,
@@ -959,6 +974,38 @@ def _cut(df: pd.DataFrame) -> pd.DataFrame:
         if out[c].dtype == object or pd.api.types.is_string_dtype(out[c].dtype):
             out[c] = pd.Series([cut(v) for v in out[c]], index=out.index, dtype=object)
     return out
+
+
+class _KeptError:
+    """What a report's pickle keeps of an error that does not survive a pickle (a
+    class whose ``__init__`` takes other arguments than its ``args``, one holding a lock):
+    its type and message, for a ``RuntimeError`` that stands in for it when the report
+    is read back, so that such an exception costs itself and not the whole report. An
+    error that survives is kept as it is (it stays the very exception whose ``report``
+    is the report)."""
+
+    def __init__(self, text: str, why: str) -> None:
+        self.text, self.why = text, why
+
+    @classmethod
+    def of(cls, error: BaseException, report: LoadReport) -> _KeptError | None:
+        """``None`` when ``error`` pickles and unpickles here (its ``report``, and any
+        reference to ``report``, taken as given), else what stands in for it."""
+        out = io.BytesIO()
+        pickler = pickle.Pickler(out, pickle.HIGHEST_PROTOCOL)
+        pickler.persistent_id = lambda obj: "report" if obj is report else None
+        try:
+            pickler.dump(error)
+            unpickler = pickle.Unpickler(io.BytesIO(out.getvalue()))
+            unpickler.persistent_load = lambda pid: report
+            unpickler.load()
+        except Exception as e:  # (any: a user's exception's pickle can raise anything)
+            return cls(_error_text(error, 400), f"{type(e).__name__}: {e}")
+        return None
+
+    def restore(self) -> RuntimeError:
+        return RuntimeError(f"{self.text} (the load's exception, which a pickle could not "
+                            f"keep: {self.why})")
 
 
 def _error_text(error: BaseException, limit: int = 160) -> str:

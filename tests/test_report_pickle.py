@@ -235,3 +235,40 @@ def test_a_pickled_report_of_patch_parts_holds_each_part_once(dtype):
     assert [same_bits(q.values, p.values) for q, p in zip(back.patches, parts)] == [True] * 32
     assert [same_bits(q.indices, p.indices) for q, p in zip(back.patches, parts)] == [True] * 32
     assert parts[3].values.untyped_storage().nbytes() == values.untyped_storage().nbytes()
+
+
+class _TwoArgError(Exception):
+    """An exception whose __init__ takes other arguments than its args: it pickles, and
+    fails to unpickle (a common pattern in loaders' own errors)."""
+
+    def __init__(self, name, detail):
+        super().__init__(f"{name}: {detail}")
+
+
+class _RaisingTwoArg(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name != "w":
+                raise _TwoArgError(name, "disk gone")
+            self.w.copy_(t)
+        return {n for n, _ in weights}
+
+
+def test_a_report_whose_error_cannot_be_unpickled_keeps_everything_else():
+    # (the report's pickle failed to load as a whole, tables and all)
+    patches = [CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(16)),
+               CheckpointWeightPatch("x", (4, 4), torch.float32, torch.ones(16))]
+    with pytest.raises(_TwoArgError) as info:
+        patchkit.inspect_load(_RaisingTwoArg(), patches, max_chunk_bytes=64)
+    report = info.value.report
+    copy = pickle.loads(pickle.dumps(report))
+    assert type(copy.error) is RuntimeError
+    assert str(copy.error).startswith("_TwoArgError: x: disk gone (the load's exception, "
+                                      "which a pickle could not keep: TypeError: ")
+    assert list(copy.writes["target"]) == ["w"] and copy.calls.equals(report.calls)
+    assert copy.summary()["error"].startswith("RuntimeError: _TwoArgError: x: disk gone")
+    assert report.error is info.value  # (the report itself is untouched)
