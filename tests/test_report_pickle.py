@@ -137,17 +137,18 @@ def _storages(obj, seen=None) -> set[int]:
 
 
 class Refusing(torch.nn.Module):
-    """One 4 x 4 weight ``w``; any other name raises ``KeyError`` after ``w`` was written
-    (a load that fails in its second call)."""
+    """One 4 x 4 weight ``w``; any other name raises ``error(name)`` (default a
+    ``KeyError``) after ``w`` was written (a load that fails in its second call)."""
 
-    def __init__(self):
+    def __init__(self, error=lambda name: KeyError(f"no weight {name!r}")):
         super().__init__()
+        self.error = error
         self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
 
     def load_weights(self, weights):
         for name, t in weights:
             if name != "w":
-                raise KeyError(f"no weight {name!r}")
+                raise self.error(name)
             self.w.copy_(t)
         return {n for n, _ in weights}
 
@@ -245,25 +246,13 @@ class _TwoArgError(Exception):
         super().__init__(f"{name}: {detail}")
 
 
-class _RaisingTwoArg(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
-
-    def load_weights(self, weights):
-        for name, t in weights:
-            if name != "w":
-                raise _TwoArgError(name, "disk gone")
-            self.w.copy_(t)
-        return {n for n, _ in weights}
-
-
 def test_a_report_whose_error_cannot_be_unpickled_keeps_everything_else():
     # (the report's pickle failed to load as a whole, tables and all)
     patches = [CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(16)),
                CheckpointWeightPatch("x", (4, 4), torch.float32, torch.ones(16))]
     with pytest.raises(_TwoArgError) as info:
-        patchkit.inspect_load(_RaisingTwoArg(), patches, max_chunk_bytes=64)
+        patchkit.inspect_load(Refusing(lambda name: _TwoArgError(name, "disk gone")),
+                              patches, max_chunk_bytes=64)
     report = info.value.report
     copy = pickle.loads(pickle.dumps(report))
     assert type(copy.error) is RuntimeError
