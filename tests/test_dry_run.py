@@ -13,7 +13,6 @@ from patchkit import CheckpointWeightPatch, inspect_load, load_checkpoint_weight
 from patchkit.build import AdamLikeTrainer, dense_patches, sparse_patches_from_diff
 from patchkit.intercept import _storage_key
 from patchkit.toymodels import PlainModel, TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
-from patchkit.widgets import explore
 
 META = torch.device("meta")
 # Where a write landed: every column of ``writes`` but the counts.
@@ -96,6 +95,9 @@ def test_a_dry_run_has_no_values_to_show():
 
 
 def test_the_explorer_of_a_dry_run_says_why_it_draws_no_delta():
+    pytest.importorskip("ipywidgets")  # (the notebooks extra: the rest runs without it)
+    from patchkit.widgets import explore
+
     m = PlainModel({"a": (4,)}, device=META)
     r = inspect_load(m, [CheckpointWeightPatch("a", (4,), torch.float32, torch.ones(2),
                                                torch.tensor([0, 3]))])
