@@ -1172,8 +1172,8 @@ def check_patch_file(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
     Other dense patches' values are never read. So a file of a model's dense weights is
     checked in the time of reading its header, and one of sparse patches in the time of
     reading their data. Raises what :func:`load_patches` raises for the same file: a
-    :class:`~patchkit.errors.PatchValueError` (or ``PatchTypeError``) naming the file
-    and the first offending patch."""
+    :class:`~patchkit.errors.PatchValueError` naming the file and the first offending
+    patch (its position, name, reason and value)."""
     _check_path(path, "check_patch_file")
     path = os.fsdecode(path)
     entries = read_patch_index(path)
