@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 
 from .bitwise import _not_plain, bits, changed_mask, count_true, has_numbers
-from .density import grid_shape
+from .density import _is_int, grid_shape
 from .errors import PatchTypeError, PatchValueError, where
 from .patch import (
     CheckpointWeightPatch,
@@ -220,7 +220,7 @@ def _check_shape(shape: object, name: str) -> tuple[int, ...]:
 def _check_int(value: object, what: str, minimum: int, below: int | None = None) -> int:
     """``value`` as an int (a numpy int too, not a bool) in ``[minimum, below)``:
     ``PatchTypeError`` for anything else, ``PatchValueError`` out of range."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not _is_int(value):
         raise PatchTypeError(
             f"{what} must be an int, got {type(value).__name__}", reason=what, value=value
         )

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import itertools
 import math
 import operator
@@ -386,28 +387,24 @@ class _RegionIndex:
             self._place(item, a0, a1)
         self.starts, self.ends, self.items = [], [], []
 
-    def _place(self, item: Any, a0: int, a1: int) -> None:
-        region = item if self._region_of is None else self._region_of(item)
-        found = None
+    def _fit(self, region: Region) -> tuple[tuple[int, int], tuple] | None:
+        """``(grid key, rectangle)`` for ``region``: rows ``S`` apart in the grid of
+        stride ``S``; one run of elements in any grid it fits, else as a row of the grid
+        of its own length; ``None`` when it is no rectangle."""
         rows = region._rows()
-        if rows is not None and not region.byte_offset % region.itemsize:
-            length, step = rows
-            if length < step:
-                key = (step, region.itemsize)
-                rect = _rect_in(region, key)
-                if rect is not None:
-                    found = key, rect
-            else:  # one run of elements: a rectangle of any grid it fits, else a row
-                for key in self._grids:
-                    rect = _rect_in(region, key)
-                    if rect is not None:
-                        found = key, rect
-                        break
-                else:
-                    key = (length, region.itemsize)
-                    found = key, _rect_in(region, key)
-                    if found[1] is None:
-                        found = None
+        if rows is None:
+            return None
+        length, step = rows
+        keys = ([(step, region.itemsize)] if length < step
+                else [*self._grids, (length, region.itemsize)])
+        for key in keys:
+            rect = _rect_in(region, key)
+            if rect is not None:
+                return key, rect
+        return None
+
+    def _place(self, item: Any, a0: int, a1: int) -> None:
+        found = self._fit(item if self._region_of is None else self._region_of(item))
         if found is None:
             self._loose.append((a0, a1, item))
             self._where[id(item)] = (None,)
@@ -701,12 +698,12 @@ class RuntimeIndex:
                 continue
             cls = type(t)
             plain = cls is torch.Tensor or cls is torch.nn.Parameter
-            if (not plain and issubclass(cls, _UNINITIALIZED)) or (
-                    t.layout is not _STRIDED or t.is_nested):
+            uninitialized = not plain and issubclass(cls, _UNINITIALIZED)
+            if uninitialized or t.layout is not _STRIDED or t.is_nested:
                 # (nothing to index: left out; a watched load refuses the model unless the
                 # tensor is empty, as an empty strided one is never written)
                 self._unindexed.add(name)
-                if not isinstance(t, _UNINITIALIZED) and t.numel() == 0:
+                if not uninitialized and t.numel() == 0:
                     continue
                 self.storageless[name] = _storageless_kind(t)
                 continue
@@ -2039,9 +2036,9 @@ class WriteSession:
         self.track_sources = True
         self.provenance = _Provenance()
         self.saved: list[SavedRegion] = []
-        # Saves whose statistics were measured while writing, by storage (sorted by where
-        # their span starts; with each storage's widest span), until a later write
-        # reaches one and makes its numbers stale (see _forget_measured).
+        # Saves whose statistics were measured while writing, by storage (an index of
+        # their spans), until a later write reaches one and makes its numbers stale (see
+        # _forget_measured).
         self._measured: dict[tuple, _RegionIndex] = {}
         self._saved_regions: set[Region] = set()
         self._sparse = False
@@ -2859,15 +2856,12 @@ class WriteSession:
         if not regions:
             return
         lo, hi = _byte_span(t)
-        written: list[Region] = []
-
-        def region() -> Region:
-            if not written:
-                written.append(Region.of(t))
-            return written[0]
-
-        for sr in regions.meeting(lo, hi, region):
-            if not sr.region.columns_apart(region()):
+        met = regions.meeting(lo, hi, functools.partial(Region.of, t))
+        if not met:
+            return
+        written = Region.of(t)
+        for sr in met:
+            if not sr.region.columns_apart(written):
                 sr.diff_stats = None
                 regions.discard(sr, sr.span[1])
 

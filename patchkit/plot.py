@@ -730,12 +730,15 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
     # bar stays in the gap beside it. Under 6 pt no hatch is drawn, and an edge alone
     # either hides in a thin bar or, as wide as before, covers its neighbours (3000
     # calls, 57 % of them over budget, drew 98 % red): the bar is filled red instead.
-    over_lw = min(2.0, bar_pt / 4)
-    red_fill = bar_pt < 6.0
+    hatched = bar_pt >= 6.0
     for c in plan:
         colour, hatch = _REASON_STYLE[c.closed_by]
-        if c.over_budget and red_fill:
-            colour = _OVER_BUDGET
+        over_edge = None  # (an over-budget call's edge colour and width)
+        if c.over_budget:
+            if hatched:
+                over_edge = (_OVER_BUDGET, min(2.0, bar_pt / 4))
+            else:
+                colour, over_edge = _OVER_BUDGET, ("none", 0.0)
         bottom = 0
         for k, (positions, name, height) in enumerate(_bar_pieces(c, patches, thin)):
             merged = len(positions) > 1
@@ -744,12 +747,10 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
                 f"segment {c.index} "
                 + (f"{positions[0]}..{positions[-1]}" if merged else str(positions[0])),
                 c.index - 0.4, bottom, height, colour, 0.95 if k % 2 == 0 else 0.7,
-                "none" if c.over_budget and red_fill else
-                _OVER_BUDGET if c.over_budget else "white" if edge else "none",
-                (0.0 if red_fill else over_lw) if c.over_budget else 0.8 if edge else 0.0,
+                *(over_edge or (("white", 0.8) if edge else ("none", 0.0))),
                 # (a hatch in a bar under 6 pt wide shows as noise, and drawing it costs
                 # more than the rest of the figure: the colour carries the reason there)
-                ("xx" if c.over_budget else hatch) if bar_pt >= 6.0 else "",
+                ("xx" if c.over_budget else hatch) if hatched else "",
             ))
             tag = f"{len(positions)} patches" if merged else _tag(name)
             across = len(tag) <= label_chars and height >= label_min
@@ -811,10 +812,9 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
     )
     if any(c.over_budget for c in plan):
         handles.append(
-            Patch(facecolor=_OVER_BUDGET, label="one patch over budget (travels alone)")
-            if red_fill else
             Patch(facecolor="white", edgecolor=_OVER_BUDGET, hatch="xx", linewidth=2,
-                  label="one patch over budget (travels alone)")
+                  label="one patch over budget (travels alone)") if hatched else
+            Patch(facecolor=_OVER_BUDGET, label="one patch over budget (travels alone)")
         )
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
               frameon=False)
