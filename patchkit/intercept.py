@@ -65,7 +65,7 @@ from .bitwise import (
     select,
     squares_on_device,
 )
-from .errors import ContractViolation, where
+from .errors import ContractViolation, PatchValueError, where
 from .units import _count
 
 __all__ = [
@@ -1761,6 +1761,10 @@ _PASS_ON = _tensor_funcs(
 _TENSOR_COPY = torch._C.TensorBase.copy_
 _GETITEM = torch._C.TensorBase.__getitem__
 _COPY_NAME = _op_name(_COPY)
+# Floating dtypes with infinities: a cast into them turns no number into NaN (a sparse
+# copy into any other floating dtype is checked for numbers lost that way).
+_CASTS_KEEP_NUMBERS = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2})
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _increment_version = torch.autograd.graph.increment_version
 
@@ -3096,6 +3100,8 @@ class WriteSession:
                 value=(tuple(src.shape) if isinstance(src, torch.Tensor) else None,
                        tuple(dest.shape)),
             )
+        if src.dtype != dest.dtype and dest.dtype not in _CASTS_KEEP_NUMBERS:
+            self._refuse_lost_numbers(src, dest, at, pos, name, tname)
         region = Region.of(dest)
         earliers = self._call_regions.get(region.key)
         if earliers is None:
@@ -3112,6 +3118,36 @@ class WriteSession:
                 )
         earliers.add(region, a0, a1)
         self._call_fed[tname] = (pos, name) if name is not None else None
+
+    def _refuse_lost_numbers(self, src: torch.Tensor, dest: torch.Tensor, at: str,
+                             pos: int | None, name: str | None, tname: str) -> None:
+        """A sparse copy into a runtime dtype without infinities (float8 ``e4m3fn``,
+        ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``): a number of the source (an infinity, a
+        value out of the dtype's range) that becomes NaN in the cast would read as
+        "keep", and its update would be lost without a word. Refused before the copy
+        writes anything, naming the first such element's checkpoint index where the
+        source is traced to a patch (else its position in the copy's source)."""
+        s = src.detach()
+        cast = s.to(dest.dtype)
+        lost = torch.isnan(cast.float()) & ~torch.isnan(s if s.element_size() > 1 else s.float())
+        if not bool(lost.any()):
+            return
+        first = torch.nonzero(lost.reshape(-1))[:1].reshape(-1)
+        value = float(s.reshape(-1)[first].float())
+        hit = self.provenance.lookup(s)
+        if hit is not None and hit[2] is not None and hit[:2] == (pos, name):
+            index = int(_storage_offsets(s, first)[0]) - s.storage_offset() + hit[2]
+            where_ = f"checkpoint index {index}"
+        else:
+            index = int(first[0])
+            where_ = f"element {index} of the copy's source"
+        raise PatchValueError(
+            f"{at} copied a {s.dtype} source into a {dest.dtype} view: the value {value!r} at "
+            f"{where_} becomes NaN in {dest.dtype}, which a sparse load reads as 'keep', so "
+            "this update would be lost. Send this weight dense, or with values the "
+            f"runtime dtype can hold. This copy wrote nothing{self._no_source_note(name, tname)}",
+            position=pos, name=name, reason="NaN in the runtime dtype", value=index,
+        )
 
     def _fed_by(self, src: object, source: tuple[int | None, str] | None
                 ) -> tuple[int | None, str | None]:

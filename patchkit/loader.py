@@ -62,7 +62,11 @@ def load_checkpoint_weight_patches(
        into the model's parameters and buffers keeps the runtime value wherever the source
        is NaN; any other write into runtime storage, overlapping destinations within one
        call, or a call that reports names without writing raise
-       :class:`NotImplementedError` before that write happens. A call that rebinds a
+       :class:`NotImplementedError` before that write happens; a copy into a dtype that
+       turns one of its numbers into NaN (an infinity or an out-of-range value into a
+       float8 ``fnuz`` or ``e8m0fnu`` parameter), which would read as "keep", raises
+       :class:`ValueError` (reason ``"NaN in the runtime dtype"``), writing nothing of
+       that copy. A call that rebinds a
        runtime tensor (``param.data = w``), registers a new one in its place
        (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) or registers
        one under a name the model did not have is caught when it returns: the original is

@@ -90,3 +90,63 @@ def test_the_nan_message_quotes_the_entry_that_is_nan_when_its_index_repeats(loa
     with pytest.raises(ValueError, match=r"1000000\.0 becomes NaN when cast"):
         load(m, [p], validate_unique_indices=False)
     assert m.w.float().tolist() == [0.0] * 6
+
+
+class _RowShard(torch.nn.Module):
+    """Rows 2-3 of a 4 x 4 checkpoint weight, as a tensor-parallel rank holds them."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2, 4).to(dtype), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.ones(4).to(dtype), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            getattr(self, name).copy_(t.narrow(0, 2, 2) if name == "w" else t)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("runtime", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+                                     torch.float8_e8m0fnu])
+@pytest.mark.parametrize("number", [float("inf"), -1e6])
+def test_a_value_that_becomes_nan_in_the_runtime_dtype_is_refused_not_kept(
+        load, Patch, runtime, number):
+    # The patch's own dtype (float32) holds the number, so validation passes; the copy
+    # into the model's dtype makes it NaN, which the merge would read as "keep": the
+    # element would silently stay stale (e8m0fnu has no sign: -1e6 becomes 2**20, kept
+    # as a number, so only the infinity is lost there).
+    lost = not (runtime == torch.float8_e8m0fnu and number == -1e6)
+    m = _RowShard(runtime)
+    before = {n: bits(t.detach()).clone() for n, t in m.named_parameters()}
+    b = Patch("b", (4,), torch.float32, torch.tensor([2.0]), torch.tensor([1]))
+    # checkpoint index 13 (row 3, column 1) is the rank's element 5
+    w = Patch("w", (4, 4), torch.float32, torch.tensor([0.5, 2.0, number]),
+              torch.tensor([1, 8, 13]))
+    if not lost:
+        load(m, [b, w])
+        assert m.w.detach().float().reshape(-1).tolist()[5] == 2.0**20
+        return
+    with pytest.raises(ValueError, match=r"becomes NaN in torch\.float8") as info:
+        load(m, [b, w])
+    e = info.value
+    assert (e.position, e.name, e.reason, e.value) == (1, "w", "NaN in the runtime dtype", 13)
+    assert f"{number!r} at checkpoint index 13" in str(e) and "wrote nothing" in str(e)
+    # (the copy into w wrote nothing; b, copied before it in the same call, stays)
+    assert torch.equal(bits(m.w.detach()), before["w"])
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("runtime", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+def test_runtime_dtypes_that_hold_every_number_take_it_as_a_dense_load_would(
+        load, Patch, runtime):
+    # e4m3fn saturates (inf -> 448), e5m2 and bf16 have infinities: no number is lost in
+    # the cast, so the sparse load writes what a dense load of the same values writes.
+    sparse, dense = _RowShard(runtime), _RowShard(runtime)
+    values = torch.tensor([float("inf"), -1e6, 3.0])
+    idx = torch.tensor([9, 13, 14])
+    load(sparse, [Patch("w", (4, 4), torch.float32, values, idx)])
+    full = torch.ones(4, 4)
+    full.reshape(-1)[idx] = values
+    load(dense, [Patch("w", (4, 4), torch.float32, full.reshape(-1), None)])
+    assert torch.equal(bits(sparse.w.detach()), bits(dense.w.detach()))
