@@ -477,7 +477,8 @@ class _PutBack(NamedTuple):
     """What :meth:`WriteSession._put_back` undid after a sparse call: a change of the
     module tree's structure (:meth:`RuntimeIndex.structure_changed`, or ``None``), the
     names rebound, replaced and added (not tied: ``ties``, which stay), which replaced
-    names were gone or moved, and the names it could not register again."""
+    names were gone or moved, the names it could not register again, and what the
+    rebound, replaced and added names held before they were put back (where known)."""
 
     changed: str | None
     rebound: list[str]
@@ -487,6 +488,7 @@ class _PutBack(NamedTuple):
     gone: set[str]
     moved: set[str]
     left: list[str]
+    held: dict[str, torch.Tensor]
 
 
 _REGISTRY_NAMES = ("_parameters", "_buffers", "_modules")
@@ -2425,6 +2427,7 @@ class WriteSession:
         ties: dict[str, str] = {}
         gone: set[str] = set()
         moved: set[str] = set()
+        held = {n: index.tensors[n].data for n in rebound}
         if changed is None:
             if index.unchanged():
                 self.tree_as_found = True
@@ -2434,8 +2437,10 @@ class WriteSession:
                     named = index.added_tensors(replaced)
                 ties = index.ties_among(named) if named else {}
                 added = [n for n, _ in named if n not in ties]
+                held.update((n, t) for n, t in named if n not in ties)
                 if replaced or added:
                     now, _ = _named_now(index.model)
+                    held.update((n, now[n]) for n in replaced if now.get(n) is not None)
                     gone = set(replaced) - now.keys()
                     # (the same tensor under its name, in the other registry)
                     moved = {n for n in replaced
@@ -2446,7 +2451,7 @@ class WriteSession:
         left = index.not_undone() if changed is not None or replaced else []
         for n in rebound:
             index.tensors[n].data = bindings[n]  # the original storage put back
-        return _PutBack(changed, rebound, replaced, added, ties, gone, moved, left)
+        return _PutBack(changed, rebound, replaced, added, ties, gone, moved, left, held)
 
     def _undo_after_raise(self, bindings: dict[str, torch.Tensor], exc: BaseException) -> None:
         """A sparse call that raised: what it rebound (``param.data = w``), registered
@@ -2482,6 +2487,13 @@ class WriteSession:
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
         call = (f"load_weights (call {self._chunk}, "
                 f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))})")
+        # What a whole call did wrong names its patch where the call had one (the
+        # message lists them all), else where the tensor it put in the model is traced
+        # to one (``param.data = w``, a clone of it); which of several patches a missing
+        # copy served is not known.
+        one = ((positions[0] if positions[0] >= 0 else None, staged[0][0])
+               if len(staged) == 1 else (None, None))
+        pos, name = one
         # Each change may hold the staged NaN: all are undone before the first is raised.
         back = self._put_back(bindings)
         left = back.left
@@ -2495,12 +2507,18 @@ class WriteSession:
             raise ContractViolation(
                 f"{call} {back.changed}; a sparse load needs same-shaped floating-point copy_ "
                 f"into the existing storage. {undone}",
-                position=positions[0], name=staged[0][0], reason="rebinding",
+                position=pos, name=name, reason="rebinding",
                 value=back.changed,
             )
         if back.ties and self.recorder is not None:
             self.ties.update(back.ties)  # (a report knows the new name)
         replaced, rebound, added = back.replaced, back.rebound, back.added
+        first = (replaced or rebound or added or [None])[0]
+        if first is not None and len(staged) > 1:
+            t = back.held.get(first)
+            hit = self.provenance.lookup(t) if isinstance(t, torch.Tensor) else None
+            if hit is not None:
+                pos, name = hit[0], hit[1]
         if replaced:
             first = self.index.aliases.get(replaced[0])
             tied = f" (a tied name of {first!r})" if first is not None else ""
@@ -2517,7 +2535,7 @@ class WriteSession:
             raise ContractViolation(
                 f"{call} {did}; a sparse load needs same-shaped floating-point copy_ into the "
                 f"existing storage. {undone}",
-                position=positions[0], name=staged[0][0], reason="rebinding", value=replaced[0],
+                position=pos, name=name, reason="rebinding", value=replaced[0],
             )
         if rebound:
             raise ContractViolation(
@@ -2525,7 +2543,7 @@ class WriteSession:
                 "`param.data = w`) instead of copying into it; a sparse load needs same-shaped "
                 "floating-point copy_ into the existing storage. The original storage was put "
                 "back",
-                position=positions[0], name=staged[0][0], reason="rebinding", value=rebound[0],
+                position=pos, name=name, reason="rebinding", value=rebound[0],
             )
         if added:
             raise ContractViolation(
@@ -2533,7 +2551,7 @@ class WriteSession:
                 "`module.extra = nn.Parameter(w)`), which may hold the staged NaN; a sparse "
                 "load needs same-shaped floating-point copy_ into the existing storage. It "
                 "was removed again",
-                position=positions[0], name=staged[0][0], reason="new runtime tensor",
+                position=pos, name=name, reason="new runtime tensor",
                 value=added[0],
             )
         nothing_to_write = all(t.numel() == 0 for _, t in staged)
@@ -2543,6 +2561,7 @@ class WriteSession:
             and (returned is None or len(returned) > 0)
         ):
             said = "returned None" if returned is None else f"returned {sorted(returned)!r}"
+            pos, name = one
             raise ContractViolation(
                 f"load_weights (call {self._chunk}, "
                 f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))}) {said} "
@@ -2551,7 +2570,7 @@ class WriteSession:
                 "collection. (A loader that copies on another thread is not watched: its "
                 "copies may have put the staged NaN into the model, which no rollback "
                 f"sees{self._nan_holders()})",
-                position=positions[0], name=staged[0][0], reason="without copying",
+                position=pos, name=name, reason="without copying",
                 value=None if returned is None else tuple(sorted(returned)),
             )
 

@@ -1375,3 +1375,50 @@ def test_a_sparse_refusal_without_copying_names_the_tensors_that_hold_nan_now():
     with pytest.raises(ContractViolation, match="without copying") as info:
         patchkit.load_checkpoint_weight_patches(Stashes(shapes), [p])
     assert "hold NaN now" not in str(info.value)
+
+
+# -- errors about a whole sparse call (intercept.py) ------------------------------------
+
+
+class _RebindsB(PlainModel):
+    def load_one(self, name, param, w):
+        if name == "b":
+            param.data = w.clone()
+        else:
+            super().load_one(name, param, w)
+
+
+class _RebindsBToZeros(PlainModel):
+    def load_one(self, name, param, w):
+        if name == "b":
+            param.data = torch.zeros_like(param)
+        else:
+            super().load_one(name, param, w)
+
+
+@pytest.mark.parametrize("model", ["rebinds", "rebinds to zeros", "stashes"])
+def test_a_whole_call_error_names_the_patch_at_fault_or_none(model):
+    # Rebinding b (or copying nothing at all) is the call's fault, not patch 0's: a call
+    # of two patches blamed 'a', which loaded fine. The patch is named where the tensor
+    # put in the model is traced to it (a clone of b's staged tensor), or where the call
+    # had only that one; otherwise neither is named.
+    from patchkit.toymodels import ReportsWithoutWritingModel
+
+    make = {"rebinds": _RebindsB, "rebinds to zeros": _RebindsBToZeros,
+            "stashes": ReportsWithoutWritingModel}[model]
+    reason = "without copying" if model == "stashes" else "rebinding"
+    a = CWP("a", (2,), torch.float32, torch.ones(1), torch.tensor([0]))
+    b = CWP("b", (2,), torch.float32, torch.ones(1), torch.tensor([1]))
+    m = make({"a": (2,), "b": (2,)})
+    with pytest.raises(NotImplementedError) as info:
+        patchkit.load_checkpoint_weight_patches(m, [a, b])
+    e = info.value
+    named = (1, "b") if model == "rebinds" else (None, None)
+    assert (e.position, e.name, e.reason) == (*named, reason)
+    assert "patch 0 ('a'), patch 1 ('b')" in str(e)
+    one = "a" if model == "stashes" else "b"
+    m = make({"a": (2,), "b": (2,)})
+    with pytest.raises(NotImplementedError) as info:
+        patchkit.load_checkpoint_weight_patches(m, [a, b], max_chunk_bytes=8)
+    e = info.value
+    assert (e.position, e.name, e.reason) == ({"a": 0, "b": 1}[one], one, reason)
