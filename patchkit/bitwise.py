@@ -27,7 +27,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     same payload as equal, unlike ``a != b``. Complex tensors gain a trailing dimension of
     2 (real, imaginary); signed integer and uint8 tensors come back as they are, uint16,
     uint32 and uint64 ones as the signed type of their width (torch has index kernels for
-    those).
+    those), and the packed ``bits*`` dtypes as the int of their width.
     """
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
@@ -36,7 +36,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
         return t.view(signed)
     if t.dtype.is_complex:
         t = torch.view_as_real(t)
-    if t.dtype.is_floating_point:
+    if t.dtype.is_floating_point or not has_numbers(t.dtype):
+        # (the bits* dtypes too: torch has no comparison kernels for them)
         return t.view(_INT_OF_SIZE[t.element_size()])
     return t
 

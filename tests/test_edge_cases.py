@@ -1344,6 +1344,53 @@ def test_a_packed_float4_tensor_is_inspected_and_rolled_back(shape, changed, tra
         assert r.deltas.loc["w", ["elements", "changed"]].tolist() == [n, changed]
 
 
+@pytest.mark.parametrize("dtype", [torch.bits8, torch.bits16, torch.bits1x8, torch.bits4x2])
+@pytest.mark.parametrize("how", ["plain", "transactional", "report", "compare"])
+def test_the_bits_dtypes_are_compared_bit_for_bit(dtype, how):
+    # bits() handed a bits* tensor back as it was, and torch has no comparison kernel for
+    # them: same_bits, changed_fraction and a transactional load (which a plain one
+    # loads) raised a bare NotImplementedError ('"ne_cpu" not implemented for Bits8')
+    raw = torch.int16 if dtype == torch.bits16 else torch.uint8
+    start = torch.arange(6, dtype=raw)
+    new = start.clone()
+    new[[1, 4]] += 9
+
+    if how == "compare":
+        a, b = start.view(dtype), new.view(dtype)
+        assert patchkit.same_bits(a, a.clone()) and not patchkit.same_bits(a, b)
+        assert patchkit.same_state({"w": a}, {"w": a.clone()})
+        assert changed_fraction({"w": a}, {"w": b}) == pytest.approx(2 / 6)
+        return
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("w", start.clone().view(dtype))
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.copy_(t)
+            if how == "transactional":
+                raise RuntimeError("fails after writing")
+            return {"w"}
+
+    m = Model()
+    p = CWP("w", (6,), dtype, new.view(dtype))
+    if how == "plain":
+        assert patchkit.load_checkpoint_weight_patches(m, [p]) == {"w"}
+    elif how == "transactional":
+        with pytest.raises(RuntimeError, match="fails after writing"):
+            patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+        assert torch.equal(m.w.view(raw), start)
+        return
+    else:
+        r = inspect_load(m, [p])
+        assert r.deltas.loc["w", ["elements", "changed"]].tolist() == [6, 2]
+        assert r.writes["changed"].tolist() == [2]
+        assert torch.equal(r.before("w").view(raw), start)
+    assert torch.equal(m.w.view(raw), new)
+
+
 def test_a_sparse_refusal_without_copying_names_the_tensors_that_hold_nan_now():
     # A loader that copies on another thread puts the staged NaN into the model before
     # the call is refused; the refusal said it "may" have, and not where
