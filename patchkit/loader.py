@@ -157,6 +157,14 @@ def run_load(
         )
         if kind is None:
             return set()
+        if not isinstance(model, torch.nn.Module):
+            # (its tensors are found through nn.Module's registries: tied names, a sparse
+            # load's watch; a duck-typed model failed later with a bare AttributeError)
+            raise PatchTypeError(
+                f"model {type(model).__name__} is not a torch.nn.Module; the contract loads "
+                "patches into a module's parameters and buffers, through its load_weights",
+                reason="not a module", value=type(model).__name__,
+            )
         _check_meta(model, patches)
         load_weights = getattr(model, "load_weights", None)
         if not callable(load_weights):

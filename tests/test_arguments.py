@@ -743,3 +743,29 @@ def test_public_helpers_refuse_arguments_of_the_wrong_kind_with_type_and_value_e
     assert plot.view_rects(np.int64(0), torch.Size([2, 2]), (4, 1), 4) == (
         [(0, 2, 0, 2)], True)
     assert plot.written_mask(report, "a").tolist() == [True] * 4
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse", "transactional"])
+def test_a_model_that_is_not_a_module_is_refused_by_type_before_any_call(kind):
+    # A duck-typed model with load_weights failed with a bare AttributeError
+    # ('named_modules') from deep inside the load
+    class Duck:
+        calls = 0
+
+        def load_weights(self, weights):
+            Duck.calls += 1
+            return {n for n, _ in weights}
+
+    if kind == "sparse":
+        p = CWP("w", (4,), torch.float32, torch.ones(1), torch.tensor([2]))
+    else:
+        p = CWP("w", (4,), torch.float32, torch.ones(4))
+    with pytest.raises(TypeError, match="Duck is not a torch.nn.Module") as info:
+        patchkit.load_checkpoint_weight_patches(
+            Duck(), [p], transactional=kind == "transactional")
+    e = info.value
+    assert isinstance(e, patchkit.PatchTypeError)
+    assert (e.reason, e.value, Duck.calls) == ("not a module", "Duck", 0)
+    with pytest.raises(TypeError, match="no load_weights") as info:
+        patchkit.load_checkpoint_weight_patches(torch.nn.Linear(2, 2), [p])
+    assert info.value.reason == "no load_weights"
