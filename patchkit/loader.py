@@ -32,6 +32,9 @@ from .units import _count
 __all__ = ["canonicalize_tied", "load_checkpoint_weight_patches"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# What a model that is not an nn.Module needs to be loaded as one: its tensors are found
+# through these (a test's duck-typed holder has them).
+_MODULE_API = ("named_modules", "named_parameters", "named_buffers")
 
 
 def load_checkpoint_weight_patches(
@@ -157,12 +160,14 @@ def run_load(
         )
         if kind is None:
             return set()
-        if not isinstance(model, torch.nn.Module):
-            # (its tensors are found through nn.Module's registries: tied names, a sparse
-            # load's watch; a duck-typed model failed later with a bare AttributeError)
+        lacks = [a for a in _MODULE_API if not callable(getattr(model, a, None))]
+        if lacks and not isinstance(model, torch.nn.Module):
+            # (its tensors are found as a module's: tied names, a sparse load's watch; a
+            # model without them failed later with a bare AttributeError)
             raise PatchTypeError(
-                f"model {type(model).__name__} is not a torch.nn.Module; the contract loads "
-                "patches into a module's parameters and buffers, through its load_weights",
+                f"model {type(model).__name__} is not a torch.nn.Module (it has no "
+                f"{lacks[0]}); the contract loads patches into a module's parameters and "
+                "buffers, through its load_weights",
                 reason="not a module", value=type(model).__name__,
             )
         _check_meta(model, patches)
