@@ -631,7 +631,7 @@ def split_patch(
     parts = _check_int(parts, "parts", 1)
     _check_index_dtype(index_dtype, allow_none=True)
     patch = _as_patch(patch)
-    validate_patches([patch])
+    validate_patches([patch], positions=[None])  # (a lone patch: no position to name)
     name, _, dtype, values, indices = patch
     if indices is not None:
         if parts == 1:

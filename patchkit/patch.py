@@ -614,17 +614,17 @@ def validate_patches(
     *,
     max_chunk_bytes: int | None = None,
     validate_unique_indices: bool = True,
-    positions: Sequence[int] | None = None,
+    positions: Sequence[int | None] | None = None,
 ) -> str | None:
     """Run every check of CONTRACT §1, in the contract's order; return the call's kind.
 
     Returns ``"dense"``, ``"sparse"`` or ``None`` for an empty list. Raises
     :class:`~patchkit.errors.PatchValueError` / :class:`~patchkit.errors.PatchTypeError`
     naming the first offending patch (its position in ``positions``, default the input
-    order), the reason and one offending value. The sparse value checks (NaN,
-    out-of-range, duplicate) run on the device that holds each patch's values, and the
-    host waits once per device; the search for an offending index happens only after that
-    combined check has failed. Patches whose values or indices are on the meta device
+    order; ``None`` names it by name only), the reason and one offending value. The
+    sparse value checks (NaN, out-of-range, duplicate) run on the device that holds each
+    patch's values, and the host waits once per device; the search for an offending
+    index happens only after that combined check has failed. Patches whose values or indices are on the meta device
     (a dry run: they hold no numbers) pass the checks of their values unchecked.
     ``validate_unique_indices`` must be a bool (:func:`check_flag`).
     """

@@ -24,7 +24,7 @@ def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
     ``PatchValueError`` naming it, e.g. for an index out of range or a NaN value).
     """
     patch = _as_patch(patch)  # (a plain 5-tuple too, as a load takes it)
-    validate_patches([patch])
+    validate_patches([patch], positions=[None])  # (a lone patch: no position to name)
     return _stage(resolved(patch))
 
 

@@ -770,3 +770,21 @@ def test_a_model_that_is_not_a_module_is_refused_by_type_before_any_call(kind):
     with pytest.raises(TypeError, match="no load_weights") as info:
         patchkit.load_checkpoint_weight_patches(torch.nn.Linear(2, 2), [p])
     assert info.value.reason == "no load_weights"
+
+
+@pytest.mark.parametrize("helper", ["stage", "split_patch"])
+def test_a_lone_patch_helper_names_the_patch_but_no_position(helper):
+    # stage(p) and split_patch(p, n) validated [p] and said "patch 0": called on
+    # patches[7], that points at the wrong patch. (density_map already said "patch 'w'")
+    run = {"stage": patchkit.stage, "split_patch": lambda p: patchkit.split_patch(p, 2)}[helper]
+    bad = [
+        CWP("w", (4,), torch.float32, torch.tensor([1.0]), torch.tensor([9])),
+        CWP("w", (4,), torch.float32, torch.ones(3)),
+        CWP("w", (4,), torch.int8, torch.tensor([1.0]), torch.tensor([1])),
+    ]
+    for p in bad:
+        with pytest.raises(PatchError) as info:
+            run(p)
+        e = info.value
+        assert (e.position, e.name) == (None, "w")
+        assert str(e).startswith("patch 'w': ")
