@@ -13,10 +13,11 @@ Choices a caller can rely on:
 - A weight whose changed elements include a NaN cannot travel sparsely (NaN means
   "unchanged" in a staged tensor): :func:`sparse_patches_from_diff` raises and says to
   send those weights dense.
-- Index dtype: ``torch.int32`` is the default; asking for int32 for a tensor whose
-  largest flat position does not fit (more than ``2**31`` elements) raises
-  :class:`~patchkit.errors.PatchValueError`; ``index_dtype=None`` picks int32 where it
-  fits and int64 elsewhere.
+- Index dtype: :func:`sparse_patches_from_diff` gives ``torch.int32`` by default,
+  :func:`random_sparse_patch` ``torch.int64``, and :func:`split_patch` keeps the
+  patch's own; asking for int32 for a tensor whose largest flat position does not fit
+  (more than ``2**31`` elements) raises :class:`~patchkit.errors.PatchValueError`;
+  ``index_dtype=None`` picks int32 where it fits and int64 elsewhere.
 """
 
 from __future__ import annotations
@@ -122,6 +123,27 @@ def _check_name(name: object, what: str = "name") -> str:
     if not name:
         raise PatchValueError(f"{what} is empty", reason="empty name", value=name)
     return name
+
+
+def _check_same_names(before: Mapping[str, torch.Tensor],
+                      after: Mapping[str, torch.Tensor], shown: int = 5) -> None:
+    """``PatchValueError`` (reason ``"names differ"``, ``name`` the first such weight,
+    ``value`` both lists in full) when ``before`` and ``after`` name different weights;
+    the message lists the first ``shown`` of each side."""
+    missing = [k for k in before if k not in after]
+    extra = [k for k in after if k not in before]
+    if not (missing or extra):
+        return
+
+    def listed(names: list[str]) -> str:
+        more = len(names) - shown
+        return f"{names[:shown]}" + (f" and {more} more" if more > 0 else "")
+
+    raise PatchValueError(
+        "before and after name different weights: "
+        f"only in before: {listed(missing)}; only in after: {listed(extra)}",
+        name=(missing or extra)[0], reason="names differ", value=(missing, extra),
+    )
 
 
 def _check_mapping(d: object, what: str, *, plain: bool = False) -> Mapping[str, torch.Tensor]:
@@ -328,15 +350,7 @@ def sparse_patches_from_diff(
     _check_index_dtype(index_dtype, allow_none=True)
     _check_mapping(before, "before")
     _check_mapping(after, "after")
-    missing = [k for k in before if k not in after]
-    extra = [k for k in after if k not in before]
-    if missing or extra:
-        first = (missing or extra)[0]
-        raise PatchValueError(
-            "before and after name different weights: "
-            f"only in before: {missing}; only in after: {extra}",
-            name=first, reason="names differ", value=(missing, extra),
-        )
+    _check_same_names(before, after)
     _check_comparable(before, after)
     plan: list[tuple[str, torch.Tensor, torch.Tensor, torch.dtype]] = []
     for name, a in after.items():
@@ -446,11 +460,7 @@ def changed_fraction(
     """
     _check_mapping(before, "before")
     _check_mapping(after, "after")
-    if set(before) != set(after):
-        raise PatchValueError(
-            "before and after name different weights", reason="names differ",
-            value=(sorted(set(before) - set(after)), sorted(set(after) - set(before))),
-        )
+    _check_same_names(before, after)
     _check_comparable(before, after)
     changed = total = 0
     for name, a in after.items():

@@ -624,8 +624,9 @@ def validate_patches(
     order; ``None`` names it by name only), the reason and one offending value. The
     sparse value checks (NaN, out-of-range, duplicate) run on the device that holds each
     patch's values, and the host waits once per device; the search for an offending
-    index happens only after that combined check has failed. Patches whose values or indices are on the meta device
-    (a dry run: they hold no numbers) pass the checks of their values unchecked.
+    index happens only after that combined check has failed. Patches whose values or
+    indices are on the meta device (a dry run: they hold no numbers) pass the checks of
+    their values unchecked.
     ``validate_unique_indices`` must be a bool (:func:`check_flag`).
     """
     check_flag(validate_unique_indices, "validate_unique_indices")

@@ -788,3 +788,25 @@ def test_a_lone_patch_helper_names_the_patch_but_no_position(helper):
         e = info.value
         assert (e.position, e.name) == (None, "w")
         assert str(e).startswith("patch 'w': ")
+
+
+@pytest.mark.parametrize("helper", ["changed_fraction", "sparse_patches_from_diff"])
+def test_weights_named_on_one_side_only_are_listed_in_the_message(helper):
+    # changed_fraction said only "before and after name different weights", its names in
+    # .value alone; sparse_patches_from_diff listed them all, however many
+    from patchkit.build import changed_fraction
+
+    run = {"changed_fraction": changed_fraction,
+           "sparse_patches_from_diff": sparse_patches_from_diff}[helper]
+    t = torch.zeros(2)
+    with pytest.raises(PatchValueError) as info:
+        run({"a": t, "c": t}, {"b": t, "c": t})
+    e = info.value
+    assert "only in before: ['a']; only in after: ['b']" in str(e)
+    assert (e.name, e.reason, e.value) == ("a", "names differ", (["a"], ["b"]))
+    many = {f"w{i}": t for i in range(8)}
+    with pytest.raises(PatchValueError) as info:
+        run(many, {})
+    assert "only in before: ['w0', 'w1', 'w2', 'w3', 'w4'] and 3 more; only in after: []" in (
+        str(info.value))
+    assert len(info.value.value[0]) == 8
