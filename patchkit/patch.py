@@ -582,7 +582,12 @@ def check_max_chunk_bytes(max_chunk_bytes: object) -> int:
         )
     if isinstance(max_chunk_bytes, numbers.Integral):
         return int(max_chunk_bytes)
-    as_float = float(max_chunk_bytes)
+    if isinstance(max_chunk_bytes, numbers.Rational) and max_chunk_bytes.denominator == 1:
+        return int(max_chunk_bytes.numerator)  # (exact: Fraction(10**400) has no float)
+    try:
+        as_float = float(max_chunk_bytes)
+    except OverflowError:  # a whole or fractional number beyond float's range
+        as_float = math.inf if max_chunk_bytes == math.floor(max_chunk_bytes) else math.nan
     if not (math.isfinite(as_float) and as_float.is_integer()):
         hint = " (for no limit, pass an int larger than the patches, e.g. 1 << 62)" if (
             as_float == math.inf) else ""

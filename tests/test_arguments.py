@@ -810,3 +810,19 @@ def test_weights_named_on_one_side_only_are_listed_in_the_message(helper):
     assert "only in before: ['w0', 'w1', 'w2', 'w3', 'w4'] and 3 more; only in after: []" in (
         str(info.value))
     assert len(info.value.value[0]) == 8
+
+
+def test_a_whole_fraction_beyond_floats_range_is_a_budget():
+    # float(Fraction(10**400)) raised a bare OverflowError; the docstring takes any whole
+    # number, and a fraction of it is still refused as one
+    from fractions import Fraction
+
+    from patchkit.patch import check_max_chunk_bytes
+
+    assert check_max_chunk_bytes(Fraction(10**400)) == 10**400
+    assert check_max_chunk_bytes(Fraction(8, 2)) == 4
+    ps = [_p("a"), _p("b")]
+    assert [c.positions for c in plan_chunks(ps, Fraction(10**400))] == [(0, 1)]
+    for bad in (Fraction(3, 2), Fraction(2 * 10**400 + 1, 2)):
+        with pytest.raises(PatchValueError, match="whole number of bytes"):
+            check_max_chunk_bytes(bad)
