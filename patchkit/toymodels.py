@@ -970,8 +970,10 @@ class TinyLlamaRuntime(nn.Module):
     ) -> None:
         """Shard ``tp_rank`` of gate (``shard_id`` 0) or up (1) into its rows of
         ``gate_up_proj``."""
-        if isinstance(shard_id, bool) or shard_id not in (0, 1):
+        if (isinstance(shard_id, bool) or not isinstance(shard_id, numbers.Integral)
+                or shard_id not in (0, 1)):  # (1.0 is not an id: narrow() takes ints only)
             raise ValueError(_shard_id_message("gate_up_proj", shard_id, "0 or 1"))
+        shard_id = int(shard_id)
         size = self.intermediate_per_rank
         _check_full(param, loaded_weight, (size * self.tp_size, param.shape[1]))
         src = loaded_weight.narrow(0, self.tp_rank * size, size)

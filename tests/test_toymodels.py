@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -434,6 +435,9 @@ def test_weight_loaders_refuse_what_vllm_asserts_against_before_writing():
         (qkv, torch.ones(rt.config.kv_size, h), "q", "must have shape"),
         (gate_up, torch.ones(rt.config.intermediate_size, h), -1, "shard_id must be 0 or 1"),
         (gate_up, torch.ones(rt.config.intermediate_size, h), True, "shard_id must be 0 or 1"),
+        (gate_up, torch.ones(rt.config.intermediate_size, h), 1.0, "shard_id must be 0 or 1"),
+        (gate_up, torch.ones(rt.config.intermediate_size, h), torch.tensor(1),
+         "shard_id must be 0 or 1"),
         (gate_up, torch.ones(rt.config.intermediate_size, h), None, "fused"),
     ]
     before = {n: t.clone() for n, t in rt.state_dict().items()}
@@ -446,7 +450,7 @@ def test_weight_loaders_refuse_what_vllm_asserts_against_before_writing():
     assert all(same_bits(t, before[n]) for n, t in rt.state_dict().items())
     # the right shapes and ids still load
     qkv.weight_loader(qkv, torch.ones(rt.config.kv_size, h), "v")
-    gate_up.weight_loader(gate_up, torch.ones(rt.config.intermediate_size, h), 1)
+    gate_up.weight_loader(gate_up, torch.ones(rt.config.intermediate_size, h), np.int64(1))
     assert int(qkv.count_nonzero()) == rt.kv_per_rank * h
     assert int(gate_up.count_nonzero()) == rt.intermediate_per_rank * h
 
