@@ -1115,10 +1115,18 @@ class RuntimeIndex:
                 at = _position_of(o.tensor, b)
                 if at is not None:
                     return o.name, o.tensor, at
-        if near:
-            o = near[0]
-            return o.name, o.tensor, (b - o.start) // o.step
-        return owners[0].name, owners[0].tensor, (b - owners[0].start) // t.element_size()
+        elif near:
+            return near[0].name, near[0].tensor, (b - near[0].start) // near[0].step
+        # No runtime tensor holds t's first element. t is runtime storage only where its
+        # elements reach into one (a write that starts before a parameter and runs into
+        # it: that one, at the position t's first element would have); else it is scratch
+        # space beside them (a loader's own area of a flat buffer, the gap columns of a
+        # fused one), which a load leaves alone.
+        region = Region.of(t)
+        for o in self.overlapping(key, *region.extent()):
+            if region.overlaps(Region.of(o.tensor)):
+                return o.name, o.tensor, (b - o.start) // o.step
+        return None
 
 
 def _position_of(t: torch.Tensor, byte: int) -> int | None:

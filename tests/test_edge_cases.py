@@ -1469,3 +1469,79 @@ def test_a_whole_call_error_names_the_patch_at_fault_or_none(model):
         patchkit.load_checkpoint_weight_patches(m, [a, b], max_chunk_bytes=8)
     e = info.value
     assert (e.position, e.name, e.reason) == ({"a": 0, "b": 1}[one], one, reason)
+
+
+# -- storage beside the runtime tensors (intercept.py, RuntimeIndex.owner) ----------------
+
+
+class _FlatScratch(nn.Module):
+    """w is elements 10-19 of a flat buffer the loader also uses, outside w, as scratch."""
+
+    def __init__(self, scratch=slice(0, 5)):
+        super().__init__()
+        self.flat = torch.zeros(30)  # (not registered: the loader's own)
+        self.w = nn.Parameter(self.flat[10:20], requires_grad=False)
+        self.scratch = scratch
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.flat[self.scratch].fill_(3.0)
+            self.w.data.copy_(w)
+        return {"w"}
+
+
+class _FusedGap(nn.Module):
+    """a and b are columns 0-3 and 6-9 of a fused buffer; the loader zeroes columns 4-5."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused = torch.ones(4, 10)
+        self.a = nn.Parameter(self.fused[:, 0:4], requires_grad=False)
+        self.b = nn.Parameter(self.fused[:, 6:10], requires_grad=False)
+
+    def load_weights(self, weights):
+        for n, w in weights:
+            self.fused[:, 4:6].zero_()
+            getattr(self, n).data.copy_(w)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("make", [_FlatScratch, _FusedGap])
+def test_writes_into_storage_beside_every_runtime_tensor_are_scratch(make):
+    # A write whose elements lie in no runtime tensor, though their storage is shared
+    # with one, was taken for a write into the first runtime tensor of that storage: a
+    # sparse load refused it ("runtime tensor 'w' wrote with aten::fill_"), a report
+    # listed it in writes (target_offset -10), a transactional load saved and restored it
+    name = "w" if make is _FlatScratch else "a"
+    m = make()
+    assert patchkit.load_checkpoint_weight_patches(
+        m, [CWP(name, (10,) if name == "w" else (4, 4), torch.float32, torch.tensor([2.0]),
+                torch.tensor([3]))]) == {name}
+    assert getattr(m, name).detach().reshape(-1)[3] == 2.0
+    m = make()
+    n = 10 if name == "w" else 16
+    r = inspect_load(m, [CWP(name, (n,) if name == "w" else (4, 4), torch.float32,
+                             torch.full((n,), 5.0))])
+    assert r.writes[["op", "target", "target_offset", "elements"]].values.tolist() == [
+        ["aten::copy_", name, 0, n]]
+    assert list(r.deltas.index) == [name]
+
+
+def test_a_write_that_runs_from_scratch_space_into_a_runtime_tensor_is_still_watched():
+    # (the other side of the test above: elements 5-14 reach into w's 10-19)
+    m = _FlatScratch(slice(5, 15))
+    with pytest.raises(NotImplementedError, match=r"runtime tensor 'w'\) wrote with aten::fill_"):
+        patchkit.load_checkpoint_weight_patches(
+            m, [CWP("w", (10,), torch.float32, torch.tensor([2.0]), torch.tensor([3]))])
+    assert m.w.detach().tolist() == [0.0] * 10
+
+    class Fails(_FlatScratch):
+        def load_weights(self, weights):
+            super().load_weights(weights)
+            raise RuntimeError("after writing")
+
+    m = Fails(slice(5, 15))
+    with pytest.raises(RuntimeError, match="after writing"):
+        patchkit.load_checkpoint_weight_patches(
+            m, [CWP("w", (10,), torch.float32, torch.ones(10))], transactional=True)
+    assert m.flat.tolist() == [0.0] * 30
