@@ -1105,11 +1105,14 @@ def region_rects(text: str | None, shape: Sequence[int]) -> tuple[list[Rect], bo
         if part == ":":
             a, b, k = 0, d, 1
         else:
+            fields = part.split(":")  # ("a:b" or "a:b:k", as region_text writes them)
+            if len(fields) not in (2, 3):
+                return [], False
             try:
-                a, b, k = (int(x) for x in (part + ":1").split(":")[:3])
+                a, b, k = (int(x) for x in (*fields, "1")[:3])
             except ValueError:
                 return [], False
-        if k < 1:
+        if k < 1 or not 0 <= a <= b <= d:  # (a region of this shape only)
             return [], False
         offset += a * fs
         view.append(len(range(a, b, k)))

@@ -532,6 +532,15 @@ def test_region_rects_reads_slice_notation_into_view_rectangles():
     assert region_rects(None, (4, 4)) == ([], False)
 
 
+@pytest.mark.parametrize("text", ["[-3:4, :]", "[0:-1, :]", "[2:9, :]", "[:, -2:4]",
+                                  "[0:4:2:7, :]", "[1:3:0, :]", "[3:1, :]", "[2, :]",
+                                  "[0:4]", "[a:b, :]"])
+def test_region_rects_gives_nothing_for_text_no_region_of_the_shape_has(text):
+    # a negative start raised view_rects' error about a (7, 4) shape, a box past the
+    # last row came back as exact rectangles outside the grid, a fourth field was dropped
+    assert region_rects(text, (4, 4)) == ([], False)
+
+
 def test_placement_puts_q_k_v_into_row_bands_of_the_packed_qkv():
     report, _ = load("q k v")
     fig = plot_placement(report)
