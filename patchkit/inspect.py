@@ -1521,13 +1521,17 @@ def _observe_foreign(
         else:  # (a call that follows the plan keeps its positions where staged agrees)
             pos = sent.match(names, [t for _, t in staged], planned)
         sent.mark(names, pos)
-        nbytes = sum(t.numel() * t.element_size() for _, t in staged)
+        # A loader outside the contract may send something else than a tensor (a list,
+        # an array): the call is watched all the same, that entry counted as no bytes
+        # and traced to no patch (the loader gets what it sent).
+        watched = [(n, t if isinstance(t, torch.Tensor) else _NOT_A_TENSOR) for n, t in staged]
+        nbytes = sum(t.numel() * t.element_size() for _, t in watched)
         observed.append(Chunk(i, tuple(pos), names, nbytes, "end"))
         following = following and i < len(plan) and (
             plan[i].names == names and plan[i].positions == tuple(pos))
         call_patches = [patches[p] if p >= 0 else None for p in pos]
         try:
-            with session.call(i, staged, pos, sparse=False, patches=call_patches,
+            with session.call(i, watched, pos, sparse=False, patches=call_patches,
                               maybe_sparse=any_sparse,
                               observed=True) as r:
                 out = original(staged, *a, **kw)
@@ -1640,6 +1644,9 @@ class _SentPositions:
             if p >= 0:
                 self._taken.add(p)
             self._last[n] = p
+
+
+_NOT_A_TENSOR = torch.empty(0)  # (what an observed call's non-tensor entry is watched as)
 
 
 def _holds(staged: Any, p: CheckpointWeightPatch) -> int:

@@ -1545,3 +1545,29 @@ def test_a_write_that_runs_from_scratch_space_into_a_runtime_tensor_is_still_wat
         patchkit.load_checkpoint_weight_patches(
             m, [CWP("w", (10,), torch.float32, torch.ones(10))], transactional=True)
     assert m.flat.tolist() == [0.0] * 30
+
+
+def test_an_observed_loader_that_sends_lists_is_watched_not_broken():
+    # inspect_load(loader=...) read .numel() of every entry a call sent: a loader that
+    # sends plain lists (outside the contract, but it loads) failed inside patchkit's
+    # wrapper with AttributeError, before the model's load_weights ran
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.w.data.copy_(torch.as_tensor(w))
+            return {n for n, _ in weights}
+
+    def lists(model, patches, max_chunk_bytes=None, validate_unique_indices=True):
+        return model.load_weights([(p.name, p.values.tolist()) for p in patches])
+
+    m = Model()
+    r = inspect_load(m, [CWP("w", (2,), torch.float32, torch.tensor([1.0, 2.0]))],
+                     loader=lists)
+    assert m.w.tolist() == [1.0, 2.0]
+    assert r.calls[["names", "returned", "writes"]].values.tolist() == [[("w",), ("w",), 1]]
+    assert r.writes[["target", "elements", "changed"]].values.tolist() == [["w", 2, 2]]
+    assert r.writes["position"].isna().all()  # (a list is traced to no patch)
