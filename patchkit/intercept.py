@@ -65,7 +65,7 @@ from .bitwise import (
     select,
     squares_on_device,
 )
-from .errors import ContractViolation, PatchValueError, where
+from .errors import ContractViolation, PatchTypeError, PatchValueError, where
 from .units import _count
 
 __all__ = [
@@ -700,6 +700,15 @@ class RuntimeIndex:
                 continue
             cls = type(t)
             plain = cls is torch.Tensor or cls is torch.nn.Parameter
+            if not plain and not isinstance(t, torch.Tensor):
+                kind = "parameter" if k < len(params) else "buffer"
+                raise PatchTypeError(
+                    f"model {type(model).__name__}: {kind} {name!r} is a {cls.__name__}, not "
+                    "a tensor (put in a module's registry by hand?); a watched load (sparse, "
+                    "transactional or inspected) needs each registered entry to be a tensor "
+                    "or None",
+                    reason="not a tensor", value=name,
+                )
             uninitialized = not plain and issubclass(cls, _UNINITIALIZED)
             if uninitialized or t.layout is not _STRIDED or t.is_nested:
                 # (nothing to index: left out; a watched load refuses the model unless the

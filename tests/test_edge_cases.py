@@ -1571,3 +1571,26 @@ def test_an_observed_loader_that_sends_lists_is_watched_not_broken():
     assert r.calls[["names", "returned", "writes"]].values.tolist() == [[("w",), ("w",), 1]]
     assert r.writes[["target", "elements", "changed"]].values.tolist() == [["w", 2, 2]]
     assert r.writes["position"].isna().all()  # (a list is traced to no patch)
+
+
+@pytest.mark.parametrize("how", ["sparse", "transactional", "report", "empty report"])
+def test_a_registry_entry_that_is_not_a_tensor_is_named_by_a_watched_load(how):
+    # RuntimeIndex read .layout of it: a bare AttributeError ('str' object has no
+    # attribute 'layout'), from a sparse load, a transactional one and any report
+    m = PlainModel({"w": (2,)})
+    m._parameters["junk"] = "not a tensor"
+    dense = [CWP("w", (2,), torch.float32, torch.ones(2))]
+    run = {
+        "sparse": lambda: patchkit.load_checkpoint_weight_patches(
+            m, [CWP("w", (2,), torch.float32, torch.ones(1), torch.tensor([0]))]),
+        "transactional": lambda: patchkit.load_checkpoint_weight_patches(
+            m, dense, transactional=True),
+        "report": lambda: inspect_load(m, dense),
+        "empty report": lambda: inspect_load(m, []),
+    }[how]
+    with pytest.raises(TypeError, match="parameter 'junk' is a str, not a tensor") as info:
+        run()
+    assert (info.value.reason, info.value.value) == ("not a tensor", "junk")
+    assert m.w.tolist() == [0.0, 0.0]
+    # (a plain dense load watches nothing, and loads)
+    assert patchkit.load_checkpoint_weight_patches(m, dense) == {"w"}
