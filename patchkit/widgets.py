@@ -431,6 +431,9 @@ def _delta_text(report: LoadReport, target: str) -> str:
                "no change")
     elif target in getattr(report, "_meta", ()):
         why = "on the meta device: a dry run writes no numbers"
+    elif report._aliases.get(target, target) in getattr(report, "_was_meta", ()):
+        why = ("on the meta device before the load, which put a tensor that holds memory in "
+               "its place: it had no values before")
     elif target in getattr(report, "_registered", ()):
         why = "a tensor the load registered has no values before it"
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pickle
 
 import matplotlib
@@ -215,4 +216,12 @@ def test_a_dry_run_records_a_loader_that_swaps_in_new_tensors(cls, meta_patches)
             with pytest.raises(ValueError, match=r"'a\.weight' was on the meta device before"):
                 read("a.weight")
         assert report.after("a.weight").eq(1).all() and report.written("a.weight").all()
+        if importlib.util.find_spec("ipywidgets") is not None:
+            from patchkit.widgets import explore
+
+            # (the explorer said only "report.deltas has no row for it")
+            w = explore(report)
+            w.dropdown.value = ("runtime", "a.weight")
+            text = "".join(o.get("text", "") for o in w.output.outputs)
+            assert "delta: none (on the meta device before the load" in text
     assert report.plot_placement().axes
