@@ -120,17 +120,19 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 
 
 def _check_fill(fill: object, dtype: object) -> None:
-    """``fill`` is a real number that ``dtype`` holds (``TypeError`` / ``ValueError``,
-    before any parameter is made)."""
+    """``fill`` is a real number that ``dtype`` (a :class:`torch.dtype`) holds
+    (``TypeError`` / ``ValueError``, before any parameter is made)."""
     if isinstance(fill, bool) or not isinstance(fill, numbers.Real):
         raise TypeError(f"PlainModel: fill must be a real number, got {type(fill).__name__} "
                         f"{fill!r}")
-    if isinstance(dtype, torch.dtype):
-        try:
-            torch.full((2,), fill, dtype=dtype)  # (torch checks a fill of one element less)
-        except (RuntimeError, OverflowError) as e:
-            raise ValueError(f"PlainModel: fill {fill!r} is not a value of {dtype} "
-                             f"({str(e).splitlines()[0]})") from None
+    if not isinstance(dtype, torch.dtype):  # (torch.full's own error named its argument)
+        raise TypeError(f"PlainModel: dtype must be a torch.dtype, got {type(dtype).__name__} "
+                        f"{dtype!r}")
+    try:
+        torch.full((2,), fill, dtype=dtype)  # (torch checks a fill of one element less)
+    except (RuntimeError, OverflowError) as e:
+        raise ValueError(f"PlainModel: fill {fill!r} is not a value of {dtype} "
+                         f"({str(e).splitlines()[0]})") from None
 
 
 def _as_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
@@ -1054,8 +1056,9 @@ def _skipped_as_vllm_does(name: str) -> bool:
 def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.Tensor]:
     """Reassemble the full checkpoint from the runtimes of all tensor-parallel ranks.
 
-    ``runtimes`` are ranks ``0..T-1`` of one ``tp_size == T``, in rank order, with one
-    config and one dtype (:class:`ValueError` otherwise). The result has the keys and
+    ``runtimes`` are :class:`TinyLlamaRuntime` s (:class:`TypeError` otherwise), ranks
+    ``0..T-1`` of one ``tp_size == T``, in rank order, with one config and one dtype
+    (:class:`ValueError` otherwise). The result has the keys and
     order of :func:`tiny_llama_checkpoint` for that config, full checkpoint shapes, the
     runtimes' dtype, on the CPU, in fresh tensors (no storage shared with a runtime). A
     replicated weight (the norms) must be bit-identical on every rank, else
@@ -1067,7 +1070,7 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
     first = rts[0]
     for i, rt in enumerate(rts):
         if not isinstance(rt, TinyLlamaRuntime):
-            raise ValueError(f"runtimes[{i}] is a {type(rt).__name__}, not a TinyLlamaRuntime")
+            raise TypeError(f"runtimes[{i}] is a {type(rt).__name__}, not a TinyLlamaRuntime")
         if rt.config != first.config:
             raise ValueError(f"runtimes[{i}] has a different config: {rt.config} vs {first.config}")
         if rt.dtype != first.dtype:

@@ -806,6 +806,13 @@ def test_a_device_index_without_an_accelerator_is_refused():
         (lambda: tiny_llama_checkpoint(dtype="float32"), TypeError, "dtype must be a torch.dtype"),
         (lambda: tiny_llama_checkpoint(dtype=torch.int32), ValueError, "floating-point dtype"),
         (lambda: tiny_llama_checkpoint({}), TypeError, "config must be a TinyLlamaConfig"),
+        # (torch.full's own TypeError, or none at all for a model of no weights)
+        (lambda: PlainModel({"w": (2,)}, dtype="float32"), TypeError,
+         "PlainModel: dtype must be a torch.dtype"),
+        (lambda: PlainModel({}, dtype="float32"), TypeError,
+         "PlainModel: dtype must be a torch.dtype"),
+        # (a ValueError, for a wrong type)
+        (lambda: gather_checkpoint(["x"]), TypeError, r"runtimes\[0\] is a str, not a Tiny"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(make, error, match):
