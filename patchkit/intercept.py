@@ -1731,6 +1731,15 @@ class _Mode(TorchDispatchMode):
         mutated = _mutated_args(func)
         if not mutated:
             out = func(*args, **kwargs)
+            if (who is not None and func in _ELEMENTWISE_COPIES
+                    and isinstance(out, torch.Tensor) and out.dtype != args[0].dtype
+                    and out.is_floating_point() and out.dtype not in _CASTS_KEEP_NUMBERS):
+                # (a loader that casts a patch's tensor to the runtime dtype before its
+                # copy_: the NaN made here would reach the merge as "keep")
+                s._refuse_lost_numbers(
+                    args[0], out, *who,
+                    f"load_weights (call {s._chunk}, {where(*who)}) cast a {args[0].dtype} "
+                    f"tensor of that patch to {out.dtype}", "The cast wrote nothing into the model")
             if s.track_sources and isinstance(out, torch.Tensor) and s.provenance:
                 derived = func in _ELEMENTWISE_COPIES and s.provenance.derive(
                     args[0], out, whole=True)
@@ -3122,22 +3131,29 @@ class WriteSession:
             or tuple(src.shape) != tuple(dest.shape)
             or not src.is_floating_point()
             or not dest.is_floating_point()
+            or not has_numbers(dest.dtype)  # (float4_e2m1fn_x2: no NaN to keep by)
         ):
             got = (
                 f"{tuple(src.shape)} {src.dtype}"
                 if isinstance(src, torch.Tensor)
                 else type(src).__name__
             )
+            packed = ("" if has_numbers(dest.dtype) else
+                      f", and {dest.dtype} elements are no numbers, with no NaN to keep by")
             raise ContractViolation(
                 f"{at} copied a {got} source into a {tuple(dest.shape)} {dest.dtype} view; "
                 "a sparse load needs same-shaped floating-point copy_ (no broadcasting, no "
-                f"integer storage). This copy wrote nothing{self._no_source_note(name, tname)}",
+                f"integer storage{packed}). This copy wrote nothing"
+                f"{self._no_source_note(name, tname)}",
                 position=pos, name=name, reason="same-shaped floating-point",
                 value=(tuple(src.shape) if isinstance(src, torch.Tensor) else None,
                        tuple(dest.shape)),
             )
         if src.dtype != dest.dtype and dest.dtype not in _CASTS_KEEP_NUMBERS:
-            self._refuse_lost_numbers(src, dest, at, pos, name, tname)
+            self._refuse_lost_numbers(
+                src.detach(), src.detach().to(dest.dtype), pos, name,
+                f"{at} copied a {src.dtype} source into a {dest.dtype} view",
+                f"This copy wrote nothing{self._no_source_note(name, tname)}")
         region = Region.of(dest)
         earliers = self._call_regions.get(region.key)
         if earliers is None:
@@ -3155,33 +3171,33 @@ class WriteSession:
         earliers.add(region, a0, a1)
         self._call_fed[tname] = (pos, name) if name is not None else None
 
-    def _refuse_lost_numbers(self, src: torch.Tensor, dest: torch.Tensor, at: str,
-                             pos: int | None, name: str | None, tname: str) -> None:
-        """A sparse copy into a runtime dtype without infinities (float8 ``e4m3fn``,
-        ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``): a number of the source (an infinity, a
-        value out of the dtype's range) that becomes NaN in the cast would read as
-        "keep", and its update would be lost without a word. Refused before the copy
-        writes anything, naming the first such element's checkpoint index where the
-        source is traced to a patch (else its position in the copy's source)."""
-        s = src.detach()
-        cast = s.to(dest.dtype)
-        lost = torch.isnan(cast.float()) & ~torch.isnan(s if s.element_size() > 1 else s.float())
+    def _refuse_lost_numbers(self, src: torch.Tensor, cast: torch.Tensor, pos: int | None,
+                             name: str | None, did: str, after: str) -> None:
+        """In a sparse call, ``cast`` is ``src`` cast to a floating dtype without
+        infinities (float8 ``e4m3fn``, ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``), by a
+        copy into a runtime tensor of that dtype or by the loader before it copies: a
+        number of ``src`` (an infinity, a value out of the dtype's range) that is NaN in
+        ``cast`` would read as "keep", and its update would be lost without a word.
+        Refused (``did``: what the call did, ``after``: what was written), naming the
+        first such element's checkpoint index where ``src`` is traced to the patch
+        named, else its position in ``src``."""
+        lost = torch.isnan(cast.float()) & ~torch.isnan(
+            src if src.element_size() > 1 else src.float())
         if not bool(lost.any()):
             return
         first = torch.nonzero(lost.reshape(-1))[:1].reshape(-1)
-        value = float(s.reshape(-1)[first].float())
-        hit = self.provenance.lookup(s)
+        value = float(src.reshape(-1)[first].float())
+        hit = self.provenance.lookup(src)
         if hit is not None and hit[2] is not None and hit[:2] == (pos, name):
-            index = int(_storage_offsets(s, first)[0]) - s.storage_offset() + hit[2]
-            where_ = f"checkpoint index {index}"
+            index = int(_storage_offsets(src, first)[0]) - src.storage_offset() + hit[2]
+            at = f"checkpoint index {index}"
         else:
             index = int(first[0])
-            where_ = f"element {index} of the copy's source"
+            at = f"element {index} of that {src.dtype} tensor"
         raise PatchValueError(
-            f"{at} copied a {s.dtype} source into a {dest.dtype} view: the value {value!r} at "
-            f"{where_} becomes NaN in {dest.dtype}, which a sparse load reads as 'keep', so "
-            "this update would be lost. Send this weight dense, or with values the "
-            f"runtime dtype can hold. This copy wrote nothing{self._no_source_note(name, tname)}",
+            f"{did}: the value {value!r} at {at} becomes NaN in {cast.dtype}, which a sparse "
+            "load reads as 'keep', so this update would be lost. Send this weight dense, or "
+            f"with values the runtime dtype can hold. {after}",
             position=pos, name=name, reason="NaN in the runtime dtype", value=index,
         )
 

@@ -67,7 +67,8 @@ def load_checkpoint_weight_patches(
        call, or a call that reports names without writing raise
        :class:`NotImplementedError` before that write happens; a copy into a dtype that
        turns one of its numbers into NaN (an infinity or an out-of-range value into a
-       float8 ``fnuz`` or ``e8m0fnu`` parameter), which would read as "keep", raises
+       float8 ``fnuz`` or ``e8m0fnu`` parameter, or the loader's own cast of a patch's
+       tensor to such a dtype), which would read as "keep", raises
        :class:`ValueError` (reason ``"NaN in the runtime dtype"``), writing nothing of
        that copy. A call that rebinds a
        runtime tensor (``param.data = w``), registers a new one in its place

@@ -150,3 +150,52 @@ def test_runtime_dtypes_that_hold_every_number_take_it_as_a_dense_load_would(
     full.reshape(-1)[idx] = values
     load(dense, [Patch("w", (4, 4), torch.float32, full.reshape(-1), None)])
     assert torch.equal(bits(sparse.w.detach()), bits(dense.w.detach()))
+
+
+class _CastsFirst(_RowShard):
+    """Casts its rank's rows to the runtime dtype itself, then copies (same dtypes)."""
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            rows = t.narrow(0, 2, 2) if name == "w" else t
+            getattr(self, name).copy_(rows.to(torch.float8_e4m3fnuz))
+        return {name for name, _ in weights}
+
+
+@pytest.mark.patchkit_only
+def test_a_loader_that_casts_before_it_copies_loses_no_number_either(load, Patch):
+    # The copy then sees a source of its own dtype; the NaN the cast made reached the
+    # merge as "keep", and the update at checkpoint index 13 was silently lost
+    m = _CastsFirst(torch.float8_e4m3fnuz)
+    w = Patch("w", (4, 4), torch.bfloat16, torch.tensor([0.5, 1e6]), torch.tensor([9, 13]))
+    with pytest.raises(ValueError, match=r"cast a torch\.bfloat16 tensor of that patch") as info:
+        load(m, [w])
+    e = info.value
+    assert (e.position, e.name, e.reason, e.value) == (0, "w", "NaN in the runtime dtype", 13)
+    assert m.w.detach().float().eq(1).all()
+    # (numbers the dtype holds still load)
+    load(m, [w._replace(values=torch.tensor([0.5, 2.0]))])
+    assert m.w.detach().float().reshape(-1)[[1, 5]].tolist() == [0.5, 2.0]
+
+
+@pytest.mark.patchkit_only
+def test_a_sparse_copy_into_a_packed_float4_tensor_is_refused_by_the_contract(load, Patch):
+    # float4_e2m1fn_x2 is "floating point" to torch but has no NaN: torch's bare
+    # NotImplementedError ("copy_" not implemented) came from inside patchkit's check
+    class F4(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(
+                torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+                requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.copy_(t)
+            return {n for n, _ in weights}
+
+    m = F4()
+    with pytest.raises(NotImplementedError, match="no NaN to keep by") as info:
+        load(m, [Patch("w", (4,), torch.bfloat16, torch.tensor([1.0]), torch.tensor([1]))])
+    assert (info.value.position, info.value.reason) == (0, "same-shaped floating-point")
+    assert m.w.detach().view(torch.uint8).eq(0).all()
