@@ -420,7 +420,9 @@ class LoadReport:
       elements) and ``rel_l2`` (``||after - before|| / ||before||`` over the written
       elements), all read as the runtime tensor's own dtype (packed int32 words as
       integers, whatever view wrote them); NaN for a packed dtype torch reads no numbers
-      from (``float4_e2m1fn_x2``: only ``changed`` is counted). For bfloat16 on x86 CPUs
+      from (``float4_e2m1fn_x2``: only ``changed`` is counted), and for a tensor a call
+      rebound to one of another shape or dtype (``param.data = w``: another tensor
+      altogether, every element counted as changed). For bfloat16 on x86 CPUs
       the compiled path
       measures partly in float32: ``rel_l2`` always, and ``max_abs`` and ``mean_abs``
       where most of a write changed, can be off by up to 1e-6 relative (see

@@ -1824,9 +1824,11 @@ def plot_delta(
         known = ", ".join(repr(t) for t in list(report.targets)[:8])
         raise KeyError(f"no runtime tensor {asked!r} in this report (known: {known})")
     reader = report._before_after(target)
-    if reader.before_shape != reader.shape:
+    if reader.before_shape != reader.shape or reader.before_dtype != reader.dtype:
+        # (report.deltas has no numbers for it either: another tensor altogether)
         raise ValueError(
-            f"plot_delta: {asked!r} was rebound to a tensor of another shape ("
+            f"plot_delta: {asked!r} was rebound to a tensor of another "
+            f"{'shape' if reader.before_shape != reader.shape else 'dtype'} ("
             f"{_shape_text(reader.before_shape)} "
             f"{str(reader.before_dtype).removeprefix('torch.')} before the load, "
             f"{_shape_text(reader.shape)} {str(reader.dtype).removeprefix('torch.')} after): "

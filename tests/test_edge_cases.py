@@ -1226,6 +1226,31 @@ def test_what_review_three_found_in_the_undo_and_the_reports():
         plot.plot_delta(r, "a")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.complex64])
+def test_plot_delta_of_a_tensor_rebound_to_another_dtype_says_there_is_no_delta(dtype):
+    # report.deltas has no numbers for it (another tensor altogether), yet plot_delta
+    # drew one, under a title of NaNs and a false "the model changed after this load";
+    # real to complex raised torch's broadcasting error from changed_mask
+    import matplotlib
+
+    matplotlib.use("Agg")
+
+    class Rebinds(PlainModel):
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.a.data = w
+            return {n for n, _ in weights}
+
+    r = inspect_load(Rebinds({"a": (2, 2)}, fill=1.0),
+                     [CWP("a", (2, 2), dtype, torch.ones(4, dtype=dtype))])
+    assert r.deltas.loc["a", "changed"] == 4 and r.deltas.loc["a", ["max_abs"]].isna().all()
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(ValueError, match=rf"another dtype \(\(2, 2\) float32 before the load, "
+                                         rf"\(2, 2\) {name} after\)"):
+        r.plot_delta("a")
+    assert r.before("a").dtype == torch.float32 and r.after("a").dtype == dtype
+
+
 def test_a_model_outside_nn_modules_registries_is_told_what_could_not_be_undone():
     # the refusal said "the original tensor was registered again" while the staged NaN
     # stayed in the model; a rollback said nothing
