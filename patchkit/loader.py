@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
-import itertools
 import os
 import sys
 import warnings
@@ -426,14 +425,20 @@ def _warn_if_dropped_differs(
     a tensor and its tied copy split alike (``split_patch``) match part for part, so a
     load of such parts makes one comparison per part, not one per pair."""
     first = [same[rank]] if rank < len(same) else []
-    if any(_same_content(p, patches[j]) for j in itertools.chain(first, same)):
-        return
+    compared = True
+    for j in dict.fromkeys([*first, *same]):
+        same_content = _same_content(p, patches[j])
+        if same_content:
+            return
+        compared = compared and same_content is not None
+    # (a meta tensor, a dry run's, holds no values to compare)
+    how = ("Its values differ from those" if compared else
+           "Its values could not be compared with those (a meta tensor holds none)")
     warnings.warn(
         f"{where(i, p.name)} is not loaded: it names the tied alias of {target!r}, which "
         f"this load also patches ({'patches' if len(same) > 1 else 'patch'} "
         f"{', '.join(map(str, same))}), and CONTRACT §6 writes the shared storage once, from "
-        "the canonical name's patches. Its values differ from those; send one name per "
-        "tied tensor",
+        f"the canonical name's patches. {how}; send one name per tied tensor",
         UserWarning,
         stacklevel=_outside_patchkit(),
     )
@@ -476,29 +481,40 @@ def _outside_patchkit() -> int:
     return level
 
 
-def _same_content(a: CheckpointWeightPatch, b: CheckpointWeightPatch) -> bool:
+def _same_content(a: CheckpointWeightPatch, b: CheckpointWeightPatch) -> bool | None:
     """Whether two (valid) patches write the same: the same shape, dtype and indices,
-    and values that stage to the same bits (one tensor: no comparison at all)."""
+    and values that stage to the same bits (one tensor: no comparison at all); on two
+    devices, compared on the first one's. ``None`` where the values cannot be compared
+    (either is on the meta device)."""
     if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
         return False
     if (a.indices is None) != (b.indices is None):
         return False
+    if _same_tensor(a.values, b.values) and (
+            a.indices is None or _same_tensor(a.indices, b.indices)):
+        return True
+    if any(t is not None and t.is_meta for t in (a.values, b.values, a.indices, b.indices)):
+        return None
     if a.indices is not None and not _same_tensor(a.indices, b.indices):
-        if a.indices.shape != b.indices.shape or a.indices.device != b.indices.device:
+        if a.indices.shape != b.indices.shape:
             return False
-        if not torch.equal(a.indices.to(torch.int64), b.indices.to(torch.int64)):
+        if not torch.equal(a.indices.to(torch.int64),
+                           b.indices.to(device=a.indices.device, dtype=torch.int64)):
             return False
     if _same_tensor(a.values, b.values):
         return True
-    if a.values.shape != b.values.shape or a.values.device != b.values.device:
+    if a.values.shape != b.values.shape:
         return False
-    return torch.equal(bits(a.values.to(a.dtype)), bits(b.values.to(a.dtype)))
+    return torch.equal(bits(a.values.to(a.dtype)),
+                       bits(b.values.to(device=a.values.device, dtype=a.dtype)))
 
 
 def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """The same elements of the same memory, read the same way."""
+    """The same elements of the same memory, read the same way (on the meta device,
+    where every address is 0, only the same tensor)."""
     return x is y or (
-        x.dtype == y.dtype and x.device == y.device and x.data_ptr() == y.data_ptr()
+        not x.is_meta and x.dtype == y.dtype and x.device == y.device
+        and x.data_ptr() == y.data_ptr()
         and x.shape == y.shape and x.stride() == y.stride()
     )
 
