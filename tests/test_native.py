@@ -1542,3 +1542,45 @@ def test_the_cache_folder_follows_xdg_cache_home_when_it_is_absolute(monkeypatch
     monkeypatch.delenv("PATCHKIT_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
     assert native._cache_dir() == Path(os.path.expanduser(want))
+
+
+@needs_compiler
+@pytest.mark.parametrize("share", [0.002, 0.2, 0.6])
+@pytest.mark.parametrize("how", ["report", "rollback"])
+def test_changes_that_the_sample_blocks_miss_are_saved_and_counted_exactly(share, how):
+    # The compiled save estimates a big view's changes from evenly spaced sample blocks:
+    # changes placed only between them read as none, so the compact buffer is planned
+    # small: it grows (20 %) or overflows (60 %: what was written goes back, and the view
+    # is saved whole). Every changed element must still be saved, counted and put back.
+    from patchkit.toymodels import PlainModel
+
+    n = 2 * native._SAMPLE_MIN
+    step = (n - native._SAMPLE_BLOCK) // (native._SAMPLE_BLOCKS - 1)
+    sampled = torch.zeros(n, dtype=torch.bool)
+    for i in range(native._SAMPLE_BLOCKS):
+        sampled[i * step:i * step + native._SAMPLE_BLOCK] = True
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(n, generator=g)
+    changed = ~sampled & (torch.rand(n, generator=g) < share)
+    assert int(changed.sum()) > 0
+    new = torch.where(changed, old + 1.0, old)
+    patch = CheckpointWeightPatch("w", (n,), torch.float32, new)
+    if how == "report":
+        m = PlainModel({"w": (n,)})
+        m.w.data.copy_(old)
+        r = inspect_load(m, [patch])
+        assert torch.equal(m.w.detach(), new) and torch.equal(r.before("w"), old)
+        assert r.deltas.loc["w", ["elements", "changed"]].tolist() == [n, int(changed.sum())]
+        assert r.writes["changed"].tolist() == [int(changed.sum())]
+        return
+
+    class Fails(PlainModel):
+        def load_weights(self, weights):
+            super().load_weights(weights)
+            raise RuntimeError("after writing")
+
+    m = Fails({"w": (n,)})
+    m.w.data.copy_(old)
+    with pytest.raises(RuntimeError, match="after writing"):
+        patchkit.load_checkpoint_weight_patches(m, [patch], transactional=True)
+    assert torch.equal(bits(m.w.detach()), bits(old))
