@@ -30,6 +30,8 @@ def small_blocks(monkeypatch):
     """Device blocks of 4 K elements, so that a test-sized tensor spans many of them."""
     monkeypatch.setattr(bitwise, "_DEVICE_BLOCK", 1 << 12)
     monkeypatch.setattr(bitwise, "_SQUARES_BLOCK", 1 << 10)
+    # (count_true counts a mask of more than this in blocks on a device: none was)
+    monkeypatch.setattr(bitwise, "_COUNT_BLOCK", 1 << 10)
 
 
 def _values(dtype, n, seed, *, specials=True):
