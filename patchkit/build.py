@@ -14,10 +14,11 @@ Choices a caller can rely on:
   "unchanged" in a staged tensor): :func:`sparse_patches_from_diff` raises and says to
   send those weights dense.
 - Index dtype: :func:`sparse_patches_from_diff` gives ``torch.int32`` by default,
-  :func:`random_sparse_patch` ``torch.int64``, and :func:`split_patch` keeps the
-  patch's own; asking for int32 for a tensor whose largest flat position does not fit
-  (more than ``2**31`` elements) raises :class:`~patchkit.errors.PatchValueError`;
-  ``index_dtype=None`` picks int32 where it fits and int64 elsewhere.
+  :func:`random_sparse_patch` ``torch.int64``, and :func:`split_patch` keeps a sparse
+  patch's own (int32 where it fits for the parts of a dense one); asking for int32 for
+  a tensor whose largest flat position does not fit (more than ``2**31`` elements)
+  raises :class:`~patchkit.errors.PatchValueError`; ``index_dtype=None`` picks int32
+  where it fits and int64 elsewhere.
 """
 
 from __future__ import annotations

@@ -1651,6 +1651,30 @@ def _owner_span(t: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, int
     return owner.detach().reshape(-1)[e0:e1], e0
 
 
+class _LostNumbers(NamedTuple):
+    """Numbers of a patch that a loader's cast made NaN in one storage of its own (see
+    :meth:`WriteSession._mark_lost_numbers`): the storage (weakly), the element offsets
+    there, and for each the number, its checkpoint index (or position in the cast's
+    source where ``traced`` is False); the dtype, the patch, what the loader did."""
+
+    storage: Any
+    offsets: torch.Tensor
+    values: list[float]
+    indices: list[int]
+    traced: bool
+    dtype: torch.dtype
+    pos: int | None
+    name: str | None
+    did: str
+
+
+def _lost_in_cast(src: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
+    """Where ``cast`` (``src`` cast to another dtype, on its device) is NaN and ``src``
+    is not: a number the cast made NaN."""
+    return torch.isnan(cast if cast.element_size() > 1 else cast.float()) & ~torch.isnan(
+        src if src.element_size() > 1 else src.float())
+
+
 def _weak_storage(t: torch.Tensor) -> Any:
     """A weak reference to ``t``'s storage (``expired()`` once it is freed)."""
     return StorageWeakRef(t.untyped_storage())
@@ -1732,14 +1756,10 @@ class _Mode(TorchDispatchMode):
         if not mutated:
             out = func(*args, **kwargs)
             if (who is not None and func in _ELEMENTWISE_COPIES
-                    and isinstance(out, torch.Tensor) and out.dtype != args[0].dtype
-                    and out.is_floating_point() and out.dtype not in _CASTS_KEEP_NUMBERS):
+                    and isinstance(out, torch.Tensor) and out.dtype != args[0].dtype):
                 # (a loader that casts a patch's tensor to the runtime dtype before its
-                # copy_: the NaN made here would reach the merge as "keep")
-                s._refuse_lost_numbers(
-                    args[0], out, *who,
-                    f"load_weights (call {s._chunk}, {where(*who)}) cast a {args[0].dtype} "
-                    f"tensor of that patch to {out.dtype}", "The cast wrote nothing into the model")
+                # copy_: a NaN made here would reach the merge as "keep")
+                s._mark_lost_numbers(args[0], out, who)
             if s.track_sources and isinstance(out, torch.Tensor) and s.provenance:
                 derived = func in _ELEMENTWISE_COPIES and s.provenance.derive(
                     args[0], out, whole=True)
@@ -1763,6 +1783,12 @@ class _Mode(TorchDispatchMode):
                         others.append(t)
         if not targets:
             out = func(*args, **kwargs)
+            if s._lost_marks:  # (written anew: what a cast lost there is gone)
+                for t in others:
+                    s._lost_marks.pop(_storage_key(t), None)
+            if (who is not None and func is _COPY and len(args) > 1
+                    and isinstance(args[1], torch.Tensor)):  # (a cast into a scratch tensor)
+                s._mark_lost_numbers(args[1], args[0], who)
             if s.track_sources:
                 for t in others:  # a staged tensor (or a copy of one) written in place
                     s.provenance.written(t)
@@ -2092,6 +2118,11 @@ class WriteSession:
         # not traced), which an error that names no patch reports as a fact
         self._call_fed: dict[str, tuple[int | None, str] | None] = {}
         self._patches: dict[int, Any] = {}
+        # (patch position, dtype) -> whether a value of that patch becomes NaN in that
+        # dtype (see _loses_numbers); storage key -> the numbers a cast in this call lost
+        # there (see _mark_lost_numbers)
+        self._lossy: dict[tuple[int, torch.dtype], bool] = {}
+        self._lost_marks: dict[tuple, _LostNumbers] = {}
         self._bindings: dict[str, torch.Tensor] | None = None
         self._model_gpus: set[torch.device] | None = None  # (see _gpus)
         # the targets a restore() could not write back (keeping what the load wrote)
@@ -2194,6 +2225,7 @@ class WriteSession:
         self._call_patches = tuple(
             (pos if pos >= 0 else None, name) for pos, (name, _) in zip(positions, staged))
         self._call_fed = {}
+        self._lost_marks = {}
         self.tree_as_found = False
         self.provenance.clear()
         if self.track_sources:
@@ -3149,11 +3181,7 @@ class WriteSession:
                 value=(tuple(src.shape) if isinstance(src, torch.Tensor) else None,
                        tuple(dest.shape)),
             )
-        if src.dtype != dest.dtype and dest.dtype not in _CASTS_KEEP_NUMBERS:
-            self._refuse_lost_numbers(
-                src.detach(), src.detach().to(dest.dtype), pos, name,
-                f"{at} copied a {src.dtype} source into a {dest.dtype} view",
-                f"This copy wrote nothing{self._no_source_note(name, tname)}")
+        self._refuse_lost_numbers(src, dest.dtype, pos, name, at, tname)
         region = Region.of(dest)
         earliers = self._call_regions.get(region.key)
         if earliers is None:
@@ -3171,33 +3199,97 @@ class WriteSession:
         earliers.add(region, a0, a1)
         self._call_fed[tname] = (pos, name) if name is not None else None
 
-    def _refuse_lost_numbers(self, src: torch.Tensor, cast: torch.Tensor, pos: int | None,
-                             name: str | None, did: str, after: str) -> None:
-        """In a sparse call, ``cast`` is ``src`` cast to a floating dtype without
-        infinities (float8 ``e4m3fn``, ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``), by a
-        copy into a runtime tensor of that dtype or by the loader before it copies: a
-        number of ``src`` (an infinity, a value out of the dtype's range) that is NaN in
-        ``cast`` would read as "keep", and its update would be lost without a word.
-        Refused (``did``: what the call did, ``after``: what was written), naming the
-        first such element's checkpoint index where ``src`` is traced to the patch
-        named, else its position in ``src``."""
-        lost = torch.isnan(cast.float()) & ~torch.isnan(
-            src if src.element_size() > 1 else src.float())
+    def _loses_numbers(self, pos: int | None, dtype: torch.dtype) -> bool:
+        """Whether a value of the call's patch at ``pos`` (staged in its dtype) becomes
+        NaN in ``dtype``: read from its values (its nnz, not its staged tensor), once per
+        patch and dtype in a load. ``True`` where the patch is not known (an untraced
+        source: its elements are checked themselves); ``False`` for a dtype with
+        infinities and for values on the meta device (a dry run has no numbers)."""
+        if dtype in _CASTS_KEEP_NUMBERS or not dtype.is_floating_point:
+            return False
+        p = self._patches.get(pos) if pos is not None else None
+        if p is None:
+            return True
+        found = self._lossy.get((pos, dtype))
+        if found is None:
+            v = p.values.detach()
+            if v.is_meta:
+                found = False
+            else:
+                staged = v if v.dtype == p.dtype else v.to(p.dtype)
+                found = bool(_lost_in_cast(staged, staged.to(dtype)).any())
+            self._lossy[(pos, dtype)] = found
+        return found
+
+    def _refuse_lost_numbers(self, src: torch.Tensor, dtype: torch.dtype, pos: int | None,
+                             name: str | None, at: str, tname: str) -> None:
+        """A sparse copy from ``src`` into a runtime view of ``dtype``: refused where a
+        number of ``src`` becomes NaN in ``dtype`` (a dtype without infinities: float8
+        ``e4m3fn``, ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``; an infinity, a value out of
+        its range), or where ``src`` holds a number the loader's own cast lost in this
+        call (:meth:`_mark_lost_numbers`): the merge would read that NaN as "keep", and
+        the update would be lost without a word. Nothing is read where the source's
+        patch has no such value (the common case: a check of its nnz values, once)."""
+        mark = self._lost_marks.get(_storage_key(src)) if self._lost_marks else None
+        if mark is not None and not mark.storage.expired():
+            read = torch.isin(mark.offsets, _storage_offsets(src.detach(), None).cpu())
+            if bool(read.any()):
+                k = int(read.nonzero()[0, 0])
+                raise self._lost_error(mark.values[k], mark.indices[k], mark.traced,
+                                       mark.dtype, mark.pos, mark.name, mark.did, at, tname)
+        if src.dtype == dtype or src.is_meta or not self._loses_numbers(pos, dtype):
+            return
+        s = src.detach()
+        lost = _lost_in_cast(s, s.to(dtype))
         if not bool(lost.any()):
             return
         first = torch.nonzero(lost.reshape(-1))[:1].reshape(-1)
-        value = float(src.reshape(-1)[first].float())
+        index, traced = self._checkpoint_index(s, first, pos, name)
+        raise self._lost_error(float(s.reshape(-1)[first].float()), index[0], traced, dtype,
+                               pos, name, f"copied a {s.dtype} source into a {dtype} view",
+                               at, tname)
+
+    def _mark_lost_numbers(self, src: torch.Tensor, out: torch.Tensor,
+                           who: tuple[int | None, str]) -> None:
+        """The loader cast ``src``, traced to patch ``who``, into ``out`` (``.to()``, or a
+        ``copy_`` into a tensor of its own) in a sparse call. Numbers the cast made NaN
+        are not refused here (the loader may keep only a part of ``out``, say its rank's
+        rows): their places in ``out``'s storage are kept, and a copy from them into the
+        model is refused (:meth:`_refuse_lost_numbers`)."""
+        if (out.dtype == src.dtype or src.is_meta or out.is_meta
+                or not self._loses_numbers(who[0], out.dtype)):
+            return
+        s = src.detach()
+        lost = _lost_in_cast(s, out.detach().to(s.device)).reshape(-1)
+        if not bool(lost.any()):
+            return
+        at = torch.nonzero(lost).reshape(-1)
+        index, traced = self._checkpoint_index(s, at, *who)
+        self._lost_marks[_storage_key(out)] = _LostNumbers(
+            _weak_storage(out), _storage_offsets(out, at.to(out.device)).cpu(),
+            s.reshape(-1)[at].float().tolist(), index, traced, out.dtype, *who,
+            f"cast a {s.dtype} tensor of that patch to {out.dtype} and then copied it")
+
+    def _checkpoint_index(self, src: torch.Tensor, flat: torch.Tensor, pos: int | None,
+                          name: str | None) -> tuple[Any, bool]:
+        """The checkpoint indices of ``src``'s elements at row-major positions ``flat``
+        (``(indices, True)``) where ``src`` is traced to patch ``(pos, name)`` at a known
+        offset, else those positions themselves (``(positions, False)``), as lists."""
         hit = self.provenance.lookup(src)
         if hit is not None and hit[2] is not None and hit[:2] == (pos, name):
-            index = int(_storage_offsets(src, first)[0]) - src.storage_offset() + hit[2]
-            at = f"checkpoint index {index}"
-        else:
-            index = int(first[0])
-            at = f"element {index} of that {src.dtype} tensor"
-        raise PatchValueError(
-            f"{did}: the value {value!r} at {at} becomes NaN in {cast.dtype}, which a sparse "
-            "load reads as 'keep', so this update would be lost. Send this weight dense, or "
-            f"with values the runtime dtype can hold. {after}",
+            out = _storage_offsets(src, flat) - src.storage_offset() + hit[2]
+            return out.tolist(), True
+        return flat.tolist(), False
+
+    def _lost_error(self, value: float, index: int, traced: bool, dtype: torch.dtype,
+                    pos: int | None, name: str | None, did: str, at: str,
+                    tname: str) -> PatchValueError:
+        where_ = f"checkpoint index {index}" if traced else f"element {index} of its source"
+        return PatchValueError(
+            f"{at} {did}: the value {value!r} at {where_} becomes NaN in {dtype}, which a "
+            "sparse load reads as 'keep', so this update would be lost. Send this weight "
+            "dense, or with values the runtime dtype can hold. This copy wrote nothing"
+            f"{self._no_source_note(name, tname)}",
             position=pos, name=name, reason="NaN in the runtime dtype", value=index,
         )
 

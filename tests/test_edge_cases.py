@@ -1619,3 +1619,58 @@ def test_a_registry_entry_that_is_not_a_tensor_is_named_by_a_watched_load(how):
     assert m.w.tolist() == [0.0, 0.0]
     # (a plain dense load watches nothing, and loads)
     assert patchkit.load_checkpoint_weight_patches(m, dense) == {"w"}
+
+
+# -- numbers a narrower runtime dtype makes NaN (intercept.py, _mark_lost_numbers) -------
+
+
+class _Fp8Rows(nn.Module):
+    """Rows 2-3 of a 4 x 4 checkpoint weight in float8_e4m3fnuz, loaded by ``how``."""
+
+    def __init__(self, how, device=None):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2, 4, device=device).to(torch.float8_e4m3fnuz),
+                              requires_grad=False)
+        self.how = how
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            if self.how == "cast whole, then narrow":
+                self.w.copy_(t.to(self.w.dtype).narrow(0, 2, 2))
+            elif self.how == "copy into scratch":
+                tmp = torch.empty(2, 4, dtype=self.w.dtype, device=t.device)
+                tmp.copy_(t.narrow(0, 2, 2))
+                self.w.copy_(tmp)
+            elif self.how == "cast to the device":
+                self.w.copy_(t.narrow(0, 2, 2).to(self.w.device, self.w.dtype))
+            else:  # it casts a tensor of its own too: an inf, no patch's, not refused
+                torch.full((4,), float("inf")).to(self.w.dtype)
+                self.w.copy_(t.narrow(0, 2, 2).to(self.w.dtype))
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("how", ["cast whole, then narrow", "copy into scratch",
+                                 "cast to the device", "own tensor"])
+def test_a_number_a_loader_cast_lost_is_refused_only_where_it_reaches_the_model(how):
+    # Refused at the cast, a number in another rank's rows (checkpoint index 1) stopped a
+    # load that never used it; a copy_ into a tensor of the loader's own was not checked
+    # at all, so the update at index 13 was lost without a word
+    elsewhere = CWP("w", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13]))
+    m = _Fp8Rows(how)
+    assert patchkit.load_checkpoint_weight_patches(m, [elsewhere]) == {"w"}
+    assert m.w.detach().float().reshape(-1).tolist() == [1.0] * 5 + [2.0, 1.0, 1.0]
+    here = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    m = _Fp8Rows(how)
+    with pytest.raises(ValueError, match=r"1000000\.0 at checkpoint index 13 becomes NaN") as e:
+        patchkit.load_checkpoint_weight_patches(m, [here])
+    assert (e.value.position, e.value.reason, e.value.value) == (0, "NaN in the runtime dtype", 13)
+    assert m.w.detach().float().eq(1).all()
+
+
+def test_a_dry_run_of_a_float8_model_is_not_checked_for_lost_numbers():
+    # (a meta tensor holds no numbers: the check read one and failed)
+    with torch.device("meta"):
+        m = _Fp8Rows("cast to the device")
+    for values in (torch.tensor([2.0, 1e6]), torch.tensor([2.0, 1e6], device="meta")):
+        p = CWP("w", (4, 4), torch.float32, values, torch.tensor([9, 13]).to(values.device))
+        assert patchkit.load_checkpoint_weight_patches(m, [p]) == {"w"}
