@@ -1124,14 +1124,16 @@ class RuntimeIndex:
                 at = _position_of(o.tensor, b)
                 if at is not None:
                     return o.name, o.tensor, at
-        elif near:
-            return near[0].name, near[0].tensor, (b - near[0].start) // near[0].step
-        # No runtime tensor holds t's first element. t is runtime storage only where its
-        # elements reach into one (a write that starts before a parameter and runs into
-        # it: that one, at the position t's first element would have); else it is scratch
-        # space beside them (a loader's own area of a flat buffer, the gap columns of a
-        # fused one), which a load leaves alone.
+        # No runtime tensor holds t's first element as one of its own (a view of another
+        # element size may start inside one). t is runtime storage only where its
+        # elements reach into one: the one whose extent holds t's first byte, else the
+        # first that t meets (a write that starts before a parameter and runs into it),
+        # at the position t's first element would have; else it is scratch space beside
+        # them (a loader's own area of a flat buffer, the gap columns of a fused one),
+        # which a load leaves alone.
         region = Region.of(t)
+        if near and (near[0].dense or region.overlaps(Region.of(near[0].tensor))):
+            return near[0].name, near[0].tensor, (b - near[0].start) // near[0].step
         for o in self.overlapping(key, *region.extent()):
             if region.overlaps(Region.of(o.tensor)):
                 return o.name, o.tensor, (b - o.start) // o.step

@@ -780,3 +780,27 @@ def test_a_write_into_one_of_many_tensors_of_a_flat_buffer_scans_none_of_the_oth
     for i in range(200):
         assert index.owner(getattr(model, f"w{i}"))[0] == f"w{i}"
     assert scans == []
+
+
+def test_owner_of_views_beside_inside_and_across_runtime_tensors():
+    # (owner() gave the storage's first runtime tensor, at a negative offset, for a view
+    # in none; the first fix of that gave another tensor for a view of another element
+    # size that starts inside one)
+    m = torch.nn.Module()
+    buf = torch.zeros(24)
+    m.register_buffer("p0", buf[16:20])  # registered first
+    m.register_buffer("p1", buf[:16].view(2, 8)[:, :4])  # elements 0-3 and 8-11
+    index = RuntimeIndex(m)
+
+    def owner(view):
+        found = index.owner(view)
+        return found and (found[0], found[2])
+
+    assert owner(buf[1:3]) == ("p1", 1)
+    assert owner(buf[16:18]) == ("p0", 0)
+    assert owner(buf[4:8]) is None  # (the gap between p1's rows: scratch)
+    assert owner(buf[20:24]) is None  # (after p0: scratch)
+    assert owner(buf[12:16].view(2, 2)) is None
+    assert owner(buf[5:10])[0] == "p1"  # (from the gap into p1's second row)
+    # a view of half-words starting inside p1's element 1 (byte 6)
+    assert owner(buf.view(torch.bfloat16)[3:40]) == ("p1", 1)
