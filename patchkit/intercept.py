@@ -2573,9 +2573,9 @@ class WriteSession:
         if back.ties and self.recorder is not None:
             self.ties.update(back.ties)  # (a report knows the new name)
         replaced, rebound, added = back.replaced, back.rebound, back.added
-        first = (replaced or rebound or added or [None])[0]
-        if first is not None and len(staged) > 1:
-            t = back.held.get(first)
+        culprit = (replaced or rebound or added or [None])[0]
+        if culprit is not None and len(staged) > 1:
+            t = back.held.get(culprit)
             hit = self.provenance.lookup(t) if isinstance(t, torch.Tensor) else None
             if hit is not None:
                 pos, name = hit[0], hit[1]
@@ -3258,8 +3258,8 @@ class WriteSession:
         are not refused here (the loader may keep only a part of ``out``, say its rank's
         rows): their places in ``out``'s storage are kept, and a copy from them into the
         model is refused (:meth:`_refuse_lost_numbers`)."""
-        if (out.dtype == src.dtype or src.is_meta or out.is_meta
-                or not self._loses_numbers(who[0], out.dtype)):
+        if (out.dtype == src.dtype or out.shape != src.shape  # (a broadcast: not followed)
+                or src.is_meta or out.is_meta or not self._loses_numbers(who[0], out.dtype)):
             return
         s = src.detach()
         lost = _lost_in_cast(s, out.detach().to(s.device)).reshape(-1)
