@@ -1555,6 +1555,22 @@ class _Provenance:
             return None
         return hit.position, hit.name, None if hit.base is None else t.storage_offset() - hit.base
 
+    def stretches(self, t: torch.Tensor) -> list[_Source]:
+        """The live stretches that ``t``'s bytes reach into, in storage order (a scratch
+        tensor filled a row at a time holds one per row, each with its own ``base``)."""
+        got = self._by_key.get(_storage_key(t))
+        if not got:
+            return []
+        lo, hi = _byte_span(t)
+        at = max(bisect.bisect_right(got, lo, key=_LO) - 1, 0)
+        out = []
+        for e in got[at:]:
+            if e.lo >= hi:
+                break
+            if e.hi > lo and (e.ref is None or not e.ref.expired()):
+                out.append(e)
+        return out
+
     def derive(self, src: torch.Tensor, out: torch.Tensor, *, whole: bool) -> bool:
         """``out`` is an element-for-element copy of ``src`` (a cast, a clone, a scratch
         copy); ``whole``: ``out`` is all of a new storage (an op's result), not a part of
@@ -1564,7 +1580,8 @@ class _Provenance:
             return False
         okey = _storage_key(out)
         hit = self._find(src, _storage_key(src)) if self._by_key else None
-        if hit is None or hit.base is None or not (src.is_contiguous() and out.is_contiguous()):
+        if (hit is None or hit.base is None or src.numel() != out.numel()  # (a broadcast)
+                or not (src.is_contiguous() and out.is_contiguous())):
             if not whole and okey in self._by_key:
                 lo, hi = _byte_span(out)
                 self._forget(okey, lo, hi)
@@ -1651,23 +1668,6 @@ def _owner_span(t: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, int
     e0 = max(0, (a0 - o0) // s)
     e1 = min(owner.numel(), -(-(a1 - o0) // s))
     return owner.detach().reshape(-1)[e0:e1], e0
-
-
-class _LostNumbers(NamedTuple):
-    """Numbers of a patch that a loader's cast made NaN in one storage of its own (see
-    :meth:`WriteSession._mark_lost_numbers`): the storage (weakly), the element offsets
-    there, and for each the number, its checkpoint index (or position in the cast's
-    source where ``traced`` is False); the dtype, the patch, what the loader did."""
-
-    storage: Any
-    offsets: torch.Tensor
-    values: list[float]
-    indices: list[int]
-    traced: bool
-    dtype: torch.dtype
-    pos: int | None
-    name: str | None
-    did: str
 
 
 def _lost_in_cast(src: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
@@ -1757,11 +1757,6 @@ class _Mode(TorchDispatchMode):
         mutated = _mutated_args(func)
         if not mutated:
             out = func(*args, **kwargs)
-            if (who is not None and func in _ELEMENTWISE_COPIES
-                    and isinstance(out, torch.Tensor) and out.dtype != args[0].dtype):
-                # (a loader that casts a patch's tensor to the runtime dtype before its
-                # copy_: a NaN made here would reach the merge as "keep")
-                s._mark_lost_numbers(args[0], out, who)
             if s.track_sources and isinstance(out, torch.Tensor) and s.provenance:
                 derived = func in _ELEMENTWISE_COPIES and s.provenance.derive(
                     args[0], out, whole=True)
@@ -1785,12 +1780,6 @@ class _Mode(TorchDispatchMode):
                         others.append(t)
         if not targets:
             out = func(*args, **kwargs)
-            if s._lost_marks:  # (written anew: what a cast lost there is gone)
-                for t in others:
-                    s._lost_marks.pop(_storage_key(t), None)
-            if (who is not None and func is _COPY and len(args) > 1
-                    and isinstance(args[1], torch.Tensor)):  # (a cast into a scratch tensor)
-                s._mark_lost_numbers(args[1], args[0], who)
             if s.track_sources:
                 for t in others:  # a staged tensor (or a copy of one) written in place
                     s.provenance.written(t)
@@ -2121,10 +2110,9 @@ class WriteSession:
         self._call_fed: dict[str, tuple[int | None, str] | None] = {}
         self._patches: dict[int, Any] = {}
         # (patch position, dtype) -> whether a value of that patch becomes NaN in that
-        # dtype (see _loses_numbers); storage key -> the numbers a cast in this call lost
-        # there (see _mark_lost_numbers)
+        # dtype (see _loses_numbers); the storages of the call's staged tensors
         self._lossy: dict[tuple[int, torch.dtype], bool] = {}
-        self._lost_marks: dict[tuple, _LostNumbers] = {}
+        self._staged_keys: set[tuple] = set()
         self._bindings: dict[str, torch.Tensor] | None = None
         self._model_gpus: set[torch.device] | None = None  # (see _gpus)
         # the targets a restore() could not write back (keeping what the load wrote)
@@ -2227,7 +2215,8 @@ class WriteSession:
         self._call_patches = tuple(
             (pos if pos >= 0 else None, name) for pos, (name, _) in zip(positions, staged))
         self._call_fed = {}
-        self._lost_marks = {}
+        self._staged_keys = {_storage_key(t) for _, t in staged
+                             if isinstance(t, torch.Tensor) and t.numel()}
         self.tree_as_found = False
         self.provenance.clear()
         if self.track_sources:
@@ -3225,52 +3214,71 @@ class WriteSession:
 
     def _refuse_lost_numbers(self, src: torch.Tensor, dtype: torch.dtype, pos: int | None,
                              name: str | None, at: str, tname: str) -> None:
-        """A sparse copy from ``src`` into a runtime view of ``dtype``: refused where a
-        number of ``src`` becomes NaN in ``dtype`` (a dtype without infinities: float8
-        ``e4m3fn``, ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``; an infinity, a value out of
-        its range), or where ``src`` holds a number the loader's own cast lost in this
-        call (:meth:`_mark_lost_numbers`): the merge would read that NaN as "keep", and
-        the update would be lost without a word. Nothing is read where the source's
-        patch has no such value (the common case: a check of its nnz values, once)."""
-        mark = self._lost_marks.get(_storage_key(src)) if self._lost_marks else None
-        if mark is not None and not mark.storage.expired():
-            read = torch.isin(mark.offsets, _storage_offsets(src.detach(), None).cpu())
-            if bool(read.any()):
-                k = int(read.nonzero()[0, 0])
-                raise self._lost_error(mark.values[k], mark.indices[k], mark.traced,
-                                       mark.dtype, mark.pos, mark.name, mark.did, at, tname)
-        if src.dtype == dtype or src.is_meta or not self._loses_numbers(pos, dtype):
+        """A sparse copy from ``src`` into a runtime view of ``dtype`` (a floating dtype
+        without infinities: float8 ``e4m3fn``, ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``):
+        refused where a number of a patch reaches it as NaN, which the merge would read
+        as "keep", losing the update without a word: an infinity or a value out of the
+        dtype's range, made NaN by this copy's cast or by one the loader made before
+        (``.to()``, a copy into a tensor of its own, a detour through another dtype).
+        Where ``src``'s elements are followed to their patch (a view of the staged tensor,
+        or of element-for-element copies of its parts: :class:`_Provenance`), that
+        patch's entries in it are read there; a view of the staged tensor itself is not
+        read at all when none of the patch's values (its nnz, checked once per dtype) is
+        lost in ``dtype``. Elsewhere (a source an op made from a patch at unknown places:
+        a scaled one, a gather), only this copy's own cast is checked."""
+        if dtype in _CASTS_KEEP_NUMBERS or not dtype.is_floating_point or src.is_meta:
             return
         s = src.detach()
+        rows = Region.of(s)._rows()
+        followed = [e for e in self.provenance.stretches(s)
+                    if e.base is not None and e.position in self._patches] if rows else []
+        if followed:
+            if (_storage_key(s) in self._staged_keys
+                    and not self._loses_numbers(followed[0].position, dtype)):
+                return  # (the staged values themselves, none of which is lost)
+            for e in followed:
+                self._refuse_lost_entries(s, dtype, e, rows, at, tname)
+            if s.dtype == dtype:
+                return
+        elif s.dtype == dtype:
+            return
         lost = _lost_in_cast(s, s.to(dtype))
         if not bool(lost.any()):
             return
         first = torch.nonzero(lost.reshape(-1))[:1].reshape(-1)
         index, traced = self._checkpoint_index(s, first, pos, name)
-        raise self._lost_error(float(s.reshape(-1)[first].float()), index[0], traced, dtype,
-                               pos, name, f"copied a {s.dtype} source into a {dtype} view",
-                               at, tname)
+        raise self._lost_error(float(s.reshape(-1)[first].float()), index[0], traced, s.dtype,
+                               dtype, pos, name, at, tname)
 
-    def _mark_lost_numbers(self, src: torch.Tensor, out: torch.Tensor,
-                           who: tuple[int | None, str]) -> None:
-        """The loader cast ``src``, traced to patch ``who``, into ``out`` (``.to()``, or a
-        ``copy_`` into a tensor of its own) in a sparse call. Numbers the cast made NaN
-        are not refused here (the loader may keep only a part of ``out``, say its rank's
-        rows): their places in ``out``'s storage are kept, and a copy from them into the
-        model is refused (:meth:`_refuse_lost_numbers`)."""
-        if (out.dtype == src.dtype or out.shape != src.shape  # (a broadcast: not followed)
-                or src.is_meta or out.is_meta or not self._loses_numbers(who[0], out.dtype)):
+    def _refuse_lost_entries(self, s: torch.Tensor, dtype: torch.dtype, e: _Source,
+                             rows: tuple[int, int], at: str, tname: str) -> None:
+        """:meth:`_refuse_lost_numbers` for the part of a source ``s`` (rows of ``L``
+        elements ``S`` apart: ``rows``) in stretch ``e``, whose storage element ``k`` holds
+        checkpoint element ``k - e.base`` of its patch: the patch's entries there that
+        are elements of ``s`` are read, cast to ``dtype``, and the first that is NaN is
+        refused (naming the patch's own value)."""
+        p = self._patches[e.position]
+        if p is None or p.indices is None or p.values.is_meta:
             return
-        s = src.detach()
-        lost = _lost_in_cast(s, out.detach().to(s.device)).reshape(-1)
-        if not bool(lost.any()):
+        length, stride = rows
+        size = s.element_size()
+        off = p.indices.to(device=s.device, dtype=torch.int64) + e.base
+        rel = off - s.storage_offset()
+        row = torch.div(rel, stride, rounding_mode="floor")
+        col = rel - row * stride
+        inside = ((off * size >= e.lo) & (off * size < e.hi) & (rel >= 0)
+                  & (row < s.numel() // max(length, 1)) & (col < length))
+        sel = torch.nonzero(inside).reshape(-1)
+        if not sel.numel():
             return
-        at = torch.nonzero(lost).reshape(-1)
-        index, traced = self._checkpoint_index(s, at, *who)
-        self._lost_marks[_storage_key(out)] = _LostNumbers(
-            _weak_storage(out), _storage_offsets(out, at.to(out.device)).cpu(),
-            s.reshape(-1)[at].float().tolist(), index, traced, out.dtype, *who,
-            f"cast a {s.dtype} tensor of that patch to {out.dtype} and then copied it")
+        storage = s.as_strided((s.untyped_storage().nbytes() // size,), (1,), 0)
+        got = storage[off[sel]].to(dtype)
+        bad = torch.nonzero(torch.isnan(got if got.element_size() > 1 else got.float()))
+        if not bad.numel():
+            return
+        k = sel[bad[0, 0]]
+        raise self._lost_error(float(p.values[k].float()), int(p.indices[k]), True, s.dtype,
+                               dtype, e.position, e.name, at, tname)
 
     def _checkpoint_index(self, src: torch.Tensor, flat: torch.Tensor, pos: int | None,
                           name: str | None) -> tuple[Any, bool]:
@@ -3283,15 +3291,16 @@ class WriteSession:
             return out.tolist(), True
         return flat.tolist(), False
 
-    def _lost_error(self, value: float, index: int, traced: bool, dtype: torch.dtype,
-                    pos: int | None, name: str | None, did: str, at: str,
+    def _lost_error(self, value: float, index: int, traced: bool, src_dtype: torch.dtype,
+                    dtype: torch.dtype, pos: int | None, name: str | None, at: str,
                     tname: str) -> PatchValueError:
-        where_ = f"checkpoint index {index}" if traced else f"element {index} of its source"
+        where_ = f"checkpoint index {index}" if traced else f"element {index} of the source"
         return PatchValueError(
-            f"{at} {did}: the value {value!r} at {where_} becomes NaN in {dtype}, which a "
-            "sparse load reads as 'keep', so this update would be lost. Send this weight "
-            "dense, or with values the runtime dtype can hold. This copy wrote nothing"
-            f"{self._no_source_note(name, tname)}",
+            f"{at} copied a {src_dtype} source into a {dtype} view, where the value "
+            f"{value!r} at {where_} arrives as NaN (the runtime dtype, or a cast the loader "
+            "made before, cannot hold it), which a sparse load reads as 'keep', so this "
+            "update would be lost. Send this weight dense, or with values the runtime dtype "
+            f"can hold. This copy wrote nothing{self._no_source_note(name, tname)}",
             position=pos, name=name, reason="NaN in the runtime dtype", value=index,
         )
 

@@ -64,12 +64,15 @@ def load_checkpoint_weight_patches(
        into the model's parameters and buffers keeps the runtime value wherever the source
        is NaN; any other write into runtime storage, overlapping destinations within one
        call, or a call that reports names without writing raise
-       :class:`NotImplementedError` before that write happens; a copy into a dtype that
-       turns one of its numbers into NaN (an infinity or an out-of-range value into a
-       float8 ``fnuz`` or ``e8m0fnu`` parameter, or the loader's own cast of a patch's
-       tensor to such a dtype), which would read as "keep", raises
-       :class:`ValueError` (reason ``"NaN in the runtime dtype"``), writing nothing of
-       that copy. A call that rebinds a
+       :class:`NotImplementedError` before that write happens; a copy in which a number
+       of a patch arrives as NaN (an infinity or an out-of-range value, made NaN by the
+       cast into a float8 ``fnuz`` or ``e8m0fnu`` parameter, or by a cast the loader
+       made before: ``.to()``, a copy into a tensor of its own, a detour through another
+       dtype), which would read as "keep", raises :class:`ValueError` (reason ``"NaN in
+       the runtime dtype"``), writing nothing of that copy. (Followed as far as the
+       copy's elements can be traced to the patch's: where the loader scales the values,
+       casts a strided view (a column shard) itself, gathers one into a new tensor or
+       broadcasts one, only the final copy's own cast is checked.) A call that rebinds a
        runtime tensor (``param.data = w``), registers a new one in its place
        (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) or registers
        one under a name the model did not have is caught when it returns: the original is

@@ -1643,6 +1643,17 @@ class _Fp8Rows(nn.Module):
                 self.w.copy_(tmp)
             elif self.how == "cast to the device":
                 self.w.copy_(t.narrow(0, 2, 2).to(self.w.device, self.w.dtype))
+            elif self.how == "cast, then clone":
+                self.w.copy_(t.narrow(0, 2, 2).to(self.w.dtype).clone())
+            elif self.how == "through bfloat16":  # (float32 -> bf16 -> the runtime dtype)
+                self.w.copy_(t.narrow(0, 2, 2).to(torch.bfloat16))
+            elif self.how == "scratch row by row, then a second scratch":
+                a = torch.empty(2, 4, dtype=self.w.dtype)
+                a[0].copy_(t[2])
+                a[1].copy_(t[3])
+                b = torch.empty_like(a)
+                b.copy_(a)
+                self.w.copy_(b)
             else:  # it casts a tensor of its own too: an inf, no patch's, not refused
                 torch.full((4,), float("inf")).to(self.w.dtype)
                 self.w.copy_(t.narrow(0, 2, 2).to(self.w.dtype))
@@ -1650,7 +1661,9 @@ class _Fp8Rows(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["cast whole, then narrow", "copy into scratch",
-                                 "cast to the device", "own tensor"])
+                                 "cast to the device", "own tensor", "cast, then clone",
+                                 "through bfloat16",
+                                 "scratch row by row, then a second scratch"])
 def test_a_number_a_loader_cast_lost_is_refused_only_where_it_reaches_the_model(how):
     # Refused at the cast, a number in another rank's rows (checkpoint index 1) stopped a
     # load that never used it; a copy_ into a tensor of the loader's own was not checked
@@ -1661,7 +1674,7 @@ def test_a_number_a_loader_cast_lost_is_refused_only_where_it_reaches_the_model(
     assert m.w.detach().float().reshape(-1).tolist() == [1.0] * 5 + [2.0, 1.0, 1.0]
     here = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
     m = _Fp8Rows(how)
-    with pytest.raises(ValueError, match=r"1000000\.0 at checkpoint index 13 becomes NaN") as e:
+    with pytest.raises(ValueError, match=r"1000000\.0 at checkpoint index 13 arrives as NaN") as e:
         patchkit.load_checkpoint_weight_patches(m, [here])
     assert (e.value.position, e.value.reason, e.value.value) == (0, "NaN in the runtime dtype", 13)
     assert m.w.detach().float().eq(1).all()
@@ -1674,3 +1687,31 @@ def test_a_dry_run_of_a_float8_model_is_not_checked_for_lost_numbers():
     for values in (torch.tensor([2.0, 1e6]), torch.tensor([2.0, 1e6], device="meta")):
         p = CWP("w", (4, 4), torch.float32, values, torch.tensor([9, 13]).to(values.device))
         assert patchkit.load_checkpoint_weight_patches(m, [p]) == {"w"}
+
+
+def test_a_scratch_tensor_reused_by_two_patches_of_a_call_is_followed_to_each():
+    # (q, then k, through one float8 scratch into a packed tensor: the cast that lost k's
+    # number was traced to two patches, so to none, and the loss went unseen)
+    fp8 = torch.float8_e4m3fnuz
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qk = nn.Parameter(torch.ones(4, 4).to(fp8), requires_grad=False)
+
+        def load_weights(self, weights):
+            buf = torch.empty(2, 4, dtype=fp8)
+            for n, t in weights:
+                buf.copy_(t)
+                at = {"q": 0, "k": 2}[n]
+                self.qk[at:at + 2].copy_(buf)
+            return {n for n, _ in weights}
+
+    q = CWP("q", (2, 4), torch.float32, torch.tensor([2.0]), torch.tensor([0]))
+    k = CWP("k", (2, 4), torch.float32, torch.tensor([0.5, 1e6]), torch.tensor([1, 6]))
+    m = Packed()
+    with pytest.raises(ValueError, match=r"1000000\.0 at checkpoint index 6 arrives as NaN") as e:
+        patchkit.load_checkpoint_weight_patches(m, [q, k])
+    assert (e.value.position, e.value.name, e.value.value) == (1, "k", 6)
+    # (q's copy stays, as a failed call's earlier writes do)
+    assert m.qk.detach().float()[0, 0] == 2.0 and m.qk.detach().float()[2:].eq(1).all()

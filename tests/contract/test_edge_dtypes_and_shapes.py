@@ -127,7 +127,7 @@ def test_a_value_that_becomes_nan_in_the_runtime_dtype_is_refused_not_kept(
         load(m, [b, w])
         assert m.w.detach().float().reshape(-1).tolist()[5] == 2.0**20
         return
-    with pytest.raises(ValueError, match=r"becomes NaN in torch\.float8") as info:
+    with pytest.raises(ValueError, match=r"into a torch\.float8_\w+ view, where the value") as info:
         load(m, [b, w])
     e = info.value
     assert (e.position, e.name, e.reason, e.value) == (1, "w", "NaN in the runtime dtype", 13)
@@ -168,7 +168,7 @@ def test_a_loader_that_casts_before_it_copies_loses_no_number_either(load, Patch
     # merge as "keep", and the update at checkpoint index 13 was silently lost
     m = _CastsFirst(torch.float8_e4m3fnuz)
     w = Patch("w", (4, 4), torch.bfloat16, torch.tensor([0.5, 1e6]), torch.tensor([9, 13]))
-    with pytest.raises(ValueError, match=r"cast a torch\.bfloat16 tensor of that patch") as info:
+    with pytest.raises(ValueError, match=r"1000000\.0 at checkpoint index 13 arrives as") as info:
         load(m, [w])
     e = info.value
     assert (e.position, e.name, e.reason, e.value) == (0, "w", "NaN in the runtime dtype", 13)
