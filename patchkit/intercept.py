@@ -3238,9 +3238,8 @@ class WriteSession:
                 return  # (the staged values themselves, none of which is lost)
             for e in followed:
                 self._refuse_lost_entries(s, dtype, e, rows, at, tname)
-            if s.dtype == dtype:
-                return
-        elif s.dtype == dtype:
+            return  # (the rest of s holds no patch's numbers)
+        if s.dtype == dtype:
             return
         lost = _lost_in_cast(s, s.to(dtype))
         if not bool(lost.any()):
