@@ -1715,3 +1715,24 @@ def test_a_scratch_tensor_reused_by_two_patches_of_a_call_is_followed_to_each():
     assert (e.value.position, e.value.name, e.value.value) == (1, "k", 6)
     # (q's copy stays, as a failed call's earlier writes do)
     assert m.qk.detach().float()[0, 0] == 2.0 and m.qk.detach().float()[2:].eq(1).all()
+
+
+def test_a_source_not_followed_to_its_patch_is_checked_on_its_own_cast():
+    # (a loader that scales while it copies: the product holds the patch's data at no
+    # known place, so its own cast is what is checked, and the message can only say
+    # where in the source the number is)
+    class Scales(_Fp8Rows):
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.copy_(t.narrow(0, 2, 2) * 2)
+            return {n for n, _ in weights}
+
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    m = Scales("")
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 5 of the source") as e:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert (e.value.position, e.value.name, e.value.value) == (0, "w", 5)
+    assert m.w.detach().float().eq(1).all()
+    # (numbers that survive the scaling and the cast load)
+    patchkit.load_checkpoint_weight_patches(m, [p._replace(values=torch.tensor([2.0, 4.0]))])
+    assert m.w.detach().float().reshape(-1)[[1, 5]].tolist() == [4.0, 8.0]
