@@ -3,6 +3,7 @@ failed before its fix (a silent wrong result, or a bare error from deep inside).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -697,7 +698,7 @@ def test_a_load_weights_that_calls_itself_under_an_observed_loader_is_watched_th
 def test_public_helpers_refuse_arguments_of_the_wrong_kind_with_type_and_value_errors(tmp_path):
     import io
 
-    from patchkit import plot, widgets
+    from patchkit import plot
     from patchkit.io import print_patch_file_summary, save_patches
     from patchkit.toymodels import tiny_llama_shapes
 
@@ -707,12 +708,7 @@ def test_public_helpers_refuse_arguments_of_the_wrong_kind_with_type_and_value_e
     cases = [
         (lambda: plot.to_png(None), TypeError, "fig must be a matplotlib Figure"),
         (lambda: plot.to_png(plot.plot_chunks(report), dpi=0), ValueError, "dpi"),
-        (lambda: widgets.figure_output("x"), TypeError, "fig must be a matplotlib Figure"),
         (lambda: plot.written_mask(None, "a"), TypeError, "report must be a LoadReport"),
-        (lambda: widgets.plan_text("ab", 100), TypeError, "plan must be a list of Chunk"),
-        (lambda: widgets.plan_text([1], 100), TypeError, r"plan\[0\] must be a Chunk"),
-        (lambda: widgets.plan_text(report.plan, -1), ValueError, "max_chunk_bytes"),
-        (lambda: widgets.text_output(5), TypeError, "text must be a str"),
         (lambda: plot.view_rects(2**70, (2, 2), (4, 1), 4), ValueError, "beyond int64"),
         (lambda: plot.view_rects(0, (2, 2), (4, 1), math.nan), TypeError, "cols must be"),
         (lambda: plot.view_rects(0, (2, 2), (4, 1), 1.5), TypeError, "cols must be an int"),
@@ -734,6 +730,16 @@ def test_public_helpers_refuse_arguments_of_the_wrong_kind_with_type_and_value_e
         (lambda: patchkit.same_state({"w": torch.ones(2)}, {"w": torch.ones(2).to_sparse()}),
          TypeError, r"same_state: b\['w'\] is of layout"),
     ]
+    if importlib.util.find_spec("ipywidgets") is not None:  # (the notebooks extra)
+        from patchkit import widgets
+
+        cases += [
+            (lambda: widgets.figure_output("x"), TypeError, "fig must be a matplotlib Figure"),
+            (lambda: widgets.plan_text("ab", 100), TypeError, "plan must be a list of Chunk"),
+            (lambda: widgets.plan_text([1], 100), TypeError, r"plan\[0\] must be a Chunk"),
+            (lambda: widgets.plan_text(report.plan, -1), ValueError, "max_chunk_bytes"),
+            (lambda: widgets.text_output(5), TypeError, "text must be a str"),
+        ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()
