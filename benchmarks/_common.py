@@ -59,11 +59,13 @@ def interleaved_times(
     an order shuffled anew each round (seeded: the same for every run), so that a shared
     machine's drift (other tenants, page-cache and allocator state) and the traces one
     function leaves for the next (a warm cache, a full one) fall on all of them alike.
-    Each timed call starts after a full garbage collection, so that no collection lands
-    inside one; the collection also leaves the caches cold, so a small load times at two
-    to three times what it takes in a tight loop (a plain load of 1 M bf16 elements:
-    0.6-0.7 ms against 0.2-0.3 ms), which is closer to a training loop, where the
-    trainer's own work has filled the caches between two loads."""
+    Each timed call starts after a full garbage collection, so that no garbage of earlier
+    calls is collected inside one (the young generation's collections that a call's own
+    allocations set off still run in it: cheap); the collection also leaves the caches
+    cold, so a small load times at two to three times what it takes in a tight loop (a
+    plain load of 1 M bf16 elements: 0.6-0.7 ms against 0.2-0.3 ms), which is closer to
+    a training loop, where the trainer's own work has filled the caches between two
+    loads."""
     for fn in fns:
         fn()
     sync(device)
@@ -101,7 +103,8 @@ def paired_ratio(times: Sequence[float], base: Sequence[float]) -> tuple[float, 
 
 def fmt_ratio(times: Sequence[float], base: Sequence[float], *, spread: bool = False) -> str:
     """:func:`paired_ratio` as ``"1.37x"``, or with ``spread`` ``"1.37x (1.30-1.45)"``
-    (the middle half of the rounds' ratios)."""
+    (the rounds' ratios' quartiles, by ``statistics.quantiles``' default method: with 5
+    rounds, halfway between the two lowest ratios and between the two highest)."""
     mid, lo, hi = paired_ratio(times, base)
     return f"{mid:.2f}x ({lo:.2f}-{hi:.2f})" if spread else f"{mid:.2f}x"
 
@@ -152,26 +155,37 @@ _WAITING_OPS = frozenset({
 
 def host_waits_of(fn: Callable[[], object]) -> int:
     """How many times ``fn`` makes the host wait for a device: the ATen ops of
-    ``_WAITING_OPS`` it runs (``int(t)``, ``bool(t)``, boolean-mask indexing, ...) plus
-    its ``Tensor.tolist`` calls. Counted on any device (on the CPU nothing waits, but
-    the same calls would on a GPU); deterministic, unlike a timing. Not counted: copies
-    of a device tensor to the CPU (``.cpu()``, ``.to("cpu")``), which on the CPU cannot
-    be told from other copies."""
+    ``_WAITING_OPS`` it runs (``int(t)``, ``bool(t)``, boolean-mask indexing, ...), its
+    ``Tensor.tolist`` calls, and the device synchronizes a report makes before and after
+    each ``load_weights`` call (``patchkit.intercept._wait_for``: one per call of it, as
+    on a model on one GPU). Counted on any device (on the CPU nothing waits, but the same
+    calls would on a GPU); deterministic, unlike a timing. Not counted: copies of a
+    device tensor to the CPU (``.cpu()``, ``.to("cpu")``), which on the CPU cannot be
+    told from other copies."""
     from torch.profiler import ProfilerActivity, profile
+
+    from patchkit import intercept
 
     calls = [0]
     tolist = torch.Tensor.tolist
+    wait_for = intercept._wait_for
 
     def counted(self, *args, **kwargs):
         calls[0] += 1
         return tolist(self, *args, **kwargs)
 
+    def counted_wait(*args, **kwargs):
+        calls[0] += 1
+        return wait_for(*args, **kwargs)
+
     own = "tolist" in torch.Tensor.__dict__  # (else inherited from torch._C.TensorBase)
     torch.Tensor.tolist = counted
+    intercept._wait_for = counted_wait
     try:
         with _without_profiler_notices(), profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
     finally:
+        intercept._wait_for = wait_for
         if own:
             torch.Tensor.tolist = tolist
         else:

@@ -19,7 +19,7 @@ Prints six tables from one run:
    drift on a shared machine falls on all of them alike. The "ms" columns are medians
    over the rounds; a "ratio" is the median of the rounds' own ratios (this round's
    report over this round's plain load, which a slow spell slows alike), and the
-   report's ratio shows the middle half of them in brackets (how steady the machine
+   report's ratio shows their quartiles in brackets (how steady the machine
    was). The two references are what saving the written bytes costs done simply, with
    nothing recorded, compared or counted: "save ref" is a plain load plus one clone of
    what it writes (the whole tensor, or the patched elements), into fresh memory as a
@@ -52,8 +52,9 @@ Prints six tables from one run:
    tensors; on big ones its compact saves can;
 4. how many times each load of tables 1 to 3 makes the host wait for the device on the
    torch-ops path (what a GPU runs), next to the plain load's: ``int()``/``float()``/
-   ``bool()`` of a tensor, ``tolist()``, and ops whose output size needs a read
-   (``nonzero``, a boolean-mask index, ...), counted by ``_common.host_waits_of``. A count,
+   ``bool()`` of a tensor, ``tolist()``, ops whose output size needs a read
+   (``nonzero``, a boolean-mask index, ...), and a report's device synchronize before
+   and after each ``load_weights`` call, counted by ``_common.host_waits_of``. A count,
    not a timing: on the CPU it is taken with ``patchkit.bitwise.device_passes()``, the
    passes a GPU takes, and it is what a GPU would wait (each wait stalls the host until
    the GPU's queue drains);
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
     print(_machine_line())
     print(f"inspect_load vs load_checkpoint_weight_patches on {device.type}, "
           f"median of {repeats} interleaved rounds; ratio: median of the rounds' ratios "
-          "(middle half)")
+          "(quartiles)")
     print(f"dense report saves: {native.status()}")
     print(
         fmt_table(
@@ -481,7 +482,7 @@ def _model_table(
     return (
         f"whole models: rank 0 of 2 of a bf16 TinyLlamaRuntime on {device.type}, two "
         f"AdamLikeTrainer steps in turn, median of {repeats} interleaved rounds; ratio: median "
-        "of the rounds' ratios (middle half)\n"
+        "of the rounds' ratios (quartiles)\n"
         + fmt_table(
             ["model", "params", "kind", "patches", "changed of written", "plain ms",
              "floor ms", "floor ratio", "save ref", "kept ref", "report ms", "ratio",

@@ -106,3 +106,22 @@ def test_threads_sets_torchs_thread_count_for_the_run():
             bench_args("x", ["--threads", "0"])
     finally:
         torch.set_num_threads(before)
+
+
+def test_host_waits_count_a_reports_synchronizes_around_each_call():
+    # (a report synchronizes the model's GPUs before and after every load_weights call;
+    # the count left them out, which on the CPU leave no trace)
+    import patchkit
+    from patchkit.toymodels import PlainModel
+
+    model = PlainModel({"a": (4,), "b": (4,)})
+    patches = [patchkit.CheckpointWeightPatch(n, (4,), torch.float32, torch.ones(4))
+               for n in "ab"]
+
+    def waits(budget):
+        return _common.host_waits_of(
+            lambda: patchkit.inspect_load(model, patches, max_chunk_bytes=budget))
+
+    assert waits(16) - waits(1 << 20) == 2  # (two calls against one: two more waits)
+    assert _common.host_waits_of(
+        lambda: patchkit.load_checkpoint_weight_patches(model, patches, max_chunk_bytes=16)) == 0
