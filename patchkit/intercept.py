@@ -3192,13 +3192,11 @@ class WriteSession:
 
     def _loses_numbers(self, pos: int | None, dtype: torch.dtype) -> bool:
         """Whether a value of the call's patch at ``pos`` (staged in its dtype) becomes
-        NaN in ``dtype``: read from its values (its nnz, not its staged tensor), once per
-        patch and dtype in a load. ``True`` where the patch is not known (an untraced
-        source: its elements are checked themselves); ``False`` for a dtype with
-        infinities and for values on the meta device (a dry run has no numbers)."""
-        if dtype in _CASTS_KEEP_NUMBERS or not dtype.is_floating_point:
-            return False
-        p = self._patches.get(pos) if pos is not None else None
+        NaN in ``dtype`` (one without infinities): read from its values (its nnz, not its
+        staged tensor), once per patch and dtype in a load. ``True`` where the patch is
+        not known (an observed name that matched none: its entries are read); ``False``
+        for values on the meta device (a dry run has no numbers)."""
+        p = self._patches.get(pos)
         if p is None:
             return True
         found = self._lossy.get((pos, dtype))
@@ -3246,7 +3244,7 @@ class WriteSession:
             return
         first = torch.nonzero(lost.reshape(-1))[:1].reshape(-1)
         index, traced = self._checkpoint_index(s, first, pos, name)
-        raise self._lost_error(float(s.reshape(-1)[first].float()), index[0], traced, s.dtype,
+        raise self._lost_error(float(s.reshape(-1)[first].float()), index, traced, s.dtype,
                                dtype, pos, name, at, tname)
 
     def _refuse_lost_entries(self, s: torch.Tensor, dtype: torch.dtype, e: _Source,
@@ -3280,15 +3278,14 @@ class WriteSession:
                                dtype, e.position, e.name, at, tname)
 
     def _checkpoint_index(self, src: torch.Tensor, flat: torch.Tensor, pos: int | None,
-                          name: str | None) -> tuple[Any, bool]:
-        """The checkpoint indices of ``src``'s elements at row-major positions ``flat``
-        (``(indices, True)``) where ``src`` is traced to patch ``(pos, name)`` at a known
-        offset, else those positions themselves (``(positions, False)``), as lists."""
+                          name: str | None) -> tuple[int, bool]:
+        """The checkpoint index of ``src``'s element at row-major position ``flat`` (a
+        1-element tensor): ``(index, True)`` where ``src`` is traced to patch
+        ``(pos, name)`` at a known offset, else ``(that position, False)``."""
         hit = self.provenance.lookup(src)
         if hit is not None and hit[2] is not None and hit[:2] == (pos, name):
-            out = _storage_offsets(src, flat) - src.storage_offset() + hit[2]
-            return out.tolist(), True
-        return flat.tolist(), False
+            return int(_storage_offsets(src, flat)[0]) - src.storage_offset() + hit[2], True
+        return int(flat[0]), False
 
     def _lost_error(self, value: float, index: int, traced: bool, src_dtype: torch.dtype,
                     dtype: torch.dtype, pos: int | None, name: str | None, at: str,
