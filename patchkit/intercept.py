@@ -528,6 +528,35 @@ def _module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]] | 
     return mods
 
 
+def _parameter_ids(model: torch.nn.Module) -> list[int] | None:
+    """``id`` of each parameter that ``named_parameters(remove_duplicate=False)`` lists (in
+    another order), or ``None`` where :func:`_module_tree` is: enough to tell whether
+    any tensor is registered twice without building a name."""
+    ids: list[int] = []
+    level = [model]
+    plain: set[type] = set()  # (module classes seen to list their tensors as torch does)
+    for _ in range(sys.getrecursionlimit() + 1):  # (a level per depth: a loop ends here)
+        below: list = []
+        for m in level:
+            kind = type(m)
+            if kind not in plain:
+                if (kind.named_modules, kind.named_parameters, kind.named_buffers,
+                        kind._named_members) != _MODULE_WALK:
+                    return None
+                plain.add(kind)
+            attributes = m.__dict__  # (as _registry reads them, without its calls)
+            params, children = attributes.get("_parameters"), attributes.get("_modules")
+            if isinstance(params, dict):
+                ids += map(id, params.values())
+            if isinstance(children, dict):
+                below += children.values()
+        level = [c for c in below if c is not None]
+        if not level:
+            empty = id(None)  # (an empty slot, ``bias=None``)
+            return [k for k in ids if k != empty] if empty in ids else ids
+    return None
+
+
 def _registry(m: torch.nn.Module, attr: str) -> dict:
     """``m._parameters`` (``attr``), or an empty dict where a loader deleted it from the
     module's attributes (a walk of such a tree goes on)."""

@@ -120,6 +120,73 @@ def test_a_module_that_lists_its_tensors_its_own_way_gets_torchs_answer(model):
     assert _listing(model) == _torch_listing(model)
 
 
+def _torch_aliases(model):
+    first, aliases = {}, {}
+    for n, t in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(t), n) != n:
+            aliases[n] = first[id(t)]
+    return aliases
+
+
+def _deep(depth):
+    model = node = torch.nn.Module()
+    for _ in range(depth):
+        node.child = torch.nn.Module()
+        node = node.child
+    node.w = torch.nn.Parameter(torch.ones(1))
+    return model
+
+
+def _tied_models():
+    models = dict(_models())
+    a = _Everything()
+    a.blocks[1].lin.bias = a.blocks[0].lin.bias  # (tied below the root, beside None slots)
+    models["tied in a list"] = a
+    b = _Everything()
+    b.head.weight = torch.nn.Parameter(b.head.weight.detach().clone())  # (untied)
+    models["tied by a shared module alone (the embedding untied)"] = b
+    c = torch.nn.Linear(2, 2)
+    c._parameters["again"] = c.weight  # (one module's registry, two keys)
+    models["two keys of one registry"] = c
+    d = torch.nn.Linear(2, 2)
+    del d.__dict__["_modules"]  # (a walk of such a tree goes on)
+    models["registry deleted"] = d
+    for name, tied in (("hiding", _Hiding()), ("own modules", _Outer(_OwnModules()))):
+        tied.extra = next(tied.parameters())
+        models[f"lists its tensors its own way, {name}"] = tied
+    models["deeper than the recursion limit"] = _deep(1100)
+    models["untied, empty slots"] = torch.nn.Sequential(
+        torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False), _Block())
+    return models
+
+
+@pytest.mark.parametrize("name", list(_tied_models()))
+def test_the_tied_parameters_a_dense_load_finds_are_torchs(name, monkeypatch):
+    # a dense load tells a model with no tied parameter by their ids alone, without names
+    # (a walk that builds names cost a dense load 1 us per tensor)
+    import patchkit.loader as loader
+    from patchkit.loader import _tied_aliases
+
+    model = _tied_models()[name]
+    if name.startswith("untied, empty") or name.startswith("one parameter"):
+        def named(*args, **kwargs):
+            raise AssertionError("a model with no tied parameter was walked for names")
+
+        monkeypatch.setattr(loader, "named_tensors", named)  # (no names built: the ids do)
+    if name.startswith("deeper"):  # (torch itself cannot list it: both raise)
+        with pytest.raises(RecursionError):
+            _torch_aliases(model)
+        with pytest.raises(RecursionError):
+            _tied_aliases(model)
+        return
+    if name == "registry deleted":  # (torch's walk raises; patchkit's walks go on)
+        assert _tied_aliases(model) == {} and "weight" in named_tensors(model)[0][0]
+        return
+    assert _tied_aliases(model) == _torch_aliases(model)
+    assert bool(_torch_aliases(model)) == (  # (the models meant to hold a tie do)
+        name.startswith(("tied", "two keys", "lists", "every rule")))
+
+
 def test_a_module_tree_that_loops_raises_as_torch_does():
     model = torch.nn.Linear(1, 1)
     model.add_module("me", model)
