@@ -37,6 +37,7 @@ from .density import _is_int, grid_shape
 from .errors import PatchTypeError, PatchValueError, where
 from .patch import (
     CheckpointWeightPatch,
+    _check_size,
     _check_structure,
     _checked_device,
     _shape_dims,
@@ -537,15 +538,16 @@ def random_sparse_patch(
     gives the same patch.
 
     Raises :class:`~patchkit.errors.PatchValueError` for an empty name, a negative
-    dimension, a density outside [0, 1], a ``std`` that is negative or not finite, an
-    unknown pattern, a tensor too large for int32 indices, or a ``device`` torch does not
-    parse or this machine does not have; :class:`~patchkit.errors.PatchTypeError` for a
-    name that is not a str, a shape that is not a tuple of ints (an int, or a float that
-    would be truncated), a ``density`` or ``std`` that is not a real number (numpy
-    scalars are), a non-floating or packed (``float4_e2m1fn_x2``) ``dtype`` (a sparse
-    patch needs NaN), or a
-    ``generator`` that is not a :class:`torch.Generator` (a seed such as ``42`` is not
-    one: pass ``torch.Generator().manual_seed(42)``).
+    dimension, a shape whose bytes reach 2**63 (more than a tensor can hold, as
+    :func:`~patchkit.patch.validate_patches` says), a density outside [0, 1], a ``std``
+    that is negative or not finite, an unknown pattern, a tensor too large for int32
+    indices, or a ``device`` torch does not parse or this machine does not have;
+    :class:`~patchkit.errors.PatchTypeError` for a name that is not a str, a shape that
+    is not a tuple of ints (an int, or a float that would be truncated), a ``density`` or
+    ``std`` that is not a real number (numpy scalars are), a non-floating or packed
+    (``float4_e2m1fn_x2``) ``dtype`` (a sparse patch needs NaN), or a ``generator`` that
+    is not a :class:`torch.Generator` (a seed such as ``42`` is not one: pass
+    ``torch.Generator().manual_seed(42)``).
     """
     name = _check_name(name)
     shape = _check_shape(shape, name)
@@ -555,6 +557,7 @@ def random_sparse_patch(
             f"'unchanged'): {_sparse_dtype_text(dtype)}",
             name=name, reason="sparse dtype", value=dtype,
         )
+    _check_size(f"weight {name!r}", None, name, shape, dtype)  # (as validate_patches does)
     if isinstance(density, bool) or not isinstance(density, numbers.Real):
         raise PatchTypeError(
             f"density must be a number in [0, 1], got {type(density).__name__} {density!r}",
@@ -586,7 +589,9 @@ def random_sparse_patch(
     elif pattern == "rows":
         r = round(density * rows)
         chosen = torch.sort(torch.randperm(rows, generator=generator, device="cpu")[:r]).values
-        idx = (chosen[:, None] * cols + torch.arange(cols, device="cpu")[None, :]).reshape(-1)
+        # (no row chosen: no positions, without a row of them made for nothing)
+        row = torch.arange(cols if r else 0, device="cpu")
+        idx = (chosen[:, None] * cols + row[None, :]).reshape(-1)
     else:
         bh, bw = max(1, min(block, rows)), max(1, min(block, cols))
         gr, gc = -(-rows // bh), -(-cols // bw)

@@ -1456,12 +1456,24 @@ class _Blocks:
     at once, bit for bit; pieces of a longer row add their partial sums (the last bits
     of a mean may differ). With ``(br, bc) == (rows, cols)`` the blocks are the elements
     themselves (as float64, non-finite ones as they are).
+
+    Sums of finite float64 numbers near their largest can overflow (two of 1e308). Then
+    :meth:`mean` gives ``None``, and the pieces are to be fed again to blocks made with
+    ``scaled=True``: those add each element times a power of two that keeps any block's
+    sum finite (the block's size at most; exact for all but numbers below about 1e-290,
+    which lose their last bits), and undo it in the means.
     """
 
     def __init__(self, rows: int, cols: int, br: int, bc: int, *, sums: bool = True,
-                 extremes: bool = False) -> None:
+                 extremes: bool = False, scaled: bool = False) -> None:
         self.shape = (rows, cols)
         self.rs, self.cs = _starts(rows, br), _starts(cols, bc)
+        # (2**-scale times a block's size is at most 1: no sum of its elements overflows)
+        largest = (int(np.diff(np.append(self.rs, rows)).max(initial=1))
+                   * int(np.diff(np.append(self.cs, cols)).max(initial=1)))
+        self._scale = (largest - 1).bit_length() if scaled else 0
+        if scaled and (extremes or not sums):
+            raise ValueError("_Blocks: scaled=True scales sums, and only sums")
         self._row_ends = np.append(self.rs[1:], rows)
         self.identity = (br, bc) == (rows, cols)
         self._values = np.empty((rows, cols)) if self.identity else None
@@ -1476,6 +1488,10 @@ class _Blocks:
 
     def add(self, r0: int, c0: int, x: np.ndarray) -> None:
         """Take the piece ``x`` whose first element is at row ``r0``, column ``c0``."""
+        with np.errstate(over="ignore", invalid="ignore"):  # (an overflow: see mean())
+            self._add(r0, c0, x)
+
+    def _add(self, r0: int, c0: int, x: np.ndarray) -> None:
         n, w = x.shape
         finite = np.isfinite(x)
         bad = None if finite.all() else ~finite
@@ -1486,6 +1502,8 @@ class _Blocks:
             return
         if bad is not None:
             x = np.where(finite, x, 0)  # (a 0 changes no sum, nor a largest |value|)
+        if self._scale:  # (exact: a power of two)
+            x = np.ldexp(x.astype(np.float64, copy=False), -self._scale)
         if w < self.shape[1]:
             self._add_row_piece(r0, c0, x[0], None if bad is None else bad[0])
             return
@@ -1541,12 +1559,17 @@ class _Blocks:
         sizes = np.outer(np.diff(np.append(self.rs, rows)), np.diff(np.append(self.cs, cols)))
         return sizes - self.nonfinite
 
-    def mean(self) -> np.ndarray:
-        """Block means of the finite elements (float64; NaN for a block with none)."""
+    def mean(self) -> np.ndarray | None:
+        """Block means of the finite elements (float64; NaN for a block with none), or
+        ``None`` where a sum overflowed (finite numbers near float64's largest): feed the
+        pieces again to blocks made with ``scaled=True``, whose means are all finite."""
         if self._values is not None:
             return self._values
+        if not self._scale and not np.isfinite(self._sums).all():
+            return None  # (non-finite elements were added as 0: only an overflow)
         n = self._finite()
-        return np.divide(self._sums, n, out=np.full(n.shape, np.nan), where=n > 0)
+        out = np.divide(self._sums, n, out=np.full(n.shape, np.nan), where=n > 0)
+        return np.ldexp(out, self._scale) if self._scale else out
 
     def max_abs(self) -> np.ndarray:
         """Per block, the finite value of largest magnitude, signed (float64; the
@@ -1561,6 +1584,14 @@ class _Blocks:
 def _pooled(x: np.ndarray, br: int, bc: int, **kw: bool) -> _Blocks:
     rows, cols = x.shape
     blocks = _Blocks(rows, cols, br, bc, **kw)
+    if kw.get("sums", True) and not kw.get("scaled"):  # (the sums overflowed: add scaled)
+        blocks = _fed(blocks, x)
+        return blocks if blocks.mean() is not None else _pooled(x, br, bc, **kw, scaled=True)
+    return _fed(blocks, x)
+
+
+def _fed(blocks: _Blocks, x: np.ndarray) -> _Blocks:
+    rows, cols = x.shape
     for r0, r1, c0, c1 in _pieces(rows, cols, blocks.rs, blocks.cs):
         blocks.add(r0, c0, x[r0:r1, c0:c1])
     return blocks
@@ -1858,16 +1889,23 @@ def plot_delta(
     pooled = (br, bc) != (rows, cols)
     # Δ in floats for floating and complex tensors, exactly for integers
     floating = reader.before_dtype.is_floating_point or reader.before_dtype.is_complex
-    pools = (_Blocks(rows, cols, br, bc), _Blocks(rows, cols, br, bc),
-             _Blocks(rows, cols, br, bc, sums=False, extremes=True))
-    pieces = list(_pieces(rows, cols, pools[0].rs, pools[0].cs))
-    values = _DeltaValues()
-    n_now, largest = 0, 0.0
-    for dw, n, big in _delta_pass(reader, rows, cols, pieces, floating, changed_only, pools):
-        values.add(dw)
-        n_now += n
-        largest = max(largest, big)
-    b_img, a_img, d_img = pools[0].mean(), pools[1].mean(), pools[2].max_abs()
+    for scaled in (False, True):
+        # (scaled: a second pass, where a block's sum of values near float64's largest
+        # overflowed in the first; see _Blocks)
+        pools = (_Blocks(rows, cols, br, bc, scaled=scaled),
+                 _Blocks(rows, cols, br, bc, scaled=scaled),
+                 _Blocks(rows, cols, br, bc, sums=False, extremes=True))
+        pieces = list(_pieces(rows, cols, pools[0].rs, pools[0].cs))
+        values = _DeltaValues()
+        n_now, largest = 0, 0.0
+        for dw, n, big in _delta_pass(reader, rows, cols, pieces, floating, changed_only,
+                                      pools):
+            values.add(dw)
+            n_now += n
+            largest = max(largest, big)
+        b_img, a_img, d_img = pools[0].mean(), pools[1].mean(), pools[2].max_abs()
+        if b_img is not None and a_img is not None:
+            break
 
     fig = _new_figure(17.0, 4.4)
     axes = fig.subplots(1, 4, width_ratios=[1, 1, 1, 1.1])
@@ -1895,7 +1933,8 @@ def plot_delta(
                        vmax=vmax, interpolation="nearest", aspect="auto",
                        extent=_extent(rows, cols), zorder=_MAP_Z)
         _frame_under(ax)
-        fig.colorbar(im, ax=ax, label=label, shrink=0.9)
+        with np.errstate(over="ignore"):  # (matplotlib's midpoints of a scale near 1e308)
+            fig.colorbar(im, ax=ax, label=label, shrink=0.9)
         title += _mark_nonfinite(ax, pool, rows, cols)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel(xlabel)

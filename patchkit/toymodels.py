@@ -32,6 +32,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .bitwise import has_numbers
+from .density import _is_int
 from .errors import PatchValueError
 from .patch import _checked_device, _shape_dims
 
@@ -128,6 +130,11 @@ def _check_fill(fill: object, dtype: object) -> None:
     if not isinstance(dtype, torch.dtype):  # (torch.full's own error named its argument)
         raise TypeError(f"PlainModel: dtype must be a torch.dtype, got {type(dtype).__name__} "
                         f"{dtype!r}")
+    if not (dtype.is_floating_point or dtype.is_complex) and (
+            not float(fill).is_integer() or (dtype == torch.bool and fill not in (0, 1))):
+        # (torch.full truncates 2.5 to 2 in an int tensor, and makes True of 0.5 or 2)
+        raise ValueError(f"PlainModel: fill {fill!r} is not a value of {dtype}"
+                         + (" (0 or 1)" if dtype == torch.bool else " (not a whole number)"))
     try:
         torch.full((2,), fill, dtype=dtype)  # (torch checks a fill of one element less)
     except (RuntimeError, OverflowError) as e:
@@ -135,7 +142,23 @@ def _check_fill(fill: object, dtype: object) -> None:
                          f"({str(e).splitlines()[0]})") from None
 
 
+def _check_mapping(value: object, what: str, of: str) -> None:
+    """``TypeError`` (``what`` must be a mapping of names to ``of``) for a non-mapping."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{what} must be a mapping of names to {of}, got "
+                        f"{type(value).__name__}")
+
+
+def _check_tensor(model: str, name: str, w: object) -> None:
+    """``TypeError`` naming the weight for a ``load_weights`` entry that is no tensor."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{model}.load_weights: checkpoint weight {name!r} must be a "
+                        f"torch.Tensor, got {type(w).__name__}")
+
+
 def _as_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
+    if not isinstance(name, str):
+        raise TypeError(f"a checkpoint name must be a str, got {type(name).__name__} {name!r}")
     try:
         dims = _shape_dims(shape)
     except TypeError:
@@ -212,11 +235,7 @@ class PlainModel(nn.Module):
         fill: float = 0.0,
     ) -> None:
         super().__init__()
-        if not isinstance(shapes, Mapping):
-            raise TypeError(
-                f"PlainModel: shapes must be a mapping of names to shapes (e.g. "
-                f"{{'w': (4, 8)}}), got {type(shapes).__name__}"
-            )
+        _check_mapping(shapes, "PlainModel: shapes", "shapes (e.g. {'w': (4, 8)})")
         device = _model_device(device)
         self.checkpoint_shapes: dict[str, tuple[int, ...]] = {
             name: _as_shape(name, s) for name, s in shapes.items()
@@ -239,8 +258,14 @@ class PlainModel(nn.Module):
     ) -> PlainModel:
         """A model with ``state``'s names and shapes, holding a copy of its values.
 
-        ``dtype``/``device`` default to those of the first tensor.
+        ``dtype``/``device`` default to those of the first tensor. ``TypeError`` for a
+        ``state`` that is not a mapping of str to tensors.
         """
+        _check_mapping(state, "PlainModel.from_state_dict: state", "tensors")
+        for n, t in state.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"PlainModel.from_state_dict: state[{n!r}] must be a "
+                                f"torch.Tensor, got {type(t).__name__}")
         first = next(iter(state.values()), None)
         if dtype is None:
             dtype = first.dtype if first is not None else torch.float32
@@ -263,6 +288,7 @@ class PlainModel(nn.Module):
         return param
 
     def _check_shape(self, name: str, w: torch.Tensor) -> None:
+        _check_tensor(type(self).__name__, name, w)
         want = self.checkpoint_shapes[name]
         if tuple(w.shape) != want:
             raise ValueError(
@@ -452,6 +478,8 @@ class OverlappingDestinationsModel(nn.Module):
         overlap: int = 1,
     ) -> None:
         super().__init__()
+        _check_mapping(shapes, "OverlappingDestinationsModel: shapes",
+                       "shapes (e.g. {'w': (4, 8)})")
         device = _model_device(device)
         if overlap < 1:
             raise ValueError(f"overlap must be at least 1, got {overlap}")
@@ -485,6 +513,7 @@ class OverlappingDestinationsModel(nn.Module):
         loaded: set[str] = set()
         for name, w in weights:
             dest = self.view(name)
+            _check_tensor(type(self).__name__, name, w)
             if tuple(w.shape) != tuple(dest.shape):
                 raise ValueError(
                     f"OverlappingDestinationsModel.load_weights: {name!r} has shape "
@@ -667,6 +696,9 @@ def _check_float_dtype(dtype: object, who: str) -> None:
                         f"{dtype!r}")
     if not dtype.is_floating_point:
         raise ValueError(f"{who}: dtype must be a floating-point dtype, got {dtype}")
+    if not has_numbers(dtype):  # (float4_e2m1fn_x2: packed, no casts, no NaN)
+        raise ValueError(f"{who}: dtype must be a floating-point dtype that holds numbers "
+                         f"(torch casts to and from it), got the packed {dtype}")
 
 
 def tiny_llama_checkpoint(
@@ -679,15 +711,22 @@ def tiny_llama_checkpoint(
     Keys and order are :func:`tiny_llama_shapes`. Values are drawn in float32 from a CPU
     :class:`torch.Generator` seeded with ``seed`` (in key order) and cast to ``dtype``:
     the same ``(config, seed, dtype)`` gives bit-identical tensors, different seeds give
-    different tensors. Norm weights are ``1 + 0.1 * N(0, 1)``; every other weight is
-    ``N(0, 1) / sqrt(fan_in)`` (embedding: ``0.02 * N(0, 1)``). Every tensor is contiguous
-    and owns its storage.
+    different tensors. ``seed``: an int in ``[0, 2**64)`` (``TypeError`` for another
+    type, ``ValueError`` outside it, which torch would wrap onto a seed inside it).
+    Norm weights are ``1 + 0.1 * N(0, 1)``; every other weight is ``N(0, 1) /
+    sqrt(fan_in)`` (embedding: ``0.02 * N(0, 1)``). Every tensor is contiguous and owns
+    its storage.
     """
     config = TinyLlamaConfig() if config is None else config
     if not isinstance(config, TinyLlamaConfig):
         raise TypeError(f"config must be a TinyLlamaConfig, got {type(config).__name__}")
     _check_float_dtype(dtype, "tiny_llama_checkpoint")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if not _is_int(seed):
+        raise TypeError(f"tiny_llama_checkpoint: seed must be an int, got "
+                        f"{type(seed).__name__} {seed!r}")
+    if not 0 <= seed < 1 << 64:  # (torch's generators take a 64-bit seed, and wrap others)
+        raise ValueError(f"tiny_llama_checkpoint: seed must be in [0, 2**64), got {seed}")
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
     out: dict[str, torch.Tensor] = {}
     for name, shape in tiny_llama_shapes(config).items():
         x = torch.randn(shape, generator=gen, dtype=torch.float32, device="cpu")

@@ -381,6 +381,21 @@ def test_random_validation():
         random_sparse_patch("w", (4,), torch.float32, 0.5, pattern="blocks", block=0)
 
 
+def test_random_refuses_a_shape_no_tensor_holds_and_makes_no_row_for_no_rows():
+    # it returned a patch of 2**62 float32s, which validate_patches, plan_chunks and the
+    # loader refuse; with a density that chose a few of them, torch's bare overflow
+    for density in (0.0, 1e-18):
+        with pytest.raises(PatchValueError, match="more than a tensor can hold") as info:
+            random_sparse_patch("w", (2**62, 4), torch.float32, density)
+        assert (info.value.name, info.value.reason) == ("w", "shape too large")
+    p = random_sparse_patch("w", (2**61 - 1,), torch.float32, 0.0)  # (its bytes fit)
+    validate_patches([p])
+    # no row chosen: an empty patch, not a row of 2**40 positions made for nothing
+    p = random_sparse_patch("w", (2**40,), torch.float32, 0.0, pattern="rows")
+    assert p.indices.numel() == p.values.numel() == 0
+    validate_patches([p])
+
+
 @pytest.mark.parametrize("pattern", ["uniform", "rows", "blocks"])
 @pytest.mark.parametrize("bad", [42, "seed", torch.tensor(1)], ids=repr)
 def test_random_generator_must_be_a_torch_generator(pattern, bad):

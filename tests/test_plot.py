@@ -30,6 +30,7 @@ from patchkit.plot import (
     plot_delta,
     plot_density,
     plot_placement,
+    pool_mean,
     region_rects,
     view_rects,
 )
@@ -878,6 +879,32 @@ def test_delta_draws_nan_and_inf_in_a_colour_of_their_own_and_pools_around_them(
     fig = plot_delta(report, "qkv")
     assert not any(_marks(ax) for ax in fig.axes)
     assert not any("NaN" in ax.get_title() for ax in fig.axes)
+
+
+def test_block_means_of_numbers_near_float64s_largest_do_not_overflow(recwarn):
+    # two of 1e308 summed to inf: pool_mean gave inf, and plot_delta drew each block of a
+    # float64 tensor of such numbers in the colour kept for NaN and inf, with no x
+    x = np.array([[1e308, 1e308, 1.7e308, -1.7e308]])
+    assert pool_mean(x, 1, 2).tolist() == [[1e308, 0.0]]
+    big = np.full((600, 4), 1.5e308)
+    big[7, 1] = np.nan  # (left out, as before)
+    means = pool_mean(big, 7, 2)
+    assert np.isfinite(means).all() and np.allclose(means, 1.5e308, rtol=1e-12, atol=0)
+    # the rescaled sums are exact where the first ones were: the same bits
+    rng = np.random.default_rng(0)
+    small = rng.standard_normal((37, 53)) * 1e300
+    from patchkit import plot
+    assert np.array_equal(plot._pooled(small, 5, 7, scaled=True).mean(), pool_mean(small, 5, 7))
+    model = PlainModel({"w": (600, 4)}, dtype=torch.float64, fill=1.5e308)
+    report = inspect_load(model, [CheckpointWeightPatch(
+        "w", (600, 4), torch.float64, torch.full((2400,), 1.4e308, dtype=torch.float64))])
+    fig = plot_delta(report, "w")
+    b, a = (np.ma.filled(np.ma.asarray(ax.images[0].get_array()), np.nan) for ax in fig.axes[:2])
+    assert b.shape[0] < 600  # (pooled)
+    assert np.allclose(b, 1.5e308, rtol=1e-12, atol=0)
+    assert np.allclose(a, 1.4e308, rtol=1e-12, atol=0)
+    assert not any(_marks(ax) for ax in fig.axes)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
 def test_delta_histogram_counts_the_written_elements_each_once():

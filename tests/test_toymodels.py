@@ -727,7 +727,7 @@ def test_module_imports_torch_only():
     assert imported <= {"__future__", "math", "numbers", "operator", "collections",
                         "dataclasses", "typing", "torch"}
     # patchkit's own torch-only modules, which `import patchkit` has loaded already
-    assert own <= {"errors", "patch"}
+    assert own <= {"bitwise", "density", "errors", "patch"}
     assert all(hasattr(toymodels, n) for n in toymodels.__all__)
 
 
@@ -813,6 +813,32 @@ def test_a_device_index_without_an_accelerator_is_refused():
          "PlainModel: dtype must be a torch.dtype"),
         # (a ValueError, for a wrong type)
         (lambda: gather_checkpoint(["x"]), TypeError, r"runtimes\[0\] is a str, not a Tiny"),
+        # (torch wrapped a negative seed onto a valid one, the same checkpoint as 2**64 - 1)
+        (lambda: tiny_llama_checkpoint(seed=-1), ValueError, r"seed must be in \[0, 2\*\*64\)"),
+        (lambda: tiny_llama_checkpoint(seed=2**64), ValueError, r"seed must be in"),
+        (lambda: tiny_llama_checkpoint(seed=1.5), TypeError, "seed must be an int, got float"),
+        (lambda: tiny_llama_checkpoint(seed=True), TypeError, "seed must be an int, got bool"),
+        # (torch's "copy_kernel not implemented", or a model that no load could fill)
+        (lambda: tiny_llama_checkpoint(dtype=torch.float4_e2m1fn_x2), ValueError,
+         "holds numbers"),
+        (lambda: TinyLlamaRuntime(dtype=torch.float4_e2m1fn_x2), ValueError, "holds numbers"),
+        # (bare AttributeErrors: 'int' object has no attribute 'split', and so on)
+        (lambda: PlainModel({5: (1,)}), TypeError, "a checkpoint name must be a str, got int"),
+        (lambda: PlainModel.from_state_dict([("a", torch.ones(1))]), TypeError,
+         "state must be a mapping of names to tensors, got list"),
+        (lambda: PlainModel.from_state_dict({"a": [1.0]}), TypeError,
+         r"state\['a'\] must be a torch.Tensor, got list"),
+        (lambda: OverlappingDestinationsModel([("a", (4,))]), TypeError,
+         "shapes must be a mapping of names to shapes"),
+        (lambda: PlainModel({"b": (2,)}).load_weights([("b", [1.0, 2.0])]), TypeError,
+         "checkpoint weight 'b' must be a torch.Tensor, got list"),
+        (lambda: OverlappingDestinationsModel({"a": (4,), "b": (4,)}).load_weights(
+            [("a", 3)]), TypeError, "checkpoint weight 'a' must be a torch.Tensor, got int"),
+        # (torch.full truncated the fill: 2 in an int tensor, True in a bool one)
+        (lambda: PlainModel({"a": (1,)}, dtype=torch.int32, fill=2.5), ValueError,
+         r"fill 2.5 is not a value of torch.int32 \(not a whole number\)"),
+        (lambda: PlainModel({"a": (1,)}, dtype=torch.bool, fill=2), ValueError,
+         r"fill 2 is not a value of torch.bool \(0 or 1\)"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(make, error, match):
