@@ -13,9 +13,9 @@ full disk, say: ``error: ...`` on stderr, for ``--out`` naming the files written
 it stopped);
 2 for bad input, found before anything runs or is written: an unreadable patch file,
 or one :func:`~patchkit.load_patches` would refuse (``inspect`` reads and checks each
-sparse patch first, unless ``--header-only``), an unusable or empty ``--device`` or
-``--out`` (a file, a folder that cannot be written or made, or one that holds a folder
-where ``index.html`` or a figure goes), a closed stdout (``>&-``), a bad option,
+sparse patch first, unless ``--header-only`` without ``--out``), an unusable or empty
+``--device`` or ``--out`` (a file, a folder that cannot be written or made, or one that
+holds a folder where ``index.html`` or a figure goes), a closed stdout (``>&-``), a bad option,
 matplotlib missing for a command that draws (``tour``, ``inspect --out``), with
 ``error: ...`` on stderr;
 130 when interrupted (Ctrl-C): ``interrupted`` on stderr, the files written so far
@@ -141,7 +141,9 @@ def _inspect(args: argparse.Namespace) -> int:
             _can_make(args.out, "the figures")
         except (PatchError, OSError) as e:
             return _error(e)
-    check = not args.header_only
+    # (--out reads every sparse patch for its figure: checked first, before anything is
+    # printed, so a file load_patches would refuse is bad input with it too)
+    check = not args.header_only or args.out is not None
     code = print_patch_file_summary(args.file, max_chunk_bytes=args.max_chunk_bytes,
                                     check=check)
     if code or args.out is None:
@@ -265,7 +267,11 @@ def _version() -> str:
 
 
 def _plain(rst: str) -> str:
-    """reStructuredText inline literals (double backticks) as plain quotes, for --help."""
+    """reStructuredText inline literals (double backticks) as plain quotes, and roles
+    (``:func:`~patchkit.load_patches```) as the name they show
+    (``patchkit.load_patches()``), for --help."""
+    rst = re.sub(r":(?:func|meth):`~?([\w.]+)`", r"\1()", rst)
+    rst = re.sub(r":(?:class|data|mod|attr|exc):`~?([\w.]+)`", r"\1", rst)
     return re.sub(r"``(.+?)``", r"'\1'", rst)
 
 
@@ -350,7 +356,8 @@ def _main(argv: Sequence[str] | None) -> int:
         help="read the file's header alone: quicker for a file of large sparse patches, "
              "but their values and indices are not checked (by default every sparse "
              "patch is read and checked, one at a time, so that a file load_patches "
-             "would refuse is bad input, exit 2)",
+             "would refuse is bad input, exit 2); with --out they are read for their "
+             "figures, and checked first all the same",
     )
     insp.set_defaults(run=_cmd_inspect)
 

@@ -699,16 +699,20 @@ def wire_bytes(patches: CheckpointWeightPatch | Iterable[CheckpointWeightPatch])
     ``indices``. Counts the tensors actually held (their dtypes), not the checkpoint
     dtype, and no per-patch framing (names, shapes). A plain 5-tuple counts as a patch,
     as a load takes it; anything else raises :class:`~patchkit.errors.PatchTypeError`
-    naming its position. Each patch gets the checks a load makes of its structure
+    naming its position (a patch given alone, by its name alone). Each patch gets the
+    checks a load makes of its structure
     (name, shape, dtypes, a dense patch's value count, a sparse one's index count:
     :class:`~patchkit.errors.PatchTypeError` / :class:`~patchkit.errors.PatchValueError`
     naming it), so a patch no load would take has no size; its numbers (NaN, indices out
     of range or repeated) are not read (:func:`~patchkit.patch.validate_patches` does).
     """
-    if isinstance(patches, tuple) and len(patches) == 5 and isinstance(patches[0], str):
-        patches = [patches]  # one patch (a CheckpointWeightPatch or a plain 5-tuple)
+    one = isinstance(patches, CheckpointWeightPatch) or (
+        isinstance(patches, tuple) and len(patches) == 5 and isinstance(patches[0], str))
+    # (one patch, a CheckpointWeightPatch or a plain 5-tuple, named by its name alone: a
+    # CheckpointWeightPatch of a bad name was read as a list of its five fields)
+    items = [(None, patches)] if one else enumerate(patch_list(patches))
     total = 0
-    for i, p in enumerate(patch_list(patches)):
+    for i, p in items:
         if not (isinstance(p, tuple) and len(p) == 5):
             raise PatchTypeError(
                 f"patch {i}: expected a CheckpointWeightPatch (name, shape, dtype, values, "

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from .errors import PatchTypeError, PatchValueError, where
-from .patch import CheckpointWeightPatch, _check_structure, numel
+from .patch import CheckpointWeightPatch, _check_structure, _shape_dims, numel
 
 __all__ = ["density_map", "grid_shape", "region_text"]
 
@@ -19,8 +19,10 @@ def grid_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     """The 2-D view patchkit draws a tensor as: rows × last dimension.
 
     ``()`` and ``(n,)`` are one row; higher ranks fold their leading dimensions into rows.
+    ``shape``: an ordered sequence of ints (numpy ints too), none negative
+    (``TypeError`` / ``ValueError`` otherwise, naming it).
     """
-    shape = tuple(int(d) for d in shape)
+    shape = _dims(shape, "grid_shape")
     if len(shape) == 0:
         return (1, 1)
     if len(shape) == 1:
@@ -29,6 +31,21 @@ def grid_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     for d in shape[:-1]:
         rows *= d
     return (rows, shape[-1])
+
+
+def _dims(shape: object, who: str) -> tuple[int, ...]:
+    """``shape``'s dims as ints: ``TypeError`` for what is no ordered sequence of ints
+    (a float that would be truncated, a str, a set), ``ValueError`` for a negative one;
+    the message names ``who`` and the argument."""
+    try:
+        if isinstance(shape, Iterator):
+            raise TypeError  # (used up by one reading)
+        dims = _shape_dims(shape)
+    except TypeError:
+        raise TypeError(f"{who}: shape must be a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{who}: shape has a negative dimension: {shape!r}")
+    return dims
 
 
 def density_map(

@@ -61,7 +61,9 @@ class ContractViolation(PatchError, NotImplementedError):
 
 
 def where(position: int | None, name: str | None) -> str:
-    """``"patch 3 ('model.norm.weight')"``: how messages name a patch."""
+    """``"patch 3 ('model.norm.weight')"``: how messages name a patch (one given alone,
+    ``position`` None: ``"patch 'model.norm.weight'"``, or ``"patch (name 5)"`` for a name
+    that is no str, which would read as a position)."""
     if position is None:
-        return f"patch {name!r}"
+        return f"patch {name!r}" if isinstance(name, str) else f"patch (name {name!r})"
     return f"patch {position} ({name!r})"

@@ -871,7 +871,9 @@ def _codes_not_read_here(at: str) -> list[str]:
 
 
 def _user_metadata(raw: Mapping[str, str] | None) -> dict[str, str]:
-    return {k: v for k, v in (raw or {}).items() if k != FORMAT_KEY}
+    """The user's keys, sorted (safetensors hands them over in an order of its hash map,
+    another in each process: ``patchkit inspect`` printed them so)."""
+    return {k: v for k, v in sorted((raw or {}).items()) if k != FORMAT_KEY}
 
 
 def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
@@ -1035,7 +1037,8 @@ def read_patch_index(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
 
 
 def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
-    """The user metadata of a patch file (``patchkit``'s own header key left out).
+    """The user metadata of a patch file (``patchkit``'s own header key left out), its
+    keys in sorted order (the same in every process).
 
     The file is checked as by :func:`read_patch_index`.
     """

@@ -58,7 +58,7 @@ from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 
 from .bitwise import changed_mask, difference, has_numbers
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
-from .density import _as_bins, _density, grid_shape
+from .density import _as_bins, _density, _dims, grid_shape
 from .patch import (
     CheckpointWeightPatch,
     _check_structure,
@@ -1037,11 +1037,14 @@ def view_rects(
     view's box one rectangle. Where that takes more than ``limit`` rectangles, the
     region's extent instead, and ``False``: its bounding box where the view is a grid of
     whole rows by whole columns, else its flat range from first to last element (at most
-    three rectangles). A view with no elements gives ``([], True)``.
+    three rectangles). A view with no elements gives ``([], True)``. ``limit``: an int
+    >= 0 (0: the extent always).
     """
     offset, cols, limit = (_view_int(v, what) for v, what in
                            ((offset, "offset"), (cols, "cols"), (limit, "limit")))
     shape, stride = _view_ints(shape, "shape"), _view_ints(stride, "stride")
+    if limit < 0:
+        raise ValueError(f"view_rects: limit must not be negative, got {limit}")
     if len(shape) != len(stride):
         raise ValueError(f"view_rects: shape {tuple(shape)} and stride {tuple(stride)} "
                          "differ in length")
@@ -1086,7 +1089,7 @@ def region_rects(text: str | None, shape: Sequence[int]) -> tuple[list[Rect], bo
     contiguous, an outline of where it starts and ends otherwise. ``None`` or
     unreadable text gives ``([], False)``.
     """
-    dims = tuple(int(d) for d in shape)
+    dims = _dims(shape, "region_rects")
     cols = grid_shape(dims)[1]
     if text is None:
         return [], False

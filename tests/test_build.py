@@ -635,6 +635,11 @@ def test_wire_bytes_takes_one_plain_tuple_and_names_what_is_not_a_patch():
     with pytest.raises(PatchTypeError) as info:
         wire_bytes([("d", (3, 4), torch.bfloat16, vals, None), 3])
     assert (info.value.position, info.value.reason) == (1, "not a patch")
+    # one CheckpointWeightPatch of a bad name, alone: its five fields were read as five
+    # patches ("patch 0: expected a CheckpointWeightPatch ..., got int")
+    with pytest.raises(PatchTypeError, match=r"^patch \(name 5\): name must be a str") as info:
+        wire_bytes(CheckpointWeightPatch(5, (12,), torch.bfloat16, vals, None))
+    assert (info.value.position, info.value.reason) == (None, "name type")
 
 
 @pytest.mark.parametrize(("patch", "match"), [

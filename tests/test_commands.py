@@ -87,6 +87,8 @@ def test_python_dash_m_patchkit_lists_its_commands():
         assert command in out.stdout
     assert out.stdout.startswith("usage: python -m patchkit ")
     assert "``" not in out.stdout and "'python -m patchkit {tour,demo,inspect} ...'" in out.stdout
+    # (no reStructuredText role either: ":func:`~patchkit.load_patches`" was shown as such)
+    assert "`" not in out.stdout and "patchkit.load_patches() would refuse" in out.stdout
 
 
 def test_the_console_script_names_itself_and_has_a_version(monkeypatch, capsys):
@@ -391,9 +393,16 @@ def test_inspect_out_reads_no_dense_values(tmp_path, capsys, monkeypatch):
     # the sparse values and indices only: read to check them, then to draw them
     assert sorted(read) == [(2,), (2,), (2,), (2,), (3,), (3,), (3,), (3,)]
     read.clear()
+    # --header-only with --out: the sparse patches are read for their figures all the
+    # same, so they are checked first (a bad one was found after a summary that said "not
+    # checked" was printed, and exited 2 then)
     assert main(["inspect", str(f), "--out", str(tmp_path / "figs"), "--header-only"]) == 0
+    assert "not checked: the header alone was read" not in capsys.readouterr().out
+    assert sorted(read) == [(2,), (2,), (2,), (2,), (3,), (3,), (3,), (3,)]
+    read.clear()
+    assert main(["inspect", str(f), "--header-only"]) == 0  # (without --out: nothing read)
     assert "not checked: the header alone was read" in capsys.readouterr().out
-    assert sorted(read) == [(2,), (2,), (3,), (3,)]  # (drawn only)
+    assert read == []
 
 
 def _failing_savefig(monkeypatch, on_call: int) -> None:

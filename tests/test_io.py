@@ -1663,3 +1663,36 @@ def test_a_path_that_is_no_path_is_a_type_error_naming_the_argument(fn, args, pa
                                         rf"{type(path).__name__}: "):
         fn(path, *args)
     assert list(tmp_path.iterdir()) == []  # (nothing written)
+
+
+def test_inspect_header_only_with_out_refuses_a_bad_file_before_printing(tmp_path, capsys):
+    # --out reads the sparse patches for their figures: a NaN among them was found after
+    # a summary that said "not checked" was printed, and exited 2 then
+    from patchkit.__main__ import main
+
+    good = _checkable_file(tmp_path, 4)
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  tensors=_corrupt("000002.values", torch.tensor([1.0, float("nan")])))
+    assert main(["inspect", bad, "--header-only"]) == 0  # (the header alone: as it says)
+    assert "not checked" in capsys.readouterr().out
+    assert main(["inspect", bad, "--header-only", "--out", str(tmp_path / "figs")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("error: ")
+    assert "NaN" in captured.err and not (tmp_path / "figs").exists()
+
+
+def test_metadata_comes_back_in_one_order_the_keys_sorted(tmp_path, capsys):
+    # (safetensors hands the keys over in the order of a hash map, another in each
+    # process: read_patch_metadata and `patchkit inspect` gave them so)
+    from patchkit.io import print_patch_file_summary, read_patch_metadata
+
+    keys = [f"key{k:02d}" for k in (7, 3, 19, 0, 11, 5, 16, 2, 9, 14, 1, 18, 6, 12, 4)]
+    path = tmp_path / "m.safetensors"
+    save_patches(path, [CheckpointWeightPatch("w", (1,), torch.float32, torch.zeros(1))],
+                 metadata={k: f"v{k}" for k in keys})
+    read = read_patch_metadata(path)
+    assert list(read) == sorted(keys) and read == {k: f"v{k}" for k in keys}
+    assert print_patch_file_summary(path) == 0
+    out = capsys.readouterr().out
+    assert [out.index(f"{k}: ") for k in sorted(keys)] == sorted(
+        out.index(f"{k}: ") for k in keys)

@@ -542,6 +542,27 @@ def test_region_rects_gives_nothing_for_text_no_region_of_the_shape_has(text):
     assert region_rects(text, (4, 4)) == ([], False)
 
 
+@pytest.mark.parametrize(("shape", "error", "match"), [
+    ("ab", TypeError, "shape must be a sequence of ints, got 'ab'"),
+    (None, TypeError, "shape must be a sequence of ints, got None"),
+    ((2.5, 4), TypeError, r"shape must be a sequence of ints, got \(2.5, 4\)"),  # (was 2)
+    ((-1, 4), ValueError, "shape has a negative dimension"),
+    (iter((4, 4)), TypeError, "shape must be a sequence of ints"),
+])
+def test_a_bad_shape_is_refused_by_name_by_region_rects_and_grid_shape(shape, error, match):
+    # (int()'s "invalid literal", or "'NoneType' object is not iterable"; a float dim was
+    # truncated)
+    from patchkit.density import grid_shape
+
+    with pytest.raises(error, match=f"region_rects: {match}"):
+        region_rects("[0:2, :]", shape)
+    with pytest.raises(error, match=f"grid_shape: {match}"):
+        grid_shape(shape)
+    with pytest.raises(ValueError, match="view_rects: limit must not be negative, got -1"):
+        view_rects(0, (2,), (1,), 4, limit=-1)
+    assert view_rects(0, (2,), (1,), 4, limit=0) == ([(0, 1, 0, 2)], False)  # (the extent)
+
+
 def test_placement_puts_q_k_v_into_row_bands_of_the_packed_qkv():
     report, _ = load("q k v")
     fig = plot_placement(report)
