@@ -431,9 +431,11 @@ class LoadReport:
       difference that is NaN or infinite counts as 0, and so does a non-finite old value
       in ``||before||``): a load that writes NaN or inf shows as changed elements with
       small or zero numbers. Check ``torch.isfinite(report.after(target))`` where that
-      matters. Squares are summed in float64: float64 weights of magnitude above about
-      1e154 give an infinite or NaN ``rel_l2`` (0, with ``max_abs`` and ``mean_abs`` 0,
-      where the differences themselves overflow float64, as a sign flip of 1e308 does).
+      matters. Sums are taken in float64: float64 weights of magnitude above about
+      1e154 give an infinite or NaN ``rel_l2``; differences that add up past float64's
+      largest (about 1.8e308 in all) an infinite ``mean_abs``; and a difference that
+      itself overflows float64 (a sign flip of 1e308) counts as 0 in ``max_abs``,
+      ``mean_abs`` and ``rel_l2``, as a non-finite one does.
     - ``error``: the exception the load raised, or ``None``; ``rolled_back``: True when
       that load was ``transactional=True`` and put every write back (False when a region
       could not be written back: the error then says which; the ``writes``
