@@ -268,7 +268,7 @@ def _version() -> str:
 
 def _plain(rst: str) -> str:
     """reStructuredText inline literals (double backticks) as plain quotes, and roles
-    (``:func:`~patchkit.load_patches```) as the name they show
+    (``:func:`~patchkit.load_patches```) as the whole name they refer to
     (``patchkit.load_patches()``), for --help."""
     rst = re.sub(r":(?:func|meth):`~?([\w.]+)`", r"\1()", rst)
     rst = re.sub(r":(?:class|data|mod|attr|exc):`~?([\w.]+)`", r"\1", rst)

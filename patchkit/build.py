@@ -584,17 +584,19 @@ def random_sparse_patch(
     idx_dtype = _index_dtype_for(n, index_dtype, name)
     rows, cols = grid_shape(shape)
 
-    if pattern == "uniform":
+    bh, bw = max(1, min(block, rows)), max(1, min(block, cols))
+    gr, gc = -(-rows // bh), -(-cols // bw)
+    nothing = n == 0 or (pattern == "rows" and round(density * rows) == 0) or (
+        pattern == "blocks" and round(density * gr * gc) == 0)
+    if nothing:  # (no position chosen: none made, not a row or a mask of them for nothing)
+        idx = torch.empty(0, dtype=torch.int64)
+    elif pattern == "uniform":
         idx = _distinct_positions(n, round(density * n), generator)
     elif pattern == "rows":
         r = round(density * rows)
         chosen = torch.sort(torch.randperm(rows, generator=generator, device="cpu")[:r]).values
-        # (no row chosen: no positions, without a row of them made for nothing)
-        row = torch.arange(cols if r else 0, device="cpu")
-        idx = (chosen[:, None] * cols + row[None, :]).reshape(-1)
+        idx = (chosen[:, None] * cols + torch.arange(cols, device="cpu")[None, :]).reshape(-1)
     else:
-        bh, bw = max(1, min(block, rows)), max(1, min(block, cols))
-        gr, gc = -(-rows // bh), -(-cols // bw)
         k = round(density * gr * gc)
         grid = torch.zeros(gr * gc, dtype=torch.bool, device="cpu")
         grid[torch.randperm(gr * gc, generator=generator, device="cpu")[:k]] = True
@@ -780,7 +782,8 @@ class AdamLikeTrainer:
     ``PatchValueError``): ``state_dict`` a mapping of names to tensors; ``lr``,
     ``weight_decay`` and ``grad_std`` finite numbers >= 0; ``eps`` a finite number > 0;
     ``betas`` two numbers in [0, 1) (a beta of 1 would divide by zero in the bias
-    correction and turn every weight NaN); ``seed`` an int in ``[0, 2**64)``.
+    correction and turn every weight NaN); ``seed`` an int in ``[0, 2**32)`` (torch's CPU
+    generator reads a seed's low 32 bits: a seed beyond would repeat one inside).
     """
 
     def __init__(
@@ -807,8 +810,8 @@ class AdamLikeTrainer:
         self.weight_decay = _check_real(weight_decay, "weight_decay", 0.0)
         self.grad_std = _check_real(grad_std, "grad_std", 0.0)
         self.step_count = 0
-        # (torch's generators take a 64-bit seed)
-        seed = _check_int(seed, "seed", 0, below=1 << 64)
+        # (torch's CPU generator takes a 64-bit seed and draws from its low 32 bits)
+        seed = _check_int(seed, "seed", 0, below=1 << 32)
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self._dtypes = {k: t.dtype for k, t in state_dict.items()}
         self._fixed: dict[str, torch.Tensor] = {}

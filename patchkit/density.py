@@ -35,8 +35,8 @@ def grid_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 def _dims(shape: object, who: str) -> tuple[int, ...]:
     """``shape``'s dims as ints: ``TypeError`` for what is no ordered sequence of ints
-    (a float that would be truncated, a str, a set), ``ValueError`` for a negative one;
-    the message names ``who`` and the argument."""
+    (a float, ``4.0`` too, as a patch's shape refuses it; a str, a set, an iterator),
+    ``ValueError`` for a negative one; the message names ``who`` and the argument."""
     try:
         if isinstance(shape, Iterator):
             raise TypeError  # (used up by one reading)

@@ -516,9 +516,7 @@ def _module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]] | 
     deepest = sys.getrecursionlimit()
     while stack:
         prefix, m, depth = stack.pop()
-        kind = type(m)
-        if depth > deepest or (kind.named_modules, kind.named_parameters, kind.named_buffers,
-                               kind._named_members) != _MODULE_WALK:
+        if depth > deepest or not _lists_as_torch(type(m)):
             return None
         mods.append((prefix, m))
         children = [(f"{prefix}.{k}" if prefix else k, c, depth + 1)
@@ -528,20 +526,37 @@ def _module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]] | 
     return mods
 
 
-def _parameter_ids(model: torch.nn.Module) -> list[int] | None:
-    """``id`` of each parameter that ``named_parameters(remove_duplicate=False)`` lists (in
-    another order), or ``None`` where :func:`_module_tree` is: enough to tell whether
-    any tensor is registered twice without building a name."""
-    ids: list[int] = []
+def _lists_as_torch(kind: type) -> bool:
+    """Whether module class ``kind`` lists its tensors and submodules as ``nn.Module``
+    does (a duck-typed class without one of those methods does not)."""
+    return tuple(getattr(kind, a, None) for a in _WALK_NAMES) == _MODULE_WALK
+
+
+_WALK_NAMES = ("named_modules", "named_parameters", "named_buffers", "_named_members")
+
+
+def _registers_twice(model: torch.nn.Module) -> bool | None:
+    """Whether a parameter that ``named_parameters(remove_duplicate=False)`` lists is
+    listed twice (tied, or under a submodule registered twice), without building a name:
+    ``True`` at the first one found. ``None`` where :func:`_module_tree` is (a module
+    that lists its tensors its own way, a tree deeper than the recursion limit, or one
+    that loops): only torch's own walk is right there."""
+    seen: set[int] = set()
+    listed = 0
+    empty = id(None)  # (an empty slot, ``bias=None``)
     level = [model]
+    modules: set[int] = set()
     plain: set[type] = set()  # (module classes seen to list their tensors as torch does)
-    for _ in range(sys.getrecursionlimit() + 1):  # (a level per depth: a loop ends here)
+    for depth in range(sys.getrecursionlimit() + 1):  # (a level per depth)
+        modules.update(map(id, level))
+        if depth > len(modules):  # (deeper than a tree of its modules can be: a loop)
+            return None
+        ids: list[int] = []
         below: list = []
         for m in level:
             kind = type(m)
             if kind not in plain:
-                if (kind.named_modules, kind.named_parameters, kind.named_buffers,
-                        kind._named_members) != _MODULE_WALK:
+                if not _lists_as_torch(kind):
                     return None
                 plain.add(kind)
             attributes = m.__dict__  # (as _registry reads them, without its calls)
@@ -550,10 +565,15 @@ def _parameter_ids(model: torch.nn.Module) -> list[int] | None:
                 ids += map(id, params.values())
             if isinstance(children, dict):
                 below += children.values()
+        # (checked a level at a time: the sets and counts of C loops, not Python ones)
+        seen.update(ids)
+        seen.discard(empty)
+        listed += len(ids) - ids.count(empty)
+        if len(seen) < listed:
+            return True
         level = [c for c in below if c is not None]
         if not level:
-            empty = id(None)  # (an empty slot, ``bias=None``)
-            return [k for k in ids if k != empty] if empty in ids else ids
+            return False
     return None
 
 

@@ -21,7 +21,7 @@ from .intercept import (
     RuntimeIndex,
     WriteRecorder,
     WriteSession,
-    _parameter_ids,
+    _registers_twice,
     named_tensors,
 )
 from .patch import (
@@ -384,11 +384,12 @@ def canonicalize_tied(
 def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """Each alias of a Parameter registered under several names -> its first name.
 
-    A model with no tensor registered twice (most) is told by :func:`_parameter_ids`, a
-    walk that builds no names (at 1000 modules, less than half of a named walk's cost,
-    which every dense load paid); only a model that has one pays for the names."""
-    ids = _parameter_ids(model)
-    if ids is not None and len(set(ids)) == len(ids):
+    A model with no tensor registered twice (most) is told by
+    :func:`~patchkit.intercept._registers_twice`, a walk that builds no names (at 1000
+    modules, less than half of a named walk's cost, which every dense load paid); a
+    model that has one pays for the names too, after that walk stops at the first
+    repeat (which a tied ``lm_head`` beside ``model.embed_tokens`` reaches early)."""
+    if _registers_twice(model) is False:
         return {}
     canonical: dict[int, str] = {}
     alias_of: dict[str, str] = {}

@@ -106,7 +106,8 @@ def patch_list(patches: object, what: str = "patches") -> list:
     ``None`` or another non-iterable, a ``str``, a mapping (a state dict: see
     :func:`~patchkit.build.dense_patches`), or one patch on its own (pass ``[patch]``).
     ``what`` names the argument in the message."""
-    if isinstance(patches, tuple) and len(patches) == 5 and isinstance(patches[0], str):
+    if isinstance(patches, CheckpointWeightPatch) or (  # (whatever its name holds)
+            isinstance(patches, tuple) and len(patches) == 5 and isinstance(patches[0], str)):
         raise PatchTypeError(
             f"{what} must be a list of patches, got one patch ({patches[0]!r}): pass [patch]",
             reason="not a list", value=type(patches).__name__,
@@ -632,9 +633,13 @@ def validate_patches(
     index happens only after that combined check has failed. Patches whose values or
     indices are on the meta device (a dry run: they hold no numbers) pass the checks of
     their values unchecked.
-    ``validate_unique_indices`` must be a bool (:func:`check_flag`).
+    ``validate_unique_indices`` must be a bool (:func:`check_flag`); ``patches`` a
+    collection of patches (one patch on its own, a ``str`` or a mapping is refused as
+    :func:`patch_list` says).
     """
     check_flag(validate_unique_indices, "validate_unique_indices")
+    if not isinstance(patches, list):
+        patches = patch_list(patches)
     if positions is None:
         positions = range(len(patches))
     if max_chunk_bytes is not None:

@@ -1464,7 +1464,7 @@ class _Blocks:
     :meth:`mean` gives ``None``, and the pieces are to be fed again to blocks made with
     ``scaled=True``: those add each element times a power of two that keeps any block's
     sum finite (the block's size at most; exact for all but numbers below about 1e-290,
-    which lose their last bits), and undo it in the means.
+    which lose bits, the smallest subnormals all of them), and undo it in the means.
     """
 
     def __init__(self, rows: int, cols: int, br: int, bc: int, *, sums: bool = True,

@@ -121,6 +121,14 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+def _has_iinfo(dtype: torch.dtype) -> bool:
+    try:
+        torch.iinfo(dtype)
+    except TypeError:  # (a dtype torch gives no integer limits for)
+        return False
+    return True
+
+
 def _check_fill(fill: object, dtype: object) -> None:
     """``fill`` is a real number that ``dtype`` (a :class:`torch.dtype`) holds
     (``TypeError`` / ``ValueError``, before any parameter is made)."""
@@ -130,11 +138,17 @@ def _check_fill(fill: object, dtype: object) -> None:
     if not isinstance(dtype, torch.dtype):  # (torch.full's own error named its argument)
         raise TypeError(f"PlainModel: dtype must be a torch.dtype, got {type(dtype).__name__} "
                         f"{dtype!r}")
-    if not (dtype.is_floating_point or dtype.is_complex) and (
-            not float(fill).is_integer() or (dtype == torch.bool and fill not in (0, 1))):
-        # (torch.full truncates 2.5 to 2 in an int tensor, and makes True of 0.5 or 2)
-        raise ValueError(f"PlainModel: fill {fill!r} is not a value of {dtype}"
-                         + (" (0 or 1)" if dtype == torch.bool else " (not a whole number)"))
+    if not (dtype.is_floating_point or dtype.is_complex):
+        # (torch.full truncates 2.5 to 2 in an int tensor, wraps -1 to 255 in a uint8 one,
+        # and makes True of 0.5 or 2)
+        whole = isinstance(fill, numbers.Integral) or float(fill).is_integer()
+        low, high = ((0, 1) if dtype == torch.bool else
+                     (torch.iinfo(dtype).min, torch.iinfo(dtype).max) if _has_iinfo(dtype)
+                     else (None, None))
+        if not whole or (low is not None and not low <= fill <= high):
+            raise ValueError(f"PlainModel: fill {fill!r} is not a value of {dtype}"
+                             + (f" (a whole number in [{low}, {high}])" if low is not None
+                                else " (not a whole number)"))
     try:
         torch.full((2,), fill, dtype=dtype)  # (torch checks a fill of one element less)
     except (RuntimeError, OverflowError) as e:
@@ -711,8 +725,9 @@ def tiny_llama_checkpoint(
     Keys and order are :func:`tiny_llama_shapes`. Values are drawn in float32 from a CPU
     :class:`torch.Generator` seeded with ``seed`` (in key order) and cast to ``dtype``:
     the same ``(config, seed, dtype)`` gives bit-identical tensors, different seeds give
-    different tensors. ``seed``: an int in ``[0, 2**64)`` (``TypeError`` for another
-    type, ``ValueError`` outside it, which torch would wrap onto a seed inside it).
+    different tensors. ``seed``: an int in ``[0, 2**32)`` (``TypeError`` for another
+    type, ``ValueError`` outside it: torch's CPU generator reads a seed's low 32 bits, so
+    a seed beyond would repeat one inside).
     Norm weights are ``1 + 0.1 * N(0, 1)``; every other weight is ``N(0, 1) /
     sqrt(fan_in)`` (embedding: ``0.02 * N(0, 1)``). Every tensor is contiguous and owns
     its storage.
@@ -724,8 +739,10 @@ def tiny_llama_checkpoint(
     if not _is_int(seed):
         raise TypeError(f"tiny_llama_checkpoint: seed must be an int, got "
                         f"{type(seed).__name__} {seed!r}")
-    if not 0 <= seed < 1 << 64:  # (torch's generators take a 64-bit seed, and wrap others)
-        raise ValueError(f"tiny_llama_checkpoint: seed must be in [0, 2**64), got {seed}")
+    if not 0 <= seed < 1 << 32:
+        # (torch's CPU generator draws from a seed's low 32 bits: 2**32 gave seed 0's
+        # checkpoint, and -1 that of 2**32 - 1)
+        raise ValueError(f"tiny_llama_checkpoint: seed must be in [0, 2**32), got {seed}")
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     out: dict[str, torch.Tensor] = {}
     for name, shape in tiny_llama_shapes(config).items():
@@ -1051,8 +1068,12 @@ class TinyLlamaRuntime(nn.Module):
         tied = self.config.tie_word_embeddings
         loaded: set[str] = set()
         for name, w in weights:
+            if not isinstance(name, str):  # (a bare "argument of type 'int' is not iterable")
+                raise TypeError(f"TinyLlamaRuntime.load_weights: a checkpoint name must be a "
+                                f"str, got {type(name).__name__} {name!r}")
             if (tied and name == "lm_head.weight") or _skipped_as_vllm_does(name):
                 continue
+            _check_tensor("TinyLlamaRuntime", name, w)
             want = self._shapes.get(name)
             if want is None:
                 raise UnknownWeightError(

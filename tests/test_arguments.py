@@ -62,6 +62,15 @@ def test_one_patch_where_a_list_is_expected_says_to_pass_a_list():
         patchkit.load_checkpoint_weight_patches(m, _p())
     assert m.a.tolist() == [0.0] * 4
     assert wire_bytes(_p()) == 16  # wire_bytes takes one patch, as documented
+    # one patch whose name is no str is still one patch ("patch 0: expected a
+    # CheckpointWeightPatch ..., got int", of its first field), and validate_patches says
+    # so too (it said "got str" of a good patch's name)
+    with pytest.raises(PatchTypeError, match=r"got one patch \(5\): pass \[patch\]"):
+        patchkit.load_checkpoint_weight_patches(m, CWP(5, (4,), torch.float32, torch.ones(4)))
+    from patchkit.patch import validate_patches
+    with pytest.raises(PatchTypeError, match=r"got one patch \('a'\): pass \[patch\]"):
+        validate_patches(_p())
+    assert validate_patches(iter([_p()])) == "dense"  # (an iterable of patches is taken)
 
 
 def test_plan_chunks_names_an_item_that_is_not_a_patch():

@@ -390,10 +390,13 @@ def test_random_refuses_a_shape_no_tensor_holds_and_makes_no_row_for_no_rows():
         assert (info.value.name, info.value.reason) == ("w", "shape too large")
     p = random_sparse_patch("w", (2**61 - 1,), torch.float32, 0.0)  # (its bytes fit)
     validate_patches([p])
-    # no row chosen: an empty patch, not a row of 2**40 positions made for nothing
-    p = random_sparse_patch("w", (2**40,), torch.float32, 0.0, pattern="rows")
-    assert p.indices.numel() == p.values.numel() == 0
-    validate_patches([p])
+    # no row chosen: an empty patch, not a row of 2**40 positions made for nothing (nor a
+    # mask of 2**40 blocks, nor a permutation of 2**40 rows of no columns)
+    for shape, pattern, density in (((2**40,), "rows", 0.0), ((1, 2**40), "blocks", 0.0),
+                                    ((2**40, 0), "rows", 0.5), ((2**40, 0), "blocks", 0.5)):
+        p = random_sparse_patch("w", shape, torch.float32, density, pattern=pattern)
+        assert p.indices.numel() == p.values.numel() == 0, (shape, pattern)
+        validate_patches([p])
 
 
 @pytest.mark.parametrize("pattern", ["uniform", "rows", "blocks"])
@@ -785,12 +788,15 @@ def test_random_takes_numpy_numbers_and_the_meta_device():
     assert m.values.is_meta and m.indices.is_meta
 
 
-@pytest.mark.parametrize("seed", [1 << 64, -1])
-def test_a_seed_outside_64_bits_is_refused_by_name(seed):
+@pytest.mark.parametrize("seed", [1 << 64, 1 << 32, -1])
+def test_a_seed_outside_32_bits_is_refused_by_name(seed):
+    # (torch's CPU generator draws from a seed's low 32 bits: 2**32 repeated seed 0)
     with pytest.raises(PatchValueError, match="seed must be") as info:
         AdamLikeTrainer({"w": torch.ones(2)}, seed=seed)
     assert info.value.reason == "seed" and info.value.value == seed
-    AdamLikeTrainer({"w": torch.ones(2)}, seed=(1 << 64) - 1)  # the largest one torch takes
+    w = {"w": torch.ones(64, dtype=torch.float64)}
+    top = AdamLikeTrainer(w, lr=0.1, seed=(1 << 32) - 1).step()["w"]  # (the last one)
+    assert not torch.equal(top, AdamLikeTrainer(w, lr=0.1, seed=0).step()["w"])
 
 
 def test_same_bits_compares_lazy_conjugate_and_negative_views_by_their_values():

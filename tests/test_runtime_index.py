@@ -187,13 +187,31 @@ def test_the_tied_parameters_a_dense_load_finds_are_torchs(name, monkeypatch):
         name.startswith(("tied", "two keys", "lists", "every rule")))
 
 
-def test_a_module_tree_that_loops_raises_as_torch_does():
+@pytest.mark.parametrize("links", [1, 2, 3])
+def test_a_module_tree_that_loops_raises_as_torch_does(links):
+    # (with two links back, each level of the tied-name search was twice the last: it ran
+    # out of memory where torch raises at once)
+    from patchkit.intercept import _registers_twice
+    from patchkit.loader import _tied_aliases
+
     model = torch.nn.Linear(1, 1)
-    model.add_module("me", model)
+    for k in range(links):
+        model.add_module(f"me{k}", model)
     with pytest.raises(RecursionError):
         _torch_listing(model)
     with pytest.raises(RecursionError):
         named_tensors(model)
+    assert _registers_twice(model) is not False  # (left to torch's walk, which raises)
+    with pytest.raises(RecursionError):
+        _tied_aliases(model)
+    # a loop of modules with no parameters, below the root: no tensor repeats to stop the
+    # search, only the depth (past the number of modules: no tree is that deep)
+    inner = torch.nn.Sequential(torch.nn.Sequential())
+    for k in range(links):
+        inner[0].add_module(f"up{k}", inner)
+    assert _registers_twice(torch.nn.Sequential(inner)) is None
+    with pytest.raises(RecursionError):
+        _tied_aliases(torch.nn.Sequential(inner))
 
 
 def test_the_index_keeps_each_tensors_place_in_its_storage():

@@ -813,9 +813,9 @@ def test_a_device_index_without_an_accelerator_is_refused():
          "PlainModel: dtype must be a torch.dtype"),
         # (a ValueError, for a wrong type)
         (lambda: gather_checkpoint(["x"]), TypeError, r"runtimes\[0\] is a str, not a Tiny"),
-        # (torch wrapped a negative seed onto a valid one, the same checkpoint as 2**64 - 1)
-        (lambda: tiny_llama_checkpoint(seed=-1), ValueError, r"seed must be in \[0, 2\*\*64\)"),
-        (lambda: tiny_llama_checkpoint(seed=2**64), ValueError, r"seed must be in"),
+        # (torch wrapped -1 onto 2**32 - 1, and 2**32 onto seed 0: the same checkpoints)
+        (lambda: tiny_llama_checkpoint(seed=-1), ValueError, r"seed must be in \[0, 2\*\*32\)"),
+        (lambda: tiny_llama_checkpoint(seed=2**32), ValueError, r"seed must be in"),
         (lambda: tiny_llama_checkpoint(seed=1.5), TypeError, "seed must be an int, got float"),
         (lambda: tiny_llama_checkpoint(seed=True), TypeError, "seed must be an int, got bool"),
         # (torch's "copy_kernel not implemented", or a model that no load could fill)
@@ -834,11 +834,19 @@ def test_a_device_index_without_an_accelerator_is_refused():
          "checkpoint weight 'b' must be a torch.Tensor, got list"),
         (lambda: OverlappingDestinationsModel({"a": (4,), "b": (4,)}).load_weights(
             [("a", 3)]), TypeError, "checkpoint weight 'a' must be a torch.Tensor, got int"),
+        (lambda: TinyLlamaRuntime().load_weights([("model.norm.weight", [1.0] * 64)]),
+         TypeError, "checkpoint weight 'model.norm.weight' must be a torch.Tensor, got list"),
+        (lambda: TinyLlamaRuntime().load_weights([(5, torch.ones(64))]), TypeError,
+         "TinyLlamaRuntime.load_weights: a checkpoint name must be a str, got int 5"),
         # (torch.full truncated the fill: 2 in an int tensor, True in a bool one)
         (lambda: PlainModel({"a": (1,)}, dtype=torch.int32, fill=2.5), ValueError,
-         r"fill 2.5 is not a value of torch.int32 \(not a whole number\)"),
+         r"fill 2.5 is not a value of torch.int32 \(a whole number in \[-2147483648, "),
         (lambda: PlainModel({"a": (1,)}, dtype=torch.bool, fill=2), ValueError,
-         r"fill 2 is not a value of torch.bool \(0 or 1\)"),
+         r"fill 2 is not a value of torch.bool \(a whole number in \[0, 1\]\)"),
+        (lambda: PlainModel({"a": (1,)}, dtype=torch.uint8, fill=-1), ValueError,  # (255)
+         r"fill -1 is not a value of torch.uint8 \(a whole number in \[0, 255\]\)"),
+        (lambda: PlainModel({"a": (1,)}, dtype=torch.int64, fill=10**400), ValueError,
+         r"is not a value of torch.int64"),  # (float()'s bare OverflowError)
     ],
 )
 def test_bad_arguments_are_refused_by_name(make, error, match):
