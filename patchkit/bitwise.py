@@ -65,8 +65,8 @@ def select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if signed is None:
         try:
             return t.index_select(0, index)
-        except NotImplementedError:
-            signed = _INT_OF_SIZE.get(t.element_size())
+        except (NotImplementedError, RuntimeError):  # (torch before 2.8: a RuntimeError,
+            signed = _INT_OF_SIZE.get(t.element_size())  # float8's "not implemented")
             if signed is None or t.is_complex():
                 raise
     return t.view(signed).index_select(0, index).view(t.dtype)

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from .bitwise import _not_plain, bits, changed_mask, count_true, has_numbers
+from .bitwise import _not_plain, bits, changed_mask, count_true, has_numbers, select
 from .density import _is_int, grid_shape
 from .errors import PatchTypeError, PatchValueError, where
 from .patch import (
@@ -401,7 +401,7 @@ def sparse_patches_from_diff(
             if not real:
                 continue  # (only counted: such a weight is refused below)
             if pa.is_contiguous():
-                values = pa.reshape(-1).index_select(0, part)
+                values = select(pa.reshape(-1), part)  # (float8 too, before torch 2.8)
             else:
                 # gathered through the mask (row-major, as ``part``), as same-width
                 # integers, which every dtype has: no contiguous copy of the piece
@@ -607,11 +607,11 @@ def random_sparse_patch(
     # drawn in float32, or float64 for a float64 patch (so its values use its precision
     # and a tiny std such as 1e-50 does not round them all to 0)
     draw = torch.float64 if dtype == torch.float64 else torch.float32
-    values = (torch.randn(idx.numel(), generator=generator, device="cpu", dtype=draw)
-              * std).to(dtype)
-    nan = torch.isnan(values)
+    drawn = torch.randn(idx.numel(), generator=generator, device="cpu", dtype=draw) * std
+    values = drawn.to(dtype)
+    nan = torch.isnan(values.to(draw))  # (float8's isnan and where came in torch 2.7)
     if bool(nan.any()):
-        values = torch.where(nan, torch.zeros((), dtype=dtype, device="cpu"), values)
+        values = torch.where(nan, torch.zeros((), dtype=draw), drawn).to(dtype)
     return CheckpointWeightPatch(
         name, shape, dtype, values.to(device), idx.to(idx_dtype).to(device)
     )

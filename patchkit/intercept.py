@@ -3318,7 +3318,7 @@ class WriteSession:
         if not sel.numel():
             return
         storage = s.as_strided((s.untyped_storage().nbytes() // size,), (1,), 0)
-        got = storage[off[sel]].to(dtype)
+        got = select(storage, off[sel]).to(dtype)  # (float8's indexing: torch 2.10)
         bad = torch.nonzero(torch.isnan(got if got.element_size() > 1 else got.float()))
         if not bad.numel():
             return
@@ -3563,7 +3563,7 @@ def _changed_offsets(flat_mask: torch.Tensor, count: int) -> torch.Tensor:
             and _STATIC_NONZERO.get(flat_mask.device.type, True)):
         try:
             return torch.nonzero_static(flat_mask, size=count).reshape(-1)
-        except (NotImplementedError, AttributeError):
+        except (NotImplementedError, RuntimeError, AttributeError):
             # no kernel for this device in this torch (CUDA has one from torch 2.6, MPS
             # from later): nonzero from now on, which waits to size its result
             _STATIC_NONZERO[flat_mask.device.type] = False

@@ -38,7 +38,11 @@ def _stage(patch: CheckpointWeightPatch) -> torch.Tensor:
     if indices is None:
         return (values if values.dtype == dtype else values.to(dtype)).reshape(shape)
     # Fresh memory, written whole at once: on huge pages where Linux has them.
-    staged = native.fresh_empty(shape, dtype, values.device).fill_(float("nan"))
+    staged = native.fresh_empty(shape, dtype, values.device)
+    try:
+        staged.fill_(float("nan"))
+    except (RuntimeError, NotImplementedError):  # (float8 on the CPU before torch 2.6)
+        bits(staged).fill_(int(bits(torch.tensor([float("nan")]).to(dtype))[0]))
     if indices.numel():
         idx = indices.to(device=values.device, dtype=torch.int64)
         # Scatter the bits, not the numbers: the same for every float dtype, and it works

@@ -121,6 +121,19 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+def _full(shape: Sequence[int], fill: float, dtype: torch.dtype,
+          device: torch.device | None) -> torch.Tensor:
+    """``torch.full``, and for a dtype torch has no fill for here (float8 on the CPU
+    before torch 2.6) the same number cast from float64 (a Python float's own
+    precision: rounded once, as torch.full rounds it)."""
+    try:
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    except (RuntimeError, NotImplementedError) as e:
+        if not dtype.is_floating_point or "not implemented" not in str(e):
+            raise
+        return torch.full(shape, fill, dtype=torch.float64, device=device).to(dtype)
+
+
 def _has_iinfo(dtype: torch.dtype) -> bool:
     try:
         torch.iinfo(dtype)
@@ -150,7 +163,7 @@ def _check_fill(fill: object, dtype: object) -> None:
                              + (f" (a whole number in [{low}, {high}])" if low is not None
                                 else " (not a whole number)"))
     try:
-        torch.full((2,), fill, dtype=dtype)  # (torch checks a fill of one element less)
+        _full((2,), fill, dtype, None)  # (torch checks a fill of one element less)
     except (RuntimeError, OverflowError) as e:
         raise ValueError(f"PlainModel: fill {fill!r} is not a value of {dtype} "
                          f"({str(e).splitlines()[0]})") from None
@@ -258,7 +271,7 @@ class PlainModel(nn.Module):
         self._by_name: dict[str, nn.Parameter] = {}
         for name, shape in self.checkpoint_shapes.items():
             param = _frozen(
-                torch.full(self._runtime_shape(shape), fill, dtype=dtype, device=device)
+                _full(self._runtime_shape(shape), fill, dtype, device)
             )
             _register(self, name, param)
             self._by_name[name] = param
@@ -513,7 +526,7 @@ class OverlappingDestinationsModel(nn.Module):
             self.offsets[name] = offset
             end = max(end, offset + n)
             offset = offset + n - overlap
-        self.flat_weight = _frozen(torch.full((end,), fill, dtype=dtype, device=device))
+        self.flat_weight = _frozen(_full((end,), fill, dtype, device))
 
     def view(self, name: str) -> torch.Tensor:
         """The runtime view (of ``flat_weight.data``) that checkpoint weight ``name`` fills."""
