@@ -514,10 +514,16 @@ def _module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]] | 
     mods: list[tuple[str, torch.nn.Module]] = []
     stack = [("", model, 0)]
     deepest = sys.getrecursionlimit()
+    plain: set[type] = set()  # (module classes seen to list their tensors as torch does)
     while stack:
         prefix, m, depth = stack.pop()
-        if depth > deepest or not _lists_as_torch(type(m)):
+        if depth > deepest:
             return None
+        kind = type(m)
+        if kind not in plain:
+            if not _lists_as_torch(kind):
+                return None
+            plain.add(kind)
         mods.append((prefix, m))
         children = [(f"{prefix}.{k}" if prefix else k, c, depth + 1)
                     for k, c in _registry(m, "_modules").items() if c is not None]
