@@ -2642,7 +2642,7 @@ def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: Sequence[SavedRegion
         for lo in range(0, n, _BLOCK):
             b, a, written = reader.read(lo, min(n, lo + _BLOCK))
             if written is not None:
-                b, a = b[written], a[written]
+                b, a = _masked(b, written), _masked(a, written)
             acc.elements += b.numel()
             acc.add_squares(b)
             acc.add_pairs(b, a)
@@ -2652,11 +2652,20 @@ def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: Sequence[SavedRegion
     written = torch.zeros(n, dtype=torch.bool, device=t.device)
     _put_back(before, t, regions[::-1])
     _mark_written(written, t, regions)
-    b, a = before[written], flat_now[written]
+    b, a = _masked(before, written), _masked(flat_now, written)
     acc.elements += b.numel()
     acc.add_squares(b)
     acc.add_pairs(b, a)
 
+
+
+def _masked(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``t[mask]`` (a copy) for every dtype: as the bits' ints where torch has no masked
+    index of the dtype (float8 on the CPU before torch 2.10)."""
+    try:
+        return t[mask]
+    except (RuntimeError, NotImplementedError):
+        return bits(t)[mask].view(t.dtype)
 
 def _sharing(saved: list[SavedRegion], t: torch.Tensor) -> list[SavedRegion]:
     """The saved regions that live in ``t``'s storage (they may reach into ``t``), read

@@ -131,7 +131,13 @@ def _full(shape: Sequence[int], fill: float, dtype: torch.dtype,
     except (RuntimeError, NotImplementedError) as e:
         if not dtype.is_floating_point or "not implemented" not in str(e):
             raise
-        return torch.full(shape, fill, dtype=torch.float64, device=device).to(dtype)
+    # (torch.full's own check: a finite fill past the dtype's largest, or an infinite one
+    # where the dtype has no infinity, overflows)
+    one = torch.tensor([float(fill)], dtype=torch.float64).to(dtype).to(torch.float64)
+    if (math.isfinite(fill) and abs(fill) > torch.finfo(dtype).max) or (
+            math.isinf(fill) and not bool(torch.isinf(one).all())):
+        raise RuntimeError(f"value cannot be converted to type {dtype} without overflow")
+    return torch.full(shape, fill, dtype=torch.float64, device=device).to(dtype)
 
 
 def _has_iinfo(dtype: torch.dtype) -> bool:

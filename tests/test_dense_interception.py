@@ -756,6 +756,9 @@ def test_calls_that_write_nothing_are_no_error_and_a_load_that_ends_well_no_warn
     assert "calls with no write seen" not in r.summary()
 
 
+@pytest.mark.skipif(torch.__version__ < "2.6", reason=(
+    "this torch's dynamo does not hand a compiled loader's writes to the watch "
+    "(torch 2.6 does: the README says so)"))
 def test_a_loader_compiled_with_torch_compile_is_watched_through_graph_breaks():
     # What the README says of torch.compile: the watch breaks the graph at the writes it
     # handles, and sees them (with fullgraph=True dynamo refuses that, in torch's words)

@@ -130,7 +130,10 @@ def patch_lists(draw):
             # NaN means "unchanged": neither the values nor their cast to the patch dtype
             # may hold one (a float32 value can overflow to NaN in the fnuz float8 types).
             nan = torch.isnan(values.float()) | torch.isnan(values.to(dtype).float())
-            values = torch.where(nan, torch.zeros(k, dtype=vdtype, device="cpu"), values)
+            # (zeroed as ints of the same width: torch 2.4 has no float8 where or fill)
+            values = values.clone()
+            ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+            values.view(ints[values.itemsize])[nan] = 0
             out.append(CheckpointWeightPatch(name, shape, dtype, values, idx))
         else:
             dtype = draw(st.sampled_from(FLOATS + INTS))

@@ -32,6 +32,11 @@ TP4 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+# (torch 2.8 added float4_e2m1fn_x2: older torch has no such dtype to refuse)
+FP4 = getattr(torch, "float4_e2m1fn_x2", None)
+needs_fp4 = pytest.mark.skipif(
+    FP4 is None, reason="this torch has no float4_e2m1fn_x2 (torch 2.8 has it)")
+
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
@@ -819,9 +824,10 @@ def test_a_device_index_without_an_accelerator_is_refused():
         (lambda: tiny_llama_checkpoint(seed=1.5), TypeError, "seed must be an int, got float"),
         (lambda: tiny_llama_checkpoint(seed=True), TypeError, "seed must be an int, got bool"),
         # (torch's "copy_kernel not implemented", or a model that no load could fill)
-        (lambda: tiny_llama_checkpoint(dtype=torch.float4_e2m1fn_x2), ValueError,
-         "holds numbers"),
-        (lambda: TinyLlamaRuntime(dtype=torch.float4_e2m1fn_x2), ValueError, "holds numbers"),
+        pytest.param(lambda: tiny_llama_checkpoint(dtype=FP4), ValueError, "holds numbers",
+                     marks=needs_fp4),
+        pytest.param(lambda: TinyLlamaRuntime(dtype=FP4), ValueError, "holds numbers",
+                     marks=needs_fp4),
         # (bare AttributeErrors: 'int' object has no attribute 'split', and so on)
         (lambda: PlainModel({5: (1,)}), TypeError, "a checkpoint name must be a str, got int"),
         (lambda: PlainModel.from_state_dict([("a", torch.ones(1))]), TypeError,
@@ -865,3 +871,36 @@ def test_an_unknown_weight_error_pickles_with_the_report_attached_to_it():
     again = pickle.loads(pickle.dumps(info.value))
     assert isinstance(again, UnknownWeightError) and again.name == "zz"
     assert again.report.summary() == info.value.report.summary()
+
+
+def test_a_float8_fill_where_torch_has_no_float8_full_is_checked_as_torch_full_checks(
+        monkeypatch):
+    # (torch before 2.6 has no float8 fill on the CPU: the fill is cast from float64
+    # instead, which made NaN weights of an infinite fill that torch.full refuses)
+    import math
+
+    import patchkit.toymodels as toymodels
+
+    real = torch.full
+
+    def no_float8_full(shape, fill, *, dtype=None, device=None):
+        if dtype is not None and dtype.itemsize == 1 and dtype.is_floating_point:
+            raise RuntimeError('"fill_cpu" not implemented for \'Float8_e4m3fn\'')
+        return real(shape, fill, dtype=dtype, device=device)
+
+    cases = [(dt, v) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)
+             for v in (2.0, -500.0, 449.0, 1e6, math.inf, math.nan)]
+    expected = {}
+    for dt, v in cases:  # (what torch.full itself does here)
+        try:
+            expected[dt, v] = PlainModel({"a": (2,)}, dtype=dt, fill=v).a.float().tolist()
+        except ValueError:
+            expected[dt, v] = "refused"
+    monkeypatch.setattr(toymodels.torch, "full", no_float8_full)
+    for dt, v in cases:
+        try:
+            got = PlainModel({"a": (2,)}, dtype=dt, fill=v).a.float().tolist()
+        except ValueError:
+            got = "refused"
+        assert str(got) == str(expected[dt, v]), (dt, v)
+    assert expected[torch.float8_e4m3fn, math.inf] == "refused"

@@ -161,7 +161,8 @@ class HoldsStorageless(nn.Module):
         if kind == "uninitialized parameter":
             self.odd = nn.UninitializedParameter(requires_grad=False)
         elif kind == "uninitialized buffer":
-            self.odd = nn.UninitializedBuffer()
+            # (registered by name: torch before 2.5 keeps one assigned as a plain attribute)
+            self.register_buffer("odd", nn.UninitializedBuffer())
         elif kind == "sparse_coo":
             self.register_buffer("odd", torch.eye(3).to_sparse())
         else:
