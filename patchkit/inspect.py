@@ -2505,7 +2505,7 @@ class _Stats:
             if not n_changed:
                 continue
             if n_changed < b.numel():
-                a, b = a[diff], b[diff]
+                a, b = _masked(a, diff), _masked(b, diff)
             d = _abs_diff(a, b)
             total = float(d.sum(dtype=torch.float64))
             if not math.isfinite(total):
