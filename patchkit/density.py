@@ -33,18 +33,20 @@ def grid_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return (rows, shape[-1])
 
 
-def _dims(shape: object, who: str) -> tuple[int, ...]:
+def _dims(shape: object, who: str, label: str | None = None) -> tuple[int, ...]:
     """``shape``'s dims as ints: ``TypeError`` for what is no ordered sequence of ints
     (a float, ``4.0`` too, as a patch's shape refuses it; a str, a set, an iterator),
-    ``ValueError`` for a negative one; the message names ``who`` and the argument."""
+    ``ValueError`` for a negative one; the message names ``who`` and the argument
+    (``label``, when given, names both: ``"shape of 'w'"``)."""
+    label = label or f"{who}: shape"
     try:
         if isinstance(shape, Iterator):
             raise TypeError  # (used up by one reading)
         dims = _shape_dims(shape)
     except TypeError:
-        raise TypeError(f"{who}: shape must be a sequence of ints, got {shape!r}") from None
+        raise TypeError(f"{label} must be a sequence of ints, got {shape!r}") from None
     if any(d < 0 for d in dims):
-        raise ValueError(f"{who}: shape has a negative dimension: {shape!r}")
+        raise ValueError(f"{label} has a negative dimension: {shape!r}")
     return dims
 
 

@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from .bitwise import has_numbers
-from .density import _is_int
+from .density import _dims, _is_int
 from .errors import PatchValueError
-from .patch import _checked_device, _shape_dims
+from .patch import _checked_device
 
 __all__ = [
     "BROKEN_LOADERS",
@@ -192,13 +192,7 @@ def _check_tensor(model: str, name: str, w: object) -> None:
 def _as_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
     if not isinstance(name, str):
         raise TypeError(f"a checkpoint name must be a str, got {type(name).__name__} {name!r}")
-    try:
-        dims = _shape_dims(shape)
-    except TypeError:
-        raise TypeError(f"shape of {name!r} must be a sequence of ints, got {shape!r}") from None
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape of {name!r} has a negative dimension: {dims}")
-    return dims
+    return _dims(shape, "", f"shape of {name!r}")
 
 
 # --------------------------------------------------------------------------------------
