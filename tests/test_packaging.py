@@ -360,3 +360,27 @@ def test_the_readme_counts_the_contract_suite_as_it_is():
 
     assert collected("-m", "patchkit_only") == only
     assert collected("-m", "not patchkit_only") == passed + failed
+
+
+def test_bootstrap_refuses_a_system_torch_older_than_the_bound_before_making_anything(
+        tmp_path):
+    # (a python whose torch is older than pyproject's bound got a venv over it, into which
+    # pip then fetched the newest torch, a CUDA build of several GB)
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (bound,) = [r for r in deps if r.startswith("torch")]
+    script = (ROOT / "scripts" / "bootstrap").read_text()
+    assert f"TORCH_MIN={bound.removeprefix('torch>=')}\n" in script  # (the same bound)
+
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "2.3.1+cu121"\n')
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "site"} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    venv = tmp_path / "venv"
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "bootstrap")], capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin", "PYTHON": str(python),
+                                         "VENV": str(venv)}, cwd=tmp_path)
+    assert out.returncode == 1, out
+    assert "has torch 2.3.1+cu121, and patchkit needs 2.4 or newer" in out.stderr
+    assert not venv.exists()
