@@ -72,6 +72,16 @@ def select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.view(signed).index_select(0, index).view(t.dtype)
 
 
+def _masked(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``t[mask]`` (a copy) for every dtype, as :func:`select` for an index: as the
+    bits' ints where torch has no masked index of the dtype (float8 on the CPU before
+    torch 2.10)."""
+    try:
+        return t[mask]
+    except (RuntimeError, NotImplementedError):
+        return bits(t)[mask].view(t.dtype)
+
+
 def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a - b`` elementwise, as a float tensor (complex128 when either is complex) wide
     enough to hold it: two float16 or two 8-bit-float tensors in float32 (exact unless

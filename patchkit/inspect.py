@@ -83,6 +83,7 @@ import torch
 from . import native
 from .bitwise import (
     _INT_OF_SIZE,
+    _masked,
     bits,
     block_size,
     changed_mask,
@@ -2657,15 +2658,6 @@ def _add_overlapping(acc: _Stats, t: torch.Tensor, regions: Sequence[SavedRegion
     acc.add_squares(b)
     acc.add_pairs(b, a)
 
-
-
-def _masked(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``t[mask]`` (a copy) for every dtype: as the bits' ints where torch has no masked
-    index of the dtype (float8 on the CPU before torch 2.10)."""
-    try:
-        return t[mask]
-    except (RuntimeError, NotImplementedError):
-        return bits(t)[mask].view(t.dtype)
 
 def _sharing(saved: list[SavedRegion], t: torch.Tensor) -> list[SavedRegion]:
     """The saved regions that live in ``t``'s storage (they may reach into ``t``), read

@@ -1585,12 +1585,10 @@ class _Blocks:
 
 
 def _pooled(x: np.ndarray, br: int, bc: int, **kw: bool) -> _Blocks:
-    rows, cols = x.shape
-    blocks = _Blocks(rows, cols, br, bc, **kw)
-    if kw.get("sums", True) and not kw.get("scaled"):  # (the sums overflowed: add scaled)
-        blocks = _fed(blocks, x)
-        return blocks if blocks.mean() is not None else _pooled(x, br, bc, **kw, scaled=True)
-    return _fed(blocks, x)
+    blocks = _fed(_Blocks(*x.shape, br, bc, **kw), x)
+    if kw.get("sums", True) and blocks.mean() is None:  # (a sum overflowed: add scaled)
+        blocks = _fed(_Blocks(*x.shape, br, bc, **kw, scaled=True), x)
+    return blocks
 
 
 def _fed(blocks: _Blocks, x: np.ndarray) -> _Blocks:

@@ -182,6 +182,13 @@ def _check_mapping(value: object, what: str, of: str) -> None:
                         f"{type(value).__name__}")
 
 
+def _check_name(name: object, who: str = "") -> None:
+    """``TypeError`` (``who`` before it) for a checkpoint name that is no str."""
+    if not isinstance(name, str):
+        raise TypeError(f"{who}a checkpoint name must be a str, got {type(name).__name__} "
+                        f"{name!r}")
+
+
 def _check_tensor(model: str, name: str, w: object) -> None:
     """``TypeError`` naming the weight for a ``load_weights`` entry that is no tensor."""
     if not isinstance(w, torch.Tensor):
@@ -190,8 +197,7 @@ def _check_tensor(model: str, name: str, w: object) -> None:
 
 
 def _as_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
-    if not isinstance(name, str):
-        raise TypeError(f"a checkpoint name must be a str, got {type(name).__name__} {name!r}")
+    _check_name(name)
     return _dims(shape, "", f"shape of {name!r}")
 
 
@@ -1081,9 +1087,7 @@ class TinyLlamaRuntime(nn.Module):
         tied = self.config.tie_word_embeddings
         loaded: set[str] = set()
         for name, w in weights:
-            if not isinstance(name, str):  # (a bare "argument of type 'int' is not iterable")
-                raise TypeError(f"TinyLlamaRuntime.load_weights: a checkpoint name must be a "
-                                f"str, got {type(name).__name__} {name!r}")
+            _check_name(name, "TinyLlamaRuntime.load_weights: ")  # (not a bare TypeError)
             if (tied and name == "lm_head.weight") or _skipped_as_vllm_does(name):
                 continue
             _check_tensor("TinyLlamaRuntime", name, w)
