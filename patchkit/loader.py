@@ -227,8 +227,14 @@ def run_load(
             if transactional and session is not None:
                 # Transactional loads also undo `param.data = w` (no write, nothing saved).
                 session.bindings = session.index.bindings()
-            # the patches CONTRACT §6 renamed (checked against what each call returned)
+            # the patches CONTRACT §6 renamed, and those of a canonical name whose alias
+            # patch it dropped: each is checked against what its call returned (a loader
+            # that skips the canonical name loses the update either way)
             renamed = {p for p in positions if by_position[p].name != patches[p].name}
+            dropped = {patches[i].name for i in set(range(len(patches))).difference(positions)}
+            if dropped:
+                absorbing = {alias_of[name] for name in dropped}
+                renamed.update(p for p in positions if by_position[p].name in absorbing)
             finished = False  # the saves are let go: no rollback can run from here
             try:
                 for chunk in chunks:
@@ -249,7 +255,7 @@ def run_load(
                         if renamed:
                             _warn_if_renamed_not_loaded(
                                 sorted(renamed.intersection(chunk.positions)), patches,
-                                by_position, returned, alias_of)
+                                by_position, returned, alias_of, dropped)
                     del staged
                 if transactional and session is not None and not save_regions:
                     # A signal after the last call (until here) rolls the load back, as any
@@ -465,27 +471,38 @@ def _warn_if_dropped_differs(
 def _warn_if_renamed_not_loaded(
     positions: Sequence[int], patches: Sequence[CheckpointWeightPatch],
     sent: dict[int, CheckpointWeightPatch], returned: set[str], alias_of: dict[str, str],
+    dropped: set[str],
 ) -> None:
     """[patchkit] Warn for each patch at ``positions`` (of this call) that CONTRACT §6
-    renamed (``sent``) to its tied Parameter's first registered name when the loader
-    returned no name of that Parameter: a loader that skips the name it was sent
+    renamed (``sent``) to its tied Parameter's first registered name, or that names that
+    first name while a patch of an alias was dropped (``dropped``: their names), when the
+    loader returned no name
+    of that Parameter: a loader that skips the name it was sent
     (vLLM's skip ``lm_head.weight`` when the embedding is tied; a model that registers
     ``lm_head`` first makes that the canonical name) leaves the update unwritten, and
     says so only by what it returns."""
     for pos in positions:
         name, asked = sent[pos].name, patches[pos].name
-        names = {name, *(a for a, first in alias_of.items() if first == name)}
-        if names & returned:
+        aliases = [a for a, first in alias_of.items() if first == name]
+        if returned.intersection([name, *aliases]):
             continue
+        how = (f"was sent as {name!r}, the first registered name of the tied Parameter it "
+               "names (CONTRACT §6)" if name != asked else
+               f"names the tied Parameter whose patch under "
+               f"{_names_text([a for a in aliases if a in dropped])} this load dropped "
+               "(CONTRACT §6 writes the shared storage once, from the first registered name)")
         warnings.warn(
-            f"{where(pos, asked)} was sent as {name!r}, the first registered name of the "
-            f"tied Parameter it names (CONTRACT §6), and the loader's call returned no name "
-            f"of that Parameter (of the {_count(len(returned), 'name')} it returned): it may "
-            f"not have written the update. A loader that skips {name!r} loads a tied weight "
+            f"{where(pos, asked)} {how}, and the loader's call returned no name of that "
+            f"Parameter (of the {_count(len(returned), 'name')} it returned): it may not "
+            f"have written the update. A loader that skips {name!r} loads a tied weight "
             "only under the other name: register that module first",
             UserWarning,
             stacklevel=_outside_patchkit(),
         )
+
+
+def _names_text(names: Sequence[str]) -> str:
+    return " or ".join(map(repr, names))
 
 
 def _outside_patchkit() -> int:

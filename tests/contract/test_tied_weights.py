@@ -226,6 +226,47 @@ def test_a_renamed_patch_the_loader_did_not_load_is_named_in_a_warning(load, mk,
     assert same_bits(m.embed_tokens.weight.detach(), before)  # (what the warning is about)
 
 
+@pytest.mark.parametrize("report", [False, True])
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_patch_whose_dropped_alias_the_loader_did_not_load_is_named_in_a_warning(
+        load, mk, kind, report):
+    # Both names sent with the same values (dense_patches of a tied model's state dict):
+    # the embedding's patch is dropped as the alias of lm_head.weight, which this loader
+    # skips, so nothing is written; the model's own loader, given both, writes it.
+    import patchkit
+
+    m = HeadFirst()
+    before = m.embed_tokens.weight.detach().clone()
+    if kind == "dense":
+        patches = [mk.dense(n, torch.full(SHAPE, 2.0)) for n in (CANON, ALIAS)]
+    else:
+        patches = [mk.sparse(n, SHAPE, [0, 14], [-1.0, -2.0]) for n in (CANON, ALIAS)]
+    with pytest.warns(UserWarning) as caught:
+        if report:
+            patchkit.inspect_load(m, patches)
+        else:
+            assert load(m, patches) == set()
+    (w,) = [w for w in caught if "returned no name" in str(w.message)]
+    assert str(w.message).startswith(
+        f"patch 1 ('{ALIAS}') names the tied Parameter whose patch under '{CANON}' this "
+        "load dropped")
+    assert w.filename == __file__  # the caller's line
+    assert not any("was sent as" in str(x.message) for x in caught)
+    assert same_bits(m.embed_tokens.weight.detach(), before)  # (what the warning is about)
+
+
+def test_a_patch_whose_dropped_alias_the_loader_loaded_raises_no_warning(load, mk):
+    import warnings
+
+    m = HeadFirst()
+    m.skip = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load(m, [mk.dense(n, torch.full(SHAPE, 2.0)) for n in (CANON, ALIAS)]) == {
+            ALIAS}
+    assert bool((m.embed_tokens.weight == 2.0).all())
+
+
 def test_a_renamed_patch_the_loader_loaded_raises_no_warning(load, mk):
     import warnings
 
