@@ -17,8 +17,9 @@ ipywidgets (``patchkit.widgets``) load on first use: those submodules (and
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from . import native as native
 from .bitwise import same_bits, same_state
 from .build import (
     AdamLikeTrainer,
@@ -40,6 +41,16 @@ from .staging import stage
 from .units import format_bytes
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    # What a type checker (mypy, pyright: an editor's completions and hovers) sees of the
+    # names below, which the module __getattr__ serves at run time; never run, so
+    # ``import patchkit`` still loads neither pandas, matplotlib nor ipywidgets.
+    from . import inspect as inspect
+    from . import plot as plot
+    from . import toymodels as toymodels
+    from . import widgets as widgets
+    from .inspect import LoadReport, inspect_load, patch_summary
 
 # Public names that live in modules with heavier imports: loaded on first access.
 _LAZY = {
@@ -85,7 +96,13 @@ __all__ = [
 _LAZY_MODULES = ("inspect", "plot", "toymodels", "widgets")
 
 
-def __getattr__(name: str) -> Any:
+if not TYPE_CHECKING:  # (a type checker reads the imports above: a name that is not
+    # there, a misspelt one, is then an error to it, not Any)
+    def __getattr__(name: str) -> Any:
+        return _lazy(name)
+
+
+def _lazy(name: str) -> Any:
     if name in _LAZY_MODULES:
         try:
             return importlib.import_module(f".{name}", __name__)

@@ -37,6 +37,7 @@ from .density import _is_int, grid_shape
 from .errors import PatchTypeError, PatchValueError, where
 from .patch import (
     CheckpointWeightPatch,
+    PatchLike,
     _check_size,
     _check_structure,
     _checked_device,
@@ -621,7 +622,7 @@ def random_sparse_patch(
 
 
 def split_patch(
-    patch: CheckpointWeightPatch, parts: int, *, index_dtype: torch.dtype | None = None
+    patch: PatchLike, parts: int, *, index_dtype: torch.dtype | None = None
 ) -> list[CheckpointWeightPatch]:
     """Split one patch into same-name **sparse** patches; applying them in order (one
     ``load_checkpoint_weight_patches`` call, where each repeated name starts a new
@@ -694,7 +695,7 @@ def split_patch(
 # --------------------------------------------------------------------------- wire bytes
 
 
-def wire_bytes(patches: CheckpointWeightPatch | Iterable[CheckpointWeightPatch]) -> int:
+def wire_bytes(patches: PatchLike | Iterable[PatchLike]) -> int:
     """Bytes a transport carries for ``patches`` (one patch or an iterable of them).
 
     Dense: ``values.numel() * values.element_size()``. Sparse: that plus the same for

@@ -17,6 +17,7 @@ import torch
 from .errors import PatchTypeError, PatchValueError
 from .patch import (
     CheckpointWeightPatch,
+    PatchLike,
     _check_metadata,
     _numel_below,
     _ordered,
@@ -90,7 +91,7 @@ def _checked_positions(positions: object, n: int) -> Sequence[int]:
 
 
 def plan_chunks(
-    patches: Iterable[CheckpointWeightPatch],
+    patches: Iterable[PatchLike],
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     *,
     positions: Sequence[int] | None = None,

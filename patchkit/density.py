@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .errors import PatchTypeError, PatchValueError, where
-from .patch import CheckpointWeightPatch, _check_structure, _shape_dims, numel
+from .patch import CheckpointWeightPatch, PatchLike, _check_structure, _shape_dims, numel
 
 __all__ = ["density_map", "grid_shape", "region_text"]
 
@@ -51,7 +51,7 @@ def _dims(shape: object, who: str, label: str | None = None) -> tuple[int, ...]:
 
 
 def density_map(
-    patch: CheckpointWeightPatch, bins: int | tuple[int, int] = (64, 64)
+    patch: PatchLike, bins: int | tuple[int, int] = (64, 64)
 ) -> torch.Tensor:
     """Fraction of the elements of each block of the patch's 2-D view that it writes
     (float32, CPU).

@@ -7,6 +7,11 @@ working, and code that wants only patchkit's errors catches :class:`PatchError`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .inspect import LoadReport
+
 __all__ = [
     "ContractViolation",
     "PatchError",
@@ -27,7 +32,13 @@ class PatchError(Exception):
     - ``reason``: a short machine-readable reason, e.g. ``"NaN"``, ``"out-of-range"``,
       ``"duplicate"``, ``"mixed"``, ``"overlapping runtime views"``;
     - ``value``: one offending value (an index, a count, a dtype, an op name).
+
+    An error that :func:`~patchkit.inspect_load` raises also carries ``report``, the
+    :class:`~patchkit.LoadReport` of what the load did before it failed (it is declared
+    here for type checkers; an error from any other call has no such attribute).
     """
+
+    report: LoadReport  # (set by inspect_load on the errors it raises)
 
     def __init__(
         self,

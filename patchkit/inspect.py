@@ -74,7 +74,7 @@ import pickle
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
 import numpy as np
 import pandas as pd
@@ -122,6 +122,7 @@ from .intercept import (
 from .loader import _canonicalized, _names, _roll_back, run_load
 from .patch import (
     CheckpointWeightPatch,
+    PatchLike,
     _as_patch,
     _check_structure,
     _given_name,
@@ -179,7 +180,7 @@ def _dtype(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
 
-def patch_summary(patches: Iterable[CheckpointWeightPatch]) -> pd.DataFrame:
+def patch_summary(patches: Iterable[PatchLike]) -> pd.DataFrame:
     """One row per patch, in input order: what it is and what it costs.
 
     Columns: ``position``, ``name``, ``kind`` (dense/sparse), ``shape``, ``dtype``,
@@ -329,7 +330,13 @@ class _Table:
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> _Table: ...
+
+    @overload
+    def __get__(self, obj: LoadReport, objtype: type | None = None) -> pd.DataFrame: ...
+
+    def __get__(self, obj: LoadReport | None, objtype: type | None = None) -> Any:
         if obj is None:
             return self
         key = "_frame_" + self.name
@@ -866,7 +873,7 @@ class LoadReport:
         return plot.plot_chunks(self, max_chunk_bytes, ax=ax)
 
     def plot_density(
-        self, patch_or_name: CheckpointWeightPatch | str,
+        self, patch_or_name: PatchLike | str,
         bins: int | tuple[int, int] = (128, 128), *, ax: Axes | None = None,
     ) -> Figure:
         """Where a patch writes, as a heat map: :func:`patchkit.plot.plot_density` (``bins``
@@ -1055,7 +1062,7 @@ _LIST_SHOWN = 8  # items of a list a repr shows (the first six, the last, and th
 
 def inspect_load(
     model: torch.nn.Module,
-    patches: Iterable[CheckpointWeightPatch],
+    patches: Iterable[PatchLike],
     *,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     validate_unique_indices: bool = True,

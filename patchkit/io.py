@@ -41,6 +41,7 @@ from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
 from .errors import PatchError, PatchTypeError, PatchValueError, where
 from .patch import (
     CheckpointWeightPatch,
+    PatchLike,
     _checked_device,
     _is_integral,
     _may_not_fit,
@@ -57,6 +58,7 @@ __all__ = [
     "FORMAT_KEY",
     "FORMAT_VERSION",
     "PatchFileEntry",
+    "check_patch_file",
     "load_patches",
     "print_patch_file_summary",
     "read_patch_index",
@@ -273,7 +275,7 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
 
 def save_patches(
     path: str | os.PathLike[str],
-    patches: Iterable[CheckpointWeightPatch],
+    patches: Iterable[PatchLike],
     *,
     metadata: Mapping[str, str] | None = None,
 ) -> None:

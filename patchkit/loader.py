@@ -26,6 +26,7 @@ from .intercept import (
 )
 from .patch import (
     CheckpointWeightPatch,
+    PatchLike,
     _as_patch,
     check_flag,
     patch_list,
@@ -45,7 +46,7 @@ _MODULE_API = ("named_modules", "named_parameters", "named_buffers")
 
 def load_checkpoint_weight_patches(
     model: torch.nn.Module,
-    patches: Iterable[CheckpointWeightPatch],
+    patches: Iterable[PatchLike],
     *,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     validate_unique_indices: bool = True,
@@ -136,7 +137,7 @@ def load_checkpoint_weight_patches(
 
 def run_load(
     model: torch.nn.Module,
-    patches: Iterable[CheckpointWeightPatch],
+    patches: Iterable[PatchLike],
     *,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     validate_unique_indices: bool = True,

@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
-    "CopyResult", "MergeResult", "compare_copy", "disabled", "fresh_empty", "merge",
+    "CopyResult", "MergeResult", "PatchEntries", "compare_copy", "disabled", "fresh_empty", "merge",
     "patch_entries", "reusing", "status",
 ]
 

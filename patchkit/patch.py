@@ -12,7 +12,7 @@ import operator
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
@@ -22,6 +22,7 @@ from .errors import PatchTypeError, PatchValueError, where
 
 __all__ = [
     "CheckpointWeightPatch",
+    "PatchLike",
     "check_flag",
     "check_max_chunk_bytes",
     "is_sparse",
@@ -55,6 +56,15 @@ class CheckpointWeightPatch(NamedTuple):
     dtype: torch.dtype
     values: torch.Tensor
     indices: torch.Tensor | None = None
+
+
+PatchLike: TypeAlias = (
+    CheckpointWeightPatch
+    | tuple[str, tuple[int, ...], torch.dtype, torch.Tensor, torch.Tensor | None]
+)
+"""What the functions that read patches take, as a load takes them (and as their type
+annotations say): a :class:`CheckpointWeightPatch`, or a plain 5-tuple of its fields in
+its order (vLLM's function needs the NamedTuple)."""
 
 
 def is_sparse(patch: CheckpointWeightPatch) -> bool:

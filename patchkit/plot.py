@@ -61,6 +61,7 @@ from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, _dims, grid_shape
 from .patch import (
     CheckpointWeightPatch,
+    PatchLike,
     _check_structure,
     _ordered,
     check_flag,
@@ -455,7 +456,7 @@ def _extent(rows: int, cols: int) -> tuple[float, float, float, float]:
 
 
 def _plan_for(
-    source: LoadReport | Sequence[CheckpointWeightPatch], max_chunk_bytes: int | None,
+    source: LoadReport | Sequence[PatchLike], max_chunk_bytes: int | None,
     *, replan: bool = False,
 ) -> tuple[list[CheckpointWeightPatch], list[Chunk], int]:
     """(patches by input position, plan, budget) for a report or a list of patches.
@@ -617,7 +618,7 @@ def _draw_segments(ax: Axes, segments: Sequence[tuple]) -> None:
 
 
 def plot_chunks(
-    report_or_patches: LoadReport | Sequence[CheckpointWeightPatch],
+    report_or_patches: LoadReport | Sequence[PatchLike],
     max_chunk_bytes: int | None = None,
     *,
     ax: Axes | None = None,
@@ -825,7 +826,7 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
 
 
 def plot_density(
-    patch: CheckpointWeightPatch,
+    patch: PatchLike,
     bins: int | tuple[int, int] = (128, 128),
     *,
     ax: Axes | None = None,

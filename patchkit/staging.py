@@ -6,12 +6,12 @@ import torch
 
 from . import native
 from .bitwise import bits
-from .patch import CheckpointWeightPatch, _as_patch, resolved, validate_patches
+from .patch import CheckpointWeightPatch, PatchLike, _as_patch, resolved, validate_patches
 
 __all__ = ["stage"]
 
 
-def stage(patch: CheckpointWeightPatch) -> torch.Tensor:
+def stage(patch: PatchLike) -> torch.Tensor:
     """Return the checkpoint-shaped tensor for one patch, as a load stages it.
 
     - Dense: ``values`` cast to ``dtype`` and viewed as ``shape`` (no copy when ``values``

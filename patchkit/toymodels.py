@@ -27,7 +27,7 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeAlias
 
 import torch
 from torch import nn
@@ -54,7 +54,7 @@ __all__ = [
     "tiny_llama_shapes",
 ]
 
-DeviceLike = torch.device | str | int
+DeviceLike: TypeAlias = torch.device | str | int
 
 
 class UnknownWeightError(KeyError):
@@ -598,7 +598,11 @@ class FailingModel(PlainModel):
         return loaded
 
 
-BROKEN_LOADERS: dict[str, type[nn.Module]] = {
+BROKEN_LOADERS: dict[
+    str,
+    type[WritesTwiceModel] | type[WritesThenFillsModel] | type[ShapeMismatchModel]
+    | type[ReportsWithoutWritingModel] | type[OverlappingDestinationsModel],
+] = {
     "writes_twice": WritesTwiceModel,
     "writes_then_fills": WritesThenFillsModel,
     "shape_mismatch": ShapeMismatchModel,

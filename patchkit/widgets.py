@@ -31,7 +31,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk
 from .patch import (
-    CheckpointWeightPatch,
+    PatchLike,
     _check_metadata,
     _given_name,
     check_max_chunk_bytes,
@@ -221,7 +221,7 @@ class ChunkPlanner(W.VBox):
 
     def __init__(
         self,
-        patches: LoadReport | Sequence[CheckpointWeightPatch],
+        patches: LoadReport | Sequence[PatchLike],
         max_chunk_bytes: int | None = None,
     ) -> None:
         if max_chunk_bytes is not None:
@@ -299,7 +299,7 @@ def _staged_sizes(patches: Sequence[Any], strict: bool) -> list[int]:
 
 
 def chunk_planner(
-    patches: LoadReport | Sequence[CheckpointWeightPatch],
+    patches: LoadReport | Sequence[PatchLike],
     max_chunk_bytes: int | None = None,
 ) -> ChunkPlanner:
     """A widget to try ``max_chunk_bytes`` values on ``patches`` (see :class:`ChunkPlanner`).
