@@ -1039,7 +1039,7 @@ def _takes_keyword(fn: Callable[..., Any], name: str) -> bool | None:
 
 
 def _callable_name(fn: Callable[..., Any]) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    name = getattr(fn, "__name__", None)
     module = getattr(fn, "__module__", None)
     return f"{module}.{name}" if name and module else repr(fn)
 
@@ -1083,12 +1083,18 @@ def inspect_load(
     anything runs); a ``functools.partial`` that fixes one of them is overridden, so
     pass it here instead,
     and patchkit only observes it: ``model.load_weights`` is wrapped for
-    the duration to record each call, and writes into runtime tensors are watched on this
-    thread, never changed. Its calls are watched through a torch function mode (see
-    :mod:`patchkit.intercept`), so a loader that turns torch function handling off
-    (``torch._C.DisableTorchFunction``) while it writes hides those writes from the
-    report (patchkit's own loader watches its sparse calls at the ATen level, which sees
-    them). What an observed load reports:
+    the duration to record each call made on this thread, and writes into runtime tensors
+    are watched on this thread, never changed. A call made on another thread (another
+    thread's own load into the same model, or a worker thread of the loader's) passes
+    to the model's own ``load_weights`` unwatched, and an observed load on another thread
+    sees only its own calls; the last observed load to end puts ``load_weights`` back as
+    it was. The loader returns the names it loaded (an iterable of str) or ``None``:
+    anything else (a str, a number) raises :class:`~patchkit.PatchTypeError`
+    (``reason="loader returned"``) once it has returned, its writes kept. Its calls
+    are watched through a torch function mode (see :mod:`patchkit.intercept`), so a
+    loader that turns torch function handling off (``torch._C.DisableTorchFunction``)
+    while it writes hides those writes from the report (patchkit's own loader watches
+    its sparse calls at the ATen level, which sees them). What an observed load reports:
 
     - ``chunks``: patchkit's plan while the loader's calls follow it; when they do not, the
       calls the loader made, each patch in the call that sent it (``closed_by`` inferred
@@ -1510,8 +1516,6 @@ def _observe_foreign(
                            index=index)
     session.index.refuse_wrappers("an inspected load")
     sessions.append(session)
-    original = model.load_weights
-    had_instance_attr = "load_weights" in vars(model)
     sent = _SentPositions(patches, session.index.aliases)
     # A call whose names match no patch (a loader that renames them) may carry a sparse
     # one: its copies are checked for NaN as well.
@@ -1546,7 +1550,7 @@ def _observe_foreign(
             with session.call(i, watched, pos, sparse=False, patches=call_patches,
                               maybe_sparse=any_sparse,
                               observed=True) as r:
-                out = original(staged, *a, **kw)
+                out = passed_on(staged, *a, **kw)
                 if isinstance(out, collections.abc.Iterator):
                     out = list(out)  # a generator: run it while the writes are watched
                 r.returned = _names(out, observed[-1])
@@ -1559,20 +1563,111 @@ def _observe_foreign(
             raise
         return out
 
-    model.load_weights = recording_load_weights
+    passed_on = _Observers.attach(model, recording_load_weights)
     try:
         with torch.no_grad():
             # (read inside the observation: a generator-function loader loads only while
             # it is iterated)
-            loaded = set(loader(model, patches, **kwargs) or ())
+            loaded = _loader_names(loader(model, patches, **kwargs), loader)
         if session.violations:
             raise session.violations[0]  # the loader finished; what it broke is known now
         return loaded
     finally:
-        if had_instance_attr:
-            model.load_weights = original
-        else:
-            del model.load_weights
+        _Observers.detach(model, recording_load_weights)
+
+
+def _loader_names(result: Any, loader: Callable[..., Any]) -> set[str]:
+    """What an observed ``loader`` returned, as the set of names it loaded: ``None`` is no
+    names; anything but an iterable of str (a str itself, a number) is refused, as
+    :func:`~patchkit.loader._names` refuses it from ``load_weights`` (a str would
+    otherwise be read as a set of its characters)."""
+    if result is None:
+        return set()
+    items = None
+    if not isinstance(result, str | bytes):
+        with contextlib.suppress(TypeError):
+            items = list(result)  # (an iterator is read here, while the writes are watched)
+    bad = result if items is None else next((n for n in items if not isinstance(n, str)),
+                                            None)
+    if items is None or bad is not None:
+        what = (f"{result!r}"[:80] if items is None
+                else f"{bad!r} ({type(bad).__name__}) among its names"[:80])
+        raise PatchTypeError(
+            f"inspect_load's loader {_callable_name(loader)} returned {what} "
+            f"({type(result).__name__}): a loader returns the names it loaded (an iterable "
+            "of str, as load_checkpoint_weight_patches returns a set) or None; its writes "
+            "stay",
+            reason="loader returned",
+            value=bad if isinstance(bad, int | float | str | bytes) else f"{bad!r}"[:80],
+        )
+    return set(items)
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", None)
+    return repr(name) if isinstance(name, str) else f"{fn!r}"[:60]
+
+
+class _Observers:
+    """The observed loads of each model, by thread: while any runs, the model's
+    ``load_weights`` is one dispatcher that passes a call to the recorder of the thread it
+    is made on (the innermost, where an observed load runs inside another on the same
+    thread), and a call from a thread observing nothing (another thread's own load, or a
+    worker thread of the loader's) to what ``load_weights`` was before, unwatched, as that
+    thread's writes are. The last observed load to end puts ``load_weights`` back as it
+    was (an instance attribute, or none). One model's observed loads on two threads each
+    see only their own calls; stacking a wrapper per load let one thread's calls into the
+    other's report, and let the first to end remove the other's wrapper, which the
+    other then put back for good."""
+
+    _lock = threading.Lock()
+    _by_model: ClassVar[dict[int, _Observers]] = {}
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.had_attr = "load_weights" in vars(model)
+        self.attr = vars(model).get("load_weights")
+        self.bare = model.load_weights
+        self.stacks: dict[int, list[Callable[..., Any]]] = {}
+        stacks, bare = self.stacks, self.bare
+
+        def load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
+            stack = stacks.get(threading.get_ident())
+            return (stack[-1] if stack else bare)(weights, *args, **kwargs)
+
+        self.dispatch = load_weights
+
+    @classmethod
+    def attach(cls, model: torch.nn.Module, recorder: Callable[..., Any]) -> Callable[..., Any]:
+        """Route this thread's ``load_weights`` calls on ``model`` to ``recorder``; returns
+        what the recorder passes each call on to (the recorder of an observed load this
+        one runs inside, on this thread, else the model's own ``load_weights``)."""
+        with cls._lock:
+            entry = cls._by_model.get(id(model))
+            if entry is None:
+                entry = cls._by_model[id(model)] = cls(model)
+                model.load_weights = entry.dispatch
+            stack = entry.stacks.setdefault(threading.get_ident(), [])
+            below = stack[-1] if stack else entry.bare
+            stack.append(recorder)
+            return below
+
+    @classmethod
+    def detach(cls, model: torch.nn.Module, recorder: Callable[..., Any]) -> None:
+        with cls._lock:
+            entry = cls._by_model[id(model)]
+            tid = threading.get_ident()
+            stack = entry.stacks[tid]
+            stack.remove(recorder)
+            if not stack:
+                del entry.stacks[tid]
+            if entry.stacks:
+                return
+            del cls._by_model[id(model)]
+            if entry.had_attr:
+                model.load_weights = entry.attr
+            else:
+                with contextlib.suppress(AttributeError):
+                    del model.load_weights
 
 
 def _as_planned(calls: list[Chunk], plan: list[Chunk], complete: bool = False) -> bool:

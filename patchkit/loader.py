@@ -103,9 +103,11 @@ def load_checkpoint_weight_patches(
        restored; nor is one made on another thread. A rollback warns of the calls that
        returned names (or ``None``) without a write it saw (a ``UserWarning``): what
        they wrote, if anything, stays. The module tree's registrations are
-       put back as they were (a rebound or newly registered runtime tensor gets its
-       original back; a name the model did not have is removed; submodules, empty slots
-       such as ``bias=None``, buffers' persistence and the order of names are restored).
+       put back as they were when the load began, another thread's changes to them
+       meanwhile included (serialize loads into one model): a rebound or newly
+       registered runtime tensor gets its original back; a name the model did not have
+       is removed; submodules, empty slots such as ``bias=None``, buffers' persistence
+       and the order of names are restored.
        Should a region fail to be written back, the others still are, and a
        ``RuntimeError`` naming the targets left unrestored propagates instead, with the
        load's own error as its ``__context__``.
