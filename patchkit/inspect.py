@@ -2330,7 +2330,7 @@ def _build_report(
     report._patch_versions = [_versions(p) for p in patches]
     report._tables = {
         "chunks": lambda: _chunks_frame(patches, sent_name, plan, len(calls), observed_calls,
-                                        malformed),
+                                        malformed, failed=error is not None),
         "calls": lambda: _frame({
             c: [row[c] for row in calls]
             for c in ("chunk", "names", "returned", "writes", "seconds", "error")
@@ -2343,12 +2343,15 @@ def _build_report(
 
 def _chunks_frame(patches, sent_name: dict[int, str], plan, ran: int,
                   observed_calls: bool = False,
-                  malformed: dict[int, str] | None = None) -> pd.DataFrame:
+                  malformed: dict[int, str] | None = None,
+                  failed: bool = True) -> pd.DataFrame:
     """The ``chunks`` table. ``sent_name``: the name each input position was (to be) sent
     under; ``ran``: how many ``load_weights`` calls were made; ``observed_calls``: ``plan``
     is the calls an observed loader made, so a position it did not send was not sent,
     never dropped as a tied alias (that is the plan's rule, CONTRACT §6); ``malformed``:
-    positions of items that are no valid patch, with why (see :func:`_malformed`)."""
+    positions of items that are no valid patch, with why (see :func:`_malformed`);
+    ``failed``: the load raised (an observed loader that made no call and returned did
+    not stop: it sent nothing)."""
     malformed = malformed or {}
     chunk_of: dict[int, Chunk] = {}
     for c in plan:
@@ -2364,7 +2367,7 @@ def _chunks_frame(patches, sent_name: dict[int, str], plan, ran: int,
         elif i not in sent_name and not observed_calls:
             notes.append("dropped: tied alias of a weight patched in the same call")
         elif i not in chunk_of:
-            notes.append("not sent by the observed loader" if ran else stopped)
+            notes.append("not sent by the observed loader" if ran or not failed else stopped)
         elif chunk_of[i].index >= ran:
             notes.append(stopped)
         elif sent_name[i] != p.name:

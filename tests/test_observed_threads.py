@@ -175,3 +175,44 @@ def test_an_observed_loaders_names_may_come_as_any_iterable_of_str(returned):
 
     r = inspect_load(m, [_dense("a", 2.0)], loader=loader)
     assert r.loaded == (set() if returned is None else {"a"})
+
+
+def test_a_call_the_loader_makes_on_a_worker_thread_passes_unwatched():
+    # (as its writes were already: the watch is per thread. Its patch reads as not sent,
+    # and the names the loader returns are still what the report says it loaded.)
+    m = PlainModel({"a": (8,)}, fill=1.0)
+
+    def on_a_worker(model, patches, **kwargs):
+        out: list[set[str]] = []
+        t = threading.Thread(target=lambda: out.append(_sends_as_one_call(model, patches)))
+        t.start()
+        t.join(WAIT)
+        return out[0]
+
+    r = inspect_load(m, [_dense("a", 2.0)], loader=on_a_worker)
+    assert len(r.calls) == 0 and len(r.writes) == 0
+    assert r.chunks["note"].tolist() == ["not sent by the observed loader"]
+    assert r.loaded == {"a"} and m.a.tolist() == [2.0] * 8
+    assert "load_weights" not in vars(m)
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_an_observed_loader_that_makes_no_call_sent_nothing_or_stopped(raises):
+    # (one that returned was said to have stopped before its first call)
+    m = PlainModel({"a": (8,)}, fill=1.0)
+
+    def no_call(model, patches, **kwargs):
+        if raises:
+            raise RuntimeError("before any call")
+        return set()
+
+    if raises:
+        with pytest.raises(RuntimeError) as info:
+            inspect_load(m, [_dense("a", 2.0)], loader=no_call)
+        r = info.value.report
+    else:
+        r = inspect_load(m, [_dense("a", 2.0)], loader=no_call)
+    assert r.chunks["note"].tolist() == [
+        "not sent: the load stopped before its first call" if raises
+        else "not sent by the observed loader"]
+    assert m.a.tolist() == [1.0] * 8
