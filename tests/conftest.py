@@ -18,8 +18,10 @@ loader is selected.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -167,6 +169,41 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 def _test_device(config: pytest.Config) -> str:
     return config.getoption("--device") or os.environ.get(DEVICE_VAR) or "cpu"
+
+
+def _process_state() -> dict[str, object]:
+    return {
+        "recursion limit": sys.getrecursionlimit(),
+        "grad mode": torch.is_grad_enabled(),
+        "default dtype": torch.get_default_dtype(),
+        "torch function modes": torch._C._len_torch_function_stack(),
+        "torch dispatch modes": torch._C._len_torch_dispatch_stack(),
+        "Tensor.copy_": torch.Tensor.copy_,
+        "SIGINT handler": signal.getsignal(signal.SIGINT),
+        "gc enabled": gc.isenabled(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _process_state_left_as_found():
+    """Every test leaves the process as it found it: what a load installs (torch function
+    and dispatch modes, signal handlers held off, the collector paused, no-grad) is gone
+    once it returns or raises, whatever the test made it do. A test that leaves one of
+    these changed fails (an error at its teardown, naming what changed), and what can be
+    put back is, so that the tests after it run as they would alone."""
+    before = _process_state()
+    yield
+    after = _process_state()
+    changed = {k: (before[k], after[k]) for k in before if after[k] != before[k]}
+    if not changed:
+        return
+    sys.setrecursionlimit(before["recursion limit"])
+    torch.set_grad_enabled(before["grad mode"])
+    torch.set_default_dtype(before["default dtype"])
+    torch.Tensor.copy_ = before["Tensor.copy_"]
+    signal.signal(signal.SIGINT, before["SIGINT handler"])
+    (gc.enable if before["gc enabled"] else gc.disable)()
+    pytest.fail(f"the test left the process changed (before, after): {changed}")
 
 
 @pytest.fixture(autouse=True)
