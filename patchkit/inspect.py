@@ -119,7 +119,7 @@ from .intercept import (
     named_tensors,
     rollbacks,
 )
-from .loader import _canonicalized, _names, _roll_back, run_load
+from .loader import _canonicalized, _names, _read_names, _roll_back, run_load
 from .patch import (
     CheckpointWeightPatch,
     PatchLike,
@@ -1039,7 +1039,7 @@ def _takes_keyword(fn: Callable[..., Any], name: str) -> bool | None:
 
 
 def _callable_name(fn: Callable[..., Any]) -> str:
-    name = getattr(fn, "__name__", None)
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     module = getattr(fn, "__module__", None)
     return f"{module}.{name}" if name and module else repr(fn)
 
@@ -1583,29 +1583,21 @@ def _loader_names(result: Any, loader: Callable[..., Any]) -> set[str]:
     otherwise be read as a set of its characters)."""
     if result is None:
         return set()
-    items = None
-    if not isinstance(result, str | bytes):
-        with contextlib.suppress(TypeError):
-            items = list(result)  # (an iterator is read here, while the writes are watched)
-    bad = result if items is None else next((n for n in items if not isinstance(n, str)),
-                                            None)
-    if items is None or bad is not None:
-        what = (f"{result!r}"[:80] if items is None
-                else f"{bad!r} ({type(bad).__name__}) among its names"[:80])
-        raise PatchTypeError(
-            f"inspect_load's loader {_callable_name(loader)} returned {what} "
-            f"({type(result).__name__}): a loader returns the names it loaded (an iterable "
-            "of str, as load_checkpoint_weight_patches returns a set) or None; its writes "
-            "stay",
-            reason="loader returned",
-            value=bad if isinstance(bad, int | float | str | bytes) else f"{bad!r}"[:80],
-        )
-    return set(items)
-
-
-def _callable_name(fn: Callable[..., Any]) -> str:
-    name = getattr(fn, "__name__", None)
-    return repr(name) if isinstance(name, str) else f"{fn!r}"[:60]
+    names, shown, stray = _read_names(result)
+    if names is not None:
+        return names
+    bad = stray[0] if stray else shown
+    what = (f"{bad!r} ({type(bad).__name__}) among its names"[:80] if stray
+            else f"{shown!r}"[:80])
+    named = getattr(loader, "__name__", None)
+    raise PatchTypeError(
+        f"inspect_load's loader {(named if isinstance(named, str) else loader)!r} returned "
+        f"{what} ({type(result).__name__}): a loader returns the names it loaded (an "
+        "iterable of str, as load_checkpoint_weight_patches returns a set) or None; its "
+        "writes stay",
+        reason="loader returned",
+        value=bad if isinstance(bad, int | float | str | bytes) else f"{bad!r}"[:80],
+    )
 
 
 class _Observers:

@@ -557,16 +557,13 @@ def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
     )
 
 
-def _names(returned: Any, chunk: Chunk | None = None) -> set[str] | None:
-    """A loader's return value as a set of names (``None`` stays ``None``). Anything but
-    ``None`` or an iterable of str (a str itself, a number, names that are not str) is a
-    loader outside the contract: ``NotImplementedError`` naming the call (``chunk``: the
-    call's plan, which names its patches) and what it returned. An iterator is read
-    here (a generator-function loader does its copies meanwhile): what it raises
-    propagates as it is."""
-    if returned is None:
-        return None
-    shown, names = returned, None
+def _read_names(returned: Any) -> tuple[set[str] | None, Any, tuple[Any, ...]]:
+    """A loader's return value (not ``None``) read as names: ``(names, shown, stray)``.
+    ``names``: the set, where it is an iterable of str, else ``None``; ``shown``: what a
+    message shows of it (an iterator is read here, and shows as the items it gave: what
+    it raises propagates as it is); ``stray``: ``(item,)`` where it is an iterable with an
+    item that is no str, else ``()``."""
+    shown, items = returned, None
     if not isinstance(returned, str | bytes):
         try:
             it = iter(returned)
@@ -576,13 +573,34 @@ def _names(returned: Any, chunk: Chunk | None = None) -> set[str] | None:
             items = list(it)  # (the loader's own errors propagate from here)
             if it is returned:  # (an iterator, used up: what it gave is what to show)
                 shown = items
-            with contextlib.suppress(TypeError):  # (an item not hashable)
-                names = set(items)
-    if names is not None and all(isinstance(n, str) for n in names):
+    names = None
+    if items is not None:
+        with contextlib.suppress(TypeError):  # (an item not hashable)
+            names = set(items)
+    if names is None:
+        return None, shown, ()
+    stray = next((n for n in names if not isinstance(n, str)), _NO_STRAY)
+    return (names, shown, ()) if stray is _NO_STRAY else (None, shown, (stray,))
+
+
+_NO_STRAY = object()
+
+
+def _names(returned: Any, chunk: Chunk | None = None) -> set[str] | None:
+    """A loader's return value as a set of names (``None`` stays ``None``). Anything but
+    ``None`` or an iterable of str (a str itself, a number, names that are not str) is a
+    loader outside the contract: ``NotImplementedError`` naming the call (``chunk``: the
+    call's plan, which names its patches) and what it returned. An iterator is read
+    here (a generator-function loader does its copies meanwhile): what it raises
+    propagates as it is."""
+    if returned is None:
+        return None
+    names, shown, stray = _read_names(returned)
+    if names is not None:
         return names
-    bad = shown if names is None else next(n for n in names if not isinstance(n, str))
-    what = (f"{shown!r}"[:80] if names is None
-            else f"a {type(bad).__name__} among its names, {bad!r}"[:80])
+    bad = stray[0] if stray else shown
+    what = (f"a {type(bad).__name__} among its names, {bad!r}"[:80] if stray
+            else f"{shown!r}"[:80])
     call = "load_weights" if chunk is None else f"load_weights ({_call_text(chunk)})"
     # (the call's patch, where it carried one)
     one = chunk is not None and len(chunk.positions) == 1 and chunk.positions[0] >= 0
