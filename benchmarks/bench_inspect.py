@@ -33,8 +33,9 @@ Prints six tables from one run:
 2. the same loads with ``transactional=True`` and no report: the same saves (with the
    compiled path and with torch ops), which a failed load writes back;
 3. whole models: one tensor-parallel rank (of 2) of a Llama-shaped ``TinyLlamaRuntime``
-   in bf16, loaded with two consecutive steps of ``AdamLikeTrainer``, as dense patches
-   and as sparse ones: 8 layers of hidden size 1024 (vocabulary 32000: 75 checkpoint
+   in bf16, loaded with two consecutive steps of ``AdamLikeTrainer`` in turn (step 1 ->
+   step 2 -> step 1 ...: every load changes the same elements), as dense patches and as
+   sparse ones: 8 layers of hidden size 1024 (vocabulary 32000: 75 checkpoint
    tensors, from 1 K to 33 M elements; about 1 % of the elements change per step), and
    32 layers of hidden size 64 (291 small tensors); with ``--big``, also one layer of
    Llama-3-8B's shapes (hidden size 4096, 12 tensors of up to 131 M elements: where a
@@ -526,25 +527,37 @@ class _SaveEachCopy(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model_rows(label, config, lr, device, repeats, waits, targets) -> list[list[str]]:
+def _step_pairs(config, lr, dtype):
+    """``(first, {"dense": pair, "sparse": pair})``: dense patches of step 1 of an
+    ``AdamLikeTrainer`` from ``tiny_llama_checkpoint(config)``, which a model is loaded
+    with first, and of each kind the two patch lists a model takes in turn (``pair[1]``
+    first): step 1 -> step 2, then step 2 -> step 1. Every load then changes the same
+    elements, so any two loads (a round's plain load and report, the memory runs, the
+    report the "written" column reads) are of one size. (Two consecutive steps as sparse
+    patches, start -> step 1 and step 1 -> step 2, differ in their number of entries by up
+    to a quarter, and a plain load of one was once set against a report of the other.)"""
     from patchkit.build import AdamLikeTrainer, dense_patches, sparse_patches_from_diff
-    from patchkit.toymodels import TinyLlamaRuntime, tiny_llama_checkpoint
+    from patchkit.toymodels import tiny_llama_checkpoint
+
+    trainer = AdamLikeTrainer(tiny_llama_checkpoint(config, dtype=dtype), lr=lr)
+    step1, step2 = trainer.step(), trainer.step()
+    return dense_patches(step1), {
+        "dense": (dense_patches(step1), dense_patches(step2)),
+        "sparse": (sparse_patches_from_diff(step2, step1), sparse_patches_from_diff(step1, step2)),
+    }
+
+
+def _model_rows(label, config, lr, device, repeats, waits, targets) -> list[list[str]]:
+    from patchkit.toymodels import TinyLlamaRuntime
 
     dtype = torch.bfloat16
-    start = tiny_llama_checkpoint(config, dtype=dtype)
-    trainer = AdamLikeTrainer(start, lr=lr)
-    step1, step2 = trainer.step(), trainer.step()
-    kinds = {
-        "dense": (dense_patches(step1), dense_patches(step2)),
-        # the first step from the starting weights, the second from the first
-        "sparse": (sparse_patches_from_diff(start, step1), sparse_patches_from_diff(step1, step2)),
-    }
+    first, kinds = _step_pairs(config, lr, dtype)
     rows = []
     for kind, pair in kinds.items():
         model = TinyLlamaRuntime(config, tp_rank=0, tp_size=2, dtype=dtype, device=device)
         bare_loader = model.load_weights
-        patchkit.load_checkpoint_weight_patches(model, dense_patches(start))
-        turn = [0]
+        patchkit.load_checkpoint_weight_patches(model, first)
+        turn = [0]  # (the first load takes pair[1]: step 1 -> step 2)
 
         def next_patches(pair=pair, turn=turn):
             turn[0] ^= 1

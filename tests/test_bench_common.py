@@ -88,6 +88,38 @@ def test_the_target_table_judges_each_row_by_its_own_numbers():
     assert cells["sparse"][1:4] == ["no", "-", "-"] and cells["sparse"][-1] == "yes"
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_the_whole_model_rows_load_patches_of_one_size_in_turn(kind):
+    # (table 3 of bench_inspect times a plain load against a report on whichever patch
+    # list comes next, and reads "written" off a third load: the two lists of a pair must
+    # write the same elements, and each load must change the model, or a row compares
+    # loads of different sizes; sparse diffs of two consecutive steps from the start once
+    # differed in size by up to a quarter)
+    from bench_inspect import _step_pairs
+
+    import patchkit
+    from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime
+
+    config = TinyLlamaConfig(num_layers=2)
+    first, kinds = _step_pairs(config, 1e-3, torch.bfloat16)
+    back, forth = kinds[kind]
+    model = TinyLlamaRuntime(config, tp_rank=0, tp_size=2, dtype=torch.bfloat16)
+    patchkit.load_checkpoint_weight_patches(model, first)
+    states = [{k: v.clone() for k, v in model.state_dict().items()}]
+    sizes = []
+    for patches in (forth, back, forth):  # (pair[1] first, as the benchmark's turn)
+        r = patchkit.inspect_load(model, patches)
+        sizes.append((int(r.deltas["elements"].sum()), int(r.deltas["changed"].sum())))
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert len(set(sizes)) == 1, sizes  # every load writes and changes as much
+    assert sizes[0][1] > 0  # (and changes something)
+    if kind == "sparse":
+        assert sizes[0][0] == sizes[0][1]  # a diff writes only what changes
+    for k in states[0]:  # step 1 -> step 2 -> step 1 -> step 2, bit for bit
+        assert torch.equal(states[0][k].view(torch.int16), states[2][k].view(torch.int16)), k
+        assert torch.equal(states[1][k].view(torch.int16), states[3][k].view(torch.int16)), k
+
+
 def test_the_python_heap_of_a_call_is_measured_with_its_result_kept():
     from bench_inspect import _python_peak
 
