@@ -151,6 +151,9 @@ def test_host_waits_count_a_reports_synchronizes_around_each_call():
                for n in "ab"]
 
     def waits(budget):
+        with torch.no_grad():  # (each measured load changes the model alike: on the
+            for p in model.parameters():  # torch-ops path a write's waits depend on that)
+                p.zero_()
         return _common.host_waits_of(
             lambda: patchkit.inspect_load(model, patches, max_chunk_bytes=budget))
 
