@@ -21,11 +21,12 @@ Prints six tables from one run:
    report over this round's plain load, which a slow spell slows alike), and the
    report's ratio shows their quartiles in brackets (how steady the machine
    was). The two references are what saving the written bytes costs done simply, with
-   nothing recorded, compared or counted: "save ref" is a plain load plus one clone of
+   nothing recorded, compared or counted: "save ref" is a plain load plus one copy of
    what it writes (the whole tensor, or the patched elements), into fresh memory as a
-   report's saves are; "kept ref" the same copy into a buffer kept from the last round,
-   as with ``reuse=``. They take two passes where the compiled path takes one (and saves
-   only what changes), so a report can beat them: they are no lower bounds. Timing runs
+   report's saves are (``patchkit.native.fresh_empty``: huge pages for a big one);
+   "kept ref" the same copy into a buffer kept from the last round, as with ``reuse=``.
+   They take two passes where the compiled path takes one (and saves only what
+   changes), so a report can beat them: they are no lower bounds. Timing runs
    on torch's threads (printed with the machine's load: on a shared machine another
    tenant slows both loads, and a ratio drifts toward 1x). The target (issue 4): a
    report costs at most 1.5x the plain load's time, and extra memory no larger than the
@@ -62,8 +63,8 @@ Prints six tables from one run:
 5. ``density_map`` and ``plot_density`` on a 128256 x 2560 bf16 patch at 1 % density
    (a Llama-3 embedding), next to ``torch.bincount`` over the same indices (the floor);
    and ``plot_delta`` of a report of that patch's load (before, after and delta of the
-   626 MiB tensor, read a band at a time), next to one float32 pass over the tensor, with
-   the peak extra memory of both;
+   626 MiB tensor, read a band at a time), next to one float32 pass over the tensor (a
+   band of 4 M elements at a time), with the peak extra memory of both;
 6. issue 4's target, row by row: each report of tables 1 and 3 against "a report costs at
    most 1.5x the plain load's time and extra memory no larger than the bytes written".
    Extra memory counts torch's allocations (the saves) and Python's heap (the report's
@@ -182,7 +183,11 @@ def main(argv=None) -> int:
                     kept = torch.empty(idx.numel(), dtype=dtype, device=device)
 
                 def save_floor(w=w, idx=idx, plain=plain):
-                    saved = w.clone() if idx is None else w.view(-1)[idx]
+                    # (fresh memory as a report's is: big buffers on huge pages, where
+                    # Linux has them; a clone's 4 KiB pages cost the reference more page
+                    # faults than a report pays)
+                    saved = (native.fresh_empty(tuple(w.shape), w.dtype, w.device).copy_(w)
+                             if idx is None else w.view(-1)[idx])
                     plain()
                     return saved
 
@@ -327,8 +332,10 @@ def main(argv=None) -> int:
         plot.plot_density(patch)
 
     # plot_delta of the same patch after a report of its load into a model of that shape
-    # (the runtime tensor is read a band at a time), next to one float32 pass over the
-    # tensor: what any figure that reads every element costs at least
+    # (the runtime tensor is read a band at a time), next to one read of the tensor, a
+    # band of 4 M elements at a time, each widened to float32 and reduced: what any
+    # figure that reads every element costs at least (a whole float32 copy at once, as
+    # this floor once took, cost 1.25 GiB and five times the time)
     model = OneParam(emb, torch.bfloat16, torch.device("cpu"))
     report = patchkit.inspect_load(model, [patch])
 
@@ -336,14 +343,16 @@ def main(argv=None) -> int:
         plot.plot_delta(report, "w")
 
     def one_pass():
-        model.w.detach().float().abs_().amax()
+        flat = model.w.detach().view(-1)
+        for lo in range(0, flat.numel(), 1 << 22):
+            flat[lo:lo + (1 << 22)].float().abs_().amax()
 
     r = [
         ["torch.bincount (floor)", f"{median_seconds(floor, torch.device('cpu'), repeats):.3f}",
          "-"],
         ["density_map 64x64", f"{median_seconds(dmap, torch.device('cpu'), repeats):.3f}", "-"],
         ["plot_density", f"{median_seconds(pdens, torch.device('cpu'), repeats):.3f}", "-"],
-        ["one float32 pass over the tensor (floor)",
+        ["one float32 pass over the tensor, in bands (floor)",
          f"{median_seconds(one_pass, torch.device('cpu'), repeats):.3f}",
          f"{_peak_mib(one_pass):.0f}"],
         ["plot_delta", f"{median_seconds(pdelta, torch.device('cpu'), repeats):.3f}",
@@ -517,14 +526,34 @@ class _SaveEachCopy(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.copy_:
             dest = args[0]
-            if self.kept is None:
-                self.saves.append(dest.clone())
+            if self.kept is None:  # (fresh memory as a report's saves: see save_floor)
+                self.saves.append(
+                    native.fresh_empty(tuple(dest.shape), dest.dtype, dest.device).copy_(dest))
             else:
                 k = len(self.saves)
                 if k == len(self.kept) or self.kept[k].shape != dest.shape:
                     self.kept[k:k + 1] = [torch.empty_like(dest)]
                 self.saves.append(self.kept[k].copy_(dest))
         return func(*args, **(kwargs or {}))
+
+
+def _saving_load(model, bare_loader, patches, kept=None, **kw) -> list[torch.Tensor]:
+    """A plain load of ``patches`` whose every ``load_weights`` call (``bare_loader``)
+    runs under one :class:`_SaveEachCopy` for the whole load, so that a load of several
+    calls keeps every call's saves to its end, as a report does, and takes each kept
+    buffer once; its saves. ``kw`` goes to the loader (``max_chunk_bytes``)."""
+    mode = _SaveEachCopy(kept)
+
+    def saving(weights):
+        with mode:
+            return bare_loader(weights)
+
+    model.load_weights = saving  # an instance attribute, deleted after
+    try:
+        patchkit.load_checkpoint_weight_patches(model, patches, **kw)
+    finally:
+        del model.load_weights
+    return mode.saves
 
 
 def _step_pairs(config, lr, dtype):
@@ -591,15 +620,7 @@ def _model_rows(label, config, lr, device, repeats, waits, targets) -> list[list
 
         def save_floor(kept=None, model=model, next_patches=next_patches,
                        bare_loader=bare_loader):
-            def saving(weights):
-                with _SaveEachCopy(kept):
-                    return bare_loader(weights)
-
-            model.load_weights = saving
-            try:
-                patchkit.load_checkpoint_weight_patches(model, next_patches())
-            finally:
-                del model.load_weights
+            _saving_load(model, bare_loader, next_patches(), kept)
 
         kept: list[torch.Tensor] = []
         # (a sparse load runs under patchkit's dispatch mode with or without a report: a

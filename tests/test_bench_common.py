@@ -61,6 +61,29 @@ def test_the_save_reference_saves_each_destination_before_it_is_written(kept):
             assert [s.data_ptr() for s in mode.saves] == [b.data_ptr() for b in kept]
 
 
+@pytest.mark.parametrize("kept", [None, []], ids=["fresh", "kept"])
+def test_the_save_reference_keeps_every_calls_saves_to_the_end_of_its_load(kept):
+    # (a load of several load_weights calls, as one over max_chunk_bytes is: a report
+    # keeps every call's saves until the load ends, so the reference must too, and each
+    # of its kept buffers serves one save)
+    from bench_inspect import _saving_load
+
+    import patchkit
+    from patchkit.toymodels import PlainModel
+
+    model = PlainModel({"a": (3,), "b": (3,)})
+    for step in range(2):
+        was = {n: p.detach().clone() for n, p in model.named_parameters()}
+        patches = [patchkit.CheckpointWeightPatch(n, (3,), torch.float32,
+                                                  torch.full((3,), 5.0 + step)) for n in "ab"]
+        saves = _saving_load(model, model.load_weights, patches, kept, max_chunk_bytes=12)
+        assert [s.tolist() for s in saves] == [was["a"].tolist(), was["b"].tolist()]
+        assert "load_weights" not in vars(model)  # (the instance attribute is gone)
+        if kept is not None:
+            assert len({s.data_ptr() for s in saves}) == 2
+            assert [s.data_ptr() for s in saves] == [b.data_ptr() for b in kept]
+
+
 def test_the_target_table_judges_each_row_by_its_own_numbers():
     # (table 6 of bench_inspect: a row meets the time target at or under 1.5x, and the
     # memory target when the report's extra bytes, torch's and Python's together, are at

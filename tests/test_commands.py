@@ -237,7 +237,7 @@ def test_benchmark_runs_in_quick_mode_and_prints_its_table(script, columns, rows
         # the figures' table: plot_delta timed and its memory measured, beside its floor
         rows_of = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in body}
         for step in ("density_map 64x64", "plot_density", "plot_delta",
-                     "one float32 pass over the tensor (floor)"):
+                     "one float32 pass over the tensor, in bands (floor)"):
             assert step in rows_of, step
         seconds, mib = (c.strip() for c in rows_of["plot_delta"])
         assert float(seconds) > 0 and float(mib) >= 0
