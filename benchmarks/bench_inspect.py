@@ -186,8 +186,7 @@ def main(argv=None) -> int:
                     # (fresh memory as a report's is: big buffers on huge pages, where
                     # Linux has them; a clone's 4 KiB pages cost the reference more page
                     # faults than a report pays)
-                    saved = (native.fresh_empty(tuple(w.shape), w.dtype, w.device).copy_(w)
-                             if idx is None else w.view(-1)[idx])
+                    saved = _fresh_copy(w) if idx is None else w.view(-1)[idx]
                     plain()
                     return saved
 
@@ -511,6 +510,12 @@ class _PassOnCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in fresh memory taken as a report takes its saves
+    (:func:`patchkit.native.fresh_empty`: huge pages for a big one)."""
+    return native.fresh_empty(tuple(t.shape), t.dtype, t.device).copy_(t)
+
+
 class _SaveEachCopy(TorchFunctionMode):
     """:class:`_PassOnCalls` that also saves each ``copy_``'s destination before it is
     written, as a report of views under 128 KiB does (a dense row's "least report": seeing
@@ -527,8 +532,7 @@ class _SaveEachCopy(TorchFunctionMode):
         if func is torch.Tensor.copy_:
             dest = args[0]
             if self.kept is None:  # (fresh memory as a report's saves: see save_floor)
-                self.saves.append(
-                    native.fresh_empty(tuple(dest.shape), dest.dtype, dest.device).copy_(dest))
+                self.saves.append(_fresh_copy(dest))
             else:
                 k = len(self.saves)
                 if k == len(self.kept) or self.kept[k].shape != dest.shape:
@@ -570,8 +574,9 @@ def _step_pairs(config, lr, dtype):
 
     trainer = AdamLikeTrainer(tiny_llama_checkpoint(config, dtype=dtype), lr=lr)
     step1, step2 = trainer.step(), trainer.step()
-    return dense_patches(step1), {
-        "dense": (dense_patches(step1), dense_patches(step2)),
+    first = dense_patches(step1)  # (a load leaves its patches as they were: shared)
+    return first, {
+        "dense": (first, dense_patches(step2)),
         "sparse": (sparse_patches_from_diff(step2, step1), sparse_patches_from_diff(step1, step2)),
     }
 
