@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import math
 import os
 import sys
 import warnings
@@ -34,7 +35,7 @@ from .patch import (
     validate_patches,
 )
 from .staging import _stage
-from .units import _count
+from .units import _count, format_bytes
 
 __all__ = ["canonicalize_tied", "load_checkpoint_weight_patches"]
 
@@ -67,7 +68,9 @@ def load_checkpoint_weight_patches(
        its values: dense values viewed as ``shape`` (a view when the dtype matches: a
        loader that writes into the tensor it is given changes the caller's values, even
        in a transactional load that is rolled back); sparse values written into a
-       NaN-filled tensor. Each chunk is one ``model.load_weights([(name, tensor), ...])``.
+       NaN-filled tensor. Each chunk is one ``model.load_weights([(name, tensor), ...])``,
+       its patches staged just before it (where memory for one runs out, torch's error
+       comes with a note naming the patch, the call and the bytes it stages).
     4. During sparse calls, and only on this thread, same-shaped floating-point ``copy_``
        into the model's parameters and buffers keeps the runtime value wherever the source
        is NaN; any other write into runtime storage, overlapping destinations within one
@@ -241,8 +244,7 @@ def run_load(
             finished = False  # the saves are let go: no rollback can run from here
             try:
                 for chunk in chunks:
-                    staged = [(by_position[p].name, _stage(by_position[p]))
-                              for p in chunk.positions]
+                    staged = _staged(chunk, by_position)
                     if session is None:
                         returned = _names(load_weights(staged), chunk)
                     else:
@@ -469,6 +471,33 @@ def _warn_if_dropped_differs(
         UserWarning,
         stacklevel=_outside_patchkit(),
     )
+
+
+def _staged(
+    chunk: Chunk, by_position: dict[int, CheckpointWeightPatch]
+) -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, staged tensor)`` pairs of one call. Staging a sparse patch allocates
+    its whole checkpoint-shaped tensor (and a dense one whose values need a cast, a copy):
+    where that fails (out of memory, a shape mistyped by orders of magnitude), the error
+    is torch's own (``RuntimeError``, ``torch.OutOfMemoryError``), raised before this
+    call's ``load_weights``, with a note (Python 3.11+) naming the patch, the call and
+    its staged size."""
+    out = []
+    for p in chunk.positions:
+        patch = by_position[p]
+        try:
+            out.append((patch.name, _stage(patch)))
+        except (RuntimeError, MemoryError) as exc:
+            if hasattr(exc, "add_note"):
+                kind = "dense" if patch.indices is None else "sparse"
+                size = math.prod(patch.shape) * patch.dtype.itemsize
+                exc.add_note(
+                    f"(raised staging {where(p, patch.name)} for load_weights call "
+                    f"{chunk.index}, before that call: a {kind} patch of shape "
+                    f"{tuple(patch.shape)} {patch.dtype} stages {format_bytes(size)})"
+                )
+            raise
+    return out
 
 
 def _warn_if_renamed_not_loaded(
