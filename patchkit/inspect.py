@@ -142,7 +142,7 @@ if TYPE_CHECKING:
 
     from .widgets import ReportExplorer
 
-__all__ = ["LoadReport", "density_map", "inspect_load", "patch_summary"]
+__all__ = ["LoadReport", "ReportKeyError", "density_map", "inspect_load", "patch_summary"]
 
 
 def _kind(p: CheckpointWeightPatch) -> str:
@@ -604,20 +604,18 @@ class LoadReport:
             return self._runtime[target]
         except KeyError:
             if target in self._shapes:
-                raise KeyError(
+                raise ReportKeyError(
                     f"{target!r} was registered by the load and removed again: the report "
                     "keeps its writes rows, not the tensor"
                 ) from None
             if target in self._storageless:
-                raise KeyError(
+                raise ReportKeyError(
                     f"{target!r} is {self._storageless[target]}, with no strided memory of "
                     "its own: no report holds its values (a load that watches its writes "
                     "refuses this model)"
                 ) from None
             known = ", ".join(repr(t) for t in list(self._runtime)[:8])
-            raise KeyError(
-                f"{target!r} is not a runtime tensor of this model (some are: {known})"
-            ) from None
+            raise _unknown_target(self, target, known) from None
 
     @property
     def handed_over(self) -> bool:
@@ -742,7 +740,7 @@ class LoadReport:
         t = self._tensor(target)
         self._check_numbers(target)
         if target in self._registered:
-            raise KeyError(
+            raise ReportKeyError(
                 f"{target!r} was registered by the load (a name the model did not have): it "
                 "has no values before the load"
             )
@@ -895,9 +893,15 @@ class LoadReport:
                 if n == patch_or_name]
             if not matches:
                 known = ", ".join(repr(_given_name(p)) for p in self.patches[:8])
-                raise KeyError(
-                    f"no patch named {patch_or_name!r} in this report (some are: {known})"
+                from .plot import _known, _resolve
+
+                hint = (
+                    ": it is a runtime tensor's name; report.plot_delta(name) draws its "
+                    "before, after and change"
+                    if _resolve(self, patch_or_name) in _known(self)
+                    else f" (some are: {known})"
                 )
+                raise ReportKeyError(f"no patch named {patch_or_name!r} in this report{hint}")
             patch_or_name = matches[0]
         elif not (isinstance(patch_or_name, tuple) and len(patch_or_name) == 5):
             raise TypeError(
@@ -1474,6 +1478,35 @@ def _report_of(model, patches, transactional, loader, rec, sessions, kept, posit
     report.rolled_back = rolled_back
     report._restored = restored
     return report
+
+
+class ReportKeyError(KeyError):
+    """The ``KeyError`` a :class:`LoadReport` raises for a name it does not know (a
+    runtime tensor's, a patch's): catch ``KeyError``. Its message prints as written
+    (``KeyError`` itself prints the repr of its argument: the message in quotes)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _unknown_target(report: LoadReport, asked: str, known: str) -> ReportKeyError:
+    """The ``KeyError`` for a runtime tensor name ``report`` does not know. A checkpoint
+    name (a patch's: ``...k_proj.weight``, written into a fused ``qkv_proj``) is the
+    likely mistake: the message then says which runtime tensors its writes went to."""
+    hint = ""
+    if any(_given_name(p) == asked or p.name == asked for p in report.patches):
+        try:
+            writes = report.writes
+            into = list(dict.fromkeys(writes["target"][writes["name"] == asked]))
+        except Exception:  # (a report whose tables cannot be read: no hint, the error stands)
+            into = []
+        shown = ", ".join(repr(t) for t in into[:4]) + (", ..." if len(into) > 4 else "")
+        hint = (f": it is a checkpoint name (a patch's), and its writes went to the runtime "
+                f"tensor{'s' if len(into) > 1 else ''} {shown} (report.writes says where)"
+                if into else ": it is a checkpoint name (a patch's), and the report saw no "
+                "write of it")
+    return ReportKeyError(f"{asked!r} is not a runtime tensor of this report{hint}"
+                    + ("" if hint else f" (some are: {known})"))
 
 
 def _check_target(target: object) -> None:

@@ -59,6 +59,7 @@ from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 from .bitwise import changed_mask, difference, has_numbers
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, _dims, grid_shape
+from .inspect import _unknown_target
 from .patch import (
     CheckpointWeightPatch,
     PatchLike,
@@ -1205,7 +1206,7 @@ def plot_placement(
         unknown = [t for t in chosen if _resolve(report, t) not in _known(report)]
         if unknown:
             known = ", ".join(repr(t) for t in list(report.targets)[:8])
-            raise KeyError(f"no runtime tensor {unknown[0]!r} in this report (known: {known})")
+            raise _unknown_target(report, unknown[0], known)
         # (a list longer than max_targets: its first ones, as for the tensors written)
         left_out = max(len(chosen) - max_targets, 0)
         chosen = chosen[:max_targets]
@@ -1855,7 +1856,7 @@ def plot_delta(
     asked, target = target, _resolve(report, target)
     if target not in _known(report):
         known = ", ".join(repr(t) for t in list(report.targets)[:8])
-        raise KeyError(f"no runtime tensor {asked!r} in this report (known: {known})")
+        raise _unknown_target(report, asked, known)
     reader = report._before_after(target)
     if reader.before_shape != reader.shape or reader.before_dtype != reader.dtype:
         # (report.deltas has no numbers for it either: another tensor altogether)

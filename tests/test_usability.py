@@ -30,3 +30,44 @@ def test_a_patch_whose_staging_runs_out_of_memory_is_named_in_the_error(inspect)
     assert m.a.tolist() == [1.0, 0.0, 0.0, 0.0]  # (call 0 ran; not transactional)
     if inspect:
         assert info.value.report.calls["names"].tolist() == [("a",)]
+
+
+@pytest.fixture(scope="module")
+def tp_report():
+    from patchkit.build import dense_patches
+    from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+    cfg = TinyLlamaConfig()
+    model = TinyLlamaRuntime(cfg, tp_rank=0, tp_size=2)
+    return patchkit.inspect_load(model, dense_patches(tiny_llama_checkpoint(cfg)))
+
+
+K = "model.layers.0.self_attn.k_proj.weight"
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
+
+
+@pytest.mark.parametrize("call", ["before", "after", "written", "plot_delta", "plot_placement"])
+def test_a_checkpoint_name_where_a_runtime_one_belongs_says_where_it_went(tp_report, call):
+    pytest.importorskip("matplotlib")
+    fn = getattr(tp_report, call)
+    with pytest.raises(KeyError) as info:
+        fn([K]) if call == "plot_placement" else fn(K)
+    assert isinstance(info.value, patchkit.inspect.ReportKeyError)
+    # (printed as written: no quotes around the message, as KeyError's own str gives)
+    assert str(info.value) == (
+        f"{K!r} is not a runtime tensor of this report: it is a checkpoint name (a "
+        f"patch's), and its writes went to the runtime tensor {QKV!r} (report.writes "
+        "says where)")
+
+
+def test_an_unknown_name_lists_some_known_ones(tp_report):
+    with pytest.raises(KeyError, match=r"^'nope' is not a runtime tensor of this report "
+                       r"\(some are: 'model.embed_tokens.weight', "):
+        tp_report.after("nope")
+
+
+def test_a_runtime_name_given_to_plot_density_points_to_plot_delta(tp_report):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(KeyError, match=r"^no patch named .*qkv_proj.weight' in this report: "
+                       r"it is a runtime tensor's name; report.plot_delta\(name\)"):
+        tp_report.plot_density(QKV)
