@@ -1042,6 +1042,30 @@ def _takes_keyword(fn: Callable[..., Any], name: str) -> bool | None:
         p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)) for p in params)
 
 
+def _check_loader_call(loader: Callable[..., Any], transactional: bool) -> None:
+    """:class:`~patchkit.PatchTypeError` where ``loader``'s signature (when it can be read)
+    does not take the call ``inspect_load`` makes: ``loader(model, patches,
+    max_chunk_bytes=..., validate_unique_indices=...)``, and ``transactional=True`` where
+    asked, as ``load_checkpoint_weight_patches`` and vLLM's function take them."""
+    try:
+        signature = _pyinspect.signature(loader)
+    except (TypeError, ValueError):
+        return  # (a callable whose signature cannot be read: the call itself says)
+    kwargs: dict[str, Any] = {"max_chunk_bytes": 1, "validate_unique_indices": True}
+    if transactional:
+        kwargs["transactional"] = True
+    try:
+        signature.bind(None, None, **kwargs)
+    except TypeError as exc:
+        asked = ", ".join(f"{k}=..." for k in kwargs)
+        raise PatchTypeError(
+            f"loader {_callable_name(loader)} cannot take the call inspect_load makes, "
+            f"loader(model, patches, {asked}) (the signature of "
+            f"load_checkpoint_weight_patches, and vLLM's): {exc}",
+            reason="loader signature", value=_callable_name(loader),
+        ) from None
+
+
 def _callable_name(fn: Callable[..., Any]) -> str:
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     module = getattr(fn, "__module__", None)
@@ -1084,8 +1108,8 @@ def inspect_load(
     validate_unique_indices=...)`` with this call's values, and ``transactional=True``
     where asked for (vLLM's function takes no ``transactional``: with it, a loader
     whose signature has none is refused, :class:`~patchkit.PatchTypeError`, before
-    anything runs); a ``functools.partial`` that fixes one of them is overridden, so
-    pass it here instead,
+    anything runs, as is one whose signature cannot take that call at all); a
+    ``functools.partial`` that fixes one of them is overridden, so pass it here instead,
     and patchkit only observes it: ``model.load_weights`` is wrapped for
     the duration to record each call made on this thread, and writes into runtime tensors
     are watched on this thread, never changed. A call made on another thread (another
@@ -1191,6 +1215,8 @@ def inspect_load(
             "transactional; observe it without, or load with patchkit's own loader",
             reason="loader not transactional", value=_callable_name(loader),
         )
+    if loader is not None:
+        _check_loader_call(loader, transactional)
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "load_weights", None)):
         raise PatchTypeError(
             f"model {type(model).__name__} is not a torch.nn.Module with a "

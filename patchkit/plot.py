@@ -59,6 +59,7 @@ from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 from .bitwise import changed_mask, difference, has_numbers
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, _dims, grid_shape
+from .errors import PatchTypeError
 from .inspect import _unknown_target
 from .patch import (
     CheckpointWeightPatch,
@@ -519,6 +520,12 @@ def _as_source(source: Any, fn: str) -> Any:
     naming the argument for anything else (a string, a number, an item not a patch)."""
     if _is_report(source):
         return source
+    if hasattr(source, "keys") and hasattr(source, "items"):
+        raise PatchTypeError(
+            f"{fn}: expected a LoadReport or a list of CheckpointWeightPatch, got "
+            f"{_what(source)} (a state dict? patchkit.build.dense_patches makes patches of one)",
+            reason="not a list", value=type(source).__name__,
+        )
     try:
         if isinstance(source, str | bytes):
             raise TypeError

@@ -71,3 +71,39 @@ def test_a_runtime_name_given_to_plot_density_points_to_plot_delta(tp_report):
     with pytest.raises(KeyError, match=r"^no patch named .*qkv_proj.weight' in this report: "
                        r"it is a runtime tensor's name; report.plot_delta\(name\)"):
         tp_report.plot_density(QKV)
+
+
+def test_plot_chunks_and_the_planner_given_a_state_dict_say_how_to_make_patches():
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("ipywidgets")
+    from patchkit.plot import plot_chunks
+    from patchkit.widgets import chunk_planner
+
+    for fn in (plot_chunks, chunk_planner):
+        with pytest.raises(TypeError, match=r"got dict: .*\(a state dict\? "
+                           r"patchkit.build.dense_patches makes patches of one\)") as info:
+            fn({"a": torch.zeros(3)})
+        assert isinstance(info.value, patchkit.PatchTypeError)
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_an_observed_loader_that_cannot_take_the_call_is_refused_before_it_runs(transactional):
+    m = PlainModel({"a": (4,)}, device="cpu")
+    ran = []
+
+    def two_args(model, patches, transactional=False):
+        ran.append(1)
+
+    patch = CWP("a", (4,), torch.float32, torch.ones(4))
+    with pytest.raises(patchkit.PatchTypeError, match=(
+            r"loader .*two_args cannot take the call inspect_load makes, loader\(model, "
+            r"patches, max_chunk_bytes=\.\.\., validate_unique_indices=\.\.\.(, "
+            r"transactional=\.\.\.)?\) .*unexpected keyword argument 'max_chunk_bytes'")):
+        patchkit.inspect_load(m, [patch], loader=two_args, transactional=transactional)
+    assert not ran and m.a.tolist() == [0.0] * 4
+
+    def any_keywords(model, patches, **kw):
+        ran.append(kw)
+
+    patchkit.inspect_load(m, [patch], loader=any_keywords, transactional=transactional)
+    assert len(ran) == 1
