@@ -342,7 +342,14 @@ class _Table:
         key = "_frame_" + self.name
         frame = obj.__dict__.get(key)
         if frame is None:
-            frame = obj._tables[self.name]()
+            make = obj._tables.get(self.name)
+            if make is None:
+                raise ValueError(
+                    f"this LoadReport has no {self.name} table: it was not made by "
+                    "patchkit.inspect_load (a report comes from inspect_load, or from "
+                    "unpickling one)"
+                )
+            frame = make()
             obj.__dict__[key] = frame
         return frame
 
@@ -469,7 +476,8 @@ class LoadReport:
 
     The four tables are built when first read (their numbers were all taken when the load
     ended), so that a report in a training loop costs no pandas work until it is looked
-    at.
+    at. Reports come from :func:`inspect_load` (or from unpickling one): one built with
+    this class's constructor has no tables, and reading one raises ``ValueError``.
 
     ``before(target)`` and ``after(target)`` give the runtime tensor before and after the
     load (CPU copies; elements never written are taken from the current value).
@@ -819,7 +827,15 @@ class LoadReport:
             out["calls with no write seen"] = list(self._quiet)
         return out
 
+    def _made_by_hand(self) -> bool:
+        """Whether this report was built by its constructor, not by a load (nor
+        unpickled): it has no tables."""
+        return not self._tables and "_frame_chunks" not in self.__dict__
+
     def __repr__(self) -> str:
+        if self._made_by_hand():
+            return (f"LoadReport(<not made by inspect_load: no tables>, "
+                    f"{_count(len(self.patches), 'patch', 'patches')})")
         s = self.summary()
         head = ", ".join(f"{k}={_human(k, v)}" for k, v in s.items() if v is not None)
         parts = [f"LoadReport({head})"]
@@ -832,6 +848,8 @@ class LoadReport:
         return shown_text("\n\n".join(parts))
 
     def _repr_html_(self) -> str:
+        if self._made_by_hand():
+            return f"<pre>{html.escape(repr(self))}</pre>"
         s = self.summary()
         rows = "".join(
             f"<tr><th style='text-align:left'>{html.escape(k)}</th>"

@@ -107,3 +107,16 @@ def test_an_observed_loader_that_cannot_take_the_call_is_refused_before_it_runs(
 
     patchkit.inspect_load(m, [patch], loader=any_keywords, transactional=transactional)
     assert len(ran) == 1
+
+
+def test_a_report_built_by_hand_says_it_has_no_tables():
+    r = patchkit.LoadReport([], [])
+    assert repr(r) == "LoadReport(<not made by inspect_load: no tables>, 0 patches)"
+    assert "not made by inspect_load" in r._repr_html_()
+    for read in (r.summary, lambda: r.writes, lambda: r.deltas):
+        with pytest.raises(ValueError, match=r"has no (chunks|writes|deltas) table: it was "
+                           r"not made by patchkit\.inspect_load"):
+            read()
+    # a report of a load of nothing is made by a load: it has (empty) tables
+    empty = patchkit.inspect_load(PlainModel({"a": (4,)}, device="cpu"), [])
+    assert len(empty.writes) == 0 and "not made" not in repr(empty)
