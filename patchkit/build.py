@@ -47,6 +47,7 @@ from .patch import (
     patch_list,
     validate_patches,
 )
+from .units import _count
 
 __all__ = [
     "AdamLikeTrainer",
@@ -529,6 +530,9 @@ def random_sparse_patch(
       change. The changed fraction equals the block fraction exactly when both
       dimensions are multiples of the block size. Costs O(numel) memory for a mask.
 
+    A density above 0 that rounds to no position (0.3 of a 1-D tensor's one row) gives
+    an empty patch, with a ``UserWarning`` saying so.
+
     Values are ``std``-scaled standard normal numbers drawn from ``generator`` on the CPU
     (``None``: torch's global CPU generator) in float32 (in float64 for a float64 patch),
     cast to ``dtype`` and then moved with the
@@ -587,8 +591,16 @@ def random_sparse_patch(
 
     bh, bw = max(1, min(block, rows)), max(1, min(block, cols))
     gr, gc = -(-rows // bh), -(-cols // bw)
-    nothing = n == 0 or (pattern == "rows" and round(density * rows) == 0) or (
-        pattern == "blocks" and round(density * gr * gc) == 0)
+    units, total = {"uniform": ("elements", n), "rows": ("rows", rows),
+                    "blocks": ("blocks", gr * gc)}[pattern]
+    nothing = n == 0 or round(density * total) == 0
+    if nothing and n and density > 0:
+        warnings.warn(
+            f"random_sparse_patch({name!r}): density {density:g} of "
+            f"{_count(total, units[:-1])} rounds to no {units}: the patch is empty"
+            + ("" if pattern == "uniform" else " (pattern='uniform' picks single elements)"),
+            UserWarning, stacklevel=2,
+        )
     if nothing:  # (no position chosen: none made, not a row or a mask of them for nothing)
         idx = torch.empty(0, dtype=torch.int64)
     elif pattern == "uniform":

@@ -294,9 +294,15 @@ def test_diff_then_apply_is_bit_exact(seed, shape, dtype, p_change):
 @pytest.mark.parametrize("shape", [(37, 41), (1000,), (), (5, 0)])
 def test_random_uniform_exact_count(density, shape):
     g = torch.Generator().manual_seed(0)
-    p = random_sparse_patch("w", shape, torch.bfloat16, density, generator=g)
     n = math.prod(shape)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        p = random_sparse_patch("w", shape, torch.bfloat16, density, generator=g)
     assert p.values.numel() == p.indices.numel() == round(density * n)
+    # (a scalar at 0.013, 0.25 and 0.5: a density above 0 that rounds to nothing warns)
+    assert [str(w.message) for w in seen] == (
+        [f"random_sparse_patch('w'): density {density:g} of 1 element rounds to no "
+         "elements: the patch is empty"] if n and density and not round(density * n) else [])
     idx = p.indices.tolist()
     assert idx == sorted(set(idx)) and all(0 <= i < n for i in idx)
     assert p.indices.dtype == torch.int64 and p.values.dtype == torch.bfloat16

@@ -120,3 +120,24 @@ def test_a_report_built_by_hand_says_it_has_no_tables():
     # a report of a load of nothing is made by a load: it has (empty) tables
     empty = patchkit.inspect_load(PlainModel({"a": (4,)}, device="cpu"), [])
     assert len(empty.writes) == 0 and "not made" not in repr(empty)
+
+
+@pytest.mark.parametrize(("shape", "density", "pattern", "text"), [
+    ((64,), 0.3, "rows", "density 0.3 of 1 row rounds to no rows"),
+    ((16,), 0.3, "blocks", "density 0.3 of 1 block rounds to no blocks"),
+    ((4, 4), 0.1, "rows", "density 0.1 of 4 rows rounds to no rows"),
+])
+def test_a_random_patch_that_rounds_to_nothing_warns(shape, density, pattern, text):
+    with pytest.warns(UserWarning) as seen:
+        p = patchkit.random_sparse_patch("w", shape, torch.float32, density, pattern=pattern)
+    assert p.values.numel() == 0
+    assert [str(w.message) for w in seen] == [
+        f"random_sparse_patch('w'): {text}: the patch is empty (pattern='uniform' picks "
+        "single elements)"]
+    # a density that picks something: no warning
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert patchkit.random_sparse_patch("w", (64, 64), torch.float32, 0.5,
+                                            pattern=pattern).values.numel() > 0
