@@ -347,9 +347,11 @@ def sparse_patches_from_diff(
     changed: a sparse patch needs a dtype that has NaN, so send it dense. Unchanged
     weights of such dtypes are skipped silently.
 
-    Warns (``UserWarning``) when a weight of ``before`` shares memory with the same
-    weight of ``after``: its diff is then empty whatever the trainer did (a trainer that
+    Warns (``UserWarning``) when every weight of ``before`` shares memory with the same
+    weight of ``after``: the diff is then empty whatever the trainer did (a trainer that
     updates its tensors in place, with ``prev = new`` kept as a reference, not a copy).
+    Some weights shared and others not (``{**before, name: new_weight}``) is no such
+    mistake: no warning.
     """
     _check_index_dtype(index_dtype, allow_none=True)
     _check_mapping(before, "before")
@@ -372,10 +374,10 @@ def sparse_patches_from_diff(
             )
         idx_dtype = _index_dtype_for(a.numel(), index_dtype, name)
         plan.append((name, b, a, idx_dtype))
-    shared = [name for name, b, a, _ in plan
-              if a.numel() and b.device == a.device
-              and b.data_ptr() == a.data_ptr() and b.stride() == a.stride()]
-    if shared:
+    filled = [(name, b, a) for name, b, a, _ in plan if a.numel()]
+    shared = [name for name, b, a in filled
+              if b.device == a.device and b.data_ptr() == a.data_ptr() and b.stride() == a.stride()]
+    if shared and len(shared) == len(filled):
         warnings.warn(
             f"sparse_patches_from_diff: before and after share memory for {len(shared)} "
             f"weight(s) (first: {shared[0]!r}), so nothing can differ there; keep a copy "

@@ -742,6 +742,15 @@ def test_a_diff_of_tensors_that_share_memory_warns():
     w = torch.ones(4)
     with pytest.warns(UserWarning, match="share memory for 1 weight"):
         assert sparse_patches_from_diff({"w": w}, {"w": w}) == []
+    # a few weights replaced, the rest the same tensors ({**before, name: new}): no
+    # warning, and the diff is that of the replaced ones
+    before = {"a": torch.ones(4), "b": torch.ones(4), "c": torch.ones(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (p,) = sparse_patches_from_diff(before, {**before, "b": torch.tensor([1.0, 2, 1, 1])})
+    assert p.name == "b" and p.indices.tolist() == [1] and p.values.tolist() == [2.0]
+    with pytest.warns(UserWarning, match="share memory for 3 weight"):
+        assert sparse_patches_from_diff(before, dict(before)) == []
     # two weights of one flat buffer, before and after in different halves: no warning
     flat = torch.zeros(8)
     with warnings.catch_warnings():
