@@ -700,13 +700,14 @@ def validate_patches(
         i, reason = first_bad
         p = patches[i]
         bad = _first_offending_index(p, reason)
-        nan_text = f"NaN value at index {bad}"
-        if reason == "NaN" and p.values.dtype != p.dtype:
-            v = p.values[_first_nan_entry(p)]
-            if not bool(torch.isnan(v.float())):
-                nan_text = (
-                    f"NaN value at index {bad}: {float(v)!r} becomes NaN when cast to {p.dtype}"
-                )
+        nan_text = ""
+        if reason == "NaN":
+            entry = _first_nan_entry(p)
+            nan_text = f"NaN value at index {bad}, values[{entry}]"
+            if p.values.dtype != p.dtype:
+                v = p.values[entry]
+                if not bool(torch.isnan(v.float())):
+                    nan_text += f": {float(v)!r} becomes NaN when cast to {p.dtype}"
         text = {
             "NaN": f"{nan_text} (NaN means 'unchanged', so it cannot be sent sparsely; "
             "send this weight dense)",

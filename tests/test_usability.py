@@ -10,6 +10,7 @@ import torch
 
 import patchkit
 from patchkit import CheckpointWeightPatch as CWP
+from patchkit.patch import validate_patches
 from patchkit.toymodels import PlainModel
 
 
@@ -141,3 +142,18 @@ def test_a_random_patch_that_rounds_to_nothing_warns(shape, density, pattern, te
         warnings.simplefilter("error")
         assert patchkit.random_sparse_patch("w", (64, 64), torch.float32, 0.5,
                                             pattern=pattern).values.numel() > 0
+
+
+def test_a_nan_value_is_named_by_its_index_and_its_entry_in_values():
+    m = PlainModel({"w": (8,)}, device="cpu")
+    # index 2 at entries 0 and 2 (the NaN is the second); the checkpoint index alone
+    # would not say which entry of values holds it
+    p = CWP("w", (8,), torch.float32, torch.tensor([1.0, 2.0, float("nan")]),
+            torch.tensor([2, 6, 5]))
+    with pytest.raises(ValueError, match=r"^patch 0 \('w'\): NaN value at index 5, "
+                       r"values\[2\] \(NaN means 'unchanged'"):
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    cast = CWP("w", (8,), torch.float8_e4m3fnuz, torch.tensor([1.0, 1e6]), torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"NaN value at index 3, values\[1\]: 1000000\.0 "
+                       r"becomes NaN when cast to torch\.float8_e4m3fnuz"):
+        validate_patches([cast])
