@@ -249,7 +249,7 @@ def run_tour(
     t0 = time.perf_counter()
 
     def progress(i: int) -> None:
-        echo(f"[{i + 1}/{len(steps)}] {steps[i]} ({time.perf_counter() - t0:.1f} s)")
+        echo(f"[{i + 1}/{len(steps)}] {steps[i]} (starting at {time.perf_counter() - t0:.1f} s)")
 
     def save(fig, stem: str) -> str:
         path = out / f"{stem}.png"
