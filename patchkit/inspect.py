@@ -327,6 +327,9 @@ class _Table:
     from the model right then); the pandas DataFrame is built on first access and kept,
     so a report nobody looks at costs no pandas work."""
 
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc  # (what help(LoadReport.writes) shows)
+
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
@@ -497,10 +500,26 @@ class LoadReport:
     would.
     """
 
-    chunks: ClassVar[_Table] = _Table()
-    calls: ClassVar[_Table] = _Table()
-    writes: ClassVar[_Table] = _Table()
-    deltas: ClassVar[_Table] = _Table()
+    chunks: ClassVar[_Table] = _Table(
+        "One row per input patch, in input order: chunk (the load_weights call that "
+        "carried it), position, name, kind, shape, dtype, numel, nnz, density, bytes "
+        "(staged), closed_by (budget, repeated name, end; loader), note. A pandas "
+        "DataFrame, built on first read; LoadReport's docstring says more of each column.")
+    calls: ClassVar[_Table] = _Table(
+        "One row per load_weights call: chunk, names (sent), returned, writes (into "
+        "runtime tensors), seconds, error. A pandas DataFrame, built on first read; "
+        "LoadReport's docstring says more of each column.")
+    writes: ClassVar[_Table] = _Table(
+        "One row per write into a runtime tensor: chunk, position and name (the patch "
+        "that fed it), checkpoint_offset, checkpoint_region, target (the runtime "
+        "parameter or buffer), target_offset, target_region, shape, elements, written, "
+        "changed, op, checkpoint_stride, target_stride. A pandas DataFrame, built on "
+        "first read; LoadReport's docstring says more of each column.")
+    deltas: ClassVar[_Table] = _Table(
+        "One row per runtime tensor the load wrote, indexed by its name: elements "
+        "(written, each once), changed (bitwise), max_abs, mean_abs, rel_l2 (over the "
+        "written elements). A pandas DataFrame, built on first read; LoadReport's "
+        "docstring says more of each column.")
 
     patches: list[CheckpointWeightPatch] = field(repr=False)
     plan: list[Chunk] = field(repr=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import typing
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -56,6 +57,11 @@ class CheckpointWeightPatch(NamedTuple):
     dtype: torch.dtype
     values: torch.Tensor
     indices: torch.Tensor | None = None
+
+
+# The fields' types as objects, not the strings this module's postponed annotations made
+# of them: help() and inspect.signature then show ``name: str``, not ForwardRef('str').
+CheckpointWeightPatch.__new__.__annotations__ = typing.get_type_hints(CheckpointWeightPatch)
 
 
 PatchLike: TypeAlias = (

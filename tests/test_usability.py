@@ -157,3 +157,16 @@ def test_a_nan_value_is_named_by_its_index_and_its_entry_in_values():
     with pytest.raises(ValueError, match=r"NaN value at index 3, values\[1\]: 1000000\.0 "
                        r"becomes NaN when cast to torch\.float8_e4m3fnuz"):
         validate_patches([cast])
+
+
+def test_help_shows_the_patch_fields_types_and_each_tables_columns(tp_report):
+    import inspect as pyinspect
+    import re
+
+    assert str(pyinspect.signature(CWP)) == (
+        "(name: str, shape: tuple[int, ...], dtype: torch.dtype, values: torch.Tensor, "
+        "indices: torch.Tensor | None = None)")
+    for table in ("chunks", "calls", "writes", "deltas"):
+        doc = getattr(patchkit.LoadReport, table).__doc__
+        named = set(re.findall(r"[a-z_0-9]+", doc))
+        assert set(getattr(tp_report, table).columns) <= named, table
