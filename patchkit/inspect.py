@@ -482,8 +482,10 @@ class LoadReport:
     at. Reports come from :func:`inspect_load` (or from unpickling one): one built with
     this class's constructor has no tables, and reading one raises ``ValueError``.
 
-    ``before(target)`` and ``after(target)`` give the runtime tensor before and after the
-    load (CPU copies; elements never written are taken from the current value).
+    ``after(target)`` gives the runtime tensor as it is now, and ``before(target)`` as it
+    was before the load, rebuilt from the saves and its value now (CPU copies): the load's
+    before and after until the model changes again (another load, a training step), so
+    read them first; the tables' numbers stay the load's.
 
     A report pickles (to a file, or back from a worker process: ``multiprocessing``, a
     Ray task, and an exception raised with the report attached; ``copy.deepcopy`` makes
@@ -739,7 +741,8 @@ class LoadReport:
         return mask.view(t.shape)
 
     def after(self, target: str) -> torch.Tensor:
-        """The runtime tensor ``target`` as it is now (a CPU copy)."""
+        """The runtime tensor ``target`` as it is now (a CPU copy): the load's result until
+        the model changes again (another load, a training step)."""
         t = self._tensor(target)
         self._check_numbers(target)
         return t.detach().to("cpu", copy=True)
