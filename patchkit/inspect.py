@@ -643,8 +643,7 @@ class LoadReport:
                     "its own: no report holds its values (a load that watches its writes "
                     "refuses this model)"
                 ) from None
-            known = ", ".join(repr(t) for t in list(self._runtime)[:8])
-            raise _unknown_target(self, target, known) from None
+            raise _unknown_target(self, target) from None
 
     @property
     def handed_over(self) -> bool:
@@ -1555,7 +1554,7 @@ class ReportKeyError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _unknown_target(report: LoadReport, asked: str, known: str) -> ReportKeyError:
+def _unknown_target(report: LoadReport, asked: str) -> ReportKeyError:
     """The ``KeyError`` for a runtime tensor name ``report`` does not know. A checkpoint
     name (a patch's: ``...k_proj.weight``, written into a fused ``qkv_proj``) is the
     likely mistake: the message then says which runtime tensors its writes went to."""
@@ -1571,8 +1570,9 @@ def _unknown_target(report: LoadReport, asked: str, known: str) -> ReportKeyErro
                 f"tensor{'s' if len(into) > 1 else ''} {shown} (report.writes says where)"
                 if into else ": it is a checkpoint name (a patch's), and the report saw no "
                 "write of it")
-    return ReportKeyError(f"{asked!r} is not a runtime tensor of this report{hint}"
-                    + ("" if hint else f" (some are: {known})"))
+    if not hint:
+        hint = " (some are: " + ", ".join(repr(t) for t in list(report.targets)[:8]) + ")"
+    return ReportKeyError(f"{asked!r} is not a runtime tensor of this report{hint}")
 
 
 def _check_target(target: object) -> None:

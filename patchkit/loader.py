@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
-import math
 import os
 import sys
 import warnings
@@ -32,6 +31,7 @@ from .patch import (
     check_flag,
     patch_list,
     resolved,
+    staged_nbytes,
     validate_patches,
 )
 from .staging import _stage
@@ -490,11 +490,11 @@ def _staged(
         except (RuntimeError, MemoryError) as exc:
             if hasattr(exc, "add_note"):
                 kind = "dense" if patch.indices is None else "sparse"
-                size = math.prod(patch.shape) * patch.dtype.itemsize
+                staged = format_bytes(staged_nbytes(patch))
                 exc.add_note(
                     f"(raised staging {where(p, patch.name)} for load_weights call "
                     f"{chunk.index}, before that call: a {kind} patch of shape "
-                    f"{tuple(patch.shape)} {patch.dtype} stages {format_bytes(size)})"
+                    f"{tuple(patch.shape)} {patch.dtype} stages {staged})"
                 )
             raise
     return out

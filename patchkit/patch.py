@@ -116,6 +116,10 @@ def resolved(patch: Any) -> Any:
     return patch._replace(**fix)
 
 
+# What an error says where a state dict came in place of patches.
+_STATE_DICT_HINT = " (a state dict? patchkit.build.dense_patches makes patches of one)"
+
+
 def patch_list(patches: object, what: str = "patches") -> list:
     """``patches`` as a list (its items unchecked), or
     :class:`~patchkit.errors.PatchTypeError` when it is not a collection of patches:
@@ -130,7 +134,7 @@ def patch_list(patches: object, what: str = "patches") -> list:
         )
     hint = ""
     if hasattr(patches, "keys") and hasattr(patches, "items"):
-        hint = " (a state dict? patchkit.build.dense_patches makes patches of one)"
+        hint = _STATE_DICT_HINT
     elif not isinstance(patches, str | bytes):
         try:
             return list(patches)  # type: ignore[call-overload]

@@ -62,6 +62,7 @@ from .density import _as_bins, _density, _dims, grid_shape
 from .errors import PatchTypeError
 from .inspect import _unknown_target
 from .patch import (
+    _STATE_DICT_HINT,
     CheckpointWeightPatch,
     PatchLike,
     _check_structure,
@@ -523,7 +524,7 @@ def _as_source(source: Any, fn: str) -> Any:
     if hasattr(source, "keys") and hasattr(source, "items"):
         raise PatchTypeError(
             f"{fn}: expected a LoadReport or a list of CheckpointWeightPatch, got "
-            f"{_what(source)} (a state dict? patchkit.build.dense_patches makes patches of one)",
+            f"{_what(source)}{_STATE_DICT_HINT}",
             reason="not a list", value=type(source).__name__,
         )
     try:
@@ -1212,8 +1213,7 @@ def plot_placement(
             raise TypeError(f"plot_placement: targets must be names (str), got {_what(odd)}")
         unknown = [t for t in chosen if _resolve(report, t) not in _known(report)]
         if unknown:
-            known = ", ".join(repr(t) for t in list(report.targets)[:8])
-            raise _unknown_target(report, unknown[0], known)
+            raise _unknown_target(report, unknown[0])
         # (a list longer than max_targets: its first ones, as for the tensors written)
         left_out = max(len(chosen) - max_targets, 0)
         chosen = chosen[:max_targets]
@@ -1862,8 +1862,7 @@ def plot_delta(
                         f"got {_what(target)}")
     asked, target = target, _resolve(report, target)
     if target not in _known(report):
-        known = ", ".join(repr(t) for t in list(report.targets)[:8])
-        raise _unknown_target(report, asked, known)
+        raise _unknown_target(report, asked)
     reader = report._before_after(target)
     if reader.before_shape != reader.shape or reader.before_dtype != reader.dtype:
         # (report.deltas has no numbers for it either: another tensor altogether)
