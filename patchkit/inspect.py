@@ -367,6 +367,21 @@ _HANDING_OVER = threading.Lock()
 class LoadReport:
     """What one load did, as pandas tables (and figures, through its ``plot_*`` methods).
 
+    In short (the rest of this text is the detail)::
+
+        report = patchkit.inspect_load(model, patches)
+        report                # a summary; a table in a notebook
+        report.chunks         # one row per patch: its call, and why the call ended
+        report.calls          # one row per load_weights call
+        report.writes         # one row per write: which patch, which runtime region
+        report.deltas         # one row per runtime tensor: changed, max_abs, rel_l2
+        report.plot_delta(runtime_name)   # before, after and their difference
+        report.explore()      # widgets to browse all of it
+
+    Figures and ``before``/``after``/``written`` take *runtime* names (the
+    ``target`` column of ``writes``: ``...qkv_proj.weight``); ``plot_density`` takes a
+    patch's checkpoint name, or the patch itself.
+
     - ``chunks``: one row per input patch, in input order: ``chunk`` (the ``load_weights``
       call that carried it, ``<NA>`` for a dropped tied alias), ``position``, ``name``
       (as sent), ``kind``, ``shape``, ``dtype``, ``numel``, ``nnz``, ``density``,
