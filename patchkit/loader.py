@@ -87,8 +87,10 @@ def load_checkpoint_weight_patches(
        runtime tensor (``param.data = w``), registers a new one in its place
        (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) or registers
        one under a name the model did not have is caught when it returns: the original is
-       put back, a new name removed, and :class:`NotImplementedError` raised (a call that
-       raises instead leaves them, as item 5 says). Writes the loader makes on
+       put back, a new name removed, and :class:`NotImplementedError` raised. A call that
+       raises instead has them put back too (they may hold the staged NaN), and its own
+       exception propagates with a note saying so (a warning on Python 3.10); its
+       copies stay, as item 5 says. Writes the loader makes on
        another thread are not seen: a sparse load's NaN can then reach the model.
     5. ``transactional=False`` (the default, as in vLLM): a loader failure leaves the
        writes made so far in place and propagates unchanged. **[patchkit]**

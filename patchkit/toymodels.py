@@ -359,6 +359,7 @@ class WritesTwiceModel(PlainModel):
     """
 
     CLAUSE: ClassVar[str] = (
+        "[patchkit, also in later vLLM revisions] "
         "Two copies within one load_weights call whose destinations overlap in memory "
         '→ NotImplementedError ("overlapping runtime views") at the second; the first '
         "stays applied."
@@ -383,6 +384,7 @@ class WritesThenFillsModel(PlainModel):
     """
 
     CLAUSE: ClassVar[str] = (
+        "[patchkit, also in later vLLM revisions] "
         "Any other in-place write into runtime storage (fill_, zero_, add_, index_put_/"
         "__setitem__ with advanced indexing, an out= op, ...) → NotImplementedError naming "
         "the op; it writes nothing."
@@ -452,6 +454,7 @@ class ReportsWithoutWritingModel(PlainModel):
     """
 
     CLAUSE: ClassVar[str] = (
+        "[patchkit, also in later vLLM revisions] "
         "A loader call that returns None or some names but copied nothing into runtime "
         'storage → NotImplementedError ("without copying").'
     )
@@ -615,9 +618,11 @@ Every class is built as ``cls(shapes, dtype=..., device=..., fill=...)``, has a
 ``load_weights`` that works for dense loads (except ``reports_without_writing``, whose
 writes wait for its ``apply_pending()``: a dense load reports every name loaded and
 changes nothing until then), and carries ``CLAUSE`` (the sentence of
-CONTRACT.md §4 it breaks) and ``REASON`` (the ``.reason`` of the
-:class:`~patchkit.ContractViolation` a sparse load raises). The overlapping-destinations
-loader is rejected only when at least two of its weights travel in one call.
+CONTRACT.md §4 it breaks, with its marker where the contract marks it as patchkit's:
+vLLM's revision ``3db6ef6`` lets those loaders through, see the README) and ``REASON``
+(the ``.reason`` of the :class:`~patchkit.ContractViolation` a sparse load raises). The
+overlapping-destinations loader is rejected only when at least two of its weights
+travel in one call.
 """
 
 

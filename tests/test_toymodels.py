@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -594,6 +597,19 @@ def test_broken_loaders_table():
         assert want_reason == cls.REASON
         assert cls.CLAUSE and "NotImplementedError" in cls.CLAUSE
         assert cls.__doc__ and "CONTRACT" in cls.__doc__
+
+
+def test_broken_loader_clauses_quote_the_contract():
+    # each CLAUSE is a sentence of CONTRACT.md §4 as written there (markdown emphasis and
+    # code marks aside), its "[patchkit, ...]" marker included where the contract has one
+    contract = (Path(__file__).resolve().parents[1] / "docs" / "CONTRACT.md").read_text()
+    section = contract.split("### 4.")[1].split("### 5.")[0]
+    plain = re.sub(r"\s+", " ", section.replace("*", "").replace("`", ""))
+    for key, cls in BROKEN_LOADERS.items():
+        assert cls.CLAUSE in plain, key
+        start = plain.index(cls.CLAUSE)
+        # the marker is not left out: the clause starts where its list item starts
+        assert plain[:start].rstrip().endswith("-"), (key, plain[start - 50:start])
 
 
 @pytest.mark.parametrize("key", list(EXPECTED_REASONS))
