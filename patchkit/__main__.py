@@ -10,7 +10,8 @@ closed pipe, as in ``patchkit tour | head -1``: the command stops quietly; an ou
 short enough to be in the pipe before the reader left ends with 0), or
 when the output could not be written once the command ran (stdout or ``--out`` on a
 full disk, say: ``error: ...`` on stderr, for ``--out`` naming the files written before
-it stopped);
+it stopped), or when the system could not read a patch file that is not at fault (no
+memory to map or read it, an I/O error: ``error: ...``);
 2 for bad input, found before anything runs or is written: an unreadable patch file,
 or one :func:`~patchkit.load_patches` would refuse (``inspect`` reads and checks each
 sparse patch first, unless ``--header-only`` without ``--out``), an unusable or empty
@@ -110,6 +111,11 @@ def _cmd_tour(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .io import _pinned
+
+    if args.max_chunk_bytes <= 0:  # (said here, by the option's name, not the parameter's)
+        print(f"error: --max-chunk-bytes must be a positive number of bytes, got "
+              f"{args.max_chunk_bytes}", file=sys.stderr)
+        return 2
 
     # (the summary and the figures read the file several times: all of one file, even
     # where another replaces it meanwhile)
@@ -323,13 +329,20 @@ def _main(argv: Sequence[str] | None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
-        "demo", help="a dense, a sparse and a repeated-name load, shown in the terminal"
+        "demo", help="a dense, a sparse and a repeated-name load, shown in the terminal",
+        description="Load a tiny tensor-parallel Llama-shaped model densely, sparsely and "
+                    "with a repeated name, and print what each load did and whether its "
+                    "checks held (exit 0; 1 when a check failed).",
     )
     demo.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     demo.set_defaults(run=_cmd_demo)
 
     tour = sub.add_parser(
-        "tour", help="dense, sparse and repeated-name loads, written as figures + index.html"
+        "tour", help="dense, sparse and repeated-name loads, written as figures + index.html",
+        description="The demo's loads with reports: print what each did and write its "
+                    "figures and an index.html into --out (exit 0; 1 when a check failed "
+                    "or a file could not be written; 2 for a bad --out or --device, or "
+                    "without matplotlib).",
     )
     tour.add_argument(
         "--out", default="patchkit-tour",
@@ -339,11 +352,18 @@ def _main(argv: Sequence[str] | None) -> int:
     tour.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     tour.set_defaults(run=_cmd_tour)
 
-    insp = sub.add_parser("inspect", help="summarise a patch file (.safetensors)")
+    insp = sub.add_parser(
+        "inspect", help="summarise a patch file (.safetensors)",
+        description="Print one line per patch of a file written by patchkit.save_patches "
+                    "(kind, shape, dtype, density, bytes), its metadata and the chunk plan "
+                    "a load of it would make (exit 0; 2 when the file is unreadable or "
+                    "load_patches would refuse it; 1 when the system could not read it or "
+                    "an output could not be written).",
+    )
     insp.add_argument("file", help="a patch file written by patchkit.save_patches")
     insp.add_argument(
         "--max-chunk-bytes", type=int, default=512 << 20,
-        help="budget for the chunk plan (default 512 MiB)",
+        help="budget for the chunk plan, in bytes (default 536870912, 512 MiB)",
     )
     insp.add_argument(
         "--out", default=None,
@@ -354,9 +374,10 @@ def _main(argv: Sequence[str] | None) -> int:
     insp.add_argument(
         "--header-only", action="store_true",
         help="read the file's header alone: quicker for a file of large sparse patches, "
-             "but their values and indices are not checked (by default every sparse "
-             "patch is read and checked, one at a time, so that a file load_patches "
-             "would refuse is bad input, exit 2); with --out they are read for their "
+             "but their values are not checked (by default every sparse patch, and "
+             "every dense patch of an integer dtype its values may not fit, is read and "
+             "checked, one at a time, so that a file load_patches would refuse is bad "
+             "input, exit 2); with --out they are read for their "
              "figures, and checked first all the same",
     )
     insp.set_defaults(run=_cmd_inspect)
@@ -381,9 +402,13 @@ def _main(argv: Sequence[str] | None) -> int:
             _stdout_to_devnull()
         print("interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        # (a patch file too big to read into this process's memory, say)
+        print("error: out of memory", file=sys.stderr)
+        return 1
     except OSError as e:
-        # The output could not be written (stdout on a full disk, a figure in --out):
-        # say so on stderr, not as a traceback.
+        # The output could not be written (stdout on a full disk, a figure in --out), or
+        # the system could not read a patch file: say so on stderr, not as a traceback.
         print(f"error: {e}", file=sys.stderr)
         try:
             sys.stdout.flush()

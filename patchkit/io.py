@@ -251,9 +251,9 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise PatchTypeError(
-                f"metadata keys and values must be str, got {k!r}: {v!r} "
-                f"({type(k).__name__}: {type(v).__name__})",
-                reason="metadata type", value=k,
+                f"metadata keys and values must be str, got {_short_repr(k, 80)}: "
+                f"{_short_repr(v, 80)} ({type(k).__name__}: {type(v).__name__})",
+                reason="metadata type", value=k if not isinstance(k, str) else v,
             )
         if k == FORMAT_KEY:
             raise PatchValueError(
@@ -265,9 +265,10 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:  # (a lone surrogate: the header is UTF-8)
                 raise PatchValueError(
-                    f"metadata {'key' if text is k else 'value'} {text!r} holds "
-                    f"{text[e.start]!r}, a lone surrogate, which the file's UTF-8 header "
-                    "cannot hold", reason="metadata not UTF-8", value=text,
+                    f"metadata {'key' if text is k else 'value'} {_short_repr(text, 80)} "
+                    f"holds {text[e.start]!r} at index {e.start}, a lone surrogate, which "
+                    "the file's UTF-8 header cannot hold", reason="metadata not UTF-8",
+                    value=text,
                 ) from None
         out[k] = v
     return out
@@ -305,8 +306,15 @@ def save_patches(
     :func:`load_patches` returns equal patches, bit for bit, in the same order.
 
     Permissions are those ``open(path, "w")`` gives: a new file gets ``0o666`` less the
-    umask (``0o644`` under umask ``022``); overwriting an existing file keeps its
-    permission bits.
+    umask (``0o644`` under umask ``022``; a umask that leaves the owner no write bit,
+    ``0o222``, gives a read-only file, as ``open`` does); overwriting an existing file
+    keeps its permission bits. Unlike ``open(path, "w")``, which writes into the old
+    file, a save puts a new file in its place: it belongs to the saving user and group
+    (not the old file's), hard links to the old file keep the old contents, and a
+    read-only file is replaced where its folder can be written. A save that is killed
+    outright (``SIGKILL``; ``SIGTERM`` where no handler turns it into an exception)
+    leaves its temporary, ``.patchkit-<12 hex digits>.tmp`` beside ``path``, behind
+    (``path`` itself is the old file, or the new one): safe to delete.
 
     A symbolic link at ``path`` is followed, as ``open(path, "w")`` follows it: the file
     it points to (through any chain of links) is replaced, or created where it does not
@@ -328,7 +336,9 @@ def save_patches(
     safetensors limits a file's JSON header to 100,000,000 bytes (it holds each
     tensor's name, dtype, shape and offsets, patchkit's list of the patches and the user
     metadata: about 200 bytes plus the name's length per dense patch, 290 plus the name
-    per sparse one, so some 80,000 patches with 1000-character names). A list whose
+    per sparse one, so some 80,000 patches with 1000-character names; a name's
+    characters cost a byte each in ASCII, about 7 otherwise, as the header escapes them
+    twice). A list whose
     header would pass that is refused before anything is written, with a
     :class:`~patchkit.errors.PatchValueError` (``reason`` ``"header too large"``,
     ``value`` the header's size in bytes) saying how many patches, how long their names
@@ -382,7 +392,7 @@ def save_patches(
 
     # The temporary before any copy: a folder that cannot be written is said before any
     # tensor is copied (patches on a GPU would otherwise all come to host memory first).
-    tmp = _create_temporary(dest, path)
+    tmp, new_mode = _create_temporary(dest, path)
     try:
         seen_storage: set[tuple[torch.device, int]] = set()
 
@@ -402,7 +412,7 @@ def save_patches(
         try:  # overwriting: keep the file's permission bits
             mode = stat.S_IMODE(os.stat(dest).st_mode) & 0o777
         except OSError:  # a new file: those open() gives (0o666 less the umask), read off
-            mode = stat.S_IMODE(os.stat(tmp).st_mode)  # the fresh temporary, with no race
+            mode = new_mode  # the fresh temporary, with no race
         if sys.byteorder == "little":
             try:
                 _write_safetensors(tmp, tensors, meta)
@@ -621,6 +631,7 @@ def _check_destination(dest: str, path: str) -> None:
         )
     folder = os.path.dirname(os.path.abspath(dest))
     if os.path.isdir(folder):
+        _check_name_length(dest, folder, path)
         return
     first = folder  # the deepest part of the folder's path that exists
     while not os.path.lexists(first) and os.path.dirname(first) != first:
@@ -634,12 +645,30 @@ def _check_destination(dest: str, path: str) -> None:
     )
 
 
-def _create_temporary(dest: str, path: str) -> str:
-    """Create an empty file with a fresh name beside ``dest``; return its name. Errors
-    name ``path``.
+def _check_name_length(dest: str, folder: str, path: str) -> None:
+    """Refuse a file name longer than ``folder``'s file system takes (found otherwise
+    only when the written file is renamed into place, after all of it was written)."""
+    try:
+        most = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # (no pathconf: Windows; no such limit)
+        return
+    length = len(os.fsencode(os.path.basename(dest)))
+    if most > 0 and length > most:
+        raise OSError(
+            errno.ENAMETOOLONG, f"cannot save patches: the file name is {length} bytes "
+            f"long, and the folder's file system takes at most {most}", path,
+        )
 
-    Created by ``os.open(..., 0o666)``, so it has the mode a new file of ``open()`` gets
-    (the umask applied by the system: reading it so has no race, unlike ``os.umask``).
+
+def _create_temporary(dest: str, path: str) -> tuple[str, int]:
+    """Create an empty file with a fresh name beside ``dest``; return its name and the
+    mode a new file of ``open(path, "w")`` gets. Errors name ``path``.
+
+    Created by ``os.open(..., 0o666)``, so the system applies the umask (reading the
+    mode so has no race, unlike ``os.umask``). Where that mode leaves the owner unable
+    to read or write it (umask ``0o222``, ``0o277``), the temporary is made readable and
+    writable by its owner until :func:`_synced` gives it that mode: the save writes it
+    by name.
     """
     folder = os.path.dirname(os.path.abspath(dest))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
@@ -653,8 +682,16 @@ def _create_temporary(dest: str, path: str) -> str:
             raise _save_error(
                 e, path, f"cannot create a temporary file in {folder!r}"
             ) from None
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+            if mode & 0o600 != 0o600 and hasattr(os, "fchmod"):
+                os.fchmod(fd, mode | 0o600)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(tmp)
+            raise _save_error(e, path, f"cannot set up a temporary file in {folder!r}") from None
         os.close(fd)
-        return tmp
+        return tmp, mode
     raise FileExistsError(
         errno.EEXIST, f"cannot save patches: no free temporary name in {folder!r}", path
     )
@@ -771,9 +808,17 @@ def _open(path: str, device: str = "cpu", *, keep: bool = False) -> Any:
     if held is not None:  # (the file that was at path when _pinned began: see there)
         fh = open(f"/proc/self/fd/{held.fileno()}", "rb")  # noqa: SIM115 (as below)
     else:
-        if not os.path.exists(path):
-            raise _fail(path, "no such file", "missing")
-        if not os.path.isfile(path):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as e:
+            # Only a path that names nothing is a missing file: one in a folder this
+            # process may not enter, or too long a name, says what the system said.
+            if e.errno == errno.ENOENT:
+                raise _fail(path, "no such file", "missing") from None
+            raise _fail(path, f"cannot be opened: {e.strerror or e}", "unreadable") from None
+        except ValueError as e:  # (a NUL in the path)
+            raise _fail(path, f"cannot be opened: {e}", "unreadable") from None
+        if not stat.S_ISREG(mode):
             raise _fail(path, "not a regular file", "not a file")
         try:
             fh = open(path, "rb")  # noqa: SIM115 (closed below, or by the caller)
@@ -838,6 +883,12 @@ def _safe_open(safe_open: Any, at: str, device: str, path: str) -> Any:
     try:
         return safe_open(at, framework="pt", device=device)
     except Exception as e:
+        said = str(e).replace(at, path) if at != path else str(e)
+        code = _system_errno(said)
+        if code is not None:
+            # The system refused (no memory to map the file, an I/O error): no fault of
+            # the file's, so an OSError naming it, as open() would raise
+            raise OSError(code, f"cannot read the patch file: {said}", path) from None
         unread = _codes_not_read_here(at)
         if unread:
             raise _fail(
@@ -849,9 +900,45 @@ def _safe_open(safe_open: Any, at: str, device: str, path: str) -> Any:
             ) from None
         raise _fail(
             path,
-            f"not a readable safetensors file (truncated, corrupt or another format): {e}",
+            f"not a readable safetensors file (truncated, corrupt or another format): "
+            f"{said if len(said) <= 300 else said[:300] + '...'}{_zip_hint(at)}",
             "not safetensors",
         ) from None
+
+
+# the system errors a safetensors message may end with: "... (os error 5)", "... (12)"
+_ERRNO_AT_END = re.compile(r"\((?:os error )?(\d+)\)\s*$")
+# the ones that say the system, not the file, is at fault
+_SYSTEM_ERRNOS = frozenset(
+    getattr(errno, n) for n in ("ENOMEM", "EIO", "EACCES", "EPERM", "ENFILE", "EMFILE",
+                                "EAGAIN", "EINTR", "ENODEV", "EOVERFLOW", "ETXTBSY")
+    if hasattr(errno, n))
+
+
+def _system_errno(message: str) -> int | None:
+    """The ``errno`` a safetensors error message ends with, where it is one that says the
+    system refused (memory, I/O, permissions), else ``None``."""
+    m = _ERRNO_AT_END.search(message)
+    code = int(m.group(1)) if m else None
+    return code if code in _SYSTEM_ERRNOS else None
+
+
+def _zip_hint(at: str) -> str:
+    """A word on what the file is where it is a zip archive (``torch.save`` writes one)."""
+    with contextlib.suppress(OSError), open(at, "rb") as fh:
+        if fh.read(4) == b"PK\x03\x04":
+            return ("; it is a zip archive, as torch.save writes (patch files are "
+                    "written by patchkit.save_patches)")
+    return ""
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is running out of memory (host or device): no fault of a file's, so
+    it propagates as torch or Python raised it."""
+    if isinstance(e, MemoryError | torch.cuda.OutOfMemoryError):  # (torch.OutOfMemoryError)
+        return True
+    text = str(e) if isinstance(e, RuntimeError) else ""
+    return "can't allocate memory" in text or "out of memory" in text.lower()
 
 
 def _codes_not_read_here(at: str) -> list[str]:
@@ -866,8 +953,8 @@ def _codes_not_read_here(at: str) -> list[str]:
             header = json.loads(fh.read(n))
         codes = {v.get("dtype") for k, v in header.items()
                  if k != "__metadata__" and isinstance(v, dict)}
-    except (OSError, ValueError, AttributeError, TypeError):
-        return []
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
+        return []  # (RecursionError: JSON nested deeper than Python's parser goes)
     readable = _readable_codes()
     return sorted(c for c in codes if c in _CODE_TO_DTYPE and c not in readable)
 
@@ -893,6 +980,9 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         header = json.loads(text)
     except ValueError as e:
         raise _fail(path, f"the {FORMAT_KEY!r} header is not valid JSON ({e})", "header") from None
+    except RecursionError:
+        raise _fail(path, f"the {FORMAT_KEY!r} header is JSON nested too deep to read "
+                    "(no patch list nests)", "header") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise _fail(path, f"the {FORMAT_KEY!r} header is not a patchkit patch list", "header")
     version = header.get("version")
@@ -900,7 +990,7 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         # (JSON's true and 1.0 equal 1 in Python: the version is the int 1, nothing else)
         raise _fail(
             path,
-            f"format version {version!r} is not supported (this patchkit reads version "
+            f"format version {_short_repr(version)} is not supported (this patchkit reads version "
             f"{FORMAT_VERSION})",
             "version", value=version,
         )
@@ -917,8 +1007,8 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
                         position=i, value=item)
         name = item.get("name")
         if not isinstance(name, str) or not name:
-            raise _fail(path, f"patch {i}: name must be a non-empty string, got {name!r}",
-                        "header", position=i, value=name)
+            raise _fail(path, f"patch {i}: name must be a non-empty string, got "
+                        f"{_short_repr(name)}", "header", position=i, value=name)
         at = where(i, name)
 
         def bad(problem: str, reason: str, value: object, i: int = i, name: str = name,
@@ -933,14 +1023,14 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
                       "header", shape)
         dtype = _dtype_from_name(item.get("dtype"))
         if dtype is None:
-            raise bad(f"unknown dtype {item.get('dtype')!r}", "dtype", item.get("dtype"))
+            raise bad(f"unknown dtype {_short_repr(item.get('dtype'))}", "dtype", item.get("dtype"))
         kind = item.get("kind")
         if kind not in ("dense", "sparse"):
-            raise bad(f"kind must be 'dense' or 'sparse', got {kind!r}", "header", kind)
+            raise bad(f"kind must be 'dense' or 'sparse', got {_short_repr(kind)}", "header", kind)
         sparse = kind == "sparse"
         nnz = item.get("nnz")
         if isinstance(nnz, bool) or not isinstance(nnz, int) or nnz < 0:
-            raise bad(f"nnz must be a non-negative int, got {nnz!r}", "header", nnz)
+            raise bad(f"nnz must be a non-negative int, got {_short_repr(nnz)}", "header", nnz)
 
         vkey = _key(i, "values")
         expected.add(vkey)
@@ -950,7 +1040,7 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         if _dtype_name(values_dtype) != item.get("values_dtype"):
             raise bad(
                 f"values are {_dtype_name(values_dtype)} but the header says "
-                f"{item.get('values_dtype')!r}",
+                f"{_short_repr(item.get('values_dtype'))}",
                 "dtype", values_dtype,
             )
         vshape = list(f.get_slice(vkey).get_shape())
@@ -977,7 +1067,7 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
             ) != item.get("indices_dtype"):
                 raise bad(
                     f"indices are {_dtype_name(indices_dtype)}, the header says "
-                    f"{item.get('indices_dtype')!r} (int32 or int64 expected)",
+                    f"{_short_repr(item.get('indices_dtype'))} (int32 or int64 expected)",
                     "dtype", indices_dtype,
                 )
             ishape = list(f.get_slice(ikey).get_shape())
@@ -1027,7 +1117,7 @@ def read_patch_index(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
     where one of those is the problem).
     """
     _check_path(path, "read_patch_index")
-    path = os.fspath(path)
+    path = os.fsdecode(path)
     f = _open(path)
     try:
         with f:
@@ -1035,6 +1125,8 @@ def read_patch_index(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
     except PatchValueError:
         raise
     except Exception as e:  # a safetensors error while reading the header
+        if _out_of_memory(e):
+            raise
         raise _fail(path, f"unreadable: {e}") from None
 
 
@@ -1045,7 +1137,7 @@ def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     The file is checked as by :func:`read_patch_index`.
     """
     _check_path(path, "read_patch_metadata")
-    path = os.fspath(path)
+    path = os.fsdecode(path)
     f = _open(path)
     try:
         with f:
@@ -1054,6 +1146,10 @@ def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     except PatchValueError:
         raise
     except Exception as e:
+        if _out_of_memory(e):
+            if hasattr(e, "add_note"):
+                e.add_note(f"(raised reading patch file {path!r})")
+            raise
         raise _fail(path, f"unreadable: {e}") from None
 
 
@@ -1090,7 +1186,7 @@ def load_patches(
     Without the ``safetensors`` package: :class:`ModuleNotFoundError`.
     """
     _check_path(path, "load_patches")
-    return [p for _, p in _load(os.fspath(path), _device_text(_checked_device(device)))]
+    return [p for _, p in _load(os.fsdecode(path), _device_text(_checked_device(device)))]
 
 
 def _device_text(device: torch.device) -> str:
@@ -1134,6 +1230,10 @@ def _read_each(
     except PatchValueError:
         raise
     except Exception as e:
+        if _out_of_memory(e):
+            if hasattr(e, "add_note"):
+                e.add_note(f"(raised reading patch file {path!r})")
+            raise
         raise _fail(path, f"unreadable: {e}") from None
 
 
@@ -1222,13 +1322,15 @@ _escaped = shown_name
 
 def _shown(text: str) -> str:
     """A string read from a file (a name, metadata, a path), safe to print: itself when
-    it is plain (printable, no backslash, not opening with a quote), else its ``repr``
+    it is plain (printable, no backslash, not opening with a quote, not empty, no blank
+    at either end), else its ``repr``
     (quoted, with every non-printable character escaped), so nothing from the file
     moves the cursor, colours the terminal or fakes a line, and no two strings look the
     same."""
-    if text.isprintable() and "\\" not in text and not text.startswith(("'", '"')):
+    if (text.isprintable() and "\\" not in text and not text.startswith(("'", '"'))
+            and text and text == text.strip()):
         return text
-    return repr(text)
+    return repr(text)  # (also an empty name, or one with blanks at an end: 'w ')
 
 
 def _encodable(out: TextIO) -> Callable[[str], str]:

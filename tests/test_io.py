@@ -439,6 +439,8 @@ def _set(i, **kv):
 
 TAMPERS = {
     "invalid json": (dict(header=lambda h: "{not json"), "not valid JSON"),
+    # (deeper than Python's JSON parser goes: a RecursionError, which is no ValueError)
+    "json nested too deep": (dict(header=lambda h: "[" * 5000 + "]" * 5000), "nested too deep"),
     "not an object": (dict(header=lambda h: "[1, 2]"), "not a patchkit patch list"),
     "wrong format": (dict(header=lambda h: {**h, "format": "other"}), "not a patchkit patch list"),
     "future version": (dict(header=lambda h: {**h, "version": 99}), "version 99"),
@@ -584,7 +586,7 @@ def test_summary_over_budget_and_cli(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == "" and "error:" in err and "no such file" in err
     assert main(["inspect", path, "--max-chunk-bytes", "0"]) == 2
-    assert "max_chunk_bytes" in capsys.readouterr().err
+    assert "--max-chunk-bytes" in capsys.readouterr().err
 
 
 def test_summary_bad_file_and_empty_file(tmp_path, capsys):
@@ -1722,3 +1724,194 @@ def test_metadata_comes_back_in_one_order_the_keys_sorted(tmp_path, capsys):
     out = capsys.readouterr().out
     assert [out.index(f"{k}: ") for k in sorted(keys)] == sorted(
         out.index(f"{k}: ") for k in keys)
+
+
+# ----------------------------------------------------------- files, systems and limits
+
+
+def _deep_header_file(path) -> str:
+    """A safetensors-shaped file whose JSON header nests 2000 levels (safetensors refuses
+    it; Python's own parser would raise RecursionError reading it again)."""
+    h = ('{"t":' + "[" * 2000 + "]" * 2000 + "}").encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(h).to_bytes(8, "little") + h)
+    return str(path)
+
+
+@pytest.mark.parametrize("reader", [read_patch_index, read_patch_metadata, load_patches,
+                                    check_patch_file])
+def test_a_header_nested_too_deep_is_a_bad_file(tmp_path, reader):
+    path = _deep_header_file(tmp_path / "deep.safetensors")
+    with pytest.raises(PatchValueError, match="not a readable safetensors file") as info:
+        reader(path)
+    assert info.value.reason == "not safetensors" and path in str(info.value)
+
+
+def test_inspect_of_a_header_nested_too_deep_is_bad_input(tmp_path, capsys):
+    path = _deep_header_file(tmp_path / "deep.safetensors")
+    assert main(["inspect", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_a_umask_without_the_owners_write_bit_still_saves(tmp_path, monkeypatch):
+    """Under umask 0o222 open(path, "w") makes a read-only file and writes it through the
+    descriptor it opened; a save writes its temporary by name, so the temporary must stay
+    writable by its owner until it is given that mode (root ignores the bits, so the
+    mode while writing is what is checked)."""
+    import patchkit.io as pio
+
+    modes = []
+    real = pio._write_safetensors
+
+    def write(filename, tensors, metadata):
+        modes.append(os.stat(filename).st_mode & 0o777)
+        return real(filename, tensors, metadata)
+
+    monkeypatch.setattr(pio, "_write_safetensors", write)
+    old = os.umask(0o222)
+    try:
+        path = tmp_path / "p.safetensors"
+        save_patches(path, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    finally:
+        os.umask(old)
+    assert modes and modes[0] & 0o600 == 0o600
+    assert os.stat(path).st_mode & 0o777 == 0o444  # what open(path, "w") would have made
+    assert same_bits(load_patches(path)[0].values, torch.ones(2))
+    assert os.listdir(tmp_path) == ["p.safetensors"]
+
+
+@pytest.mark.parametrize("case", ["missing", "under a file", "name too long"])
+def test_a_path_that_cannot_be_reached_says_why(tmp_path, case):
+    (tmp_path / "file").write_bytes(b"x")
+    path, reason, said = {
+        "missing": (tmp_path / "none.safetensors", "missing", "no such file"),
+        "under a file": (tmp_path / "file" / "p.safetensors", "unreadable",
+                         os.strerror(errno.ENOTDIR)),
+        "name too long": (tmp_path / ("x" * 300), "unreadable",
+                          os.strerror(errno.ENAMETOOLONG)),
+    }[case]
+    with pytest.raises(PatchValueError) as info:
+        load_patches(path)
+    assert info.value.reason == reason and said in str(info.value)
+
+
+def test_a_file_name_too_long_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    import patchkit.io as pio
+
+    made = []
+    monkeypatch.setattr(pio, "_create_temporary", lambda dest, path: made.append(dest))
+    path = tmp_path / ("x" * 300 + ".safetensors")
+    with pytest.raises(OSError) as info:
+        save_patches(path, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    assert info.value.errno == errno.ENAMETOOLONG and info.value.filename == str(path)
+    assert "312 bytes long" in str(info.value)
+    assert made == [] and os.listdir(tmp_path) == []
+
+
+def test_running_out_of_memory_while_reading_is_no_bad_file(tmp_path, monkeypatch):
+    import patchkit.io as pio
+
+    good = sample_files(str(tmp_path))["path"]
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(pio, "_read_tensor", no_memory)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        load_patches(good)
+    assert not isinstance(info.value, PatchValueError)
+    if sys.version_info >= (3, 11):
+        assert any(good in note for note in info.value.__notes__)
+
+    def cpu_allocator(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't "
+                           "allocate memory: you tried to allocate 268435456 bytes")
+
+    monkeypatch.setattr(pio, "_read_tensor", cpu_allocator)
+    with pytest.raises(RuntimeError, match="can't allocate memory") as info:
+        load_patches(good)
+    assert not isinstance(info.value, PatchValueError)
+
+
+def test_a_system_error_opening_the_file_is_an_oserror_naming_it(tmp_path, monkeypatch):
+    import patchkit.io as pio
+
+    good = sample_files(str(tmp_path))["path"]
+
+    class SafetensorError(Exception):
+        pass
+
+    def refuse(at, framework, device):
+        raise SafetensorError(f"unable to mmap 268435792 bytes from file <{at}>: Cannot "
+                              "allocate memory (12)")
+
+    monkeypatch.setattr(pio, "_safetensors", lambda: (refuse, None, SafetensorError))
+    with pytest.raises(OSError) as info:
+        read_patch_index(good)
+    assert info.value.errno == errno.ENOMEM and info.value.filename == good
+    assert "/proc/self/fd" not in str(info.value) and good in str(info.value)
+    assert main(["inspect", good]) == 1
+
+
+def test_a_torch_save_file_is_named_as_one(tmp_path):
+    path = str(tmp_path / "weights.pt")
+    torch.save({"w": torch.ones(2)}, path)
+    with pytest.raises(PatchValueError, match=r"zip archive, as torch\.save writes"):
+        load_patches(path)
+
+
+def test_metadata_errors_stay_short_and_name_the_offending_value(tmp_path):
+    path = tmp_path / "p.safetensors"
+    patch = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    for metadata in ({"k": "a" * 10**6 + "\ud800"}, {"k": b"x" * 10**6}):
+        with pytest.raises((PatchTypeError, PatchValueError)) as info:
+            save_patches(path, patch, metadata=metadata)
+        assert len(str(info.value)) < 400
+    with pytest.raises(PatchTypeError) as info:
+        save_patches(path, patch, metadata={"step": 7})
+    assert info.value.value == 7
+    with pytest.raises(PatchTypeError) as info:
+        save_patches(path, patch, metadata={7: "step"})
+    assert info.value.value == 7
+    assert not path.exists()
+
+
+def test_a_long_header_value_is_cut_in_the_error(tmp_path):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"), header=_set(0, dtype="f" * 10**5))
+    with pytest.raises(PatchValueError, match="unknown dtype") as info:
+        load_patches(bad)
+    assert len(str(info.value)) < 1000
+
+
+def test_a_bytes_path_is_named_as_text(tmp_path):
+    plain = tmp_path / "plain.safetensors"
+    save_file({"w": torch.zeros(3)}, plain)
+    for reader in (load_patches, read_patch_index, read_patch_metadata, check_patch_file):
+        with pytest.raises(PatchValueError) as info:
+            reader(os.fsencode(plain))
+        assert f"patch file {str(plain)!r}" in str(info.value), reader.__name__
+        assert info.value.value == str(plain)
+
+
+def test_the_summary_tells_names_apart_that_differ_in_blanks(tmp_path, capsys):
+    path = tmp_path / "p.safetensors"
+    one = torch.ones(1)
+    save_patches(path, [CheckpointWeightPatch(n, (1,), torch.float32, one)
+                        for n in ("w", "w ", " ")], metadata={"k": "1", "k ": "2"})
+    print_patch_file_summary(path)
+    out = capsys.readouterr().out
+    assert "'w '" in out and "' '" in out and "'k '" in out
+
+
+def test_inspect_names_the_option_of_a_bad_budget(tmp_path, capsys):
+    good = sample_files(str(tmp_path))["path"]
+    assert main(["inspect", good, "--max-chunk-bytes", "-1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "--max-chunk-bytes" in err and "positive" in err
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    assert "exit 0" in capsys.readouterr().out
