@@ -119,6 +119,7 @@ _MAX_LEGEND = 12
 _MAX_ANNOTATED_CALLS = 60
 _MAX_SEGMENT_ARTISTS = 1000  # past this, plot_chunks draws its segments as collections
 
+_NOT_SENT = "0.8"  # a planned call the load never made (it raised before)
 _REASON_STYLE = {
     # colour, hatch: distinguishable in greyscale and for colour-blind readers
     "budget": ("#4C72B0", ""),
@@ -426,6 +427,28 @@ class _FittingLocator(MaxNLocator):
         return super().__call__()
 
 
+class _FittingRealLocator(MaxNLocator):
+    """Ticks along x for real numbers (a Δ histogram), as many as fit side by side with
+    their labels as the axis formats them (``-0.075``, ``-400000``): fewer bins until the
+    labels, each with about one em of space, fit the axes' width."""
+
+    def __call__(self) -> Sequence[float]:
+        axis = self.axis
+        if axis is None or axis.axes is None:
+            return super().__call__()
+        vmin, vmax = sorted(axis.get_view_interval())
+        size = FontProperties(size=rcParams["xtick.labelsize"]).get_size_in_points()
+        width = axis.axes.bbox.width * 72 / axis.axes.figure.dpi  # (points)
+        for nbins in range(9, 1, -1):
+            self.set_params(nbins=nbins)
+            ticks = [t for t in self.tick_values(vmin, vmax) if vmin <= t <= vmax]
+            labels = axis.major.formatter.format_ticks(ticks) if ticks else []
+            widest = max((_text_width(text, size) for text in labels), default=0.0)
+            if len(ticks) * (widest + size) <= width:
+                break
+        return super().__call__()
+
+
 def _integer_ticks(ax: Axes, ndim: int) -> None:
     """Whole row and column numbers on a heat map's axes, written out in full
     (``2,000,000``: no ``1e6`` multiplier over the axes, where it runs into the title);
@@ -474,6 +497,7 @@ def _plan_for(
     ``TypeError``.
     """
     source = _as_source(source, "plot_chunks")
+    max_chunk_bytes = _whole_budget(max_chunk_bytes)
     if _is_report(source):
         patches = list(source.patches)
         own = max_chunk_bytes is None or max_chunk_bytes == source.max_chunk_bytes
@@ -511,6 +535,28 @@ def _report_budget(report: LoadReport) -> Any:
         return budget
 
 
+def _calls_made(source: Any, plan: Sequence[Chunk], max_chunk_bytes: Any,
+                replan: bool) -> tuple[int, set[int], BaseException | None]:
+    """``(calls made, indices of the calls that raised, the load's error)`` where ``plan``
+    is the calls of a report whose load raised; else ``(len(plan), set(), None)`` (a list
+    of patches, a plan at another budget, a load that did not raise)."""
+    error = getattr(source, "error", None) if _is_report(source) else None
+    own = max_chunk_bytes is None or _whole_budget(max_chunk_bytes) == getattr(
+        source, "max_chunk_bytes", None)
+    if error is None or replan or not plan or not own:
+        return len(plan), set(), None
+    calls = source.calls
+    return len(calls), {int(k) for k in calls.loc[calls["error"].astype(bool), "chunk"]}, error
+
+
+def _whole_budget(budget: Any) -> Any:
+    """A budget given as any integral number (``numpy.int64(200)``, which the loader
+    takes) as a plain ``int``; anything else as it came (refused where it is used)."""
+    if isinstance(budget, numbers.Integral) and not isinstance(budget, bool):
+        return operator.index(budget)
+    return budget
+
+
 def _budget_text(budget: Any) -> str:
     return (format_bytes(budget) if isinstance(budget, int) and not isinstance(budget, bool)
             else f"{budget!r} (refused)")
@@ -539,11 +585,17 @@ def _as_source(source: Any, fn: str) -> Any:
     return [_as_patch(p, fn, i) for i, p in enumerate(patches)]
 
 
+def _root(fig: Any) -> Figure:
+    """The figure that holds ``fig``: itself, or the one a ``SubFigure`` is drawn in (a
+    subfigure has no size of its own)."""
+    return fig if isinstance(fig, Figure) else getattr(fig, "figure", fig)
+
+
 def _axes_points(ax: Axes, own: bool) -> tuple[float, float]:
     """(width, height) of ``ax`` in points, estimated before layout (no draw): on
     :func:`plot_chunks`' own figure its title, labels and legend take about 2.8 in of the
     width and 0.9 in of the height; a caller's axes keep their current position."""
-    fig = ax.figure
+    fig = _root(ax.figure)
     if own:
         return 72 * (fig.get_figwidth() - 2.8), 72 * (fig.get_figheight() - 0.9)
     pos = ax.get_position()
@@ -663,7 +715,9 @@ def plot_chunks(
     inside the axes and clear of the title and the note, beyond which the bar colours and
     hatches (see the legend) carry the reason; an ``"over budget"`` annotation (gid
     ``"over_budget"``) on a single patch larger than the budget, in those same up to 60
-    calls (beyond, its red edge and the legend mark it: an edge at most a quarter of the
+    calls, upright inside its bar (below the patch's name where the bar has one; left out
+    where the bar is too short to hold it: beyond 60 calls and there, its red edge and
+    the legend mark it: an edge at most a quarter of the
     bar's width, so that it does not spill onto the bars beside it; bars under 6 points
     wide (hundreds of calls) are filled red instead, with no edge, and the legend says
     so). A segment carries its
@@ -673,7 +727,11 @@ def plot_chunks(
     that hides the budget line behind them. The x axis has a tick
     at every call up to 20 calls, at whole call numbers beyond. Names are shown as
     written (no mathtext). Returns ``ax.figure`` when ``ax`` is given, else a new
-    :class:`ReportFigure`. A report whose load was rejected before it was planned (e.g.
+    :class:`ReportFigure`. A report whose load raised draws its calls as they were
+    planned: the call that raised annotated ``raised`` (in red), the ones never made
+    ``not sent`` (grey bars, with a legend entry), and the title's second line says
+    which error and how many calls were made (a plan at another ``max_chunk_bytes`` is
+    a plan, and marks none). A report whose load was rejected before it was planned (e.g.
     for ``max_chunk_bytes=0``) draws no bars and a note with the load's error; pass a
     valid ``max_chunk_bytes`` to plan its patches as given. Anything but a report or a
     list of patches raises ``TypeError`` naming what it got, and so does an ``ax`` that is
@@ -688,21 +746,25 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
     not its calls (see :func:`_plan_for`)."""
     _check_ax(ax, "plot_chunks")
     patches, plan, budget = _plan_for(report_or_patches, max_chunk_bytes, replan=replan)
-    own = ax is None
-    if ax is None:
-        fig: Figure = _new_figure(max(6.0, min(14.0, 3.0 + 0.45 * len(plan))), 4.2)
-        ax = fig.add_subplot()
-    else:
-        fig = ax.figure
+    made, raised, error = _calls_made(report_or_patches, plan, max_chunk_bytes, replan)
     n_sent = sum(len(c.positions) for c in plan)
     total = sum(c.bytes for c in plan)
     calls = _count(len(plan), "load_weights call")
     sent = _count(n_sent, "patch", "patches")
-    ax.set_title(
-        f"Chunk plan: {sent}, {format_bytes(total)} staged → {calls}\n"
-        f"max_chunk_bytes = {_budget_text(budget)}",
-        fontsize=10,
-    )
+    title = [f"Chunk plan: {sent}, {format_bytes(total)} staged → {calls}",
+             f"max_chunk_bytes = {_budget_text(budget)}"]
+    if error is not None:
+        title[1] += (f"; the load raised {type(error).__name__} after "
+                     f"{_count(made, 'call')} made")
+    own = ax is None
+    if ax is None:
+        # wide enough for the title centred over the axes, beside the legend
+        need = math.ceil(10 * (max(_text_width(line, 10) for line in title) / 72 + 2.9)) / 10
+        fig: Figure = _new_figure(max(6.0, min(14.0, 3.0 + 0.45 * len(plan)), need), 4.2)
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+    ax.set_title("\n".join(title), fontsize=10, parse_math=False)
     ax.set_xlabel("load_weights call")
     ax.set_ylabel("staged bytes")
     if not plan:
@@ -743,6 +805,9 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
     hatched = bar_pt >= 6.0
     for c in plan:
         colour, hatch = _REASON_STYLE[c.closed_by]
+        unsent = c.index >= made  # planned, never made: the load raised before it
+        if unsent:
+            colour, hatch = _NOT_SENT, ""
         over_edge = None  # (an over-budget call's edge colour and width)
         if c.over_budget:
             if hatched:
@@ -750,6 +815,7 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
             else:
                 colour, over_edge = _OVER_BUDGET, ("none", 0.0)
         bottom = 0
+        label_pt = 0.0  # (the height of the label of the bar's last segment, if it has one)
         for k, (positions, name, height) in enumerate(_bar_pieces(c, patches, thin)):
             merged = len(positions) > 1
             edge = not merged and bar_pt >= 3.0 and height >= edge_min
@@ -767,27 +833,39 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
             upright = not across and bar_pt >= 10.0 and (
                 height * pt_per_byte >= 4.5 * len(tag) + 6.0
             )
+            label_pt = 0.0 if not (across or upright) else (
+                4.5 * len(tag) + 6.0 if upright else 9.0)
             if across or upright:
                 # (over hatching, a stroke of the bar's colour keeps the white text legible)
                 ax.text(
                     c.index, bottom + height / 2, tag,
-                    ha="center", va="center", fontsize=7, color="white", clip_on=True,
-                    rotation=90 if upright else 0, gid="segment label", parse_math=False,
+                    ha="center", va="center", fontsize=7, color="0.2" if unsent else "white",
+                    clip_on=True, rotation=90 if upright else 0, gid="segment label",
+                    parse_math=False,
                     path_effects=[withStroke(linewidth=2.0, foreground=colour)] if hatch else None,
                 )
             bottom += height
         if annotated:
             ax.annotate(
-                c.closed_by, xy=(c.index, c.bytes), xytext=(0, 3), textcoords="offset points",
+                "not sent" if unsent else "raised" if c.index in raised else c.closed_by,
+                xy=(c.index, c.bytes), xytext=(0, 3), textcoords="offset points",
                 ha="center", va="bottom", fontsize=8, rotation=90 if rotate else 0,
-                gid="closed_by",
+                color=_OVER_BUDGET if c.index in raised else "black", gid="closed_by",
                 # drawn over the budget line, which would otherwise strike through it
                 bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none",
                       "alpha": 0.85},
             )
-        if c.over_budget and annotated:
+        # "over budget" upright inside the bar: below the patch's name where the bar has
+        # room for both, in the middle where it has no name, not at all where it is too
+        # short (its red edge and the legend say it)
+        box_pt = 1.1 * _text_width("over budget", 7) + 6.0
+        shown_pt = min(c.bytes, top) * pt_per_byte
+        room_pt = (shown_pt - label_pt) / 2 if label_pt else shown_pt
+        if c.over_budget and annotated and room_pt >= box_pt + 4.0:
             ax.annotate(
-                "over budget", xy=(c.index, min(c.bytes, top) / 2), ha="center", va="center",
+                "over budget",
+                xy=(c.index, ((box_pt / 2 + 2.0) / pt_per_byte) if label_pt
+                    else min(c.bytes, top) / 2), ha="center", va="center",
                 fontsize=7, color=_OVER_BUDGET, fontweight="bold", rotation=90,
                 bbox={"boxstyle": "round,pad=0.2", "facecolor": "white",
                       "edgecolor": _OVER_BUDGET},
@@ -820,6 +898,8 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
         Line2D([], [], linestyle="--", color="0.15",
                label=f"max_chunk_bytes ({format_bytes(budget)})")
     )
+    if made < len(plan):
+        handles.append(Patch(facecolor=_NOT_SENT, label="not sent (the load raised first)"))
     if any(c.over_budget for c in plan):
         handles.append(
             Patch(facecolor="white", edgecolor=_OVER_BUDGET, hatch="xx", linewidth=2,
@@ -892,7 +972,7 @@ def plot_density(
             fig = ax.figure
         ax.set_axis_off()
         tail = f"  {what}: no elements, nothing to draw"
-        room = 0.95 * 72 * fig.get_figwidth() * (1.0 if own else ax.get_position().width)
+        room = 0.95 * 72 * _root(fig).get_figwidth() * (1.0 if own else ax.get_position().width)
         name = _fit(str(patch.name), 10, room - _text_width(tail, 10))
         ax.text(0.5, 0.5, name + tail, transform=ax.transAxes, ha="center", va="center",
                 gid="empty", parse_math=False)
@@ -913,7 +993,7 @@ def plot_density(
     kind = "dense" if patch.indices is None else "sparse"
     # The title is centred over the heat map; on patchkit's own figure it may spread
     # over most of the figure's width, on a caller's axes over the axes' width.
-    fig_pt = 72 * fig.get_figwidth()
+    fig_pt = 72 * _root(fig).get_figwidth()
     room = 0.8 * fig_pt if own else fig_pt * ax.get_position().width
     name = _fit(str(patch.name), 10, room - _text_width(f"  {what}", 10))
     ax.set_title(
@@ -1228,6 +1308,10 @@ def plot_placement(
     fig = _new_figure(13.0, 0.8 + 2.6 * len(chosen))
     axes = fig.subplots(len(chosen), 2, squeeze=False, width_ratios=[1.0, 2.4])
     title = "Placement: checkpoint regions → runtime regions"
+    if getattr(report, "rolled_back", False):
+        title += "\n(the load raised and was rolled back: every write shown was put back)"
+    elif getattr(report, "_restored", None):
+        title += "\n(the load raised; the writes of tensors marked \"put back\" were undone)"
     if left_out:
         title += (
             f"\n(showing {len(chosen)} of {len(chosen) + left_out} {note})"
@@ -1266,6 +1350,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     )
     approximate = False
     handles: list[Any] = []
+    labelled: dict[tuple, Any] = {}  # one label a region (a name sent twice: the last)
     for i, w in shown.iterrows():
         pos = None if pd.isna(w["position"]) else int(w["position"])
         # (a missing region is None, or NaN where pandas fills one in a column of text)
@@ -1279,10 +1364,16 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
                 (c0, r0), c1 - c0, r1 - r0, facecolor=(*c[:3], 0.55), edgecolor=c,
                 linewidth=1.2, gid=f"write {i} runtime", **style,
             ))
+        label = _short(_name_of(w), 24, parts=2)
         if rects and _big_enough(rects[0], rows, cols):
+            # (a later write of the same region: its label replaces the earlier one's,
+            # which the legend still lists)
             r0, r1, c0, c1 = rects[0]
-            ax_rt.text((c0 + c1) / 2, (r0 + r1) / 2, _short(_name_of(w), 24, parts=2),
-                       ha="center", va="center", fontsize=8, clip_on=True, parse_math=False)
+            if rects[0] in labelled:
+                labelled[rects[0]].remove()
+            labelled[rects[0]] = ax_rt.text(
+                (c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=8,
+                clip_on=True, parse_math=False)
         if len(handles) < _MAX_LEGEND:
             src = "untraced source" if pos is None else f"#{pos} {_short(_name_of(w), 30)}"
             handles.append(Patch(facecolor=(*c[:3], 0.55), edgecolor=c, **style,
@@ -1317,7 +1408,11 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     ax_rt.set_xlabel(xlabel)
     ax_rt.set_ylabel(ylabel)
     _integer_ticks(ax_rt, len(tshape))
-    counts = _write_counts(mine)
+    distinct = (int(report.deltas.loc[target, "elements"])
+                if target in report.deltas.index else None)
+    counts = _write_counts(mine, distinct)
+    if target in getattr(report, "_restored", ()):
+        counts += ", put back by the rollback"
     # The title may spread past the axes, up to the checkpoint column's title: about
     # 0.48 of the figure's width with the widest legend. Too long for one line, the
     # counts get their own.
@@ -1362,11 +1457,14 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
                    va="center", color="0.3")
 
 
-def _write_counts(mine: Any) -> str:
+def _write_counts(mine: Any, distinct: int | None = None) -> str:
     """``"2 writes, 64 elements written"``: the writes and the elements they wrote (a
     NaN-merged write only those whose source is not NaN), and where that is fewer than
     the elements of the views written, those too; where that number is not known (a
-    dry run's NaN-merges), ``"2 writes into 64 elements of their views"``."""
+    dry run's NaN-merges), ``"2 writes into 64 elements of their views"``. ``distinct``:
+    the elements written counted once each (``deltas.elements``), where known: where the
+    writes overlap (a name sent twice) their sum counts some twice, and the title says
+    ``"2 writes, 4 elements written (5 element writes, of 64 in their views)"``."""
     n_views = int(mine["elements"].sum()) if len(mine) else 0
     writes = _count(len(mine), "write")
     if len(mine) and mine["written"].isna().any():
@@ -1374,9 +1472,13 @@ def _write_counts(mine: Any) -> str:
         return (f"{writes} into {n_views:,} element{'s' if n_views != 1 else ''} of "
                 f"{'its view' if len(mine) == 1 else 'their views'}")
     n_written = int(mine["written"].sum()) if len(mine) else 0
+    views = 'its view' if len(mine) == 1 else 'their views'
+    if distinct is not None and distinct < n_written:
+        return (f"{writes}, {distinct:,} element{'s' if distinct != 1 else ''} written "
+                f"({n_written:,} element writes, of {n_views:,} in {views})")
     counts = f"{writes}, {n_written:,} element{'s' if n_written != 1 else ''} written"
     if n_written != n_views:
-        counts += f" of {n_views:,} in {'its view' if len(mine) == 1 else 'their views'}"
+        counts += f" of {n_views:,} in {views}"
     return counts
 
 
@@ -1847,7 +1949,10 @@ def plot_delta(
     A tied alias (``lm_head.weight`` where it is the embedding's Parameter) draws the
     tensor it is tied to, as :meth:`LoadReport.before` reads it; the title gives both
     names. A tensor with no elements draws one empty axes with a note saying so (no
-    images). An unknown ``target`` raises ``KeyError``; a ``target`` that is not a str, a
+    images). An unknown ``target`` raises ``KeyError``, and so does one the load
+    registered (a name the model did not have: it had no values before, see
+    :meth:`~patchkit.inspect.LoadReport.before`; ``plot_placement`` draws its writes, and
+    ``after()`` holds its values); a ``target`` that is not a str, a
     ``report`` that is not a load report, or a ``changed_only`` that is not a bool,
     ``TypeError``; ``bins`` as in
     :func:`plot_density`. ``hist_bins``, the histogram's number of bars, is an int from
@@ -1980,6 +2085,7 @@ def plot_delta(
                  f"{_elements(values.finite)}{note}", fontsize=9)
     ax.set_xlabel(delta)
     ax.set_ylabel("elements (log scale)" if values.finite else "elements")
+    ax.xaxis.set_major_locator(_FittingRealLocator())
 
     stale = False
     if target in report.deltas.index:
@@ -2000,7 +2106,7 @@ def plot_delta(
         stats = _ROLLED_BACK
     else:
         stats = "not written by this load"
-    room = 0.95 * 72 * fig.get_figwidth()
+    room = 0.95 * 72 * _root(fig).get_figwidth()
     head = f"{_shown_name(asked, target)} {form}: {stats}"
     if _text_width(head, 10) > room:  # the name, cut to fit, then the numbers below it
         shown = _shown_name(asked, target, 10, room - _text_width(f" {form}:", 10))

@@ -1761,3 +1761,154 @@ def test_a_delta_histogram_has_at_most_as_many_bars_as_its_panel_has_pixels():
     with pytest.raises(ValueError, match="at most 1024"):
         plot_delta(report, "qkv", hist_bins=10**5)
     assert len(plot_delta(report, "qkv", hist_bins=1024).axes[3].patches) == 1024
+
+
+# -------------------------------------------------- failed loads, layouts, odd arguments
+
+
+def _drawn_extents(fig: Figure):
+    """The titles, annotations and legend entries of ``fig`` (not its tick labels, some
+    of which lie outside the view and are not drawn) with their extents in pixels,
+    after one Agg draw."""
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    texts = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        texts += [ax.title, *ax.texts, *(legend.get_texts() if legend else [])]
+    return renderer, [(t, t.get_window_extent(renderer)) for t in texts
+                      if t.get_visible() and t.get_text()]
+
+
+def _d(name: str, shape: tuple[int, ...], seed: int = 0) -> CheckpointWeightPatch:
+    values = torch.randn(math.prod(shape), generator=torch.Generator().manual_seed(seed))
+    return CheckpointWeightPatch(name, shape, torch.float32, values)
+
+
+def _s(name: str, shape: tuple[int, ...], idx: list[int], vals: list[float]):
+    return CheckpointWeightPatch(name, shape, torch.float32, torch.tensor(vals),
+                                 torch.tensor(idx))
+
+
+def _failed(model, patches, **kw):
+    with pytest.raises(Exception) as info:
+        inspect_load(model, patches, **kw)
+    return info.value.report
+
+
+def test_a_load_refused_before_its_first_call_draws_its_calls_as_not_sent():
+    ps = [_d("a", (4, 8)), _s("b", (4, 8), [0, 1], [1.0, 2.0])]  # mixed: refused, no call made
+    model = PlainModel({"a": (4, 8), "b": (4, 8)})
+    report = _failed(model, ps)
+    assert len(report.calls) == 0
+    ax = report.plot_chunks().axes[0]
+    assert "the load raised PatchValueError after 0 calls made" in ax.get_title()
+    closed = [t.get_text() for t in ax.texts if t.get_gid() == "closed_by"]
+    assert closed == ["not sent"] * len(report.plan)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "not sent (the load raised first)" in legend
+
+
+def test_a_load_that_raised_in_a_call_marks_that_call_and_the_unsent_ones():
+    from patchkit.toymodels import FailingModel
+
+    model = FailingModel({"a": (4, 8), "b": (4, 8), "c": (4, 8)}, fail_on="b")
+    report = _failed(model, [_d("a", (4, 8)), _d("b", (4, 8), 1), _d("c", (4, 8), 2)],
+                     max_chunk_bytes=128)
+    assert len(report.plan) == 3 and list(report.calls["error"]) == [False, True]
+    ax = report.plot_chunks().axes[0]
+    closed = [t.get_text() for t in ax.texts if t.get_gid() == "closed_by"]
+    assert closed == ["budget", "raised", "not sent"]
+    assert "after 2 calls made" in ax.get_title()
+    # the plan at another budget is a plan, not the load's calls: nothing marked
+    other = report.plot_chunks(max_chunk_bytes=1 << 20).axes[0]
+    assert "raised" not in other.get_title()
+    assert [t.get_text() for t in other.texts if t.get_gid() == "closed_by"] == ["end"]
+
+
+def test_a_numpy_integer_budget_is_a_budget():
+    ps = chunk_patches()
+    title = plot_chunks(ps, np.int64(200)).axes[0].get_title()
+    assert "refused" not in title
+    assert title == plot_chunks(ps, 200).axes[0].get_title()
+
+
+def test_axes_in_a_subfigure_take_the_figures():
+    fig = Figure(figsize=(16, 5), layout="constrained")
+    left, right = fig.subfigures(1, 2)
+    assert plot_chunks(chunk_patches(), 200, ax=left.add_subplot()) is left
+    patch = _s("w", (4, 8), [0, 5, 9], [1.0, 2.0, 3.0])
+    assert plot_density(patch, ax=right.add_subplot()) is right
+    _drawn_extents(fig)  # (and it draws)
+
+
+def test_a_plan_with_bars_over_budget_keeps_its_title_and_labels_clear():
+    ps = [CheckpointWeightPatch(f"model.layers.{i}.mlp.gate_up_proj.weight", (64, 64),
+                                torch.bfloat16, torch.zeros(4096, dtype=torch.bfloat16))
+          for i in range(3)]
+    fig = plot_chunks(ps, 1000)
+    _, texts = _drawn_extents(fig)
+    width, height = fig.bbox.width, fig.bbox.height
+    for t, box in texts:  # all inside the figure: the title was cut at its left edge
+        assert box.x0 >= 0 and box.x1 <= width and box.y0 >= 0 and box.y1 <= height, \
+            t.get_text()
+    ax = fig.axes[0]
+    over = [box for t, box in texts if t.get_gid() == "over_budget"]
+    names = [box for t, box in texts if t.get_gid() == "segment label"]
+    assert len(over) == 3 and len(names) == 3
+    frame = ax.get_window_extent()
+    for box in over:
+        assert box.y0 >= frame.y0 and not any(box.overlaps(n) for n in names)
+
+
+def test_a_bar_too_short_for_the_over_budget_box_goes_without_it():
+    # one patch 100x the rest, over a tiny budget: the small ones' bars are a few points
+    # tall, too short for the upright box; the tall one keeps it
+    ps = [ones_at("big", (64, 64), [0])._replace(indices=None, values=torch.ones(4096)),
+          *[ones_at(f"s{i}", (2, 2), [0])._replace(indices=None, values=torch.ones(4))
+            for i in range(2)]]
+    plan = plan_chunks(ps, 4)
+    assert [c.over_budget for c in plan] == [True, True, True]  # (8 B each, 8 KiB)
+    fig = plot_chunks(ps, 4)
+    _, texts = _drawn_extents(fig)
+    frame = fig.axes[0].get_window_extent()
+    flagged = [(t, box) for t, box in texts if t.get_gid() == "over_budget"]
+    assert [round(t.xy[0]) for t, _ in flagged] == [0]
+    assert all(frame.y0 <= box.y0 and box.y1 <= frame.y1 for _, box in flagged)
+
+
+def test_the_delta_histograms_tick_labels_do_not_run_into_each_other():
+    model = PlainModel({"w": (32, 32)})
+    values = torch.randn(1024, generator=torch.Generator().manual_seed(0)) * 123456.0
+    report = inspect_load(model, [CheckpointWeightPatch("w", (32, 32), torch.float32, values)])
+    fig = report.plot_delta("w")
+    renderer, _ = _drawn_extents(fig)
+    labels = [t for t in fig.axes[3].get_xticklabels() if t.get_visible() and t.get_text()]
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    assert len(boxes) >= 2
+    assert not any(a.overlaps(b) for a, b in itertools.combinations(boxes, 2))
+
+
+def test_placement_of_a_rolled_back_load_says_its_writes_were_put_back():
+    from patchkit.toymodels import FailingModel
+
+    model = FailingModel({"a": (4, 8), "c": (2, 3)}, fail_on="c")
+    report = _failed(model, [_d("a", (4, 8)), _d("c", (2, 3))], transactional=True,
+                     max_chunk_bytes=128)
+    assert report.rolled_back
+    fig = report.plot_placement()
+    assert "rolled back" in fig._suptitle.get_text()
+    assert "put back by the rollback" in fig.axes[1].get_title()
+
+
+def test_placement_counts_elements_written_twice_once():
+    a = _s("w", (4, 8), [0, 1, 2], [1.0, 2.0, 3.0])
+    b = _s("w", (4, 8), [1, 31], [10.0, 20.0])
+    report = inspect_load(PlainModel({"w": (4, 8)}), [a, b])
+    assert int(report.deltas.loc["w", "elements"]) == 4
+    fig = report.plot_placement()
+    title = fig.axes[1].get_title()
+    assert "4 elements written (5 element writes, of 64 in their views)" in title
+    labels = [t for t in fig.axes[1].texts if t.get_text() == "w"]
+    assert len(labels) == 1  # the two writes of one region: one label
