@@ -998,7 +998,7 @@ def plot_density(
     name = _fit(str(patch.name), 10, room - _text_width(f"  {what}", 10))
     ax.set_title(
         f"{name}  {what}\n"
-        f"{kind}: writes {nnz:,} of {n:,} elements ({_pct(nnz / n if n else 0.0)}); "
+        f"{kind}: writes {nnz:,} of {n:,} {_elements(n)} ({_pct(nnz / n if n else 0.0)}); "
         f"{br} × {bc} blocks",
         fontsize=10, parse_math=False,
     )
