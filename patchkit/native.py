@@ -73,6 +73,9 @@ _SOURCE = Path(__file__).with_name("_native.c")
 _KIND_OF = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
             torch.float16: "f16"}
 _KIND_OF_SIZE = {4: "f32", 8: "f64", 2: "bf16"}  # bitwise work only: any dtype of that size
+# (statistics dtype or None, element size) -> the kind of compare_copy's loops, in one look-up
+_KIND_FOR = {**{(dt, dt.itemsize): k for dt, k in _KIND_OF.items()},
+             **{(None, size): k for size, k in _KIND_OF_SIZE.items()}}
 _BITS_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _U64 = (1 << 64) - 1  # sums the C side lets wrap, read back as unsigned
 # Views of fewer positions run on one thread; bigger ones in parts that this thread and
@@ -545,21 +548,29 @@ def _rows_of(
 def _prepare(dest: torch.Tensor, src: torch.Tensor):
     """``(library, rows geometry)`` for a write the C loops cover, else ``None``: both
     tensors on the CPU, not empty, walkable as rows, the path built and not disabled."""
+    ready = _ready(dest, src)
+    return None if ready is None else ready[:2]
+
+
+def _ready(dest: torch.Tensor, src: torch.Tensor):
+    """:func:`_prepare`, and the two tensors' data pointers, which it reads anyway:
+    ``(library, rows geometry, dest's pointer, src's pointer)`` or ``None``."""
     n = dest.numel()
     if _off or not dest.is_cpu or not src.is_cpu or n == 0:
         return None
     try:
-        if not dest.data_ptr() or not src.data_ptr():
-            return None  # (a tensor subclass whose values live in inner tensors: no memory)
-    except RuntimeError:  # ("has no storage": the same)
+        dptr, sptr = dest.data_ptr(), src.data_ptr()
+    except RuntimeError:  # ("has no storage": a tensor subclass whose values live elsewhere)
         return None
+    if not dptr or not sptr:
+        return None  # (a tensor subclass whose values live in inner tensors: no memory)
     lib = _lib if _status is not None else _library()
     if lib is None:
         return None
     if dest.is_contiguous() and src.is_contiguous():
-        return lib, (n, n, n)  # one row: what _rows would say, without its work
+        return lib, (n, n, n), dptr, sptr  # one row: what _rows would say, without its work
     geometry = _rows(dest, src)
-    return None if geometry is None else (lib, geometry)
+    return None if geometry is None else (lib, geometry, dptr, sptr)
 
 
 def _parts(n: int) -> tuple[int, ...]:
@@ -614,45 +625,38 @@ def compare_copy(
     whole view (always for a view under ``_WHOLE_BELOW`` bytes), so the save never exceeds
     the bytes the copy writes.
     """
+    # (A load makes one call per tensor written, with the caches cold from the copies
+    # before it: each tensor made, each ctypes call and argument costs microseconds
+    # there, so the common cases below make as few as they can.)
     size = dest.element_size()
-    if stats_dtype is not None:
-        kind = _KIND_OF.get(stats_dtype)
-        if kind is None or stats_dtype.itemsize != size:
-            return None
-    else:
-        kind = _KIND_OF_SIZE.get(size)
-        if kind is None:
-            return None
-    ready = _prepare(dest, src)
+    kind = _KIND_FOR.get((stats_dtype, size))
+    if kind is None:
+        return None
+    ready = _ready(dest, src)
     if ready is None:
         return None
-    lib, (length, drs, srs) = ready
+    lib, geometry, dptr, sptr = ready
     f = lib.kinds[kind]
     n = dest.numel()
-    want = 1 if stats_dtype is not None else 0
+    want = 0 if stats_dtype is None else 1
     if n * size < _WHOLE_BELOW:  # (one part: far below _PARALLEL_MIN)
-        return _whole(f, dest, src, (length, drs, srs), (0, n), want)
-    fn = f.copy
-    dptr = dest.data_ptr()
-    sptr = src.data_ptr()
-    doff = dest.storage_offset()
-    bits = _BITS_OF_SIZE[size]
+        return _whole(f, dest, geometry, (0, n), want, dptr, sptr)
+    length, drs, srs = geometry
     bounds = _parts(n)
-    nparts = len(bounds) - 1
-
-    limit = size * n // (8 + size)  # entries that cost as much memory as the whole view
     share, exact = _changed_share(f, dptr, sptr, length, drs, srs, n)
     if share * (8 + size) >= size:
         # Most elements change (a full replacement): a compact save would cost more than
         # the whole view and be given up; save the whole view straight away.
-        return _whole(f, dest, src, (length, drs, srs), bounds, want)
-
-    if exact is not None and nparts == 1:
+        return _whole(f, dest, geometry, bounds, want, dptr, sptr)
+    doff = dest.storage_offset()
+    # (the saved bits go into a buffer of dest's dtype: the C side writes bits, and the
+    # result needs no second view of them)
+    if exact is not None and len(bounds) == 2:
         # A small view, counted exactly: one call, buffers of just the right size.
-        idx, bef, acc = _empty(exact, torch.int64), _empty(exact, bits), _Acc()
-        fn(dptr, sptr, length, drs, srs, doff, 0, n, idx.data_ptr(), bef.data_ptr(), exact, 0,
-           want, ctypes.byref(acc))
-        return _result(idx, bef.view(dest.dtype), (acc,), want)
+        idx, bef, acc = _empty(exact, torch.int64), _empty(exact, dest.dtype), _Acc()
+        f.copy(dptr, sptr, length, drs, srs, doff, 0, n, idx.data_ptr(), bef.data_ptr(), exact,
+               0, want, acc)
+        return _result(idx, bef, acc, want)
 
     # Compact: each part writes its changed elements' offsets and old bits into its own
     # slice of one pair of buffers, with room for 1.25 times the share found plus four
@@ -660,31 +664,55 @@ def compare_copy(
     planned = 1.25 * share
     if exact is None:
         planned += 4 * (max(share, 1 / _SAMPLE) * (1 - share) / _SAMPLE) ** 0.5
-    parts = list(itertools.pairwise(bounds))
+    if len(bounds) == 2:
+        # One part (the formula below for it), on this thread: pk_copy itself, whose
+        # numbers are the part's own (copy_parts would add them to zero: the same bits).
+        cap = min(max(4096, int(n * planned)), size * n // (8 + size))
+        idx, bef, total = _empty(cap, torch.int64), _empty(cap, dest.dtype), _Acc()
+        reached = f.copy(dptr, sptr, length, drs, srs, doff, 0, n, idx.data_ptr(),
+                         bef.data_ptr(), cap, 0, want, total)
+        if reached >= n:
+            # (resize_ trims in place: the storage stays, as a slice's would, and no
+            # second tensor is made)
+            return _result(idx.resize_(total.saved), bef.resize_(total.saved), total, want)
+        return _go_on(f, dest, geometry, bounds, want, dptr, sptr, idx, bef, total, [reached])
+    nparts = len(bounds) - 1
     caps = [min(max(4096, int((p1 - p0) * planned)), size * (p1 - p0) // (8 + size))
-            for p0, p1 in parts]
-    bases = [sum(caps[:k]) for k in range(nparts)]
-    idx = _empty(sum(caps), torch.int64)
-    bef = _empty(sum(caps), bits)
+            for p0, p1 in itertools.pairwise(bounds)]
+    ends = list(itertools.accumulate(caps))
+    idx = _empty(ends[-1], torch.int64)
+    bef = _empty(ends[-1], dest.dtype)
     accs = _array(_Acc, nparts)()
-    for k in range(nparts):
-        accs[k].saved = bases[k]
+    for k in range(1, nparts):
+        accs[k].saved = ends[k - 1]
     reached = _array(ctypes.c_int64, nparts)()
     total = _Acc()
-    # (part k saves from bases[k], the end of part k - 1's room: what the C side assumes
-    # when it packs the entries together)
+    # (part k saves from ends[k - 1], the end of part k - 1's room: what the C side
+    # assumes when it packs the entries together)
     if f.copy_parts(
         dptr, sptr, length, drs, srs, doff, nparts, _bounds_array(bounds), idx.data_ptr(),
-        bef.data_ptr(), _int64s([b + c for b, c in zip(bases, caps)]), 0, want, accs,
-        reached, _threads(), ctypes.byref(total),
+        bef.data_ptr(), _int64s(ends), 0, want, accs, reached, _threads(), total,
     ):
         # Every part had room (the C side packed the entries and summed the numbers).
-        return _result(idx[: total.saved], bef[: total.saved].view(dest.dtype), (total,), want)
+        return _result(idx.resize_(total.saved), bef.resize_(total.saved), total, want)
     # A part ran out of room: the C side packed what the parts saved at the front.
-    reached = list(reached)
+    return _go_on(f, dest, geometry, bounds, want, dptr, sptr, idx, bef, total, list(reached))
+
+
+def _go_on(f: _Kind, dest, geometry, bounds, want, dptr, sptr, idx, bef, total,
+           reached) -> CopyResult:
+    """:func:`compare_copy` of a compact save after a part ran out of room: the parts
+    stopped at ``reached``, their entries packed at the front of ``idx`` and ``bef``
+    (``total.saved`` of them), their numbers in ``total``."""
+    length, drs, srs = geometry
+    n = dest.numel()
+    size = dest.element_size()
+    bits = _BITS_OF_SIZE[size]
+    doff = dest.storage_offset()
+    limit = size * n // (8 + size)  # entries that cost as much memory as the whole view
+    parts = list(itertools.pairwise(bounds))
     covered = sum(p - p0 for p, (p0, _) in zip(reached, parts))
     rest = _Acc(saved=total.saved)
-    accs = [total, rest]
     room = len(idx)
     fits = True
     continued = False
@@ -695,8 +723,8 @@ def compare_copy(
         p = reached[k]
         while p < p1:
             continued = True
-            q = fn(dptr, sptr, length, drs, srs, doff, p, p1, idx.data_ptr(), bef.data_ptr(),
-                   room, 0, want, ctypes.byref(rest))
+            q = f.copy(dptr, sptr, length, drs, srs, doff, p, p1, idx.data_ptr(),
+                       bef.data_ptr(), room, 0, want, rest)
             covered += q - p
             p = q
             if p >= p1:
@@ -706,9 +734,9 @@ def compare_copy(
                 fits = False
                 break
             room = min(limit, max(2 * room, int(projected * 1.25) + 64))
-            grown_idx, grown_bef = _empty(room, torch.int64), _empty(room, bits)
+            grown_idx, grown_bef = _empty(room, torch.int64), _empty(room, dest.dtype)
             grown_idx[: rest.saved] = idx[: rest.saved]
-            grown_bef[: rest.saved] = bef[: rest.saved]
+            grown_bef.view(bits)[: rest.saved] = bef.view(bits)[: rest.saved]  # (as bits)
             idx, bef = grown_idx, grown_bef
         if not fits:
             break
@@ -719,14 +747,14 @@ def compare_copy(
             dest.untyped_storage().data_ptr(), idx.data_ptr(), bef.data_ptr(), rest.saved
         )
         del idx, bef
-        return _whole(f, dest, src, (length, drs, srs), bounds, want)
+        return _whole(f, dest, geometry, bounds, want, dptr, sptr)
     index = idx[: rest.saved]
-    before = bef[: rest.saved].view(dest.dtype)
+    before = bef[: rest.saved]
     if continued and len(parts) > 1:
         # A part went on after the later parts' entries: back to row-major order.
         order = torch.argsort(index)
         index, before = index[order], before[order]
-    return _result(index, before, accs, want)
+    return _result(index, before, total, want, rest)
 
 
 def _changed_share(f, dptr, sptr, length, drs, srs, n) -> tuple[float, int | None]:
@@ -742,35 +770,31 @@ def _changed_share(f, dptr, sptr, length, drs, srs, n) -> tuple[float, int | Non
     return hits / _SAMPLE, None
 
 
-def _whole(f: _Kind, dest, src, geometry, bounds, want) -> CopyResult:
+def _whole(f: _Kind, dest, geometry, bounds, want, dptr, sptr) -> CopyResult:
     """Copy while saving the whole view as it was (every element's old bits)."""
     length, drs, srs = geometry
     n = dest.numel()
     whole = _empty(n, dest.dtype, dest.shape)
-    dptr, sptr, doff = dest.data_ptr(), src.data_ptr(), dest.storage_offset()
+    doff = dest.storage_offset()
     wptr = whole.data_ptr()
+    total = _Acc()
     if len(bounds) == 2:
-        acc = _Acc()
-        f.copy(dptr, sptr, length, drs, srs, doff, 0, n, None, wptr, 0, 1, want,
-               ctypes.byref(acc))
-        accs = [acc]
+        f.copy(dptr, sptr, length, drs, srs, doff, 0, n, None, wptr, 0, 1, want, total)
     else:
         nparts = len(bounds) - 1
-        total = _Acc()
         f.copy_parts(dptr, sptr, length, drs, srs, doff, nparts, _bounds_array(bounds), None, wptr,
                      None, 1, want, _array(_Acc, nparts)(), _array(ctypes.c_int64, nparts)(),
-                     _threads(), ctypes.byref(total))  # a whole save always finishes: total is set
-        accs = [total]
-    return _result(None, whole, accs, want)
+                     _threads(), total)  # a whole save always finishes: total is set
+    return _result(None, whole, total, want)
 
 
-def _result(index, before, accs, want) -> CopyResult:
-    if len(accs) == 1:
-        a = accs[0]
+def _result(index, before, a: _Acc, want, rest: _Acc | None = None) -> CopyResult:
+    """The result of one call's numbers ``a``, or (``rest``) of two calls' added up."""
+    if rest is None:
         if not want:
             return CopyResult(index, before, a.count)
-        return CopyResult(index, before, a.count, squares=a.b2, sum_abs=a.sum_abs,
-                          sum_sq_diff=a.sum_d2, max_abs=a.max_abs)
+        return CopyResult(index, before, a.count, a.b2, a.sum_abs, a.sum_d2, a.max_abs)
+    accs = (a, rest)
     changed = sum(a.count for a in accs)
     if not want:
         return CopyResult(index, before, changed)
@@ -822,12 +846,12 @@ def merge(
     kind = _KIND_OF.get(dest.dtype)
     if kind is None or src.dtype != dest.dtype or src.shape != dest.shape:
         return None
-    ready = _prepare(dest, src)
+    ready = _ready(dest, src)
     if ready is None:
         return None
-    lib, (length, drs, srs) = ready
+    lib, (length, drs, srs), dptr, sptr = ready
     f = lib.kinds[kind]
-    dptr, sptr, doff = dest.data_ptr(), src.data_ptr(), dest.storage_offset()
+    doff = dest.storage_offset()
     bounds = _parts(dest.numel())
     nparts = len(bounds) - 1
     c_bounds = _bounds_array(bounds)
