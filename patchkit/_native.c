@@ -223,6 +223,41 @@ int pk_openmp(void) { return 0; }
 #endif
 
 #define PK_B 16    /* elements per block: compared together, copied together */
+
+/* Elements ahead that the compact windows ask the cache for: the loop alone keeps too
+ * few loads in flight to stream from memory at full speed. Ahead in the walk of the view
+ * row by row, not in memory: for rows apart (a column slice of a fused weight, a
+ * tensor-parallel shard of a checkpoint tensor) the bytes past a row are another view's,
+ * and hints there were wasted while the next row came in cold (1024 rows of 1408
+ * bfloat16, 2816 apart, from memory, one thread: 1.7x a torch copy_ -> 1.1-1.3x). The
+ * cursor below moves along the walk 32 positions a group; an address past the view is
+ * only a hint, which never faults. */
+#define PK_AHEAD 1024
+typedef struct {
+    uintptr_t d, s;       /* the element's addresses in dst and src */
+    int64_t col, L;       /* its column, the row length */
+    uintptr_t dgap, sgap; /* bytes from the end of a row to the start of the next */
+} pk_ahead;
+
+/* the cursor PK_AHEAD positions past position p */
+static inline pk_ahead pk_ahead_at(const void *dst, const void *src, int64_t L, int64_t drs,
+                                   int64_t srs, int64_t p, size_t size) {
+    int64_t q = p + PK_AHEAD, row = q / L, col = q % L;
+    pk_ahead a = {(uintptr_t)dst + (uintptr_t)(row * drs + col) * size,
+                  (uintptr_t)src + (uintptr_t)(row * srs + col) * size, col, L,
+                  (uintptr_t)(drs - L) * size, (uintptr_t)(srs - L) * size};
+    return a;
+}
+
+/* the cursor n positions on */
+static inline void pk_ahead_step(pk_ahead *a, int64_t n, size_t size) {
+    a->d += (uintptr_t)n * size;
+    a->s += (uintptr_t)n * size;
+    for (a->col += n; a->col >= a->L; a->col -= a->L) {
+        a->d += a->dgap;
+        a->s += a->sgap;
+    }
+}
 #define PK_DBL_MAX 1.7976931348623157e308
 #define PK_K 4096  /* elements per run: the finite check of b2 works a run at a time */
 
@@ -306,14 +341,6 @@ static inline void pk_stat(pk_acc *acc, double d) {
  * square in float, where squares of values below about 1e-19 lose bits or vanish. (A run
  * whose values are all +-0 is not summed again.) */
 #define PK_TINY_bf16 0x1p-100
-/* elements ahead that the windows ask the cache for: the loop alone keeps too few loads
- * in flight to stream from memory at full speed (a hint: no fault past the end). Near the
- * end of a run the hints go to the start of the next run (pk_body passes where it is):
- * for rows apart (a column slice of a fused weight, a tensor-parallel shard) the bytes
- * just past a row are another view's, and hints there were wasted while the next row
- * came in cold (1024 x 1408 bfloat16 rows 2816 apart, from memory, one thread: 1.7x a
- * torch copy_ -> 1.2-1.3x). */
-#define PK_AHEAD 1024
 
 /* add x*x, for the eight floats of x, to the two accumulators */
 #define PK_SQ8(x, a, b)                                                                      \
@@ -418,14 +445,9 @@ static inline void pk_vdiff(__m256d *sa, __m256d *sd, __m256d *mx, __m256d o, __
         uint32_t masks[PK_WG] = {0};                                                         \
         for (int g = 0; j + 32 <= end; j += 32, g++) {                                       \
             uint32_t m;                                                                      \
-            if (j + PK_AHEAD < n) {                                                          \
-                _mm_prefetch((const char *)(d + j + PK_AHEAD), _MM_HINT_T0);                 \
-                _mm_prefetch((const char *)(s + j + PK_AHEAD), _MM_HINT_T0);                 \
-            } else { /* past the run's end: the start of the next run */                     \
-                uintptr_t past = (uintptr_t)(j + PK_AHEAD - n) * sizeof(UT);                  \
-                _mm_prefetch((const char *)(dn + past), _MM_HINT_T0);                        \
-                _mm_prefetch((const char *)(sn + past), _MM_HINT_T0);                        \
-            }                                                                                \
+            _mm_prefetch((const char *)ahead.d, _MM_HINT_T0);                                \
+            _mm_prefetch((const char *)ahead.s, _MM_HINT_T0);                                \
+            pk_ahead_step(&ahead, 32, sizeof(UT));                                           \
             GROUP(j);                                                                        \
             masks[g] = m;                                                                    \
             if ((g & 15) == 15) { /* (bfloat16: 16 terms a float lane) */                    \
@@ -518,14 +540,14 @@ static inline void pk_vdiff(__m256d *sa, __m256d *sd, __m256d *mx, __m256d o, __
 static inline int64_t pk_fast_f32(uint32_t *restrict d, const uint32_t *restrict s, int64_t n,
                                   int64_t o, int64_t *restrict idx, uint32_t *restrict bef,
                                   int64_t *c, int64_t cap, int stats, double *b2,
-                                  pk_acc *diffs, uintptr_t dn, uintptr_t sn) {
+                                  pk_acc *diffs, pk_ahead ahead) {
     PK_FAST_WINDOWS(uint32_t, pk_f32, PK_GROUP_F32, PK_PS8_f32)
 }
 
 static inline int64_t pk_fast_bf16(uint16_t *restrict d, const uint16_t *restrict s, int64_t n,
                                    int64_t o, int64_t *restrict idx, uint16_t *restrict bef,
                                    int64_t *c, int64_t cap, int stats, double *b2,
-                                   pk_acc *diffs, uintptr_t dn, uintptr_t sn) {
+                                   pk_acc *diffs, pk_ahead ahead) {
     PK_FAST_WINDOWS(uint16_t, pk_bf16, PK_GROUP_BF16, PK_PS8_bf16)
 }
 
@@ -769,11 +791,11 @@ PK_FASTW(bf16)
     static inline __attribute__((always_inline)) int64_t pk_compact_##NAME(                  \
         UT *restrict d, const UT *restrict s, int64_t n, int64_t o, int64_t *restrict idx,   \
         UT *restrict bef, int64_t *c, int64_t cap, const int stats, double *b2,              \
-        pk_acc *diffs, uintptr_t dn, uintptr_t sn) {                                         \
-        (void)dn, (void)sn; /* (only the fast lanes prefetch) */                             \
+        pk_acc *diffs, pk_ahead ahead) {                                         \
+        (void)ahead; /* (only the fast lanes prefetch) */                                    \
         double sq[PK_B] = {0}, fast = 0;                                                     \
         int64_t k = *c;                                                                      \
-        int64_t j = PK_FAST_##NAME(d, s, n, o, idx, bef, &k, cap, stats, &fast, diffs, dn, sn); \
+        int64_t j = PK_FAST_##NAME(d, s, n, o, idx, bef, &k, cap, stats, &fast, diffs, ahead); \
         for (; j < n; j += PK_B) {                                                           \
             int m = n - j < PK_B ? (int)(n - j) : PK_B;                                      \
             UT any = 0;                                                                      \
@@ -861,12 +883,10 @@ PK_FASTW(bf16)
                 p += run;                                                                    \
                 continue;                                                                    \
             }                                                                                \
-            /* where the next run starts (an address to prefetch, perhaps past the view) */  \
-            int64_t c0 = c, q = p + run, qr = q / L, qc = q % L;                             \
-            uintptr_t dn = (uintptr_t)dst + (uintptr_t)(qr * drs + qc) * sizeof(UT);         \
-            uintptr_t sn = (uintptr_t)src + (uintptr_t)(qr * srs + qc) * sizeof(UT);         \
+            int64_t c0 = c;                                                                  \
+            pk_ahead ahead = pk_ahead_at(dst, src, L, drs, srs, p, sizeof(UT));              \
             int64_t done = pk_compact_##NAME(d, s, run, doff + row * drs + col, idx, bef, &c, \
-                                             cap, stats, &b2, &diffs, dn, sn);               \
+                                             cap, stats, &b2, &diffs, ahead);                \
             count += c - c0;                                                                 \
             p += done;                                                                       \
             if (done < run) break;                                                           \
