@@ -3041,24 +3041,27 @@ class WriteSession:
         return dest
 
     def _record(self, op, t, tname, off, src, changed, skey=None, written=None,
-                who=None) -> None:
+                who=None, same_shape=False) -> None:
         """Tell the recorder of one write into runtime tensor ``tname`` (``changed`` is
         kept only when the session counts changes; ``skey``: ``src``'s storage key, where
         the caller has it; ``written``: the elements that took the source's value, where
         fewer than the view's; ``who``: ``(position, name)`` of the one patch an op other
-        than a copy wrote from, at no offset a view tells)."""
+        than a copy wrote from, at no offset a view tells; ``same_shape``: ``src`` has
+        ``t``'s shape, known to the caller)."""
         hit = self.provenance.lookup(src, key=skey) if isinstance(src, torch.Tensor) else None
+        shape = tuple(t.shape)
         if hit is None:
             position = name = checkpoint_offset = source_shape = source_stride = None
             if who is not None:
                 position, name = who
         else:
             position, name, checkpoint_offset = hit
-            source_shape, source_stride = tuple(src.shape), tuple(src.stride())
+            source_shape = shape if same_shape else tuple(src.shape)
+            source_stride = tuple(src.stride())
         # (positional, in the order of WriteEvent's fields: a report records one per write,
         # and keywords cost more than the rest of the event)
         self.recorder.on_write(WriteEvent(
-            self._chunk, op, tname, off, tuple(t.shape), tuple(t.stride()), t.numel(),
+            self._chunk, op, tname, off, shape, tuple(t.stride()), t.numel(),
             position, name, checkpoint_offset, changed if self.count_changes else None,
             source_shape, source_stride, written,
         ))
@@ -3102,13 +3105,18 @@ class WriteSession:
         )
         if fast is not None:
             n_changed = fast.changed
-            diff = (
-                (fast.changed, fast.sum_abs, fast.sum_sq_diff, fast.max_abs) if stats else None
-            )
-            saved = SavedRegion(
-                tname, off, dest, fast.before, fast.index, whole_view=fast.index is not None,
-                view_sum_squares=fast.squares, diff_stats=diff,
-            )
+            diff = span = None
+            if stats:
+                diff = (fast.changed, fast.sum_abs, fast.sum_sq_diff, fast.max_abs)
+                if key is not None and dest.is_contiguous():
+                    # the span _span_of gives a contiguous view (every element of its
+                    # extent), without its calls: a report makes one per write
+                    step = dest.element_size()
+                    a0 = dest.storage_offset() * step
+                    span = (key, a0, a0 + dest.numel() * step, step)
+            # (positional, in the order of SavedRegion's fields: one per write)
+            saved = SavedRegion(tname, off, dest, fast.before, fast.index,
+                                fast.index is not None, fast.squares, diff, None, span)
             self.saved.append(saved)
             if diff is not None:
                 self._measure(saved, key)
@@ -3129,7 +3137,7 @@ class WriteSession:
                 raise
         self._call_writes += 1
         if self.recorder is not None:
-            self._record(op, dest, tname, off, src, n_changed, skey)
+            self._record(op, dest, tname, off, src, n_changed, skey, same_shape=True)
         return out
 
     def _refused_after_writing(self, op, t, target, src, saved, skey=None) -> None:

@@ -642,7 +642,8 @@ def compare_copy(
     if n * size < _WHOLE_BELOW:  # (one part: far below _PARALLEL_MIN)
         return _whole(f, dest, geometry, (0, n), want, dptr, sptr)
     length, drs, srs = geometry
-    bounds = _parts(n)
+    threads = _threads()  # (asked once: torch's count is a call)
+    bounds = _parts_of(n, threads, _PARALLEL_MIN, _PART)
     share, exact = _changed_share(f, dptr, sptr, length, drs, srs, n)
     if share * (8 + size) >= size:
         # Most elements change (a full replacement): a compact save would cost more than
@@ -691,7 +692,7 @@ def compare_copy(
     # assumes when it packs the entries together)
     if f.copy_parts(
         dptr, sptr, length, drs, srs, doff, nparts, _bounds_array(bounds), idx.data_ptr(),
-        bef.data_ptr(), _int64s(ends), 0, want, accs, reached, _threads(), total,
+        bef.data_ptr(), _int64s(ends), 0, want, accs, reached, threads, total,
     ):
         # Every part had room (the C side packed the entries and summed the numbers).
         return _result(idx.resize_(total.saved), bef.resize_(total.saved), total, want)
