@@ -459,6 +459,16 @@ def _span_of(view: torch.Tensor, key: tuple | None = None) -> tuple[tuple, int, 
     return (_storage_key(view) if key is None else key, *_byte_span(view), view.element_size())
 
 
+def _owner(name: str, t: torch.Tensor, key: tuple) -> _Owner:
+    """``t``'s :class:`_Owner` (of storage ``key``): :func:`_span_of` taken inline, with
+    the contiguity it reads (a report makes one per storage it writes)."""
+    step = t.element_size()
+    start = t.storage_offset() * step
+    if t.is_contiguous():
+        return _Owner(name, t, key, start, start + t.numel() * step, step, True)
+    return _Owner(name, t, key, start, Region.of(t).extent()[1], step, False)
+
+
 class _Owner(NamedTuple):
     """A runtime tensor and where it sits in its storage: the storage's key, the bytes
     ``[start, end)`` of its extent (see :func:`_byte_span`), its element size, and whether
@@ -870,9 +880,7 @@ class RuntimeIndex:
             named = self._by_key.get(key)
             if named is None:
                 return None
-            owners = self._owners[key] = [
-                _Owner(name, t, *_span_of(t, key), t.is_contiguous()) for name, t in named
-            ]
+            owners = self._owners[key] = [_owner(name, t, key) for name, t in named]
         return owners
 
     def bindings(self) -> dict[str, torch.Tensor]:
@@ -1551,10 +1559,13 @@ class _Provenance:
         self._by_key.clear()
         self._weak.clear()
 
-    def add_staged(self, position: int | None, name: str, staged: torch.Tensor) -> None:
+    def add_staged(self, position: int | None, name: str, staged: torch.Tensor,
+                   key: tuple | None = None) -> None:
+        """Record ``staged`` as patch ``position``'s (``key``: its storage key, where the
+        caller has it)."""
         if staged.numel():
             lo, hi = _byte_span(staged)
-            self._put(_storage_key(staged),
+            self._put(_storage_key(staged) if key is None else key,
                       _Source(lo, hi, position, name, staged.storage_offset(), True))
 
     def _put(self, key: tuple, src: _Source) -> None:
@@ -2270,14 +2281,16 @@ class WriteSession:
         self._call_patches = tuple(
             (pos if pos >= 0 else None, name) for pos, (name, _) in zip(positions, staged))
         self._call_fed = {}
-        self._staged_keys = {_storage_key(t) for _, t in staged
-                             if isinstance(t, torch.Tensor) and t.numel()}
+        # (each staged tensor's storage key, taken once: the provenance keeps it too)
+        keys = [_storage_key(t) if isinstance(t, torch.Tensor) and t.numel() else None
+                for _, t in staged]
+        self._staged_keys = {k for k in keys if k is not None}
         self.tree_as_found = False
         self.provenance.clear()
         if self.track_sources:
-            for pos, (name, t) in zip(positions, staged):
+            for pos, (name, t), key in zip(positions, staged, keys):
                 # (a negative position: an observed name that matches no patch)
-                self.provenance.add_staged(pos if pos >= 0 else None, name, t)
+                self.provenance.add_staged(pos if pos >= 0 else None, name, t, key)
         result = _CallResult()
         watch = not sparse and self.recorder is not None
         if (sparse or watch) and self._bindings is None:
