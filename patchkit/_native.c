@@ -922,7 +922,7 @@ PK_DEFINE(f16, uint16_t, pk_f16, PK_DIFF_F16)
 
 /* A job of parts [bounds[k], bounds[k+1]) on several threads (see pk_run): the
  * arguments of pk_copy, pk_count or pk_merge that all parts share, and where each part's
- * results go. pk_copy: accs[k] (its saved set by the caller: compact mode saves into
+ * results go. pk_copy: accs[k] (its saved set by pk_copy_parts: compact mode saves into
  * idx/bef from there up to ends[k]) and out[k], where the part stopped. pk_count: out[k].
  * pk_merge: out + 3k (set by the caller) and, with statistics, accs[k]. */
 typedef struct {
@@ -938,9 +938,11 @@ typedef struct {
     int64_t *out;
 } pk_job;
 
-/* pk_copy over parts. With total (not NULL), after the parts: a compact save's entries
- * are moved together to the front of idx and bef, in part order (part k saved from
- * ends[k - 1] on, part 0 from 0), and *total gets the parts' numbers, summed in part
+/* pk_copy over parts, part k's numbers in accs[k], which this sets first (zero, but a
+ * compact save's saved: part k saves from ends[k - 1], the end of part k - 1's room, and
+ * part 0 from 0; so the caller's accs need no setting up, and may be reused). With total
+ * (not NULL), after the parts: a compact save's entries are moved together to the front
+ * of idx and bef, in part order, and *total gets the parts' numbers, summed in part
  * order from zero, and the largest max_abs (as the Python side sums them), its saved the
  * entries kept. Returns 1 when every part reached its end, else 0 (a part ran out of
  * room: the caller goes on from reached, after the packed entries). */
@@ -959,6 +961,11 @@ typedef struct {
                              pk_acc *total) {                                                \
         pk_job j = {dst, src, L, drs, srs, doff, bounds, idx, bef, ends, whole, stats, accs, \
                     reached};                                                                \
+        for (int64_t k = 0; k < parts; k++) {                                                \
+            pk_acc zero = {0};                                                               \
+            if (ends && k) zero.saved = ends[k - 1];                                         \
+            accs[k] = zero;                                                                  \
+        }                                                                                    \
         pk_run(pk_copy_task_##NAME, &j, parts, threads);                                     \
         if (!total) return 0;                                                                \
         int done = 1;                                                                        \

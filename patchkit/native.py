@@ -683,21 +683,55 @@ def compare_copy(
     ends = list(itertools.accumulate(caps))
     idx = _empty(ends[-1], torch.int64)
     bef = _empty(ends[-1], dest.dtype)
-    accs = _array(_Acc, nparts)()
-    for k in range(1, nparts):
-        accs[k].saved = ends[k - 1]
-    reached = _array(ctypes.c_int64, nparts)()
-    total = _Acc()
-    # (part k saves from ends[k - 1], the end of part k - 1's room: what the C side
-    # assumes when it packs the entries together)
+    scratch = _scratch(nparts)
+    # (part k saves from ends[k - 1], the end of part k - 1's room: the C side sets the
+    # parts' numbers up so, and packs the entries together after)
+    scratch.ends[:nparts] = ends
+    total = scratch.total
     if f.copy_parts(
         dptr, sptr, length, drs, srs, doff, nparts, _bounds_array(bounds), idx.data_ptr(),
-        bef.data_ptr(), _int64s(ends), 0, want, accs, reached, threads, total,
+        bef.data_ptr(), scratch.ends, 0, want, scratch.accs, scratch.reached, threads, total,
     ):
         # Every part had room (the C side packed the entries and summed the numbers).
-        return _result(idx.resize_(total.saved), bef.resize_(total.saved), total, want)
-    # A part ran out of room: the C side packed what the parts saved at the front.
-    return _go_on(f, dest, geometry, bounds, want, dptr, sptr, idx, bef, total, list(reached))
+        done = _result(idx.resize_(total.saved), bef.resize_(total.saved), total, want)
+        _SCRATCH.append(scratch)  # (read: free for the next write)
+        return done
+    # A part ran out of room: the C side packed what the parts saved at the front. (The
+    # scratch goes on with total: not handed back.)
+    return _go_on(f, dest, geometry, bounds, want, dptr, sptr, idx, bef, total,
+                  list(scratch.reached[:nparts]))
+
+
+class _Scratch:
+    """The ctypes objects of one :func:`compare_copy` over parts: each part's numbers, where
+    it stopped, the ends of its room, and the total. A load makes a call per write: these
+    are taken from :data:`_SCRATCH` and handed back once read, not made anew (each ctypes
+    object costs microseconds with the caches cold). The C side sets the numbers up
+    itself, so a reused one needs no clearing."""
+
+    __slots__ = ("accs", "ends", "reached", "total")
+    PARTS = 16  # (_parts_of makes at most 16: two a thread, of at most 8)
+
+    def __init__(self, parts: int) -> None:
+        self.accs = _array(_Acc, parts)()
+        self.reached = _array(ctypes.c_int64, parts)()
+        self.ends = _array(ctypes.c_int64, parts)()
+        self.total = _Acc()
+
+
+# Free scratches: a call pops one (or makes one) and appends it when done; list.pop and
+# append are atomic, so two threads (or a signal handler's load inside a load) never
+# share one.
+_SCRATCH: list[_Scratch] = []
+
+
+def _scratch(nparts: int) -> _Scratch:
+    if nparts > _Scratch.PARTS:
+        return _Scratch(nparts)  # (handed back too: it has room for any later call)
+    try:
+        return _SCRATCH.pop()
+    except IndexError:
+        return _Scratch(_Scratch.PARTS)
 
 
 def _go_on(f: _Kind, dest, geometry, bounds, want, dptr, sptr, idx, bef, total,
