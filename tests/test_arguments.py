@@ -368,7 +368,7 @@ def test_inspect_refuses_a_bad_budget_for_a_file_of_no_patches(tmp_path):
     path = str(tmp_path / "empty.safetensors")
     patchkit.save_patches(path, [])
     done = _command("inspect", path, "--max-chunk-bytes", "0")
-    assert done.returncode == 2 and "max_chunk_bytes must be positive" in done.stderr
+    assert done.returncode == 2 and "--max-chunk-bytes must be a positive" in done.stderr
 
 
 # -- sizes ---------------------------------------------------------------------------------
