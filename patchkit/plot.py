@@ -1257,9 +1257,10 @@ def plot_placement(
     a runtime title too long for one line gets its counts on a second line and its name
     cut to its tail after ``…``. Runtime row and column ticks are whole numbers.
 
-    ``targets`` is a list of runtime tensor names, or one name as a string; of a list
-    longer than ``max_targets`` (at most 32) the first ``max_targets`` are drawn, with
-    the note. A tied alias
+    ``targets`` is a list of runtime tensor names, or one name as a string (a tensor
+    named twice, or by a tied alias beside its own name, is drawn once, at its first
+    mention); of a list longer than ``max_targets`` (at most 32) the first
+    ``max_targets`` are drawn, with the note. A tied alias
     (``lm_head.weight`` where it is the embedding's Parameter) names the tensor it is
     tied to, as in :meth:`LoadReport.before`; its row's title gives both names. An
     unknown name raises ``KeyError``; a ``report`` that is not a load report, a name that
@@ -1294,6 +1295,11 @@ def plot_placement(
         unknown = [t for t in chosen if _resolve(report, t) not in _known(report)]
         if unknown:
             raise _unknown_target(report, unknown[0])
+        # a name given twice (or a tied alias beside its tensor's name): one row
+        first = {}
+        for t in chosen:
+            first.setdefault(_resolve(report, t), t)
+        chosen = list(first.values())
         # (a list longer than max_targets: its first ones, as for the tensors written)
         left_out = max(len(chosen) - max_targets, 0)
         chosen = chosen[:max_targets]

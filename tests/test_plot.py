@@ -1912,3 +1912,10 @@ def test_placement_counts_elements_written_twice_once():
     assert "4 elements written (5 element writes, of 64 in their views)" in title
     labels = [t for t in fig.axes[1].texts if t.get_text() == "w"]
     assert len(labels) == 1  # the two writes of one region: one label
+
+
+def test_placement_draws_a_tensor_named_twice_once():
+    report, _ = load("q k v o")
+    fig = plot_placement(report, targets=["qkv", "o", "qkv"])
+    titles = [ax.get_title() for ax in fig.axes[1::2]]
+    assert len(titles) == 2 and titles[0].startswith("runtime qkv") and "runtime o" in titles[1]

@@ -569,3 +569,13 @@ def test_a_loader_that_renames_names_is_planned_as_its_patches_are_given():
     heights = [r.get_height() for r in fig.axes[0].patches
                if (r.get_gid() or "").startswith("segment")]
     assert sum(heights) == 16400
+
+
+def test_the_explorer_of_an_unpickled_report_says_so_in_words():
+    import pickle
+
+    report = pickle.loads(pickle.dumps(inspect_load(Packed(), patches(), max_chunk_bytes=300)))
+    w = explore(report)
+    w.dropdown.value = ("runtime", "qkv")
+    text = texts(w.output)
+    assert "this report was unpickled" in text and "raised in" not in text
