@@ -110,9 +110,13 @@ def _cmd_tour(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .errors import PatchError
     from .io import _pinned
+    from .patch import check_max_chunk_bytes
 
-    if args.max_chunk_bytes <= 0:  # (said here, by the option's name, not the parameter's)
+    try:
+        check_max_chunk_bytes(args.max_chunk_bytes)
+    except PatchError:  # (said here by the option's name, not the parameter's)
         print(f"error: --max-chunk-bytes must be a positive number of bytes, got "
               f"{args.max_chunk_bytes}", file=sys.stderr)
         return 2

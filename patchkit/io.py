@@ -33,7 +33,7 @@ import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 
@@ -941,6 +941,17 @@ def _out_of_memory(e: BaseException) -> bool:
     return "can't allocate memory" in text or "out of memory" in text.lower()
 
 
+def _reading_failed(path: str, e: Exception) -> NoReturn:
+    """Raise for ``e``, raised while reading patch file ``path``: running out of memory
+    as itself, with a note naming the file; anything else as the file's fault, a
+    PatchValueError naming it."""
+    if _out_of_memory(e):
+        if hasattr(e, "add_note"):
+            e.add_note(f"(raised reading patch file {path!r})")
+        raise e
+    raise _fail(path, f"unreadable: {e}") from None
+
+
 def _codes_not_read_here(at: str) -> list[str]:
     """The dtype codes in the safetensors header of the file at ``at`` that patchkit knows
     but the installed ``safetensors`` cannot read (empty where the header cannot be read
@@ -1125,9 +1136,7 @@ def read_patch_index(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
     except PatchValueError:
         raise
     except Exception as e:  # a safetensors error while reading the header
-        if _out_of_memory(e):
-            raise
-        raise _fail(path, f"unreadable: {e}") from None
+        _reading_failed(path, e)
 
 
 def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -1146,11 +1155,7 @@ def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     except PatchValueError:
         raise
     except Exception as e:
-        if _out_of_memory(e):
-            if hasattr(e, "add_note"):
-                e.add_note(f"(raised reading patch file {path!r})")
-            raise
-        raise _fail(path, f"unreadable: {e}") from None
+        _reading_failed(path, e)
 
 
 def load_patches(
@@ -1230,11 +1235,7 @@ def _read_each(
     except PatchValueError:
         raise
     except Exception as e:
-        if _out_of_memory(e):
-            if hasattr(e, "add_note"):
-                e.add_note(f"(raised reading patch file {path!r})")
-            raise
-        raise _fail(path, f"unreadable: {e}") from None
+        _reading_failed(path, e)
 
 
 def _validated(path: str, patches: list[CheckpointWeightPatch], positions: list[int]) -> None:
