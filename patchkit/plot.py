@@ -500,9 +500,8 @@ def _plan_for(
     max_chunk_bytes = _whole_budget(max_chunk_bytes)
     if _is_report(source):
         patches = list(source.patches)
-        own = max_chunk_bytes is None or max_chunk_bytes == source.max_chunk_bytes
         budget = _report_budget(source)
-        if own and (not replan or not isinstance(budget, int) or isinstance(budget, bool)):
+        if _own_calls(source, max_chunk_bytes, replan):
             return patches, list(source.plan), budget  # (a budget refused: its calls, none)
         if max_chunk_bytes is None:
             max_chunk_bytes = budget
@@ -535,15 +534,21 @@ def _report_budget(report: LoadReport) -> Any:
         return budget
 
 
+def _own_calls(report: LoadReport, max_chunk_bytes: Any, replan: bool) -> bool:
+    """Whether :func:`_plan_for` draws ``report``'s own calls (not a plan made again): no
+    other budget asked for, and no ``replan`` but for a budget the load refused."""
+    own = max_chunk_bytes is None or _whole_budget(max_chunk_bytes) == report.max_chunk_bytes
+    budget = _report_budget(report)
+    return own and (not replan or not isinstance(budget, int) or isinstance(budget, bool))
+
+
 def _calls_made(source: Any, plan: Sequence[Chunk], max_chunk_bytes: Any,
                 replan: bool) -> tuple[int, set[int], BaseException | None]:
     """``(calls made, indices of the calls that raised, the load's error)`` where ``plan``
     is the calls of a report whose load raised; else ``(len(plan), set(), None)`` (a list
-    of patches, a plan at another budget, a load that did not raise)."""
+    of patches, a plan made again, a load that did not raise)."""
     error = getattr(source, "error", None) if _is_report(source) else None
-    own = max_chunk_bytes is None or _whole_budget(max_chunk_bytes) == getattr(
-        source, "max_chunk_bytes", None)
-    if error is None or replan or not plan or not own:
+    if error is None or not plan or not _own_calls(source, max_chunk_bytes, replan):
         return len(plan), set(), None
     calls = source.calls
     return len(calls), {int(k) for k in calls.loc[calls["error"].astype(bool), "chunk"]}, error
@@ -803,6 +808,7 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
     # either hides in a thin bar or, as wide as before, covers its neighbours (3000
     # calls, 57 % of them over budget, drew 98 % red): the bar is filled red instead.
     hatched = bar_pt >= 6.0
+    box_pt = 1.1 * _text_width("over budget", 7) + 6.0  # (the upright "over budget" box)
     for c in plan:
         colour, hatch = _REASON_STYLE[c.closed_by]
         unsent = c.index >= made  # planned, never made: the load raised before it
@@ -858,10 +864,9 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
         # "over budget" upright inside the bar: below the patch's name where the bar has
         # room for both, in the middle where it has no name, not at all where it is too
         # short (its red edge and the legend say it)
-        box_pt = 1.1 * _text_width("over budget", 7) + 6.0
         shown_pt = min(c.bytes, top) * pt_per_byte
-        room_pt = (shown_pt - label_pt) / 2 if label_pt else shown_pt
-        if c.over_budget and annotated and room_pt >= box_pt + 4.0:
+        if c.over_budget and annotated and (
+                (shown_pt - label_pt) / 2 if label_pt else shown_pt) >= box_pt + 4.0:
             ax.annotate(
                 "over budget",
                 xy=(c.index, ((box_pt / 2 + 2.0) / pt_per_byte) if label_pt
