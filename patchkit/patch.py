@@ -219,6 +219,9 @@ def _given_name(p: object) -> str | None:
     return name if isinstance(name, str) else None
 
 
+_NO_FIELD = object()
+
+
 def _check_metadata(position: int | None, patch: object, *,
                     size: bool = True) -> tuple[int, ...]:
     """The checks of :func:`_check_structure` that read a patch's name, shape and dtype
@@ -230,6 +233,22 @@ def _check_metadata(position: int | None, patch: object, *,
         raise PatchTypeError(
             f"{at}: expected a CheckpointWeightPatch "
             f"(name, shape, dtype, values, indices), got {type(patch).__name__}",
+            position=position,
+            reason="not a patch",
+            value=type(patch).__name__,
+        )
+    if type(patch) is not CheckpointWeightPatch and type(patch) is not tuple and any(
+            getattr(patch, f, _NO_FIELD) is not patch[i]
+            for i, f in enumerate(CheckpointWeightPatch._fields)):
+        # Another 5-tuple (a namedtuple of other fields, a tuple subclass): the loader
+        # reads a patch's fields by name, which such a tuple does not have in this order.
+        at = "patch" if position is None else f"patch {position}"
+        fields = getattr(type(patch), "_fields", None)
+        has = f" (its fields: {', '.join(map(str, fields))})" if fields else ""
+        raise PatchTypeError(
+            f"{at}: expected a CheckpointWeightPatch "
+            f"(name, shape, dtype, values, indices), got {type(patch).__name__}{has}; "
+            "pass CheckpointWeightPatch(*item) or a plain tuple",
             position=position,
             reason="not a patch",
             value=type(patch).__name__,

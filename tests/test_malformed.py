@@ -278,3 +278,44 @@ def test_plan_chunks_takes_plain_and_torch_size_shapes_without_the_full_checks(m
     assert calls == []
     plan_chunks([P("c", [4, 4], torch.float32, torch.ones(16))], 64)  # (a list: checked)
     assert len(calls) == 1
+
+
+def test_a_five_tuple_without_the_records_fields_is_refused_by_position_not_attributeerror():
+    # A namedtuple of other field names (or a tuple subclass) passed the "a 5-tuple"
+    # check and then failed with a bare AttributeError ('W' has no attribute 'indices')
+    # in the load, the staging and the inspection, while plan_chunks planned it.
+    import collections
+
+    other = collections.namedtuple("W", "n s d v i")
+    subclass = type("T", (tuple,), {})
+    model = PlainModel({"a": (4,), "b": (4,)})
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    for sparse in (False, True):
+        fields = ("a", (4,), torch.float32, torch.ones(2), torch.tensor([0, 3])) if sparse \
+            else ("a", (4,), torch.float32, torch.ones(4), None)
+        for item in (other(*fields), subclass(fields)):
+            good_b = P("b", (4,), torch.float32, torch.full((4,), 2.0),
+                       torch.arange(4) if sparse else None)
+            for call in (lambda ps: load_checkpoint_weight_patches(model, ps),
+                         lambda ps: load_checkpoint_weight_patches(model, ps, transactional=True),
+                         lambda ps: plan_chunks(ps, 1024),
+                         lambda ps: inspect_load(model, ps)):
+                with pytest.raises(PatchTypeError, match=r"^patch 1: expected a Checkpoint") as e:
+                    call([good_b, item])
+                assert (e.value.position, e.value.reason) == (1, "not a patch")
+            with pytest.raises(PatchTypeError, match=type(item).__name__):
+                patchkit.stage(item)
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+    # a record of the same fields in the same order (another implementation's) still loads
+    import typing
+
+    class Record(typing.NamedTuple):
+        name: str
+        shape: tuple
+        dtype: torch.dtype
+        values: torch.Tensor
+        indices: torch.Tensor | None = None
+
+    assert load_checkpoint_weight_patches(
+        model, [Record("a", (4,), torch.float32, torch.full((4,), 3.0))]) == {"a"}
+    assert model.a.tolist() == [3.0] * 4
