@@ -394,6 +394,15 @@ def _check_structure(position: int | None, patch: object) -> None:
         )
     if _STAGEABLE.get((values.dtype, dtype, True)) is not True:
         _check_stageable(at, position, name, values.dtype, dtype, sparse=True)
+    if indices.is_meta and not values.is_meta:
+        # Staged on the values' device, the patch needs its positions, which meta indices
+        # do not hold (meta values with real indices stage on the meta device: a dry run).
+        raise PatchValueError(
+            f"{at}: indices are on the meta device, which holds no positions, but values "
+            f"are on {values.device}, where the patch is staged; put both on the meta "
+            "device for a dry run",
+            position=position, name=name, reason="meta device", value=indices.device,
+        )
 
 
 def _refuse_layout(at: str, position: int, name: str, what: str, t: torch.Tensor) -> None:

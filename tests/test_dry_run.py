@@ -257,3 +257,41 @@ def test_a_dropped_alias_patch_of_a_dry_run_is_not_said_to_differ():
         real = Tied()
         a, b = (CheckpointWeightPatch(n, (2, 3), torch.float32, torch.ones(6)) for n in "ab")
         assert load_checkpoint_weight_patches(real, [a, b]) == {"a"}
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_meta_indices_beside_real_values_are_refused_before_the_first_call(transactional):
+    # Staged on the values' device, such a patch needs positions its indices do not
+    # hold: it passed validation, an earlier call wrote the model's real tensor, and its
+    # staging then failed with torch's bare "Cannot copy out of meta tensor".
+    class PartlyMeta(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.real = torch.nn.Parameter(torch.zeros(4))
+            self.m = torch.nn.Parameter(torch.empty(2, 4, device=META))
+            self.calls = 0
+
+        def load_weights(self, weights):
+            self.calls += 1
+            for name, t in weights:
+                getattr(self, name).copy_(t)
+            return {name for name, _ in weights}
+
+    model = PartlyMeta()
+    patches = [
+        CheckpointWeightPatch("real", (4,), torch.float32, torch.ones(1), torch.tensor([1])),
+        CheckpointWeightPatch("m", (2, 4), torch.float32, torch.ones(2),
+                              torch.tensor([1, 6], device=META)),
+    ]
+    with pytest.raises(patchkit.PatchValueError, match=r"^patch 1 \('m'\): indices are on "
+                       "the meta device.*values are on cpu") as e:
+        load_checkpoint_weight_patches(model, patches, max_chunk_bytes=16,
+                                       transactional=transactional)
+    assert (e.value.position, e.value.reason, e.value.value) == (1, "meta device", META)
+    assert model.calls == 0 and model.real.tolist() == [0.0] * 4
+    with pytest.raises(patchkit.PatchValueError, match="indices are on the meta device"):
+        patchkit.stage(patches[1])
+    # meta values beside real indices stage on the meta device, as a dry run does
+    ok = patches[1]._replace(values=torch.ones(2, device=META),
+                             indices=torch.tensor([1, 6]))
+    assert load_checkpoint_weight_patches(model, [ok]) == {"m"}
