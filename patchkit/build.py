@@ -505,6 +505,23 @@ def _distinct_positions(n: int, k: int, generator: torch.Generator | None) -> to
     return found
 
 
+def _meta_count(pattern: str, density: float, n: int, rows: int, cols: int, bh: int, bw: int,
+                generator: torch.Generator | None) -> int:
+    """How many positions :func:`random_sparse_patch` picks, without picking them: exact
+    for ``"uniform"`` and ``"rows"``; for ``"blocks"``, whose edge blocks are smaller, the
+    same blocks the CPU path draws first from ``generator`` (O(blocks), no mask)."""
+    if pattern == "uniform":
+        return round(density * n)
+    if pattern == "rows":
+        return round(density * rows) * cols
+    gr, gc = -(-rows // bh), -(-cols // bw)
+    chosen = torch.randperm(gr * gc, generator=generator, device="cpu")[:round(density * gr * gc)]
+    r, c = chosen // gc, chosen % gc
+    heights = torch.where(r == gr - 1, rows - (gr - 1) * bh, bh)
+    widths = torch.where(c == gc - 1, cols - (gc - 1) * bw, bw)
+    return int((heights * widths).sum())
+
+
 def random_sparse_patch(
     name: str,
     shape: Iterable[int],
@@ -543,6 +560,11 @@ def random_sparse_patch(
     NaN. Indices are sorted, distinct, of ``index_dtype`` (int64 by default; ``None``:
     int32 where the positions fit, as elsewhere in this module). The same generator state
     gives the same patch.
+
+    On the meta device (a patch to plan a dry run with, for a model bigger than the
+    machine) nothing is drawn but the count: the patch has as many (meta) values and
+    indices as the same generator state gives elsewhere, at no cost beyond the blocks
+    of ``"blocks"`` (which of them change, drawn as on the CPU), never O(numel).
 
     Raises :class:`~patchkit.errors.PatchValueError` for an empty name, a negative
     dimension, a shape whose bytes reach 2**63 (more than a tensor can hold, as
@@ -602,6 +624,12 @@ def random_sparse_patch(
             f"{_count(total, units[:-1])} rounds to no {units}: the patch is empty"
             + ("" if pattern == "uniform" else " (pattern='uniform' picks single elements)"),
             UserWarning, stacklevel=2,
+        )
+    if device.type == "meta":  # (no numbers to hold: only how many, none drawn)
+        k = 0 if nothing else _meta_count(pattern, density, n, rows, cols, bh, bw, generator)
+        return CheckpointWeightPatch(
+            name, shape, dtype, torch.empty(k, dtype=dtype, device=device),
+            torch.empty(k, dtype=idx_dtype, device=device),
         )
     if nothing:  # (no position chosen: none made, not a row or a mask of them for nothing)
         idx = torch.empty(0, dtype=torch.int64)

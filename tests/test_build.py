@@ -806,6 +806,37 @@ def test_random_takes_numpy_numbers_and_the_meta_device():
     assert m.values.is_meta and m.indices.is_meta
 
 
+@pytest.mark.parametrize(("pattern", "density", "nnz"), [
+    ("uniform", 0.5, 2**39),
+    ("uniform", 1e-3, round(1e-3 * 2**40)),
+    ("rows", 0.25, 2**18 * 2**20),
+    ("blocks", 0.5, 2**19 * 2**20),  # (2**20 blocks of 1024 x 1024, half of them)
+])
+def test_a_meta_patch_of_a_model_too_big_for_the_machine_draws_no_positions(
+        pattern, density, nnz):
+    # A meta patch holds no numbers: its positions and values were drawn on the CPU and
+    # thrown away (randperm of 2**40 positions: "can't allocate memory").
+    p = random_sparse_patch("w", (2**20, 2**20), torch.bfloat16, density, pattern=pattern,
+                            block=1024, device="meta", index_dtype=None)
+    assert p.values.is_meta and p.indices.is_meta
+    assert p.values.shape == p.indices.shape == (nnz,)
+    assert p.values.dtype == torch.bfloat16 and p.indices.dtype == torch.int64
+    validate_patches([p])
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "rows", "blocks"])
+@pytest.mark.parametrize("shape", [(37, 53), (5,), (2, 1), (3, 4, 20)])
+def test_a_meta_patch_has_the_count_the_same_generator_gives_on_the_cpu(pattern, shape):
+    for seed in range(5):
+        cpu = random_sparse_patch("w", shape, torch.float16, 0.6, pattern=pattern, block=16,
+                                  generator=torch.Generator().manual_seed(seed))
+        meta = random_sparse_patch("w", shape, torch.float16, 0.6, pattern=pattern, block=16,
+                                   generator=torch.Generator().manual_seed(seed),
+                                   device="meta")
+        assert meta.indices.is_meta and meta.indices.dtype == cpu.indices.dtype
+        assert meta.values.numel() == meta.indices.numel() == cpu.indices.numel()
+
+
 @pytest.mark.parametrize("seed", [1 << 64, 1 << 32, -1])
 def test_a_seed_outside_32_bits_is_refused_by_name(seed):
     # (torch's CPU generator draws from a seed's low 32 bits: 2**32 repeated seed 0)
