@@ -542,7 +542,9 @@ def random_sparse_patch(
     tensor of length n is viewed as ``(1, n)``, a scalar as ``(1, 1)``):
 
     - ``"uniform"``: exactly ``round(density * numel)`` distinct positions (Python's
-      ``round``: halves go to the even neighbour), uniformly at random.
+      ``round``: halves go to the even neighbour), uniformly at random. Costs O(nnz)
+      memory below a density of 1/8, and a permutation of every position (8 bytes an
+      element) from 1/8 up.
     - ``"rows"``: ``round(density * rows)`` whole rows of the 2-D view.
     - ``"blocks"``: the view is tiled by ``min(block, rows) x min(block, cols)`` blocks
       (edge blocks are cut short) and ``round(density * number_of_blocks)`` of them
