@@ -1918,7 +1918,14 @@ def _left_as_written(saved: list[SavedRegion]) -> set[str]:
     not hold its value from before the load now, bit for bit: where saves overlap, an
     element's value before the load is its oldest save's. Reads each saved element once
     (one host wait per save on a GPU); only where that finds a difference are overlapping
-    saves told apart, with a second pass over them."""
+    saves told apart, with a second pass over them. Reads under ``torch.no_grad()``: a
+    saved view a loader took of a parameter under ``no_grad`` (``param[:2]``) and wrote
+    in place cannot be viewed again with grad mode on (torch raises)."""
+    with torch.no_grad():
+        return _left_as_written_now(saved)
+
+
+def _left_as_written_now(saved: list[SavedRegion]) -> set[str]:
     if all(s.changed_now() == 0 for s in saved):
         return set()
     left: set[str] = set()

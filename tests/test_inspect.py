@@ -1442,6 +1442,47 @@ def test_an_observed_loader_that_rolls_back_unseen_shows_no_change_left(compiled
     assert r.writes["changed"].tolist()[0] == 4096  # what the write itself did
 
 
+class _SliceThenFails(torch.nn.Module):
+    """Copies each tensor into a slice of a parameter that requires grad (a view taken
+    under the loader's ``no_grad``); its second call raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4))
+        self.calls = 0
+
+    def load_weights(self, weights):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("second call fails")
+        for _, t in weights:
+            self.w[:2].copy_(t)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("transactional", [True, False])
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_failed_observed_load_into_a_slice_of_a_parameter_keeps_its_error(kind,
+                                                                            transactional):
+    # reading what the observed calls left ran with grad mode on: torch refused to view
+    # the saved slice again ("A view was created in no_grad mode ..."), and that error
+    # replaced the loader's, with no report attached
+    p = (dense("w", torch.tensor([1.0, 2.0])) if kind == "dense"
+         else sparse("w", (2,), [0], [1.0]))
+    model = _SliceThenFails()
+    with pytest.raises(RuntimeError, match="second call fails") as info:
+        inspect_load(model, [p, p], transactional=transactional,
+                     loader=patchkit.load_checkpoint_weight_patches)
+    r = info.value.report
+    assert r.rolled_back == transactional
+    if transactional:
+        assert model.w.detach().tolist() == [0.0, 0.0, 0.0, 0.0]
+        assert len(r.deltas) == 0
+    else:
+        assert model.w.detach().tolist()[0] == 1.0
+        assert r.deltas.loc["w", "changed"] == (2 if kind == "dense" else 1)
+
+
 def _undoes_only(undo):
     """A foreign loader: one call per patch; when a call raises, it writes back the values
     from before the load of the weights named in ``undo`` (unseen: outside the calls) and
