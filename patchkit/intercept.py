@@ -1182,11 +1182,26 @@ class RuntimeIndex:
         if len(near) > 1 or (near and not near[0].dense):
             # Strided tensors that share a storage (column slices of one fused buffer)
             # have byte ranges that interleave: prefer the one that holds t's first
-            # element, and give its row-major position in it.
+            # element, and give its row-major position in it. Where several hold it
+            # (a flat buffer registered beside parameters that are views of it), the
+            # first whose extent also holds t's last byte: a write of the whole buffer
+            # is the buffer's, not that of the parameter at its start.
+            first_holder = None
+            end = None
             for o in near:
                 at = _position_of(o.tensor, b)
-                if at is not None:
+                if at is None:
+                    continue
+                if first_holder is None:
+                    first_holder = o.name, o.tensor, at
+                    if len(near) == 1:
+                        break
+                if end is None:
+                    end = _byte_span(t)[1] if t.numel() else b
+                if end <= o.end:
                     return o.name, o.tensor, at
+            if first_holder is not None:
+                return first_holder
         # No runtime tensor holds t's first element as one of its own (a view of another
         # element size may start inside one). t is runtime storage only where its
         # elements reach into one: the one whose extent holds t's first byte, else the

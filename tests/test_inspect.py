@@ -1947,3 +1947,35 @@ def test_the_text_repr_writes_small_deltas_as_numbers_not_zero():
                                                torch.ones(16) + 3e-7)])
     text = repr(r).split("deltas:")[1]
     assert "3.576e-07" in text and " 0.0 " not in text
+
+
+class _FlatBesideViews(torch.nn.Module):
+    """A flat buffer registered beside two parameters that are views of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("flat", torch.arange(12.0))
+        self.a = torch.nn.Parameter(self.flat[:6].view(2, 3))
+        self.b = torch.nn.Parameter(self.flat[6:].view(3, 2))
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            getattr(self, name).copy_(t)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_write_of_a_flat_buffer_is_the_buffers_not_the_parameter_at_its_start(kind):
+    # the write of all of flat was given to a, the first tensor holding its first element:
+    # target "a", target_region "12 elements from 0" of a 6-element tensor (and the one
+    # element a sparse patch wrote, which lies in b, counted as a's)
+    ps = ([dense("a", torch.full((2, 3), 7.0)), dense("flat", torch.ones(12))]
+          if kind == "dense" else
+          [sparse("a", (2, 3), [0, 5], [7.0, 7.0]), sparse("flat", (12,), [7], [9.0])])
+    r = inspect_load(_FlatBesideViews(), ps, max_chunk_bytes=1)
+    rows = r.writes[["target", "target_region", "elements", "written"]].values.tolist()
+    assert rows == [["a", "[:, :]", 6, 6 if kind == "dense" else 2],
+                    ["flat", "[:]", 12, 12 if kind == "dense" else 1]]
+    # (each tensor's deltas count the elements of it written, as before)
+    assert r.deltas["elements"].to_dict() == (
+        {"a": 6, "flat": 12, "b": 6} if kind == "dense" else {"a": 2, "flat": 3, "b": 1})
