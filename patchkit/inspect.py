@@ -423,9 +423,12 @@ class LoadReport:
       whole view it was given, since which of its elements the op wrote is not
       followed), ``changed`` (elements whose bits changed), ``op`` (``"rebind"`` for a
       runtime tensor a call rebound, ``param.data = w``, or registered anew: a write of
-      the whole tensor, whose ``before()`` is the original's; a new tensor registered
-      under a tied tensor's other name unties it, and that name is then a target of its
-      own, and where the first name is registered anew or removed the alias that still
+      the whole tensor, whose ``before()`` is the original's; it stands for the writes
+      into the new data too, later in that call or in later calls, which get no rows of
+      their own: the report watches the storages the model held when the load began,
+      and its ``deltas`` compare the tensor as it ends with the original; a new tensor
+      registered under a tied tensor's other name unties it, and that name is then a
+      target of its own, and where the first name is registered anew or removed the alias that still
       holds the original tensor names it from then on; ``"register"`` for a tensor
       registered under a name the model did not have, which is then a target: written
       whole, with no ``deltas`` row and no ``before()`` (a tensor the model has, tied
@@ -824,9 +827,10 @@ class LoadReport:
         either they wrote nothing (a loader that skips weights another rank holds, or
         ones it finds unchanged) or they wrote where no interception sees (on another
         thread, through a storage, with torch function handling off, in TorchScript),
-        and the report misses those writes. A dry run (:attr:`dry_run`) gives no element
-        counts (``None``) and says how many runtime tensors on the meta device the load
-        wrote (``"dry run"``)."""
+        and the report misses those writes, or they wrote into a tensor that an earlier
+        call rebound (``param.data = w``: its ``rebind`` row stands for those writes).
+        A dry run (:attr:`dry_run`) gives no element counts (``None``) and says how many
+        runtime tensors on the meta device the load wrote (``"dry run"``)."""
         kinds = sorted(set(self.chunks["kind"].dropna()))  # (none for a malformed item)
         out = {
             "patches": len(self.patches),

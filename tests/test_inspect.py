@@ -1979,3 +1979,38 @@ def test_a_write_of_a_flat_buffer_is_the_buffers_not_the_parameter_at_its_start(
     # (each tensor's deltas count the elements of it written, as before)
     assert r.deltas["elements"].to_dict() == (
         {"a": 6, "flat": 12, "b": 6} if kind == "dense" else {"a": 2, "flat": 3, "b": 1})
+
+
+class _RebindsThenCopies(torch.nn.Module):
+    """Call of "new" rebinds ``w`` to a copy of its tensor; call of "half" copies into the
+    first two elements of the (new) data."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4))
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name == "new":
+                self.w.data = t.clone()
+            else:
+                self.w[:2].copy_(t)
+        return {n for n, _ in weights}
+
+
+def test_writes_into_rebound_data_are_the_rebind_rows_and_deltas_see_them():
+    # (documented: the report watches the storages the model held when the load began;
+    # the rebind row stands for later writes into the new data, and deltas compare the
+    # tensor as it ends with the original)
+    model = _RebindsThenCopies()
+    r = inspect_load(model, [dense("new", torch.ones(4)), dense("half", torch.full((2,), 5.0))],
+                     max_chunk_bytes=16)
+    assert r.writes[["chunk", "name", "target", "op"]].values.tolist() == [
+        [0, "new", "w", "rebind"]]
+    assert r.calls["writes"].tolist() == [1, 0]
+    assert r.summary()["calls with no write seen"] == [1]
+    assert model.w.detach().tolist() == [5.0, 5.0, 1.0, 1.0]
+    assert r.before("w").tolist() == [0.0] * 4
+    assert r.written("w").tolist() == [True] * 4
+    row = r.deltas.loc["w"]
+    assert (row["elements"], row["changed"], row["max_abs"], row["mean_abs"]) == (4, 4, 5.0, 3.0)
