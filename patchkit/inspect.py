@@ -1644,8 +1644,11 @@ def _observe_foreign(
     # quadratic.
     following = _as_planned(observed, plan)
 
-    def recording_load_weights(weights, *a, **kw):
+    def recording_load_weights(*args, **kwargs):
         nonlocal following
+        weights, weights_at = _weights_given(args, kwargs, weights_name)
+        if weights_at is None:  # (a call that gives no weights: the model's to refuse)
+            return passed_on(*args, **kwargs)
         staged = list(weights)
         i = len(observed)
         names = tuple(n for n, _ in staged)
@@ -1669,7 +1672,8 @@ def _observe_foreign(
             with session.call(i, watched, pos, sparse=False, patches=call_patches,
                               maybe_sparse=any_sparse,
                               observed=True) as r:
-                out = passed_on(staged, *a, **kw)
+                a, kw = _with_weights(args, kwargs, weights_at, staged)
+                out = passed_on(*a, **kw)
                 if isinstance(out, collections.abc.Iterator):
                     out = list(out)  # a generator: run it while the writes are watched
                 r.returned = _names(out, observed[-1])
@@ -1682,7 +1686,7 @@ def _observe_foreign(
             raise
         return out
 
-    passed_on = _Observers.attach(model, recording_load_weights)
+    passed_on, weights_name = _Observers.attach(model, recording_load_weights)
     try:
         with torch.no_grad():
             # (read inside the observation: a generator-function loader loads only while
@@ -1693,6 +1697,29 @@ def _observe_foreign(
         return loaded
     finally:
         _Observers.detach(model, recording_load_weights)
+
+
+def _weights_given(args: tuple, kwargs: dict[str, Any],
+                   name: str | None) -> tuple[Any, int | str | None]:
+    """The weights a ``load_weights`` call was given, and where: ``0`` (the first
+    positional argument), the keyword it came as (``name``: the first parameter of the
+    model's own ``load_weights``, where it has one a keyword can give), or ``None``
+    where the call gives none (the model's own ``load_weights`` then says what is
+    wrong)."""
+    if args:
+        return args[0], 0
+    if name is not None and name in kwargs:
+        return kwargs[name], name
+    return None, None
+
+
+def _with_weights(args: tuple, kwargs: dict[str, Any], at: int | str,
+                  weights: Any) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` of a call as it came, with ``weights`` where its weights were
+    (``at``, as :func:`_weights_given` found it)."""
+    if at == 0:
+        return (weights, *args[1:]), kwargs
+    return args, {**kwargs, at: weights}
 
 
 def _loader_names(result: Any, loader: Callable[..., Any]) -> set[str]:
@@ -1738,20 +1765,25 @@ class _Observers:
         self.had_attr = "load_weights" in vars(model)
         self.attr = vars(model).get("load_weights")
         self.bare = model.load_weights
+        # The keyword its weights may come as (a call ``load_weights(weights=...)``):
+        # its first parameter's name, where a keyword can give it.
+        self.weights_name = _first_keyword(self.bare)
         self.stacks: dict[int, list[Callable[..., Any]]] = {}
         stacks, bare = self.stacks, self.bare
 
-        def load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
+        def load_weights(*args: Any, **kwargs: Any) -> Any:
             stack = stacks.get(threading.get_ident())
-            return (stack[-1] if stack else bare)(weights, *args, **kwargs)
+            return (stack[-1] if stack else bare)(*args, **kwargs)
 
         self.dispatch = load_weights
 
     @classmethod
-    def attach(cls, model: torch.nn.Module, recorder: Callable[..., Any]) -> Callable[..., Any]:
+    def attach(cls, model: torch.nn.Module,
+               recorder: Callable[..., Any]) -> tuple[Callable[..., Any], str | None]:
         """Route this thread's ``load_weights`` calls on ``model`` to ``recorder``; returns
         what the recorder passes each call on to (the recorder of an observed load this
-        one runs inside, on this thread, else the model's own ``load_weights``)."""
+        one runs inside, on this thread, else the model's own ``load_weights``), and the
+        keyword the model's own ``load_weights`` takes its weights as (``None``: none)."""
         with cls._lock:
             entry = cls._by_model.get(id(model))
             if entry is None:
@@ -1760,7 +1792,7 @@ class _Observers:
             stack = entry.stacks.setdefault(threading.get_ident(), [])
             below = stack[-1] if stack else entry.bare
             stack.append(recorder)
-            return below
+            return below, entry.weights_name
 
     @classmethod
     def detach(cls, model: torch.nn.Module, recorder: Callable[..., Any]) -> None:
@@ -1779,6 +1811,16 @@ class _Observers:
             else:
                 with contextlib.suppress(AttributeError):
                     del model.load_weights
+
+
+def _first_keyword(fn: Callable[..., Any]) -> str | None:
+    """The name of ``fn``'s first parameter where a call may give it by keyword, else
+    ``None`` (positional only, ``*args``, or a signature that cannot be read)."""
+    try:
+        first = next(iter(_pyinspect.signature(fn).parameters.values()), None)
+    except (TypeError, ValueError):
+        return None
+    return first.name if first is not None and first.kind is first.POSITIONAL_OR_KEYWORD else None
 
 
 def _as_planned(calls: list[Chunk], plan: list[Chunk], complete: bool = False) -> bool:

@@ -647,6 +647,28 @@ def test_an_observed_generator_function_loader_is_watched_while_it_loads():
     assert int(r.deltas.loc["a", "changed"]) == 4
 
 
+def test_an_observed_loader_may_give_load_weights_its_weights_by_keyword():
+    # (the wrapper took them as a positional ``weights``: a model whose parameter has
+    # another name, called by keyword, failed under observation with a TypeError naming
+    # patchkit's wrapper, and loaded nothing)
+    class ItsOwnName(PlainModel):
+        def load_weights(self, weights_iter, *, strict=True):
+            assert strict is False
+            return super().load_weights(weights_iter)
+
+    def by_keyword(model, patches, **kw):
+        return model.load_weights(
+            strict=False, weights_iter=[(p.name, p.values.view(p.shape)) for p in patches])
+
+    m = ItsOwnName({"a": (4,)})
+    r = inspect_load(m, [CheckpointWeightPatch("a", (4,), torch.float32, torch.ones(4))],
+                     loader=by_keyword)
+    assert m.a.tolist() == [1.0] * 4 and r.loaded == {"a"}
+    assert [tuple(n) for n in r.calls["names"]] == [("a",)]
+    assert r.writes["name"].tolist() == ["a"]
+    assert "load_weights" not in vars(m)
+
+
 def test_a_tied_alias_names_the_same_runtime_tensor_in_a_report():
     class Tied(torch.nn.Module):
         def __init__(self):
