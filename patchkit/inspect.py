@@ -1170,8 +1170,10 @@ def inspect_load(
     anything runs, as is one whose signature cannot take that call at all); a
     ``functools.partial`` that fixes one of them is overridden, so pass it here instead,
     and patchkit only observes it: ``model.load_weights`` is wrapped for
-    the duration to record each call made on this thread, and writes into runtime tensors
-    are watched on this thread, never changed. A call made on another thread (another
+    the duration to record each call made on this thread (a call that the model's
+    ``load_weights`` makes into itself is part of the call it runs in: its writes are
+    that call's), and writes into runtime tensors are watched on this thread, never
+    changed. A call made on another thread (another
     thread's own load into the same model, or a worker thread of the loader's) passes
     to the model's own ``load_weights`` unwatched, and an observed load on another thread
     sees only its own calls; the last observed load to end puts ``load_weights`` back as
@@ -1644,10 +1646,15 @@ def _observe_foreign(
     # quadratic.
     following = _as_planned(observed, plan)
 
+    depth = 0  # this load's calls in progress (on this thread: the recorder's only one)
+
     def recording_load_weights(*args, **kwargs):
-        nonlocal following
+        nonlocal following, depth
         weights, weights_at = _weights_given(args, kwargs, weights_name)
-        if weights_at is None:  # (a call that gives no weights: the model's to refuse)
+        if depth or weights_at is None:
+            # A call that the model's load_weights makes into itself is part of the
+            # call it is made in (its writes are that call's, traced to the patches that
+            # call was given); a call that gives no weights is the model's to refuse.
             return passed_on(*args, **kwargs)
         staged = list(weights)
         i = len(observed)
@@ -1668,6 +1675,7 @@ def _observe_foreign(
         following = following and i < len(plan) and (
             plan[i].names == names and plan[i].positions == tuple(pos))
         call_patches = [patches[p] if p >= 0 else None for p in pos]
+        depth += 1
         try:
             with session.call(i, watched, pos, sparse=False, patches=call_patches,
                               maybe_sparse=any_sparse,
@@ -1684,6 +1692,8 @@ def _observe_foreign(
             with contextlib.suppress(Exception):
                 failed.append((len(observed), _left_as_written(session.saved)))
             raise
+        finally:
+            depth -= 1
         return out
 
     passed_on, weights_name = _Observers.attach(model, recording_load_weights)

@@ -669,6 +669,35 @@ def test_an_observed_loader_may_give_load_weights_its_weights_by_keyword():
     assert "load_weights" not in vars(m)
 
 
+def test_a_load_weights_that_calls_itself_is_one_observed_call_with_each_write_once():
+    # (each inner call was recorded as a call of its own inside the outer one: every
+    # write showed twice in ``writes``, and the outer call's row named only the last
+    # inner call's weights)
+    class OneAtATime(PlainModel):
+        def load_weights(self, weights):
+            weights = list(weights)
+            if len(weights) == 1:
+                return super().load_weights(weights)
+            return set().union(*(self.load_weights([w]) for w in weights))
+
+    sent: list[tuple[str, ...]] = []
+
+    def loader(model, patches, **kw):
+        sent.append(tuple(p.name for p in patches))
+        return model.load_weights([(p.name, p.values.view(p.shape)) for p in patches])
+
+    m = OneAtATime({"a": (4,), "b": (4,)})
+    ps = [CheckpointWeightPatch(n, (4,), torch.float32, torch.full((4,), v))
+          for n, v in (("a", 1.0), ("b", 2.0))]
+    r = inspect_load(m, ps, loader=loader)
+    assert [tuple(n) for n in r.calls["names"]] == sent == [("a", "b")]
+    assert r.calls["writes"].tolist() == [2]
+    assert r.writes[["chunk", "position", "name", "target"]].values.tolist() == [
+        [0, 0, "a", "a"], [0, 1, "b", "b"]]
+    assert r.deltas["changed"].tolist() == [4, 4]
+    assert r.chunks["chunk"].tolist() == [0, 0] and r.loaded == {"a", "b"}
+
+
 def test_a_tied_alias_names_the_same_runtime_tensor_in_a_report():
     class Tied(torch.nn.Module):
         def __init__(self):
