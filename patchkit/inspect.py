@@ -305,6 +305,13 @@ class _Recorder:
         if self._tracker is not None:
             self._staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
 
+    def on_staged(self, name: str, staged: torch.Tensor) -> None:
+        """One more entry of the call in progress (an observed call's iterator, taken
+        as the model takes it: see WriteSession.stage_more)."""
+        self._sent.append(name)
+        if self._tracker is not None:
+            self._staged_bytes += staged.numel() * staged.element_size()
+
     def on_write(self, event: WriteEvent) -> None:
         self.events.append(event)
 
@@ -1172,9 +1179,11 @@ def inspect_load(
     and patchkit only observes it: ``model.load_weights`` is wrapped for
     the duration to record each call made on this thread (a call that the model's
     ``load_weights`` makes into itself is part of the call it runs in: its writes are
-    that call's), and writes into runtime tensors are watched on this thread, never
-    changed. A call made on another thread (another
-    thread's own load into the same model, or a worker thread of the loader's) passes
+    that call's; an iterator the loader gives it, a generator that stages each patch as
+    the model asks for it, is handed on as such, each entry recorded as the model takes
+    it), and writes into runtime tensors are watched on this thread, never changed. A
+    call made on another thread (another thread's own load into the same model, or a
+    worker thread of the loader's) passes
     to the model's own ``load_weights`` unwatched, and an observed load on another thread
     sees only its own calls; the last observed load to end puts ``load_weights`` back as
     it was. The loader returns the names it loaded (an iterable of str) or ``None``:
@@ -1656,35 +1665,81 @@ def _observe_foreign(
             # call it is made in (its writes are that call's, traced to the patches that
             # call was given); a call that gives no weights is the model's to refuse.
             return passed_on(*args, **kwargs)
-        staged = list(weights)
+        try:
+            it = iter(weights)
+        except TypeError:  # (not iterable: the model's own load_weights says what is wrong)
+            return passed_on(*args, **kwargs)
         i = len(observed)
-        names = tuple(n for n, _ in staged)
-        planned = (plan[i].positions if following and i < len(plan)
-                   and plan[i].names == names else None)
-        if planned is not None and not sent.ambiguous(names):
-            pos = planned
-        else:  # (a call that follows the plan keeps its positions where staged agrees)
-            pos = sent.match(names, [t for _, t in staged], planned)
-        sent.mark(names, pos)
-        # A loader outside the contract may send something else than a tensor (a list,
-        # an array): the call is watched all the same, that entry counted as no bytes
-        # and traced to no patch (the loader gets what it sent).
-        watched = [(n, t if isinstance(t, torch.Tensor) else _NOT_A_TENSOR) for n, t in staged]
+        if it is not weights:  # (a list, a tuple: what it holds is known now)
+            staged = list(it)
+            names = tuple(n for n, _ in staged)
+            planned = (plan[i].positions if following and i < len(plan)
+                       and plan[i].names == names else None)
+            if planned is not None and not sent.ambiguous(names):
+                pos = list(planned)
+            else:  # (a call that follows the plan keeps its positions where staged agrees)
+                pos = list(sent.match(names, [t for _, t in staged], planned))
+            sent.mark(names, pos)
+            # A loader outside the contract may send something else than a tensor (a
+            # list, an array): the call is watched all the same, that entry counted as
+            # no bytes and traced to no patch (the loader gets what it sent).
+            watched = [(n, _watched(t)) for n, t in staged]
+            given: Any = staged
+        else:
+            # An iterator (a generator that stages each patch as the model asks for it,
+            # into one reused buffer, say): its entries are taken as the model takes
+            # them, each recorded then; listing it first would hand the model every
+            # entry as it is once the last was staged, and would run the loader's
+            # staging of a call ahead of that call's writes.
+            names, pos, watched = [], [], []
+            on_plan = following and i < len(plan)
+
+            def take(n: str, t: Any) -> None:
+                nonlocal on_plan
+                k = len(names)
+                want = None
+                if on_plan and k < len(plan[i].names) and plan[i].names[k] == n:
+                    want = plan[i].positions[k]
+                else:
+                    on_plan = False
+                if want is not None and not sent.ambiguous((n,)):
+                    p = want
+                    sent.mark((n,), (p,))
+                else:
+                    (p,) = sent.match((n,), (t,), None if want is None else (want,))
+                names.append(n)
+                pos.append(p)
+                watched.append((n, _watched(t)))
+                session.stage_more(p, n, watched[-1][1], patches[p] if p >= 0 else None)
+
+            def entries() -> Iterator[Any]:
+                for item in it:
+                    if calls_open:  # (read after its call ended: passed on unrecorded)
+                        n, t = item
+                        take(n, t)
+                    yield item
+
+            calls_open = True
+            given = entries()
         nbytes = sum(t.numel() * t.element_size() for _, t in watched)
-        observed.append(Chunk(i, tuple(pos), names, nbytes, "end"))
-        following = following and i < len(plan) and (
-            plan[i].names == names and plan[i].positions == tuple(pos))
+        observed.append(Chunk(i, tuple(pos), tuple(names), nbytes, "end"))
         call_patches = [patches[p] if p >= 0 else None for p in pos]
         depth += 1
         try:
             with session.call(i, watched, pos, sparse=False, patches=call_patches,
                               maybe_sparse=any_sparse,
                               observed=True) as r:
-                a, kw = _with_weights(args, kwargs, weights_at, staged)
-                out = passed_on(*a, **kw)
+                try:
+                    a, kw = _with_weights(args, kwargs, weights_at, given)
+                    out = passed_on(*a, **kw)
+                finally:
+                    if it is weights:  # (what the model took of the iterator)
+                        calls_open = False
+                        nbytes = sum(t.numel() * t.element_size() for _, t in watched)
+                        observed[i] = Chunk(i, tuple(pos), tuple(names), nbytes, "end")
                 if isinstance(out, collections.abc.Iterator):
                     out = list(out)  # a generator: run it while the writes are watched
-                r.returned = _names(out, observed[-1])
+                r.returned = _names(out, observed[i])
         except BaseException:
             # What the calls' own writes left (read once, on failure only): a target
             # whose values are back as before the load only because of the loader's
@@ -1694,6 +1749,9 @@ def _observe_foreign(
             raise
         finally:
             depth -= 1
+            following = following and i < len(plan) and (
+                plan[i].names == observed[i].names
+                and plan[i].positions == observed[i].positions)
         return out
 
     passed_on, weights_name = _Observers.attach(model, recording_load_weights)
@@ -1707,6 +1765,13 @@ def _observe_foreign(
         return loaded
     finally:
         _Observers.detach(model, recording_load_weights)
+
+
+def _watched(t: Any) -> torch.Tensor:
+    """What an observed call's entry is watched as: the tensor, or for something else
+    (a list, an array: a loader outside the contract) no tensor, counted as no bytes and
+    traced to no patch (the model gets what was sent)."""
+    return t if isinstance(t, torch.Tensor) else _NOT_A_TENSOR
 
 
 def _weights_given(args: tuple, kwargs: dict[str, Any],

@@ -2186,6 +2186,7 @@ class WriteSession:
         # (position, name) of each patch of the call in progress (position None: an
         # observed name that matches no patch)
         self._call_patches: tuple[tuple[int | None, str], ...] = ()
+        self._observed_call = (False, False)  # (observed, maybe_sparse) of the call
         # runtime tensor name -> the patch of the last copy into it in this call (None:
         # not traced), which an error that names no patch reports as a fact
         self._call_fed: dict[str, tuple[int | None, str] | None] = {}
@@ -2285,6 +2286,7 @@ class WriteSession:
         ``maybe_sparse``: its copies are then checked as well.
         """
         self._sparse = sparse
+        self._observed_call = (observed, maybe_sparse)  # (what stage_more needs of them)
         self._patches = dict(zip(positions, patches)) if patches is not None else {}
         self._nan_masked = observed and any(
             (p is None and maybe_sparse) or (p is not None and p.indices is not None)
@@ -2351,6 +2353,31 @@ class WriteSession:
                 if guarded:
                     self._guard = None
                     _DEFERRAL.uninstall()  # (a signal held back runs here at the latest)
+
+    def stage_more(self, position: int, name: str, staged: torch.Tensor,
+                   patch: Any | None) -> None:
+        """One more entry of the observed call in progress (see :meth:`_call`), known only
+        now: a loader that hands ``load_weights`` an iterator (a generator that stages
+        each patch as the model asks for it) has its entries taken one by one, as the
+        model takes them, so that what each one holds when the model reads it is what
+        is written. ``position``: the patch it was matched to (negative: none), whose
+        record is ``patch``. The caller keeps its own lists of the call's entries (the
+        ones it passed to :meth:`call`), which the call's end reads."""
+        observed, maybe_sparse = self._observed_call
+        pos = position if position >= 0 else None
+        key = _storage_key(staged) if staged.numel() else None
+        if key is not None:
+            self._staged_keys.add(key)
+        self._call_patches += ((pos, name),)
+        self._patches[position] = patch
+        if observed and ((patch is None and maybe_sparse)
+                         or (patch is not None and patch.indices is not None)):
+            self._nan_masked = True
+        if self.track_sources:
+            self.provenance.add_staged(pos, name, staged, key)
+        on_staged = getattr(self.recorder, "on_staged", None)
+        if on_staged is not None:
+            on_staged(name, staged)
 
     def _gpus(self, staged: Sequence[tuple[str, torch.Tensor]]) -> set[torch.device]:
         """The CUDA devices of the model's tensors (found once per load) and of ``staged``:

@@ -698,6 +698,49 @@ def test_a_load_weights_that_calls_itself_is_one_observed_call_with_each_write_o
     assert r.chunks["chunk"].tolist() == [0, 0] and r.loaded == {"a", "b"}
 
 
+def _staged_into_one_buffer(stop_at=None):
+    """A foreign loader that hands load_weights a generator staging each dense patch into
+    one reused buffer as the model asks for it; its staging fails at patch ``stop_at``."""
+    def loader(model, patches, **kw):
+        buf = torch.empty(4)
+
+        def entries():
+            for i, p in enumerate(patches):
+                if i == stop_at:
+                    raise RuntimeError("staging failed")
+                buf.copy_(p.values)
+                yield p.name, buf
+
+        return model.load_weights(entries())
+
+    return loader
+
+
+@pytest.mark.parametrize("stop_at", [None, 2], ids=["all staged", "staging fails"])
+def test_an_observed_loaders_generator_is_read_as_the_model_reads_it(stop_at):
+    # (the wrapper listed the generator before the model saw it: every entry was the
+    # reused buffer as the last patch left it, so the model was loaded with the last
+    # patch's values everywhere; and where staging failed, nothing of that call was
+    # written, where the loader unobserved writes the entries before the failure)
+    ps = [CheckpointWeightPatch(n, (4,), torch.float32, torch.full((4,), v))
+          for n, v in (("a", 1.0), ("b", 2.0), ("c", 3.0))]
+    plain, observed = (PlainModel({"a": (4,), "b": (4,), "c": (4,)}) for _ in range(2))
+    fails = pytest.raises(RuntimeError, match="staging failed")
+    with fails if stop_at is not None else contextlib.nullcontext():
+        _staged_into_one_buffer(stop_at)(plain, ps)
+    with fails if stop_at is not None else contextlib.nullcontext():
+        r = inspect_load(observed, ps, loader=_staged_into_one_buffer(stop_at))
+    if stop_at is not None:
+        r = fails.excinfo.value.report
+    assert patchkit.same_state(plain.state_dict(), observed.state_dict())
+    assert observed.a.tolist() == [1.0] * 4 and observed.b.tolist() == [2.0] * 4
+    sent = ("a", "b", "c")[:stop_at]
+    assert [tuple(n) for n in r.calls["names"]] == [sent]
+    assert r.writes[["position", "name", "target", "changed"]].values.tolist() == [
+        [i, n, n, 4] for i, n in enumerate(sent)]
+    assert list(r.deltas.index) == list(sent)
+
+
 def test_a_tied_alias_names_the_same_runtime_tensor_in_a_report():
     class Tied(torch.nn.Module):
         def __init__(self):
