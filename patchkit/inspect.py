@@ -1132,6 +1132,25 @@ def _check_loader_call(loader: Callable[..., Any], transactional: bool) -> None:
         ) from None
 
 
+def _check_wrappable(model: torch.nn.Module) -> None:
+    """:class:`~patchkit.PatchTypeError` where ``model.load_weights`` is a property (a
+    data descriptor of its class): an observed load wraps ``model.load_weights`` by
+    setting it on the instance, which a property without a setter refuses (an
+    ``AttributeError`` from inside the load, the loader never run) and one with a setter
+    takes and keeps (the wrapper left on the model for good, its getter's own answer
+    gone): neither can be put back as it was."""
+    found = _pyinspect.getattr_static(type(model), "load_weights", None)
+    if hasattr(type(found), "__set__") or hasattr(type(found), "__delete__"):
+        raise PatchTypeError(
+            f"model {type(model).__name__}'s load_weights is a {type(found).__name__} of "
+            "its class: inspect_load(loader=...) observes a load by setting a wrapper as "
+            "the model's load_weights for the load and removing it after, which it cannot "
+            "do to a property; make load_weights a method, or inspect patchkit's own load "
+            "(loader=None)",
+            reason="load_weights property", value=type(found).__name__,
+        )
+
+
 def _callable_name(fn: Callable[..., Any]) -> str:
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     module = getattr(fn, "__module__", None)
@@ -1186,9 +1205,12 @@ def inspect_load(
     worker thread of the loader's) passes
     to the model's own ``load_weights`` unwatched, and an observed load on another thread
     sees only its own calls; the last observed load to end puts ``load_weights`` back as
-    it was. The loader returns the names it loaded (an iterable of str) or ``None``:
-    anything else (a str, a number) raises :class:`~patchkit.PatchTypeError`
-    (``reason="loader returned"``) once it has returned, its writes kept. Its calls
+    it was (a model whose ``load_weights`` is a property, which cannot be wrapped and
+    put back so, is refused before anything runs: :class:`~patchkit.PatchTypeError`,
+    ``reason="load_weights property"``). The loader returns the names it loaded (an
+    iterable of str) or ``None``: anything else (a str, a number) raises
+    :class:`~patchkit.PatchTypeError` (``reason="loader returned"``) once it has
+    returned, its writes kept. Its calls
     are watched through a torch function mode (see :mod:`patchkit.intercept`), so a
     loader that turns torch function handling off (``torch._C.DisableTorchFunction``)
     while it writes hides those writes from the report (patchkit's own loader watches
@@ -1294,6 +1316,8 @@ def inspect_load(
             "own checkpoint loader, and a report watches that module's tensors",
             reason="no load_weights", value=type(model).__name__,
         )
+    if loader is not None:
+        _check_wrappable(model)
     lent = reuse._hand_over() if reuse is not None else []
     # What the load runs in: the buffers lent for reuse, the collector paused. Closed
     # by _inspect_load once the report is made, before a transactional load's held

@@ -144,6 +144,44 @@ def test_an_instance_load_weights_is_put_back_after_observed_loads_on_two_thread
     assert m.a.tolist() == [2.0] * 8 and m.b.tolist() == [2.0] * 8
 
 
+class _PropertyLoadWeights(PlainModel):
+    """A model whose ``load_weights`` is a property giving its own method (or, in the
+    subclass with a setter, the replacement set through it)."""
+
+    def __init__(self, shapes, **kwargs):
+        super().__init__(shapes, **kwargs)
+        self.given = None
+
+    @property
+    def load_weights(self):
+        return self.given or super().load_weights
+
+
+class _SettableLoadWeights(_PropertyLoadWeights):
+    @_PropertyLoadWeights.load_weights.setter
+    def load_weights(self, fn):
+        self.given = fn
+
+
+@pytest.mark.parametrize("cls", [_PropertyLoadWeights, _SettableLoadWeights],
+                         ids=["no setter", "setter"])
+def test_a_model_whose_load_weights_is_a_property_is_refused_before_anything_runs(cls):
+    # (no setter: a bare AttributeError from inside patchkit, the loader never run; a
+    # setter: the wrapper was set through it and never taken off, left on the model)
+    m = cls({"a": (8,)}, fill=1.0)
+    ran = []
+
+    def loader(model, patches, **kwargs):
+        ran.append(True)
+        return _sends_as_one_call(model, patches)
+
+    with pytest.raises(PatchTypeError, match="property") as info:
+        inspect_load(m, [_dense("a", 2.0)], loader=loader)
+    assert info.value.reason == "load_weights property"
+    assert ran == [] and m.a.tolist() == [1.0] * 8
+    assert m.given is None and m.load_weights.__func__ is PlainModel.load_weights
+
+
 @pytest.mark.parametrize("returned, shown", [
     ("a", "'a' (str)"),  # (read as a set of its characters before)
     (3, "3 (int)"),  # (a bare "'int' object is not iterable" before)
