@@ -2225,9 +2225,9 @@ class WriteSession:
     # -- one load_weights call -------------------------------------------------------
 
     def call(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[_CallResult]:
-        """:meth:`_call` (see there), remembered so that :meth:`end_calls` can end it.
-        (A call may run inside another of the same session: a ``load_weights`` that
-        calls itself under an observed loader. So none is ended here.)"""
+        """:meth:`_call` (see there), remembered so that :meth:`end_calls` can end it
+        (none is ended here). Calls of one session do not nest: an observed load passes
+        a ``load_weights`` that calls itself straight on, its writes the outer call's."""
         scope = self._call(*args, **kwargs)
         self._open_calls = [g for g in self._open_calls if g.gi_frame is not None]
         self._open_calls.append(scope.gen)  # type: ignore[attr-defined]
