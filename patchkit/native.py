@@ -617,7 +617,8 @@ def compare_copy(
 ) -> CopyResult | None:
     """Copy ``src`` into ``dest`` (same shape, dtype, CPU, separate storage) and say what
     changed, or return ``None`` without touching anything when the copy is outside the
-    fast path (see the module docstring) and the caller should use torch ops.
+    fast path (see the module docstring), or ``src`` has another shape or dtype, and the
+    caller should use torch ops.
 
     ``stats_dtype``: compute the statistics reading the bits as this dtype (``dest``'s
     own, or the runtime tensor's when ``dest`` reinterprets it); ``None``: no statistics.
@@ -630,7 +631,8 @@ def compare_copy(
     # there, so the common cases below make as few as they can.)
     size = dest.element_size()
     kind = _KIND_FOR.get((stats_dtype, size))
-    if kind is None:
+    if kind is None or src.dtype != dest.dtype or src.shape != dest.shape:
+        # (the C side walks src by dest's shape: past src's end where dest is bigger)
         return None
     ready = _ready(dest, src)
     if ready is None:

@@ -474,6 +474,24 @@ def test_copies_outside_the_compiled_path_are_left_to_torch():
     assert torch.equal(a, torch.zeros(8, 6)), "a refused copy must not write"
 
 
+@needs_compiler
+@pytest.mark.parametrize("src", ["one row", "another shape", "int32 bits"])
+def test_a_source_of_another_shape_or_dtype_is_left_to_torch(src):
+    # compare_copy walked the source by the destination's shape: a (1000,) source for a
+    # (4, 1000) destination was read 4000 elements long, past its end (AddressSanitizer:
+    # heap-buffer-overflow; without it, whatever lay there was copied into the
+    # destination), and an int32 source was copied as float32 bits, not converted.
+    dest = torch.zeros(4, 1000)
+    source = {
+        "one row": torch.ones(1000),
+        "another shape": torch.ones(1000, 4),  # (as many elements: torch's copy_ refuses it)
+        "int32 bits": torch.arange(4000, dtype=torch.int32).view(4, 1000),
+    }[src]
+    assert native.compare_copy(dest, source, None) is None
+    assert native.compare_copy(dest, source, torch.float32) is None
+    assert torch.equal(dest, torch.zeros(4, 1000)), "a refused copy must not write"
+
+
 def test_rows_describes_views_as_rows_of_contiguous_elements():
     w = torch.zeros(8, 6)
     assert native._rows(w, torch.zeros(8, 6)) == (48, 48, 48)
