@@ -1091,8 +1091,14 @@ class _KeptError:
 
 
 def _error_text(error: BaseException, limit: int = 160) -> str:
-    """``"ValueError: first line of the message"``, cut to ``limit`` characters."""
-    lines = str(error).strip().splitlines()
+    """``"ValueError: first line of the message"``, cut to ``limit`` characters; an
+    exception whose ``str()`` raises gives ``<exception str() failed>`` as its message,
+    as Python's own traceback writes it."""
+    try:
+        message = str(error)
+    except Exception:  # (a user's exception: its __str__ may raise anything)
+        message = "<exception str() failed>"
+    lines = message.strip().splitlines()
     text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
     return text if len(text) <= limit else text[: limit - 1] + "…"
 

@@ -100,6 +100,15 @@ def _shown(name: str | None, most: int = 120) -> str:
     return text[:half] + "…" + text[len(text) - (most - 1 - half):]
 
 
+def _message(error: BaseException) -> str:
+    """``str(error)``, or ``<exception str() failed>`` (as Python's own traceback writes
+    it) for an exception whose ``__str__`` raises."""
+    try:
+        return str(error)
+    except Exception:  # (a user's exception: its __str__ may raise anything)
+        return "<exception str() failed>"
+
+
 def _told_apart(options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """Dropdown ``options`` whose labels are made distinct: a label that several carry
     (long names cut to the same start and end, see :func:`_shown`) gains `` (2)``,
@@ -353,7 +362,8 @@ class ReportExplorer(W.VBox):
         error = getattr(report, "error", None)
         rejected = (
             "" if error is None else
-            f"<br>the load raised {type(error).__name__}: {html.escape(shown_text(str(error)))}"
+            f"<br>the load raised {type(error).__name__}: "
+            f"{html.escape(shown_text(_message(error)))}"
         )
         head = W.HTML(
             f"<b>LoadReport</b>: {_count(len(report.patches), 'patch', 'patches')}, "

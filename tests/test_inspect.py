@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pickle
 import typing
 
 import pytest
@@ -2108,3 +2109,23 @@ def test_writes_into_rebound_data_are_the_rebind_rows_and_deltas_see_them():
     assert r.written("w").tolist() == [True] * 4
     row = r.deltas.loc["w"]
     assert (row["elements"], row["changed"], row["max_abs"], row["mean_abs"]) == (4, 4, 5.0, 3.0)
+
+
+class _NoStr(Exception):
+    def __str__(self):
+        raise RuntimeError("this exception cannot be written")
+
+
+def test_a_report_whose_error_cannot_be_written_still_renders():
+    # (summary(), both reprs and the pickle raised the RuntimeError of the error's __str__)
+    class Refuses(PlainModel):
+        def load_weights(self, weights):
+            raise _NoStr()
+
+    with pytest.raises(_NoStr) as info:
+        inspect_load(Refuses({"w": (2,)}), [dense("w", torch.ones(2))])
+    report = info.value.report
+    assert report.summary()["error"] == "_NoStr: <exception str() failed>"
+    assert "error=_NoStr: <exception str() failed>" in repr(report)
+    assert "_NoStr: &lt;exception str() failed&gt;" in report._repr_html_()
+    assert pickle.loads(pickle.dumps(report)).summary() == report.summary()

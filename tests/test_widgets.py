@@ -579,3 +579,21 @@ def test_the_explorer_of_an_unpickled_report_says_so_in_words():
     w.dropdown.value = ("runtime", "qkv")
     text = texts(w.output)
     assert "this report was unpickled" in text and "raised in" not in text
+
+
+class _NoStr(Exception):
+    def __str__(self):
+        raise RuntimeError("this exception cannot be written")
+
+
+def test_explore_of_a_load_whose_error_cannot_be_written():
+    # (explore() raised the RuntimeError of the error's __str__)
+    class Refuses(PlainModel):
+        def load_weights(self, weights):
+            raise _NoStr()
+
+    with pytest.raises(_NoStr) as info:
+        inspect_load(Refuses({"w": (2,)}), [CheckpointWeightPatch(
+            "w", (2,), torch.float32, torch.ones(2))])
+    w = explore(info.value.report)
+    assert "the load raised _NoStr: &lt;exception str() failed&gt;" in w.children[0].value
