@@ -120,6 +120,7 @@ from .intercept import (
     named_tensors,
     rollbacks,
 )
+from .io import _shown as _name_text
 from .loader import _canonicalized, _names, _read_names, _roll_back, run_load
 from .patch import (
     CheckpointWeightPatch,
@@ -135,7 +136,7 @@ from .patch import (
     staged_nbytes,
 )
 from .progress import LoadProgress, Tracker, check_progress
-from .units import _count, format_bytes, shown_text
+from .units import _count, format_bytes, shown_name, shown_text
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -888,10 +889,12 @@ class LoadReport:
         head = ", ".join(f"{k}={_human(k, v)}" for k, v in s.items() if v is not None)
         parts = [f"LoadReport({head})"]
         with pd.option_context("display.width", 120, "display.max_columns", 20):
-            parts.append("chunks:\n" + _head_text(self.chunks.drop(columns=["note"]), False))
+            parts.append("chunks:\n" + _head_text(
+                _names_shown(self.chunks.drop(columns=["note"])), False))
             if len(self.deltas):
                 # (4 significant digits: a 3e-7 step of a small learning rate is not 0.0)
-                parts.append("deltas:\n" + _head_text(self.deltas, True, "{:.4g}".format))
+                parts.append("deltas:\n" + _head_text(
+                    _names_shown(self.deltas), True, "{:.4g}".format))
         # (a lone surrogate in a name, which no terminal or Jupyter message takes, escaped)
         return shown_text("\n\n".join(parts))
 
@@ -909,9 +912,9 @@ class LoadReport:
         # No timings here: a rendered report must be the same on every run and machine
         # (notebook outputs are compared); ``report.calls.seconds`` has them.
         tables = (
-            ("chunks", self.chunks),
+            ("chunks", _names_shown(self.chunks)),
             ("calls", self.calls.drop(columns=["seconds"])),
-            ("deltas", self.deltas),
+            ("deltas", _names_shown(self.deltas)),
         )
         for title, df in tables:
             if len(df):
@@ -1039,6 +1042,26 @@ def _head_text(df: pd.DataFrame, index: bool, floats: Any = None) -> str:
     return (df.head(_REPR_ROWS).to_string(index=index, max_colwidth=_COLWIDTH,
                                           float_format=floats)
             + f"\n... {more} more rows")
+
+
+def _names_shown(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` (``chunks`` or ``deltas``) with its names, the ``name`` column or the index
+    of runtime names, as both reprs write them: a plain name as it is, any other (blank
+    at an end, or all blank; a newline or another character that is not printable; a
+    backslash; a quote first) as its ``repr``, so that no two names read the same (a
+    name ``"w "`` and ``"w"``, ``"a\\nb"`` and ``"a\nb"``) and none is lost in the
+    table's blanks. The tables themselves keep the names as they are."""
+    def shown(v: Any) -> Any:
+        return _name_text(v) if isinstance(v, str) else v
+
+    out = df.copy()
+    if "name" in out.columns:
+        out["name"] = pd.Series([shown(v) for v in out["name"]], index=out.index,
+                                dtype=object)
+    else:
+        out.index = pd.Index([shown(v) for v in out.index], name=out.index.name,
+                             dtype=object)
+    return out
 
 
 def _cut(df: pd.DataFrame) -> pd.DataFrame:
@@ -1170,6 +1193,9 @@ def _human(key: str, v: Any) -> str:
         # (summary() has them all: calls with no write seen may be thousands)
         head = ", ".join(map(repr, v[:_LIST_SHOWN - 2]))
         return f"[{head}, ..., {v[-1]!r}] ({len(v)})"
+    if isinstance(v, str):
+        # (an error's message: a "\r" or a U+202E in it would rewrite or reverse the line)
+        return shown_name(v)
     return str(v)
 
 

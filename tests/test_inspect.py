@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import pickle
+import re
 import typing
 
 import pytest
@@ -391,6 +392,37 @@ def test_html_says_how_many_rows_a_table_has_and_reprs_cut_long_cells():
     assert long not in chunks_part and long[:40] in chunks_part  # cut to 60, with "..."
     text = repr(r).split("deltas:")[0]
     assert long not in text and long[:40] in text
+
+
+def test_reprs_write_names_that_would_read_alike_or_blank_as_their_repr():
+    # (a name "a\\nb" and one "a\nb" read the same, "a\nb", and " " and "  " as blanks)
+    names = ["a\nb", "a\\nb", " ", "  ", "'w'", "plain.weight"]
+    m = PlainModel({n: (2,) for n in names})
+    r = inspect_load(m, [dense(n, torch.ones(2)) for n in names])
+    chunks_text, deltas_text = repr(r).split("deltas:")
+    shown = [repr(n) for n in names[:5]] + ["plain.weight"]
+    rows = chunks_text.strip().splitlines()[-len(names):]
+    assert [re.match(r"\s*0\s+\d\s+(.*?)\s+dense ", row).group(1) for row in rows] == shown
+    rows = deltas_text.strip().splitlines()[-len(names):]
+    assert [re.match(r"(.*?)\s+2\s+2\s", row).group(1) for row in rows] == shown
+    page = r._repr_html_()
+    for n in ("<td>'a\\nb'</td>", "<td>'a\\\\nb'</td>", "<td>' '</td>",
+              "<th>'a\\nb'</th>", "<th>' '</th>", "<td>plain.weight</td>"):
+        assert n in page
+    assert r.chunks["name"].tolist() == names  # (the tables keep the names as they are)
+
+
+def test_reprs_escape_what_in_an_error_message_would_rewrite_the_line():
+    class Refuses(PlainModel):
+        def load_weights(self, weights):
+            raise RuntimeError("disk\u202e gone")
+
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(Refuses({"w": (2,)}), [dense("w", torch.ones(2))])
+    report = info.value.report
+    assert "error=RuntimeError: disk\\u202e gone" in repr(report)
+    assert "RuntimeError: disk\\u202e gone" in report._repr_html_()
+    assert "\u202e" not in repr(report) + report._repr_html_()
 
 
 def test_report_figure_methods_show_their_arguments():
