@@ -1066,7 +1066,8 @@ def _names_shown(df: pd.DataFrame) -> pd.DataFrame:
 
 def _cut(df: pd.DataFrame) -> pd.DataFrame:
     """``df`` with each text cell longer than ``_COLWIDTH`` characters cut to that, ending
-    in "..." (``to_html`` does not cut, as ``to_string(max_colwidth=)`` does)."""
+    in "..." (``to_html`` does not cut, as ``to_string(max_colwidth=)`` does), its index
+    (``deltas``' runtime names) too."""
     def cut(v: Any) -> Any:
         if isinstance(v, str | tuple | list | set | frozenset):
             text = v if isinstance(v, str) else str(v)
@@ -1078,6 +1079,8 @@ def _cut(df: pd.DataFrame) -> pd.DataFrame:
     for c in out.columns:
         if out[c].dtype == object or pd.api.types.is_string_dtype(out[c].dtype):
             out[c] = pd.Series([cut(v) for v in out[c]], index=out.index, dtype=object)
+    if out.index.dtype == object:
+        out.index = pd.Index([cut(v) for v in out.index], name=out.index.name, dtype=object)
     return out
 
 
