@@ -1649,7 +1649,8 @@ def _unknown_target(report: LoadReport, asked: str) -> ReportKeyError:
     name (a patch's: ``...k_proj.weight``, written into a fused ``qkv_proj``) is the
     likely mistake: the message then says which runtime tensors its writes went to."""
     hint = ""
-    if any(_given_name(p) == asked or p.name == asked for p in report.patches):
+    # (_given_name: a report of a load refused for a malformed item keeps that item)
+    if any(_given_name(p) == asked for p in report.patches):
         try:
             writes = report.writes
             into = list(dict.fromkeys(writes["target"][writes["name"] == asked]))

@@ -2163,3 +2163,15 @@ def test_a_report_whose_error_cannot_be_written_still_renders():
     assert "error=_NoStr: <exception str() failed>" in repr(report)
     assert "_NoStr: &lt;exception str() failed&gt;" in report._repr_html_()
     assert pickle.loads(pickle.dumps(report)).summary() == report.summary()
+
+
+def test_a_report_of_a_load_refused_for_an_item_that_is_no_patch_names_an_unknown_target():
+    # (after()/before()/written() of a name not in the model raised AttributeError: 'str'
+    # object has no attribute 'name', reading the report's patches for a hint)
+    with pytest.raises(PatchTypeError) as info:
+        inspect_load(PlainModel({"w": (2,)}), [dense("w", torch.ones(2)), "junk"])
+    report = info.value.report
+    for read in (report.after, report.before, report.written):
+        with pytest.raises(KeyError, match="'zz' is not a runtime tensor of this report "
+                                           r"\(some are: 'w'\)"):
+            read("zz")
