@@ -968,7 +968,7 @@ class LoadReport:
                     ": it is a runtime tensor's name; report.plot_delta(name) draws its "
                     "before, after and change"
                     if _resolve(self, patch_or_name) in _known(self)
-                    else f" (some are: {known})"
+                    else f" (some are: {known})" if known else " (it has no patches)"
                 )
                 raise ReportKeyError(f"no patch named {patch_or_name!r} in this report{hint}")
             patch_or_name = matches[0]
@@ -1662,7 +1662,10 @@ def _unknown_target(report: LoadReport, asked: str) -> ReportKeyError:
                 if into else ": it is a checkpoint name (a patch's), and the report saw no "
                 "write of it")
     if not hint:
-        hint = " (some are: " + ", ".join(repr(t) for t in list(report.targets)[:8]) + ")"
+        known = ", ".join(repr(t) for t in list(report.targets)[:8])
+        hint = (f" (some are: {known})" if known else
+                " (it knows none: the model had no parameters or buffers, or it was not "
+                "made by a load)")
     return ReportKeyError(f"{asked!r} is not a runtime tensor of this report{hint}")
 
 

@@ -2175,3 +2175,14 @@ def test_a_report_of_a_load_refused_for_an_item_that_is_no_patch_names_an_unknow
         with pytest.raises(KeyError, match="'zz' is not a runtime tensor of this report "
                                            r"\(some are: 'w'\)"):
             read("zz")
+
+
+def test_a_name_asked_of_a_report_that_knows_none_says_so():
+    # (the hints read "(some are: )": a list of nothing)
+    report = inspect_load(PlainModel({}), [])
+    with pytest.raises(KeyError, match=r"'w' is not a runtime tensor of this report \(it "
+                                       "knows none: the model had no parameters or buffers"):
+        report.after("w")
+    with pytest.raises(KeyError, match=r"no patch named 'w' in this report \(it has no "
+                                       r"patches\)"):
+        report.plot_density("w")
