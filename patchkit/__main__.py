@@ -195,9 +195,10 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     summary (``checked``: as printed after a check) and the figures on one page. Reads
     the sparse patches' data only: the plans need the file's header alone. A write that
     fails raises its ``OSError``, saying which files were written before it."""
-    from .io import _escaped, _load, _print_summary, _shown, _stand_in
+    from .io import _escaped, _load, _print_summary, _stand_in
     from .plot import plot_chunks, plot_density
     from .tour import _out_folder, _stopped, _write_page
+    from .units import distinct_name as _shown
 
     existed = os.path.isdir(out)
     sparse = dict(_load(path, "cpu", sparse_only=True))

@@ -120,7 +120,6 @@ from .intercept import (
     named_tensors,
     rollbacks,
 )
-from .io import _shown as _name_text
 from .loader import _canonicalized, _names, _read_names, _roll_back, run_load
 from .patch import (
     CheckpointWeightPatch,
@@ -136,7 +135,7 @@ from .patch import (
     staged_nbytes,
 )
 from .progress import LoadProgress, Tracker, check_progress
-from .units import _count, format_bytes, shown_name, shown_text
+from .units import _count, distinct_name, format_bytes, message_of, shown_name, shown_text
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -1052,7 +1051,7 @@ def _names_shown(df: pd.DataFrame) -> pd.DataFrame:
     name ``"w "`` and ``"w"``, ``"a\\nb"`` and ``"a\nb"``) and none is lost in the
     table's blanks. The tables themselves keep the names as they are."""
     def shown(v: Any) -> Any:
-        return _name_text(v) if isinstance(v, str) else v
+        return distinct_name(v) if isinstance(v, str) else v
 
     out = df.copy()
     if "name" in out.columns:
@@ -1120,11 +1119,7 @@ def _error_text(error: BaseException, limit: int = 160) -> str:
     """``"ValueError: first line of the message"``, cut to ``limit`` characters; an
     exception whose ``str()`` raises gives ``<exception str() failed>`` as its message,
     as Python's own traceback writes it."""
-    try:
-        message = str(error)
-    except Exception:  # (a user's exception: its __str__ may raise anything)
-        message = "<exception str() failed>"
-    lines = message.strip().splitlines()
+    lines = message_of(error).strip().splitlines()
     text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
     return text if len(text) <= limit else text[: limit - 1] + "…"
 

@@ -52,7 +52,7 @@ from .patch import (
     patch_list,
     validate_patches,
 )
-from .units import _count, _percent_digits, format_bytes, shown_name
+from .units import _count, _percent_digits, distinct_name, format_bytes, shown_name
 
 __all__ = [
     "FORMAT_KEY",
@@ -1321,19 +1321,6 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
 _escaped = shown_name
 
 
-def _shown(text: str) -> str:
-    """A string read from a file (a name, metadata, a path), safe to print: itself when
-    it is plain (printable, no backslash, not opening with a quote, not empty, no blank
-    at either end), else its ``repr``
-    (quoted, with every non-printable character escaped), so nothing from the file
-    moves the cursor, colours the terminal or fakes a line, and no two strings look the
-    same."""
-    if (text.isprintable() and "\\" not in text and not text.startswith(("'", '"'))
-            and text and text == text.strip()):
-        return text
-    return repr(text)  # (also an empty name, or one with blanks at an end: 'w ')
-
-
 def _encodable(out: TextIO) -> Callable[[str], str]:
     """A function writing what ``out``'s encoding cannot hold with backslash escapes
     (``\\xfc``, ``\\u540d``), as ``errors="backslashreplace"`` does; the identity for a
@@ -1441,7 +1428,7 @@ def _print_summary(path: str | os.PathLike[str], max_chunk_bytes: int,
     fit = _encodable(out)
 
     def show(text: str) -> str:
-        return fit(_shown(text))
+        return fit(distinct_name(text))
 
     n_sparse = sum(e.sparse for e in entries)
     print(f"patch file: {show(path)}", file=out)

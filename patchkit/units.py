@@ -25,6 +25,28 @@ def shown_name(name: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
 
 
+def distinct_name(text: str) -> str:
+    """``text`` (a name, metadata, a path) as a display writes it so that no two strings
+    read the same and nothing moves the cursor, colours a terminal or fakes a line:
+    itself when it is plain (printable, no backslash, not opening with a quote, not
+    empty, no blank at either end), else its ``repr`` (quoted, every non-printable
+    character escaped: ``'w '`` beside ``w``, ``'a\\nb'`` beside ``'a\\\\nb'``)."""
+    if (text.isprintable() and "\\" not in text and not text.startswith(("'", '"'))
+            and text and text == text.strip()):
+        return text
+    return repr(text)  # (also an empty name, or one with blanks at an end: 'w ')
+
+
+def message_of(error: BaseException) -> str:
+    """``str(error)``, or ``<exception str() failed>`` (as Python's own traceback writes
+    it) for an exception whose ``__str__`` raises: a user's exception may raise
+    anything there, and what shows an error must not fail on it."""
+    try:
+        return str(error)
+    except Exception:
+        return "<exception str() failed>"
+
+
 def shown_text(text: str) -> str:
     """``text`` (lines of it: its newlines kept) with each lone surrogate written as its
     escape, ``\\ud800``: what a Jupyter message can carry."""

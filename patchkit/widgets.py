@@ -47,7 +47,7 @@ from .plot import (
     plot_placement,
     to_png,
 )
-from .units import _count, format_bytes, shown_name, shown_text
+from .units import _count, format_bytes, message_of, shown_name, shown_text
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -98,15 +98,6 @@ def _shown(name: str | None, most: int = 120) -> str:
         return text
     half = (most - 1) // 2
     return text[:half] + "…" + text[len(text) - (most - 1 - half):]
-
-
-def _message(error: BaseException) -> str:
-    """``str(error)``, or ``<exception str() failed>`` (as Python's own traceback writes
-    it) for an exception whose ``__str__`` raises."""
-    try:
-        return str(error)
-    except Exception:  # (a user's exception: its __str__ may raise anything)
-        return "<exception str() failed>"
 
 
 def _told_apart(options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -363,7 +354,7 @@ class ReportExplorer(W.VBox):
         rejected = (
             "" if error is None else
             f"<br>the load raised {type(error).__name__}: "
-            f"{html.escape(shown_text(_message(error)))}"
+            f"{html.escape(shown_text(message_of(error)))}"
         )
         head = W.HTML(
             f"<b>LoadReport</b>: {_count(len(report.patches), 'patch', 'patches')}, "
