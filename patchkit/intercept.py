@@ -1495,7 +1495,12 @@ class _Source(NamedTuple):
     ``[lo, hi)``, the patch's position and name, ``base`` (the element offset in the
     storage of checkpoint element 0), whether it is *exact* (see :class:`_Provenance`),
     and, for a storage an op made during the call, a weak reference that says when it
-    was freed (``None`` for a staged tensor, which lives as long as the call)."""
+    was freed (``None`` for a staged tensor, which lives as long as the call), and
+    ``dtype``, the dtype whose elements its bytes are: the staged dtype, a cast's, or, for
+    data an op moved without changing its dtype (a clone of ``w.view(torch.int32)``), the
+    dtype its input's bytes were (``None``: not known). NaN, a sparse patch's "keep", is a
+    bit pattern of that dtype: a view of these bytes as another dtype does not read it as
+    NaN (see :meth:`WriteSession._refuse_reinterpreted`)."""
 
     lo: int
     hi: int
@@ -1504,6 +1509,7 @@ class _Source(NamedTuple):
     base: int | None  # None: made from the patch's data by an op that moves elements
     exact: bool
     ref: Any = None
+    dtype: torch.dtype | None = None
 
 
 _LO = operator.attrgetter("lo")
@@ -1581,7 +1587,8 @@ class _Provenance:
         if staged.numel():
             lo, hi = _byte_span(staged)
             self._put(_storage_key(staged) if key is None else key,
-                      _Source(lo, hi, position, name, staged.storage_offset(), True))
+                      _Source(lo, hi, position, name, staged.storage_offset(), True,
+                              dtype=staged.dtype))
 
     def _put(self, key: tuple, src: _Source) -> None:
         """Record ``src``, in place of what its bytes held before (and, where the storage
@@ -1670,7 +1677,8 @@ class _Provenance:
         off = src.storage_offset() - hit.base
         lo, hi = _byte_span(out)
         self._put(okey, _Source(lo, hi, hit.position, hit.name, out.storage_offset() - off,
-                                hit.exact and whole, _weak_storage(out)))
+                                hit.exact and whole, _weak_storage(out),
+                                _bits_dtype(hit, src, out)))
         return True
 
     def source_of(self, args: Sequence[Any], kwargs: dict) -> tuple[int | None, str] | None:
@@ -1697,11 +1705,23 @@ class _Provenance:
         if who is None or not out.numel():
             return
         okey = _storage_key(out)
+        dtype = out.dtype
         for a in args:  # an op that hands back its input: no new data
             if isinstance(a, torch.Tensor) and _storage_key(a) == okey:
                 return
+        for a in args:  # (the first input traced to a patch says what its bytes were)
+            for t in a if isinstance(a, list | tuple) else (a,):
+                if isinstance(t, torch.Tensor):
+                    hit = self._find(t, _storage_key(t))
+                    if hit is not None:
+                        dtype = _bits_dtype(hit, t, out)
+                        break
+            else:
+                continue
+            break
         lo, hi = _byte_span(out)
-        self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out)))
+        self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out),
+                                dtype))
 
     def __bool__(self) -> bool:
         return bool(self._by_key)
@@ -1724,6 +1744,14 @@ class _Provenance:
         self._by_key[key] = [
             e._replace(exact=False) if e.exact and e.lo < hi and lo < e.hi else e for e in got
         ]
+
+
+def _bits_dtype(hit: _Source, src: torch.Tensor, out: torch.Tensor) -> torch.dtype | None:
+    """The dtype whose elements ``out``'s bytes are, ``out`` made from ``src`` (whose
+    bytes are stretch ``hit``'s): ``hit``'s where the op kept ``src``'s dtype (it moved
+    the bits: a clone of ``w.view(torch.int32)`` still holds float32 elements), else
+    ``out``'s own (a cast: NaN stays NaN)."""
+    return hit.dtype if out.dtype == src.dtype else out.dtype
 
 
 _IS_VIEW: dict = {}
@@ -3290,6 +3318,7 @@ class WriteSession:
                 value=(tuple(src.shape) if isinstance(src, torch.Tensor) else None,
                        tuple(dest.shape)),
             )
+        self._refuse_reinterpreted(src, pos, name, at, tname)
         self._refuse_lost_numbers(src, dest.dtype, pos, name, at, tname)
         region = Region.of(dest)
         earliers = self._call_regions.get(region.key)
@@ -3307,6 +3336,33 @@ class WriteSession:
                 )
         earliers.add(region, a0, a1)
         self._call_fed[tname] = (pos, name) if name is not None else None
+
+    def _refuse_reinterpreted(self, src: torch.Tensor, pos: int | None, name: str | None,
+                              at: str, tname: str) -> None:
+        """A sparse copy from ``src`` that reads a patch's bytes as another dtype than
+        the one they hold (``w.view(torch.float64)`` of a float32 staged tensor, or of a
+        copy of it: :class:`_Provenance` keeps that dtype): refused, since the staged NaN
+        ("keep") is a bit pattern of its own dtype only. Two float32 NaN read as one
+        float64 are a number, a float16 NaN read as bfloat16 is one too, so the merge
+        would write the staged NaN bits into the model (and keep runtime values where the
+        patch has a value). A complex dtype's bytes count as its real dtype's."""
+        if not self.provenance:
+            return
+        for e in self.provenance.stretches(src):
+            # (a complex tensor's bytes are its real dtype's: ``torch.complex(0, w).imag``
+            # reads w's own float32 elements)
+            if e.dtype is not None and e.dtype.to_real() != src.dtype:
+                raise ContractViolation(
+                    f"{at} copied a {tuple(src.shape)} {src.dtype} source that reads "
+                    f"patch data held as {e.dtype} as another dtype (a view such as "
+                    f"`w.view({src.dtype})`): the NaN that marks 'keep' in a sparse patch "
+                    f"is a {e.dtype} bit pattern, which {src.dtype} does not read as NaN, "
+                    "so the merge would write the staged NaN bits into the model. Copy "
+                    "the patch's values as their own dtype (a cast, `.to()`, keeps NaN). "
+                    f"This copy wrote nothing{self._no_source_note(name, tname)}",
+                    position=pos, name=name, reason="reinterpreted source",
+                    value=(e.dtype, src.dtype),
+                )
 
     def _loses_numbers(self, pos: int | None, dtype: torch.dtype) -> bool:
         """Whether a value of the call's patch at ``pos`` (staged in its dtype) becomes

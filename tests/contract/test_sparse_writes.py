@@ -318,6 +318,41 @@ def test_rejected_op_as_first_write_of_the_call_writes_nothing(load, mk):
     _rejected(load, mk, lambda m, w: m.b.fill_(0.0), "fill_", names="b")
 
 
+# A staged tensor read as another dtype (``w.view(torch.float64)``) no longer holds NaN
+# where the patch means "keep": two float32 NaN read as one float64 are a number, a
+# float16 NaN read as bfloat16 is one too. Copied into a view of the runtime tensor of
+# that dtype, the merge would write those "numbers", the staged NaN bits, into the model.
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize(
+    ("dtype", "as_dtype"),
+    [
+        (torch.float32, torch.float64),
+        (torch.float16, torch.float32),
+        (torch.float16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("route", ["view", "scratch copy"])
+def test_a_copy_from_the_staged_tensor_read_as_another_dtype_is_refused_before_writing(
+    load, mk, dtype, as_dtype, route
+):
+    class Reinterprets(RecordingModel):
+        def load_weights(self, weights):
+            for name, w in weights:
+                if route == "scratch copy":  # (a copy of the staged bits, read otherwise)
+                    w = torch.empty_like(w).copy_(w)
+                getattr(self, name).view(as_dtype).copy_(w.view(as_dtype))
+            return {n for n, _ in weights}
+
+    m = Reinterprets({"w": (start() + 0.3).to(dtype)})
+    before = snapshot(m)
+    with pytest.raises(NotImplementedError, match="another dtype") as excinfo:
+        load(m, [mk.sparse("w", (3, 4), IDX, VALS, dtype)])
+    assert (excinfo.value.position, excinfo.value.name) == (0, "w")
+    assert_untouched(m, before)
+
+
 # What the strict checks' errors name: the patch a refused op served, where it is known.
 UNTRACED = [
     pytest.param(lambda m, w: m.b.data.zero_(), "zero_", id="zero_"),
