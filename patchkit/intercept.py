@@ -910,6 +910,16 @@ class RuntimeIndex:
             if (p != q or p == 0) and _storage_key(t) != _storage_key(bindings[n])
         ]
 
+    def reshaped(self, bindings: dict[str, torch.Tensor]) -> list[str]:
+        """Names whose tensor views its storage with another shape, strides or offset
+        than it did when ``bindings`` were taken: the loader changed the tensor's own
+        view in place (``resize_``, ``unsqueeze_``, ``t_``, ``as_strided_``, an ``out=``
+        op that resized it, ``set_`` to another part of its storage). (:meth:`rebound`
+        sees one bound to other storage.)"""
+        return [n for n, t in self.tensors.items()
+                if (t.shape, t.stride(), t.storage_offset()) != (
+                    (b := bindings[n]).shape, b.stride(), b.storage_offset())]
+
     @cached_property
     def _columns(self) -> tuple:
         """The slots as columns, for checks that run as C loops (``map``) and not as
@@ -1308,6 +1318,23 @@ class SavedRegion:
     # _byte_span), where the write had it: the statistics match regions to runtime
     # tensors by it. ``None``: taken from the view when needed.
     span: tuple | None = field(default=None, repr=False, compare=False)
+    # ``(shape, strides, storage offset)`` of :attr:`view` when it was saved: a loader may
+    # change that tensor's own view in place afterwards (``resize_``, ``unsqueeze_``,
+    # ``t_``, ``as_strided_``, an ``out=`` op that resizes it), which moves no element of
+    # the storage; a rollback writes back through the view as it was (:meth:`_as_saved`).
+    viewed_as: tuple | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.viewed_as is None:
+            v = self.view
+            self.viewed_as = (tuple(v.shape), v.stride(), v.storage_offset())
+
+    def _as_saved(self) -> torch.Tensor:
+        """:attr:`view` viewing its storage as it did when it was saved."""
+        v, at = self.view, self.viewed_as
+        if at is None or (tuple(v.shape), v.stride(), v.storage_offset()) == at:
+            return v
+        return v.as_strided(*at)
 
     @cached_property
     def region(self) -> Region:
@@ -1322,7 +1349,8 @@ class SavedRegion:
         if self.index is not None:
             return self.index
         if self.positions is not None:
-            return _storage_offsets(self.view, self.positions.view_positions(self.view))
+            view = self._as_saved()
+            return _storage_offsets(view, self.positions.view_positions(view))
         return None
 
     def current(self) -> torch.Tensor:
@@ -1351,7 +1379,7 @@ class SavedRegion:
             return
         index = self._offsets()
         if index is None:
-            self.view.copy_(self.before)
+            self._as_saved().copy_(self.before)
         else:
             # On the bits: exact, and index_copy_ has no float8 or uint32 kernels on the CPU.
             bits(self._storage()).index_copy_(0, index, bits(self.before))

@@ -292,11 +292,16 @@ def _roll_back(session: WriteSession, exc: BaseException) -> None:
     """A transactional load's rollback after ``exc``: the module tree's registrations as
     they were (tensors registered anew under any of a tied tensor's names, names removed
     or new, submodules replaced); then the storage of tensors whose ``.data`` was
-    rebound; then the saved values. Raises what stops it."""
+    rebound, and the view (shape, strides, offset) of those the load changed in place
+    (``resize_``, ``unsqueeze_``, ``t_``, an ``out=`` op that resized one); then the saved
+    values, each through its view as it was saved. Raises what stops it."""
     registrations_undone = session.index.undo()
     left = session.index.not_undone()
     bindings = session.bindings
     rebound = session.index.rebound(bindings)
+    # (and the view of a tensor the load changed in place: resize_, unsqueeze_, t_, an
+    # out= op that resized it; the saved regions are written through their own views)
+    rebound += [n for n in session.index.reshaped(bindings) if n not in rebound]
     for name in rebound:
         session.index.tensors[name].data = bindings[name]
     # (a call with no write seen may have rebound or registered a tensor, which this

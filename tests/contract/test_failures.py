@@ -182,6 +182,52 @@ def test_transactional_restores_after_a_contract_violation_mid_call(load, mk, vi
     assert_untouched(m, before)
 
 
+# A loader may change a runtime tensor's own view in place (its shape, strides or offset),
+# which moves no element but changes what the tensor holds; a rollback puts the view
+# back, and writes each saved region back through the view it was saved from.
+VIEW_CHANGES = [
+    (lambda m, w: m.b.unsqueeze_(0), ("dense", "sparse"), "unsqueeze_"),
+    (lambda m, w: m.w.t_(), ("dense", "sparse"), "t_ of the parameter"),
+    (lambda m, w: (m.b.as_strided_((2,), (2,), 1), m.b.copy_(w[0, :2])),
+     ("dense", "sparse"), "as_strided_, then a copy through it"),
+    # (a sparse load refuses these writes before they run)
+    (lambda m, w: (m.b.copy_(w[0]), m.b.resize_(64)), ("dense",), "a copy, then resize_ (grown)"),
+    (lambda m, w: m.b.resize_(2), ("dense",), "resize_ (shrunk)"),
+    (lambda m, w: m.w.data[1:].resize_(2, 2), ("dense",), "resize_ of a view"),
+    (lambda m, w: torch.mul(w, 2.0, out=m.b), ("dense",), "an out= op that resizes"),
+]
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+@pytest.mark.parametrize(("kind", "change"), [
+    pytest.param(kind, change, id=f"{kind}-{what}")
+    for change, kinds, what in VIEW_CHANGES for kind in kinds
+])
+def test_transactional_restores_a_runtime_tensor_whose_view_the_loader_changed(
+    load, mk, kind, change
+):
+    class ChangesAView(RecordingModel):
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.w.copy_(w)
+                change(self, w)
+            raise Boom()
+
+    m = ChangesAView({"w": torch.tensor([[0.5, -0.0, NAN, 1e-42]] * 3),
+                      "b": torch.tensor([1.5, -2.0, 3.0, NAN])}, buffers=["b"])
+    before = snapshot(m)
+    views = lambda: {n: (t.shape, t.stride(), t.storage_offset())  # noqa: E731
+                     for n, t in (("w", m.w), ("b", m.b))}
+    views_before = views()
+    patch = (mk.dense("w", torch.full((3, 4), 7.0)) if kind == "dense"
+             else mk.sparse("w", (3, 4), [0, 5, 11], [7.0, 8.0, 9.0]))
+    with pytest.raises(Boom):
+        load(m, [patch], transactional=True)
+    assert_untouched(m, before)
+    assert views() == views_before
+
+
 @pytest.mark.patchkit_only
 def test_transactional_restores_on_keyboard_interrupt(load, mk):
     m = failing_model((1, "b"), KeyboardInterrupt())
