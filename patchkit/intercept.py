@@ -1329,6 +1329,16 @@ class SavedRegion:
             v = self.view
             self.viewed_as = (tuple(v.shape), v.stride(), v.storage_offset())
 
+    def rehome(self, home: torch.Tensor) -> None:
+        """Point :attr:`view` at the storage of runtime tensor ``home`` (its
+        :attr:`target`), viewed as it was saved: the loader bound the tensor it wrote
+        through to other memory since (``alias = param.data; alias.copy_(w);
+        alias.set_(x)``), so a write back through it would miss the model."""
+        shape, stride, offset = self.viewed_as
+        self.view = torch.empty(0, dtype=self.view.dtype, device=home.device).set_(
+            home.untyped_storage(), offset, shape, stride)
+        self.__dict__.pop("region", None)  # (a cached_property of the view)
+
     def _as_saved(self) -> torch.Tensor:
         """:attr:`view` viewing its storage as it did when it was saved."""
         v, at = self.view, self.viewed_as
@@ -3634,9 +3644,14 @@ class WriteSession:
         self.unrestored = []
         self.rolled_back = True
         _ROLLBACKS[0] += 1
+        tensors = self.index.tensors
         with torch.no_grad(), _no_modes():
             for saved in reversed(self.saved):
                 try:
+                    home = tensors.get(saved.target)
+                    if (home is not None and saved.viewed_as is not None
+                            and _storage_key(saved.view) != _storage_key(home)):
+                        saved.rehome(home)
                     saved.restore()
                 except Exception as e:  # reported below, after the rest
                     failed.append((saved, e))

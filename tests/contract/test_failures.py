@@ -195,6 +195,9 @@ VIEW_CHANGES = [
     (lambda m, w: m.b.resize_(2), ("dense",), "resize_ (shrunk)"),
     (lambda m, w: m.w.data[1:].resize_(2, 2), ("dense",), "resize_ of a view"),
     (lambda m, w: torch.mul(w, 2.0, out=m.b), ("dense",), "an out= op that resizes"),
+    # (copy_ returns the .data alias it wrote through, then bound to other memory)
+    (lambda m, w: m.b.data.copy_(w[0]).set_(torch.zeros(4)), ("dense",),
+     "a copy through an alias, then set_ of the alias"),
 ]
 
 
