@@ -91,7 +91,9 @@ def load_checkpoint_weight_patches(
        raises instead has them put back too (they may hold the staged NaN), and its own
        exception propagates with a note saying so (a warning on Python 3.10); its
        copies stay, as item 5 says. Writes the loader makes on
-       another thread are not seen: a sparse load's NaN can then reach the model.
+       another thread, or with torch's dispatch modes switched off (its private
+       ``_disable_current_modes()``, ``torch._C._DisableTorchDispatch()``), are not seen:
+       a sparse load's NaN can then reach the model.
     5. ``transactional=False`` (the default, as in vLLM): a loader failure leaves the
        writes made so far in place and propagates unchanged. **[patchkit]**
        ``transactional=True``: every runtime region is saved before its first write, and
