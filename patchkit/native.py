@@ -470,8 +470,16 @@ _forked = False
 
 
 def _after_fork_in_child() -> None:
-    global _forked
+    """In a forked child: parts on the calling thread alone (see :func:`_threads`), and a
+    fresh ``_lock``. The child has the forking thread only: a lock another thread of the
+    parent held at the fork (building the library, which takes seconds, or inside
+    :func:`disabled`) is held for good in the child, and its first load (or
+    :func:`disabled`) waited for it forever. The build that thread ran is not the
+    child's: where it had not finished, the child builds (or finds the built file)
+    itself."""
+    global _forked, _lock
     _forked = True
+    _lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):

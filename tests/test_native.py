@@ -758,6 +758,50 @@ def test_a_child_forked_before_the_library_loads_still_finishes_its_parts(tmp_pa
     assert done.stdout.strip() == "child 0", done.stdout + done.stderr
 
 
+def test_a_child_forked_while_another_thread_builds_the_library_builds_its_own(fresh_build):
+    # (was: the child inherited the lock the building thread held, and no thread of the
+    # child ever let it go: its first load, its status() or disabled() waited forever)
+    import signal
+    import threading
+    import warnings
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    building, release = threading.Event(), threading.Event()
+
+    def slow_build():
+        building.set()
+        release.wait(60)
+        return None, "torch ops (the parent's build)"
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_build", slow_build)
+        builder = threading.Thread(target=native.status)
+        builder.start()
+        try:
+            assert building.wait(60)
+            with warnings.catch_warnings():  # (3.12: "multi-threaded, use of fork()")
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:  # the child: exit status 0 when it built and disabled() works
+                ok = False
+                try:
+                    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                    signal.alarm(30)  # (a child that hangs dies of it)
+                    native._build = lambda: (None, "torch ops (the child's build)")
+                    with native.disabled():
+                        pass
+                    ok = native.status() == "torch ops (the child's build)"
+                finally:
+                    os._exit(0 if ok else 1)
+            _, status = os.waitpid(pid, 0)
+        finally:
+            release.set()
+            builder.join()
+    assert os.waitstatus_to_exitcode(status) == 0  # (-14: SIGALRM, it hung)
+    assert native.status() == "torch ops (the parent's build)"
+
+
 @needs_compiler
 def test_a_storage_lent_twice_is_lent_once():
     n = 65535
