@@ -47,7 +47,8 @@ writes into one tensor are rebuilt whole (a copy of it, a 1-byte mask, and torch
 8-byte positions of the written elements). The tables are pandas DataFrames built on
 first read; every number in them is taken when the load ends.
 Python's cyclic garbage collector is paused while a report's load runs
-(process-wide, as ``gc.disable()`` is; its state is restored after, also on error): the
+(process-wide, as ``gc.disable()`` is; its state is restored after, also on error, once
+no report or watched load runs on another thread either): the
 report's own objects would set off collections mid-load that cost more than the writes
 on a model of many small tensors.
 
@@ -65,7 +66,6 @@ import collections.abc
 import contextlib
 import dataclasses
 import functools
-import gc
 import html
 import inspect as _pyinspect
 import io
@@ -120,7 +120,7 @@ from .intercept import (
     named_tensors,
     rollbacks,
 )
-from .loader import _canonicalized, _names, _read_names, _roll_back, run_load
+from .loader import _canonicalized, _names, _read_names, _roll_back, collector_paused, run_load
 from .patch import (
     CheckpointWeightPatch,
     PatchLike,
@@ -1364,20 +1364,15 @@ def inspect_load(
         scope.close()
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block, as it was after. A report
-    records a few objects per write (a save, an event, the tensors they hold): on a
-    model of many small tensors the collections they set off mid-load (a full one every
-    few dozen loads, 100 ms and more in a process that imported torch and pandas) cost
-    more than the writes; after the load, one collection of the young objects is due."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+def _collector_paused() -> contextlib.AbstractContextManager[None]:
+    """Python's cyclic garbage collector off for the block, as it was after (once no
+    other thread's report or watched load still runs: see
+    :func:`patchkit.loader.collector_paused`). A report records a few objects per write
+    (a save, an event, the tensors they hold): on a model of many small tensors the
+    collections they set off mid-load (a full one every few dozen loads, 100 ms and more
+    in a process that imported torch and pandas) cost more than the writes; after the
+    load, one collection of the young objects is due."""
+    return collector_paused()
 
 
 def _inspect_load(

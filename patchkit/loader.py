@@ -7,8 +7,9 @@ import contextlib
 import gc
 import os
 import sys
+import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -202,12 +203,13 @@ def run_load(
         watched = sparse or transactional or recorder is not None or save_regions
         # A watched load makes a few objects per runtime tensor and per write: Python's
         # cyclic collector, set off by them, cost two thirds of a sparse load's time on a
-        # model of 100 k tensors. It is off for the load, as it was after.
-        collecting = watched and gc.isenabled()
+        # model of 100 k tensors. It is off for the load (and for any other thread's
+        # paused load still running), as it was after.
+        pause = object() if watched else None
         session = None
         try:
-            if collecting:  # (inside the try: a signal right after it still re-enables)
-                gc.disable()
+            if pause is not None:  # (inside the try: a signal right after it still resumes)
+                _pause_collector(pause)
             if watched and index is None:
                 # (the session's index, built first: it knows the tied parameters, so the
                 # module tree is walked once)
@@ -286,7 +288,69 @@ def run_load(
                 if session is not None:
                     session.end_calls()
             finally:  # (a signal in end_calls still finds the collector back on)
-                if collecting:
+                if pause is not None:  # (written out: see _pause_collector)
+                    with _PAUSE_LOCK:
+                        counted, resume = pause in _paused_by, _resume_after
+                        try:
+                            _paused_by.discard(pause)
+                        finally:
+                            if counted and resume and not _paused_by:
+                                gc.enable()
+
+
+# The loads (and reports) running with Python's cyclic collector paused, process-wide:
+# the first to begin pauses it, the last to end turns it back on where it was on when
+# the first began. (Each load restoring what it found let the first of two loads on two
+# threads turn the collector on while the other still ran, its collections mid-load
+# again.) A token per load: only a pause that was counted is taken off, so a signal
+# before or inside _pause_collector leaves nothing behind. The end of a pause (the block
+# in _pause_collector's docstring) is written out in each load's ``finally``, not called:
+# a Python signal handler may run at the start of a function, and raising there would
+# leave the token counted for good; inside the block a signal is handled only after
+# ``discard`` returns, and the inner ``finally`` still turns the collector on. An RLock:
+# a signal handler may run a load while this thread holds it.
+_PAUSE_LOCK = threading.RLock()
+_paused_by: set[object] = set()
+_resume_after = False  # the collector was on when the first of _paused_by began
+
+
+def _pause_collector(token: object) -> None:
+    """Pause the cyclic collector for a load, ``token`` (a fresh ``object()``) standing
+    for it until the end of its pause (``_paused_by`` no longer holding it), which runs::
+
+        with _PAUSE_LOCK:
+            counted, resume = token in _paused_by, _resume_after
+            try:
+                _paused_by.discard(token)
+            finally:
+                if counted and resume and not _paused_by:
+                    gc.enable()
+
+    in the load's ``finally`` (see above; ``resume`` read first: a signal handler's load
+    after the discard sets ``_resume_after`` anew, to off)."""
+    global _resume_after
+    with _PAUSE_LOCK:
+        if not _paused_by:
+            _resume_after = gc.isenabled()
+        _paused_by.add(token)
+        gc.disable()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector paused for the block, process-wide; as it was once the
+    last block paused on any thread ends (see :func:`_pause_collector`)."""
+    token = object()
+    try:
+        _pause_collector(token)
+        yield
+    finally:
+        with _PAUSE_LOCK:
+            counted, resume = token in _paused_by, _resume_after
+            try:
+                _paused_by.discard(token)
+            finally:
+                if counted and resume and not _paused_by:
                     gc.enable()
 
 

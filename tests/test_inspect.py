@@ -246,6 +246,71 @@ def test_the_garbage_collector_is_paused_for_the_load_and_restored_after(enabled
         (gc.enable if was else gc.disable)()
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("first_ends", ["first", "second"])
+@pytest.mark.parametrize("other", ["report", "sparse load", "transactional load"])
+def test_the_collector_stays_paused_until_the_last_of_two_threads_loads_ends(
+    enabled, first_ends, other
+):
+    # (was: each load put back what it found, so the load that paused it turned the
+    # collector on while the other thread's load still ran)
+    import gc
+    import threading
+
+    wait = 20  # seconds a thread waits for the other before the test gives up
+    inside = {"report": threading.Event(), "other": threading.Event()}
+    go = {"report": threading.Event(), "other": threading.Event()}
+    seen: dict[str, bool] = {}
+    errors: list[BaseException] = []
+
+    class Meets(PlainModel):
+        def __init__(self, who):
+            super().__init__({"w": (4,)}, fill=1.0)
+            self.who = who
+
+        def load_weights(self, weights):
+            weights = list(weights)
+            inside[self.who].set()
+            assert go[self.who].wait(wait)
+            seen[self.who] = gc.isenabled()  # (the other load ended by now, or not begun)
+            return super().load_weights(weights)
+
+    def run(who):
+        try:
+            m = Meets(who)
+            if who == "report":
+                inspect_load(m, [dense("w", torch.full((4,), 2.0))])
+            elif other == "sparse load":
+                patchkit.load_checkpoint_weight_patches(m, [CheckpointWeightPatch(
+                    "w", (4,), torch.float32, torch.ones(1) * 3, torch.tensor([1]))])
+            else:
+                patchkit.load_checkpoint_weight_patches(
+                    m, [dense("w", torch.full((4,), 3.0))], transactional=True)
+        except BaseException as exc:  # (shown by the assert below)
+            errors.append(exc)
+
+    first, second = ("report", "other") if first_ends == "first" else ("other", "report")
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        threads = {who: threading.Thread(target=run, args=(who,)) for who in inside}
+        for who in (first, second):  # both inside their loads: both paused it
+            threads[who].start()
+            assert inside[who].wait(wait)
+        go[first].set()
+        threads[first].join(wait)
+        go[second].set()
+        threads[second].join(wait)
+        assert not any(t.is_alive() for t in threads.values()), "a thread hung"
+        assert errors == []
+        assert seen == {first: False, second: False}
+        assert gc.isenabled() is enabled
+    finally:
+        for event in go.values():
+            event.set()
+        (gc.enable if was else gc.disable)()
+
+
 def test_chunks_table_is_the_plan_and_calls_table_is_what_the_loader_did():
     m = Packed()
     g = torch.Generator().manual_seed(2)
