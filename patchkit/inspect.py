@@ -514,12 +514,13 @@ class LoadReport:
     read them first; the tables' numbers stay the load's.
 
     A report pickles (to a file, or back from a worker process: ``multiprocessing``, a
-    Ray task, and an exception raised with the report attached; ``copy.deepcopy`` makes
-    the same copy): the pickle keeps the four tables (built then), the numbers,
-    ``error`` and the patches (their values and indices), so ``summary()``, both reprs,
-    ``plot_chunks``, ``plot_placement`` and ``plot_density`` work on the copy. It does
-    not keep the model's tensors nor the saved before-values: the copy's ``before()``,
-    ``after()``, ``written()`` and ``plot_delta`` raise ``ValueError``. To send only the
+    Ray task, and an exception raised with the report attached; ``copy.copy`` and
+    ``copy.deepcopy`` make the same copy): the pickle keeps the four tables (built
+    then), the numbers, ``error`` and the patches (their values and indices), so
+    ``summary()``, both reprs, ``plot_chunks``, ``plot_placement`` and ``plot_density``
+    work on the copy. It does not keep the model's tensors nor the saved before-values:
+    the copy's ``before()``, ``after()``, ``written()`` and ``plot_delta`` raise
+    ``ValueError``. To send only the
     numbers, send ``report.summary()`` or the tables. An ``error`` that does not survive
     a pickle and unpickle in the process that pickles it (a class whose ``__init__``
     takes other arguments than its ``args``, say) is kept as a ``RuntimeError`` giving
@@ -723,9 +724,10 @@ class LoadReport:
     def _check_attached(self) -> None:
         if self._detached:
             raise ValueError(
-                "this report was unpickled: it keeps its tables, numbers and patches, not "
-                "the model's tensors or the before-values, so before(), after(), written() "
-                "and plot_delta need the report the load returned"
+                "this report was unpickled or copied (copy.copy, copy.deepcopy): it keeps "
+                "its tables, numbers and patches, not the model's tensors or the "
+                "before-values, so before(), after(), written() and plot_delta need the "
+                "report the load returned"
             )
 
     def _check_numbers(self, target: str) -> None:

@@ -404,8 +404,9 @@ class ReportExplorer(W.VBox):
         cols = ["chunk", "position", "name", "checkpoint_region", "target_region",
                 "elements", "written", "changed"]
         if r._detached:
-            delta = text_output("before/after figure: none, this report was unpickled (a "
-                                "copy keeps the tables, not the model's tensors)\n")
+            delta = text_output("before/after figure: none, this report was unpickled or "
+                                "copied (a copy keeps the tables, not the model's "
+                                "tensors)\n")
         elif r.handed_over:
             delta = text_output("before/after figure: none, this report's before-values were "
                                 "handed to a later load (reuse=)\n")

@@ -263,3 +263,15 @@ def test_a_report_whose_error_cannot_be_unpickled_keeps_everything_else():
     assert list(copy.writes["target"]) == ["w"] and copy.calls.equals(report.calls)
     assert copy.summary()["error"].startswith("RuntimeError: _TwoArgError: x: disk gone")
     assert report.error is info.value  # (the report itself is untouched)
+
+
+@pytest.mark.parametrize("how", [copy.copy, copy.deepcopy])
+def test_a_copied_report_says_it_is_a_copy_when_asked_for_tensors(loaded, how):
+    # (a copy is the pickle's copy: its refusal said "this report was unpickled", which a
+    # report made by copy.copy never was)
+    _, _, report = loaded
+    dup = how(report)
+    assert dup.summary() == report.summary()
+    with pytest.raises(ValueError, match=r"unpickled or copied \(copy\.copy, copy\.deepcopy\)"):
+        dup.before(QKV)
+    assert report.before(QKV).shape == report.after(QKV).shape
