@@ -962,7 +962,10 @@ class LoadReport:
                 self.patches[i] for i, n in zip(self.chunks["position"], self.chunks["name"])
                 if n == patch_or_name]
             if not matches:
-                known = ", ".join(repr(_given_name(p)) for p in self.patches[:8])
+                # (the names of the items that are patches: a load refused for an item
+                # that is none keeps that item, which has no name)
+                named = [n for n in map(_given_name, self.patches) if n is not None]
+                known = ", ".join(map(repr, named[:8]))
                 from .plot import _known, _resolve
 
                 hint = (

@@ -2240,6 +2240,9 @@ def test_a_report_of_a_load_refused_for_an_item_that_is_no_patch_names_an_unknow
         with pytest.raises(KeyError, match="'zz' is not a runtime tensor of this report "
                                            r"\(some are: 'w'\)"):
             read("zz")
+    # (plot_density's hint listed the item as None: "some are: 'w', None")
+    with pytest.raises(KeyError, match=r"no patch named 'zz' in this report \(some are: 'w'\)$"):
+        report.plot_density("zz")
 
 
 def test_a_name_asked_of_a_report_that_knows_none_says_so():
