@@ -1361,23 +1361,18 @@ def inspect_load(
     scope = contextlib.ExitStack()
     try:
         scope.enter_context(native.reusing(lent))
-        scope.enter_context(_collector_paused())
+        # Python's cyclic collector paused for the load, as it was after (once no other
+        # thread's watched load still runs): a report records a few objects per write (a
+        # save, an event, the tensors they hold), and on a model of many small tensors
+        # the collections they set off mid-load (a full one every few dozen loads, 100 ms
+        # and more in a process that imported torch and pandas) cost more than the
+        # writes; after the load, one collection of the young objects is due.
+        scope.enter_context(collector_paused())
         del lent  # the pool holds them now: what the load does not take is freed after it
         return _inspect_load(model, patches, max_chunk_bytes, validate_unique_indices,
                              transactional, loader, progress, scope)
     finally:
         scope.close()
-
-
-def _collector_paused() -> contextlib.AbstractContextManager[None]:
-    """Python's cyclic garbage collector off for the block, as it was after (once no
-    other thread's report or watched load still runs: see
-    :func:`patchkit.loader.collector_paused`). A report records a few objects per write
-    (a save, an event, the tensors they hold): on a model of many small tensors the
-    collections they set off mid-load (a full one every few dozen loads, 100 ms and more
-    in a process that imported torch and pandas) cost more than the writes; after the
-    load, one collection of the young objects is due."""
-    return collector_paused()
 
 
 def _inspect_load(

@@ -1725,16 +1725,22 @@ class _Provenance:
         if not self._by_key:
             return None
         found = None
-        for a in (*args, *kwargs.values()):
+        for _, hit in self._traced((*args, *kwargs.values())):
+            who = (hit.position, hit.name)
+            if found is not None and found != who:
+                return None
+            found = who
+        return found
+
+    def _traced(self, args: Iterable[Any]) -> Iterator[tuple[torch.Tensor, _Source]]:
+        """Each tensor among ``args`` (lists and tuples of tensors too) that holds a
+        patch's data, with the stretch it holds."""
+        for a in args:
             for t in a if isinstance(a, list | tuple) else (a,):
                 if isinstance(t, torch.Tensor):
                     hit = self._find(t, _storage_key(t))
                     if hit is not None:
-                        who = (hit.position, hit.name)
-                        if found is not None and found != who:
-                            return None
-                        found = who
-        return found
+                        yield t, hit
 
     def taint(self, out: torch.Tensor, args: Sequence[Any],
               who: tuple[int | None, str] | None) -> None:
@@ -1747,16 +1753,10 @@ class _Provenance:
         for a in args:  # an op that hands back its input: no new data
             if isinstance(a, torch.Tensor) and _storage_key(a) == okey:
                 return
-        for a in args:  # (the first input traced to a patch says what its bytes were)
-            for t in a if isinstance(a, list | tuple) else (a,):
-                if isinstance(t, torch.Tensor):
-                    hit = self._find(t, _storage_key(t))
-                    if hit is not None:
-                        dtype = _bits_dtype(hit, t, out)
-                        break
-            else:
-                continue
-            break
+        # (the first input traced to a patch says what its bytes were)
+        first = next(self._traced(args), None)
+        if first is not None:
+            dtype = _bits_dtype(first[1], first[0], out)
         lo, hi = _byte_span(out)
         self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out),
                                 dtype))
@@ -1782,6 +1782,13 @@ class _Provenance:
         self._by_key[key] = [
             e._replace(exact=False) if e.exact and e.lo < hi and lo < e.hi else e for e in got
         ]
+
+
+def _may_be_masked(patch: Any | None, maybe_sparse: bool) -> bool:
+    """Whether an observed call's staged tensor of ``patch`` may hold NaN meaning "keep":
+    a sparse patch's, or one the observer matched to no patch (``None``) where the load
+    has sparse patches (``maybe_sparse``)."""
+    return maybe_sparse if patch is None else patch.indices is not None
 
 
 def _bits_dtype(hit: _Source, src: torch.Tensor, out: torch.Tensor) -> torch.dtype | None:
@@ -2355,9 +2362,7 @@ class WriteSession:
         self._observed_call = (observed, maybe_sparse)  # (what stage_more needs of them)
         self._patches = dict(zip(positions, patches)) if patches is not None else {}
         self._nan_masked = observed and any(
-            (p is None and maybe_sparse) or (p is not None and p.indices is not None)
-            for p in self._patches.values()
-        )
+            _may_be_masked(p, maybe_sparse) for p in self._patches.values())
         self._chunk = chunk
         self._call_regions = {}
         self._call_writes = 0
@@ -2436,8 +2441,7 @@ class WriteSession:
             self._staged_keys.add(key)
         self._call_patches += ((pos, name),)
         self._patches[position] = patch
-        if observed and ((patch is None and maybe_sparse)
-                         or (patch is not None and patch.indices is not None)):
+        if observed and _may_be_masked(patch, maybe_sparse):
             self._nan_masked = True
         if self.track_sources:
             self.provenance.add_staged(pos, name, staged, key)
@@ -3222,7 +3226,8 @@ class WriteSession:
         # (through ``.data``) and refuses others (into the parameter, or a view of it),
         # so torch's own copy_ writes it, not the compiled path.
         fast = None if dest.is_inference() and not torch.is_inference_mode_enabled() else (
-            native.compare_copy(dest, src, owner.dtype if stats else None)
+            # (_compared_copy's callers found src of dest's shape and dtype: unchecked)
+            native._compare_copy(dest, src, owner.dtype if stats else None)
         )
         if fast is not None:
             n_changed = fast.changed

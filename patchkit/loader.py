@@ -304,7 +304,7 @@ def run_load(
 # threads turn the collector on while the other still ran, its collections mid-load
 # again.) A token per load: only a pause that was counted is taken off, so a signal
 # before or inside _pause_collector leaves nothing behind. The end of a pause (the block
-# in _pause_collector's docstring) is written out in each load's ``finally``, not called:
+# in run_load's ``finally``) is written out where a pause ends, not called:
 # a Python signal handler may run at the start of a function, and raising there would
 # leave the token counted for good; inside the block a signal is handled only after
 # ``discard`` returns, and the inner ``finally`` still turns the collector on. An RLock:
@@ -316,18 +316,9 @@ _resume_after = False  # the collector was on when the first of _paused_by began
 
 def _pause_collector(token: object) -> None:
     """Pause the cyclic collector for a load, ``token`` (a fresh ``object()``) standing
-    for it until the end of its pause (``_paused_by`` no longer holding it), which runs::
-
-        with _PAUSE_LOCK:
-            counted, resume = token in _paused_by, _resume_after
-            try:
-                _paused_by.discard(token)
-            finally:
-                if counted and resume and not _paused_by:
-                    gc.enable()
-
-    in the load's ``finally`` (see above; ``resume`` read first: a signal handler's load
-    after the discard sets ``_resume_after`` anew, to off)."""
+    for it until the end of its pause (``_paused_by`` no longer holding it), written out
+    in the load's ``finally`` as :func:`run_load`'s is (see above; ``resume`` read first:
+    a signal handler's load after the discard sets ``_resume_after`` anew, to off)."""
     global _resume_after
     with _PAUSE_LOCK:
         if not _paused_by:

@@ -634,13 +634,23 @@ def compare_copy(
     whole view (always for a view under ``_WHOLE_BELOW`` bytes), so the save never exceeds
     the bytes the copy writes.
     """
+    if src.dtype != dest.dtype or src.shape != dest.shape:
+        # (the C side walks src by dest's shape: past src's end where dest is bigger)
+        return None
+    return _compare_copy(dest, src, stats_dtype)
+
+
+def _compare_copy(
+    dest: torch.Tensor, src: torch.Tensor, stats_dtype: torch.dtype | None
+) -> CopyResult | None:
+    """:func:`compare_copy` for a caller that has made sure ``src`` has ``dest``'s shape
+    and dtype (the load's own, :mod:`patchkit.intercept`: not asked twice per write)."""
     # (A load makes one call per tensor written, with the caches cold from the copies
     # before it: each tensor made, each ctypes call and argument costs microseconds
     # there, so the common cases below make as few as they can.)
     size = dest.element_size()
     kind = _KIND_FOR.get((stats_dtype, size))
-    if kind is None or src.dtype != dest.dtype or src.shape != dest.shape:
-        # (the C side walks src by dest's shape: past src's end where dest is bigger)
+    if kind is None:
         return None
     ready = _ready(dest, src)
     if ready is None:

@@ -65,7 +65,7 @@ def _signal_after_the_first(monkeypatch, name: str, sig: int = signal.SIGINT) ->
 @pytest.mark.parametrize("run", ["load", "inspect_load"])
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_ctrl_c_right_after_a_compiled_write_is_rolled_back(compiled, monkeypatch, kind, run):
-    calls = _signal_after_the_first(monkeypatch, "compare_copy" if kind == "dense" else "merge")
+    calls = _signal_after_the_first(monkeypatch, "_compare_copy" if kind == "dense" else "merge")
     m = PlainModel(SHAPES, dtype=torch.float32)
     handlers = {s: signal.getsignal(s) for s in signal.valid_signals()}
     load = patchkit.load_checkpoint_weight_patches if run == "load" else inspect_load
@@ -84,7 +84,7 @@ def test_a_handler_that_does_not_raise_runs_once_after_the_write(compiled, monke
     from patchkit.intercept import WriteSession
 
     events = []
-    real_copy, real_record = native.compare_copy, WriteSession._record
+    real_copy, real_record = native._compare_copy, WriteSession._record
 
     def compare_copy(*args, **kwargs):
         out = real_copy(*args, **kwargs)
@@ -97,7 +97,7 @@ def test_a_handler_that_does_not_raise_runs_once_after_the_write(compiled, monke
         events.append("recorded")
         return real_record(self, *args, **kwargs)
 
-    monkeypatch.setattr(native, "compare_copy", compare_copy)
+    monkeypatch.setattr(native, "_compare_copy", compare_copy)
     monkeypatch.setattr(WriteSession, "_record", record)
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: events.append("handler"))
     try:
@@ -141,7 +141,7 @@ def test_a_handler_set_during_a_load_that_calls_the_one_it_found_keeps_working()
 
 def test_two_signals_held_back_both_run_when_the_first_raises(compiled, monkeypatch):
     ran = []
-    real = native.compare_copy
+    real = native._compare_copy
 
     def compare_copy(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -151,7 +151,7 @@ def test_two_signals_held_back_both_run_when_the_first_raises(compiled, monkeypa
             signal.raise_signal(signal.SIGUSR1)
         return out
 
-    monkeypatch.setattr(native, "compare_copy", compare_copy)
+    monkeypatch.setattr(native, "_compare_copy", compare_copy)
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: ran.append("USR1"))
     try:
         m = PlainModel(SHAPES, dtype=torch.float32)
