@@ -757,6 +757,19 @@ def test_packed_int32_refused_sparse_before_anything():
     with pytest.raises(NotImplementedError, match="same-shaped floating-point"):
         load_checkpoint_weight_patches(model, [Patch(q, (2, 16), torch.float32,
                                                      torch.ones(1), torch.tensor([3]))])
+    # int32 bits sent as float32 and bit-cast back by the loader: its staged NaN would be
+    # the word 0x7fc00000, so that copy is refused too
+    qweight = model.get_parameter("model.layers.0.mlp.gate_up_proj.qweight")
+
+    def bitcasting_loader(weights):
+        for _, w in weights:
+            qweight.data.narrow(1, 0, 16).copy_(w.view(torch.int32))
+        return {"model.layers.0.mlp.gate_up_proj.qweight"}
+
+    model.load_weights = bitcasting_loader
+    with pytest.raises(NotImplementedError, match="same-shaped floating-point"):
+        load_checkpoint_weight_patches(model, [Patch(q, (2, 16), torch.float32,
+                                                     torch.ones(1), torch.tensor([3]))])
     assert_same_bits(snapshot(model), before)
 
 
@@ -802,18 +815,68 @@ def test_transactional_failure_part_way_restores_every_bit(make, kind, inspect):
     assert_same_bits(snapshot(model), want)
 
 
-def test_non_transactional_failure_keeps_exactly_the_writes_made():
-    model = MoERuntime(tp_size=2, tp_rank=0)
+@pytest.mark.parametrize("inspect", [False, True])
+def test_non_transactional_failure_keeps_exactly_the_writes_made(inspect):
+    model = MoERuntime(tp_size=2, tp_rank=0, ep_size=2, ep_rank=1)
     ckpt = model.checkpoint(seed=31)
     patches = sparse_patches(ckpt, seed=32)
     before = snapshot(model)
     model.fail_at = 10
-    with pytest.raises(InjectedFailure):
-        load_checkpoint_weight_patches(model, patches, max_chunk_bytes=250)
-    # the first 10 copies are the first 10 patches (every name here maps to one region)
-    want, _, _ = expected_load(model, before, patches[:10])
+    # the first 10 copies: the patches up to the tenth that maps to a region
+    mapped = [i for i, p in enumerate(patches) if model.regions(p.name)]
+    want, rows, _ = expected_load(model, before, patches[:mapped[9] + 1])
+    if inspect:
+        with pytest.raises(InjectedFailure) as exc:
+            patchkit.inspect_load(model, patches, max_chunk_bytes=250)
+        report = exc.value.report
+        assert not report.rolled_back
+        got = report.writes[["position", "target", "target_offset", "written", "changed"]]
+        assert [tuple(r) for r in got.itertuples(index=False)] == [
+            (r["position"], r["target"], r["target_offset"], r["written"], r["changed"])
+            for r in rows]
+        for target in report.deltas.index:
+            n = int((_bits(before[target]) != _bits(want[target])).sum())
+            assert int(report.deltas.loc[target, "changed"]) == n
+    else:
+        with pytest.raises(InjectedFailure):
+            load_checkpoint_weight_patches(model, patches, max_chunk_bytes=250)
     assert_same_bits(snapshot(model), want)
     assert not any(t.float().isnan().any() for t in model.parameters())
+
+
+class PackedFp8Experts(nn.Module):
+    """fp8 expert weights stored four to an int32 word (E, N, K/4), written through a
+    ``.view(float8_e4m3fn)`` of the expert: a sparse fp8 patch merges byte by byte."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.w = nn.Parameter(torch.randint(-2**31, 2**31 - 1, (3, 4, 2), generator=g,
+                                            dtype=torch.int64).to(torch.int32),
+                              requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            self.w.data[int(name.split(".")[1])].view(FP8).copy_(t)
+        return {"w"}
+
+
+def test_fp8_packed_in_int32_words_merges_bytes():
+    model = PackedFp8Experts()
+    before = model.w.detach().clone()
+    new = (torch.randn(4, 8, generator=torch.Generator().manual_seed(6)) * 3).to(FP8)
+    idx = torch.tensor([1, 2, 3, 9, 31])
+    report = patchkit.inspect_load(
+        model, [Patch("experts.1.w", (4, 8), FP8, new.flatten()[idx].float(), idx)])
+    want = before.clone()
+    want[1].view(torch.uint8).view(-1)[idx] = new.view(torch.uint8).flatten()[idx]
+    assert torch.equal(model.w, want)
+    (row,) = report.writes.itertuples()
+    # in int32 words: expert 1 starts at word 8 and its fp8 view spans 8 words
+    assert (row.target, int(row.target_offset), int(row.elements)) == ("w", 8, 8)
+    words = int((want != before).sum())  # bytes 1-3 share word 0; 9 and 31 one each
+    assert int(row.written) == words == 3
+    assert int(report.deltas.loc["w", "changed"]) == words
 
 
 def test_checkpoint_shapes_are_full_size():
