@@ -931,3 +931,26 @@ def test_trainer_step_through_a_file_equals_loading_the_new_checkpoint(make, tmp
     if ints:
         load_checkpoint_weight_patches(old_model, dense_patches(new, ints))
     assert_same_bits(snapshot(old_model), snapshot(new_model))
+
+
+def test_training_loop_with_reuse_matches_brute_force_every_step():
+    """inspect_load(..., reuse=last_report) step after step, sparse and dense steps in
+    turn: each report's written/before/deltas are its own load's."""
+    for make in (lambda: MoERuntime(fp8=True, tp_size=2, tp_rank=1, ep_size=2, ep_rank=1),
+                 lambda: FusedCheckpointMoE(tp_size=2, tp_rank=1),
+                 lambda: Fp8Runtime(tp_size=2, tp_rank=1)):
+        model, report = make(), None
+        for step in range(4):
+            ckpt = model.checkpoint(seed=100 + step)
+            patches = (dense_patches(ckpt) if step % 2
+                       else sparse_patches(ckpt, seed=step, density=0.3))
+            before = snapshot(model)
+            want, _, masks = expected_load(model, before, patches)
+            report = patchkit.inspect_load(model, patches, reuse=report, max_chunk_bytes=300)
+            assert_same_bits(snapshot(model), want)
+            for target, mask in masks.items():
+                if mask.any():
+                    assert torch.equal(report.written(target), mask), (step, target)
+                    assert torch.equal(_bits(report.before(target)), _bits(before[target]))
+                    n = int((_bits(before[target]) != _bits(want[target])).sum())
+                    assert int(report.deltas.loc[target, "changed"]) == n, (step, target)
