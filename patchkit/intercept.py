@@ -3625,8 +3625,19 @@ class WriteSession:
                 return None
             self._saved_regions.add(region)
             saved = SavedRegion(target, offset, t, t.clone())
+        elif self.recorder is None and _whole_is_smaller(t, count := int(count_true(write))):
+            # Only a rollback reads this save: where the written elements with their int64
+            # offsets (and the offsets' scratch) would take more bytes than the view, the
+            # view is saved whole (a merge of more than an eighth of a contiguous bfloat16
+            # view's elements, a sixteenth of a float8 one's), so that a rollback's saves
+            # stay within the bytes of the regions written (CONTRACT §5). Reading the
+            # count is the one host wait the positions' nonzero made.
+            saved = SavedRegion(target, offset, t, t.clone())
         else:
-            index = _storage_offsets(t, torch.nonzero(write.reshape(-1)).reshape(-1))
+            flat = (_changed_offsets(write.reshape(-1), count) if self.recorder is None
+                    else torch.nonzero(write.reshape(-1)).reshape(-1))
+            index = _storage_offsets(t, flat)
+            del flat
             saved = SavedRegion.elements(target, offset, t, index)
         self.saved.append(saved)
         return saved
@@ -3724,6 +3735,17 @@ def _wait_for(devices: set[torch.device]) -> None:
 
 
 _STATIC_NONZERO: dict[str, bool] = {}  # device type -> torch.nonzero_static works there
+
+
+def _whole_is_smaller(view: torch.Tensor, count: int) -> bool:
+    """Whether saving ``count`` elements of ``view`` with their storage offsets costs more
+    bytes than a copy of the whole view, counting the offsets' scratch at its peak: the
+    positions and the offsets at once (8 bytes an element each), and for a view that is
+    not contiguous three more such arrays while the offsets are computed
+    (:func:`_storage_offsets`)."""
+    size = view.element_size()
+    scratch = 8 * count * (2 if view.is_contiguous() else 5)
+    return max(count * (size + 8), scratch) > view.numel() * size
 
 
 def _changed_offsets(flat_mask: torch.Tensor, count: int) -> torch.Tensor:

@@ -990,6 +990,52 @@ def test_a_failed_transactional_sparse_load_restores_what_the_merge_wrote(dtype,
     assert patchkit.bitwise.same_state(m.state_dict(), start)
 
 
+@pytest.mark.parametrize("view", ["contiguous", "column shard"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_a_transactional_sparse_rollback_through_torch_ops_saves_no_more_than_the_view(
+        monkeypatch, dtype, view):
+    # CONTRACT section 5: a transactional load's extra memory is the size of the regions
+    # written. Through torch ops (a GPU; float8 on the CPU) a NaN-merge saved its written
+    # elements with an int64 offset each: a bf16 patch of density 1/2 kept 2.5 times its
+    # view's bytes, a float8 one 4.5 times, however dense the patch was.
+    from patchkit.intercept import WriteSession
+
+    kept: list[int] = []
+    save = WriteSession._save
+
+    def counted(self, t, target, offset, write):
+        saved = save(self, t, target, offset, write)
+        if saved is not None:
+            kept.append(saved.before.nbytes
+                        + (saved.index.nbytes if saved.index is not None else 0))
+        return saved
+
+    monkeypatch.setattr(WriteSession, "_save", counted)
+    shard = view == "column shard"
+
+    class Fails(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            w = torch.randn(64, 128 if shard else 64, generator=torch.Generator().manual_seed(3))
+            self.w = torch.nn.Parameter(w.to(dtype), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                (self.w.data[:, 32:96] if shard else self.w.data).copy_(t)
+            raise RuntimeError("after the merge")
+
+    m = Fails()
+    start = bits(m.w).clone()
+    shape = (64, 64)
+    values = torch.randn(2048, generator=torch.Generator().manual_seed(4)).to(dtype)
+    p = CheckpointWeightPatch("w", shape, dtype, values, torch.arange(0, 4096, 2))
+    with pytest.raises(RuntimeError, match="after the merge"), native.disabled():
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(bits(m.w), start)  # put back bit for bit
+    view_bytes = 64 * 64 * torch.empty(0, dtype=dtype).element_size()
+    assert kept and sum(kept) <= view_bytes
+
+
 # -- regressions found by review ---------------------------------------------------------
 
 
