@@ -1896,6 +1896,11 @@ def _delta_pass(
         yield (d if at is None else d[at]), n, largest
 
 
+_WIDEST_SCALE = float(np.finfo(np.float64).max) / 2
+"""The widest colour scale :func:`plot_delta` draws: matplotlib's colorbar and tick
+arithmetic (and a histogram's range) overflow float64 past about 1.4e308."""
+
+
 def written_mask(report: LoadReport, target: str) -> torch.Tensor:
     """Flat bool mask over ``target``'s elements: True where the load wrote (CPU).
     ``report`` must be a load report (``TypeError``); ``target`` as
@@ -1931,8 +1936,12 @@ def plot_delta(
     moduli: before and after as ``|z|``, and ``|Δ| = |after − before|`` on a one-sided
     scale from 0 (a change of the imaginary part shows), the histogram too. A histogram
     of a single value (one changed element) is one bar around it, up to float32's
-    largest value; matplotlib cannot draw a float64 tensor whose values or Δ span more
-    than about 1e308 (its colour scales and histogram take the span's width).
+    largest value. A colour scale is at most half of float64's largest number wide
+    (about 9e307: matplotlib's scale and tick arithmetic overflows past about 1.4e308): a
+    float64 tensor whose finite before and after values span more than that, or whose
+    largest finite |Δ| is more than a quarter of it (Δ's scale is symmetric: a change of
+    1e308 needs one from -1e308 to 1e308), raises ``ValueError`` saying so, before
+    anything is drawn (``report.deltas`` has its numbers).
 
     NaN and ±inf are drawn in magenta (the colour maps' "bad" colour; Δ = 0 is
     near-white): an unpooled image holds them as they are; a block's mean, or its
@@ -2032,8 +2041,6 @@ def plot_delta(
         if b_img is not None and a_img is not None:
             break
 
-    fig = _new_figure(17.0, 4.4)
-    axes = fig.subplots(1, 4, width_ratios=[1, 1, 1, 1.1])
     both = np.concatenate([b_img.ravel(), a_img.ravel()])
     both = both[np.isfinite(both)]
     lo, hi = (float(both.min()), float(both.max())) if both.size else (0.0, 1.0)
@@ -2042,9 +2049,23 @@ def plot_delta(
     finite_d = d_img[np.isfinite(d_img)]
     m = float(np.abs(finite_d).max()) if finite_d.size else 0.0
     m = m if m > 0 else 1.0
+    cplx = reader.before_dtype.is_complex  # (moduli, and |Δ| on a one-sided scale)
+    with np.errstate(over="ignore"):  # (a width past float64's largest: inf, too wide)
+        too_wide = [(what, a, b) for what, a, b in (
+            ("before and after values", lo, hi), ("Δ", 0.0 if cplx else -m, m))
+            if not b - a <= _WIDEST_SCALE]
+    if too_wide:  # (matplotlib's colorbar, ticks and histogram take the width)
+        what, a, b = too_wide[0]
+        raise ValueError(
+            f"plot_delta: {asked!r} {form}: its {what} need a colour scale from {a:.4g} "
+            f"to {b:.4g}, wider than half of float64's largest number "
+            f"({_WIDEST_SCALE:.4g}), which matplotlib cannot draw; report.deltas has its "
+            "numbers, and report.before() and report.after() its values"
+        )
+    fig = _new_figure(17.0, 4.4)
+    axes = fig.subplots(1, 4, width_ratios=[1, 1, 1, 1.1])
     xlabel, ylabel = _axis_words(len(shape), "runtime")
     how = f" ({br} × {bc} block means)" if pooled else ""
-    cplx = reader.before_dtype.is_complex  # (moduli, and |Δ| on a one-sided scale)
     value = "|z|" if cplx else "value"
     delta = "|Δ| = |after − before|" if cplx else "Δ = after − before"
     panels = [

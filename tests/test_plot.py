@@ -32,6 +32,7 @@ from patchkit.plot import (
     plot_placement,
     pool_mean,
     region_rects,
+    to_png,
     view_rects,
 )
 from patchkit.toymodels import PlainModel, TinyLlamaConfig, TinyLlamaRuntime
@@ -926,6 +927,36 @@ def test_block_means_of_numbers_near_float64s_largest_do_not_overflow(recwarn):
     assert np.allclose(a, 1.4e308, rtol=1e-12, atol=0)
     assert not any(_marks(ax) for ax in fig.axes)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def _float64_report(before: list[float], after: list[float]):
+    model = PlainModel({"w": (len(before),)}, dtype=torch.float64)
+    model.w.data.copy_(torch.tensor(before, dtype=torch.float64))
+    return inspect_load(model, [CheckpointWeightPatch(
+        "w", (len(after),), torch.float64, torch.tensor(after, dtype=torch.float64))])
+
+
+def test_delta_refuses_a_colour_scale_matplotlib_cannot_draw_with_a_clear_error():
+    # A single change of 1e308 (values and Δ spanning 1e308, under float64's largest)
+    # needs a Δ scale from -1e308 to 1e308: matplotlib raised "Axis limits cannot be NaN
+    # or Inf" from its colorbar; values 1.6e308 apart, or a change of 8e307 (a scale 1.6e308
+    # wide), were drawn until to_png, which raised "arange: cannot compute length" from a
+    # tick locator.
+    big = float(np.finfo(np.float64).max)
+    for before, after, what in [([0.0, 1.0], [1e308, 1.0], "its before and after"),
+                                ([0.0, 1.0], [-0.45 * big, 1.0], "its Δ need"),
+                                ([-0.9 * big, 1.0], [-0.9 * big, 2.0], "its before and after")]:
+        report = _float64_report(before, after)
+        with pytest.raises(ValueError, match="wider than half of float64's largest") as info:
+            to_png(plot_delta(report, "w"))
+        assert str(info.value).startswith(f"plot_delta: 'w' (2,) float64: {what}")
+    # up to half of float64's largest: drawn
+    for before, after in [([0.0, 1.0], [0.25 * big, 1.0]), ([-0.5 * big, 1.0], [-0.5 * big, 2.0]),
+                          ([0.0, 0.0], [0.25 * big, -0.25 * big])]:
+        fig = plot_delta(_float64_report(before, after), "w")
+        assert to_png(fig).startswith(b"\x89PNG")
+        assert fig.axes[2].images[0].get_array().tolist() == [
+            [a - b for a, b in zip(after, before)]]
 
 
 def test_delta_histogram_counts_the_written_elements_each_once():
