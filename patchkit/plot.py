@@ -1938,8 +1938,8 @@ def plot_delta(
     of a single value (one changed element) is one bar around it, up to float32's
     largest value. A colour scale is at most half of float64's largest number wide
     (about 9e307: matplotlib's scale and tick arithmetic overflows past about 1.4e308): a
-    float64 tensor whose finite before and after values span more than that, or whose
-    largest finite |Δ| is more than a quarter of it (Δ's scale is symmetric: a change of
+    float64 or complex128 tensor whose finite before and after values (moduli) span more
+    than that, or whose Δ scale would be wider (a real Δ's is symmetric: a change of
     1e308 needs one from -1e308 to 1e308), raises ``ValueError`` saying so, before
     anything is drawn (``report.deltas`` has its numbers).
 
