@@ -148,6 +148,15 @@ BULLETS = [
         {},
     ),
     (
+        "sparse indices 0-D",
+        lambda mk, P: [
+            good_sparse(mk),
+            P("b", SHAPE, torch.float32, torch.zeros(1), torch.tensor(0)),
+        ],
+        ValueError,
+        {},
+    ),
+    (
         "sparse indices float",
         lambda mk, P: [
             good_sparse(mk),
