@@ -221,6 +221,14 @@ BULLETS = [
         ValueError,
         {},
     ),
+    (
+        # few unordered indices into a large tensor (found by sorting them, not by marking
+        # every element)
+        "duplicate index among few in a large tensor",
+        lambda mk, P: [good_sparse(mk), mk.sparse("b", (64, 64), [70, 5, 70], [1.0, 2.0, 3.0])],
+        ValueError,
+        {},
+    ),
 ]
 
 
