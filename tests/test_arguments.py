@@ -452,6 +452,24 @@ def test_a_shape_of_very_many_dims_is_refused_with_a_short_message(dims, shown):
     assert shown in str(e.value) and len(str(e.value)) < 300
 
 
+@pytest.mark.parametrize(("dtype", "shape"), [
+    (torch.float32, (2**61,)), (torch.bfloat16, (2**31, 2**31)),
+    (torch.float8_e4m3fn, (2**62, 2))])
+def test_a_shape_of_exactly_2_63_bytes_is_refused_and_one_element_less_is_taken(dtype, shape):
+    # torch counts a tensor's bytes in an int64: 2**63 bytes is one byte too many, the
+    # boundary of "its bytes must stay below 2**63" (nothing here allocates)
+    at = CWP("w", shape, dtype, torch.zeros(1), torch.tensor([0]))
+    with pytest.raises(PatchValueError, match=r"its bytes must stay below 2\*\*63") as e:
+        validate_patches([at])
+    assert e.value.reason == "shape too large"
+    with pytest.raises(PatchValueError, match=r"below 2\*\*63"):
+        plan_chunks([at])
+    size = dtype.itemsize
+    below = at._replace(shape=(2**63 // size - 1,))
+    assert validate_patches([below]) == "sparse"
+    assert plan_chunks([below])[0].bytes == 2**63 - size
+
+
 def test_a_zero_dim_makes_any_shape_empty():
     p = CWP("w", (0,) + (10,) * 30, torch.float32, torch.ones(0))
     validate_patches([p])
