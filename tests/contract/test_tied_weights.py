@@ -132,6 +132,25 @@ def test_a_dropped_alias_whose_values_differ_is_named_in_a_warning(load, mk, kin
     assert w.filename == __file__  # the caller's line, whatever the depth of the load
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_dropped_alias_reading_other_elements_of_the_same_memory_is_named_in_a_warning(
+        load, Patch, kind):
+    # the alias's values (or indices) start at the same address as the canonical patch's,
+    # but read every other element: other numbers, however alike the two tensors look
+    m = TiedModel()
+    if kind == "dense":
+        base = torch.arange(30.0)
+        patches = [Patch(CANON, SHAPE, torch.float32, base[:15]),
+                   Patch(ALIAS, SHAPE, torch.float32, base[::2])]
+    else:
+        base, values = torch.arange(8), torch.tensor([7.0, 8.0, 9.0, 10.0])
+        patches = [Patch(CANON, SHAPE, torch.float32, values, base[:4]),
+                   Patch(ALIAS, SHAPE, torch.float32, values, base[::2])]
+    with pytest.warns(UserWarning, match=f"patch 1 \\('{ALIAS}'\\) is not loaded"):
+        load(m, patches)
+    assert m.calls == [[CANON]]
+
+
 def test_a_dropped_alias_that_carries_the_canonical_values_loads_without_a_warning(load, mk):
     import warnings
 
