@@ -811,6 +811,15 @@ def test_a_model_that_is_not_a_module_is_refused_by_type_before_any_call(kind):
     assert info.value.reason == "no load_weights"
 
 
+@pytest.mark.parametrize("transactional", [False, True])
+def test_an_empty_call_returns_an_empty_set_whatever_the_model(transactional):
+    # CONTRACT §1.3: an empty call is neither dense nor sparse and makes no call, so the
+    # model is not looked at: no load_weights, not even a module, is needed
+    for model in (object(), torch.nn.Linear(2, 2)):
+        got = patchkit.load_checkpoint_weight_patches(model, [], transactional=transactional)
+        assert got == set()
+
+
 @pytest.mark.parametrize("helper", ["stage", "split_patch"])
 def test_a_lone_patch_helper_names_the_patch_but_no_position(helper):
     # stage(p) and split_patch(p, n) validated [p] and said "patch 0": called on
