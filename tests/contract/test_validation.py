@@ -492,10 +492,13 @@ def test_same_type_checks_report_in_the_contract_order(load, Patch, first, secon
 
 
 @pytest.mark.patchkit_only
-def test_mixing_error_names_the_later_kind_and_says_mixed(load, mk):
-    patches = [good_dense(mk), good_dense(mk, "b"), good_sparse(mk, "c"), good_dense(mk, "d")]
+@pytest.mark.parametrize(("first", "later"), [("dense", "sparse"), ("sparse", "dense")])
+def test_mixing_error_names_the_later_kind_and_says_mixed(load, mk, first, later):
+    make = {"dense": good_dense, "sparse": good_sparse}
+    patches = [make[first](mk), make[first](mk, "b"), make[later](mk, "c"), make[first](mk, "d")]
     err = rejected(load, patches, ValueError)
-    assert (err.position, err.name, err.reason) == (2, "c", "mixed")
+    assert (err.position, err.name, err.reason, err.value) == (2, "c", "mixed", later)
+    assert f"(patch 0 is {first}, this one is {later})" in str(err)
 
 
 @pytest.mark.patchkit_only
