@@ -286,6 +286,19 @@ def test_a_patch_whose_dropped_alias_the_loader_loaded_raises_no_warning(load, m
     assert bool((m.embed_tokens.weight == 2.0).all())
 
 
+def test_a_renamed_patch_is_checked_against_its_own_call_only(load, mk):
+    # the alias's patch, renamed, is loaded by call 0; call 1 (the norm's) returns no name
+    # of the tied Parameter, and that says nothing of a patch it did not carry
+    import warnings
+
+    m = TiedModel()
+    patches = [mk.dense(ALIAS, torch.full(SHAPE, 2.0)), mk.dense("norm", torch.ones(3))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load(m, patches, max_chunk_bytes=60) == {CANON, "norm"}
+    assert m.calls == [[CANON], ["norm"]]
+
+
 def test_a_renamed_patch_the_loader_loaded_raises_no_warning(load, mk):
     import warnings
 
