@@ -2122,6 +2122,28 @@ def test_write_offsets_count_row_major_and_strides_are_the_views_in_memory():
     assert view.flatten().tolist() == [10.0, 14.0, 18.0]
 
 
+def test_a_broadcast_copy_names_the_checkpoint_region_it_read_not_the_target_view():
+    # copy_ broadcasts one row of the patch over every row of the target: the
+    # checkpoint_region is that row of the checkpoint tensor (the source's own shape and
+    # strides), while the target side is the whole (4, 6) view it wrote.
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+
+        def load_weights(self, weights):
+            for n, t in weights:
+                self.w.copy_(t.view(3, 6)[1])
+            return {n for n, _ in weights}
+
+    r = inspect_load(M(), [CheckpointWeightPatch("w", (3, 6), torch.float32,
+                                                 torch.arange(18.0))])
+    row = r.writes.iloc[0]
+    assert (int(row["checkpoint_offset"]), row["checkpoint_region"]) == (6, "[1:2, :]")
+    assert row["checkpoint_stride"] == (1,)
+    assert (row["target_region"], row["shape"], row["elements"]) == ("[:, :]", (4, 6), 24)
+
+
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
 def test_a_complex_element_changed_in_both_parts_counts_once_in_writes(dtype):
     # writes.changed counted the real and the imaginary part of each element: 32 of 16.
