@@ -461,6 +461,15 @@ def test_html_says_how_many_rows_a_table_has_and_reprs_cut_long_cells():
     assert long not in text and long[:40] in text
 
 
+def test_html_shows_a_table_of_exactly_its_row_limit_whole():
+    # 8 rows (the HTML limit) are all shown: "(8 rows)", not "(first 8 of 8 rows)"
+    shapes = {f"w{i}": (2,) for i in range(8)}
+    r = inspect_load(PlainModel(shapes), [dense(k, torch.full((2,), 1.0)) for k in shapes])
+    page = r._repr_html_()
+    assert "chunks (8 rows)" in page and "deltas (8 rows)" in page
+    assert "first 8" not in page
+
+
 def test_reprs_write_names_that_would_read_alike_or_blank_as_their_repr():
     # (a name "a\\nb" and one "a\nb" read the same, "a\nb", and " " and "  " as blanks)
     names = ["a\nb", "a\\nb", " ", "  ", "'w'", "plain.weight"]
