@@ -1499,10 +1499,32 @@ def test_a_dense_call_that_rebinds_is_reported_as_a_write_of_the_whole_tensor(ki
     row = r.deltas.loc["w"]
     assert (row["elements"], row["changed"]) == (6, 4)
     assert row["max_abs"] == 5.0 and row["mean_abs"] == pytest.approx((5 + 4 + 3 + 2) / 6)
+    # ||after - before|| / ||before||, before being the original tensor 0..5
+    assert row["rel_l2"] == pytest.approx(math.sqrt((25 + 16 + 9 + 4) / 55))
     (w,) = r.writes.itertuples()
     assert (w.op, w.target, w.elements, w.changed) == ("rebind", "w", 6, 4)
     if kind == "staged":
         assert (w.position, w.name) == (0, "w")
+
+
+def test_a_tensor_rebound_to_another_shape_counts_every_new_element_as_changed():
+    # another tensor altogether: its deltas row counts the new tensor's 12 elements,
+    # every one changed (not the original's 6), and has no element-wise numbers
+    class Grows(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(6.0).view(2, 3), False)
+
+        def load_weights(self, weights):
+            for _ in weights:
+                self.w.data = torch.ones(3, 4)
+            return {n for n, _ in weights}
+
+    r = inspect_load(Grows(), [dense("w", torch.zeros(2, 3))])
+    row = r.deltas.loc["w"]
+    assert (row["elements"], row["changed"]) == (12, 12)
+    assert all(math.isnan(row[c]) for c in ("max_abs", "mean_abs", "rel_l2"))
+    assert r.summary()["elements changed"] == 12
 
 
 def test_rebinding_inside_a_transactional_report_is_still_undone():
