@@ -152,6 +152,40 @@ def test_a_write_into_one_half_of_a_flat_buffer_is_not_charged_to_the_other(kind
     assert r.deltas.index.tolist() == ["a"]
 
 
+class _AcrossTheSeam(nn.Module):
+    """``a`` and ``b``, halves of one flat buffer; the loader writes its one patch over the
+    last two elements of ``a`` and all of ``b`` in one copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.buf = torch.zeros(8, device=_dev())  # (not a runtime tensor)
+        self.a = nn.Parameter(self.buf[:4], requires_grad=False)
+        self.b = nn.Parameter(self.buf[4:], requires_grad=False)
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.buf[2:].copy_(w)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_a_change_just_past_a_tensors_end_is_the_next_tensors(compiled):
+    # Two of the six elements change: a[3] and b[0], the element right after a's last
+    # (the torch-ops path saves just those two, with their storage offsets). Each tensor's
+    # row, before() and written() take its own elements only.
+    from patchkit import native
+
+    new = torch.tensor([0.0, 5.0, 7.0, 0.0, 0.0, 0.0], device=_dev())
+    m = _AcrossTheSeam()
+    with contextlib.nullcontext() if compiled else native.disabled():
+        r = inspect_load(m, [CWP("ab", (6,), torch.float32, new)])
+    assert r.deltas.loc["a", ["elements", "changed", "max_abs"]].tolist() == [2, 1, 5.0]
+    assert r.deltas.loc["b", ["elements", "changed", "max_abs"]].tolist() == [4, 1, 7.0]
+    assert r.before("a").tolist() == [0.0] * 4 and r.before("b").tolist() == [0.0] * 4
+    assert r.written("a").tolist() == [False, False, True, True]
+    assert r.written("b").all()
+
+
 class _Transposed(nn.Module):
     """A runtime weight kept transposed (a non-contiguous parameter)."""
 
