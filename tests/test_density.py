@@ -225,6 +225,11 @@ def test_region_text_names_transposed_and_stepped_boxes_as_the_slices_they_are()
     assert region_text((8, 4), 0, (4,), (5,)) == "4 elements from 0"
     assert region_text((8, 4), 0, (2, 2), (8, 4)) == "4 elements from 0"
     assert region_text((8, 4), 3, (2, 2), (4, 1)) == "4 elements from 3"  # wraps rows
+    # a broadcast source (row 1 expanded over 3 rows: stride 0), which a slice with a
+    # step of 0 cannot select, and an empty view
+    row = w[1:2].expand(3, 4)
+    assert region_text((8, 4), 4, tuple(row.shape), row.stride()) == "12 elements from 4"
+    assert region_text((8, 4), 0, (0, 4), (4, 1)) == "0 elements from 0"
 
 
 @pytest.mark.parametrize("order", ["increasing", "shuffled", "repeated at a piece's edge"])
