@@ -425,6 +425,10 @@ def test_report_renders_in_a_terminal_and_a_notebook_without_timings():
     html = r._repr_html_()
     assert "<table" in html and "seconds" not in html
     assert r.summary()["elements changed"] == 1
+    # the headline rows are summary()'s, less those of no value (no error: no error row)
+    assert r.summary()["error"] is None
+    headline = html.split("</table>")[0]  # (the calls table has an error column)
+    assert ">error<" not in headline and "None" not in headline and "error=" not in text
 
 
 def test_html_summary_escapes_what_the_load_was_given():
