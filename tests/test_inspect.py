@@ -106,6 +106,19 @@ def test_before_and_after_rebuild_the_runtime_tensor_around_the_load():
     assert r.writes["changed"].tolist() == [1, 2]
 
 
+def test_before_and_after_are_copies_that_neither_follow_nor_touch_the_model():
+    m = PlainModel({"w": (2, 2)}, device="cpu")  # (where to("cpu") alone copies nothing)
+    r = inspect_load(m, [dense("w", torch.full((2, 2), 3.0))])
+    before, after = r.before("w"), r.after("w")
+    after += 1.0  # the caller's tensors: writing them leaves the model as it is
+    before += 1.0
+    assert m.w.detach().tolist() == [[3.0, 3.0], [3.0, 3.0]]
+    with torch.no_grad():
+        m.w.mul_(2.0)  # and a later step leaves what the caller holds as it was
+    assert after.tolist() == [[4.0, 4.0], [4.0, 4.0]]
+    assert r.after("w").tolist() == [[6.0, 6.0], [6.0, 6.0]]  # (the tensor now)
+
+
 def test_overlapping_regions_of_one_tensor_count_each_element_once():
     class Halves(torch.nn.Module):
         def __init__(self):
