@@ -760,6 +760,20 @@ def test_a_loader_returning_a_generator_is_reported_with_its_names():
     assert r.loaded == {"q"} and r.calls["returned"].tolist() == [("q",)]
 
 
+def test_a_call_that_returns_none_is_told_from_one_that_returns_no_names():
+    # calls.returned is None where the loader returned None (which adds nothing to
+    # loaded), an empty tuple where it returned an empty set
+    class Returns(Packed):
+        def load_weights(self, weights):
+            super().load_weights(weights)
+            return None if weights[0][0] == "q" else set()
+
+    r = inspect_load(Returns(), [sparse("q", (4, 4), [0], [5.0]),
+                                 sparse("k", (4, 4), [0], [5.0])], max_chunk_bytes=64)
+    assert r.calls["returned"].tolist() == [None, ()]
+    assert r.loaded == set()
+
+
 def test_an_observed_generator_function_loader_is_watched_while_it_loads():
     # (its writes ran after the observation ended: 0 calls, 0 writes, the model changed)
     def lazy_loader(model, patches, **kw):
