@@ -2200,7 +2200,7 @@ def test_a_broadcast_copy_names_the_checkpoint_region_it_read_not_the_target_vie
             self.w = torch.nn.Parameter(torch.zeros(4, 6), requires_grad=False)
 
         def load_weights(self, weights):
-            for n, t in weights:
+            for _, t in weights:
                 self.w.copy_(t.view(3, 6)[1])
             return {n for n, _ in weights}
 
