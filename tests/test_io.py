@@ -1919,3 +1919,61 @@ def test_inspect_names_the_option_of_a_bad_budget(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["inspect", "--help"])
     assert "exit 0" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- mutation gaps
+
+
+@pytest.mark.parametrize(("change", "position", "reason", "value", "match"), [
+    # -1, not only -8: every negative dimension
+    (dict(header=_set(0, shape=[8, -1])), 0, "header", [8, -1],
+     r"shape must be a list of non-negative ints, got \[8, -1\]"),
+    # a count that is negative or no int is said as such, not as a values-shape mismatch
+    (dict(header=_set(0, nnz=-1)), 0, "header", -1, "nnz must be a non-negative int, got -1"),
+    (dict(header=_set(1, nnz="6")), 1, "header", "6",
+     "nnz must be a non-negative int, got '6'"),
+    # values of the right count but 2-D (a column): only 1-D values are a patch's
+    (dict(tensors=lambda t: {**t, "000001.values": torch.zeros(6, 1)}), 1, "count", [6, 1],
+     r"values have shape \[6, 1\], the header says \[6\]"),
+    # exactly 2**63 bytes (2**62 bfloat16 elements): one element too many for a tensor
+    (dict(header=_set(0, shape=[2**62])), 0, "header", [2**62],
+     r"holds 4611686018427387904 elements, more than a tensor can"),
+])
+def test_the_header_reader_refuses_each_bad_field_at_its_edge(tmp_path, change, position,
+                                                               reason, value, match):
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"), **change)
+    for reader in (read_patch_index, load_patches, check_patch_file):
+        with pytest.raises(PatchValueError, match=match) as info:
+            reader(bad)
+        e = info.value
+        assert (e.position, e.reason, e.value) == (position, reason, value), reader
+
+
+def test_a_header_shape_one_element_below_the_byte_limit_is_read(tmp_path):
+    # (the other side of the edge above: 2**63 - 2 bytes, which a tensor can hold)
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "big.safetensors"), header=_set(0, shape=[2**62 - 1]))
+    assert read_patch_index(bad)[0].shape == (2**62 - 1,)
+
+
+def test_the_header_limit_is_inclusive_to_the_byte(tmp_path, monkeypatch):
+    # a header of exactly the limit is written; one byte over it is refused (safetensors
+    # reads a header of up to 100,000,000 bytes)
+    import patchkit.io
+
+    ps = [CheckpointWeightPatch("w", (3,), torch.float32, torch.ones(3))]
+    path = tmp_path / "p.safetensors"
+    monkeypatch.setattr(patchkit.io, "_MAX_HEADER_BYTES", 10)
+    with pytest.raises(PatchValueError) as info:
+        save_patches(path, ps, metadata={"k": "v"})
+    size = info.value.value  # the header's size, as counted
+    assert isinstance(size, int) and size > 10
+    monkeypatch.setattr(patchkit.io, "_MAX_HEADER_BYTES", size - 1)
+    with pytest.raises(PatchValueError,
+                       match=f"more than the {size - 1} bytes safetensors allows") as info:
+        save_patches(path, ps, metadata={"k": "v"})
+    assert info.value.value == size and not path.exists()
+    monkeypatch.setattr(patchkit.io, "_MAX_HEADER_BYTES", size)
+    save_patches(path, ps, metadata={"k": "v"})
+    assert_same_patches(load_patches(path), ps)
