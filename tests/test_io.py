@@ -1998,3 +1998,64 @@ def test_safetensors_own_reader_and_writer_agree_on_every_dtype(tmp_path):
     # and the other way: tensors safetensors writes read back as the dtypes it wrote
     again = rewrite(path, str(tmp_path / "again.safetensors"))
     assert_same_patches(load_patches(again), ps)
+
+
+def test_the_summary_plans_with_the_checkpoint_dtype_not_the_values_dtype(tmp_path, capsys):
+    # The staged bytes of a call are the checkpoint tensors' (shape x the patch's dtype):
+    # float32 values carried for bfloat16 weights stage 2 bytes an element, not 4. The
+    # plan printed is plan_chunks' plan of the loaded patches, row for row.
+    ps = [CheckpointWeightPatch("a", (8, 8), torch.bfloat16, torch.ones(64)),
+          CheckpointWeightPatch("b", (8, 8), torch.bfloat16, torch.ones(64)),
+          CheckpointWeightPatch("s", (8, 8), torch.bfloat16, torch.ones(3),
+                                torch.tensor([0, 9, 63])),
+          CheckpointWeightPatch("t", (8, 8), torch.bfloat16, torch.ones(2),
+                                torch.tensor([1, 2]))]
+    path = str(tmp_path / "p.safetensors")
+    save_patches(path, ps)
+    loaded = load_patches(path)
+    assert print_patch_file_summary(path, max_chunk_bytes=200) == 0
+    out = capsys.readouterr().out
+    for kind, label in (("dense", "(dense patches; one load)"),
+                        ("sparse", "(sparse patches; one load)")):
+        group = [(i, p) for i, p in enumerate(loaded) if (p.indices is not None) == (
+            kind == "sparse")]
+        plan = plan_chunks([p for _, p in group], 200, positions=[i for i, _ in group])
+        assert [c.bytes for c in plan] == [128, 128]  # 8 x 8 x 2 bytes a call
+        section = out[out.index(label):].split("\n\n")[0].splitlines()
+        rows = [line.split() for line in section[2:]]
+        assert [r[:2] for r in rows] == [[str(c.index), str(c.positions[0])] for c in plan]
+        assert [" ".join(r[2:4]) for r in rows] == [format_bytes(c.bytes) for c in plan]
+
+
+def test_the_summary_notes_dense_writes_only_for_dense_patches_and_aligns_its_numbers(
+        tmp_path, capsys):
+    path = tmp_path / "s.safetensors"
+    save_patches(path, [CheckpointWeightPatch("w", (4000,), torch.float32, torch.ones(1),
+                                              torch.tensor([1])),
+                        CheckpointWeightPatch("v", (4,), torch.float32, torch.ones(4),
+                                              torch.arange(4))])
+    assert print_patch_file_summary(path) == 0
+    out = capsys.readouterr().out
+    assert "a dense patch writes every one" not in out  # (no dense patch here)
+    # the counts, densities and byte sizes are right-aligned: every row of the table,
+    # whose last column is the wire bytes, ends in the same column
+    lines = out.splitlines()
+    start = next(k for k, line in enumerate(lines) if line.split()[:2] == ["#", "name"])
+    table = lines[start:start + 4]  # the header, the two patches, the total
+    assert table[-1].split()[0] == "total"
+    assert len({len(line) for line in table}) == 1, table
+
+
+def test_inspect_out_of_a_file_refused_for_its_dense_values_writes_nothing(tmp_path, capsys):
+    # --out reads only the sparse patches for its figures: a file load_patches refuses
+    # for a dense patch's values (int32 values that do not fit its int8) must stop at the
+    # summary's check, with one error, not go on to draw the sparse patches
+    good = _checkable_file(tmp_path, 4)
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"),
+                  tensors=_corrupt("000001.values",
+                                   torch.tensor([1, 2, 300, 4], dtype=torch.int32)))
+    assert main(["inspect", bad, "--out", str(tmp_path / "figs")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("error: ") == 1
+    assert "outside torch.int8's range" in captured.err
+    assert not (tmp_path / "figs").exists()
