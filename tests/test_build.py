@@ -1034,3 +1034,40 @@ def test_changed_fraction_counts_in_pieces_what_the_whole_comparison_counts(monk
     assert changed_fraction({"w": b.t()}, {"w": a.t()}) == want
     assert changed_fraction({"w": b}, {"w": a}) == want
     assert max(sizes) <= 100 and sum(sizes) == 2 * a.numel()
+
+
+def test_blocks_of_a_tensor_with_fewer_rows_than_the_block_are_rows_x_block():
+    # blocks are min(block, rows) x min(block, cols): 4 x 16 here, four of them across
+    # the 64 columns, round(0.5 * 4) = 2 of them changed (not 16 x 4 blocks, 16 across)
+    g = torch.Generator().manual_seed(6)
+    p = random_sparse_patch("w", (4, 64), torch.float32, 0.5, pattern="blocks", generator=g)
+    mask = torch.zeros(4 * 64, dtype=torch.bool)
+    mask[p.indices] = True
+    per_block = mask.reshape(4, 4, 16).sum(dim=(0, 2))  # changed elements per 4 x 16 block
+    assert sorted(per_block.tolist()) == [0, 0, 64, 64]
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fnuz"), reason="float8_e4m3fnuz")
+def test_split_patch_refuses_dense_values_that_are_nan_only_once_cast():
+    # float32 values that are finite but turn NaN in the patch's dtype (float8_e4m3fnuz
+    # has no infinity: a value far out of range becomes its NaN) cannot travel sparsely
+    value = torch.tensor([1e30, 1.0])
+    nan = torch.isnan(value.to(torch.float8_e4m3fnuz).float())
+    if not bool(nan[0]):
+        pytest.skip("this torch saturates the cast instead of making NaN")
+    p = CheckpointWeightPatch("w", (2,), torch.float8_e4m3fnuz, value)
+    with pytest.raises(PatchValueError, match=r"1 values are NaN \(as torch.float8_e4m3fnuz\)"):
+        split_patch(p, 2)
+
+
+def test_split_patch_parts_are_slices_of_the_patch_not_copies():
+    dense = CheckpointWeightPatch("w", (2, 5), torch.float32, torch.arange(10.0))
+    for q in split_patch(dense, 3):
+        start = int(q.indices[0])
+        assert q.values.data_ptr() == dense.values[start:].data_ptr()
+    sparse = CheckpointWeightPatch("w", (10,), torch.float32, torch.arange(4.0),
+                                   torch.tensor([9, 0, 5, 2]))
+    parts = split_patch(sparse, 2)
+    assert [q.values.data_ptr() for q in parts] == [sparse.values[k:].data_ptr() for k in (0, 2)]
+    assert [q.indices.data_ptr() for q in parts] == [
+        sparse.indices[k:].data_ptr() for k in (0, 2)]
