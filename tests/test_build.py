@@ -1071,3 +1071,36 @@ def test_split_patch_parts_are_slices_of_the_patch_not_copies():
     assert [q.values.data_ptr() for q in parts] == [sparse.values[k:].data_ptr() for k in (0, 2)]
     assert [q.indices.data_ptr() for q in parts] == [
         sparse.indices[k:].data_ptr() for k in (0, 2)]
+
+
+def test_a_transposed_view_of_the_same_memory_is_no_shared_weight():
+    # the same storage read in another order (w and w.t() of a square w) compares other
+    # elements: a real diff, no 'share memory' warning
+    w = torch.arange(9.0).reshape(3, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (p,) = sparse_patches_from_diff({"w": w}, {"w": w.t()})
+    assert p.indices.tolist() == [1, 2, 3, 5, 6, 7]
+    assert p.values.tolist() == [3.0, 6.0, 1.0, 7.0, 2.0, 5.0]
+
+
+def test_changed_fraction_refuses_a_weight_whose_dtype_changed():
+    # (float32 and int32 have the same width: their bits could be compared, but the
+    # docstring says names, shapes and dtypes must match)
+    with pytest.raises(PatchValueError, match=r"'w'.*torch.float32.*torch.int32") as e:
+        changed_fraction({"w": torch.zeros(4)}, {"w": torch.zeros(4, dtype=torch.int32)})
+    assert e.value.name == "w" and e.value.reason == "shape or dtype differs"
+
+
+def test_uniform_positions_reach_every_element_first_and_last_included():
+    # the sparse path (under 1/8 of the elements) draws with replacement from [0, n): over
+    # many draws every position turns up, the first and the last too (a draw from
+    # [0, n - 1) never picks the last; each position is missed by 300 draws of 10 of 100
+    # with chance 0.9**300, about 2e-14)
+    g = torch.Generator().manual_seed(7)
+    seen = torch.zeros(100, dtype=torch.bool)
+    for _ in range(300):
+        p = random_sparse_patch("w", (100,), torch.float32, 0.1, generator=g)
+        assert p.indices.numel() == 10
+        seen[p.indices] = True
+    assert bool(seen.all()), torch.nonzero(~seen).reshape(-1).tolist()
