@@ -1773,3 +1773,64 @@ def test_a_source_not_followed_to_its_patch_is_checked_on_its_own_cast():
     # (numbers that survive the scaling and the cast load)
     patchkit.load_checkpoint_weight_patches(m, [p._replace(values=torch.tensor([2.0, 4.0]))])
     assert m.w.detach().float().reshape(-1)[[1, 5]].tolist() == [4.0, 8.0]
+
+
+class _Fp8Copies(nn.Module):
+    """A float8 weight of ``shape`` (``dtype``) that copies ``how(t)`` of its patch."""
+
+    def __init__(self, how, shape, dtype=torch.float8_e4m3fnuz):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(*shape).to(dtype), requires_grad=False)
+        self.how = how
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w.copy_(self.how(t))
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize(("how", "shape", "lost_at", "kept_at"), [
+    # (rows 0-1: the lost number is in row 3, after the shard's last row)
+    pytest.param(lambda t: t.narrow(0, 0, 2), (2, 4), 13, 1, id="rows 0-1"),
+    # (columns 0-1: the lost number is in column 2, just past the shard's rows)
+    pytest.param(lambda t: t.narrow(1, 0, 2), (4, 2), 2, 1, id="columns 0-1"),
+])
+def test_a_lost_number_just_past_a_shard_does_not_refuse_its_copy(how, shape, lost_at, kept_at):
+    # The entries of a shard's copy are found by row and column: counting a row too far,
+    # or a column too far, would refuse a rank's copy for a number that never reaches it
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([0.5, float("inf")]),
+            torch.tensor([kept_at, lost_at]))
+    m = _Fp8Copies(how, shape)
+    assert patchkit.load_checkpoint_weight_patches(m, [p]) == {"w"}
+    want = torch.ones(shape)
+    want.reshape(-1)[1] = 0.5  # (checkpoint index 1 is element 1 in both shards)
+    assert torch.equal(m.w.detach().float(), want)
+
+
+def test_a_lost_number_in_a_transposed_source_is_named_by_its_checkpoint_index():
+    # ``w.t()`` is no rows of the staged tensor: its own cast is checked, and the error
+    # still names the entry by its checkpoint index (1: row 0, column 1), not by where the
+    # transposed source holds it (its element 4)
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([0.5, float("inf")]), torch.tensor([0, 1]))
+    m = _Fp8Copies(lambda t: t.t(), (4, 4))
+    with pytest.raises(ValueError, match=r"value inf at checkpoint index 1 arrives as NaN") as e:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert (e.value.position, e.value.name, e.value.reason, e.value.value) == (
+        0, "w", "NaN in the runtime dtype", 1)
+    assert m.w.detach().float().eq(1).all()
+
+
+def test_a_number_lost_in_a_narrower_cast_before_the_copy_is_refused():
+    # 300.0 is a number in the runtime dtype (float8_e5m2fnuz), so none of the patch's
+    # values is lost there; but the loader casts to float8_e4m3fnuz first (largest 240),
+    # whose NaN the merge would read as "keep": the update at index 5 would be lost
+    # without a word, were the copy's entries not read where the loader's cast put them
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([0.5, 300.0]), torch.tensor([1, 5]))
+    m = _Fp8Copies(lambda t: t.to(torch.float8_e4m3fnuz), (4, 4), torch.float8_e5m2fnuz)
+    with pytest.raises(ValueError, match=r"300\.0 at checkpoint index 5 arrives as NaN") as e:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert (e.value.position, e.value.reason, e.value.value) == (0, "NaN in the runtime dtype", 5)
+    assert m.w.detach().float().eq(1).all()
+    # (through that cast, numbers both dtypes hold load)
+    patchkit.load_checkpoint_weight_patches(m, [p._replace(values=torch.tensor([0.5, 2.0]))])
+    assert m.w.detach().float().reshape(-1)[[1, 5]].tolist() == [0.5, 2.0]
