@@ -319,3 +319,39 @@ def test_observed_merging_loader_through_a_cat_reports_what_the_built_in_does():
         for r in (ours, theirs):
             assert r.writes["written"].tolist() == [2]
             assert r.deltas.loc["w", "elements"] == 2 and r.deltas.loc["w", "changed"] == 2
+
+
+# -- the dtype a patch's bytes are, through ops that move them ------------------------
+
+
+@pytest.mark.parametrize(("dtype", "as_dtype"), [(torch.float16, torch.bfloat16),
+                                                 (torch.float32, torch.float64)])
+@pytest.mark.parametrize("move", [
+    pytest.param(lambda v: v.clone(), id="clone"),  # (an element-for-element copy)
+    pytest.param(lambda v: v.flip(0), id="flip"),  # (data moved to no known place)
+])
+def test_patch_bytes_read_as_another_dtype_stay_refused_after_an_op_moves_them(
+        dtype, as_dtype, move):
+    # An op that keeps its input's dtype moves bits, not numbers: a clone or flip of
+    # ``w.view(bfloat16)`` of a float16 patch still holds float16 NaN, which bfloat16
+    # reads as a number (two float32 NaN as one float64 number). Taken for the op's own
+    # dtype, the copy would be merged, writing the staged NaN bits into the model.
+    class Moves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter((torch.arange(12.0).reshape(3, 4) + 100.3).to(dtype),
+                                  requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.view(as_dtype).copy_(move(t.view(as_dtype)))
+            return {n for n, _ in weights}
+
+    m = Moves()
+    before = bits(m.w.detach()).clone()
+    p = CWP("w", (3, 4), dtype, torch.tensor([-1.0, -2.0]), torch.tensor([0, 5]))
+    with pytest.raises(ContractViolation, match="another dtype") as e:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert (e.value.position, e.value.reason, e.value.value) == (
+        0, "reinterpreted source", (dtype, as_dtype))
+    assert torch.equal(bits(m.w.detach()), before)
