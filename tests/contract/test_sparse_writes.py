@@ -311,6 +311,8 @@ def test_copy_that_is_not_same_shaped_floating_point_is_rejected_before_writing(
 def test_other_in_place_writes_are_rejected_naming_the_op(load, mk, write, op):
     err = _rejected(load, mk, write, op)
     assert not isinstance(err, ValueError)
+    # (the attributes name it too: the ATen op, with its overload)
+    assert err.reason == "unsupported op" and err.value.startswith(f"aten::{op}")
 
 
 @pytest.mark.patchkit_only
