@@ -1533,6 +1533,50 @@ def test_a_whole_call_error_names_the_patch_at_fault_or_none(model):
     assert (e.position, e.name, e.reason) == ({"a": 0, "b": 1}[one], one, reason)
 
 
+
+def test_a_call_that_copies_nothing_is_refused_though_one_of_its_patches_is_empty():
+    # Only a call whose staged tensors are all empty has nothing to copy: one empty patch
+    # beside one with an entry must not excuse a loader that reports both without copying
+    from patchkit.toymodels import ReportsWithoutWritingModel
+
+    z = CWP("z", (0,), torch.float32, torch.ones(0), torch.zeros(0, dtype=torch.int64))
+    a = CWP("a", (2,), torch.float32, torch.ones(1), torch.tensor([0]))
+    m = ReportsWithoutWritingModel({"z": (0,), "a": (2,)})
+    with pytest.raises(NotImplementedError, match="without copying") as info:
+        patchkit.load_checkpoint_weight_patches(m, [z, a])
+    assert info.value.reason == "without copying"
+    assert "patch 0 ('z'), patch 1 ('a')" in str(info.value)
+    # (a call of empty patches only copies nothing, and is fine)
+    assert patchkit.load_checkpoint_weight_patches(m, [z]) == {"z"}
+
+
+@pytest.mark.parametrize(("write", "op"), [
+    pytest.param(lambda w, t: w.resize_(2, 2), "aten::resize_", id="resize_ smaller"),
+    pytest.param(lambda w, t: w.resize_(40), "aten::resize_", id="resize_ larger"),
+    pytest.param(lambda w, t: w.data.set_(w.untyped_storage(), 4, (2, 4)).copy_(t[:2]),
+                 "aten::set_", id="set_ to another view"),
+])
+def test_resize_and_set_on_a_runtime_tensor_are_refused_in_a_sparse_load(write, op):
+    # torch tags them as in-place view ops, like t_ or squeeze_, but they may reallocate
+    # or rebind the storage: were they let through as metadata, a shrink would leave the
+    # parameter (2, 2) and the load would return as if it had merged
+    class Resizes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3, 4), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                write(self.w, t)
+            return {n for n, _ in weights}
+
+    m = Resizes()
+    p = CWP("w", (3, 4), torch.float32, torch.tensor([-1.0]), torch.tensor([0]))
+    with pytest.raises(NotImplementedError, match="a sparse \\(NaN-masked\\) load") as info:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert info.value.reason == "unsupported op" and info.value.value.startswith(op)
+    assert m.w.shape == (3, 4) and m.w.detach().eq(1).all()
+
 # -- storage beside the runtime tensors (intercept.py, RuntimeIndex.owner) ----------------
 
 
