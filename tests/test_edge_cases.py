@@ -657,6 +657,31 @@ def test_a_difference_of_integers_of_two_dtypes_is_exact(da, db):
     assert got == [float(x - y) for x, y in zip(xs, ys)]
 
 
+
+def test_a_difference_of_bfloat16_values_near_its_largest_is_finite():
+    # bfloat16 has float32's range: two of its numbers near the largest, of opposite
+    # signs, differ by more than float32 holds, so they are subtracted in float64
+    from patchkit.bitwise import difference
+
+    big = torch.finfo(torch.bfloat16).max
+    a = torch.tensor([big, -big, 1.0], dtype=torch.bfloat16)
+    got = difference(a, -a)
+    assert got.dtype == torch.float64
+    assert got.tolist() == [2 * big, -2 * big, 2.0]
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    pytest.param(torch.ones(3), torch.ones(3).view(torch.int32), id="float32 and its int32 view"),
+    pytest.param(torch.ones(3, dtype=torch.float16),
+                 torch.ones(3, dtype=torch.float16).view(torch.bfloat16),
+                 id="float16 and the same bits as bfloat16"),
+])
+def test_same_bits_is_false_for_the_same_bits_of_two_dtypes(a, b):
+    # ("the same shape, dtype and bits": bits alone read the same here)
+    assert torch.equal(patchkit.bitwise.bits(a), patchkit.bitwise.bits(b))
+    assert not patchkit.same_bits(a, b) and not patchkit.same_bits(b, a)
+    assert not patchkit.same_state({"w": a}, {"w": b})
+
 class _TiedRegistersAliasAnew(PlainModel):
     """``b`` is ``a`` (tied); the loader registers a new Parameter under ``b``, then
     raises at ``z``."""
