@@ -93,6 +93,32 @@ def test_every_kind_of_dense_write_is_reported_and_counted(kind):
         assert torch.equal(bits(r.after(n)), bits(p.detach()))
 
 
+def _fill_then_copy(m, name, w):
+    t = getattr(m, name).data
+    t.fill_(1.0)
+    t.copy_(w)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+@pytest.mark.parametrize("transactional", [False, True])
+def test_a_copy_into_a_view_another_write_saved_whole_is_still_reported(
+    transactional, compiled
+):
+    # The fill_ saves its view whole; a load that saves only for its rollback then skips
+    # saving the copy_ into that view again (CONTRACT §5: saved before the first write).
+    # A report must still see that copy as a write, with the elements it changed.
+    m = Two(_fill_then_copy)
+    ps = patches()
+    with contextlib.nullcontext() if compiled else native.disabled():
+        r = inspect_load(m, ps, transactional=transactional)
+    assert r.writes[["target", "op", "changed"]].values.tolist() == [
+        ["a", "aten::fill_.Scalar", 16], ["a", "aten::copy_", 16],
+        ["b", "aten::fill_.Scalar", 8], ["b", "aten::copy_", 8],
+    ]
+    for p in ps:
+        assert torch.equal(bits(getattr(m, p.name).detach().reshape(-1)), bits(p.values))
+
+
 class Boom(Exception):
     pass
 
