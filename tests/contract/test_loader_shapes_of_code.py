@@ -58,6 +58,34 @@ def test_transactional_dense_load_undoes_rebinding(load, Patch):
     assert m.w.untyped_storage().data_ptr() == storage
 
 
+class RebindsAnEmptyTensor(PlainModel):
+    """Copies each weight, rebinds the empty parameter ``e`` to an empty tensor of another
+    dtype, then raises."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            self.get_parameter(name).data.copy_(w)
+            self.e.data = torch.empty(0, dtype=torch.float16)
+        raise Boom("after the rebinding")
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_transactional_load_undoes_the_rebinding_of_an_empty_tensor(load, Patch, kind):
+    # An empty tensor's data pointer is 0 before and after a rebinding, so only its
+    # storage tells that it was rebound: the rollback still binds the original again.
+    m = RebindsAnEmptyTensor({"w": (4,), "e": (0,)}, fill=1.0)
+    before = m.w.detach().clone()
+    original = m.e.data
+    patch = (Patch("w", (4,), torch.float32, torch.full((4,), 7.0)) if kind == "dense"
+             else Patch("w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([1])))
+    with pytest.raises(Boom):
+        load(m, [patch], transactional=True)
+    assert same_bits(m.w.detach(), before)
+    assert m.e.dtype == torch.float32
+    assert m.e.untyped_storage()._cdata == original.untyped_storage()._cdata
+
+
 class RegistersAnew(torch.nn.Module):
     """A loader that puts a new Parameter (``w``) and a new buffer (``scale``) in place of
     the registered ones instead of copying into them; ``fail_on`` raises afterwards."""
