@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import patchkit
 from patchkit.intercept import WriteSession
@@ -229,6 +230,39 @@ def test_transactional_restores_a_runtime_tensor_whose_view_the_loader_changed(
         load(m, [patch], transactional=True)
     assert_untouched(m, before)
     assert views() == views_before
+
+
+class MovesAView(nn.Module):
+    """Buffer ``b`` views the first half of a storage of eight elements; the loader
+    copies into it, then moves it onto the second half (``as_strided_``: the same shape
+    and strides, another offset), then raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        storage = torch.tensor([1.5, -0.0, NAN, 1e-42, 5.0, 6.0, 7.0, 8.0])
+        self.register_buffer("b", storage[:4])
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.b.copy_(w)
+            self.b.as_strided_((4,), (1,), 4)
+        raise Boom()
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_transactional_restores_a_runtime_tensor_moved_within_its_storage(load, mk, kind):
+    m = MovesAView()
+    before = m.b.clone()
+    storage = m.b.untyped_storage()
+    patch = (mk.dense("b", torch.full((4,), 9.0)) if kind == "dense"
+             else mk.sparse("b", (4,), [0, 2], [9.0, 9.5]))
+    with pytest.raises(Boom):
+        load(m, [patch], transactional=True)
+    assert (m.b.shape, m.b.stride(), m.b.storage_offset()) == ((4,), (1,), 0)
+    assert m.b.untyped_storage().data_ptr() == storage.data_ptr()
+    assert same_bits(m.b, before)
+    assert m.b.as_strided((4,), (1,), 4).tolist() == [5.0, 6.0, 7.0, 8.0]
 
 
 @pytest.mark.patchkit_only
