@@ -11,6 +11,7 @@ from torch import nn
 
 import patchkit
 from patchkit import CheckpointWeightPatch as CWP
+from patchkit import native
 from patchkit.bitwise import bits
 from patchkit.errors import ContractViolation
 from patchkit.intercept import _Provenance, _storage_key
@@ -355,3 +356,32 @@ def test_patch_bytes_read_as_another_dtype_stay_refused_after_an_op_moves_them(
     assert (e.value.position, e.value.reason, e.value.value) == (
         0, "reinterpreted source", (dtype, as_dtype))
     assert torch.equal(bits(m.w.detach()), before)
+
+
+@pytest.mark.skipif(not native.status().startswith("compiled"),
+                    reason="the positions are recomputed on the compiled path only")
+def test_a_rollback_puts_back_what_a_merge_wrote_after_the_loader_moved_the_staged_entries():
+    # A staged tensor written in place no longer holds its patch's entries where the patch
+    # says. The loader below moves them from positions {1, 2, 6} to {0, 4, 5}: as many, of
+    # the same sum and the same sum of squares, so the merge's check of where it wrote
+    # cannot tell. Had the write left the staged stretch "exact", the rollback would have
+    # recomputed the merge's positions from the patch and put the saved values back at
+    # {1, 2, 6}, leaving {0, 4, 5} patched.
+    class Moves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.arange(10.0, 18.0), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                t[[0, 4, 5]] = t[[1, 2, 6]]
+                t[[1, 2, 6]] = float("nan")
+                self.w.data.copy_(t)
+            raise RuntimeError("after the merge")
+
+    m = Moves()
+    start = bits(m.w.detach()).clone()
+    p = CWP("w", (8,), torch.float32, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 2, 6]))
+    with pytest.raises(RuntimeError, match="after the merge"):
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(bits(m.w.detach()), start)
