@@ -385,3 +385,35 @@ def test_a_rollback_puts_back_what_a_merge_wrote_after_the_loader_moved_the_stag
     with pytest.raises(RuntimeError, match="after the merge"):
         patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
     assert torch.equal(bits(m.w.detach()), start)
+
+
+@pytest.mark.skipif(not native.status().startswith("compiled"),
+                    reason="the positions are recomputed on the compiled path only")
+def test_a_rollback_puts_back_what_a_merge_wrote_from_a_scratch_part_filled_from_the_patch():
+    # A copy into part of a scratch tensor traces that part to the patch, but a view that
+    # starts there may reach bytes the patch never filled. Here the first 3 elements come
+    # from the patch (all NaN), the rest are the loader's: values at {4, 5, 9}, where the
+    # patch has entries at {3, 7, 8} (as many, same sum and sum of squares: the merge's
+    # check of where it wrote cannot tell). Taken as exactly the patch's, the scratch
+    # would have had the merge's positions recomputed from the patch, and the rollback
+    # put the saved values back at {3, 7, 8}, leaving {4, 5, 9} patched.
+    class Scratch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.arange(10.0, 20.0), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                scratch = torch.full((10,), float("nan"))
+                scratch[:3].copy_(t[:3])
+                rest = scratch[3:]
+                rest[[1, 2, 6]] = torch.tensor([1.0, 2.0, 3.0])
+                self.w.data.copy_(scratch)
+            raise RuntimeError("after the merge")
+
+    m = Scratch()
+    start = bits(m.w.detach()).clone()
+    p = CWP("w", (10,), torch.float32, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3, 7, 8]))
+    with pytest.raises(RuntimeError, match="after the merge"):
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(bits(m.w.detach()), start)
