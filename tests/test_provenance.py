@@ -221,6 +221,31 @@ def test_a_dense_write_by_an_op_other_than_a_copy_names_its_patch_at_no_offset(h
     assert w["checkpoint_offset"].isna().all()
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_staged_tensor_overwritten_from_an_untraced_source_names_no_patch(kind):
+    # ``t.copy_(ones)`` leaves nothing of the patch in ``t``: the write from it afterwards
+    # holds no patch's data, and naming the patch (at offset 0) would be false.
+    class Overwrites(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                t.copy_(torch.ones(8, 4))
+                self.w.data.copy_(t)
+            return {n for n, _ in weights}
+
+    if kind == "dense":
+        p = CWP("w", (8, 4), torch.float32, torch.arange(32.0))
+    else:
+        p = CWP("w", (8, 4), torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([3, 17]))
+    w = patchkit.inspect_load(Overwrites(), [p]).writes
+    assert len(w) == 1
+    assert w["position"].isna().all() and w["name"].isna().all()
+    assert w["checkpoint_offset"].isna().all()
+
+
 def test_a_patch_traced_exactly_keeps_its_offset():
     p = CWP("w", (8, 4), torch.float32, torch.arange(32.0))
     w = patchkit.inspect_load(_Moves("plain"), [p]).writes
