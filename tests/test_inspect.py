@@ -1443,6 +1443,20 @@ def test_a_write_through_a_view_of_another_element_size_is_reported_in_its_own_e
     assert int(r.written("packed").sum()) == (3 if kind == "sparse" else 24)
 
 
+def test_a_sparse_write_of_several_bytes_of_one_word_counts_the_word_once():
+    # Entries 0, 1 and 2 are three fp8 bytes of int32 word 0, entry 13 a byte of word 3:
+    # the merge writes two of the tensor's own elements, not four.
+    m = PackedFp8()
+    before = m.packed.detach().clone()
+    idx, vals = torch.tensor([0, 1, 2, 13]), torch.tensor([3.0, -2.0, 5.0, 1.0]).bfloat16()
+    r = inspect_load(m, [CheckpointWeightPatch("packed", (8, 12), torch.bfloat16, vals, idx)])
+    assert int((before != m.packed).sum()) == 2
+    assert r.writes.iloc[0]["written"] == 2
+    assert r.deltas.loc["packed", "elements"] == 2
+    assert int(r.written("packed").sum()) == 2
+    assert torch.equal(r.before("packed"), before)
+
+
 class Float4(torch.nn.Module):
     """A float4_e2m1fn_x2 buffer (two fp4 numbers a byte, which torch reads no numbers
     from) next to a float32 one."""
