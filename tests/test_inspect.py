@@ -1965,6 +1965,23 @@ class _IntoTheParameter(PlainModel):
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_a_refused_write_that_changed_nothing_is_not_a_row_of_the_report(compiled):
+    # torch refuses ``param.copy_`` into an inference tensor after copying; a copy of the
+    # values the parameter already holds changed nothing, so the load wrote nothing.
+    import contextlib
+
+    from patchkit import native
+
+    with torch.inference_mode():
+        model = _IntoTheParameter({"a": (4, 4)})
+    patches = [CheckpointWeightPatch("a", (4, 4), torch.float32, torch.zeros(16))]
+    with (contextlib.nullcontext() if compiled else native.disabled(),
+          pytest.raises(RuntimeError, match="Inplace update to inference tensor") as e):
+        inspect_load(model, patches)
+    assert len(e.value.report.writes) == 0
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
 def test_inference_tensors_written_outside_inference_mode_are_refused_as_torch_refuses(
     compiled,
 ):
