@@ -597,3 +597,23 @@ def test_explore_of_a_load_whose_error_cannot_be_written():
             "w", (2,), torch.float32, torch.ones(2))])
     w = explore(info.value.report)
     assert "the load raised _NoStr: &lt;exception str() failed&gt;" in w.children[0].value
+
+
+def test_plan_text_and_explorer_heading_count_patches_calls_writes_and_what_is_left_out():
+    from patchkit.widgets import plan_text
+
+    # four patches in one call, four writes: each count is its own
+    report = inspect_load(Packed(), patches(), max_chunk_bytes=1024)
+    assert plan_text(plan_chunks(patches(), 1024), 1024).startswith(
+        "max_chunk_bytes = 1 KiB: 4 patches, 416 B staged → 1 load_weights call\n")
+    assert "4 patches, 1 load_weights call, 4 runtime writes" in explore(report).children[0].value
+    # 45 patches of one name: 45 calls (a repeated name closes each) and 45 writes into it;
+    # 40 calls are listed, then how many are not, and 20 writes, then how many are not
+    ps = [CheckpointWeightPatch("a", (8, 8), torch.float32, torch.ones(1), torch.tensor([k]))
+          for k in range(45)]
+    text = plan_text(plan_chunks(ps, 1024), 1024)
+    assert text.count("  call ") == 40 and text.endswith("\n  … 5 more calls\n")
+    w = explore(inspect_load(PlainModel({"a": (8, 8)}), ps, max_chunk_bytes=1024))
+    w.dropdown.value = ("runtime", "a")
+    rows = texts(w.output).split("writes into a:\n")[1].split("\ndelta:")[0]
+    assert len(rows.splitlines()) == 1 + 20 + 1 and rows.endswith("… 25 more writes\n")
