@@ -168,6 +168,21 @@ def test_each_call_is_annotated_with_why_it_closed():
     assert "closed by repeated name" in legend and "closed by budget" in legend
 
 
+def test_every_bar_is_in_view_and_the_legend_names_only_what_the_plan_holds():
+    # a load that made every call, none over budget: no "not sent", no "over budget" in
+    # the legend; the x limits hold the first bar's left edge and the last one's right
+    ps = chunk_patches()
+    plan = plan_chunks(ps, 300)
+    assert not any(c.over_budget for c in plan)
+    fig = plot_chunks(ps, max_chunk_bytes=300)
+    ax = fig.axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["closed by budget", "closed by repeated name", "closed by end",
+                      "max_chunk_bytes (300 B)"]
+    lo, hi = ax.get_xlim()
+    xs = [extent(r)[:2] for rects in rects_by_gid(fig, "segment ").values() for r in rects]
+    assert lo < min(x0 for x0, _ in xs) and max(x1 for _, x1 in xs) < hi
+
 def test_a_patch_larger_than_the_budget_is_flagged_over_budget():
     ps = chunk_patches()
     plan = plan_chunks(ps, 200)  # o (256 B) travels alone, over budget
@@ -463,6 +478,10 @@ def test_pool_mean_and_max_abs_check_their_array_and_blocks():
         np.testing.assert_array_equal(pool(x, 5, 9), x)
         np.testing.assert_array_equal(pool(x, 5, np.int64(2)), pool(x, 3, 2))
     assert pool_mean(x, 1, 2).tolist() == [[4.5, 6.5]]
+    # the largest magnitude keeps its sign; where +v and -v tie, the positive one shows
+    y = np.array([[-3.0, 2.0, -2.0, 2.0], [1.0, -1.0, 0.5, -0.25]])
+    assert pool_max_abs(y, 1, 2).tolist() == [[-3.0, 2.0]]
+    assert pool_max_abs(y, 2, 2).tolist() == [[-3.0, 2.0], [1.0, 0.5]]
 
 
 def test_density_bins_are_checked_and_one_int_means_both_axes():
