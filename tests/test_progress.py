@@ -13,6 +13,7 @@ from patchkit import LoadProgress, inspect_load
 from patchkit import progress as progress_mod
 from patchkit.build import AdamLikeTrainer, dense_patches, sparse_patches_from_diff
 from patchkit.errors import PatchTypeError
+from patchkit.patch import staged_nbytes
 from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
 
 BUDGET = 1 << 14  # small: a few dozen calls for the 4-layer model
@@ -194,6 +195,8 @@ def test_in_a_kernel_a_widget_bar_is_shown_and_finished(setup, monkeypatch):
     bar, label = box.children
     assert bar.value == 1.0 and bar.bar_style == "success"
     assert label.value.endswith(" s") and "calls" in label.value
+    done, planned = label.value.split(" calls, ")[0].split("/")  # (the label is the bar's)
+    assert done == planned == str(len(patchkit.plan_chunks(dense_patches(after), BUDGET)))
 
 
 @pytest.mark.parametrize("bad", [3, "yes", [print]])
@@ -376,3 +379,60 @@ def test_a_callable_progress_is_called_even_when_it_is_falsy(setup):
     assert not seen and callable(seen)
     report = inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET, progress=seen)
     assert len(seen) == len(report.calls) > 3
+
+
+def _one_call_a_patch(model, weights, max_chunk_bytes=None, **kw):
+    """An observed loader that sends each (dense) patch in a call of its own."""
+    for p in weights:
+        model.load_weights([(p.name, p.values.reshape(p.shape))])
+
+
+def test_a_loader_that_makes_more_calls_than_planned_grows_the_calls(setup):
+    model, _ckpt, after = setup
+    patches = dense_patches(after)
+    planned = len(patchkit.plan_chunks(patches, BUDGET))
+    assert planned < len(patches)
+    seen: list[LoadProgress] = []
+    inspect_load(model, patches, max_chunk_bytes=BUDGET, loader=_one_call_a_patch,
+                 progress=seen.append)
+    assert [p.calls_done for p in seen] == list(range(1, len(patches) + 1))
+    assert [p.calls for p in seen] == [max(planned, k) for k in range(1, len(patches) + 1)]
+    assert seen[-1].text().startswith(f"inspect_load: {len(patches)}/{len(patches)} calls, ")
+
+
+def _in_float64(model, weights, max_chunk_bytes=None, **kw):
+    """An observed loader that stages every (dense) patch in float64, in one call."""
+    model.load_weights([(p.name, p.values.reshape(p.shape).double()) for p in weights])
+
+
+def test_a_loader_that_stages_more_bytes_than_planned_grows_the_total(setup):
+    model, _ckpt, after = setup
+    patches = dense_patches(after)
+    planned = sum(staged_nbytes(p) for p in patches)
+    seen: list[LoadProgress] = []
+    inspect_load(model, patches, max_chunk_bytes=BUDGET, loader=_in_float64,
+                 progress=seen.append)
+    (last,) = seen
+    assert last.bytes_done == last.total_bytes > planned and last.fraction == 1.0
+
+
+def test_off_a_terminal_a_load_that_fails_after_its_calls_adds_a_failed_line(
+        setup, monkeypatch):
+    # (a line for every call: the last one said k/k calls, and the end, failed, differs
+    # from it only in that)
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    monkeypatch.setattr(progress_mod, "LOG_EVERY", 0.0)
+    monkeypatch.setattr(progress_mod, "_EVERY", 0.0)
+
+    def run():
+        with pytest.raises(RuntimeError, match="after its last call"):
+            inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True,
+                         loader=_fails_after_its_calls)
+
+    lines = _stderr_of(run, monkeypatch).splitlines()
+    calls = len(patchkit.plan_chunks(dense_patches(after), BUDGET))
+    assert len(lines) == calls + 1
+    assert [ln.split(" calls, ")[0] for ln in lines[-2:]] == [
+        f"inspect_load: {calls}/{calls}"] * 2
+    assert not lines[-2].endswith(", failed") and lines[-1].endswith(", failed")
