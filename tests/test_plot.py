@@ -598,7 +598,22 @@ def test_placement_puts_q_k_v_into_row_bands_of_the_packed_qkv():
     legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
     assert legend == ["#0 q [:, :] → [0:4, :]", "#1 k [:, :] → [4:8, :]",
                       "#2 v [:, :] → [8:12, :]"]
+    # row 0 on top on both sides: the runtime rows run downwards, and each checkpoint
+    # tensor's name sits at the middle of its unit square
+    ax_ck, ax_rt = fig.axes[0], fig.axes[1]
+    assert ax_rt.get_ylim() == (12, 0) and ax_ck.get_ylim() == (3.5, 0)
+    squares = sorted(p.get_y() + p.get_height() / 2 for p in ax_ck.patches
+                     if p.get_gid() is None)
+    assert list(ax_ck.get_yticks()) == squares == [0.5, 1.75, 3.0]
+    assert [t.get_text().split()[0] for t in ax_ck.get_yticklabels()] == ["q", "k", "v"]
 
+
+def test_placement_legend_lists_twelve_writes_then_how_many_more():
+    ps = [CheckpointWeightPatch("a", (8, 8), torch.float32, torch.ones(1), torch.tensor([k]))
+          for k in range(15)]  # (a repeated name: 15 calls, 15 writes into a)
+    fig = plot_placement(inspect_load(PlainModel({"a": (8, 8)}), ps))
+    legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    assert len(legend) == 13 and legend[-1] == "… 3 more writes"
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_placement_shows_a_row_parallel_shard_as_a_column_band_of_the_checkpoint(rank):
