@@ -3614,8 +3614,9 @@ class WriteSession:
         """Save what a write into ``t`` may change; return the new record, else None.
 
         Dense writes save their whole view once per region. A NaN-merged write saves the
-        elements its source writes (``write``: not NaN), every time: two sparse writes into
-        one region change different elements.
+        elements its source writes (``write``: not NaN; without a report, the whole view
+        where that is smaller), every time: two sparse writes into one region change
+        different elements.
         """
         if not self.save_regions or t.is_meta:  # (a dry run's tensors hold nothing to keep)
             return None
@@ -3625,20 +3626,20 @@ class WriteSession:
                 return None
             self._saved_regions.add(region)
             saved = SavedRegion(target, offset, t, t.clone())
-        elif self.recorder is None and _whole_is_smaller(t, count := int(count_true(write))):
-            # Only a rollback reads this save: where the written elements with their int64
-            # offsets (and the offsets' scratch) would take more bytes than the view, the
-            # view is saved whole (a merge of more than an eighth of a contiguous bfloat16
-            # view's elements, a sixteenth of a float8 one's), so that a rollback's saves
-            # stay within the bytes of the regions written (CONTRACT §5). Reading the
-            # count is the one host wait the positions' nonzero made.
-            saved = SavedRegion(target, offset, t, t.clone())
         else:
-            flat = (_changed_offsets(write.reshape(-1), count) if self.recorder is None
-                    else torch.nonzero(write.reshape(-1)).reshape(-1))
-            index = _storage_offsets(t, flat)
-            del flat
-            saved = SavedRegion.elements(target, offset, t, index)
+            # (reading the count is the one host wait; the positions are then taken at it)
+            count = int(count_true(write))
+            if self.recorder is None and _whole_is_smaller(t, count):
+                # Only a rollback reads this save: where the written elements with their
+                # int64 offsets (and the offsets' scratch) would take more bytes than the
+                # view, the view is saved whole (a merge of more than an eighth of a
+                # contiguous bfloat16 view's elements, a sixteenth of a float8 one's), so
+                # that a rollback's saves stay within the bytes of the regions written
+                # (CONTRACT §5).
+                saved = SavedRegion(target, offset, t, t.clone())
+            else:
+                index = _storage_offsets(t, _changed_offsets(write.reshape(-1), count))
+                saved = SavedRegion.elements(target, offset, t, index)
         self.saved.append(saved)
         return saved
 
