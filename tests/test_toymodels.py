@@ -920,3 +920,85 @@ def test_a_float8_fill_where_torch_has_no_float8_full_is_checked_as_torch_full_c
             got = "refused"
         assert str(got) == str(expected[dt, v]), (dt, v)
     assert expected[torch.float8_e4m3fn, math.inf] == "refused"
+
+
+# -- found by mutation testing ---------------------------------------------------------------
+
+
+def test_checkpoint_draws_follow_the_documented_distributions():
+    # Norms 1 + 0.1 N(0, 1), the embedding 0.02 N(0, 1), every other weight N(0, 1) /
+    # sqrt(fan_in) (columns: gate_proj's fan-in is 64, down_proj's 128); a wrong scale
+    # or fan-in (rows instead of columns) changed no other test
+    c = TinyLlamaConfig(**TP4)
+    ckpt = tiny_llama_checkpoint(c, seed=0, dtype=torch.float32)
+
+    def of(kind: str) -> torch.Tensor:
+        return torch.cat([t.flatten() for n, t in ckpt.items() if n.endswith(kind)])
+
+    def close(x: float, want: float) -> bool:
+        return abs(x - want) <= 0.1 * want
+
+    norms = torch.cat([of("layernorm.weight"), of("model.norm.weight")])
+    assert close(float(norms.mean()), 1.0) and close(float(norms.std()), 0.1)
+    assert close(float(of("embed_tokens.weight").std()), 0.02)
+    for kind, fan_in in (("q_proj.weight", 64), ("k_proj.weight", 64), ("v_proj.weight", 64),
+                         ("o_proj.weight", c.q_size), ("gate_proj.weight", 64),
+                         ("up_proj.weight", 64), ("down_proj.weight", 128),
+                         ("lm_head.weight", 64)):
+        assert close(float(of(kind).std()), fan_in ** -0.5), kind
+        assert abs(float(of(kind).mean())) < 0.1 * fan_in ** -0.5, kind
+
+
+def test_a_tp_size_below_one_or_a_bool_is_refused_by_name():
+    with pytest.raises(ValueError, match="tp_size must be at least 1, got 0"):
+        TinyLlamaRuntime(TinyLlamaConfig(), 0, 0)
+    with pytest.raises(ValueError, match="tp_size must be at least 1, got -2"):
+        TinyLlamaRuntime(TinyLlamaConfig(), 0, -2)
+    # (a bool is no rank count: True would have been read as 1)
+    with pytest.raises(TypeError, match="tp_size must be an int, got bool True"):
+        TinyLlamaRuntime(TinyLlamaConfig(), 0, True)
+    with pytest.raises(TypeError, match="tp_rank must be an int, got bool False"):
+        TinyLlamaRuntime(TinyLlamaConfig(), False, 1)
+
+
+def test_overlapping_destinations_start_overlap_elements_before_the_previous_end():
+    # weight i starts `overlap` elements before weight i - 1 ends; the flat parameter
+    # reaches the furthest end, also when the last weight ends before the one before it
+    m = OverlappingDestinationsModel({"a": (4,), "b": (3,), "c": ()}, overlap=2)
+    assert m.offsets == {"a": 0, "b": 2, "c": 3}
+    assert m.flat_weight.numel() == 5
+    m.load_weights([("a", torch.tensor([1.0, 2, 3, 4])), ("b", torch.tensor([5.0, 6, 7])),
+                    ("c", torch.tensor(8.0))])
+    assert m.flat_weight.data.tolist() == [1.0, 2.0, 5.0, 8.0, 7.0]
+    assert m.view("b").tolist() == [5.0, 8.0, 7.0]
+
+
+def test_apply_pending_empties_the_stash():
+    sd = state(10)
+    m = ReportsWithoutWritingModel(SHAPES)
+    m.load_weights(sd.items())
+    assert m.apply_pending() == set(SHAPES)
+    assert m.pending == {}
+    m.get_parameter("norm.weight").data.zero_()
+    assert m.apply_pending() == set()  # nothing stashed is applied twice
+    assert not m.get_parameter("norm.weight").data.any()
+
+
+def test_from_state_dict_takes_the_first_tensors_device():
+    # (a meta state, as a dry run has: the model is made on meta too, and loads)
+    sd = {n: t.to("meta") for n, t in state(11).items()}
+    m = PlainModel.from_state_dict(sd)
+    assert {p.device.type for p in m.parameters()} == {"meta"}
+    assert {p.dtype for p in m.parameters()} == {torch.float32}
+
+
+def test_plain_model_unknown_name_error_lists_known_names():
+    with pytest.raises(UnknownWeightError, match=r"'nope'; known names: 'embed\.weight', "
+                                                 r"'layers\.0\.proj\.weight', "):
+        PlainModel(SHAPES).load_weights([("nope", torch.zeros(1))])
+
+
+def test_a_dotted_name_through_a_module_attribute_is_refused():
+    # ('training' is an attribute of every nn.Module: torch's add_module raised KeyError)
+    with pytest.raises(ValueError, match="'training' is already a parameter or attribute"):
+        PlainModel({"training.w": (1,)})
