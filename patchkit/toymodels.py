@@ -196,6 +196,17 @@ def _check_tensor(model: str, name: str, w: object) -> None:
                         f"torch.Tensor, got {type(w).__name__}")
 
 
+def _check_count(value: object, what: str) -> int:
+    """``value`` as an int >= 1 (``TypeError`` for a float, a bool or a str, which
+    made torch's or Python's own errors, or a float-sized model, further in; ``ValueError``
+    below 1), ``what`` naming it in the message."""
+    if not _is_int(value):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{what} must be at least 1, got {value}")
+    return int(value)
+
+
 def _as_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
     _check_name(name)
     return _dims(shape, "", f"shape of {name!r}")
@@ -400,9 +411,7 @@ class WritesThenFillsModel(PlainModel):
         *,
         pad_rows: int = 1,
     ) -> None:
-        if pad_rows < 1:
-            raise ValueError(f"pad_rows must be at least 1, got {pad_rows}")
-        self.pad_rows = pad_rows
+        self.pad_rows = _check_count(pad_rows, "WritesThenFillsModel: pad_rows")
         super().__init__(shapes, dtype=dtype, device=device, fill=fill)
 
     def _runtime_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -517,8 +526,7 @@ class OverlappingDestinationsModel(nn.Module):
         _check_mapping(shapes, "OverlappingDestinationsModel: shapes",
                        "shapes (e.g. {'w': (4, 8)})")
         device = _model_device(device)
-        if overlap < 1:
-            raise ValueError(f"overlap must be at least 1, got {overlap}")
+        overlap = _check_count(overlap, "OverlappingDestinationsModel: overlap")
         self.overlap = overlap
         self.checkpoint_shapes = {name: _as_shape(name, s) for name, s in shapes.items()}
         self.offsets: dict[str, int] = {}
@@ -579,6 +587,7 @@ class FailingModel(PlainModel):
         fail_on: str,
     ) -> None:
         super().__init__(shapes, dtype=dtype, device=device, fill=fill)
+        _check_name(fail_on, "FailingModel: fail_on: ")
         if fail_on not in self.checkpoint_shapes:
             raise ValueError(f"fail_on={fail_on!r} is not one of the model's weights")
         self.fail_on = fail_on

@@ -1002,3 +1002,27 @@ def test_a_dotted_name_through_a_module_attribute_is_refused():
     # ('training' is an attribute of every nn.Module: torch's add_module raised KeyError)
     with pytest.raises(ValueError, match="'training' is already a parameter or attribute"):
         PlainModel({"training.w": (1,)})
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        # (torch's "full(): argument 'size' ... must be tuple of ints", Python's "'<' not
+        # supported", "unhashable type: 'list'", or a True taken for 1)
+        (lambda: WritesThenFillsModel(SHAPES, pad_rows=2.0), "pad_rows must be an int, got float"),
+        (lambda: WritesThenFillsModel(SHAPES, pad_rows="1"), "pad_rows must be an int, got str"),
+        (lambda: WritesThenFillsModel(SHAPES, pad_rows=True), "pad_rows must be an int, got bool"),
+        (lambda: OverlappingDestinationsModel(SHAPES, overlap=1.5),
+         "overlap must be an int, got float 1.5"),
+        (lambda: OverlappingDestinationsModel(SHAPES, overlap=True),
+         "overlap must be an int, got bool"),
+        (lambda: FailingModel(SHAPES, fail_on=["norm.weight"]),
+         r"fail_on: a checkpoint name must be a str, got list \['norm.weight'\]"),
+    ],
+)
+def test_the_broken_and_failing_models_name_a_count_or_name_of_the_wrong_type(make, match):
+    with pytest.raises(TypeError, match=match):
+        make()
+    # (a numpy count is an int)
+    assert WritesThenFillsModel(SHAPES, pad_rows=np.int64(2)).embed.weight.shape == (8, 4)
+    assert OverlappingDestinationsModel(SHAPES, overlap=np.int64(2)).overlap == 2
