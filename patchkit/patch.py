@@ -523,7 +523,7 @@ def _check_stageable(at: str, position: int, name: str, src: torch.dtype, dst: t
                 warnings.simplefilter("ignore")  # quantized dtypes warn before they fail
                 torch.zeros(1, dtype=src, device="cpu").to(dst)
                 if sparse and not torch.isnan(  # (float8's full came in torch 2.6)
-                        torch.tensor([float("nan")]).to(dst).to(torch.float32)).all():
+                        torch.tensor([float("nan")], device="cpu").to(dst).to(torch.float32)).all():
                     raise TypeError(f"{dst} holds no NaN")
             why = True
         except (RuntimeError, NotImplementedError, TypeError) as e:

@@ -85,3 +85,21 @@ def test_big_sparse_staging_and_its_duplicate_check_stay_on_the_cpu(meta_default
         torch.cat([idx[:-1], idx[:1]]))  # the last index repeats the first
     with pytest.raises(ValueError, match="duplicate"):
         validate_patches([dup])
+
+
+def test_the_nan_check_of_a_sparse_patchs_dtype_stays_on_the_cpu(monkeypatch):
+    # (the check that a sparse patch's dtype holds NaN made its NaN on the default device:
+    # under a meta default, the first sparse patch of a dtype was refused as "cannot be
+    # staged (Tensor.item() cannot be called on meta tensors)", and, that verdict being
+    # remembered, so was every later one of that dtype, outside the meta default too)
+    import patchkit.patch
+    from patchkit.patch import validate_patches
+
+    monkeypatch.setattr(patchkit.patch, "_STAGEABLE", {})  # (as in a fresh process)
+    p = patchkit.CheckpointWeightPatch(
+        "w", (4,), torch.bfloat16, torch.ones(1, dtype=torch.bfloat16, device="cpu"),
+        torch.tensor([0], device="cpu"))
+    with torch.device("meta"):
+        validate_patches([p])
+    validate_patches([p])
+    assert patchkit.patch._STAGEABLE[(torch.bfloat16, torch.bfloat16, True)] is True
