@@ -126,6 +126,54 @@ def test_demo_command_exit_status_follows_its_checks(monkeypatch, held):
     assert [str(d) for d in seen] == ["cpu"]
 
 
+@pytest.mark.parametrize("cuda", [True, False])
+def test_tour_and_demo_default_to_patchkit_tour_and_to_cuda_where_available(
+        cuda, tmp_path, monkeypatch):
+    # (the README: "writes patchkit-tour/index.html"; --help: "default: cuda if available")
+    import torch
+
+    import patchkit.demo
+    import patchkit.io
+    import patchkit.tour
+    from patchkit.__main__ import main
+
+    seen: list = []
+    monkeypatch.setattr(patchkit.tour, "run_tour", lambda out, device=None, echo=print: (
+        seen.append((out, device)) or patchkit.tour.TourResult(out=Path(out))))
+    monkeypatch.setattr(patchkit.demo, "run_demo", lambda device=None, echo=print: (
+        seen.append(device) or True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(patchkit.io, "_checked_device", torch.device)  # (no CUDA to check)
+    monkeypatch.chdir(tmp_path)
+    assert main(["tour"]) == 0 and main(["demo"]) == 0
+    device = torch.device("cuda" if cuda else "cpu")
+    assert seen == [("patchkit-tour", device), device]
+    assert os.listdir(tmp_path) == []  # (the check that it can be made left nothing)
+
+
+def test_no_command_is_a_usage_error(capsys):
+    from patchkit.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    o, err = capsys.readouterr()
+    assert o == "" and err.startswith("usage: ") and "required: command" in err
+
+
+def test_a_command_out_of_memory_says_so_and_exits_1(monkeypatch, capsys):
+    import patchkit.demo
+    from patchkit.__main__ import main
+
+    def fake_run_demo(device=None, echo=print):
+        echo("patchkit demo: ...")
+        raise MemoryError
+
+    monkeypatch.setattr(patchkit.demo, "run_demo", fake_run_demo)
+    assert main(["demo", "--device", "cpu"]) == 1
+    assert capsys.readouterr() == ("patchkit demo: ...\n", "error: out of memory\n")
+
+
 def test_tour_and_demo_refuse_a_bad_out_or_device_cleanly(tmp_path, monkeypatch, capsys):
     import torch
 
@@ -371,6 +419,33 @@ def test_inspect_out_of_a_bad_file_writes_nothing(tmp_path, capsys):
     assert main(["inspect", str(bad), "--out", str(tmp_path / "figs")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
     assert not (tmp_path / "figs").exists()
+    # (nor the folders above a new one: the check that --out can be made removes every
+    # folder it made, not the last alone)
+    assert main(["inspect", str(bad), "--out", str(tmp_path / "new" / "deeper" / "figs")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert os.listdir(tmp_path) == ["bad.safetensors"]
+
+
+def test_inspect_out_names_density_figures_by_padded_position_and_a_cut_name(tmp_path):
+    # (the figures' file names: the position zero-padded to the widest position of the
+    # file, so that a listing sorts them in file order; a long name cut to 80 characters)
+    import torch
+
+    from patchkit import CheckpointWeightPatch, save_patches
+    from patchkit.__main__ import _inspect_figures
+    from patchkit.io import read_patch_index
+
+    def stems(names: list[str]) -> list[str]:
+        f = tmp_path / f"{len(names)}.safetensors"
+        save_patches(f, [CheckpointWeightPatch(n, (4,), torch.float32, torch.ones(1),
+                                               torch.tensor([0])) for n in names])
+        return [stem for stem, _ in _inspect_figures(read_patch_index(f))]
+
+    ten = stems([f"w{i}" if i != 3 else "x" * 100 for i in range(10)])  # positions 0..9
+    assert ten == ["chunks", *(f"density_{i}_w{i}" for i in range(3)),
+                   "density_3_" + "x" * 80, *(f"density_{i}_w{i}" for i in range(4, 10))]
+    eleven = stems([f"w{i}" for i in range(11)])  # positions 0..10
+    assert eleven == ["chunks", *(f"density_{i:02d}_w{i}" for i in range(11))]
 
 
 def test_inspect_out_reads_no_dense_values(tmp_path, capsys, monkeypatch):
@@ -463,6 +538,32 @@ def test_an_out_that_cannot_be_written_is_refused_before_anything_runs(
             assert o == "" and err.startswith("error: ") and err.count("\n") == 1
             assert f"{what} {str(locked)!r} cannot be" in err
     assert sorted(os.listdir(out)) == ["index.html"]
+    # (a folder that can be written but not entered, no x bit, takes no file either)
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: (
+        not mode & os.X_OK if Path(p) == out else real(p, mode, **kw)))
+    for argv in (["tour", "--out", str(out), "--device", "cpu"],
+                 ["inspect", str(f), "--out", str(out)]):
+        assert main(argv) == 2, argv
+        o, err = capsys.readouterr()
+        assert o == "" and f"the folder {str(out)!r} cannot be written" in err
+    assert sorted(os.listdir(out)) == ["index.html"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_an_out_holding_a_pipe_where_a_file_goes_is_refused_before_anything_runs(
+        tmp_path, capsys):
+    # (a figure saved into a named pipe would wait for a reader for ever)
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "chunks_dense.png")
+    assert main(["inspect", str(f), "--out", str(out)]) == 2
+    o, err = capsys.readouterr()
+    assert o == "" and err.startswith("error: ") and err.count("\n") == 1
+    assert f"{str(out / 'chunks_dense.png')!r} is not a regular file" in err
+    assert os.listdir(out) == ["chunks_dense.png"]
 
 
 def test_tour_that_fails_part_way_says_what_it_wrote_and_exits_1(tmp_path, capsys,
@@ -536,6 +637,29 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
         assert "other files are left" in " ".join(capsys.readouterr().out.split())
 
 
+def test_demo_into_a_closed_pipe_stops_quietly():
+    # (``patchkit demo | head -0``: what the demo prints waits in stdout's buffer; without
+    # the flush in main the closed pipe showed at exit, as "Exception ignored ...
+    # BrokenPipeError" on stderr and status 120)
+    code = (
+        "import sys\n"
+        "import patchkit.demo\n"
+        "from patchkit.__main__ import main\n"
+        "patchkit.demo.run_demo = lambda device=None, echo=print: echo('demo') or True\n"
+        "sys.exit(main(['demo', '--device', 'cpu']))\n"
+    )
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first write
+    try:
+        done = subprocess.run([sys.executable, "-c", code], stdout=w, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT, timeout=120, check=False,
+                              env={k: v for k, v in os.environ.items()  # (buffered, as
+                                   if k != "PYTHONUNBUFFERED"})  # a plain run's stdout is)
+    finally:
+        os.close(w)
+    assert (done.returncode, done.stderr) == (1, "")
+
+
 def test_a_real_sigint_stops_the_command_with_one_line_and_exit_130(tmp_path):
     import signal
 
@@ -568,7 +692,8 @@ def test_a_real_sigint_stops_the_command_with_one_line_and_exit_130(tmp_path):
 def test_inspect_out_of_a_file_whose_name_is_not_utf8_writes_its_page(tmp_path, capsys):
     from patchkit.__main__ import main
 
-    name = os.fsdecode(b"caf\xe9.safetensors")  # (a Latin-1 name: a lone surrogate in str)
+    # (a Latin-1 name: a lone surrogate in str; and U+202E, which would reverse the title)
+    name = os.fsdecode(b"caf\xe9\xe2\x80\xae.safetensors")
     f = _mixed_patch_file(tmp_path / "p.safetensors")
     os.rename(f, tmp_path / name)
     (tmp_path / "figs").mkdir()
@@ -576,7 +701,7 @@ def test_inspect_out_of_a_file_whose_name_is_not_utf8_writes_its_page(tmp_path, 
     assert main(["inspect", str(tmp_path / name), "--out", str(tmp_path / "figs")]) == 0
     capsys.readouterr()
     page = (tmp_path / "figs" / "index.html").read_text(encoding="utf-8")
-    assert "<title>patch file caf\\udce9.safetensors</title>" in page
+    assert "<title>patch file caf\\udce9\\u202e.safetensors</title>" in page
     assert page.count("<img") == 4
 
 
