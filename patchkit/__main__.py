@@ -296,6 +296,17 @@ def _stdout_to_devnull() -> None:
         pass
 
 
+def _flush_stdout() -> None:
+    """Flush stdout before an error line goes to stderr, so that the line comes after
+    what the command printed where both are one file (``> log 2>&1``: stdout is
+    buffered, stderr is not); a stdout that cannot be written (it is what failed) is
+    pointed at devnull instead."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        _stdout_to_devnull()
+
+
 @contextlib.contextmanager
 def _escaping_output() -> Iterator[None]:
     """Within the block, stdout and stderr write what their encoding cannot hold (a path
@@ -409,16 +420,14 @@ def _main(argv: Sequence[str] | None) -> int:
         return 130
     except MemoryError:
         # (a patch file too big to read into this process's memory, say)
+        _flush_stdout()
         print("error: out of memory", file=sys.stderr)
         return 1
     except OSError as e:
         # The output could not be written (stdout on a full disk, a figure in --out), or
         # the system could not read a patch file: say so on stderr, not as a traceback.
+        _flush_stdout()
         print(f"error: {e}", file=sys.stderr)
-        try:
-            sys.stdout.flush()
-        except OSError:  # stdout itself
-            _stdout_to_devnull()
         return 1
     return code
 
