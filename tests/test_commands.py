@@ -66,6 +66,50 @@ def test_demo_prints_the_three_cases_and_every_check_holds():
     for heading in ("1. dense", "2. sparse", "3. repeated names"):
         assert heading in text
     assert "NO" not in text.split()
+    assert lines[-1] == "all checks held"
+    assert [line.rsplit(": ", 1)[1] for line in lines if "bit for bit" in line or
+            "later patch wins" in line] == ["yes", "yes", "yes"]
+    # (each sparse patch's line: its changed elements of all of its checkpoint tensor's)
+    from patchkit.toymodels import TinyLlamaConfig, tiny_llama_checkpoint
+
+    ckpt = tiny_llama_checkpoint(TinyLlamaConfig(), seed=0)
+    counts = re.findall(r"^   (\S+): (\d+) of (\d+) elements change$", text, re.M)
+    assert {name for name, _, _ in counts} == {"model.layers.0.self_attn.k_proj.weight",
+                                               "model.norm.weight"}
+    for name, changed, of in counts:
+        assert int(of) == ckpt[name].numel() and 0 < int(changed) < int(of)
+
+
+@pytest.mark.parametrize("broken", ["dense", "sparse", "repeated"])
+def test_demo_says_so_and_returns_false_when_a_check_fails(broken, monkeypatch):
+    # (each check of the demo can fail: a load that went wrong in one case shows as that
+    # case's "NO", "SOME CHECKS FAILED" last, and False, which the command exits 1 on)
+    import patchkit.demo
+    import patchkit.inspect
+    from patchkit.demo import run_demo
+
+    real_same, real_load = patchkit.demo.same_state, patchkit.inspect.inspect_load
+    compared: list[int] = []
+
+    def same_state(a, b):  # (the dense comparison is the first, the sparse the second)
+        compared.append(1)
+        fails = len(compared) == {"dense": 1, "sparse": 2}.get(broken)
+        return real_same(a, b) and not fails
+
+    def inspect_load(model, patches, **kwargs):  # (repeated: the earlier patch applied last)
+        repeated = len(patches) == 2 and patches[0].name == patches[1].name
+        return real_load(model, patches[::-1] if broken == "repeated" and repeated else patches,
+                         **kwargs)
+
+    monkeypatch.setattr(patchkit.demo, "same_state", same_state)
+    monkeypatch.setattr(patchkit.inspect, "inspect_load", inspect_load)
+    lines: list[str] = []
+    assert run_demo(device="cpu", echo=lines.append) is False
+    verdicts = [line.rsplit(": ", 1)[1] for line in lines
+                if "bit for bit" in line or "later patch wins" in line]
+    assert verdicts == [("NO" if case == broken else "yes")
+                        for case in ("dense", "sparse", "repeated")]
+    assert lines[-1] == "SOME CHECKS FAILED"
 
 
 def test_run_demo_refuses_an_empty_device_rather_than_choosing_one():
