@@ -36,6 +36,22 @@ def test_tour_writes_its_report_and_every_check_holds(tmp_path):
         assert f'src="{fig.name}"' in page
     assert "<table" in page
     assert any(line.startswith("[7/7]") for line in lines)  # progress was reported
+    for check in result.checks:  # (each verdict, printed and on the page)
+        assert f"    {check}: yes" in lines
+        assert f"<li>{html.escape(check)}: <b>yes</b></li>" in page
+    assert lines[-1] == f"wrote {tmp_path / 'tour' / 'index.html'} and 6 figures"
+    # the dense case's calls: the plan at the tour's budget (not the default one), per rank
+    import torch
+
+    from patchkit import dense_patches, plan_chunks
+    from patchkit.toymodels import TinyLlamaConfig, tiny_llama_checkpoint
+
+    dense = dense_patches(tiny_llama_checkpoint(TinyLlamaConfig(), seed=0,
+                                                dtype=torch.bfloat16))
+    calls = len(plan_chunks(dense, 64 << 10))
+    assert calls > 1
+    assert (f"    {len(dense)} patches, {calls} load_weights calls per rank at "
+            "max_chunk_bytes=64 KiB") in lines
     _the_readme_figures_say_what_the_tour_draws_now(tmp_path / "tour")
 
 
@@ -608,6 +624,48 @@ def test_an_out_holding_a_pipe_where_a_file_goes_is_refused_before_anything_runs
     assert o == "" and err.startswith("error: ") and err.count("\n") == 1
     assert f"{str(out / 'chunks_dense.png')!r} is not a regular file" in err
     assert os.listdir(out) == ["chunks_dense.png"]
+
+
+def test_tour_says_so_and_exits_1_when_a_check_fails(tmp_path, capsys, monkeypatch):
+    # (a loader that applied a repeated name's patches in the other order: the tour's own
+    # check must see it, on the terminal, on the page and in the exit status)
+    import patchkit.inspect
+    from patchkit.__main__ import main
+
+    real = patchkit.inspect.inspect_load
+
+    def inspect_load(model, patches, **kwargs):
+        if len(patches) > 1 and patches[0].name == patches[1].name:
+            patches = [patches[1], patches[0], *patches[2:]]
+        return real(model, patches, **kwargs)
+
+    monkeypatch.setattr(patchkit.inspect, "inspect_load", inspect_load)
+    assert main(["tour", "--out", str(tmp_path / "t"), "--device", "cpu"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    page = (tmp_path / "t" / "index.html").read_text()
+    for check, verdict in (("dense: ranks gathered == checkpoint", "yes"),
+                           ("sparse: ranks gathered == new checkpoint", "yes"),
+                           ("repeated names: the later patch wins", "NO")):
+        assert f"    {check}: {verdict}" in out
+        assert f"<li>{html.escape(check)}: <b>{verdict}</b></li>" in page
+
+
+def test_tour_that_fails_at_its_first_file_raises_that_error_saying_so(tmp_path, monkeypatch):
+    import errno
+
+    import matplotlib.figure
+
+    from patchkit.tour import run_tour
+
+    def savefig(self, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    with pytest.raises(PermissionError) as info:  # (its own type, as the docstring says)
+        run_tour(tmp_path / "t", device="cpu", echo=lambda _: None)
+    assert (f"Permission denied; stopped part-way: wrote none of its 7 files to "
+            f"{str(tmp_path / 't')!r}, no index.html") in str(info.value)
+    assert os.listdir(tmp_path / "t") == []
 
 
 def test_tour_that_fails_part_way_says_what_it_wrote_and_exits_1(tmp_path, capsys,
