@@ -762,7 +762,8 @@ def test_demo_into_a_closed_pipe_stops_quietly():
     assert (done.returncode, done.stderr) == (1, "")
 
 
-@pytest.mark.parametrize("error", ["OSError(28, 'No space left on device')", "MemoryError()"])
+@pytest.mark.parametrize("error", ["OSError(28, 'No space left on device')", "MemoryError()",
+                                   "KeyboardInterrupt()"])
 def test_the_error_line_comes_after_what_the_command_printed(error):
     # (``patchkit tour > log 2>&1``: stdout is buffered, stderr is not; the error line was
     # printed before stdout was flushed, so the log began with it, above the lines the
@@ -781,8 +782,10 @@ def test_the_error_line_comes_after_what_the_command_printed(error):
                           stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=120,
                           check=False, env={k: v for k, v in os.environ.items()
                                             if k != "PYTHONUNBUFFERED"})
-    said = "[Errno 28] No space left on device" if "28" in error else "out of memory"
-    assert (done.returncode, done.stdout) == (1, f"patchkit demo: ...\nerror: {said}\n")
+    code, said = {"OSError": (1, "error: [Errno 28] No space left on device"),
+                  "MemoryError": (1, "error: out of memory"),
+                  "KeyboardInterrupt": (130, "interrupted")}[error.split("(")[0]]
+    assert (done.returncode, done.stdout) == (code, f"patchkit demo: ...\n{said}\n")
 
 
 def test_a_real_sigint_stops_the_command_with_one_line_and_exit_130(tmp_path):
