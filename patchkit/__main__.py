@@ -331,7 +331,9 @@ def _escaping_output() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m patchkit`` and the ``patchkit`` script; returns the
-    exit status (see the module docstring)."""
+    exit status (see the module docstring). As with any argparse program, ``--help``,
+    ``--version`` and a usage error exit through ``SystemExit`` (status 0, 0 and 2)
+    instead of returning."""
     with _escaping_output():
         return _main(argv)
 
