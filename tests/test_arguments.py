@@ -875,3 +875,76 @@ def test_a_whole_fraction_beyond_floats_range_is_a_budget():
     for bad in (Fraction(3, 2), Fraction(2 * 10**400 + 1, 2)):
         with pytest.raises(PatchValueError, match="whole number of bytes"):
             check_max_chunk_bytes(bad)
+
+
+# -- pins found by mutation testing of patch.py, staging.py and errors.py ----------------
+
+
+def test_one_plain_5_tuple_where_a_list_is_expected_says_to_pass_a_list():
+    # a plain tuple is a patch as a load takes it (PatchLike): given alone, it was read
+    # as five patches ("patch 0: expected a CheckpointWeightPatch ..., got str") with the
+    # check dropped and every test passing
+    m = PlainModel({"a": (4,)})
+    alone = ("a", (4,), torch.float32, torch.ones(4), None)
+    with pytest.raises(PatchTypeError, match=r"got one patch \('a'\): pass \[patch\]"):
+        patchkit.load_checkpoint_weight_patches(m, alone)
+    with pytest.raises(PatchTypeError, match=r"got one patch \('a'\): pass \[patch\]"):
+        validate_patches(alone)
+    assert m.a.tolist() == [0.0] * 4
+    assert patchkit.load_checkpoint_weight_patches(m, [alone]) == {"a"}
+
+
+@pytest.mark.parametrize(("patch", "reason", "value"), [
+    (CWP("", (4,), torch.float32, torch.ones(4)), "empty name", ""),
+    (CWP("w", (3, -2), torch.float32, torch.ones(4)), "negative dimension", -2),
+    (CWP("w", (2, 3), torch.float32, torch.ones(5)), "dense count", 5),
+    (CWP("w", (8,), torch.float32, torch.ones(2), torch.tensor([0, 1, 2])), "length mismatch", 3),
+], ids=["empty name", "negative dimension", "dense count", "length mismatch"])
+def test_a_malformed_patchs_error_carries_its_offending_value(patch, reason, value):
+    # PatchError.value is "one offending value": the negative dim (not the whole shape),
+    # the count of values given (not prod(shape)), the count of indices, the empty name;
+    # each could be another value with every test passing
+    with pytest.raises(PatchValueError) as e:
+        validate_patches([CWP("ok", (1,), torch.float32, torch.ones(1)), patch])
+    assert (e.value.position, e.value.reason, e.value.value) == (1, reason, value)
+    assert type(e.value.value) is type(value)
+
+
+@pytest.mark.parametrize(("dims", "shown", "why"), [
+    ((2**40,) * 8, "(" + ", ".join(["1099511627776"] * 8) + ")", "its bytes"),
+    ((1, 2, 3, 4, 5, 6, 7, 8, 2**62), "(1, 2, 3, 4, 5, 6, 7, ..., 4611686018427387904; 9 dims)",
+     "its bytes"),
+    ((2**63,), "(9223372036854775808,)", "each dimension"),
+    ((2**63, 1), "(9223372036854775808, 1)", "each dimension"),
+], ids=["8 dims whole", "9 dims: 7 and the last", "a dim of 2**63", "2**63 beside 1"])
+def test_a_shape_too_large_is_shown_as_it_is_up_to_eight_dims(dims, shown, why):
+    # up to eight dims are printed whole, dims up to 64 bits in decimal, and a dim of
+    # exactly 2**63 is said to be one (not "its bytes"): each of these could change with
+    # every test passing
+    with pytest.raises(PatchValueError) as e:
+        validate_patches([CWP("w", dims, torch.uint8, torch.ones(1))])
+    assert str(e.value) == (f"patch 0 ('w'): shape {shown} of torch.uint8 is more than a "
+                            f"tensor can hold ({why} must stay below 2**63)")
+
+
+def test_an_out_of_range_index_is_said_with_the_shape_and_its_element_count():
+    p = CWP("w", (2, 3), torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([5, 6]))
+    with pytest.raises(PatchValueError) as e:
+        validate_patches([p])
+    assert str(e.value) == "patch 0 ('w'): out-of-range index 6 for shape (2, 3) (6 elements)"
+
+
+def test_a_nan_budget_is_said_to_be_not_positive():
+    # (it went on to "must be a whole number of bytes" with the check as `<= 0`)
+    with pytest.raises(PatchValueError, match=r"^max_chunk_bytes must be positive, got nan$"):
+        validate_patches([_p()], max_chunk_bytes=float("nan"))
+
+
+@pytest.mark.parametrize("name", [5, None, b"w"], ids=repr)
+def test_a_lone_patch_whose_name_is_no_str_is_named_as_a_name_not_a_position(name):
+    # errors.where(None, 5) reads "patch (name 5)": "patch 5" would point at a position
+    with pytest.raises(PatchTypeError) as e:
+        patchkit.stage(CWP(name, (2,), torch.float32, torch.ones(2)))
+    assert str(e.value).startswith(f"patch (name {name!r}): name must be a str")
+    assert (e.value.position, e.value.reason) == (None, "name type")
+
