@@ -948,3 +948,23 @@ def test_a_lone_patch_whose_name_is_no_str_is_named_as_a_name_not_a_position(nam
     assert str(e.value).startswith(f"patch (name {name!r}): name must be a str")
     assert (e.value.position, e.value.reason) == (None, "name type")
 
+
+@pytest.mark.parametrize("shape", [np.array([2, 3]), range(2, 4), (np.int64(2), np.int32(3))],
+                         ids=["ndarray", "range", "numpy ints"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_stage_and_a_load_take_a_shape_validation_takes(shape, sparse):
+    # validation takes any ordered iterable of ints (numpy's too); staging handed it to
+    # torch as it was, which takes no ndarray or range: a raw TypeError from
+    # reshape()/empty() had the conversion been dropped, with every test passing
+    if sparse:
+        p = CWP("w", shape, torch.float32, torch.tensor([7.0]), torch.tensor([4]))
+        want = [[0.0, 0.0, 0.0], [0.0, 7.0, 0.0]]
+    else:
+        p = CWP("w", shape, torch.float32, torch.arange(6.0))
+        want = [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    staged = patchkit.stage(p)
+    assert staged.shape == (2, 3)
+    assert torch.nan_to_num(staged, nan=0.0).tolist() == want
+    m = PlainModel({"w": (2, 3)})
+    assert patchkit.load_checkpoint_weight_patches(m, [p]) == {"w"}
+    assert m.w.tolist() == want
