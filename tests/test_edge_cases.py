@@ -682,6 +682,60 @@ def test_same_bits_is_false_for_the_same_bits_of_two_dtypes(a, b):
     assert not patchkit.same_bits(a, b) and not patchkit.same_bits(b, a)
     assert not patchkit.same_state({"w": a}, {"w": b})
 
+
+# -- bitwise helpers: pins found by mutation testing ------------------------------------
+
+
+def test_a_difference_of_float16_values_is_taken_in_float32_not_in_float16():
+    # "two float16 ... tensors in float32": subtracted in float16, 65504 - (-65504)
+    # overflowed to inf (and small differences rounded to float16's precision)
+    from patchkit.bitwise import difference
+
+    a = torch.tensor([65504.0, 1.0], dtype=torch.float16)
+    b = torch.tensor([-65504.0, 1.0 - 2.0**-11], dtype=torch.float16)
+    got = difference(a, b)
+    assert got.dtype == torch.float32
+    assert got.tolist() == [131008.0, 2.0**-11]
+
+
+def test_a_difference_of_two_float_dtypes_is_taken_in_float64():
+    # "other floats in float64": a float16 beside a float64 is not narrowed to float32,
+    # where 1 - 1e-10 reads 1
+    from patchkit.bitwise import difference
+
+    got = difference(torch.tensor([1.0], dtype=torch.float16),
+                     torch.tensor([1e-10], dtype=torch.float64))
+    assert got.dtype == torch.float64 and got.tolist() == [1.0 - 1e-10]
+
+
+def test_bits_of_a_bool_tensor_are_uint8():
+    # "reinterpreted as integers of the same width": a bool tensor came back as itself
+    t = torch.tensor([True, False])
+    got = patchkit.bitwise.bits(t)
+    assert got.dtype == torch.uint8 and got.tolist() == [1, 0]
+    got[1] = 1  # (a view: no copy)
+    assert t.tolist() == [True, True]
+
+
+def test_changed_mask_reads_a_lazily_negated_after_by_the_values_it_shows():
+    # (complex.conj().imag is a view with torch's negative bit: it shows [-1, 3] while
+    # its memory holds [1, -3]; only the first element differs from [1, 3])
+    from patchkit.bitwise import changed_mask
+
+    after = torch.tensor([1 + 1j, 2 - 3j]).conj().imag
+    assert after.is_neg() and after.tolist() == [-1.0, 3.0]
+    assert changed_mask(torch.tensor([1.0, 3.0]), after).tolist() == [True, False]
+
+
+def test_sum_squares_of_complex_values_squares_their_parts_without_overflow():
+    # "complex: of real and imaginary parts" in float64: |3e38 + 3e38j| is past float32's
+    # range, so squaring the complex64 magnitude gave inf (then 0 without it)
+    from patchkit.bitwise import sum_squares
+
+    x = torch.tensor([3e38 + 3e38j, 3 + 4j], dtype=torch.complex64)
+    part = float(torch.tensor(3e38, dtype=torch.float32))
+    assert sum_squares(x) == 2 * part * part + 25.0
+
 class _TiedRegistersAliasAnew(PlainModel):
     """``b`` is ``a`` (tied); the loader registers a new Parameter under ``b``, then
     raises at ``z``."""
