@@ -968,3 +968,23 @@ def test_stage_and_a_load_take_a_shape_validation_takes(shape, sparse):
     m = PlainModel({"w": (2, 3)})
     assert patchkit.load_checkpoint_weight_patches(m, [p]) == {"w"}
     assert m.w.tolist() == want
+
+
+def test_a_nan_value_is_said_with_its_index_and_its_place_in_values():
+    # the index and the position in values differ here: both are named
+    p = CWP("w", (4,), torch.float32, torch.tensor([1.0, float("nan")]), torch.tensor([3, 0]))
+    with pytest.raises(PatchValueError) as e:
+        validate_patches([p])
+    assert str(e.value).startswith("patch 0 ('w'): NaN value at index 0, values[1] (")
+    assert (e.value.reason, e.value.value) == ("NaN", 0)
+
+
+@pytest.mark.parametrize("indices", [[0, 0], [1, 0], [3, 3, 1]], ids=repr)
+def test_a_sparse_patch_of_an_empty_shape_with_several_indices_is_out_of_range(indices):
+    # every index of an empty tensor is out of range; with the duplicate check marking
+    # a tensor of no elements, torch raised a raw RuntimeError ("setStorage: ... out of
+    # bounds") instead, and every test passed
+    p = CWP("w", (0, 4), torch.float32, torch.ones(len(indices)), torch.tensor(indices))
+    with pytest.raises(PatchValueError) as e:
+        validate_patches([p])
+    assert (e.value.reason, e.value.value) == ("out-of-range", indices[0])
