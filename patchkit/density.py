@@ -85,10 +85,10 @@ def density_map(
     :class:`~patchkit.PatchValueError` as the loader's do, and every index must lie in
     ``[0, numel)`` (``ValueError`` naming the patch and the first index that does not;
     checked with one min/max over the indices; indices on the meta device, which hold no
-    values, raise ``ValueError`` too). NaN values are not looked at, and a
-    repeated index is allowed (see above). ``bins`` is a pair of positive ints
-    ``(rows, columns)``, or one int ``b`` meaning ``(b, b)``: anything else raises
-    ``TypeError`` (not ints) or ``ValueError`` (not positive).
+    values, raise ``ValueError`` too, unless there are none: nothing is written). NaN
+    values are not looked at, and a repeated index is allowed (see above). ``bins`` is a
+    pair of positive ints ``(rows, columns)``, or one int ``b`` meaning ``(b, b)``:
+    anything else raises ``TypeError`` (not ints) or ``ValueError`` (not positive).
 
     >>> import torch
     >>> p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(2), torch.tensor([0, 5]))

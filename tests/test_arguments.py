@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -101,6 +102,11 @@ def test_plan_chunks_wants_one_position_per_patch(positions):
 def test_density_map_of_something_that_is_not_a_patch_is_a_type_error():
     with pytest.raises(PatchTypeError, match="density_map: patch must be a CheckpointWeightPatch"):
         density_map("w")
+    # something with some of a patch's fields is no patch either: refused by density_map
+    # by name, as what has none of them is
+    with pytest.raises(PatchTypeError,
+                       match=r"^density_map: patch must be a CheckpointWeightPatch, got Simple"):
+        density_map(types.SimpleNamespace(name="w", shape=(2, 2), dtype=torch.float32))
     # a plain 5-tuple is a patch, as a load takes it
     t = ("w", (2, 2), torch.float32, torch.ones(1), torch.tensor([3]))
     assert density_map(t, bins=2).tolist() == [[0.0, 0.0], [0.0, 1.0]]

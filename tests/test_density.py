@@ -304,3 +304,50 @@ def test_a_reshaping_view_that_covers_a_box_is_written_as_that_box(
         full, offset, view, stride, text):
     # a write through w.view(-1)[6:18] was "12 elements from 6", not "[1:3, :]"
     assert region_text(full, offset, view, stride) == text
+
+
+def test_a_density_map_divides_by_the_exact_element_count_of_a_block():
+    # one index in a block of 2**24 + 1 rows: float32 block sizes would read 2**24 rows
+    rows = 2**24 + 1
+    p = CheckpointWeightPatch("w", (rows, 1), torch.float32, torch.ones(1), torch.tensor([5]))
+    got = density_map(p, bins=(1, 1))
+    assert got.dtype == torch.float32 and got.device.type == "cpu"
+    assert got.item() == torch.tensor(1 / rows, dtype=torch.float32).item() != 2.0**-24
+
+
+def test_a_meta_patch_with_no_indices_is_mapped_as_writing_nothing():
+    # no indices, so nothing the meta device lacks: zeros, as for an empty patch on the CPU
+    p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(0, device="meta"),
+                              torch.zeros(0, dtype=torch.int64, device="meta"))
+    assert density_map(p, bins=(2, 2)).tolist() == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_an_index_outside_the_tensor_says_which_indices_are_valid():
+    p = CheckpointWeightPatch("w", (2, 3), torch.float32, torch.ones(1), torch.tensor([6]))
+    with pytest.raises(ValueError) as info:
+        density_map(p)
+    assert str(info.value).endswith("for shape (2, 3) (6 elements; valid: [0, 6))")
+
+
+def test_region_text_of_a_scalar_with_unknown_strides_is_the_empty_box():
+    assert region_text((), 0, (), None) == "[]"
+    assert region_text((), 0, (), ()) == "[]"
+
+
+def test_a_box_inside_the_third_dimension_names_the_outer_indices_in_order():
+    # rows 1:3 of w[1, 2] of a (2, 3, 4, 5) w, written through a flat view: its outer
+    # indices are 1 then 2, not 2 then 1
+    full = (2, 3, 4, 5)
+    offset = 1 * 60 + 2 * 20 + 1 * 5
+    got = region_text(full, offset, (10,), (1,))
+    assert got == "[1:2, 2:3, 1:3, :]"
+    written = torch.zeros(full, dtype=torch.bool)
+    written.view(-1)[offset:offset + 10] = True
+    assert torch.equal(_selected(got, full), written)
+
+
+def test_a_flat_run_ignores_the_stride_of_a_dimension_of_size_one():
+    # w.view(1, -1)[:, 6:18] of a (4, 6) w with the size-1 dimension's stride arbitrary
+    # (torch keeps any stride there): still rows 1 and 2
+    assert region_text((4, 6), 6, (1, 12), (5, 1)) == "[1:3, :]"
+    assert region_text((4, 6), 6, (1, 12), (12, 1)) == "[1:3, :]"

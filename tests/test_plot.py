@@ -1454,6 +1454,12 @@ def test_density_title_counts_an_index_given_twice_once():
     assert "writes 1 of 2 elements (50" in title
 
 
+def test_density_title_says_a_dense_patch_writes_every_element():
+    p = CheckpointWeightPatch("w", (3, 4), torch.float32, torch.zeros(12))
+    title = plot_density(p).axes[0].get_title()
+    assert "dense: writes 12 of 12 elements (100 %)" in title
+
+
 class _AnyName(nn.Module):
     """One runtime tensor ``w`` that every patch, whatever its name, is copied into."""
 
