@@ -527,6 +527,16 @@ def test_format_bytes():
     # a value that rounds to nothing has no sign (was "-0 B")
     assert [format_bytes(x) for x in (-0.0, -1e-9, -0.004, -0.006)] == [
         "0 B", "0 B", "0 B", "-0.01 B"]
+    # a tie rounds to the even digit in a unit and past the last one alike
+    assert format_bytes(1152) == "1.12 KiB"  # 1.125 KiB
+    assert format_bytes(1125 * 1024**8) == "1.12e3 YiB"  # not 1.13e3
+
+
+def test_distinct_name_writes_an_empty_name_as_its_repr():
+    from patchkit.units import distinct_name
+
+    assert distinct_name("") == "''"  # (an empty name shown as nothing at all)
+    assert distinct_name("w") == "w"
 
 
 def _summary_file(tmp_path):
