@@ -65,8 +65,10 @@ def format_bytes(n: float) -> str:
     1024 YiB on (no unit is left) it is ``m e k YiB`` with a mantissa of three
     significant digits (``10**30`` is ``"8.27e5 YiB"``). A float (a tick on a plot's
     axis) is taken too and rounded the same way below 1 KiB as well (``1.5`` is
-    ``"1.5 B"``, ``204.8`` is ``"205 B"``). Negative numbers keep their sign, except those
-    that round to ``"0 B"`` (``-0.0``, ``-0.004``).
+    ``"1.5 B"``, ``204.8`` is ``"205 B"``). An int is rounded exactly, however large, and a
+    tie to the even digit (1152 B, 1.125 KiB, is ``"1.12 KiB"``; 1153 B is ``"1.13 KiB"``).
+    Negative numbers keep their sign, except those that round to ``"0 B"`` (``-0.0``,
+    ``-0.004``).
 
     ``bool`` and anything that is not a real number raise ``TypeError``; NaN and
     infinities raise ``ValueError``.
@@ -88,22 +90,28 @@ def format_bytes(n: float) -> str:
         return text if text == "0 B" else "-" + text  # (a value that rounds to 0 has no sign)
     if isinstance(n, int) and n < 1024:
         return f"{n} B"
-    if n < _TOP:  # (a float holds it)
-        value = float(n)
-        k = -1  # the unit: bytes, then _UNITS[k]
-        # (a value that rounds up to 1024 of a unit is 1 of the next: 1048575 B is "1 MiB")
-        while round(value, _digits(value)) >= 1024 and k < len(_UNITS) - 1:
-            value /= 1024
-            k += 1
-        if round(value, _digits(value)) < 1024:
-            text = f"{value:.{_digits(value)}f}"
-            if "." in text:
-                text = text.rstrip("0").rstrip(".")
-            return f"{text} {'B' if k < 0 else _UNITS[k]}"
+    if n < _TOP:
+        with decimal.localcontext() as ctx:
+            # An int is divided exactly (a Decimal of 200 digits holds n / 1024**8 for any
+            # n below _TOP, where a float would round an int past 2**53: 9 * 2**57 + 1
+            # bytes is just above 1.125 EiB, so "1.13 EiB"); a float as it is.
+            ctx.prec, ctx.rounding = 200, decimal.ROUND_HALF_EVEN
+            value: float | decimal.Decimal = decimal.Decimal(n) if isinstance(n, int) else n
+            k = -1  # the unit: bytes, then _UNITS[k]
+            # (a value that rounds up to 1024 of a unit is 1 of the next: 1048575 B is
+            # "1 MiB")
+            while round(value, _digits(value)) >= 1024 and k < len(_UNITS) - 1:
+                value /= 1024
+                k += 1
+            if round(value, _digits(value)) < 1024:
+                text = f"{value:.{_digits(value)}f}"
+                if "." in text:
+                    text = text.rstrip("0").rstrip(".")
+                return f"{text} {'B' if k < 0 else _UNITS[k]}"
     return f"{_scientific(n, 1024 ** len(_UNITS))} {_UNITS[-1]}"
 
 
-def _digits(value: float) -> int:
+def _digits(value: float | decimal.Decimal) -> int:
     """Decimals for three significant digits of a value in [1, 1024)."""
     return 0 if value >= 100 else 1 if value >= 10 else 2
 
@@ -113,7 +121,9 @@ def _scientific(n: float, unit: int) -> str:
     three significant digits, trailing zeros dropped: ``"8.27e5"``. Exact for an int of
     any size (no float conversion that could overflow)."""
     with decimal.localcontext() as ctx:
-        ctx.prec = 28
+        # digits enough for the quotient exactly: n's own (an int, or a float this large,
+        # is a whole number) and the 80 decimals that dividing by 1024**8 adds
+        ctx.prec = decimal.Decimal(n).adjusted() + 100
         ctx.Emax = decimal.MAX_EMAX
         ctx.rounding = decimal.ROUND_HALF_EVEN
         q = decimal.Decimal(n) / unit

@@ -406,6 +406,18 @@ def test_a_size_has_three_significant_digits_in_any_unit_or_beyond_the_last(n, t
         assert len(mantissa.replace(".", "")) <= 3
 
 
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(9 * 2**57, "1.12 EiB"), (9 * 2**57 + 1, "1.13 EiB"),  # 1.125 EiB, and one byte more
+     (1025 * 10**7 * 1024**8, "1.02e10 YiB"), (1025 * 10**7 * 1024**8 + 1, "1.03e10 YiB"),
+     (-(9 * 2**57 + 1), "-1.13 EiB")],
+)
+def test_an_int_just_above_a_tie_rounds_up_exactly(n, text):
+    # a float holds 9 * 2**57 + 1 as 9 * 2**57 (past 2**53), and 28 digits of Decimal the
+    # quotient past the last unit as its tie: both read as ties and rounded to even
+    assert format_bytes(n) == text
+
+
 @pytest.mark.parametrize(("n", "error"), [(True, TypeError), (np.bool_(False), TypeError),
                                           ("1", TypeError), (None, TypeError),
                                           (torch.tensor(3), TypeError),
