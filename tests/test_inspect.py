@@ -2375,3 +2375,138 @@ def test_a_name_asked_of_a_report_that_knows_none_says_so():
     with pytest.raises(KeyError, match=r"no patch named 'w' in this report \(it has no "
                                        r"patches\)"):
         report.plot_density("w")
+
+
+# -- what the reprs and summary() promise (mutation testing of the rendering) -------------
+
+
+def test_the_headline_numbers_count_what_the_load_did():
+    # (mutation testing: the kind of a load of no patches given as "dense", and
+    # max_chunk_bytes given as the default budget, passed every test; so did bytes
+    # written as plain numbers in the repr)
+    ps = [dense("a", torch.ones(4)), dense("a", torch.full((4,), 2.0)),
+          dense("b", torch.tensor([0.0, 0.0, 1.0, 1.0])), dense("c", torch.ones(4)),
+          dense("d", torch.ones(4))]
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(FailingModel({n: (4,) for n in "abcd"}, fail_on="c"), ps,
+                     max_chunk_bytes=16)
+    r = info.value.report
+    s = r.summary()
+    # one call a patch; c's call raised and d's never ran: its bytes are not staged ones
+    assert s == {"patches": 5, "kind": "dense", "load_weights calls": 4, "staged bytes": 64,
+                 "max_chunk_bytes": 16, "runtime writes": 3, "elements written": 8,
+                 "elements changed": 6, "names loaded": 2, "error": s["error"]}
+    assert "staged bytes=64 B, max_chunk_bytes=16 B, runtime writes=3" in repr(r)
+    assert "<td>64 B</td>" in r._repr_html_()
+    assert inspect_load(PlainModel({}), []).summary()["kind"] is None
+
+
+@pytest.mark.parametrize(("message", "shown"), [
+    ("\n  disk gone\nsee the log", "RuntimeError: disk gone"),
+    ("x" * 300, "RuntimeError: " + "x" * 145 + "…"),
+])
+def test_a_reports_error_is_the_first_line_of_its_message_cut_to_160_characters(message,
+                                                                                  shown):
+    class Refuses(PlainModel):
+        def load_weights(self, weights):
+            raise RuntimeError(message)
+
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(Refuses({"w": (2,)}), [dense("w", torch.ones(2))])
+    report = info.value.report
+    assert report.summary()["error"] == shown and len(shown) <= 160
+    assert f"error={shown}" in repr(report)
+
+
+class _Quiet(PlainModel):
+    """Returns the names it is sent and writes nothing."""
+
+    def load_weights(self, weights):
+        return [n for n, _ in weights]
+
+
+@pytest.mark.parametrize(("calls", "shown"), [
+    (8, "[0, 1, 2, 3, 4, 5, 6, 7]"),
+    (9, "[0, 1, 2, 3, 4, 5, ..., 8] (9)"),
+])
+def test_reprs_show_a_list_of_up_to_eight_whole_and_a_longer_one_by_its_ends(calls, shown):
+    r = inspect_load(_Quiet({"w": (4,)}),
+                     [dense("w", torch.ones(4)) for _ in range(calls)])
+    assert r.summary()["calls with no write seen"] == list(range(calls))
+    assert f"calls with no write seen={shown}" in repr(r)
+    # a load that wrote nothing has no deltas: neither repr shows an empty table
+    assert "deltas" not in repr(r) and "deltas (" not in r._repr_html_()
+
+
+def test_the_html_tables_show_eight_rows_without_a_row_index_and_four_digits():
+    # (mutation testing: every row shown, a row index on chunks and calls, pandas' own
+    # six digits, each passed every test)
+    shapes = {f"row_{i:02}": (3,) for i in range(12)}
+    ps = [sparse(n, (3,), [1], [1.0 / 3]) for n in shapes]
+    page = inspect_load(PlainModel(shapes, fill=1.0), ps)._repr_html_()
+    chunks_part = page.split("<summary>calls")[0]
+    assert "row_07" in chunks_part and "row_08" not in page
+    assert "<td>0.3333</td>" in chunks_part and "0.333333" not in page  # density 1/3
+    calls_part = page.split("<summary>calls")[1].split("<summary>deltas")[0]
+    for part in (chunks_part, calls_part):
+        assert "<th></th>" not in part  # (no column of the frame's 0, 1, ... index)
+    assert "<th>row_00</th>" in page  # (deltas are indexed by their runtime names)
+
+
+def test_both_reprs_cut_a_cell_past_sixty_characters_to_sixty_ending_in_dots():
+    whole, cut = "w" * 59 + "1", "w" * 60 + "2"
+    r = inspect_load(PlainModel({whole: (2,), cut: (2,)}),
+                     [dense(whole, torch.ones(2)), dense(cut, torch.ones(2))])
+    for text in (r._repr_html_(), repr(r)):
+        assert whole in text and "w" * 57 + "..." in text and "w" * 58 not in text.replace(
+            whole, "")
+    # the text repr leaves out the note column, which the table has
+    assert "note" not in repr(r) and "note" in r.chunks.columns
+
+
+def test_a_patch_no_call_carried_has_no_chunk_and_no_closed_by():
+    # (mutation testing: closed_by "" for it, beside the <NA> chunk, passed every test)
+    def first_only(model, patches, **kwargs):
+        first = patches[0]
+        return model.load_weights([(first.name, first.values.reshape(first.shape))])
+
+    ps = [dense("a", torch.ones(2)), dense("b", torch.ones(2))]
+    r = inspect_load(PlainModel({"a": (2,), "b": (2,)}), ps, loader=first_only)
+    assert r.chunks["chunk"].isna().tolist() == [False, True] and r.chunks["chunk"][0] == 0
+    assert r.chunks["closed_by"][0] == "end" and r.chunks["closed_by"].isna().tolist() == [
+        False, True]
+    assert r.chunks["note"].tolist() == ["", "not sent by the observed loader"]
+
+
+def test_the_calls_table_gives_the_returned_names_sorted_and_each_calls_seconds():
+    # (mutation testing: the names in the order the loader gave them, and seconds scaled
+    # to milliseconds, passed every test)
+    import time
+
+    class Slow(PlainModel):
+        def load_weights(self, weights):
+            weights = list(weights)
+            super().load_weights(weights)
+            time.sleep(0.01)
+            return [n for n, _ in weights][::-1]
+
+    start = time.perf_counter()
+    r = inspect_load(Slow({"a": (2,), "b": (2,)}), [dense("a", torch.ones(2)),
+                                                     dense("b", torch.ones(2))])
+    took = time.perf_counter() - start
+    assert r.calls["returned"].tolist() == [("a", "b")]
+    assert r.calls["names"].tolist() == [("a", "b")]
+    # (the call's own wall time, in seconds: within the whole inspect_load's)
+    assert 0 < r.calls["seconds"].iloc[0] <= took
+
+
+def test_patch_summary_gives_dtypes_without_torch_and_shapes_of_python_ints():
+    # (mutation testing: "torch.float32", and the shape as given, passed every test)
+    import numpy as np
+
+    p = CheckpointWeightPatch("w", (np.int64(2), np.int64(3)), torch.bfloat16,
+                              torch.ones(6, dtype=torch.bfloat16))
+    df = patch_summary([dense("n", torch.ones(4)), p])
+    assert df["dtype"].tolist() == ["float32", "bfloat16"]
+    assert df["shape"].tolist() == [(4,), (2, 3)]
+    assert all(type(d) is int for d in df["shape"][1])
