@@ -263,6 +263,13 @@ def test_a_report_whose_error_cannot_be_unpickled_keeps_everything_else():
     assert list(copy.writes["target"]) == ["w"] and copy.calls.equals(report.calls)
     assert copy.summary()["error"].startswith("RuntimeError: _TwoArgError: x: disk gone")
     assert report.error is info.value  # (the report itself is untouched)
+    # (a message of up to 400 characters is kept whole: the repr's cut is 160)
+    long = "d" * 300
+    with pytest.raises(_TwoArgError) as info:
+        patchkit.inspect_load(Refusing(lambda name: _TwoArgError(name, long)),
+                              patches, max_chunk_bytes=64)
+    kept = str(pickle.loads(pickle.dumps(info.value.report)).error)
+    assert kept.startswith(f"_TwoArgError: x: {long} (the load's exception")
 
 
 @pytest.mark.parametrize("how", [copy.copy, copy.deepcopy])

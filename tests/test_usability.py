@@ -113,7 +113,10 @@ def test_an_observed_loader_that_cannot_take_the_call_is_refused_before_it_runs(
 def test_a_report_built_by_hand_says_it_has_no_tables():
     r = patchkit.LoadReport([], [])
     assert repr(r) == "LoadReport(<not made by inspect_load: no tables>, 0 patches)"
-    assert "not made by inspect_load" in r._repr_html_()
+    assert r._repr_html_() == (
+        "<pre>LoadReport(&lt;not made by inspect_load: no tables&gt;, 0 patches)</pre>")
+    one = patchkit.LoadReport([CWP("w", (2,), torch.float32, torch.ones(2))], [])
+    assert repr(one) == "LoadReport(<not made by inspect_load: no tables>, 1 patch)"
     for read in (r.summary, lambda: r.writes, lambda: r.deltas):
         with pytest.raises(ValueError, match=r"has no (chunks|writes|deltas) table: it was "
                            r"not made by patchkit\.inspect_load"):
