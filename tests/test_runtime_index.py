@@ -480,9 +480,10 @@ def test_undo_puts_the_tree_back_as_it_was(change):
     do(model)
     assert bool(index.added()) == adds
     assert _tree(model) != before
-    index.undo()
+    assert index.undo()  # (it put something back)
     assert _tree(model) == before
     assert index.added() == [] and index.replaced() == [] and index.replaced_aliases() == []
+    assert not index.undo()  # (nothing left to put back)
 
 
 class _Changes(torch.nn.Module):
@@ -893,3 +894,79 @@ def test_owner_of_views_beside_inside_and_across_runtime_tensors():
     assert owner(buf[5:10])[0] == "p1"  # (from the gap into p1's second row)
     # a view of half-words starting inside p1's element 1 (byte 6)
     assert owner(buf.view(torch.bfloat16)[3:40]) == ("p1", 1)
+
+
+def test_owner_of_views_around_a_lone_runtime_tensor_of_a_larger_storage():
+    # (mutation testing: a view that starts where the storage's one runtime tensor ends
+    # could be taken for its, and one that starts before it and runs into it for scratch
+    # space, with every test passing)
+    m = torch.nn.Module()
+    buf = torch.zeros(20)
+    m.register_buffer("p", buf[5:15])  # the storage's only runtime tensor
+    index = RuntimeIndex(m)
+
+    def owner(view):
+        found = index.owner(view)
+        return found and (found[0], found[2])
+
+    assert owner(buf[5:15]) == ("p", 0)
+    assert owner(buf[14:15]) == ("p", 9)
+    assert owner(buf[15:18]) is None  # (starts where p ends: scratch)
+    assert owner(buf[0:5]) is None  # (ends where p starts: scratch)
+    # starts before p and runs into it: p's, at the position its first element would have
+    assert owner(buf[0:8]) == ("p", -5)
+
+
+def test_owner_of_a_flat_buffer_registered_beside_views_of_it():
+    # a write of the whole buffer (or of its second half) is the buffer's, not that of
+    # the parameter at its start; a view that starts inside an element of one of them
+    # is the tensor's whose element starts there (mutation testing: '<=' for '<' on the
+    # last byte, and a byte inside an element taken for that element, passed every test)
+    m = torch.nn.Module()
+    flat = torch.zeros(12)
+    m.a = torch.nn.Parameter(flat[:6], requires_grad=False)
+    m.b = torch.nn.Parameter(flat[6:], requires_grad=False)
+    m.register_buffer("flat", flat)
+    index = RuntimeIndex(m)
+    assert index.owner(flat)[0::2] == ("flat", 0)
+    assert index.owner(flat[:6])[0::2] == ("a", 0)
+    assert index.owner(flat[6:])[0::2] == ("b", 0)
+    assert index.owner(flat[:8])[0::2] == ("flat", 0)
+
+    raw = torch.zeros(16, dtype=torch.uint8)
+    m = torch.nn.Module()
+    m.register_buffer("f", raw.view(torch.float32))  # (bytes 0-15, as 4 float32)
+    m.register_buffer("raw", raw)
+    index = RuntimeIndex(m)
+    assert index.owner(raw[4:8])[0::2] == ("f", 1)
+    assert index.owner(raw[1:5])[0::2] == ("raw", 1)  # (inside f's element 0)
+
+
+def test_names_added_leave_out_the_empty_tensors_the_index_left_out():
+    # (mutation testing: the index's unindexed names counted as added passed every test)
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.zeros(2))
+    m.register_buffer("odd", torch.zeros(0, 3).to_sparse())  # (empty: not indexed)
+    index = RuntimeIndex(m)
+    assert "odd" not in index.tensors and index.added() == []
+    m.extra = torch.nn.Parameter(torch.ones(2))
+    assert index.added() == ["extra"]
+    m.again = m.a  # (a new name for a tensor the index knows: a new tie)
+    assert index.ties_among(index.added_tensors()) == {"again": "a"}
+
+
+def test_what_a_loader_changed_past_the_registries_names_the_module():
+    # (mutation testing: a message without the module's prefix, or naming the last of
+    # several registries replaced, passed every test)
+    model = _undo_model()
+    index = RuntimeIndex(model)
+    vars(model.emb).update(weight=_param())
+    assert index.structure_changed() == (
+        "set a plain attribute 'emb.weight' that shadows the registered one (e.g. "
+        "`module.__dict__['weight'] = w`)")
+    index.undo()
+    assert index.structure_changed() is None
+    model.head._parameters = dict(model.head._parameters)
+    model.emb._buffers = {}
+    assert index.swapped_registries() == ["emb._buffers", "head._parameters"]
+    assert index.structure_changed().startswith("replaced registry 'emb._buffers' of the")
