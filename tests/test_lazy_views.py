@@ -155,10 +155,37 @@ def test_a_write_through_a_lazily_conjugated_view_of_a_plain_runtime_tensor_is_r
     p = CWP("z", (4,), torch.float32, torch.tensor([3.0]), torch.tensor([2]))
     with _path(compiled), pytest.raises(ContractViolation, match="lazily negated view") as e:
         load_checkpoint_weight_patches(m, [p])
-    assert (e.value.reason, e.value.position, e.value.name) == ("lazy view", 0, "z")
+    assert (e.value.reason, e.value.position, e.value.name, e.value.value) == (
+        "lazy view", 0, "z", "z")
     assert m.z.tolist() == [1 + 1j] * 4  # nothing written
     # its plain imaginary part is written as any float view is
     m.load_weights = lambda ws: [m.z.data.imag.copy_(t) for _, t in ws] and {"z"}
     with _path(compiled):
         load_checkpoint_weight_patches(m, [p])
     assert m.z.tolist() == [1 + 1j, 1 + 1j, 1 + 3j, 1 + 1j]
+
+
+@pytest.mark.parametrize("mode", ["transactional", "inspect"])
+def test_a_write_through_a_lazily_conjugated_view_of_a_complex_runtime_tensor_is_refused(mode):
+    # (mutation testing: a check of the negative bit alone passed every test, and let a
+    # watched load save and count the conjugated memory as the values written)
+    class WritesConj(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.z = torch.nn.Parameter(torch.complex(torch.ones(4), torch.ones(4)),
+                                        requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.z.data.conj().copy_(torch.complex(t, t))
+            return {"z"}
+
+    m = WritesConj()
+    p = CWP("z", (4,), torch.float32, torch.full((4,), 3.0))
+    with pytest.raises(ContractViolation, match="lazily conjugated view") as e:
+        if mode == "inspect":
+            inspect_load(m, [p])
+        else:
+            load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert (e.value.reason, e.value.value) == ("lazy view", "z")
+    assert m.z.tolist() == [1 + 1j] * 4  # nothing written

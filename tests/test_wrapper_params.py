@@ -238,3 +238,40 @@ def test_an_empty_runtime_tensor_without_strided_memory_refuses_nothing(layout):
     assert torch.equal(model.a.flatten(), torch.arange(16.0))
     report = inspect_load(model, [SPARSE_A])
     assert report.deltas["changed"].to_dict() == {"a": 1}
+
+
+class Dispatching(torch.Tensor):
+    """A subclass that dispatches its ops itself but keeps its values in its own
+    storage, as a plain tensor does (building an index runs none of its ops)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise AssertionError(f"{func} reached a tensor no op should reach here")
+
+
+def test_a_subclass_that_dispatches_its_ops_is_a_wrapper_only_without_memory_of_its_own():
+    # (mutation testing: every such subclass taken for a wrapper, and one on the meta
+    # device, whose data pointer reads 0 too, taken for one without memory, passed every
+    # test)
+    from patchkit.intercept import RuntimeIndex
+
+    def holding(t):
+        m = nn.Module()
+        m.register_buffer("w", t)
+        return RuntimeIndex(m).wrappers
+
+    assert holding(torch.Tensor._make_subclass(Dispatching, torch.zeros(4))) == []
+    assert holding(torch.Tensor._make_subclass(Dispatching, torch.empty(4, device="meta"))) == []
+    assert holding(Int8Bare(torch.zeros(2, 2, dtype=torch.int8), torch.tensor(1.0))) == ["w"]
+
+
+def test_a_refusal_names_the_first_such_tensor_and_counts_the_others():
+    # (mutation testing: a count from the third such tensor on, or the last one named as
+    # the error's value, passed every test)
+    model = Quantized(Int8Bare)
+    model.v = nn.Parameter(Int8Bare(torch.zeros(2, 2, dtype=torch.int8), torch.tensor(1.0)),
+                           requires_grad=False)
+    with pytest.raises(ContractViolation) as e:
+        patchkit.load_checkpoint_weight_patches(model, [SPARSE_B])
+    assert (e.value.reason, e.value.value) == ("tensor subclass", "w")
+    assert "runtime tensor 'w' (and 1 more) is a Int8Bare" in str(e.value)
