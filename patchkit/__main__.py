@@ -193,15 +193,16 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     """``inspect --out``: ``figures`` (see :func:`_inspect_figures`; ``entries``, the
     file's header) with a line per figure as it is written, then ``index.html``: the
     summary (``checked``: as printed after a check) and the figures on one page. Reads
-    the sparse patches' data only: the plans need the file's header alone. A write that
-    fails raises its ``OSError``, saying which files were written before it."""
-    from .io import _escaped, _load, _print_summary, _stand_in
+    the sparse patches' data only, one patch at a time (a patch is dropped once its
+    figure is written: the memory of the largest, not of the file's), and the plans need
+    the file's header alone. A write that fails raises its ``OSError``, saying which
+    files were written before it."""
+    from .io import _escaped, _print_summary, _read_each, _stand_in, _validated
     from .plot import plot_chunks, plot_density
     from .tour import _out_folder, _stopped, _write_page
     from .units import distinct_name as _shown
 
     existed = os.path.isdir(out)
-    sparse = dict(_load(path, "cpu", sparse_only=True))
     folder = _out_folder(out, "the figures")
     groups = {kind: [_stand_in(e) for e in entries if e.sparse == (kind == "sparse")]
               for kind in ("dense", "sparse")}
@@ -210,16 +211,26 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
         print(f"writing into the existing folder {_shown(str(folder))} (its index.html and "
               "figures of these names are replaced, other files are left)")
     done: list[str] = []
-    for k, (stem, what) in enumerate(figures):
-        target = folder / f"{stem}.png"
-        fig = (plot_chunks(groups[what], max_chunk_bytes) if isinstance(what, str)
-               else plot_density(sparse[what]))
-        try:
-            fig.savefig(target, dpi=110, bbox_inches="tight")
-        except OSError as e:
-            raise _stopped(e, done, len(figures) + 1, folder) from e
-        done.append(target.name)
-        print(f"[{k + 1}/{len(figures)}] wrote {_shown(str(target))}", flush=True)
+    # (the sparse patches in the file's order, which is the density figures' order)
+    with contextlib.closing(_read_each(path, "cpu", lambda e: e.sparse)) as sparse:
+        for k, (stem, what) in enumerate(figures):
+            target = folder / f"{stem}.png"
+            if isinstance(what, str):
+                fig = plot_chunks(groups[what], max_chunk_bytes)
+            else:
+                position, patch = next(sparse)
+                if position != what:  # (the file is pinned: it cannot change meanwhile)
+                    raise RuntimeError(f"read patch {position} of {path!r} for patch {what}")
+                _validated(path, [patch], [position])
+                fig = plot_density(patch)
+                del patch  # (the figure keeps its pixels, not the patch)
+            try:
+                fig.savefig(target, dpi=110, bbox_inches="tight")
+            except OSError as e:
+                raise _stopped(e, done, len(figures) + 1, folder) from e
+            del fig
+            done.append(target.name)
+            print(f"[{k + 1}/{len(figures)}] wrote {_shown(str(target))}", flush=True)
     summary = io.StringIO()
     _print_summary(path, max_chunk_bytes, summary, False, checked)
     page = "\n".join(

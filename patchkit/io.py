@@ -1200,12 +1200,9 @@ def _device_text(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else str(device)
 
 
-def _load(
-    path: str, device: str, sparse_only: bool = False
-) -> list[tuple[int, CheckpointWeightPatch]]:
-    """:func:`load_patches` as ``(position, patch)`` pairs; with ``sparse_only``, the
-    sparse patches alone (no dense patch's values are read)."""
-    patches = list(_read_each(path, device, (lambda e: e.sparse) if sparse_only else None))
+def _load(path: str, device: str) -> list[tuple[int, CheckpointWeightPatch]]:
+    """:func:`load_patches` as ``(position, patch)`` pairs."""
+    patches = list(_read_each(path, device))
     for sparse in (False, True):
         group = [(i, p) for i, p in patches if (p.indices is not None) == sparse]
         _validated(path, [p for _, p in group], [i for i, _ in group])

@@ -2073,3 +2073,37 @@ def test_inspect_out_of_a_file_refused_for_its_dense_values_writes_nothing(tmp_p
     assert captured.out == "" and captured.err.count("error: ") == 1
     assert "outside torch.int8's range" in captured.err
     assert not (tmp_path / "figs").exists()
+
+
+def test_inspect_out_holds_one_sparse_patch_at_a_time(tmp_path, monkeypatch, capsys):
+    # the figures of a file of sparse patches read them one at a time, as the check
+    # does: a patch is dropped once its figure is written, so the memory is the largest
+    # patch's, not the file's (all of them were read into a dict first)
+    import weakref
+
+    import patchkit.plot
+
+    patches = [random_sparse_patch(f"w{k}", (32, 16), torch.float32, 0.1,
+                               generator=torch.Generator().manual_seed(k))
+               for k in range(4)]
+    patches.insert(2, CheckpointWeightPatch("d", (3,), torch.float32, torch.ones(3), None))
+    path = str(tmp_path / "p.safetensors")
+    patchkit.save_patches(path, patches)
+    del patches
+    seen: list[tuple[str, weakref.ref, weakref.ref]] = []
+    draw = patchkit.plot.plot_density
+
+    def watched(patch, *args, **kwargs):
+        alive = [name for name, v, i in seen if v() is not None or i() is not None]
+        assert alive == [], f"{alive} still held while drawing {patch.name}"
+        seen.append((patch.name, weakref.ref(patch.values), weakref.ref(patch.indices)))
+        return draw(patch, *args, **kwargs)
+
+    monkeypatch.setattr(patchkit.plot, "plot_density", watched)
+    assert main(["inspect", path, "--out", str(tmp_path / "figs")]) == 0
+    assert [name for name, _, _ in seen] == ["w0", "w1", "w2", "w3"]
+    figures = sorted(p.name for p in (tmp_path / "figs").iterdir())
+    assert figures == ["chunks_dense.png", "chunks_sparse.png", "density_0_w0.png",
+                       "density_1_w1.png", "density_3_w2.png", "density_4_w3.png",
+                       "index.html"]
+    capsys.readouterr()
