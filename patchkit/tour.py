@@ -237,7 +237,7 @@ def run_tour(
 
     from . import plot
     from .inspect import inspect_load
-    from .units import format_bytes
+    from .units import distinct_name, format_bytes
 
     result = TourResult(out=out)
     cfg = TinyLlamaConfig()
@@ -263,8 +263,11 @@ def run_tour(
         result.figures.append(path)
         return path.name
 
-    where = (f"writing into the existing folder {out}/ (its index.html and figures are "
-             "replaced, other files are left)") if existed else f"writing to {out}/"
+    # (the folder's name escaped as the inspect command shows it: a newline in it cannot
+    # make a line of its own)
+    shown = distinct_name(str(out))
+    where = (f"writing into the existing folder {shown}/ (its index.html and figures are "
+             "replaced, other files are left)") if existed else f"writing to {shown}/"
     echo(f"patchkit tour: tiny Llama, bf16, {TP} tensor-parallel ranks, on {dev.type}; "
          f"{where}")
 
@@ -346,7 +349,7 @@ def run_tour(
         raise _stopped(e, [f.name for f in result.figures], len(OUTPUTS), out) from e
     for k, v in result.checks.items():
         echo(f"    {k}: {'yes' if v else 'NO'}")
-    echo(f"wrote {out / 'index.html'} and {len(result.figures)} figures")
+    echo(f"wrote {distinct_name(str(out / 'index.html'))} and {len(result.figures)} figures")
     return result
 
 

@@ -969,3 +969,24 @@ def test_a_closed_stdout_is_bad_input_before_anything_runs(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert err.count("error: standard output is closed") == 2
     assert not (tmp_path / "figs").exists() and not (tmp_path / "t").exists()
+
+
+def test_the_tour_shows_its_folder_escaped_as_inspect_does(tmp_path):
+    # a folder name holding a newline was printed raw ("writing to a", then a line of
+    # its own "b/"), where inspect --out escapes it (distinct_name)
+    from patchkit.tour import run_tour
+
+    lines: list[str] = []
+    out = tmp_path / "a\nb"
+    run_tour(out, device="cpu", echo=lines.append)
+    assert all("\n" not in line for line in lines), lines
+    shown = distinct_name_of(out)
+    assert "a\\nb" in shown and lines[0].endswith(f"writing to {shown}/")
+    assert lines[-1] == f"wrote {distinct_name_of(out / 'index.html')} and 6 figures"
+    assert (out / "index.html").is_file()
+
+
+def distinct_name_of(path) -> str:
+    from patchkit.units import distinct_name
+
+    return distinct_name(str(path))
