@@ -889,13 +889,13 @@ class LoadReport:
         s = self.summary()
         head = ", ".join(f"{k}={_human(k, v)}" for k, v in s.items() if v is not None)
         parts = [f"LoadReport({head})"]
-        with pd.option_context("display.width", 120, "display.max_columns", 20):
-            parts.append("chunks:\n" + _head_text(
-                _names_shown(self.chunks.drop(columns=["note"])), False))
-            if len(self.deltas):
-                # (4 significant digits: a 3e-7 step of a small learning rate is not 0.0)
-                parts.append("deltas:\n" + _head_text(
-                    _names_shown(self.deltas), True, "{:.4g}".format))
+        # (every column, unwrapped: to_string takes no display options)
+        parts.append("chunks:\n" + _head_text(
+            _names_shown(self.chunks.drop(columns=["note"])), False))
+        if len(self.deltas):
+            # (4 significant digits: a 3e-7 step of a small learning rate is not 0.0)
+            parts.append("deltas:\n" + _head_text(
+                _names_shown(self.deltas), True, "{:.4g}".format))
         # (a lone surrogate in a name, which no terminal or Jupyter message takes, escaped)
         return shown_text("\n\n".join(parts))
 

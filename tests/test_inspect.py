@@ -2510,3 +2510,21 @@ def test_patch_summary_gives_dtypes_without_torch_and_shapes_of_python_ints():
     assert df["dtype"].tolist() == ["float32", "bfloat16"]
     assert df["shape"].tolist() == [(4,), (2, 3)]
     assert all(type(d) is int for d in df["shape"][1])
+
+
+def test_the_text_repr_ignores_the_callers_pandas_display_options():
+    # the tables are written with to_string (every column, unwrapped, the report's own
+    # float format), so a notebook's display settings do not change what a report says
+    pd = pytest.importorskip("pandas")
+    m = PlainModel({"a": (4, 30), "b": (3,)})
+    g = torch.Generator().manual_seed(0)
+    r = inspect_load(m, [CheckpointWeightPatch("a", (4, 30), torch.float32,
+                                               torch.randn(120, generator=g)),
+                         CheckpointWeightPatch("b", (3,), torch.float32,
+                                               torch.randn(3, generator=g))])
+    plain = repr(r)
+    with pd.option_context("display.width", 30, "display.max_columns", 3,
+                           "display.max_colwidth", 5, "display.precision", 1,
+                           "display.max_rows", 1):
+        assert repr(r) == plain
+    assert "closed_by" in plain and "rel_l2" in plain and "..." not in plain
