@@ -830,14 +830,15 @@ def test_delta_of_a_big_tensor_is_pooled_by_the_density_map_blocks():
     assert images[2][0, 0] == -3.0  # the larger of the two changes in block (0, 0)
 
 
-@pytest.mark.parametrize("band", [500, 150])
+@pytest.mark.parametrize("band", [500, 300, 150])
 def test_delta_reads_the_tensor_a_band_at_a_time_and_draws_the_numbers_of_the_whole(
     monkeypatch, band
 ):
     # plot_delta made float copies of the whole before, after and Δ, and full-size masks:
     # at 128256 × 2560 bfloat16 it took 41 s and 7 GB more memory. Now it reads a band
-    # at a time: here two rows (cutting blocks of rows in two), or 150 elements of a row
-    # of 200 (cutting blocks of columns), and never calls the whole-tensor copies.
+    # at a time: here two rows (cutting blocks of rows in two), one row (a band of under
+    # two rows), or 150 elements of a row of 200 (cutting blocks of columns), and never
+    # calls the whole-tensor copies.
     from patchkit import inspect as pk_inspect
     from patchkit import plot
 
@@ -873,16 +874,32 @@ def test_delta_reads_the_tensor_a_band_at_a_time_and_draws_the_numbers_of_the_wh
     np.testing.assert_allclose(b, want_b, rtol=1e-12)
     np.testing.assert_allclose(a, want_a, rtol=1e-12)
     np.testing.assert_array_equal(d, want_d)
+    # one colour scale for before and after: their finite values' range
+    both = np.concatenate([b.ravel(), a.ravel()])
+    assert fig.axes[0].images[0].get_clim() == fig.axes[1].images[0].get_clim() == (
+        both.min(), both.max())
     heights = [p.get_height() for p in fig.axes[3].patches]
     np.testing.assert_array_equal(heights, np.histogram(delta.reshape(-1)[written.reshape(-1)],
                                                         bins=60)[0])
+    # the counts and largest |Δ| of all the bands, not of the last: no stale warning
+    assert "warning" not in fig.get_suptitle()
 
-    # More Δ values than it keeps: counted into the same bins on a second pass.
+    # As many Δ values as it keeps: one pass; more: counted into the same bins on a second.
+    monkeypatch.setattr(plot, "_HIST_KEEP", 6000)
+    reads.clear()
+    fig = plot_delta(report, "w", bins=(16, 16))
+    assert sum(reads) == 60_000
     monkeypatch.setattr(plot, "_HIST_KEEP", 100)
     reads.clear()
     fig = plot_delta(report, "w", bins=(16, 16))
     assert sum(reads) == 2 * 60_000
     assert [p.get_height() for p in fig.axes[3].patches] == heights
+    assert "warning" not in fig.get_suptitle()
+    # the model changed since (the first written element put back): said, whichever
+    # band it is in
+    with torch.no_grad():
+        model.w.view(-1)[int(idx[0])] = float(before.reshape(-1)[int(idx[0])])
+    assert "warning" in plot_delta(report, "w", bins=(16, 16)).get_suptitle()
 
 
 def _marks(ax):
@@ -935,6 +952,34 @@ def test_delta_draws_nan_and_inf_in_a_colour_of_their_own_and_pools_around_them(
     fig = plot_delta(report, "qkv")
     assert not any(_marks(ax) for ax in fig.axes)
     assert not any("NaN" in ax.get_title() for ax in fig.axes)
+
+
+@pytest.mark.parametrize("band", [30, 250])
+def test_nan_and_inf_read_a_band_at_a_time_are_marked_as_when_read_at_once(monkeypatch, band):
+    # pieces of a row longer than the band (30), and bands of whole rows (250): the
+    # blocks marked and the counts in the titles are those of the tensor read at once
+    from patchkit import plot
+
+    model = PlainModel({"w": (100, 100)})
+    with torch.no_grad():
+        model.w.zero_()
+        model.w[50, 50] = float("nan")
+        model.w[0:10, 90:100] = float("inf")
+        model.w[95, 5] = -float("inf")
+    idx = torch.arange(10_000)
+    idx = idx[idx != 9505]
+    report = inspect_load(model, [CheckpointWeightPatch(
+        "w", (100, 100), torch.float32, torch.full((9999,), 2.0), idx)])
+    at_once = plot_delta(report, "w", bins=(10, 10))
+    monkeypatch.setattr(plot, "_BAND", band)
+    banded = plot_delta(report, "w", bins=(10, 10))
+    for whole, part in zip(at_once.axes[:4], banded.axes[:4]):
+        assert part.get_title() == whole.get_title()
+        assert sorted(_marks(part)) == sorted(_marks(whole))
+    assert sorted(_marks(banded.axes[0])) == [(5.0, 95.0), (55.0, 55.0), (95.0, 5.0)]
+    for whole, part in zip(at_once.axes[:3], banded.axes[:3]):
+        np.testing.assert_array_equal(np.ma.filled(part.images[0].get_array(), -1.0),
+                                      np.ma.filled(whole.images[0].get_array(), -1.0))
 
 
 def test_block_means_of_numbers_near_float64s_largest_do_not_overflow(recwarn):
@@ -1008,6 +1053,35 @@ def test_delta_histogram_counts_the_written_elements_each_once():
     fig = plot_delta(report, "qkv", changed_only=True)
     assert sum(p.get_height() for p in fig.axes[3].patches) == 3
     assert "3 changed elements" in fig.axes[3].get_title()
+
+
+def test_delta_histogram_is_numpys_histogram_of_the_deltas_in_their_own_dtype(monkeypatch):
+    # float32 Δ: numpy makes the bars' edges in float32, the 7th of 60 from 0 to 3 at
+    # float32(0.35), below 0.35 in float64: a Δ of float32(0.35) is in bar 7, not 6
+    from patchkit import plot
+
+    after = torch.tensor([0.0, 3.0, 0.35, 0.7, 1.0, 2.5], dtype=torch.float32)
+    model = PlainModel({"w": (6,)}, fill=0.0)
+    report = inspect_load(model, [CheckpointWeightPatch("w", (6,), torch.float32, after)])
+    want = np.histogram(after.numpy(), bins=60)[0]
+    assert want[7] == 1 and want[6] == 0
+    hist = plot_delta(report, "w").axes[3]
+    assert [p.get_height() for p in hist.patches] == want.tolist()
+    monkeypatch.setattr(plot, "_HIST_KEEP", 2)  # (counted on a second pass)
+    hist = plot_delta(report, "w").axes[3]
+    assert [p.get_height() for p in hist.patches] == want.tolist()
+    # float32 Δ from -3e38 to 3e38, a range whose width float32 cannot hold: counted
+    model = PlainModel({"w": (2,)})
+    with torch.no_grad():
+        model.w.copy_(torch.tensor([1.5e38, -1.5e38]))
+    report = inspect_load(model, [CheckpointWeightPatch(
+        "w", (2,), torch.float32, torch.tensor([-1.5e38, 1.5e38]))])
+    fig = plot_delta(report, "w", hist_bins=4)
+    bars = fig.axes[3].patches
+    assert [p.get_height() for p in bars] == [1, 0, 0, 1]
+    assert math.isclose(bars[0].get_x(), -3e38, rel_tol=1e-6)
+    assert math.isclose(bars[-1].get_x() + bars[-1].get_width(), 3e38, rel_tol=1e-6)
+    assert to_png(fig).startswith(b"\x89PNG")
 
 
 def test_delta_changed_only_is_a_bool():
