@@ -155,6 +155,9 @@ def test_budget_line_is_drawn_at_max_chunk_bytes():
     (line,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "budget"]
     assert list(line.get_ydata()) == [300, 300]
     assert line.get_linestyle() == "--"
+    # in view, not on the axes' top edge, above bars well under it
+    ax = plot_chunks(chunk_patches(), max_chunk_bytes=1000).axes[0]
+    assert max(bar_totals(ax.figure).values()) < 600 < 1000 < ax.get_ylim()[1]
 
 
 def test_each_call_is_annotated_with_why_it_closed():
@@ -267,6 +270,40 @@ def test_a_call_a_foreign_loader_ended_is_drawn_with_its_own_legend_entry():
     texts = [t.get_text() for t in fig.axes[0].texts if t.get_gid() == "closed_by"]
     assert texts == ["loader", "end"]
     assert "closed by loader" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def test_a_call_staging_bytes_of_its_own_shares_them_among_its_patches():
+    # q, k, v: 128 B each. A loader that staged q and k as 512 B (cast to a wider dtype):
+    # 256 B each; names it sent that match no patch (position -1) share equally what the
+    # known patches do not account for, and nothing where they account for more.
+    report, _ = load("q k v")
+    observed = [Chunk(0, (0, 1), ("q", "k"), 512, "loader"),
+                Chunk(1, (2, -1, -1), ("v", "x", "y"), 328, "loader"),
+                Chunk(2, (0, -1), ("q", "x"), 100, "end")]
+    fig = plot_chunks(dataclasses.replace(report, plan=observed))
+    heights = {gid: [r.get_height() for r in rects]
+               for gid, rects in rects_by_gid(fig, "segment ").items()}
+    assert heights == {"segment 0 0": [256], "segment 0 1": [256],
+                       "segment 1 2": [128], "segment 1 -1": [100, 100],
+                       "segment 2 0": [100], "segment 2 -1": [0]}
+    assert bar_totals(fig) == {0: 512, 1: 328, 2: 100}
+
+
+def test_patches_too_thin_to_see_are_labelled_with_how_many_share_their_rectangle():
+    big = CheckpointWeightPatch("big", (1024, 256), torch.float32, torch.zeros(1024 * 256))
+    tiny = [CheckpointWeightPatch(f"t{i}", (640,), torch.float32, torch.zeros(640))
+            for i in range(100)]  # 2560 B each: under a pixel, 250 KiB together
+    fig = plot_chunks([big, *tiny])
+    assert sorted(rects_by_gid(fig, "segment ")) == ["segment 0 0", "segment 0 1..100"]
+    labels = [t.get_text() for t in fig.axes[0].texts if t.get_gid() == "segment label"]
+    assert labels == ["big", "100 patches"]
+
+
+@pytest.mark.parametrize(("calls", "annotated"), [(60, True), (61, False)])
+def test_calls_are_annotated_with_why_they_closed_up_to_60_calls(calls, annotated):
+    fig = plot_chunks([dense("q", i) for i in range(calls)])
+    closed = [t.get_text() for t in fig.axes[0].texts if t.get_gid() == "closed_by"]
+    assert closed == (["repeated name"] * (calls - 1) + ["end"] if annotated else [])
 
 
 def test_plot_chunks_names_an_argument_that_is_neither_a_report_nor_patches():
@@ -1965,6 +2002,8 @@ def test_a_load_that_raised_in_a_call_marks_that_call_and_the_unsent_ones():
     ax = report.plot_chunks().axes[0]
     closed = [t.get_text() for t in ax.texts if t.get_gid() == "closed_by"]
     assert closed == ["budget", "raised", "not sent"]
+    colours = [t.get_color() for t in ax.texts if t.get_gid() == "closed_by"]
+    assert colours == ["black", "#C44E52", "black"]  # "raised" in red
     assert "after 2 calls made" in ax.get_title()
     # the plan at another budget is a plan, not the load's calls: nothing marked
     other = report.plot_chunks(max_chunk_bytes=1 << 20).axes[0]
