@@ -1469,6 +1469,23 @@ def test_density_colour_scale_runs_to_the_densest_block():
     im = plot_density(p, bins=(2, 2)).axes[0].images[0]
     assert float(np.asarray(im.get_array()).max()) == 0.25
     assert im.get_clim() == (0.0, 0.25)
+    # from 0 whatever the sparsest block: a dense patch's scale is 0 to 1
+    full = CheckpointWeightPatch("w", (8, 8), torch.float32, torch.ones(64))
+    fig = plot_density(full, bins=(2, 2))
+    assert fig.axes[0].images[0].get_clim() == (0.0, 1.0)
+    assert fig.axes[1].get_ylim() == (0.0, 1.0)  # (the colour bar)
+
+
+def test_density_bins_on_a_callers_large_axes_are_capped_at_max_bins():
+    p = CheckpointWeightPatch("w", (2048, 2048), torch.float32, torch.tensor([5.0]),
+                              torch.tensor([7]))
+    mine = Figure(figsize=(30, 30), dpi=100)
+    FigureCanvasAgg(mine)
+    ax = mine.add_subplot()
+    assert min(ax.get_window_extent().height, 0.8 * ax.get_window_extent().width) > 1024
+    plot_density(p, bins=2000, ax=ax)
+    assert ax.images[0].get_array().shape == (1024, 1024)
+    assert "1024 × 1024 blocks" in ax.get_title()
 
 
 def test_delta_title_gives_the_largest_change_of_the_row():
