@@ -1213,6 +1213,26 @@ def test_a_write_through_a_reinterpreting_view_is_reported_in_the_tensors_dtype(
         r = inspect_load(m, [dense("w", new)])
     assert torch.equal(r.before("w"), w)
     assert r.deltas.loc["w", "max_abs"] == 97.0 and r.deltas.loc["w", "changed"] == 1
+    # ||before|| too is of the float32 values, not of their bits read as int32
+    assert math.isclose(r.deltas.loc["w", "rel_l2"], _direct_rel_l2(w, new), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_a_non_finite_old_value_adds_nothing_to_before_norm_of_a_compared_copy(compiled):
+    # (the docstring: "a non-finite old value in ||before||" counts as 0; torch ops sum
+    # the squares of the view before the copy, and sum them again without it when the
+    # first sum is not finite)
+    from patchkit import native
+
+    w = torch.tensor([1.5, float("inf"), 3.0, 0.5, 7.0, float("nan"), 9.0, 10.0])
+    new = w.clone()
+    new[2] = 100.0
+    with contextlib.nullcontext() if compiled else native.disabled():
+        r = inspect_load(OneTensor(w), [dense("w", new)])
+    finite = w[torch.isfinite(w)].double()
+    assert r.deltas.loc["w", "changed"] == 1
+    assert math.isclose(r.deltas.loc["w", "rel_l2"], 97.0 / float(finite.norm()),
+                        rel_tol=1e-9)
 
 
 def test_a_report_of_no_patches_has_every_table_with_its_columns_and_no_rows():
