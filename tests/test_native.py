@@ -1044,6 +1044,21 @@ def test_a_transactional_sparse_rollback_through_torch_ops_saves_no_more_than_th
     assert kept and sum(kept) <= view_bytes
 
 
+def test_a_sparse_save_through_torch_ops_is_whole_from_the_count_its_scratch_passes_the_view():
+    # The elements with their int64 offsets, and the offsets' scratch at its peak (two
+    # int64 arrays, five for a view that is not contiguous), against the view's bytes: a
+    # merge of more than an eighth of a contiguous bfloat16 view's elements, a sixteenth
+    # of a float8 one's, and a fifth of a bfloat16 column shard's saves the view whole.
+    from patchkit.intercept import _whole_is_smaller
+
+    bf16 = torch.zeros(64, 64, dtype=torch.bfloat16)
+    fp8 = torch.zeros(64, 64, dtype=torch.float8_e4m3fn)
+    shard = torch.zeros(64, 128, dtype=torch.bfloat16)[:, 32:96]  # 8192 bytes, strided
+    for view, most in ((bf16, 512), (fp8, 256), (shard, 204)):
+        assert not _whole_is_smaller(view, most), (view.dtype, most)
+        assert _whole_is_smaller(view, most + 1), (view.dtype, most + 1)
+
+
 # -- regressions found by review ---------------------------------------------------------
 
 
