@@ -838,3 +838,29 @@ def test_a_copy_through_a_view_of_another_element_size_is_reported_in_the_tensor
         assert torch.equal(bits(r.after(n)), bits(p.detach()))
         changed = int((bits(p.detach()) != bits(start[n])).sum())
         assert int(r.deltas.loc[n, "changed"]) == changed > 0
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_a_complex_copy_counts_and_saves_elements_not_their_parts(compiled):
+    # A complex element's bits are two numbers: compared per part, a change of both parts
+    # would count twice and its storage offsets point past the view (the compared copy
+    # leaves complex tensors to the plain save).
+    class C(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(8) * (1 + 0.5j), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.data.copy_(t)
+            return {"w"}
+
+    new = (torch.arange(8) * (1 + 0.5j)).to(torch.complex64)
+    new[1], new[5] = 1 + 1j, complex(5.0, 9.0)  # both parts, then one part, changed
+    m = C()
+    start = m.w.detach().clone()
+    with contextlib.nullcontext() if compiled else native.disabled():
+        r = inspect_load(m, [dense("w", new)])
+    assert r.writes["changed"].tolist() == [2]
+    assert torch.equal(bits(r.before("w")), bits(start))
+    assert torch.equal(bits(m.w.detach()), bits(new))
