@@ -2093,6 +2093,27 @@ def test_a_write_torch_makes_and_then_refuses_has_its_row(how, compiled):
                 assert patchkit.same_bits(r.after("w"), expected)
 
 
+def test_a_complex_write_torch_makes_and_then_refuses_counts_elements_not_parts():
+    # (a complex element's bits are two numbers: one that changes in both parts is one
+    # changed element, as the report counts every other write)
+    class W(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            with torch.inference_mode():
+                self.w = torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64), False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.copy_(t)
+            return {n for n, _ in weights}
+
+    values = torch.tensor([1 + 1j, 0, 2j, 3], dtype=torch.complex64)
+    patch = CheckpointWeightPatch("w", (4,), torch.complex64, values)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor") as info:
+        inspect_load(W(), [patch])
+    assert info.value.report.writes["changed"].tolist() == [3]
+
+
 class _RegistersAnewThenFails(PlainModel):
     """Registers a new Parameter for ``a`` (three times the weight); raises at ``z``."""
 
