@@ -1536,6 +1536,34 @@ def test_a_rollback_restores_a_write_through_a_view_of_another_element_size(kind
     assert torch.equal(m.packed, before)
 
 
+def test_a_rollback_restores_a_sparse_write_through_a_half_width_view():
+    # bfloat16 element 5 is the upper half of float32 element 2 (not 5 // 4 = 1: the
+    # offset is taken in bytes before it is divided by the runtime element's size)
+    class Halves(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, generator=torch.Generator().manual_seed(5)),
+                                        requires_grad=False)
+
+        def load_weights(self, weights):
+            for n, t in weights:
+                if n != "w":
+                    raise KeyError(n)
+                self.w.data.view(torch.bfloat16).copy_(t)
+            return {n for n, _ in weights}
+
+    ps = [CheckpointWeightPatch(n, (16,), torch.bfloat16, torch.tensor([3.0]).bfloat16(),
+                                torch.tensor([5])) for n in ("w", "boom")]
+    m = Halves()
+    before = m.w.detach().clone()
+    with pytest.raises(KeyError):
+        patchkit.load_checkpoint_weight_patches(m, ps, transactional=True)
+    assert torch.equal(bits(m.w.detach()), bits(before))
+    r = inspect_load(Halves(), ps[:1])
+    assert r.writes["written"].tolist() == [1] and r.deltas.loc["w", "changed"] == 1
+    assert torch.equal(bits(r.before("w")), bits(before))
+
+
 # -- a dense call that rebinds, an empty load (a differential audit) -----------------------
 
 
