@@ -1354,6 +1354,27 @@ def test_an_observed_loader_that_copies_the_nan_mask_into_the_model_is_named():
     assert exc.report.error is exc and exc.report.calls["error"].tolist() == [False]
 
 
+def test_an_observed_loader_that_copies_a_nan_mask_it_rebuilt_into_the_model_is_named():
+    # A source rebuilt from the staged tensor where torch does not see it (through numpy)
+    # is traced to no patch, but holds its NaN: the copy is taken for the NaN-merge it
+    # should have been, and the NaN it copied are found.
+    class Rebuilds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.ones(10), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.a.data.copy_(torch.from_numpy(t.numpy().copy()))
+            return {n for n, _ in weights}
+
+    m = Rebuilds()
+    with pytest.raises(ContractViolation, match="NaN-masked sparse patch") as info:
+        inspect_load(m, [sparse("a", (10,), [2, 5], [5.0, 6.0])], loader=one_per_call_loader)
+    assert (info.value.reason, info.value.value) == ("NaN copied", 8)
+    assert torch.isnan(m.a).sum() == 8
+
+
 def test_a_failed_load_says_what_stayed_loaded_and_what_was_never_sent():
     ps = [dense("a", torch.ones(4)), dense("b", torch.ones(4)), dense("c", torch.ones(4))]
     with pytest.raises(RuntimeError) as info:
