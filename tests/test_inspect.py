@@ -518,6 +518,25 @@ def test_reprs_escape_what_in_an_error_message_would_rewrite_the_line():
     assert "\u202e" not in repr(report) + report._repr_html_()
 
 
+def test_both_reprs_escape_a_lone_surrogate_that_reaches_them_unquoted():
+    """A name reaches both reprs other than through repr(): the HTML's calls table writes
+    the names a call sent as pandas writes a tuple (without quotes, so without escapes),
+    and a name of a str subclass is written by its own __repr__. A lone surrogate there
+    would make the repr unprintable (no Jupyter message or UTF-8 terminal takes it)."""
+    class Name(str):
+        def __repr__(self) -> str:
+            return f"Name({str.__str__(self)})"
+
+    report = inspect_load(PlainModel({"w\ud800": (2,), "v\ud800": (2,)}), [
+        dense("w\ud800", torch.ones(2)), dense(Name("v\ud800"), torch.ones(2))])
+    text, page = repr(report), report._repr_html_()
+    text.encode("utf-8")  # (neither raises)
+    page.encode("utf-8")
+    assert "\ud800" not in text + page
+    assert "Name(v\\ud800)" in text and "Name(v\\ud800)" in page
+    assert "(w\\ud800, v\\ud800)" in page  # (the calls table's tuple of names)
+
+
 def test_report_figure_methods_show_their_arguments():
     import inspect as pyinspect
 
