@@ -165,6 +165,25 @@ def test_a_failed_load_s_error_pickles_with_its_report():
     assert list(sent.report.writes["target"]) == ["w"]
 
 
+def test_a_report_s_pickle_reads_its_state_once_though_its_error_refers_to_it(monkeypatch):
+    # (the check that the error pickles on its own pickled the error's report again, whose
+    # state checked the error again, and so on: about a hundred nested pickles of the
+    # report, each held in memory at once, until the recursion limit ended them)
+    patches = [CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(16)),
+               CheckpointWeightPatch("x", (4, 4), torch.float32, torch.ones(16))]
+    with pytest.raises(KeyError) as info:
+        patchkit.inspect_load(Refusing(), patches, max_chunk_bytes=64)
+    states = []
+    real = patchkit.LoadReport.__getstate__
+    monkeypatch.setattr(patchkit.LoadReport, "__getstate__",
+                        lambda self: states.append(self) or real(self))
+    for what in (info.value, info.value.report):
+        states.clear()
+        sent = pickle.loads(pickle.dumps(what))
+        assert states == [info.value.report]
+        assert sent.report.error is sent if what is info.value else sent.error.report is sent
+
+
 def test_a_worker_process_s_failed_load_reaches_the_parent_as_itself(tmp_path):
     # (multiprocessing pickles a worker's exception, and with it the report attached: a
     # report that did not pickle replaced the load's own error by a pickling error)
