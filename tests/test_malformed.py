@@ -83,6 +83,24 @@ def test_a_refused_load_of_a_malformed_patch_has_a_report_that_reads_in_every_fo
     report.plot_placement()
 
 
+@pytest.mark.parametrize("loader", ["own", "observed"])
+def test_a_malformed_item_s_row_has_the_name_it_was_given_where_that_is_a_str(loader):
+    # (the item's name where it has a str one, a tuple's first field; none otherwise)
+    given = {"None": None, "4-tuple": "a", "dict": None, "values list": "a",
+             "dtype str": "a", "shape None": "a", "name int": None, "negative dim": "a"}
+    for bad, item in {**NOT_A_PATCH, **BAD_FIELDS}.items():
+        with pytest.raises(patchkit.PatchError) as e:
+            inspect_load(PlainModel({"a": (4,), "b": (4,)}),
+                         [P("b", (4,), torch.float32, torch.ones(4)), item],
+                         **_loaders()[loader])
+        name = e.value.report.chunks["name"].iloc[1]
+        assert name == given[bad] if given[bad] else pd.isna(name), bad
+    with pytest.raises(patchkit.PatchError) as e:  # (as the repr writes a name: quoted)
+        inspect_load(PlainModel({"a": (4,)}), [P("a\n", (4,), "float32", torch.ones(4))])
+    assert e.value.report.chunks["name"].iloc[0] == "a\n"
+    assert "'a\\n'" in repr(e.value.report)
+
+
 def test_plan_chunks_refuses_what_the_loader_refuses_by_name_and_position():
     for bad, item in BAD_FIELDS.items():
         if bad == "values list":
