@@ -2460,6 +2460,38 @@ def test_a_report_whose_error_cannot_be_written_still_renders():
     assert pickle.loads(pickle.dumps(report)).summary() == report.summary()
 
 
+class _StrNotStr(Exception):
+    def __str__(self):
+        return None  # (str() of it raises TypeError: __str__ returned non-string)
+
+
+def test_a_report_shows_any_error_its_error_s_str_raises_but_lets_an_interrupt_through():
+    # (an exception whose __str__ fails in a way other than a RuntimeError is written as
+    # Python's traceback writes it too; a KeyboardInterrupt or SystemExit raised there is
+    # no failure to write the error, it stops the program)
+    class Refuses(PlainModel):
+        def load_weights(self, weights):
+            raise self.error
+
+    model = Refuses({"w": (2,)})
+    model.error = _StrNotStr()
+    with pytest.raises(_StrNotStr) as info:
+        inspect_load(model, [dense("w", torch.ones(2))])
+    report = info.value.report
+    assert report.summary()["error"] == "_StrNotStr: <exception str() failed>"
+    assert "error=_StrNotStr: <exception str() failed>" in repr(report)
+
+    class Interrupts(Exception):
+        def __str__(self):
+            raise KeyboardInterrupt
+
+    model.error = Interrupts()
+    with pytest.raises(Interrupts) as info:
+        inspect_load(model, [dense("w", torch.ones(2))])
+    with pytest.raises(KeyboardInterrupt):
+        info.value.report.summary()
+
+
 def test_a_report_of_a_load_refused_for_an_item_that_is_no_patch_names_an_unknown_target():
     # (after()/before()/written() of a name not in the model raised AttributeError: 'str'
     # object has no attribute 'name', reading the report's patches for a hint)
