@@ -272,7 +272,10 @@ def region_text(
         for fs in strides:
             start.append(rest // fs if fs else 0)
             rest = rest % fs if fs else rest
-        if all(b + (v - 1) * k < d for b, (v, k), d in zip(start, steps, full_shape)):
+        # (inside the tensor at both ends: an offset before it, which floor division
+        # reads as a negative start, is no box either)
+        if offset >= 0 and all(b + (v - 1) * k < d
+                               for b, (v, k), d in zip(start, steps, full_shape)):
             parts = []
             for b, (v, k), d in zip(start, steps, full_shape):
                 if k == 1:

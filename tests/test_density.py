@@ -329,6 +329,18 @@ def test_an_index_outside_the_tensor_says_which_indices_are_valid():
     assert str(info.value).endswith("for shape (2, 3) (6 elements; valid: [0, 6))")
 
 
+def test_region_text_names_no_box_for_a_region_that_starts_before_the_tensor():
+    # (as for one that ends past it: "<n> elements from <offset>". A box view's start was
+    # read by floor division as row -1, "[-1:0, :]", and a flat run of whole rows was
+    # named the box it would cover counted from the end, "[2:4, :]")
+    assert region_text((4, 6), -6, (6,), (1,)) == "6 elements from -6"
+    assert region_text((4, 6), -6, (2, 6), (6, 1)) == "12 elements from -6"
+    assert region_text((4, 6), -12, (12,), (1,)) == "12 elements from -12"
+    assert region_text((4, 6), -24, (24,), (1,)) == "24 elements from -24"
+    assert region_text((4, 6), 24, (6,), (1,)) == "6 elements from 24"  # (past the end)
+    assert region_text((4, 6), 0, (6,), (1,)) == "[0:1, :]"  # (the first row: a box)
+
+
 def test_region_text_of_a_scalar_with_unknown_strides_is_the_empty_box():
     assert region_text((), 0, (), None) == "[]"
     assert region_text((), 0, (), ()) == "[]"
