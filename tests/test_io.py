@@ -539,6 +539,23 @@ def test_distinct_name_writes_an_empty_name_as_its_repr():
     assert distinct_name("w") == "w"
 
 
+def test_shown_name_escapes_every_character_that_is_not_printable_outside_the_bmp_too():
+    from patchkit.units import shown_name
+
+    # (U+E0001, a language tag, and U+1D173, a musical format character: invisible format
+    # characters past U+FFFF, written as repr writes them, as those below it are)
+    assert shown_name("w\U000e0001x\U0001d173") == "w\\U000e0001x\\U0001d173"
+    assert shown_name("w\u202ex\ud800") == "w\\u202ex\\ud800"
+    assert shown_name("w\U0001f600") == "w\U0001f600"  # (an emoji is printable: as it is)
+
+
+def test_a_percentage_is_three_significant_digits_and_never_100_for_less_than_all():
+    from patchkit.units import _percent_digits
+
+    assert [_percent_digits(x) for x in (0.105, 0.1, 0.10049, 0.5, 0.9995, 1.0, 0.0)] == [
+        "10.5", "10", "10", "50", ">99.9", "100", "0"]
+
+
 def _summary_file(tmp_path):
     g = torch.Generator().manual_seed(1)
     sp = random_sparse_patch("model.embed.weight", (64, 32), torch.bfloat16, 0.125, generator=g)
