@@ -291,6 +291,30 @@ def test_a_report_whose_error_cannot_be_unpickled_keeps_everything_else():
     assert kept.startswith(f"_TwoArgError: x: {long} (the load's exception")
 
 
+def test_a_report_whose_error_fails_to_pickle_in_any_way_keeps_everything_else():
+    # (not only a TypeError: a class defined in a function cannot be pickled by reference,
+    # AttributeError or PicklingError by the Python version, and a __reduce__ may raise
+    # anything; the report's pickle raised it)
+    class LocalError(Exception):
+        pass
+
+    class Unreducible(Exception):
+        def __reduce__(self):
+            raise ValueError("no pickle for this one")
+
+    patches = [CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(16)),
+               CheckpointWeightPatch("x", (4, 4), torch.float32, torch.ones(16))]
+    for error in (LocalError, Unreducible):
+        with pytest.raises(error) as info:
+            patchkit.inspect_load(Refusing(lambda name, error=error: error(f"{name}: gone")),
+                                  patches, max_chunk_bytes=64)
+        copy = pickle.loads(pickle.dumps(info.value.report))
+        assert type(copy.error) is RuntimeError
+        assert str(copy.error).startswith(f"{error.__name__}: x: gone (the load's exception, "
+                                          "which a pickle could not keep: ")
+        assert list(copy.writes["target"]) == ["w"]
+
+
 @pytest.mark.parametrize("how", [copy.copy, copy.deepcopy])
 def test_a_copied_report_says_it_is_a_copy_when_asked_for_tensors(loaded, how):
     # (a copy is the pickle's copy: its refusal said "this report was unpickled", which a
