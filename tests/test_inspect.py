@@ -2545,6 +2545,7 @@ def test_the_headline_numbers_count_what_the_load_did():
 @pytest.mark.parametrize(("message", "shown"), [
     ("\n  disk gone\nsee the log", "RuntimeError: disk gone"),
     ("x" * 300, "RuntimeError: " + "x" * 145 + "…"),
+    ("", "RuntimeError"), (" \n ", "RuntimeError"),  # (no message: the type alone)
 ])
 def test_a_reports_error_is_the_first_line_of_its_message_cut_to_160_characters(message,
                                                                                   shown):
