@@ -914,7 +914,7 @@ class LoadReport:
         # (notebook outputs are compared); ``report.calls.seconds`` has them.
         tables = (
             ("chunks", _names_shown(self.chunks)),
-            ("calls", self.calls.drop(columns=["seconds"])),
+            ("calls", _name_tuples_shown(self.calls.drop(columns=["seconds"]))),
             ("deltas", _names_shown(self.deltas)),
         )
         for title, df in tables:
@@ -1065,6 +1065,28 @@ def _names_shown(df: pd.DataFrame) -> pd.DataFrame:
     else:
         out.index = pd.Index([shown(v) for v in out.index], name=out.index.name,
                              dtype=object)
+    return out
+
+
+def _name_tuples_shown(df: pd.DataFrame) -> pd.DataFrame:
+    """``calls`` with its ``names`` and ``returned`` tuples as the HTML writes them:
+    pandas' own ``(a, b)`` where every name is plain, else the tuple's ``repr``, each name
+    quoted and escaped (``('a, b', 'c\u202e')``), so that a name holding ``", "`` does not
+    read as two and one holding a character that is not printable (a right-to-left
+    override, a lone surrogate) is not written raw. The table keeps the names as they are."""
+    def plain(name: Any) -> bool:
+        return (isinstance(name, str) and distinct_name(name) == name
+                and not any(c in name for c in ",()"))
+
+    def shown(v: Any) -> Any:
+        if isinstance(v, tuple) and not all(plain(n) for n in v):
+            return repr(v)
+        return v
+
+    out = df.copy()
+    for c in ("names", "returned"):
+        if c in out.columns:
+            out[c] = pd.Series([shown(v) for v in out[c]], index=out.index, dtype=object)
     return out
 
 

@@ -519,10 +519,10 @@ def test_reprs_escape_what_in_an_error_message_would_rewrite_the_line():
 
 
 def test_both_reprs_escape_a_lone_surrogate_that_reaches_them_unquoted():
-    """A name reaches both reprs other than through repr(): the HTML's calls table writes
-    the names a call sent as pandas writes a tuple (without quotes, so without escapes),
-    and a name of a str subclass is written by its own __repr__. A lone surrogate there
-    would make the repr unprintable (no Jupyter message or UTF-8 terminal takes it)."""
+    """A name of a str subclass is written by its own __repr__ (in both reprs, and in the
+    HTML's calls table, whose tuple of names is written as its repr where a name is not
+    plain): a lone surrogate there would make the repr unprintable (no Jupyter message
+    or UTF-8 terminal takes it)."""
     class Name(str):
         def __repr__(self) -> str:
             return f"Name({str.__str__(self)})"
@@ -534,7 +534,7 @@ def test_both_reprs_escape_a_lone_surrogate_that_reaches_them_unquoted():
     page.encode("utf-8")
     assert "\ud800" not in text + page
     assert "Name(v\\ud800)" in text and "Name(v\\ud800)" in page
-    assert "(w\\ud800, v\\ud800)" in page  # (the calls table's tuple of names)
+    assert "('w\\ud800', Name(v\\ud800))" in page  # (the calls table's tuple of names)
 
 
 def test_report_figure_methods_show_their_arguments():
@@ -2670,3 +2670,21 @@ def test_the_text_repr_ignores_the_callers_pandas_display_options():
                            "display.max_rows", 1):
         assert repr(r) == plain
     assert "closed_by" in plain and "rel_l2" in plain and "..." not in plain
+
+
+def test_the_html_calls_table_quotes_names_that_are_not_plain():
+    # pandas writes a tuple of names unquoted: a name "a, b" read as two, and a
+    # right-to-left override went into the page raw and reversed the cell. Plain names
+    # keep pandas' own "(a, b)" (as the notebooks show them).
+    names = ["a, b", "c\u202ed", "w"]
+    report = inspect_load(PlainModel({n: (2,) for n in names}),
+                          [dense(n, torch.ones(2)) for n in names])
+    page = report._repr_html_()
+    calls = page[page.index("<summary>calls"):]
+    calls = calls[:calls.index("</details>")]
+    assert calls.count("<td>('a, b', 'c\\u202ed', 'w')</td>") == 2  # names and returned
+    assert "\u202e" not in page and "<td>(a, b, " not in page
+    assert report.calls.names[0] == tuple(names)  # (the table keeps them as they are)
+    plain = inspect_load(PlainModel({"x.w": (2,), "y": (2,)}),
+                         [dense("x.w", torch.ones(2)), dense("y", torch.ones(2))])
+    assert "<td>(x.w, y)</td>" in plain._repr_html_()
