@@ -93,6 +93,16 @@ def test_plan_chunks_takes_plain_5_tuples_as_the_loader_does():
     assert plan == plan_chunks([CWP(*t), CWP(*t)], max_chunk_bytes=1024)
 
 
+@pytest.mark.parametrize("shape", [[4], (np.int64(4),), [np.int32(2), 2]])
+def test_plan_chunks_costs_a_shape_given_as_a_list_or_numpy_ints_in_the_patch_dtype(shape):
+    # (such a shape takes the planner's full checks, not its one-pass common case: its
+    # bytes are still the patch dtype's, 2 per bfloat16 element, not the values' 4)
+    p = CWP("w", shape, torch.bfloat16, torch.ones(4), None)
+    assert [(c.bytes, c.closed_by) for c in plan_chunks([p, p._replace(name="v")], 16)] == [
+        (16, "end")]
+    assert [c.bytes for c in plan_chunks([p, p._replace(name="v")], 15)] == [8, 8]
+
+
 @pytest.mark.parametrize("positions", [[5], [0, 1, 2, 3]])
 def test_plan_chunks_wants_one_position_per_patch(positions):
     with pytest.raises(PatchValueError, match=r"positions has \d entries for 3 patches"):
