@@ -1957,3 +1957,34 @@ def test_a_number_lost_in_a_narrower_cast_before_the_copy_is_refused():
     # (through that cast, numbers both dtypes hold load)
     patchkit.load_checkpoint_weight_patches(m, [p._replace(values=torch.tensor([0.5, 2.0]))])
     assert m.w.detach().float().reshape(-1)[[1, 5]].tolist() == [0.5, 2.0]
+
+
+# -- the collector's pause, the returned names, staging notes, tied aliases -----------------
+
+
+def _pause_interrupted(*args):
+    raise KeyboardInterrupt  # (a signal before the pause was counted)
+
+
+def test_a_pause_of_the_collector_never_counted_turns_nothing_back_on(monkeypatch):
+    # A signal before or inside _pause_collector leaves the load's (or the block's) token
+    # uncounted: its end must not turn the collector on, even where the last pause found it
+    # on (``_resume_after`` still True), since this one never turned it off.
+    import gc
+
+    from patchkit import loader
+
+    sparse = CWP("w", (4,), torch.float32, torch.ones(1), torch.tensor([2]))
+    monkeypatch.setattr(loader, "_resume_after", True)
+    monkeypatch.setattr(loader, "_pause_collector", _pause_interrupted)
+    was = gc.isenabled()
+    try:
+        gc.disable()
+        with pytest.raises(KeyboardInterrupt):
+            patchkit.load_checkpoint_weight_patches(PlainModel({"w": (4,)}), [sparse])
+        assert not gc.isenabled()
+        with pytest.raises(KeyboardInterrupt), loader.collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
