@@ -1988,3 +1988,46 @@ def test_a_pause_of_the_collector_never_counted_turns_nothing_back_on(monkeypatc
         assert not gc.isenabled()
     finally:
         (gc.enable if was else gc.disable)()
+
+
+class _Returns(nn.Module):
+    def __init__(self, returns):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.returns = returns
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w.copy_(t)
+        return self.returns()
+
+
+def test_a_generator_of_unhashable_names_is_shown_as_what_it_gave():
+    from patchkit.errors import ContractViolation
+
+    m = _Returns(lambda: (x for x in [["w"]]))
+    with pytest.raises(ContractViolation, match=r"returned \[\['w'\]\] \(generator\)") as e:
+        patchkit.load_checkpoint_weight_patches(m, [CWP("w", (4,), torch.float32,
+                                                        torch.ones(4))])
+    # (the error's value is text, not the list: an error must pickle, with its report)
+    assert e.value.value == "[['w']]"
+    m = _Returns(object)
+    with pytest.raises(ContractViolation, match=r"returned <object object at") as e:
+        patchkit.load_checkpoint_weight_patches(m, [CWP("w", (4,), torch.float32,
+                                                        torch.ones(4))])
+    assert type(e.value.value) is str and e.value.value.startswith("<object object at")
+
+
+def test_a_memory_error_staging_a_patch_gets_the_note_naming_it(monkeypatch):
+    from patchkit import loader
+
+    def no_memory(patch):
+        raise MemoryError
+
+    monkeypatch.setattr(loader, "_stage", no_memory)
+    with pytest.raises(MemoryError) as e:
+        patchkit.load_checkpoint_weight_patches(
+            PlainModel({"w": (4,)}), [CWP("w", (4,), torch.float32, torch.ones(4))])
+    assert e.value.__notes__ == [
+        "(raised staging patch 0 ('w') for load_weights call 0, before that call: a dense "
+        "patch of shape (4,) torch.float32 stages 16 B)"]
