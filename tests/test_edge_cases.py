@@ -2031,3 +2031,40 @@ def test_a_memory_error_staging_a_patch_gets_the_note_naming_it(monkeypatch):
     assert e.value.__notes__ == [
         "(raised staging patch 0 ('w') for load_weights call 0, before that call: a dense "
         "patch of shape (4,) torch.float32 stages 16 B)"]
+
+
+class _TiedReturnsAlias(nn.Module):
+    """``a`` registered first, ``b`` its tied alias; the loader writes what it is sent and
+    returns the alias's name, as a loader that maps names back may."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.b = self.a
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.a.copy_(t)
+        return {"b"}
+
+
+def test_a_renamed_patch_whose_tied_alias_name_was_returned_raises_no_warning():
+    import warnings
+
+    m = _TiedReturnsAlias()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert patchkit.load_checkpoint_weight_patches(
+            m, [CWP("b", (4,), torch.float32, torch.ones(4))]) == {"b"}
+    assert m.a.eq(1).all()
+
+
+def test_a_dropped_alias_of_another_dtype_is_named_in_a_warning():
+    # the same values tensor, but a bfloat16 checkpoint tensor where the canonical patch's
+    # is float32: what the alias would have written differs, so dropping it is told
+    m = _TiedReturnsAlias()
+    v = torch.full((4,), 1.1)
+    patches = [CWP("a", (4,), torch.float32, v), CWP("b", (4,), torch.bfloat16, v)]
+    with pytest.warns(UserWarning, match=r"patch 1 \('b'\) is not loaded: it names the tied "
+                      r"alias of 'a'.*Its values differ"):
+        patchkit.load_checkpoint_weight_patches(m, patches)
