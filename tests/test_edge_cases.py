@@ -2068,3 +2068,18 @@ def test_a_dropped_alias_of_another_dtype_is_named_in_a_warning():
     with pytest.warns(UserWarning, match=r"patch 1 \('b'\) is not loaded: it names the tied "
                       r"alias of 'a'.*Its values differ"):
         patchkit.load_checkpoint_weight_patches(m, patches)
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_transactional_report_keeps_the_deltas_a_plain_one_has(kind):
+    # (a report saves every written region; a transactional load that succeeds lets its
+    # saves go at its end, but not a report's, whose deltas are read from them)
+    p = (CWP("w", (4,), torch.float32, torch.tensor([0.0, 2.0, 0.0, 0.0])) if kind == "dense"
+         else CWP("w", (4,), torch.float32, torch.tensor([2.0]), torch.tensor([1])))
+    reports = [inspect_load(PlainModel({"w": (4,)}), [p], transactional=t)
+               for t in (False, True)]
+    for r in reports:
+        assert r.deltas.loc["w", ["elements", "changed", "max_abs"]].tolist() == [
+            1 if kind == "sparse" else 4, 1, 2.0]
+    assert reports[1].deltas.equals(reports[0].deltas)
+    assert not reports[1].rolled_back
