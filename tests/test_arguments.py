@@ -103,6 +103,14 @@ def test_plan_chunks_costs_a_shape_given_as_a_list_or_numpy_ints_in_the_patch_dt
     assert [c.bytes for c in plan_chunks([p, p._replace(name="v")], 15)] == [8, 8]
 
 
+
+def test_plan_chunks_refuses_an_empty_name_at_its_position():
+    with pytest.raises(PatchValueError, match=r"^patch 3 \(''\): name is empty"):
+        plan_chunks([CWP("", (4,), torch.float32, torch.ones(4))], positions=[3])
+    with pytest.raises(PatchValueError, match=r"^patch 1 \(''\): name is empty"):
+        plan_chunks([_p(), ("", (4,), torch.float32, torch.ones(4), None)])
+
+
 @pytest.mark.parametrize("positions", [[5], [0, 1, 2, 3]])
 def test_plan_chunks_wants_one_position_per_patch(positions):
     with pytest.raises(PatchValueError, match=r"positions has \d entries for 3 patches"):
@@ -277,6 +285,16 @@ def test_a_flag_that_is_not_a_bool_is_refused_before_anything_is_done(call, flag
     assert m.a.tolist() == [0.0] * 4
     run(m, patches(), **{flag: True})  # a bool is taken
     assert m.a.tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+
+@pytest.mark.parametrize("flag", ["transactional", "validate_unique_indices"])
+def test_a_flag_that_is_not_a_bool_is_refused_before_a_bad_patch_is_named(flag):
+    # (the docstring: refused once ``patches`` is read, before any patch is checked)
+    bad_patch = CWP("a", (4,), torch.float32, torch.ones(3))  # 3 values for 4 elements
+    with pytest.raises(PatchTypeError, match=f"^{flag} must be True or False, got str"):
+        patchkit.load_checkpoint_weight_patches(PlainModel({"a": (4,)}), [bad_patch],
+                                                **{flag: "no"})
 
 
 def test_validate_patches_and_dense_patches_take_bools_only():
