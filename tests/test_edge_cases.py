@@ -2083,3 +2083,21 @@ def test_a_transactional_report_keeps_the_deltas_a_plain_one_has(kind):
             1 if kind == "sparse" else 4, 1, 2.0]
     assert reports[1].deltas.equals(reports[0].deltas)
     assert not reports[1].rolled_back
+
+
+@pytest.mark.parametrize("kind", ["sparse", "transactional"])
+def test_a_refused_model_is_named_with_the_kind_of_load_refused(kind):
+    # (a sparse tensor holds no strided memory: a sparse or a transactional load, which
+    # must see its writes, is refused, and the message says which of them was)
+    from patchkit.errors import ContractViolation
+
+    m = PlainModel({"w": (4,)})
+    m.register_buffer("s", torch.zeros(4).to_sparse())
+    if kind == "sparse":
+        p, kw = CWP("w", (4,), torch.float32, torch.ones(1), torch.tensor([1])), {}
+    else:
+        p, kw = CWP("w", (4,), torch.float32, torch.ones(4)), {"transactional": True}
+    with pytest.raises(ContractViolation, match=f"^a {kind} load into this model is refused "
+                       "before anything is written: runtime tensor 's'"):
+        patchkit.load_checkpoint_weight_patches(m, [p], **kw)
+    assert m.w.eq(0).all()
