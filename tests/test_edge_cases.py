@@ -2101,3 +2101,21 @@ def test_a_refused_model_is_named_with_the_kind_of_load_refused(kind):
                        "before anything is written: runtime tensor 's'"):
         patchkit.load_checkpoint_weight_patches(m, [p], **kw)
     assert m.w.eq(0).all()
+
+
+def test_a_rollback_counts_the_other_calls_that_returned_names_without_a_write():
+    # two calls return their names and write nothing patchkit sees; the third raises: the
+    # rollback's warning names the first of them and counts the other
+    class Quiet(PlainModel):
+        def load_weights(self, weights):
+            names = [n for n, _ in weights]
+            if "c" in names:
+                raise KeyError("c")
+            return names
+
+    m = Quiet({n: (4,) for n in "abc"})
+    ps = [CWP(n, (4,), torch.float32, torch.ones(4)) for n in "abc"]
+    with pytest.warns(UserWarning, match=r"load_weights \(call 0, patch 0 \('a'\)\) returned "
+                      r"\['a'\] without a write it saw \(and 1 other call alike\): "), \
+            pytest.raises(KeyError):
+        patchkit.load_checkpoint_weight_patches(m, ps, transactional=True, max_chunk_bytes=16)
