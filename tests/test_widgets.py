@@ -19,7 +19,7 @@ from patchkit import (
     widgets,
 )
 from patchkit.toymodels import PlainModel
-from patchkit.widgets import ChunkPlanner, ReportExplorer, chunk_planner, explore
+from patchkit.widgets import ChunkPlanner, ReportExplorer, chunk_planner, explore, plan_text
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -350,6 +350,8 @@ def test_planner_shows_why_its_figure_or_plan_cannot_be_made(monkeypatch):
     assert [o["output_type"] for o in w.output.outputs] == ["stream", "stream"]
     text = texts(w.output)
     assert "chunk plan figure: not drawn: RuntimeError: no figure today\n" in text
+    # where: the frame that raised, not the widget's call into it
+    assert "  (raised in test_widgets.py, line " in text and ", in fails)\n" in text
     assert "max_chunk_bytes = 200 B" in text and len(w.plan) == 3
 
     monkeypatch.setattr(widgets, "_plan_for", fails)
@@ -617,3 +619,57 @@ def test_plan_text_and_explorer_heading_count_patches_calls_writes_and_what_is_l
     w.dropdown.value = ("runtime", "a")
     rows = texts(w.output).split("writes into a:\n")[1].split("\ndelta:")[0]
     assert len(rows.splitlines()) == 1 + 20 + 1 and rows.endswith("… 25 more writes\n")
+
+
+# -- the slider's range at its edges, and what a redraw writes -----------------------------
+
+
+def test_planner_slider_range_at_its_edges():
+    # no patches: 1 B to 4 B (log2(0) would raise), a plan of no calls
+    w = chunk_planner([])
+    assert (2**w.slider.min, 2**w.slider.max) == (1, 4) and w.plan == []
+    assert "0 patches, 0 B staged → 0 load_weights calls" in texts(w.output)
+    # a 1-byte patch: half of it is under a byte, the slider starts at 1 B
+    one = torch.ones(1, dtype=torch.int8)
+    w = chunk_planner([CheckpointWeightPatch("b", (1,), torch.int8, one)])
+    assert 2**w.slider.min == 1 and w.max_chunk_bytes == 4
+    # a patch of no elements stages nothing: half the smallest *non-empty* one (norm, 32 B)
+    w = chunk_planner([CheckpointWeightPatch("e", (0,), torch.float32, torch.ones(0)),
+                       dense("norm", 1)])
+    assert (2**w.slider.min, 2**w.slider.max) == (16, 64)
+
+
+@pytest.mark.parametrize("budget", [4, 1024])
+def test_planner_widens_its_slider_to_a_budget_outside_the_patches_range(budget):
+    # (below half the smallest patch, 16 B, or above twice the total, 832 B)
+    w = chunk_planner(patches(), max_chunk_bytes=budget)
+    assert w.max_chunk_bytes == budget and w.readout.value == format_bytes(budget)
+    assert 2 ** (w.slider.min if budget < 16 else w.slider.max) == pytest.approx(budget)
+    assert f"max_chunk_bytes = {format_bytes(budget)}:" in texts(w.output)
+
+
+def test_planner_without_a_budget_starts_at_the_default_when_it_is_in_range(monkeypatch):
+    monkeypatch.setattr(widgets, "DEFAULT_MAX_CHUNK_BYTES", 200)
+    w = chunk_planner(patches())
+    assert w.max_chunk_bytes == 200 and len(w.plan) == 3
+
+
+def test_planner_of_a_report_takes_a_budget_given_over_the_report_own():
+    report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
+    w = chunk_planner(report, max_chunk_bytes=200)
+    assert w.max_chunk_bytes == 200 and w.plan == plan_chunks(report.patches, 200)
+
+
+def test_planner_redraws_once_the_slider_is_let_go_figure_then_text():
+    # each redraw renders a PNG: redrawing at every step of a drag would queue dozens
+    w = chunk_planner(patches(), max_chunk_bytes=1024)
+    assert w.slider.continuous_update is False
+    w.slider.value = 200
+    assert [o["output_type"] for o in w.output.outputs] == ["display_data", "stream"]
+
+
+def test_plan_text_lists_four_names_of_a_call_then_how_many_more():
+    ps = [dense(n, i) for i, n in enumerate(["q", "k", "v", "norm"])]
+    assert "(q, k, v, norm)," in plan_text(plan_chunks(ps, 1024), 1024)
+    ps.append(CheckpointWeightPatch("x", (2,), torch.float32, torch.ones(2)))
+    assert "(q, k, v, norm, … (+1))," in plan_text(plan_chunks(ps, 1024), 1024)
