@@ -673,3 +673,64 @@ def test_plan_text_lists_four_names_of_a_call_then_how_many_more():
     assert "(q, k, v, norm)," in plan_text(plan_chunks(ps, 1024), 1024)
     ps.append(CheckpointWeightPatch("x", (2,), torch.float32, torch.ones(2)))
     assert "(q, k, v, norm, … (+1))," in plan_text(plan_chunks(ps, 1024), 1024)
+
+
+# -- what each choice of the explorer shows --------------------------------------------------
+
+
+def test_a_name_is_cut_in_a_label_only_past_120_characters_keeping_more_of_its_end():
+    from patchkit.widgets import _shown
+
+    assert _shown("n" * 120) == "n" * 120
+    name = "a" * 60 + "b" * 61  # 121: the first 59, an ellipsis, the last 60
+    assert _shown(name) == "a" * 59 + "…" + "b" * 60
+
+
+def test_explore_shows_a_patch_row_note_on_a_line_of_its_own():
+    class FirstCallFails(Packed):
+        def load_weights(self, weights):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(FirstCallFails(), patches(), max_chunk_bytes=300)
+    report = info.value.report
+    note = report.chunks["note"].iloc[3]
+    assert note  # (norm, in the second call, was never sent)
+    w = explore(report)
+    w.dropdown.value = ("patch", 3)
+    table, *notes = texts(w.output).split("\nnote: ")
+    assert notes == [note + "\n"]
+    assert "note" not in table.splitlines()[0].split()  # the column is the line below
+
+
+def test_explore_draws_the_placement_of_the_chosen_tensor_alone(monkeypatch):
+    drawn = []
+
+    def placement(report, **kw):
+        drawn.append(kw)
+        return patchkit.plot.plot_placement(report, **kw)
+
+    monkeypatch.setattr(widgets, "plot_placement", placement)
+    w = explore(inspect_load(Packed(), patches(), max_chunk_bytes=300))
+    w.dropdown.value = ("runtime", "norm")
+    assert drawn == [{"targets": ["norm"]}]
+
+
+def test_explore_of_a_report_of_no_patches_says_so():
+    w = explore(inspect_load(PlainModel({"a": (4,)}), []))
+    assert w.dropdown.options == () and w.dropdown.value is None
+    assert texts(w.output) == "nothing to show: the report has no patches\n"
+
+
+def test_explore_says_why_a_tensor_the_load_registered_has_no_delta():
+    class Registers(PlainModel):
+        def load_weights(self, weights):
+            names = super().load_weights(weights)
+            self.extra = nn.Parameter(torch.ones(2), requires_grad=False)
+            return names
+
+    w = explore(inspect_load(Registers({"a": (4,)}),
+                             [CheckpointWeightPatch("a", (4,), torch.float32, torch.ones(4))]))
+    w.dropdown.value = ("runtime", "extra")
+    assert texts(w.output).endswith(
+        "\ndelta: none (a tensor the load registered has no values before it)\n")
