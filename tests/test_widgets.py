@@ -734,3 +734,40 @@ def test_explore_says_why_a_tensor_the_load_registered_has_no_delta():
     w.dropdown.value = ("runtime", "extra")
     assert texts(w.output).endswith(
         "\ndelta: none (a tensor the load registered has no values before it)\n")
+
+
+def test_the_planner_figure_of_an_observed_report_draws_the_plan_not_the_loader_calls(
+        monkeypatch):
+    drawn = []
+
+    def recorded(*a, **kw):
+        drawn.append(fig := widgets_plot_chunks(*a, **kw))
+        return fig
+
+    widgets_plot_chunks = widgets._plot_chunks
+    monkeypatch.setattr(widgets, "_plot_chunks", recorded)
+    report = inspect_load(Packed(), patches(), max_chunk_bytes=300, loader=_one_call_loader)
+    w = chunk_planner(report)  # at 300 B: the loader sent 1 call, plan_chunks makes 2
+    assert len(w.plan) == 2 and len(drawn[-1].axes[0].get_xticks()) == 2
+
+
+def test_no_more_line_at_exactly_40_calls_or_20_writes():
+    ps = [CheckpointWeightPatch("a", (8, 8), torch.float32, torch.ones(1), torch.tensor([k]))
+          for k in range(40)]
+    text = plan_text(plan_chunks(ps, 1024), 1024)
+    assert text.count("  call ") == 40 and "more calls" not in text
+    w = explore(inspect_load(PlainModel({"a": (8, 8)}), ps[:20], max_chunk_bytes=1024))
+    w.dropdown.value = ("runtime", "a")
+    rows = texts(w.output).split("writes into a:\n")[1].split("\ndelta:")[0]
+    assert len(rows.splitlines()) == 1 + 20 and "more writes" not in rows
+
+
+def test_a_handed_over_report_says_so_without_trying_to_draw():
+    model = Packed()
+    report = inspect_load(model, patches(), max_chunk_bytes=300)
+    inspect_load(model, [dense(n, 10 + i) for i, n in enumerate("qkv")], reuse=report)
+    w = explore(report)
+    w.dropdown.value = ("runtime", "qkv")
+    assert w.output.outputs[1]["text"] == (
+        "before/after figure: none, this report's before-values were handed to a later "
+        "load (reuse=)\n")
