@@ -228,7 +228,6 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
                 fig.savefig(target, dpi=110, bbox_inches="tight")
             except OSError as e:
                 raise _stopped(e, done, len(figures) + 1, folder) from e
-            del fig
             done.append(target.name)
             print(f"[{k + 1}/{len(figures)}] wrote {_shown(str(target))}", flush=True)
     summary = io.StringIO()
@@ -425,10 +424,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 1
     except KeyboardInterrupt:
         # Ctrl-C: one line, not a traceback; 128 + SIGINT, as a shell reports it.
-        try:
-            sys.stdout.flush()
-        except OSError:
-            _stdout_to_devnull()
+        _flush_stdout()
         print("interrupted", file=sys.stderr)
         return 130
     except MemoryError:
