@@ -84,14 +84,22 @@ def _can_make(out: str, what: str = "the tour") -> None:
     exist is still new to the command."""
     from .tour import _out_folder
 
-    path = Path(os.path.abspath(out))  # (``new/..``: no folder of its own to remove)
-    missing = [p for p in (path, *path.parents) if not p.exists()]
+    # The folders mkdir will make, each where the system finds it once made (realpath):
+    # ``new/../x`` makes ``new`` and ``x`` beside it, ``new/../kept`` only ``new`` (a
+    # ``kept`` that exists is not the command's), and a ``..`` after a link goes up from
+    # where the link points.
+    path = Path.cwd() / out
+    missing: list[str] = []
+    for p in (*reversed(path.parents), path):  # (the outermost first, as mkdir makes them)
+        real = os.path.realpath(p)
+        if not os.path.exists(real) and real not in missing:
+            missing.append(real)
     try:
         _out_folder(out, what)
     finally:
-        for p in missing:  # (the deepest first; where make failed, what it made)
+        for p in reversed(missing):  # (the deepest first; where make failed, what it made)
             with contextlib.suppress(OSError):
-                p.rmdir()
+                os.rmdir(p)
 
 
 def _cmd_tour(args: argparse.Namespace) -> int:

@@ -486,6 +486,34 @@ def test_inspect_out_of_a_bad_file_writes_nothing(tmp_path, capsys):
     assert os.listdir(tmp_path) == ["bad.safetensors"]
 
 
+def test_inspect_out_through_dot_dot_of_a_bad_file_leaves_no_folder_and_keeps_its_own(
+        tmp_path, capsys):
+    # (the check that --out can be made took the path made absolute and normal first:
+    # "new/../figs" made "new" and "figs", and removed "figs" alone; where the folder
+    # after ".." existed, nothing of what it made was its own to remove but "new")
+    from patchkit.__main__ import main
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a patch file")
+    assert main(["inspect", str(bad), "--out", str(tmp_path / "new" / ".." / "figs")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert os.listdir(tmp_path) == ["bad.safetensors"]
+    (tmp_path / "kept").mkdir()  # empty: rmdir would take it
+    out = tmp_path / "a" / ".." / "kept" / "b" / ".." / "c"
+    assert main(["inspect", str(bad), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert sorted(os.listdir(tmp_path)) == ["bad.safetensors", "kept"]
+    assert os.listdir(tmp_path / "kept") == []
+    # (a ".." after a link goes up from where the link points)
+    elsewhere = tmp_path / "kept" / "deep"
+    elsewhere.mkdir()
+    (tmp_path / "link").symlink_to(elsewhere)
+    assert main(["inspect", str(bad), "--out", str(tmp_path / "link" / ".." / "n" / "f")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert sorted(os.listdir(tmp_path / "kept")) == ["deep"]
+    assert sorted(os.listdir(tmp_path)) == ["bad.safetensors", "kept", "link"]
+
+
 def test_inspect_out_names_density_figures_by_padded_position_and_a_cut_name(tmp_path):
     # (the figures' file names: the position zero-padded to the widest position of the
     # file, so that a listing sorts them in file order; a long name cut to 80 characters)
