@@ -2975,10 +2975,13 @@ class WriteSession:
             except BaseException:
                 src = args[1] if is_copy and len(args) > 1 else None
                 for k, (sr, (t, target)) in enumerate(zip(saved, targets)):
+                    # (a whole-view save of this op's own put its region in _saved_regions)
+                    added = sr is not None and write is None
                     if sr is None and befores is not None:  # (saved by an earlier write)
                         sr = SavedRegion(target[0], target[2], t, befores[k])
                     if sr is not None:
-                        self._refused_after_writing(op, t, target, src, sr)
+                        self._refused_after_writing(op, t, target, src, sr,
+                                                    region_added=added)
                 raise
         if kept_nan is not None:
             self._check_kept(args[0], write, kept_nan, targets[0][1][0], args[1])
@@ -3266,14 +3269,28 @@ class WriteSession:
             self._record(op, dest, tname, off, src, n_changed, skey, same_shape=True)
         return out
 
-    def _refused_after_writing(self, op, t, target, src, saved, skey=None) -> None:
+    def _refused_after_writing(self, op, t, target, src, saved, skey=None, *,
+                               region_added: bool = False) -> None:
         """A write op that raised after its save: torch makes some writes and then refuses
         them (``copy_`` into an inference tensor outside inference mode raises when it
         moves the version counter, after the copy). What it changed stays in the model
         (a rollback puts it back), so it is a write of the load, recorded with the
-        elements it changed; an op that changed nothing is not."""
+        elements it changed; an op that changed nothing is not (most ops that raise check
+        their arguments first: a ``copy_`` of another shape, an ``index_copy_`` of another
+        dtype, which a loader may catch to try another way), and a report forgets the
+        save made for it: its elements were not written, so ``deltas`` and ``written()``
+        do not count them (``region_added``: the save was of the whole view and put its
+        region in ``_saved_regions``, which it leaves too, so that a later write into the
+        region is saved before it)."""
         changed = saved.changed_now()
         if not changed:
+            if self.recorder is not None:
+                for k in range(len(self.saved) - 1, -1, -1):
+                    if self.saved[k] is saved:
+                        del self.saved[k]
+                        if region_added:
+                            self._saved_regions.discard(Region.of(t))
+                        break
             return
         self._call_writes += 1
         if self.recorder is not None:

@@ -2182,6 +2182,58 @@ def test_a_complex_write_torch_makes_and_then_refuses_counts_elements_not_parts(
     assert info.value.report.writes["changed"].tolist() == [3]
 
 
+class _TriesThenFallsBack(torch.nn.Module):
+    """Tries a write that torch refuses before writing (a ``copy_`` of another shape, an
+    ``index_copy_`` of another dtype), catches the error and copies ``rows`` only."""
+
+    def __init__(self, how: str, rows: int = 1) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+        self.how = how
+        self.rows = rows
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name == "z":
+                raise RuntimeError("no z today")
+            try:
+                if self.how == "shape":
+                    self.w.data.copy_(t.reshape(3, 4))
+                else:
+                    self.w.data.index_copy_(0, torch.arange(4), t.double())
+            except RuntimeError:
+                self.w.data[:self.rows].copy_(t[:self.rows].double())  # (a cast)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+@pytest.mark.parametrize("how", ["shape", "index_copy"])
+def test_a_write_torch_refuses_before_writing_counts_no_elements(how, compiled):
+    # the refused op's save stayed: ``deltas`` said 12 elements written and
+    # ``written()`` marked the whole tensor, where the load wrote row 0 alone (its one
+    # ``writes`` row, 3 elements)
+    from patchkit import native
+
+    patch = CheckpointWeightPatch("w", (4, 3), torch.float32, torch.ones(12))
+    with contextlib.nullcontext() if compiled else native.disabled():
+        model = _TriesThenFallsBack(how)
+        r = inspect_load(model, [patch])
+        assert r.writes["written"].tolist() == [3]
+        assert r.deltas.loc["w", ["elements", "changed"]].tolist() == [3, 3]
+        expected = torch.zeros(4, 3, dtype=torch.bool)
+        expected[0] = True
+        assert torch.equal(r.written("w"), expected)
+        assert torch.equal(r.before("w"), torch.zeros(4, 3))
+        # the region the refused op saved (the whole tensor) is saved again by the next
+        # write into it, which a rollback puts back
+        model = _TriesThenFallsBack(how, rows=4)
+        z = CheckpointWeightPatch("z", (1,), torch.float32, torch.ones(1))
+        with pytest.raises(RuntimeError, match="no z today") as info:
+            inspect_load(model, [patch, z], transactional=True, max_chunk_bytes=48)
+        assert info.value.report.rolled_back
+        assert torch.equal(model.w, torch.zeros(4, 3))
+
+
 class _RegistersAnewThenFails(PlainModel):
     """Registers a new Parameter for ``a`` (three times the weight); raises at ``z``."""
 
