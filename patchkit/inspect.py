@@ -2163,13 +2163,14 @@ def _put_back(flat: torch.Tensor, t: torch.Tensor, saves: Sequence[SavedRegion])
     contiguous, a view saved whole included (8 bytes per element of the view, and a
     sorted copy of ``t``'s offsets: see :func:`_positions`)."""
     raw = _raw(flat)
+    memo: dict = {}
     for s in saves:
         box = _box_of(s.view, t) if _saved_whole(s) else None
         if box is not None:
             # (saved in the dtype of the view written: read as ``t``'s, as the statistics do)
             box.put(raw, box.take(_raw(_as_dtype_of(s.before, t))))
             continue
-        pos, valid = _positions(t, s.storage_index())
+        pos, valid = _positions(t, s.storage_index(), memo)
         # (masked as bits: a packed dtype such as float4_e2m1fn_x2 has no index kernel)
         values = _raw(_as_dtype_of(s.flat_before(), t))[valid]
         raw[pos.to(flat.device)] = values.to(flat.device)
@@ -2180,12 +2181,13 @@ def _mark_written(mask: torch.Tensor, t: torch.Tensor, saves: Sequence[SavedRegi
     every element of ``t`` that the writes of ``saves`` wrote. A view written whole (a
     dense write) is filled as a :class:`_Box` of ``t`` where it is one, with no index;
     the rest through storage offsets, as :func:`_put_back` reads them."""
+    memo: dict = {}
     for s in saves:
         box = _box_of(s.view, t) if _wrote_view(s) else None
         if box is not None:
             box.fill(mask)
             continue
-        pos, _ = _positions(t, s.written_index())
+        pos, _ = _positions(t, s.written_index(), memo)
         mask[pos.to(mask.device)] = True
 
 
@@ -2225,7 +2227,9 @@ class _BeforeAfter:
         self._now = _flat_view(now)
         self._old = self._now if old is now else _flat_view(old)
         mine = _sharing(saved, old)
-        runs = {id(s): _saved_run(old, s) for s in mine}
+        memo_old: dict = {}  # (see _positions; ``now`` has its own where it is another)
+        memo_now = memo_old if old is now else {}
+        runs = {id(s): _saved_run(old, s, memo_old) for s in mine}
         # the saves to put back, in the order _rebuilt puts them (the oldest last)
         self._saves = _runs([runs[id(s)] for s in reversed(mine)])
         self._written: list[_Run] | None = None
@@ -2234,7 +2238,7 @@ class _BeforeAfter:
             for s in _sharing(saved, now):
                 run = runs.get(id(s)) if old is now and not s.whole_view else None
                 # (where a save holds exactly what its write wrote: the same positions)
-                written.append(_written_run(now, s) if run is None or run[1] is None
+                written.append(_written_run(now, s, memo_now) if run is None or run[1] is None
                                else (None, run[1], None))
             self._written = [(b, torch.unique_consecutive(p), e) if p is not None
                              else (b, p, e) for b, p, e in _runs(written)]
@@ -2457,24 +2461,26 @@ def _flat_range(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 _Run = tuple["_Box | None", "torch.Tensor | None", "torch.Tensor | None"]
 
 
-def _saved_run(t: torch.Tensor, s: SavedRegion) -> _Run:
-    """The elements of ``t`` that save ``s`` holds, with their saved bits (CPU)."""
+def _saved_run(t: torch.Tensor, s: SavedRegion, memo: dict | None = None) -> _Run:
+    """The elements of ``t`` that save ``s`` holds, with their saved bits (CPU);
+    ``memo``: see :func:`_positions`."""
     box = _box_of(s.view, t) if _saved_whole(s) else None
     if box is not None:
         return box, None, box.take(_raw(_as_dtype_of(s.before, t))).cpu()
-    pos, valid = _positions(t, s.storage_index())
+    pos, valid = _positions(t, s.storage_index(), memo)
     values = s.flat_before()
     if not bool(valid.all()):
         values = values[valid]
     return _sorted_run(pos, _raw(_as_dtype_of(values, t)))
 
 
-def _written_run(t: torch.Tensor, s: SavedRegion) -> _Run:
-    """The elements of ``t`` that the write of save ``s`` wrote."""
+def _written_run(t: torch.Tensor, s: SavedRegion, memo: dict | None = None) -> _Run:
+    """The elements of ``t`` that the write of save ``s`` wrote; ``memo``: see
+    :func:`_positions`."""
     box = _box_of(s.view, t) if _wrote_view(s) else None
     if box is not None:
         return box, None, None
-    pos, _ = _positions(t, s.written_index())
+    pos, _ = _positions(t, s.written_index(), memo)
     return _sorted_run(pos, None)
 
 
@@ -2811,7 +2817,8 @@ def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str,
         o = owner_of[target]
         t = o.tensor
         regions, ext = zip(*entries)
-        contained = [_contained(s.view, e, o) for s, e in entries]
+        kept: dict = {}  # (see _contained)
+        contained = [_contained(s.view, e, o, kept) for s, e in entries]
         overlapping = (len(regions) > 1 and _any_overlap(regions, ext)) or any(
             s.whole_view and (s.view_sum_squares is None or not inside)
             for s, inside in zip(regions, contained)
@@ -2820,8 +2827,9 @@ def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str,
         if overlapping:
             _add_overlapping(acc, t, regions)
         else:
+            memo: dict = {}  # (see _positions)
             for s, inside in zip(regions, contained):
-                _add_region(acc, t, s, inside)
+                _add_region(acc, t, s, inside, memo)
         if acc.elements:
             accs.append((target, acc))
     _Stats.settle([acc for _, acc in accs])
@@ -2988,7 +2996,8 @@ def _as_dtype_of(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == t.dtype else x.view(t.dtype)
 
 
-def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion, contained: bool) -> None:
+def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion, contained: bool,
+                memo: dict | None = None) -> None:
     """One saved region that no other region of ``t`` overlaps (``contained``: every
     element of its view is an element of ``t``, see :func:`_contained`).
 
@@ -2996,7 +3005,7 @@ def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion, contained: bool) -
     (a transposed one, say) a block of ``_BLOCK`` elements at a time on the CPU, never
     copied whole. A region reaching outside ``t`` is cut to ``t``'s elements: a view
     saved whole as a :class:`_Box` of ``t`` where it is one (no index), else through
-    storage offsets (8 bytes per saved element)."""
+    storage offsets (8 bytes per saved element; ``memo``: see :func:`_positions`)."""
     if contained and s.diff_stats is not None and s.view_sum_squares is not None:
         # Measured while writing (patchkit.native): nothing to read again.
         changed, sum_abs, sum_d2, max_abs = s.diff_stats
@@ -3014,7 +3023,7 @@ def _add_region(acc: _Stats, t: torch.Tensor, s: SavedRegion, contained: bool) -
     elif whole and (box := _box_of(s.view, t)) is not None:
         b, a = box.take(s.before), box.take(s.view)
     else:
-        _, valid = _positions(t, s.storage_index())
+        _, valid = _positions(t, s.storage_index(), memo)
         b, a = s.flat_before()[valid], s.current()[valid]
     b, a = _as_dtype_of(b, t), _as_dtype_of(a, t)
     # A compared dense copy that saved only what it changed summed the squares of its
@@ -3090,30 +3099,43 @@ def _sharing(saved: list[SavedRegion], t: torch.Tensor) -> list[SavedRegion]:
     ]
 
 
-def _positions(t: torch.Tensor, storage_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _positions(t: torch.Tensor, storage_index: torch.Tensor, memo: dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-major positions in ``t`` of the storage offsets that fall inside ``t``.
 
     Returns ``(positions, valid)``: ``valid`` marks which of ``storage_index`` belong to
     ``t``; ``positions`` are their positions. Works for strided tensors and for tensors
-    that share one flat storage with others.
+    that share one flat storage with others. A strided ``t`` costs a sorted copy of its
+    storage offsets (16 bytes per element); ``memo``, a dict a caller passes with every
+    save of one ``t``, keeps that copy from the first call on (sorting it once per save
+    took minutes for a few hundred rows written one by one into a column slice).
     """
     if t.is_contiguous():
         pos = storage_index - t.storage_offset()
         valid = (pos >= 0) & (pos < t.numel())
         return pos[valid], valid
-    offsets = _storage_offsets(t, None)
-    order = torch.argsort(offsets)
-    ordered = offsets[order]
+    got = memo.get("sorted") if memo is not None else None
+    if got is None:
+        offsets = _storage_offsets(t, None)
+        order = torch.argsort(offsets)
+        got = offsets[order], order
+        if memo is not None:
+            memo["sorted"] = got
+    ordered, order = got
     at = torch.searchsorted(ordered, storage_index).clamp(max=ordered.numel() - 1)
     valid = ordered[at] == storage_index
     return order[at[valid]], valid
 
 
-def _contained(view: torch.Tensor, extent: tuple[tuple, int, int], o: _Owner) -> bool:
+def _contained(view: torch.Tensor, extent: tuple[tuple, int, int], o: _Owner,
+               memo: dict | None = None) -> bool:
     """True when every element of ``view`` is an element of runtime tensor ``o.tensor``,
     so numbers measured over the view are its own. Exact: a strided tensor (a column
     slice of a fused buffer, say) does not own the gaps of its extent. ``extent``: the
-    view's storage key and byte extent ``[a0, a1)``, which the caller has."""
+    view's storage key and byte extent ``[a0, a1)``, which the caller has. ``memo``: a
+    dict a caller passes with every view it asks about for one ``o``, which keeps the
+    mask of a strided tensor's elements (a byte per element of its span) from the first
+    call on."""
     key, a0, a1 = extent
     b0, b1 = o.start, o.end
     if key != o.key or not (b0 <= a0 and a1 <= b1):
@@ -3124,9 +3146,13 @@ def _contained(view: torch.Tensor, extent: tuple[tuple, int, int], o: _Owner) ->
     if view.element_size() != step or (a0 - b0) % step:
         return False
     # Mark t's elements in a scratch mask over its span, then look for all of view's.
-    t = o.tensor
-    mask = torch.zeros((b1 - b0) // step, dtype=torch.bool, device="cpu")
-    mask.as_strided(t.shape, t.stride(), 0).fill_(True)
+    mask = memo.get("mask") if memo is not None else None
+    if mask is None:
+        t = o.tensor
+        mask = torch.zeros((b1 - b0) // step, dtype=torch.bool, device="cpu")
+        mask.as_strided(t.shape, t.stride(), 0).fill_(True)
+        if memo is not None:
+            memo["mask"] = mask
     return bool(mask.as_strided(view.shape, view.stride(), (a0 - b0) // step).all())
 
 

@@ -394,3 +394,61 @@ def test_patchkit_reports_the_same_numbers_for_a_transposed_destination_as_for_a
             assert a[k] == pytest.approx(b[k], rel=1e-9)
         assert torch.equal(transposed.before("w"), w.t())
 
+
+
+class _RowByRow(torch.nn.Module):
+    """Two parameters that are column slices of one buffer (``rows`` x 2 * ``cols``),
+    which the loader writes a row at a time: a save per row of a strided tensor."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        base = torch.zeros(rows, 2 * cols)
+        self.a = torch.nn.Parameter(base[:, :cols], requires_grad=False)
+        self.b = torch.nn.Parameter(base[:, cols:], requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            dst = getattr(self, name).data
+            for r in range(dst.shape[0]):
+                dst[r].copy_(w[r])
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch ops"])
+def test_many_saves_of_a_strided_tensor_sort_its_offsets_once_per_read(path, monkeypatch):
+    # Each save of a strided tensor sorted the tensor's storage offsets again (before(),
+    # written(), plot_delta's reader) and marked its span anew in a scratch mask (the
+    # deltas): a few hundred rows of a column slice written one by one took minutes to
+    # report. Now each read sorts them once per tensor, and the deltas mark each once.
+    rows, cols = 64, 7
+    span = (rows - 1) * 2 * cols + cols  # (the elements from a's first to its last)
+    model = _RowByRow(rows, cols)
+    g = torch.Generator().manual_seed(3)
+    patches = [CheckpointWeightPatch(n, (rows, cols), torch.float32,
+                                     torch.randn(rows * cols, generator=g)) for n in "ab"]
+    want = {n: p.values.view(rows, cols) for n, p in zip("ab", patches)}
+    sorts = []  # (the tensors whose offsets were taken whole: each to be sorted)
+    taken = pk_inspect._storage_offsets
+
+    def taking(t, index, _taken=taken):
+        sorts.append(t.numel())
+        return _taken(t, index)
+
+    monkeypatch.setattr(pk_inspect, "_storage_offsets", taking)
+    recorded = _Recorded()
+    with PATHS[path](), recorded:
+        r = inspect_load(model, patches)
+        assert r.deltas["elements"].tolist() == [rows * cols] * 2
+        for name in "ab":
+            assert torch.equal(r.before(name), torch.zeros(rows, cols))
+            assert torch.equal(r.after(name), want[name])
+            assert bool(r.written(name).all())
+            reader = r._before_after(name)
+            before, after, _ = reader.read(0, rows * cols)
+            assert torch.equal(before, torch.zeros(rows * cols))
+            assert torch.equal(after, want[name].flatten())
+    # (the deltas, before(), written() and the reader each sort a tensor's offsets
+    # once, where every row's save sorted them again: 64 times a read; the deltas mark
+    # each span once, where they marked it for every row)
+    assert sorts == [rows * cols] * len(sorts) and 0 < len(sorts) <= 4 * 2, sorts
+    assert recorded.made[(torch.bool, span)] == 2, recorded.made
