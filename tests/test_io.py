@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import stat
 import subprocess
 import sys
 import tempfile
@@ -1969,6 +1970,28 @@ def test_inspect_names_the_option_of_a_bad_budget(tmp_path, capsys):
     # exactly 2**63 bytes (2**62 bfloat16 elements): one element too many for a tensor
     (dict(header=_set(0, shape=[2**62])), 0, "header", [2**62],
      r"holds 4611686018427387904 elements, more than a tensor can"),
+    # JSON's true is no dimension and no count, though Python takes it for 1
+    (dict(header=_set(1, shape=[True, 6])), 1, "header", [True, 6],
+     r"shape must be a list of non-negative ints, got \[True, 6\]"),
+    (dict(header=_set(1, nnz=True)), 1, "header", True,
+     "nnz must be a non-negative int, got True"),
+    # indices of the right count but 2-D (a column), as for the values
+    (dict(tensors=lambda t: {**t, "000000.indices": t["000000.indices"].reshape(16, 1)}), 0,
+     "count", [16, 1], r"\[16, 1\] indices for 16 values"),
+    # a dtype name torch does not know is a dtype problem, with the name
+    (dict(header=_set(0, dtype="float99")), 0, "dtype", "float99", "unknown dtype 'float99'"),
+    # the tensor that is missing is the value: the indices' key, not the values'
+    (dict(tensors=lambda t: {k: v for k, v in t.items() if k != "000000.indices"}), 0,
+     "missing key", "000000.indices", r"tensor '000000\.indices' is missing"),
+    # an entry that is no object is the value
+    (dict(header=lambda h: {**h, "patches": [1, 2]}), 0, "header", 1,
+     "patch 0: header entry is not an object"),
+    # five tensors the header does not describe are all listed, with no ' ...', and the
+    # first of them (sorted) is the value
+    (dict(tensors=lambda t: {**t, **{f"junk{k}": torch.zeros(1) for k in (3, 0, 4, 1, 2)}}),
+     None, "extra key", "junk0",
+     r"tensors not described by the header: \['junk0', 'junk1', 'junk2', 'junk3', "
+     r"'junk4'\]$"),
 ])
 def test_the_header_reader_refuses_each_bad_field_at_its_edge(tmp_path, change, position,
                                                                reason, value, match):
@@ -2124,3 +2147,4 @@ def test_inspect_out_holds_one_sparse_patch_at_a_time(tmp_path, monkeypatch, cap
                        "density_1_w1.png", "density_3_w2.png", "density_4_w3.png",
                        "index.html"]
     capsys.readouterr()
+
