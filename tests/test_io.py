@@ -2148,3 +2148,198 @@ def test_inspect_out_holds_one_sparse_patch_at_a_time(tmp_path, monkeypatch, cap
                        "index.html"]
     capsys.readouterr()
 
+
+# --------------------------------------------------------------------------- mutation gaps (2)
+
+
+def test_a_file_cut_short_while_it_is_read_says_how_many_bytes_are_missing(
+        tmp_path, monkeypatch):
+    # cut 1000 bytes into the second tensor's 262144: the read comes back short by 261144
+    # (tensors larger than the file's read buffer, which may hold the start of the data)
+    import patchkit.io as pk_io
+
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch(n, (65536,), torch.float32, torch.ones(65536))
+                        for n in ("a", "b")])
+    with open(path, "rb") as fh:
+        start = 8 + int.from_bytes(fh.read(8), "little")
+    real = pk_io._read_tensor
+    reads = []
+
+    def then_truncate(*args, **kwargs):
+        out = real(*args, **kwargs)
+        reads.append(1)
+        if len(reads) == 1:
+            os.truncate(path, start + 262144 + 1000)
+        return out
+
+    monkeypatch.setattr(pk_io, "_read_tensor", then_truncate)
+    with pytest.raises(PatchValueError, match=r"the file ended 261144 bytes before the data"):
+        load_patches(path)
+
+
+def _refusing_safe_open(monkeypatch, message: str) -> None:
+    import patchkit.io as pk_io
+
+    class SafetensorError(Exception):
+        pass
+
+    def refuse(at, framework, device):
+        raise SafetensorError(message)
+
+    monkeypatch.setattr(pk_io, "_safetensors", lambda: (refuse, None, SafetensorError))
+
+
+def test_a_long_safetensors_error_is_cut_to_300_characters(tmp_path, monkeypatch):
+    good = sample_files(str(tmp_path))["path"]
+    _refusing_safe_open(monkeypatch, "x" * 400)
+    with pytest.raises(PatchValueError, match="not a readable safetensors file") as info:
+        read_patch_index(good)
+    assert str(info.value).endswith(": " + "x" * 300 + "...")
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.EACCES, errno.ENOMEM])
+def test_each_system_error_opening_the_file_is_an_oserror_with_its_errno(
+        tmp_path, monkeypatch, code):
+    good = sample_files(str(tmp_path))["path"]
+    _refusing_safe_open(monkeypatch, f"reading failed: {os.strerror(code)} (os error {code})")
+    with pytest.raises(OSError) as info:
+        load_patches(good)
+    assert not isinstance(info.value, PatchValueError)
+    assert info.value.errno == code and info.value.filename == good
+
+
+def test_a_device_file_is_not_a_regular_file(tmp_path):
+    # (a character device is opened and read as no safetensors file otherwise; a FIFO
+    # would block the open)
+    with pytest.raises(PatchValueError, match="not a regular file") as info:
+        load_patches(os.devnull)
+    assert info.value.reason == "not a file"
+
+
+def test_checking_a_file_reads_no_dense_values_that_need_no_check(tmp_path, monkeypatch):
+    # dense int8 patches: int8 values always fit and are not read; int16 values may not
+    # fit and are
+    import patchkit.io as pk_io
+
+    path = str(tmp_path / "p.safetensors")
+    save_patches(path, [
+        CheckpointWeightPatch("fits", (3,), torch.int8, torch.tensor([1, 2, 3], dtype=torch.int8)),
+        CheckpointWeightPatch("f", (2,), torch.float32, torch.ones(2)),
+        CheckpointWeightPatch("wide", (2,), torch.int8, torch.tensor([1, 2], dtype=torch.int16)),
+    ])
+    real = pk_io._read_tensor
+    read = []
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        read.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(pk_io, "_read_tensor", counted)
+    assert [e.name for e in check_patch_file(path)] == ["fits", "f", "wide"]
+    assert read == [torch.int16]
+
+
+def test_a_file_name_of_exactly_the_longest_length_is_saved(tmp_path):
+    most = os.pathconf(tmp_path, "PC_NAME_MAX")
+    path = tmp_path / ("x" * (most - len(".safetensors")) + ".safetensors")
+    ps = [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))]
+    save_patches(path, ps)
+    assert_same_patches(load_patches(path), ps)
+
+
+def test_a_header_too_large_names_the_longest_patch_name(tmp_path, monkeypatch):
+    import patchkit.io
+
+    monkeypatch.setattr(patchkit.io, "_MAX_HEADER_BYTES", 10)
+    ps = [CheckpointWeightPatch(n, (1,), torch.float32, torch.ones(1)) for n in ("a", "bbbb")]
+    with pytest.raises(PatchValueError, match=r"with names of up to 4 characters"):
+        save_patches(tmp_path / "p.safetensors", ps)
+
+
+def test_saving_meta_indices_is_refused_naming_them(tmp_path):
+    p = CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(2),
+                              torch.empty(2, dtype=torch.int64, device="meta"))
+    with pytest.raises(PatchValueError, match=r"patch 0 \('w'\): indices are on the meta "
+                                              r"device") as info:
+        save_patches(tmp_path / "p.safetensors", [p])
+    assert info.value.reason == "meta device"
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_rename_keeps_the_type_of_its_oserror(tmp_path, monkeypatch):
+    import patchkit.io as pk_io
+
+    def refuse(src, dst):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), src)
+
+    path = str(tmp_path / "p.safetensors")
+    monkeypatch.setattr(pk_io.os, "replace", refuse)
+    with pytest.raises(PermissionError) as info:
+        save_patches(path, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    assert info.value.errno == errno.EACCES and info.value.filename == path
+    assert "cannot put the written file in place" in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_overwriting_keeps_the_permission_bits_only(tmp_path):
+    # the set-user-ID, set-group-ID and sticky bits are not carried to the new file (as
+    # writing into a file drops them)
+    path = tmp_path / "p.safetensors"
+    ps = [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))]
+    save_patches(path, ps)
+    os.chmod(path, 0o4755)
+    if stat.S_IMODE(os.stat(path).st_mode) != 0o4755:
+        pytest.skip("this file system keeps no set-user-ID bit")
+    save_patches(path, ps)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
+
+
+def _plain_summary(path, **kwargs) -> str:
+    import io
+
+    buf = io.StringIO()
+    assert print_patch_file_summary(str(path), file=buf, **kwargs) == 0
+    return buf.getvalue()
+
+
+def test_summary_writes_two_positions_in_a_row_as_a_range(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [random_sparse_patch(n, (8, 8), torch.float32, 0.25, generator=g)
+                        for n in ("a", "b")])
+    plan = _plain_summary(path).split("chunk plan")[1].splitlines()
+    assert plan[2].split()[:2] == ["0", "0-1"]
+
+
+def test_summary_right_aligns_the_density_column(tmp_path):
+    path, _ = _summary_file(tmp_path)
+    lines = _plain_summary(path).splitlines()
+    head = next(line for line in lines if line.split()[:2] == ["#", "name"])
+    end = head.index("density") + len("density")
+    row5 = next(line for line in lines if line.split()[:2] == ["5", "empty"])
+    assert row5[end - 2:end] == " -"
+
+
+def test_summary_of_one_kind_of_empty_patches(tmp_path):
+    # dense only: one plan, not labelled as one of two loads; the note on what a dense
+    # patch writes; no elements at all: the total's density is '-'
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch("e", (0, 3), torch.float32, torch.zeros(0))])
+    out = _plain_summary(path)
+    total = next(line for line in out.splitlines() if line.split()[:1] == ["total"])
+    assert total.split()[1:3] == ["0", "-"]
+    assert "a dense patch writes every one" in out
+    assert "one load)" not in out
+    assert "(1 B): 1 load_weights call\n" in _plain_summary(path, max_chunk_bytes=1)
+
+
+def test_summary_of_no_patches_shows_the_metadata_and_checks_the_budget(tmp_path, capsys):
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [], metadata={"run": "abc"})
+    out = _plain_summary(path)
+    assert "metadata:\n  run: abc\n" in out and "no patches" in out
+    assert print_patch_file_summary(str(path), max_chunk_bytes=0) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "max_chunk_bytes" in err
