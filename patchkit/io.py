@@ -1229,6 +1229,7 @@ def _read_each(
                                         device) if e.sparse else None)
                 yield e.position, CheckpointWeightPatch(e.name, e.shape, e.dtype, values,
                                                         indices)
+                del values, indices  # (else held while the next patch is read)
     except PatchValueError:
         raise
     except Exception as e:
@@ -1286,6 +1287,7 @@ def check_patch_file(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
         for position, patch in _read_each(
                 path, "cpu", lambda e, sparse=sparse: e.sparse == sparse and _needs_data(e)):
             _validated(path, [patch], [position])
+            del patch  # (before the next is read: one patch in memory, not two)
     return entries
 
 

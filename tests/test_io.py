@@ -2343,3 +2343,53 @@ def test_summary_of_no_patches_shows_the_metadata_and_checks_the_budget(tmp_path
     assert print_patch_file_summary(str(path), max_chunk_bytes=0) == 2
     out, err = capsys.readouterr()
     assert out == "" and "max_chunk_bytes" in err
+
+
+def _reads_watched(monkeypatch, per_patch: int) -> list[str]:
+    """Watch patchkit.io's tensor reads: the returned list gets a line for each read made
+    while a tensor of an earlier patch (``per_patch`` reads each) was still alive."""
+    import weakref
+
+    import patchkit.io as pk_io
+
+    real = pk_io._read_tensor
+    seen: list[tuple[int, weakref.ref]] = []
+    held: list[str] = []
+
+    def watched(*args, **kwargs):
+        k = len(seen) // per_patch  # the patch this read is for
+        alive = [j for j, ref in seen if j < k and ref() is not None]
+        if alive:
+            held.append(f"patch {k} read while patches {sorted(set(alive))} were alive")
+        t = real(*args, **kwargs)
+        seen.append((k, weakref.ref(t)))
+        return t
+
+    monkeypatch.setattr(pk_io, "_read_tensor", watched)
+    return held
+
+
+def test_checking_a_file_reads_each_patch_after_dropping_the_one_before(tmp_path, monkeypatch):
+    # check_patch_file holds no more than one patch: the one it read last is dropped
+    # before the next is read, not once the next is read (which held two at the peak:
+    # the generator's locals and the loop's variable kept the last one while reading)
+    path = str(tmp_path / "p.safetensors")
+    save_patches(path, [random_sparse_patch(f"w{k}", (32, 16), torch.float32, 0.1,
+                                            generator=torch.Generator().manual_seed(k))
+                        for k in range(4)])
+    held = _reads_watched(monkeypatch, per_patch=2)
+    assert len(check_patch_file(path)) == 4
+    assert held == []
+
+
+def test_inspect_out_reads_each_sparse_patch_after_dropping_the_one_before(
+        tmp_path, monkeypatch, capsys):
+    path = str(tmp_path / "p.safetensors")
+    save_patches(path, [random_sparse_patch(f"w{k}", (32, 16), torch.float32, 0.1,
+                                            generator=torch.Generator().manual_seed(k))
+                        for k in range(3)])
+    held = _reads_watched(monkeypatch, per_patch=2)
+    # (the check reads the three patches, then the figures read them again)
+    assert main(["inspect", path, "--out", str(tmp_path / "figs")]) == 0
+    capsys.readouterr()
+    assert held == []
