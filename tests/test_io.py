@@ -2393,3 +2393,27 @@ def test_inspect_out_reads_each_sparse_patch_after_dropping_the_one_before(
     assert main(["inspect", path, "--out", str(tmp_path / "figs")]) == 0
     capsys.readouterr()
     assert held == []
+
+
+@pytest.mark.parametrize("metadata", [[], "", (), 0])
+def test_empty_metadata_that_is_no_dict_is_refused_too(tmp_path, metadata):
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.zeros(1))]
+    with pytest.raises(PatchTypeError, match="metadata must be a dict"):
+        save_patches(tmp_path / "a", p, metadata=metadata)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_temporary_name_taken_already_is_passed_over(tmp_path, monkeypatch):
+    # (the random names collide: the save takes the next one, and leaves the other file)
+    import patchkit.io as pk_io
+
+    taken = tmp_path / ".patchkit-000000000000.tmp"
+    taken.write_bytes(b"someone else's")
+    draws = iter([b"\0" * 6, b"\0" * 6, b"\1" * 6])
+    monkeypatch.setattr(pk_io.os, "urandom", lambda n: next(draws))
+    ps = [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))]
+    save_patches(tmp_path / "p.safetensors", ps)
+    monkeypatch.undo()
+    assert_same_patches(load_patches(tmp_path / "p.safetensors"), ps)
+    assert taken.read_bytes() == b"someone else's"
+    assert sorted(os.listdir(tmp_path)) == [taken.name, "p.safetensors"]
