@@ -1087,6 +1087,10 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         elif nnz != n:
             raise bad(f"a dense patch of shape {_shape_text(shape)} needs {n} values, "
                       f"the file holds {nnz}", "count", nnz)
+        elif item.get("indices_dtype") is not None:
+            raise bad(f"a dense patch has no indices, but the header gives them dtype "
+                      f"{_short_repr(item.get('indices_dtype'))}", "dtype",
+                      item.get("indices_dtype"))
         entries.append(PatchFileEntry(i, name, tuple(shape), dtype, sparse, nnz,
                                       values_dtype, indices_dtype))
     extra = sorted(keys - expected)

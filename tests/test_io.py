@@ -2417,3 +2417,16 @@ def test_a_temporary_name_taken_already_is_passed_over(tmp_path, monkeypatch):
     assert_same_patches(load_patches(tmp_path / "p.safetensors"), ps)
     assert taken.read_bytes() == b"someone else's"
     assert sorted(os.listdir(tmp_path)) == [taken.name, "p.safetensors"]
+
+
+@pytest.mark.parametrize("said", ["int64", "int32", 16])
+def test_a_dense_patch_whose_header_names_an_indices_dtype_is_refused(tmp_path, said):
+    # a dense patch has no indices: its header entry's indices_dtype is null
+    good = sample_files(str(tmp_path))["path"]
+    bad = rewrite(good, str(tmp_path / "bad.safetensors"), header=_set(1, indices_dtype=said))
+    for reader in (read_patch_index, load_patches, check_patch_file):
+        with pytest.raises(PatchValueError, match=r"patch 1 \('d'\): a dense patch has no "
+                                                  r"indices, but the header gives them dtype "
+                                                  + re.escape(repr(said))) as info:
+            reader(bad)
+        assert (info.value.position, info.value.reason, info.value.value) == (1, "dtype", said)
