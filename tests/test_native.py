@@ -1715,3 +1715,107 @@ def test_changes_that_the_sample_blocks_miss_are_saved_and_counted_exactly(share
     with pytest.raises(RuntimeError, match="after writing"):
         patchkit.load_checkpoint_weight_patches(m, [patch], transactional=True)
     assert torch.equal(bits(m.w.detach()), bits(old))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_part_whose_room_ends_inside_a_window_saves_nothing_past_it(dtype):
+    """The first of two parts has room for 4096 entries and 4097 changes, the last of
+    them alone in the window after the room's end. The part must stop there (the entry
+    past its room is the second part's first) and go on in a grown buffer: each change
+    saved once, where it was, and none of the second part's lost."""
+    n = native._PARALLEL_MIN
+    g = torch.Generator().manual_seed(9)
+    dest = torch.randn(n, generator=g).to(dtype)
+    src = dest.clone()
+    src[:4097] += 1.0  # part 0: 4096 changes fill its room, the 4097th in the next window
+    src[n // 2 + 100 : n // 2 + 140] += 1.0  # part 1's own changes, from its first entry
+    start, before = dest.clone(), dest.clone()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_threads", lambda: 2)
+        assert len(native._parts(n)) == 3  # two parts
+        got = native.compare_copy(dest, src, dtype)
+    assert got.index is not None, "meant to be a compact save"
+    _assert_matches_reference(got, dest, start, before, dest, src, (slice(None),), dtype, True)
+    assert got.changed == 4097 + 40
+
+
+@needs_compiler
+def test_bfloat16_compact_squares_of_tiny_old_values_that_all_change():
+    """A compact save of a bfloat16 view whose first run (4096 elements) holds tiny old
+    values, every one of them changed to zero: float32 squares them to 0, and the run's
+    values left in the view are all zeros, so only the saved old values say that the run
+    must be summed again in double. ``squares`` is theirs, not 0."""
+    n = 1 << 17  # 256 KiB: a compact save
+    dest = torch.zeros(n, dtype=torch.bfloat16)
+    dest[:4096] = 1e-30
+    src = dest.clone()
+    src[:4096] = 0.0
+    before = dest.clone()
+    got = native.compare_copy(dest, src, torch.bfloat16)
+    assert got.index is not None, "meant to be a compact save"
+    want = _reference(before, src, torch.bfloat16)
+    assert got.changed == want["changed"] == 4096
+    assert want["squares"] > 0.0
+    assert math.isclose(got.squares, want["squares"], rel_tol=1e-12, abs_tol=0), (
+        got.squares, want["squares"])
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_whole_save_counts_every_change_of_a_long_row_of_2_byte_elements(dtype):
+    """Whole mode counts changes in 16 lanes as wide as an element, a run of at most 4096
+    elements at a time: a row of 2 M changed 2-byte elements on one thread (131072 a
+    lane, past 65535) is counted whole."""
+    n = 1 << 21
+    dest = torch.zeros(n, dtype=dtype)
+    src = torch.ones(n, dtype=dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_threads", lambda: 1)
+        got = native.compare_copy(dest, src, dtype)
+    assert got.index is None, "meant to be a whole save"
+    assert got.changed == n
+    assert got.sum_abs == n and got.max_abs == 1.0
+
+
+# NaNs at the edges of each dtype's bits: the smallest payload (a signaling NaN whose
+# only set bit is the lowest), the largest, and both signs; and the infinities beside
+# them, which are values. (unsigned bit patterns, as integers of the element's width)
+_EDGE_NANS = {
+    torch.float64: ([0x7FF0000000000001, 0xFFF0000000000001, 0x7FFFFFFFFFFFFFFF,
+                     0x7FF0000080000000], [0x7FF0000000000000, 0xFFF0000000000000]),
+    torch.float32: ([0x7F800001, 0xFF800001, 0x7FFFFFFF, 0x7FC00000],
+                    [0x7F800000, 0xFF800000]),
+    torch.bfloat16: ([0x7F81, 0xFF81, 0x7FFF, 0x7FC0], [0x7F80, 0xFF80]),
+    torch.float16: ([0x7C01, 0xFC01, 0x7FFF, 0x7E00], [0x7C00, 0xFC00]),
+}
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", sorted(_EDGE_NANS, key=str))
+@pytest.mark.parametrize("save", [False, True])
+def test_merge_keeps_the_destination_under_every_nan_and_writes_the_infinities(dtype, save):
+    """Every NaN bit pattern means "keep" (CONTRACT §4), whatever its payload or sign,
+    for the merge, its count and a patch's entries; an infinity is a value and is
+    written."""
+    nans, infs = _EDGE_NANS[dtype]
+    width = dtype.itemsize * 8
+    pattern = (nans + infs) * 5  # 30 elements: full blocks of 16 and a tail
+    ints = torch.tensor([v - (1 << width) if v >= 1 << (width - 1) else v for v in pattern],
+                        dtype=torch.int64).to({2: torch.int16, 4: torch.int32,
+                                               8: torch.int64}[dtype.itemsize])
+    src = ints.view(dtype)
+    assert torch.isnan(src).sum() == 4 * 5 and torch.isinf(src).sum() == 2 * 5
+    dest = torch.arange(len(pattern), dtype=torch.float32).to(dtype)
+    before = dest.clone()
+    want = torch.where(torch.isnan(src), before, src)
+    got = native.merge(dest, src, save=save)
+    assert torch.equal(bits(dest), bits(want))
+    written = ~torch.isnan(src)
+    assert (got.written, got.changed) == (10, 10)
+    if save:
+        assert torch.equal(got.index, written.nonzero().reshape(-1))
+        assert torch.equal(bits(got.before), bits(before[written]))
+    found = native.patch_entries(torch.arange(len(pattern)), src, 0, dest, src)
+    assert found.count == 10
+
