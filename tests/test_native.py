@@ -1819,3 +1819,45 @@ def test_merge_keeps_the_destination_under_every_nan_and_writes_the_infinities(d
     found = native.patch_entries(torch.arange(len(pattern)), src, 0, dest, src)
     assert found.count == 10
 
+
+@needs_compiler
+def test_a_compact_save_planned_past_the_whole_views_bytes_gives_up_at_them():
+    """The sample of a one-part float32 view sees 30 % of it change, plans room for
+    40 %, and 36 % changes: a compact save of that would fit the room but cost more than
+    the whole view, so the room is never planned past the view's bytes (a third of its
+    elements) and the save, on reaching them, turns whole."""
+    n = 1 << 17
+    g = torch.Generator().manual_seed(4)
+    dest = torch.randn(n, generator=g)
+    outside = _outside_the_sample(n)
+    seen = (~outside).nonzero().reshape(-1)
+    changed = outside & (torch.rand(n, generator=g) < 0.36)
+    changed[seen[torch.randperm(seen.numel(), generator=g)[: round(0.3 * seen.numel())]]] = True
+    src = torch.where(changed, dest + 1.0, dest)
+    start, before = dest.clone(), dest.clone()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_threads", lambda: 1)
+        got = native.compare_copy(dest, src, torch.float32)
+    assert got.index is None, "a compact save past the whole view's bytes"
+    _assert_matches_reference(
+        got, dest, start, before, dest, src, (slice(None),), torch.float32, True
+    )
+
+
+@needs_compiler
+def test_a_compiler_without_openmp_still_builds_the_portable_flags(fresh_build, tmp_path):
+    """A compiler that refuses -fopenmp: the build goes on to the flags without it, and
+    the parts run on patchkit's own threads."""
+    import shutil
+
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = -fopenmp ] && { echo "no -fopenmp here" >&2; exit 1; }; done\n'
+        f'exec {shutil.which(os.environ.get("CC") or "cc")} "$@"\n'
+    )
+    cc.chmod(0o755)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CC", str(cc))
+        native._reset_for_tests()
+        assert native.status().endswith("parts on patchkit's threads)"), native.status()
