@@ -436,3 +436,180 @@ def test_off_a_terminal_a_load_that_fails_after_its_calls_adds_a_failed_line(
     assert [ln.split(" calls, ")[0] for ln in lines[-2:]] == [
         f"inspect_load: {calls}/{calls}"] * 2
     assert not lines[-2].endswith(", failed") and lines[-1].endswith(", failed")
+
+
+class _Clock:
+    """A stand-in for ``time.perf_counter`` in patchkit.progress: the load's start reads
+    0, then each read gives the next of ``times`` (and after them, +0.25 s a read), so
+    that when a line is shown does not depend on how fast this machine is."""
+
+    def __init__(self, *times: float) -> None:
+        self._times = [0.0, *times]
+
+    def perf_counter(self) -> float:
+        if len(self._times) == 1:
+            self._times.append(self._times[0] + 0.25)
+        return self._times.pop(0)
+
+
+def _frames(out: str) -> list[str]:
+    """The successive contents of a rewritten line: what each ``\\r`` starts."""
+    return [f.rstrip(" \n") for f in out.split("\r")[1:]]
+
+
+def test_a_bar_shows_from_show_after_and_is_redrawn_at_most_every_so_often(setup,
+                                                                          monkeypatch):
+    # (one read of the clock a call, 0.25 s apart: shown from the call at 0.5 s,
+    # SHOW_AFTER; then redrawn when 0.5 s, _EVERY here, have passed since it last was,
+    # and once at the end)
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "time", _Clock())
+    monkeypatch.setattr(progress_mod, "_EVERY", 0.5)
+    reports = []
+    out = _stderr_of(lambda: reports.append(inspect_load(
+        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch,
+        terminal=True)
+    calls = len(reports[0].calls)
+    assert calls > 5
+    shown = [f.split(" calls, ")[0] for f in _frames(out)]
+    assert shown == [f"inspect_load: {k}/{calls}" for k in range(2, calls + 1, 2)] + [
+        f"inspect_load: {calls}/{calls}"]
+    assert out.endswith("\n") and out.count("\n") == 1
+
+
+def test_off_a_terminal_lines_come_log_every_seconds_from_the_start_and_the_end_once(
+        setup, monkeypatch):
+    # (the first call ends at exactly LOG_EVERY: its line is written; the others come
+    # 0.25 s apart, too soon for another, and the final status, which differs, follows)
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "time", _Clock(progress_mod.LOG_EVERY))
+    reports = []
+    out = _stderr_of(lambda: reports.append(inspect_load(
+        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch)
+    calls = len(reports[0].calls)
+    assert calls > 3
+    assert "\r" not in out
+    assert [ln.split(" calls, ")[0] for ln in out.splitlines()] == [
+        f"inspect_load: 1/{calls}", f"inspect_load: {calls}/{calls}"]
+
+
+def test_a_terminal_line_that_gets_shorter_is_blanked_to_its_old_width(monkeypatch):
+    buf = _Terminal()
+    monkeypatch.setattr(sys, "stderr", buf)
+    view = progress_mod._TextView()
+    # ("1023 B" then "1 KiB": the line loses a character)
+    long = LoadProgress(calls_done=10, calls=10, bytes_done=1023, total_bytes=2000,
+                        seconds=1.0, names=())
+    short = LoadProgress(calls_done=10, calls=10, bytes_done=1024, total_bytes=2000,
+                         seconds=1.0, names=())
+    assert len(short.text()) < len(long.text())
+    view.update(long, "inspect_load")
+    view.finish(short, "inspect_load")
+    pad = " " * (len(long.text()) - len(short.text()))
+    assert buf.getvalue() == "\r" + long.text() + "\r" + short.text() + pad + "\n"
+
+
+def test_a_builtin_whose_signature_cannot_be_read_is_taken_as_progress(setup):
+    # (inspect.signature(dir) raises ValueError: the call will tell, as documented)
+    model, _ckpt, after = setup
+    report = inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET, progress=dir)
+    assert report.error is None and len(report.calls) > 3
+
+
+def test_a_callable_progress_shows_nothing_itself(setup, monkeypatch):
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    seen: list[LoadProgress] = []
+    for terminal in (False, True):
+        out = _stderr_of(lambda: inspect_load(model, dense_patches(after),
+                                              max_chunk_bytes=BUDGET, progress=seen.append),
+                         monkeypatch, terminal=terminal)
+        assert out == ""
+    assert len(seen) > 3
+
+
+def test_in_a_kernel_without_ipywidgets_the_line_rewrites_itself(setup, monkeypatch):
+    # (a kernel's stderr is no terminal, but its output area takes \r)
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    monkeypatch.setattr(progress_mod, "_in_kernel", lambda: True)
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # (its import: ImportError)
+    reports = []
+    out = _stderr_of(lambda: reports.append(inspect_load(
+        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch)
+    calls = len(reports[0].calls)
+    assert out.startswith("\rinspect_load: ") and out.endswith("\n")
+    assert _frames(out)[-1].startswith(f"inspect_load: {calls}/{calls} calls, ")
+
+
+class _Shell:
+    """An IPython shell, of a terminal (no ``kernel``) or of a kernel."""
+
+    def __init__(self, kernel: object | None) -> None:
+        if kernel is not None:
+            self.kernel = kernel
+
+
+def test_an_ipython_terminal_is_no_kernel(monkeypatch):
+    import types
+
+    fake = types.ModuleType("IPython")
+    monkeypatch.setitem(sys.modules, "IPython", fake)
+    fake.get_ipython = lambda: None  # (IPython imported, no shell running)
+    assert not progress_mod._in_kernel()
+    fake.get_ipython = lambda: _Shell(kernel=None)
+    assert not progress_mod._in_kernel()
+    fake.get_ipython = lambda: _Shell(kernel=object())
+    assert progress_mod._in_kernel()
+
+
+def test_a_stderr_without_isatty_gets_plain_lines(setup, monkeypatch):
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    stderr = _WriteOnly()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    report = inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)
+    calls = len(report.calls)
+    assert "\r" not in stderr.text and stderr.text.count("\n") == 1
+    assert stderr.text.startswith(f"inspect_load: {calls}/{calls} calls, ")
+
+
+def _one_generator_call(model, weights, max_chunk_bytes=None, **kw):
+    """An observed loader that hands load_weights a generator of every (dense) patch."""
+    model.load_weights((p.name, p.values.reshape(p.shape)) for p in weights)
+
+
+def test_a_loader_that_hands_a_generator_has_its_entries_bytes_counted(setup):
+    model, _ckpt, after = setup
+    patches = dense_patches(after)
+    seen: list[LoadProgress] = []
+    inspect_load(model, patches, max_chunk_bytes=BUDGET, loader=_one_generator_call,
+                 progress=seen.append)
+    (last,) = seen
+    assert last.names == tuple(p.name for p in patches)
+    assert last.bytes_done == sum(staged_nbytes(p) for p in patches) > 0
+
+
+def test_a_widget_bar_is_labelled_and_filled_by_the_share_of_bytes(monkeypatch):
+    # (a load that fails at its third call leaves the bar where it stopped: the bytes of
+    # three calls of the plan's, not three calls of its count)
+    pytest.importorskip("ipywidgets")
+    import IPython.display
+
+    cfg = TinyLlamaConfig(num_layers=2)
+    ckpt = tiny_llama_checkpoint(cfg)
+    model = _FailsOnThirdCall(cfg, device=torch.get_default_device())
+    plan = [c.bytes for c in patchkit.plan_chunks(dense_patches(ckpt), BUDGET)]
+    share = sum(plan[:3]) / sum(plan)
+    assert abs(share - 3 / len(plan)) > 0.01
+    shown = []
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    monkeypatch.setattr(progress_mod, "_in_kernel", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    with pytest.raises(RuntimeError, match="third call"):
+        inspect_load(model, dense_patches(ckpt), max_chunk_bytes=BUDGET, progress=True)
+    (box,) = shown
+    bar, label = box.children
+    assert bar.description == "inspect_load"
+    assert bar.value == pytest.approx(share) and bar.bar_style == "danger"
+    assert label.value.startswith(f"3/{len(plan)} calls, ")
