@@ -1191,3 +1191,92 @@ def test_trainer_keeps_empty_and_transposed_weights_apart():
     x = torch.arange(4.0).reshape(2, 2)
     out = AdamLikeTrainer({"x": x, "xt": x.t()}).state_dict()
     assert torch.equal(out["xt"], x.t()) and torch.equal(out["x"], x)
+
+
+def test_a_diff_names_the_first_weight_with_nan_new_values_and_counts_every_one():
+    before = {"a": torch.zeros(4), "b": torch.zeros(2, 2), "c": torch.zeros(3)}
+    after = {"b": torch.tensor([[0.0, float("nan")], [0.0, 0.0]]), "c": torch.ones(3),
+             "a": torch.tensor([float("nan"), 1.0, float("nan"), 0.0])}
+    with pytest.raises(PatchValueError) as info:
+        sparse_patches_from_diff(before, after)
+    assert (info.value.name, info.value.reason) == ("b", "NaN")  # (after's order)
+    assert info.value.value == {"b": 1, "a": 2}
+
+
+@pytest.mark.parametrize("dtype", FLOAT8)
+def test_a_float8_element_that_becomes_nan_cannot_travel_sparsely(dtype):
+    before = torch.zeros(4, dtype=dtype)
+    after = before.clone()
+    after.view(torch.uint8)[1] = torch.tensor(float("nan")).to(dtype).view(torch.uint8)
+    with pytest.raises(PatchValueError, match=r"'w' \(1 NaN\)") as info:
+        sparse_patches_from_diff({"w": before}, {"w": after})
+    assert info.value.value == {"w": 1}
+
+
+def test_a_refused_integer_weight_and_nan_new_values_are_told_in_one_message():
+    before = {"w": torch.zeros(3), "steps": torch.tensor([1, 2, 3])}
+    after = {"w": torch.tensor([0.0, float("nan"), 0.0]), "steps": torch.tensor([1, 2, 4])}
+    with pytest.raises(PatchTypeError, match=r"'steps' \(1 changed, torch.int64\).*dense"
+                                             r".*; also NaN new values in 'w' \(1 NaN\)"
+                       ) as info:
+        sparse_patches_from_diff(before, after)
+    assert (info.value.name, info.value.value) == ("steps", {"steps": 1})
+
+
+def test_a_dtype_change_of_the_same_width_is_refused_by_name():
+    # (float16 and bfloat16 have the same bits to compare: no silent diff across them)
+    a = torch.ones(2, 3, dtype=torch.float16)
+    with pytest.raises(PatchValueError, match=r"'w' changed dtype: before torch.float16, "
+                                              r"after torch.bfloat16") as info:
+        sparse_patches_from_diff({"w": a}, {"w": a.bfloat16()})
+    e = info.value
+    assert (e.name, e.reason, e.value) == ("w", "dtype differs",
+                                           (torch.float16, torch.bfloat16))
+
+
+def test_a_shape_change_names_the_weight_and_both_shapes():
+    with pytest.raises(PatchValueError) as info:
+        sparse_patches_from_diff({"v": torch.zeros(1), "w": torch.zeros(2, 3)},
+                                 {"v": torch.zeros(1), "w": torch.zeros(3, 2)})
+    e = info.value
+    assert (e.name, e.reason, e.value) == ("w", "shape differs", ((2, 3), (3, 2)))
+
+
+def test_five_names_on_one_side_are_listed_without_a_count_of_more():
+    t = torch.zeros(2)
+    with pytest.raises(PatchValueError) as info:
+        sparse_patches_from_diff({f"w{i}": t for i in range(5)}, {})
+    assert str(info.value).endswith(
+        "only in before: ['w0', 'w1', 'w2', 'w3', 'w4']; only in after: []")
+
+
+def test_a_diff_of_weights_with_no_elements_does_not_warn_of_shared_memory():
+    # (two empty tensors have no memory, and the same null address: nothing shared)
+    before = {"e": torch.empty(0), "f": torch.empty(3, 0)}
+    after = {"e": torch.empty(0), "f": torch.empty(3, 0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sparse_patches_from_diff(before, after) == []
+
+
+def test_a_complex_element_that_changes_in_both_parts_counts_once():
+    before = torch.zeros(4, dtype=torch.complex64)
+    after = before.clone()
+    after[1] = 1 + 1j
+    assert changed_fraction({"w": before}, {"w": after}) == 0.25
+    with pytest.raises(PatchTypeError, match=r"'w' \(1 changed, torch.complex64\)"):
+        sparse_patches_from_diff({"w": before}, {"w": after})
+
+
+@pytest.mark.parametrize(("index_dtype", "got"), [
+    (None, torch.int32), (torch.int32, torch.int32), (torch.int64, torch.int64)])
+def test_splitting_an_empty_dense_patch_gives_indices_of_the_dtype_asked(index_dtype, got):
+    dense = CheckpointWeightPatch("w", (0, 2), torch.float32, torch.zeros(0))
+    (only,) = split_patch(dense, 3, index_dtype=index_dtype)
+    assert only.indices.dtype == got and only.indices.numel() == 0
+
+
+def test_a_beta_of_one_is_refused_saying_the_range():
+    with pytest.raises(PatchValueError, match=r"betas\[1\] must be a finite number >= 0.0 "
+                                              r"and < 1.0, got 1"):
+        AdamLikeTrainer({"w": torch.ones(3)}, betas=(0.9, 1))
