@@ -1280,3 +1280,28 @@ def test_a_beta_of_one_is_refused_saying_the_range():
     with pytest.raises(PatchValueError, match=r"betas\[1\] must be a finite number >= 0.0 "
                                               r"and < 1.0, got 1"):
         AdamLikeTrainer({"w": torch.ones(3)}, betas=(0.9, 1))
+
+
+def test_wire_bytes_of_a_tuple_of_five_patches_counts_all_five():
+    # (a plain 5-tuple is one patch only when it looks like one: a str name first)
+    patches = tuple(CheckpointWeightPatch(f"w{i}", (2,), torch.float32, torch.ones(2))
+                    for i in range(5))
+    assert wire_bytes(patches) == 5 * 8
+
+
+def test_a_count_that_rounds_up_from_below_one_picks_a_position_without_a_warning():
+    # (round(0.06 * 10) is 1: Python's round, as documented, not a truncation to none)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = random_sparse_patch("w", (1, 10), torch.float32, 0.06,
+                                generator=torch.Generator().manual_seed(0))
+    assert p.indices.numel() == 1
+
+
+def test_patches_of_parameters_that_require_grad_hold_no_autograd_history():
+    before = torch.nn.Parameter(torch.zeros(2, 3))
+    after = torch.nn.Parameter(torch.ones(2, 3))
+    (dense,) = dense_patches({"w": after})
+    (sparse,) = sparse_patches_from_diff({"w": before}, {"w": after})
+    for p in (dense, sparse):
+        assert not p.values.requires_grad and p.values.grad_fn is None
