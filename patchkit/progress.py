@@ -46,9 +46,11 @@ class LoadProgress:
     - ``bytes_done``, ``total_bytes``: the staged bytes of those calls, of all planned calls;
     - ``seconds``: since the load started;
     - ``names``: the checkpoint names the last call was sent;
-    - ``failed``: the last call raised (no call follows); in the final status a bar shows,
-      also a load that failed between or after its calls (a contract check after the
-      last call, a Ctrl-C while the next chunk was staged).
+    - ``failed``: the last call raised (with patchkit's loader no call follows; a loader
+      passed as ``loader=`` may catch the error and go on). The final status a bar shows
+      says ``failed`` where the load failed: in a call, or between or after its calls (a
+      contract check after the last call, a Ctrl-C while the next chunk was staged); not
+      where a ``loader=`` caught the error of its last call and returned.
     """
 
     calls_done: int
@@ -159,9 +161,10 @@ class Tracker:
 
     def close(self, failed: bool = False) -> None:
         """The load is over (``failed``: it raised, in a call or not): a bar that was shown
-        says how it ended."""
+        says how it ended (how the load ended, not its last call: a ``loader=`` may have
+        caught that call's error)."""
         if self._view is not None and self._last is not None:
-            last = self._state(self._last.names, self._last.failed or failed)
+            last = self._state(self._last.names, failed)
             self._shown_safely(lambda: self._view.finish(last, self._label))
             self._view = None
 

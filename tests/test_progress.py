@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
 
@@ -366,6 +367,45 @@ def test_a_load_that_fails_between_or_after_its_calls_ends_failed_too(setup, mon
     (box,) = shown
     bar, label = box.children
     assert bar.bar_style == "danger" and label.value.endswith(", failed")
+
+
+def _catches_its_last_calls_error(model, patches, **kw):
+    patchkit.load_checkpoint_weight_patches(model, patches, **kw)
+    with contextlib.suppress(KeyError):  # (tried, and let go: the load returns)
+        model.load_weights([("no.such.weight", torch.zeros(1))])
+
+
+def test_a_load_whose_loader_caught_its_last_calls_error_does_not_end_failed(
+        setup, monkeypatch):
+    # (the final status took the last call's: ', failed' and a red bar for a load that
+    # returned)
+    pytest.importorskip("ipywidgets")
+    import IPython.display
+
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    seen: list[LoadProgress] = []
+    report = inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET,
+                          progress=seen.append, loader=_catches_its_last_calls_error)
+    assert report.error is None
+    assert seen[-1].failed and not any(p.failed for p in seen[:-1])  # (the call's own)
+
+    def run():
+        inspect_load(model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True,
+                     loader=_catches_its_last_calls_error)
+
+    calls = len(seen)
+    for terminal in (False, True):
+        out = _stderr_of(run, monkeypatch, terminal=terminal)
+        assert out.endswith("\n") and "failed" not in out, out
+        assert out.rsplit("\r", 1)[-1].startswith(f"inspect_load: {calls}/{calls} calls, ")
+    shown = []
+    monkeypatch.setattr(progress_mod, "_in_kernel", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    _stderr_of(run, monkeypatch)
+    (box,) = shown
+    bar, label = box.children
+    assert bar.bar_style == "success" and not label.value.endswith(", failed")
 
 
 class _FalsyCallable(list):
