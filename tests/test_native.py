@@ -690,6 +690,38 @@ def test_the_build_is_cached_per_source_and_cpu(fresh_build):
     assert lib.stat().st_mtime_ns == stamp, "a cached build was compiled again"
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@needs_compiler
+@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="needs a CPU with AVX2 and FMA")
+def test_on_an_avx2_cpu_the_build_in_use_is_tuned_for_it(fresh_build, monkeypatch):
+    # (a compile error inside the AVX2 section alone, which only -march=native reaches,
+    # fell back to the portable build without a word: status still said "compiled", and
+    # every test passed on the portable loops)
+    tried: list[tuple[list[str], str | None]] = []
+    compile_ = native._compile
+
+    def watched(cc, flags, out, _compile=compile_):
+        failed = _compile(cc, flags, out)
+        tried.append((flags, failed))
+        return failed
+
+    monkeypatch.setattr(native, "_compile", watched)
+    assert native.status().startswith("compiled"), native.status()
+    assert len(tried) == 1, tried  # (the first build tried is the one that loaded)
+    (flags, failed), = tried
+    assert "-march=native" in flags and failed is None, tried
+    (lib,) = fresh_build.glob("native-*.so")
+    assert native.status().startswith(f"compiled ({lib}; ")
+
+
 @needs_compiler
 def test_a_cache_folder_that_cannot_be_written_builds_in_the_temporary_folder(
     fresh_build, monkeypatch, tmp_path
