@@ -2257,6 +2257,11 @@ class _BeforeAfter:
                                else (None, run[1], None))
             self._written = [(b, torch.unique_consecutive(p), e) if p is not None
                              else (b, p, e) for b, p, e in _runs(written)]
+        # where each run's elements lie, so that a read visits only the runs that meet its
+        # range (visiting every run per read made reading a tensor written row by row
+        # quadratic in its rows)
+        self._saves_at = _extents(self._saves)
+        self._written_at = _extents(self._written) if self._written is not None else None
 
     def read(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(before, after, written)`` of elements ``[lo, hi)``: ``before`` and
@@ -2267,7 +2272,8 @@ class _BeforeAfter:
         after = self._now[lo:hi].to("cpu")
         before = self._old[lo:hi].to("cpu", copy=True)
         flat = _raw(before)
-        for box, pos, values in self._saves:
+        for k in _meeting(self._saves_at, lo, hi):
+            box, pos, values = self._saves[k]
             if box is not None:
                 box.put(flat, values, lo)
             else:
@@ -2276,7 +2282,8 @@ class _BeforeAfter:
         if self._written is None:
             return before, after, None
         boxes, parts = [], []
-        for box, pos, _ in self._written:
+        for k in _meeting(self._written_at, lo, hi):
+            box, pos, _ = self._written[k]
             if box is not None:
                 n = box.count(lo, hi)
                 if n == hi - lo:
@@ -2295,6 +2302,26 @@ class _BeforeAfter:
         for part in parts:
             mask[part.numpy()] = True
         return before, after, torch.from_numpy(np.flatnonzero(mask))
+
+
+def _extents(runs: Sequence[_Run]) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, ends)``: the first position of each run's elements and one past its last
+    (``0, 0`` for a run of none), for :func:`_meeting`."""
+    starts = np.zeros(len(runs), dtype=np.int64)
+    ends = np.zeros(len(runs), dtype=np.int64)
+    for k, (box, pos, _) in enumerate(runs):
+        if box is not None:
+            starts[k], ends[k] = box.offset, box.end
+        elif pos.numel():
+            starts[k], ends[k] = int(pos[0]), int(pos[-1]) + 1
+    return starts, ends
+
+
+def _meeting(extents: tuple[np.ndarray, np.ndarray], lo: int, hi: int) -> list[int]:
+    """The indices, in order, of the runs whose :func:`_extents` meet positions
+    ``[lo, hi)``: the others hold no element there."""
+    starts, ends = extents
+    return np.flatnonzero((starts < hi) & (ends > lo)).tolist()
 
 
 def _between(pos: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
