@@ -2284,6 +2284,9 @@ class WriteSession:
         self.registered: dict[str, torch.Tensor] = {}
         self.ties: dict[str, str] = {}
         self._binding_ptrs: list[int] | None = None  # (see _note_rebinding)
+        # the data pointer of each of the index's tensors as last looked at: its binding's,
+        # or where a later call rebound it (see _note_rebinding)
+        self._looked_ptrs: list[int] | None = None
         # True when the look at the module tree after the last call found it as the
         # index found it (RuntimeIndex.unchanged): a caller that knows nothing has
         # touched the tree since need not look again.
@@ -2480,8 +2483,20 @@ class WriteSession:
         if ptrs == binding_ptrs and not moved_at_0 and self.index.unchanged():
             self.tree_as_found = True
             return  # (the common case: nothing rebound, replaced or registered)
-        rebound = {n: t for (n, t), now, then in zip(tensors.items(), ptrs, binding_ptrs)
-                   if now != then or n in moved_at_0}
+        # The tensors rebound since the last look: a tensor rebound in an earlier call
+        # and left there was looked at then (looking at each again after every call, in
+        # Python, made a load of one rebinding per call quadratic in its tensors).
+        if self._looked_ptrs is None:
+            self._looked_ptrs = list(binding_ptrs)
+        looked = self._looked_ptrs
+        since = set(itertools.compress(range(len(ptrs)), map(operator.ne, ptrs, looked)))
+        names = list(tensors)
+        if moved_at_0:
+            since.update(i for i, n in enumerate(names) if n in moved_at_0)
+        rebound = {names[i]: tensors[names[i]] for i in sorted(since)
+                   if ptrs[i] != binding_ptrs[i] or names[i] in moved_at_0}
+        for i in since:
+            looked[i] = ptrs[i]
         found = dict(rebound)
         with self.index.one_look():
             replaced = self.index.replaced()
