@@ -343,7 +343,6 @@ def test_a_load_that_fails_between_or_after_its_calls_ends_failed_too(setup, mon
     # (every call returned: the status said success while the load raised, and the
     # widget bar turned green)
     pytest.importorskip("ipywidgets")
-    import IPython.display
 
     model, _ckpt, after = setup
     monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
@@ -360,13 +359,20 @@ def test_a_load_that_fails_between_or_after_its_calls_ends_failed_too(setup, mon
     line = _stderr_of(run, monkeypatch, terminal=True)
     assert line.endswith(", failed\n")
 
+    bar, label = _kernel_bar(run, monkeypatch)
+    assert bar.bar_style == "danger" and label.value.endswith(", failed")
+
+
+def _kernel_bar(run, monkeypatch):
+    """``(bar, label)``: the widget bar ``run()`` shows, as in a kernel."""
+    import IPython.display
+
     shown = []
     monkeypatch.setattr(progress_mod, "_in_kernel", lambda: True)
     monkeypatch.setattr(IPython.display, "display", shown.append)
     _stderr_of(run, monkeypatch)
     (box,) = shown
-    bar, label = box.children
-    assert bar.bar_style == "danger" and label.value.endswith(", failed")
+    return box.children
 
 
 def _catches_its_last_calls_error(model, patches, **kw):
@@ -380,7 +386,6 @@ def test_a_load_whose_loader_caught_its_last_calls_error_does_not_end_failed(
     # (the final status took the last call's: ', failed' and a red bar for a load that
     # returned)
     pytest.importorskip("ipywidgets")
-    import IPython.display
 
     model, _ckpt, after = setup
     monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
@@ -399,12 +404,7 @@ def test_a_load_whose_loader_caught_its_last_calls_error_does_not_end_failed(
         out = _stderr_of(run, monkeypatch, terminal=terminal)
         assert out.endswith("\n") and "failed" not in out, out
         assert out.rsplit("\r", 1)[-1].startswith(f"inspect_load: {calls}/{calls} calls, ")
-    shown = []
-    monkeypatch.setattr(progress_mod, "_in_kernel", lambda: True)
-    monkeypatch.setattr(IPython.display, "display", shown.append)
-    _stderr_of(run, monkeypatch)
-    (box,) = shown
-    bar, label = box.children
+    bar, label = _kernel_bar(run, monkeypatch)
     assert bar.bar_style == "success" and not label.value.endswith(", failed")
 
 

@@ -454,10 +454,9 @@ def test_many_saves_of_a_strided_tensor_sort_its_offsets_once_per_read(path, mon
     assert recorded.made[(torch.bool, span)] == 2, recorded.made
 
 
-class _RowsTwiceThenFail(torch.nn.Module):
-    """One ``rows`` x ``cols`` parameter that ``load_weights`` writes a row at a time, all
-    rows twice (the second time the values plus one), then raises: a save per row per
-    pass, each row's two saves overlapping."""
+class _RowsTwice(torch.nn.Module):
+    """One ``rows`` x ``cols`` parameter that ``load_weights`` writes a row at a time,
+    all rows twice (the second time the values plus one)."""
 
     def __init__(self, rows: int, cols: int) -> None:
         super().__init__()
@@ -468,6 +467,15 @@ class _RowsTwiceThenFail(torch.nn.Module):
             for step in (0.0, 1.0):
                 for r in range(self.w.shape[0]):
                     self.w.data[r].copy_(w[r] + step)
+        return {n for n, _ in weights}
+
+
+class _RowsTwiceThenFail(_RowsTwice):
+    """:class:`_RowsTwice` whose ``load_weights`` raises after its writes: a save per row
+    per pass, each row's two saves overlapping."""
+
+    def load_weights(self, weights):
+        super().load_weights(weights)
         raise RuntimeError("the model failed after its writes")
 
 
@@ -523,22 +531,6 @@ def test_what_an_observed_loader_left_is_read_in_one_pass_over_many_saves(path, 
     for transactional in (False, True):
         # (the offsets of 2 x 128 saves tested against all before: 32 times the 32 rows')
         assert per_row[128, transactional] < 2 * per_row[32, transactional], per_row
-
-
-class _RowsTwice(torch.nn.Module):
-    """One ``rows`` x ``cols`` parameter that ``load_weights`` writes a row at a time,
-    all rows twice (the second time the values plus one)."""
-
-    def __init__(self, rows: int, cols: int) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(rows, cols), requires_grad=False)
-
-    def load_weights(self, weights):
-        for _, w in weights:
-            for step in (0.0, 1.0):
-                for r in range(self.w.shape[0]):
-                    self.w.data[r].copy_(w[r] + step)
-        return {n for n, _ in weights}
 
 
 @pytest.mark.parametrize("path", ["compiled", "torch ops"])
