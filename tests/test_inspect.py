@@ -2125,13 +2125,16 @@ class _WritesInferenceTensors(PlainModel):
             elif self.how == "second":  # .data is allowed; the second write is not
                 self.w.data.copy_(t)
                 self.w.copy_(t * 2)
+            elif self.how == "second broadcast":  # (the first write saved the region)
+                self.w.data.copy_(t[0])
+                self.w.copy_(t[0] * 2)
             else:
                 self.w[1].copy_(t[1])
         return {n for n, _ in weights}
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
-@pytest.mark.parametrize("how", ["copy", "broadcast", "second", "row"])
+@pytest.mark.parametrize("how", ["copy", "broadcast", "second", "second broadcast", "row"])
 def test_a_write_torch_makes_and_then_refuses_has_its_row(how, compiled):
     # the write stays in the model and in ``deltas``; ``writes`` had no row for it (the
     # op raised before it was recorded), so the summary said 0 runtime writes
@@ -2142,8 +2145,12 @@ def test_a_write_torch_makes_and_then_refuses_has_its_row(how, compiled):
     patch = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.arange(1.0, 17.0))
     values = patch.values.view(4, 4)
     expected = {"copy": values, "broadcast": values[0].expand(4, 4), "second": values * 2,
+                "second broadcast": values[0].expand(4, 4) * 2,
                 "row": torch.zeros(4, 4).index_copy(0, torch.tensor([1]), values[1:2])}[how]
-    rows = {"copy": [16], "broadcast": [16], "second": [16, 16], "row": [4]}[how]
+    # ("second broadcast": the refused write goes into a region an earlier write of the
+    # load saved, so it has no save of its own; it still has its row and its count)
+    rows = {"copy": [16], "broadcast": [16], "second": [16, 16], "second broadcast": [16, 16],
+            "row": [4]}[how]
     with contextlib.nullcontext() if compiled else native.disabled():
         for transactional in (False, True):
             model = _WritesInferenceTensors(how)
@@ -2159,6 +2166,32 @@ def test_a_write_torch_makes_and_then_refuses_has_its_row(how, compiled):
                 assert torch.equal(model.w, expected)
                 assert r.deltas.loc["w", "changed"] == int((expected != 0).sum())
                 assert patchkit.same_bits(r.after("w"), expected)
+
+
+class _CatchesTheRefusal(_WritesInferenceTensors):
+    """``_WritesInferenceTensors``, catching the error torch raises after it wrote."""
+
+    def load_weights(self, weights):
+        with contextlib.suppress(RuntimeError):
+            super().load_weights(weights)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+@pytest.mark.parametrize("how", ["copy", "broadcast"])
+def test_a_call_whose_only_write_torch_refused_after_writing_is_no_quiet_call(how, compiled):
+    # the write stays in the model, so the call wrote what a mode saw: it is not one of
+    # the calls "with no write seen" (which would tell the reader that it wrote nothing
+    # or wrote where patchkit does not watch)
+    from patchkit import native
+
+    patch = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.arange(1.0, 17.0))
+    with contextlib.nullcontext() if compiled else native.disabled():
+        model = _CatchesTheRefusal(how)
+        r = inspect_load(model, [patch])
+    assert r.error is None and r.writes["changed"].tolist() == [16]
+    assert "calls with no write seen" not in r.summary()
+    assert float(model.w.abs().sum()) > 0  # (the write stayed)
 
 
 def test_a_complex_write_torch_makes_and_then_refuses_counts_elements_not_parts():
