@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -476,10 +477,14 @@ def test_a_transactional_load_saves_a_region_once_however_often_a_name_rewrites_
     values = [small] + [torch.full((n,), float(k)) for k in range(1, 6)]
     patches = [CheckpointWeightPatch("w", (n,), torch.float32, v) for v in values]
     with (contextlib.nullcontext() if compiled else native.disabled(),
+          warnings.catch_warnings(record=True) as said,
           pytest.raises(RuntimeError, match="loader fails after writing")):
+        warnings.simplefilter("always")
         run_load(m, patches, max_chunk_bytes=1 << 30, validate_unique_indices=True,
                  transactional=True, session_out=m.sessions, save_regions=True)
     assert torch.equal(bits(m.w.detach()), before)  # rolled back, bit for bit
+    # the calls whose write needed no save of its own still wrote where a mode saw
+    assert not [w for w in said if "without a write it saw" in str(w.message)]
     saved = m.held
     held = sum(s.before.numel() * s.before.element_size()
                + (0 if s.index is None else s.index.numel() * s.index.element_size())
@@ -781,6 +786,29 @@ def test_calls_that_write_nothing_are_no_error_and_a_load_that_ends_well_no_warn
 
     r = inspect_load(Nothing(None), patches())
     assert "calls with no write seen" not in r.summary()
+
+
+def _registers_b(m, name, w):
+    m.b = torch.nn.Parameter(w.clone(), requires_grad=False)
+
+
+def _removes_b(m, name, w):
+    del m.b
+
+
+@pytest.mark.parametrize("write_b", [_registers_b, _removes_b], ids=["registers", "removes"])
+def test_a_call_that_only_registers_or_removes_its_tensor_is_no_quiet_call(write_b):
+    # Without a report, a call is no quiet call when a tensor it names is no longer what
+    # its module holds under that name (a new Parameter registered there, or none): the
+    # rollback puts that back, so it warns of nothing it could not see.
+    m = Two(_a_then(write_b))
+    a0, b0 = bits(m.a.detach()).clone(), bits(m.b.detach()).clone()
+    ps = [*patches(), dense("c", torch.ones(16))]  # (a call each)
+    with warnings.catch_warnings(record=True) as said, pytest.raises(KeyError, match="c"):
+        warnings.simplefilter("always")
+        patchkit.load_checkpoint_weight_patches(m, ps, transactional=True, max_chunk_bytes=64)
+    assert not [w for w in said if "without a write it saw" in str(w.message)]
+    assert torch.equal(bits(m.a.detach()), a0) and torch.equal(bits(m.b.detach()), b0)
 
 
 @pytest.mark.skipif(torch.__version__ < "2.6", reason=(
