@@ -495,6 +495,35 @@ def test_a_transactional_load_saves_a_region_once_however_often_a_name_rewrites_
 
 
 
+class _ZeroThenAdd(_Sink):
+    """``_Sink`` writing each staged tensor with two in-place ops over all of ``w``."""
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w.zero_()
+            self.w.add_(t)
+        return super().load_weights([])
+
+
+def test_a_transactional_load_saves_a_region_once_whatever_ops_rewrite_it():
+    # The ops other than a copy from a tensor of the view's shape (zero_, add_) save the
+    # region before its first write of the load only: three calls of two writes each
+    # keep one copy of the tensor, not six, and the rollback still gives back its bits.
+    from patchkit.loader import run_load
+
+    n = 1000
+    m = _ZeroThenAdd(n, fail_at=3)
+    before = bits(m.w.detach()).clone()
+    patches = [CheckpointWeightPatch("w", (n,), torch.float32, torch.full((n,), float(k)))
+               for k in range(1, 4)]  # (a repeated name: a call each)
+    with pytest.raises(RuntimeError, match="loader fails after writing"):
+        run_load(m, patches, max_chunk_bytes=1 << 30, validate_unique_indices=True,
+                 transactional=True, session_out=m.sessions, save_regions=True)
+    assert torch.equal(bits(m.w.detach()), before)
+    assert len(m.held) == 1 and m.held[0].index is None
+    assert torch.equal(bits(m.held[0].before), before)
+
+
 def _reshape_then_copy(m, name, w):
     d = getattr(m, name).data
     if d.dim() == 2:
