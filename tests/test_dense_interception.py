@@ -751,6 +751,22 @@ def test_a_rollback_warns_of_a_quiet_call_after_a_rebinding_and_on_any_model(mod
     assert torch.equal(m.b.detach(), ps[1].values)
 
 
+def test_a_reports_rollback_warning_is_not_hedged_by_a_rebinding_its_calls_saw():
+    # A report looks at each call's rebindings as it ends (a rebinding is a write of its
+    # call), so its quiet calls are known to be quiet: no "unless they rebound" there.
+    def rebinds_a(m, name, w):
+        m.a.data = w.clone().view(4, 4)
+
+    write = _a_then(_on_another_thread)
+    m = Two(lambda m, name, w: (rebinds_a if name == "a" else write)(m, name, w))
+    ps = [*patches(), dense("c", torch.ones(16))]  # (a call each)
+    with pytest.warns(UserWarning, match=r"but load_weights \(call 1, patch 1 \('b'\)\) "
+                      r"returned \['b'\] without a write it saw") as seen, \
+            pytest.raises(KeyError, match="c"):
+        inspect_load(m, ps, transactional=True, max_chunk_bytes=64)
+    assert "unless they rebound" not in str(seen[0].message)
+
+
 def test_warnings_as_errors_leave_the_loads_own_error_raised():
     # Under -W error the rollback's warning became the exception raised, and the load's
     # KeyError only its __context__ (a Ctrl-C would have turned into a UserWarning)
