@@ -856,6 +856,21 @@ def test_a_call_that_only_registers_or_removes_its_tensor_is_no_quiet_call(write
     assert torch.equal(bits(m.a.detach()), a0) and torch.equal(bits(m.b.detach()), b0)
 
 
+def test_a_call_with_an_empty_patch_first_and_no_write_seen_is_still_quiet():
+    # "with something staged": one staged tensor with elements is enough, wherever it is
+    class Skips(Two):
+        def __init__(self):
+            super().__init__(None)
+            self.e = torch.nn.Parameter(torch.zeros(0), requires_grad=False)
+
+        def load_weights(self, weights):
+            return {n for n, _ in weights}  # (this rank holds none of them)
+
+    ps = [dense("e", torch.zeros(0)), dense("b", torch.ones(8))]
+    r = inspect_load(Skips(), ps, max_chunk_bytes=1 << 20)
+    assert len(r.calls) == 1 and r.summary()["calls with no write seen"] == [0]
+
+
 @pytest.mark.skipif(torch.__version__ < "2.6", reason=(
     "this torch's dynamo does not hand a compiled loader's writes to the watch "
     "(torch 2.6 does: the README says so)"))
