@@ -856,6 +856,37 @@ def test_a_call_that_only_registers_or_removes_its_tensor_is_no_quiet_call(write
     assert torch.equal(bits(m.a.detach()), a0) and torch.equal(bits(m.b.detach()), b0)
 
 
+class _PacksB(Two):
+    """Copies ``a``; binds ``b`` to a tensor made of checkpoint weight ``b_part`` twice
+    (no copy) and returns ``b``, the runtime name; raises at ``c``."""
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, w in weights:
+            if name == "c":
+                raise KeyError(name)
+            if name == "b_part":
+                self.b.data = torch.cat([w, w])
+                loaded.add("b")
+            else:
+                self.a.data.copy_(w)
+                loaded.add(name)
+        return loaded
+
+
+def test_a_call_that_rebinds_a_runtime_tensor_it_returns_is_no_quiet_call():
+    # Without a report, the runtime names a call returns are looked at too (a packed
+    # loader returns qkv_proj for q_proj): it rebound b, which the rollback puts back.
+    m = _PacksB(None)
+    a0, b0 = bits(m.a.detach()).clone(), bits(m.b.detach()).clone()
+    ps = [patches()[0], dense("b_part", torch.ones(4)), dense("c", torch.ones(16))]
+    with warnings.catch_warnings(record=True) as said, pytest.raises(KeyError, match="c"):
+        warnings.simplefilter("always")
+        patchkit.load_checkpoint_weight_patches(m, ps, transactional=True, max_chunk_bytes=64)
+    assert not [w for w in said if "without a write it saw" in str(w.message)]
+    assert torch.equal(bits(m.a.detach()), a0) and torch.equal(bits(m.b.detach()), b0)
+
+
 def test_a_call_with_an_empty_patch_first_and_no_write_seen_is_still_quiet():
     # "with something staged": one staged tensor with elements is enough, wherever it is
     class Skips(Two):
