@@ -2197,6 +2197,47 @@ def test_a_call_whose_only_write_torch_refused_after_writing_is_no_quiet_call(ho
     assert float(model.w.abs().sum()) > 0  # (the write stayed)
 
 
+def test_a_compared_copy_that_fails_before_its_save_is_no_write(monkeypatch):
+    # Through torch ops a copy is compared with its source, then saved, then done: one
+    # that fails while comparing (out of memory, say) wrote nothing, and the save of an
+    # earlier write is not taken for its own (which changed elements it never wrote).
+    from patchkit import intercept, native
+
+    real, armed = intercept.count_true, []
+
+    def count_true(x):
+        if armed:
+            armed.clear()
+            raise MemoryError("no memory left to compare")
+        return real(x)
+
+    monkeypatch.setattr(intercept, "count_true", count_true)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                if name == "again":
+                    armed.append(True)
+                    self.w.data.copy_(t.view(4, 4) * 2)
+                else:
+                    self.w.data.copy_(t.view(4, 4))
+            return {n for n, _ in weights}
+
+    m = M()
+    m.again = torch.nn.Parameter(torch.zeros(16), requires_grad=False)
+    ps = [CheckpointWeightPatch("w", (4, 4), torch.float32, torch.arange(1.0, 17.0)),
+          CheckpointWeightPatch("again", (16,), torch.float32, torch.arange(1.0, 17.0))]
+    with native.disabled(), pytest.raises(MemoryError, match="no memory left") as info:
+        inspect_load(m, ps, max_chunk_bytes=64)  # (a call each)
+    r = info.value.report
+    assert r.writes["target"].tolist() == ["w"] and r.writes["changed"].tolist() == [16]
+    assert r.summary()["runtime writes"] == 1
+
+
 def test_a_complex_write_torch_makes_and_then_refuses_counts_elements_not_parts():
     # (a complex element's bits are two numbers: one that changes in both parts is one
     # changed element, as the report counts every other write)
