@@ -1893,3 +1893,68 @@ def test_a_compiler_without_openmp_still_builds_the_portable_flags(fresh_build, 
         mp.setenv("CC", str(cc))
         native._reset_for_tests()
         assert native.status().endswith("parts on patchkit's threads)"), native.status()
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_merge_statistics_leave_out_old_values_that_are_not_finite(dtype):
+    """A written element whose old value is an infinity or NaN adds nothing to
+    ``squares`` (the sum of squares of the finite old values, as :class:`CopyResult`'s),
+    and its change, not finite, nothing to the differences."""
+    dest = torch.tensor([1.0, float("inf"), 2.0, float("-inf"), float("nan"), 3.0] * 4).to(dtype)
+    src = torch.full(dest.shape, float("nan")).to(dtype)
+    src[:] = torch.tensor([5.0, 4.0, float("nan"), 6.0, 7.0, 3.0] * 4).to(dtype)
+    before = dest.clone()
+    got = native.merge(dest, src, save=False, stats=True)
+    written = ~torch.isnan(src)
+    want = _reference(before[written], dest[written], dtype)
+    assert (got.written, got.changed) == (20, want["changed"]) == (20, 16)
+    assert got.squares == want["squares"] == 4 * (1.0 + 9.0)
+    for key in ("sum_abs", "sum_sq_diff", "max_abs"):
+        assert getattr(got, key) == want[key], key
+    assert got.sum_abs == 4 * 4.0
+
+
+@needs_compiler
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_a_patchs_entry_checksums_are_the_documented_sums_of_big_indices(index_dtype):
+    """:class:`PatchEntries`' checksums are the sums of ``i & 0x7fffffff`` and of
+    ``(i % 65521) * 40503 % 65521`` over the entries written, for indices of every size
+    (the recipe a report recomputes and compares them with)."""
+    start = 2**31 - 100 if index_dtype == torch.int32 else 3 * 2**31 + 5
+    idx = torch.tensor([start + 1, start + 9, start + 30, start + 62, start + 63, start + 64,
+                        start - 1], dtype=torch.int64)
+    vals = torch.tensor([1.0, 2.0, float("nan"), 4.0, 5.0, 6.0, 7.0])
+    dest, src = torch.zeros(64), torch.zeros(64)  # the view: checkpoint elements start...+63
+    found = native.patch_entries(idx.to(index_dtype), vals, start, dest, src)
+    inside = [i for i, v in zip(idx.tolist(), vals.tolist())
+              if v == v and start <= i < start + 64]
+    assert found.count == len(inside) == 4
+    assert found.checksums == (sum(i & 0x7FFFFFFF for i in inside),
+                               sum((i % 65521) * 40503 % 65521 for i in inside))
+    at = [i - start for i in inside]
+    assert found.position_sums == (sum(at), sum(a * a for a in at))
+
+
+@needs_compiler
+def test_a_patchs_position_sums_wrap_modulo_2_64():
+    """The sum of squared positions passes 2**63 (many entries far into a big view): the
+    sums come back modulo 2**64, never negative (a merge's sums come back so too)."""
+    n = 1 << 26  # (never written: the entries are counted from the patch alone)
+    dest, src = torch.empty(n), torch.empty(n)
+    idx = torch.full((2100,), n - 1, dtype=torch.int64)
+    found = native.patch_entries(idx, torch.ones(2100), 0, dest, src)
+    assert found.count == 2100
+    assert 2**63 <= 2100 * (n - 1) ** 2 < 2**64
+    assert found.position_sums == (2100 * (n - 1), 2100 * (n - 1) ** 2)
+
+
+@needs_compiler
+def test_merge_leaves_a_source_of_another_shape_to_torch():
+    """As :func:`compare_copy`: a source of another shape (as many elements, or fewer) is
+    not walked by the destination's shape; ``None``, nothing written."""
+    dest = torch.zeros(4, 1000)
+    for source in (torch.ones(1000, 4), torch.ones(1000), torch.ones(4, 999)):
+        assert native.merge(dest, source, save=True) is None
+        assert native.merge(dest, source, save=False, stats=True) is None
+        assert torch.equal(dest, torch.zeros(4, 1000)), "a refused merge must not write"
