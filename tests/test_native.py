@@ -1958,3 +1958,93 @@ def test_merge_leaves_a_source_of_another_shape_to_torch():
         assert native.merge(dest, source, save=True) is None
         assert native.merge(dest, source, save=False, stats=True) is None
         assert torch.equal(dest, torch.zeros(4, 1000)), "a refused merge must not write"
+
+
+@needs_compiler
+@pytest.mark.parametrize("layout", ["flat", "columns"])
+def test_the_sample_reads_every_position_of_its_blocks_and_no_other(layout):
+    """``_changed_share`` of a big view reads ``_SAMPLE_BLOCKS`` blocks of
+    ``_SAMPLE_BLOCK`` consecutive positions each, evenly spaced: changes at all of them
+    and nowhere else make a share of exactly 1, changes everywhere else one of 0."""
+    base = torch.randn(1100, 130)
+    dest = base if layout == "flat" else base[:, 3:123]
+    n = dest.numel()
+    assert n >= native._SAMPLE_MIN
+    length, drs, _ = native._rows(dest, dest)
+    f32 = native._library().kinds["f32"]
+    outside = _outside_the_sample(n)
+    for where, want in ((~outside, 1.0), (outside, 0.0)):
+        src = dest.clone()
+        src.view(-1)[where] += 1.0
+        share, exact = native._changed_share(f32, dest.data_ptr(), src.data_ptr(), length,
+                                             drs, length, n)
+        assert (share, exact) == (want, None)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("dtype", "third"), [(torch.float64, 2048), (torch.float32, 1366)],
+                         ids=["float64", "float32"])
+def test_a_sample_that_says_a_compact_save_would_cost_more_saves_whole_at_once(dtype, third):
+    """The sample decides: where its changed share times (8 + element size) bytes reaches
+    the element size (a compact save as big as the whole view: half the sampled positions
+    of float64, a third of float32's), the view is saved whole straight away, whatever the
+    unsampled rest holds; one change fewer in the sample, compact (here just the
+    changes)."""
+    n = 1 << 17
+    seen = (~_outside_the_sample(n)).nonzero().reshape(-1)
+    assert seen.numel() == native._SAMPLE
+    for hits, whole in ((third, True), (third - 1, False)):
+        dest = torch.randn(n, dtype=torch.float64).to(dtype)
+        src = dest.clone()
+        src[seen[:hits]] += 1.0
+        before = dest.clone()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(native, "_threads", lambda: 1)
+            got = native.compare_copy(dest, src, None)
+        assert torch.equal(dest, src) and got.changed == hits
+        if whole:
+            assert got.index is None and torch.equal(got.before, before)
+        else:
+            assert torch.equal(got.index, seen[:hits].sort().values)
+
+
+@needs_compiler
+@pytest.mark.parametrize("cols", [slice(100, 356), slice(None, None, 2)], ids=["slice", "step"])
+def test_a_source_is_walked_by_its_own_strides(cols):
+    """The source's geometry counts as much as the destination's: a contiguous
+    destination fed by a column slice of a wider matrix (its rows further apart) is copied
+    and merged from the slice's elements; a source whose elements are not contiguous
+    within a row is left to torch ops (``None``, nothing written)."""
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(300, 512, generator=g)
+    staged = torch.full_like(wide, float("nan"))
+    staged[::2] = wide[::2]
+    walkable = cols.step is None
+    for src in (wide[:, cols], staged[:, cols]):  # (300 x 256 float32: 300 KiB)
+        assert (native._rows(torch.empty(src.shape), src) is not None) == walkable
+        dest = torch.randn(src.shape, generator=g)
+        dest[::3] = wide[::3, cols]
+        before = dest.clone()
+        if torch.isnan(src).any():
+            got = native.merge(dest, src, save=True)
+            want = torch.where(torch.isnan(src), before, src)
+        else:
+            got = native.compare_copy(dest, src, torch.float32)
+            want = src
+        if walkable:
+            assert torch.equal(dest, want) and got.changed == int((before != want).sum())
+        else:
+            assert got is None and torch.equal(dest, before)
+
+
+def test_rows_skip_dimensions_of_size_one_whatever_their_stride():
+    """A dimension of size one moves nowhere, so its stride (torch keeps whatever a view
+    gave it) does not stop a view from being rows: a row turned into a column, a column
+    slice with a unit dimension moved in."""
+    w = torch.zeros(3, 8)
+    column = w[1:2, 2:6].t()  # (4, 1), strides (1, 8)
+    assert native._rows(column, torch.zeros(4, 1)) == (4, 4, 4)
+    boxed = w[:, 2:6][:, :, None].transpose(1, 2)  # (3, 1, 4), strides (8, 1, 1)
+    assert native._rows(boxed, torch.zeros(3, 1, 4)) == (4, 8, 4)
+    assert native._rows(torch.zeros(2, 1, 3).as_strided((2, 1, 3), (3, 0, 1)),
+                        torch.zeros(2, 1, 3)) == (6, 6, 6)

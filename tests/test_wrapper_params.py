@@ -115,6 +115,8 @@ def test_the_compiled_path_leaves_a_tensor_with_no_memory_of_its_own_to_torch():
     dest = Quantized().w
     assert dest.data_ptr() == 0
     assert native._prepare(dest, torch.ones(4, 4)) is None
+    assert native._prepare(torch.zeros(4, 4), dest) is None  # (nor as the source)
+    assert native.compare_copy(torch.zeros(4, 4), dest, torch.float32) is None
     if native._library() is not None:  # (and a plain one of the same shape goes to C)
         assert native._prepare(torch.zeros(4, 4), torch.ones(4, 4)) is not None
 
