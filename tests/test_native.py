@@ -747,6 +747,7 @@ def test_a_cache_folder_that_cannot_be_written_builds_in_the_temporary_folder(
     assert native.compare_copy(dest, src, torch.float32).changed == len(at)
     assert not list(fresh_build.glob("*.so"))
     assert [p.name for p in temporary.iterdir()] == [folder.name]
+    assert folder.stat().st_mode & 0o777 == 0o700, "a folder made for the build is this user's"
     # A script run from the temporary folder (``cd /tmp``) still imports patchkit itself:
     # a folder named ``patchkit`` there would be imported instead, as an empty namespace
     # package, where patchkit is installed in editable mode (as ``make`` installs it).
@@ -2048,3 +2049,42 @@ def test_rows_skip_dimensions_of_size_one_whatever_their_stride():
     assert native._rows(boxed, torch.zeros(3, 1, 4)) == (4, 8, 4)
     assert native._rows(torch.zeros(2, 1, 3).as_strided((2, 1, 3), (3, 0, 1)),
                         torch.zeros(2, 1, 3)) == (6, 6, 6)
+
+
+def test_a_failed_build_says_the_compilers_last_error_line(fresh_build, tmp_path):
+    """The status of a failed build quotes the compiler's last line on stderr (where
+    compilers put the error that stopped them, after the notes that lead to it), and
+    ``(no message)`` for a compiler that said nothing."""
+    cc = tmp_path / "cc-that-fails"
+    cc.write_text("#!/bin/sh\necho 'a note: in a file included from x.h' >&2\n"
+                  "echo 'error: the last line' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    for compiler, says in ((str(cc), "error: the last line"), ("false", "(no message)")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CC", compiler)
+            native._reset_for_tests()
+            assert native.status() == f"torch ops (compiling _native.c failed: {says})"
+
+
+def test_no_writable_folder_for_the_build_means_torch_ops(fresh_build, monkeypatch, tmp_path):
+    """Neither the cache folder nor the temporary folder's fallback can be written: no
+    build, torch ops, and the status names both folders."""
+    import tempfile
+
+    making = tempfile.mkstemp
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    fallback = temporary / f"patchkit-native-{os.getuid()}"
+
+    def refuse(*args, dir=None, **kw):
+        if dir is not None and Path(dir) in (fresh_build, fallback):
+            raise PermissionError(13, "Read-only file system", str(dir))
+        return making(*args, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(temporary))
+    assert native.status() == (
+        f"torch ops (no writable folder for the build ({fresh_build}, {fallback}))"
+    )
+    assert native.compare_copy(torch.zeros(4), torch.ones(4), None) is None
+    assert not list(fresh_build.glob("*.so")) and not list(fallback.glob("*"))
