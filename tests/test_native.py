@@ -2088,3 +2088,34 @@ def test_no_writable_folder_for_the_build_means_torch_ops(fresh_build, monkeypat
     )
     assert native.compare_copy(torch.zeros(4), torch.ones(4), None) is None
     assert not list(fresh_build.glob("*.so")) and not list(fallback.glob("*"))
+
+
+def test_memory_handed_over_through_two_storage_objects_is_lent_once():
+    """Two storage objects over the same memory (``torch.from_numpy`` of one array twice)
+    are one buffer: lent to one save, never to two at once."""
+    import numpy as np
+
+    array = np.zeros(2 * native._REUSE_MIN, dtype=np.uint8)
+    one, other = (torch.from_numpy(array).untyped_storage() for _ in range(2))
+    assert one is not other and one.data_ptr() == other.data_ptr()
+    n = native._REUSE_MIN // 4 * 2  # float32 elements in 2 * _REUSE_MIN bytes
+    with native.reusing([one, other]):
+        first = native._empty(n, torch.float32)
+        second = native._empty(n, torch.float32)
+    assert first.data_ptr() == one.data_ptr()
+    assert second.data_ptr() != one.data_ptr(), "one buffer lent to two saves"
+
+
+def test_reusing_blocks_nest():
+    """An inner ``reusing`` block lends its own storages; when it ends the outer block's
+    pool is back (what it had not lent yet), and after the outer block nothing is lent."""
+    size = 2 * native._REUSE_MIN
+    outer = [torch.empty(size, dtype=torch.uint8).untyped_storage() for _ in range(2)]
+    inner = torch.empty(size, dtype=torch.uint8).untyped_storage()
+    with native.reusing(outer):
+        assert native._empty(size, torch.uint8).data_ptr() == outer[0].data_ptr()
+        with native.reusing([inner]):
+            assert native._empty(size, torch.uint8).data_ptr() == inner.data_ptr()
+        assert native._empty(size, torch.uint8).data_ptr() == outer[1].data_ptr()
+    got = native._empty(size, torch.uint8).data_ptr()
+    assert got not in {st.data_ptr() for st in [*outer, inner]}
