@@ -2119,3 +2119,27 @@ def test_reusing_blocks_nest():
         assert native._empty(size, torch.uint8).data_ptr() == outer[1].data_ptr()
     got = native._empty(size, torch.uint8).data_ptr()
     assert got not in {st.data_ptr() for st in [*outer, inner]}
+
+
+@needs_compiler
+def test_disabled_blocks_nest():
+    """The compiled path stays off until the outermost ``disabled`` block ends."""
+    with native.disabled():
+        with native.disabled():
+            pass
+        assert native.compare_copy(torch.zeros(4), torch.ones(4), None) is None
+    assert native.compare_copy(torch.zeros(4), torch.ones(4), None) is not None
+
+
+@needs_compiler
+def test_a_build_for_another_cpu_is_not_loaded(fresh_build, monkeypatch):
+    """The cache key names the CPU's features: a cache folder shared with a machine of
+    another CPU (a home folder on several machines) holds a build per CPU, and each
+    machine loads its own."""
+    assert native.status().startswith("compiled")
+    (first,) = fresh_build.glob("native-*.so")
+    monkeypatch.setattr(native, "_cpu_id", lambda: "flags : another cpu's features")
+    native._reset_for_tests()
+    assert native.status().startswith("compiled")
+    (second,) = set(fresh_build.glob("native-*.so")) - {first}
+    assert native.status().startswith(f"compiled ({second}; ")
