@@ -21,6 +21,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_loader.py
 	$(PY) benchmarks/bench_inspect.py
 	$(PY) benchmarks/bench_build.py
+	$(PY) benchmarks/bench_scaling.py
 
 # Re-execute the tutorial notebooks in place (when a change to their story is intended).
 notebooks: $(STAMP)

@@ -317,6 +317,8 @@ def test_tour_result_ok_is_documented():
         ("bench_build.py",
          ["patchkit ms", "one-shot ms", "ratio", "patchkit peak MiB", "one-shot peak MiB",
           "patch MiB"], 2, []),
+        ("bench_scaling.py",
+         ["case", "n", "plain ms", "report ms", "report / plain", "growth"], 8, []),
         ("bench_inspect.py",
          ["plain ms", "report ms", "ratio", "reuse ms", "torch-ops report ms", "written MiB",
           "changed MiB"],
