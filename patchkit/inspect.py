@@ -2641,8 +2641,15 @@ def _build_report(
         if r["target"] in heirs:  # (the row of the original tensor: its name now)
             r["target"] = heirs[r["target"]]
     if rebound:
+        # (each rebound tensor reads the saves of its original storage only, grouped
+        # once: each going through every save made a load of one rebinding per call
+        # quadratic in its saves)
+        by_storage: dict[tuple, list[SavedRegion]] = {}
+        for s in saved:
+            by_storage.setdefault(s.region.key, []).append(s)
         delta_rows = [r for r in delta_rows if r["target"] not in rebound] + [
-            _rebound_row(n, originals[n], t, saved) for n, t in rebound.items()
+            _rebound_row(n, originals[n], t, by_storage.get(_storage_key(originals[n]), []))
+            for n, t in rebound.items()
             # (a dry run's tensor, then or now, holds no numbers: no deltas row)
             if not (t.is_meta or originals[n].is_meta)
         ]

@@ -2244,6 +2244,12 @@ class WriteSession:
         # _forget_measured).
         self._measured: dict[tuple, _RegionIndex] = {}
         self._saved_regions: set[Region] = set()
+        # The saves by the id of the tensor they were saved through (the view, alive in
+        # the save), for _note_rebinding: indexed up to _by_view_upto of ``saved``, as
+        # the saves come (a list that ``saved`` no longer is is indexed anew).
+        self._by_view: dict[int, list[SavedRegion]] = {}
+        self._by_view_of: list[SavedRegion] | None = None
+        self._by_view_upto = 0
         self._sparse = False
         self._nan_masked = False
         self.violations: list[ContractViolation] = []
@@ -2539,13 +2545,17 @@ class WriteSession:
         # A save whose view was a Parameter this call rebound (``param.copy_(t)`` before
         # ``param.data = w``) now reads the new storage: point it at the original one,
         # where it was written.
+        # (the saves are found by the id of their view, indexed as they come: going
+        # through every save after each call that rebinds made a load of one rebinding
+        # per call quadratic in its saves)
         moved = {id(t): self._bindings[n] for n, t in rebound.items() if n in new}
         if moved:
-            for s in self.saved:
-                original = moved.get(id(s.view))
-                if original is not None:
+            by_view = self._saves_by_view()
+            for key, original in moved.items():
+                for s in by_view.pop(key, ()):
                     s.view = original
                     s.__dict__.pop("region", None)  # (a cached_property of the view)
+                    by_view.setdefault(id(original), []).append(s)
         for name, t in new.items():
             # (.data, not detach(): a Parameter made in inference mode and rebound outside
             # it holds data whose detach() raises "Inference tensors do not track version
@@ -2562,6 +2572,19 @@ class WriteSession:
                 changed = t.numel()
             self._call_writes += 1
             self._record("rebind", t, name, 0, t, changed)
+
+    def _saves_by_view(self) -> dict[int, list[SavedRegion]]:
+        """:attr:`saved` by the id of each save's view (which the save keeps alive), in
+        save order: the saves made since the last look are added to the index, which is
+        made anew where :attr:`saved` is another list or shorter than what was indexed."""
+        saved = self.saved
+        if saved is not self._by_view_of or self._by_view_upto > len(saved):
+            self._by_view, self._by_view_of, self._by_view_upto = {}, saved, 0
+        by_view = self._by_view
+        for s in itertools.islice(saved, self._by_view_upto, None):
+            by_view.setdefault(id(s.view), []).append(s)
+        self._by_view_upto = len(saved)
+        return by_view
 
     def _bound_ptrs(self) -> list[int]:
         """The data pointers of the load's bindings, in the order of the index's tensors:
@@ -3719,6 +3742,7 @@ class WriteSession:
         self.saved.clear()
         self._measured.clear()
         self._saved_regions.clear()
+        self._by_view.clear()
 
 
 # How many rollbacks (WriteSession.restore) this process began: a report that observes

@@ -617,3 +617,72 @@ def test_a_load_rebinding_one_tensor_per_call_looks_at_each_rebinding_once(
     # (each earlier rebinding looked at again after every call: 4 times as many storage
     # keys per tensor for 4 times the tensors)
     assert per_tensor[64] == per_tensor[16], per_tensor
+
+
+class _WritesThenRebinds(torch.nn.Module):
+    """``n`` small parameters and a buffer of 4 rows per parameter: each call writes its
+    parameter's rows of the buffer one by one, copies into the parameter itself (a save
+    whose view is the Parameter), then rebinds it (``param.data = w``)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("big", torch.zeros(4 * n, 3))
+        for i in range(n):
+            self.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(2, 2),
+                                                                 requires_grad=False))
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            k = int(name[1:])
+            for r in range(4):
+                self.big[4 * k + r].fill_(float(k + 1))
+            p = getattr(self, name)
+            p.copy_(w + 100)
+            p.data = w.clone()
+        return {n for n, _ in weights}
+
+
+def test_a_load_rebinding_after_its_saves_finds_the_rebound_saves_by_view(monkeypatch):
+    # After each call that rebound a tensor, every save of the load so far was gone
+    # through to find those made through the rebound Parameter, and the report then went
+    # through every save again for each rebound tensor's before-values: quadratic in the
+    # saves (2000 calls of 32 row writes and a rebinding took 24 s to report, 7.5 s for
+    # 1000). Now the saves are found by their view's id and their storage, and the count
+    # per tensor of both stays flat.
+    ids = collections.Counter()
+    looked = collections.Counter()
+
+    def counted_id(obj):
+        ids["n"] += 1
+        return id(obj)
+
+    original = pk_inspect._sharing
+
+    def sharing(saved, t, _original=original):
+        looked["n"] += len(saved)
+        return _original(saved, t)
+
+    monkeypatch.setattr(pk_intercept, "id", counted_id, raising=False)
+    monkeypatch.setattr(pk_inspect, "_sharing", sharing)
+    per_tensor = {}
+    for n in (8, 32):
+        model = _WritesThenRebinds(n)
+        patches = [CheckpointWeightPatch(f"p{i}", (2, 2), torch.float32,
+                                         torch.arange(4.0) + i) for i in range(n)]
+        ids.clear()
+        looked.clear()
+        r = inspect_load(model, patches, max_chunk_bytes=16)
+        per_tensor[n] = (ids["n"] / n, looked["n"] / n)
+        assert len(r.calls) == n
+        assert r.deltas.loc["big", "changed"] == 12 * n
+        for i in range(n):
+            assert torch.equal(getattr(model, f"p{i}").view(-1), torch.arange(4.0) + i)
+            # (the copy into the Parameter before its rebinding wrote the original)
+            assert torch.equal(r.before(f"p{i}"), torch.zeros(2, 2))
+            assert r.deltas.loc[f"p{i}", "elements"] == 4
+        assert torch.equal(r.before("big"), torch.zeros(4 * n, 3))
+    # (every save gone through after each call and for each rebound tensor: 4 times as
+    # many per tensor for 4 times the tensors; the ids per tensor shrink a little with
+    # more tensors, the load's own few spread over more)
+    assert per_tensor[32][1] == per_tensor[8][1], per_tensor
+    assert per_tensor[32][0] <= per_tensor[8][0], per_tensor
