@@ -2576,7 +2576,10 @@ class WriteSession:
     def _saves_by_view(self) -> dict[int, list[SavedRegion]]:
         """:attr:`saved` by the id of each save's view (which the save keeps alive), in
         save order: the saves made since the last look are added to the index, which is
-        made anew where :attr:`saved` is another list or shorter than what was indexed."""
+        made anew where :attr:`saved` is another list or shorter than what was indexed.
+        (A save leaves the list in place only in :meth:`_refused_after_writing`: its op's
+        own, made in the call under way, so after every save indexed, which this reads
+        at a call's end.)"""
         saved = self.saved
         if saved is not self._by_view_of or self._by_view_upto > len(saved):
             self._by_view, self._by_view_of, self._by_view_upto = {}, saved, 0
