@@ -253,6 +253,10 @@ def run_load(
             if dropped:
                 absorbing = {alias_of[name] for name in dropped}
                 renamed.update(p for p in positions if by_position[p].name in absorbing)
+            aliases_of: dict[str, list[str]] = {}  # first name -> its aliases, in order
+            if renamed:  # (built once: a scan of every alias per checked patch was quadratic)
+                for alias, first in alias_of.items():
+                    aliases_of.setdefault(first, []).append(alias)
             finished = False  # the saves are let go: no rollback can run from here
             try:
                 for chunk in chunks:
@@ -272,7 +276,7 @@ def run_load(
                         if renamed:
                             _warn_if_renamed_not_loaded(
                                 sorted(renamed.intersection(chunk.positions)), patches,
-                                by_position, returned, alias_of, dropped)
+                                by_position, returned, alias_of, aliases_of, dropped)
                     del staged
                 if transactional and session is not None and not save_regions:
                     # A signal after the last call (until here) rolls the load back, as any
@@ -573,7 +577,7 @@ def _staged(
 def _warn_if_renamed_not_loaded(
     positions: Sequence[int], patches: Sequence[CheckpointWeightPatch],
     sent: dict[int, CheckpointWeightPatch], returned: set[str], alias_of: dict[str, str],
-    dropped: set[str],
+    aliases_of: dict[str, list[str]], dropped: set[str],
 ) -> None:
     """[patchkit] Warn for each patch at ``positions`` (of this call) that CONTRACT §6
     renamed (``sent``) to its tied Parameter's first registered name, or that names that
@@ -582,12 +586,19 @@ def _warn_if_renamed_not_loaded(
     of that Parameter: a loader that skips the name it was sent
     (vLLM's skip ``lm_head.weight`` when the embedding is tied; a model that registers
     ``lm_head`` first makes that the canonical name) leaves the update unwritten, and
-    says so only by what it returns."""
+    says so only by what it returns. ``aliases_of``: each first name's aliases, as
+    ``alias_of`` has them (built once per load, so a load checking many patches against
+    many aliases does not scan every alias for each)."""
+    returned_first: set[str] | None = None  # the first names of what was returned
     for pos in positions:
         name, asked = sent[pos].name, patches[pos].name
-        aliases = [a for a, first in alias_of.items() if first == name]
-        if returned.intersection([name, *aliases]):
+        if name in returned:
             continue
+        if returned_first is None:
+            returned_first = {alias_of.get(r, r) for r in returned}
+        if name in returned_first:
+            continue
+        aliases = aliases_of.get(name, [])
         how = (f"was sent as {name!r}, the first registered name of the tied Parameter it "
                "names (CONTRACT §6)" if name != asked else
                f"names the tied Parameter whose patch under "

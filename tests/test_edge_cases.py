@@ -2070,6 +2070,49 @@ def test_a_dropped_alias_of_another_dtype_is_named_in_a_warning():
         patchkit.load_checkpoint_weight_patches(m, patches)
 
 
+class _ManyTied(nn.Module):
+    """``n`` parameters, each registered as ``t{i}`` (its first name: a module's own
+    parameters come before its children's) and in ``ws``; its loader writes nothing and
+    returns the names it was sent."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.ws = nn.ParameterList(
+            [nn.Parameter(torch.zeros(2), requires_grad=False) for _ in range(n)])
+        for i in range(n):
+            setattr(self, f"t{i}", self.ws[i])
+
+    def load_weights(self, weights):
+        return {name for name, _ in weights}
+
+
+def test_a_load_dropping_many_tied_aliases_reads_the_alias_map_once(monkeypatch):
+    # (each patch of a first name whose alias patch was dropped scanned every alias after
+    # its call, to see whether the loader returned one: 8 k tied pairs took 1.2 s)
+    import warnings
+
+    from patchkit import loader
+
+    n = 64
+    read: list[str] = []
+
+    class Counted(dict):
+        def items(self):
+            for kv in super().items():
+                read.append(kv[0])
+                yield kv
+
+    real = loader._tied_aliases
+    monkeypatch.setattr(loader, "_tied_aliases", lambda model: Counted(real(model)))
+    patches = [CWP(f"{pre}{i}", (2,), torch.float32, torch.ones(2))
+               for pre in ("t", "ws.") for i in range(n)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert patchkit.load_checkpoint_weight_patches(_ManyTied(n), patches) == {
+            f"t{i}" for i in range(n)}
+    assert len(read) <= n  # (each alias once; n * n before)
+
+
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_a_transactional_report_keeps_the_deltas_a_plain_one_has(kind):
     # (a report saves every written region; a transactional load that succeeds lets its
