@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import itertools
 import os
 import sys
 import threading
@@ -527,9 +528,13 @@ def _warn_if_dropped_differs(
     of ``p``'s name came before it. The canonical patch of that rank is compared first:
     a tensor and its tied copy split alike (``split_patch``) match part for part, so a
     load of such parts makes one comparison per part, not one per pair."""
-    first = [same[rank]] if rank < len(same) else []
     compared = True
-    for j in dict.fromkeys([*first, *same]):
+    if rank < len(same):  # (the rest only when it differs: no copy of ``same`` per part)
+        first = same[rank]
+        order: Iterable[int] = itertools.chain((first,), (j for j in same if j != first))
+    else:
+        order = same
+    for j in order:
         same_content = _same_content(p, patches[j])
         if same_content:
             return
