@@ -10,8 +10,8 @@ from collections.abc import Iterator, Mapping
 import torch
 
 __all__ = ["bits", "block_size", "changed_mask", "count_true", "device_passes", "difference",
-           "has_numbers", "host_waits", "per_element", "same_bits", "same_state", "select",
-           "squares_on_device", "sum_squares"]
+           "has_numbers", "host_waits", "nan_mask", "per_element", "same_bits", "same_state",
+           "select", "squares_on_device", "sum_squares"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # The unsigned types wider than a byte have no index kernels in torch (index_select,
@@ -40,6 +40,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
         # (the bits* dtypes too: torch has no comparison kernels for them)
         return t.view(_INT_OF_SIZE[t.element_size()])
     return t
+
+
+def nan_mask(t: torch.Tensor) -> torch.Tensor:
+    """``torch.isnan(t)``, float8 included: a one-byte float is read through float32
+    (float8's own ``isnan`` came in torch 2.7, and patchkit supports 2.4)."""
+    return torch.isnan(t if t.element_size() > 1 else t.float())
 
 
 @functools.cache

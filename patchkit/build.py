@@ -32,7 +32,15 @@ from typing import Literal
 
 import torch
 
-from .bitwise import _not_plain, bits, changed_mask, count_true, has_numbers, select
+from .bitwise import (
+    _not_plain,
+    bits,
+    changed_mask,
+    count_true,
+    has_numbers,
+    nan_mask,
+    select,
+)
 from .density import _is_int, grid_shape
 from .errors import PatchTypeError, PatchValueError, where
 from .patch import (
@@ -410,9 +418,7 @@ def sparse_patches_from_diff(
                 # gathered through the mask (row-major, as ``part``), as same-width
                 # integers, which every dtype has: no contiguous copy of the piece
                 values = bits(pa)[shown].view(pa.dtype)
-            # (float8's isnan came after torch 2.4: read through float32, as the loader does)
-            n_nan += int(torch.isnan(values if values.element_size() > 1
-                                     else values.float()).sum())
+            n_nan += int(nan_mask(values).sum())
             value_parts.append(values)
             idx_parts.append((part + lo if lo else part).to(idx_dtype))
         if nnz == 0:
@@ -718,9 +724,7 @@ def split_patch(
         )
     n = numel(patch)
     # (meta values hold no numbers, as for the loader's checks: a dry run's split)
-    cast = values.to(dtype)  # (float8 read through float32 for isnan, as above)
-    cast_nan = int(torch.isnan(cast if cast.element_size() > 1 else cast.float()).sum()
-                   ) if n and not values.is_meta else 0
+    cast_nan = int(nan_mask(values.to(dtype)).sum()) if n and not values.is_meta else 0
     if cast_nan:
         raise PatchValueError(
             f"{where(None, name)}: {cast_nan} values are NaN (as {dtype}); NaN cannot be sent "

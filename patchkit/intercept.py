@@ -61,6 +61,7 @@ from .bitwise import (
     count_true,
     has_numbers,
     host_waits,
+    nan_mask,
     per_element,
     select,
     squares_on_device,
@@ -1827,8 +1828,7 @@ def _owner_span(t: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, int
 def _lost_in_cast(src: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
     """Where ``cast`` (``src`` cast to another dtype, on its device) is NaN and ``src``
     is not: a number the cast made NaN."""
-    return torch.isnan(cast if cast.element_size() > 1 else cast.float()) & ~torch.isnan(
-        src if src.element_size() > 1 else src.float())
+    return nan_mask(cast) & ~nan_mask(src)
 
 
 def _weak_storage(t: torch.Tensor) -> Any:
@@ -2978,13 +2978,13 @@ class WriteSession:
                         # torch op shows it (through numpy, say). Where it wrote is where
                         # the source (as the merge read it, nothing ran since) is not NaN.
                         fast.index = _storage_offsets(dest, torch.nonzero(
-                            ~torch.isnan(cast if cast.element_size() > 1 else cast.float())
+                            ~nan_mask(cast)
                             .reshape(-1)).reshape(-1))
                         recipe = None
                     return self._merged(op, dest, src, targets[0][1], fast, recipe)
             # True where the source is not NaN: the elements this write changes. One mask
             # serves the merge and the save (a second, inverted one would double it).
-            write = torch.isnan(cast if cast.element_size() > 1 else cast.float())
+            write = nan_mask(cast)
             write.logical_not_()
         # Before the write: save what it may change, and what counting changes needs.
         # A region saved just now holds exactly its current values; only a second write
@@ -3107,7 +3107,7 @@ class WriteSession:
         if patch is not None and patch.indices is None:
             return None, None  # a dense patch's values: a plain copy
         cast = src.to(device=dest.device, dtype=dest.dtype)
-        write = torch.isnan(cast if cast.element_size() > 1 else cast.float()).logical_not_()
+        write = nan_mask(cast).logical_not_()
         if patch is None and bool(write.all()):
             # Not traced to a sparse patch (a cat or gather of one, a renamed one) and no
             # NaN in it: a plain copy. With NaN, it is taken for the NaN-merge as well.
@@ -3545,7 +3545,7 @@ class WriteSession:
             return
         storage = s.as_strided((s.untyped_storage().nbytes() // size,), (1,), 0)
         got = select(storage, off[sel]).to(dtype)  # (float8's indexing: torch 2.10)
-        bad = torch.nonzero(torch.isnan(got if got.element_size() > 1 else got.float()))
+        bad = torch.nonzero(nan_mask(got))
         if not bad.numel():
             return
         k = sel[bad[0, 0]]
@@ -3827,7 +3827,7 @@ def _changed_offsets(flat_mask: torch.Tensor, count: int) -> torch.Tensor:
 
 def _nan_outside(t: torch.Tensor, write: torch.Tensor) -> int:
     """How many elements of ``t`` are NaN where ``write`` is False."""
-    nan = torch.isnan(t if t.element_size() > 1 else t.float())
+    nan = nan_mask(t)
     return int(count_true(nan.logical_and_(write.logical_not())))
 
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, TypeAlias
 import torch
 
 from . import native
-from .bitwise import count_true, host_waits
+from .bitwise import count_true, host_waits, nan_mask
 from .errors import PatchTypeError, PatchValueError, where
 
 __all__ = [
@@ -557,7 +557,7 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
         # become NaN in the cast (float8 "fnuz" types overflow to NaN) and would then
         # silently mean "keep". (A sparse patch's dtype is floating point.)
         cast = values if values.dtype == patch.dtype else values.to(patch.dtype)
-        has_nan = torch.isnan(cast if cast.element_size() > 1 else cast.float()).any()
+        has_nan = nan_mask(cast).any()
     else:
         has_nan = torch.zeros((), dtype=torch.bool, device=device)
     oob = ((idx < 0) | (idx >= n)).any()
