@@ -508,6 +508,7 @@ _SCAN_MAX = 16  # owners of one storage looked through one by one; more are bise
 # loops (``map``) and not as Python ones.
 _DETACH = torch.Tensor.detach
 _DATA_PTR = torch.Tensor.data_ptr
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _IS_CUDA = operator.attrgetter("is_cuda")
 _ATTRIBUTES = operator.attrgetter("__dict__")
 _MODULE_WALK = (
@@ -890,6 +891,25 @@ class RuntimeIndex:
         Compare with :meth:`rebound` after a loader call to notice ``param.data = w``.
         """
         return dict(zip(self.tensors, map(_DETACH, self.tensors.values())))
+
+    def grad_flags(self) -> list[bool]:
+        """Every runtime tensor's ``requires_grad``, in the order of :attr:`tensors` (one
+        C loop: a transactional load reads them beside its :meth:`bindings`, since a
+        loader may turn a flag off, ``p.requires_grad_(False)``, which no write shows)."""
+        return list(map(_REQUIRES_GRAD, self.tensors.values()))
+
+    def restore_grad_flags(self, flags: list[bool]) -> list[str]:
+        """Set each runtime tensor's ``requires_grad`` back to ``flags`` (as
+        :meth:`grad_flags` read them) where it differs; returns the names set back."""
+        now = self.grad_flags()
+        if now == flags:
+            return []
+        back = []
+        for (n, t), was, is_ in zip(self.tensors.items(), flags, now):
+            if was != is_:
+                t.requires_grad_(was)
+                back.append(n)
+        return back
 
     def rebound(self, bindings: dict[str, torch.Tensor],
                 then: list[int] | None = None) -> list[str]:
@@ -2281,6 +2301,8 @@ class WriteSession:
         self.rolled_back = False  # restore() ran (a transactional rollback began)
         # a transactional load's registrations before its first call (its rollback's)
         self.bindings: dict[str, torch.Tensor] | None = None
+        # ... and each runtime tensor's requires_grad then (RuntimeIndex.grad_flags)
+        self.grad_flags: list[bool] | None = None
         # Watched dense calls: runtime tensors the loader rebound (``param.data = w``) or
         # registered anew, by name -> the tensor now (see _note_rebinding).
         self.rebound: dict[str, torch.Tensor] = {}

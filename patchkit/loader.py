@@ -121,8 +121,9 @@ def load_checkpoint_weight_patches(
        put back as they were when the load began, another thread's changes to them
        meanwhile included (serialize loads into one model): a rebound or newly
        registered runtime tensor gets its original back; a name the model did not have
-       is removed; submodules, empty slots such as ``bias=None``, buffers' persistence
-       and the order of names are restored.
+       is removed; submodules, empty slots such as ``bias=None``, buffers' persistence,
+       the order of names and each runtime tensor's ``requires_grad`` (a loader's
+       ``p.requires_grad_(False)``) are restored.
        Should a region fail to be written back, the others still are, and a
        ``RuntimeError`` naming the targets left unrestored propagates instead, with the
        load's own error as its ``__context__``.
@@ -246,6 +247,8 @@ def run_load(
             if transactional and session is not None:
                 # Transactional loads also undo `param.data = w` (no write, nothing saved).
                 session.bindings = session.index.bindings()
+                # (and the requires_grad flags, which a loader may turn: no write shows it)
+                session.grad_flags = session.index.grad_flags()
             # the patches CONTRACT §6 renamed, and those of a canonical name whose alias
             # patch it dropped: each is checked against what its call returned (a loader
             # that skips the canonical name loses the update either way)
@@ -361,7 +364,8 @@ def _roll_back(session: WriteSession, exc: BaseException) -> None:
     they were (tensors registered anew under any of a tied tensor's names, names removed
     or new, submodules replaced); then the storage of tensors whose ``.data`` was
     rebound, and the view (shape, strides, offset) of those the load changed in place
-    (``resize_``, ``unsqueeze_``, ``t_``, an ``out=`` op that resized one); then the saved
+    (``resize_``, ``unsqueeze_``, ``t_``, an ``out=`` op that resized one), and each
+    runtime tensor's ``requires_grad`` where the load turned it; then the saved
     values, each through its view as it was saved. Raises what stops it."""
     registrations_undone = session.index.undo()
     left = session.index.not_undone()
@@ -372,6 +376,8 @@ def _roll_back(session: WriteSession, exc: BaseException) -> None:
     rebound += [n for n in session.index.reshaped(bindings) if n not in rebound]
     for name in rebound:
         session.index.tensors[name].data = bindings[name]
+    if session.grad_flags is not None:  # (p.requires_grad_(False) in load_weights)
+        session.index.restore_grad_flags(session.grad_flags)
     # (a call with no write seen may have rebound or registered a tensor, which this
     # rollback put back; only a report's calls looked, each as it ended)
     tree_changed = (registrations_undone or bool(rebound)) and session.recorder is None

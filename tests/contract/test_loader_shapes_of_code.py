@@ -86,6 +86,32 @@ def test_transactional_load_undoes_the_rebinding_of_an_empty_tensor(load, Patch,
     assert m.e.untyped_storage()._cdata == original.untyped_storage()._cdata
 
 
+class TurnsGradOffThenFails(PlainModel):
+    """Turns each parameter's ``requires_grad`` off, copies into it, then raises."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            p = self.get_parameter(name)
+            p.requires_grad_(False)
+            p.copy_(w)
+        raise Boom("after turning requires_grad off")
+
+
+@pytest.mark.patchkit_only
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_transactional_load_restores_requires_grad(load, Patch, kind):
+    # A flag is no written region, but a rolled-back model that no longer trains a
+    # parameter is not the model the load began with.
+    m = TurnsGradOffThenFails({"w": (4,), "v": (4,)}, fill=1.0)
+    m.w.requires_grad_(True)  # (v stays off: one flag on, one off)
+    patch = (Patch("w", (4,), torch.float32, torch.full((4,), 7.0)) if kind == "dense"
+             else Patch("w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([1])))
+    with pytest.raises(Boom):
+        load(m, [patch], transactional=True)
+    assert m.w.requires_grad and not m.v.requires_grad
+    assert m.w.tolist() == [1.0] * 4
+
+
 class RegistersAnew(torch.nn.Module):
     """A loader that puts a new Parameter (``w``) and a new buffer (``scale``) in place of
     the registered ones instead of copying into them; ``fail_on`` raises afterwards."""
