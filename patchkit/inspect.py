@@ -434,7 +434,10 @@ class LoadReport:
       the whole tensor, whose ``before()`` is the original's; it stands for the writes
       into the new data too, later in that call or in later calls, which get no rows of
       their own: the report watches the storages the model held when the load began,
-      and its ``deltas`` compare the tensor as it ends with the original; a new tensor
+      and its ``deltas`` compare the tensor as it ends with the original (the row's own
+      ``changed`` is counted when the call that rebound it ends: a later call's writes
+      into the new data show in ``deltas`` alone, and that call, where it made no other
+      write, among :meth:`summary`'s ``calls with no write seen``); a new tensor
       registered under a tied tensor's other name unties it, and that name is then a
       target of its own, and where the first name is registered anew or removed the alias that still
       holds the original tensor names it from then on; ``"register"`` for a tensor

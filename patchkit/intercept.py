@@ -2281,6 +2281,10 @@ class WriteSession:
         # which no write was seen: their indices (see _note_if_quiet); and the first one
         # in words, with what it returned
         self.quiet_calls: list[int] = []
+        # A report's quiet call that came while a tensor an earlier call rebound or
+        # registered was in the model: it may have written into that one, unwatched (a
+        # rollback puts that back with the tensor)
+        self.quiet_after_rebinding = False
         self.first_quiet: tuple[str, list[str] | None] | None = None
         # (position, name) of each patch of the call in progress (position None: an
         # observed name that matches no patch)
@@ -2673,6 +2677,8 @@ class WriteSession:
             if self._renamed_or_rebound(names):
                 return
         self.quiet_calls.append(self._chunk)
+        if self.rebound or self.registered:
+            self.quiet_after_rebinding = True
         if self.first_quiet is None:
             where_ = ", ".join(where(p, n) for p, (n, _) in zip(positions, staged))
             self.first_quiet = (f"load_weights (call {self._chunk}, {where_})",

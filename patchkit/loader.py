@@ -379,8 +379,10 @@ def _roll_back(session: WriteSession, exc: BaseException) -> None:
     if session.grad_flags is not None:  # (p.requires_grad_(False) in load_weights)
         session.index.restore_grad_flags(session.grad_flags)
     # (a call with no write seen may have rebound or registered a tensor, which this
-    # rollback put back; only a report's calls looked, each as it ended)
-    tree_changed = (registrations_undone or bool(rebound)) and session.recorder is None
+    # rollback put back; only a report's calls looked, each as it ended: one of those
+    # may still have written, unwatched, into a tensor an earlier call rebound)
+    tree_changed = (registrations_undone or bool(rebound)) and (
+        session.recorder is None or session.quiet_after_rebinding)
     try:
         session.restore()
     except BaseException:
@@ -406,7 +408,10 @@ def _warn_if_quiet_calls(session: WriteSession, exc: BaseException, tree_changed
     made no write the session saw (:attr:`WriteSession.quiet_calls`). What such a call
     wrote, if anything, was written where no interception sees and stays in the model.
     ``tree_changed``: the load rebound or registered a tensor, which the rollback put
-    back, and which a quiet call of a load without a report may have been. Where warnings
+    back, and which a quiet call of a load without a report may have been; or a quiet
+    call (a report's too) came after an earlier call rebound or registered one, and may
+    have written into it (unwatched: the new tensor is no storage the load began with),
+    which the rollback put back with it. Where warnings
     are errors, the warning goes onto ``exc`` as a note (Python 3.11+) instead: the
     load's own error stays the one raised."""
     if session.first_quiet is None:
@@ -415,8 +420,9 @@ def _warn_if_quiet_calls(session: WriteSession, exc: BaseException, tree_changed
     said = "returned None" if returned is None else f"returned {returned!r}"
     more = len(session.quiet_calls) - 1
     others = f" (and {_count(more, 'other call')} alike)" if more else ""
-    unless = (" (unless they rebound or registered tensors, which the rollback put back: "
-              "the load did)" if tree_changed else "")
+    unless = (" (unless they rebound or registered tensors, or wrote into ones an earlier "
+              "call rebound or registered, which the rollback put back: the load did)"
+              if tree_changed else "")
     try:
         warnings.warn(
             f"the rollback put back every write it saw, but {call} {said} without a write "
