@@ -759,8 +759,12 @@ class LoadReport:
         Dense writes count their whole view; NaN-merged (sparse) writes count only the
         elements their source did not keep. After a rollback that put the tensor back
         (``rolled_back``), all False: the model holds none of the load's values there
-        (the ``writes`` table still lists what the load did before it failed). Raises
-        ``ValueError`` once the report was passed to a later load as ``reuse=``.
+        (the ``writes`` table still lists what the load did before it failed). Read
+        against the tensor as the model holds it now, as :meth:`before` is: once
+        ``target`` is bound to other storage after the load (``param.data = w``, another
+        load's rebinding), the mask is shaped like that tensor and all False (the
+        ``deltas`` row keeps the load's count). Raises ``ValueError`` once the report was
+        passed to a later load as ``reuse=``.
         """
         self._check_saves()
         self._check_numbers(target)

@@ -1960,9 +1960,13 @@ def plot_delta(
     contiguous. Those read the model as it is now, while the title's numbers
     (``report.deltas``) are the load's: when the written elements whose bits differ now
     are not as many as the load changed, or their largest finite |Δ| is not the load's
-    ``max_abs`` (the model changed since, e.g. another load), the title says so in a line
+    ``max_abs`` to within 1e-5 relative (the precision of the load's own bfloat16
+    measure; the model changed since, e.g. another load), the title says so in a line
     of its own ("the model changed after this load ..."). A change that keeps both goes
-    unnoticed. Row and column ticks are whole numbers. The title names the tensor as
+    unnoticed: one to elements the load wrote without changing them, or never wrote
+    (:meth:`LoadReport.before` reads those from the model now, so they draw as Δ 0),
+    one that leaves the largest |Δ| and the count of changed elements as they were, and
+    one too small to move that largest |Δ| by 1e-5 of it. Row and column ticks are whole numbers. The title names the tensor as
     written (no mathtext), cut to its tail after ``…`` when the line would not fit, the
     numbers then on a line of their own.
 
