@@ -121,7 +121,15 @@ from .intercept import (
     named_tensors,
     rollbacks,
 )
-from .loader import _canonicalized, _names, _read_names, _roll_back, collector_paused, run_load
+from .loader import (
+    _canonicalized,
+    _names,
+    _read_names,
+    _roll_back,
+    collector_paused,
+    refuse_model_class,
+    run_load,
+)
 from .patch import (
     CheckpointWeightPatch,
     PatchLike,
@@ -1374,6 +1382,7 @@ def inspect_load(
         )
     if loader is not None:
         _check_loader_call(loader, transactional)
+    refuse_model_class(model)
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "load_weights", None)):
         raise PatchTypeError(
             f"model {type(model).__name__} is not a torch.nn.Module with a "

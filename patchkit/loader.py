@@ -153,6 +153,19 @@ def load_checkpoint_weight_patches(
     )
 
 
+def refuse_model_class(model: object) -> None:
+    """:class:`~patchkit.errors.PatchTypeError` (reason ``"model is a class"``, value
+    the class's name) when ``model`` is a class, ``MyModel`` where ``MyModel(...)`` was
+    meant: its methods are there, unbound, so it would pass for a module until the
+    first of them is called without ``self``."""
+    if isinstance(model, type):
+        raise PatchTypeError(
+            f"model {model.__name__} is a class, not a model: pass an instance of it "
+            f"({model.__name__}(...))",
+            reason="model is a class", value=model.__name__,
+        )
+
+
 def run_load(
     model: torch.nn.Module,
     patches: Iterable[PatchLike],
@@ -189,6 +202,7 @@ def run_load(
         )
         if kind is None:
             return set()
+        refuse_model_class(model)
         lacks = [a for a in _MODULE_API if not callable(getattr(model, a, None))]
         if lacks and not isinstance(model, torch.nn.Module):
             # (its tensors are found as a module's: tied names, a sparse load's watch; a

@@ -1034,3 +1034,38 @@ def test_a_sparse_patch_of_an_empty_shape_with_several_indices_is_out_of_range(i
     with pytest.raises(PatchValueError) as e:
         validate_patches([p])
     assert (e.value.reason, e.value.value) == ("out-of-range", indices[0])
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse", "transactional", "inspect"])
+def test_a_model_class_passed_for_a_model_is_refused_naming_the_class(kind):
+    # load_checkpoint_weight_patches(MyModel, ...) (the class, not an instance) passed the
+    # module check, whose methods a class has too, unbound, and failed with torch's bare
+    # "named_parameters() missing 1 required positional argument: 'self'"; inspect_load
+    # said "model type is not a torch.nn.Module"
+    class MyModel(torch.nn.Module):
+        calls = 0
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4))
+
+        def load_weights(self, weights):
+            MyModel.calls += 1
+            return {n for n, _ in weights}
+
+    if kind == "sparse":
+        p = CWP("w", (4,), torch.float32, torch.ones(1), torch.tensor([2]))
+    else:
+        p = CWP("w", (4,), torch.float32, torch.ones(4))
+    if kind == "inspect":
+        pytest.importorskip("pandas")
+        run = lambda: patchkit.inspect_load(MyModel, [p])  # noqa: E731
+    else:
+        run = lambda: patchkit.load_checkpoint_weight_patches(  # noqa: E731
+            MyModel, [p], transactional=kind == "transactional")
+    with pytest.raises(TypeError, match=r"model MyModel is a class, not a model: pass an "
+                                        r"instance of it \(MyModel\(\.\.\.\)\)") as info:
+        run()
+    e = info.value
+    assert isinstance(e, patchkit.PatchTypeError)
+    assert (e.reason, e.value, MyModel.calls) == ("model is a class", "MyModel", 0)
