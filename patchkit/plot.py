@@ -364,7 +364,8 @@ def _check_count(value: object, what: str, fn: str, most: int | None = None) -> 
 def _as_patch(patch: Any, fn: str, position: int | None = None) -> Any:
     """``patch`` as a patch record (a plain 5-tuple ``(name, shape, dtype, values,
     indices)`` becomes a :class:`CheckpointWeightPatch`, as a load takes it); else
-    ``TypeError`` naming the argument."""
+    :class:`~patchkit.errors.PatchTypeError` (a ``TypeError``) naming the argument, with
+    ``position`` and ``reason`` ``"not a patch"``."""
     patch = _as_record(patch)
     if not all(hasattr(patch, f) for f in CheckpointWeightPatch._fields):
         at = "patch" if position is None else f"patch {position}"
@@ -372,8 +373,9 @@ def _as_patch(patch: Any, fn: str, position: int | None = None) -> Any:
             "; to draw a patch of a report by name use report.plot_density(name)"
             if isinstance(patch, str) else ""
         )
-        raise TypeError(
-            f"{fn}: {at} must be a CheckpointWeightPatch, got {_what(patch)}{hint}"
+        raise PatchTypeError(
+            f"{fn}: {at} must be a CheckpointWeightPatch, got {_what(patch)}{hint}",
+            position=position, reason="not a patch", value=type(patch).__name__,
         )
     return patch
 

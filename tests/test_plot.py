@@ -2120,3 +2120,19 @@ def test_placement_draws_a_tensor_named_twice_once():
     fig = plot_placement(report, targets=["qkv", "o", "qkv"])
     titles = [ax.get_title() for ax in fig.axes[1::2]]
     assert len(titles) == 2 and titles[0].startswith("runtime qkv") and "runtime o" in titles[1]
+
+
+def test_an_item_that_is_no_patch_is_patchkits_type_error_naming_its_position():
+    # plot_chunks/plot_density/chunk_planner refused a non-patch with a bare TypeError
+    # (no .position, .reason, .value), where the loader, density_map and the same
+    # functions' state-dict check raise PatchTypeError
+    from patchkit import PatchTypeError
+
+    p = CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(4))
+    with pytest.raises(PatchTypeError, match=r"plot_chunks: patch 1 must be") as info:
+        plot_chunks([p, 5])
+    assert (info.value.position, info.value.reason, info.value.value) == (1, "not a patch", "int")
+    with pytest.raises(PatchTypeError, match=r"plot_density: patch must be") as info:
+        plot_density("w")
+    e = info.value
+    assert (e.position, e.reason, e.value) == (None, "not a patch", "str")
