@@ -1968,9 +1968,9 @@ def plot_delta(
     unnoticed: one to elements the load wrote without changing them, or never wrote
     (:meth:`LoadReport.before` reads those from the model now, so they draw as Δ 0),
     one that leaves the largest |Δ| and the count of changed elements as they were, and
-    one too small to move that largest |Δ| by 1e-5 of it. Row and column ticks are whole numbers. The title names the tensor as
-    written (no mathtext), cut to its tail after ``…`` when the line would not fit, the
-    numbers then on a line of their own.
+    one too small to move that largest |Δ| by 1e-5 of it. Row and column ticks are whole
+    numbers. The title names the tensor as written (no mathtext), cut to its tail after
+    ``…`` when the line would not fit, the numbers then on a line of their own.
 
     A tied alias (``lm_head.weight`` where it is the embedding's Parameter) draws the
     tensor it is tied to, as :meth:`LoadReport.before` reads it; the title gives both
