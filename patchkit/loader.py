@@ -17,7 +17,7 @@ import torch
 
 from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
-from .errors import ContractViolation, PatchTypeError, PatchValueError, where
+from .errors import ContractViolation, PatchError, PatchTypeError, PatchValueError, where
 from .intercept import (
     _DEFERRAL,
     RuntimeIndex,
@@ -97,7 +97,11 @@ def load_checkpoint_weight_patches(
        ``_disable_current_modes()``, ``torch._C._DisableTorchDispatch()``), are not seen:
        a sparse load's NaN can then reach the model.
     5. ``transactional=False`` (the default, as in vLLM): a loader failure leaves the
-       writes made so far in place and propagates unchanged. **[patchkit]**
+       writes made so far in place and propagates unchanged (**[patchkit]** an error the
+       model's ``load_weights`` raised, its own ``KeyError`` for a name it lacks, torch's
+       for a shape, gets a note on Python 3.11+ naming the call and the patches it was
+       sent: ``(raised in load_weights call 1, sent patch 3 ('x'))``; patchkit's own
+       errors name their patch already). **[patchkit]**
        ``transactional=True``: every runtime region is saved before its first write, and
        any exception restores them all bit for bit before it propagates, a signal's too
        (Ctrl-C, a SIGTERM handler that raises): on the main thread a signal that comes
@@ -280,7 +284,11 @@ def run_load(
                 for chunk in chunks:
                     staged = _staged(chunk, by_position)
                     if session is None:
-                        returned = _names(load_weights(staged), chunk)
+                        try:
+                            returned = _names(load_weights(staged), chunk)
+                        except BaseException as exc:
+                            _note_the_call(exc, chunk)
+                            raise
                     else:
                         with session.call(
                             chunk.index, staged, chunk.positions, sparse=sparse,
@@ -288,7 +296,11 @@ def run_load(
                         ) as r:
                             # Read the names inside the interception: a generator-function
                             # loader does its copies only while it is iterated.
-                            r.returned = returned = _names(load_weights(staged), chunk)
+                            try:
+                                r.returned = returned = _names(load_weights(staged), chunk)
+                            except BaseException as exc:
+                                _note_the_call(exc, chunk)
+                                raise
                     if returned is not None:
                         loaded.update(returned)
                         if renamed:
@@ -576,6 +588,23 @@ def _warn_if_dropped_differs(
         UserWarning,
         stacklevel=_outside_patchkit(),
     )
+
+
+def _note_the_call(exc: BaseException, chunk: Chunk) -> None:
+    """Add to an error the model's ``load_weights`` raised (its own ``KeyError`` for a
+    name it lacks, torch's for a shape it cannot take, a Ctrl-C) a note (Python 3.11+)
+    naming the call and the patches it was sent: ``"(raised in load_weights call 2, sent
+    patch 4 ('a'), patch 5 ('b'))"``, the first three and how many more. The error is
+    otherwise as raised. patchkit's own errors (a :class:`~patchkit.errors.PatchError`:
+    a write refused inside the call, a return value outside the contract) name their
+    patch already and get none."""
+    if isinstance(exc, PatchError) or not hasattr(exc, "add_note"):
+        return
+    parts = [where(p if p >= 0 else None, n)
+             for p, n in zip(chunk.positions[:3], chunk.names)]
+    more = len(chunk.positions) - 3
+    sent = ", ".join(parts) + (f" and {more} more" if more > 0 else "")
+    exc.add_note(f"(raised in load_weights call {chunk.index}, sent {sent})")
 
 
 def _staged(

@@ -33,6 +33,61 @@ def test_a_patch_whose_staging_runs_out_of_memory_is_named_in_the_error(inspect)
         assert info.value.report.calls["names"].tolist() == [("a",)]
 
 
+class _KnowsOnly(PlainModel):
+    """A model's own loader, strict as most are: a name it lacks is its own KeyError, and
+    a shape it cannot take torch's RuntimeError; neither names the call or the patches."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            self._parameters[name].data.copy_(w)  # (KeyError for an unknown name)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
+@pytest.mark.parametrize("how", ["dense", "sparse", "transactional", "inspect"])
+def test_an_error_of_the_models_own_loader_is_noted_with_the_call_and_its_patches(how):
+    m = _KnowsOnly({"a": (16,), "b": (4,), "c": (4,), "d": (4,)}, device="cpu")
+    sparse = how == "sparse"
+
+    def patch(name, n=4):
+        n = 16 if name == "a" else n
+        return (CWP(name, (n,), torch.float32, torch.tensor([1.0]), torch.tensor([0]))
+                if sparse else CWP(name, (n,), torch.float32, torch.ones(n)))
+
+    # a budget of 64 B: call 0: a; call 1: b, c, the misspelt "dd", d; call 2: a again
+    ps = [patch("a"), patch("b"), patch("c"), patch("dd"), patch("d"), patch("a")]
+    load = patchkit.inspect_load if how == "inspect" else patchkit.load_checkpoint_weight_patches
+    kw = {"transactional": True} if how == "transactional" else {}
+    with pytest.raises(KeyError, match="dd") as info:
+        load(m, ps, max_chunk_bytes=64, **kw)
+    assert info.value.__notes__ == [
+        "(raised in load_weights call 1, sent patch 1 ('b'), patch 2 ('c'), patch 3 ('dd') "
+        "and 1 more)"]
+    assert info.value.args == ("dd",)  # (the error itself as the loader raised it)
+    # A call of one patch; torch's shape error
+    # (a sparse load refuses that copy itself, before torch sees it: patchkit's own error,
+    # which names its patch, and no note)
+    m = _KnowsOnly({"a": (16,), "b": (2, 3)}, device="cpu")
+    with pytest.raises(patchkit.ContractViolation if sparse else RuntimeError) as info:
+        load(m, [patch("a"), patch("b")], max_chunk_bytes=64, **kw)
+    assert getattr(info.value, "__notes__", []) == (
+        [] if sparse else ["(raised in load_weights call 1, sent patch 1 ('b'))"])
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
+def test_patchkits_own_errors_from_inside_a_call_get_no_note_of_the_call():
+    # (they name their patch already: a return value outside the contract, here)
+    class ReturnsANumber(PlainModel):
+        def load_weights(self, weights):
+            return 7
+
+    with pytest.raises(patchkit.ContractViolation) as info:
+        patchkit.load_checkpoint_weight_patches(
+            ReturnsANumber({"a": (4,)}, device="cpu"),
+            [CWP("a", (4,), torch.float32, torch.ones(4))])
+    assert not getattr(info.value, "__notes__", [])
+
+
 @pytest.fixture(scope="module")
 def tp_report():
     from patchkit.build import dense_patches
