@@ -651,8 +651,11 @@ def _bar_pieces(
     for pos, name, mine in zip(c.positions, c.names, own):
         height = mine * scale
         if height < thin and pieces and pieces[-1][3]:
+            # (the run's own list, grown in place: a copy per patch made a call of
+            # thousands of thin patches quadratic)
             ps, first, total, _ = pieces[-1]
-            pieces[-1] = ([*ps, pos], first, total + height, True)
+            ps.append(pos)
+            pieces[-1] = (ps, first, total + height, True)
         else:
             pieces.append(([pos], name, height, height < thin))
     return [(ps, name, height) for ps, name, height, _ in pieces]

@@ -360,6 +360,52 @@ def test_patches_too_thin_to_see_share_one_rectangle():
                for r in rects[g])
 
 
+def bytes_allocated_by_lines(fn, *args):
+    """``fn(*args)`` and the bytes its own lines allocate, summed line by line (each line's
+    peak of traced memory over what was held as it began: what it asked for, also what it
+    freed again before the next line). A count of work, not of time."""
+    import tracemalloc
+
+    allocated = 0
+
+    def tracer(frame, event, arg):
+        nonlocal allocated
+        if frame.f_code is not fn.__code__:
+            return None
+        allocated += tracemalloc.get_traced_memory()[1] - tracer.held
+        tracemalloc.reset_peak()
+        tracer.held = tracemalloc.get_traced_memory()[0]
+        return tracer
+
+    tracemalloc.start()
+    tracer.held = tracemalloc.get_traced_memory()[0]
+    sys.settrace(tracer)
+    try:
+        out = fn(*args)
+    finally:
+        sys.settrace(None)
+        tracemalloc.stop()
+    return out, allocated
+
+
+def test_thin_patches_of_one_call_share_a_rectangle_in_work_in_proportion_to_them():
+    # (each thin patch copied the run's list of positions so far: a call of n such patches
+    # allocated n * n / 2 list slots, 16 MB at 2000 patches, 1.9 s to plot at 32000)
+    from patchkit.plot import _bar_pieces
+
+    big = CheckpointWeightPatch("big", (1024, 256), torch.float32, torch.zeros(1024 * 256))
+    per_patch = {}
+    for n in (500, 2000):
+        ps = [big, *(CheckpointWeightPatch(f"t{i}", (1,), torch.float32, torch.zeros(1))
+                     for i in range(n))]
+        (call,) = plan_chunks(ps, 512 << 20)
+        pieces, allocated = bytes_allocated_by_lines(_bar_pieces, call, ps, 1e4)
+        assert [(p[0], len(p), h) for p, _, h in pieces] == [(0, 1, 1 << 20), (1, n, 4 * n)]
+        per_patch[n] = allocated / n
+    # (about 400 B a patch at both sizes now; before, 2400 B at 500 and 8750 B at 2000)
+    assert per_patch[2000] < 1.5 * per_patch[500], per_patch
+
+
 def ones_at(name: str, shape: tuple[int, ...], positions: list[int]) -> CheckpointWeightPatch:
     return CheckpointWeightPatch(name, shape, torch.bfloat16,
                                  torch.ones(len(positions), dtype=torch.bfloat16),
