@@ -1954,7 +1954,9 @@ def plot_delta(
     nothing else is NaN, magenta). A magenta ``×`` (a scatter of gid ``"non-finite"``)
     marks every block, or element, that holds any, and the panel's title then says how
     many elements, in how many blocks. The colour scales span the finite values only.
-    The histogram leaves non-finite Δ out and says how many in its title.
+    The histogram leaves non-finite Δ out and says how many in its title; one of no
+    elements (none changed with ``changed_only=True``, a tensor a rollback put back) is
+    a note on a panel without ticks.
 
     Draws the values :meth:`LoadReport.before` / :meth:`LoadReport.after` /
     :meth:`LoadReport.written` give, read a band of about 4 million elements (whole rows
@@ -2116,6 +2118,11 @@ def plot_delta(
                  if target in getattr(report, "_restored", ()) else f"no {what} elements")
         ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center",
                 color="0.3")
+        # No scale on a panel of no data: its default 0 to 1 would put labels on its
+        # edges, "1.0" past the figure's right edge (constrained layout measures the
+        # ticks of a narrower axes, where no label sits at the edge).
+        ax.set_xticks([])
+        ax.set_yticks([])
     note = f"\n({values.nonfinite:,} NaN/±inf left out)" if values.nonfinite else ""
     if values.finite:
         # Counts, not powers of ten: plain labels on major and minor ticks, none below 1.
@@ -2126,7 +2133,8 @@ def plot_delta(
                  f"{_elements(values.finite)}{note}", fontsize=9)
     ax.set_xlabel(delta)
     ax.set_ylabel("elements (log scale)" if values.finite else "elements")
-    ax.xaxis.set_major_locator(_FittingRealLocator())
+    if values.finite:
+        ax.xaxis.set_major_locator(_FittingRealLocator())
 
     stale = False
     if target in report.deltas.index:

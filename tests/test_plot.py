@@ -2182,3 +2182,48 @@ def test_an_item_that_is_no_patch_is_patchkits_type_error_naming_its_position():
         plot_density("w")
     e = info.value
     assert (e.position, e.reason, e.value) == (None, "not a patch", "str")
+
+
+def _texts_outside(fig: Figure) -> list[str]:
+    """The drawn texts (titles, labels, tick labels of ticks in view, notes) that reach
+    past the figure's edges, as drawn once with Agg."""
+    renderer = drawn(fig)
+    box = fig.bbox
+    out = []
+    for ax in fig.axes:
+        texts = [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            lo, hi = sorted((lo, hi))
+            for tick in axis.get_major_ticks():
+                if lo <= tick.get_loc() <= hi:
+                    texts.append(tick.label1)
+        for t in texts:
+            if not (t.get_visible() and t.get_text()):
+                continue
+            e = t.get_window_extent(renderer)
+            if e.x0 < box.x0 - 0.5 or e.x1 > box.x1 + 0.5 or e.y0 < box.y0 - 0.5 \
+                    or e.y1 > box.y1 + 0.5:
+                out.append(t.get_text())
+    return out
+
+
+def test_an_empty_delta_histogram_has_no_scale_and_no_label_past_the_figure():
+    # The histogram of no elements kept matplotlib's 0 to 1 scale, its "1.0" on the
+    # panel's right edge drawn 7 pixels past the figure's (clipped in the PNG).
+    from patchkit.toymodels import FailingModel
+
+    ps = [CheckpointWeightPatch(n, (64, 64), torch.float32, torch.ones(4096)) for n in "abc"]
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(FailingModel({n: (64, 64) for n in "abc"}, fail_on="c"), ps,
+                     max_chunk_bytes=1 << 14, transactional=True)
+    unchanged = inspect_load(PlainModel({"w": (64, 64)}),
+                             [CheckpointWeightPatch("w", (64, 64), torch.float32,
+                                                    torch.zeros(4096))])
+    for fig, note in ((plot_delta(info.value.report, "a"),
+                       "written, then put back by the rollback"),
+                      (plot_delta(unchanged, "w", changed_only=True),
+                       "no changed elements")):
+        hist = fig.axes[3]
+        assert [t.get_text() for t in hist.texts] == [note]
+        assert _texts_outside(fig) == []
+        assert list(hist.get_xticks()) == [] and list(hist.get_yticks()) == []
