@@ -717,8 +717,8 @@ def plot_chunks(
     hatch, whose paths are the same rectangles, bottom up in call order, and whose
     ``segment_gids`` attribute lists the gids above, one per path. Segments too
     small for a white edge (under about 4 pixels, 3 points, wide or tall) are drawn
-    without one, and bars under 6 points wide without a hatch (the colour carries the
-    reason). The dashed budget
+    without one (their hatch white, as every other segment's), and bars under 6 points
+    wide without a hatch (the colour carries the reason). The dashed budget
     line (gid ``"budget"``, y = ``max_chunk_bytes``; above the visible range when the
     budget dwarfs every call, with a note saying so); one annotation per call (gid
     ``"closed_by"``, text ``budget`` / ``repeated name`` / ``end``) for up to 60 calls,
@@ -834,7 +834,9 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
                 f"segment {c.index} "
                 + (f"{positions[0]}..{positions[-1]}" if merged else str(positions[0])),
                 c.index - 0.4, bottom, height, colour, 0.95 if k % 2 == 0 else 0.7,
-                *(over_edge or (("white", 0.8) if edge else ("none", 0.0))),
+                # (no edge: a white one of no width, for the hatch takes the edge's
+                # colour; with none, matplotlib draws it black, like a dashed line)
+                *(over_edge or (("white", 0.8) if edge else ("white", 0.0))),
                 # (a hatch in a bar under 6 pt wide shows as noise, and drawing it costs
                 # more than the rest of the figure: the colour carries the reason there)
                 ("xx" if c.over_budget else hatch) if hatched else "",

@@ -2227,3 +2227,24 @@ def test_an_empty_delta_histogram_has_no_scale_and_no_label_past_the_figure():
         assert [t.get_text() for t in hist.texts] == [note]
         assert _texts_outside(fig) == []
         assert list(hist.get_xticks()) == [] and list(hist.get_yticks()) == []
+
+
+def _hatch_rgb(artist) -> tuple[float, float, float]:
+    colour = artist.get_hatchcolor() if hasattr(artist, "get_hatchcolor") else None
+    if colour is None:  # (matplotlib before 3.10: the hatch takes the edge's colour)
+        colour = artist._hatch_color
+    return tuple(float(c) for c in np.asarray(colour, dtype=float).ravel()[:3])
+
+
+def test_a_hatched_segment_too_thin_for_an_edge_has_a_white_hatch_as_the_others():
+    # A segment drawn without an edge (edgecolor "none") had its hatch drawn in
+    # matplotlib's black: a row of black strokes across the top of the bar, like the
+    # dashed budget line. [a b] is closed by the repeated a, [a c] by the end; b and c
+    # are too thin for an edge.
+    ps = [CheckpointWeightPatch(n, (k,), torch.float32, torch.zeros(k))
+          for n, k in (("a", 2048), ("b", 8), ("a", 2048), ("c", 4))]
+    rects = {g: r for g, (r,) in rects_by_gid(plot_chunks(ps), "segment ").items()}
+    assert set(rects) == {"segment 0 0", "segment 0 1", "segment 1 2", "segment 1 3"}
+    for gid in ("segment 0 1", "segment 1 3"):
+        assert rects[gid].get_linewidth() == 0 and rects[gid].get_hatch()
+    assert {_hatch_rgb(r) for r in rects.values()} == {(1.0, 1.0, 1.0)}
