@@ -411,10 +411,48 @@ def _shown_name(
     return f"{_fit(target, size, room)} (tied to {_fit(runtime, size, room)})"
 
 
+def _power_of_two_ticks(vmin: float, vmax: float, most: int) -> list[float] | None:
+    """Ticks at the multiples of a power of two on an axis from 0 to a whole ``n``
+    (either way round), where ``n`` is such a multiple and at most ``most`` + 1 ticks
+    are needed: a tensor's sizes and the boundaries a loader packs at (``q | k | v``,
+    ``gate | up``, a rank's shard) are mostly multiples of powers of two, which decimal
+    steps miss (``0, 15, 30, …`` on 128 rows; ``0, 16, 32, …`` here, 64 among them).
+    The smallest such step is taken (the most ticks); ``None`` where there is none (a
+    vocabulary of 128,256 rows: only steps of at most 256 divide it), and the caller
+    keeps decimal steps."""
+    lo, hi = sorted((vmin, vmax))
+    n = round(hi)
+    if lo != 0 or hi != n or n < 4 or most < 2:
+        return None
+    step = 1
+    while n % (step * 2) == 0 and n // step > most:
+        step *= 2
+    if step < 2 or n // step > most:
+        return None
+    return [float(t) for t in range(0, n + 1, step)]
+
+
+class _WholeLocator(MaxNLocator):
+    """Whole-number ticks along y (heat maps' rows): on an axis from 0 to ``n`` rows, at
+    the multiples of a power of two where ``n`` is one (:func:`_power_of_two_ticks`), as
+    many as the axis has room for; else matplotlib's decimal steps."""
+
+    def __call__(self) -> Sequence[float]:
+        axis = self.axis
+        if axis is not None and axis.axes is not None:
+            vmin, vmax = axis.get_view_interval()
+            ticks = _power_of_two_ticks(vmin, vmax, min(axis.get_tick_space(), 9))
+            if ticks is not None:
+                return ticks
+        return super().__call__()
+
+
 class _FittingLocator(MaxNLocator):
     """Whole-number ticks along x, as many as fit side by side: their count is set when
     the axes are drawn, from the axes' width and the widest label (``"128,256"`` beside
-    ``"0"``), so that no two labels run into each other on a narrow panel."""
+    ``"0"``), so that no two labels run into each other on a narrow panel; at the
+    multiples of a power of two where the axis runs from 0 to a multiple of one
+    (:func:`_power_of_two_ticks`)."""
 
     def __call__(self) -> Sequence[float]:
         axis = self.axis
@@ -425,7 +463,11 @@ class _FittingLocator(MaxNLocator):
             width = axis.axes.bbox.width * 72 / axis.axes.figure.dpi  # (points)
             # a digit or comma is about 0.6 em wide; a label needs its own width and
             # about one em of space beside it
-            self.set_params(nbins=max(1, int(width // ((0.6 * chars + 1.0) * size))))
+            nbins = max(1, int(width // ((0.6 * chars + 1.0) * size)))
+            self.set_params(nbins=nbins)
+            ticks = _power_of_two_ticks(vmin, vmax, min(nbins, 9))
+            if ticks is not None:
+                return ticks
         return super().__call__()
 
 
@@ -452,7 +494,8 @@ class _FittingRealLocator(MaxNLocator):
 
 
 def _integer_ticks(ax: Axes, ndim: int) -> None:
-    """Whole row and column numbers on a heat map's axes, written out in full
+    """Whole row and column numbers on a heat map's axes (at multiples of a power of two
+    where the size is one: :func:`_power_of_two_ticks`), written out in full
     (``2,000,000``: no ``1e6`` multiplier over the axes, where it runs into the title);
     no row ticks for a tensor of fewer than two dimensions (it is one row)."""
     whole = FuncFormatter(lambda v, _pos=None: f"{round(v):,}")
@@ -461,7 +504,7 @@ def _integer_ticks(ax: Axes, ndim: int) -> None:
     if ndim < 2:
         ax.set_yticks([])
     else:
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(_WholeLocator(integer=True))
         ax.yaxis.set_major_formatter(whole)
 
 

@@ -1270,6 +1270,51 @@ def test_delta_ticks_are_whole_rows_and_columns():
             assert len(shown) >= 2 and all(t == int(t) for t in shown), shown
 
 
+@pytest.mark.parametrize("rows, cols, row_at, col_at", [
+    (128, 64, 64, 32),      # (decimal steps gave 0, 15, 30, ...: no tick at 64, gate | up)
+    (96, 3072, 32, 1024),   # (3 * 1024 columns: 0, 400, 800, ... before)
+    (100, 7, None, None),   # (no power of two divides 100 often enough: decimal steps)
+])
+def test_heat_map_ticks_fall_on_multiples_of_a_power_of_two_where_the_size_is_one(
+        rows, cols, row_at, col_at):
+    model = PlainModel({"w": (rows, cols)})
+    p = CheckpointWeightPatch("w", (rows, cols), torch.float32, torch.ones(rows * cols))
+    report = inspect_load(model, [p])
+    for fig in (plot_delta(report, "w"), plot_density(p, bins=(rows, cols)),
+                plot_placement(report)):
+        drawn(fig)
+        maps = [ax for ax in fig.axes if ax.images or ax.get_xlabel() == "runtime column"]
+        assert maps
+        for ax in maps:
+            for ticks, (lo, hi), n, at in (
+                    (ax.get_yticks(), sorted(ax.get_ylim()), rows, row_at),
+                    (ax.get_xticks(), ax.get_xlim(), cols, col_at)):
+                shown = [int(t) for t in ticks if lo <= t <= hi]
+                if at is None:  # matplotlib's: 0, 20, ... rows; 0, 1, ... columns
+                    assert all(t % 10 == 0 for t in shown) if n == 100 else shown == list(
+                        range(n + 1)), shown
+                    continue
+                # 0 to n in steps of a power of two (as many as the panel has room for),
+                # with a tick at ``at`` (a packing boundary)
+                step = shown[1] - shown[0]
+                assert step & (step - 1) == 0 and shown == list(range(0, n + 1, step)), shown
+                assert at in shown, shown
+
+
+def test_power_of_two_ticks_take_the_smallest_step_that_fits_and_none_where_none_divides():
+    from patchkit.plot import _power_of_two_ticks
+
+    assert _power_of_two_ticks(0, 128, 9) == [float(t) for t in range(0, 129, 16)]
+    assert _power_of_two_ticks(128, 0, 4) == [0.0, 32.0, 64.0, 96.0, 128.0]  # (y inverted)
+    assert _power_of_two_ticks(0, 2560, 9) == [float(t) for t in range(0, 2561, 512)]
+    # a vocabulary of 128,256 = 501 * 256 rows; a view not from 0; 6 rows at step 2 is
+    # fine, 8 rows at step 1 is not a power-of-two step (matplotlib's then)
+    assert _power_of_two_ticks(0, 128256, 9) is None
+    assert _power_of_two_ticks(16, 128, 9) is None
+    assert _power_of_two_ticks(0, 6, 3) == [0.0, 2.0, 4.0, 6.0]
+    assert _power_of_two_ticks(0, 8, 9) is None
+
+
 def test_tall_tensors_number_their_rows_in_full_without_a_1e6_multiplier():
     n = 1_000_000
     model = PlainModel({"col": (n, 1)})
