@@ -94,12 +94,32 @@ def test_demo_prints_the_three_cases_and_every_check_holds():
                                                "model.norm.weight"}
     for name, changed, of in counts:
         assert int(of) == ckpt[name].numel() and 0 < int(changed) < int(of)
+    # (the device it ran on, then the dense case: each rank's calls are the plan at the
+    # demo's budget, and every checkpoint tensor is written once on each rank)
+    import torch
+
+    from patchkit import dense_patches, plan_chunks
+
+    assert lines[0].endswith(", on " + ("cuda" if torch.cuda.is_available() else "cpu"))
+    dense = dense_patches(tiny_llama_checkpoint(TinyLlamaConfig(), seed=0,
+                                                dtype=torch.bfloat16))
+    calls = len(plan_chunks(dense, 64 << 10))
+    assert calls > 1 and "max_chunk_bytes=64 KiB" in text
+    ranks = re.findall(r"^   rank (\d): (\d+) load_weights calls \(closed by .*\), \d+ names "
+                       r"loaded, (\d+) runtime writes$", text, re.M)
+    assert ranks == [("0", str(calls), str(len(dense))), ("1", str(calls), str(len(dense)))]
+    # (the repeated name: two calls, the first closed by the repeated name)
+    assert re.findall(r"^   plan: .*$", text, re.M) == [
+        "   plan: call 0 carries patch [0], closed by repeated name",
+        "   plan: call 1 carries patch [1], closed by end"]
 
 
-@pytest.mark.parametrize("broken", ["dense", "sparse", "repeated"])
+@pytest.mark.parametrize("broken", ["dense", "sparse", "repeated", "repeated, earlier dropped"])
 def test_demo_says_so_and_returns_false_when_a_check_fails(broken, monkeypatch):
     # (each check of the demo can fail: a load that went wrong in one case shows as that
-    # case's "NO", "SOME CHECKS FAILED" last, and False, which the command exits 1 on)
+    # case's "NO", "SOME CHECKS FAILED" last, and False, which the command exits 1 on; a
+    # loader that dropped the earlier of two patches of one name fails the repeated check
+    # too: position 0, which only the earlier one writes, is compared as well)
     import patchkit.demo
     import patchkit.inspect
     from patchkit.demo import run_demo
@@ -114,8 +134,9 @@ def test_demo_says_so_and_returns_false_when_a_check_fails(broken, monkeypatch):
 
     def inspect_load(model, patches, **kwargs):  # (repeated: the earlier patch applied last)
         repeated = len(patches) == 2 and patches[0].name == patches[1].name
-        return real_load(model, patches[::-1] if broken == "repeated" and repeated else patches,
-                         **kwargs)
+        if repeated and broken != "dense" and broken != "sparse":
+            patches = patches[::-1] if broken == "repeated" else patches[1:]
+        return real_load(model, patches, **kwargs)
 
     monkeypatch.setattr(patchkit.demo, "same_state", same_state)
     monkeypatch.setattr(patchkit.inspect, "inspect_load", inspect_load)
@@ -123,7 +144,7 @@ def test_demo_says_so_and_returns_false_when_a_check_fails(broken, monkeypatch):
     assert run_demo(device="cpu", echo=lines.append) is False
     verdicts = [line.rsplit(": ", 1)[1] for line in lines
                 if "bit for bit" in line or "later patch wins" in line]
-    assert verdicts == [("NO" if case == broken else "yes")
+    assert verdicts == [("NO" if broken.startswith(case) else "yes")
                         for case in ("dense", "sparse", "repeated")]
     assert lines[-1] == "SOME CHECKS FAILED"
 
