@@ -52,6 +52,16 @@ def test_tour_writes_its_report_and_every_check_holds(tmp_path):
     assert calls > 1
     assert (f"    {len(dense)} patches, {calls} load_weights calls per rank at "
             "max_chunk_bytes=64 KiB") in lines
+    assert f", on {'cuda' if torch.cuda.is_available() else 'cpu'}; " in lines[0]
+    # the sparse case, 2 % of each of layer 0's 7 projections: each changed checkpoint
+    # element is one changed runtime element (two ranks, two kv heads: nothing is
+    # replicated), counted over both ranks
+    sparse = re.findall(r"^    (\d+) sparse patches, (\d+) changed checkpoint elements, "
+                        r"(\d+) runtime elements changed over both ranks$",
+                        "\n".join(lines), re.M)
+    assert len(sparse) == 1
+    patches, changed, runtime = map(int, sparse[0])
+    assert patches == 7 and changed > 0 and runtime == changed
     _the_readme_figures_say_what_the_tour_draws_now(tmp_path / "tour")
 
 
@@ -677,28 +687,82 @@ def test_an_out_holding_a_pipe_where_a_file_goes_is_refused_before_anything_runs
     assert os.listdir(out) == ["chunks_dense.png"]
 
 
-def test_tour_says_so_and_exits_1_when_a_check_fails(tmp_path, capsys, monkeypatch):
-    # (a loader that applied a repeated name's patches in the other order: the tour's own
-    # check must see it, on the terminal, on the page and in the exit status)
+@pytest.mark.parametrize("broken", ["dense", "sparse", "repeated", "repeated, earlier dropped"])
+def test_tour_says_so_and_exits_1_when_a_check_fails(broken, tmp_path, capsys, monkeypatch):
+    # (a loader that went wrong in one case: a dense or a sparse patch's first value off,
+    # a repeated name's patches applied in the other order, or the earlier of them dropped.
+    # The tour's own check of that case must see it, on the terminal, on the page and in
+    # the exit status; the checks of the cases before it hold)
     import patchkit.inspect
     from patchkit.__main__ import main
 
     real = patchkit.inspect.inspect_load
 
     def inspect_load(model, patches, **kwargs):
-        if len(patches) > 1 and patches[0].name == patches[1].name:
+        repeated = len(patches) > 1 and patches[0].name == patches[1].name
+        case = "repeated" if repeated else "sparse" if patches[0].indices is not None else "dense"
+        if case == broken and case != "repeated":
+            first = patches[0]
+            values = first.values.clone()
+            values.view(-1)[0] += 1
+            patches = [first._replace(values=values), *patches[1:]]
+        elif case == "repeated" == broken:
             patches = [patches[1], patches[0], *patches[2:]]
+        elif case == "repeated" and broken == "repeated, earlier dropped":
+            patches = patches[1:]
         return real(model, patches, **kwargs)
 
     monkeypatch.setattr(patchkit.inspect, "inspect_load", inspect_load)
     assert main(["tour", "--out", str(tmp_path / "t"), "--device", "cpu"]) == 1
     out = capsys.readouterr().out.splitlines()
     page = (tmp_path / "t" / "index.html").read_text()
-    for check, verdict in (("dense: ranks gathered == checkpoint", "yes"),
-                           ("sparse: ranks gathered == new checkpoint", "yes"),
-                           ("repeated names: the later patch wins", "NO")):
+    cases = {"dense": "dense: ranks gathered == checkpoint",
+             "sparse": "sparse: ranks gathered == new checkpoint",
+             "repeated": "repeated names: the later patch wins"}
+    failed = broken.split(",")[0]
+    # (a state one load left wrong is still wrong after the next: the checks after the
+    # broken one are not asserted)
+    for case, check in list(cases.items())[:list(cases).index(failed) + 1]:
+        verdict = "NO" if case == failed else "yes"
         assert f"    {check}: {verdict}" in out
         assert f"<li>{html.escape(check)}: <b>{verdict}</b></li>" in page
+
+
+def test_run_tour_refuses_an_out_holding_a_folder_where_a_figure_goes_before_it_runs(
+        tmp_path):
+    # (its docstring: raised before anything runs, not when the tour reaches that figure)
+    from patchkit.tour import run_tour
+
+    out = tmp_path / "t"
+    (out / "repeated_chunks.png").mkdir(parents=True)  # (the tour's last figure)
+    lines: list[str] = []
+    with pytest.raises(IsADirectoryError, match="is a folder, not a file"):
+        run_tour(out, device="cpu", echo=lines.append)
+    assert lines == [] and os.listdir(out) == ["repeated_chunks.png"]
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_run_tour_and_run_demo_default_to_cuda_where_available(cuda, tmp_path, monkeypatch):
+    # (their docstrings; the command's own default is pinned above, this is the functions')
+    import torch
+
+    import patchkit.io
+    from patchkit.demo import run_demo
+    from patchkit.tour import run_tour
+
+    class Asked(Exception):
+        pass
+
+    def checked_device(device):
+        raise Asked(device)  # (stops the run at its device: none is needed for the test)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(patchkit.io, "_checked_device", checked_device)
+    for run in (lambda: run_tour(tmp_path / "t", echo=print), lambda: run_demo(echo=print)):
+        with pytest.raises(Asked) as info:
+            run()
+        assert info.value.args == ("cuda" if cuda else "cpu",)
+    assert not (tmp_path / "t").exists()
 
 
 def test_tour_that_fails_at_its_first_file_raises_that_error_saying_so(tmp_path, monkeypatch):
