@@ -935,8 +935,9 @@ def test_a_real_sigint_stops_the_command_with_one_line_and_exit_130(tmp_path):
 def test_inspect_out_of_a_file_whose_name_is_not_utf8_writes_its_page(tmp_path, capsys):
     from patchkit.__main__ import main
 
-    # (a Latin-1 name: a lone surrogate in str; and U+202E, which would reverse the title)
-    name = os.fsdecode(b"caf\xe9\xe2\x80\xae.safetensors")
+    # (a Latin-1 name: a lone surrogate in str; U+202E, which would reverse the title; and
+    # markup, shown as text)
+    name = os.fsdecode(b"caf\xe9\xe2\x80\xae<i>.safetensors")
     f = _mixed_patch_file(tmp_path / "p.safetensors")
     os.rename(f, tmp_path / name)
     (tmp_path / "figs").mkdir()
@@ -944,7 +945,8 @@ def test_inspect_out_of_a_file_whose_name_is_not_utf8_writes_its_page(tmp_path, 
     assert main(["inspect", str(tmp_path / name), "--out", str(tmp_path / "figs")]) == 0
     capsys.readouterr()
     page = (tmp_path / "figs" / "index.html").read_text(encoding="utf-8")
-    assert "<title>patch file caf\\udce9\\u202e.safetensors</title>" in page
+    assert "<title>patch file caf\\udce9\\u202e&lt;i&gt;.safetensors</title>" in page
+    assert "<h1>patch file caf\\udce9\\u202e&lt;i&gt;.safetensors</h1>" in page
     assert page.count("<img") == 4
 
 
