@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import decimal
 import html
 import io
 import os
@@ -115,6 +116,28 @@ def _cmd_tour(args: argparse.Namespace) -> int:
         return _error(e)
     # (a write that fails from here on is an OSError: exit 1, see main)
     return 0 if run_tour(args.out, device=device).ok else 1
+
+
+_BINARY_UNITS = {"b": 0, "kib": 1, "mib": 2, "gib": 3, "tib": 4}
+
+
+def _byte_count(text: str) -> int:
+    """``--max-chunk-bytes``: a whole number of bytes (``536870912``), or a number and a
+    binary unit, as the summary writes sizes (``512MiB``, ``"512 MiB"``, ``1.5GiB``,
+    any case), that comes to a whole number of bytes. Anything else is argparse's usage
+    error (exit 2) naming what was given: ``1.5`` bytes, ``1e3``, a decimal unit such as
+    ``KB`` (1000 or 1024?). Whether the count is positive is checked later, with the
+    option's own message."""
+    number = r"[+-]?[0-9](?:_?[0-9])*(?:\.[0-9](?:_?[0-9])*)?"  # (1_024 as int() takes)
+    found = re.fullmatch(rf"\s*({number})\s*([A-Za-z]*)\s*", text)
+    unit = None if found is None else _BINARY_UNITS.get(found.group(2).lower() or "b")
+    if found is not None and unit is not None:
+        n = decimal.Decimal(found.group(1)) * 1024**unit
+        if n == n.to_integral_value():
+            return int(n)
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a number of bytes: write a whole number (536870912) or one with "
+        "a binary unit (512MiB, 1.5GiB; B, KiB, MiB, GiB, TiB)")
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -398,8 +421,10 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     insp.add_argument("file", help="a patch file written by patchkit.save_patches")
     insp.add_argument(
-        "--max-chunk-bytes", type=int, default=512 << 20,
-        help="budget for the chunk plan, in bytes (default 536870912, 512 MiB)",
+        "--max-chunk-bytes", type=_byte_count, default=512 << 20,
+        help="budget for the chunk plan: bytes, or a number with a binary unit as the "
+             "summary writes sizes (64KiB, '512 MiB', 1.5GiB; B, KiB, MiB, GiB, TiB, any "
+             "case) (default 536870912, 512 MiB)",
     )
     insp.add_argument(
         "--out", default=None,

@@ -617,6 +617,32 @@ def test_summary_over_budget_and_cli(tmp_path, capsys):
     assert "--max-chunk-bytes" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given, budget", [
+    ("100", "100 B"), ("64KiB", "64 KiB"), ("1 MiB", "1 MiB"), ("1.5gib", "1.5 GiB"),
+    ("1_024", "1 KiB"), ("2048B", "2 KiB"),
+])
+def test_the_budget_option_takes_a_binary_unit_as_the_summary_writes_sizes(
+        tmp_path, capsys, given, budget):
+    # (the summary prints "max_chunk_bytes = 512 MiB"; "--max-chunk-bytes 512MiB" was
+    # refused as "invalid int value")
+    path, _ = _summary_file(tmp_path)
+    assert main(["inspect", path, "--max-chunk-bytes", given]) == 0
+    assert f"({budget})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("given", ["1.5", "1e3", "1KB", "1.3KiB", "MiB", "", "64 KiBs"])
+def test_a_budget_that_is_no_whole_number_of_bytes_is_a_usage_error_naming_it(
+        tmp_path, capsys, given):
+    # (1.5 bytes, or 1.3 KiB = 1331.2; KB, a decimal unit, could mean 1000 or 1024)
+    path, _ = _summary_file(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", path, "--max-chunk-bytes", given])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"{given!r} is not a number of bytes" in err
+    assert "--max-chunk-bytes" in err
+
+
 def test_summary_bad_file_and_empty_file(tmp_path, capsys):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"nope")
