@@ -44,8 +44,16 @@ __all__ = ["main"]
 
 
 def _error(e: BaseException) -> int:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {_said(e)}", file=sys.stderr)
     return 2
+
+
+def _said(e: BaseException) -> str:
+    """What an error line says of ``e``: its text, without the ``[Errno 20] `` an
+    ``OSError`` puts before it (the reason is in words after it: "'out' is a file, not
+    a folder", "No space left on device")."""
+    text = str(e)
+    return re.sub(r"^\[Errno -?[0-9]+\] ", "", text) if isinstance(e, OSError) else text
 
 
 def _device(device: str | None) -> torch.device:
@@ -469,7 +477,7 @@ def _main(argv: Sequence[str] | None) -> int:
         # The output could not be written (stdout on a full disk, a figure in --out), or
         # the system could not read a patch file: say so on stderr, not as a traceback.
         _flush_stdout()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_said(e)}", file=sys.stderr)
         return 1
     return code
 

@@ -279,6 +279,8 @@ def test_tour_and_demo_refuse_a_bad_out_or_device_cleanly(tmp_path, monkeypatch,
         o, err = capsys.readouterr()
         assert o == "" and err.startswith("error: ") and err.count("\n") == 1
         assert f"{str(afile)!r} is a file, not a folder" in err and str(out) in err
+        # (the sentence, not OSError's "[Errno 20] " before it)
+        assert err.startswith("error: cannot write"), err
     assert afile.read_text() == "x"
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -897,7 +899,7 @@ def test_the_error_line_comes_after_what_the_command_printed(error):
                           stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=120,
                           check=False, env={k: v for k, v in os.environ.items()
                                             if k != "PYTHONUNBUFFERED"})
-    code, said = {"OSError": (1, "error: [Errno 28] No space left on device"),
+    code, said = {"OSError": (1, "error: No space left on device"),
                   "MemoryError": (1, "error: out of memory"),
                   "KeyboardInterrupt": (130, "interrupted")}[error.split("(")[0]]
     assert (done.returncode, done.stdout) == (code, f"patchkit demo: ...\n{said}\n")
