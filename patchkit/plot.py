@@ -946,7 +946,9 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     reasons = [r for r in _REASON_STYLE if any(c.closed_by == r for c in plan)]
     handles: list[Any] = [
-        Patch(facecolor=_REASON_STYLE[r][0], hatch=_REASON_STYLE[r][1], label=f"closed by {r}")
+        # (a white edge of width 0: the hatch white, as on the bars, with no edge drawn)
+        Patch(facecolor=_REASON_STYLE[r][0], hatch=_REASON_STYLE[r][1], edgecolor="white",
+              linewidth=0, label=f"closed by {r}")
         for r in reasons
     ]
     handles.append(

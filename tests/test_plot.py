@@ -2293,3 +2293,16 @@ def test_a_hatched_segment_too_thin_for_an_edge_has_a_white_hatch_as_the_others(
     for gid in ("segment 0 1", "segment 1 3"):
         assert rects[gid].get_linewidth() == 0 and rects[gid].get_hatch()
     assert {_hatch_rgb(r) for r in rects.values()} == {(1.0, 1.0, 1.0)}
+
+
+def test_the_legends_hatches_are_white_as_the_bars_are():
+    # (the legend's "closed by repeated name" and "closed by end" swatches had black
+    # hatches beside the bars' white ones)
+    ps = [CheckpointWeightPatch(n, (k,), torch.float32, torch.zeros(k))
+          for n, k in (("a", 2048), ("b", 8), ("a", 2048), ("c", 4))]
+    fig = plot_chunks(ps)
+    legend = fig.axes[0].get_legend()
+    swatches = {t.get_text(): p for t, p in zip(legend.get_texts(), legend.get_patches())}
+    hatched = {k: p for k, p in swatches.items() if p.get_hatch()}
+    assert set(hatched) == {"closed by repeated name", "closed by end"}
+    assert {_hatch_rgb(p) for p in hatched.values()} == {(1.0, 1.0, 1.0)}
