@@ -463,7 +463,8 @@ def sparse_patches_from_diff(
 def changed_fraction(
     before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]
 ) -> float:
-    """Fraction of elements (over all weights of ``after``) whose bits changed.
+    """Fraction of elements (over all weights of ``after``) whose bits changed from
+    ``before`` to ``after``, two state dicts of the same names, shapes and dtypes.
 
     The same notion of change as :func:`sparse_patches_from_diff`, but it never raises
     for NaN or non-floating weights. Names, shapes and dtypes must match (else
@@ -825,6 +826,11 @@ class AdamLikeTrainer:
     steps at ``1e-5``, then about 3 %; about a third for the first two steps at ``1e-4``,
     falling to a fifth (Adam's moments grow, so later steps move less). Two trainers
     built with the same arguments produce the same steps.
+
+    Attributes a caller may read: ``master`` (name -> master weight; a tied tensor's
+    first name only), ``step_count`` (the steps taken), and the arguments as checked,
+    ``lr``, ``betas``, ``eps``, ``weight_decay``, ``grad_std``. Changing ``lr`` between
+    steps takes effect at the next step, as an optimizer's learning-rate schedule does.
 
     Tensors that ``state_dict`` lists under several names (tied weights: a Hugging Face
     ``state_dict()`` lists ``lm_head.weight`` and ``model.embed_tokens.weight`` as two

@@ -244,8 +244,9 @@ def region_text(
 ) -> str:
     """Describe a written region of a tensor in slice notation, e.g. ``"[32:48, :]"``.
 
-    ``offset`` is the flat element offset of the region's first element in the full
-    (contiguous, row-major) tensor; ``view_stride`` its element strides in that same
+    ``full_shape`` is the tensor's shape; ``offset`` the flat element offset of the
+    region's first element in the full (contiguous, row-major) tensor; ``view_shape``
+    the shape of the view written; ``view_stride`` its element strides in that same
     row-major numbering (``None``: unknown). A region that is a box of the full tensor is
     written as one slice per dimension (``:`` for a whole dimension), whatever the order
     of the view's dimensions (the transpose ``w.t()[1:3]`` of an ``(8, 4)`` ``w`` is

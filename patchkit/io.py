@@ -1144,8 +1144,8 @@ def read_patch_index(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
 
 
 def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
-    """The user metadata of a patch file (``patchkit``'s own header key left out), its
-    keys in sorted order (the same in every process).
+    """The user metadata of the patch file at ``path`` (``patchkit``'s own header key
+    left out), its keys in sorted order (the same in every process).
 
     The file is checked as by :func:`read_patch_index`.
     """

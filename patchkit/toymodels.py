@@ -644,6 +644,12 @@ travel in one call.
 class TinyLlamaConfig:
     """Shape of a tiny Llama-style decoder. The defaults load in milliseconds.
 
+    ``vocab_size`` rows of the embedding (and of ``lm_head``); ``hidden_size`` the
+    model's width; ``intermediate_size`` the MLP's (``gate_proj``/``up_proj`` rows,
+    ``down_proj`` columns); ``num_layers`` decoder layers; ``num_heads`` query heads and
+    ``num_kv_heads`` key/value heads (grouped-query attention where fewer);
+    ``tie_word_embeddings``: ``lm_head.weight`` is the embedding's tensor, as Hugging
+    Face ties it (a checkpoint then lists it once, under the embedding's name).
     ``head_dim`` is ``hidden_size // num_heads``. Construction raises :class:`ValueError`
     when a size is not a positive int, ``num_heads`` does not divide ``hidden_size`` or
     ``num_kv_heads`` does not divide ``num_heads``.
