@@ -2840,3 +2840,166 @@ def test_the_html_calls_table_quotes_names_that_are_not_plain():
     plain = inspect_load(PlainModel({"x.w": (2,), "y": (2,)}),
                          [dense("x.w", torch.ones(2)), dense("y", torch.ones(2))])
     assert "<td>(x.w, y)</td>" in plain._repr_html_()
+
+
+# -- the read paths of a report: cases no other test reaches (mutation testing) ----------
+
+
+def test_a_sparse_write_of_a_flat_buffer_at_a_parameters_end_reaches_only_that_parameter():
+    # flat elements 5 and 6 are a's last element and b's first: a's positions stop at
+    # its 6 elements (position 6, one past its end, is b's)
+    r = inspect_load(_FlatBesideViews(), [sparse("flat", (12,), [5, 6], [9.0, 8.0])])
+    assert r.deltas["elements"].to_dict() == {"a": 1, "b": 1, "flat": 2}
+    assert r.deltas.loc["a", "max_abs"] == 4.0 and r.deltas.loc["b", "max_abs"] == 2.0
+    assert r.written("a").reshape(-1).tolist() == [False] * 5 + [True]
+    assert r.written("b").reshape(-1).tolist() == [True] + [False] * 5
+    assert r.before("a").reshape(-1).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert r.before("b").reshape(-1).tolist() == [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]
+
+
+class _OneByteHalves(torch.nn.Module):
+    """A float8 buffer of 8; "lo" is copied into elements 0-2, "hi" into 2-4."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.zeros(8, dtype=torch.float8_e4m3fn))
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            (self.w[0:3] if name == "lo" else self.w[2:5]).copy_(t)
+        return {n for n, _ in weights}
+
+
+def test_two_writes_of_one_byte_elements_that_share_one_element_count_it_once():
+    # the views' byte extents [0, 3) and [2, 5) overlap by one byte: one element
+    f8 = torch.float8_e4m3fn
+    ps = [CheckpointWeightPatch("lo", (3,), f8, torch.ones(3).to(f8)),
+          CheckpointWeightPatch("hi", (3,), f8, torch.full((3,), 2.0).to(f8))]
+    r = inspect_load(_OneByteHalves(), ps, max_chunk_bytes=1)
+    row = r.deltas.loc["w"]
+    assert (row["elements"], row["changed"]) == (5, 5)
+    assert row["mean_abs"] == pytest.approx(8.0 / 5)
+    assert int(r.written("w").sum()) == 5
+
+
+class _ZeroParam(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w.copy_(t)
+        return {n for n, _ in weights}
+
+
+def test_rel_l2_over_a_zero_before_is_0_when_nothing_changed_and_inf_when_it_did():
+    same = inspect_load(_ZeroParam(), [dense("w", torch.zeros(4))]).deltas.loc["w"]
+    assert (same["elements"], same["changed"], same["rel_l2"]) == (4, 0, 0.0)
+    moved = inspect_load(_ZeroParam(), [dense("w", torch.ones(4))]).deltas.loc["w"]
+    assert (moved["changed"], moved["rel_l2"]) == (4, math.inf)
+
+
+class _RegistersExtra(torch.nn.Module):
+    """Copies "w" into ``w``; registers any other name as a new buffer (twice the
+    weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name == "w":
+                self.w.copy_(t)
+            else:
+                self.register_buffer(name, t.clone() * 2)
+        return {n for n, _ in weights}
+
+
+def test_a_tensor_the_load_registered_reads_as_written_whole():
+    r = inspect_load(_RegistersExtra(), [dense("w", torch.ones(4)), dense("extra", torch.ones(3))])
+    assert r.written("extra").tolist() == [True, True, True]
+    assert r.after("extra").tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(KeyError, match="registered by the load"):
+        r.before("extra")
+
+
+class _RebindsToFloat64(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w.data = t.to(torch.float64)
+        return {n for n, _ in weights}
+
+
+def test_a_tensor_rebound_to_another_dtype_of_the_same_shape_has_no_element_wise_numbers():
+    # (documented: another shape or dtype is another tensor altogether, every element
+    # changed, NaN numbers)
+    r = inspect_load(_RebindsToFloat64(), [dense("w", torch.tensor([0.0, 1.0, 0.0, 2.0]))])
+    row = r.deltas.loc["w"]
+    assert (row["elements"], row["changed"]) == (4, 4)
+    assert all(math.isnan(row[c]) for c in ("max_abs", "mean_abs", "rel_l2"))
+    with pytest.raises(ValueError, match="rebound to a tensor of another dtype"):
+        r.plot_delta("w")
+
+
+def test_one_element_merged_twice_at_position_0_is_counted_once_with_its_oldest_before():
+    # two NaN-merges of element 0 alone: their saves overlap, each a run of one position
+    # (0), which a read of positions [0, n) must meet
+    r = inspect_load(PlainModel({"w": (4,)}),
+                     [sparse("w", (4,), [0], [5.0]), sparse("w", (4,), [0], [7.0])],
+                     max_chunk_bytes=1)
+    row = r.deltas.loc["w"]
+    assert (row["elements"], row["changed"], row["max_abs"]) == (1, 1, 7.0)
+    assert r.written("w").tolist() == [True, False, False, False]
+    assert r.before("w").tolist() == [0.0] * 4
+
+
+class _RowAndEveryFifth(_FlatBesideViews):
+    """"a0" is copied into ``a``'s first row, "fifths" into ``flat[::5]`` (elements 0, 5
+    and 10: two of ``a``'s and one of ``b``'s)."""
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            (self.a[0] if name == "a0" else self.flat[::5]).copy_(t)
+        return {n for n, _ in weights}
+
+
+def test_overlapping_writes_of_a_row_and_of_a_strided_view_past_the_tensor_count_both():
+    # a's row 0 (a view written whole, within a) and flat[::5] (which reaches past a:
+    # a's elements 0 and 5 are read by their offsets) overlap at element 0; the written
+    # elements of a are 0, 1, 2 and 5
+    ps = [dense("a0", torch.full((3,), 20.0)), dense("fifths", torch.tensor([30.0, 40.0, 50.0]))]
+    r = inspect_load(_RowAndEveryFifth(), ps, max_chunk_bytes=1)
+    row = r.deltas.loc["a"]
+    assert (row["elements"], row["changed"], row["max_abs"]) == (4, 4, 35.0)
+    assert row["mean_abs"] == pytest.approx((30.0 + 19.0 + 18.0 + 35.0) / 4)
+    assert r.written("a").reshape(-1).tolist() == [True] * 3 + [False, False, True]
+    assert r.before("a").reshape(-1).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_an_observed_loader_that_undoes_part_of_a_tensor_leaves_it_loaded():
+    # the loader put back a's first two elements when c failed, not the other two: a is
+    # still partly written, so the load is not rolled back and a stays loaded
+    def undoes_half(model, patches, **kwargs):
+        old = model.a.detach().clone()
+        try:
+            for p in patches:
+                model.load_weights([(p.name, _staged(p))])
+        except RuntimeError:
+            model.a.data[:2].copy_(old[:2])
+            raise
+        return set()
+
+    model = FailingModel({"a": (4,), "c": (4,)}, fail_on="c")
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(model, [dense("a", torch.ones(4)), dense("c", torch.ones(4))],
+                     max_chunk_bytes=1, loader=undoes_half)
+    r = info.value.report
+    assert model.a.tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert not r.rolled_back
+    assert r.deltas.loc["a", "changed"] == 2
