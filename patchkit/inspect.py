@@ -491,7 +491,10 @@ class LoadReport:
       1e154 give an infinite or NaN ``rel_l2``; differences that add up past float64's
       largest (about 1.8e308 in all) an infinite ``mean_abs``; and a difference that
       itself overflows float64 (a sign flip of 1e308) counts as 0 in ``max_abs``,
-      ``mean_abs`` and ``rel_l2``, as a non-finite one does.
+      ``mean_abs`` and ``rel_l2``, as a non-finite one does. A tensor that shares its
+      storage with the one written, but at another element size (a uint8 buffer of
+      which a float32 parameter is a view), gets no row of its own: such writes are
+      followed only through tensors of the written view's element size.
     - ``error``: the exception the load raised, or ``None``; ``rolled_back``: True when
       that load was ``transactional=True`` and put every write back (False when a region
       could not be written back: the error then says which; the ``writes``
@@ -780,6 +783,7 @@ class LoadReport:
         mask = torch.zeros(t.numel(), dtype=torch.bool, device="cpu")
         if self._written_whole(target):
             return mask.fill_(True).view(t.shape)  # rebound or new: written whole
+        self._check_followed(target, t)
         _mark_written(mask, t, _sharing(self._saved, t))
         return mask.view(t.shape)
 
@@ -801,7 +805,11 @@ class LoadReport:
         load ends and do not have this limit. A tensor that a call rebound
         (``param.data = w``) or registered anew gives the original tensor's values (and
         shape). Raises ``ValueError`` once the report was passed to a later load as
-        ``reuse=``, and ``KeyError`` for a name the load registered (new in the model).
+        ``reuse=``, or where the load wrote into ``target``'s storage through another
+        registered tensor of another element size (a float32 parameter that is a view
+        of a uint8 buffer: such writes are not followed, so the answer is not known;
+        :meth:`written` and :func:`~patchkit.plot.plot_delta` raise alike), and
+        ``KeyError`` for a name the load registered (new in the model).
         """
         return _rebuilt(self._original(target), self._saved)
 
@@ -823,7 +831,27 @@ class LoadReport:
                 "that holds memory in its place: it had no values before the load (after() "
                 "and written() have the ones now)"
             )
-        return self._rebound.get(self._aliases.get(target, target), t)
+        old = self._rebound.get(self._aliases.get(target, target), t)
+        self._check_followed(target, old)
+        return old
+
+    def _check_followed(self, target: str, t: torch.Tensor) -> None:
+        """``ValueError`` where the load wrote into ``t``'s storage through a registered
+        tensor of another element size (a float32 parameter that is a view of a uint8
+        buffer): the saves are read with ``t``'s element size only (see
+        :func:`_sharing`), so ``t``'s before-values and written elements are not known,
+        and a rebuilt answer would be wrong without a word."""
+        key, size = _storage_key(t), t.element_size()
+        other = next((s for s in self._saved
+                      if s.region.key == key and s.view.element_size() != size), None)
+        if other is not None:
+            raise ValueError(
+                f"{target!r} ({t.dtype}) shares its storage with {other.target!r}, which this "
+                f"load wrote as {other.view.dtype}: a report follows writes into a storage "
+                "only through tensors of one element size, so what "
+                f"{target!r} held before the load, and which of its elements it wrote, are "
+                f"not known (the writes table lists the write into {other.target!r})"
+            )
 
     def _written_whole(self, target: str) -> bool:
         """Whether the load wrote every element of ``target``: a tensor a call rebound or

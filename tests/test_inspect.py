@@ -3003,3 +3003,35 @@ def test_an_observed_loader_that_undoes_part_of_a_tensor_leaves_it_loaded():
     assert model.a.tolist() == [0.0, 0.0, 1.0, 1.0]
     assert not r.rolled_back
     assert r.deltas.loc["a", "changed"] == 2
+
+
+def test_a_tensor_sharing_storage_with_one_written_at_another_element_size_is_refused():
+    # A uint8 buffer of which a float32 parameter is a view: a write into the parameter
+    # is saved as float32, and the buffer's reads follow saves of its own element size
+    # only, so before("raw") gave the bytes as they are now and written("raw") all False,
+    # without a word. Both now say the answer is not known; the parameter's own reads
+    # are as before.
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("raw", torch.zeros(16, dtype=torch.uint8))
+            self.f = torch.nn.Parameter(self.raw[8:].view(torch.float32),
+                                        requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.f.copy_(t)
+            return {n for n, _ in weights}
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    model = Mixed()
+    report = inspect_load(
+        model, [CheckpointWeightPatch("f", (2,), torch.float32, torch.tensor([1.0, 2.0]))])
+    assert report.before("f").tolist() == [0.0, 0.0]
+    assert report.written("f").tolist() == [True, True]
+    for read in (report.before, report.written, report.plot_delta):
+        with pytest.raises(ValueError, match=r"'raw' \(torch.uint8\) shares its storage with "
+                           r"'f', which this load wrote as torch.float32"):
+            read("raw")
