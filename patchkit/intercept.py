@@ -900,14 +900,20 @@ class RuntimeIndex:
 
     def restore_grad_flags(self, flags: list[bool]) -> list[str]:
         """Set each runtime tensor's ``requires_grad`` back to ``flags`` (as
-        :meth:`grad_flags` read them) where it differs; returns the names set back."""
+        :meth:`grad_flags` read them) where it differs; returns the names set back. A
+        tensor whose flag torch will not set (one an in-place op under
+        ``torch.enable_grad()`` made a non-leaf) is left as it is: the rollback of the
+        values goes on."""
         now = self.grad_flags()
         if now == flags:
             return []
         back = []
         for (n, t), was, is_ in zip(self.tensors.items(), flags, now):
             if was != is_:
-                t.requires_grad_(was)
+                try:
+                    t.requires_grad_(was)
+                except RuntimeError:  # (not a leaf: torch keeps its flag)
+                    continue
                 back.append(n)
         return back
 

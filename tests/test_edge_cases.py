@@ -2206,3 +2206,23 @@ def test_a_rollback_counts_the_other_calls_that_returned_names_without_a_write()
                       r"\['a'\] without a write it saw \(and 1 other call alike\): "), \
             pytest.raises(KeyError):
         patchkit.load_checkpoint_weight_patches(m, ps, transactional=True, max_chunk_bytes=16)
+
+
+def test_a_rollback_goes_on_past_a_flag_torch_will_not_set_back():
+    # A loader that, under torch.enable_grad(), copies a tensor that requires grad into a
+    # buffer makes it a non-leaf with requires_grad=True; torch refuses to turn that flag
+    # off, and that refusal stopped the rollback before any value was put back.
+    class GradCopy(PlainModel):
+        def load_weights(self, weights):
+            for name, w in weights:
+                self.get_parameter(name).copy_(w)
+                with torch.enable_grad():
+                    self.b.copy_(torch.full((3,), 5.0, requires_grad=True))
+            raise KeyError("stop")
+
+    model = GradCopy({"w": (3,)})
+    model.register_buffer("b", torch.zeros(3))
+    with pytest.raises(KeyError, match="stop"):
+        patchkit.load_checkpoint_weight_patches(
+            model, [CWP("w", (3,), torch.float32, torch.ones(3))], transactional=True)
+    assert model.w.tolist() == [0.0] * 3 and model.b.tolist() == [0.0] * 3
