@@ -771,3 +771,58 @@ def test_a_handed_over_report_says_so_without_trying_to_draw():
     assert w.output.outputs[1]["text"] == (
         "before/after figure: none, this report's before-values were handed to a later "
         "load (reuse=)\n")
+
+
+# -- what each control offers, and where it sits -------------------------------------------
+
+
+def test_planner_offers_a_base_2_log_slider_of_fine_steps_read_out_in_human_bytes():
+    w = chunk_planner(patches(), max_chunk_bytes=300)
+    s = w.slider
+    assert isinstance(s, widgets.W.FloatLogSlider) and s.base == 2
+    assert s.description == "max_chunk_bytes"
+    # the budget reads in the Label beside it, in human bytes, not as the slider's float
+    assert s.readout is False and w.readout.value == "300 B"
+    # neighbouring stops differ by a few percent at most: any budget can be neared
+    assert 2 ** s.step < 1.05
+    (row, out) = w.children
+    assert row.children == (s, w.readout) and out is w.output
+
+
+def test_planner_redraws_only_when_the_budget_changes():
+    w = chunk_planner(patches(), max_chunk_bytes=300)
+    w.output.outputs = ()  # (a redraw would fill it again)
+    w.slider.value = w.slider.value
+    w.slider.description = "budget"
+    w.slider.step = w.slider.step / 2
+    assert w.output.outputs == ()
+    w.slider.value = 200
+    assert len(w.output.outputs) == 2
+
+
+def test_explorer_offers_a_show_dropdown_above_its_output_and_the_planner_below():
+    report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
+    w = explore(report)
+    head, dropdown, output, title, planner = w.children
+    assert dropdown is w.dropdown and dropdown.description == "show"
+    assert output is w.output and planner is w.planner
+    assert title.value == "<b>chunk plan</b>"
+    assert head.value.startswith("<b>LoadReport</b>: 4 patches")
+
+
+def test_explorer_says_when_nothing_is_chosen():
+    w = explore(inspect_load(Packed(), patches(), max_chunk_bytes=300))
+    w.dropdown.value = None
+    assert texts(w.output) == "nothing chosen: pick a patch or a runtime tensor above\n"
+
+
+def test_explorer_heading_counts_the_calls_made_not_those_planned():
+    class FirstCallFails(Packed):
+        def load_weights(self, weights):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError) as info:
+        inspect_load(FirstCallFails(), patches(), max_chunk_bytes=300)
+    report = info.value.report
+    assert (len(report.calls), len(report.plan)) == (1, 2)
+    assert "4 patches, 1 load_weights call, 0 runtime writes" in explore(report).children[0].value
