@@ -826,3 +826,46 @@ def test_explorer_heading_counts_the_calls_made_not_those_planned():
     report = info.value.report
     assert (len(report.calls), len(report.plan)) == (1, 2)
     assert "4 patches, 1 load_weights call, 0 runtime writes" in explore(report).children[0].value
+
+
+# -- what a redraw writes, as a notebook stores it ------------------------------------------
+
+
+def test_outputs_are_a_png_display_data_and_a_stdout_stream():
+    w = chunk_planner(patches(), max_chunk_bytes=300)
+    fig, text = w.output.outputs
+    assert set(fig) == {"output_type", "data", "metadata"} and fig["metadata"] == {}
+    assert set(fig["data"]) == {"image/png", "text/plain"}
+    assert " size " in fig["data"]["text/plain"] and "Axes" in fig["data"]["text/plain"]
+    assert text == {"output_type": "stream", "name": "stdout", "text": plan_text(w.plan, 300)}
+
+
+def test_explorer_labels_an_item_with_no_str_name_and_tells_apart_twice_taken_suffixes():
+    from patchkit.widgets import _told_apart
+
+    with pytest.raises(TypeError) as info:
+        inspect_load(PlainModel({"a": (4,)}), [(5, (4,), torch.float32, torch.ones(4), None)])
+    assert [label for label, _ in explore(info.value.report).dropdown.options] == [
+        "patch 0: None"]
+    got = _told_apart([("a", 1), ("a (2)", 2), ("a (3)", 3), ("a", 4)])
+    assert [label for label, _ in got] == ["a", "a (2)", "a (3)", "a (4)"]
+
+
+def test_explore_shows_each_write_column_and_the_chosen_tensor_delta_row_alone():
+    w = explore(inspect_load(Packed(), patches(), max_chunk_bytes=300))
+    w.dropdown.value = ("runtime", "norm")
+    text = texts(w.output)
+    rows, delta = text.split("writes into norm:\n")[1].split("\ndelta:\n")
+    assert rows.splitlines()[0].split() == [
+        "chunk", "position", "name", "checkpoint_region", "target_region", "elements",
+        "written", "changed"]
+    assert rows.splitlines()[1].split()[:3] == ["1", "3", "norm"]
+    assert [line.split()[0] for line in delta.splitlines()] == ["elements", "target", "norm"]
+
+
+def test_planner_of_a_report_refused_for_a_budget_that_is_no_int_starts_at_the_default():
+    with pytest.raises(TypeError) as info:
+        inspect_load(Packed(), patches(), max_chunk_bytes="1 KiB")
+    w = chunk_planner(info.value.report)
+    assert w.max_chunk_bytes == 2 * (3 * 128 + 32)  # the default, clipped into range
+    assert w.plan == plan_chunks(patches(), w.max_chunk_bytes)
