@@ -686,14 +686,20 @@ def test_a_name_is_cut_in_a_label_only_past_120_characters_keeping_more_of_its_e
     assert _shown(name) == "a" * 59 + "…" + "b" * 60
 
 
-def test_explore_shows_a_patch_row_note_on_a_line_of_its_own():
-    class FirstCallFails(Packed):
-        def load_weights(self, weights):
-            raise RuntimeError("boom")
+class _FirstCallFails(Packed):
+    def load_weights(self, weights):
+        raise RuntimeError("boom")
 
+
+def _first_call_fails():
+    """The report of a load of ``patches()`` in two calls whose first one raised."""
     with pytest.raises(RuntimeError) as info:
-        inspect_load(FirstCallFails(), patches(), max_chunk_bytes=300)
-    report = info.value.report
+        inspect_load(_FirstCallFails(), patches(), max_chunk_bytes=300)
+    return info.value.report
+
+
+def test_explore_shows_a_patch_row_note_on_a_line_of_its_own():
+    report = _first_call_fails()
     note = report.chunks["note"].iloc[3]
     assert note  # (norm, in the second call, was never sent)
     w = explore(report)
@@ -817,13 +823,7 @@ def test_explorer_says_when_nothing_is_chosen():
 
 
 def test_explorer_heading_counts_the_calls_made_not_those_planned():
-    class FirstCallFails(Packed):
-        def load_weights(self, weights):
-            raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError) as info:
-        inspect_load(FirstCallFails(), patches(), max_chunk_bytes=300)
-    report = info.value.report
+    report = _first_call_fails()
     assert (len(report.calls), len(report.plan)) == (1, 2)
     assert "4 patches, 1 load_weights call, 0 runtime writes" in explore(report).children[0].value
 
