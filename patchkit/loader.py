@@ -284,11 +284,7 @@ def run_load(
                 for chunk in chunks:
                     staged = _staged(chunk, by_position)
                     if session is None:
-                        try:
-                            returned = _names(load_weights(staged), chunk)
-                        except BaseException as exc:
-                            _note_the_call(exc, chunk)
-                            raise
+                        returned = _called(load_weights, staged, chunk)
                     else:
                         with session.call(
                             chunk.index, staged, chunk.positions, sparse=sparse,
@@ -296,11 +292,7 @@ def run_load(
                         ) as r:
                             # Read the names inside the interception: a generator-function
                             # loader does its copies only while it is iterated.
-                            try:
-                                r.returned = returned = _names(load_weights(staged), chunk)
-                            except BaseException as exc:
-                                _note_the_call(exc, chunk)
-                                raise
+                            r.returned = returned = _called(load_weights, staged, chunk)
                     if returned is not None:
                         loaded.update(returned)
                         if renamed:
@@ -590,6 +582,17 @@ def _warn_if_dropped_differs(
     )
 
 
+def _called(load_weights: Any, staged: list[tuple[str, torch.Tensor]], chunk: Chunk
+            ) -> set[str] | None:
+    """One call of the model's ``load_weights``, its return read as names
+    (:func:`_names`); what it raises gets :func:`_note_the_call`'s note."""
+    try:
+        return _names(load_weights(staged), chunk)
+    except BaseException as exc:
+        _note_the_call(exc, chunk)
+        raise
+
+
 def _note_the_call(exc: BaseException, chunk: Chunk) -> None:
     """Add to an error the model's ``load_weights`` raised (its own ``KeyError`` for a
     name it lacks, torch's for a shape it cannot take, a Ctrl-C) a note (Python 3.11+)
@@ -600,9 +603,7 @@ def _note_the_call(exc: BaseException, chunk: Chunk) -> None:
     patch already and get none."""
     if isinstance(exc, PatchError) or not hasattr(exc, "add_note"):
         return
-    parts = [where(p if p >= 0 else None, n)
-             for p, n in zip(chunk.positions[:3], chunk.names)]
-    more = len(chunk.positions) - 3
+    parts, more = _first_patches(chunk)
     sent = ", ".join(parts) + (f" and {more} more" if more > 0 else "")
     exc.add_note(f"(raised in load_weights call {chunk.index}, sent {sent})")
 
@@ -785,10 +786,16 @@ def _names(returned: Any, chunk: Chunk | None = None) -> set[str] | None:
     )
 
 
+def _first_patches(chunk: Chunk, shown: int = 3) -> tuple[list[str], int]:
+    """How a message names the first ``shown`` patches of a call (``"patch 4 ('a')"``),
+    and how many more it has."""
+    parts = [where(p if p >= 0 else None, n)  # (-1: an observed name no patch has)
+             for p, n in zip(chunk.positions[:shown], chunk.names)]
+    return parts, len(chunk.positions) - shown
+
+
 def _call_text(chunk: Chunk, shown: int = 3) -> str:
     """``"call 2, patch 4 ('a'), patch 5 ('b')"``: how a message names a call, its first
     ``shown`` patches, then how many more."""
-    parts = [where(p if p >= 0 else None, n)  # (-1: an observed name no patch has)
-             for p, n in zip(chunk.positions[:shown], chunk.names)]
-    more = len(chunk.positions) - shown
+    parts, more = _first_patches(chunk, shown)
     return ", ".join([f"call {chunk.index}", *parts] + ([f"{more} more"] if more > 0 else []))
