@@ -37,6 +37,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .units import _UNITS
+
 if TYPE_CHECKING:
     import torch
 
@@ -126,7 +128,8 @@ def _cmd_tour(args: argparse.Namespace) -> int:
     return 0 if run_tour(args.out, device=device).ok else 1
 
 
-_BINARY_UNITS = {"b": 0, "kib": 1, "mib": 2, "gib": 3, "tib": 4}
+# B and the units format_bytes writes, KiB to TiB, by power of 1024 (lower case)
+_BINARY_UNITS = {"b": 0} | {u.lower(): k for k, u in enumerate(_UNITS[:4], 1)}
 
 
 def _byte_count(text: str) -> int:
