@@ -585,6 +585,12 @@ class _Rebinds(torch.nn.Module):
         return {n for n, _ in weights}
 
 
+def _one_per_tensor(n: int) -> list[CheckpointWeightPatch]:
+    """A 2 x 2 float32 patch for each of ``p0`` ... ``p{n-1}``, each of other values."""
+    return [CheckpointWeightPatch(f"p{i}", (2, 2), torch.float32, torch.arange(4.0) + i)
+            for i in range(n)]
+
+
 @pytest.mark.parametrize("transactional", [False, True])
 def test_a_load_rebinding_one_tensor_per_call_looks_at_each_rebinding_once(
         transactional, monkeypatch):
@@ -603,8 +609,7 @@ def test_a_load_rebinding_one_tensor_per_call_looks_at_each_rebinding_once(
     per_tensor = {}
     for n in (16, 64):
         model = _Rebinds(n)
-        patches = [CheckpointWeightPatch(f"p{i}", (2, 2), torch.float32,
-                                         torch.arange(4.0) + i) for i in range(n)]
+        patches = _one_per_tensor(n)
         keys.clear()
         r = inspect_load(model, patches, max_chunk_bytes=16, transactional=transactional)
         per_tensor[n] = keys["n"] / n
@@ -667,8 +672,7 @@ def test_a_load_rebinding_after_its_saves_finds_the_rebound_saves_by_view(monkey
     per_tensor = {}
     for n in (8, 32):
         model = _WritesThenRebinds(n)
-        patches = [CheckpointWeightPatch(f"p{i}", (2, 2), torch.float32,
-                                         torch.arange(4.0) + i) for i in range(n)]
+        patches = _one_per_tensor(n)
         ids.clear()
         looked.clear()
         r = inspect_load(model, patches, max_chunk_bytes=16)
