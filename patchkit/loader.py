@@ -73,6 +73,13 @@ def load_checkpoint_weight_patches(
        NaN-filled tensor. Each chunk is one ``model.load_weights([(name, tensor), ...])``,
        its patches staged just before it (where memory for one runs out, torch's error
        comes with a note naming the patch, the call and the bytes it stages).
+       **[patchkit]** Where the load fails during a call (or while staging one), that
+       call's list, the one patchkit made and passed to ``load_weights``, is emptied
+       before the error leaves the load, so a kept error (Jupyter keeps the last one,
+       and its traceback's frames) does not keep the call's staged tensors alive
+       through it. A post-mortem debugger still shows patchkit's frames and the
+       loader's, where ``weights`` then reads ``[]`` (the error's note names what was
+       sent); what the loader's own locals hold (the entry it was at) it keeps.
     4. During sparse calls, and only on this thread, same-shaped floating-point ``copy_``
        into the model's parameters and buffers keeps the runtime value wherever the source
        is NaN; any other write into runtime storage, overlapping destinations within one
@@ -280,6 +287,7 @@ def run_load(
                 for alias, first in alias_of.items():
                     aliases_of.setdefault(first, []).append(alias)
             finished = False  # the saves are let go: no rollback can run from here
+            staged = None  # (the list of the call in progress, emptied where it fails)
             try:
                 for chunk in chunks:
                     staged = _staged(chunk, by_position)
@@ -299,7 +307,7 @@ def run_load(
                             _warn_if_renamed_not_loaded(
                                 sorted(renamed.intersection(chunk.positions)), patches,
                                 by_position, returned, alias_of, aliases_of, dropped)
-                    del staged
+                    staged = None
                 if transactional and session is not None and not save_regions:
                     # A signal after the last call (until here) rolls the load back, as any
                     # error before the call returns does; one while the saves are let go
@@ -308,11 +316,18 @@ def run_load(
                         finished = True
                         session.discard()
             except BaseException as exc:
-                if session is not None:
-                    session.end_calls()  # (a call a signal left open: its modes go first)
-                if transactional and session is not None and not finished:
-                    with _DEFERRAL.holding():  # (a second Ctrl-C waits for the rollback)
-                        _roll_back(session, exc)
+                try:
+                    if session is not None:
+                        session.end_calls()  # (a call a signal left open: its modes go first)
+                    if transactional and session is not None and not finished:
+                        with _DEFERRAL.holding():  # (a second Ctrl-C waits for the rollback)
+                            _roll_back(session, exc)
+                finally:
+                    if staged is not None:
+                        # The list patchkit made and passed to load_weights, emptied: the
+                        # error's traceback (which Jupyter keeps) holds this frame and the
+                        # loader's, and through the list every tensor staged for the call.
+                        staged.clear()
                 raise
             return loaded
         finally:
@@ -622,7 +637,10 @@ def _staged(
         patch = by_position[p]
         try:
             out.append((patch.name, _stage(patch)))
-        except (RuntimeError, MemoryError) as exc:
+        except BaseException as exc:
+            out.clear()  # (the call's tensors staged so far: not held by the traceback)
+            if not isinstance(exc, (RuntimeError, MemoryError)):
+                raise
             if hasattr(exc, "add_note"):
                 kind = "dense" if patch.indices is None else "sparse"
                 staged = format_bytes(staged_nbytes(patch))

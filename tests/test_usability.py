@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 
 import pytest
 import torch
@@ -86,6 +88,97 @@ def test_patchkits_own_errors_from_inside_a_call_get_no_note_of_the_call():
             ReturnsANumber({"a": (4,)}, device="cpu"),
             [CWP("a", (4,), torch.float32, torch.ones(4))])
     assert not getattr(info.value, "__notes__", [])
+
+
+class _FailsOn(PlainModel):
+    """A loader that takes a weak reference to every tensor it is sent, copies them in
+    order and fails at ``"c"``: raising its own ``KeyError`` there (``how="raise"``), or
+    writing it with ``add_``, which a sparse load refuses inside the call
+    (``how="refused"``); or copies them all and returns a number, which patchkit refuses
+    once it has returned (``how="returns"``)."""
+
+    def __init__(self, shapes, how):
+        super().__init__(shapes, device="cpu")
+        self.how, self.refs = how, []
+
+    def load_weights(self, weights):
+        self.refs += [weakref.ref(w) for _, w in weights]
+        for name, w in weights:
+            if name == "c" and self.how == "raise":
+                raise KeyError(name)
+            if name == "c" and self.how == "refused":
+                self._parameters[name].data.add_(w)
+            self._parameters[name].data.copy_(w)
+        return 7 if self.how == "returns" else {n for n, _ in weights}
+
+
+@pytest.mark.parametrize(("kind", "how"), [
+    ("sparse", "raise"), ("sparse", "refused"), ("sparse", "returns"),
+    ("dense cast", "raise"), ("dense cast", "returns"),  # (a dense load allows add_)
+    ("transactional", "raise"), ("transactional", "refused"),
+    ("inspect", "raise"), ("inspect", "refused"),
+])
+def test_a_kept_error_of_a_failed_call_does_not_keep_its_staged_tensors(kind, how):
+    # Jupyter keeps the last error and its traceback, whose frames (patchkit's and the
+    # loader's) held the list patchkit passed to load_weights and so every tensor staged
+    # for the call (up to max_chunk_bytes of fresh memory, a GPU's on a GPU)
+    m = _FailsOn({"a": (64,), "b": (64,), "c": (64,), "d": (64,)}, how)
+    if kind == "dense cast":  # (a cast staged as a copy patchkit made)
+        ps = [CWP(n, (64,), torch.float32, torch.ones(64, dtype=torch.float64)) for n in "abcd"]
+    else:
+        ps = [CWP(n, (64,), torch.float32, torch.tensor([1.0]), torch.tensor([3]))
+              for n in "abcd"]
+    load = patchkit.inspect_load if kind == "inspect" else patchkit.load_checkpoint_weight_patches
+    kw = {"transactional": True} if kind == "transactional" else {}
+    try:
+        load(m, ps, **kw)
+    except (KeyError, patchkit.ContractViolation) as exc:
+        kept = exc  # (as sys.last_value keeps it)
+    gc.collect()
+    # (what the loader's own frame holds stays: the entry it failed at, its w)
+    alive = [n for n, r in zip("abcd", m.refs) if r() is not None]
+    assert alive == ([] if how == "returns" else ["c"])
+    assert type(kept) is (KeyError if how == "raise" else patchkit.ContractViolation)
+    # (a post-mortem debugger still walks patchkit's frames and the loader's)
+    tb, frames = kept.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert {"run_load", "_called"} <= set(frames)
+    assert ("load_weights" in frames) == (how != "returns")
+    if sys.version_info >= (3, 11) and how == "raise":
+        assert kept.__notes__ == [
+            "(raised in load_weights call 0, sent patch 0 ('a'), patch 1 ('b'), patch 2 "
+            "('c') and 1 more)"]
+    for p in ps:  # (the caller's patches are left as they were)
+        assert p.values.tolist() == ([1.0] * 64 if kind == "dense cast" else [1.0])
+
+
+def test_a_kept_error_of_a_failed_staging_does_not_keep_the_calls_tensors_staged_before(
+        monkeypatch):
+    from patchkit import loader
+
+    staged = []
+
+    def stage(patch):
+        t = stage_as_before(patch)
+        staged.append(weakref.ref(t))
+        return t
+
+    stage_as_before = loader._stage
+    monkeypatch.setattr(loader, "_stage", stage)
+    m = PlainModel({"a": (64,), "b": (64,), "c": (4,)}, device="cpu")
+    ps = [CWP(n, (64,), torch.float32, torch.tensor([1.0]), torch.tensor([0])) for n in "ab"]
+    # a shape mistyped by orders of magnitude: 1 PiB staged, past any address space
+    ps.append(CWP("c", (2**24, 2**24), torch.float32, torch.tensor([1.0]), torch.tensor([0])))
+    try:
+        patchkit.load_checkpoint_weight_patches(m, ps, max_chunk_bytes=2**60)
+    except RuntimeError as exc:
+        kept = exc
+    gc.collect()
+    assert len(staged) == 2 and [r() for r in staged] == [None, None]
+    assert kept.__traceback__ is not None
+    assert m.a.tolist() == [0.0] * 64  # (no call was made)
 
 
 @pytest.fixture(scope="module")
