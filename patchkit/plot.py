@@ -29,7 +29,7 @@ import math
 import numbers
 import operator
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -199,17 +199,71 @@ def _drawable(text: str) -> str:
     return shown_name(text)
 
 
-def _short(name: str, n: int = 24, parts: int = 3) -> str:
+def _short(name: str, n: int = 24, parts: int = 3, among: Iterable[str] = ()) -> str:
     """A checkpoint name cut to its last ``parts`` dotted components and ``n`` characters.
 
     ``model.layers.0.self_attn.q_proj.weight`` → ``…self_attn.q_proj.weight``: the tail
-    says what the tensor is; the layer prefix is shared by its neighbours.
+    says what the tensor is; the layer prefix is shared by its neighbours. Where another
+    name of ``among`` (the names drawn beside it) ends with that same tail, the cut keeps
+    what tells them apart instead (see :func:`_apart`), still within ``n`` characters.
     """
     pieces = _drawable(name).split(".")
-    name = ".".join(pieces)
+    whole = ".".join(pieces)
+    name = whole
     if len(pieces) > parts:
         name = "…" + ".".join(pieces[-parts:])
-    return name if len(name) <= n else "…" + name[-(n - 1) :]
+    cut = name if len(name) <= n else "…" + name[-(n - 1) :]
+    return _apart(whole, cut, among, len, n, n)
+
+
+def _apart(name: str, cut: str, among: Iterable[str], size: Callable[[str], float],
+           room: float, most: int) -> str:
+    """``cut`` (``name`` cut to ``…`` and its tail), unless another name of ``among`` ends
+    with that same tail: then ``…`` and the shortest dotted tail of ``name`` that no other
+    name of ``among`` ends with, where that fits in ``room`` (as ``size`` measures text);
+    else the shortest dotted head no other name starts with, ``…`` and the longest tail
+    that fits (the head taking at most half the room): rows named ``model.layers.{i}.``
+    and one long tail keep their layer number. Names of ``among`` each drawn so differ
+    whenever the names do, where the part that tells them apart fits (and no name holds
+    a ``…`` of its own); where it does not, ``cut``. ``name`` is as drawn
+    (:func:`_drawable`); no text longer than ``most`` characters fits in ``room``, which
+    bounds the work whatever the names' lengths."""
+    if cut == name or not cut.startswith("…"):
+        return cut
+    others = {o for o in map(_drawable, among) if o != name}
+    if not any(o.endswith(cut[1:]) for o in others):
+        return cut
+    if len(name) <= most and size(name) <= room:  # (cut to its last parts: none needed)
+        return name
+    pieces = name.split(".")
+    tail = pieces[-1]
+    for j in range(len(pieces) - 2, 0, -1):  # the shortest tail that is its own
+        tail = pieces[j] + "." + tail
+        if len(tail) >= most:
+            break
+        if not any(o == tail or o.endswith("." + tail) for o in others):
+            if size("…" + tail) <= room:
+                return "…" + tail
+            break
+    head = ""
+    for k in range(len(pieces) - 1):  # the shortest head that is its own
+        head += pieces[k] + "."
+        if 2 * len(head) > most or 2 * size(head) > room:
+            break
+        if any(o.startswith(head) for o in others):
+            continue
+        rest = name[len(head):]
+        if size(head + "…" + rest[-1:]) > room:
+            break
+        lo, hi = 1, max(1, min(len(rest), most - len(head)))
+        while lo < hi:  # the longest tail of the rest that fits beside the head
+            mid = (lo + hi + 1) // 2
+            if size(head + "…" + rest[-mid:]) <= room:
+                lo = mid
+            else:
+                hi = mid - 1
+        return head + "…" + rest[-lo:]
+    return cut
 
 
 def _text_width(text: str, size: float) -> float:
@@ -221,11 +275,13 @@ def _text_width(text: str, size: float) -> float:
     return float(width)
 
 
-def _fit(name: str, size: float, width: float) -> str:
+def _fit(name: str, size: float, width: float, among: Iterable[str] = ()) -> str:
     """``name`` as is when it fits in ``width`` points at font ``size``; else ``…`` and
     the longest tail of it that fits (at least one character): the tail of a dotted name
-    says what the tensor is. Work bounded by what fits, whatever the name's length (no
-    glyph is narrower than a fifth of the font size: a longer name cannot fit)."""
+    says what the tensor is; where another name of ``among`` (the names drawn beside it)
+    ends with that same tail, what tells them apart instead (see :func:`_apart`). Work
+    bounded by what fits, whatever the name's length (no glyph is narrower than a fifth
+    of the font size: a longer name cannot fit)."""
     name = _drawable(name)
     most = max(1, int(width / (0.2 * size)))
     if len(name) <= most and _text_width(name, size) <= width:
@@ -237,7 +293,7 @@ def _fit(name: str, size: float, width: float) -> str:
             lo = mid
         else:
             hi = mid - 1
-    return "…" + name[-lo:]
+    return _apart(name, "…" + name[-lo:], among, lambda t: _text_width(t, size), width, most)
 
 
 def _tag(name: str) -> str:
@@ -397,18 +453,20 @@ def _resolve(report: LoadReport, target: str) -> str:
 
 
 def _shown_name(
-    target: str, runtime: str, size: float | None = None, width: float = math.inf
+    target: str, runtime: str, size: float | None = None, width: float = math.inf,
+    among: Iterable[str] = (),
 ) -> str:
     """How a figure names a runtime tensor asked for as ``target``; with a font ``size``,
-    each name is cut (see :func:`_fit`) so that the whole fits in ``width`` points."""
+    each name is cut (see :func:`_fit`, apart from the names of ``among``) so that the
+    whole fits in ``width`` points."""
     target, runtime = _drawable(target), _drawable(runtime)
     shown = target if target == runtime else f"{target} (tied to {runtime})"
     if size is None or _text_width(shown, size) <= width:
         return shown
     if target == runtime:
-        return _fit(target, size, width)
+        return _fit(target, size, width, among)
     room = (width - _text_width(" (tied to )", size)) / 2
-    return f"{_fit(target, size, room)} (tied to {_fit(runtime, size, room)})"
+    return f"{_fit(target, size, room, among)} (tied to {_fit(runtime, size, room, among)})"
 
 
 def _power_of_two_ticks(vmin: float, vmax: float, most: int) -> list[float] | None:
@@ -1312,7 +1370,14 @@ def plot_placement(
     NaN), and where those are fewer, the elements of the views written: ``"1 write, 2
     elements written of 1,024 in its view"``. Names are shown as written (no mathtext);
     a runtime title too long for one line gets its counts on a second line and its name
-    cut to its tail after ``…``. Runtime row and column ticks are whole numbers.
+    cut to its tail after ``…``. Checkpoint names in the legend, the labels and the
+    checkpoint side are cut to their last dotted parts (``…self_attn.q_proj.weight``).
+    Where a cut name's tail is also the tail of another name drawn beside it (another
+    row's, for a title; another source of the row, for a checkpoint name), the cut keeps
+    what tells them apart: a longer dotted tail (``…3.gate_proj.weight``), or the head
+    through the first part no other name starts with, ``…`` and a tail
+    (``model.layers.7.…weight``), where that fits. Runtime row and column ticks are
+    whole numbers.
 
     ``targets`` is a list of runtime tensor names, or one name as a string (a tensor
     named twice, or by a tied alias beside its own name, is drawn once, at its first
@@ -1382,13 +1447,15 @@ def plot_placement(
     fig.suptitle(title, fontsize=11)
     shapes = {i: tuple(int(d) for d in report.patches[i].shape)
               for i in {int(k) for k in writes["position"].dropna()}}
+    # (each row's title names its tensor apart from the other rows' names)
+    names = [*chosen, *(_resolve(report, t) for t in chosen)]
     for row, target in enumerate(chosen):
-        _draw_target(axes[row][0], axes[row][1], target, report, writes, shapes)
+        _draw_target(axes[row][0], axes[row][1], target, report, writes, shapes, names)
     return fig
 
 
 def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, writes: Any,
-                 shapes: dict[int, tuple[int, ...]]) -> None:
+                 shapes: dict[int, tuple[int, ...]], row_names: Sequence[str] = ()) -> None:
     target = _resolve(report, asked)
     tshape = tuple(int(d) for d in _known(report)[target])
     rows, cols = grid_shape(tshape)
@@ -1402,6 +1469,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     colour = {pos: _write_colour(k) for k, pos in enumerate(sources)}
     traced = [p for p in sources if p is not None and p in shapes]
     slot = {pos: k for k, pos in enumerate(traced[:_MAX_SOURCES])}
+    sent = [_name_of(w) for _, w in shown.iterrows()]  # (names cut apart from each other)
 
     ax_rt.add_patch(Rectangle((0, 0), max(cols, 1), max(rows, 1), facecolor="0.94",
                               edgecolor="0.3", linewidth=1.0))
@@ -1427,7 +1495,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
                 (c0, r0), c1 - c0, r1 - r0, facecolor=(*c[:3], 0.55), edgecolor=c,
                 linewidth=1.2, gid=f"write {i} runtime", **style,
             ))
-        label = _short(_name_of(w), 24, parts=2)
+        label = _short(_name_of(w), 24, parts=2, among=sent)
         if rects and _big_enough(rects[0], rows, cols):
             # (a later write of the same region: its label replaces the earlier one's,
             # which the legend still lists)
@@ -1438,7 +1506,8 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
                 (c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=8,
                 clip_on=True, parse_math=False)
         if len(handles) < _MAX_LEGEND:
-            src = "untraced source" if pos is None else f"#{pos} {_short(_name_of(w), 30)}"
+            src = ("untraced source" if pos is None
+                   else f"#{pos} {_short(_name_of(w), 30, among=sent)}")
             handles.append(Patch(facecolor=(*c[:3], 0.55), edgecolor=c, **style,
                                  label=f"{src} {ck_region or ''}"
                                  f" → {w['target_region']}"))
@@ -1483,7 +1552,8 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     title = f"runtime {_shown_name(asked, target)} {_shape_text(tshape)}: {counts}"
     if _text_width(title, 9) > room:
         shape = f" {_shape_text(tshape)}:"
-        shown = _shown_name(asked, target, 9, room - _text_width("runtime " + shape, 9))
+        shown = _shown_name(asked, target, 9, room - _text_width("runtime " + shape, 9),
+                            row_names)
         title = f"runtime {shown}{shape}\n{counts}"
     ax_rt.set_title(title, fontsize=9, parse_math=False)
     if handles:
@@ -1504,7 +1574,8 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     ax_ck.set_ylim(n_src * 1.25 - 0.25, 0)
     ax_ck.set_yticks([k * 1.25 + 0.5 for k in slot.values()])
     ax_ck.set_yticklabels(
-        [f"{_short(report.patches[p].name, 24, parts=2)}\n{_shape_text(shapes[p])}" for p in slot],
+        [f"{_short(report.patches[p].name, 24, parts=2, among=sent)}\n{_shape_text(shapes[p])}"
+         for p in slot],
         fontsize=7, parse_math=False,
     )
     ax_ck.set_xticks([0, 0.5, 1])

@@ -1361,6 +1361,65 @@ def test_long_names_are_cut_to_their_tail_keeping_shape_and_numbers_on_the_figur
     assert LONG not in title + head  # cut: the whole name would run off the figure
 
 
+def test_placement_rows_of_long_names_differing_only_in_the_cut_part_are_titled_apart():
+    # six names of 111 characters that differ only in the layer number: each row's title
+    # was cut to the same tail, "runtime …n_block.some_long…weight", so the rows looked
+    # alike; now each keeps its head through the layer number, and still fits
+    tail = "cross_attention_block.some_long_submodule_name.another_long_part.last_part.weight"
+    names = [f"model.decoder.layers.{i}.{tail}" for i in range(6)]
+    model = PlainModel(dict.fromkeys(names, (8, 8)))
+    ps = [CheckpointWeightPatch(n, (8, 8), torch.float32, torch.ones(3), torch.tensor([0, 9, 63]))
+          for n in names]
+    fig = plot_placement(inspect_load(model, ps))
+    titles = [ax.title for ax in fig.axes[1::2]]
+    firsts = [t.get_text().split("\n")[0] for t in titles]
+    for i, first in enumerate(firsts):
+        assert first.startswith(f"runtime model.decoder.layers.{i}.…") and first.endswith(
+            ".last_part.weight (8, 8):"), first
+        assert names[i] not in first  # still cut
+    renderer = drawn(fig)
+    for t in titles:
+        box = t.get_window_extent(renderer)
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (t.get_text(), box)
+    # a name that is the only long one keeps the cut to its tail (see the test above)
+    (one,) = plot_placement(inspect_load(model, ps[:1])).axes[1::2]
+    assert one.get_title().startswith("runtime …")
+
+
+def test_placement_names_a_rows_sources_that_share_a_tail_apart():
+    # fused experts: six checkpoint tensors into one runtime tensor; the checkpoint
+    # side's names and the labels on the runtime side were cut to their last two parts,
+    # "…gate_proj.weight" three times over
+    from patchkit.toymodels import OverlappingDestinationsModel
+
+    names = [f"model.layers.0.mlp.experts.{e}.{w}.weight"
+             for e in range(3) for w in ("gate_proj", "up_proj")]
+    model = OverlappingDestinationsModel(dict.fromkeys(names, (4, 4)))
+    fig = plot_placement(inspect_load(model, [
+        CheckpointWeightPatch(n, (4, 4), torch.float32, torch.ones(16)) for n in names]))
+    ax_ck, ax_rt = fig.axes
+    want = [f"…{e}.{w}.weight" for e in range(3) for w in ("gate_proj", "up_proj")]
+    assert [t.get_text().split("\n")[0] for t in ax_ck.get_yticklabels()] == want
+    assert [t.get_text() for t in ax_rt.texts] == want
+
+
+def test_placement_cuts_realistic_names_to_their_last_parts_as_before():
+    model = TinyLlamaRuntime(TinyLlamaConfig(), dtype=torch.float32)
+    shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64),
+              "self_attn.v_proj": (32, 64)}
+    ps = [CheckpointWeightPatch(f"model.layers.{i}.{m}.weight", shape, torch.float32,
+                                torch.ones(3), torch.tensor([0, 5, 9]))
+          for i in range(2) for m, shape in shapes.items()]
+    fig = plot_placement(inspect_load(model, ps))
+    for i, (ax_ck, ax_rt) in enumerate(zip(fig.axes[::2], fig.axes[1::2], strict=True)):
+        assert ax_rt.get_title().startswith(f"runtime model.layers.{i}.self_attn.qkv_proj.weight")
+        legend = [t.get_text().split(" [")[0] for t in ax_rt.get_legend().get_texts()]
+        assert legend == [f"#{3 * i + k} …self_attn.{x}_proj.weight" for k, x in enumerate("qkv")]
+        assert [t.get_text() for t in ax_rt.texts] == [f"…{x}_proj.weight" for x in "qkv"]
+        assert [t.get_text().split("\n")[0] for t in ax_ck.get_yticklabels()] == [
+            f"…{x}_proj.weight" for x in "qkv"]
+
+
 @pytest.mark.parametrize("name", ["layer$_{0}$.weight", "price$\\notacommand$.weight"])
 def test_names_with_dollar_signs_are_drawn_as_written_not_as_mathtext(name):
     model = PlainModel({name: (8, 8)})
