@@ -821,7 +821,8 @@ def plot_chunks(
     without one (their hatch white, as every other segment's), and bars under 6 points
     wide without a hatch (the colour carries the reason). The dashed budget
     line (gid ``"budget"``, y = ``max_chunk_bytes``; above the visible range when the
-    budget dwarfs every call, with a note saying so); one annotation per call (gid
+    budget dwarfs every call, with a note saying so in place of the line's legend
+    entry); one annotation per call (gid
     ``"closed_by"``, text ``budget`` / ``repeated name`` / ``end``) for up to 60 calls,
     inside the axes and clear of the title and the note, beyond which the bar colours and
     hatches (see the legend) carry the reason; an ``"over budget"`` annotation (gid
@@ -1009,10 +1010,11 @@ def _plot_chunks(report_or_patches: Any, max_chunk_bytes: int | None, ax: Axes |
               linewidth=0, label=f"closed by {r}")
         for r in reasons
     ]
-    handles.append(
-        Line2D([], [], linestyle="--", color="0.15",
-               label=f"max_chunk_bytes ({format_bytes(budget)})")
-    )
+    if not budget_off_scale:  # (off the scale, the note says where the budget is)
+        handles.append(
+            Line2D([], [], linestyle="--", color="0.15",
+                   label=f"max_chunk_bytes ({format_bytes(budget)})")
+        )
     if made < len(plan):
         handles.append(Patch(facecolor=_NOT_SENT, label="not sent (the load raised first)"))
     if any(c.over_budget for c in plan):

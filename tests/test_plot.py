@@ -36,6 +36,7 @@ from patchkit.plot import (
     view_rects,
 )
 from patchkit.toymodels import PlainModel, TinyLlamaConfig, TinyLlamaRuntime
+from patchkit.units import format_bytes
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -1600,6 +1601,20 @@ def test_a_budget_above_the_scale_is_still_drawn_at_max_chunk_bytes():
     assert list(line.get_ydata()) == [100_000, 100_000]
     assert ax.get_ylim()[1] < 100_000  # above the visible range, as the note says
     assert any("(above this scale)" in t.get_text() for t in ax.texts)
+
+
+def test_the_legend_lists_the_budget_line_only_where_it_is_in_view():
+    ps = chunk_patches()
+    for budget, in_view in ((100_000, False), (300, True)):
+        ax = plot_chunks(ps, max_chunk_bytes=budget).axes[0]
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        listed = [t for t in legend if t.startswith("max_chunk_bytes")]
+        note = [t.get_text() for t in ax.texts if "(above this scale)" in t.get_text()]
+        # (off the scale, the legend listed a dashed line the figure did not show)
+        assert listed == ([f"max_chunk_bytes ({format_bytes(budget)})"] if in_view else [])
+        assert note == ([] if in_view else [f"max_chunk_bytes = {format_bytes(budget)} "
+                                            "(above this scale)"])
+        assert any(t.startswith("closed by") for t in legend)
 
 
 def test_chunk_plan_title_counts_the_patches_the_plan_sends():
