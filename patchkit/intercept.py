@@ -3852,6 +3852,8 @@ def _changed_offsets(flat_mask: torch.Tensor, count: int) -> torch.Tensor:
             and _STATIC_NONZERO.get(flat_mask.device.type, True)):
         try:
             return torch.nonzero_static(flat_mask, size=count).reshape(-1)
+        except torch.cuda.OutOfMemoryError:  # (a RuntimeError, but no missing kernel)
+            raise
         except (NotImplementedError, RuntimeError, AttributeError):
             # no kernel for this device in this torch (CUDA has one from torch 2.6, MPS
             # from later): nonzero from now on, which waits to size its result

@@ -258,6 +258,26 @@ def test_a_device_without_nonzero_static_falls_back_to_nonzero(monkeypatch):
     assert intercept._STATIC_NONZERO == {"cpu": False}  # tried once, then nonzero
 
 
+def test_nonzero_static_out_of_memory_propagates_and_keeps_nonzero_static(monkeypatch):
+    # a GPU out of memory in nonzero_static was taken for a missing kernel: nonzero_static
+    # was switched off for the device type for the rest of the process (a wait more per
+    # write from then on), and nonzero retried at the same size
+    from patchkit import intercept
+
+    def out_of_memory(*_a, **_k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    retried = []
+    monkeypatch.setattr(torch, "nonzero_static", out_of_memory)
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: retried.append(1))
+    monkeypatch.setattr(intercept, "_STATIC_NONZERO", {})
+    mask = torch.zeros(64, dtype=torch.bool)
+    mask[:3] = True
+    with device_passes(), pytest.raises(torch.cuda.OutOfMemoryError):
+        intercept._changed_offsets(mask, 3)
+    assert intercept._STATIC_NONZERO == {} and not retried
+
+
 def test_validating_sorted_sparse_patches_on_the_device_passes_waits_once():
     # the check for strictly increasing indices, a shortcut where reading costs nothing,
     # read one answer per patch: a GPU would have waited once per patch
