@@ -328,7 +328,9 @@ def save_patches(
     :class:`IsADirectoryError` when ``path`` is a folder, :class:`FileExistsError` when
     it is something else that is not a regular file (a FIFO, a socket, a device, which
     is neither opened nor replaced by a file), and e.g. :class:`PermissionError` when
-    the folder cannot be written. A failure while writing
+    the folder cannot be written; a path holding a NUL character (which no file's path
+    can) raises a :class:`~patchkit.errors.PatchValueError` naming it (``reason``
+    ``"bad path"``), a ``ValueError`` as ``open`` raises. A failure while writing
     (a full disk, an I/O error) raises an ``OSError`` naming ``path``, with the
     system's ``errno`` where safetensors reports one (``errno.ENOSPC`` for a full disk),
     else ``errno.EIO``.
@@ -610,6 +612,11 @@ def _check_destination(dest: str, path: str) -> None:
     passed; ``dest`` is its link's target, or ``path`` itself) and the problem."""
     if not dest:
         raise FileNotFoundError(errno.ENOENT, "cannot save patches: the path is empty", path)
+    if "\0" in dest:
+        raise PatchValueError(
+            f"cannot save patches to {path!r}: the path holds a NUL character, which no "
+            "file's path can hold", reason="bad path", value=path,
+        )
     if dest.endswith(("/", os.sep)) and not os.path.isdir(dest):
         raise NotADirectoryError(
             errno.ENOTDIR, "cannot save patches: the path ends with a folder separator, "

@@ -2456,3 +2456,17 @@ def test_a_dense_patch_whose_header_names_an_indices_dtype_is_refused(tmp_path, 
                                                   + re.escape(repr(said))) as info:
             reader(bad)
         assert (info.value.position, info.value.reason, info.value.value) == (1, "dtype", said)
+
+
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_a_path_holding_a_nul_is_refused_by_name_before_anything_is_written(tmp_path,
+                                                                            as_bytes):
+    # (was a bare "ValueError: embedded null byte" from os.stat, naming no file)
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    path = str(tmp_path / "a\0b.safetensors")
+    with pytest.raises(PatchValueError, match="NUL") as info:
+        save_patches(os.fsencode(path) if as_bytes else path, p)
+    e = info.value
+    assert repr(path) in str(e) and "cannot save patches" in str(e)
+    assert (e.reason, e.value) == ("bad path", path)
+    assert os.listdir(tmp_path) == []
