@@ -945,7 +945,10 @@ def _out_of_memory(e: BaseException) -> bool:
     if isinstance(e, MemoryError | torch.cuda.OutOfMemoryError):  # (torch.OutOfMemoryError)
         return True
     text = str(e) if isinstance(e, RuntimeError) else ""
-    return "can't allocate memory" in text or "out of memory" in text.lower()
+    # (torch's CPU allocator: "can't allocate memory" on POSIX, "not enough memory" on
+    # Windows; an accelerator's: "CUDA out of memory" and the like)
+    return ("can't allocate memory" in text or "not enough memory" in text
+            or "out of memory" in text.lower())
 
 
 def _reading_failed(path: str, e: Exception) -> NoReturn:

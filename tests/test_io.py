@@ -2470,3 +2470,22 @@ def test_a_path_holding_a_nul_is_refused_by_name_before_anything_is_written(tmp_
     assert repr(path) in str(e) and "cannot save patches" in str(e)
     assert (e.reason, e.value) == ("bad path", path)
     assert os.listdir(tmp_path) == []
+
+
+def test_running_out_of_host_memory_on_windows_is_no_bad_file_either(tmp_path, monkeypatch):
+    # (torch's CPU allocator on Windows says "not enough memory", not "can't allocate
+    # memory": the good file was blamed, a PatchValueError "unreadable: ...")
+    import patchkit.io as pio
+
+    good = sample_files(str(tmp_path))["path"]
+
+    def windows_allocator(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
+                           "not enough memory: you tried to allocate 268435456 bytes.")
+
+    monkeypatch.setattr(pio, "_read_tensor", windows_allocator)
+    with pytest.raises(RuntimeError, match="not enough memory") as info:
+        load_patches(good)
+    assert not isinstance(info.value, PatchValueError)
+    if sys.version_info >= (3, 11):
+        assert any(good in note for note in info.value.__notes__)
