@@ -2288,7 +2288,7 @@ def test_saving_meta_indices_is_refused_naming_them(tmp_path):
     p = CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(2),
                               torch.empty(2, dtype=torch.int64, device="meta"))
     with pytest.raises(PatchValueError, match=r"patch 0 \('w'\): indices are on the meta "
-                                              r"device") as info:
+                                              r"device, which holds no data to save$") as info:
         save_patches(tmp_path / "p.safetensors", [p])
     assert info.value.reason == "meta device"
     assert os.listdir(tmp_path) == []
@@ -2489,3 +2489,44 @@ def test_running_out_of_host_memory_on_windows_is_no_bad_file_either(tmp_path, m
     assert not isinstance(info.value, PatchValueError)
     if sys.version_info >= (3, 11):
         assert any(good in note for note in info.value.__notes__)
+
+
+def test_patches_sharing_memory_save_through_safetensors_own_writer_too(tmp_path, monkeypatch):
+    # (a big-endian machine writes through safetensors' save_file, which refuses tensors
+    # that share memory: the save gives each its own copy first; bytes only, which need
+    # no swapping, as save_file swaps wider elements when told the machine is big-endian)
+    monkeypatch.setattr(sys, "byteorder", "big")
+    base = torch.arange(6, dtype=torch.int8)
+    ps = [
+        CheckpointWeightPatch("a", (6,), torch.int8, base),
+        CheckpointWeightPatch("b", (2, 3), torch.int8, base),  # the same tensor
+        CheckpointWeightPatch("c", (3,), torch.int8, base[:3]),  # a view of it
+        CheckpointWeightPatch("d", (2,), torch.uint8, base[4:].view(torch.uint8)),
+    ]
+    path = tmp_path / "p.safetensors"
+    save_patches(path, ps)
+    assert_same_patches(load_patches(path), ps)
+    assert torch.equal(base, torch.arange(6, dtype=torch.int8))  # the caller's, untouched
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+def test_a_save_interrupted_by_an_exception_that_is_no_error_leaves_no_temporary(
+        tmp_path, monkeypatch, stop):
+    # (Ctrl-C, or SIGTERM turned into SystemExit, while the file is written: the old file
+    # stays and the temporary is removed, as for any failed save)
+    import patchkit.io as pk_io
+
+    path = tmp_path / "p.safetensors"
+    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
+    save_patches(path, p)
+    old = path.read_bytes()
+    real = pk_io._write_safetensors
+
+    def interrupted(filename, tensors, metadata):
+        real(filename, tensors, metadata)
+        raise stop()
+
+    monkeypatch.setattr(pk_io, "_write_safetensors", interrupted)
+    with pytest.raises(stop):
+        save_patches(path, [p[0]._replace(values=torch.zeros(1))])
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["p.safetensors"]
