@@ -471,6 +471,8 @@ TAMPERS = {
                      "values have shape"),
     "2-D values": (dict(tensors=lambda t: {**t, "000001.values": torch.zeros(2, 3)}),
                    "values have shape"),
+    "one row of values": (dict(tensors=lambda t: {**t, "000001.values": torch.zeros(1, 6)}),
+                          "values have shape"),
     "float indices": (dict(tensors=lambda t: {**t, "000000.indices": t["000000.indices"].float()},
                            header=_set(0, indices_dtype="float32")), "int32 or int64"),
     "index out of range": (dict(tensors=lambda t: {**t, "000000.indices":
@@ -1922,6 +1924,12 @@ def test_a_torch_save_file_is_named_as_one(tmp_path):
     torch.save({"w": torch.ones(2)}, path)
     with pytest.raises(PatchValueError, match=r"zip archive, as torch\.save writes"):
         load_patches(path)
+    # a file that merely starts with "PK" is no zip archive: no such word
+    other = tmp_path / "pk.bin"
+    other.write_bytes(b"PK, not a zip archive at all")
+    with pytest.raises(PatchValueError, match="not a readable safetensors file") as info:
+        load_patches(other)
+    assert "zip" not in str(info.value)
 
 
 def test_metadata_errors_stay_short_and_name_the_offending_value(tmp_path):
@@ -2222,6 +2230,10 @@ def test_a_long_safetensors_error_is_cut_to_300_characters(tmp_path, monkeypatch
     with pytest.raises(PatchValueError, match="not a readable safetensors file") as info:
         read_patch_index(good)
     assert str(info.value).endswith(": " + "x" * 300 + "...")
+    _refusing_safe_open(monkeypatch, "y" * 300)  # (300 characters are kept whole)
+    with pytest.raises(PatchValueError, match="not a readable safetensors file") as info:
+        read_patch_index(good)
+    assert str(info.value).endswith(": " + "y" * 300)
 
 
 @pytest.mark.parametrize("code", [errno.EIO, errno.EACCES, errno.ENOMEM])
@@ -2445,7 +2457,7 @@ def test_a_temporary_name_taken_already_is_passed_over(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == [taken.name, "p.safetensors"]
 
 
-@pytest.mark.parametrize("said", ["int64", "int32", 16])
+@pytest.mark.parametrize("said", ["int64", "int32", 16, "", 0, False])
 def test_a_dense_patch_whose_header_names_an_indices_dtype_is_refused(tmp_path, said):
     # a dense patch has no indices: its header entry's indices_dtype is null
     good = sample_files(str(tmp_path))["path"]
