@@ -655,3 +655,76 @@ def test_a_widget_bar_is_labelled_and_filled_by_the_share_of_bytes(monkeypatch):
     assert bar.description == "inspect_load"
     assert bar.value == pytest.approx(share) and bar.bar_style == "danger"
     assert label.value.startswith(f"3/{len(plan)} calls, ")
+
+
+def test_a_callable_that_raises_an_ordinary_error_stops_the_load_with_it():
+    # (only the error raised when told of a *failed* call is set aside: after a call that
+    # returned, whatever the callback raises stops the load, a ValueError as a Ctrl-C)
+    cfg = TinyLlamaConfig(num_layers=2)
+    model = TinyLlamaRuntime(cfg, device=torch.get_default_device())
+
+    def stop(p: LoadProgress) -> None:
+        if p.calls_done == 2:
+            raise ValueError("stop here")
+
+    with pytest.raises(ValueError, match="stop here") as info:
+        inspect_load(model, dense_patches(tiny_llama_checkpoint(cfg)), max_chunk_bytes=BUDGET,
+                     progress=stop)
+    assert len(info.value.report.calls) == 2
+
+
+def test_a_load_progress_fraction_stays_within_0_and_1():
+    # (a LoadProgress a caller builds may count past its plan; one of no calls is done)
+    def made(done: int, calls: int, nbytes: int, total: int) -> LoadProgress:
+        return LoadProgress(calls_done=done, calls=calls, bytes_done=nbytes,
+                            total_bytes=total, seconds=0.0, names=())
+
+    assert made(1, 1, 30, 20).fraction == 1.0
+    assert made(3, 2, 0, 0).fraction == 1.0
+    assert made(0, 0, 0, 0).fraction == 1.0
+
+
+def test_off_a_terminal_the_final_status_follows_calls_that_staged_no_bytes(monkeypatch):
+    # (calls of no staged bytes after the last line written: the count of calls still
+    # differs, so the final status is written)
+    buf = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", buf)
+    view = progress_mod._LogView()
+
+    def at(done: int, seconds: float) -> LoadProgress:
+        return LoadProgress(calls_done=done, calls=3, bytes_done=100, total_bytes=100,
+                            seconds=seconds, names=())
+
+    view.update(at(1, progress_mod.LOG_EVERY), "inspect_load")
+    view.finish(at(3, progress_mod.LOG_EVERY + 1), "inspect_load")
+    assert [ln.split(" calls, ")[0] for ln in buf.getvalue().splitlines()] == [
+        "inspect_load: 1/3", "inspect_load: 3/3"]
+
+
+def test_an_ipython_whose_shell_cannot_be_read_is_no_kernel(monkeypatch):
+    import types
+
+    def broken():
+        raise RuntimeError("no shell")
+
+    fake = types.ModuleType("IPython")
+    fake.get_ipython = broken
+    monkeypatch.setitem(sys.modules, "IPython", fake)
+    assert not progress_mod._in_kernel()
+
+
+def test_in_a_kernel_an_ipywidgets_that_fails_to_import_gets_the_rewriting_line(
+        monkeypatch):
+    # (installed but broken: an ImportError that is no ModuleNotFoundError, as a
+    # 'cannot import name' of mismatched versions is)
+    import types
+
+    broken = types.ModuleType("ipywidgets")
+
+    def getattr_(name: str):
+        raise ImportError(f"cannot import name {name!r} from 'ipywidgets'")
+
+    broken.__getattr__ = getattr_
+    monkeypatch.setitem(sys.modules, "ipywidgets", broken)
+    monkeypatch.setattr(progress_mod, "_in_kernel", lambda: True)
+    assert isinstance(progress_mod._View.open("inspect_load"), progress_mod._TextView)
