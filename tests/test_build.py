@@ -680,6 +680,7 @@ def test_wire_bytes_of_a_patch_no_load_takes_is_refused_naming_it(patch, match):
     ({"eps": 0.0}, PatchValueError),
     ({"seed": 1.7}, PatchTypeError),
     ({"grad_std": "1"}, PatchTypeError),
+    ({"lr": True}, PatchTypeError),  # (a bool is no number here, as for density)
 ])
 def test_trainer_rejects_arguments_that_would_corrupt_or_truncate(kw, err):
     with pytest.raises(err):
@@ -1333,3 +1334,41 @@ def test_patches_of_parameters_that_require_grad_hold_no_autograd_history():
     (sparse,) = sparse_patches_from_diff({"w": before}, {"w": after})
     for p in (dense, sparse):
         assert not p.values.requires_grad and p.values.grad_fn is None
+
+
+def test_the_trainer_takes_a_zero_lr_or_grad_std_and_then_changes_nothing():
+    # (the docstring: lr and grad_std are numbers >= 0; 0 is a frozen step)
+    sd = {"w": torch.linspace(-1, 1, 64).to(torch.bfloat16)}
+    for kw in ({"lr": 0.0}, {"grad_std": 0.0}, {"lr": 0}):
+        tr = AdamLikeTrainer(sd, **kw)
+        assert torch.equal(tr.step()["w"], sd["w"]) and tr.step_count == 1
+
+
+def test_a_density_just_above_1_is_refused():
+    with pytest.raises(PatchValueError, match="density must be a number in") as info:
+        random_sparse_patch("w", (4,), torch.float32, math.nextafter(1.0, 2.0))
+    assert info.value.reason == "density"
+    assert random_sparse_patch("w", (4,), torch.float32, 1.0).indices.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+def test_a_random_patch_of_a_dtype_with_no_nan_names_the_dtype_not_a_packed_format(dtype):
+    with pytest.raises(PatchTypeError, match=rf"marks 'unchanged'\): got {dtype}$"):
+        random_sparse_patch("w", (4,), dtype, 0.5)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fnuz"), reason="float8_e4m3fnuz")
+def test_a_random_value_whose_cast_is_nan_is_replaced_by_zero():
+    # (float8_e4m3fnuz has no infinity: a draw of std 1e30 casts to its NaN, every one)
+    if not bool(torch.tensor(1e30).to(torch.float8_e4m3fnuz).float().isnan()):
+        pytest.skip("this torch saturates the cast instead of making NaN")
+    p = random_sparse_patch("w", (8, 8), torch.float8_e4m3fnuz, 1.0, std=1e30,
+                            generator=torch.Generator().manual_seed(0))
+    assert p.values.float().tolist() == [0.0] * 64
+
+
+def test_the_diffs_shared_memory_warning_points_at_the_caller():
+    w = torch.ones(4)
+    with pytest.warns(UserWarning, match="share memory") as caught:
+        sparse_patches_from_diff({"w": w}, {"w": w})
+    assert caught[0].filename == __file__
