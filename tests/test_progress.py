@@ -728,3 +728,14 @@ def test_in_a_kernel_an_ipywidgets_that_fails_to_import_gets_the_rewriting_line(
     monkeypatch.setitem(sys.modules, "ipywidgets", broken)
     monkeypatch.setattr(progress_mod, "_in_kernel", lambda: True)
     assert isinstance(progress_mod._View.open("inspect_load"), progress_mod._TextView)
+
+
+@pytest.mark.parametrize("off", [False, None])
+def test_false_or_none_shows_nothing(setup, monkeypatch, off):
+    model, _ckpt, after = setup
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+    reports = []
+    out = _stderr_of(lambda: reports.append(inspect_load(
+        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=off)), monkeypatch,
+        terminal=True)
+    assert out == "" and reports[0].error is None and len(reports[0].calls) > 3
