@@ -2143,3 +2143,88 @@ def test_a_build_for_another_cpu_is_not_loaded(fresh_build, monkeypatch):
     assert native.status().startswith("compiled")
     (second,) = set(fresh_build.glob("native-*.so")) - {first}
     assert native.status().startswith(f"compiled ({second}; ")
+
+
+@needs_compiler
+def test_merge_leaves_a_source_of_another_dtype_to_torch():
+    """A source of another dtype is not read as the destination's bits (a float64 one
+    read as float32 wrote its halves, none of them NaN): ``None``, nothing written."""
+    dest = torch.zeros(4, 1000)
+    for source in (torch.ones(4, 1000, dtype=torch.float64), torch.ones(4, 1000).bfloat16()):
+        assert native.merge(dest, source, save=True) is None
+        assert native.merge(dest, source, save=False, stats=True) is None
+        assert torch.equal(dest, torch.zeros(4, 1000)), "a refused merge must not write"
+
+
+@needs_compiler
+@pytest.mark.parametrize("less", [1, 0])
+def test_a_view_of_exactly_whole_below_bytes_is_saved_compact(less):
+    """"Under 128 KiB" is strict: a view of one element less is saved whole, one of
+    exactly ``_WHOLE_BELOW`` bytes saves only the elements that change."""
+    n = native._WHOLE_BELOW // 4 - less
+    dest, src = torch.zeros(n), torch.zeros(n)
+    src[::1000] = 1.0
+    start = dest.clone()
+    got = native.compare_copy(dest, src, torch.float32)
+    assert got is not None and got.changed == len(range(0, n, 1000))
+    if less:
+        assert got.index is None and torch.equal(got.before, start)
+    else:
+        assert got.index is not None and got.index.tolist() == list(range(0, n, 1000))
+        assert got.before.tolist() == [0.0] * got.changed
+    assert torch.equal(dest, src)
+
+
+@needs_compiler
+def test_a_build_in_a_cache_folder_that_cannot_be_written_is_still_loaded(fresh_build, monkeypatch,
+                                                                          tmp_path):
+    # (a read-only home with the build made before: it is read there, not made again in
+    # the temporary folder)
+    import tempfile
+
+    built = native.status()
+    (lib,) = fresh_build.glob("native-*.so")
+    assert built.startswith(f"compiled ({lib}"), built
+    making = tempfile.mkstemp
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+
+    def refuse_the_cache(*args, dir=None, **kw):
+        if dir is not None and Path(dir) == fresh_build:
+            raise PermissionError(13, "Read-only file system", str(dir))
+        return making(*args, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse_the_cache)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(temporary))
+    native._reset_for_tests()
+    assert native.status() == built
+    assert not list(temporary.iterdir()), "nothing built in the temporary folder"
+
+
+@needs_compiler
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0,
+                    reason="only root can make a file root's for another user")
+def test_a_build_root_owns_is_loaded_by_another_user(fresh_build, monkeypatch):
+    # Root's files are trusted, as the system's own libraries are: a build root made (in a
+    # folder root owns, that no one else may write) loads in another user's process.
+    built = native.status()
+    assert built.startswith("compiled"), built
+    monkeypatch.setattr(native.os, "getuid", lambda: 4242)
+    native._reset_for_tests()
+    assert native.status() == built
+    os.chown(fresh_build, 65534, 65534)  # (and a folder of a third user's is refused)
+    native._reset_for_tests()
+    assert native.status().startswith(f"torch ops (not building or loading in {fresh_build}: ")
+
+
+@needs_compiler
+def test_reusing_lends_cpu_storages_only():
+    # (a report loop's last report may hold saves on another device: the CPU saves of
+    # this load never go there; a meta storage stands in for a GPU's here)
+    elsewhere = torch.empty(1 << 17, device="meta").untyped_storage()  # (the size a save needs)
+    dest, src = torch.zeros(1 << 17), torch.ones(1 << 17)
+    with native.reusing([elsewhere]):
+        got = native.compare_copy(dest, src, torch.float32)
+    assert got is not None and got.before.device.type == "cpu"
+    assert got.index is None and torch.equal(got.before, torch.zeros(1 << 17))
+    assert torch.equal(dest, src)
