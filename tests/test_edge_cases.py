@@ -2226,3 +2226,66 @@ def test_a_rollback_goes_on_past_a_flag_torch_will_not_set_back():
         patchkit.load_checkpoint_weight_patches(
             model, [CWP("w", (3,), torch.float32, torch.ones(3))], transactional=True)
     assert model.w.tolist() == [0.0] * 3 and model.b.tolist() == [0.0] * 3
+
+
+class _ThreeNames(nn.Module):
+    """One Parameter registered as ``a`` (first), ``b`` and ``c``; the loader writes
+    nothing and returns no name."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.b = self.a
+        self.c = self.a
+
+    def load_weights(self, weights):
+        return set()
+
+
+def test_a_patch_whose_dropped_alias_was_not_loaded_names_only_the_aliases_dropped():
+    # (of a Parameter with two aliases, only the one whose patch this load dropped: 'c'
+    # was never sent)
+    patches = [CWP(n, (4,), torch.float32, torch.ones(4)) for n in ("a", "b")]
+    with pytest.warns(UserWarning) as caught:
+        patchkit.load_checkpoint_weight_patches(_ThreeNames(), patches)
+    (w,) = [w for w in caught if "returned no name" in str(w.message)]
+    assert str(w.message).startswith(
+        "patch 0 ('a') names the tied Parameter whose patch under 'b' this load dropped ")
+
+
+class _SharedBuffer(nn.Module):
+    """A buffer registered under two names (``rope.cache`` first, ``attn.cache``), as a
+    shared rotary table is; the loader copies what it is sent into the buffer the name
+    names and returns the names it was sent."""
+
+    def __init__(self):
+        super().__init__()
+        self.rope, self.attn = nn.Module(), nn.Module()
+        self.rope.register_buffer("cache", torch.zeros(4))
+        self.attn.register_buffer("cache", self.rope.cache)
+        self.sent: list[str] = []
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            self.sent.append(name)
+            self.get_buffer(name).copy_(w)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("how", ["plain", "transactional", "sparse", "report"])
+def test_a_buffer_registered_under_two_names_is_sent_under_the_name_patched(how):
+    # CONTRACT §6 renames the aliases of a Parameter; a buffer's second name is sent as
+    # it is, by every kind of load alike (a watched one looked the name up among all the
+    # index's aliases, buffers included, and renamed it where a plain one did not)
+    m = _SharedBuffer()
+    if how == "sparse":
+        patch = CWP("attn.cache", (4,), torch.float32, torch.tensor([1.0]),
+                    torch.tensor([2]))
+    else:
+        patch = CWP("attn.cache", (4,), torch.float32, torch.ones(4))
+    if how == "report":
+        patchkit.inspect_load(m, [patch])
+    else:
+        patchkit.load_checkpoint_weight_patches(m, [patch], transactional=how == "transactional")
+    assert m.sent == ["attn.cache"]
+    assert m.rope.cache.tolist() == ([0.0, 0.0, 1.0, 0.0] if how == "sparse" else [1.0] * 4)
