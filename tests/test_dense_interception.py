@@ -1002,3 +1002,52 @@ def test_a_complex_copy_counts_and_saves_elements_not_their_parts(compiled):
     assert r.writes["changed"].tolist() == [2]
     assert torch.equal(bits(r.before("w")), bits(start))
     assert torch.equal(bits(m.w.detach()), bits(new))
+
+
+class _TiedAB(torch.nn.Module):
+    """``a`` (8,) first, ``b`` its tied alias; the loader does ``how(self, name, w)``
+    for each weight and returns ``returns(name)``; it raises at ``c``."""
+
+    def __init__(self, how, returns=lambda name: name) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.arange(8.0), requires_grad=False)
+        self.b = self.a
+        self.how, self.returns = how, returns
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, w in weights:
+            if name == "c":
+                raise KeyError(name)
+            self.how(self, name, w)
+            loaded.add(self.returns(name))
+        return loaded
+
+
+def _unties_b(m, name, w):
+    m.b = torch.nn.Parameter(w.clone(), requires_grad=False)
+
+
+def _rebinds_a(m, name, w):
+    m.a.data = torch.cat([w, w])
+
+
+@pytest.mark.parametrize("case", ["unties the alias", "returns the alias it rebound"])
+def test_a_call_that_only_changes_a_tied_tensor_under_its_other_name_is_no_quiet_call(case):
+    # Without a report, a call is no quiet call when a tensor it names (or returns) is no
+    # longer what the model holds under one of its tied names, or holds other storage: a
+    # call that only unties lm_head from the embedding (registers a new Parameter under
+    # the alias), or that rebinds the tied tensor and returns its alias's name, wrote no
+    # element a mode sees, and the rollback puts that back: nothing to warn of.
+    if case == "unties the alias":
+        m = _TiedAB(_unties_b)
+        first = dense("a", torch.ones(8))
+    else:
+        m = _TiedAB(_rebinds_a, returns=lambda name: "b")
+        first = dense("a_part", torch.ones(4))  # (a checkpoint name only)
+    ps = [first, dense("c", torch.ones(8))]  # (a call each)
+    with warnings.catch_warnings(record=True) as said, pytest.raises(KeyError, match="c"):
+        warnings.simplefilter("always")
+        patchkit.load_checkpoint_weight_patches(m, ps, transactional=True, max_chunk_bytes=32)
+    assert not [w for w in said if "without a write it saw" in str(w.message)]
+    assert m.b is m.a and m.a.tolist() == [float(i) for i in range(8)]
