@@ -42,7 +42,7 @@ from .bitwise import (
     select,
 )
 from .density import _is_int, grid_shape
-from .errors import PatchTypeError, PatchValueError, where
+from .errors import PatchTypeError, PatchValueError, brief, where
 from .patch import (
     CheckpointWeightPatch,
     PatchLike,
@@ -50,6 +50,7 @@ from .patch import (
     _check_structure,
     _checked_device,
     _shape_dims,
+    _shape_text,
     check_flag,
     numel,
     patch_list,
@@ -93,7 +94,7 @@ def _sparse_dtype_text(dtype: object) -> str:
     """Why ``dtype`` cannot be a sparse patch's dtype, for a message."""
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         return f"{dtype} is a packed format with no NaN"
-    return f"got {dtype!r}"
+    return f"got {brief(dtype)}"
 
 
 def _index_dtype_for(n: int, index_dtype: torch.dtype | None, name: str) -> torch.dtype:
@@ -115,7 +116,7 @@ def _check_index_dtype(index_dtype: object, *, allow_none: bool) -> None:
     if not ok:
         raise PatchTypeError(
             f"index_dtype must be torch.int32 or torch.int64"
-            f"{' or None' if allow_none else ''}, got {index_dtype!r}",
+            f"{' or None' if allow_none else ''}, got {brief(index_dtype)}",
             reason="index dtype", value=index_dtype,
         )
 
@@ -130,7 +131,7 @@ def _as_patch(p: object) -> object:
 def _check_name(name: object, what: str = "name") -> str:
     """A patch name: a non-empty str (``PatchTypeError`` / ``PatchValueError`` otherwise)."""
     if not isinstance(name, str):
-        raise PatchTypeError(f"{what} must be a str, got {type(name).__name__}: {name!r}",
+        raise PatchTypeError(f"{what} must be a str, got {type(name).__name__}: {brief(name)}",
                              reason="name type", value=name)
     if not name:
         raise PatchValueError(f"{what} is empty", reason="empty name", value=name)
@@ -243,10 +244,11 @@ def _check_shape(shape: object, name: str) -> tuple[int, ...]:
     try:
         dims = _shape_dims(shape)
     except TypeError:
-        raise PatchTypeError(f"weight {name!r}: shape must be a tuple of ints, got {shape!r}",
+        raise PatchTypeError(f"weight {name!r}: shape must be a tuple of ints, got {brief(shape)}",
                              name=name, reason="shape type", value=shape) from None
     if any(d < 0 for d in dims):
-        raise PatchValueError(f"weight {name!r}: shape has a negative dimension: {dims}",
+        raise PatchValueError(f"weight {name!r}: shape has a negative dimension: "
+                              f"{_shape_text(dims)}",
                               name=name, reason="negative dimension", value=dims)
     return dims
 
@@ -260,9 +262,11 @@ def _check_int(value: object, what: str, minimum: int, below: int | None = None)
         )
     value = int(value)
     if value < minimum:
-        raise PatchValueError(f"{what} must be >= {minimum}, got {value}", reason=what, value=value)
+        raise PatchValueError(f"{what} must be >= {minimum}, got {brief(value)}", reason=what,
+                              value=value)
     if below is not None and value >= below:
-        raise PatchValueError(f"{what} must be < {below}, got {value}", reason=what, value=value)
+        raise PatchValueError(f"{what} must be < {below}, got {brief(value)}", reason=what,
+                              value=value)
     return value
 
 
@@ -271,14 +275,14 @@ def _check_real(value: object, what: str, minimum: float, *, strict: bool = Fals
     """``value`` as a finite float >= ``minimum`` (> with ``strict``; < ``below`` when
     given); ``PatchTypeError`` for a non-number, ``PatchValueError`` out of range."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise PatchTypeError(f"{what} must be a number, got {type(value).__name__}: {value!r}",
+        raise PatchTypeError(f"{what} must be a number, got {type(value).__name__}: {brief(value)}",
                              reason=what, value=value)
     v = float(value)
     bad = not math.isfinite(v) or v < minimum or (strict and v == minimum) or (
         below is not None and v >= below)
     if bad:
         want = f"{'>' if strict else '>='} {minimum}" + (f" and < {below}" if below else "")
-        raise PatchValueError(f"{what} must be a finite number {want}, got {value!r}",
+        raise PatchValueError(f"{what} must be a finite number {want}, got {brief(value)}",
                               reason=what, value=value)
     return v
 
@@ -601,24 +605,24 @@ def random_sparse_patch(
     _check_size(f"weight {name!r}", None, name, shape, dtype)  # (as validate_patches does)
     if isinstance(density, bool) or not isinstance(density, numbers.Real):
         raise PatchTypeError(
-            f"density must be a number in [0, 1], got {type(density).__name__} {density!r}",
+            f"density must be a number in [0, 1], got {type(density).__name__} {brief(density)}",
             name=name, reason="density type", value=density,
         )
     if not 0.0 <= float(density) <= 1.0:
-        raise PatchValueError(f"density must be a number in [0, 1], got {density!r}",
+        raise PatchValueError(f"density must be a number in [0, 1], got {brief(density)}",
                               name=name, reason="density", value=density)
     density = float(density)
     std = _check_real(std, "std", 0.0)
     device = _checked_device(device, allow_meta=True)  # (meta: a patch to plan with)
     if pattern not in _PATTERNS:
-        raise PatchValueError(f"pattern must be one of {_PATTERNS}, got {pattern!r}",
+        raise PatchValueError(f"pattern must be one of {_PATTERNS}, got {brief(pattern)}",
                               name=name, reason="pattern", value=pattern)
     _check_index_dtype(index_dtype, allow_none=True)
     block = _check_int(block, "block", 1)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise PatchTypeError(
             f"generator must be a torch.Generator or None, got {type(generator).__name__}: "
-            f"{generator!r} (for a seed, pass torch.Generator().manual_seed(seed))",
+            f"{brief(generator)} (for a seed, pass torch.Generator().manual_seed(seed))",
             name=name, reason="generator type", value=generator,
         )
     n = math.prod(shape)
@@ -862,7 +866,7 @@ class AdamLikeTrainer:
         try:
             b1, b2 = betas
         except (TypeError, ValueError):
-            raise PatchTypeError(f"betas must be two numbers, got {betas!r}",
+            raise PatchTypeError(f"betas must be two numbers, got {brief(betas)}",
                                  reason="betas", value=betas) from None
         self.betas = (_check_real(b1, "betas[0]", 0.0, below=1.0),
                       _check_real(b2, "betas[1]", 0.0, below=1.0))

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from .errors import PatchTypeError, PatchValueError
+from .errors import PatchTypeError, PatchValueError, brief
 from .patch import (
     CheckpointWeightPatch,
     PatchLike,
@@ -81,11 +81,11 @@ def _checked_positions(positions: object, n: int) -> Sequence[int]:
     for i, p in enumerate(positions):
         if type(p) is not int and (isinstance(p, bool) or not isinstance(p, numbers.Integral)):
             raise PatchTypeError(
-                f"positions[{i}] must be an int, got {type(p).__name__} {p!r}",
+                f"positions[{i}] must be an int, got {type(p).__name__} {brief(p)}",
                 reason="positions", value=p,
             )
         if p < 0:
-            raise PatchValueError(f"positions[{i}] is negative: {p}", reason="positions",
+            raise PatchValueError(f"positions[{i}] is negative: {brief(p)}", reason="positions",
                                   value=p)
     return [int(p) for p in positions]
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .errors import PatchTypeError, PatchValueError, where
+from .errors import PatchTypeError, PatchValueError, brief, where
 from .patch import CheckpointWeightPatch, PatchLike, _check_structure, _shape_dims, numel
 
 __all__ = ["density_map", "grid_shape", "region_text"]
@@ -44,9 +44,9 @@ def _dims(shape: object, who: str, label: str | None = None) -> tuple[int, ...]:
             raise TypeError  # (used up by one reading)
         dims = _shape_dims(shape)
     except TypeError:
-        raise TypeError(f"{label} must be a sequence of ints, got {shape!r}") from None
+        raise TypeError(f"{label} must be a sequence of ints, got {brief(shape)}") from None
     if any(d < 0 for d in dims):
-        raise ValueError(f"{label} has a negative dimension: {shape!r}")
+        raise ValueError(f"{label} has a negative dimension: {brief(shape)}")
     return dims
 
 
@@ -180,13 +180,14 @@ def _as_bins(bins: object) -> tuple[int, int]:
     pair = (bins, bins) if _is_int(bins) else bins
     if not isinstance(pair, Sequence) or len(pair) != 2 or not all(map(_is_int, pair)):
         raise PatchTypeError(
-            f"bins must be a pair of positive ints (rows, columns) or one int, got {bins!r}",
+            f"bins must be a pair of positive ints (rows, columns) or one int, got "
+            f"{brief(bins)}",
             reason="bins type", value=bins,
         )
     out = (operator.index(pair[0]), operator.index(pair[1]))
     if min(out) < 1:
         raise PatchValueError(
-            f"bins must be positive, got {bins!r}", reason="bins", value=bins
+            f"bins must be positive, got {brief(bins)}", reason="bins", value=bins
         )
     return out
 

@@ -74,7 +74,25 @@ class ContractViolation(PatchError, NotImplementedError):
 def where(position: int | None, name: str | None) -> str:
     """``"patch 3 ('model.norm.weight')"``: how messages name a patch (one given alone,
     ``position`` None: ``"patch 'model.norm.weight'"``, or ``"patch (name 5)"`` for a name
-    that is no str, which would read as a position)."""
+    that is no str, which would read as a position; such a name is shown as
+    :func:`brief` shows it)."""
+    shown = repr(name) if isinstance(name, str) else brief(name)
     if position is None:
-        return f"patch {name!r}" if isinstance(name, str) else f"patch (name {name!r})"
-    return f"patch {position} ({name!r})"
+        return f"patch {shown}" if isinstance(name, str) else f"patch (name {shown})"
+    return f"patch {position} ({shown})"
+
+
+def brief(value: object, most: int = 100, *, text: bool = False) -> str:
+    """``repr(value)`` (``str(value)`` with ``text``) as a message shows an offending value:
+    cut to ``most`` characters with ``"..."`` after (a list of a million numbers, a
+    megabyte string), and never an error of its own: an int too long for Python to print
+    (over 4300 digits) is ``"<a 16610-bit int>"``, and anything else that cannot be shown
+    (a number holding such an int, an object whose ``__repr__`` fails) its type in angle
+    brackets."""
+    try:
+        shown = str(value) if text else repr(value)
+    except Exception:
+        if isinstance(value, int):
+            return f"<a {value.bit_length()}-bit int>"
+        return f"<a {type(value).__name__}>"
+    return shown if len(shown) <= most else shown[:most] + "..."

@@ -105,7 +105,7 @@ from .density import (
     distinct_indices,
     region_text,
 )
-from .errors import PatchTypeError, where
+from .errors import PatchTypeError, brief, where
 from .intercept import (
     _DEFERRAL,
     RuntimeIndex,
@@ -1023,7 +1023,7 @@ class LoadReport:
         elif not (isinstance(patch_or_name, tuple) and len(patch_or_name) == 5):
             raise TypeError(
                 "plot_density takes a patch of this report or its name, got "
-                f"{type(patch_or_name).__name__}: {patch_or_name!r}"
+                f"{type(patch_or_name).__name__}: {brief(patch_or_name)}"
             )
         at = next((i for i, p in enumerate(self.patches) if p is patch_or_name), None)
         changed = self._patch_changed(at) if at is not None else None
@@ -1398,7 +1398,7 @@ def inspect_load(
     if loader is not None and not callable(loader):
         raise PatchTypeError(
             "loader must be a callable of load_checkpoint_weight_patches' signature, or None; "
-            f"got {type(loader).__name__}: {loader!r}",
+            f"got {type(loader).__name__}: {brief(loader)}",
             reason="loader type", value=loader,
         )
     if transactional and loader is not None and _takes_keyword(loader, "transactional") is False:

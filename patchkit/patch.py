@@ -19,7 +19,7 @@ import torch
 
 from . import native
 from .bitwise import count_true, host_waits, nan_mask
-from .errors import PatchTypeError, PatchValueError, where
+from .errors import PatchTypeError, PatchValueError, brief, where
 
 __all__ = [
     "CheckpointWeightPatch",
@@ -129,7 +129,7 @@ def patch_list(patches: object, what: str = "patches") -> list:
     if isinstance(patches, CheckpointWeightPatch) or (  # (whatever its name holds)
             isinstance(patches, tuple) and len(patches) == 5 and isinstance(patches[0], str)):
         raise PatchTypeError(
-            f"{what} must be a list of patches, got one patch ({patches[0]!r}): pass [patch]",
+            f"{what} must be a list of patches, got one patch ({brief(patches[0])}): pass [patch]",
             reason="not a list", value=type(patches).__name__,
         )
     hint = ""
@@ -160,19 +160,19 @@ def _checked_device(device: object, *, allow_meta: bool = False) -> torch.device
     """
     if not isinstance(device, (str, torch.device)):
         raise PatchTypeError(
-            f"device must be a str or torch.device, got {type(device).__name__} {device!r}",
+            f"device must be a str or torch.device, got {type(device).__name__} {brief(device)}",
             reason="device type", value=device,
         )
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError) as e:
         raise PatchValueError(
-            f"device {str(device)!r} is not a torch device ({e})",
+            f"device {brief(str(device))} is not a torch device ({_first_sentence(e)})",
             reason="bad device", value=device,
         ) from None
     if dev.type == "meta" and not allow_meta:
         raise PatchValueError(
-            f"device {str(device)!r}: meta tensors hold no data and patches need real "
+            f"device {brief(str(device))}: meta tensors hold no data and patches need real "
             "memory; use 'cpu' or an accelerator",
             reason="meta device", value=device,
         )
@@ -181,14 +181,14 @@ def _checked_device(device: object, *, allow_meta: bool = False) -> torch.device
         is_available = getattr(backend, "is_available", None)
         if callable(is_available) and not is_available():
             raise PatchValueError(
-                f"device {str(device)!r} is not available here: "
+                f"device {brief(str(device))} is not available here: "
                 f"torch.{dev.type}.is_available() is False",
                 reason="device unavailable", value=device,
             )
         device_count = getattr(backend, "device_count", None)
         if dev.index is not None and callable(device_count) and dev.index >= device_count():
             raise PatchValueError(
-                f"device {str(device)!r} is not available here: this machine has "
+                f"device {brief(str(device))} is not available here: this machine has "
                 f"{device_count()} {dev.type} device(s)",
                 reason="device unavailable", value=device,
             )
@@ -197,7 +197,7 @@ def _checked_device(device: object, *, allow_meta: bool = False) -> torch.device
             torch.empty(0, device=dev)
         except Exception as e:
             raise PatchValueError(
-                f"device {str(device)!r} is not available here: torch cannot make a tensor "
+                f"device {brief(str(device))} is not available here: torch cannot make a tensor "
                 f"on it ({type(e).__name__}: {_first_sentence(e)})",
                 reason="device unavailable", value=device,
             ) from None
@@ -266,7 +266,7 @@ def _check_metadata(position: int | None, patch: object, *,
         )
     if not isinstance(dtype, torch.dtype):
         raise PatchTypeError(
-            f"{at}: dtype must be a torch.dtype, got {dtype!r} ({type(dtype).__name__})",
+            f"{at}: dtype must be a torch.dtype, got {brief(dtype)} ({type(dtype).__name__})",
             position=position, name=name, reason="dtype type", value=dtype,
         )
     if isinstance(shape, Iterator):
@@ -279,7 +279,7 @@ def _check_metadata(position: int | None, patch: object, *,
         dims = _shape_dims(shape)
     except TypeError:
         raise PatchTypeError(
-            f"{at}: shape must be a tuple of ints, got {shape!r}",
+            f"{at}: shape must be a tuple of ints, got {brief(shape)}",
             position=position, name=name, reason="shape type", value=shape,
         ) from None
     for d in dims:
@@ -622,12 +622,12 @@ def check_max_chunk_bytes(max_chunk_bytes: object) -> int:
     if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, numbers.Real):
         raise PatchTypeError(
             f"max_chunk_bytes must be a positive int, got {type(max_chunk_bytes).__name__}: "
-            f"{max_chunk_bytes!r}",
+            f"{brief(max_chunk_bytes)}",
             reason="max_chunk_bytes type", value=max_chunk_bytes,
         )
     if not max_chunk_bytes > 0:  # (NaN too)
         raise PatchValueError(
-            f"max_chunk_bytes must be positive, got {max_chunk_bytes}",
+            f"max_chunk_bytes must be positive, got {brief(max_chunk_bytes, text=True)}",
             reason="max_chunk_bytes", value=max_chunk_bytes,
         )
     if isinstance(max_chunk_bytes, numbers.Integral):
@@ -642,7 +642,8 @@ def check_max_chunk_bytes(max_chunk_bytes: object) -> int:
         hint = " (for no limit, pass an int larger than the patches, e.g. 1 << 62)" if (
             as_float == math.inf) else ""
         raise PatchValueError(
-            f"max_chunk_bytes must be a whole number of bytes, got {max_chunk_bytes}{hint}",
+            f"max_chunk_bytes must be a whole number of bytes, got "
+            f"{brief(max_chunk_bytes, text=True)}{hint}",
             reason="max_chunk_bytes", value=max_chunk_bytes,
         )
     return int(as_float)
@@ -659,7 +660,7 @@ def check_flag(value: object, what: str) -> bool:
     if isinstance(value, bool):
         return value
     raise PatchTypeError(
-        f"{what} must be True or False, got {type(value).__name__}: {value!r}",
+        f"{what} must be True or False, got {type(value).__name__}: {brief(value)}",
         reason=f"{what} type", value=value,
     )
 

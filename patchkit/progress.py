@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import PatchTypeError
+from .errors import PatchTypeError, brief
 from .units import format_bytes
 
 __all__ = ["LOG_EVERY", "SHOW_AFTER", "LoadProgress"]
@@ -102,7 +102,7 @@ def check_progress(progress: Any) -> None:
         return
     raise PatchTypeError(
         "progress must be True (show a bar), False/None (nothing) or a callable taking a "
-        f"patchkit.LoadProgress; got {type(progress).__name__}: {progress!r}",
+        f"patchkit.LoadProgress; got {type(progress).__name__}: {brief(progress)}",
         reason="progress type", value=progress,
     )
 

@@ -6,6 +6,8 @@ import decimal
 import math
 import numbers
 
+from .errors import brief
+
 __all__ = ["format_bytes"]
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
@@ -76,7 +78,7 @@ def format_bytes(n: float) -> str:
     if isinstance(n, bool) or not isinstance(n, numbers.Real):
         raise TypeError(
             f"format_bytes: n must be a number of bytes (an int or a float), got "
-            f"{type(n).__name__}: {n!r}"
+            f"{type(n).__name__}: {brief(n)}"
         )
     if isinstance(n, numbers.Integral):
         n = int(n)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 import types
@@ -1069,3 +1070,51 @@ def test_a_model_class_passed_for_a_model_is_refused_naming_the_class(kind):
     e = info.value
     assert isinstance(e, patchkit.PatchTypeError)
     assert (e.reason, e.value, MyModel.calls) == ("model is a class", "MyModel", 0)
+
+
+def test_a_huge_argument_is_shown_cut_short_in_the_message():
+    """An argument given a huge list or string, or an int too long to print, is refused
+    with a short message naming the argument (not the value's whole repr, nor Python's
+    own ValueError for printing an int of over 4300 digits); ``.value`` keeps it whole."""
+    huge = [0.5] * 100_000
+    model = PlainModel({"a": (4,)})
+    ok = [CWP("a", (4,), torch.float32, torch.ones(4))]
+    calls = [
+        (lambda: patchkit.load_checkpoint_weight_patches(model, ok, max_chunk_bytes=huge),
+         PatchTypeError, "max_chunk_bytes type", r"^max_chunk_bytes must be a positive int, "
+         r"got list: \[0\.5, 0\.5"),
+        (lambda: patchkit.load_checkpoint_weight_patches(model, ok,
+                                                         validate_unique_indices=huge),
+         PatchTypeError, "validate_unique_indices type", r"^validate_unique_indices must be"),
+        (lambda: patchkit.load_checkpoint_weight_patches(model, ok, transactional=huge),
+         PatchTypeError, "transactional type", r"^transactional must be True or False"),
+        (lambda: patchkit.load_checkpoint_weight_patches(model, ok[0]._replace(name="x" * 10**5)),
+         PatchTypeError, "not a list", r"^patches must be a list of patches, got one patch "
+         r"\('xxx"),
+        (lambda: plan_chunks(ok, -(10**5000)), PatchValueError, "max_chunk_bytes",
+         r"^max_chunk_bytes must be positive, got <a 16610-bit int>$"),
+        (lambda: plan_chunks(ok, positions=[huge]), PatchTypeError, "positions",
+         r"^positions\[0\] must be an int, got list \[0\.5"),
+        (lambda: plan_chunks(ok, positions=[-(10**5000)]), PatchValueError, "positions",
+         r"^positions\[0\] is negative: <a 16610-bit int>$"),
+        (lambda: patchkit.random_sparse_patch("w", (4,), torch.float32, 0.5, device=huge),
+         PatchTypeError, "device type", r"^device must be a str or torch\.device, got list"),
+        (lambda: patchkit.random_sparse_patch("w", (4,), torch.float32, 0.5,
+                                              device="x" * 10**5),
+         PatchValueError, "bad device", r"^device 'xxx.*\.\.\. is not a torch device"),
+        (lambda: inspect_load(model, ok, progress=huge), PatchTypeError, "progress type",
+         r"^progress must be True"),
+        (lambda: inspect_load(model, ok, loader=huge), PatchTypeError, "loader type",
+         r"^loader must be a callable"),
+    ]
+    for call, kind, reason, pattern in calls:
+        with pytest.raises(kind) as e:
+            call()
+        assert re.search(pattern, str(e.value)), str(e.value)[:300]
+        assert len(str(e.value)) < 400
+        assert e.value.reason == reason
+    for bad in (huge, "x" * 10**5):
+        with pytest.raises(TypeError, match=r"^format_bytes: n must be a number") as e:
+            format_bytes(bad)
+        assert len(str(e.value)) < 300
+    assert model.a.tolist() == [0.0] * 4

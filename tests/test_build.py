@@ -4,6 +4,7 @@ splitting, wire bytes and the Adam-like step generator."""
 from __future__ import annotations
 
 import math
+import re
 import struct
 import warnings
 
@@ -1372,3 +1373,43 @@ def test_the_diffs_shared_memory_warning_points_at_the_caller():
     with pytest.warns(UserWarning, match="share memory") as caught:
         sparse_patches_from_diff({"w": w}, {"w": w})
     assert caught[0].filename == __file__
+
+
+def test_builders_show_a_huge_argument_cut_short():
+    """A builder's argument given a huge list or string (or a shape with an int too long to
+    print) is refused with a short message naming the argument and the start of the value,
+    not its whole repr (nor Python's ValueError for printing an int of 4300+ digits)."""
+    huge = [0.5] * 100_000
+    sd = {"w": torch.zeros(4)}
+    calls = [
+        (lambda: random_sparse_patch(huge, (4,), torch.float32, 0.5), PatchTypeError,
+         r"^name must be a str, got list: \[0\.5"),
+        (lambda: random_sparse_patch("w", huge, torch.float32, 0.5), PatchTypeError,
+         r"^weight 'w': shape must be a tuple of ints, got \[0\.5"),
+        (lambda: random_sparse_patch("w", (-(10**5000),), torch.float32, 0.5),
+         PatchValueError, r"^weight 'w': shape has a negative dimension: \(<a 16610-bit int>,\)$"),
+        (lambda: random_sparse_patch("w", (4,), huge, 0.5), PatchTypeError,
+         r"NaN marks 'unchanged'\): got \[0\.5"),
+        (lambda: random_sparse_patch("w", (4,), torch.float32, huge), PatchTypeError,
+         r"^density must be a number in \[0, 1\], got list \[0\.5"),
+        (lambda: random_sparse_patch("w", (4,), torch.float32, 0.5, std=huge), PatchTypeError,
+         r"^std must be a number, got list: \[0\.5"),
+        (lambda: random_sparse_patch("w", (4,), torch.float32, 0.5, pattern="x" * 10**5),
+         PatchValueError, r"^pattern must be one of .*, got 'xxx"),
+        (lambda: random_sparse_patch("w", (4,), torch.float32, 0.5, index_dtype=huge),
+         PatchTypeError, r"^index_dtype must be torch\.int32 or torch\.int64 or None, got \[0"),
+        (lambda: random_sparse_patch("w", (4,), torch.float32, 0.5, generator=huge),
+         PatchTypeError, r"^generator must be a torch\.Generator or None, got list: \[0\.5"),
+        (lambda: random_sparse_patch("w", (4,), torch.float32, 0.5, block=-(10**5000)),
+         PatchValueError, r"^block must be >= 1, got <a 16610-bit int>$"),
+        (lambda: dense_patches({tuple(huge): torch.zeros(4)}), PatchTypeError,
+         r"^a key of state_dict must be a str, got tuple: \(0\.5"),
+        (lambda: AdamLikeTrainer(sd, betas=huge), PatchTypeError,
+         r"^betas must be two numbers, got \[0\.5"),
+        (lambda: AdamLikeTrainer(sd, lr=huge), PatchTypeError, r"^lr must be a number, got list"),
+    ]
+    for call, kind, pattern in calls:
+        with pytest.raises(kind) as e:
+            call()
+        assert re.search(pattern, str(e.value)), str(e.value)[:300]
+        assert len(str(e.value)) < 300

@@ -11,6 +11,7 @@ import torch
 
 from patchkit import CheckpointWeightPatch
 from patchkit.density import density_map, grid_shape, region_text
+from patchkit.errors import PatchTypeError, PatchValueError
 
 
 def brute_force(patch: CheckpointWeightPatch, bins: tuple[int, int]) -> np.ndarray:
@@ -363,3 +364,14 @@ def test_a_flat_run_ignores_the_stride_of_a_dimension_of_size_one():
     # (torch keeps any stride there): still rows 1 and 2
     assert region_text((4, 6), 6, (1, 12), (5, 1)) == "[1:3, :]"
     assert region_text((4, 6), 6, (1, 12), (12, 1)) == "[1:3, :]"
+
+
+def test_huge_bins_are_shown_cut_short():
+    """``bins`` given a huge list, or an int too long to print, is refused with a short
+    message (not its whole repr, nor Python's ValueError for printing it)."""
+    p = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.ones(16))
+    with pytest.raises(PatchTypeError, match=r"^bins must be a pair .*, got \[0\.5, ") as e:
+        density_map(p, bins=[0.5] * 100_000)
+    assert len(str(e.value)) < 300
+    with pytest.raises(PatchValueError, match=r"^bins must be positive, got <a 16610-bit int>$"):
+        density_map(p, bins=-(10**5000))

@@ -3035,3 +3035,14 @@ def test_a_tensor_sharing_storage_with_one_written_at_another_element_size_is_re
         with pytest.raises(ValueError, match=r"'raw' \(torch.uint8\) shares its storage with "
                            r"'f', which this load wrote as torch.float32"):
             read("raw")
+
+
+def test_report_plot_density_shows_a_huge_argument_cut_short():
+    """``report.plot_density`` given neither a patch nor a name (a huge list) says so in a
+    short message, not with the list's whole repr."""
+    report = inspect_load(PlainModel({"a": (4,)}),
+                          [CheckpointWeightPatch("a", (4,), torch.float32, torch.ones(4))])
+    with pytest.raises(TypeError, match=r"^plot_density takes a patch of this report or its "
+                       r"name, got list: \[0\.5, ") as e:
+        report.plot_density([0.5] * 100_000)
+    assert len(str(e.value)) < 300

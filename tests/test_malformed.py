@@ -337,3 +337,29 @@ def test_a_five_tuple_without_the_records_fields_is_refused_by_position_not_attr
     assert load_checkpoint_weight_patches(
         model, [Record("a", (4,), torch.float32, torch.full((4,), 3.0))]) == {"a"}
     assert model.a.tolist() == [3.0] * 4
+
+
+def test_a_huge_field_is_shown_cut_short_in_the_message():
+    """A name, shape or dtype that is a huge list or string (fields in the wrong order,
+    a file's text) is refused with a message of a few lines, not one that holds its whole
+    repr; the attribute keeps the object itself."""
+    huge = [0.5] * 100_000
+    model = PlainModel({"a": (4,)})
+    cases = [
+        (P(huge, (4,), torch.float32, torch.ones(4)), "name type", r"^patch 0 \(\[0\.5, 0\.5"),
+        (P("a", huge, torch.float32, torch.ones(4)), "shape type",
+         r"^patch 0 \('a'\): shape must be a tuple of ints, got \[0\.5, 0\.5.*\.\.\.$"),
+        (P("a", "x" * 100_000, torch.float32, torch.ones(4)), "shape type",
+         r"got 'xxxx.*\.\.\.$"),
+        (P("a", (4,), huge, torch.ones(4)), "dtype type",
+         r"^patch 0 \('a'\): dtype must be a torch\.dtype, got \[0\.5, 0\.5.*\.\.\. \(list\)$"),
+    ]
+    for patch, reason, pattern in cases:
+        for call in (lambda ps: load_checkpoint_weight_patches(model, ps),
+                     lambda ps: plan_chunks(ps, 1024)):
+            with pytest.raises(PatchTypeError) as e:
+                call([patch])
+            assert re.search(pattern, str(e.value)), str(e.value)[:300]
+            assert len(str(e.value)) < 300
+            assert (e.value.position, e.value.reason) == (0, reason)
+    assert model.a.tolist() == [0.0] * 4
