@@ -277,7 +277,10 @@ def _check_real(value: object, what: str, minimum: float, *, strict: bool = Fals
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise PatchTypeError(f"{what} must be a number, got {type(value).__name__}: {brief(value)}",
                              reason=what, value=value)
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # (an int or fraction beyond float's range: no finite float)
+        v = math.inf
     bad = not math.isfinite(v) or v < minimum or (strict and v == minimum) or (
         below is not None and v >= below)
     if bad:
@@ -608,7 +611,7 @@ def random_sparse_patch(
             f"density must be a number in [0, 1], got {type(density).__name__} {brief(density)}",
             name=name, reason="density type", value=density,
         )
-    if not 0.0 <= float(density) <= 1.0:
+    if not 0 <= density <= 1:  # (exact: an int beyond float's range is no density either)
         raise PatchValueError(f"density must be a number in [0, 1], got {brief(density)}",
                               name=name, reason="density", value=density)
     density = float(density)

@@ -1413,3 +1413,25 @@ def test_builders_show_a_huge_argument_cut_short():
             call()
         assert re.search(pattern, str(e.value)), str(e.value)[:300]
         assert len(str(e.value)) < 300
+
+
+def test_a_number_beyond_float_range_is_refused_as_out_of_range():
+    """A number argument that is an int (or fraction) beyond float's range is no finite
+    number: a PatchValueError naming the argument, not Python's OverflowError from its
+    conversion to float."""
+    from fractions import Fraction
+
+    sd = {"w": torch.zeros(4)}
+    calls = [
+        (lambda v: random_sparse_patch("w", (4,), torch.float32, v), "density"),
+        (lambda v: random_sparse_patch("w", (4,), torch.float32, 0.5, std=v), "std"),
+        (lambda v: AdamLikeTrainer(sd, lr=v), "lr"),
+        (lambda v: AdamLikeTrainer(sd, eps=v), "eps"),
+        (lambda v: AdamLikeTrainer(sd, grad_std=v), "grad_std"),
+        (lambda v: AdamLikeTrainer(sd, betas=(0.9, v)), "betas[1]"),
+    ]
+    for call, what in calls:
+        for v in (10**400, -(10**400), Fraction(10**400, 3)):
+            with pytest.raises(PatchValueError, match=rf"^{re.escape(what)} must be ") as e:
+                call(v)
+            assert e.value.reason == what and e.value.value == v
