@@ -686,9 +686,10 @@ def _as_source(source: Any, fn: str) -> Any:
             raise TypeError
         patches = list(source)
     except TypeError:
-        raise TypeError(
+        raise PatchTypeError(
             f"{fn}: expected a LoadReport or a list of CheckpointWeightPatch, "
-            f"got {_what(source)}"
+            f"got {_what(source)}",
+            reason="not a list", value=type(source).__name__,
         ) from None
     return [_as_patch(p, fn, i) for i, p in enumerate(patches)]
 

@@ -2380,3 +2380,15 @@ def test_the_legends_hatches_are_white_as_the_bars_are():
     hatched = {k: p for k, p in swatches.items() if p.get_hatch()}
     assert set(hatched) == {"closed by repeated name", "closed by end"}
     assert {_hatch_rgb(p) for p in hatched.values()} == {(1.0, 1.0, 1.0)}
+
+
+def test_plot_chunks_refuses_what_is_no_list_of_patches_with_patchkits_error():
+    """What is neither a report nor patches (a number, a str, a state dict) is refused as
+    patches are everywhere: a PatchTypeError (a TypeError), reason ``"not a list"``, so
+    that ``except PatchError`` catches each of them, not the state dict only."""
+    from patchkit import PatchTypeError
+
+    for source in (3, "ab", None, {"w": torch.zeros(2)}):
+        with pytest.raises(PatchTypeError, match=r"^plot_chunks: expected a LoadReport") as e:
+            plot_chunks(source)
+        assert (e.value.reason, e.value.value) == ("not a list", type(source).__name__)
