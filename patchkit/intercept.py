@@ -2686,8 +2686,7 @@ class WriteSession:
         if self.rebound or self.registered:
             self.quiet_after_rebinding = True
         if self.first_quiet is None:
-            where_ = ", ".join(where(p, n) for p, (n, _) in zip(positions, staged))
-            self.first_quiet = (f"load_weights (call {self._chunk}, {where_})",
+            self.first_quiet = (_call_named(self._chunk, positions, staged),
                                 None if returned is None else sorted(returned))
 
     def _renamed_or_rebound(self, names) -> bool:
@@ -2789,10 +2788,9 @@ class WriteSession:
             warnings.warn(note, UserWarning, stacklevel=_outside_patchkit())
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
-        call = (f"load_weights (call {self._chunk}, "
-                f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))})")
+        call = _call_named(self._chunk, positions, staged)
         # What a whole call did wrong names its patch where the call had one (the
-        # message lists them all), else where the tensor it put in the model is traced
+        # message lists the first few), else where the tensor it put in the model is traced
         # to one (``param.data = w``, a clone of it); which of several patches a missing
         # copy served is not known.
         one = ((positions[0] if positions[0] >= 0 else None, staged[0][0])
@@ -2864,11 +2862,11 @@ class WriteSession:
             and not nothing_to_write
             and (returned is None or len(returned) > 0)
         ):
-            said = "returned None" if returned is None else f"returned {sorted(returned)!r}"
+            said = ("returned None" if returned is None
+                    else f"returned {_returned_text(sorted(returned))}")
             pos, name = one
             raise ContractViolation(
-                f"load_weights (call {self._chunk}, "
-                f"{', '.join(where(p, n) for p, (n, _) in zip(positions, staged))}) {said} "
+                f"{call} {said} "
                 "without copying into any runtime parameter or buffer; a sparse load cannot "
                 "tell what it did. A loader that owns none of these weights returns an empty "
                 "collection. (A loader that copies on another thread is not watched: its "
@@ -3872,3 +3870,21 @@ class _CallResult:
 
     def __init__(self) -> None:
         self.returned: Any = None
+
+
+def _call_named(chunk: int, positions: Sequence[int], staged: Sequence[tuple[str, Any]],
+                most: int = 5) -> str:
+    """``"load_weights (call 2, patch 4 ('a'), patch 5 ('b'))"``: how a message names a
+    call, by its first ``most`` patches, then how many more (a call may carry thousands)."""
+    named = [where(p, n) for p, (n, _) in zip(positions[:most], staged[:most])]
+    if len(staged) > most:
+        named.append(f"and {len(staged) - most} more")
+    return f"load_weights (call {chunk}, {', '.join(named)})"
+
+
+def _returned_text(names: Sequence[str], most: int = 5) -> str:
+    """A loader's returned names as a message shows them: the list when it has at most
+    ``most``, else ``"5000 names, ['a', 'b', ...]"`` (the first ``most``)."""
+    if len(names) <= most:
+        return repr(list(names))
+    return f"{len(names)} names, {repr(list(names[:most]))[:-1]}, ...]"

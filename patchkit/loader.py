@@ -24,6 +24,7 @@ from .intercept import (
     WriteRecorder,
     WriteSession,
     _registers_twice,
+    _returned_text,
     named_tensors,
 )
 from .patch import (
@@ -450,7 +451,7 @@ def _warn_if_quiet_calls(session: WriteSession, exc: BaseException, tree_changed
     if session.first_quiet is None:
         return
     call, returned = session.first_quiet
-    said = "returned None" if returned is None else f"returned {returned!r}"
+    said = "returned None" if returned is None else f"returned {_returned_text(returned)}"
     more = len(session.quiet_calls) - 1
     others = f" (and {_count(more, 'other call')} alike)" if more else ""
     unless = (" (unless they rebound or registered tensors, or wrote into ones an earlier "

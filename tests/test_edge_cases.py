@@ -2289,3 +2289,37 @@ def test_a_buffer_registered_under_two_names_is_sent_under_the_name_patched(how)
         patchkit.load_checkpoint_weight_patches(m, [patch], transactional=how == "transactional")
     assert m.sent == ["attn.cache"]
     assert m.rope.cache.tolist() == ([0.0, 0.0, 1.0, 0.0] if how == "sparse" else [1.0] * 4)
+
+
+def test_a_call_of_many_patches_that_wrote_nothing_is_named_by_its_first_few():
+    """A call of thousands of small patches whose loader returns their names and writes
+    nothing patchkit sees: the sparse load's ContractViolation, and a rollback's warning,
+    name the call by its first 5 patches and 5 returned names and count the rest, not
+    every patch and name (a message of 100 KB for 5000 patches)."""
+    from patchkit import ContractViolation
+
+    n = 2000
+
+    class Quiet(PlainModel):
+        def load_weights(self, weights):
+            names = [name for name, _ in weights]
+            if "last" in names:
+                raise KeyError("last")
+            return names
+
+    shapes = {f"w{i:04d}": (2,) for i in range(n)}
+    m = Quiet(shapes)
+    sparse = [CWP(k, (2,), torch.float32, torch.ones(1), torch.tensor([0])) for k in shapes]
+    call = (r"load_weights \(call 0, patch 0 \('w0000'\), patch 1 \('w0001'\), patch 2 "
+            r"\('w0002'\), patch 3 \('w0003'\), patch 4 \('w0004'\), and 1995 more\) returned "
+            r"2000 names, \['w0000', 'w0001', 'w0002', 'w0003', 'w0004', \.\.\.\] without ")
+    with pytest.raises(ContractViolation, match="^" + call + "copying into any runtime") as e:
+        patchkit.load_checkpoint_weight_patches(m, sparse)
+    assert len(str(e.value)) < 1000
+    m = Quiet({**shapes, "last": (2,)})
+    dense = [CWP(k, (2,), torch.float32, torch.ones(2)) for k in [*shapes, "last"]]
+    with pytest.warns(UserWarning, match=call + "a write it saw") as w, pytest.raises(KeyError):
+        patchkit.load_checkpoint_weight_patches(m, dense, transactional=True,
+                                                max_chunk_bytes=8 * n)
+    assert max(len(str(x.message)) for x in w) < 1000
+    assert all(t.eq(0).all() for t in m.state_dict().values())
