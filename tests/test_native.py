@@ -722,11 +722,10 @@ def test_on_an_avx2_cpu_the_build_in_use_is_tuned_for_it(fresh_build, monkeypatc
     assert native.status().startswith(f"compiled ({lib}; ")
 
 
-@needs_compiler
-def test_a_cache_folder_that_cannot_be_written_builds_in_the_temporary_folder(
-    fresh_build, monkeypatch, tmp_path
-):
-    # As a read-only mount (or a home shared read-only) refuses it: making a file there.
+def _cache_read_only(fresh_build, monkeypatch, tmp_path) -> Path:
+    """Make the cache folder ``fresh_build`` refuse new files, as a read-only mount (or a
+    home shared read-only) does, and point the temporary folder at a fresh one under
+    ``tmp_path``, which is returned."""
     import tempfile
 
     making = tempfile.mkstemp
@@ -740,6 +739,14 @@ def test_a_cache_folder_that_cannot_be_written_builds_in_the_temporary_folder(
 
     monkeypatch.setattr(tempfile, "mkstemp", refuse_the_cache)
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(temporary))
+    return temporary
+
+
+@needs_compiler
+def test_a_cache_folder_that_cannot_be_written_builds_in_the_temporary_folder(
+    fresh_build, monkeypatch, tmp_path
+):
+    temporary = _cache_read_only(fresh_build, monkeypatch, tmp_path)
     status = native.status()
     folder = temporary / f"patchkit-native-{os.getuid()}"
     assert status.startswith(f"compiled ({folder}"), status
@@ -2180,22 +2187,10 @@ def test_a_build_in_a_cache_folder_that_cannot_be_written_is_still_loaded(fresh_
                                                                           tmp_path):
     # (a read-only home with the build made before: it is read there, not made again in
     # the temporary folder)
-    import tempfile
-
     built = native.status()
     (lib,) = fresh_build.glob("native-*.so")
     assert built.startswith(f"compiled ({lib}"), built
-    making = tempfile.mkstemp
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
-
-    def refuse_the_cache(*args, dir=None, **kw):
-        if dir is not None and Path(dir) == fresh_build:
-            raise PermissionError(13, "Read-only file system", str(dir))
-        return making(*args, dir=dir, **kw)
-
-    monkeypatch.setattr(tempfile, "mkstemp", refuse_the_cache)
-    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(temporary))
+    temporary = _cache_read_only(fresh_build, monkeypatch, tmp_path)
     native._reset_for_tests()
     assert native.status() == built
     assert not list(temporary.iterdir()), "nothing built in the temporary folder"
