@@ -475,6 +475,24 @@ def test_copies_outside_the_compiled_path_are_left_to_torch():
 
 
 @needs_compiler
+def test_a_destination_expanded_on_its_outer_dimension_is_left_to_torch():
+    # (4, 3) of strides (0, 1): its four rows are one row of memory, which torch's copy_
+    # refuses to write. Without the stride-0 check the walk took it as rows 0 elements
+    # apart, (3, 0, 3), and the C loops wrote that one row four times over.
+    base = torch.zeros(1, 3)
+    dest = base.expand(4, 3)
+    src = torch.arange(1.0, 13.0).view(4, 3)
+    assert native._rows(dest, src) is None
+    assert native.compare_copy(dest, src, None) is None
+    assert native.compare_copy(dest, src, torch.float32) is None
+    staged = src.clone()
+    staged[::2] = float("nan")
+    assert native.merge(dest, staged, save=True) is None
+    assert native.merge(dest, staged, save=False, stats=True) is None
+    assert torch.equal(base, torch.zeros(1, 3)), "a refused copy must not write"
+
+
+@needs_compiler
 @pytest.mark.parametrize("src", ["one row", "another shape", "int32 bits"])
 def test_a_source_of_another_shape_or_dtype_is_left_to_torch(src):
     # compare_copy walked the source by the destination's shape: a (1000,) source for a
