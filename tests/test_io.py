@@ -540,6 +540,10 @@ def test_distinct_name_writes_an_empty_name_as_its_repr():
 
     assert distinct_name("") == "''"  # (an empty name shown as nothing at all)
     assert distinct_name("w") == "w"
+    # a name opening with a double quote is quoted too: as it is, '"it's "' would read as
+    # the repr of "it's " (a name with a blank at its end), which Python writes in "..."
+    assert distinct_name("it's ") == '"it\'s "'
+    assert distinct_name('"it\'s "') != distinct_name("it's ")
 
 
 def test_shown_name_escapes_every_character_that_is_not_printable_outside_the_bmp_too():
