@@ -123,6 +123,10 @@ def test_empty_and_dense_patches():
     empty = CheckpointWeightPatch("e", (0, 5), torch.float32, torch.ones(0),
                                   torch.zeros(0, dtype=torch.int64))
     assert density_map(empty, (4, 4)).tolist() == [[0.0] * 4]
+    # no columns: still at least one block column ("at least 1"), as no rows is one block row
+    no_columns = CheckpointWeightPatch("c", (5, 0), torch.float32, torch.ones(0),
+                                       torch.zeros(0, dtype=torch.int64))
+    assert density_map(no_columns, (4, 4)).tolist() == [[0.0]] * 4
     none = CheckpointWeightPatch("n", (3, 3), torch.float32, torch.ones(0),
                                  torch.zeros(0, dtype=torch.int64))
     assert density_map(none, (2, 2)).tolist() == [[0.0, 0.0], [0.0, 0.0]]
