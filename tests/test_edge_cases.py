@@ -737,6 +737,15 @@ def test_sum_squares_of_complex_values_squares_their_parts_without_overflow():
     part = float(torch.tensor(3e38, dtype=torch.float32))
     assert sum_squares(x) == 2 * part * part + 25.0
 
+
+def test_same_state_is_false_when_either_dict_has_a_name_the_other_lacks():
+    # ("the same names": a name only in b, whose a is a part of it, is a difference too)
+    w = torch.ones(3)
+    part, more = {"w": w}, {"w": w.clone(), "extra": torch.zeros(2)}
+    assert not patchkit.same_state(part, more) and not patchkit.same_state(more, part)
+    assert patchkit.same_state(more, dict(reversed(list(more.items()))))  # (order is no name)
+
+
 class _TiedRegistersAliasAnew(PlainModel):
     """``b`` is ``a`` (tied); the loader registers a new Parameter under ``b``, then
     raises at ``z``."""
