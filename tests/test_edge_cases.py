@@ -123,6 +123,16 @@ def test_changed_fraction_of_nothing_is_zero():
     assert changed_fraction({}, {}) == 0.0
 
 
+def test_changed_fraction_counts_elements_so_an_empty_weight_adds_none():
+    # ("fraction of elements over all weights"): one of two elements changed is 0.5,
+    # whatever empty weights sit beside them; only empty weights: 0.0
+    before = {"e": torch.zeros(0), "w": torch.zeros(2), "f": torch.zeros(3, 0)}
+    after = {"e": torch.zeros(0), "w": torch.tensor([1.0, 0.0]), "f": torch.zeros(3, 0)}
+    assert changed_fraction(before, after) == 0.5
+    empty = {"e": torch.zeros(0)}
+    assert changed_fraction(empty, {"e": torch.zeros(0)}) == 0.0
+
+
 # -- the runtime regions of reports ----------------------------------------------------
 
 
