@@ -1761,9 +1761,15 @@ def _observe_foreign(
     as :class:`Chunk` records with a provisional ``closed_by``, go to ``observed``. When a
     call raises, ``(calls made, targets its writes left changed)`` goes to ``failed``
     before the loader sees the error (and may undo writes unseen). ``index``: the model's
-    :class:`~patchkit.intercept.RuntimeIndex`, where the caller built it (else ``None``)."""
+    :class:`~patchkit.intercept.RuntimeIndex`, where the caller built it (else ``None``).
+    Where the load fails, the lists of the calls that raised (the copy of a call's list
+    this wrapper passed on, and the entries it watched) are emptied before the error
+    leaves it, as :func:`~patchkit.loader.run_load` empties its own: a kept error's
+    traceback holds these frames, and through the lists every tensor staged for the
+    call. (A call whose error the loader caught keeps its list while the load goes on.)"""
     session = WriteSession(model, save_regions=True, recorder=rec, count_changes=True,
                            index=index)
+    raised: list[list] = []  # the lists of the calls that raised, emptied if the load fails
     session.index.refuse_wrappers("an inspected load")
     sessions.append(session)
     sent = _SentPositions(patches, session.index.aliases)
@@ -1790,6 +1796,7 @@ def _observe_foreign(
         except TypeError:  # (not iterable: the model's own load_weights says what is wrong)
             return passed_on(*args, **kwargs)
         i = len(observed)
+        staged = None  # (patchkit's copy of a list or tuple the call was given)
         if it is not weights:  # (a list, a tuple: what it holds is known now)
             staged = list(it)
             names = tuple(n for n, _ in staged)
@@ -1866,6 +1873,7 @@ def _observe_foreign(
             # later writes is then no rollback of its own.
             with contextlib.suppress(Exception):
                 failed.append((len(observed), _left_as_written(session.saved)))
+            raised.extend(x for x in (staged, watched) if x is not None)
             raise
         finally:
             depth -= 1
@@ -1883,6 +1891,10 @@ def _observe_foreign(
         if session.violations:
             raise session.violations[0]  # the loader finished; what it broke is known now
         return loaded
+    except BaseException:
+        for entries_of_call in raised:
+            entries_of_call.clear()
+        raise
     finally:
         _Observers.detach(model, recording_load_weights)
 

@@ -154,6 +154,51 @@ def test_a_kept_error_of_a_failed_call_does_not_keep_its_staged_tensors(kind, ho
         assert p.values.tolist() == ([1.0] * 64 if kind == "dense cast" else [1.0])
 
 
+@pytest.mark.parametrize("how", ["raise", "refused"])
+def test_a_kept_error_of_an_observed_load_does_not_keep_its_staged_tensors(how):
+    # inspect_load(loader=...) passes the model a copy of each call's list and watches
+    # its entries: both were left in the wrapper's frame, which the kept error's
+    # traceback holds, so every tensor of the failed call stayed alive (all four here)
+    m = _FailsOn({"a": (64,), "b": (64,), "c": (64,), "d": (64,)}, how)
+    ps = [CWP(n, (64,), torch.float32, torch.tensor([1.0]), torch.tensor([3])) for n in "abcd"]
+    try:
+        patchkit.inspect_load(m, ps, loader=patchkit.load_checkpoint_weight_patches)
+    except (KeyError, patchkit.ContractViolation) as exc:
+        kept = exc
+    gc.collect()
+    assert [n for n, r in zip("abcd", m.refs) if r() is not None] == ["c"]
+    assert type(kept) is (KeyError if how == "raise" else patchkit.ContractViolation)
+    assert kept.report.calls["error"].tolist() == [True]
+    assert [p.values.tolist() for p in ps] == [[1.0]] * 4
+
+
+def test_an_observed_call_whose_error_the_loader_caught_keeps_its_list():
+    # a model that keeps the list it is sent and writes it in its next call, and a
+    # loader that catches the first call's error and goes on: the load does not fail,
+    # so the list the model kept is left as it was sent
+    class Deferred(PlainModel):
+        pending: tuple | list = ()
+
+        def load_weights(self, weights):
+            for name, w in self.pending:
+                self._parameters[name].data.copy_(w)
+            self.pending = weights
+            if not self.pending:
+                return set()
+            raise KeyError("later")
+
+    def loader(model, patches, **kwargs):
+        with pytest.raises(KeyError):
+            model.load_weights([(p.name, p.values) for p in patches])
+        model.load_weights([])
+        return {p.name for p in patches}
+
+    m = Deferred({"a": (4,)}, device="cpu")
+    patchkit.inspect_load(m, [CWP("a", (4,), torch.float32, torch.full((4,), 2.0))],
+                          loader=loader)
+    assert m.a.tolist() == [2.0] * 4
+
+
 def test_a_kept_error_of_a_failed_staging_does_not_keep_the_calls_tensors_staged_before(
         monkeypatch):
     from patchkit import loader
