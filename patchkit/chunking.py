@@ -85,8 +85,8 @@ def _checked_positions(positions: object, n: int) -> Sequence[int]:
                 reason="positions", value=p,
             )
         if p < 0:
-            raise PatchValueError(f"positions[{i}] is negative: {brief(p)}", reason="positions",
-                                  value=p)
+            raise PatchValueError(f"positions[{i}] is negative: {brief(p, text=True)}",
+                                  reason="positions", value=p)
     return [int(p) for p in positions]
 
 

@@ -726,6 +726,13 @@ def test_plan_chunks_takes_positions_as_ints_of_any_kind():
         (0,), (0,)]
 
 
+def test_a_negative_position_of_numpy_is_shown_as_a_number():
+    # (shown by its repr, a numpy int read 'positions[1] is negative: np.int64(-1)')
+    for positions in (np.array([0, -1]), [0, np.int32(-1)]):
+        with pytest.raises(PatchValueError, match=r"^positions\[1\] is negative: -1$"):
+            plan_chunks([_p("a"), _p("b")], 16, positions=positions)
+
+
 def test_stage_takes_a_plain_5_tuple_as_a_load_does():
     staged = patchkit.stage(("w", (2, 2), torch.float32, torch.arange(4.0), None))
     assert staged.tolist() == [[0.0, 1.0], [2.0, 3.0]]
