@@ -226,6 +226,50 @@ def test_a_kept_error_of_a_failed_staging_does_not_keep_the_calls_tensors_staged
     assert m.a.tolist() == [0.0] * 64  # (no call was made)
 
 
+def test_a_failed_staging_leaves_the_list_an_earlier_call_was_sent():
+    # a model that keeps the list it is sent for later: only the failed call's own list
+    # (here: none, its staging failed) is emptied, not the one the call before was sent
+    class Keeps(PlainModel):
+        kept: tuple | list = ()
+
+        def load_weights(self, weights):
+            self.kept = weights
+            return super().load_weights(weights)
+
+    m = Keeps({"a": (4,), "c": (4,)}, device="cpu")
+    ps = [CWP("a", (4,), torch.float32, torch.tensor([1.0]), torch.tensor([0])),
+          CWP("c", (2**24, 2**24), torch.float32, torch.tensor([1.0]), torch.tensor([0]))]
+    with pytest.raises(RuntimeError, match="petabyte|memory|alloc"):
+        patchkit.load_checkpoint_weight_patches(m, ps, max_chunk_bytes=16)
+    assert [n for n, _ in m.kept] == ["a"] and m.a.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_a_ctrl_c_while_staging_frees_the_calls_tensors_and_gets_no_staging_note(monkeypatch):
+    from patchkit import loader
+
+    staged = []
+
+    def stage(patch):
+        if patch.name == "c":
+            raise KeyboardInterrupt
+        t = stage_as_before(patch)
+        staged.append(weakref.ref(t))
+        return t
+
+    stage_as_before = loader._stage
+    monkeypatch.setattr(loader, "_stage", stage)
+    m = PlainModel({"a": (64,), "b": (64,), "c": (4,)}, device="cpu")
+    ps = [CWP(n, (64,), torch.float32, torch.tensor([1.0]), torch.tensor([0])) for n in "ab"]
+    ps.append(CWP("c", (4,), torch.float32, torch.tensor([1.0]), torch.tensor([0])))
+    try:
+        patchkit.load_checkpoint_weight_patches(m, ps)
+    except KeyboardInterrupt as exc:
+        kept = exc
+    gc.collect()
+    assert len(staged) == 2 and [r() for r in staged] == [None, None]
+    assert not getattr(kept, "__notes__", [])  # (the note is for a staging out of memory)
+
+
 @pytest.fixture(scope="module")
 def tp_report():
     from patchkit.build import dense_patches
