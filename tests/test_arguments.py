@@ -934,6 +934,34 @@ def test_a_whole_fraction_beyond_floats_range_is_a_budget():
             check_max_chunk_bytes(bad)
 
 
+def test_a_fraction_budget_is_shown_as_a_number_in_its_message():
+    # (max_chunk_bytes is shown by its str, as before errors.brief: 3/2, not Fraction(3, 2))
+    from fractions import Fraction
+
+    from patchkit.patch import check_max_chunk_bytes
+
+    with pytest.raises(PatchValueError, match=r"whole number of bytes, got 3/2$"):
+        check_max_chunk_bytes(Fraction(3, 2))
+    with pytest.raises(PatchValueError, match=r"^max_chunk_bytes must be positive, got -1$"):
+        check_max_chunk_bytes(Fraction(-1))
+
+
+def test_brief_cuts_at_its_limit_and_never_raises_for_a_failing_repr():
+    from patchkit.errors import brief, where
+
+    assert brief("x" * 98) == repr("x" * 98)  # (100 characters with the quotes: whole)
+    assert brief("x" * 99) == repr("x" * 99)[:100] + "..."
+    assert brief(list(range(1000)), most=10) == "[0, 1, 2, ..."
+
+    class Unprintable:
+        def __repr__(self):
+            raise RuntimeError("no")
+
+    assert brief(Unprintable()) == "<a Unprintable>"
+    assert where(2, Unprintable()) == "patch 2 (<a Unprintable>)"
+    assert brief(np.arange(10**6)).startswith("array([") and len(brief(np.arange(10**6))) <= 103
+
+
 # -- pins found by mutation testing of patch.py, staging.py and errors.py ----------------
 
 

@@ -2342,3 +2342,19 @@ def test_a_call_of_many_patches_that_wrote_nothing_is_named_by_its_first_few():
                                                 max_chunk_bytes=8 * n)
     assert max(len(str(x.message)) for x in w) < 1000
     assert all(t.eq(0).all() for t in m.state_dict().values())
+
+
+def test_a_call_of_exactly_five_patches_is_named_by_all_five():
+    # (at the limit: no 'and 0 more', and the five returned names as a list)
+    class Quiet(PlainModel):
+        def load_weights(self, weights):
+            return [name for name, _ in weights]
+
+    names = [f"w{i}" for i in range(5)]
+    m = Quiet({n: (2,) for n in names})
+    ps = [CWP(n, (2,), torch.float32, torch.ones(1), torch.tensor([0])) for n in names]
+    with pytest.raises(patchkit.ContractViolation) as e:
+        patchkit.load_checkpoint_weight_patches(m, ps)
+    assert str(e.value).startswith(
+        "load_weights (call 0, " + ", ".join(f"patch {i} ('w{i}')" for i in range(5))
+        + ") returned ['w0', 'w1', 'w2', 'w3', 'w4'] without copying")

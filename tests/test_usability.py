@@ -239,7 +239,7 @@ def test_a_failed_staging_leaves_the_list_an_earlier_call_was_sent():
     m = Keeps({"a": (4,), "c": (4,)}, device="cpu")
     ps = [CWP("a", (4,), torch.float32, torch.tensor([1.0]), torch.tensor([0])),
           CWP("c", (2**24, 2**24), torch.float32, torch.tensor([1.0]), torch.tensor([0]))]
-    with pytest.raises(RuntimeError, match="petabyte|memory|alloc"):
+    with pytest.raises(RuntimeError, match=r"petabyte|memory|alloc"):
         patchkit.load_checkpoint_weight_patches(m, ps, max_chunk_bytes=16)
     assert [n for n, _ in m.kept] == ["a"] and m.a.tolist() == [1.0, 0.0, 0.0, 0.0]
 
