@@ -1421,6 +1421,94 @@ def test_placement_cuts_realistic_names_to_their_last_parts_as_before():
             f"…{x}_proj.weight" for x in "qkv"]
 
 
+@pytest.mark.parametrize(("name", "other", "n", "shown"), [
+    # the whole name fits: drawn whole rather than cut
+    ("a.b.c", "x.b.c", 24, "a.b.c"),
+    # another name that is the tail itself ends with it: a longer tail
+    ("model.layers.3.gate.weight", "3.gate.weight", 24, "…layers.3.gate.weight"),
+    # "13.gate.weight" does not end with the dotted tail "3.gate.weight"
+    ("model.layers.3.gate.weight", "model.layers.13.gate.weight", 24, "…3.gate.weight"),
+    ("model.layers.13.gate.weight", "model.layers.3.gate.weight", 24, "…13.gate.weight"),
+    # the own tail exactly fills the n characters
+    ("model.layers.0.mlp.experts.10.gate_proj.weight",
+     "model.layers.0.mlp.experts.11.gate_proj.weight", 20, "…10.gate_proj.weight"),
+    # no own tail fits: the own head, "…" and the longest tail that fills the n characters
+    ("m.1.some_long_module_name.another_long_part.weight",
+     "m.2.some_long_module_name.another_long_part.weight", 24, "m.1.…er_long_part.weight"),
+    # no dotted part tells them apart: the cut, still within n
+    ("a" * 30 + "x" + "b" * 30, "a" * 30 + "y" + "b" * 30, 24, "…" + "b" * 23),
+])
+def test_a_cut_name_keeps_what_tells_it_from_the_names_beside_it(name, other, n, shown):
+    # (mutation testing: drawing the cut where the whole name fits, dropping the "o ==
+    # tail" or the dot of the dotted-tail check, "<" for "<=" at either fit, one more
+    # character of room, one less of tail, and the whole name where nothing fits passed
+    # every plot test; each case here fails with one of them and passes on the code)
+    import patchkit.plot as pk_plot
+
+    assert pk_plot._short(name, n, parts=2, among=[name, other]) == shown
+    assert len(shown) <= n
+
+
+def test_fitting_a_name_apart_keeps_the_head_within_half_the_width_and_the_cut_within_it():
+    import patchkit.plot as pk_plot
+
+    def row(i):
+        return f"model.decoder.layers.{i}." + "tail_part." * 10 + "weight"
+
+    head = pk_plot._text_width("model.decoder.layers.1.", 9)
+    for width, keeps_head in ((1.9 * head, False), (2.4 * head, True)):
+        shown = pk_plot._fit(row(1), 9, width, among=[row(1), row(2)])
+        # (the head took more than half the width where only the width bounded it)
+        assert shown.startswith("model.decoder.layers.1.…") == keeps_head, (width, shown)
+        assert pk_plot._text_width(shown, 9) <= width
+    # where the head, "…" and one character do not fit, the plain cut
+    assert pk_plot._fit("i.xxxxxxxx.W", 9, 20.0, among=["j.xxxxxxxx.W"]) == "…W"
+
+
+def test_cutting_names_apart_measures_only_what_can_fit():
+    # a name of 3,000 parts whose own tail starts 9,000 characters from its end: walking
+    # the tails past what fits, or measuring the whole name, measured 9,000 characters
+    import patchkit.plot as pk_plot
+
+    name, other = ("layer." * 1500 + f"{c}." + "layer." * 1500 + "weight" for c in "ab")
+    measured = []
+
+    def size(text):
+        measured.append(len(text))
+        return len(text)
+
+    assert pk_plot._apart(name, "…" + name[-29:], [other], size, 30, 30) == "…" + name[-29:]
+    assert max(measured, default=0) <= 31
+
+
+def test_a_tied_title_cuts_each_half_apart_from_the_other_rows():
+    # (mutation testing: cutting the tied half of a title without the other rows' names
+    # passed every plot test; the rows' titles then read the same)
+    import patchkit.plot as pk_plot
+
+    tail = "cross_attention_block.some_long_submodule_name.another_long_part.weight"
+    rows = [f"model.decoder.layers.{i}.{tail}" for i in range(2)]
+    tied = "model.embed_tokens.weight"
+    width = 2 * 250.0 + pk_plot._text_width(" (tied to )", 9)
+    titles = [pk_plot._shown_name(r, tied, 9, width, [*rows, tied]) for r in rows]
+    assert titles[0] != titles[1]
+    assert all(t.startswith(f"model.decoder.layers.{i}.…") for i, t in enumerate(titles))
+    assert all(pk_plot._text_width(t, 9) <= width for t in titles)
+
+
+def test_placement_legend_names_a_rows_sources_that_share_their_last_three_parts_apart():
+    # (mutation testing: the legend's cut without the row's other names passed every plot
+    # test: the three entries read "#k …w.gate_proj.weight")
+    from patchkit.toymodels import OverlappingDestinationsModel
+
+    names = [f"model.layers.0.mlp.experts.{e}.w.gate_proj.weight" for e in range(3)]
+    model = OverlappingDestinationsModel(dict.fromkeys(names, (4, 4)))
+    fig = plot_placement(inspect_load(model, [
+        CheckpointWeightPatch(n, (4, 4), torch.float32, torch.ones(16)) for n in names]))
+    legend = [t.get_text().split(" [")[0] for t in fig.axes[1].get_legend().get_texts()]
+    assert legend[:3] == [f"#{e} …{e}.w.gate_proj.weight" for e in range(3)]
+
+
 @pytest.mark.parametrize("name", ["layer$_{0}$.weight", "price$\\notacommand$.weight"])
 def test_names_with_dollar_signs_are_drawn_as_written_not_as_mathtext(name):
     model = PlainModel({name: (8, 8)})
