@@ -204,8 +204,9 @@ def _short(name: str, n: int = 24, parts: int = 3, among: Iterable[str] = ()) ->
 
     ``model.layers.0.self_attn.q_proj.weight`` → ``…self_attn.q_proj.weight``: the tail
     says what the tensor is; the layer prefix is shared by its neighbours. Where another
-    name of ``among`` (the names drawn beside it) ends with that same tail, the cut keeps
-    what tells them apart instead (see :func:`_apart`), still within ``n`` characters.
+    name of ``among`` (the names drawn beside it, as drawn: see :func:`_drawn`) ends with
+    that same tail, the cut keeps what tells them apart instead (see :func:`_apart`),
+    still within ``n`` characters.
     """
     pieces = _drawable(name).split(".")
     whole = ".".join(pieces)
@@ -225,12 +226,13 @@ def _apart(name: str, cut: str, among: Iterable[str], size: Callable[[str], floa
     that fits (the head taking at most half the room): rows named ``model.layers.{i}.``
     and one long tail keep their layer number. Names of ``among`` each drawn so differ
     whenever the names do, where the part that tells them apart fits (and no name holds
-    a ``…`` of its own); where it does not, ``cut``. ``name`` is as drawn
-    (:func:`_drawable`); no text longer than ``most`` characters fits in ``room``, which
+    a ``…`` of its own); where it does not, ``cut``. ``name`` and the names of ``among``
+    are as drawn (:func:`_drawable`: see :func:`_drawn`, which escapes a row's names once,
+    not once a label); no text longer than ``most`` characters fits in ``room``, which
     bounds the work whatever the names' lengths."""
     if cut == name or not cut.startswith("…"):
         return cut
-    others = {o for o in map(_drawable, among) if o != name}
+    others = {o for o in among if o != name}
     if not any(o.endswith(cut[1:]) for o in others):
         return cut
     if len(name) <= most and size(name) <= room:  # (cut to its last parts: none needed)
@@ -266,6 +268,13 @@ def _apart(name: str, cut: str, among: Iterable[str], size: Callable[[str], floa
     return cut
 
 
+def _drawn(names: Iterable[str]) -> frozenset[str]:
+    """``names`` as drawn (:func:`_drawable`), once each: the ``among`` of :func:`_short`
+    and :func:`_fit`, made once for all the labels of a row or figure (escaping a long
+    name costs its length; a row labels up to 64 writes)."""
+    return frozenset(map(_drawable, names))
+
+
 def _text_width(text: str, size: float) -> float:
     """Width in points of ``text`` drawn as plain text at font ``size`` in the current
     default font (measured from the glyphs: no renderer, no draw)."""
@@ -278,8 +287,9 @@ def _text_width(text: str, size: float) -> float:
 def _fit(name: str, size: float, width: float, among: Iterable[str] = ()) -> str:
     """``name`` as is when it fits in ``width`` points at font ``size``; else ``…`` and
     the longest tail of it that fits (at least one character): the tail of a dotted name
-    says what the tensor is; where another name of ``among`` (the names drawn beside it)
-    ends with that same tail, what tells them apart instead (see :func:`_apart`). Work
+    says what the tensor is; where another name of ``among`` (the names drawn beside it,
+    as drawn: see :func:`_drawn`) ends with that same tail, what tells them apart instead
+    (see :func:`_apart`). Work
     bounded by what fits, whatever the name's length (no glyph is narrower than a fifth
     of the font size: a longer name cannot fit)."""
     name = _drawable(name)
@@ -457,7 +467,7 @@ def _shown_name(
     among: Iterable[str] = (),
 ) -> str:
     """How a figure names a runtime tensor asked for as ``target``; with a font ``size``,
-    each name is cut (see :func:`_fit`, apart from the names of ``among``) so that the
+    each name is cut (see :func:`_fit`, apart from the names of ``among``, as drawn) so that the
     whole fits in ``width`` points."""
     target, runtime = _drawable(target), _drawable(runtime)
     shown = target if target == runtime else f"{target} (tied to {runtime})"
@@ -1451,7 +1461,7 @@ def plot_placement(
     shapes = {i: tuple(int(d) for d in report.patches[i].shape)
               for i in {int(k) for k in writes["position"].dropna()}}
     # (each row's title names its tensor apart from the other rows' names)
-    names = [*chosen, *(_resolve(report, t) for t in chosen)]
+    names = _drawn([*chosen, *(_resolve(report, t) for t in chosen)])
     for row, target in enumerate(chosen):
         _draw_target(axes[row][0], axes[row][1], target, report, writes, shapes, names)
     return fig
@@ -1472,7 +1482,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     colour = {pos: _write_colour(k) for k, pos in enumerate(sources)}
     traced = [p for p in sources if p is not None and p in shapes]
     slot = {pos: k for k, pos in enumerate(traced[:_MAX_SOURCES])}
-    sent = [_name_of(w) for _, w in shown.iterrows()]  # (names cut apart from each other)
+    sent = _drawn(_name_of(w) for _, w in shown.iterrows())  # (cut apart from each other)
 
     ax_rt.add_patch(Rectangle((0, 0), max(cols, 1), max(rows, 1), facecolor="0.94",
                               edgecolor="0.3", linewidth=1.0))
