@@ -199,19 +199,29 @@ def test_an_observed_call_whose_error_the_loader_caught_keeps_its_list():
     assert m.a.tolist() == [2.0] * 4
 
 
-def test_a_kept_error_of_a_failed_staging_does_not_keep_the_calls_tensors_staged_before(
-        monkeypatch):
+def _watched_staging(monkeypatch, stop: type[BaseException] | None = None) -> list:
+    """Weak references to the tensors the loader stages from now on (``_stage``
+    monkeypatched), the list they are added to; with ``stop``, the staging of patch "c"
+    raises it."""
     from patchkit import loader
 
     staged = []
+    stage_as_before = loader._stage
 
     def stage(patch):
+        if stop is not None and patch.name == "c":
+            raise stop
         t = stage_as_before(patch)
         staged.append(weakref.ref(t))
         return t
 
-    stage_as_before = loader._stage
     monkeypatch.setattr(loader, "_stage", stage)
+    return staged
+
+
+def test_a_kept_error_of_a_failed_staging_does_not_keep_the_calls_tensors_staged_before(
+        monkeypatch):
+    staged = _watched_staging(monkeypatch)
     m = PlainModel({"a": (64,), "b": (64,), "c": (4,)}, device="cpu")
     ps = [CWP(n, (64,), torch.float32, torch.tensor([1.0]), torch.tensor([0])) for n in "ab"]
     # a shape mistyped by orders of magnitude: 1 PiB staged, past any address space
@@ -245,19 +255,7 @@ def test_a_failed_staging_leaves_the_list_an_earlier_call_was_sent():
 
 
 def test_a_ctrl_c_while_staging_frees_the_calls_tensors_and_gets_no_staging_note(monkeypatch):
-    from patchkit import loader
-
-    staged = []
-
-    def stage(patch):
-        if patch.name == "c":
-            raise KeyboardInterrupt
-        t = stage_as_before(patch)
-        staged.append(weakref.ref(t))
-        return t
-
-    stage_as_before = loader._stage
-    monkeypatch.setattr(loader, "_stage", stage)
+    staged = _watched_staging(monkeypatch, KeyboardInterrupt)
     m = PlainModel({"a": (64,), "b": (64,), "c": (4,)}, device="cpu")
     ps = [CWP(n, (64,), torch.float32, torch.tensor([1.0]), torch.tensor([0])) for n in "ab"]
     ps.append(CWP("c", (4,), torch.float32, torch.tensor([1.0]), torch.tensor([0])))
