@@ -38,7 +38,7 @@ from typing import Any, NoReturn, TextIO
 import torch
 
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
-from .errors import PatchError, PatchTypeError, PatchValueError, where
+from .errors import PatchError, PatchTypeError, PatchValueError, brief, where
 from .patch import (
     CheckpointWeightPatch,
     PatchLike,
@@ -191,7 +191,7 @@ def _check_path(path: object, fn: str) -> None:
     ``bytes`` or ``os.PathLike``), before anything is read or written."""
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"{fn}: path must be a file's path (str, bytes or os.PathLike), got "
-                        f"{type(path).__name__}: {_short_repr(path, 60)}")
+                        f"{type(path).__name__}: {brief(path, 60)}")
 
 
 def _safetensors() -> Any:
@@ -251,8 +251,8 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise PatchTypeError(
-                f"metadata keys and values must be str, got {_short_repr(k, 80)}: "
-                f"{_short_repr(v, 80)} ({type(k).__name__}: {type(v).__name__})",
+                f"metadata keys and values must be str, got {brief(k, 80)}: "
+                f"{brief(v, 80)} ({type(k).__name__}: {type(v).__name__})",
                 reason="metadata type", value=k if not isinstance(k, str) else v,
             )
         if k == FORMAT_KEY:
@@ -265,7 +265,7 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:  # (a lone surrogate: the header is UTF-8)
                 raise PatchValueError(
-                    f"metadata {'key' if text is k else 'value'} {_short_repr(text, 80)} "
+                    f"metadata {'key' if text is k else 'value'} {brief(text, 80)} "
                     f"holds {text[e.start]!r} at index {e.start}, a lone surrogate, which "
                     "the file's UTF-8 header cannot hold", reason="metadata not UTF-8",
                     value=text,
@@ -1011,7 +1011,7 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         # (JSON's true and 1.0 equal 1 in Python: the version is the int 1, nothing else)
         raise _fail(
             path,
-            f"format version {_short_repr(version)} is not supported (this patchkit reads version "
+            f"format version {brief(version, 200)} is not supported (this patchkit reads version "
             f"{FORMAT_VERSION})",
             "version", value=version,
         )
@@ -1029,7 +1029,7 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         name = item.get("name")
         if not isinstance(name, str) or not name:
             raise _fail(path, f"patch {i}: name must be a non-empty string, got "
-                        f"{_short_repr(name)}", "header", position=i, value=name)
+                        f"{brief(name, 200)}", "header", position=i, value=name)
         at = where(i, name)
 
         def bad(problem: str, reason: str, value: object, i: int = i, name: str = name,
@@ -1040,18 +1040,18 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         if not isinstance(shape, list) or any(
             isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
         ):
-            raise bad(f"shape must be a list of non-negative ints, got {_short_repr(shape)}",
+            raise bad(f"shape must be a list of non-negative ints, got {brief(shape, 200)}",
                       "header", shape)
         dtype = _dtype_from_name(item.get("dtype"))
         if dtype is None:
-            raise bad(f"unknown dtype {_short_repr(item.get('dtype'))}", "dtype", item.get("dtype"))
+            raise bad(f"unknown dtype {brief(item.get('dtype'), 200)}", "dtype", item.get("dtype"))
         kind = item.get("kind")
         if kind not in ("dense", "sparse"):
-            raise bad(f"kind must be 'dense' or 'sparse', got {_short_repr(kind)}", "header", kind)
+            raise bad(f"kind must be 'dense' or 'sparse', got {brief(kind, 200)}", "header", kind)
         sparse = kind == "sparse"
         nnz = item.get("nnz")
         if isinstance(nnz, bool) or not isinstance(nnz, int) or nnz < 0:
-            raise bad(f"nnz must be a non-negative int, got {_short_repr(nnz)}", "header", nnz)
+            raise bad(f"nnz must be a non-negative int, got {brief(nnz, 200)}", "header", nnz)
 
         vkey = _key(i, "values")
         expected.add(vkey)
@@ -1061,7 +1061,7 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         if _dtype_name(values_dtype) != item.get("values_dtype"):
             raise bad(
                 f"values are {_dtype_name(values_dtype)} but the header says "
-                f"{_short_repr(item.get('values_dtype'))}",
+                f"{brief(item.get('values_dtype'), 200)}",
                 "dtype", values_dtype,
             )
         vshape = list(f.get_slice(vkey).get_shape())
@@ -1088,7 +1088,7 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
             ) != item.get("indices_dtype"):
                 raise bad(
                     f"indices are {_dtype_name(indices_dtype)}, the header says "
-                    f"{_short_repr(item.get('indices_dtype'))} (int32 or int64 expected)",
+                    f"{brief(item.get('indices_dtype'), 200)} (int32 or int64 expected)",
                     "dtype", indices_dtype,
                 )
             ishape = list(f.get_slice(ikey).get_shape())
@@ -1099,7 +1099,7 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
                       f"the file holds {nnz}", "count", nnz)
         elif item.get("indices_dtype") is not None:
             raise bad(f"a dense patch has no indices, but the header gives them dtype "
-                      f"{_short_repr(item.get('indices_dtype'))}", "dtype",
+                      f"{brief(item.get('indices_dtype'), 200)}", "dtype",
                       item.get("indices_dtype"))
         entries.append(PatchFileEntry(i, name, tuple(shape), dtype, sparse, nnz,
                                       values_dtype, indices_dtype))
@@ -1108,15 +1108,6 @@ def _parse_index(path: str, f: Any) -> list[PatchFileEntry]:
         raise _fail(path, f"tensors not described by the header: {extra[:5]}"
                     f"{' ...' if len(extra) > 5 else ''}", "extra key", value=extra[0])
     return entries
-
-
-def _short_repr(value: object, most: int = 200) -> str:
-    """``repr(value)``, cut to about ``most`` characters."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int too long to print
-        return f"<a {type(value).__name__}>"
-    return text if len(text) <= most else text[:most] + "..."
 
 
 def _tensor_dtype(path: str, f: Any, key: str, position: int, name: str) -> torch.dtype:
