@@ -3872,13 +3872,22 @@ class _CallResult:
         self.returned: Any = None
 
 
+def _first_named(positions: Sequence[int], names: Sequence[str], shown: int
+                 ) -> tuple[list[str], int]:
+    """How a message names the first ``shown`` patches of a call (``"patch 4 ('a')"``; a
+    negative position, an observed name no patch has, ``"patch 'a'"``), and how many
+    more the call has."""
+    parts = [where(p if p >= 0 else None, n) for p, n in zip(positions[:shown], names)]
+    return parts, len(positions) - shown
+
+
 def _call_named(chunk: int, positions: Sequence[int], staged: Sequence[tuple[str, Any]],
                 most: int = 5) -> str:
     """``"load_weights (call 2, patch 4 ('a'), patch 5 ('b'))"``: how a message names a
     call, by its first ``most`` patches, then how many more (a call may carry thousands)."""
-    named = [where(p, n) for p, (n, _) in zip(positions[:most], staged[:most])]
-    if len(staged) > most:
-        named.append(f"and {len(staged) - most} more")
+    named, more = _first_named(positions, [n for n, _ in staged[:most]], most)
+    if more > 0:
+        named.append(f"and {more} more")
     return f"load_weights (call {chunk}, {', '.join(named)})"
 
 

@@ -23,6 +23,7 @@ from .intercept import (
     RuntimeIndex,
     WriteRecorder,
     WriteSession,
+    _first_named,
     _registers_twice,
     _returned_text,
     named_tensors,
@@ -619,7 +620,7 @@ def _note_the_call(exc: BaseException, chunk: Chunk) -> None:
     patch already and get none."""
     if isinstance(exc, PatchError) or not hasattr(exc, "add_note"):
         return
-    parts, more = _first_patches(chunk)
+    parts, more = _first_named(chunk.positions, chunk.names, 3)
     sent = ", ".join(parts) + (f" and {more} more" if more > 0 else "")
     exc.add_note(f"(raised in load_weights call {chunk.index}, sent {sent})")
 
@@ -805,16 +806,8 @@ def _names(returned: Any, chunk: Chunk | None = None) -> set[str] | None:
     )
 
 
-def _first_patches(chunk: Chunk, shown: int = 3) -> tuple[list[str], int]:
-    """How a message names the first ``shown`` patches of a call (``"patch 4 ('a')"``),
-    and how many more it has."""
-    parts = [where(p if p >= 0 else None, n)  # (-1: an observed name no patch has)
-             for p, n in zip(chunk.positions[:shown], chunk.names)]
-    return parts, len(chunk.positions) - shown
-
-
 def _call_text(chunk: Chunk, shown: int = 3) -> str:
     """``"call 2, patch 4 ('a'), patch 5 ('b')"``: how a message names a call, its first
     ``shown`` patches, then how many more."""
-    parts, more = _first_patches(chunk, shown)
+    parts, more = _first_named(chunk.positions, chunk.names, shown)
     return ", ".join([f"call {chunk.index}", *parts] + ([f"{more} more"] if more > 0 else []))

@@ -2310,6 +2310,19 @@ def test_a_buffer_registered_under_two_names_is_sent_under_the_name_patched(how)
     assert m.rope.cache.tolist() == ([0.0, 0.0, 1.0, 0.0] if how == "sparse" else [1.0] * 4)
 
 
+def test_a_call_named_in_a_message_names_an_unmatched_entry_by_name_alone():
+    # (an observed call's entry no patch has sits at position -1: "patch 'x'", as the
+    # loader's notes name it, not "patch -1 ('x')")
+    from patchkit.intercept import _call_named
+
+    staged = [("a", None), ("x", None)]
+    assert _call_named(2, [4, -1], staged) == "load_weights (call 2, patch 4 ('a'), patch 'x')"
+    many = [(f"w{i}", None) for i in range(7)]
+    assert _call_named(0, list(range(7)), many) == (
+        "load_weights (call 0, " + ", ".join(f"patch {i} ('w{i}')" for i in range(5))
+        + ", and 2 more)")
+
+
 def test_a_call_of_many_patches_that_wrote_nothing_is_named_by_its_first_few():
     """A call of thousands of small patches whose loader returns their names and writes
     nothing patchkit sees: the sparse load's ContractViolation, and a rollback's warning,
