@@ -2788,7 +2788,8 @@ class WriteSession:
             warnings.warn(note, UserWarning, stacklevel=_outside_patchkit())
 
     def _check_after_sparse_call(self, bindings, returned, staged, positions) -> None:
-        call = _call_named(self._chunk, positions, staged)
+        # (named only where a message is raised: the checks run after every sparse call)
+        call = functools.partial(_call_named, self._chunk, positions, staged)
         # What a whole call did wrong names its patch where the call had one (the
         # message lists the first few), else where the tensor it put in the model is traced
         # to one (``param.data = w``, a clone of it); which of several patches a missing
@@ -2807,7 +2808,7 @@ class WriteSession:
                       "again (the model does not keep it in nn.Module's registries), so the "
                       "model may hold the staged NaN")
             raise ContractViolation(
-                f"{call} {back.changed}; a sparse load needs same-shaped floating-point copy_ "
+                f"{call()} {back.changed}; a sparse load needs same-shaped floating-point copy_ "
                 f"into the existing storage. {undone}",
                 position=pos, name=name, reason="rebinding",
                 value=back.changed,
@@ -2835,13 +2836,13 @@ class WriteSession:
                       "model does not keep it in nn.Module's registries), so the model may "
                       "hold the staged NaN")
             raise ContractViolation(
-                f"{call} {did}; a sparse load needs same-shaped floating-point copy_ into the "
+                f"{call()} {did}; a sparse load needs same-shaped floating-point copy_ into the "
                 f"existing storage. {undone}",
                 position=pos, name=name, reason="rebinding", value=replaced[0],
             )
         if rebound:
             raise ContractViolation(
-                f"{call} replaced the storage of runtime tensor {rebound[0]!r} (e.g. "
+                f"{call()} replaced the storage of runtime tensor {rebound[0]!r} (e.g. "
                 "`param.data = w`) instead of copying into it; a sparse load needs same-shaped "
                 "floating-point copy_ into the existing storage. The original storage was put "
                 "back",
@@ -2849,7 +2850,7 @@ class WriteSession:
             )
         if added:
             raise ContractViolation(
-                f"{call} registered a new runtime tensor {added[0]!r} (e.g. "
+                f"{call()} registered a new runtime tensor {added[0]!r} (e.g. "
                 "`module.extra = nn.Parameter(w)`), which may hold the staged NaN; a sparse "
                 "load needs same-shaped floating-point copy_ into the existing storage. It "
                 "was removed again",
@@ -2866,7 +2867,7 @@ class WriteSession:
                     else f"returned {_returned_text(sorted(returned))}")
             pos, name = one
             raise ContractViolation(
-                f"{call} {said} "
+                f"{call()} {said} "
                 "without copying into any runtime parameter or buffer; a sparse load cannot "
                 "tell what it did. A loader that owns none of these weights returns an empty "
                 "collection. (A loader that copies on another thread is not watched: its "
