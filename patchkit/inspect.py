@@ -937,9 +937,7 @@ class LoadReport:
         parts.append("chunks:\n" + _head_text(
             _names_shown(self.chunks.drop(columns=["note"])), False))
         if len(self.deltas):
-            # (4 significant digits: a 3e-7 step of a small learning rate is not 0.0)
-            parts.append("deltas:\n" + _head_text(
-                _names_shown(self.deltas), True, "{:.4g}".format))
+            parts.append("deltas:\n" + _head_text(_names_shown(self.deltas), True, _FLOATS))
         # (a lone surrogate in a name, which no terminal or Jupyter message takes, escaped)
         return shown_text("\n\n".join(parts))
 
@@ -968,7 +966,7 @@ class LoadReport:
                     f"{n} row" + ("s" if n != 1 else ""))
                 out.append(f"<details open><summary>{title} ({shown})</summary>")
                 out.append(_cut(df.head(_HTML_ROWS)).to_html(
-                    index=title == "deltas", float_format="{:.4g}".format))
+                    index=title == "deltas", float_format=_FLOATS))
                 out.append("</details>")
         out.append("</div>")
         return shown_text("".join(out))
@@ -1079,6 +1077,9 @@ _REPR_MAX, _REPR_ROWS = 40, 20
 # tensor name, a tuple of names) to _COLWIDTH characters, ending it with "...".
 _HTML_ROWS = 8
 _COLWIDTH = 60
+# How both reprs (and the explorer's tables) write a float: 4 significant digits (a 3e-7
+# step of a small learning rate is not 0.0, nor a density of 1e-9).
+_FLOATS = "{:.4g}".format
 
 
 def _head_text(df: pd.DataFrame, index: bool, floats: Any = None) -> str:

@@ -397,7 +397,7 @@ class ReportExplorer(W.VBox):
             return (
                 # (the report's own: it refuses a patch changed in place since the load)
                 _figure_or_note("density map", lambda: r.plot_density(r.patches[key])),
-                text_output(row.drop(columns=["note"]).to_string(index=False) + "\n"
+                text_output(_table_text(row.drop(columns=["note"]), index=False) + "\n"
                             + "".join(f"note: {n}\n" for n in row["note"] if n)),
             )
         writes = r.writes[r.writes["target"] == key]
@@ -420,17 +420,27 @@ class ReportExplorer(W.VBox):
             delta,
             text_output(
                 f"writes into {shown_name(key)}:\n"
-                f"{writes[cols].head(20).to_string(index=False)}\n"
+                f"{_table_text(writes[cols].head(20), index=False)}\n"
                 + (f"… {len(writes) - 20} more writes\n" if len(writes) > 20 else "")
                 + _delta_text(r, key)
             ),
         )
 
 
+def _table_text(df: Any, index: bool) -> str:
+    """Rows of a report's table as the report's text repr writes them: names that are
+    not plain as their ``repr`` (a right-to-left override escaped, ``'w '`` told from
+    ``w``: :func:`~patchkit.units.distinct_name`) and floats in 4 significant digits
+    (pandas' own format writes a tiny density as ``9.536743e-07``); names whole."""
+    from .inspect import _FLOATS, _names_shown
+
+    return _names_shown(df).to_string(index=index, float_format=_FLOATS)
+
+
 def _delta_text(report: LoadReport, target: str) -> str:
     """The ``report.deltas`` row of ``target`` as text, or why it has none."""
     if target in report.deltas.index:
-        return f"\ndelta:\n{report.deltas.loc[[target]].to_string()}\n"
+        return f"\ndelta:\n{_table_text(report.deltas.loc[[target]], index=True)}\n"
     if target in getattr(report, "_restored", ()):
         why = ("written, then put back as it was by the load's transactional rollback: "
                "no change")

@@ -869,3 +869,39 @@ def test_planner_of_a_report_refused_for_a_budget_that_is_no_int_starts_at_the_d
     w = chunk_planner(info.value.report)
     assert w.max_chunk_bytes == 2 * (3 * 128 + 32)  # the default, clipped into range
     assert w.plan == plan_chunks(patches(), w.max_chunk_bytes)
+
+
+def test_the_explorers_tables_write_names_and_numbers_as_the_reports_reprs_do():
+    # Each choice's text tables (its chunks row, its writes, its deltas row) wrote names
+    # raw, so a right-to-left override reversed the rest of its row and 'w ' read as
+    # 'w', and floats with pandas' six decimals ('1.000000e-07', '0.684144'); the
+    # report's own reprs escape such names (distinct_name) and write 4 significant digits.
+    names = ["rtl\u202eevil", "w ", "w"]
+    report = inspect_load(PlainModel({n: (4,) for n in names}),
+                          [CheckpointWeightPatch(n, (4,), torch.float32,
+                                                 torch.tensor([1e-7, 0.0, 0.0, 0.0]))
+                           for n in names])
+    explorer = explore(report)
+    shown = {}
+    for label, value in explorer.dropdown.options:
+        explorer.dropdown.value = value
+        shown[label] = texts(explorer.output)
+    for label, text in shown.items():
+        assert "\u202e" not in text, label
+        assert "e-07" in text or label.startswith("patch"), label
+        assert "000000" not in text, label
+    assert "'rtl\\u202eevil'" in shown["patch 0: rtl\\u202eevil"]
+    assert "'rtl\\u202eevil'" in shown["runtime: rtl\\u202eevil"]
+    # ('w ' and 'w' told apart in the tables, as repr(report) tells them apart)
+    assert "'w '" in shown["patch 1: w "] and "'w '" in shown["runtime: w "]
+    assert "'w '" not in shown["runtime: w"]
+    assert " 1e-07 " in shown["runtime: w"]  # (max_abs and mean_abs of the deltas row)
+
+
+def test_the_explorers_patch_row_writes_a_tiny_density_in_four_significant_digits():
+    big = CheckpointWeightPatch("big", (1024, 1024), torch.float32, torch.tensor([1.0]),
+                                torch.tensor([7]))
+    report = inspect_load(PlainModel({"big": (1024, 1024)}), [big])
+    explorer = explore(report)
+    text = texts(explorer.output)  # (patch 0 is the first choice)
+    assert " 9.537e-07 " in text and "9.536743e-07" not in text
