@@ -935,7 +935,7 @@ class LoadReport:
         parts = [f"LoadReport({head})"]
         # (every column, unwrapped: to_string takes no display options)
         parts.append("chunks:\n" + _head_text(
-            _names_shown(self.chunks.drop(columns=["note"])), False))
+            _names_shown(self.chunks.drop(columns=["note"])), False, _FLOATS))
         if len(self.deltas):
             parts.append("deltas:\n" + _head_text(_names_shown(self.deltas), True, _FLOATS))
         # (a lone surrogate in a name, which no terminal or Jupyter message takes, escaped)

@@ -2758,6 +2758,23 @@ def test_both_reprs_cut_a_cell_past_sixty_characters_to_sixty_ending_in_dots():
     assert "note" not in repr(r) and "note" in r.chunks.columns
 
 
+def test_the_text_repr_writes_the_chunks_density_in_four_significant_digits():
+    # it wrote the chunks table with pandas' own float format, so one tiny density put
+    # the whole column in seven-digit scientific notation ('2.384186e-07' beside
+    # '1.000000e+00'), where the HTML and the deltas table write 4 significant digits
+    ps = [CheckpointWeightPatch("big", (4096, 1024), torch.float32, torch.tensor([1.0]),
+                                torch.tensor([7])),
+          CheckpointWeightPatch("small", (3,), torch.float32, torch.ones(3),
+                                torch.arange(3)),
+          CheckpointWeightPatch("third", (3,), torch.float32, torch.ones(1),
+                                torch.tensor([1]))]
+    r = inspect_load(PlainModel({"big": (4096, 1024), "small": (3,), "third": (3,)}), ps)
+    chunks = repr(r).split("chunks:\n")[1].split("\n\n")[0]
+    rows = {line.split()[2]: line.split()[-3] for line in chunks.splitlines()[1:]}
+    assert rows == {"big": "2.384e-07", "small": "1", "third": "0.3333"}
+    assert r.chunks["density"][2] == 1 / 3  # (the table keeps the number as it is)
+
+
 def test_a_patch_no_call_carried_has_no_chunk_and_no_closed_by():
     # (mutation testing: closed_by "" for it, beside the <NA> chunk, passed every test)
     def first_only(model, patches, **kwargs):
