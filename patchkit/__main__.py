@@ -274,9 +274,7 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
             print(f"[{k + 1}/{len(figures)}] wrote {_shown(str(target))}", flush=True)
     summary = io.StringIO()
     _print_summary(path, max_chunk_bytes, summary, False, checked)
-    page = "\n".join(
-        f'<figure><img src="{html.escape(stem)}.png" alt="{html.escape(stem)}">'
-        f"<figcaption>{html.escape(stem)}.png</figcaption></figure>" for stem, _ in figures)
+    page = _figures_html(entries, figures)
     # (encoded first: a name that is no text, from a file name that is not UTF-8, is
     # escaped; the old page is replaced only by a whole new one)
     data = _INSPECT_PAGE.format(
@@ -291,11 +289,51 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     return 0
 
 
+def _figures_html(entries: Sequence, figures: list[tuple[str, str | int]]) -> str:
+    """The page's part below the summary: a table of the sparse patches, densest first
+    (ties in the file's order), each linking to its density figure, then the figures,
+    each captioned with its patch and density (images load as they are scrolled to: a
+    page may hold hundreds)."""
+    from .io import _percent, _shape_text
+    from .units import distinct_name
+
+    drawn = {what: stem for stem, what in figures if not isinstance(what, str)}
+    by_position = {e.position: e for e in entries}
+    sparse = sorted((e for e in entries if e.sparse), key=lambda e: (
+        -(e.density if e.density is not None else -1.0), e.position))
+    parts = []
+    if sparse:
+        rows = []
+        for e in sparse:
+            stem = drawn.get(e.position)
+            link = ("not drawn" if stem is None else
+                    f'<a href="#{html.escape(stem)}">{html.escape(stem)}.png</a>')
+            rows.append(f"<tr><td>{e.position}</td><td>{html.escape(distinct_name(e.name))}"
+                        f"</td><td>{_percent(e.density)}</td><td>{e.nnz}</td>"
+                        f"<td>{_shape_text(list(e.shape))}</td><td>{link}</td></tr>")
+        parts += ["<h2>sparse patches, densest first</h2>",
+                  '<table class="by-density"><tr><th>#</th><th>name</th><th>density</th>'
+                  "<th>written</th><th>shape</th><th>figure</th></tr>", *rows, "</table>",
+                  "<h2>figures</h2>"]
+    for stem, what in figures:
+        caption = f"{stem}.png"
+        if not isinstance(what, str):
+            e = by_position[what]
+            caption += (f": patch {e.position}, {distinct_name(e.name)}, "
+                        f"{_percent(e.density)} written")
+        parts.append(f'<figure id="{html.escape(stem)}"><img src="{html.escape(stem)}.png" '
+                     f'alt="{html.escape(stem)}" loading="lazy">'
+                     f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    return "\n".join(parts)
+
+
 _INSPECT_PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>patch file {title}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; max-width: 70rem; margin: 2rem auto; }}
 img {{ max-width: 100%; }} pre {{ font-size: 0.8rem; overflow-x: auto; }}
+table.by-density {{ border-collapse: collapse; font-size: 0.8rem; }}
+table.by-density td, table.by-density th {{ padding: 0 0.6rem; text-align: left; }}
 </style></head><body>
 <h1>patch file {title}</h1>
 <pre>{summary}</pre>
@@ -440,7 +478,8 @@ def _main(argv: Sequence[str] | None) -> int:
     insp.add_argument(
         "--out", default=None,
         help="also write figures to this folder: the chunk plan, and where each sparse "
-             "patch writes, with an index.html; made if missing; in an existing one, "
+             "patch writes, with an index.html (the summary, the sparse patches densest "
+             "first, linked to their figures); made if missing; in an existing one, "
              "files of those names are replaced, other files are left",
     )
     insp.add_argument(

@@ -1109,3 +1109,45 @@ def distinct_name_of(path) -> str:
     from patchkit.units import distinct_name
 
     return distinct_name(str(path))
+
+
+def _graded_patch_file(path: Path) -> Path:
+    """A patch file of a dense patch (position 0) and five sparse ones of 64 elements
+    each (positions 1-5) writing 1, 5, 2, 4 and 3 elements: densest is patch 2, then 4,
+    5, 3 and 1."""
+    import torch
+
+    from patchkit import CheckpointWeightPatch, save_patches
+
+    patches = [CheckpointWeightPatch("dense.w", (4, 8), torch.float32, torch.arange(32.0))]
+    for i, n in enumerate([1, 5, 2, 4, 3], 1):
+        patches.append(CheckpointWeightPatch(f"s{i}.w", (8, 8), torch.bfloat16,
+                                             values=torch.ones(n), indices=torch.arange(n)))
+    save_patches(path, patches)
+    return path
+
+
+def test_inspect_out_page_lists_the_sparse_patches_densest_first_with_their_figures(
+        tmp_path, capsys):
+    # (the page of a file of hundreds of sparse patches: a table of them, densest first,
+    # each linking to its figure, so that the interesting ones can be found; each figure
+    # says whose it is and how dense; images load as they are scrolled to)
+    from patchkit.__main__ import main
+
+    f = _graded_patch_file(tmp_path / "p.safetensors")
+    assert main(["inspect", str(f), "--out", str(tmp_path / "figs")]) == 0
+    capsys.readouterr()
+    page = (tmp_path / "figs" / "index.html").read_text()
+    table = page.split('<table class="by-density">')[1].split("</table>")[0]
+    rows = re.findall(r"<tr><td>(\d+)</td><td>([^<]*)</td><td>([^<]*)</td>"
+                      r"<td>(\d+)</td><td>([^<]*)</td><td>(.*?)</td></tr>", table)
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        ("2", "s2.w", "7.81%", "5"), ("4", "s4.w", "6.25%", "4"), ("5", "s5.w", "4.69%", "3"),
+        ("3", "s3.w", "3.12%", "2"), ("1", "s1.w", "1.56%", "1")]
+    for position, name, *_, link in rows:
+        stem = f"density_{position}_{name}"
+        assert link == f'<a href="#{stem}">{stem}.png</a>'
+        assert f'<figure id="{stem}"><img src="{stem}.png"' in page
+    assert page.count('loading="lazy"') == page.count("<img") == 7
+    assert "<figcaption>density_2_s2.w.png: patch 2, s2.w, 7.81% written</figcaption>" in page
+
