@@ -42,6 +42,8 @@ from .units import _UNITS
 if TYPE_CHECKING:
     import torch
 
+    from .io import PatchFileEntry
+
 __all__ = ["main"]
 
 
@@ -151,6 +153,15 @@ def _byte_count(text: str) -> int:
         "a binary unit (512MiB, 1.5GiB; B, KiB, MiB, GiB, TiB)")
 
 
+def _figure_count(text: str) -> int:
+    """``--max-density-figures``: a whole number, 0 or more (else argparse's usage
+    error, exit 2, naming what was given)."""
+    if re.fullmatch(r"\s*\+?[0-9]+\s*", text):
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a count of figures: write a whole "
+                                     "number, 0 or more")
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .errors import PatchError
     from .io import _pinned
@@ -186,7 +197,7 @@ def _inspect(args: argparse.Namespace) -> int:
             return _error(e)
         with contextlib.suppress(PatchError, ValueError, TypeError, ImportError):
             entries = read_patch_index(args.file)
-        figures = _inspect_figures(entries or [])
+        figures = _inspect_figures(entries or [], args.max_density_figures)
         try:
             _check_out(args.out, "the figures",
                        [*(f"{stem}.png" for stem, _ in figures), "index.html"])
@@ -202,7 +213,7 @@ def _inspect(args: argparse.Namespace) -> int:
         return code
     try:
         return _write_inspect_figures(args.file, args.out, args.max_chunk_bytes,
-                                      entries or [], figures, check)
+                                      entries or [], figures, check, args.max_density_figures)
     except PatchError as e:
         return _error(e)
 
@@ -214,28 +225,42 @@ def _file_stem(name: str, limit: int = 80) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)[:limit] or "_"
 
 
-def _inspect_figures(entries: Sequence) -> list[tuple[str, str | int]]:
+def _densest_first(e: PatchFileEntry) -> tuple[float, int]:
+    """Sort key of sparse patches, densest first, ties (and no elements, last) in the
+    file's order."""
+    return (-(e.density if e.density is not None else -1.0), e.position)
+
+
+def _inspect_figures(entries: Sequence,
+                     limit: int | None = None) -> list[tuple[str, str | int]]:
     """The figures ``inspect --out`` draws for a file of ``entries`` (its header's
     :class:`~patchkit.io.PatchFileEntry` list), as ``(file stem, what)``: the chunk
     plan's (``chunks``; a file of dense and sparse patches is two loads: ``chunks_dense``
     and ``chunks_sparse``, each numbering its own patches from 0; ``what`` is the kind),
     then where each sparse patch writes (``density_<position>_<name>``; ``what`` is the
-    position)."""
+    position), in the file's order; with ``limit`` (``--max-density-figures``), only the
+    ``limit`` densest sparse patches' (:func:`_densest_first`)."""
     kinds = [k for k in ("dense", "sparse") if any(e.sparse == (k == "sparse") for e in entries)]
     digits = len(str(max(len(entries) - 1, 0)))
     figures: list[tuple[str, str | int]] = [
         (f"chunks_{k}" if len(kinds) > 1 else "chunks", k) for k in kinds]
+    sparse = [e for e in entries if e.sparse]
+    if limit is not None and limit < len(sparse):
+        chosen = {e.position for e in sorted(sparse, key=_densest_first)[:limit]}
+        sparse = [e for e in sparse if e.position in chosen]
     figures += [(f"density_{e.position:0{digits}d}_{_file_stem(e.name)}", e.position)
-                for e in entries if e.sparse]
+                for e in sparse]
     return figures
 
 
 def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: Sequence,
-                           figures: list[tuple[str, str | int]], checked: bool) -> int:
+                           figures: list[tuple[str, str | int]], checked: bool,
+                           limit: int | None = None) -> int:
     """``inspect --out``: ``figures`` (see :func:`_inspect_figures`; ``entries``, the
     file's header) with a line per figure as it is written, then ``index.html``: the
     summary (``checked``: as printed after a check) and the figures on one page. Reads
-    the sparse patches' data only, one patch at a time (a patch is dropped once its
+    the data of the sparse patches drawn only (``limit``: ``--max-density-figures``,
+    which :func:`_inspect_figures` applied), one patch at a time (a patch is dropped once its
     figure is written: the memory of the largest, not of the file's), and the plans need
     the file's header alone. A write that fails raises its ``OSError``, saying which
     files were written before it."""
@@ -252,9 +277,15 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     if existed:
         print(f"writing into the existing folder {_shown(str(folder))} (its index.html and "
               "figures of these names are replaced, other files are left)")
+    drawn = {what for _, what in figures if not isinstance(what, str)}
+    n_sparse = sum(e.sparse for e in entries)
+    if len(drawn) < n_sparse:
+        print(f"drawing the density figures of the {len(drawn)} densest of {n_sparse} sparse "
+              f"patches (--max-density-figures {limit}); index.html lists the "
+              f"{n_sparse - len(drawn)} others")
     done: list[str] = []
-    # (the sparse patches in the file's order, which is the density figures' order)
-    with contextlib.closing(_read_each(path, "cpu", lambda e: e.sparse)) as sparse:
+    # (the sparse patches drawn, in the file's order, which is the density figures' order)
+    with contextlib.closing(_read_each(path, "cpu", lambda e: e.position in drawn)) as sparse:
         for k, (stem, what) in enumerate(figures):
             target = folder / f"{stem}.png"
             if isinstance(what, str):
@@ -274,7 +305,7 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
             print(f"[{k + 1}/{len(figures)}] wrote {_shown(str(target))}", flush=True)
     summary = io.StringIO()
     _print_summary(path, max_chunk_bytes, summary, False, checked)
-    page = _figures_html(entries, figures)
+    page = _figures_html(entries, figures, limit)
     # (encoded first: a name that is no text, from a file name that is not UTF-8, is
     # escaped; the old page is replaced only by a whole new one)
     data = _INSPECT_PAGE.format(
@@ -289,9 +320,11 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     return 0
 
 
-def _figures_html(entries: Sequence, figures: list[tuple[str, str | int]]) -> str:
+def _figures_html(entries: Sequence, figures: list[tuple[str, str | int]],
+                  limit: int | None = None) -> str:
     """The page's part below the summary: a table of the sparse patches, densest first
-    (ties in the file's order), each linking to its density figure, then the figures,
+    (ties in the file's order), each linking to its density figure or saying it was not
+    drawn (``limit``: ``--max-density-figures``, said above the table), then the figures,
     each captioned with its patch and density (images load as they are scrolled to: a
     page may hold hundreds)."""
     from .io import _percent, _shape_text
@@ -299,9 +332,12 @@ def _figures_html(entries: Sequence, figures: list[tuple[str, str | int]]) -> st
 
     drawn = {what: stem for stem, what in figures if not isinstance(what, str)}
     by_position = {e.position: e for e in entries}
-    sparse = sorted((e for e in entries if e.sparse), key=lambda e: (
-        -(e.density if e.density is not None else -1.0), e.position))
-    parts = []
+    sparse = sorted((e for e in entries if e.sparse), key=_densest_first)
+    parts = ["<h2>sparse patches, densest first</h2>"] if sparse else []
+    if len(drawn) < len(sparse):
+        parts.append(f"<p>density figures of the {len(drawn)} densest of {len(sparse)} "
+                     f"sparse patches (--max-density-figures {limit}): "
+                     f"{len(sparse) - len(drawn)} not drawn</p>")
     if sparse:
         rows = []
         for e in sparse:
@@ -311,8 +347,7 @@ def _figures_html(entries: Sequence, figures: list[tuple[str, str | int]]) -> st
             rows.append(f"<tr><td>{e.position}</td><td>{html.escape(distinct_name(e.name))}"
                         f"</td><td>{_percent(e.density)}</td><td>{e.nnz}</td>"
                         f"<td>{_shape_text(list(e.shape))}</td><td>{link}</td></tr>")
-        parts += ["<h2>sparse patches, densest first</h2>",
-                  '<table class="by-density"><tr><th>#</th><th>name</th><th>density</th>'
+        parts += ['<table class="by-density"><tr><th>#</th><th>name</th><th>density</th>'
                   "<th>written</th><th>shape</th><th>figure</th></tr>", *rows, "</table>",
                   "<h2>figures</h2>"]
     for stem, what in figures:
@@ -491,9 +526,18 @@ def _main(argv: Sequence[str] | None) -> int:
              "input, exit 2); with --out they are read for their "
              "figures, and checked first all the same",
     )
+    insp.add_argument(
+        "--max-density-figures", type=_figure_count, default=None, metavar="N",
+        help="with --out: draw the density figures of the N densest sparse patches only "
+             "(ties in the file's order; drawing takes a fraction of a second a figure, "
+             "about a minute for a few hundred); index.html lists the others as not "
+             "drawn (default: every sparse patch's)",
+    )
     insp.set_defaults(run=_cmd_inspect)
 
     args = parser.parse_args(argv)
+    if getattr(args, "max_density_figures", None) is not None and args.out is None:
+        insp.error("--max-density-figures needs --out (it bounds the figures --out draws)")
     if sys.stdout is None:  # (started with stdout closed, ``>&-``: Python sets it to None)
         print("error: standard output is closed, so what the command prints would be lost: "
               "run it with stdout open, or sent to /dev/null", file=sys.stderr)

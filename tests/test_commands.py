@@ -1151,3 +1151,71 @@ def test_inspect_out_page_lists_the_sparse_patches_densest_first_with_their_figu
     assert page.count('loading="lazy"') == page.count("<img") == 7
     assert "<figcaption>density_2_s2.w.png: patch 2, s2.w, 7.81% written</figcaption>" in page
 
+
+
+def test_inspect_out_max_density_figures_draws_the_densest_and_says_what_it_left_out(
+        tmp_path, capsys):
+    # (drawing a density figure takes a fifth of a second or so: a file of hundreds of
+    # sparse patches takes a minute; --max-density-figures N draws the N densest, in the
+    # file's order, and the page says which were left out)
+    from patchkit.__main__ import main
+
+    f = _graded_patch_file(tmp_path / "p.safetensors")
+    figs = tmp_path / "figs"
+    assert main(["inspect", str(f), "--out", str(figs), "--max-density-figures", "2"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(os.listdir(figs)) == ["chunks_dense.png", "chunks_sparse.png",
+                                        "density_2_s2.w.png", "density_4_s4.w.png",
+                                        "index.html"]
+    assert ("drawing the density figures of the 2 densest of 5 sparse patches "
+            "(--max-density-figures 2); index.html lists the 3 others") in out
+    assert [line.split(" wrote ")[0] for line in out.splitlines() if " wrote " in line] == [
+        "[1/4]", "[2/4]", "[3/4]", "[4/4]"]
+    page = (figs / "index.html").read_text()
+    assert page.count("<img") == 4
+    assert ("density figures of the 2 densest of 5 sparse patches "
+            "(--max-density-figures 2): 3 not drawn") in page
+    table = page.split('<table class="by-density">')[1].split("</table>")[0]
+    assert [link for *_, link in re.findall(r"<tr>(<td>.*?</td>)*<td>(.*?)</td></tr>",
+                                            table)] == [
+        '<a href="#density_2_s2.w">density_2_s2.w.png</a>',
+        '<a href="#density_4_s4.w">density_4_s4.w.png</a>',
+        "not drawn", "not drawn", "not drawn"]
+    # none at all: the chunk plans alone; more than there are: every one
+    assert main(["inspect", str(f), "--out", str(tmp_path / "none"),
+                 "--max-density-figures", "0"]) == 0
+    assert "lists the 5 others" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "none")) == ["chunks_dense.png", "chunks_sparse.png",
+                                                     "index.html"]
+    assert main(["inspect", str(f), "--out", str(tmp_path / "all"),
+                 "--max-density-figures", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "drawing the density figures" not in out and "[7/7]" in out
+    assert "not drawn" not in (tmp_path / "all" / "index.html").read_text()
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_inspect_max_density_figures_must_be_a_count(value, tmp_path, capsys):
+    from patchkit.__main__ import main
+
+    f = _graded_patch_file(tmp_path / "p.safetensors")
+    with pytest.raises(SystemExit) as info:
+        main(["inspect", str(f), "--out", str(tmp_path / "figs"), "--max-density-figures",
+              value])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"--max-density-figures: {value!r} is not a count" in captured.err
+    assert not (tmp_path / "figs").exists()
+
+
+def test_inspect_max_density_figures_without_out_is_a_usage_error(tmp_path, capsys):
+    # (it bounds the figures --out draws: alone it would do nothing, silently)
+    from patchkit.__main__ import main
+
+    f = _graded_patch_file(tmp_path / "p.safetensors")
+    with pytest.raises(SystemExit) as info:
+        main(["inspect", str(f), "--max-density-figures", "3"])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--max-density-figures needs --out" in captured.err
