@@ -10,7 +10,14 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .errors import PatchTypeError, PatchValueError, brief, where
-from .patch import CheckpointWeightPatch, PatchLike, _check_structure, _shape_dims, numel
+from .patch import (
+    CheckpointWeightPatch,
+    PatchLike,
+    _check_structure,
+    _shape_dims,
+    _shape_text,
+    numel,
+)
 
 __all__ = ["density_map", "grid_shape", "region_text"]
 
@@ -213,7 +220,7 @@ def _check_range(patch: CheckpointWeightPatch, idx: torch.Tensor, n: int,
     bad = int(idx[k])
     raise PatchValueError(
         f"{where(position, patch.name)}: out-of-range index {bad} at indices[{k}] for shape "
-        f"{tuple(int(d) for d in patch.shape)} ({n} elements; valid: [0, {n}))",
+        f"{_shape_text(_shape_dims(patch.shape))} ({n} elements; valid: [0, {n}))",
         position=position, name=patch.name, reason="out-of-range", value=bad,
     )
 

@@ -32,6 +32,8 @@ from .patch import (
     CheckpointWeightPatch,
     PatchLike,
     _as_patch,
+    _shape_dims,
+    _shape_text,
     check_flag,
     patch_list,
     resolved,
@@ -649,7 +651,7 @@ def _staged(
                 exc.add_note(
                     f"(raised staging {where(p, patch.name)} for load_weights call "
                     f"{chunk.index}, before that call: a {kind} patch of shape "
-                    f"{tuple(patch.shape)} {patch.dtype} stages {staged})"
+                    f"{_shape_text(_shape_dims(patch.shape))} {patch.dtype} stages {staged})"
                 )
             raise
     return out

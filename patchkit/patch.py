@@ -355,7 +355,8 @@ def _check_structure(position: int | None, patch: object) -> None:
     if indices is None:
         if values.numel() != n:
             raise PatchValueError(
-                f"{at}: a dense patch needs prod(shape) = {n} values for shape {dims}, "
+                f"{at}: a dense patch needs prod(shape) = {n} values for shape "
+                f"{_shape_text(dims)}, "
                 f"got {values.numel()}",
                 position=position, name=name, reason="dense count", value=values.numel(),
             )
@@ -750,7 +751,8 @@ def validate_patches(
         text = {
             "NaN": f"{nan_text} (NaN means 'unchanged', so it cannot be sent sparsely; "
             "send this weight dense)",
-            "out-of-range": f"out-of-range index {bad} for shape {tuple(p.shape)} "
+            "out-of-range": f"out-of-range index {bad} for shape "
+            f"{_shape_text(_shape_dims(p.shape))} "
             f"({numel(p)} elements)",
             "duplicate": f"duplicate index {bad} (it appears more than once)",
         }[reason]

@@ -503,6 +503,29 @@ def test_a_shape_of_very_many_dims_is_refused_with_a_short_message(dims, shown):
     assert shown in str(e.value) and len(str(e.value)) < 300
 
 
+
+# A shape of very many dims whose product is small (ones, or a 0) passes the size check,
+# so the errors after it must shorten it too: the README promises that a list of a
+# million numbers passed as a shape makes no megabyte message.
+_MANY = (1,) * 1_000_000
+
+
+@pytest.mark.parametrize(("make", "check", "reason"), [
+    (lambda: CWP("w", [*range(10**6)], torch.float32, torch.ones(4)),
+     lambda p: validate_patches([p]), "dense count"),
+    (lambda: CWP("w", _MANY, torch.float32, torch.ones(4)),
+     lambda p: validate_patches([p]), "dense count"),
+    (lambda: CWP("w", _MANY, torch.float32, torch.ones(1), torch.tensor([5])),
+     lambda p: validate_patches([p]), "out-of-range"),
+    (lambda: CWP("w", _MANY, torch.float32, torch.ones(1), torch.tensor([5])),
+     lambda p: density_map(p), "out-of-range"),
+])
+def test_a_long_shape_of_few_elements_gets_a_short_message(make, check, reason):
+    with pytest.raises(PatchValueError) as e:
+        check(make())
+    assert e.value.reason == reason
+    assert "dims)" in str(e.value) and len(str(e.value)) < 400
+
 @pytest.mark.parametrize(("dtype", "shape"), [
     (torch.float32, (2**61,)), (torch.bfloat16, (2**31, 2**31)),
     (torch.float8_e4m3fn, (2**62, 2))])

@@ -35,6 +35,19 @@ def test_a_patch_whose_staging_runs_out_of_memory_is_named_in_the_error(inspect)
         assert info.value.report.calls["names"].tolist() == [("a",)]
 
 
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
+def test_the_out_of_memory_note_of_a_shape_of_many_dims_is_short():
+    # 1000 ones and 50 twos: 4 PiB staged, and a shape that printed whole is 3 kB
+    m = PlainModel({"b": (4,)}, device="cpu")
+    huge = CWP("b", (1,) * 1000 + (2,) * 50, torch.float32, torch.tensor([1.0]),
+               torch.tensor([0]))
+    with pytest.raises(RuntimeError) as info:
+        patchkit.load_checkpoint_weight_patches(m, [huge])
+    (note,) = info.value.__notes__
+    assert "(1, 1, 1, 1, 1, 1, 1, ..., 2; 1050 dims) torch.float32 stages 4 PiB)" in note
+    assert len(note) < 300
+
 class _KnowsOnly(PlainModel):
     """A model's own loader, strict as most are: a name it lacks is its own KeyError, and
     a shape it cannot take torch's RuntimeError; neither names the call or the patches."""
