@@ -179,6 +179,29 @@ def test_readme_example_runs_and_prints_what_the_readme_says(capsys):
     ]
 
 
+
+def test_readme_layout_lists_every_file_of_the_package_and_nothing_gone():
+    # a row names files as `patchkit/a.py`, `b.py` (the later ones in the same folder)
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    listed = set()
+    for row in table.splitlines():
+        cells = row.split(" | ")
+        first = re.findall(r"`([^`]+)`", cells[0]) if row.startswith("| `patchkit/") else []
+        listed |= {name.removeprefix("patchkit/") for name in first}
+    files = {f.name for f in (ROOT / "patchkit").iterdir()
+             if f.is_file() and not f.name.endswith((".pyc", ".so"))}
+    assert listed == files, (sorted(files - listed), sorted(listed - files))
+
+
+def test_readme_errors_section_names_every_exception_class():
+    import patchkit.errors
+
+    readme = (ROOT / "README.md").read_text()
+    section = " ".join(readme.split("## Errors", 1)[1].split("\n## ", 1)[0].split())
+    for name in patchkit.errors.__all__:
+        assert f"`patchkit.{name}`" in section, name
+
 def test_readme_figures_exist():
     readme = (ROOT / "README.md").read_text()
     for path in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme):
