@@ -916,7 +916,9 @@ class AdamLikeTrainer:
 
     @torch.no_grad()
     def step(self) -> dict[str, torch.Tensor]:
-        """Apply one Adam-like update and return the new state dict (see the class doc)."""
+        """Apply one Adam-like update and return the new state dict (see the class doc):
+        fresh tensors, each name's original dtype, in the original key order;
+        ``step_count`` goes up by one."""
         self.step_count += 1
         t = self.step_count
         b1, b2 = self.betas

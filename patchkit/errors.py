@@ -57,11 +57,14 @@ class PatchError(Exception):
 
 
 class PatchValueError(PatchError, ValueError):
-    """A patch, or an argument of the call, has a bad value."""
+    """A patch, or an argument of the call, has a bad value: a :class:`PatchError`
+    (``position``, ``name``, ``reason``, ``value``) that is also a ``ValueError``."""
 
 
 class PatchTypeError(PatchError, TypeError):
-    """A patch, or an argument of the call, has a bad type (a dtype, an index dtype)."""
+    """A patch, or an argument of the call, has a bad type (a dtype, an index dtype): a
+    :class:`PatchError` (``position``, ``name``, ``reason``, ``value``) that is also a
+    ``TypeError``."""
 
 
 class ContractViolation(PatchError, NotImplementedError):

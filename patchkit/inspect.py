@@ -789,7 +789,14 @@ class LoadReport:
 
     def after(self, target: str) -> torch.Tensor:
         """The runtime tensor ``target`` as it is now (a CPU copy): the load's result until
-        the model changes again (another load, a training step)."""
+        the model changes again (another load, a training step). It still works once the
+        report was passed on as ``reuse=``.
+
+        ``target`` is a runtime name (as ``deltas.index`` and ``writes["target"]`` list
+        them): :class:`ReportKeyError` (a ``KeyError``) for a name the report does not
+        know, ``TypeError`` for one that is not a str; ``ValueError`` for a report of a
+        dry run (meta tensors hold no values) or an unpickled or copied report (it keeps
+        no tensors)."""
         t = self._tensor(target)
         self._check_numbers(target)
         return t.detach().to("cpu", copy=True)
@@ -1064,7 +1071,9 @@ class LoadReport:
                                hist_bins=hist_bins)
 
     def explore(self) -> ReportExplorer:
-        """An ipywidgets explorer of this report (see patchkit.widgets)."""
+        """An ipywidgets explorer of this report: :func:`patchkit.widgets.explore`
+        (a :class:`~patchkit.widgets.ReportExplorer`; display it in a notebook).
+        ``ImportError`` without ipywidgets (``pip install 'patchkit[notebooks]'``)."""
         from . import widgets
 
         return widgets.explore(self)

@@ -63,7 +63,8 @@ class LoadProgress:
 
     @property
     def fraction(self) -> float:
-        """The share of the planned bytes staged so far (of the calls, without bytes)."""
+        """The share of the planned bytes staged so far (of the calls, without bytes), in
+        ``[0, 1]``; 1.0 for a load that planned no call."""
         if self.total_bytes:
             return min(1.0, self.bytes_done / self.total_bytes)
         return min(1.0, self.calls_done / self.calls) if self.calls else 1.0

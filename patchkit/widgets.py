@@ -68,7 +68,10 @@ _MAX_CALL_LINES = 40
 
 
 def figure_output(fig: Figure) -> dict[str, Any]:
-    """A figure as one ``display_data`` output (PNG, base64, as notebooks store it)."""
+    """A figure as one ``display_data`` output (PNG, base64, as notebooks store it): a
+    dict with ``output_type``, ``data`` (``image/png`` and ``text/plain``) and
+    ``metadata``. ``fig`` must be a matplotlib Figure (``TypeError``, from
+    :func:`~patchkit.plot.to_png`)."""
     return {
         "output_type": "display_data",
         "data": {
@@ -457,5 +460,7 @@ def _delta_text(report: LoadReport, target: str) -> str:
 
 
 def explore(report: LoadReport) -> ReportExplorer:
-    """An explorer of ``report`` (see :class:`ReportExplorer`); display it in a notebook."""
+    """An explorer of ``report`` (see :class:`ReportExplorer`); display it in a notebook.
+
+    ``report`` must be a :class:`~patchkit.LoadReport` (``TypeError`` otherwise)."""
     return ReportExplorer(report)
