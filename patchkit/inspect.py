@@ -517,6 +517,13 @@ class LoadReport:
     - ``loaded``: the names the loader reported loaded. After a failure without
       rollback, those of the calls that returned before it (after an incomplete one,
       those of them that wrote into a target it did not restore).
+    - ``patches``: the list of patches the load was given, in input order (a plain
+      5-tuple as a :class:`~patchkit.CheckpointWeightPatch`; in a load refused for an
+      item that is no patch, that item as given); ``plan``: the list of
+      :class:`~patchkit.Chunk` behind ``chunks`` (:func:`~patchkit.plan_chunks` of the
+      patches left after tied aliases are dropped; with ``loader=``, the calls the
+      observed loader made where they differ from it; empty for a load refused before
+      it was planned); ``max_chunk_bytes``: the budget the load was given.
 
     The four tables are built when first read (their numbers were all taken when the load
     ended), so that a report in a training loop costs no pandas work until it is looked
