@@ -192,6 +192,23 @@ def _check_layout(name: str, what: str, t: torch.Tensor) -> None:
         )
 
 
+def _check_same_kind(name: str, b: torch.Tensor, a: torch.Tensor) -> None:
+    """Weight ``name``'s tensors ``b`` (before) and ``a`` (after) must have one shape and
+    one dtype: ``PatchValueError`` (reason ``"shape differs"`` or ``"dtype differs"``)
+    naming the weight and both otherwise."""
+    if tuple(b.shape) != tuple(a.shape):
+        raise PatchValueError(
+            f"weight {name!r} changed shape: before {tuple(b.shape)}, "
+            f"after {tuple(a.shape)}",
+            name=name, reason="shape differs", value=(tuple(b.shape), tuple(a.shape)),
+        )
+    if b.dtype != a.dtype:
+        raise PatchValueError(
+            f"weight {name!r} changed dtype: before {b.dtype}, after {a.dtype}",
+            name=name, reason="dtype differs", value=(b.dtype, a.dtype),
+        )
+
+
 def _check_comparable(before: Mapping[str, torch.Tensor],
                       after: Mapping[str, torch.Tensor]) -> None:
     """Every tensor of the two dicts must have values to compare: a plain (strided,
@@ -204,7 +221,7 @@ def _check_comparable(before: Mapping[str, torch.Tensor],
                 raise PatchValueError(
                     f"weight {name!r}: {what} is on the meta device, which holds no values "
                     "to compare",
-                    name=name, reason="meta tensor", value=t.device,
+                    name=name, reason="meta device", value=t.device,
                 )
 
 
@@ -376,17 +393,7 @@ def sparse_patches_from_diff(
     plan: list[tuple[str, torch.Tensor, torch.Tensor, torch.dtype]] = []
     for name, a in after.items():
         b = before[name]
-        if tuple(b.shape) != tuple(a.shape):
-            raise PatchValueError(
-                f"weight {name!r} changed shape: before {tuple(b.shape)}, "
-                f"after {tuple(a.shape)}",
-                name=name, reason="shape differs", value=(tuple(b.shape), tuple(a.shape)),
-            )
-        if b.dtype != a.dtype:
-            raise PatchValueError(
-                f"weight {name!r} changed dtype: before {b.dtype}, after {a.dtype}",
-                name=name, reason="dtype differs", value=(b.dtype, a.dtype),
-            )
+        _check_same_kind(name, b, a)
         idx_dtype = _index_dtype_for(a.numel(), index_dtype, name)
         plan.append((name, b, a, idx_dtype))
     filled = [(name, b, a) for name, b, a, _ in plan if a.numel()]
@@ -487,13 +494,7 @@ def changed_fraction(
     changed = total = 0
     for name, a in after.items():
         b = before[name]
-        if tuple(b.shape) != tuple(a.shape) or b.dtype != a.dtype:
-            raise PatchValueError(
-                f"weight {name!r}: before is {tuple(b.shape)} {b.dtype}, "
-                f"after is {tuple(a.shape)} {a.dtype}",
-                name=name, reason="shape or dtype differs",
-                value=((tuple(b.shape), b.dtype), (tuple(a.shape), a.dtype)),
-            )
+        _check_same_kind(name, b, a)
         changed += sum(int(count_true(changed_mask(pb, pa)))
                        for _, pb, pa in _pieces(b, a.detach()))
         total += a.numel()

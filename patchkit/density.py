@@ -127,7 +127,7 @@ def _density(patch: CheckpointWeightPatch, bins: object) -> tuple[torch.Tensor, 
         raise PatchValueError(
             f"{where(None, patch.name)}: its indices are on the meta device (a dry run), "
             f"which holds no values: there is no map of where {idx.numel()} indices sit",
-            name=patch.name, reason="meta indices", value=idx.numel(),
+            name=patch.name, reason="meta device", value=idx.numel(),
         )
     if idx is not None:
         _check_range(patch, idx, n)

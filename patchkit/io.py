@@ -607,6 +607,9 @@ _NOT_REGULAR = [
 ]
 
 
+_NUL_IN_PATH = "the path holds a NUL character, which no file's path can hold"
+
+
 def _check_destination(dest: str, path: str) -> None:
     """Refuse a ``dest`` no file can be saved at, naming ``path`` (what the caller
     passed; ``dest`` is its link's target, or ``path`` itself) and the problem."""
@@ -614,8 +617,7 @@ def _check_destination(dest: str, path: str) -> None:
         raise FileNotFoundError(errno.ENOENT, "cannot save patches: the path is empty", path)
     if "\0" in dest:
         raise PatchValueError(
-            f"cannot save patches to {path!r}: the path holds a NUL character, which no "
-            "file's path can hold", reason="bad path", value=path,
+            f"cannot save patches to {path!r}: {_NUL_IN_PATH}", reason="bad path", value=path,
         )
     if dest.endswith(("/", os.sep)) and not os.path.isdir(dest):
         raise NotADirectoryError(
@@ -823,8 +825,8 @@ def _open(path: str, device: str = "cpu", *, keep: bool = False) -> Any:
             if e.errno == errno.ENOENT:
                 raise _fail(path, "no such file", "missing") from None
             raise _fail(path, f"cannot be opened: {e.strerror or e}", "unreadable") from None
-        except ValueError as e:  # (a NUL in the path)
-            raise _fail(path, f"cannot be opened: {e}", "unreadable") from None
+        except ValueError:  # (a NUL in the path: as save_patches says it)
+            raise _fail(path, _NUL_IN_PATH, "bad path") from None
         if not stat.S_ISREG(mode):
             raise _fail(path, "not a regular file", "not a file")
         try:

@@ -172,8 +172,8 @@ def _checked_device(device: object, *, allow_meta: bool = False) -> torch.device
         ) from None
     if dev.type == "meta" and not allow_meta:
         raise PatchValueError(
-            f"device {brief(str(device))}: meta tensors hold no data and patches need real "
-            "memory; use 'cpu' or an accelerator",
+            f"device {brief(str(device))}: the meta device holds no data and patches need "
+            "real memory; use 'cpu' or an accelerator",
             reason="meta device", value=device,
         )
     if dev.type != "cpu":
@@ -498,7 +498,7 @@ def _check_fits_integers(position: int, patch: CheckpointWeightPatch) -> None:
     raise PatchValueError(
         f"{where(position, patch.name)}: value {bad} at values[{k}] {why} (the cast would "
         "write an arbitrary integer)",
-        position=position, name=patch.name, reason="out of range" if finite else "not finite",
+        position=position, name=patch.name, reason="out-of-range" if finite else "not finite",
         value=bad,
     )
 

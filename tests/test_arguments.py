@@ -137,22 +137,22 @@ def test_density_map_of_something_that_is_not_a_patch_is_a_type_error():
 @pytest.mark.parametrize(
     ("dtype", "values", "bad", "reason"),
     [
-        (torch.int32, [1e20, 2.0], 1e20, "out of range"),  # was written as -2147483648
-        (torch.int32, [2.0, 3e9], 3e9, "out of range"),
-        (torch.int32, torch.tensor([3_000_000_000, 5]), 3_000_000_000, "out of range"),  # wrapped
-        (torch.uint8, torch.tensor([7, 300]), 300, "out of range"),  # was written as 44
-        (torch.uint8, [-1.0], -1.0, "out of range"),
-        (torch.int64, [2.0**63], 2.0**63, "out of range"),
+        (torch.int32, [1e20, 2.0], 1e20, "out-of-range"),  # was written as -2147483648
+        (torch.int32, [2.0, 3e9], 3e9, "out-of-range"),
+        (torch.int32, torch.tensor([3_000_000_000, 5]), 3_000_000_000, "out-of-range"),  # wrapped
+        (torch.uint8, torch.tensor([7, 300]), 300, "out-of-range"),  # was written as 44
+        (torch.uint8, [-1.0], -1.0, "out-of-range"),
+        (torch.int64, [2.0**63], 2.0**63, "out-of-range"),
         (torch.int32, [float("inf")], float("inf"), "not finite"),
-        (torch.int8, [-129.0], -129.0, "out of range"),  # truncates to -129
-        (torch.int8, torch.tensor([1.0, -448.0]).to(torch.float8_e4m3fn), -448.0, "out of range"),
+        (torch.int8, [-129.0], -129.0, "out-of-range"),  # truncates to -129
+        (torch.int8, torch.tensor([1.0, -448.0]).to(torch.float8_e4m3fn), -448.0, "out-of-range"),
         (torch.int8, torch.tensor([float("nan")]).to(torch.float8_e4m3fn), math.nan,
          "not finite"),
         # unsigned values and dtypes, which torch compares only in part
-        (torch.uint64, torch.tensor([1, -2]), -2, "out of range"),
-        (torch.uint8, torch.tensor([300], dtype=torch.uint16), 300, "out of range"),
-        (torch.int8, torch.tensor([5, 200], dtype=torch.uint32), 200, "out of range"),
-        (torch.int64, torch.tensor([2**63 + 5], dtype=torch.uint64), 2**63 + 5, "out of range"),
+        (torch.uint64, torch.tensor([1, -2]), -2, "out-of-range"),
+        (torch.uint8, torch.tensor([300], dtype=torch.uint16), 300, "out-of-range"),
+        (torch.int8, torch.tensor([5, 200], dtype=torch.uint32), 200, "out-of-range"),
+        (torch.int64, torch.tensor([2**63 + 5], dtype=torch.uint64), 2**63 + 5, "out-of-range"),
     ],
 )
 def test_a_value_outside_an_integer_dtype_is_refused_before_the_first_call(

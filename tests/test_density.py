@@ -288,7 +288,7 @@ def test_a_density_map_of_indices_on_the_meta_device_is_refused_by_name():
                               torch.tensor([0, 5], device="meta"))
     with pytest.raises(ValueError, match=r"patch 'w'.*meta device") as e:
         density_map(p)
-    assert e.value.reason == "meta indices"
+    assert e.value.reason == "meta device"
 
 
 @pytest.mark.parametrize("full, offset, view, stride, text", [
