@@ -42,7 +42,7 @@ from .bitwise import (
     select,
 )
 from .density import _is_int, grid_shape
-from .errors import PatchTypeError, PatchValueError, brief, where
+from .errors import PatchTypeError, PatchValueError, brief, quoted, where
 from .patch import (
     CheckpointWeightPatch,
     PatchLike,
@@ -104,7 +104,7 @@ def _index_dtype_for(n: int, index_dtype: torch.dtype | None, name: str) -> torc
         return torch.int32 if fits32 else torch.int64
     if index_dtype == torch.int32 and not fits32:
         raise PatchValueError(
-            f"weight {name!r} has {n} elements: its flat positions do not fit in int32; "
+            f"weight {quoted(name)} has {n} elements: its flat positions do not fit in int32; "
             "pass index_dtype=torch.int64 (or None to use int64 only where needed)",
             name=name, reason="index dtype", value=n,
         )
@@ -150,7 +150,8 @@ def _check_same_names(before: Mapping[str, torch.Tensor],
 
     def listed(names: list[str]) -> str:
         more = len(names) - shown
-        return f"{names[:shown]}" + (f" and {more} more" if more > 0 else "")
+        return f"[{', '.join(map(quoted, names[:shown]))}]" + (
+            f" and {more} more" if more > 0 else "")
 
     raise PatchValueError(
         "before and after name different weights: "
@@ -172,11 +173,11 @@ def _check_mapping(d: object, what: str, *, plain: bool = False) -> Mapping[str,
         _check_name(name, f"a key of {what}")
         if not isinstance(t, torch.Tensor):
             raise PatchTypeError(
-                f"{what}[{name!r}] must be a torch.Tensor, got {type(t).__name__}",
+                f"{what}[{quoted(name)}] must be a torch.Tensor, got {type(t).__name__}",
                 name=name, reason="values type", value=type(t).__name__,
             )
         if plain:
-            _check_layout(name, f"{what}[{name!r}]", t)
+            _check_layout(name, f"{what}[{quoted(name)}]", t)
     return d
 
 
@@ -186,7 +187,7 @@ def _check_layout(name: str, what: str, t: torch.Tensor) -> None:
     got = _not_plain(t)
     if got is not None:
         raise PatchTypeError(
-            f"weight {name!r}: {what} is {got}; only plain (strided) tensors are taken "
+            f"weight {quoted(name)}: {what} is {got}; only plain (strided) tensors are taken "
             "(for torch.sparse, pass t.to_dense())",
             name=name, reason="layout", value=t.layout,
         )
@@ -198,13 +199,13 @@ def _check_same_kind(name: str, b: torch.Tensor, a: torch.Tensor) -> None:
     naming the weight and both otherwise."""
     if tuple(b.shape) != tuple(a.shape):
         raise PatchValueError(
-            f"weight {name!r} changed shape: before {tuple(b.shape)}, "
+            f"weight {quoted(name)} changed shape: before {tuple(b.shape)}, "
             f"after {tuple(a.shape)}",
             name=name, reason="shape differs", value=(tuple(b.shape), tuple(a.shape)),
         )
     if b.dtype != a.dtype:
         raise PatchValueError(
-            f"weight {name!r} changed dtype: before {b.dtype}, after {a.dtype}",
+            f"weight {quoted(name)} changed dtype: before {b.dtype}, after {a.dtype}",
             name=name, reason="dtype differs", value=(b.dtype, a.dtype),
         )
 
@@ -219,7 +220,7 @@ def _check_comparable(before: Mapping[str, torch.Tensor],
             _check_layout(name, what, t)
             if t.is_meta:
                 raise PatchValueError(
-                    f"weight {name!r}: {what} is on the meta device, which holds no values "
+                    f"weight {quoted(name)}: {what} is on the meta device, which holds no values "
                     "to compare",
                     name=name, reason="meta device", value=t.device,
                 )
@@ -261,10 +262,11 @@ def _check_shape(shape: object, name: str) -> tuple[int, ...]:
     try:
         dims = _shape_dims(shape)
     except TypeError:
-        raise PatchTypeError(f"weight {name!r}: shape must be a tuple of ints, got {brief(shape)}",
-                             name=name, reason="shape type", value=shape) from None
+        raise PatchTypeError(f"weight {quoted(name)}: shape must be a tuple of ints, got "
+                             f"{brief(shape)}", name=name, reason="shape type",
+                             value=shape) from None
     if any(d < 0 for d in dims):
-        raise PatchValueError(f"weight {name!r}: shape has a negative dimension: "
+        raise PatchValueError(f"weight {quoted(name)}: shape has a negative dimension: "
                               f"{_shape_text(dims)}",
                               name=name, reason="negative dimension", value=dims)
     return dims
@@ -606,7 +608,7 @@ def random_sparse_patch(
             f"'unchanged'): {_sparse_dtype_text(dtype)}",
             name=name, reason="sparse dtype", value=dtype,
         )
-    _check_size(f"weight {name!r}", None, name, shape, dtype)  # (as validate_patches does)
+    _check_size(f"weight {quoted(name)}", None, name, shape, dtype)  # (as validate_patches does)
     if isinstance(density, bool) or not isinstance(density, numbers.Real):
         raise PatchTypeError(
             f"density must be a number in [0, 1], got {type(density).__name__} {brief(density)}",
@@ -640,7 +642,7 @@ def random_sparse_patch(
     nothing = n == 0 or round(density * total) == 0
     if nothing and n and density > 0:
         warnings.warn(
-            f"random_sparse_patch({name!r}): density {density:g} of "
+            f"random_sparse_patch({quoted(name)}): density {density:g} of "
             f"{_count(total, units[:-1])} rounds to no {units}: the patch is empty"
             + ("" if pattern == "uniform" else " (pattern='uniform' picks single elements)"),
             UserWarning, stacklevel=2,

@@ -78,11 +78,22 @@ def where(position: int | None, name: str | None) -> str:
     """``"patch 3 ('model.norm.weight')"``: how messages name a patch (one given alone,
     ``position`` None: ``"patch 'model.norm.weight'"``, or ``"patch (name 5)"`` for a name
     that is no str, which would read as a position; such a name is shown as
-    :func:`brief` shows it)."""
-    shown = repr(name) if isinstance(name, str) else brief(name)
+    :func:`brief` shows it, a str name as :func:`quoted` does)."""
+    shown = quoted(name) if isinstance(name, str) else brief(name)
     if position is None:
         return f"patch {shown}" if isinstance(name, str) else f"patch (name {shown})"
     return f"patch {position} ({shown})"
+
+
+# (longer than any real checkpoint or runtime tensor name: those are shown whole)
+_NAME_MOST = 200
+
+
+def quoted(name: object) -> str:
+    """A name (a patch's, a runtime tensor's) as a message shows it: its ``repr``, whole
+    up to 200 characters, past that cut as :func:`brief` cuts (a megabyte name makes no
+    megabyte message; ``.name`` on the error holds it whole)."""
+    return brief(name, _NAME_MOST)
 
 
 def brief(value: object, most: int = 100, *, text: bool = False) -> str:

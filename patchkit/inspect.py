@@ -105,7 +105,7 @@ from .density import (
     distinct_indices,
     region_text,
 )
-from .errors import PatchTypeError, brief, where
+from .errors import PatchTypeError, brief, quoted, where
 from .intercept import (
     _DEFERRAL,
     RuntimeIndex,
@@ -1021,7 +1021,7 @@ class LoadReport:
                 # (the names of the items that are patches: a load refused for an item
                 # that is none keeps that item, which has no name)
                 named = [n for n in map(_given_name, self.patches) if n is not None]
-                known = ", ".join(map(repr, named[:8]))
+                known = ", ".join(map(quoted, named[:8]))
                 from .plot import _known, _resolve
 
                 hint = (
@@ -1030,7 +1030,8 @@ class LoadReport:
                     if _resolve(self, patch_or_name) in _known(self)
                     else f" (some are: {known})" if known else " (it has no patches)"
                 )
-                raise ReportKeyError(f"no patch named {patch_or_name!r} in this report{hint}")
+                raise ReportKeyError(f"no patch named {quoted(patch_or_name)} in this "
+                                     f"report{hint}")
             patch_or_name = matches[0]
         elif not (isinstance(patch_or_name, tuple) and len(patch_or_name) == 5):
             raise TypeError(
@@ -1740,7 +1741,7 @@ def _unknown_target(report: LoadReport, asked: str) -> ReportKeyError:
         hint = (f" (some are: {known})" if known else
                 " (it knows none: the model had no parameters or buffers, or it was not "
                 "made by a load)")
-    return ReportKeyError(f"{asked!r} is not a runtime tensor of this report{hint}")
+    return ReportKeyError(f"{quoted(asked)} is not a runtime tensor of this report{hint}")
 
 
 def _check_target(target: object) -> None:

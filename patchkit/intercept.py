@@ -66,7 +66,7 @@ from .bitwise import (
     select,
     squares_on_device,
 )
-from .errors import ContractViolation, PatchTypeError, PatchValueError, where
+from .errors import ContractViolation, PatchTypeError, PatchValueError, quoted, where
 from .units import _count
 
 __all__ = [
@@ -3895,6 +3895,5 @@ def _call_named(chunk: int, positions: Sequence[int], staged: Sequence[tuple[str
 def _returned_text(names: Sequence[str], most: int = 5) -> str:
     """A loader's returned names as a message shows them: the list when it has at most
     ``most``, else ``"5000 names, ['a', 'b', ...]"`` (the first ``most``)."""
-    if len(names) <= most:
-        return repr(list(names))
-    return f"{len(names)} names, {repr(list(names[:most]))[:-1]}, ...]"
+    shown = ", ".join(map(quoted, names[:most]))
+    return f"[{shown}]" if len(names) <= most else f"{len(names)} names, [{shown}, ...]"

@@ -84,3 +84,75 @@ def test_reading_a_path_holding_a_nul_says_what_saving_to_it_says(tmp_path, read
         "file's path can hold"
     assert str(saved.value).endswith(str(e).split(": ", 1)[1])
     assert (e.reason, e.value) == (saved.value.reason, path) == ("bad path", path)
+
+
+# -- names: whole up to 200 characters of repr, cut past that --------------------------------
+
+BIG = "w" * 10**6  # (a file's text passed as a name, say)
+
+
+def _bounded(e: BaseException) -> str:
+    text = str(e)
+    assert len(text) < 2000, len(text)  # (was over a megabyte: the name whole)
+    return text
+
+
+def test_where_shows_a_name_whole_up_to_200_characters_of_repr_and_cuts_a_longer_one():
+    from patchkit.errors import where
+
+    fits, over = "n" * 198, "n" * 199  # (reprs of 200 and 201 characters)
+    assert where(3, fits) == f"patch 3 ('{fits}')"
+    assert where(None, "model.norm.weight") == "patch 'model.norm.weight'"
+    assert where(3, over) == f"patch 3 ('{over[:199]}...)"
+    assert where(3, BIG) == f"patch 3 ('{BIG[:199]}...)"
+
+
+def test_a_huge_patch_name_is_cut_in_a_loads_message_and_whole_on_the_error():
+    m = PlainModel({"w": (4,)})
+    for p in (CWP(BIG, (4,), torch.float32, torch.ones(3)),
+              CWP(BIG, (4,), torch.float32, torch.ones(1), torch.tensor([9]))):
+        with pytest.raises(PatchValueError) as info:
+            patchkit.load_checkpoint_weight_patches(m, [p])
+        assert _bounded(info.value).startswith(f"patch 0 ('{BIG[:199]}...): ")
+        assert (info.value.position, info.value.name) == (0, BIG)
+
+
+def test_the_diff_builders_cut_a_huge_weight_name():
+    z = torch.zeros(2)
+    with pytest.raises(PatchValueError) as info:
+        sparse_patches_from_diff({BIG: z}, {BIG: torch.zeros(3)})
+    assert _bounded(info.value).startswith(f"weight '{BIG[:199]}... changed shape")
+    assert info.value.name == BIG
+    with pytest.raises(PatchValueError) as info:
+        changed_fraction({BIG: z, "a": z}, {"w": z, "a": z})
+    assert _bounded(info.value) == (
+        f"before and after name different weights: only in before: ['{BIG[:199]}...]; "
+        "only in after: ['w']")
+    assert info.value.value == ([BIG], ["w"])
+
+
+def test_a_report_asked_for_a_huge_name_cuts_it():
+    report = patchkit.inspect_load(PlainModel({"w": (4,)}),
+                                   [CWP("w", (4,), torch.float32, torch.ones(4))])
+    with pytest.raises(KeyError) as info:
+        report.before(BIG)
+    assert _bounded(info.value).startswith(f"'{BIG[:199]}... is not a runtime tensor")
+    with pytest.raises(KeyError) as info:
+        report.plot_density(BIG)
+    assert _bounded(info.value).startswith(f"no patch named '{BIG[:199]}... in this report")
+
+
+def test_a_huge_name_a_loader_returns_is_cut():
+    class Quiet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+        def load_weights(self, weights):
+            list(weights)
+            return {BIG}  # (and copies nothing)
+
+    with pytest.raises(patchkit.ContractViolation) as info:
+        patchkit.load_checkpoint_weight_patches(
+            Quiet(), [CWP("w", (4,), torch.float32, torch.ones(1), torch.tensor([1]))])
+    assert f"returned ['{BIG[:199]}...] without copying" in _bounded(info.value)
