@@ -34,7 +34,7 @@ from torch import nn
 
 from .bitwise import has_numbers
 from .density import _dims, _is_int
-from .errors import PatchValueError
+from .errors import PatchValueError, brief, quoted
 from .patch import _checked_device
 
 __all__ = [
@@ -70,7 +70,7 @@ class UnknownWeightError(KeyError):
         self.name = name
         self.model = model
         self.hint = hint
-        self.message = f"{model}.load_weights: unknown checkpoint weight {name!r}" + (
+        self.message = f"{model}.load_weights: unknown checkpoint weight {quoted(name)}" + (
             f"; {hint}" if hint else ""
         )
         super().__init__(self.message)
@@ -95,15 +95,15 @@ def _register(root: nn.Module, dotted: str, param: nn.Parameter) -> None:
     """
     parts = dotted.split(".")
     if any(p == "" for p in parts):
-        raise ValueError(f"parameter name {dotted!r} has an empty part")
+        raise ValueError(f"parameter name {quoted(dotted)} has an empty part")
     module = root
     for i, part in enumerate(parts[:-1]):
         child = module._modules.get(part)
         if child is None:
             if part in module._parameters or hasattr(module, part):
                 raise ValueError(
-                    f"parameter name {dotted!r}: {'.'.join(parts[: i + 1])!r} is already a "
-                    "parameter or attribute, so it cannot also be a module"
+                    f"parameter name {quoted(dotted)}: {quoted('.'.join(parts[: i + 1]))} is "
+                    "already a parameter or attribute, so it cannot also be a module"
                 )
             child = nn.Module()
             module.add_module(part, child)
@@ -111,7 +111,7 @@ def _register(root: nn.Module, dotted: str, param: nn.Parameter) -> None:
     leaf = parts[-1]
     if leaf in module._parameters or leaf in module._modules or hasattr(module, leaf):
         raise ValueError(
-            f"parameter name {dotted!r} clashes with an existing parameter, module or "
+            f"parameter name {quoted(dotted)} clashes with an existing parameter, module or "
             "attribute of that name"
         )
     module.register_parameter(leaf, param)
@@ -153,10 +153,10 @@ def _check_fill(fill: object, dtype: object) -> None:
     (``TypeError`` / ``ValueError``, before any parameter is made)."""
     if isinstance(fill, bool) or not isinstance(fill, numbers.Real):
         raise TypeError(f"PlainModel: fill must be a real number, got {type(fill).__name__} "
-                        f"{fill!r}")
+                        f"{brief(fill)}")
     if not isinstance(dtype, torch.dtype):  # (torch.full's own error named its argument)
         raise TypeError(f"PlainModel: dtype must be a torch.dtype, got {type(dtype).__name__} "
-                        f"{dtype!r}")
+                        f"{brief(dtype)}")
     if not (dtype.is_floating_point or dtype.is_complex):
         # (torch.full truncates 2.5 to 2 in an int tensor, wraps -1 to 255 in a uint8 one,
         # and makes True of 0.5 or 2)
@@ -165,13 +165,13 @@ def _check_fill(fill: object, dtype: object) -> None:
                      (torch.iinfo(dtype).min, torch.iinfo(dtype).max) if _has_iinfo(dtype)
                      else (None, None))
         if not whole or (low is not None and not low <= fill <= high):
-            raise ValueError(f"PlainModel: fill {fill!r} is not a value of {dtype}"
+            raise ValueError(f"PlainModel: fill {brief(fill)} is not a value of {dtype}"
                              + (f" (a whole number in [{low}, {high}])" if low is not None
                                 else " (not a whole number)"))
     try:
         _full((2,), fill, dtype, None)  # (torch checks a fill of one element less)
     except (RuntimeError, OverflowError) as e:
-        raise ValueError(f"PlainModel: fill {fill!r} is not a value of {dtype} "
+        raise ValueError(f"PlainModel: fill {brief(fill)} is not a value of {dtype} "
                          f"({str(e).splitlines()[0]})") from None
 
 
@@ -186,13 +186,13 @@ def _check_name(name: object, who: str = "") -> None:
     """``TypeError`` (``who`` before it) for a checkpoint name that is no str."""
     if not isinstance(name, str):
         raise TypeError(f"{who}a checkpoint name must be a str, got {type(name).__name__} "
-                        f"{name!r}")
+                        f"{brief(name)}")
 
 
 def _check_tensor(model: str, name: str, w: object) -> None:
     """``TypeError`` naming the weight for a ``load_weights`` entry that is no tensor."""
     if not isinstance(w, torch.Tensor):
-        raise TypeError(f"{model}.load_weights: checkpoint weight {name!r} must be a "
+        raise TypeError(f"{model}.load_weights: checkpoint weight {quoted(name)} must be a "
                         f"torch.Tensor, got {type(w).__name__}")
 
 
@@ -201,15 +201,15 @@ def _check_count(value: object, what: str) -> int:
     made torch's or Python's own errors, or a float-sized model, further in; ``ValueError``
     below 1), ``what`` naming it in the message."""
     if not _is_int(value):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {brief(value)}")
     if value < 1:
-        raise ValueError(f"{what} must be at least 1, got {value}")
+        raise ValueError(f"{what} must be at least 1, got {brief(value)}")
     return int(value)
 
 
 def _as_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
     _check_name(name)
-    return _dims(shape, "", f"shape of {name!r}")
+    return _dims(shape, "", f"shape of {quoted(name)}")
 
 
 # --------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def _model_device(device: object) -> torch.device:
             device = torch.device(device)
         except RuntimeError as e:
             raise PatchValueError(
-                f"device {device!r} (an index of the current accelerator) is not available "
+                f"device {brief(device)} (an index of the current accelerator) is not available "
                 f"here: {e}",
                 reason="device unavailable", value=device,
             ) from None
@@ -308,7 +308,7 @@ class PlainModel(nn.Module):
         _check_mapping(state, "PlainModel.from_state_dict: state", "tensors")
         for n, t in state.items():
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"PlainModel.from_state_dict: state[{n!r}] must be a "
+                raise TypeError(f"PlainModel.from_state_dict: state[{quoted(n)}] must be a "
                                 f"torch.Tensor, got {type(t).__name__}")
         first = next(iter(state.values()), None)
         if dtype is None:
@@ -327,7 +327,7 @@ class PlainModel(nn.Module):
     def _param(self, name: str) -> nn.Parameter:
         param = self._by_name.get(name)
         if param is None:
-            known = ", ".join(repr(n) for n in list(self._by_name)[:5])
+            known = ", ".join(quoted(n) for n in list(self._by_name)[:5])
             raise UnknownWeightError(name, type(self).__name__, f"known names: {known}, ...")
         return param
 
@@ -336,7 +336,7 @@ class PlainModel(nn.Module):
         want = self.checkpoint_shapes[name]
         if tuple(w.shape) != want:
             raise ValueError(
-                f"{type(self).__name__}.load_weights: checkpoint weight {name!r} has shape "
+                f"{type(self).__name__}.load_weights: checkpoint weight {quoted(name)} has shape "
                 f"{tuple(w.shape)}, expected {want}"
             )
 
@@ -537,7 +537,7 @@ class OverlappingDestinationsModel(nn.Module):
             n = math.prod(shape)
             if n < overlap and name != names[-1]:
                 raise ValueError(
-                    f"weight {name!r} has {n} elements; OverlappingDestinationsModel needs "
+                    f"weight {quoted(name)} has {n} elements; OverlappingDestinationsModel needs "
                     f"at least overlap={overlap} in every weight but the last"
                 )
             self.offsets[name] = offset
@@ -560,7 +560,7 @@ class OverlappingDestinationsModel(nn.Module):
             _check_tensor(type(self).__name__, name, w)
             if tuple(w.shape) != tuple(dest.shape):
                 raise ValueError(
-                    f"OverlappingDestinationsModel.load_weights: {name!r} has shape "
+                    f"OverlappingDestinationsModel.load_weights: {quoted(name)} has shape "
                     f"{tuple(w.shape)}, expected {tuple(dest.shape)}"
                 )
             dest.copy_(w)
@@ -589,7 +589,7 @@ class FailingModel(PlainModel):
         super().__init__(shapes, dtype=dtype, device=device, fill=fill)
         _check_name(fail_on, "FailingModel: fail_on: ")
         if fail_on not in self.checkpoint_shapes:
-            raise ValueError(f"fail_on={fail_on!r} is not one of the model's weights")
+            raise ValueError(f"fail_on={quoted(fail_on)} is not one of the model's weights")
         self.fail_on = fail_on
         self.calls = 0
 
@@ -601,8 +601,8 @@ class FailingModel(PlainModel):
             param = self._param(name)
             if name == self.fail_on:
                 raise RuntimeError(
-                    f"FailingModel.load_weights: simulated failure at {name!r} (after "
-                    f"loading {sorted(loaded)!r} in this call)"
+                    f"FailingModel.load_weights: simulated failure at {quoted(name)} (after "
+                    f"loading {brief(sorted(loaded), 200)} in this call)"
                 )
             self._check_shape(name, w)
             self.load_one(name, param, w)
@@ -674,21 +674,22 @@ class TinyLlamaConfig:
         ):
             v = getattr(self, field_name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"TinyLlamaConfig.{field_name} must be a positive int, got {v!r}")
+                raise ValueError(
+                    f"TinyLlamaConfig.{field_name} must be a positive int, got {brief(v)}")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(
                 "TinyLlamaConfig.tie_word_embeddings must be a bool, got "
-                f"{self.tie_word_embeddings!r}"
+                f"{brief(self.tie_word_embeddings)}"
             )
         if self.hidden_size % self.num_heads:
             raise ValueError(
-                f"TinyLlamaConfig: num_heads={self.num_heads} must divide "
-                f"hidden_size={self.hidden_size}"
+                f"TinyLlamaConfig: num_heads={brief(self.num_heads)} must divide "
+                f"hidden_size={brief(self.hidden_size)}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"TinyLlamaConfig: num_kv_heads={self.num_kv_heads} must divide "
-                f"num_heads={self.num_heads} (grouped-query attention)"
+                f"TinyLlamaConfig: num_kv_heads={brief(self.num_kv_heads)} must divide "
+                f"num_heads={brief(self.num_heads)} (grouped-query attention)"
             )
 
     @property
@@ -750,7 +751,7 @@ def _check_float_dtype(dtype: object, who: str) -> None:
     cannot take a sparse patch)."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{who}: dtype must be a torch.dtype, got {type(dtype).__name__} "
-                        f"{dtype!r}")
+                        f"{brief(dtype)}")
     if not dtype.is_floating_point:
         raise ValueError(f"{who}: dtype must be a floating-point dtype, got {dtype}")
     if not has_numbers(dtype):  # (float4_e2m1fn_x2: packed, no casts, no NaN)
@@ -781,11 +782,11 @@ def tiny_llama_checkpoint(
     _check_float_dtype(dtype, "tiny_llama_checkpoint")
     if not _is_int(seed):
         raise TypeError(f"tiny_llama_checkpoint: seed must be an int, got "
-                        f"{type(seed).__name__} {seed!r}")
+                        f"{type(seed).__name__} {brief(seed)}")
     if not 0 <= seed < 1 << 32:
         # (torch's CPU generator draws from a seed's low 32 bits: 2**32 gave seed 0's
         # checkpoint, and -1 that of 2**32 - 1)
-        raise ValueError(f"tiny_llama_checkpoint: seed must be in [0, 2**32), got {seed}")
+        raise ValueError(f"tiny_llama_checkpoint: seed must be in [0, 2**32), got {brief(seed)}")
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     out: dict[str, torch.Tensor] = {}
     for name, shape in tiny_llama_shapes(config).items():
@@ -900,7 +901,7 @@ def _shard_id_message(param: str, shard_id: object, allowed: str) -> str:
         " (vLLM reads shard_id None as a checkpoint that stores the packed tensor fused; "
         "this toy does not model fused checkpoints)" if shard_id is None else ""
     )
-    return f"weight_loader of {param}: shard_id must be {allowed}, got {shard_id!r}{extra}"
+    return f"weight_loader of {param}: shard_id must be {allowed}, got {brief(shard_id)}{extra}"
 
 
 # (runtime parameter part, checkpoint part, shard id): vLLM's "stacked params mapping".
@@ -965,24 +966,26 @@ class TinyLlamaRuntime(nn.Module):
             raise TypeError(f"config must be a TinyLlamaConfig, got {type(config).__name__}")
         for arg, v in (("tp_size", tp_size), ("tp_rank", tp_rank)):
             if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{arg} must be an int, got {type(v).__name__} {v!r}")
+                raise TypeError(f"{arg} must be an int, got {type(v).__name__} {brief(v)}")
         _check_float_dtype(dtype, "TinyLlamaRuntime")
         device = _model_device(device)
         if config.vocab_size % _VOCAB_PADDING:
             padded = -(-config.vocab_size // _VOCAB_PADDING) * _VOCAB_PADDING
             raise ValueError(
-                f"vocab_size={config.vocab_size} is not a multiple of {_VOCAB_PADDING}: vLLM "
-                f"would pad the vocabulary to {padded} rows, split those over the ranks and "
+                f"vocab_size={brief(config.vocab_size)} is not a multiple of "
+                f"{_VOCAB_PADDING}: vLLM would pad the vocabulary to {brief(padded)} rows, "
+                "split those over the ranks and "
                 "zero-fill the padding rows on every load, which this toy does not model "
                 "(WritesThenFillsModel shows that fill); use a multiple of "
                 f"{_VOCAB_PADDING}"
             )
         if tp_size < 1:
-            raise ValueError(f"tp_size must be at least 1, got {tp_size}")
+            raise ValueError(f"tp_size must be at least 1, got {brief(tp_size)}")
         if not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+            raise ValueError(f"tp_rank must be in [0, {brief(tp_size)}), got {brief(tp_rank)}")
         if config.num_heads % tp_size:
-            raise ValueError(f"tp_size={tp_size} must divide num_heads={config.num_heads}")
+            raise ValueError(f"tp_size={brief(tp_size)} must divide num_heads="
+                             f"{brief(config.num_heads)}")
         if config.num_kv_heads % tp_size:
             more = (
                 "; replicating kv heads across ranks (what vLLM does when tp_size > "
@@ -991,12 +994,13 @@ class TinyLlamaRuntime(nn.Module):
                 else ""
             )
             raise ValueError(
-                f"tp_size={tp_size} must divide num_kv_heads={config.num_kv_heads}{more}"
+                f"tp_size={brief(tp_size)} must divide num_kv_heads={brief(config.num_kv_heads)}"
+                f"{more}"
             )
         for field_name in ("intermediate_size", "vocab_size"):
             v = getattr(config, field_name)
             if v % tp_size:
-                raise ValueError(f"tp_size={tp_size} must divide {field_name}={v}")
+                raise ValueError(f"tp_size={brief(tp_size)} must divide {field_name}={brief(v)}")
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -1125,7 +1129,7 @@ class TinyLlamaRuntime(nn.Module):
                 )
             if tuple(w.shape) != want:
                 raise ValueError(
-                    f"TinyLlamaRuntime.load_weights: checkpoint weight {name!r} has shape "
+                    f"TinyLlamaRuntime.load_weights: checkpoint weight {quoted(name)} has shape "
                     f"{tuple(w.shape)}, expected {want}"
                 )
             parts = name.split(".")
@@ -1173,7 +1177,8 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
         if not isinstance(rt, TinyLlamaRuntime):
             raise TypeError(f"runtimes[{i}] is a {type(rt).__name__}, not a TinyLlamaRuntime")
         if rt.config != first.config:
-            raise ValueError(f"runtimes[{i}] has a different config: {rt.config} vs {first.config}")
+            raise ValueError(f"runtimes[{i}] has a different config: {brief(rt.config, 300)} vs "
+                             f"{brief(first.config, 300)}")
         if rt.dtype != first.dtype:
             raise ValueError(f"runtimes[{i}] has dtype {rt.dtype}, runtimes[0] has {first.dtype}")
         if rt.tp_size != len(rts):
@@ -1202,7 +1207,7 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
         for r, ps in enumerate(per_rank[1:], start=1):
             if not torch.equal(ps[name].view(_int_dtype(base)), base.view(_int_dtype(base))):
                 raise ValueError(
-                    f"replicated weight {name!r} differs between rank 0 and rank {r}"
+                    f"replicated weight {quoted(name)} differs between rank 0 and rank {r}"
                 )
         return base.clone()
 

@@ -156,3 +156,60 @@ def test_a_huge_name_a_loader_returns_is_cut():
         patchkit.load_checkpoint_weight_patches(
             Quiet(), [CWP("w", (4,), torch.float32, torch.ones(1), torch.tensor([1]))])
     assert f"returned ['{BIG[:199]}...] without copying" in _bounded(info.value)
+
+
+# -- toy models: user values cut with errors.brief, names with errors.quoted ------------------
+
+HUGE_INT = 10**5000  # (more digits than Python prints: str() of it raises ValueError)
+
+
+def _toy_cases():
+    from patchkit.toymodels import (
+        FailingModel,
+        TinyLlamaConfig,
+        TinyLlamaRuntime,
+        tiny_llama_checkpoint,
+    )
+
+    rt = TinyLlamaRuntime(TinyLlamaConfig(), dtype=torch.float32)
+    qkv = rt.get_parameter("model.layers.0.self_attn.qkv_proj.weight")
+    q = torch.zeros(TinyLlamaConfig().hidden_size, TinyLlamaConfig().hidden_size)
+    return {
+        "unknown weight": lambda: PlainModel({"w": (4,)}).load_weights([(BIG, torch.zeros(4))]),
+        "weight no tensor": lambda: PlainModel({BIG: (4,)}).load_weights([(BIG, [0.0])]),
+        "empty part": lambda: PlainModel({BIG + ".": (4,)}),
+        "name no str": lambda: PlainModel({("x",) * 10**5: (4,)}),
+        "fill type": lambda: PlainModel({"w": (4,)}, fill=[0.0] * 10**5),
+        "fill value": lambda: PlainModel({"w": (4,)}, dtype=torch.int8, fill=HUGE_INT),
+        "dtype": lambda: PlainModel({"w": (4,)}, dtype=[torch.float32] * 10**5),
+        "fail_on": lambda: FailingModel({"w": (4,)}, fail_on=BIG),
+        "seed type": lambda: tiny_llama_checkpoint(seed=str(BIG)),
+        "seed range": lambda: tiny_llama_checkpoint(seed=HUGE_INT),
+        "config field": lambda: TinyLlamaConfig(num_heads=[1] * 10**5),
+        "config divide": lambda: TinyLlamaConfig(num_heads=HUGE_INT),
+        "tp_size type": lambda: TinyLlamaRuntime(tp_size=[1] * 10**5),
+        "tp_size divide": lambda: TinyLlamaRuntime(tp_size=HUGE_INT),
+        "tp_rank": lambda: TinyLlamaRuntime(tp_rank=HUGE_INT),
+        "shard_id": lambda: qkv.weight_loader(qkv, q, BIG),
+    }
+
+
+TOY_CASES = ["unknown weight", "weight no tensor", "empty part", "name no str", "fill type",
+             "fill value", "dtype", "fail_on", "seed type", "seed range", "config field",
+             "config divide", "tp_size type", "tp_size divide", "tp_rank", "shard_id"]
+
+
+def test_every_toy_case_is_run():
+    assert sorted(_toy_cases()) == sorted(TOY_CASES)
+
+
+@pytest.mark.parametrize("case", TOY_CASES)
+def test_toy_models_cut_the_values_and_names_their_errors_show(case):
+    # (each printed the value whole: a megabyte name or list made a megabyte message, and
+    # an int of 5000 digits made Python's own "Exceeds the limit (4300 digits)" ValueError
+    # escape in place of the toy's message)
+    with pytest.raises((TypeError, ValueError, KeyError)) as info:
+        _toy_cases()[case]()
+    text = _bounded(info.value)
+    assert "Exceeds the limit" not in text
+    assert "..." in text or "-bit int>" in text, text
