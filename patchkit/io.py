@@ -607,6 +607,7 @@ _NOT_REGULAR = [
 ]
 
 
+# (a path holding one is shown cut, at 200 characters of repr, as a value is)
 _NUL_IN_PATH = "the path holds a NUL character, which no file's path can hold"
 
 
@@ -617,7 +618,8 @@ def _check_destination(dest: str, path: str) -> None:
         raise FileNotFoundError(errno.ENOENT, "cannot save patches: the path is empty", path)
     if "\0" in dest:
         raise PatchValueError(
-            f"cannot save patches to {path!r}: {_NUL_IN_PATH}", reason="bad path", value=path,
+            f"cannot save patches to {brief(path, 200)}: {_NUL_IN_PATH}", reason="bad path",
+            value=path,
         )
     if dest.endswith(("/", os.sep)) and not os.path.isdir(dest):
         raise NotADirectoryError(
@@ -825,8 +827,10 @@ def _open(path: str, device: str = "cpu", *, keep: bool = False) -> Any:
             if e.errno == errno.ENOENT:
                 raise _fail(path, "no such file", "missing") from None
             raise _fail(path, f"cannot be opened: {e.strerror or e}", "unreadable") from None
-        except ValueError:  # (a NUL in the path: as save_patches says it)
-            raise _fail(path, _NUL_IN_PATH, "bad path") from None
+        except ValueError:  # (a NUL in the path: as save_patches says it, the path cut
+            # short as any offending value: it names no file, and may be any text)
+            raise PatchValueError(f"patch file {brief(path, 200)}: {_NUL_IN_PATH}",
+                                  reason="bad path", value=path) from None
         if not stat.S_ISREG(mode):
             raise _fail(path, "not a regular file", "not a file")
         try:

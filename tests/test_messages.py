@@ -213,3 +213,20 @@ def test_toy_models_cut_the_values_and_names_their_errors_show(case):
     text = _bounded(info.value)
     assert "Exceeds the limit" not in text
     assert "..." in text or "-bit int>" in text, text
+
+
+# -- a path holding a NUL: cut as a value is ----------------------------------------------
+
+
+@pytest.mark.parametrize("fn", ["save", "load", "index"])
+def test_a_huge_path_holding_a_nul_is_cut_in_the_message_and_whole_on_the_error(tmp_path, fn):
+    # (save_patches and the readers printed such a path whole: a megabyte of text passed
+    # as a path made a megabyte message)
+    path = "\0" + "p" * 10**6
+    run = {"save": lambda: save_patches(path, [CWP("w", (1,), torch.float32, torch.ones(1))]),
+           "load": lambda: load_patches(path), "index": lambda: read_patch_index(path)}[fn]
+    with pytest.raises(PatchValueError) as info:
+        run()
+    text = _bounded(info.value)
+    assert f"'\\x00{'p' * 195}...: the path holds a NUL character" in text
+    assert (info.value.reason, info.value.value) == ("bad path", path)
