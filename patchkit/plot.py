@@ -59,7 +59,7 @@ from matplotlib.ticker import FuncFormatter, Locator, LogFormatter, MaxNLocator
 from .bitwise import changed_mask, difference, has_numbers
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .density import _as_bins, _density, _dims, grid_shape
-from .errors import PatchTypeError
+from .errors import PatchTypeError, brief
 from .inspect import _unknown_target
 from .patch import (
     _STATE_DICT_HINT,
@@ -381,9 +381,9 @@ def _pixels(ax: Axes) -> tuple[int, int]:
 
 
 def _what(obj: object) -> str:
-    """``int: 3``: an argument's type and a short repr, for error messages."""
-    text = repr(obj)
-    return f"{type(obj).__name__}: {text if len(text) <= 60 else text[:57] + '...'}"
+    """``int: 3``: an argument's type and its repr as :func:`~patchkit.errors.brief` shows
+    it (cut past 60 characters), for error messages."""
+    return f"{type(obj).__name__}: {brief(obj, 60)}"
 
 
 _REPORT_ATTRS = ("patches", "plan", "max_chunk_bytes", "targets", "before", "after")
@@ -421,9 +421,9 @@ def _check_count(value: object, what: str, fn: str, most: int | None = None) -> 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{fn}: {what} must be a positive int, got {_what(value)}")
     if value < 1:
-        raise ValueError(f"{fn}: {what} must be at least 1, got {value}")
+        raise ValueError(f"{fn}: {what} must be at least 1, got {brief(value, text=True)}")
     if most is not None and value > most:
-        raise ValueError(f"{fn}: {what} must be at most {most}, got {value}")
+        raise ValueError(f"{fn}: {what} must be at most {most}, got {brief(value, text=True)}")
     return int(value)
 
 
@@ -1225,7 +1225,8 @@ def _view_int(v: object, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"view_rects: {what} must be an int, got {_what(v)}")
     if not -(1 << 63) <= v < 1 << 63:
-        raise ValueError(f"view_rects: {what} {v} is beyond int64: no tensor has such a view")
+        raise ValueError(f"view_rects: {what} {brief(v, text=True)} is beyond int64: no tensor "
+                         "has such a view")
     return int(v)
 
 
@@ -1407,7 +1408,7 @@ def plot_placement(
         raise TypeError(f"plot_placement: max_targets must be an int, got {_what(max_targets)}")
     if not 1 <= max_targets <= _MOST_TARGETS:
         raise ValueError(f"plot_placement: max_targets must be from 1 to {_MOST_TARGETS} "
-                         f"(a row each), got {max_targets}")
+                         f"(a row each), got {brief(max_targets, text=True)}")
     writes = report.writes
     written = list(dict.fromkeys(t for t in writes["target"] if t is not None))
     if targets is None:

@@ -2501,3 +2501,44 @@ def test_plot_chunks_refuses_what_is_no_list_of_patches_with_patchkits_error():
         with pytest.raises(PatchTypeError, match=r"^plot_chunks: expected a LoadReport") as e:
             plot_chunks(source)
         assert (e.value.reason, e.value.value) == ("not a list", type(source).__name__)
+
+
+# -- what the argument errors show: errors.brief's cut, never an error of its own ---------
+
+
+class _NoRepr:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+def test_an_argument_whose_repr_fails_is_shown_by_its_type():
+    # (plot's _what called repr itself: the argument's own RuntimeError escaped in place
+    # of the TypeError naming the argument)
+    with pytest.raises(TypeError, match=r"^to_png: fig must be a matplotlib Figure, got "
+                                        r"_NoRepr: <a _NoRepr>$"):
+        to_png(_NoRepr())
+    with pytest.raises(TypeError, match=r"^plot_chunks: .* got _NoRepr: <a _NoRepr>"):
+        plot_chunks(_NoRepr())
+
+
+def test_a_long_argument_is_cut_as_errors_brief_cuts_it():
+    with pytest.raises(TypeError) as info:
+        to_png("f" * 10**6)
+    assert str(info.value) == f"to_png: fig must be a matplotlib Figure, got str: '{'f' * 59}..."
+
+
+def test_an_int_too_long_to_print_is_shown_by_its_size_in_the_plot_errors():
+    # (printed with str(): Python's "Exceeds the limit (4300 digits)" ValueError escaped in
+    # place of plot's own message)
+    huge = 10**5000
+    report = inspect_load(PlainModel({"w": (4,)}),
+                          [CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(4))])
+    with pytest.raises(ValueError, match=r"max_targets must be from 1 to \d+ \(a row each\), "
+                                         r"got <a 16610-bit int>$"):
+        plot_placement(report, max_targets=huge)
+    with pytest.raises(ValueError, match=r"^view_rects: offset <a 16610-bit int> is beyond int64"):
+        view_rects(huge, (1,), (1,), 4)
+    with pytest.raises(ValueError, match=r"hist_bins must be at most \d+, got <a 16610-bit int>$"):
+        plot_delta(report, "w", hist_bins=huge)
+    with pytest.raises(ValueError, match=r"hist_bins must be at least 1, got -5$"):
+        plot_delta(report, "w", hist_bins=-5)
