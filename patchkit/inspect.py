@@ -1439,6 +1439,10 @@ def inspect_load(
     if loader is not None:
         _check_wrappable(model)
     lent = reuse._hand_over() if reuse is not None else []
+    # This frame is in a failed load's traceback, which its report keeps (``error``): a
+    # reference to the earlier report here would keep it, its patches and its own failed
+    # load's report alive, one more report per failed step of a loop that passes each on.
+    del reuse
     # What the load runs in: the buffers lent for reuse, the collector paused. Closed
     # by _inspect_load once the report is made, before a transactional load's held
     # signals go (one raised in the closing of a ``with`` here, after the report was

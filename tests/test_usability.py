@@ -185,6 +185,30 @@ def test_a_kept_error_of_an_observed_load_does_not_keep_its_staged_tensors(how):
     assert [p.values.tolist() for p in ps] == [[1.0]] * 4
 
 
+@pytest.mark.parametrize("loader", [None, patchkit.load_checkpoint_weight_patches])
+def test_a_failed_load_passed_the_last_report_does_not_keep_it(loader):
+    # A loop that passes each step's report on (reuse=) and keeps the report a failed
+    # load attaches to its error: inspect_load's frame, in that error's traceback, held
+    # the report passed as reuse=, so each failed step kept the one before it, its
+    # patches and its own failed predecessor: a chain that grew by one report a step
+    m = _FailsOn({"a": (64,), "b": (64,), "c": (64,), "d": (64,)}, "raise")
+    report, refs = None, []
+    for step in range(4):
+        ps = [CWP(n, (64,), torch.float32, torch.tensor([float(step)]), torch.tensor([3]))
+              for n in "abcd"]
+        try:
+            report = patchkit.inspect_load(m, ps, reuse=report, transactional=True,
+                                           loader=loader)
+        except KeyError as exc:
+            report = exc.report
+        refs.append((weakref.ref(report), weakref.ref(ps[0].values)))
+        del ps
+    gc.collect()
+    assert report.rolled_back and report.handed_over is False
+    assert [r() is not None for r, _ in refs] == [False, False, False, True]
+    assert [v() is not None for _, v in refs] == [False, False, False, True]
+
+
 def test_an_observed_call_whose_error_the_loader_caught_keeps_its_list():
     # a model that keeps the list it is sent and writes it in its next call, and a
     # loader that catches the first call's error and goes on: the load does not fail,
