@@ -827,10 +827,13 @@ def _open(path: str, device: str = "cpu", *, keep: bool = False) -> Any:
             if e.errno == errno.ENOENT:
                 raise _fail(path, "no such file", "missing") from None
             raise _fail(path, f"cannot be opened: {e.strerror or e}", "unreadable") from None
-        except ValueError:  # (a NUL in the path: as save_patches says it, the path cut
-            # short as any offending value: it names no file, and may be any text)
-            raise PatchValueError(f"patch file {brief(path, 200)}: {_NUL_IN_PATH}",
-                                  reason="bad path", value=path) from None
+        except ValueError as e:
+            if "\0" in path:  # (as save_patches says it, the path cut short as any
+                # offending value: it names no file, and may be any text)
+                raise PatchValueError(f"patch file {brief(path, 200)}: {_NUL_IN_PATH}",
+                                      reason="bad path", value=path) from None
+            # (a lone surrogate no file name can encode: UnicodeEncodeError)
+            raise _fail(path, f"cannot be opened: {e}", "unreadable") from None
         if not stat.S_ISREG(mode):
             raise _fail(path, "not a regular file", "not a file")
         try:

@@ -86,6 +86,20 @@ def test_reading_a_path_holding_a_nul_says_what_saving_to_it_says(tmp_path, read
     assert (e.reason, e.value) == (saved.value.reason, path) == ("bad path", path)
 
 
+@pytest.mark.parametrize("read", [load_patches, read_patch_index])
+def test_reading_a_path_no_file_name_can_encode_does_not_say_it_holds_a_nul(tmp_path, read):
+    # (os.stat's ValueError is also a lone surrogate's UnicodeEncodeError: the readers
+    # said such a path "holds a NUL character", which it does not)
+    path = str(tmp_path / "a\ud800b.safetensors")
+    with pytest.raises(PatchValueError) as info:
+        read(path)
+    e = info.value
+    assert "NUL" not in str(e)
+    assert str(e).startswith(f"patch file {path!r}: cannot be opened: ")
+    assert "surrogates not allowed" in str(e)
+    assert (e.reason, e.value) == ("unreadable", path)
+
+
 # -- names: whole up to 200 characters of repr, cut past that --------------------------------
 
 BIG = "w" * 10**6  # (a file's text passed as a name, say)
