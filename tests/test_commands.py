@@ -1194,6 +1194,67 @@ def test_inspect_out_max_density_figures_draws_the_densest_and_says_what_it_left
     assert "not drawn" not in (tmp_path / "all" / "index.html").read_text()
 
 
+def _entry(position: int, name: str, shape: tuple[int, ...], nnz: int, sparse: bool = True):
+    import torch
+
+    from patchkit.io import PatchFileEntry
+
+    return PatchFileEntry(position, name, shape, torch.float32, sparse, nnz, torch.float32,
+                          torch.int64 if sparse else None)
+
+
+def test_density_figures_of_equal_density_go_in_the_files_order_and_one_of_no_elements_last():
+    # (mutation testing: ties broken backwards, or a patch of no elements, whose density
+    # is None, sorted first, passed every test: the graded file has neither)
+    from patchkit.__main__ import _figures_html, _inspect_figures
+
+    entries = [_entry(0, "none", (0, 4), 0), _entry(1, "zero", (8,), 0),
+               _entry(2, "a", (8,), 2), _entry(3, "b", (16,), 4), _entry(4, "c", (8,), 2)]
+    assert [what for _, what in _inspect_figures(entries, 2)] == ["sparse", 2, 3]
+    assert [what for _, what in _inspect_figures(entries, 4)] == ["sparse", 1, 2, 3, 4]
+    page = _figures_html(entries, _inspect_figures(entries, 4), 4)
+    assert re.findall(r"<tr><td>(\d+)</td>", page) == ["2", "3", "4", "1", "0"]
+    assert "<tr><td>0</td><td>none</td><td>-</td><td>0</td><td>(0, 4)</td><td>not drawn" in page
+
+
+def test_the_page_shows_each_name_escaped_for_html_and_told_apart_in_table_and_caption():
+    # (mutation testing: the table's or the caption's name written without distinct_name,
+    # a newline raw, passed every test)
+    from patchkit.__main__ import _figures_html, _inspect_figures
+
+    tag, lines = '<img src=x onerror="alert(1)">&amp;', "a\nb"
+    entries = [_entry(0, tag, (8,), 2), _entry(1, lines, (8,), 1)]
+    page = _figures_html(entries, _inspect_figures(entries))
+    assert "<img src=x" not in page and "a\nb" not in page
+    shown = html.escape(tag)
+    assert f"<td>0</td><td>{shown}</td><td>25%</td>" in page
+    assert f": patch 0, {shown}, 25% written</figcaption>" in page
+    escaped = html.escape(repr(lines))  # (quoted, the newline as \\n)
+    assert f"<td>1</td><td>{escaped}</td><td>12.5%</td>" in page
+    assert f": patch 1, {escaped}, 12.5% written</figcaption>" in page
+
+
+def test_the_page_of_a_file_without_sparse_patches_has_no_table_and_one_with_heads_its_figures():
+    # (mutation testing: the "sparse patches" heading on a page of dense patches only, and
+    # no "figures" heading between the table and the figures, passed every test)
+    from patchkit.__main__ import _figures_html, _inspect_figures
+
+    dense = [_entry(0, "w", (2,), 2, sparse=False)]
+    page = _figures_html(dense, _inspect_figures(dense, 0), 0)
+    assert "<h2>" not in page and "<table" not in page and page.count("<figure ") == 1
+    both = [*dense, _entry(1, "s", (8,), 1)]
+    page = _figures_html(both, _inspect_figures(both))
+    assert page.index("</table>") < page.index("<h2>figures</h2>") < page.index("<figure ")
+
+
+@pytest.mark.parametrize(("text", "count"), [("0", 0), ("+2", 2), (" 3 ", 3), ("007", 7)])
+def test_inspect_max_density_figures_takes_a_whole_number_as_int_does(text, count):
+    # (mutation testing: a "+2" refused passed every test)
+    from patchkit.__main__ import _figure_count
+
+    assert _figure_count(text) == count
+
+
 @pytest.mark.parametrize("value", ["-1", "two", "1.5"])
 def test_inspect_max_density_figures_must_be_a_count(value, tmp_path, capsys):
     from patchkit.__main__ import main
