@@ -172,6 +172,25 @@ def test_a_huge_name_a_loader_returns_is_cut():
     assert f"returned ['{BIG[:199]}...] without copying" in _bounded(info.value)
 
 
+@pytest.mark.parametrize(("names", "said"), [
+    ("abcde", "['a', 'b', 'c', 'd', 'e']"), ("abcdef", "6 names, ['a', 'b', 'c', 'd', 'e', ...]")])
+def test_the_names_a_loader_returns_are_listed_whole_up_to_five(names, said):
+    # (mutation testing: five names said as "5 names, [..., ...]" passed every test)
+    class Quiet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+        def load_weights(self, weights):
+            list(weights)
+            return set(names)  # (and copies nothing)
+
+    with pytest.raises(patchkit.ContractViolation) as info:
+        patchkit.load_checkpoint_weight_patches(
+            Quiet(), [CWP("w", (4,), torch.float32, torch.ones(1), torch.tensor([1]))])
+    assert f"returned {said} without copying" in str(info.value)
+
+
 # -- toy models: user values cut with errors.brief, names with errors.quoted ------------------
 
 HUGE_INT = 10**5000  # (more digits than Python prints: str() of it raises ValueError)
@@ -182,6 +201,8 @@ def _toy_cases():
         FailingModel,
         TinyLlamaConfig,
         TinyLlamaRuntime,
+        WritesThenFillsModel,
+        gather_checkpoint,
         tiny_llama_checkpoint,
     )
 
@@ -205,12 +226,27 @@ def _toy_cases():
         "tp_size divide": lambda: TinyLlamaRuntime(tp_size=HUGE_INT),
         "tp_rank": lambda: TinyLlamaRuntime(tp_rank=HUGE_INT),
         "shard_id": lambda: qkv.weight_loader(qkv, q, BIG),
+        "pad_rows": lambda: WritesThenFillsModel({"w": (4,)}, pad_rows=-HUGE_INT),
+        "loaded before": lambda: FailingModel({BIG: (4,), "w": (4,)}, fail_on="w").load_weights(
+            [(BIG, torch.zeros(4)), ("w", torch.zeros(4))]),
+        "gather config": lambda: gather_checkpoint(_ranks_of_configs(
+            TinyLlamaConfig(), TinyLlamaConfig(vocab_size=10**400))),
     }
+
+
+def _ranks_of_configs(first, second):
+    """Two ranks of a tp_size=2 runtime, the second's config replaced by ``second``."""
+    from patchkit.toymodels import TinyLlamaRuntime
+
+    rts = [TinyLlamaRuntime(first, tp_size=2, tp_rank=r, dtype=torch.float32) for r in (0, 1)]
+    rts[1].config = second
+    return rts
 
 
 TOY_CASES = ["unknown weight", "weight no tensor", "empty part", "name no str", "fill type",
              "fill value", "dtype", "fail_on", "seed type", "seed range", "config field",
-             "config divide", "tp_size type", "tp_size divide", "tp_rank", "shard_id"]
+             "config divide", "tp_size type", "tp_size divide", "tp_rank", "shard_id",
+             "pad_rows", "loaded before", "gather config"]
 
 
 def test_every_toy_case_is_run():
@@ -222,7 +258,7 @@ def test_toy_models_cut_the_values_and_names_their_errors_show(case):
     # (each printed the value whole: a megabyte name or list made a megabyte message, and
     # an int of 5000 digits made Python's own "Exceeds the limit (4300 digits)" ValueError
     # escape in place of the toy's message)
-    with pytest.raises((TypeError, ValueError, KeyError)) as info:
+    with pytest.raises((TypeError, ValueError, KeyError, RuntimeError)) as info:
         _toy_cases()[case]()
     text = _bounded(info.value)
     assert "Exceeds the limit" not in text

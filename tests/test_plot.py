@@ -2542,3 +2542,6 @@ def test_an_int_too_long_to_print_is_shown_by_its_size_in_the_plot_errors():
         plot_delta(report, "w", hist_bins=huge)
     with pytest.raises(ValueError, match=r"hist_bins must be at least 1, got -5$"):
         plot_delta(report, "w", hist_bins=-5)
+    # (mutation testing: one below 1 printed with str() passed every test)
+    with pytest.raises(ValueError, match=r"hist_bins must be at least 1, got <a 16610-bit int>$"):
+        plot_delta(report, "w", hist_bins=-huge)
