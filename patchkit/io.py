@@ -329,8 +329,9 @@ def save_patches(
     it is something else that is not a regular file (a FIFO, a socket, a device, which
     is neither opened nor replaced by a file), and e.g. :class:`PermissionError` when
     the folder cannot be written; a path holding a NUL character (which no file's path
-    can) raises a :class:`~patchkit.errors.PatchValueError` naming it (``reason``
-    ``"bad path"``), a ``ValueError`` as ``open`` raises. A failure while writing
+    can), or one this system cannot encode as a file name (a lone surrogate), raises a
+    :class:`~patchkit.errors.PatchValueError` naming it (``reason`` ``"bad path"``), a
+    ``ValueError`` as ``open`` raises. A failure while writing
     (a full disk, an I/O error) raises an ``OSError`` naming ``path``, with the
     system's ``errno`` where safetensors reports one (``errno.ENOSPC`` for a full disk),
     else ``errno.EIO``.
@@ -621,6 +622,13 @@ def _check_destination(dest: str, path: str) -> None:
             f"cannot save patches to {brief(path, 200)}: {_NUL_IN_PATH}", reason="bad path",
             value=path,
         )
+    try:
+        os.fsencode(dest)
+    except UnicodeEncodeError as e:  # (a lone surrogate: os.stat would raise it bare)
+        raise PatchValueError(
+            f"cannot save patches to {brief(path, 200)}: the path cannot be written as a "
+            f"file name ({e})", reason="bad path", value=path,
+        ) from None
     if dest.endswith(("/", os.sep)) and not os.path.isdir(dest):
         raise NotADirectoryError(
             errno.ENOTDIR, "cannot save patches: the path ends with a folder separator, "

@@ -100,6 +100,20 @@ def test_reading_a_path_no_file_name_can_encode_does_not_say_it_holds_a_nul(tmp_
     assert (e.reason, e.value) == ("unreadable", path)
 
 
+def test_saving_to_a_path_no_file_name_can_encode_is_a_bad_path_naming_it(tmp_path):
+    # (os.stat raised the lone surrogate's UnicodeEncodeError bare, naming no path; the
+    # readers already named it in a PatchValueError)
+    path = str(tmp_path / "a\ud800b.safetensors")
+    with pytest.raises(PatchValueError) as info:
+        save_patches(path, [])
+    e = info.value
+    assert str(e).startswith(f"cannot save patches to {path!r}: the path cannot be written "
+                             "as a file name (")
+    assert "surrogates not allowed" in str(e)
+    assert (e.reason, e.value) == ("bad path", path)
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- names: whole up to 200 characters of repr, cut past that --------------------------------
 
 BIG = "w" * 10**6  # (a file's text passed as a name, say)
