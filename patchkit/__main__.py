@@ -280,9 +280,10 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     drawn = {what for _, what in figures if not isinstance(what, str)}
     n_sparse = sum(e.sparse for e in entries)
     if len(drawn) < n_sparse:
+        left = n_sparse - len(drawn)
         print(f"drawing the density figures of the {len(drawn)} densest of {n_sparse} sparse "
-              f"patches (--max-density-figures {limit}); index.html lists the "
-              f"{n_sparse - len(drawn)} others")
+              f"patches (--max-density-figures {limit}); index.html lists "
+              + ("the other one" if left == 1 else f"the {left} others"))
     done: list[str] = []
     # (the sparse patches drawn, in the file's order, which is the density figures' order)
     with contextlib.closing(_read_each(path, "cpu", lambda e: e.position in drawn)) as sparse:
@@ -316,7 +317,8 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
         _write_page(folder / "index.html", data)
     except OSError as e:
         raise _stopped(e, done, len(figures) + 1, folder) from e
-    print(f"wrote {len(figures)} figures and index.html to {_shown(str(folder))}")
+    print(f"wrote {len(figures)} figure{'s' if len(figures) != 1 else ''} and index.html to "
+          f"{_shown(str(folder))}")
     return 0
 
 

@@ -1192,6 +1192,19 @@ def test_inspect_out_max_density_figures_draws_the_densest_and_says_what_it_left
     out = capsys.readouterr().out
     assert "drawing the density figures" not in out and "[7/7]" in out
     assert "not drawn" not in (tmp_path / "all" / "index.html").read_text()
+    # one left out, one figure written: said in the singular
+    assert main(["inspect", str(f), "--out", str(tmp_path / "four"),
+                 "--max-density-figures", "4"]) == 0
+    assert "index.html lists the other one\n" in capsys.readouterr().out
+    import torch
+
+    from patchkit import CheckpointWeightPatch, save_patches
+
+    dense = tmp_path / "dense.safetensors"
+    save_patches(dense, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    assert main(["inspect", str(dense), "--out", str(tmp_path / "one")]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(
+        f"wrote 1 figure and index.html to {tmp_path / 'one'}")
 
 
 def _entry(position: int, name: str, shape: tuple[int, ...], nnz: int, sparse: bool = True):
