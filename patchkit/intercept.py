@@ -3415,8 +3415,6 @@ class WriteSession:
         dest, (tname, _, toff) = targets[0]
         src = args[1] if func is _COPY and len(args) > 1 else None
         pos, name = self._fed_by(src, source)
-        who = f"{where(pos, name)}, " if name is not None else ""
-        at = f"load_weights (call {self._chunk}, {who}runtime tensor {tname!r})"
         if func is not _COPY:
             hint = ""
             if op.startswith(("aten::fill_", "aten::zero_")):
@@ -3424,14 +3422,15 @@ class WriteSession:
                         "padding rows, its default loader fills 1-element weights) take "
                         "such a weight only as a dense patch: send it dense")
             raise ContractViolation(
-                f"{at} wrote with {op}; a sparse (NaN-masked) load supports only "
+                f"{self._write_at(pos, name, tname)} wrote with {op}; a sparse (NaN-masked) "
+                "load supports only "
                 "same-shaped floating-point copy_ into parameters and buffers. This op "
                 f"wrote nothing{hint}{self._no_source_note(name, tname)}",
                 position=pos, name=name, reason="unsupported op", value=op,
             )
         if (
             not isinstance(src, torch.Tensor)
-            or tuple(src.shape) != tuple(dest.shape)
+            or src.shape != dest.shape
             or not src.is_floating_point()
             or not dest.is_floating_point()
             or not has_numbers(dest.dtype)  # (float4_e2m1fn_x2: no NaN to keep by)
@@ -3444,7 +3443,8 @@ class WriteSession:
             packed = ("" if has_numbers(dest.dtype) else
                       f", and {dest.dtype} elements are no numbers, with no NaN to keep by")
             raise ContractViolation(
-                f"{at} copied a {got} source into a {tuple(dest.shape)} {dest.dtype} view; "
+                f"{self._write_at(pos, name, tname)} copied a {got} source into a "
+                f"{tuple(dest.shape)} {dest.dtype} view; "
                 "a sparse load needs same-shaped floating-point copy_ (no broadcasting, no "
                 f"integer storage{packed}). This copy wrote nothing"
                 f"{self._no_source_note(name, tname)}",
@@ -3452,17 +3452,18 @@ class WriteSession:
                 value=(tuple(src.shape) if isinstance(src, torch.Tensor) else None,
                        tuple(dest.shape)),
             )
-        self._refuse_reinterpreted(src, pos, name, at, tname)
-        self._refuse_lost_numbers(src, dest.dtype, pos, name, at, tname)
+        self._refuse_reinterpreted(src, pos, name, tname)
+        self._refuse_lost_numbers(src, dest.dtype, pos, name, tname)
         region = Region.of(dest)
         earliers = self._call_regions.get(region.key)
         if earliers is None:
             earliers = self._call_regions[region.key] = _RegionIndex()
-        a0, a1 = region.extent()
+        a0, a1 = _byte_span(dest)  # (region.extent(), without its cached properties)
         for earlier in earliers.meeting(a0, a1, region):
             if region.overlaps(earlier):
                 raise ContractViolation(
-                    f"{at} wrote a {tuple(dest.shape)} view at element {toff} that overlaps "
+                    f"{self._write_at(pos, name, tname)} wrote a {tuple(dest.shape)} view at "
+                    f"element {toff} that overlaps "
                     "a view written earlier in the same call: overlapping runtime views "
                     "cannot be NaN-merged. The first write stays applied; this one wrote "
                     f"nothing{self._no_source_note(name, tname)}",
@@ -3471,8 +3472,15 @@ class WriteSession:
         earliers.add(region, a0, a1)
         self._call_fed[tname] = (pos, name) if name is not None else None
 
+    def _write_at(self, pos: int | None, name: str | None, tname: str) -> str:
+        """Where a refused sparse write happened, as its message begins: the call, the
+        patch it served (``name`` ``None``: none known) and the runtime tensor. (Made only
+        for an error: most writes pass.)"""
+        who = f"{where(pos, name)}, " if name is not None else ""
+        return f"load_weights (call {self._chunk}, {who}runtime tensor {tname!r})"
+
     def _refuse_reinterpreted(self, src: torch.Tensor, pos: int | None, name: str | None,
-                              at: str, tname: str) -> None:
+                              tname: str) -> None:
         """A sparse copy from ``src`` that reads a patch's bytes as another dtype than
         the one they hold (``w.view(torch.float64)`` of a float32 staged tensor, or of a
         copy of it: :class:`_Provenance` keeps that dtype): refused, since the staged NaN
@@ -3487,7 +3495,8 @@ class WriteSession:
             # reads w's own float32 elements)
             if e.dtype is not None and e.dtype.to_real() != src.dtype:
                 raise ContractViolation(
-                    f"{at} copied a {tuple(src.shape)} {src.dtype} source that reads "
+                    f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} "
+                    f"{src.dtype} source that reads "
                     f"patch data held as {e.dtype} as another dtype (a view such as "
                     f"`w.view({src.dtype})`): the NaN that marks 'keep' in a sparse patch "
                     f"is a {e.dtype} bit pattern, which {src.dtype} does not read as NaN, "
@@ -3519,7 +3528,7 @@ class WriteSession:
         return found
 
     def _refuse_lost_numbers(self, src: torch.Tensor, dtype: torch.dtype, pos: int | None,
-                             name: str | None, at: str, tname: str) -> None:
+                             name: str | None, tname: str) -> None:
         """A sparse copy from ``src`` into a runtime view of ``dtype`` (a floating dtype
         without infinities: float8 ``e4m3fn``, ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``):
         refused where a number of a patch reaches it as NaN, which the merge would read
@@ -3534,6 +3543,7 @@ class WriteSession:
         a scaled one, a gather), only this copy's own cast is checked."""
         if dtype in _CASTS_KEEP_NUMBERS or not dtype.is_floating_point or src.is_meta:
             return
+        at = self._write_at(pos, name, tname)
         s = src.detach()
         rows = Region.of(s)._rows()
         followed = [e for e in self.provenance.stretches(s)
