@@ -1931,9 +1931,6 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         s = self.s
-        who = None
-        if s._sparse:  # the one patch this op's arguments come from (an error names it)
-            who = s.provenance.source_of(args, kwargs)
         mutated = _mutated_args(func)
         if not mutated:
             out = func(*args, **kwargs)
@@ -1942,10 +1939,9 @@ class _Mode(TorchDispatchMode):
                     args[0], out, whole=True)
                 if not derived and not _is_view(func):
                     # A new tensor made from one patch's data (a cat, a gather, a flip, the
-                    # copy of a transposed view): that patch's, at no known offset.
-                    if not s._sparse:
-                        who = s.provenance.source_of(args, kwargs)
-                    s.provenance.taint(out, args, who)
+                    # copy of a transposed view): that patch's, at no known offset. (Its
+                    # source is looked up here only: most ops of a loader are views.)
+                    s.provenance.taint(out, args, s.provenance.source_of(args, kwargs))
             return out
         targets = []
         others = []
@@ -1966,6 +1962,8 @@ class _Mode(TorchDispatchMode):
                 if func is _COPY:
                     s.provenance.derive(args[1], args[0], whole=False)
             return out
+        # the one patch this op's arguments come from (an error of a sparse call names it)
+        who = s.provenance.source_of(args, kwargs) if s._sparse else None
         return s._runtime_write(func, args, kwargs, targets, who)
 
 
