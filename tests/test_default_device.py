@@ -8,6 +8,8 @@ and fail the first time it met a CPU tensor.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -103,3 +105,36 @@ def test_the_nan_check_of_a_sparse_patchs_dtype_stays_on_the_cpu(monkeypatch):
         validate_patches([p])
     validate_patches([p])
     assert patchkit.patch._STAGEABLE[(torch.bfloat16, torch.bfloat16, True)] is True
+
+
+def test_the_flags_of_short_sparse_patches_stay_on_the_cpu():
+    # (a short CPU index list is checked as Python ints, and its row of flags is one of a
+    # few made once: made on the default device, the first one made under a meta default
+    # would be a meta tensor, which the CPU rows it is stacked with, and every later
+    # validation that reused it, could not take)
+    import patchkit.patch
+    from patchkit.patch import validate_patches
+
+    def sparse(values, indices):
+        return patchkit.CheckpointWeightPatch(
+            "w", (4,), torch.float32, torch.tensor(values, device="cpu"),
+            torch.tensor(indices, device="cpu"))
+
+    cases = [(sparse([1.0, 2.0], [0, 1]), None),
+             (sparse([1.0, 2.0], [1, 1]), "duplicate"),
+             (sparse([1.0, 2.0], [1, 4]), "out-of-range"),
+             (sparse([1.0, float("nan")], [1, 2]), "NaN")]
+    patchkit.patch._flag_row.cache_clear()  # (as in a fresh process)
+    try:
+        for meta in (True, False):
+            for p, reason in cases:
+                with torch.device("meta") if meta else contextlib.nullcontext():
+                    if reason is None:
+                        assert validate_patches([p, p._replace(name="v")]) == "sparse"
+                        continue
+                    with pytest.raises(ValueError) as e:
+                        validate_patches([p._replace(name="v", indices=torch.tensor(
+                            [0, 1], device="cpu"), values=torch.ones(2, device="cpu")), p])
+                    assert (e.value.position, e.value.reason) == (1, reason)
+    finally:
+        patchkit.patch._flag_row.cache_clear()

@@ -291,3 +291,22 @@ def test_validating_sorted_sparse_patches_on_the_device_passes_waits_once():
     with device_passes():
         assert host_waits_of(lambda: validate_patches(patches)) == 1
     assert host_waits_of(lambda: validate_patches(patches)) == 1 + len(patches)  # (CPU)
+
+
+def test_validating_short_sparse_patches_on_the_device_passes_waits_once():
+    # (a short index list is read as Python ints on the CPU, where reading costs nothing;
+    # on a device that makes the host wait, that read would wait once per patch)
+    from patchkit.patch import validate_patches
+
+    g = torch.Generator().manual_seed(7)
+    patches = [CheckpointWeightPatch(f"w{i}", (16, 16), torch.float32,
+                                     torch.randn(8, generator=g),
+                                     torch.randperm(256, generator=g)[:8])
+               for i in range(6)]
+    with device_passes():
+        assert host_waits_of(lambda: validate_patches(patches)) == 1
+    bad = [*patches[:3], patches[3]._replace(indices=patches[3].indices.flip(0).clone()
+                                             .index_fill_(0, torch.tensor([0]), 999))]
+    with device_passes(), pytest.raises(ValueError, match="out-of-range index 999") as e:
+        validate_patches(bad)
+    assert (e.value.position, e.value.reason) == (3, "out-of-range")
