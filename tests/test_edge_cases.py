@@ -2371,3 +2371,83 @@ def test_a_call_of_exactly_five_patches_is_named_by_all_five():
     assert str(e.value).startswith(
         "load_weights (call 0, " + ", ".join(f"patch {i} ('w{i}')" for i in range(5))
         + ") returned ['w0', 'w1', 'w2', 'w3', 'w4'] without copying")
+
+
+# -- a sparse write's refusals name where they happened (intercept.py) -----------------
+
+
+class _TwoCopies(nn.Module):
+    """One weight ``w`` of ``shape`` and ``dtype``; ``first`` and ``second``: ``(into,
+    src)``, a copy of ``src(t)`` into ``into(w)``. A patch named ``w`` makes both copies
+    (``second`` ``None``: the first only), a patch of another name the first only."""
+
+    def __init__(self, shape, dtype, first, second=None):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(*shape).to(dtype), requires_grad=False)
+        self.first, self.second = first, second
+
+    def load_weights(self, weights):
+        for n, t in weights:
+            for how in (self.first, self.second) if n == "w" else (self.first,):
+                if how is not None:
+                    into, src = how
+                    into(self.w.data).copy_(src(t))
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize(("shape", "how", "shapes"), [
+    # (as many elements as the view, but another shape: a broadcast that copies 4 into 4)
+    pytest.param((1, 4), (lambda w: w, lambda t: t.reshape(-1)), ((4,), (1, 4)), id="(4,)->(1,4)"),
+    # (the same first dimension, but another second one: a broadcast of a column)
+    pytest.param((2, 3), (lambda w: w, lambda t: t[:, :1]), ((2, 1), (2, 3)), id="(2,1)->(2,3)"),
+])
+def test_a_sparse_copy_that_is_not_same_shaped_is_refused_whatever_its_element_count(
+        shape, how, shapes):
+    # A broadcast copy merges no NaN-masked patch element for element, even where it
+    # copies as many elements as the view holds, or keeps the view's first dimension
+    m = _TwoCopies(shape, torch.float32, how)
+    p = CWP("w", shape, torch.float32, torch.tensor([2.0]), torch.tensor([1]))
+    with pytest.raises(patchkit.ContractViolation) as e:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert str(e.value).startswith(
+        f"load_weights (call 0, patch 0 ('w'), runtime tensor 'w') copied a {shapes[0]} "
+        f"torch.float32 source into a {shapes[1]} torch.float32 view")
+    assert (e.value.reason, e.value.value) == ("same-shaped floating-point", shapes)
+    assert m.w.detach().eq(1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_runtime_views_that_share_one_element_are_refused_naming_the_patch(dtype):
+    # (elements 0-2, then 2-4: they meet in element 2 only, which for a one-byte dtype is
+    # one byte; the error names the patch and the tensor, as every refused write does)
+    m = _TwoCopies((8,), dtype, (lambda w: w[0:3], lambda t: t[0:3]),
+                   (lambda w: w[2:5], lambda t: t[2:5]))
+    other = CWP("v", (8,), dtype, torch.tensor([3.0]), torch.tensor([0]))
+    p = CWP("w", (8,), dtype, torch.tensor([2.0, 0.5]), torch.tensor([1, 3]))
+    with pytest.raises(patchkit.ContractViolation) as e:
+        patchkit.load_checkpoint_weight_patches(m, [other, p], max_chunk_bytes=8)
+    assert str(e.value).startswith(
+        "load_weights (call 1, patch 1 ('w'), runtime tensor 'w') wrote a (3,) view at "
+        "element 2 that overlaps a view written earlier in the same call")
+    assert (e.value.position, e.value.name, e.value.reason) == (
+        1, "w", "overlapping runtime views")
+    # (the first load and the first view of the second stay, as a failed call's writes do)
+    assert m.w.detach().float().tolist() == [3.0, 2.0] + [1.0] * 6
+
+
+@pytest.mark.parametrize("how", [
+    pytest.param(lambda t: t.narrow(0, 2, 2), id="rows of the staged tensor"),
+    pytest.param(lambda t: t.narrow(0, 2, 2) * 2, id="a source of no known offset"),
+])
+def test_a_number_lost_in_the_runtime_dtype_is_refused_naming_the_patch_and_tensor(how):
+    # (its message starts as every refused sparse write's does: the call, the patch, the
+    # runtime tensor; the patch is named though the call loads two)
+    m = _Fp8Copies(how, (2, 4))
+    other = CWP("v", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([0]))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([0.5, 1e6]), torch.tensor([9, 13]))
+    with pytest.raises(ValueError) as e:
+        patchkit.load_checkpoint_weight_patches(m, [other, p], max_chunk_bytes=64)
+    assert str(e.value).startswith(
+        "load_weights (call 1, patch 1 ('w'), runtime tensor 'w') copied a torch.float32 "
+        "source into a torch.float8_e4m3fnuz view, where the value")
+    assert (e.value.position, e.value.name, e.value.reason) == (1, "w", "NaN in the runtime dtype")
