@@ -156,7 +156,7 @@ def _byte_count(text: str) -> int:
 def _figure_count(text: str) -> int:
     """``--max-density-figures``: a whole number, 0 or more (else argparse's usage
     error, exit 2, naming what was given)."""
-    if re.fullmatch(r"\s*\+?[0-9]+\s*", text):
+    if re.fullmatch(r"\s*\+?[0-9](_?[0-9])*\s*", text):  # (as int() reads one: 1_000)
         return int(text)
     raise argparse.ArgumentTypeError(f"{text!r} is not a count of figures: write a whole "
                                      "number, 0 or more")

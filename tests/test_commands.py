@@ -1260,7 +1260,8 @@ def test_the_page_of_a_file_without_sparse_patches_has_no_table_and_one_with_hea
     assert page.index("</table>") < page.index("<h2>figures</h2>") < page.index("<figure ")
 
 
-@pytest.mark.parametrize(("text", "count"), [("0", 0), ("+2", 2), (" 3 ", 3), ("007", 7)])
+@pytest.mark.parametrize(("text", "count"), [("0", 0), ("+2", 2), (" 3 ", 3), ("007", 7),
+                                             ("1_000", 1000)])
 def test_inspect_max_density_figures_takes_a_whole_number_as_int_does(text, count):
     # (mutation testing: a "+2" refused passed every test)
     from patchkit.__main__ import _figure_count
@@ -1268,7 +1269,7 @@ def test_inspect_max_density_figures_takes_a_whole_number_as_int_does(text, coun
     assert _figure_count(text) == count
 
 
-@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+@pytest.mark.parametrize("value", ["-1", "two", "1.5", "1__0", "_1", "1_"])
 def test_inspect_max_density_figures_must_be_a_count(value, tmp_path, capsys):
     from patchkit.__main__ import main
 
