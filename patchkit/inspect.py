@@ -1188,13 +1188,9 @@ class _KeptError:
         """``None`` when ``error`` pickles and unpickles here (its ``report``, and any
         reference to ``report``, taken as given), else what stands in for it."""
         out = io.BytesIO()
-        pickler = pickle.Pickler(out, pickle.HIGHEST_PROTOCOL)
-        pickler.persistent_id = lambda obj: "report" if obj is report else None
         try:
-            pickler.dump(error)
-            unpickler = pickle.Unpickler(io.BytesIO(out.getvalue()))
-            unpickler.persistent_load = lambda pid: report
-            unpickler.load()
+            _ReportByReference(out, report).dump(error)
+            _ReportByReference.Reader(io.BytesIO(out.getvalue()), report).load()
         except Exception as e:  # (any: a user's exception's pickle can raise anything)
             return cls(_error_text(error, 400), f"{type(e).__name__}: {e}")
         return None
@@ -1202,6 +1198,28 @@ class _KeptError:
     def restore(self) -> RuntimeError:
         return RuntimeError(f"{self.text} (the load's exception, which a pickle could not "
                             f"keep: {self.why})")
+
+
+class _ReportByReference(pickle.Pickler):
+    """A pickler that writes ``report`` as a reference (its own pickle is not tried
+    again), and :class:`Reader`, which reads that reference back as ``report``. (As
+    methods of subclasses: Python 3.13 made ``persistent_id`` and ``persistent_load``
+    read-only on the picklers' instances, where assigning them worked before.)"""
+
+    def __init__(self, file: io.BytesIO, report: LoadReport) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.report = report
+
+    def persistent_id(self, obj: object) -> str | None:
+        return "report" if obj is self.report else None
+
+    class Reader(pickle.Unpickler):
+        def __init__(self, file: io.BytesIO, report: LoadReport) -> None:
+            super().__init__(file)
+            self.report = report
+
+        def persistent_load(self, pid: object) -> LoadReport:
+            return self.report
 
 
 def _error_text(error: BaseException, limit: int = 160) -> str:
