@@ -3541,7 +3541,8 @@ class WriteSession:
         a scaled one, a gather), only this copy's own cast is checked."""
         if dtype in _CASTS_KEEP_NUMBERS or not dtype.is_floating_point or src.is_meta:
             return
-        at = self._write_at(pos, name, tname)
+        # (the message's start, made only for a refusal: most float8 writes pass)
+        at = functools.partial(self._write_at, pos, name, tname)
         s = src.detach()
         rows = Region.of(s)._rows()
         followed = [e for e in self.provenance.stretches(s)
@@ -3564,7 +3565,8 @@ class WriteSession:
                                dtype, pos, name, at, tname)
 
     def _refuse_lost_entries(self, s: torch.Tensor, dtype: torch.dtype, e: _Source,
-                             rows: tuple[int, int], at: str, tname: str) -> None:
+                             rows: tuple[int, int], at: Callable[[], str], tname: str
+                             ) -> None:
         """:meth:`_refuse_lost_numbers` for the part of a source ``s`` (rows of ``L``
         elements ``S`` apart: ``rows``) in stretch ``e``, whose storage element ``k`` holds
         checkpoint element ``k - e.base`` of its patch: the patch's entries there that
@@ -3604,11 +3606,11 @@ class WriteSession:
         return int(flat[0]), False
 
     def _lost_error(self, value: float, index: int, traced: bool, src_dtype: torch.dtype,
-                    dtype: torch.dtype, pos: int | None, name: str | None, at: str,
-                    tname: str) -> PatchValueError:
+                    dtype: torch.dtype, pos: int | None, name: str | None,
+                    at: Callable[[], str], tname: str) -> PatchValueError:
         where_ = f"checkpoint index {index}" if traced else f"element {index} of the source"
         return PatchValueError(
-            f"{at} copied a {src_dtype} source into a {dtype} view, where the value "
+            f"{at()} copied a {src_dtype} source into a {dtype} view, where the value "
             f"{value!r} at {where_} arrives as NaN (the runtime dtype, or a cast the loader "
             "made before, cannot hold it), which a sparse load reads as 'keep', so this "
             "update would be lost. Send this weight dense, or with values the runtime dtype "
