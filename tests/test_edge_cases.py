@@ -2211,17 +2211,25 @@ def test_a_refused_model_is_named_with_the_kind_of_load_refused(kind):
     assert m.w.eq(0).all()
 
 
+class _QuietUntil(PlainModel):
+    """Returns each call's names and writes nothing patchkit sees, until a call is sent
+    weight ``fail``: that call raises ``KeyError(fail)``."""
+
+    def __init__(self, shapes, fail: str) -> None:
+        super().__init__(shapes)
+        self.fail = fail
+
+    def load_weights(self, weights):
+        names = [name for name, _ in weights]
+        if self.fail in names:
+            raise KeyError(self.fail)
+        return names
+
+
 def test_a_rollback_counts_the_other_calls_that_returned_names_without_a_write():
     # two calls return their names and write nothing patchkit sees; the third raises: the
     # rollback's warning names the first of them and counts the other
-    class Quiet(PlainModel):
-        def load_weights(self, weights):
-            names = [n for n, _ in weights]
-            if "c" in names:
-                raise KeyError("c")
-            return names
-
-    m = Quiet({n: (4,) for n in "abc"})
+    m = _QuietUntil({n: (4,) for n in "abc"}, "c")
     ps = [CWP(n, (4,), torch.float32, torch.ones(4)) for n in "abc"]
     with pytest.warns(UserWarning, match=r"load_weights \(call 0, patch 0 \('a'\)\) returned "
                       r"\['a'\] without a write it saw \(and 1 other call alike\): "), \
@@ -2334,15 +2342,8 @@ def test_a_call_of_many_patches_that_wrote_nothing_is_named_by_its_first_few():
 
     n = 2000
 
-    class Quiet(PlainModel):
-        def load_weights(self, weights):
-            names = [name for name, _ in weights]
-            if "last" in names:
-                raise KeyError("last")
-            return names
-
     shapes = {f"w{i:04d}": (2,) for i in range(n)}
-    m = Quiet(shapes)
+    m = _QuietUntil(shapes, "last")
     sparse = [CWP(k, (2,), torch.float32, torch.ones(1), torch.tensor([0])) for k in shapes]
     call = (r"load_weights \(call 0, patch 0 \('w0000'\), patch 1 \('w0001'\), patch 2 "
             r"\('w0002'\), patch 3 \('w0003'\), patch 4 \('w0004'\), and 1995 more\) returned "
@@ -2350,7 +2351,7 @@ def test_a_call_of_many_patches_that_wrote_nothing_is_named_by_its_first_few():
     with pytest.raises(ContractViolation, match="^" + call + "copying into any runtime") as e:
         patchkit.load_checkpoint_weight_patches(m, sparse)
     assert len(str(e.value)) < 1000
-    m = Quiet({**shapes, "last": (2,)})
+    m = _QuietUntil({**shapes, "last": (2,)}, "last")
     dense = [CWP(k, (2,), torch.float32, torch.ones(2)) for k in [*shapes, "last"]]
     with pytest.warns(UserWarning, match=call + "a write it saw") as w, pytest.raises(KeyError):
         patchkit.load_checkpoint_weight_patches(m, dense, transactional=True,

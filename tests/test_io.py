@@ -1374,24 +1374,32 @@ def test_a_file_that_cannot_be_opened_says_why(tmp_path, monkeypatch):
         assert e.value.reason == "unreadable"
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.EIO])
-def test_a_write_that_fails_is_an_oserror_naming_the_path_and_leaves_the_old_file(
-        tmp_path, monkeypatch, code):
+def _a_save_that_fails_after_writing(tmp_path, monkeypatch, error):
+    """``(path, old bytes, patches)``: a patch file saved at ``path``, and patches whose
+    save over it writes the temporary file whole, then raises ``error(filename)``."""
     import patchkit.io as pk_io
 
     path = tmp_path / "p.safetensors"
     p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
     save_patches(path, p)
-    old = path.read_bytes()
     real = pk_io._write_safetensors
 
-    def partial(filename, tensors, metadata):
-        real(filename, tensors, metadata)  # (written, then the disk says no)
-        raise OSError(code, os.strerror(code), filename)
+    def failing(filename, tensors, metadata):
+        real(filename, tensors, metadata)
+        raise error(filename)
 
-    monkeypatch.setattr(pk_io, "_write_safetensors", partial)
+    monkeypatch.setattr(pk_io, "_write_safetensors", failing)
+    return path, path.read_bytes(), [p[0]._replace(values=torch.zeros(1))]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.EIO])
+def test_a_write_that_fails_is_an_oserror_naming_the_path_and_leaves_the_old_file(
+        tmp_path, monkeypatch, code):
+    # (written, then the disk says no)
+    path, old, new = _a_save_that_fails_after_writing(
+        tmp_path, monkeypatch, lambda filename: OSError(code, os.strerror(code), filename))
     with pytest.raises(OSError) as info:
-        save_patches(path, [p[0]._replace(values=torch.zeros(1))])
+        save_patches(path, new)
     e = info.value
     assert e.errno == code and e.filename == str(path)
     assert ".tmp" not in str(e).replace(str(path), "")  # (TMPDIR may hold ".tmp")
@@ -2534,19 +2542,8 @@ def test_a_save_interrupted_by_an_exception_that_is_no_error_leaves_no_temporary
         tmp_path, monkeypatch, stop):
     # (Ctrl-C, or SIGTERM turned into SystemExit, while the file is written: the old file
     # stays and the temporary is removed, as for any failed save)
-    import patchkit.io as pk_io
-
-    path = tmp_path / "p.safetensors"
-    p = [CheckpointWeightPatch("w", (1,), torch.float32, torch.ones(1))]
-    save_patches(path, p)
-    old = path.read_bytes()
-    real = pk_io._write_safetensors
-
-    def interrupted(filename, tensors, metadata):
-        real(filename, tensors, metadata)
-        raise stop()
-
-    monkeypatch.setattr(pk_io, "_write_safetensors", interrupted)
+    path, old, new = _a_save_that_fails_after_writing(
+        tmp_path, monkeypatch, lambda filename: stop())
     with pytest.raises(stop):
-        save_patches(path, [p[0]._replace(values=torch.zeros(1))])
+        save_patches(path, new)
     assert path.read_bytes() == old and os.listdir(tmp_path) == ["p.safetensors"]

@@ -89,6 +89,16 @@ def _stderr_of(fn, monkeypatch, terminal: bool = False) -> str:
     return buf.getvalue()
 
 
+def _loaded(model, after, monkeypatch, progress, terminal: bool = False):
+    """``(stderr, report)`` of ``inspect_load`` of ``after``'s dense patches in calls of
+    ``BUDGET`` bytes, with ``progress``, writing to a terminal or a log file."""
+    reports = []
+    out = _stderr_of(lambda: reports.append(inspect_load(
+        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=progress)),
+        monkeypatch, terminal)
+    return out, reports[0]
+
+
 def test_true_shows_nothing_for_a_load_shorter_than_show_after(setup, monkeypatch):
     model, _ckpt, after = setup
     monkeypatch.setattr(progress_mod, "SHOW_AFTER", float("inf"))
@@ -100,11 +110,8 @@ def test_true_shows_nothing_for_a_load_shorter_than_show_after(setup, monkeypatc
 def test_true_draws_one_rewriting_line_that_ends_with_the_totals(setup, monkeypatch):
     model, _ckpt, after = setup
     monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
-    reports = []
-    out = _stderr_of(lambda: reports.append(inspect_load(
-        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch,
-        terminal=True)
-    calls = len(reports[0].calls)
+    out, report = _loaded(model, after, monkeypatch, True, terminal=True)
+    calls = len(report.calls)
     assert calls == len(patchkit.plan_chunks(dense_patches(after), BUDGET)) > 3
     assert out.startswith("\rinspect_load: 1/") and out.endswith("\n")
     assert out.count("\n") == 1  # one line, rewritten with \r
@@ -155,10 +162,8 @@ def test_off_a_terminal_a_short_load_writes_its_final_status_once(setup, monkeyp
     # (a log file: no carriage returns, one line)
     model, _ckpt, after = setup
     monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
-    reports = []
-    out = _stderr_of(lambda: reports.append(inspect_load(
-        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch)
-    calls = len(reports[0].calls)
+    out, report = _loaded(model, after, monkeypatch, True)
+    calls = len(report.calls)
     assert calls > 3
     assert "\r" not in out and out.count("\n") == 1 and out.endswith("\n")
     assert out.startswith(f"inspect_load: {calls}/{calls} calls, ")
@@ -170,10 +175,8 @@ def test_off_a_terminal_a_long_load_writes_a_line_at_a_time_and_the_end_once(
     monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
     monkeypatch.setattr(progress_mod, "LOG_EVERY", 0.0)  # (a line for every call)
     monkeypatch.setattr(progress_mod, "_EVERY", 0.0)
-    reports = []
-    out = _stderr_of(lambda: reports.append(inspect_load(
-        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch)
-    calls = len(reports[0].calls)
+    out, report = _loaded(model, after, monkeypatch, True)
+    calls = len(report.calls)
     lines = out.splitlines()
     assert "\r" not in out and out.endswith("\n")
     assert [line.split(" calls, ")[0] for line in lines] == [
@@ -507,11 +510,8 @@ def test_a_bar_shows_from_show_after_and_is_redrawn_at_most_every_so_often(setup
     model, _ckpt, after = setup
     monkeypatch.setattr(progress_mod, "time", _Clock())
     monkeypatch.setattr(progress_mod, "_EVERY", 0.5)
-    reports = []
-    out = _stderr_of(lambda: reports.append(inspect_load(
-        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch,
-        terminal=True)
-    calls = len(reports[0].calls)
+    out, report = _loaded(model, after, monkeypatch, True, terminal=True)
+    calls = len(report.calls)
     assert calls > 5
     shown = [f.split(" calls, ")[0] for f in _frames(out)]
     assert shown == [f"inspect_load: {k}/{calls}" for k in range(2, calls + 1, 2)] + [
@@ -525,10 +525,8 @@ def test_off_a_terminal_lines_come_log_every_seconds_from_the_start_and_the_end_
     # 0.25 s apart, too soon for another, and the final status, which differs, follows)
     model, _ckpt, after = setup
     monkeypatch.setattr(progress_mod, "time", _Clock(progress_mod.LOG_EVERY))
-    reports = []
-    out = _stderr_of(lambda: reports.append(inspect_load(
-        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch)
-    calls = len(reports[0].calls)
+    out, report = _loaded(model, after, monkeypatch, True)
+    calls = len(report.calls)
     assert calls > 3
     assert "\r" not in out
     assert [ln.split(" calls, ")[0] for ln in out.splitlines()] == [
@@ -576,10 +574,8 @@ def test_in_a_kernel_without_ipywidgets_the_line_rewrites_itself(setup, monkeypa
     monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
     monkeypatch.setattr(progress_mod, "_in_kernel", lambda: True)
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # (its import: ImportError)
-    reports = []
-    out = _stderr_of(lambda: reports.append(inspect_load(
-        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=True)), monkeypatch)
-    calls = len(reports[0].calls)
+    out, report = _loaded(model, after, monkeypatch, True)
+    calls = len(report.calls)
     assert out.startswith("\rinspect_load: ") and out.endswith("\n")
     assert _frames(out)[-1].startswith(f"inspect_load: {calls}/{calls} calls, ")
 
@@ -734,8 +730,5 @@ def test_in_a_kernel_an_ipywidgets_that_fails_to_import_gets_the_rewriting_line(
 def test_false_or_none_shows_nothing(setup, monkeypatch, off):
     model, _ckpt, after = setup
     monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
-    reports = []
-    out = _stderr_of(lambda: reports.append(inspect_load(
-        model, dense_patches(after), max_chunk_bytes=BUDGET, progress=off)), monkeypatch,
-        terminal=True)
-    assert out == "" and reports[0].error is None and len(reports[0].calls) > 3
+    out, report = _loaded(model, after, monkeypatch, off, terminal=True)
+    assert out == "" and report.error is None and len(report.calls) > 3
