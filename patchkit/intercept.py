@@ -3691,17 +3691,16 @@ class WriteSession:
                 value=tuple(dest.stride()),
             )
 
-    def _no_source_note(self, name: str | None, tname: str, shown: int = 4) -> str:
+    def _no_source_note(self, name: str | None, tname: str, shown: int = 5) -> str:
         """What a refused op's error adds when it names no patch (``name`` is ``None``):
         the op had none as its source, and which of the call's patches (the first
         ``shown``) it served is not known; and which patch the call last copied into
         runtime tensor ``tname``, where one did. Nothing when it names one."""
         if name is not None:
             return ""
-        listed = ", ".join(where(p, n) for p, n in self._call_patches[:shown])
-        more = len(self._call_patches) - shown
-        if more > 0:
-            listed += f" and {more} more"
+        listed = _patches_named([-1 if p is None else p for p, _ in self._call_patches[:shown]],
+                                [n for _, n in self._call_patches[:shown]],
+                                len(self._call_patches), shown)
         fed = self._call_fed.get(tname)
         last = (f" (before this op, the call last copied {where(*fed)} into runtime tensor "
                 f"{tname!r})" if fed is not None else "")
@@ -3892,14 +3891,23 @@ def _first_named(positions: Sequence[int], names: Sequence[str], shown: int
     return parts, len(positions) - shown
 
 
+def _patches_named(positions: Sequence[int], names: Sequence[str], count: int,
+                   most: int = 5) -> str:
+    """``"patch 4 ('a'), patch 5 ('b'), and 3 more"``: how every message names the patches
+    of a call (``count`` of them; ``positions`` and ``names`` of at least its first
+    ``most``), by its first ``most``, then how many more (a call may carry thousands)."""
+    named, _ = _first_named(positions, names, most)
+    if count > most:
+        named.append(f"and {count - most} more")
+    return ", ".join(named)
+
+
 def _call_named(chunk: int, positions: Sequence[int], staged: Sequence[tuple[str, Any]],
                 most: int = 5) -> str:
     """``"load_weights (call 2, patch 4 ('a'), patch 5 ('b'))"``: how a message names a
-    call, by its first ``most`` patches, then how many more (a call may carry thousands)."""
-    named, more = _first_named(positions, [n for n, _ in staged[:most]], most)
-    if more > 0:
-        named.append(f"and {more} more")
-    return f"load_weights (call {chunk}, {', '.join(named)})"
+    call, by its first ``most`` patches (:func:`_patches_named`)."""
+    named = _patches_named(positions, [n for n, _ in staged[:most]], len(positions), most)
+    return f"load_weights (call {chunk}, {named})"
 
 
 def _returned_text(names: Sequence[str], most: int = 5) -> str:

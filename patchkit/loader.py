@@ -23,7 +23,8 @@ from .intercept import (
     RuntimeIndex,
     WriteRecorder,
     WriteSession,
-    _first_named,
+    _call_named,
+    _patches_named,
     _registers_twice,
     _returned_text,
     named_tensors,
@@ -616,14 +617,13 @@ def _note_the_call(exc: BaseException, chunk: Chunk) -> None:
     """Add to an error the model's ``load_weights`` raised (its own ``KeyError`` for a
     name it lacks, torch's for a shape it cannot take, a Ctrl-C) a note (Python 3.11+)
     naming the call and the patches it was sent: ``"(raised in load_weights call 2, sent
-    patch 4 ('a'), patch 5 ('b'))"``, the first three and how many more. The error is
+    patch 4 ('a'), patch 5 ('b'))"``, the first five and how many more. The error is
     otherwise as raised. patchkit's own errors (a :class:`~patchkit.errors.PatchError`:
     a write refused inside the call, a return value outside the contract) name their
     patch already and get none."""
     if isinstance(exc, PatchError) or not hasattr(exc, "add_note"):
         return
-    parts, more = _first_named(chunk.positions, chunk.names, 3)
-    sent = ", ".join(parts) + (f" and {more} more" if more > 0 else "")
+    sent = _patches_named(chunk.positions, chunk.names, len(chunk.positions))
     exc.add_note(f"(raised in load_weights call {chunk.index}, sent {sent})")
 
 
@@ -794,7 +794,8 @@ def _names(returned: Any, chunk: Chunk | None = None) -> set[str] | None:
     bad = stray[0] if stray else shown
     what = (f"a {type(bad).__name__} among its names, {bad!r}"[:80] if stray
             else f"{shown!r}"[:80])
-    call = "load_weights" if chunk is None else f"load_weights ({_call_text(chunk)})"
+    call = ("load_weights" if chunk is None
+            else _call_named(chunk.index, chunk.positions, [(n, None) for n in chunk.names[:5]]))
     # (the call's patch, where it carried one)
     one = chunk is not None and len(chunk.positions) == 1 and chunk.positions[0] >= 0
     raise ContractViolation(
@@ -807,9 +808,3 @@ def _names(returned: Any, chunk: Chunk | None = None) -> set[str] | None:
         value=bad if isinstance(bad, int | float | str | bytes) else f"{bad!r}"[:80],
     )
 
-
-def _call_text(chunk: Chunk, shown: int = 3) -> str:
-    """``"call 2, patch 4 ('a'), patch 5 ('b')"``: how a message names a call, its first
-    ``shown`` patches, then how many more."""
-    parts, more = _first_named(chunk.positions, chunk.names, shown)
-    return ", ".join([f"call {chunk.index}", *parts] + ([f"{more} more"] if more > 0 else []))

@@ -200,14 +200,15 @@ def test_a_loader_may_return_names_in_any_iterable_or_none():
         assert model.a.tolist() == [1.0] * 4
 
 
-def test_many_patches_in_the_call_are_counted_past_the_first_three():
-    model = Returning({n: (1,) for n in "abcde"})
+def test_many_patches_in_the_call_are_counted_past_the_first_five():
+    model = Returning({n: (1,) for n in "abcdefg"})
     model.ret = 7
-    patches = [P(n, (1,), torch.float32, torch.ones(1)) for n in "abcde"]
+    patches = [P(n, (1,), torch.float32, torch.ones(1)) for n in "abcdefg"]
     with pytest.raises(ContractViolation) as e:
         load_checkpoint_weight_patches(model, patches)
     assert str(e.value).startswith(
-        "load_weights (call 0, patch 0 ('a'), patch 1 ('b'), patch 2 ('c'), 2 more) returned 7")
+        "load_weights (call 0, patch 0 ('a'), patch 1 ('b'), patch 2 ('c'), patch 3 ('d'), "
+        "patch 4 ('e'), and 2 more) returned 7")
     assert e.value.position is None  # (no one patch is at fault)
 
 

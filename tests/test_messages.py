@@ -288,3 +288,45 @@ def test_a_huge_path_holding_a_nul_is_cut_in_the_message_and_whole_on_the_error(
     text = _bounded(info.value)
     assert f"'\\x00{'p' * 195}...: the path holds a NUL character" in text
     assert (info.value.reason, info.value.value) == ("bad path", path)
+
+
+class _ZeroesTheLast(PlainModel):
+    """Copies each patch, then zeroes the last tensor in place: an op no patch fed."""
+
+    def load_weights(self, weights):
+        weights = list(weights)
+        loaded = super().load_weights(weights)
+        self._param(weights[-1][0]).data.zero_()
+        return loaded
+
+
+def test_a_call_of_many_patches_is_named_by_its_first_five_and_a_count_in_every_message():
+    # (a refused op that no patch fed listed the first four "and N more", a loader's own
+    # error's note the first three "and N more", a bad return value the first three ", N
+    # more", other refusals the first five ", and N more")
+    names = [f"w{i}" for i in range(7)]
+    five = ", ".join(f"patch {i} ('w{i}')" for i in range(5)) + ", and 2 more"
+    m = _ZeroesTheLast({n: (4,) for n in names})
+    sparse = [CWP(n, (4,), torch.float32, torch.ones(1), torch.tensor([0])) for n in names]
+    with pytest.raises(NotImplementedError) as refused:
+        patchkit.load_checkpoint_weight_patches(m, sparse)
+    assert f"the call's 7 patches ({five}) it served is not known" in str(refused.value)
+
+    class Returns7(PlainModel):
+        def load_weights(self, weights):
+            super().load_weights(weights)
+            return 7
+
+    dense = [CWP(n, (4,), torch.float32, torch.ones(4)) for n in names]
+    with pytest.raises(patchkit.ContractViolation) as returned:
+        patchkit.load_checkpoint_weight_patches(Returns7({n: (4,) for n in names}), dense)
+    assert str(returned.value).startswith(f"load_weights (call 0, {five}) returned 7")
+
+    class Raises(PlainModel):
+        def load_weights(self, weights):
+            raise KeyError("x")
+
+    if hasattr(KeyError(), "add_note"):
+        with pytest.raises(KeyError) as raised:
+            patchkit.load_checkpoint_weight_patches(Raises({n: (4,) for n in names}), dense)
+        assert raised.value.__notes__ == [f"(raised in load_weights call 0, sent {five})"]

@@ -61,23 +61,23 @@ class _KnowsOnly(PlainModel):
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 @pytest.mark.parametrize("how", ["dense", "sparse", "transactional", "inspect"])
 def test_an_error_of_the_models_own_loader_is_noted_with_the_call_and_its_patches(how):
-    m = _KnowsOnly({"a": (16,), "b": (4,), "c": (4,), "d": (4,)}, device="cpu")
+    m = _KnowsOnly({"a": (16,), **{n: (2,) for n in "bcdef"}}, device="cpu")
     sparse = how == "sparse"
 
-    def patch(name, n=4):
+    def patch(name, n=2):
         n = 16 if name == "a" else n
         return (CWP(name, (n,), torch.float32, torch.tensor([1.0]), torch.tensor([0]))
                 if sparse else CWP(name, (n,), torch.float32, torch.ones(n)))
 
-    # a budget of 64 B: call 0: a; call 1: b, c, the misspelt "dd", d; call 2: a again
-    ps = [patch("a"), patch("b"), patch("c"), patch("dd"), patch("d"), patch("a")]
+    # a budget of 64 B: call 0: a; call 1: b, c, the misspelt "dd", d, e, f; call 2: a again
+    ps = [patch(n) for n in ("a", "b", "c", "dd", "d", "e", "f", "a")]
     load = patchkit.inspect_load if how == "inspect" else patchkit.load_checkpoint_weight_patches
     kw = {"transactional": True} if how == "transactional" else {}
     with pytest.raises(KeyError, match="dd") as info:
         load(m, ps, max_chunk_bytes=64, **kw)
     assert info.value.__notes__ == [
-        "(raised in load_weights call 1, sent patch 1 ('b'), patch 2 ('c'), patch 3 ('dd') "
-        "and 1 more)"]
+        "(raised in load_weights call 1, sent patch 1 ('b'), patch 2 ('c'), patch 3 ('dd'), "
+        "patch 4 ('d'), patch 5 ('e'), and 1 more)"]
     assert info.value.args == ("dd",)  # (the error itself as the loader raised it)
     # A call of one patch; torch's shape error
     # (a sparse load refuses that copy itself, before torch sees it: patchkit's own error,
@@ -162,7 +162,7 @@ def test_a_kept_error_of_a_failed_call_does_not_keep_its_staged_tensors(kind, ho
     if sys.version_info >= (3, 11) and how == "raise":
         assert kept.__notes__ == [
             "(raised in load_weights call 0, sent patch 0 ('a'), patch 1 ('b'), patch 2 "
-            "('c') and 1 more)"]
+            "('c'), patch 3 ('d'))"]
     for p in ps:  # (the caller's patches are left as they were)
         assert p.values.tolist() == ([1.0] * 64 if kind == "dense cast" else [1.0])
 
