@@ -1683,6 +1683,34 @@ def test_resize_and_set_on_a_runtime_tensor_are_refused_in_a_sparse_load(write, 
     assert info.value.reason == "unsupported op" and info.value.value.startswith(op)
     assert m.w.shape == (3, 4) and m.w.detach().eq(1).all()
 
+def test_an_unsupported_op_from_one_of_a_calls_patches_is_refused_naming_that_patch():
+    # (mutation testing: the patch an op's arguments come from left unlooked-up for a
+    # sparse write passed every test; with two patches in the call and no copy_ source,
+    # the message then named no patch)
+    class IndexCopies(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(4), requires_grad=False)
+            self.b = nn.Parameter(torch.ones(4), requires_grad=False)
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                if name == "a":
+                    self.a.data.copy_(t)
+                else:
+                    self.b.data.index_copy_(0, torch.arange(4, device=t.device), t)
+            return {n for n, _ in weights}
+
+    ps = [CWP("a", (4,), torch.float32, torch.tensor([2.0]), torch.tensor([0])),
+          CWP("b", (4,), torch.float32, torch.tensor([3.0]), torch.tensor([1]))]
+    with pytest.raises(NotImplementedError) as info:
+        patchkit.load_checkpoint_weight_patches(IndexCopies(), ps)
+    e = info.value
+    assert (e.reason, e.position, e.name) == ("unsupported op", 1, "b")
+    assert str(e).startswith("load_weights (call 0, patch 1 ('b'), runtime tensor 'b') wrote "
+                             "with aten::index_copy_")
+
+
 # -- storage beside the runtime tensors (intercept.py, RuntimeIndex.owner) ----------------
 
 
