@@ -1753,13 +1753,13 @@ def _unknown_target(report: LoadReport, asked: str) -> ReportKeyError:
             into = list(dict.fromkeys(writes["target"][writes["name"] == asked]))
         except Exception:  # (a report whose tables cannot be read: no hint, the error stands)
             into = []
-        shown = ", ".join(repr(t) for t in into[:4]) + (", ..." if len(into) > 4 else "")
+        shown = ", ".join(map(quoted, into[:4])) + (", ..." if len(into) > 4 else "")
         hint = (f": it is a checkpoint name (a patch's), and its writes went to the runtime "
                 f"tensor{'s' if len(into) > 1 else ''} {shown} (report.writes says where)"
                 if into else ": it is a checkpoint name (a patch's), and the report saw no "
                 "write of it")
     if not hint:
-        known = ", ".join(repr(t) for t in list(report.targets)[:8])
+        known = ", ".join(map(quoted, list(report.targets)[:8]))
         hint = (f" (some are: {known})" if known else
                 " (it knows none: the model had no parameters or buffers, or it was not "
                 "made by a load)")

@@ -170,6 +170,39 @@ def test_a_report_asked_for_a_huge_name_cuts_it():
     assert _bounded(info.value).startswith(f"no patch named '{BIG[:199]}... in this report")
 
 
+def test_a_report_cuts_the_huge_names_it_lists_as_known():
+    # (the names a report lists after "some are:" or "its writes went to" were shown
+    # whole, by repr, for an unknown runtime name: a megabyte name, a megabyte message;
+    # and mutation testing: the patch names listed for an unknown patch shown by repr
+    # passed every test)
+    report = patchkit.inspect_load(PlainModel({BIG: (4,)}),
+                                   [CWP(BIG, (4,), torch.float32, torch.ones(4))])
+    cut = f"'{BIG[:199]}..."
+    with pytest.raises(KeyError) as info:
+        report.plot_density("x")
+    assert _bounded(info.value).endswith(f" (some are: {cut})")
+    with pytest.raises(KeyError) as info:
+        report.before("x")
+    assert _bounded(info.value).endswith(f" (some are: {cut})")
+
+    class Renames(torch.nn.Module):  # (patch 'a' loads into the runtime tensor BIG)
+        def __init__(self):
+            super().__init__()
+            self.register_parameter(BIG, torch.nn.Parameter(torch.zeros(4),
+                                                             requires_grad=False))
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                getattr(self, BIG).data.copy_(t)
+            return {BIG}
+
+    report = patchkit.inspect_load(Renames(), [CWP("a", (4,), torch.float32, torch.ones(4))])
+    with pytest.raises(KeyError) as info:
+        report.before("a")
+    assert f"its writes went to the runtime tensor {cut} (report.writes" in _bounded(
+        info.value)
+
+
 def _returning(names: set[str]) -> patchkit.ContractViolation:
     """The error of a sparse load into a model whose loader reads its weights, copies
     nothing and returns ``names``."""
