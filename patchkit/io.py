@@ -610,6 +610,8 @@ _NOT_REGULAR = [
 
 # (a path holding one is shown cut, at 200 characters of repr, as a value is)
 _NUL_IN_PATH = "the path holds a NUL character, which no file's path can hold"
+# (a path holding a lone surrogate, which os.fsencode refuses: shown cut as above)
+_NOT_A_FILE_NAME = "the path cannot be written as a file name"
 
 
 def _check_destination(dest: str, path: str) -> None:
@@ -626,8 +628,8 @@ def _check_destination(dest: str, path: str) -> None:
         os.fsencode(dest)
     except UnicodeEncodeError as e:  # (a lone surrogate: os.stat would raise it bare)
         raise PatchValueError(
-            f"cannot save patches to {brief(path, 200)}: the path cannot be written as a "
-            f"file name ({e})", reason="bad path", value=path,
+            f"cannot save patches to {brief(path, 200)}: {_NOT_A_FILE_NAME} ({e})",
+            reason="bad path", value=path,
         ) from None
     if dest.endswith(("/", os.sep)) and not os.path.isdir(dest):
         raise NotADirectoryError(
@@ -840,8 +842,10 @@ def _open(path: str, device: str = "cpu", *, keep: bool = False) -> Any:
                 # offending value: it names no file, and may be any text)
                 raise PatchValueError(f"patch file {brief(path, 200)}: {_NUL_IN_PATH}",
                                       reason="bad path", value=path) from None
-            # (a lone surrogate no file name can encode: UnicodeEncodeError)
-            raise _fail(path, f"cannot be opened: {e}", "unreadable") from None
+            # (a lone surrogate no file name can encode, UnicodeEncodeError: as
+            # save_patches says it, cut as above)
+            raise PatchValueError(f"patch file {brief(path, 200)}: {_NOT_A_FILE_NAME} ({e})",
+                                  reason="bad path", value=path) from None
         if not stat.S_ISREG(mode):
             raise _fail(path, "not a regular file", "not a file")
         try:

@@ -87,17 +87,37 @@ def test_reading_a_path_holding_a_nul_says_what_saving_to_it_says(tmp_path, read
 
 
 @pytest.mark.parametrize("read", [load_patches, read_patch_index])
-def test_reading_a_path_no_file_name_can_encode_does_not_say_it_holds_a_nul(tmp_path, read):
+def test_reading_a_path_no_file_name_can_encode_says_what_saving_to_it_says(tmp_path, read):
     # (os.stat's ValueError is also a lone surrogate's UnicodeEncodeError: the readers
-    # said such a path "holds a NUL character", which it does not)
+    # said such a path "holds a NUL character", which it does not; then "cannot be
+    # opened", reason "unreadable", where save_patches says "bad path")
     path = str(tmp_path / "a\ud800b.safetensors")
+    with pytest.raises(PatchValueError) as saved:
+        save_patches(path, [])
     with pytest.raises(PatchValueError) as info:
         read(path)
     e = info.value
     assert "NUL" not in str(e)
-    assert str(e).startswith(f"patch file {path!r}: cannot be opened: ")
+    assert str(e).startswith(f"patch file {path!r}: the path cannot be written as a file "
+                             "name (")
     assert "surrogates not allowed" in str(e)
-    assert (e.reason, e.value) == ("unreadable", path)
+    assert str(saved.value).endswith(str(e).split(": ", 1)[1])
+    assert (e.reason, e.value) == (saved.value.reason, path) == ("bad path", path)
+
+
+@pytest.mark.parametrize("fn", ["save", "load", "index"])
+def test_a_huge_path_no_file_name_can_encode_is_cut_in_the_message_and_whole_on_the_error(
+        fn):
+    # (the readers printed such a path whole, and mutation testing: save_patches' cut
+    # of it reverted to the path's whole repr passed every test)
+    path = "\ud800" + "p" * 10**6
+    run = {"save": lambda: save_patches(path, []), "load": lambda: load_patches(path),
+           "index": lambda: read_patch_index(path)}[fn]
+    with pytest.raises(PatchValueError) as info:
+        run()
+    assert f"'\\ud800{'p' * 193}...: the path cannot be written as a file name (" in _bounded(
+        info.value)
+    assert (info.value.reason, info.value.value) == ("bad path", path)
 
 
 def test_saving_to_a_path_no_file_name_can_encode_is_a_bad_path_naming_it(tmp_path):
