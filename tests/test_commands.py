@@ -1207,6 +1207,26 @@ def test_inspect_out_max_density_figures_draws_the_densest_and_says_what_it_left
         f"wrote 1 figure and index.html to {tmp_path / 'one'}")
 
 
+def test_inspect_out_of_a_file_of_no_patches_writes_its_page_and_says_0_figures(tmp_path,
+                                                                                 capsys):
+    # (mutation testing: the plural kept for 0 only where len(figures) > 1, "wrote 0
+    # figure", passed every test: no test wrote the page of an empty file)
+    from patchkit import save_patches
+    from patchkit.__main__ import main
+
+    f = tmp_path / "empty.safetensors"
+    save_patches(f, [])
+    for limit in ([], ["--max-density-figures", "0"]):
+        out = tmp_path / f"figs{len(limit)}"
+        assert main(["inspect", str(f), "--out", str(out), *limit]) == 0
+        printed = capsys.readouterr().out
+        assert printed.rstrip().endswith(f"wrote 0 figures and index.html to {out}")
+        assert "drawing the density figures" not in printed
+        assert os.listdir(out) == ["index.html"]
+        page = (out / "index.html").read_text()
+        assert "<table" not in page and "<figure" not in page and "<h2>" not in page
+
+
 def _entry(position: int, name: str, shape: tuple[int, ...], nnz: int, sparse: bool = True):
     import torch
 
@@ -1284,13 +1304,15 @@ def test_inspect_max_density_figures_must_be_a_count(value, tmp_path, capsys):
     assert not (tmp_path / "figs").exists()
 
 
-def test_inspect_max_density_figures_without_out_is_a_usage_error(tmp_path, capsys):
-    # (it bounds the figures --out draws: alone it would do nothing, silently)
+@pytest.mark.parametrize("count", ["3", "0"])
+def test_inspect_max_density_figures_without_out_is_a_usage_error(count, tmp_path, capsys):
+    # (it bounds the figures --out draws: alone it would do nothing, silently; mutation
+    # testing: 0, which is falsy, let through without --out passed every test)
     from patchkit.__main__ import main
 
     f = _graded_patch_file(tmp_path / "p.safetensors")
     with pytest.raises(SystemExit) as info:
-        main(["inspect", str(f), "--max-density-figures", "3"])
+        main(["inspect", str(f), "--max-density-figures", count])
     assert info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "--max-density-figures needs --out" in captured.err
