@@ -3155,10 +3155,11 @@ class WriteSession:
         hit = self.provenance.lookup(src)
         pos, name = (hit[0], hit[1]) if hit else (None, None)
         self.violations.append(ContractViolation(
-            f"load_weights (call {self._chunk}, {where(pos, name)}, runtime tensor {tname!r}) "
-            f"copied a NaN-masked sparse patch with a plain copy: {turned} elements that the "
-            "patch leaves unchanged (NaN in its staged tensor) are NaN in the model now. The "
-            "observed loader does not NaN-merge sparse patches; those elements are lost",
+            f"load_weights (call {self._chunk}, {where(pos, name)}, runtime tensor "
+            f"{quoted(tname)}) copied a NaN-masked sparse patch with a plain copy: {turned} "
+            "elements that the patch leaves unchanged (NaN in its staged tensor) are NaN in "
+            "the model now. The observed loader does not NaN-merge sparse patches; those "
+            "elements are lost",
             position=pos, name=name, reason="NaN copied", value=turned,
         ))
 
@@ -3475,7 +3476,7 @@ class WriteSession:
         patch it served (``name`` ``None``: none known) and the runtime tensor. (Made only
         for an error: most writes pass.)"""
         who = f"{where(pos, name)}, " if name is not None else ""
-        return f"load_weights (call {self._chunk}, {who}runtime tensor {tname!r})"
+        return f"load_weights (call {self._chunk}, {who}runtime tensor {quoted(tname)})"
 
     def _refuse_reinterpreted(self, src: torch.Tensor, pos: int | None, name: str | None,
                               tname: str) -> None:
@@ -3659,7 +3660,7 @@ class WriteSession:
             pos, name = self._fed_by(src, source)
             who = f"{where(pos, name)}, " if name is not None else ""
             raise ContractViolation(
-                f"load_weights (call {self._chunk}, {who}runtime tensor {tname!r}) wrote "
+                f"load_weights (call {self._chunk}, {who}runtime tensor {quoted(tname)}) wrote "
                 f"with {op} through a lazily {_lazy_kind(dest)} view of it (torch's flag, "
                 "as .conj() or .conj().imag set it): a sparse, transactional or inspected "
                 "load saves, merges and counts memory bit for bit, which such a view "
@@ -3680,7 +3681,7 @@ class WriteSession:
             pos, name = self._fed_by(src, source)
             who = f"{where(pos, name)}, " if name is not None else ""
             raise ContractViolation(
-                f"load_weights (call {self._chunk}, {who}runtime tensor {tname!r}) wrote "
+                f"load_weights (call {self._chunk}, {who}runtime tensor {quoted(tname)}) wrote "
                 f"with {op} through a {tuple(dest.shape)} view of strides "
                 f"{tuple(dest.stride())} whose elements share memory (overlapping windows, "
                 "as Tensor.unfold or as_strided make): which value stays where they meet "
@@ -3703,7 +3704,7 @@ class WriteSession:
                                 len(self._call_patches), shown)
         fed = self._call_fed.get(tname)
         last = (f" (before this op, the call last copied {where(*fed)} into runtime tensor "
-                f"{tname!r})" if fed is not None else "")
+                f"{quoted(tname)})" if fed is not None else "")
         return (". No patch is named: the op had no patch as its source, and which of "
                 f"the call's {len(self._call_patches)} patches ({listed}) it served is not "
                 f"known{last}")

@@ -383,3 +383,25 @@ def test_a_call_of_many_patches_is_named_by_its_first_five_and_a_count_in_every_
         with pytest.raises(KeyError) as raised:
             patchkit.load_checkpoint_weight_patches(Raises({n: (4,) for n in names}), dense)
         assert raised.value.__notes__ == [f"(raised in load_weights call 0, sent {five})"]
+
+
+class _CopiesThenFills(PlainModel):
+    """Copies the first half of each tensor, then fills the rest: an op no patch fed."""
+
+    def load_one(self, name, param, w):
+        param.data[:2].copy_(w[:2])
+        param.data[2:].fill_(0.0)
+
+
+def test_a_refused_ops_message_cuts_a_huge_runtime_tensor_name():
+    # (the runtime tensor's name was shown whole, by repr: a megabyte name made a megabyte
+    # message, where every patch name in it is cut)
+    long = "w" * 100_000
+    m = _CopiesThenFills({long: (4,), "b": (4,)})
+    patches = [CWP(n, (4,), torch.float32, torch.ones(1), torch.tensor([0])) for n in (long, "b")]
+    with pytest.raises(NotImplementedError, match="fill_") as refused:
+        patchkit.load_checkpoint_weight_patches(m, patches)
+    text = str(refused.value)
+    assert len(text) < 3000
+    assert text.count(f"runtime tensor {patchkit.errors.quoted(long)}") == 2  # (and the note)
+    assert refused.value.value == "aten::fill_.Scalar"
