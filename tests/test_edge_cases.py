@@ -865,7 +865,13 @@ def test_a_failed_sparse_call_has_its_rebinding_put_back(rebinding, observed):
     original = model.a
     patch = CWP("a", (4,), torch.float32, torch.tensor([7.0, 8.0]), torch.tensor([0, 2]))
     kw = {"loader": patchkit.load_checkpoint_weight_patches} if observed else {}
-    with pytest.raises(RuntimeError, match="no more today") as info:
+    # (Python 3.10 has no exception notes: the same words come as a UserWarning)
+    def said():
+        return (contextlib.nullcontext() if hasattr(BaseException, "add_note")
+                else pytest.warns(UserWarning, match=r"raised after it rebound or registered "
+                                  r"runtime tensors \('a'\), which may hold the staged NaN"))
+
+    with said(), pytest.raises(RuntimeError, match="no more today") as info:
         inspect_load(model, [patch], **kw)
     assert model.a is original and model.a.tolist() == [0.0] * 4
     assert model.b.tolist() == [7.0, 5.0, 8.0, 5.0]
@@ -881,7 +887,7 @@ def test_a_failed_sparse_call_has_its_rebinding_put_back(rebinding, observed):
     assert r.writes[["target", "op", "changed"]].values.tolist() == (
         [["b", "aten::copy_", 4]] + [["a", "rebind", 4]] * observed)
     assert list(r.deltas.index) == ["b"] and r.after("a").tolist() == [0.0] * 4
-    with pytest.raises(RuntimeError, match="no more today") as info:
+    with said(), pytest.raises(RuntimeError, match="no more today") as info:
         patchkit.load_checkpoint_weight_patches(model, [patch])
     assert model.a is original and model.a.tolist() == [0.0] * 4
 
