@@ -549,7 +549,7 @@ def _header_too_large(
     user_bytes = sum(len(k.encode("utf-8", "surrogatepass")) + len(v.encode(
         "utf-8", "surrogatepass")) for k, v in user.items())
     return PatchValueError(
-        f"cannot save patches to {path!r}: the file's header {problem}, more than the "
+        f"cannot save patches to {_path_text(path)}: the file's header {problem}, more than the "
         f"{_MAX_HEADER_BYTES} bytes safetensors allows; it describes {n} "
         f"patch{'' if n == 1 else 'es'} ({n_tensors} tensor{'' if n_tensors == 1 else 's'}) "
         f"with names of up to {longest} characters, and {user_bytes} bytes of user "
@@ -770,6 +770,17 @@ class _Bad(Exception):
 _THE_PATH = object()  # _fail's default value: the file's path
 
 
+# The longest path Linux opens (PATH_MAX): a message shows a path up to this whole, and
+# cuts only one no system could open (a megabyte of text passed as a path, say).
+_PATH_SHOWN = 4096
+
+
+def _path_text(path: str) -> str:
+    """``path`` as a message shows it: its ``repr``, whole for any path a system can
+    open, cut past :data:`_PATH_SHOWN` characters (``.value`` on the error keeps it)."""
+    return brief(path, _PATH_SHOWN + 2)  # (+ the repr's quotes)
+
+
 def _fail(
     path: str,
     problem: str,
@@ -783,7 +794,7 @@ def _fail(
     the patch the problem is in (``None`` for the whole file); ``value`` the offending
     value (by default the path, for a problem of the file as a whole)."""
     return PatchValueError(
-        f"patch file {path!r}: {problem}", position=position, name=name, reason=reason,
+        f"patch file {_path_text(path)}: {problem}", position=position, name=name, reason=reason,
         value=path if value is _THE_PATH else value,
     )
 
@@ -978,7 +989,7 @@ def _reading_failed(path: str, e: Exception) -> NoReturn:
     PatchValueError naming it."""
     if _out_of_memory(e):
         if hasattr(e, "add_note"):
-            e.add_note(f"(raised reading patch file {path!r})")
+            e.add_note(f"(raised reading patch file {_path_text(path)})")
         raise e
     raise _fail(path, f"unreadable: {e}") from None
 
@@ -1269,7 +1280,7 @@ def _validated(path: str, patches: list[CheckpointWeightPatch], positions: list[
         validate_patches(patches, positions=positions)
     except PatchError as e:
         raise PatchValueError(
-            f"patch file {path!r}: {e}", position=e.position, name=e.name,
+            f"patch file {_path_text(path)}: {e}", position=e.position, name=e.name,
             reason=e.reason, value=e.value,
         ) from None
 

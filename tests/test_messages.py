@@ -405,3 +405,21 @@ def test_a_refused_ops_message_cuts_a_huge_runtime_tensor_name():
     assert len(text) < 3000
     assert text.count(f"runtime tensor {patchkit.errors.quoted(long)}") == 2  # (and the note)
     assert refused.value.value == "aten::fill_.Scalar"
+
+
+@pytest.mark.parametrize("read", [load_patches, read_patch_index])
+def test_a_megabyte_path_is_cut_in_a_reading_error_and_any_real_path_is_shown_whole(
+    read, tmp_path
+):
+    # (a path no system could open, a megabyte of text passed as a path, made a megabyte
+    # message; the NUL and lone-surrogate paths were cut already)
+    huge = str(tmp_path / ("a" * 1_000_000))
+    with pytest.raises(PatchValueError) as cut:
+        read(huge)
+    assert len(str(cut.value)) < 4096 + 200 and cut.value.value == huge
+    assert str(cut.value).startswith(f"patch file {repr(huge)[:4098]}...: ")
+    # (the longest path Linux opens, 4095 bytes, is shown whole)
+    real = str(tmp_path / "b") + "/" * (4095 - len(str(tmp_path / "b")))
+    with pytest.raises(PatchValueError) as whole:
+        read(real)
+    assert str(whole.value).startswith(f"patch file {real!r}: ")
