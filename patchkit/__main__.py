@@ -281,9 +281,10 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     n_sparse = sum(e.sparse for e in entries)
     if len(drawn) < n_sparse:
         left = n_sparse - len(drawn)
-        print(f"drawing the density figures of the {len(drawn)} densest of {n_sparse} sparse "
-              f"patches (--max-density-figures {limit}); index.html lists "
-              + ("the other one" if left == 1 else f"the {left} others"))
+        print(f"drawing {_densest_text(len(drawn), n_sparse)} (--max-density-figures "
+              f"{limit}); index.html lists "
+              + ("them all" if not drawn else "the other one" if left == 1
+                 else f"the {left} others"))
     done: list[str] = []
     # (the sparse patches drawn, in the file's order, which is the density figures' order)
     with contextlib.closing(_read_each(path, "cpu", lambda e: e.position in drawn)) as sparse:
@@ -322,6 +323,19 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     return 0
 
 
+def _densest_text(drawn: int, sparse: int) -> str:
+    """Which density figures ``inspect --out --max-density-figures`` draws: ``"the
+    density figures of the 2 densest of 5 sparse patches"``, ``"the density figure of
+    the densest of 5 sparse patches"``, ``"no density figures of the 5 sparse
+    patches"``."""
+    patches = f"{sparse} sparse patch{'' if sparse == 1 else 'es'}"
+    if drawn == 0:
+        return f"no density figures of the {patches}"
+    if drawn == 1:
+        return f"the density figure of the densest of {patches}"
+    return f"the density figures of the {drawn} densest of {patches}"
+
+
 def _figures_html(entries: Sequence, figures: list[tuple[str, str | int]],
                   limit: int | None = None) -> str:
     """The page's part below the summary: a table of the sparse patches, densest first
@@ -337,8 +351,8 @@ def _figures_html(entries: Sequence, figures: list[tuple[str, str | int]],
     sparse = sorted((e for e in entries if e.sparse), key=_densest_first)
     parts = ["<h2>sparse patches, densest first</h2>"] if sparse else []
     if len(drawn) < len(sparse):
-        parts.append(f"<p>density figures of the {len(drawn)} densest of {len(sparse)} "
-                     f"sparse patches (--max-density-figures {limit}): "
+        parts.append(f"<p>{_densest_text(len(drawn), len(sparse))} "
+                     f"(--max-density-figures {limit}): "
                      f"{len(sparse) - len(drawn)} not drawn</p>")
     if sparse:
         rows = []

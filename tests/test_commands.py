@@ -1184,7 +1184,10 @@ def test_inspect_out_max_density_figures_draws_the_densest_and_says_what_it_left
     # none at all: the chunk plans alone; more than there are: every one
     assert main(["inspect", str(f), "--out", str(tmp_path / "none"),
                  "--max-density-figures", "0"]) == 0
-    assert "lists the 5 others" in capsys.readouterr().out
+    assert ("drawing no density figures of the 5 sparse patches (--max-density-figures 0); "
+            "index.html lists them all\n") in capsys.readouterr().out
+    assert ("<p>no density figures of the 5 sparse patches (--max-density-figures 0): 5 not "
+            "drawn</p>") in (tmp_path / "none" / "index.html").read_text()
     assert sorted(os.listdir(tmp_path / "none")) == ["chunks_dense.png", "chunks_sparse.png",
                                                      "index.html"]
     assert main(["inspect", str(f), "--out", str(tmp_path / "all"),
@@ -1196,6 +1199,11 @@ def test_inspect_out_max_density_figures_draws_the_densest_and_says_what_it_left
     assert main(["inspect", str(f), "--out", str(tmp_path / "four"),
                  "--max-density-figures", "4"]) == 0
     assert "index.html lists the other one\n" in capsys.readouterr().out
+    assert main(["inspect", str(f), "--out", str(tmp_path / "one-drawn"),
+                 "--max-density-figures", "1"]) == 0
+    assert ("drawing the density figure of the densest of 5 sparse patches "
+            "(--max-density-figures 1); index.html lists the 4 others\n") in (
+        capsys.readouterr().out)
     import torch
 
     from patchkit import CheckpointWeightPatch, save_patches
