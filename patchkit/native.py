@@ -945,7 +945,6 @@ def merge(
     )
 
 
-
 @dataclass
 class PatchEntries:
     """What :func:`patch_entries` found: ``count`` entries of the patch land in the view;

@@ -104,7 +104,6 @@ def test_plan_chunks_costs_a_shape_given_as_a_list_or_numpy_ints_in_the_patch_dt
     assert [c.bytes for c in plan_chunks([p, p._replace(name="v")], 15)] == [8, 8]
 
 
-
 def test_plan_chunks_refuses_an_empty_name_at_its_position():
     with pytest.raises(PatchValueError, match=r"^patch 3 \(''\): name is empty"):
         plan_chunks([CWP("", (4,), torch.float32, torch.ones(4))], positions=[3])
@@ -286,7 +285,6 @@ def test_a_flag_that_is_not_a_bool_is_refused_before_anything_is_done(call, flag
     assert m.a.tolist() == [0.0] * 4
     run(m, patches(), **{flag: True})  # a bool is taken
     assert m.a.tolist() == [1.0, 1.0, 0.0, 0.0]
-
 
 
 @pytest.mark.parametrize("flag", ["transactional", "validate_unique_indices"])
@@ -503,7 +501,6 @@ def test_a_shape_of_very_many_dims_is_refused_with_a_short_message(dims, shown):
     assert shown in str(e.value) and len(str(e.value)) < 300
 
 
-
 # A shape of very many dims whose product is small (ones, or a 0) passes the size check,
 # so the errors after it must shorten it too: the README promises that a list of a
 # million numbers passed as a shape makes no megabyte message.
@@ -525,6 +522,7 @@ def test_a_long_shape_of_few_elements_gets_a_short_message(make, check, reason):
         check(make())
     assert e.value.reason == reason
     assert "dims)" in str(e.value) and len(str(e.value)) < 400
+
 
 @pytest.mark.parametrize(("dtype", "shape"), [
     (torch.float32, (2**61,)), (torch.bfloat16, (2**31, 2**31)),

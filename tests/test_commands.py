@@ -1152,7 +1152,6 @@ def test_inspect_out_page_lists_the_sparse_patches_densest_first_with_their_figu
     assert "<figcaption>density_2_s2.w.png: patch 2, s2.w, 7.81% written</figcaption>" in page
 
 
-
 def test_inspect_out_max_density_figures_draws_the_densest_and_says_what_it_left_out(
         tmp_path, capsys):
     # (drawing a density figure takes a fifth of a second or so: a file of hundreds of

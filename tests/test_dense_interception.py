@@ -494,7 +494,6 @@ def test_a_transactional_load_saves_a_region_once_however_often_a_name_rewrites_
     assert held <= n * 4 + (n // 50) * 12
 
 
-
 class _ZeroThenAdd(_Sink):
     """``_Sink`` writing each staged tensor with two in-place ops over all of ``w``."""
 

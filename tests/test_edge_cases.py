@@ -668,7 +668,6 @@ def test_a_difference_of_integers_of_two_dtypes_is_exact(da, db):
     assert got == [float(x - y) for x, y in zip(xs, ys)]
 
 
-
 def test_a_difference_of_bfloat16_values_near_its_largest_is_finite():
     # bfloat16 has float32's range: two of its numbers near the largest, of opposite
     # signs, differ by more than float32 holds, so they are subtracted in float64
@@ -1645,7 +1644,6 @@ def test_a_whole_call_error_names_the_patch_at_fault_or_none(model):
     assert (e.position, e.name, e.reason) == ({"a": 0, "b": 1}[one], one, reason)
 
 
-
 def test_a_call_that_copies_nothing_is_refused_though_one_of_its_patches_is_empty():
     # Only a call whose staged tensors are all empty has nothing to copy: one empty patch
     # beside one with an entry must not excuse a loader that reports both without copying
@@ -1688,6 +1686,7 @@ def test_resize_and_set_on_a_runtime_tensor_are_refused_in_a_sparse_load(write, 
         patchkit.load_checkpoint_weight_patches(m, [p])
     assert info.value.reason == "unsupported op" and info.value.value.startswith(op)
     assert m.w.shape == (3, 4) and m.w.detach().eq(1).all()
+
 
 def test_an_unsupported_op_from_one_of_a_calls_patches_is_refused_naming_that_patch():
     # (mutation testing: the patch an op's arguments come from left unlooked-up for a

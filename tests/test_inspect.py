@@ -1907,7 +1907,6 @@ def test_an_observed_loader_that_rolls_back_and_raises_is_reported_rolled_back(c
     assert list(r.deltas.index) == ["a", "b"]
 
 
-
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
 def test_a_failed_load_keeps_the_runtime_names_a_vllm_style_loader_returned(compiled):
     # TinyLlamaRuntime returns runtime names (qkv_proj for q_proj), as vLLM's loaders do.

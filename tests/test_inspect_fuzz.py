@@ -478,8 +478,6 @@ def f64(t):
     return t.detach().to(torch.float64)
 
 
-
-
 def check(case, model, snap, report, err, transactional):
     problems = []
     canon = {}

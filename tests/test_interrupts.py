@@ -275,7 +275,6 @@ def test_ctrl_c_after_a_transactional_loads_last_call_rolls_it_back(monkeypatch)
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
 
 
-
 def test_a_signal_while_a_handler_runs_during_a_load_reaches_that_handler_again():
     # (a slow SIGTERM handler that gets a second SIGTERM: during a load the second was
     # taken for a handler calling on to the one it found, and dropped)

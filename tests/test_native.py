@@ -1218,7 +1218,6 @@ def test_a_write_into_one_column_slice_of_a_fused_buffer_is_not_credited_to_the_
         assert list(r.deltas.index) == ["b"]
 
 
-
 def test_regions_in_a_strided_target_are_slices_of_the_target():
     # A Parameter that is a column slice of a fused buffer: writes into row blocks,
     # column blocks, single rows and every other row of it are boxes in its own

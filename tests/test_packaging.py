@@ -179,7 +179,6 @@ def test_readme_example_runs_and_prints_what_the_readme_says(capsys):
     ]
 
 
-
 def test_readme_layout_lists_every_file_of_the_package_and_nothing_gone():
     # a row names files as `patchkit/a.py`, `b.py` (the later ones in the same folder)
     readme = (ROOT / "README.md").read_text()
@@ -201,6 +200,7 @@ def test_readme_errors_section_names_every_exception_class():
     section = " ".join(readme.split("## Errors", 1)[1].split("\n## ", 1)[0].split())
     for name in patchkit.errors.__all__:
         assert f"`patchkit.{name}`" in section, name
+
 
 def test_readme_figures_exist():
     readme = (ROOT / "README.md").read_text()

@@ -187,6 +187,7 @@ def test_every_bar_is_in_view_and_the_legend_names_only_what_the_plan_holds():
     xs = [extent(r)[:2] for rects in rects_by_gid(fig, "segment ").values() for r in rects]
     assert lo < min(x0 for x0, _ in xs) and max(x1 for _, x1 in xs) < hi
 
+
 def test_a_patch_larger_than_the_budget_is_flagged_over_budget():
     ps = chunk_patches()
     plan = plan_chunks(ps, 200)  # o (256 B) travels alone, over budget
@@ -698,6 +699,7 @@ def test_placement_legend_lists_twelve_writes_then_how_many_more():
     fig = plot_placement(inspect_load(PlainModel({"a": (8, 8)}), ps))
     legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
     assert len(legend) == 13 and legend[-1] == "… 3 more writes"
+
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_placement_shows_a_row_parallel_shard_as_a_column_band_of_the_checkpoint(rank):

@@ -395,7 +395,6 @@ def test_patchkit_reports_the_same_numbers_for_a_transposed_destination_as_for_a
         assert torch.equal(transposed.before("w"), w.t())
 
 
-
 class _RowByRow(torch.nn.Module):
     """Two parameters that are column slices of one buffer (``rows`` x 2 * ``cols``),
     which the loader writes a row at a time: a save per row of a strided tensor."""

@@ -35,7 +35,6 @@ def test_a_patch_whose_staging_runs_out_of_memory_is_named_in_the_error(inspect)
         assert info.value.report.calls["names"].tolist() == [("a",)]
 
 
-
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 def test_the_out_of_memory_note_of_a_shape_of_many_dims_is_short():
     # 1000 ones and 50 twos: 4 PiB staged, and a shape that printed whole is 3 kB
@@ -47,6 +46,7 @@ def test_the_out_of_memory_note_of_a_shape_of_many_dims_is_short():
     (note,) = info.value.__notes__
     assert "(1, 1, 1, 1, 1, 1, 1, ..., 2; 1050 dims) torch.float32 stages 4 PiB)" in note
     assert len(note) < 300
+
 
 class _KnowsOnly(PlainModel):
     """A model's own loader, strict as most are: a name it lacks is its own KeyError, and
