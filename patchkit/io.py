@@ -608,10 +608,18 @@ _NOT_REGULAR = [
 ]
 
 
-# (a path holding one is shown cut, at 200 characters of repr, as a value is)
 _NUL_IN_PATH = "the path holds a NUL character, which no file's path can hold"
-# (a path holding a lone surrogate, which os.fsencode refuses: shown cut as above)
+# (a lone surrogate, which os.fsencode refuses)
 _NOT_A_FILE_NAME = "the path cannot be written as a file name"
+
+
+def _bad_path(what: str, path: str, problem: str) -> PatchValueError:
+    """The error for a path no file can have (``reason`` ``"bad path"``), as saving and
+    reading say it: ``what`` (``"cannot save patches to"``, ``"patch file"``), the path cut
+    at 200 characters of repr as an offending value is (it names no file, and may be any
+    text; ``.value`` keeps it whole), and the problem."""
+    return PatchValueError(f"{what} {brief(path, 200)}: {problem}", reason="bad path",
+                           value=path)
 
 
 def _check_destination(dest: str, path: str) -> None:
@@ -620,17 +628,11 @@ def _check_destination(dest: str, path: str) -> None:
     if not dest:
         raise FileNotFoundError(errno.ENOENT, "cannot save patches: the path is empty", path)
     if "\0" in dest:
-        raise PatchValueError(
-            f"cannot save patches to {brief(path, 200)}: {_NUL_IN_PATH}", reason="bad path",
-            value=path,
-        )
+        raise _bad_path("cannot save patches to", path, _NUL_IN_PATH)
     try:
         os.fsencode(dest)
     except UnicodeEncodeError as e:  # (a lone surrogate: os.stat would raise it bare)
-        raise PatchValueError(
-            f"cannot save patches to {brief(path, 200)}: {_NOT_A_FILE_NAME} ({e})",
-            reason="bad path", value=path,
-        ) from None
+        raise _bad_path("cannot save patches to", path, f"{_NOT_A_FILE_NAME} ({e})") from None
     if dest.endswith(("/", os.sep)) and not os.path.isdir(dest):
         raise NotADirectoryError(
             errno.ENOTDIR, "cannot save patches: the path ends with a folder separator, "
@@ -849,14 +851,10 @@ def _open(path: str, device: str = "cpu", *, keep: bool = False) -> Any:
                 raise _fail(path, "no such file", "missing") from None
             raise _fail(path, f"cannot be opened: {e.strerror or e}", "unreadable") from None
         except ValueError as e:
-            if "\0" in path:  # (as save_patches says it, the path cut short as any
-                # offending value: it names no file, and may be any text)
-                raise PatchValueError(f"patch file {brief(path, 200)}: {_NUL_IN_PATH}",
-                                      reason="bad path", value=path) from None
-            # (a lone surrogate no file name can encode, UnicodeEncodeError: as
-            # save_patches says it, cut as above)
-            raise PatchValueError(f"patch file {brief(path, 200)}: {_NOT_A_FILE_NAME} ({e})",
-                                  reason="bad path", value=path) from None
+            if "\0" in path:  # (as save_patches says it)
+                raise _bad_path("patch file", path, _NUL_IN_PATH) from None
+            # (a lone surrogate no file name can encode, UnicodeEncodeError)
+            raise _bad_path("patch file", path, f"{_NOT_A_FILE_NAME} ({e})") from None
         if not stat.S_ISREG(mode):
             raise _fail(path, "not a regular file", "not a file")
         try:

@@ -23,7 +23,6 @@ from .intercept import (
     RuntimeIndex,
     WriteRecorder,
     WriteSession,
-    _call_named,
     _patches_named,
     _registers_twice,
     _returned_text,
@@ -794,8 +793,8 @@ def _names(returned: Any, chunk: Chunk | None = None) -> set[str] | None:
     bad = stray[0] if stray else shown
     what = (f"a {type(bad).__name__} among its names, {bad!r}"[:80] if stray
             else f"{shown!r}"[:80])
-    call = ("load_weights" if chunk is None
-            else _call_named(chunk.index, chunk.positions, [(n, None) for n in chunk.names[:5]]))
+    call = ("load_weights" if chunk is None else f"load_weights (call {chunk.index}, "
+            f"{_patches_named(chunk.positions, chunk.names, len(chunk.positions))})")
     # (the call's patch, where it carried one)
     one = chunk is not None and len(chunk.positions) == 1 and chunk.positions[0] >= 0
     raise ContractViolation(

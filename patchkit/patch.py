@@ -357,8 +357,7 @@ def _check_structure(position: int | None, patch: object) -> None:
         if values.numel() != n:
             raise PatchValueError(
                 f"{at}: a dense patch needs prod(shape) = {n} values for shape "
-                f"{_shape_text(dims)}, "
-                f"got {values.numel()}",
+                f"{_shape_text(dims)}, got {values.numel()}",
                 position=position, name=name, reason="dense count", value=values.numel(),
             )
         if _STAGEABLE.get((values.dtype, dtype, False)) is not True:
