@@ -3658,9 +3658,8 @@ class WriteSession:
                 continue
             src = args[1] if op == _COPY_NAME and len(args) > 1 else None
             pos, name = self._fed_by(src, source)
-            who = f"{where(pos, name)}, " if name is not None else ""
             raise ContractViolation(
-                f"load_weights (call {self._chunk}, {who}runtime tensor {quoted(tname)}) wrote "
+                f"{self._write_at(pos, name, tname)} wrote "
                 f"with {op} through a lazily {_lazy_kind(dest)} view of it (torch's flag, "
                 "as .conj() or .conj().imag set it): a sparse, transactional or inspected "
                 "load saves, merges and counts memory bit for bit, which such a view "
@@ -3679,9 +3678,8 @@ class WriteSession:
             if dest.is_contiguous() or not _overlaps_itself(dest):
                 continue
             pos, name = self._fed_by(src, source)
-            who = f"{where(pos, name)}, " if name is not None else ""
             raise ContractViolation(
-                f"load_weights (call {self._chunk}, {who}runtime tensor {quoted(tname)}) wrote "
+                f"{self._write_at(pos, name, tname)} wrote "
                 f"with {op} through a {tuple(dest.shape)} view of strides "
                 f"{tuple(dest.stride())} whose elements share memory (overlapping windows, "
                 "as Tensor.unfold or as_strided make): which value stays where they meet "
@@ -3699,8 +3697,8 @@ class WriteSession:
         runtime tensor ``tname``, where one did. Nothing when it names one."""
         if name is not None:
             return ""
-        listed = _patches_named([-1 if p is None else p for p, _ in self._call_patches[:shown]],
-                                [n for _, n in self._call_patches[:shown]],
+        first = self._call_patches[:shown]
+        listed = _patches_named([p for p, _ in first], [n for _, n in first],
                                 len(self._call_patches), shown)
         fed = self._call_fed.get(tname)
         last = (f" (before this op, the call last copied {where(*fed)} into runtime tensor "
@@ -3883,21 +3881,15 @@ class _CallResult:
         self.returned: Any = None
 
 
-def _first_named(positions: Sequence[int], names: Sequence[str], shown: int
-                 ) -> tuple[list[str], int]:
-    """How a message names the first ``shown`` patches of a call (``"patch 4 ('a')"``; a
-    negative position, an observed name no patch has, ``"patch 'a'"``), and how many
-    more the call has."""
-    parts = [where(p if p >= 0 else None, n) for p, n in zip(positions[:shown], names)]
-    return parts, len(positions) - shown
-
-
-def _patches_named(positions: Sequence[int], names: Sequence[str], count: int,
+def _patches_named(positions: Sequence[int | None], names: Sequence[str], count: int,
                    most: int = 5) -> str:
     """``"patch 4 ('a'), patch 5 ('b'), and 3 more"``: how every message names the patches
     of a call (``count`` of them; ``positions`` and ``names`` of at least its first
-    ``most``), by its first ``most``, then how many more (a call may carry thousands)."""
-    named, _ = _first_named(positions, names, most)
+    ``most``), by its first ``most``, then how many more (a call may carry thousands). A
+    position that is ``None`` or negative (an observed name no patch has) is left out:
+    ``"patch 'a'"``."""
+    named = [where(p if p is not None and p >= 0 else None, n)
+             for p, n in zip(positions[:most], names)]
     if count > most:
         named.append(f"and {count - most} more")
     return ", ".join(named)
