@@ -923,7 +923,10 @@ class TinyLlamaRuntime(nn.Module):
 
     ========================================  ==============================================
     ``model.embed_tokens.weight``             rows ``[r*V/T, (r+1)*V/T)`` of the embedding
-    ``*.self_attn.qkv_proj.weight``           ``[q shard r; k shard r; v shard r]`` (rows)
+    ``*.self_attn.qkv_proj.weight``           ``[q shard r; k shard s; v shard s]`` (rows):
+                                              ``s = r`` where ``T <= num_kv_heads``; else
+                                              one kv head, ``s = r // (T / num_kv_heads)``,
+                                              the same on ``T / num_kv_heads`` ranks
     ``*.self_attn.o_proj.weight``             columns shard ``r`` of ``o_proj`` (row-parallel)
     ``*.mlp.gate_up_proj.weight``             ``[gate shard r; up shard r]`` (rows)
     ``*.mlp.down_proj.weight``                columns shard ``r`` of ``down_proj``
@@ -935,11 +938,14 @@ class TinyLlamaRuntime(nn.Module):
                                               after it
     ========================================  ==============================================
 
-    ``tp_size`` must divide ``num_heads``, ``num_kv_heads``, ``intermediate_size`` and
-    ``vocab_size`` (:class:`ValueError` otherwise; replicating kv heads over ranks, as vLLM
-    does when ``tp_size > num_kv_heads``, is not modelled), and ``vocab_size`` must be a
+    ``tp_size`` must divide ``num_heads``, ``intermediate_size`` and ``vocab_size``, and
+    either divide ``num_kv_heads`` or be a multiple of it (:class:`ValueError` otherwise).
+    Where ``tp_size > num_kv_heads`` each rank holds one kv head (``head_dim`` rows of k
+    and of v), rank ``r`` head ``r // num_kv_head_replicas`` with
+    ``num_kv_head_replicas = tp_size // num_kv_heads``, so the ranks of one group hold
+    replicas of it, as vLLM lays it out. ``vocab_size`` must be a
     multiple of 64: vLLM pads any other vocabulary to one and zero-fills the padding rows
-    on every load, which is not modelled either (:class:`ValueError` saying so).
+    on every load, which is not modelled (:class:`ValueError` saying so).
     ``tp_size`` and ``tp_rank`` that are not ints raise :class:`TypeError`, and so does a
     ``dtype`` that is not a :class:`torch.dtype`; one that is not floating point raises
     :class:`ValueError`, and so does a ``device`` this machine does not have
@@ -986,16 +992,18 @@ class TinyLlamaRuntime(nn.Module):
         if config.num_heads % tp_size:
             raise ValueError(f"tp_size={brief(tp_size)} must divide num_heads="
                              f"{brief(config.num_heads)}")
-        if config.num_kv_heads % tp_size:
-            more = (
-                "; replicating kv heads across ranks (what vLLM does when tp_size > "
-                "num_kv_heads) is out of scope for this toy model"
-                if tp_size > config.num_kv_heads
-                else ""
-            )
+        kv_heads = config.num_kv_heads
+        if tp_size <= kv_heads and kv_heads % tp_size:
             raise ValueError(
-                f"tp_size={brief(tp_size)} must divide num_kv_heads={brief(config.num_kv_heads)}"
-                f"{more}"
+                f"tp_size={brief(tp_size)} must divide num_kv_heads={brief(kv_heads)}"
+            )
+        if tp_size > kv_heads and tp_size % kv_heads:
+            raise ValueError(
+                f"tp_size={brief(tp_size)} is more than num_kv_heads={brief(kv_heads)} and "
+                "not a multiple of it: each rank then holds one kv head, and each head is "
+                "replicated on tp_size // num_kv_heads ranks (as in vLLM), which needs the "
+                "same number of ranks for every head; use a tp_size that divides "
+                "num_kv_heads or is a multiple of it"
             )
         for field_name in ("intermediate_size", "vocab_size"):
             v = getattr(config, field_name)
@@ -1004,9 +1012,14 @@ class TinyLlamaRuntime(nn.Module):
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        #: How many ranks hold each kv head (vLLM's ``num_kv_head_replicas``): 1 where
+        #: ``tp_size <= num_kv_heads``, else ``tp_size // num_kv_heads``.
+        self.num_kv_head_replicas = max(1, tp_size // kv_heads)
         #: Rows of this rank's q shard / k (and v) shard, columns of its o_proj shard.
+        #: k and v are cut into ``tp_size // num_kv_head_replicas`` shards, of which this
+        #: rank holds shard ``tp_rank // num_kv_head_replicas`` (one head where replicated).
         self.q_per_rank = config.q_size // tp_size
-        self.kv_per_rank = config.kv_size // tp_size
+        self.kv_per_rank = config.kv_size // (tp_size // self.num_kv_head_replicas)
         #: Rows of this rank's gate (and up) shard, columns of its down_proj shard.
         self.intermediate_per_rank = config.intermediate_size // tp_size
         #: Rows of this rank's embedding and lm_head shards.
@@ -1060,14 +1073,18 @@ class TinyLlamaRuntime(nn.Module):
     def _load_qkv(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        """Shard ``tp_rank`` of q, k or v (``shard_id``) into its rows of ``qkv_proj``."""
+        """Shard ``tp_rank`` of q, or shard ``tp_rank // num_kv_head_replicas`` of k or v
+        (``shard_id``), into its rows of ``qkv_proj``."""
         q, kv = self.q_per_rank, self.kv_per_rank
-        where = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+        r, t, replicas = self.tp_rank, self.tp_size, self.num_kv_head_replicas
+        # (first row in qkv_proj, rows, this rank's shard, shards of the checkpoint tensor)
+        where = {"q": (0, q, r, t), "k": (q, kv, r // replicas, t // replicas),
+                 "v": (q + kv, kv, r // replicas, t // replicas)}
         if not isinstance(shard_id, str) or shard_id not in where:
             raise ValueError(_shard_id_message("qkv_proj", shard_id, "'q', 'k' or 'v'"))
-        offset, size = where[shard_id]
-        _check_full(param, loaded_weight, (size * self.tp_size, param.shape[1]))
-        src = loaded_weight.narrow(0, self.tp_rank * size, size)
+        offset, size, shard, shards = where[shard_id]
+        _check_full(param, loaded_weight, (size * shards, param.shape[1]))
+        src = loaded_weight.narrow(0, shard * size, size)
         param.data.narrow(0, offset, size).copy_(src)
 
     def _load_gate_up(
@@ -1167,7 +1184,9 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
     order of :func:`tiny_llama_checkpoint` for that config, full checkpoint shapes, the
     runtimes' dtype, on the CPU, in fresh tensors (no storage shared with a runtime). A
     replicated weight (the norms) must be bit-identical on every rank, else
-    :class:`ValueError` names it and the first rank that differs.
+    :class:`ValueError` names it and the first rank that differs; so must a kv head on
+    the ranks that replicate it (``tp_size > num_kv_heads``: it is read from the first
+    rank of each group of ``num_kv_head_replicas``).
     """
     rts = list(runtimes)
     if not rts:
@@ -1196,8 +1215,20 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
         for rt in rts
     ]
 
-    def rows(pname: str, start: int, size: int) -> torch.Tensor:
-        return torch.cat([ps[pname].narrow(0, start, size) for ps in per_rank], dim=0)
+    def rows(pname: str, start: int, size: int, replicas: int = 1) -> torch.Tensor:
+        # (a shard replicated on `replicas` consecutive ranks, as k and v are where
+        # tp_size > num_kv_heads: taken from the first rank of each group, and every
+        # other rank of the group must hold the same bits)
+        shards = [ps[pname].narrow(0, start, size) for ps in per_rank]
+        for r in range(len(shards)):
+            lead = r - r % replicas
+            if r != lead and not torch.equal(shards[r].view(_int_dtype(shards[r])),
+                                             shards[lead].view(_int_dtype(shards[lead]))):
+                raise ValueError(
+                    f"the replicated kv head in rows [{start}:{start + size}] of "
+                    f"{quoted(pname)} differs between rank {lead} and rank {r}"
+                )
+        return torch.cat(shards[::replicas], dim=0)
 
     def cols(pname: str) -> torch.Tensor:
         return torch.cat([ps[pname] for ps in per_rank], dim=1)
@@ -1212,6 +1243,7 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
         return base.clone()
 
     q, kv, inter = first.q_per_rank, first.kv_per_rank, first.intermediate_per_rank
+    kv_replicas = first.num_kv_head_replicas
     out: dict[str, torch.Tensor] = {}
     for name in tiny_llama_shapes(c):
         parts = name.split(".")
@@ -1226,9 +1258,9 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
         if kind == "q_proj":
             out[name] = rows(f"{prefix}.self_attn.qkv_proj.weight", 0, q)
         elif kind == "k_proj":
-            out[name] = rows(f"{prefix}.self_attn.qkv_proj.weight", q, kv)
+            out[name] = rows(f"{prefix}.self_attn.qkv_proj.weight", q, kv, kv_replicas)
         elif kind == "v_proj":
-            out[name] = rows(f"{prefix}.self_attn.qkv_proj.weight", q + kv, kv)
+            out[name] = rows(f"{prefix}.self_attn.qkv_proj.weight", q + kv, kv, kv_replicas)
         elif kind == "gate_proj":
             out[name] = rows(f"{prefix}.mlp.gate_up_proj.weight", 0, inter)
         elif kind == "up_proj":

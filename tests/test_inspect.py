@@ -694,6 +694,47 @@ def test_tiny_llama_tp2_writes_land_in_each_ranks_slices():
         assert r.deltas.loc[qkv, "elements"] == 64 * 64
 
 
+@pytest.mark.parametrize("tp_size", [4, 8])
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_tiny_llama_with_more_ranks_than_kv_heads_reads_one_kv_head_a_rank(tp_size, kind):
+    # 8 query heads, 2 kv heads, head_dim 8, hidden 64: k and v are 16 rows each; rank r
+    # of tp_size reads kv head 0 (rows 0:8) in the first half of the ranks, else head 1
+    from patchkit import dense_patches
+    from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+    cfg = TinyLlamaConfig(num_heads=8, num_kv_heads=2)
+    ckpt = tiny_llama_checkpoint(cfg, seed=5)
+    attn = "model.layers.1.self_attn."
+    names = [attn + "k_proj.weight", attn + "v_proj.weight"]
+    if kind == "dense":
+        patches = dense_patches({n: ckpt[n] for n in names})
+    else:  # one element in each head of k and of v
+        patches = [sparse(n, (16, 64), [3 * 64 + 1, 12 * 64 + 9], [2.0, -3.0],
+                          dtype=torch.bfloat16) for n in names]
+    q_rows = 64 // tp_size
+    regions = {}
+    for rank in range(tp_size):
+        r = inspect_load(TinyLlamaRuntime(cfg, tp_rank=rank, tp_size=tp_size), patches)
+        w = r.writes.set_index("name")
+        head = 0 if rank < tp_size // 2 else 1
+        for proj, at in (("k", q_rows), ("v", q_rows + 8)):
+            row = w.loc[f"{attn}{proj}_proj.weight"]
+            assert row["checkpoint_region"] == f"[{8 * head}:{8 * head + 8}, :]"
+            assert int(row["checkpoint_offset"]) == 8 * head * 64
+            assert row["target"] == attn + "qkv_proj.weight"
+            assert row["target_region"] == f"[{at}:{at + 8}, :]"
+            assert int(row["target_offset"]) == at * 64
+            assert int(row["elements"]) == 8 * 64
+            assert int(row["written"]) == (8 * 64 if kind == "dense" else 1)
+        regions[rank] = r.after(attn + "qkv_proj.weight")[q_rows:].clone()
+    # the ranks of a group hold replicas: the same bits in their k and v rows
+    half = tp_size // 2
+    for rank in range(tp_size):
+        lead = 0 if rank < half else half
+        assert torch.equal(regions[rank].view(torch.int16), regions[lead].view(torch.int16))
+    assert not torch.equal(regions[0].view(torch.int16), regions[half].view(torch.int16))
+
+
 def test_inspect_accepts_what_the_loader_accepts_and_keeps_its_errors():
     m = Packed()
     r = inspect_load(m, [("norm", (4,), torch.float32, torch.full((4,), 3.0), None)])

@@ -2547,3 +2547,33 @@ def test_an_int_too_long_to_print_is_shown_by_its_size_in_the_plot_errors():
     # (mutation testing: one below 1 printed with str() passed every test)
     with pytest.raises(ValueError, match=r"hist_bins must be at least 1, got <a 16610-bit int>$"):
         plot_delta(report, "w", hist_bins=-huge)
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_placement_shows_a_replicated_kv_head_as_its_band_of_k_and_v(rank):
+    # 8 query heads, 2 kv heads of 8 rows, tp 4: rank r reads kv head r // 2 (rows 0:8 or
+    # 8:16 of the 16-row k and v) into the 8 rows after its 16 q rows and the 8 after those
+    model = TinyLlamaRuntime(TinyLlamaConfig(num_heads=8, num_kv_heads=2), tp_rank=rank,
+                             tp_size=4, dtype=torch.float32)
+    ps = [CheckpointWeightPatch(f"model.layers.0.self_attn.{x}_proj.weight", (16, 64),
+                                torch.float32, torch.ones(16 * 64)) for x in "kv"]
+    report = inspect_load(model, ps)
+    fig = plot_placement(report)
+    assert len(fig.axes) == 2
+    ax_ck, ax_rt = fig.axes
+    assert ax_rt.get_title().startswith("runtime model.layers.0.self_attn.qkv_proj.weight "
+                                        "(32, 64)")
+    rects = rects_by_gid(fig, "write ")
+    head = rank // 2
+    squares = sorted((p.get_y(), p.get_height()) for p in ax_ck.patches if p.get_gid() is None)
+    assert len(squares) == 2
+    for i, at in enumerate((16, 24)):  # k, then v
+        (rt,) = rects[f"write {i} runtime"]
+        assert extent(rt) == (0, 64, at, at + 8)
+        (ck,) = rects[f"write {i} checkpoint"]  # half of its unit square: one head of two
+        y0, h = squares[i]
+        assert extent(ck) == pytest.approx((0, 1, y0 + h * head / 2, y0 + h * (head + 1) / 2))
+    legend = [t.get_text() for t in ax_rt.get_legend().get_texts()]
+    rows = f"[{8 * head}:{8 * head + 8}, :]"
+    assert [t.split(" ", 2)[2] for t in legend] == [f"{rows} → [16:24, :]",
+                                                   f"{rows} → [24:32, :]"]

@@ -169,7 +169,6 @@ def test_checkpoint_is_deterministic_per_seed():
 @pytest.mark.parametrize(
     "kw, tp, match",
     [
-        (dict(num_heads=4, num_kv_heads=2), 4, "num_kv_heads=2; replicating kv heads"),
         (dict(num_heads=12, num_kv_heads=6, hidden_size=48), 4, "num_kv_heads=6$"),
         (dict(num_heads=6, num_kv_heads=6, hidden_size=48), 4, "num_heads"),
         (dict(intermediate_size=130), 4, "intermediate_size"),
@@ -182,9 +181,132 @@ def test_runtime_rejects_indivisible_tp(kw, tp, match):
         TinyLlamaRuntime(c, 0, tp)
 
 
-def test_kv_head_error_says_replication_is_out_of_scope():
-    with pytest.raises(ValueError, match="out of scope"):
-        TinyLlamaRuntime(TinyLlamaConfig(num_heads=4, num_kv_heads=1), 0, 2)
+@pytest.mark.parametrize("kw, tp, multiple", [
+    # more ranks than kv heads, but not a whole number of ranks for each head (and a
+    # tp_size that is a multiple of the kv heads, which the same config takes)
+    (dict(num_heads=12, num_kv_heads=4, hidden_size=48, intermediate_size=96,
+          vocab_size=384), 6, 12),
+    (dict(num_heads=6, num_kv_heads=2, hidden_size=48, intermediate_size=96,
+          vocab_size=192), 3, 6),
+])
+def test_more_ranks_than_kv_heads_must_be_a_multiple_of_them(kw, tp, multiple):
+    c = TinyLlamaConfig(**{**TP4, **kw})
+    kv = kw["num_kv_heads"]
+    want = (f"tp_size={tp} is more than num_kv_heads={kv} and not a multiple of it: each "
+            "rank then holds one kv head, and each head is replicated on "
+            "tp_size // num_kv_heads ranks (as in vLLM)")
+    for rank in range(tp):
+        with pytest.raises(ValueError, match=re.escape(want)):
+            TinyLlamaRuntime(c, rank, tp)
+    # (as many ranks as kv heads, and a multiple of them, are taken)
+    assert TinyLlamaRuntime(c, kv - 1, kv).num_kv_head_replicas == 1
+    assert TinyLlamaRuntime(c, multiple - 1, multiple).num_kv_head_replicas == multiple // kv
+
+
+# 8 query heads of head_dim 8 over 2 kv heads: tp 4 and 8 replicate each kv head
+GQA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+           num_kv_heads=2)
+HD = 8  # head_dim: 64 // 8
+
+
+def kv_head_of(rank: int, tp_size: int) -> int:
+    """The kv head rank ``rank`` of ``tp_size`` holds, 2 kv heads: the first half of the
+    ranks head 0, the second half head 1 (written out, not the model's formula)."""
+    return 0 if rank < tp_size // 2 else 1
+
+
+@pytest.mark.parametrize("tp_size", [4, 8])
+def test_more_ranks_than_kv_heads_give_each_rank_one_kv_head(tp_size):
+    c = TinyLlamaConfig(**GQA)
+    ckpt = tiny_llama_checkpoint(c, seed=11)
+    q_rows = 8 * HD // tp_size
+    ranks = load_ranks(c, tp_size, ckpt)
+    for r, rt in enumerate(ranks):
+        assert (rt.num_kv_head_replicas, rt.kv_per_rank) == (tp_size // 2, HD)
+        head = kv_head_of(r, tp_size)
+        ps = dict(rt.named_parameters())
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}.self_attn."
+            qkv = ps[p + "qkv_proj.weight"]
+            assert tuple(qkv.shape) == (q_rows + 2 * HD, 64)
+            want = torch.cat([
+                ckpt[p + "q_proj.weight"][r * q_rows:(r + 1) * q_rows],
+                ckpt[p + "k_proj.weight"][head * HD:(head + 1) * HD],
+                ckpt[p + "v_proj.weight"][head * HD:(head + 1) * HD],
+            ])
+            assert same_bits(qkv.data, want)
+            # o_proj stays split over every rank, as the query heads are
+            assert same_bits(ps[p + "o_proj.weight"].data,
+                             ckpt[p + "o_proj.weight"][:, r * q_rows:(r + 1) * q_rows])
+    # the ranks of one group hold the same k and v bits; the two groups differ
+    for i in range(c.num_layers):
+        name = f"model.layers.{i}.self_attn.qkv_proj.weight"
+        kv = [dict(rt.named_parameters())[name].data[q_rows:] for rt in ranks]
+        half = tp_size // 2
+        assert all(same_bits(kv[r], kv[0]) for r in range(half))
+        assert all(same_bits(kv[r], kv[half]) for r in range(half, tp_size))
+        assert not same_bits(kv[0], kv[half])
+    assert_same_checkpoint(gather_checkpoint(ranks), ckpt)
+
+
+@pytest.mark.parametrize("tp_size", [4, 8])
+def test_a_sparse_kv_patch_lands_in_every_replica_of_its_head(tp_size):
+    c = TinyLlamaConfig(**GQA)
+    ckpt = tiny_llama_checkpoint(c, seed=12)
+    ranks = load_ranks(c, tp_size, ckpt)
+    q_rows = 8 * HD // tp_size
+    # k: two elements in head 0 (rows 1 and 7), one in head 1 (row 8 + 3); v: head 1 only
+    k_idx, v_idx = [1 * 64 + 5, 7 * 64 + 63, 11 * 64 + 0], [9 * 64 + 2, 15 * 64 + 40]
+    k_vals, v_vals = [3.0, -2.5, 7.0], [-4.0, 6.5]
+    patches = [
+        CheckpointWeightPatch("model.layers.1.self_attn.k_proj.weight", (16, 64),
+                              torch.bfloat16, torch.tensor(k_vals), torch.tensor(k_idx)),
+        CheckpointWeightPatch("model.layers.1.self_attn.v_proj.weight", (16, 64),
+                              torch.bfloat16, torch.tensor(v_vals), torch.tensor(v_idx)),
+    ]
+    k_want = ckpt["model.layers.1.self_attn.k_proj.weight"].clone()
+    v_want = ckpt["model.layers.1.self_attn.v_proj.weight"].clone()
+    k_want.view(-1)[k_idx] = torch.tensor(k_vals, dtype=torch.bfloat16)
+    v_want.view(-1)[v_idx] = torch.tensor(v_vals, dtype=torch.bfloat16)
+    for r, rt in enumerate(ranks):
+        qkv = rt.model.layers[1].self_attn.qkv_proj.weight
+        before = qkv.detach().clone()
+        assert load_checkpoint_weight_patches(rt, patches) == {
+            "model.layers.1.self_attn.qkv_proj.weight"}
+        head = kv_head_of(r, tp_size)
+        assert same_bits(qkv.data[q_rows:q_rows + HD], k_want[head * HD:(head + 1) * HD])
+        assert same_bits(qkv.data[q_rows + HD:], v_want[head * HD:(head + 1) * HD])
+        assert same_bits(qkv.data[:q_rows], before[:q_rows])  # q untouched
+        # head 0's ranks got the 2 k elements of head 0, head 1's the other 3
+        changed = int((bits(qkv.data) != bits(before)).sum())
+        assert changed == (2 if head == 0 else 3)
+    assert_same_checkpoint(
+        gather_checkpoint(ranks),
+        {**ckpt, "model.layers.1.self_attn.k_proj.weight": k_want,
+         "model.layers.1.self_attn.v_proj.weight": v_want})
+
+
+def test_kv_weight_loader_takes_the_full_checkpoint_tensor_where_heads_are_replicated():
+    c = TinyLlamaConfig(**GQA)
+    rt = TinyLlamaRuntime(c, 3, 4)  # head 1
+    qkv = rt.model.layers[0].self_attn.qkv_proj.weight
+    with pytest.raises(ValueError, match=r"must have shape \(16, 64\), got \(8, 64\)"):
+        qkv.weight_loader(qkv, torch.ones(HD, 64), "k")  # one head is not the checkpoint
+    assert int(qkv.count_nonzero()) == 0
+    v = torch.arange(16 * 64, dtype=torch.float32).reshape(16, 64)
+    qkv.weight_loader(qkv, v, "v")
+    assert same_bits(qkv.data[16 + HD:], v[HD:].bfloat16())
+    assert int(qkv.data[:16 + HD].count_nonzero()) == 0
+
+
+def test_gather_refuses_replicas_of_a_kv_head_that_differ():
+    c = TinyLlamaConfig(**GQA)
+    ranks = load_ranks(c, 4, tiny_llama_checkpoint(c, seed=13))
+    ranks[3].model.layers[1].self_attn.qkv_proj.weight.data[24 + 2, 5] += 1  # v of head 1
+    with pytest.raises(ValueError, match=re.escape(
+            "the replicated kv head in rows [24:32] of "
+            "'model.layers.1.self_attn.qkv_proj.weight' differs between rank 2 and rank 3")):
+        gather_checkpoint(ranks)
 
 
 @pytest.mark.parametrize("rank, size", [(2, 2), (-1, 2), (0, 0)])
