@@ -72,6 +72,7 @@ import io
 import itertools
 import math
 import pickle
+import textwrap
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -945,15 +946,18 @@ class LoadReport:
             return (f"LoadReport(<not made by inspect_load: no tables>, "
                     f"{_count(len(self.patches), 'patch', 'patches')})")
         s = self.summary()
-        head = ", ".join(f"{k}={_human(k, v)}" for k, v in s.items() if v is not None)
-        parts = [f"LoadReport({head})"]
-        # (every column, unwrapped: to_string takes no display options)
+        # (a lone surrogate in a name, which no terminal or Jupyter message takes, escaped
+        # before the lines are measured: its escape is what they show)
+        items = [shown_text(f"{k}={_human(k, v)}") for k, v in s.items() if v is not None]
+        parts = [_wrapped_call("LoadReport", items)]
+        # (every column, in blocks of columns that fit _REPR_WIDTH: to_string takes no
+        # display options)
         parts.append("chunks:\n" + _head_text(
-            _names_shown(self.chunks.drop(columns=["note"])), False, _FLOATS))
+            _names_shown(self.chunks.drop(columns=["note"])), False, _FLOATS,
+            key="position"))
         if len(self.deltas):
             parts.append("deltas:\n" + _head_text(_names_shown(self.deltas), True, _FLOATS))
-        # (a lone surrogate in a name, which no terminal or Jupyter message takes, escaped)
-        return shown_text("\n\n".join(parts))
+        return "\n\n".join(parts)
 
     def _repr_html_(self) -> str:
         if self._made_by_hand():
@@ -1094,20 +1098,94 @@ _REPR_MAX, _REPR_ROWS = 40, 20
 # tensor name, a tuple of names) to _COLWIDTH characters, ending it with "...".
 _HTML_ROWS = 8
 _COLWIDTH = 60
+# The text repr's lines are at most _REPR_WIDTH characters (a terminal's 80 columns).
+_REPR_WIDTH = 80
 # How both reprs (and the explorer's tables) write a float: 4 significant digits (a 3e-7
 # step of a small learning rate is not 0.0, nor a density of 1e-9).
 _FLOATS = "{:.4g}".format
 
 
-def _head_text(df: pd.DataFrame, index: bool, floats: Any = None) -> str:
+def _head_text(df: pd.DataFrame, index: bool, floats: Any = None, *,
+               key: str | None = None) -> str:
     """``df`` as text: whole, or its first rows and a line saying how many more
-    (``floats``: how float cells are written, pandas' own format otherwise)."""
+    (``floats``: how float cells are written, pandas' own format otherwise), in lines of
+    at most ``_REPR_WIDTH`` characters: its cells (the index too) cut to ``_COLWIDTH``
+    as :func:`_cut` cuts them, and a table wider than that written as blocks of its
+    columns, one under the other, each beginning with the rows' labels (the index, or
+    the column ``key``), as pandas wraps a wide frame on a terminal. A table of no rows
+    is ``"(no rows)"`` (pandas' own text for it lists the columns on one line)."""
+    if not len(df):
+        return "(no rows)"
     if len(df) <= _REPR_MAX:
-        return df.to_string(index=index, max_colwidth=_COLWIDTH, float_format=floats)
+        return _blocks_text(_cut(df), index, floats, key)
     more = len(df) - _REPR_ROWS
-    return (df.head(_REPR_ROWS).to_string(index=index, max_colwidth=_COLWIDTH,
-                                          float_format=floats)
+    return (_blocks_text(_cut(df.head(_REPR_ROWS)), index, floats, key)
             + f"\n... {more} more rows")
+
+
+def _blocks_text(df: pd.DataFrame, index: bool, floats: Any, key: str | None) -> str:
+    """``df`` (rows, cells cut) as :func:`_head_text` writes it: whole where it fits
+    ``_REPR_WIDTH``, else in the fewest blocks of consecutive columns that fit (a block
+    holds the labels and one column at least: with cells of ``_COLWIDTH`` characters at
+    most, that always fits), split where the widest block is narrowest (no block of one
+    last column under a full one), separated by blank lines."""
+    def text(columns: list[str]) -> str:
+        return shown_text(df[columns].to_string(index=index, max_colwidth=_COLWIDTH,
+                                                float_format=floats))
+
+    def width(columns: list[str]) -> int:
+        return max(map(len, text(columns).splitlines()))
+
+    columns = list(df.columns)
+    whole = text(columns)
+    if max(map(len, whole.splitlines())) <= _REPR_WIDTH or len(columns) < 2:
+        return whole
+    # pandas sets each column (and the labels) to a width of its own, so a block's width
+    # is the labels' plus its columns': measured once a column, not once a block
+    labels = width(columns[:1]) + width(columns[1:2]) - width(columns[:2])
+    own = {c: width([c]) - labels for c in columns}
+
+    def lead(block: Sequence[str]) -> list[str]:  # (the key column, where a block lacks it)
+        return [key] if key is not None and key not in block else []
+
+    def wide(blocks: list[list[str]]) -> int:
+        return max(labels + sum(own[c] for c in (lead(b) if i else []) + b)
+                   for i, b in enumerate(blocks))
+
+    for count in range(2, len(columns) + 1):
+        cuts = itertools.combinations(range(1, len(columns)), count - 1)
+        ways = [[columns[a:b] for a, b in zip((0, *cut), (*cut, len(columns)))]
+                for cut in cuts]
+        best = min(ways, key=wide)
+        if wide(best) <= _REPR_WIDTH:
+            break
+    return "\n\n".join(text((lead(b) if i else []) + b) for i, b in enumerate(best))
+
+
+def _wrapped_call(name: str, items: list[str]) -> str:
+    """``name(a, b, c)`` in lines of at most ``_REPR_WIDTH`` characters: the items
+    filled in order, joined by ``", "``, each one that does not fit where a line ends
+    beginning the next line (indented 4), and one longer than a line broken at its
+    blanks (a word longer than a line, inside it). Nothing is cut: joining the lines
+    gives the one-line form back, but for the blanks at a break."""
+    pieces = [f"{item}," for item in items[:-1]] + [f"{items[-1] if items else ''})"]
+    pieces[0] = f"{name}({pieces[0]}"
+    indent = " " * 4
+    lines: list[str] = []
+    line = None  # (the line being filled; None before the first)
+    for piece in pieces:
+        joined = piece if line is None else f"{line} {piece}"
+        if len(joined) <= _REPR_WIDTH:
+            line = joined
+            continue
+        if line is not None:
+            lines.append(line)
+        first = indent if line is not None else ""
+        *full, line = textwrap.wrap(piece, _REPR_WIDTH, initial_indent=first,
+                                    subsequent_indent=indent, break_on_hyphens=False)
+        lines.extend(full)
+    lines.append(line or "")
+    return "\n".join(lines)
 
 
 def _names_shown(df: pd.DataFrame) -> pd.DataFrame:

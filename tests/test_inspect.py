@@ -494,7 +494,8 @@ def test_reprs_write_names_that_would_read_alike_or_blank_as_their_repr():
     r = inspect_load(m, [dense(n, torch.ones(2)) for n in names])
     chunks_text, deltas_text = repr(r).split("deltas:")
     shown = [repr(n) for n in names[:5]] + ["plain.weight"]
-    rows = chunks_text.strip().splitlines()[-len(names):]
+    # (the first block of the chunks table's columns: chunk, position, name, ...)
+    rows = chunks_text.split("chunks:\n")[1].split("\n\n")[0].splitlines()[1:]
     assert [re.match(r"\s*0\s+\d\s+(.*?)\s+dense ", row).group(1) for row in rows] == shown
     rows = deltas_text.strip().splitlines()[-len(names):]
     assert [re.match(r"(.*?)\s+2\s+2\s", row).group(1) for row in rows] == shown
@@ -2729,7 +2730,8 @@ def test_the_headline_numbers_count_what_the_load_did():
     assert s == {"patches": 5, "kind": "dense", "load_weights calls": 4, "staged bytes": 64,
                  "max_chunk_bytes": 16, "runtime writes": 3, "elements written": 8,
                  "elements changed": 6, "names loaded": 2, "error": s["error"]}
-    assert "staged bytes=64 B, max_chunk_bytes=16 B, runtime writes=3" in repr(r)
+    assert "staged bytes=64 B, max_chunk_bytes=16 B, runtime writes=3" in " ".join(
+        repr(r).split())  # (the headline's lines joined)
     assert "<td>64 B</td>" in r._repr_html_()
     assert inspect_load(PlainModel({}), []).summary()["kind"] is None
 
@@ -2749,7 +2751,8 @@ def test_a_reports_error_is_the_first_line_of_its_message_cut_to_160_characters(
         inspect_load(Refuses({"w": (2,)}), [dense("w", torch.ones(2))])
     report = info.value.report
     assert report.summary()["error"] == shown and len(shown) <= 160
-    assert f"error={shown}" in repr(report)
+    # (the headline's lines joined: the long message is broken inside its word)
+    assert f"error={shown}" in repr(report).replace("\n    ", "")
 
 
 class _Quiet(PlainModel):
@@ -2809,8 +2812,10 @@ def test_the_text_repr_writes_the_chunks_density_in_four_significant_digits():
           CheckpointWeightPatch("third", (3,), torch.float32, torch.ones(1),
                                 torch.tensor([1]))]
     r = inspect_load(PlainModel({"big": (4096, 1024), "small": (3,), "third": (3,)}), ps)
-    chunks = repr(r).split("chunks:\n")[1].split("\n\n")[0]
-    rows = {line.split()[2]: line.split()[-3] for line in chunks.splitlines()[1:]}
+    # (the density in the second block of the chunks table's columns, by position)
+    first, second = repr(r).split("chunks:\n")[1].split("\n\ndeltas:")[0].split("\n\n")
+    names = {line.split()[1]: line.split()[2] for line in first.splitlines()[1:]}
+    rows = {names[line.split()[0]]: line.split()[-3] for line in second.splitlines()[1:]}
     assert rows == {"big": "2.384e-07", "small": "1", "third": "0.3333"}
     assert r.chunks["density"][2] == 1 / 3  # (the table keeps the number as it is)
 
@@ -2864,8 +2869,9 @@ def test_patch_summary_gives_dtypes_without_torch_and_shapes_of_python_ints():
 
 
 def test_the_text_repr_ignores_the_callers_pandas_display_options():
-    # the tables are written with to_string (every column, unwrapped, the report's own
-    # float format), so a notebook's display settings do not change what a report says
+    # the tables are written with to_string (every column, in blocks that fit 80
+    # characters, the report's own float format), so a notebook's display settings do
+    # not change what a report says
     pd = pytest.importorskip("pandas")
     m = PlainModel({"a": (4, 30), "b": (3,)})
     g = torch.Generator().manual_seed(0)
@@ -2879,6 +2885,149 @@ def test_the_text_repr_ignores_the_callers_pandas_display_options():
                            "display.max_rows", 1):
         assert repr(r) == plain
     assert "closed_by" in plain and "rel_l2" in plain and "..." not in plain
+
+
+# -- the text repr fits a terminal: lines of 80 characters at most --------------------------
+
+
+def _shown_cell(name):
+    """A name as the text repr's tables write it: plain, or its repr, cut past 60."""
+    from patchkit.units import distinct_name
+
+    text = distinct_name(name)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _table_blocks(section):
+    """The blocks of columns a table of the text repr was written in: for each, its
+    header's column names and its rows (the lines after the header, and after the
+    index's name line where it has one)."""
+    out = []
+    for block in section.split("\n\n"):
+        lines = [x for x in block.splitlines() if not x.startswith("... ")]
+        header, rows = lines[0].split(), lines[1:]
+        if rows and rows[0].split() == ["target"]:  # (deltas: the index's name)
+            rows = rows[1:]
+        out.append((header, rows))
+    return out
+
+
+def _check_report_text(r):
+    """Every line of ``repr(r)`` fits 80 columns and nothing the one-line headline and
+    the whole tables said is lost: each summary item, every column of both tables, and
+    each row's name and numbers."""
+    from patchkit.inspect import _human
+
+    text = repr(r)
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    if r._made_by_hand():
+        return text
+    squeezed = "".join(text.split("\n\n")[0].split())  # (broken at blanks, or in a word)
+    for k, v in r.summary().items():
+        if v is not None:
+            assert "".join(f"{k}={_human(k, v)}".split()) in squeezed
+    chunks_part = text.split("\nchunks:\n", 1)[1].split("\n\ndeltas:\n")[0]
+    rows = r.chunks.head(20) if len(r.chunks) > 40 else r.chunks
+    blocks = _table_blocks(chunks_part)
+    columns = [c for c in r.chunks.columns if c != "note"]
+    assert all(h[0] == "position" for h, _ in blocks[1:])
+    assert blocks[0][0] + [c for h, _ in blocks[1:] for c in h[1:]] == columns
+    for i, row in enumerate(rows.itertuples()):
+        lines = [b[i] for _, b in blocks]
+        assert all(len(b) == len(rows) for _, b in blocks)
+        assert _shown_cell(row.name) in lines[0]
+        assert all(x.split()[0] == str(row.position) for x in lines[1:])
+        cells = " ".join(lines)
+        for value in (row.numel, row.nnz, row.bytes, row.dtype, row.kind, row.closed_by):
+            assert str(value) in cells.split()
+        assert str(row.shape) in cells
+    if len(r.deltas):
+        deltas_part = text.split("\n\ndeltas:\n", 1)[1]
+        blocks = _table_blocks(deltas_part)
+        assert [c for h, _ in blocks for c in h] == list(r.deltas.columns)
+        for i, (target, row) in enumerate(r.deltas.head(40).iterrows()):
+            for _, lines in blocks:
+                assert lines[i].startswith(_shown_cell(target) + " ")
+            cells = " ".join(b[i] for _, b in blocks).split()
+            assert str(int(row["elements"])) in cells and str(int(row["changed"])) in cells
+    return text
+
+
+def _tiny_llama_reports():
+    from patchkit.build import random_sparse_patch
+    from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+    cfg = TinyLlamaConfig()
+    ckpt = tiny_llama_checkpoint(cfg, seed=0)
+    full = [dense(n, t) for n, t in ckpt.items()]
+    g = torch.Generator().manual_seed(0)
+    sparse_ps = [random_sparse_patch(n, tuple(t.shape), t.dtype, 0.02, generator=g)
+                 for n, t in ckpt.items()]
+    yield "dense", inspect_load(TinyLlamaRuntime(cfg, tp_rank=0, tp_size=2), full,
+                                max_chunk_bytes=64 << 10)
+    yield "sparse", inspect_load(TinyLlamaRuntime(cfg, tp_rank=1, tp_size=2), sparse_ps,
+                                 max_chunk_bytes=64 << 10)
+    unknown = "model.layers.0.self_attn.a_projection_this_checkpoint_does_not_have.weight"
+    with pytest.raises(KeyError) as info:
+        inspect_load(TinyLlamaRuntime(cfg, tp_rank=0, tp_size=2),
+                     [*full[:3], dense(unknown, torch.ones(4, 4))], max_chunk_bytes=16 << 10)
+    yield "failed", info.value.report
+    with torch.device("meta"):
+        on_meta = TinyLlamaRuntime(cfg, tp_rank=0, tp_size=2)
+    yield "dry run", inspect_load(on_meta, full)
+    yield "by hand", patchkit.LoadReport(full, plan_chunks(full, 64 << 10))
+
+
+def test_the_text_repr_fits_80_columns_and_keeps_every_fact_of_a_tiny_llama_load():
+    # its headline was one line of ~190 characters (350 with an error), its chunks table
+    # ~120 wide: a terminal wrapped them into unreadable text
+    seen = {}
+    for kind, r in _tiny_llama_reports():
+        seen[kind] = _check_report_text(r)
+    assert seen["by hand"] == "LoadReport(<not made by inspect_load: no tables>, 21 patches)"
+    assert "dry run=15 runtime tensors written on the meta device" in seen["dry run"]
+    assert "\n\ndeltas:\n" not in seen["dry run"]
+    for kind in ("dense", "sparse", "failed"):
+        assert "\n\ndeltas:\n" in seen[kind]
+    failed = seen["failed"].split("\n\n")[0]
+    assert "error=UnknownWeightError: TinyLlamaRuntime.load_weights: unknown" in failed
+    assert "model.layers.0.self_attn.a_projection_this_checkpoint_does_not_have" in failed
+    # the chunks table in two blocks of its columns, each as wide as can be, and the
+    # second opening with each row's position
+    chunks = seen["dense"].split("chunks:\n")[1].split("\n\ndeltas:")[0].split("\n\n")
+    assert len(chunks) == 2 and chunks[1].split()[0] == "position"
+
+
+class _LoadsThenRaises(PlainModel):
+    def __init__(self, shapes, message):
+        super().__init__(shapes)
+        self.message = message
+
+    def load_weights(self, weights):
+        super().load_weights(weights)
+        if self.message is not None:
+            raise RuntimeError(self.message)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    names=st.lists(st.text(st.sampled_from("ab0_ \n\u202e\\'"), min_size=1, max_size=90)
+                   | st.text("wx_", min_size=150, max_size=250),
+                   min_size=1, max_size=6, unique=True),
+    shape=st.sampled_from([(2,), (3, 5), (1, 2, 1, 2, 1, 2, 1, 2, 1, 2)]),
+    message=st.none() | st.text(st.sampled_from("ab y\u202e"), max_size=300),
+)
+def test_the_text_repr_of_any_names_and_error_fits_80_columns_losing_nothing(
+        names, shape, message):
+    m = _LoadsThenRaises({n: shape for n in names}, message)
+    ps = [dense(n, torch.ones(shape)) for n in names]
+    if message is None:
+        r = inspect_load(m, ps)
+    else:
+        with pytest.raises(RuntimeError) as info:
+            inspect_load(m, ps)
+        r = info.value.report
+    _check_report_text(r)
 
 
 def test_the_html_calls_table_quotes_names_that_are_not_plain():
