@@ -101,7 +101,12 @@ MAX_BINS = 1024
 MAX_TARGETS = 6
 """Runtime tensors :func:`plot_placement` draws when not told how many."""
 
-_MOST_TARGETS = 32  # (rows of 2.6 inches: a taller figure takes seconds a row to draw)
+_MOST_TARGETS = 32  # (a row each: a bigger figure takes seconds a row to draw)
+# plot_placement's layout: a row of _ROW_INCHES a runtime tensor, in one column of
+# _CELL_INCHES while the figure stays under _MOST_INCHES tall (rows shrink down to
+# _LEAST_ROW_INCHES first), else in two columns side by side, rows shrunk to fit.
+_ROW_INCHES, _LEAST_ROW_INCHES, _CELL_INCHES, _MOST_INCHES = 2.6, 1.8, 13.0, 30.0
+_TOP_INCHES = 0.8  # (the suptitle)
 _MOST_HIST_BINS = MAX_BINS  # (a Δ histogram's bars: more than its panel has pixels)
 
 # The line plot_delta adds to its title when the model changed after the load.
@@ -503,15 +508,21 @@ def _power_of_two_ticks(vmin: float, vmax: float, most: int) -> list[float] | No
 class _WholeLocator(MaxNLocator):
     """Whole-number ticks along y (heat maps' rows): on an axis from 0 to ``n`` rows, at
     the multiples of a power of two where ``n`` is one (:func:`_power_of_two_ticks`), as
-    many as the axis has room for; else matplotlib's decimal steps."""
+    many as the axis has room for; else matplotlib's decimal steps, at most as many as
+    it has room for too (a short panel's ten rows were ticked 0 to 10, each label over
+    the next)."""
 
     def __call__(self) -> Sequence[float]:
         axis = self.axis
         if axis is not None and axis.axes is not None:
             vmin, vmax = axis.get_view_interval()
-            ticks = _power_of_two_ticks(vmin, vmax, min(axis.get_tick_space(), 9))
+            room = axis.get_tick_space()
+            ticks = _power_of_two_ticks(vmin, vmax, min(room, 9))
             if ticks is not None:
                 return ticks
+            # (10: MaxNLocator's own; steps of 1, 2 or 5 times a power of ten, where
+            # its own steps for fewer bins take 15 too: 0, 15, 30, ...)
+            self.set_params(nbins=max(1, min(room, 10)), steps=[1, 2, 5, 10])
         return super().__call__()
 
 
@@ -1360,7 +1371,12 @@ def plot_placement(
     """Checkpoint regions → runtime regions: where each write landed, in 2-D.
 
     One row per runtime tensor (default: the tensors written, in the order first
-    written, at most ``max_targets``, with a note naming how many were left out). Right:
+    written, at most ``max_targets``, with a note naming how many were left out), 2.6
+    inches tall; past 11 rows they shrink to fit a figure 30 inches tall, down to 1.8
+    inches, and past 16 the tensors are laid out in two columns, the first filled top to
+    bottom, then the second (32 tensors: 26 by 30 inches, where one column was 84 inches
+    tall); a shrunk row lists fewer writes in its legend and draws fewer checkpoint
+    tensors, those that fit its height (its notes count the rest). Right:
     the runtime tensor in its own (row, column) coordinates, one rectangle per write
     (gid ``"write <i> runtime"``, ``i`` the row label of ``report.writes``), so packed
     q/k/v show as horizontal bands of ``qkv_proj`` and column slices as vertical bands.
@@ -1378,7 +1394,8 @@ def plot_placement(
     whose region is no box (from its ``target_region`` text, see :func:`region_rects`).
     The checkpoint side is drawn from ``checkpoint_region`` (:func:`region_rects`),
     hatched and dashed where that is no box. At most 64 writes per tensor and 8
-    checkpoint tensors per row are drawn; a note counts the rest. A runtime title
+    checkpoint tensors per row are drawn (fewer in a shrunk row), and at most 12 writes
+    listed in the legend; a note counts the rest. A runtime title
     counts the tensor's writes and the elements they wrote (the ``written`` column of
     ``report.writes``, summed: a NaN-merged write writes only its entries that are not
     NaN), and where those are fewer, the elements of the views written: ``"1 write, 2
@@ -1447,8 +1464,14 @@ def plot_placement(
         ax.text(0.5, 0.5, "no runtime writes recorded", ha="center", va="center")
         return fig
 
-    fig = _new_figure(13.0, 0.8 + 2.6 * len(chosen))
-    axes = fig.subplots(len(chosen), 2, squeeze=False, width_ratios=[1.0, 2.4])
+    columns, rows, row_inches = _placement_grid(len(chosen))
+    fig = _new_figure(_CELL_INCHES * columns, _TOP_INCHES + row_inches * rows)
+    grid = fig.add_gridspec(rows, 2 * columns, width_ratios=[1.0, 2.4] * columns)
+    # (in the order of the targets, checkpoint then runtime axes: fig.axes[1::2] are the
+    # runtime tensors in order, whatever the columns)
+    cells = [(k % rows, 2 * (k // rows)) for k in range(len(chosen))]
+    axes = [(fig.add_subplot(grid[r, c]), fig.add_subplot(grid[r, c + 1])) for r, c in cells]
+    fits = _row_fits(row_inches)
     title = "Placement: checkpoint regions → runtime regions"
     if getattr(report, "rolled_back", False):
         title += "\n(the load raised and was rolled back: every write shown was put back)"
@@ -1464,12 +1487,36 @@ def plot_placement(
     # (each row's title names its tensor apart from the other rows' names)
     names = _drawn([*chosen, *(_resolve(report, t) for t in chosen)])
     for row, target in enumerate(chosen):
-        _draw_target(axes[row][0], axes[row][1], target, report, writes, shapes, names)
+        _draw_target(axes[row][0], axes[row][1], target, report, writes, shapes, names,
+                     *fits)
     return fig
 
 
+def _placement_grid(n: int) -> tuple[int, int, float]:
+    """How :func:`plot_placement` lays out ``n`` runtime tensors: columns, rows a
+    column, and the inches of a row."""
+    room = _MOST_INCHES - _TOP_INCHES
+    columns = 1 if n * _LEAST_ROW_INCHES <= room else 2
+    rows = -(-n // columns)
+    return columns, rows, min(_ROW_INCHES, room / rows)
+
+
+def _row_fits(row_inches: float) -> tuple[int, int]:
+    """The checkpoint tensors and the legend entries (writes listed) a row of
+    ``row_inches`` holds: all of :data:`_MAX_SOURCES` and :data:`_MAX_LEGEND` in a row
+    of 2.6 inches; in a shorter one, those whose labels fit beside the axes (a source's
+    two lines of 7-point text take about 0.3 inches, a legend entry 0.15, and the
+    titles, ticks and axis labels about 0.8 of the row)."""
+    if row_inches >= _ROW_INCHES:
+        return _MAX_SOURCES, _MAX_LEGEND
+    inside = row_inches - 0.8
+    return (max(1, min(_MAX_SOURCES, int(inside / 0.3))),
+            max(1, min(_MAX_LEGEND, int((row_inches - 0.45) / 0.15) - 2)))
+
+
 def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, writes: Any,
-                 shapes: dict[int, tuple[int, ...]], row_names: Sequence[str] = ()) -> None:
+                 shapes: dict[int, tuple[int, ...]], row_names: Sequence[str] = (),
+                 most_sources: int = _MAX_SOURCES, most_legend: int = _MAX_LEGEND) -> None:
     target = _resolve(report, asked)
     tshape = tuple(int(d) for d in _known(report)[target])
     rows, cols = grid_shape(tshape)
@@ -1482,7 +1529,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     ))
     colour = {pos: _write_colour(k) for k, pos in enumerate(sources)}
     traced = [p for p in sources if p is not None and p in shapes]
-    slot = {pos: k for k, pos in enumerate(traced[:_MAX_SOURCES])}
+    slot = {pos: k for k, pos in enumerate(traced[:most_sources])}
     sent = _drawn(_name_of(w) for _, w in shown.iterrows())  # (cut apart from each other)
 
     ax_rt.add_patch(Rectangle((0, 0), max(cols, 1), max(rows, 1), facecolor="0.94",
@@ -1519,7 +1566,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
             labelled[rects[0]] = ax_rt.text(
                 (c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=8,
                 clip_on=True, parse_math=False)
-        if len(handles) < _MAX_LEGEND:
+        if len(handles) < most_legend:
             src = ("untraced source" if pos is None
                    else f"#{pos} {_short(_name_of(w), 30, among=sent)}")
             handles.append(Patch(facecolor=(*c[:3], 0.55), edgecolor=c, **style,

@@ -17,6 +17,7 @@ import pytest
 import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 from torch import nn
 
 from patchkit import CheckpointWeightPatch, Chunk, plan_chunks
@@ -2228,6 +2229,73 @@ def test_a_placement_of_more_targets_than_max_targets_draws_the_first_with_a_not
         r, max_targets=2)._suptitle.get_text()
     with pytest.raises(ValueError, match="from 1 to 32"):
         plot_placement(r, max_targets=33)
+
+
+class _RowsOfTargets(nn.Module):
+    """Runtime tensors ``t0`` ... of (rows, 8); a patch ``t<i>.r<j>`` of (8,) is row j
+    of ``t<i>``: each tensor has ``rows`` writes from as many checkpoint tensors."""
+
+    def __init__(self, targets: int, rows: int) -> None:
+        super().__init__()
+        for i in range(targets):
+            self.register_parameter(f"t{i}", nn.Parameter(torch.zeros(rows, 8),
+                                                          requires_grad=False))
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, w in weights:
+            target, row = name.split(".")
+            getattr(self, target).data[int(row[1:])].copy_(w)
+            loaded.add(target)
+        return loaded
+
+
+@pytest.mark.parametrize("targets", [32, 16])
+def test_a_placement_of_many_targets_stays_under_30_inches_with_every_label_readable(
+        targets):
+    # a row of 2.6 inches a target made 32 targets a 13 x 84-inch figure (16: 42 inches)
+    rows = 10
+    ps = [CheckpointWeightPatch(f"t{i}.r{j}", (8,), torch.float32, torch.ones(8))
+          for i in range(targets) for j in range(rows)]
+    report = inspect_load(_RowsOfTargets(targets, rows), ps)
+    fig = plot_placement(report, max_targets=32)
+    width, height = fig.get_size_inches()
+    assert width <= 30 and height <= 30
+    # every target drawn, in order: its title, and each of its writes where it landed
+    assert len(fig.axes) == 2 * targets
+    assert [ax.get_title().split()[1] for ax in fig.axes[1::2]] == [
+        f"t{i}" for i in range(targets)]
+    runtime = rects_by_gid(fig, "write ")
+    for i, w in report.writes.iterrows():
+        target = int(w["target"][1:])
+        (rect,) = runtime[f"write {i} runtime"]
+        assert rect.axes is fig.axes[2 * target + 1]
+        assert extent(rect) == (0, 8, i % rows, i % rows + 1)
+    renderer = drawn(fig)
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text()]
+    assert min(t.get_fontsize() for t in texts) >= 6
+    # no row runs into another (a legend or the sources' labels past its row's height),
+    # and none past the figure's edges
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    for (i, a), (j, b) in itertools.combinations(enumerate(boxes), 2):
+        assert i // 2 == j // 2 or not a.overlaps(b)  # (each target's two axes: a row)
+    page = fig.bbox
+    assert all(page.x0 <= b.x0 and b.x1 <= page.x1 and page.y0 <= b.y0 and b.y1 <= page.y1
+               for b in boxes)
+    # nor a row number into the next on a shorter panel (ten rows were ticked 0 to 10)
+    for ax in fig.axes[1::2]:
+        ticks = [t.get_window_extent(renderer) for t in ax.get_yticklabels()
+                 if t.get_visible() and t.get_text()]
+        assert len(ticks) >= 2
+        for a, b in itertools.combinations(ticks, 2):
+            assert not a.overlaps(b)
+    # what a shorter row leaves out is counted: the legend's writes, the sources drawn
+    for ck, rt in zip(fig.axes[::2], fig.axes[1::2]):
+        legend = [t.get_text() for t in rt.get_legend().get_texts()]
+        listed = len(legend) - 1
+        assert legend[-1] == f"… {rows - listed} more writes" and listed >= 3
+        shown = len(ck.get_yticks())
+        assert 2 <= shown < rows and ck.get_title().endswith(f"({shown} of {rows} shown)")
 
 
 def test_a_delta_histogram_has_at_most_as_many_bars_as_its_panel_has_pixels():
