@@ -111,8 +111,10 @@ def load_checkpoint_weight_patches(
        writes made so far in place and propagates unchanged (**[patchkit]** an error the
        model's ``load_weights`` raised, its own ``KeyError`` for a name it lacks, torch's
        for a shape, gets a note on Python 3.11+ naming the call and the patches it was
-       sent: ``(raised in load_weights call 1, sent patch 3 ('x'))``; patchkit's own
-       errors name their patch already). **[patchkit]**
+       sent: ``(raised in load_weights call 1, sent patch 3 ('x'))``, and in a call of
+       several, where a function the error passed through was handed one patch's staged
+       tensor, that patch first: ``(raised in load_weights call 1 at patch 9 ('y'); sent
+       ...)``; patchkit's own errors name their patch already). **[patchkit]**
        ``transactional=True``: every runtime region is saved before its first write, and
        any exception restores them all bit for bit before it propagates, a signal's too
        (Ctrl-C, a SIGTERM handler that raises): on the main thread a signal that comes
@@ -608,22 +610,79 @@ def _called(load_weights: Any, staged: list[tuple[str, torch.Tensor]], chunk: Ch
     try:
         return _names(load_weights(staged), chunk)
     except BaseException as exc:
-        _note_the_call(exc, chunk)
+        _note_the_call(exc, chunk, staged)
         raise
 
 
-def _note_the_call(exc: BaseException, chunk: Chunk) -> None:
+def _note_the_call(exc: BaseException, chunk: Chunk,
+                   staged: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Add to an error the model's ``load_weights`` raised (its own ``KeyError`` for a
     name it lacks, torch's for a shape it cannot take, a Ctrl-C) a note (Python 3.11+)
     naming the call and the patches it was sent: ``"(raised in load_weights call 2, sent
-    patch 4 ('a'), patch 5 ('b'))"``, the first five and how many more. The error is
-    otherwise as raised. patchkit's own errors (a :class:`~patchkit.errors.PatchError`:
-    a write refused inside the call, a return value outside the contract) name their
-    patch already and get none."""
+    patch 4 ('a'), patch 5 ('b'))"``, the first five and how many more; and, in a call
+    of several, where :func:`_patch_at_fault` finds the patch the model was at (a
+    ``weight_loader(param, loaded_weight)`` that asserts the shape, as vLLM's do, names
+    no weight), that one first: ``"(raised in load_weights call 2 at patch 9 ('x'); sent
+    patch 4 ('a'), ...)"``. The error is otherwise as raised. patchkit's own errors (a
+    :class:`~patchkit.errors.PatchError`: a write refused inside the call, a return
+    value outside the contract) name their patch already and get none."""
     if isinstance(exc, PatchError) or not hasattr(exc, "add_note"):
         return
     sent = _patches_named(chunk.positions, chunk.names, len(chunk.positions))
-    exc.add_note(f"(raised in load_weights call {chunk.index}, sent {sent})")
+    at = _patch_at_fault(exc, staged) if len(chunk.positions) > 1 else None
+    at = "" if at is None else f" at {where(chunk.positions[at], chunk.names[at])};"
+    exc.add_note(f"(raised in load_weights call {chunk.index}{at or ','} sent {sent})")
+
+
+def _patch_at_fault(exc: BaseException, staged: Sequence[tuple[str, torch.Tensor]]
+                    ) -> int | None:
+    """The entry of ``staged`` (a failed call's list) that the code raising ``exc`` was
+    handling, or ``None``: found in the innermost frame of its traceback (below the
+    caller's own, the first) whose arguments hold a staged tensor or a view into one,
+    directly or in a tuple or list argument, where they hold one entry's only. Only
+    arguments, not other locals: a loop's variable still holds the last entry after
+    its loop, when a later check may raise."""
+    spans: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+    for k, (_, t) in enumerate(staged):
+        span = _span(t)
+        if span is not None:
+            spans.setdefault(span[0], []).append((span[1], span[2], k))
+    if not spans:
+        return None
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames[1:]):
+        code = frame.f_code
+        n = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & 0x04)
+        local = frame.f_locals
+        found = set()
+        for name in code.co_varnames[:n]:
+            arg = local.get(name)
+            for t in arg if isinstance(arg, (tuple, list)) else (arg,):
+                span = _span(t) if isinstance(t, torch.Tensor) else None
+                if span is not None:
+                    found.update(k for lo, hi, k in spans.get(span[0], ())
+                                 if lo <= span[1] and span[2] <= hi)
+        if found:
+            return found.pop() if len(found) == 1 else None
+    return None
+
+
+def _span(t: torch.Tensor) -> tuple[tuple[str, int], int, int] | None:
+    """``((device, storage address), first byte, end byte)`` of the memory ``t``'s
+    elements lie in, or ``None`` (no memory: empty, meta, a wrapper subclass)."""
+    try:
+        if t.numel() == 0 or t.is_meta:
+            return None
+        size = t.element_size()
+        lo = t.storage_offset() * size
+        hi = lo + size + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * size
+        return (str(t.device), t.untyped_storage().data_ptr()), lo, hi
+    except Exception:  # (a tensor subclass that has no storage to read)
+        return None
 
 
 def _staged(

@@ -445,3 +445,82 @@ def test_help_shows_the_patch_fields_types_and_each_tables_columns(tp_report):
         doc = getattr(patchkit.LoadReport, table).__doc__
         named = set(re.findall(r"[a-z_0-9]+", doc))
         assert set(getattr(tp_report, table).columns) <= named, table
+
+
+class _AssertsLikeVllm(PlainModel):
+    """A loader whose parameters' ``weight_loader(param, loaded_weight)`` asserts the shape
+    as vLLM's do: the message gives both shapes and no name."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            self._load_one(self._parameters[name], w)
+        return {n for n, _ in weights}
+
+    @staticmethod
+    def _load_one(param, loaded_weight):
+        assert param.shape == loaded_weight.shape, (
+            f"Attempted to load weight ({loaded_weight.size()}) into parameter ({param.size()})")
+        param.data.copy_(loaded_weight)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
+@pytest.mark.parametrize("how", ["dense", "sparse", "transactional", "inspect", "one buffer"])
+def test_a_models_error_that_names_no_weight_is_noted_with_the_patch_it_was_loading(how):
+    # A trainer's patch with a wrong shape on one rank, in a call of eight: the model's
+    # message gives shapes only, and the note named the call's first five patches, not
+    # the sixth that failed
+    names = [f"w{i}" for i in range(8)]
+    m = _AssertsLikeVllm({n: (4, 6) for n in names}, device="cpu")
+    shapes = [(6, 4) if n == "w6" else (4, 6) for n in names]
+    if how == "sparse":
+        ps = [CWP(n, s, torch.float32, torch.tensor([1.0]), torch.tensor([5]))
+              for n, s in zip(names, shapes)]
+    elif how == "one buffer":  # (dense patches that are views of one received buffer)
+        flat = torch.arange(8 * 24, dtype=torch.float32)
+        ps = [CWP(n, s, torch.float32, flat[24 * i: 24 * (i + 1)])
+              for i, (n, s) in enumerate(zip(names, shapes))]
+    else:
+        ps = [CWP(n, s, torch.float32, torch.ones(24)) for n, s in zip(names, shapes)]
+    load = patchkit.inspect_load if how == "inspect" else patchkit.load_checkpoint_weight_patches
+    kw = {"transactional": True} if how == "transactional" else {}
+    with pytest.raises(AssertionError, match=r"load weight \(torch.Size\(\[6, 4\]") as info:
+        load(m, ps, **kw)
+    assert info.value.__notes__ == [
+        "(raised in load_weights call 0 at patch 6 ('w6'); sent patch 0 ('w0'), patch 1 "
+        "('w1'), patch 2 ('w2'), patch 3 ('w3'), patch 4 ('w4'), and 3 more)"]
+
+
+class _ChecksAfterItsLoop(PlainModel):
+    """Loads every entry, then raises: its loop's ``w`` still holds the last entry, and
+    ``_fuse`` was handed two entries' tensors; neither is the patch at fault."""
+
+    def __init__(self, shapes, how):
+        super().__init__(shapes, device="cpu")
+        self.how = how
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            self._parameters[name].data.copy_(w)
+        if self.how == "after":
+            self._check_all_present()
+        else:
+            self._fuse([w for _, w in weights[:2]])
+        return {n for n, _ in weights}
+
+    def _check_all_present(self):
+        raise RuntimeError("a fused weight lacks a part")
+
+    @staticmethod
+    def _fuse(parts):
+        raise RuntimeError("cannot fuse")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
+@pytest.mark.parametrize("how", ["after", "two"])
+def test_a_models_error_not_at_one_patch_is_noted_without_one(how):
+    m = _ChecksAfterItsLoop({"a": (4,), "b": (4,), "c": (4,)}, how)
+    ps = [CWP(n, (4,), torch.float32, torch.ones(4)) for n in "abc"]
+    with pytest.raises(RuntimeError) as info:
+        patchkit.load_checkpoint_weight_patches(m, ps)
+    assert info.value.__notes__ == [
+        "(raised in load_weights call 0, sent patch 0 ('a'), patch 1 ('b'), patch 2 ('c'))"]
