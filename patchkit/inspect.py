@@ -48,7 +48,8 @@ writes into one tensor are rebuilt whole (a copy of it, a 1-byte mask, and torch
 first read; every number in them is taken when the load ends.
 Python's cyclic garbage collector is paused while a report's load runs
 (process-wide, as ``gc.disable()`` is; its state is restored after, also on error, once
-no report or watched load runs on another thread either): the
+no report or watched load runs on another thread either; in a child forked meanwhile,
+at the fork): the
 report's own objects would set off collections mid-load that cost more than the writes
 on a model of many small tensors.
 

@@ -367,6 +367,26 @@ _paused_by: set[object] = set()
 _resume_after = False  # the collector was on when the first of _paused_by began
 
 
+def _collector_after_fork() -> None:
+    """In a child forked while loads ran on other threads of the parent: the child has
+    the forking thread only, so those loads never end there, and their pauses are taken
+    off now (the collector back on where it was on when the first began). Their tokens
+    kept it off for good: a child forked during a weight sync on a background thread (a
+    ``DataLoader`` worker) ran without its cyclic collector, its own loads included. A
+    fresh lock too: one another thread held at the fork is held for good in the child.
+    (A load of the forking thread itself goes on in the child with the collector on.)"""
+    global _PAUSE_LOCK
+    _PAUSE_LOCK = threading.RLock()
+    if _paused_by:
+        _paused_by.clear()
+        if _resume_after:
+            gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_collector_after_fork)
+
+
 def _pause_collector(token: object) -> None:
     """Pause the cyclic collector for a load, ``token`` (a fresh ``object()``) standing
     for it until the end of its pause (``_paused_by`` no longer holding it), written out

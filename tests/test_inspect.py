@@ -3252,3 +3252,62 @@ def test_report_plot_density_shows_a_huge_argument_cut_short():
                        r"name, got list: \[0\.5, ") as e:
         report.plot_density([0.5] * 100_000)
     assert len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_child_forked_during_another_threads_load_has_its_collector_as_before(enabled):
+    # (was: the other thread's pause never ended in the child, which has no such thread,
+    # so the child ran without its cyclic collector for good, its own loads included)
+    import gc
+    import os
+    import signal
+    import threading
+    import warnings
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    inside, go = threading.Event(), threading.Event()
+
+    class Waits(PlainModel):
+        def load_weights(self, weights):
+            weights = list(weights)
+            inside.set()
+            assert go.wait(20)
+            return super().load_weights(weights)
+
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            inspect_load(Waits({"w": (4,)}), [dense("w", torch.ones(4))])
+        except BaseException as exc:  # (shown by the assert below)
+            errors.append(exc)
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    thread = threading.Thread(target=run)
+    try:
+        thread.start()
+        assert inside.wait(20)
+        assert not gc.isenabled()  # (paused by the thread's load)
+        with warnings.catch_warnings():  # (3.12: "multi-threaded, use of fork()")
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: exit status 0 when its collector is as it was before
+            ok = False
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(30)  # (a child that hangs dies of it)
+                seen = [gc.isenabled()]
+                inspect_load(PlainModel({"a": (4,)}), [dense("a", torch.ones(4))])
+                seen.append(gc.isenabled())
+                ok = seen == [enabled, enabled]
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        go.set()
+        thread.join(20)
+        (gc.enable if was else gc.disable)()
+    assert not thread.is_alive() and errors == []
+    assert os.waitstatus_to_exitcode(status) == 0  # (-14: SIGALRM, it hung)
