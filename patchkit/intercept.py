@@ -38,6 +38,7 @@ import functools
 import itertools
 import math
 import operator
+import os
 import signal
 import sys
 import threading
@@ -2227,6 +2228,38 @@ except ImportError:  # pragma: no cover - not CPython
     _sig = signal  # type: ignore[misc]
 
 _DEFERRAL = _SignalDeferral()
+
+
+def _main_thread_forks() -> None:
+    global _forked_by_main
+    _forked_by_main = threading.current_thread() is threading.main_thread()
+
+
+def _deferral_after_fork() -> None:
+    """In a child forked by another thread while loads on the parent's main thread held
+    the signal handlers: those loads never end in the child (it has the forking thread
+    only, now its main thread), so the handlers they took over are put back, and what
+    they held back (the parent's signals) is let go. Their state kept the child's
+    handlers taken over for good, and a child forked mid-write (a report's or a
+    transactional load's) held back every Ctrl-C, and every signal a Python handler
+    stops it with, forever. (A child forked by a load's own thread goes on with that
+    load, which ends as it does in the parent.)"""
+    if _forked_by_main or not _DEFERRAL._uses:
+        return
+    d = _DEFERRAL
+    for sig, handler in d._handlers.items():
+        try:
+            if _sig.getsignal(sig) == d._handler:
+                _sig.signal(sig, handler)
+        except (OSError, ValueError, RuntimeError):
+            continue
+    d._handlers, d._pending, d._chains = {}, [], {}
+    d.depth = d._uses = 0
+
+
+_forked_by_main = True
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_main_thread_forks, after_in_child=_deferral_after_fork)
 
 
 class WriteSession:

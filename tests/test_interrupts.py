@@ -355,3 +355,60 @@ def test_a_failure_to_close_the_progress_view_leaves_no_signal_held(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         signal.raise_signal(signal.SIGINT)
     del e
+
+
+@pytest.mark.parametrize("forks", ["another thread", "the load's thread"])
+def test_a_child_forked_while_a_load_holds_signals_back_gets_its_ctrl_c(forks):
+    # (was: a child forked by another thread while the main thread's load was mid-write
+    # kept the load's hold, which no thread of the child ever let go: every Ctrl-C, and
+    # every signal a Python handler stops it with, was held back for good; a child of
+    # the load's own thread goes on with that load, and gets its Ctrl-C where it ends)
+    import contextlib
+    import os
+    import time
+    import warnings
+
+    from patchkit.intercept import _DEFERRAL
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    pids = []
+    hold = contextlib.ExitStack()
+
+    def fork():
+        with warnings.catch_warnings():  # (3.12: "multi-threaded, use of fork()")
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: exit status 3 when its Ctrl-C reached it where it should
+            code, held = 1, False
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(30)  # (a child that hangs dies of it)
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.2)  # (Python runs the handler by now, unless held back)
+                    held = True
+                    if forks == "the load's thread":
+                        hold.close()  # (the load ends: what it held back runs)
+                    code = 2
+                except KeyboardInterrupt:
+                    code = 3 if held == (forks == "the load's thread") else 4
+                if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+                    code = 5
+            finally:
+                os._exit(code)
+        pids.append(pid)
+
+    hold.enter_context(_DEFERRAL.holding())  # (what a load does around a write's save)
+    try:
+        if forks == "another thread":
+            thread = threading.Thread(target=fork)
+            thread.start()
+            thread.join(30)
+        else:
+            fork()
+    finally:
+        hold.close()
+    (pid,) = pids
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 3  # (2: held back for good; -14: it hung)
