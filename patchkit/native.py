@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,17 +158,39 @@ def _cpu_id() -> str:
     return platform.machine() + platform.processor()
 
 
+# A build is compiled into a file of its own first (``native-<key>.<random>.partial``),
+# then renamed. A process killed while it builds (a worker stopped at start-up) leaves
+# that file behind: its compiler goes on without it, and nothing renames the file. A
+# later build in the folder removes such files once they are older than any build may
+# take (the compiler's timeout, twice).
+_PARTIAL = ".partial"
+_COMPILE_TIMEOUT = 300
+
+
+def _remove_stale_partials(folder: Path) -> None:
+    """Remove the unfinished builds killed processes left in ``folder`` (see above)."""
+    try:
+        stale = time.time() - 2 * _COMPILE_TIMEOUT
+        for f in folder.glob(f"native-*{_PARTIAL}"):
+            with contextlib.suppress(OSError):  # (another build removed it first)
+                if f.stat().st_mtime < stale:
+                    f.unlink()
+    except OSError:  # (a folder that cannot be listed: its files stay)
+        pass
+
+
 def _compile(cc: str, flags: list[str], out: Path) -> str | None:
     """Compile the C file to ``out`` (atomically); the compiler's last error line, or None."""
+    _remove_stale_partials(out.parent)
     try:
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f"{out.stem}.", suffix=_PARTIAL, dir=out.parent)
     except OSError as e:  # a folder this process cannot write
         return str(e)
     os.close(fd)
     try:
         done = subprocess.run(
             [cc, *flags, "-o", tmp, str(_SOURCE)],
-            capture_output=True, text=True, timeout=300, check=False,
+            capture_output=True, text=True, timeout=_COMPILE_TIMEOUT, check=False,
         )
         if done.returncode != 0:
             return (done.stderr.strip().splitlines() or ["(no message)"])[-1]

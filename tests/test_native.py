@@ -2240,3 +2240,23 @@ def test_reusing_lends_cpu_storages_only():
     assert got is not None and got.before.device.type == "cpu"
     assert got.index is None and torch.equal(got.before, torch.zeros(1 << 17))
     assert torch.equal(dest, src)
+
+
+@needs_compiler
+def test_a_build_removes_the_unfinished_builds_that_killed_processes_left(fresh_build):
+    # (was: a worker killed while it built left its compiler's output file in the cache
+    # folder, under a name nothing ever renamed or removed; one more for every such kill)
+    import time
+
+    old = time.time() - 3600
+    stale = fresh_build / "native-0123456789abcdef.k1ll3d.partial"
+    recent = fresh_build / "native-0123456789abcdef.bu1ld1.partial"  # (a build going on)
+    theirs = fresh_build / "tmpk1ll3d.so"  # (not a name patchkit gives: left alone)
+    for f in (stale, recent, theirs):
+        f.write_bytes(b"")
+    for f in (stale, theirs):
+        os.utime(f, (old, old))
+    assert native.status().startswith("compiled")
+    assert sorted(p.name for p in fresh_build.iterdir()) == sorted(
+        [recent.name, theirs.name, *(p.name for p in fresh_build.glob("native-*.so"))])
+    assert len(list(fresh_build.glob("native-*.so"))) == 1
