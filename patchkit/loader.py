@@ -649,9 +649,9 @@ def _note_the_call(exc: BaseException, chunk: Chunk,
     if isinstance(exc, PatchError) or not hasattr(exc, "add_note"):
         return
     sent = _patches_named(chunk.positions, chunk.names, len(chunk.positions))
-    at = _patch_at_fault(exc, staged) if len(chunk.positions) > 1 else None
-    at = "" if at is None else f" at {where(chunk.positions[at], chunk.names[at])};"
-    exc.add_note(f"(raised in load_weights call {chunk.index}{at or ','} sent {sent})")
+    k = _patch_at_fault(exc, staged) if len(chunk.positions) > 1 else None
+    at = "," if k is None else f" at {where(chunk.positions[k], chunk.names[k])};"
+    exc.add_note(f"(raised in load_weights call {chunk.index}{at} sent {sent})")
 
 
 def _patch_at_fault(exc: BaseException, staged: Sequence[tuple[str, torch.Tensor]]
@@ -678,7 +678,7 @@ def _patch_at_fault(exc: BaseException, staged: Sequence[tuple[str, torch.Tensor
         code = frame.f_code
         n = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & 0x04)
         local = frame.f_locals
-        found = set()
+        found: set[int] = set()
         for name in code.co_varnames[:n]:
             arg = local.get(name)
             for t in arg if isinstance(arg, (tuple, list)) else (arg,):
@@ -698,8 +698,8 @@ def _span(t: torch.Tensor) -> tuple[tuple[str, int], int, int] | None:
         if t.numel() == 0 or t.is_meta:
             return None
         size = t.element_size()
-        lo = t.storage_offset() * size
-        hi = lo + size + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * size
+        lo = int(t.storage_offset()) * size
+        hi = lo + size + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride())) * size
         return (str(t.device), t.untyped_storage().data_ptr()), lo, hi
     except Exception:  # (a tensor subclass that has no storage to read)
         return None
