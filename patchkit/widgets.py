@@ -65,6 +65,9 @@ __all__ = [
 ]
 
 _MAX_CALL_LINES = 40
+# The explorer's drop-down lists at most _MAX_OPTIONS entries: past that (a whole model's
+# report: thousands of patches and runtime tensors) a filter box above it picks which.
+_MAX_OPTIONS = 200
 
 
 def figure_output(fig: Figure) -> dict[str, Any]:
@@ -320,11 +323,23 @@ class ReportExplorer(W.VBox):
     """Pick a patch or a runtime tensor of a report and see its figures and table rows.
 
     Attributes: ``dropdown`` (values ``("patch", position)`` and ``("runtime", name)``;
-    labels ``"patch 3: name"`` and ``"runtime: name"``), ``output`` (an
+    labels ``"patch 3: name"`` and ``"runtime: name"``), ``filter`` (``None`` where the
+    drop-down lists every entry, see below), ``output`` (an
     :class:`ipywidgets.Output`: for a patch its density map and its ``report.chunks``
     row; for a runtime tensor its placement and delta figures, its ``report.writes`` rows
     and its ``report.deltas`` row), ``planner`` (a :class:`ChunkPlanner` over the
     report's patches) and ``report``.
+
+    A report of more than 200 entries (patches plus runtime tensors: a whole model's
+    load) is not listed whole, which would make a drop-down of thousands of lines sent
+    to the browser on every display: a ``filter`` text box (an :class:`ipywidgets.Text`,
+    applied on Enter) sits above the drop-down, which lists the first 200 entries whose
+    label holds every word typed, case-insensitively (``"runtime qkv"``: the runtime
+    tensors named ``...qkv...``; ``"patch 12:"``: patch 12), and ``filter_note`` (a
+    Label) says how many match. Empty, the filter lists the first 200 entries. A new
+    filter keeps the chosen entry where it still matches (nothing is redrawn), else
+    chooses the first match (one redraw), and where none matches the output says so.
+    ``dropdown.value`` takes only a listed entry: set ``filter.value`` first to list one.
 
     The report of a load that raised (``error.report``) shows what it can: the error
     under the heading, a line saying why in place of a figure that cannot be drawn (the
@@ -348,8 +363,13 @@ class ReportExplorer(W.VBox):
                                  *(t for t in report.writes["target"] if t is not None)])
         options += [(f"runtime: {_shown(t)}", ("runtime", t)) for t in runtime]
         self._runtime = len(runtime)
+        self._options = _told_apart(options)
+        self._lowered = [label.lower() for label, _ in self._options]
+        self.filter: W.Text | None = None
+        self.filter_note: W.Label | None = None
         self.dropdown = W.Dropdown(
-            options=_told_apart(options), description="show", layout=W.Layout(width="60%")
+            options=self._options[:_MAX_OPTIONS], description="show",
+            layout=W.Layout(width="60%"),
         )
         self.output = W.Output()
         self.planner = ChunkPlanner(report)
@@ -364,10 +384,53 @@ class ReportExplorer(W.VBox):
             f"{_count(len(report.calls), 'load_weights call')}, "
             f"{_count(len(report.writes), 'runtime write')}{rejected}"
         )
-        super().__init__([head, self.dropdown, self.output, W.HTML("<b>chunk plan</b>"),
-                          self.planner])
+        find: list[W.Widget] = []
+        if len(self._options) > _MAX_OPTIONS:
+            self.filter = W.Text(
+                value="", description="filter", continuous_update=False,
+                placeholder="words of a label, e.g. runtime qkv_proj (Enter)",
+                layout=W.Layout(width="60%"),
+            )
+            self.filter_note = W.Label(self._filter_text(len(self._options)))
+            find = [W.HBox([self.filter, self.filter_note])]
+            self.filter.observe(self._on_filter, names="value")
+        super().__init__([head, *find, self.dropdown, self.output,
+                          W.HTML("<b>chunk plan</b>"), self.planner])
         self.dropdown.observe(self._on_change, names="value")
         self.redraw()
+
+    def _filter_text(self, matched: int) -> str:
+        words = self.filter.value.split() if self.filter is not None else []
+        total = len(self._options)
+        if not words:
+            return (f"showing the first {_MAX_OPTIONS} of {total} entries: type words of a "
+                    "name to find others")
+        if not matched:
+            return f"no entry of {total} matches"
+        return (f"{matched} of {total} match" + ("es" if matched == 1 else "")
+                + (f": showing the first {_MAX_OPTIONS}" if matched > _MAX_OPTIONS else ""))
+
+    def _on_filter(self, _change: Any) -> None:
+        assert self.filter is not None and self.filter_note is not None
+        words = self.filter.value.lower().split()
+        matched = [o for o, low in zip(self._options, self._lowered)
+                   if all(w in low for w in words)]
+        shown = matched[:_MAX_OPTIONS]
+        before = self.dropdown.value
+        # (new options select their first entry: the choice is put back where it is still
+        # listed, and redrawn once, here, where it is not; never once per step)
+        self.dropdown.unobserve(self._on_change, names="value")
+        try:
+            self.dropdown.options = shown
+            if any(v == before for _, v in shown):
+                self.dropdown.value = before
+            elif shown and self.dropdown.value is None:  # (after none matched: none chosen)
+                self.dropdown.index = 0
+        finally:
+            self.dropdown.observe(self._on_change, names="value")
+        self.filter_note.value = self._filter_text(len(matched))
+        if self.dropdown.value != before or not shown:
+            self.redraw()
 
     def __repr__(self) -> str:
         return (
@@ -391,9 +454,12 @@ class ReportExplorer(W.VBox):
     def _views(self, choice: tuple[str, Any] | None) -> tuple[dict[str, Any], ...]:
         r = self.report
         if choice is None:
-            return (text_output("nothing to show: the report has no patches\n" if not
-                                self.dropdown.options else "nothing chosen: pick a patch or "
-                                "a runtime tensor above\n"),)
+            if not self._options:
+                return (text_output("nothing to show: the report has no patches\n"),)
+            if not self.dropdown.options and self.filter is not None:
+                return (text_output(f"nothing matches the filter {self.filter.value!r}: "
+                                    "change it to list entries\n"),)
+            return (text_output("nothing chosen: pick a patch or a runtime tensor above\n"),)
         kind, key = choice
         if kind == "patch":
             row = r.chunks[r.chunks["position"] == key]

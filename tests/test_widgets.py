@@ -816,6 +816,58 @@ def test_explorer_offers_a_show_dropdown_above_its_output_and_the_planner_below(
     assert head.value.startswith("<b>LoadReport</b>: 4 patches")
 
 
+def _many_tensors(n: int):
+    """A report of ``n`` one-element tensors: ``n`` patches and ``n`` runtime tensors."""
+    names = [f"layers.{i}.w" for i in range(n)]
+    model = PlainModel({name: (1,) for name in names})
+    return inspect_load(model, [CheckpointWeightPatch(name, (1,), torch.float32,
+                                                      torch.ones(1)) for name in names])
+
+
+def test_explorer_of_thousands_of_entries_lists_a_few_hundred_and_finds_the_rest():
+    # (a whole model's report listed every patch and runtime tensor: 4000 lines, 171 kB
+    # of labels sent to the browser at each display, for 2000 tensors, with no way to
+    # search them)
+    report = _many_tensors(1500)
+    w = explore(report)
+    assert len(w.dropdown.options) == 200 < 3000
+    _, find, dropdown, *_ = w.children
+    assert find.children == (w.filter, w.filter_note) and dropdown is w.dropdown
+    assert w.filter.continuous_update is False  # (narrowed on Enter, not per keystroke)
+    assert w.filter_note.value == ("showing the first 200 of 3000 entries: type words of a "
+                                   "name to find others")
+    redraws = []
+    redraw = w.redraw
+    w.redraw = lambda: (redraws.append(w.dropdown.value), redraw())[1]
+
+    w.filter.value = "Runtime layers.1499."  # every word, case-insensitively
+    assert w.dropdown.options == (("runtime: layers.1499.w", ("runtime", "layers.1499.w")),)
+    assert redraws == [("runtime", "layers.1499.w")]  # one redraw per change
+    assert "writes into layers.1499.w" in texts(w.output)
+    assert w.filter_note.value == "1 of 3000 matches"
+
+    w.filter.value = "layers.149"  # the choice still listed: kept, not redrawn
+    assert len(w.dropdown.options) == 22 and w.dropdown.value == ("runtime", "layers.1499.w")
+    assert len(redraws) == 1 and w.filter_note.value == "22 of 3000 match"
+
+    w.filter.value = "no such tensor"
+    assert w.dropdown.options == () and len(redraws) == 2
+    assert texts(w.output) == ("nothing matches the filter 'no such tensor': change it to "
+                               "list entries\n")
+    assert w.filter_note.value == "no entry of 3000 matches"
+
+    w.filter.value = "runtime"
+    assert len(w.dropdown.options) == 200 and len(redraws) == 3
+    assert w.dropdown.value == ("runtime", "layers.0.w")
+    assert w.filter_note.value == "1500 of 3000 match: showing the first 200"
+
+
+def test_explorer_of_a_few_hundred_entries_lists_them_all_without_a_filter():
+    w = explore(_many_tensors(100))
+    assert len(w.dropdown.options) == 200 and w.filter is None
+    assert w.children[1] is w.dropdown
+
+
 def test_explorer_says_when_nothing_is_chosen():
     w = explore(inspect_load(Packed(), patches(), max_chunk_bytes=300))
     w.dropdown.value = None
