@@ -659,7 +659,8 @@ def _patch_at_fault(exc: BaseException, staged: Sequence[tuple[str, torch.Tensor
     """The entry of ``staged`` (a failed call's list) that the code raising ``exc`` was
     handling, or ``None``: found in the innermost frame of its traceback (below the
     caller's own, the first) whose arguments hold a staged tensor or a view into one,
-    directly or in a tuple or list argument, where they hold one entry's only. Only
+    directly or in a tuple or list argument, where they hold one entry's only (an
+    argument whose ``__class__`` or iteration raises, a lazy proxy's, is passed over). Only
     arguments, not other locals: a loop's variable still holds the last entry after
     its loop, when a later check may raise."""
     spans: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
@@ -680,15 +681,26 @@ def _patch_at_fault(exc: BaseException, staged: Sequence[tuple[str, torch.Tensor
         local = frame.f_locals
         found: set[int] = set()
         for name in code.co_varnames[:n]:
-            arg = local.get(name)
-            for t in arg if isinstance(arg, (tuple, list)) else (arg,):
-                span = _span(t) if isinstance(t, torch.Tensor) else None
-                if span is not None:
-                    found.update(k for lo, hi, k in spans.get(span[0], ())
-                                 if lo <= span[1] and span[2] <= hi)
+            try:
+                found.update(_entries_in(local.get(name), spans))
+            except Exception:  # (one whose ``__class__`` or ``__iter__`` raises: not read)
+                continue
         if found:
             return found.pop() if len(found) == 1 else None
     return None
+
+
+def _entries_in(arg: object, spans: dict[tuple[str, int], list[tuple[int, int, int]]]
+                ) -> set[int]:
+    """The entries of :func:`_patch_at_fault`'s ``spans`` whose memory holds ``arg``'s, a
+    tensor or each tensor of a tuple or list."""
+    found: set[int] = set()
+    for t in arg if isinstance(arg, (tuple, list)) else (arg,):
+        span = _span(t) if isinstance(t, torch.Tensor) else None
+        if span is not None:
+            found.update(k for lo, hi, k in spans.get(span[0], ())
+                         if lo <= span[1] and span[2] <= hi)
+    return found
 
 
 def _span(t: torch.Tensor) -> tuple[tuple[str, int], int, int] | None:

@@ -524,3 +524,44 @@ def test_a_models_error_not_at_one_patch_is_noted_without_one(how):
         patchkit.load_checkpoint_weight_patches(m, ps)
     assert info.value.__notes__ == [
         "(raised in load_weights call 0, sent patch 0 ('a'), patch 1 ('b'), patch 2 ('c'))"]
+
+
+class _Unreadable:
+    """An argument whose ``__class__`` raises (a lazy proxy's, a mock's): ``isinstance``
+    on it raises too."""
+
+    @property
+    def __class__(self):  # type: ignore[override]
+        raise RuntimeError("a proxy of nothing yet")
+
+
+class _UnreadableList(list):
+    def __iter__(self):
+        raise RuntimeError("not iterable yet")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
+@pytest.mark.parametrize("extra", [_Unreadable, _UnreadableList])
+def test_a_models_error_stays_its_own_where_an_argument_cannot_be_read(extra):
+    # (was: the search for the patch at fault read each argument of the traceback's frames,
+    # and one whose __class__ or iteration raised replaced the model's AssertionError by
+    # that RuntimeError, with no note)
+    class Model(PlainModel):
+        def load_weights(self, weights):
+            for name, w in weights:
+                self._load_one(self._parameters[name], w, extra())
+            return {n for n, _ in weights}
+
+        @staticmethod
+        def _load_one(param, loaded_weight, proxy):
+            assert param.shape == loaded_weight.shape, "shapes differ"
+            param.data.copy_(loaded_weight)
+
+    m = Model({"a": (4,), "b": (4,)}, device="cpu")
+    ps = [CWP("a", (4,), torch.float32, torch.ones(4)),
+          CWP("b", (2, 2), torch.float32, torch.ones(4))]
+    with pytest.raises(AssertionError, match="shapes differ") as info:
+        patchkit.load_checkpoint_weight_patches(m, ps)
+    assert info.value.__notes__ == [
+        "(raised in load_weights call 0 at patch 1 ('b'); sent patch 0 ('a'), patch 1 ('b'))"]
+
