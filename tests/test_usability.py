@@ -565,3 +565,75 @@ def test_a_models_error_stays_its_own_where_an_argument_cannot_be_read(extra):
     assert info.value.__notes__ == [
         "(raised in load_weights call 0 at patch 1 ('b'); sent patch 0 ('a'), patch 1 ('b'))"]
 
+
+
+class _LoadsThrough(PlainModel):
+    """Loads each entry through a helper that hands its tensor on as ``how`` says; the
+    helper raises on entry ``bad``."""
+
+    def __init__(self, shapes, how):
+        super().__init__(shapes, device="cpu")
+        self.how = how
+
+    def load_weights(self, weights):
+        done = []
+        for name, w in weights:
+            param = self._parameters[name]
+            if self.how == "varargs":
+                self._check(param, w)
+            elif self.how == "list":
+                self._check_parts(param, [w])
+            elif self.how == "fused at the last":  # (handed one entry, fails on two)
+                self._done = done
+                self._last(param, w) if len(done) == len(weights) - 1 else None
+            else:  # "scale": vLLM's per-tensor scale loader asserts the shape
+                self._load_one(param, w)
+            param.data.copy_(w.reshape(param.shape))
+            done.append(w)
+        return {n for n, _ in weights}
+
+    @staticmethod
+    def _check(*tensors):
+        assert tensors[0].shape == tensors[1].shape, "shapes differ"
+
+    @staticmethod
+    def _load_one(param, loaded_weight):
+        assert param.shape == loaded_weight.shape, "shapes differ"
+
+    @staticmethod
+    def _check_parts(param, parts):
+        assert all(p.shape == param.shape for p in parts), "shapes differ"
+
+    def _last(self, param, w):
+        self._fuse([self._done[0], self._done[1]])
+
+    @staticmethod
+    def _fuse(parts):
+        raise AssertionError("shapes differ: cannot fuse")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
+@pytest.mark.parametrize("how, at", [
+    ("varargs", 1), ("list", 1), ("scale", 1),
+    # (the innermost frame handed a staged tensor was handed two: no patch, though the
+    # frame around it was handed one, the last)
+    ("fused at the last", None),
+])
+def test_a_models_error_is_noted_with_the_patch_its_innermost_frame_was_handed(how, at):
+    # (mutation testing: reading no *args, no list argument, ranges one element too long
+    # per dimension, or the outer frames first or past an innermost frame of two patches
+    # passed every test)
+    flat = torch.arange(25, dtype=torch.float32)
+    if how == "scale":  # a weight and its 0-d scale, views of one received buffer
+        m = _LoadsThrough({"w": (4, 6), "s": (1,)}, how)
+        ps = [CWP("w", (4, 6), torch.float32, flat[:24]), CWP("s", (), torch.float32, flat[24:])]
+    else:
+        m = _LoadsThrough({"a": (4, 6), "b": (4, 6), "c": (4, 6)}, how)
+        ps = [CWP("a", (4, 6), torch.float32, flat[:24]),
+              CWP("b", (6, 4), torch.float32, torch.ones(24)),
+              CWP("c", (4, 6), torch.float32, torch.ones(24))]
+    with pytest.raises(AssertionError, match="shapes differ") as info:
+        patchkit.load_checkpoint_weight_patches(m, ps)
+    sent = ", ".join(f"patch {i} ({p.name!r})" for i, p in enumerate(ps))
+    at_text = "," if at is None else f" at patch {at} ({ps[at].name!r});"
+    assert info.value.__notes__ == [f"(raised in load_weights call 0{at_text} sent {sent})"]
