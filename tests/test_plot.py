@@ -2289,6 +2289,13 @@ def test_a_placement_of_many_targets_stays_under_30_inches_with_every_label_read
         assert len(ticks) >= 2
         for a, b in itertools.combinations(ticks, 2):
             assert not a.overlaps(b)
+    # nor a checkpoint tensor's label into the next: a shorter row draws fewer of them
+    # (mutation testing: drawing all eight in every row passed this test)
+    for ax in fig.axes[::2]:
+        labels = [t.get_window_extent(renderer) for t in ax.get_yticklabels()
+                  if t.get_visible() and t.get_text()]
+        for a, b in itertools.combinations(labels, 2):
+            assert not a.overlaps(b)
     # what a shorter row leaves out is counted: the legend's writes, the sources drawn
     for ck, rt in zip(fig.axes[::2], fig.axes[1::2]):
         legend = [t.get_text() for t in rt.get_legend().get_texts()]
@@ -2645,3 +2652,39 @@ def test_placement_shows_a_replicated_kv_head_as_its_band_of_k_and_v(rank):
     rows = f"[{8 * head}:{8 * head + 8}, :]"
     assert [t.split(" ", 2)[2] for t in legend] == [f"{rows} → [16:24, :]",
                                                    f"{rows} → [24:32, :]"]
+
+
+def test_a_placement_of_17_targets_fills_two_columns_top_to_bottom():
+    # (mutation testing: one column of 17 rows, a row too few a column for an odd count,
+    # and the targets laid out left to right each passed every test)
+    targets = 17
+    ps = [CheckpointWeightPatch(f"t{i}.r0", (8,), torch.float32, torch.ones(8))
+          for i in range(targets)]
+    report = inspect_load(_RowsOfTargets(targets, 2), ps)
+    fig = plot_placement(report, max_targets=32)
+    assert tuple(fig.get_size_inches()) == pytest.approx((26.0, 0.8 + 9 * 2.6))
+    assert len(fig.axes) == 2 * targets
+    assert [ax.get_title().split()[1] for ax in fig.axes[1::2]] == [
+        f"t{i}" for i in range(targets)]
+    boxes = [ax.get_position() for ax in fig.axes]
+    for k in range(targets):  # t0..t8 down the left column, t9..t16 down the right
+        ck, rt = boxes[2 * k], boxes[2 * k + 1]
+        assert ck.x1 <= rt.x0 and (rt.x1 <= 0.5 if k < 9 else ck.x0 >= 0.5)
+        assert ck.y0 == pytest.approx(rt.y0)
+        if k not in (0, 9):
+            assert rt.y1 <= boxes[2 * k - 1].y0  # (below the one before it)
+    for a, b in itertools.combinations(boxes, 2):
+        assert not a.overlaps(b)
+
+
+def test_a_placement_row_of_full_height_draws_eight_checkpoint_tensors():
+    # a figure of up to 11 targets is as it was: 8 checkpoint tensors a row, 12 writes in
+    # its legend (mutation testing: a row of exactly 2.6 inches taken for a shrunk one,
+    # 6 tensors and the same 12 writes, passed every test)
+    ps = [CheckpointWeightPatch(f"t0.r{j}", (8,), torch.float32, torch.ones(8))
+          for j in range(13)]
+    fig = plot_placement(inspect_load(_RowsOfTargets(1, 13), ps))
+    ck, rt = fig.axes
+    assert len(ck.get_yticks()) == 8 and ck.get_title().endswith("(8 of 13 shown)")
+    legend = [t.get_text() for t in rt.get_legend().get_texts()]
+    assert len(legend) == 13 and legend[-1] == "… 1 more writes"
