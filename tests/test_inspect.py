@@ -3311,3 +3311,45 @@ def test_a_child_forked_during_another_threads_load_has_its_collector_as_before(
         (gc.enable if was else gc.disable)()
     assert not thread.is_alive() and errors == []
     assert os.waitstatus_to_exitcode(status) == 0  # (-14: SIGALRM, it hung)
+
+
+def test_a_child_forked_while_another_thread_holds_the_pause_lock_can_load():
+    # (mutation testing: a child that kept the parent's pause lock, held by a thread it
+    # does not have, hung in its first report; no test saw it)
+    import os
+    import signal
+    import threading
+    import warnings
+
+    from patchkit import loader
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with loader._PAUSE_LOCK:
+            held.set()
+            done.wait(20)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert held.wait(20)
+        with warnings.catch_warnings():  # (3.12: "multi-threaded, use of fork()")
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: exit status 0 when its report ran
+            ok = False
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(10)  # (a child that hangs dies of it)
+                r = inspect_load(PlainModel({"a": (4,)}), [dense("a", torch.ones(4))])
+                ok = int(r.deltas.loc["a", "changed"]) == 4
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+        thread.join(20)
+    assert os.waitstatus_to_exitcode(status) == 0  # (-14: SIGALRM, it hung)

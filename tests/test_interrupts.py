@@ -412,3 +412,58 @@ def test_a_child_forked_while_a_load_holds_signals_back_gets_its_ctrl_c(forks):
     (pid,) = pids
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 3  # (2: held back for good; -14: it hung)
+
+
+def test_a_child_forked_by_another_thread_mid_hold_holds_and_lets_go_as_a_fresh_process():
+    # The child's own holds after such a fork: a Ctrl-C during one reaches it at its end,
+    # and the parent's Ctrl-C, held back at the fork, never does (mutation testing: a
+    # child that kept the parent's hold depth swallowed its own Ctrl-C for good, and one
+    # that kept what the parent held back got the parent's Ctrl-C at its first hold's end;
+    # both passed every test)
+    import os
+    import time
+    import warnings
+
+    from patchkit.intercept import _DEFERRAL
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    pids = []
+
+    def fork():
+        with warnings.catch_warnings():  # (3.12: "multi-threaded, use of fork()")
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: exit status 3 when both holds behaved
+            code = 1
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(30)  # (a child that hangs dies of it)
+                try:
+                    with _DEFERRAL.holding():
+                        pass
+                except KeyboardInterrupt:
+                    code = 4  # (the parent's Ctrl-C)
+                else:
+                    try:
+                        with _DEFERRAL.holding():
+                            os.kill(os.getpid(), signal.SIGINT)
+                            time.sleep(0.2)  # (Python runs the handler by now: held back)
+                        code = 2  # (swallowed)
+                    except KeyboardInterrupt:
+                        code = 3
+            finally:
+                os._exit(code)
+        pids.append(pid)
+
+    # (the parent's Ctrl-C, let go where its hold ends)
+    with pytest.raises(KeyboardInterrupt), _DEFERRAL.holding():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        assert _DEFERRAL._pending == [signal.SIGINT]
+        thread = threading.Thread(target=fork)
+        thread.start()
+        thread.join(30)
+    (pid,) = pids
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 3  # (2: swallowed, 4: the parent's)
