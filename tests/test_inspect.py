@@ -3353,3 +3353,38 @@ def test_a_child_forked_while_another_thread_holds_the_pause_lock_can_load():
         done.set()
         thread.join(20)
     assert os.waitstatus_to_exitcode(status) == 0  # (-14: SIGALRM, it hung)
+
+
+def test_the_text_repr_of_a_load_of_no_patches_says_its_chunks_have_no_rows():
+    # (mutation testing: pandas' own text for no rows, "Empty DataFrame" and its columns
+    # on one line, passed every test)
+    text = repr(inspect_load(PlainModel({"a": (4,)}), []))
+    assert text.endswith("\n\nchunks:\n(no rows)")
+    assert max(map(len, text.splitlines())) <= 80
+
+
+def test_the_text_repr_uses_the_whole_80_columns_and_breaks_only_at_blanks():
+    # A line of exactly 80 stays one line, a table of exactly 80 one block, and an item
+    # too long for its line breaks at a blank, not after a hyphen (mutation testing: 79
+    # columns, and breaks after hyphens, passed every test)
+    import pandas as pd
+
+    from patchkit.inspect import _blocks_text, _wrapped_call
+
+    one = _wrapped_call("LoadReport", ["a" * 30, "b" * 36])
+    assert one == f"LoadReport({'a' * 30}, {'b' * 36})" and len(one) == 80
+    items = ["patches=1", "error=AssertionError: " + "x" * 40
+             + " alpha-beta-gamma-delta-epsilon-zeta-eta-theta-iota ok"]
+    text = _wrapped_call("LoadReport", items)
+    assert max(map(len, text.splitlines())) <= 80 and len(text.splitlines()) == 3
+    assert " ".join(line.strip() for line in text.splitlines()) == (
+        f"LoadReport({', '.join(items)})")
+    def table(k):
+        return pd.DataFrame({"name": ["n" * 50], "kind": ["k" * k]})
+
+    k = next(k for k in range(1, 60)  # (kind as wide as makes the table 80 wide)
+             if max(map(len, table(k).to_string(index=False).splitlines())) >= 80)
+    df = table(k)
+    whole = df.to_string(index=False)
+    assert max(map(len, whole.splitlines())) == 80
+    assert _blocks_text(df, False, None, None) == whole
