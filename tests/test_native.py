@@ -2260,3 +2260,34 @@ def test_a_build_removes_the_unfinished_builds_that_killed_processes_left(fresh_
     assert sorted(p.name for p in fresh_build.iterdir()) == sorted(
         [recent.name, theirs.name, *(p.name for p in fresh_build.glob("native-*.so"))])
     assert len(list(fresh_build.glob("native-*.so"))) == 1
+
+
+def test_a_build_compiles_under_the_name_a_later_build_removes(tmp_path, monkeypatch):
+    # (mutation testing: a build compiling into a file of another name, which no later
+    # build would ever remove, and a clean-up of every *.partial, the user's files
+    # included, each passed every test)
+    import fnmatch
+    import subprocess
+    import time
+
+    seen = []
+
+    def compiler(cmd, **kwargs):  # (where the compiler is told to write the library)
+        out = cmd[cmd.index("-o") + 1]
+        seen.append((out, sorted(str(p) for p in tmp_path.iterdir())))
+        return subprocess.CompletedProcess(cmd, 1, "", "error: no compiler here")
+
+    monkeypatch.setattr(native.subprocess, "run", compiler)
+    assert native._compile("cc", [], tmp_path / "native-0123456789abcdef.so") == (
+        "error: no compiler here")
+    ((out, there),) = seen
+    assert there == [out]  # (in the cache folder, made before the compiler ran)
+    assert fnmatch.fnmatch(os.path.basename(out), "native-0123456789abcdef.*.partial")
+    assert list(tmp_path.iterdir()) == []  # (a failed build removes it)
+    # a later build removes such a file once it is old, and no other *.partial
+    old = time.time() - 3600
+    for name in ("native-0123456789abcdef.k1ll3d.partial", "download.partial"):
+        (tmp_path / name).write_bytes(b"")
+        os.utime(tmp_path / name, (old, old))
+    native._remove_stale_partials(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["download.partial"]
