@@ -2239,7 +2239,9 @@ def _deferral_after_fork() -> None:
     """In a child forked by another thread while loads on the parent's main thread held
     the signal handlers: those loads never end in the child (it has the forking thread
     only, now its main thread), so the handlers they took over are put back, and what
-    they held back (the parent's signals) is let go. Their state kept the child's
+    they held back is dropped, not run: those were the parent's signals, which the
+    parent runs where its hold ends (the child's own, later, run as they come). Their
+    state kept the child's
     handlers taken over for good, and a child forked mid-write (a report's or a
     transactional load's) held back every Ctrl-C, and every signal a Python handler
     stops it with, forever. (A child forked by a load's own thread goes on with that
