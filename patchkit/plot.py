@@ -1588,7 +1588,7 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     listed = len(handles)
     if len(mine) > listed:
         handles.append(Patch(facecolor="none", edgecolor="none",
-                             label=f"… {len(mine) - listed} more writes"
+                             label=f"… {_count(len(mine) - listed, 'more write')}"
                              + (f" ({extra} not drawn)" if extra else "")))
     if approximate:
         handles.append(Patch(facecolor="none", edgecolor="0.3", hatch="//", linestyle="--",

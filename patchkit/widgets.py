@@ -490,7 +490,7 @@ class ReportExplorer(W.VBox):
             text_output(
                 f"writes into {shown_name(key)}:\n"
                 f"{_table_text(writes[cols].head(20), index=False)}\n"
-                + (f"… {len(writes) - 20} more writes\n" if len(writes) > 20 else "")
+                + (f"… {_count(len(writes) - 20, 'more write')}\n" if len(writes) > 20 else "")
                 + _delta_text(r, key)
             ),
         )

@@ -2687,4 +2687,4 @@ def test_a_placement_row_of_full_height_draws_eight_checkpoint_tensors():
     ck, rt = fig.axes
     assert len(ck.get_yticks()) == 8 and ck.get_title().endswith("(8 of 13 shown)")
     legend = [t.get_text() for t in rt.get_legend().get_texts()]
-    assert len(legend) == 13 and legend[-1] == "… 1 more writes"
+    assert len(legend) == 13 and legend[-1] == "… 1 more write"

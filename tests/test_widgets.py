@@ -619,6 +619,11 @@ def test_plan_text_and_explorer_heading_count_patches_calls_writes_and_what_is_l
     w.dropdown.value = ("runtime", "a")
     rows = texts(w.output).split("writes into a:\n")[1].split("\ndelta:")[0]
     assert len(rows.splitlines()) == 1 + 20 + 1 and rows.endswith("… 25 more writes\n")
+    # (one left out is one write, not "1 more writes")
+    w = explore(inspect_load(PlainModel({"a": (8, 8)}), ps[:21], max_chunk_bytes=1024))
+    w.dropdown.value = ("runtime", "a")
+    rows = texts(w.output).split("writes into a:\n")[1].split("\ndelta:")[0]
+    assert len(rows.splitlines()) == 1 + 20 + 1 and rows.endswith("… 1 more write\n")
 
 
 # -- the slider's range at its edges, and what a redraw writes -----------------------------
