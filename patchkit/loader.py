@@ -649,7 +649,10 @@ def _note_the_call(exc: BaseException, chunk: Chunk,
     if isinstance(exc, PatchError) or not hasattr(exc, "add_note"):
         return
     sent = _patches_named(chunk.positions, chunk.names, len(chunk.positions))
-    k = _patch_at_fault(exc, staged) if len(chunk.positions) > 1 else None
+    try:
+        k = _patch_at_fault(exc, staged) if len(chunk.positions) > 1 else None
+    except Exception:  # (a search that fails only leaves the patch at fault out: never
+        k = None  # an error of its own in place of the model's)
     at = "," if k is None else f" at {where(chunk.positions[k], chunk.names[k])};"
     exc.add_note(f"(raised in load_weights call {chunk.index}{at} sent {sent})")
 

@@ -566,6 +566,24 @@ def test_a_models_error_stays_its_own_where_an_argument_cannot_be_read(extra):
         "(raised in load_weights call 0 at patch 1 ('b'); sent patch 0 ('a'), patch 1 ('b'))"]
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
+def test_a_models_error_stays_its_own_where_the_search_for_its_patch_fails(monkeypatch):
+    # (the search reads frames and tensors it does not own: whatever it raises, the model's
+    # error leaves the load as raised, with the note of the call, only not of the patch)
+    import patchkit.loader as loader
+
+    def broken(exc, staged):
+        raise RuntimeError("the search failed")
+
+    monkeypatch.setattr(loader, "_patch_at_fault", broken)
+    m = PlainModel({"a": (4,), "b": (4,)}, device="cpu")
+    ps = [CWP("a", (4,), torch.float32, torch.ones(4)),
+          CWP("b", (2, 2), torch.float32, torch.ones(4))]
+    with pytest.raises(ValueError, match="'b' has shape") as info:
+        patchkit.load_checkpoint_weight_patches(m, ps)
+    assert info.value.__notes__ == [
+        "(raised in load_weights call 0, sent patch 0 ('a'), patch 1 ('b'))"]
+
 
 class _LoadsThrough(PlainModel):
     """Loads each entry through a helper that hands its tensor on as ``how`` says; the
