@@ -112,6 +112,7 @@ def main(argv=None) -> int:
                     patchkit.load_checkpoint_weight_patches(model, [patch])
 
                 t_ours = median_seconds(ours, device, repeats)
+
                 def check(patch=patch):
                     validate_patches([patch])
 

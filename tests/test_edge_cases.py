@@ -865,6 +865,7 @@ def test_a_failed_sparse_call_has_its_rebinding_put_back(rebinding, observed):
     patch = CWP("a", (4,), torch.float32, torch.tensor([7.0, 8.0]), torch.tensor([0, 2]))
     kw = {"loader": patchkit.load_checkpoint_weight_patches} if observed else {}
     # (Python 3.10 has no exception notes: the same words come as a UserWarning)
+
     def said():
         return (contextlib.nullcontext() if hasattr(BaseException, "add_note")
                 else pytest.warns(UserWarning, match=r"raised after it rebound or registered "

@@ -3379,6 +3379,7 @@ def test_the_text_repr_uses_the_whole_80_columns_and_breaks_only_at_blanks():
     assert max(map(len, text.splitlines())) <= 80 and len(text.splitlines()) == 3
     assert " ".join(line.strip() for line in text.splitlines()) == (
         f"LoadReport({', '.join(items)})")
+
     def table(k):
         return pd.DataFrame({"name": ["n" * 50], "kind": ["k" * k]})
 

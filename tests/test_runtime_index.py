@@ -576,6 +576,7 @@ def test_the_index_knows_the_tied_parameters_canonicalize_tied_renames(name):
     patches = [CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.detach().reshape(-1))
                for n, t in named_tensors(model)]
     patches += patches[::-1]  # (an alias whose first name is sent too: dropped)
+
     def names(canonicalized):
         kept, positions = canonicalized
         return [p.name for p in kept], positions
