@@ -327,8 +327,9 @@ class PlainModel(nn.Module):
     def _param(self, name: str) -> nn.Parameter:
         param = self._by_name.get(name)
         if param is None:
-            known = ", ".join(quoted(n) for n in list(self._by_name)[:5])
-            raise UnknownWeightError(name, type(self).__name__, f"known names: {known}, ...")
+            names = list(self._by_name)
+            known = ", ".join(quoted(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+            raise UnknownWeightError(name, type(self).__name__, f"known names: {known}")
         return param
 
     def _check_shape(self, name: str, w: torch.Tensor) -> None:

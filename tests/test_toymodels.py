@@ -1120,6 +1120,16 @@ def test_plain_model_unknown_name_error_lists_known_names():
         PlainModel(SHAPES).load_weights([("nope", torch.zeros(1))])
 
 
+@pytest.mark.parametrize("count", [2, 5, 6])
+def test_plain_model_unknown_name_error_ends_with_dots_only_where_names_are_left_out(count):
+    # (the message ended in ", ..." also where it listed every name the model has)
+    names = [f"w{i}" for i in range(count)]
+    with pytest.raises(UnknownWeightError) as caught:
+        PlainModel({n: (1,) for n in names}).load_weights([("nope", torch.zeros(1))])
+    listed = ", ".join(f"'{n}'" for n in names[:5])
+    assert str(caught.value).endswith(f"known names: {listed}" + (", ..." if count > 5 else ""))
+
+
 def test_a_dotted_name_through_a_module_attribute_is_refused():
     # ('training' is an attribute of every nn.Module: torch's add_module raised KeyError)
     with pytest.raises(ValueError, match="'training' is already a parameter or attribute"):
