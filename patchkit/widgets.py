@@ -19,7 +19,9 @@ import html
 import math
 import os
 import traceback
-from collections.abc import Callable, Sequence
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -28,6 +30,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "patchkit.widgets needs ipywidgets: pip install 'patchkit[notebooks]'"
     ) from exc
+
+import torch
 
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk
 from .patch import (
@@ -68,6 +72,16 @@ _MAX_CALL_LINES = 40
 # The explorer's drop-down lists at most _MAX_OPTIONS entries: past that (a whole model's
 # report: thousands of patches and runtime tensors) a filter box above it picks which.
 _MAX_OPTIONS = 200
+# The explorer keeps the views it drew, so that choosing an entry again draws nothing:
+# at most this many bytes of their outputs (PNGs as base64 text), the least recently
+# shown dropped first. A runtime tensor's two figures take 140-430 KB (its placement
+# about 50 KB, its delta 85-210 KB on TinyLlama's tensors, 380 KB for a 1024 x 1024
+# tensor of random values all replaced), a patch's density map about 55 KB: 16 MiB
+# keeps the views of 38 runtime tensors or more.
+_CACHE_BYTES = 16 << 20
+# (the bytes a fingerprint reads at a time: a band of a tensor on another device is
+# copied to the CPU to be read)
+_FINGERPRINT_BAND = 64 << 20
 
 
 def figure_output(fig: Figure) -> dict[str, Any]:
@@ -178,6 +192,75 @@ def _figure_or_note(what: str, draw: Callable[[], Figure]) -> dict[str, Any]:
         return figure_output(draw())
     except Exception as exc:
         return _error_output(what, exc)
+
+
+def _output_bytes(output: dict[str, Any]) -> int:
+    """About the bytes an output takes: its PNG (base64) and text."""
+    data = output.get("data", {})
+    return sum(len(v) for v in (output.get("text", ""), *data.values()) if isinstance(v, str))
+
+
+def _fingerprint(t: object) -> Hashable | None:
+    """What a drawing of tensor ``t`` depends on: its device, dtype and layout, where its
+    memory is, and a CRC-32 of the bytes its elements span, read a band at a time (a
+    band of a tensor on another device is copied to the CPU to be read). ``None`` where
+    that cannot be read (no tensor, a tensor with no strided memory): a view drawn from
+    it is then not kept."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        t = t.detach()
+        head = (str(t.device), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        if t.is_meta or t.numel() == 0:
+            return head
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        raw = t.as_strided((span,), (1,)).view(torch.uint8)
+        crc = 0
+        for lo in range(0, raw.numel(), _FINGERPRINT_BAND):
+            crc = zlib.crc32(raw[lo:lo + _FINGERPRINT_BAND].cpu().numpy(), crc)
+        return (*head, t.data_ptr(), crc)
+    except (RuntimeError, TypeError, ValueError):  # (no strided memory, a packed dtype)
+        return None
+
+
+def _patch_state(p: object) -> Hashable | None:
+    """What a patch's density map depends on: its name, shape and dtype, and its values'
+    and indices' contents and version counters (a report refuses a patch whose counters
+    moved since the load). ``None`` where any cannot be read."""
+    from .inspect import _versions
+
+    try:
+        name, shape, dtype, values, indices = p[0], p[1], p[2], p[3], p[4]  # type: ignore[index]
+        head = (name, tuple(int(d) for d in shape), str(dtype), _versions(p))
+    except (TypeError, IndexError, KeyError, ValueError):  # (no patch: a refused load's item)
+        return None
+    if not isinstance(name, str):
+        return None
+    parts = (_fingerprint(values), () if indices is None else _fingerprint(indices))
+    return None if None in parts else (head, parts)
+
+
+def _delta_state(report: LoadReport, target: str) -> Hashable | None:
+    """What ``plot_delta(report, target)`` reads: the tensor now and the one holding its
+    values before the load (its own, or the storage a call rebound), and the patches
+    whose sparse saves on either are read back from the patch (their indices and NaNs
+    say where). ``None`` where these cannot be read (``plot_delta`` then raises)."""
+    from .inspect import _sharing
+
+    try:
+        now, old = report._tensor(target), report._original(target)
+    except Exception:  # (plot_delta raises the same: its note is drawn, not kept)
+        return None
+    tensors = [now] if old is now else [now, old]
+    prints = [_fingerprint(t) for t in tensors]
+    seen: set[int] = set()
+    for t in tensors:
+        for s in _sharing(report._saved, t):
+            if s.positions is not None and id(s.positions) not in seen:
+                seen.add(id(s.positions))
+                prints += [s.positions.position, _fingerprint(s.positions.indices),
+                           _fingerprint(s.positions.values)]
+    return None if any(p is None for p in prints) else tuple(prints)
 
 
 def _valid_budget(v: object) -> bool:
@@ -349,6 +432,15 @@ class ReportExplorer(W.VBox):
     shows a line with the error's type and message in its place; an error outside the
     figures replaces the whole output with that line. The output never keeps showing an
     earlier choice. Anything but a report raises ``TypeError``.
+
+    Choosing an entry again shows what it showed without drawing it again: the explorer
+    keeps the figures and rows it made, up to 16 MiB of them (a runtime tensor's take
+    140-430 KB, a patch's about 55 KB), dropping the least recently shown first. The
+    delta figure, which reads the model as it is now, is drawn again where the tensor's
+    bytes or memory changed since (or the indices of a patch its saves are read back
+    from), and a density map where its patch changed; a line saying why a figure is not
+    drawn is never kept. The placement and the rows are the load's record, kept as
+    they are.
     """
 
     def __init__(self, report: LoadReport) -> None:
@@ -372,6 +464,9 @@ class ReportExplorer(W.VBox):
             layout=W.Layout(width="60%"),
         )
         self.output = W.Output()
+        # (the views drawn, see _kept: key -> (state drawn in, output, its bytes))
+        self._cache: OrderedDict[Hashable, tuple[Hashable, dict[str, Any], int]] = OrderedDict()
+        self._cache_bytes = 0
         self.planner = ChunkPlanner(report)
         error = getattr(report, "error", None)
         rejected = (
@@ -462,16 +557,18 @@ class ReportExplorer(W.VBox):
             return (text_output("nothing chosen: pick a patch or a runtime tensor above\n"),)
         kind, key = choice
         if kind == "patch":
-            row = r.chunks[r.chunks["position"] == key]
+
+            def chunk_row() -> dict[str, Any]:
+                row = r.chunks[r.chunks["position"] == key]
+                return text_output(_table_text(row.drop(columns=["note"]), index=False) + "\n"
+                                   + "".join(f"note: {n}\n" for n in row["note"] if n))
+
             return (
                 # (the report's own: it refuses a patch changed in place since the load)
-                _figure_or_note("density map", lambda: r.plot_density(r.patches[key])),
-                text_output(_table_text(row.drop(columns=["note"]), index=False) + "\n"
-                            + "".join(f"note: {n}\n" for n in row["note"] if n)),
+                self._kept(("density", key), _patch_state(r.patches[key]), lambda: (
+                    _figure_or_note("density map", lambda: r.plot_density(r.patches[key])))),
+                self._kept(("chunks", key), (), chunk_row),
             )
-        writes = r.writes[r.writes["target"] == key]
-        cols = ["chunk", "position", "name", "checkpoint_region", "target_region",
-                "elements", "written", "changed"]
         if r._detached:
             delta = text_output("before/after figure: none, this report was unpickled or "
                                 "copied (a copy keeps the tables, not the model's "
@@ -483,17 +580,61 @@ class ReportExplorer(W.VBox):
             delta = text_output("before/after figure: none, the tensor is on the meta device "
                                 "(a dry run: no numbers)\n")
         else:
-            delta = _figure_or_note("before/after figure", lambda: plot_delta(r, key))
-        return (
-            _figure_or_note("placement figure", lambda: plot_placement(r, targets=[key])),
-            delta,
-            text_output(
+            # (drawn from the model as it is now: kept while that and the saves read back
+            # are as they were)
+            delta = self._kept(("delta", key), _delta_state(r, key), lambda: (
+                _figure_or_note("before/after figure", lambda: plot_delta(r, key))))
+
+        def rows() -> dict[str, Any]:
+            writes = r.writes[r.writes["target"] == key]
+            cols = ["chunk", "position", "name", "checkpoint_region", "target_region",
+                    "elements", "written", "changed"]
+            return text_output(
                 f"writes into {shown_name(key)}:\n"
                 f"{_table_text(writes[cols].head(20), index=False)}\n"
                 + (f"… {_count(len(writes) - 20, 'more write')}\n" if len(writes) > 20 else "")
                 + _delta_text(r, key)
-            ),
+            )
+
+        return (
+            # (the placement and the rows are the load's record: they never change)
+            self._kept(("placement", key), (), lambda: (
+                _figure_or_note("placement figure", lambda: plot_placement(r, targets=[key])))),
+            delta,
+            self._kept(("rows", key), (), rows),
         )
+
+    def _kept(self, key: Hashable, state: Hashable | None,
+              make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The output ``make()`` gives for ``key`` (a view of a choice) while what it is
+        drawn from is in ``state``: the one kept when it was last made in an equal
+        state, else made now and kept (``None``: a state not known, made each time;
+        a line saying why a figure is not drawn is made each time too). What is kept
+        is bounded by :data:`_CACHE_BYTES`, the least recently shown dropped first."""
+        hit = self._cache.get(key)
+        if hit is not None and state is not None and hit[0] == state:
+            self._cache.move_to_end(key)
+            return hit[1]
+        out = make()
+        if hit is not None:
+            self._forget(key)
+        if state is None or _is_note(out):
+            return out
+        size = _output_bytes(out)
+        if size <= _CACHE_BYTES:
+            self._cache[key] = (state, out, size)
+            self._cache_bytes += size
+            while self._cache_bytes > _CACHE_BYTES:
+                self._forget(next(iter(self._cache)))
+        return out
+
+    def _forget(self, key: Hashable) -> None:
+        self._cache_bytes -= self._cache.pop(key)[2]
+
+
+def _is_note(output: dict[str, Any]) -> bool:
+    """Whether ``output`` is :func:`_error_output`'s line (a figure that was not drawn)."""
+    return output["output_type"] == "stream" and ": not drawn: " in output["text"]
 
 
 def _table_text(df: Any, index: bool) -> str:
