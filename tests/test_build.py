@@ -162,6 +162,20 @@ def test_diff_unchanged_weights_give_no_patch_and_order_follows_after():
     assert changed_fraction(before, after) == pytest.approx(2 / 80)
 
 
+def test_changed_fraction_counts_every_element_of_scalar_and_one_element_weights():
+    # a 0-d weight (a scale, a temperature) and a 1-element one are one element each
+    before = {"scale": torch.tensor(1.0), "bias": torch.tensor([2.0]), "w": torch.zeros(2, 3)}
+    after = {k: t.clone() for k, t in before.items()}
+    after["scale"] = torch.tensor(-1.0)
+    assert changed_fraction(before, after) == pytest.approx(1 / 8)
+    after["bias"] = torch.tensor([-0.0])  # (and 2.0 -> -0.0 is a change)
+    after["w"][1, 2] = -0.0  # 0.0 -> -0.0: a change of bits
+    assert changed_fraction(before, after) == pytest.approx(3 / 8)
+    ps = sparse_patches_from_diff(before, after)
+    assert [(p.name, p.shape, p.indices.tolist()) for p in ps] == [
+        ("scale", (), [0]), ("bias", (1,), [0]), ("w", (2, 3), [5])]
+
+
 def test_diff_nan_payload_change_is_a_change_and_cannot_travel_sparsely():
     before = {"ok": torch.zeros(3), "w": from_bits32([0x7FC00001, 0, 0])}
     after = {"ok": torch.ones(3), "w": from_bits32([0x7FC00002, 0, 0])}

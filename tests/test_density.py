@@ -81,6 +81,31 @@ def test_density_where_index_times_bins_would_overflow_int64():
     assert got[0, 0].item() == pytest.approx(64 / n)
 
 
+@pytest.mark.parametrize("n, b", [
+    (2**61 + 1, 4),  # the largest index times bins is exactly 2**63: one past int64's max
+    (2**62, 3),  # between 2**63 and 2**64: an unsigned 64-bit product would still fit
+])
+def test_density_where_the_largest_index_times_bins_just_overflows_int64(n, b):
+    def block(k):  # floor(k * b / n), exact in Python's ints
+        return k * b // n
+
+    def start(i):  # first index of block i: ceil(i * n / b)
+        return -(-i * n // b)
+
+    s1 = start(1)
+    idx = [0, s1 - 1, s1, n - 2, n - 1]
+    p = CheckpointWeightPatch("huge", (n,), torch.float8_e4m3fn, torch.ones(len(idx)),
+                              torch.tensor(idx))
+    got = density_map(p, bins=(1, b))
+    assert got.shape == (1, b)
+    counts = [0] * b
+    for k in idx:
+        counts[block(k)] += 1
+    assert [block(k) for k in idx] == [0, 0, 1, b - 1, b - 1]
+    want = [c / (start(i + 1) - start(i)) for i, c in enumerate(counts)]
+    assert got[0].tolist() == pytest.approx(want, rel=1e-6, abs=0)
+
+
 def test_bins_may_be_one_int_for_both_axes():
     p = CheckpointWeightPatch("w", (6, 6), torch.float32, torch.ones(3), torch.tensor([0, 7, 35]))
     assert torch.equal(density_map(p, 3), density_map(p, (3, 3)))
