@@ -369,6 +369,28 @@ def test_patch_summary_reports_density_and_bytes():
     assert df["wire_bytes"].tolist() == [16, 2 * 2 + 2 * 8]
 
 
+def test_patch_summary_columns_row_by_row():
+    # numel is the tensor's elements and nnz what the patch writes: they differ for a
+    # sparse patch (here with a repeated index, counted once) and agree for a dense one
+    ps = [
+        sparse("k", (3, 5), [14, 2, 2], [1.0, 2.0, 3.0], dtype=torch.float16),
+        dense("scale", torch.tensor(1.5, dtype=torch.bfloat16)),
+        sparse("e", (2, 0), [], []),
+    ]
+    df = patch_summary(ps)
+    assert list(df.columns) == ["position", "name", "kind", "shape", "dtype", "numel", "nnz",
+                                "density", "wire_bytes", "staged_bytes"]
+    assert df.to_dict("records") == [
+        {"position": 0, "name": "k", "kind": "sparse", "shape": (3, 5), "dtype": "float16",
+         "numel": 15, "nnz": 2, "density": 2 / 15, "wire_bytes": 3 * 2 + 3 * 8,
+         "staged_bytes": 30},
+        {"position": 1, "name": "scale", "kind": "dense", "shape": (), "dtype": "bfloat16",
+         "numel": 1, "nnz": 1, "density": 1.0, "wire_bytes": 2, "staged_bytes": 2},
+        {"position": 2, "name": "e", "kind": "sparse", "shape": (2, 0), "dtype": "float32",
+         "numel": 0, "nnz": 0, "density": 0.0, "wire_bytes": 0, "staged_bytes": 0},
+    ]
+
+
 def test_patch_summary_refuses_an_index_outside_the_tensor_as_a_load_would():
     ok = sparse("a", (4, 4), [0, 3], [1.0, 2.0])
     for idx, bad in (([2, 99], 99), ([-1, 2], -1), ([16], 16)):
