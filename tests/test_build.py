@@ -226,6 +226,17 @@ def test_diff_other_float_dtypes_round_trip(dtype):
     assert same_bits(apply({"w": before}, [p])["w"], after)
 
 
+@pytest.mark.parametrize("fn", [sparse_patches_from_diff, changed_fraction])
+def test_a_weight_only_in_after_is_refused_by_name(fn):
+    # (a new weight, none missing: a names error, not a KeyError from the diff)
+    a = torch.zeros(2, 3)
+    with pytest.raises(PatchValueError, match=re.escape(
+            "only in before: []; only in after: ['new']")) as info:
+        fn({"w": a}, {"w": a.clone(), "new": a.clone()})
+    assert (info.value.name, info.value.reason, info.value.value) == (
+        "new", "names differ", ([], ["new"]))
+
+
 def test_diff_errors_names_shapes_dtypes():
     a = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"only in before: \['x'\].*only in after: \['y'\]"):
@@ -851,6 +862,24 @@ def test_a_meta_patch_has_the_count_the_same_generator_gives_on_the_cpu(pattern,
                                    device="meta")
         assert meta.indices.is_meta and meta.indices.dtype == cpu.indices.dtype
         assert meta.values.numel() == meta.indices.numel() == cpu.indices.numel()
+
+
+@pytest.mark.parametrize("pattern, want", [("uniform", 4), ("rows", 4), ("blocks", None)])
+def test_a_count_of_exactly_a_half_rounds_to_even_on_the_cpu_and_on_meta(pattern, want):
+    # (9, 1) at density 0.5: 4.5 elements, 4.5 rows, 2.5 blocks of 2 rows; Python's round
+    # takes halves to the even neighbour (4, 4, 2), and a meta patch must count the same
+    for seed in range(3):
+        kw = dict(pattern=pattern, block=2, generator=torch.Generator().manual_seed(seed))
+        cpu = random_sparse_patch("w", (9, 1), torch.float32, 0.5, **kw)
+        kw["generator"] = torch.Generator().manual_seed(seed)
+        meta = random_sparse_patch("w", (9, 1), torch.float32, 0.5, device="meta", **kw)
+        assert meta.indices.numel() == cpu.indices.numel()
+        if want is not None:
+            assert cpu.indices.numel() == want
+        else:  # two whole blocks of the five (rows 2b, 2b + 1; the last one is row 8)
+            blocks = sorted({int(i) // 2 for i in cpu.indices})
+            assert len(blocks) == 2
+            assert cpu.indices.tolist() == [r for b in blocks for r in (2 * b, 2 * b + 1) if r < 9]
 
 
 @pytest.mark.parametrize("seed", [1 << 64, 1 << 32, -1])
