@@ -2488,3 +2488,86 @@ def test_a_number_lost_in_the_runtime_dtype_is_refused_naming_the_patch_and_tens
         "load_weights (call 1, patch 1 ('w'), runtime tensor 'w') copied a torch.float32 "
         "source into a torch.float8_e4m3fnuz view, where the value")
     assert (e.value.position, e.value.name, e.value.reason) == (1, "w", "NaN in the runtime dtype")
+
+
+# -- the sparse value checks of long index lists (patch.py, _sparse_flags) ---------------
+# On the CPU up to _READ_AS_INTS (128) indices are checked as Python ints; longer lists go
+# through torch ops: a strictly-increasing shortcut, then a sort or a mark per element
+# (whichever costs less for the tensor's size). Each case runs on both sides of 128.
+
+
+def _index_case(case, count):
+    """(numel, indices, expected (reason, value) or None) of one case with ``count``
+    indices."""
+    up = torch.arange(count)
+    down = torch.arange(count).flip(0)
+    if case == "index == numel":
+        return 1000, torch.cat([up[:-1], torch.tensor([1000])]), ("out-of-range", 1000)
+    if case == "index -1":
+        return 1000, torch.cat([torch.tensor([-1]), up[1:]]), ("out-of-range", -1)
+    if case == "sorted, one repeat":
+        return 1000, torch.cat([up[:3], torch.tensor([2]), up[4:]]), ("duplicate", 2)
+    if case in ("unsorted, one repeat, sorted to check", "unsorted, one repeat, marked"):
+        n = 100_000 if case.endswith("sorted to check") else 300
+        return n, torch.cat([down[:-1], torch.tensor([1])]), ("duplicate", 1)
+    assert case == "unsorted, distinct, up to the last element"
+    return 300, torch.arange(300 - count, 300).flip(0), None
+
+
+@pytest.mark.parametrize("count", [5, 200])
+@pytest.mark.parametrize("case", [
+    "index == numel", "index -1", "sorted, one repeat",
+    "unsorted, one repeat, sorted to check", "unsorted, one repeat, marked",
+    "unsorted, distinct, up to the last element",
+])
+def test_a_long_index_list_is_checked_as_a_short_one_is(case, count):
+    from patchkit.patch import validate_patches
+
+    n, idx, expected = _index_case(case, count)
+    assert idx.numel() == count
+    p = CWP("w", (n,), torch.float32, torch.ones(count), idx)
+    if expected is None:
+        assert validate_patches([p]) == "sparse"
+        return
+    with pytest.raises(PatchValueError) as info:
+        validate_patches([CWP("ok", (4,), torch.float32, torch.ones(1), torch.tensor([0])), p])
+    assert (info.value.position, info.value.name) == (1, "w")
+    assert (info.value.reason, info.value.value) == expected
+
+
+# -- staging where torch cannot fill a float8 tensor (staging.py) ------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_is_staged_nan_filled_where_torch_has_no_fill_for_it(monkeypatch, dtype):
+    # torch before 2.6 had no CPU fill_ for float8; staging then writes NaN's bits through
+    # an integer view. Simulated here: fill_ refuses a float8 tensor, as that torch did.
+    fill = torch.Tensor.fill_
+
+    def old_fill(self, value):
+        if self.dtype == dtype:
+            raise NotImplementedError(f'"fill_cpu" not implemented for {dtype}')
+        return fill(self, value)
+
+    monkeypatch.setattr(torch.Tensor, "fill_", old_fill)
+    p = CWP("w", (2, 3), dtype, torch.tensor([0.5, -2.0]), torch.tensor([4, 0]))
+    staged = patchkit.stage(p)
+    monkeypatch.undo()
+    assert (staged.shape, staged.dtype) == ((2, 3), dtype)
+    got = staged.float().flatten()
+    assert got[[0, 4]].tolist() == [-2.0, 0.5]
+    assert torch.isnan(got[[1, 2, 3, 5]]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_a_sparse_complex_patch_is_refused_before_the_first_call(dtype):
+    # complex holds NaN, but is no floating-point dtype (CONTRACT §1.2): refused as one,
+    # not by the interception inside load_weights, whose copy_ takes floating point only.
+    m = PlainModel({"w": (4,)})
+    before = m.w.detach().clone()
+    p = CWP("w", (4,), dtype, torch.ones(1, dtype=dtype), torch.tensor([1]))
+    with pytest.raises(TypeError, match=r"patch 0 \('w'\): a sparse patch needs a "
+                       "floating-point dtype") as info:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert (info.value.reason, info.value.value) == ("sparse dtype", dtype)
+    assert torch.equal(m.w.detach(), before)
