@@ -3276,15 +3276,36 @@ def test_report_plot_density_shows_a_huge_argument_cut_short():
     assert len(str(e.value)) < 300
 
 
+def _forked_status(child, seconds):
+    """Fork; in the child run ``child()`` and exit 0 where it returns True (1 where it
+    returns anything else or raises; SIGALRM after ``seconds``, where it hangs). The
+    child's exit status, as ``os.waitstatus_to_exitcode`` gives it (-14: it hung)."""
+    import os
+    import signal
+    import warnings
+
+    with warnings.catch_warnings():  # (3.12: "multi-threaded, use of fork()")
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(seconds)  # (a child that hangs dies of it)
+            ok = child() is True
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_a_child_forked_during_another_threads_load_has_its_collector_as_before(enabled):
     # (was: the other thread's pause never ended in the child, which has no such thread,
     # so the child ran without its cyclic collector for good, its own loads included)
     import gc
     import os
-    import signal
     import threading
-    import warnings
 
     if not hasattr(os, "fork"):
         pytest.skip("no fork on this platform")
@@ -3312,36 +3333,27 @@ def test_a_child_forked_during_another_threads_load_has_its_collector_as_before(
         thread.start()
         assert inside.wait(20)
         assert not gc.isenabled()  # (paused by the thread's load)
-        with warnings.catch_warnings():  # (3.12: "multi-threaded, use of fork()")
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # the child: exit status 0 when its collector is as it was before
-            ok = False
-            try:
-                signal.signal(signal.SIGALRM, signal.SIG_DFL)
-                signal.alarm(30)  # (a child that hangs dies of it)
-                seen = [gc.isenabled()]
-                inspect_load(PlainModel({"a": (4,)}), [dense("a", torch.ones(4))])
-                seen.append(gc.isenabled())
-                ok = seen == [enabled, enabled]
-            finally:
-                os._exit(0 if ok else 1)
-        _, status = os.waitpid(pid, 0)
+
+        def child():  # (its collector as it was before, also after a report of its own)
+            seen = [gc.isenabled()]
+            inspect_load(PlainModel({"a": (4,)}), [dense("a", torch.ones(4))])
+            seen.append(gc.isenabled())
+            return seen == [enabled, enabled]
+
+        status = _forked_status(child, 30)
     finally:
         go.set()
         thread.join(20)
         (gc.enable if was else gc.disable)()
     assert not thread.is_alive() and errors == []
-    assert os.waitstatus_to_exitcode(status) == 0  # (-14: SIGALRM, it hung)
+    assert status == 0  # (-14: SIGALRM, it hung)
 
 
 def test_a_child_forked_while_another_thread_holds_the_pause_lock_can_load():
     # (mutation testing: a child that kept the parent's pause lock, held by a thread it
     # does not have, hung in its first report; no test saw it)
     import os
-    import signal
     import threading
-    import warnings
 
     from patchkit import loader
 
@@ -3358,23 +3370,16 @@ def test_a_child_forked_while_another_thread_holds_the_pause_lock_can_load():
     thread.start()
     try:
         assert held.wait(20)
-        with warnings.catch_warnings():  # (3.12: "multi-threaded, use of fork()")
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # the child: exit status 0 when its report ran
-            ok = False
-            try:
-                signal.signal(signal.SIGALRM, signal.SIG_DFL)
-                signal.alarm(10)  # (a child that hangs dies of it)
-                r = inspect_load(PlainModel({"a": (4,)}), [dense("a", torch.ones(4))])
-                ok = int(r.deltas.loc["a", "changed"]) == 4
-            finally:
-                os._exit(0 if ok else 1)
-        _, status = os.waitpid(pid, 0)
+
+        def child():  # (its report ran)
+            r = inspect_load(PlainModel({"a": (4,)}), [dense("a", torch.ones(4))])
+            return int(r.deltas.loc["a", "changed"]) == 4
+
+        status = _forked_status(child, 10)
     finally:
         done.set()
         thread.join(20)
-    assert os.waitstatus_to_exitcode(status) == 0  # (-14: SIGALRM, it hung)
+    assert status == 0  # (-14: SIGALRM, it hung)
 
 
 def test_the_text_repr_of_a_load_of_no_patches_says_its_chunks_have_no_rows():
