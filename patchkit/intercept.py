@@ -1547,13 +1547,26 @@ def _comparable_source(dest: torch.Tensor, src: Any, key: tuple) -> tuple | None
 
 
 class WriteRecorder(Protocol):
-    """What an observer of a load implements (``patchkit.inspect`` is one)."""
+    """What an observer of a load implements (``patchkit.inspect`` is one). Its methods
+    are called on the loading thread, in this order for each ``load_weights`` call:
+    ``on_call_start``, ``on_write`` once per write seen, ``on_call_end``. An optional
+    ``on_staged(name, staged)`` is called for each entry of an observed call that hands
+    the model an iterator, as the model takes it (see :meth:`WriteSession.stage_more`)."""
 
-    def on_call_start(self, chunk: int, staged: Sequence[tuple[str, torch.Tensor]]) -> None: ...
+    def on_call_start(self, chunk: int, staged: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Before call ``chunk`` (its number in the load, from 0) runs: ``staged`` is the
+        ``(name, tensor)`` list it is sent (empty where an iterator is sent, each entry
+        then coming to ``on_staged``). Work queued on a GPU before the call has finished
+        when it is timed."""
 
-    def on_write(self, event: WriteEvent) -> None: ...
+    def on_write(self, event: WriteEvent) -> None:
+        """One write into a runtime tensor during the current call, as it was seen (see
+        :class:`WriteEvent`), in the order the writes were made."""
 
-    def on_call_end(self, chunk: int, returned: Any, seconds: float, error: bool) -> None: ...
+    def on_call_end(self, chunk: int, returned: Any, seconds: float, error: bool) -> None:
+        """After call ``chunk``, also where it raised (``error`` True, ``returned`` then
+        ``None``): what ``load_weights`` returned, and its wall time in seconds (a GPU's
+        copies waited for)."""
 
 
 class _Source(NamedTuple):
