@@ -26,6 +26,7 @@ from .intercept import (
     _patches_named,
     _registers_twice,
     _returned_text,
+    _span_of,
     named_tensors,
 )
 from .patch import (
@@ -666,7 +667,7 @@ def _patch_at_fault(exc: BaseException, staged: Sequence[tuple[str, torch.Tensor
     argument whose ``__class__`` or iteration raises, a lazy proxy's, is passed over). Only
     arguments, not other locals: a loop's variable still holds the last entry after
     its loop, when a later check may raise."""
-    spans: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+    spans: dict[tuple, list[tuple[int, int, int]]] = {}
     for k, (_, t) in enumerate(staged):
         span = _span(t)
         if span is not None:
@@ -693,7 +694,7 @@ def _patch_at_fault(exc: BaseException, staged: Sequence[tuple[str, torch.Tensor
     return None
 
 
-def _entries_in(arg: object, spans: dict[tuple[str, int], list[tuple[int, int, int]]]
+def _entries_in(arg: object, spans: dict[tuple, list[tuple[int, int, int]]]
                 ) -> set[int]:
     """The entries of :func:`_patch_at_fault`'s ``spans`` whose memory holds ``arg``'s, a
     tensor or each tensor of a tuple or list."""
@@ -706,16 +707,15 @@ def _entries_in(arg: object, spans: dict[tuple[str, int], list[tuple[int, int, i
     return found
 
 
-def _span(t: torch.Tensor) -> tuple[tuple[str, int], int, int] | None:
-    """``((device, storage address), first byte, end byte)`` of the memory ``t``'s
-    elements lie in, or ``None`` (no memory: empty, meta, a wrapper subclass)."""
+def _span(t: torch.Tensor) -> tuple[tuple, int, int] | None:
+    """``(storage key, first byte, end byte)`` of the memory ``t``'s elements lie in
+    (:func:`~patchkit.intercept._span_of`), or ``None`` (no memory: empty, meta, a
+    wrapper subclass)."""
     try:
         if t.numel() == 0 or t.is_meta:
             return None
-        size = t.element_size()
-        lo = int(t.storage_offset()) * size
-        hi = lo + size + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride())) * size
-        return (str(t.device), t.untyped_storage().data_ptr()), lo, hi
+        key, lo, hi, _ = _span_of(t)
+        return key, lo, hi
     except Exception:  # (a tensor subclass that has no storage to read)
         return None
 
