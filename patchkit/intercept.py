@@ -2254,11 +2254,10 @@ def _deferral_after_fork() -> None:
     only, now its main thread), so the handlers they took over are put back, and what
     they held back is dropped, not run: those were the parent's signals, which the
     parent runs where its hold ends (the child's own, later, run as they come). Their
-    state kept the child's
-    handlers taken over for good, and a child forked mid-write (a report's or a
-    transactional load's) held back every Ctrl-C, and every signal a Python handler
-    stops it with, forever. (A child forked by a load's own thread goes on with that
-    load, which ends as it does in the parent.)"""
+    state kept the child's handlers taken over for good, and a child forked mid-write (a
+    report's or a transactional load's) held back every Ctrl-C, and every signal a
+    Python handler stops it with, forever. (A child forked by a load's own thread goes
+    on with that load, which ends as it does in the parent.)"""
     if _forked_by_main or not _DEFERRAL._uses:
         return
     d = _DEFERRAL
