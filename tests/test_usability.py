@@ -540,6 +540,12 @@ class _UnreadableList(list):
         raise RuntimeError("not iterable yet")
 
 
+def _a_then_b_of_a_wrong_shape():
+    """Two patches for a model of 4-element ``a`` and ``b``: ``b``'s shape is (2, 2)."""
+    return [CWP("a", (4,), torch.float32, torch.ones(4)),
+            CWP("b", (2, 2), torch.float32, torch.ones(4))]
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 @pytest.mark.parametrize("extra", [_Unreadable, _UnreadableList])
 def test_a_models_error_stays_its_own_where_an_argument_cannot_be_read(extra):
@@ -558,8 +564,7 @@ def test_a_models_error_stays_its_own_where_an_argument_cannot_be_read(extra):
             param.data.copy_(loaded_weight)
 
     m = Model({"a": (4,), "b": (4,)}, device="cpu")
-    ps = [CWP("a", (4,), torch.float32, torch.ones(4)),
-          CWP("b", (2, 2), torch.float32, torch.ones(4))]
+    ps = _a_then_b_of_a_wrong_shape()
     with pytest.raises(AssertionError, match="shapes differ") as info:
         patchkit.load_checkpoint_weight_patches(m, ps)
     assert info.value.__notes__ == [
@@ -577,8 +582,7 @@ def test_a_models_error_stays_its_own_where_the_search_for_its_patch_fails(monke
 
     monkeypatch.setattr(loader, "_patch_at_fault", broken)
     m = PlainModel({"a": (4,), "b": (4,)}, device="cpu")
-    ps = [CWP("a", (4,), torch.float32, torch.ones(4)),
-          CWP("b", (2, 2), torch.float32, torch.ones(4))]
+    ps = _a_then_b_of_a_wrong_shape()
     with pytest.raises(ValueError, match="'b' has shape") as info:
         patchkit.load_checkpoint_weight_patches(m, ps)
     assert info.value.__notes__ == [
