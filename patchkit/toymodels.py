@@ -14,6 +14,10 @@ these models copy it).
   row-parallel shards, vocabulary-parallel embedding and ``lm_head``, optionally tied),
   loading Hugging Face checkpoint names made by :func:`tiny_llama_checkpoint`;
   :func:`gather_checkpoint` turns the runtimes of all ranks back into that checkpoint.
+  With ``TinyLlamaConfig(num_experts=E)`` its MLPs are mixtures of experts, laid out
+  as vLLM's fused-experts layer lays them out (per layer ``mlp.experts.w13_weight`` and
+  ``mlp.experts.w2_weight`` holding every expert, a replicated router ``mlp.gate``),
+  loading per-expert checkpoint names.
 - Loaders that break the sparse-load contract (CONTRACT.md §4), one per clause, in
   :data:`BROKEN_LOADERS`, and :class:`FailingModel`, a loader that raises part-way (for
   partial-update and ``transactional=True`` demonstrations).
@@ -651,9 +655,15 @@ class TinyLlamaConfig:
     ``num_kv_heads`` key/value heads (grouped-query attention where fewer);
     ``tie_word_embeddings``: ``lm_head.weight`` is the embedding's tensor, as Hugging
     Face ties it (a checkpoint then lists it once, under the embedding's name).
-    ``head_dim`` is ``hidden_size // num_heads``. Construction raises :class:`ValueError`
-    when a size is not a positive int, ``num_heads`` does not divide ``hidden_size`` or
-    ``num_kv_heads`` does not divide ``num_heads``.
+    ``num_experts``: 0 (the default) for a dense MLP; ``E >= 1`` makes every layer's MLP
+    a mixture of ``E`` experts, as Qwen3-MoE and Mixtral have: a router
+    ``mlp.gate.weight`` (``E`` rows of ``hidden_size``) and per expert ``e``
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, each of an expert MLP of
+    ``intermediate_size`` (no shared experts, no dense layers between). ``head_dim`` is
+    ``hidden_size // num_heads``. Construction raises :class:`ValueError`
+    when a size is not a positive int, ``num_experts`` not an int >= 0,
+    ``num_heads`` does not divide ``hidden_size`` or ``num_kv_heads`` does not divide
+    ``num_heads``.
     """
 
     vocab_size: int = 256
@@ -663,6 +673,7 @@ class TinyLlamaConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     tie_word_embeddings: bool = False
+    num_experts: int = 0
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -682,6 +693,11 @@ class TinyLlamaConfig:
                 "TinyLlamaConfig.tie_word_embeddings must be a bool, got "
                 f"{brief(self.tie_word_embeddings)}"
             )
+        e = self.num_experts
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+            raise ValueError(
+                "TinyLlamaConfig.num_experts must be an int >= 0 (0: a dense MLP), got "
+                f"{brief(e)}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"TinyLlamaConfig: num_heads={brief(self.num_heads)} must divide "
@@ -713,7 +729,9 @@ def tiny_llama_shapes(config: TinyLlamaConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face checkpoint names → full shapes, in Hugging Face module order.
 
     Order: ``model.embed_tokens.weight``; per layer ``self_attn.{q,k,v,o}_proj.weight``,
-    ``mlp.{gate,up,down}_proj.weight``, ``input_layernorm.weight``,
+    ``mlp.{gate,up,down}_proj.weight`` (with ``num_experts``: ``mlp.gate.weight``, the
+    router, then for each expert ``e`` in order ``mlp.experts.{e}.{gate,up,down}_proj.weight``,
+    as Qwen3-MoE's checkpoints name them), ``input_layernorm.weight``,
     ``post_attention_layernorm.weight``; ``model.norm.weight``; ``lm_head.weight`` unless
     ``tie_word_embeddings``.
     """
@@ -730,9 +748,14 @@ def tiny_llama_shapes(config: TinyLlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, h)
         shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, c.q_size)
-        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
+        mlps = [p + "mlp."]
+        if c.num_experts:
+            shapes[p + "mlp.gate.weight"] = (c.num_experts, h)
+            mlps = [f"{p}mlp.experts.{e}." for e in range(c.num_experts)]
+        for m in mlps:
+            shapes[m + "gate_proj.weight"] = (c.intermediate_size, h)
+            shapes[m + "up_proj.weight"] = (c.intermediate_size, h)
+            shapes[m + "down_proj.weight"] = (h, c.intermediate_size)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
@@ -829,11 +852,30 @@ class _MLP(nn.Module):
         self.down_proj = _Weight(down)
 
 
+class _FusedExperts(nn.Module):
+    """Every expert of one layer in two parameters, as vLLM's ``FusedMoE`` holds them."""
+
+    def __init__(self, w13: nn.Parameter, w2: nn.Parameter) -> None:
+        super().__init__()
+        self.w13_weight = w13
+        self.w2_weight = w2
+
+
+class _SparseMoE(nn.Module):
+    def __init__(self, router: nn.Parameter, w13: nn.Parameter, w2: nn.Parameter) -> None:
+        super().__init__()
+        self.gate = _Weight(router)
+        self.experts = _FusedExperts(w13, w2)
+
+
 class _DecoderLayer(nn.Module):
     def __init__(self, make: _ParamFactory) -> None:
         super().__init__()
         self.self_attn = _Attention(make.qkv(), make.row_parallel("o"))
-        self.mlp = _MLP(make.gate_up(), make.row_parallel("down"))
+        if make.rt.config.num_experts:
+            self.mlp: nn.Module = _SparseMoE(make.router(), make.w13(), make.w2())
+        else:
+            self.mlp = _MLP(make.gate_up(), make.row_parallel("down"))
         self.input_layernorm = _Weight(make.replicated())
         self.post_attention_layernorm = _Weight(make.replicated())
 
@@ -881,6 +923,22 @@ class _ParamFactory:
         rt = self.rt
         return self._new((rt.config.hidden_size,), rt._load_replicated)
 
+    def router(self) -> nn.Parameter:
+        c = self.rt.config
+        return self._new((c.num_experts, c.hidden_size), self.rt._load_replicated)
+
+    def w13(self) -> nn.Parameter:
+        rt = self.rt
+        c = rt.config
+        return self._new((c.num_experts, 2 * rt.intermediate_per_rank, c.hidden_size),
+                         rt._load_expert)
+
+    def w2(self) -> nn.Parameter:
+        rt = self.rt
+        c = rt.config
+        return self._new((c.num_experts, c.hidden_size, rt.intermediate_per_rank),
+                         rt._load_expert)
+
 
 def _check_full(param: nn.Parameter, loaded_weight: object, want: tuple[int, ...]) -> None:
     """The checkpoint tensor a weight loader takes has the full checkpoint shape ``want``."""
@@ -915,6 +973,15 @@ _STACKED_PARAMS = (
 )
 
 
+# An expert's checkpoint part -> (its fused runtime parameter, vLLM's shard id): vLLM's
+# "expert params mapping" (w1 = gate, w3 = up into w13; w2 = down).
+_EXPERT_PARAMS = {
+    "gate_proj": ("w13_weight", "w1"),
+    "up_proj": ("w13_weight", "w3"),
+    "down_proj": ("w2_weight", "w2"),
+}
+
+
 class TinyLlamaRuntime(nn.Module):
     """One tensor-parallel rank of a tiny Llama, with vLLM's parameter layout and loader.
 
@@ -931,6 +998,14 @@ class TinyLlamaRuntime(nn.Module):
     ``*.self_attn.o_proj.weight``             columns shard ``r`` of ``o_proj`` (row-parallel)
     ``*.mlp.gate_up_proj.weight``             ``[gate shard r; up shard r]`` (rows)
     ``*.mlp.down_proj.weight``                columns shard ``r`` of ``down_proj``
+    ``*.mlp.gate.weight``                     with ``num_experts``, in place of the two
+                                              above: the router, replicated
+    ``*.mlp.experts.w13_weight``              with ``num_experts`` (``E``): shape
+                                              ``(E, 2 * I/T, hidden_size)``; ``[e]`` is
+                                              ``[gate shard r; up shard r]`` (rows) of
+                                              expert ``e``
+    ``*.mlp.experts.w2_weight``               ``(E, hidden_size, I/T)``; ``[e]`` is columns
+                                              shard ``r`` of expert ``e``'s ``down_proj``
     ``*.input_layernorm.weight``, ``*.post_attention_layernorm.weight``, ``model.norm.weight``
                                               replicated
     ``lm_head.weight``                        rows shard ``r`` (vocabulary-parallel); with
@@ -957,6 +1032,15 @@ class TinyLlamaRuntime(nn.Module):
     ``'v'``, for ``gate_up_proj`` 0 or 1 (:class:`ValueError` otherwise; vLLM's ``None``,
     a checkpoint storing the packed tensor fused, is not modelled). The norms' loader
     stands in for vLLM's ``default_weight_loader``, which vLLM's norms fall back to.
+
+    The experts are tensor-parallel, as vLLM's ``FusedMoE`` splits them without expert
+    parallelism: every rank holds every expert, rows ``[r*I/T, (r+1)*I/T)`` of its
+    ``gate_proj`` and ``up_proj`` and those columns of its ``down_proj`` (``I``:
+    ``intermediate_size``, ``T``: ``tp_size``). ``w13_weight`` and ``w2_weight`` share
+    one loader, vLLM's signature: ``weight_loader(param, loaded_weight, weight_name,
+    shard_id, expert_id)``, ``shard_id`` ``'w1'`` (gate), ``'w3'`` (up) or ``'w2'``
+    (down), ``expert_id`` an int in ``[0, E)`` (:class:`ValueError` otherwise, and for a
+    ``w1``/``w3`` sent to ``w2_weight`` or the reverse, before writing).
     """
 
     def __init__(
@@ -1102,6 +1186,41 @@ class TinyLlamaRuntime(nn.Module):
         src = loaded_weight.narrow(0, self.tp_rank * size, size)
         param.data.narrow(0, shard_id * size, size).copy_(src)
 
+    def _load_expert(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str = "",
+        shard_id: object = None, expert_id: object = None,
+    ) -> None:
+        """Shard ``tp_rank`` of expert ``expert_id``'s gate (``shard_id`` ``'w1'``) or up
+        (``'w3'``) rows into ``w13_weight[expert_id]``, or its down_proj columns (``'w2'``)
+        into ``w2_weight[expert_id]`` (vLLM's fused-experts loader; ``weight_name``, the
+        checkpoint name, only names the weight in an error)."""
+        c = self.config
+        size = self.intermediate_per_rank
+        which = f" ({quoted(weight_name)})" if weight_name else ""
+        if not isinstance(shard_id, str) or shard_id not in ("w1", "w2", "w3"):
+            raise ValueError(f"weight_loader of the experts{which}: shard_id must be 'w1' "
+                             f"(gate), 'w3' (up) or 'w2' (down), got {brief(shard_id)}")
+        if (isinstance(expert_id, bool) or not isinstance(expert_id, numbers.Integral)
+                or not 0 <= expert_id < c.num_experts):
+            raise ValueError(f"weight_loader of the experts{which}: expert_id must be an int "
+                             f"in [0, {c.num_experts}), got {brief(expert_id)}")
+        e = int(expert_id)
+        h = c.hidden_size
+        want = ((c.num_experts, h, size) if shard_id == "w2"
+                else (c.num_experts, 2 * size, h))
+        if tuple(param.shape) != want:
+            raise ValueError(
+                f"weight_loader of the experts{which}: shard_id {quoted(shard_id)} goes into "
+                f"{'w2_weight' if shard_id == 'w2' else 'w13_weight'}, of shape {want} on "
+                f"this rank, got a parameter of shape {tuple(param.shape)}")
+        if shard_id == "w2":
+            _check_full(param, loaded_weight, (h, size * self.tp_size))
+            param.data[e].copy_(loaded_weight.narrow(1, self.tp_rank * size, size))
+            return
+        _check_full(param, loaded_weight, (size * self.tp_size, h))
+        src = loaded_weight.narrow(0, self.tp_rank * size, size)
+        param.data[e].narrow(0, 0 if shard_id == "w1" else size, size).copy_(src)
+
     # -- the loader ------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -1114,10 +1233,16 @@ class TinyLlamaRuntime(nn.Module):
         which narrows the checkpoint tensor to this rank's shard and makes exactly one
         ``copy_`` into a view of the parameter (``copy_`` casts dtype and device).
 
+        With ``num_experts``, expert ``e``'s ``mlp.experts.{e}.gate_proj``, ``up_proj``
+        and ``down_proj`` go through the fused experts' loader (vLLM's expert params
+        mapping) with ``shard_id`` ``'w1'``, ``'w3'``, ``'w2'`` and ``expert_id=e``.
+
         Returns the set of **runtime parameter names** written, as vLLM's Llama loader
         does: ``q_proj``, ``k_proj`` and ``v_proj`` of a layer all report
         ``...self_attn.qkv_proj.weight``, ``gate_proj`` and ``up_proj``
-        ``...mlp.gate_up_proj.weight``; the other names are their own. So what a load
+        ``...mlp.gate_up_proj.weight``, an expert's ``gate_proj`` and ``up_proj``
+        ``...mlp.experts.w13_weight`` and its ``down_proj`` ``...mlp.experts.w2_weight``
+        (as vLLM's Qwen3-MoE and Mixtral loaders do); the other names are their own. So what a load
         returns is not the set of names it was sent (a full checkpoint of ``L`` layers
         returns ``3 * L`` fewer names than it has).
 
@@ -1151,6 +1276,15 @@ class TinyLlamaRuntime(nn.Module):
                     f"{tuple(w.shape)}, expected {want}"
                 )
             parts = name.split(".")
+            if "experts" in parts:  # model.layers.{i}.mlp.experts.{e}.{proj}.weight
+                at = parts.index("experts")
+                fused, shard_id = _EXPERT_PARAMS[parts[at + 2]]
+                param_name = ".".join([*parts[:at + 1], fused])
+                param = params[param_name]
+                param.weight_loader(param, w, name, shard_id=shard_id,
+                                    expert_id=int(parts[at + 1]))
+                loaded.add(param_name)
+                continue
             for param_part, ckpt_part, shard_id in _STACKED_PARAMS:
                 if ckpt_part in parts:
                     parts[parts.index(ckpt_part)] = param_part
@@ -1187,7 +1321,10 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
     replicated weight (the norms) must be bit-identical on every rank, else
     :class:`ValueError` names it and the first rank that differs; so must a kv head on
     the ranks that replicate it (``tp_size > num_kv_heads``: it is read from the first
-    rank of each group of ``num_kv_head_replicas``).
+    rank of each group of ``num_kv_head_replicas``). With ``num_experts``, each expert's
+    ``gate_proj``/``up_proj``/``down_proj`` is put back together from its slices of
+    ``w13_weight`` and ``w2_weight`` on every rank, and the router, replicated, must be
+    bit-identical on every rank as the norms must.
     """
     rts = list(runtimes)
     if not rts:
@@ -1234,6 +1371,11 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
     def cols(pname: str) -> torch.Tensor:
         return torch.cat([ps[pname] for ps in per_rank], dim=1)
 
+    def expert(pname: str, e: int, dim: int, start: int, size: int) -> torch.Tensor:
+        # (expert e's slice on every rank: rows [start, start + size) of w13_weight[e],
+        # or columns of w2_weight[e]; each rank holds its own part, none replicated)
+        return torch.cat([ps[pname][e].narrow(dim, start, size) for ps in per_rank], dim=dim)
+
     def replicated(name: str) -> torch.Tensor:
         base = per_rank[0][name]
         for r, ps in enumerate(per_rank[1:], start=1):
@@ -1251,11 +1393,20 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = rows(name, 0, first.vocab_per_rank)
             continue
-        if parts[-2] in ("norm", "input_layernorm", "post_attention_layernorm"):
+        if parts[-2] in ("norm", "input_layernorm", "post_attention_layernorm") or (
+                parts[-3:-1] == ["mlp", "gate"]):  # (the norms and the MoE router)
             out[name] = replicated(name)
             continue
         prefix = ".".join(parts[:3])
         kind = parts[-2]
+        if parts[3:5] == ["mlp", "experts"]:
+            e = int(parts[5])
+            if kind == "down_proj":
+                out[name] = expert(f"{prefix}.mlp.experts.w2_weight", e, 1, 0, inter)
+            else:
+                out[name] = expert(f"{prefix}.mlp.experts.w13_weight", e, 0,
+                                   0 if kind == "gate_proj" else inter, inter)
+            continue
         if kind == "q_proj":
             out[name] = rows(f"{prefix}.self_attn.qkv_proj.weight", 0, q)
         elif kind == "k_proj":
