@@ -32,6 +32,8 @@ EXPERT = "model.layers.{i}.mlp.experts.{e}.{w}_proj.weight"
 W13 = "model.layers.{i}.mlp.experts.w13_weight"
 W2 = "model.layers.{i}.mlp.experts.w2_weight"
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().view(torch.int16)
@@ -224,8 +226,9 @@ def test_the_writes_table_puts_each_experts_gate_and_up_rows_at_their_offsets():
     assert report.deltas.loc[W13.format(i=0), "elements"] == E * 2 * size * H
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tp", [1, 2])
-def test_experts_the_batch_never_routed_to_stay_unchanged_and_the_counts_are_exact(tp):
+def test_experts_the_batch_never_routed_to_stay_unchanged_and_the_counts_are_exact(tp, device):
     # an Adam-like step with gradients for experts 1 and 6 of 8 only (the others got no
     # tokens: no gradient, so Adam leaves them where they are)
     c = TinyLlamaConfig(**{**MOE, "num_experts": 8, "num_layers": 1})
@@ -236,13 +239,15 @@ def test_experts_the_batch_never_routed_to_stay_unchanged_and_the_counts_are_exa
     new = {**ckpt, **AdamLikeTrainer(trained, lr=1e-4, seed=2).step()}
     patches = sparse_patches_from_diff(ckpt, new)
     assert {int(p.name.split(".")[5]) for p in patches} == routed
+    on_device = [p._replace(values=p.values.to(device), indices=p.indices.to(device))
+                 for p in patches]
     size = INTER // tp
-    rts = ranks_of(c, tp)
+    rts = [TinyLlamaRuntime(c, r, tp, device=device) for r in range(tp)]
     for r, rt in enumerate(rts):
         load_checkpoint_weight_patches(rt, dense_patches(ckpt))
         before13 = rt.get_parameter(W13.format(i=0)).detach().clone()
         before2 = rt.get_parameter(W2.format(i=0)).detach().clone()
-        report = patchkit.inspect_load(rt, patches)
+        report = patchkit.inspect_load(rt, on_device)
         w13, w2 = expected_experts(new, 0, r, tp, experts=8)
         assert same_bits(rt.get_parameter(W13.format(i=0)), w13)
         assert same_bits(rt.get_parameter(W2.format(i=0)), w2)
