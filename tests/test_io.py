@@ -2101,9 +2101,25 @@ def test_safetensors_own_reader_and_writer_agree_on_every_dtype(tmp_path):
             t = f.get_tensor(f"{i:06d}.values")
             assert t.dtype == p.values.dtype, p.values.dtype
             assert torch.equal(bits(t), bits(p.values)), p.values.dtype
-    # and the other way: tensors safetensors writes read back as the dtypes it wrote
+    # and the other way: tensors safetensors writes read back as the dtypes it wrote, each
+    # dtype its torch writer knows (from 0.8 every storable one; older ones read dtypes
+    # their writer leaves out: 0.4.1 writes no float8 nor uint16/32/64, a KeyError)
+    def written_by_safetensors(dtype):
+        try:
+            save_file({"t": torch.zeros(1, dtype=dtype)}, str(tmp_path / "probe.safetensors"))
+        except KeyError:
+            return False
+        return True
+
+    writable = [p for p in ps if written_by_safetensors(p.values.dtype)]
+    assert {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool} <= {
+        p.values.dtype for p in writable}
+    if tuple(map(int, safetensors.__version__.split(".")[:2])) >= (0, 8):
+        assert writable == ps
+    save_patches(path, writable)
     again = rewrite(path, str(tmp_path / "again.safetensors"))
-    assert_same_patches(load_patches(again), ps)
+    assert_same_patches(load_patches(again), writable)
 
 
 def test_the_summary_plans_with_the_checkpoint_dtype_not_the_values_dtype(tmp_path, capsys):
