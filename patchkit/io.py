@@ -110,7 +110,7 @@ def storable_dtypes() -> frozenset[torch.dtype]:
     The dtypes this torch, the safetensors format and the installed ``safetensors``
     package all know: float64/32/16, bfloat16, the float8 types, signed and unsigned
     integers, bool and complex64. Older ``safetensors`` releases read fewer (0.7.0 lacks
-    float8_e4m3fnuz and float8_e5m2fnuz, 0.6.2 complex64 too, 0.4.5 float8_e8m0fnu too;
+    float8_e4m3fnuz and float8_e5m2fnuz, 0.6.2 complex64 too, 0.5.3 float8_e8m0fnu too;
     0.8.0 reads them all): those this one cannot read are left out, as this machine
     could not read such a file back. Without the package, the dtypes this torch and the
     format share. A patch's checkpoint
