@@ -18,6 +18,11 @@ For dense and sparse (0.1 %, 1 %, 10 %) patches of fp32 and bf16 tensors of 1 M,
   next to the peak of validation alone and the staged size (a full checkpoint-shaped
   tensor, also for sparse patches).
 
+Then two tables of what a load costs beyond its bytes: fixed costs on models of many
+small tensors (one patch, and a patch for every tensor), and a mixture-of-experts
+model's whole checkpoint (mostly expert patches: hundreds to thousands per model), each
+next to the same work done with torch ops.
+
 Usage: ``python benchmarks/bench_loader.py [--quick] [--device cuda] [--repeats N] [--threads N]``.
 """
 
@@ -163,6 +168,8 @@ def main(argv=None) -> int:
     )
     print()
     print(_fixed_costs_table(device, repeats, quick))
+    print()
+    print(_moe_table(device, repeats, quick))
     return 0
 
 
@@ -224,6 +231,70 @@ def _fixed_costs_table(device: torch.device, repeats: int, quick: bool) -> str:
         f"{repeats}; floor: the contract's work with torch ops only (stage, scatter, "
         "NaN-merge, copy_)\n"
         + fmt_table(["tensors", "patches", "load", "patchkit ms", "floor ms", "ratio"], rows)
+    )
+
+
+def _moe_table(device: torch.device, repeats: int, quick: bool) -> str:
+    """A mixture-of-experts model's whole checkpoint, one patch per tensor (three per
+    expert per layer: the patch count of an MoE model is mostly experts), dense and
+    sparse (2 % of each tensor), into rank 0 of 2 of a bf16 ``TinyLlamaRuntime`` with
+    ``num_experts``, next to the floor: the same patches staged with torch ops (values
+    viewed as the shape; for sparse, a NaN-filled tensor with the values scattered in)
+    and handed to the model's own ``load_weights`` in one call, with no interception
+    (so the sparse floor writes the NaN it cannot merge: the work without the merge,
+    which is a small part). ``per patch us``: patchkit's time less the floor's, per
+    patch: what the contract's checks and the sparse call's interception add to each."""
+    from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
+
+    shapes = [(8, 1)] if quick else [(8, 2), (64, 4), (128, 4)]
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for experts, layers in shapes:
+        config = TinyLlamaConfig(num_experts=experts, num_layers=layers, intermediate_size=64)
+        ckpt = tiny_llama_checkpoint(config, seed=0, dtype=torch.bfloat16)
+        model = TinyLlamaRuntime(config, tp_rank=0, tp_size=2, device=device)
+        for kind in ("dense", "sparse 2%"):
+            patches = []
+            for name, t in ckpt.items():
+                if kind == "dense":
+                    patches.append(CheckpointWeightPatch(
+                        name, tuple(t.shape), t.dtype, t.reshape(-1).to(device)))
+                    continue
+                k = max(1, t.numel() // 50)
+                idx = torch.randperm(t.numel(), generator=g)[:k].sort().values
+                values = torch.randn(k, generator=g).to(t.dtype)
+                patches.append(CheckpointWeightPatch(
+                    name, tuple(t.shape), t.dtype, values.to(device), idx.to(device)))
+
+            def ours(ps=patches, model=model):
+                patchkit.load_checkpoint_weight_patches(model, ps)
+
+            def bare(ps=patches, model=model):
+                staged = []
+                for p in ps:
+                    if p.indices is None:
+                        staged.append((p.name, p.values.view(p.shape)))
+                        continue
+                    t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=device)
+                    t.view(-1).index_copy_(0, p.indices, p.values)
+                    staged.append((p.name, t))
+                with torch.no_grad():
+                    model.load_weights(staged)
+
+            t_ours = median_seconds(ours, device, repeats)
+            t_bare = median_seconds(bare, device, repeats)
+            n = len(patches)
+            rows.append([str(experts), str(layers), str(n), kind, f"{t_ours * 1e3:.1f}",
+                         f"{t_bare * 1e3:.1f}", f"{t_ours / t_bare:.1f}x",
+                         f"{(t_ours - t_bare) / n * 1e6:.0f}"])
+            print(".", end="", flush=True, file=sys.stderr)
+    print(file=sys.stderr)
+    return (
+        "mixture of experts: a whole checkpoint, one patch per tensor, into rank 0 of 2 of a "
+        f"bf16 TinyLlamaRuntime with num_experts (intermediate 64), median of {repeats}; "
+        "floor: staged with torch ops and sent to load_weights in one call, unwatched\n"
+        + fmt_table(["experts", "layers", "patches", "patches are", "patchkit ms", "floor ms",
+                     "ratio", "per patch us"], rows)
     )
 
 

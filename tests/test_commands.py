@@ -346,7 +346,9 @@ def test_tour_result_ok_is_documented():
     ("script", "columns", "rows", "later"),
     [
         ("bench_loader.py",
-         ["patchkit ms", "validate ms", "floor ms", "ratio", "peak extra MiB"], 16, []),
+         ["patchkit ms", "validate ms", "floor ms", "ratio", "peak extra MiB"], 16,
+         # the mixture-of-experts table: a whole checkpoint, mostly expert patches
+         ["experts", "patches", "patches are", "floor ms", "per patch us"]),
         ("bench_build.py",
          ["patchkit ms", "one-shot ms", "ratio", "patchkit peak MiB", "one-shot peak MiB",
           "patch MiB"], 2, []),
