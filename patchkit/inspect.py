@@ -411,7 +411,10 @@ class LoadReport:
       chunk ended: ``budget``,
       ``repeated name``, ``end``; ``loader`` for a call that an observed loader ended for
       reasons of its own), ``note`` (tied-weight renames and drops; ``not sent`` for a
-      patch whose call never ran because the load stopped first). Taken from
+      patch whose call never ran because the load stopped first; ``no write from it
+      seen`` for one whose call returned without a write from it, as a loader returns
+      when it skips a weight another rank holds, an expert under expert parallelism, say:
+      no ``writes`` row names it). Taken from
       :func:`~patchkit.plan_chunks`, the function the loader itself uses. With
       ``loader=``, the calls the observed loader really made, when they differ from that
       plan (see :func:`inspect_load`).
@@ -2870,7 +2873,8 @@ def _build_report(
     report._patch_versions = [_versions(p) for p in patches]
     report._tables = {
         "chunks": lambda: _chunks_frame(patches, sent_name, plan, len(calls), observed_calls,
-                                        malformed, failed=error is not None),
+                                        malformed, failed=error is not None,
+                                        writes_seen=_unwritten(calls, events)),
         "calls": lambda: _frame({
             c: [row[c] for row in calls]
             for c in ("chunk", "names", "returned", "writes", "seconds", "error")
@@ -2881,18 +2885,40 @@ def _build_report(
     return report
 
 
+# The chunks table's note on a patch whose call returned with no write traced to it.
+NO_WRITE_NOTE = ("no write from it seen: the loader skipped it (a weight another rank "
+                 "holds, say) or wrote it where no watch sees")
+
+
+def _unwritten(calls: list[dict[str, Any]], events: list[WriteEvent]
+               ) -> tuple[frozenset[int], frozenset[int]]:
+    """What the chunks table's :data:`NO_WRITE_NOTE` is read from: the positions of the
+    patches that some write came from, and the calls that returned (did not raise) with
+    every write traced to a patch (a write from an op of two patches, ``torch.cat`` say,
+    may hold any of its call's). A patch of such a call from which no write came was
+    taken by the loader and not written from: a loader that skips a weight (one another
+    rank holds, under expert or tensor parallelism; a rotary cache) does that."""
+    untraced = {e.chunk for e in events if e.position is None}
+    returned = frozenset(c["chunk"] for c in calls if not c["error"]) - untraced
+    return frozenset(e.position for e in events), returned
+
+
 def _chunks_frame(patches, sent_name: dict[int, str], plan, ran: int,
                   observed_calls: bool = False,
                   malformed: dict[int, str] | None = None,
-                  failed: bool = True) -> pd.DataFrame:
+                  failed: bool = True,
+                  writes_seen: tuple[frozenset[int], frozenset[int]] | None = None
+                  ) -> pd.DataFrame:
     """The ``chunks`` table. ``sent_name``: the name each input position was (to be) sent
     under; ``ran``: how many ``load_weights`` calls were made; ``observed_calls``: ``plan``
     is the calls an observed loader made, so a position it did not send was not sent,
     never dropped as a tied alias (that is the plan's rule, CONTRACT §6); ``malformed``:
     positions of items that are no valid patch, with why (see :func:`_malformed`);
     ``failed``: the load raised (an observed loader that made no call and returned did
-    not stop: it sent nothing)."""
+    not stop: it sent nothing); ``writes_seen``: :func:`_unwritten` of the load, for
+    :data:`NO_WRITE_NOTE` (none without it)."""
     malformed = malformed or {}
+    traced, clean = writes_seen if writes_seen is not None else (frozenset(), frozenset())
     chunk_of: dict[int, Chunk] = {}
     for c in plan:
         for p in c.positions:
@@ -2912,6 +2938,9 @@ def _chunks_frame(patches, sent_name: dict[int, str], plan, ran: int,
             notes.append(stopped)
         elif sent_name[i] != p.name:
             notes.append(f"renamed from {p.name!r} (tied alias)")
+        elif (chunk_of[i].index in clean and i not in traced
+              and math.prod(p.shape) > 0):  # (a copy of no elements is no write)
+            notes.append(NO_WRITE_NOTE)
         else:
             notes.append("")
     summary = _summary_columns(patches, malformed)

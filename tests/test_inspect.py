@@ -3416,3 +3416,61 @@ def test_the_text_repr_uses_the_whole_80_columns_and_breaks_only_at_blanks():
     whole = df.to_string(index=False)
     assert max(map(len, whole.splitlines())) == 80
     assert _blocks_text(df, False, None, None) == whole
+
+
+class _SkipsSome(torch.nn.Module):
+    """``a`` and ``b`` (4 each); the loader writes ``a``, skips ``skip`` (a weight it
+    takes and leaves, as one another rank holds), writes ``cat0``+``cat1`` joined into
+    ``b`` (a write traced to no one patch) and raises at ``boom``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(4), False)
+        self.b = torch.nn.Parameter(torch.zeros(4), False)
+
+    def load_weights(self, weights):
+        weights = dict(weights)
+        if "boom" in weights:
+            raise KeyError("boom")
+        if "a" in weights:
+            self.a.data.copy_(weights["a"])
+        if "cat0" in weights:
+            self.b.data.copy_(torch.cat([weights["cat0"], weights["cat1"]]))
+        return {n for n in ("a", "b") if n in weights or (n == "b" and "cat0" in weights)}
+
+
+def test_the_chunks_note_names_a_patch_its_call_took_and_wrote_nothing_from():
+    # a loader that skips a weight (another rank's expert, say) writes nothing from it;
+    # its chunks row had an empty note, like a patch that was written, and plot_density
+    # drew it with no word of it
+    from patchkit.inspect import NO_WRITE_NOTE
+
+    ones = torch.ones(4)
+    ps = [dense("a", ones), dense("skip", ones), sparse("skip2", (4,), [1], [2.0])]
+    r = inspect_load(_SkipsSome(), ps[:2], max_chunk_bytes=1 << 20)
+    assert r.chunks["note"].tolist() == ["", NO_WRITE_NOTE]
+    assert NO_WRITE_NOTE.startswith("no write from it seen")
+    r = inspect_load(_SkipsSome(), [ps[2]])  # (sparse too: the call returned nothing)
+    assert r.chunks["note"].tolist() == [NO_WRITE_NOTE]
+    assert r.calls["returned"].tolist() == [()]
+    # Not where a write of the call is traced to no one patch (it may hold any of them),
+    # nor in a call that raised, nor for a patch of no elements.
+    halves = [dense("cat0", torch.ones(2)), dense("cat1", torch.ones(2))]
+    r = inspect_load(_SkipsSome(), [*halves, dense("skip", ones)])
+    assert r.writes["position"].isna().all() and len(r.writes) == 1
+    assert r.chunks["note"].tolist() == ["", "", ""]
+    with pytest.raises(KeyError) as info:
+        inspect_load(_SkipsSome(), [dense("skip", ones), dense("boom", ones)])
+    assert info.value.report.chunks["note"].tolist() == ["", ""]
+    r = inspect_load(_SkipsSome(), [dense("a", ones), dense("skip", torch.ones(0))])
+    assert r.chunks["note"].tolist() == ["", ""]
+    # plot_density says it under the map's title
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = inspect_load(_SkipsSome(), ps[:2])
+    fig = r.plot_density("skip")
+    assert NO_WRITE_NOTE in fig.axes[0].get_title()
+    assert "no write" not in r.plot_density("a").axes[0].get_title()
+    plt.close("all")
