@@ -471,7 +471,9 @@ def _warn_if_quiet_calls(session: WriteSession, exc: BaseException, tree_changed
     back, and which a quiet call of a load without a report may have been; or a quiet
     call (a report's too) came after an earlier call rebound or registered one, and may
     have written into it (unwatched: the new tensor is no storage the load began with),
-    which the rollback put back with it. Where warnings
+    which the rollback put back with it. The warning also says that such a call may have
+    written nothing at all (a loader that skips weights another rank holds, experts under
+    expert parallelism say, and returns their names anyway), which loses nothing. Where warnings
     are errors, the warning goes onto ``exc`` as a note (Python 3.11+) instead: the
     load's own error stays the one raised."""
     if session.first_quiet is None:
@@ -488,7 +490,9 @@ def _warn_if_quiet_calls(session: WriteSession, exc: BaseException, tree_changed
             f"the rollback put back every write it saw, but {call} {said} without a write "
             f"it saw{others}: a loader that writes on another thread, through a storage "
             "(untyped_storage().copy_) or numpy, with torch function handling off or inside "
-            f"TorchScript is not watched, and what it wrote there stays in the model{unless}",
+            f"TorchScript is not watched, and what it wrote there stays in the model{unless}. "
+            "(A call that wrote nothing, as a loader that skips weights another rank holds "
+            "yet returns their names, left nothing to put back)",
             UserWarning,
             stacklevel=_outside_patchkit(),
         )

@@ -17,7 +17,8 @@ these models copy it).
   With ``TinyLlamaConfig(num_experts=E)`` its MLPs are mixtures of experts, laid out
   as vLLM's fused-experts layer lays them out (per layer ``mlp.experts.w13_weight`` and
   ``mlp.experts.w2_weight`` holding every expert, a replicated router ``mlp.gate``),
-  loading per-expert checkpoint names.
+  loading per-expert checkpoint names; with ``expert_parallel=True`` each rank holds
+  ``E / tp_size`` whole experts instead and its loader skips the others' weights.
 - Loaders that break the sparse-load contract (CONTRACT.md §4), one per clause, in
   :data:`BROKEN_LOADERS`, and :class:`FailingModel`, a loader that raises part-way (for
   partial-update and ``transactional=True`` demonstrations).
@@ -929,15 +930,13 @@ class _ParamFactory:
 
     def w13(self) -> nn.Parameter:
         rt = self.rt
-        c = rt.config
-        return self._new((c.num_experts, 2 * rt.intermediate_per_rank, c.hidden_size),
-                         rt._load_expert)
+        return self._new((len(rt.local_experts), 2 * rt.intermediate_per_rank,
+                          rt.config.hidden_size), rt._load_expert)
 
     def w2(self) -> nn.Parameter:
         rt = self.rt
-        c = rt.config
-        return self._new((c.num_experts, c.hidden_size, rt.intermediate_per_rank),
-                         rt._load_expert)
+        return self._new((len(rt.local_experts), rt.config.hidden_size,
+                          rt.intermediate_per_rank), rt._load_expert)
 
 
 def _check_full(param: nn.Parameter, loaded_weight: object, want: tuple[int, ...]) -> None:
@@ -1040,7 +1039,25 @@ class TinyLlamaRuntime(nn.Module):
     one loader, vLLM's signature: ``weight_loader(param, loaded_weight, weight_name,
     shard_id, expert_id)``, ``shard_id`` ``'w1'`` (gate), ``'w3'`` (up) or ``'w2'``
     (down), ``expert_id`` an int in ``[0, E)`` (:class:`ValueError` otherwise, and for a
-    ``w1``/``w3`` sent to ``w2_weight`` or the reverse, before writing).
+    ``w1``/``w3`` sent to ``w2_weight`` or the reverse, before writing). It returns
+    ``True`` when it wrote (always, here), ``False`` when the expert is not on this rank
+    (with ``expert_parallel``).
+
+    ``expert_parallel=True`` (vLLM's ``--enable-expert-parallel``, here with one
+    data-parallel rank, so the expert-parallel group is the tensor-parallel one:
+    ``ep_size == tp_size``, ``ep_rank == tp_rank``) splits the experts instead of their
+    matrices: rank ``r`` holds experts ``[r*E/T, (r+1)*E/T)`` (vLLM's default, linear
+    placement; :attr:`local_experts`) whole, so ``w13_weight`` is ``(E/T, 2*I,
+    hidden_size)`` and ``w2_weight`` ``(E/T, hidden_size, I)``, and ``[j]`` is global
+    expert ``r*E/T + j``. Attention, embeddings and the router stay as above. ``tp_size``
+    must then divide ``num_experts`` (but not ``intermediate_size``), and the config
+    must have experts (:class:`ValueError` otherwise; :class:`TypeError` for a
+    non-bool). The experts' loader maps the global ``expert_id`` to its local slot;
+    for an expert another rank holds it writes nothing and returns ``False`` (after the
+    same checks of ``shard_id``, ``expert_id`` and the tensor's shape as for a local
+    one, so a bad weight fails on every rank alike), and :meth:`load_weights` then
+    leaves that name out of the set it returns, as vLLM's MoE loaders do: a call whose
+    every weight is another rank's expert writes nothing and returns an empty set.
     """
 
     def __init__(
@@ -1050,6 +1067,8 @@ class TinyLlamaRuntime(nn.Module):
         tp_size: int = 1,
         dtype: torch.dtype = torch.bfloat16,
         device: DeviceLike | None = None,
+        *,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         config = TinyLlamaConfig() if config is None else config
@@ -1058,6 +1077,9 @@ class TinyLlamaRuntime(nn.Module):
         for arg, v in (("tp_size", tp_size), ("tp_rank", tp_rank)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{arg} must be an int, got {type(v).__name__} {brief(v)}")
+        if not isinstance(expert_parallel, bool):
+            raise TypeError(f"expert_parallel must be a bool, got "
+                            f"{type(expert_parallel).__name__} {brief(expert_parallel)}")
         _check_float_dtype(dtype, "TinyLlamaRuntime")
         device = _model_device(device)
         if config.vocab_size % _VOCAB_PADDING:
@@ -1090,7 +1112,20 @@ class TinyLlamaRuntime(nn.Module):
                 "same number of ranks for every head; use a tp_size that divides "
                 "num_kv_heads or is a multiple of it"
             )
-        for field_name in ("intermediate_size", "vocab_size"):
+        if expert_parallel and not config.num_experts:
+            raise ValueError(
+                "expert_parallel=True needs a mixture of experts to split over the ranks; "
+                "this config has a dense MLP (num_experts=0): use "
+                "TinyLlamaConfig(num_experts=E)")
+        if expert_parallel and config.num_experts % tp_size:
+            raise ValueError(
+                f"with expert_parallel=True, tp_size={brief(tp_size)} must divide "
+                f"num_experts={brief(config.num_experts)}: each rank holds the same number "
+                "of whole experts")
+        # (with expert parallelism the experts are whole, and there is no dense MLP: no
+        # matrix is cut along intermediate_size)
+        split = ("vocab_size",) if expert_parallel else ("intermediate_size", "vocab_size")
+        for field_name in split:
             v = getattr(config, field_name)
             if v % tp_size:
                 raise ValueError(f"tp_size={brief(tp_size)} must divide {field_name}={brief(v)}")
@@ -1105,8 +1140,21 @@ class TinyLlamaRuntime(nn.Module):
         #: rank holds shard ``tp_rank // num_kv_head_replicas`` (one head where replicated).
         self.q_per_rank = config.q_size // tp_size
         self.kv_per_rank = config.kv_size // (tp_size // self.num_kv_head_replicas)
-        #: Rows of this rank's gate (and up) shard, columns of its down_proj shard.
-        self.intermediate_per_rank = config.intermediate_size // tp_size
+        #: Rows of this rank's gate (and up) shard, columns of its down_proj shard (with
+        #: ``expert_parallel``, all ``intermediate_size``: the experts are whole).
+        self.intermediate_per_rank = config.intermediate_size // (
+            1 if expert_parallel else tp_size)
+        #: Whether the experts are split over the ranks whole (see the class docstring).
+        self.expert_parallel = expert_parallel
+        #: The expert-parallel group: the tensor-parallel ranks with ``expert_parallel``,
+        #: else one rank (``ep_size`` 1, ``ep_rank`` 0) that holds a slice of every expert.
+        self.ep_size = tp_size if expert_parallel else 1
+        self.ep_rank = tp_rank if expert_parallel else 0
+        #: The global ids of the experts this rank holds, in the order of their slots in
+        #: ``w13_weight`` and ``w2_weight`` (all of them without ``expert_parallel``; none
+        #: for a dense MLP).
+        per_rank = config.num_experts // self.ep_size
+        self.local_experts = range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
         #: Rows of this rank's embedding and lm_head shards.
         self.vocab_per_rank = config.vocab_size // tp_size
 
@@ -1189,13 +1237,16 @@ class TinyLlamaRuntime(nn.Module):
     def _load_expert(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str = "",
         shard_id: object = None, expert_id: object = None,
-    ) -> None:
-        """Shard ``tp_rank`` of expert ``expert_id``'s gate (``shard_id`` ``'w1'``) or up
-        (``'w3'``) rows into ``w13_weight[expert_id]``, or its down_proj columns (``'w2'``)
-        into ``w2_weight[expert_id]`` (vLLM's fused-experts loader; ``weight_name``, the
-        checkpoint name, only names the weight in an error)."""
+    ) -> bool:
+        """Expert ``expert_id``'s gate (``shard_id`` ``'w1'``) or up (``'w3'``) rows into
+        its slot of ``w13_weight``, or its down_proj columns (``'w2'``) into its slot of
+        ``w2_weight`` (vLLM's fused-experts loader; ``weight_name``, the checkpoint name,
+        only names the weight in an error): shard ``tp_rank`` of them, or with
+        ``expert_parallel`` all of them. Returns ``True`` when it wrote; ``False``, writing
+        nothing, for an expert another rank holds (after the same checks)."""
         c = self.config
         size = self.intermediate_per_rank
+        shards, shard = (1, 0) if self.expert_parallel else (self.tp_size, self.tp_rank)
         which = f" ({quoted(weight_name)})" if weight_name else ""
         if not isinstance(shard_id, str) or shard_id not in ("w1", "w2", "w3"):
             raise ValueError(f"weight_loader of the experts{which}: shard_id must be 'w1' "
@@ -1204,22 +1255,25 @@ class TinyLlamaRuntime(nn.Module):
                 or not 0 <= expert_id < c.num_experts):
             raise ValueError(f"weight_loader of the experts{which}: expert_id must be an int "
                              f"in [0, {c.num_experts}), got {brief(expert_id)}")
-        e = int(expert_id)
         h = c.hidden_size
-        want = ((c.num_experts, h, size) if shard_id == "w2"
-                else (c.num_experts, 2 * size, h))
+        local = len(self.local_experts)
+        want = (local, h, size) if shard_id == "w2" else (local, 2 * size, h)
         if tuple(param.shape) != want:
             raise ValueError(
                 f"weight_loader of the experts{which}: shard_id {quoted(shard_id)} goes into "
                 f"{'w2_weight' if shard_id == 'w2' else 'w13_weight'}, of shape {want} on "
                 f"this rank, got a parameter of shape {tuple(param.shape)}")
+        _check_full(param, loaded_weight,
+                    (h, size * shards) if shard_id == "w2" else (size * shards, h))
+        if int(expert_id) not in self.local_experts:
+            return False  # (another rank's expert: vLLM's expert map gives it no slot)
+        e = int(expert_id) - self.local_experts.start
         if shard_id == "w2":
-            _check_full(param, loaded_weight, (h, size * self.tp_size))
-            param.data[e].copy_(loaded_weight.narrow(1, self.tp_rank * size, size))
-            return
-        _check_full(param, loaded_weight, (size * self.tp_size, h))
-        src = loaded_weight.narrow(0, self.tp_rank * size, size)
+            param.data[e].copy_(loaded_weight.narrow(1, shard * size, size))
+            return True
+        src = loaded_weight.narrow(0, shard * size, size)
         param.data[e].narrow(0, 0 if shard_id == "w1" else size, size).copy_(src)
+        return True
 
     # -- the loader ------------------------------------------------------------------
 
@@ -1235,7 +1289,9 @@ class TinyLlamaRuntime(nn.Module):
 
         With ``num_experts``, expert ``e``'s ``mlp.experts.{e}.gate_proj``, ``up_proj``
         and ``down_proj`` go through the fused experts' loader (vLLM's expert params
-        mapping) with ``shard_id`` ``'w1'``, ``'w3'``, ``'w2'`` and ``expert_id=e``.
+        mapping) with ``shard_id`` ``'w1'``, ``'w3'``, ``'w2'`` and ``expert_id=e``; with
+        ``expert_parallel``, one of an expert another rank holds is checked, then skipped
+        (not written, not returned), as vLLM skips it when the loader returns ``False``.
 
         Returns the set of **runtime parameter names** written, as vLLM's Llama loader
         does: ``q_proj``, ``k_proj`` and ``v_proj`` of a layer all report
@@ -1281,9 +1337,9 @@ class TinyLlamaRuntime(nn.Module):
                 fused, shard_id = _EXPERT_PARAMS[parts[at + 2]]
                 param_name = ".".join([*parts[:at + 1], fused])
                 param = params[param_name]
-                param.weight_loader(param, w, name, shard_id=shard_id,
-                                    expert_id=int(parts[at + 1]))
-                loaded.add(param_name)
+                if param.weight_loader(param, w, name, shard_id=shard_id,
+                                       expert_id=int(parts[at + 1])):
+                    loaded.add(param_name)
                 continue
             for param_part, ckpt_part, shard_id in _STACKED_PARAMS:
                 if ckpt_part in parts:
@@ -1324,7 +1380,9 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
     rank of each group of ``num_kv_head_replicas``). With ``num_experts``, each expert's
     ``gate_proj``/``up_proj``/``down_proj`` is put back together from its slices of
     ``w13_weight`` and ``w2_weight`` on every rank, and the router, replicated, must be
-    bit-identical on every rank as the norms must.
+    bit-identical on every rank as the norms must; with ``expert_parallel`` (on every
+    runtime alike, else :class:`ValueError`) each expert is read whole from the one rank
+    that holds it.
     """
     rts = list(runtimes)
     if not rts:
@@ -1338,6 +1396,9 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
                              f"{brief(first.config, 300)}")
         if rt.dtype != first.dtype:
             raise ValueError(f"runtimes[{i}] has dtype {rt.dtype}, runtimes[0] has {first.dtype}")
+        if rt.expert_parallel != first.expert_parallel:
+            raise ValueError(f"runtimes[{i}] has expert_parallel={rt.expert_parallel}, "
+                             f"runtimes[0] has expert_parallel={first.expert_parallel}")
         if rt.tp_size != len(rts):
             raise ValueError(
                 f"runtimes[{i}] has tp_size={rt.tp_size} but {len(rts)} runtimes were given; "
@@ -1373,7 +1434,12 @@ def gather_checkpoint(runtimes: Sequence[TinyLlamaRuntime]) -> dict[str, torch.T
 
     def expert(pname: str, e: int, dim: int, start: int, size: int) -> torch.Tensor:
         # (expert e's slice on every rank: rows [start, start + size) of w13_weight[e],
-        # or columns of w2_weight[e]; each rank holds its own part, none replicated)
+        # or columns of w2_weight[e]; each rank holds its own part, none replicated.
+        # With expert parallelism: the whole expert, from the one rank that holds it)
+        if first.expert_parallel:
+            owner = next(r for r, rt in enumerate(rts) if e in rt.local_experts)
+            slot = e - rts[owner].local_experts.start
+            return per_rank[owner][pname][slot].narrow(dim, start, size).clone()
         return torch.cat([ps[pname][e].narrow(dim, start, size) for ps in per_rank], dim=dim)
 
     def replicated(name: str) -> torch.Tensor:
