@@ -289,6 +289,25 @@ def _slider_range(
     return low, high, min(float(DEFAULT_MAX_CHUNK_BYTES), high)
 
 
+def _close_tree(root: W.Widget) -> None:
+    """Close ``root`` and every widget it holds (its children, their layouts and styles,
+    and so on down). ipywidgets keeps each widget open, and so alive, until it is closed,
+    and ``close()`` closes that one widget only: the children of an explorer observe it,
+    so closing the box alone kept its report, and through it the model, alive for good."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        w = stack.pop()
+        if id(w) in seen:
+            continue
+        seen.add(id(w))
+        for key in w.keys:
+            v = getattr(w, key, None)
+            stack.extend(x for x in (v if isinstance(v, (tuple, list)) else (v,))
+                         if isinstance(x, W.Widget))
+        W.Widget.close(w)
+
+
 class ChunkPlanner(W.VBox):
     """A ``max_chunk_bytes`` slider over a list of patches, redrawing the chunk plan.
 
@@ -306,6 +325,8 @@ class ChunkPlanner(W.VBox):
     ``ValueError`` otherwise, as for a load); anything but a report or a list of patches
     raises ``TypeError``. A report whose own budget was rejected (its load raised for
     ``max_chunk_bytes=0``) starts at the default budget, planning its patches as given.
+    Like every ipywidgets widget, a planner stays open, and keeps its patches (or report)
+    alive, until it is closed: :meth:`close` closes it and every widget in it.
     """
 
     def __init__(
@@ -343,6 +364,11 @@ class ChunkPlanner(W.VBox):
         # Short and stable: a notebook stores it as the widget's text/plain output (the
         # default would spell out every child, PNG data included).
         return f"ChunkPlanner(max_chunk_bytes={self.max_chunk_bytes}, calls={len(self.plan)})"
+
+    def close(self) -> None:
+        """Close the planner and every widget in it (the slider, its readout, the output:
+        see the class docstring)."""
+        _close_tree(self)
 
     @property
     def max_chunk_bytes(self) -> int:
@@ -441,6 +467,11 @@ class ReportExplorer(W.VBox):
     from), and a density map where its patch changed; a line saying why a figure is not
     drawn is never kept. The placement and the rows are the load's record, kept as
     they are.
+
+    Like every ipywidgets widget, an explorer stays open until it is closed, and with it
+    its report and so the model and the tensors the report holds: dropping the last
+    reference is not enough. :meth:`close` closes it and every widget in it (the planner
+    included); the report and the model then go once nothing else refers to them.
     """
 
     def __init__(self, report: LoadReport) -> None:
@@ -532,6 +563,11 @@ class ReportExplorer(W.VBox):
             f"ReportExplorer(patches={len(self.report.patches)}, "
             f"runtime tensors={self._runtime})"
         )
+
+    def close(self) -> None:
+        """Close the explorer and every widget in it (its drop-down, filter, outputs and
+        planner: see the class docstring)."""
+        _close_tree(self)
 
     def _on_change(self, _change: Any) -> None:
         self.redraw()

@@ -1107,3 +1107,58 @@ def test_a_kept_delta_is_not_shown_once_the_indices_it_reads_back_changed():
     w.dropdown.value = ("runtime", "a")
     assert "before/after figure: not drawn: ValueError: patch 0 ('a'): its indices" in texts(
         w.output)
+
+
+# -- lifetime: closing a widget lets its report and the model go -------------------------
+
+
+def _many_patches() -> list[CheckpointWeightPatch]:
+    # more than 200 entries: the explorer gets its filter box too
+    return [CheckpointWeightPatch(f"w{i}", (2, 2), torch.float32, torch.full((4,), 1.0 + i))
+            for i in range(210)]
+
+
+@pytest.mark.parametrize("entries", ["few", "many"])
+def test_closing_an_explorer_frees_its_report_and_the_model(entries):
+    # ipywidgets keeps every widget until it is closed; the explorer's children (its
+    # drop-down, outputs, planner, their layouts) observe it, so closing the box alone
+    # kept the report, and through it the model and its tensors, alive for good.
+    import gc
+    import weakref
+
+    import ipywidgets
+
+    open_before = len(ipywidgets.widgets.widget._instances)
+    if entries == "few":
+        model, sent = Packed(), patches()
+    else:
+        model, sent = PlainModel({f"w{i}": (2, 2) for i in range(210)}), _many_patches()
+    w = explore(inspect_load(model, sent, max_chunk_bytes=300))
+    if w.filter is not None:
+        w.filter.value = "w20"
+    w.dropdown.value = w.dropdown.options[-1][1]
+    w.planner.slider.value = w.planner.slider.value / 2
+    alive = [weakref.ref(x) for x in (model, next(model.parameters()), w.report, w.planner)]
+    w.close()
+    del w, model, sent
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True] * 4
+    assert len(ipywidgets.widgets.widget._instances) == open_before
+
+
+def test_closing_a_planner_frees_its_patches():
+    import gc
+    import weakref
+
+    import ipywidgets
+
+    open_before = len(ipywidgets.widgets.widget._instances)
+    sent = patches()
+    w = chunk_planner(sent)
+    w.slider.value = w.slider.value / 2
+    alive = weakref.ref(sent[0].values)
+    w.close()
+    del w, sent
+    gc.collect()
+    assert alive() is None
+    assert len(ipywidgets.widgets.widget._instances) == open_before
