@@ -255,6 +255,13 @@ def _check_metadata(position: int | None, patch: object, *,
             value=type(patch).__name__,
         )
     name, shape, dtype = patch[0], patch[1], patch[2]
+    if (type(shape) is tuple and type(name) is str and name and type(dtype) is torch.dtype
+            and all(type(d) is int and d >= 0 for d in shape)):
+        # (the common case, checked in one pass as plan_chunks checks it: a tuple of ints
+        # none negative, a name, a dtype; anything else gets each check below in turn)
+        if size:
+            _check_size(where(position, name), position, name, shape, dtype)
+        return shape
     at = where(position, name)
     if not isinstance(name, str):
         raise PatchTypeError(
