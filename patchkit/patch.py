@@ -549,18 +549,27 @@ _NAN, _OOB, _DUP = 0, 1, 2
 _REASONS = ("NaN", "out-of-range", "duplicate")
 
 
-def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
+def _sparse_flags(patch: CheckpointWeightPatch, unique: bool, nan_free: bool = False
+                  ) -> torch.Tensor:
     """Three booleans (NaN, out-of-range, duplicate) on the device of ``patch.values``.
 
     No host synchronisation happens here on an accelerator: the caller stacks the flags
-    of all patches on one device and reads them with a single transfer.
+    of all patches on one device and reads them with a single transfer. ``nan_free``: the
+    caller found no NaN in the values of the CPU patches that :func:`_nan_free_at_once`
+    reads, this one's among them if it is one of those.
     """
     values, indices = patch.values, patch.indices
     device = values.device
     n = numel(patch)
     # Asynchronous only towards an accelerator: a device-to-host copy must be waited for.
-    idx = indices.to(device=device, dtype=torch.int64, non_blocking=device.type != "cpu")
-    if values.is_floating_point() or values.is_complex() or values.dtype != patch.dtype:
+    # (Not asked for where it changes nothing: a torch call, on every small patch.)
+    idx = (indices if indices.dtype == torch.int64 and indices.device == device else
+           indices.to(device=device, dtype=torch.int64, non_blocking=device.type != "cpu"))
+    if nan_free and _read_at_once(patch):
+        # (read with the other patches' values; a patch read so has few indices, on the
+        # CPU: it takes the path of a list of ints below, which reads this as a bool)
+        has_nan = False
+    elif values.is_floating_point() or values.is_complex() or values.dtype != patch.dtype:
         # Check the values as they will be staged: a finite value (an integer too) can
         # become NaN in the cast (float8 "fnuz" types overflow to NaN) and would then
         # silently mean "keep". (A sparse patch's dtype is floating point.)
@@ -603,6 +612,40 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool) -> torch.Tensor:
 
 # Up to this many indices, the CPU checks them as a list of ints (see _sparse_flags).
 _READ_AS_INTS = 128
+# The value dtypes whose NaN check the CPU makes for many small patches at once (torch's
+# cat and isnan take them in every torch patchkit supports), and how many patches' values
+# one such check joins: at most 16384 values, below the size at which torch splits an op
+# over threads (whose OpenMP workers then spin, taking a core from the load meanwhile).
+_AT_ONCE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+_AT_ONCE_PATCHES = 16384 // _READ_AS_INTS
+
+
+def _read_at_once(patch: CheckpointWeightPatch) -> bool:
+    """Whether :func:`_nan_free_at_once` reads this (CPU) patch's values: a plain tensor
+    of at most ``_READ_AS_INTS`` values held in the patch's own dtype, one of
+    ``_AT_ONCE_DTYPES`` (where a cast, and its NaN, would come first, each is checked
+    on its own)."""
+    v = patch.values
+    return (v.dtype == patch.dtype and v.dtype in _AT_ONCE_DTYPES
+            and type(v) in _PLAIN_TENSORS and v.numel() <= _READ_AS_INTS)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _nan_free_at_once(patches: Sequence[CheckpointWeightPatch]) -> bool:
+    """Whether no NaN is among the values of the (CPU) ``patches`` that
+    :func:`_read_at_once` takes, read with one ``isnan`` per dtype and
+    ``_AT_ONCE_PATCHES`` patches: a check per patch costs a few microseconds of torch
+    overhead, most of a small patch's checks. ``False`` where one holds a NaN: each patch
+    is then checked on its own, which finds it."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in patches:
+        if _read_at_once(p):
+            by_dtype.setdefault(p.values.dtype, []).append(p.values)
+    return not any(
+        bool(torch.isnan(torch.cat(vs[k:k + _AT_ONCE_PATCHES])).any())
+        for vs in by_dtype.values() for k in range(0, len(vs), _AT_ONCE_PATCHES))
 
 
 @functools.cache
@@ -751,8 +794,11 @@ def validate_patches(
         if not (p.values.is_meta or p.indices.is_meta):
             by_device.setdefault(p.values.device, []).append(i)
     first_bad: tuple[int, str] | None = None
-    for members in by_device.values():
-        flags = torch.stack([_sparse_flags(patches[i], validate_unique_indices) for i in members])
+    for device, members in by_device.items():
+        # (on the CPU, small patches' values are read for NaN together first)
+        nan_free = not host_waits(device) and _nan_free_at_once([patches[i] for i in members])
+        flags = torch.stack([_sparse_flags(patches[i], validate_unique_indices, nan_free)
+                             for i in members])
         flags = flags.cpu()  # the one host wait for this device
         if not bool(flags.any()):
             continue

@@ -44,8 +44,12 @@ def _stage(patch: CheckpointWeightPatch) -> torch.Tensor:
     except (RuntimeError, NotImplementedError):  # (float8 on the CPU before torch 2.6)
         bits(staged).fill_(int(bits(torch.tensor([float("nan")]).to(dtype))[0]))
     if indices.numel():
-        idx = indices.to(device=values.device, dtype=torch.int64)
+        # (a conversion that changes nothing is not asked for: each is a torch call, and
+        # a small patch's staging is little else)
+        idx = (indices if indices.dtype == torch.int64 and indices.device == values.device
+               else indices.to(device=values.device, dtype=torch.int64))
         # Scatter the bits, not the numbers: the same for every float dtype, and it works
         # for dtypes whose index_copy_ kernel is missing on some devices (float8 on CPU).
-        bits(staged).view(-1).index_copy_(0, idx, bits(values.to(dtype)))
+        bits(staged).view(-1).index_copy_(
+            0, idx, bits(values if values.dtype == dtype else values.to(dtype)))
     return staged

@@ -2535,6 +2535,46 @@ def test_a_long_index_list_is_checked_as_a_short_one_is(case, count):
     assert (info.value.reason, info.value.value) == expected
 
 
+# On the CPU the values of small patches held in their own dtype are read for NaN together
+# (a group per dtype and 128 patches); a NaN found there has each patch checked on its
+# own, so the first offending patch is named as before, whatever its group.
+
+
+@pytest.mark.parametrize("bad_at", [3, 1500, 2099])
+def test_a_nan_among_many_small_patches_names_its_patch(bad_at):
+    from patchkit.patch import validate_patches
+
+    patches = []
+    for i in range(2100):
+        dtype = torch.bfloat16 if i % 3 else torch.float32  # two groups, several parts each
+        values = torch.full((3,), 0.5, dtype=dtype)
+        if i in (bad_at, 2099):
+            values[1] = float("nan")
+        patches.append(CWP(f"w{i}", (8,), dtype, values, torch.tensor([0, 4, 7])))
+    with pytest.raises(PatchValueError) as info:
+        validate_patches(patches)
+    assert (info.value.position, info.value.name) == (bad_at, f"w{bad_at}")
+    assert (info.value.reason, info.value.value) == ("NaN", 4)
+
+
+def test_an_earlier_patch_out_of_range_is_named_before_a_later_nan_read_in_a_group():
+    from patchkit.patch import validate_patches
+
+    patches = [CWP(f"w{i}", (8,), torch.float32, torch.ones(2), torch.tensor([1, 2]))
+               for i in range(50)]
+    patches[40] = patches[40]._replace(values=torch.tensor([1.0, float("nan")]))
+    patches[7] = patches[7]._replace(indices=torch.tensor([1, 8]))  # (its values no NaN)
+    patches[9] = patches[9]._replace(  # a cast makes this one's NaN: checked on its own
+        dtype=torch.float8_e4m3fnuz, values=torch.tensor([1.0, 1e6]))
+    with pytest.raises(PatchValueError) as info:
+        validate_patches(patches)
+    assert (info.value.position, info.value.reason, info.value.value) == (7, "out-of-range", 8)
+    patches[7] = patches[6]
+    with pytest.raises(PatchValueError) as info:
+        validate_patches(patches)
+    assert (info.value.position, info.value.reason, info.value.value) == (9, "NaN", 2)
+
+
 # -- staging where torch cannot fill a float8 tensor (staging.py) ------------------------
 
 
