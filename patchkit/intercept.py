@@ -1615,6 +1615,10 @@ def _lazy_kind(t: torch.Tensor) -> str:
             else "conjugated" if t.is_conj() else "negated")
 
 
+# (position, name) of the one patch an op's arguments come from, or None
+_Who = tuple[int | None, str] | None
+
+
 def _is_own(mode: object, session: WriteSession) -> bool:
     """Whether ``mode`` is one of ``session``'s interception modes."""
     return isinstance(mode, _Mode | _DenseMode) and mode.s is session
@@ -1737,6 +1741,20 @@ class _Provenance:
             if e.hi > lo and (e.ref is None or not e.ref.expired()):
                 out.append(e)
         return out
+
+    def read_as(self, t: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether ``t``'s storage holds no stretch, or one only, whose bytes are of
+        ``dtype`` (a complex dtype's counting as its real one's) or of no known dtype:
+        then no part of ``t`` reads a patch's bytes as another dtype, without a search of
+        :meth:`stretches` (a staged tensor's storage holds one stretch). ``False`` says
+        nothing: a search answers."""
+        got = self._by_key.get(_storage_key(t))
+        if not got:
+            return True
+        if len(got) > 1:
+            return False
+        held = got[0].dtype
+        return held is None or held.to_real() == dtype
 
     def derive(self, src: torch.Tensor, out: torch.Tensor, *, whole: bool) -> bool:
         """``out`` is an element-for-element copy of ``src`` (a cast, a clone, a scratch
@@ -1976,8 +1994,11 @@ class _Mode(TorchDispatchMode):
                 if func is _COPY:
                     s.provenance.derive(args[1], args[0], whole=False)
             return out
-        # the one patch this op's arguments come from (an error of a sparse call names it)
-        who = s.provenance.source_of(args, kwargs) if s._sparse else None
+        # the one patch this op's arguments come from (an error of a sparse call names it),
+        # looked up only where one asks: a copy whose source is traced names that source's
+        # patch, so most writes never need it (nothing the write's checks do before they
+        # ask changes what it finds for these arguments)
+        who = functools.partial(s.provenance.source_of, args, kwargs) if s._sparse else None
         return s._runtime_write(func, args, kwargs, targets, who)
 
 
@@ -2991,7 +3012,8 @@ class WriteSession:
     def _runtime_write(self, func, args, kwargs, targets, source=None):
         """A write op into runtime tensors (``targets``: each written view with its
         owner's ``(name, owner, offset)``); ``source``: the one patch the op's arguments
-        come from, where known (an error of a sparse call names it). Signals wait until
+        come from, where known, or a function that finds it (see :meth:`_fed_by`; an
+        error of a sparse call names it). Signals wait until
         the write is saved and recorded (see :class:`_SignalDeferral`)."""
         return self._guarded(self._unguarded_write, func, args, kwargs, targets, source)
 
@@ -3034,7 +3056,10 @@ class WriteSession:
             write, kept_nan = self._observed_mask(args, targets)
         if self._sparse:
             dest, src = args[0], args[1]
-            cast = src.to(device=dest.device, dtype=dest.dtype)
+            # (a cast that changes nothing, most loaders' copies, is no torch call)
+            cast = (src if type(src) in _PLAIN and src.dtype == dest.dtype
+                    and src.device == dest.device
+                    else src.to(device=dest.device, dtype=dest.dtype))
             if (alone and _storage_key(cast) != _storage_key(dest)
                     and dest.element_size() == targets[0][1][1].element_size()):
                 # On the CPU: merge (and save what it writes) in one compiled pass.
@@ -3132,8 +3157,8 @@ class WriteSession:
             if not is_copy and self.provenance:
                 # index_copy_, index_put_ (``param[idx] = w``), an out= op: the one patch
                 # its other arguments come from, if one (where in it, no view says)
-                who = source if source is not None else self.provenance.source_of(
-                    args, kwargs)
+                who = (source() if callable(source) else source if source is not None
+                       else self.provenance.source_of(args, kwargs))
             for k, (t, (tname, _, off)) in enumerate(targets):
                 self._record(op, t, tname, off, src, changed[k], written=written, who=who)
         return out
@@ -3534,7 +3559,7 @@ class WriteSession:
         float64 are a number, a float16 NaN read as bfloat16 is one too, so the merge
         would write the staged NaN bits into the model (and keep runtime values where the
         patch has a value). A complex dtype's bytes count as its real dtype's."""
-        if not self.provenance:
+        if not self.provenance or self.provenance.read_as(src, src.dtype):
             return
         for e in self.provenance.stretches(src):
             # (a complex tensor's bytes are its real dtype's: ``torch.complex(0, w).imag``
@@ -3666,15 +3691,17 @@ class WriteSession:
             position=pos, name=name, reason="NaN in the runtime dtype", value=index,
         )
 
-    def _fed_by(self, src: object, source: tuple[int | None, str] | None
+    def _fed_by(self, src: object, source: _Who | Callable[[], _Who] | None
                 ) -> tuple[int | None, str | None]:
         """``(position, name)`` of the patch an op served, for its error: the one its
         source (``src``, a copy's) was traced to, else ``source`` (traced from the op's
-        other arguments), else the call's only patch; ``(None, None)`` where none is
-        known (see :meth:`_check_sparse_write`)."""
+        other arguments; a function that traces them, called only here), else the call's
+        only patch; ``(None, None)`` where none is known (see :meth:`_check_sparse_write`)."""
         hit = self.provenance.lookup(src) if isinstance(src, torch.Tensor) else None
         if hit is not None:
             return hit[0], hit[1]
+        if callable(source):
+            source = source()
         if source is not None:
             return source
         if len(self._call_patches) == 1:

@@ -943,13 +943,22 @@ def merge(
         if sum(sizes) != known_count:
             idx = _empty(sum(sizes), torch.int64)
         bef = _empty(sum(sizes), _BITS_OF_SIZE[dest.element_size()])
-    counts = _array(ctypes.c_int64, 5 * nparts)(*[v for b in bases for v in (b, 0, 0, 0, 0)])
+    # (each part's five numbers, its first the part's start in the saved buffers: one
+    # part, most views, starts at 0, and a fresh ctypes array holds zeros)
+    counts = (_array(ctypes.c_int64, 5)() if nparts == 1 else
+              _array(ctypes.c_int64, 5 * nparts)(*[v for b in bases for v in (b, 0, 0, 0, 0)]))
     accs = _array(_Acc, nparts)() if stats else None
     f.merge_parts(
         dptr, sptr, length, drs, srs, doff, nparts, c_bounds,
         idx.data_ptr() if idx is not None else None,
         bef.data_ptr() if bef is not None else None, counts, accs, threads,
     )
+    if nparts == 1 and not stats:  # (a view too small for threads: its numbers, read once)
+        return MergeResult(
+            written=counts[1], changed=counts[2], index=idx,
+            before=None if bef is None else bef.view(dest.dtype),
+            position_sums=(counts[3] & _U64, counts[4] & _U64),
+        )
     done = [(counts[5 * k + 1], counts[5 * k + 2], accs[k] if stats else None)
             for k in range(nparts)]
     return MergeResult(
