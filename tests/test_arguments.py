@@ -542,6 +542,17 @@ def test_a_shape_of_exactly_2_63_bytes_is_refused_and_one_element_less_is_taken(
     assert plan_chunks([below])[0].bytes == 2**63 - size
 
 
+def test_a_torch_size_shape_too_large_is_refused_with_its_dims_as_a_tuple():
+    # a torch.Size (as ``t.shape`` gives) is read dim by dim as any other shape: the
+    # error's value is the dims as a plain tuple, as for a tuple shape
+    p = CWP("w", torch.Size([2**40, 2**40]), torch.float32, torch.zeros(0), None)
+    for check in (validate_patches, plan_chunks):
+        with pytest.raises(PatchValueError, match="more than a tensor can hold") as e:
+            check([p])
+        assert e.value.reason == "shape too large"
+        assert type(e.value.value) is tuple and e.value.value == (2**40, 2**40)
+
+
 def test_a_zero_dim_makes_any_shape_empty():
     p = CWP("w", (0,) + (10,) * 30, torch.float32, torch.ones(0))
     validate_patches([p])

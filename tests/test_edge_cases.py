@@ -2557,6 +2557,49 @@ def test_a_nan_among_many_small_patches_names_its_patch(bad_at):
     assert (info.value.reason, info.value.value) == ("NaN", 4)
 
 
+@pytest.mark.parametrize("bad_at", [0, 127, 128, 255, 256, 299])
+def test_a_lone_nan_in_the_first_or_last_patch_of_any_group_is_found(bad_at):
+    # (the one NaN of the load, at either end of a group of 128 patches, or in the last,
+    # shorter group: every patch of every group is read)
+    from patchkit.patch import validate_patches
+
+    patches = [CWP(f"w{i}", (8,), torch.bfloat16, torch.full((2,), 0.5, dtype=torch.bfloat16),
+                   torch.tensor([1, 6])) for i in range(300)]
+    patches[bad_at].values[1] = float("nan")
+    with pytest.raises(PatchValueError) as info:
+        validate_patches(patches)
+    assert (info.value.position, info.value.reason, info.value.value) == (bad_at, "NaN", 6)
+
+
+def test_a_lone_nan_among_small_patches_of_three_dtypes_is_found_in_each():
+    # (one check per dtype: the clean groups of the other dtypes hide nothing)
+    from patchkit.patch import validate_patches
+
+    patches = [CWP(f"w{i}", (8,), dtype, torch.full((2,), 0.5, dtype=dtype), torch.tensor([1, 6]))
+               for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16] * 5)]
+    for bad_at in range(3):
+        sent = list(patches)
+        sent[bad_at] = sent[bad_at]._replace(
+            values=torch.tensor([0.5, float("nan")], dtype=sent[bad_at].dtype))
+        with pytest.raises(PatchValueError) as info:
+            validate_patches(sent)
+        assert (info.value.position, info.value.reason) == (bad_at, "NaN")
+
+
+def test_int32_indices_into_a_weight_of_2_31_elements_or_more_are_read_as_int64():
+    # Compared as int32 with a numel of 2**31 or more (which int32 wraps), every index
+    # of a long list would read as out of range. Nothing here allocates the weight.
+    from patchkit.patch import validate_patches
+
+    idx = torch.arange(200, dtype=torch.int32) * 1000
+    ok = CWP("w", ((1 << 31) + 8,), torch.bfloat16, torch.ones(200, dtype=torch.bfloat16), idx)
+    assert validate_patches([ok]) == "sparse"
+    assert validate_patches([ok._replace(indices=idx.flip(0))]) == "sparse"
+    with pytest.raises(PatchValueError) as info:
+        validate_patches([ok._replace(indices=torch.cat([idx[:199], idx[5:6]]))])
+    assert (info.value.reason, info.value.value) == ("duplicate", 5000)
+
+
 def test_an_earlier_patch_out_of_range_is_named_before_a_later_nan_read_in_a_group():
     from patchkit.patch import validate_patches
 

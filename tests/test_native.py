@@ -1975,6 +1975,53 @@ def test_a_patchs_position_sums_wrap_modulo_2_64():
 
 
 @needs_compiler
+@pytest.mark.parametrize("save", [False, True])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_a_merge_in_one_two_or_three_parts_counts_what_every_part_wrote(parts, save):
+    # (two parts: any view of 2**18 to 3 * 2**20 elements on two threads)
+    n = 270
+    g = torch.Generator().manual_seed(parts)
+    dest = torch.randn(n, generator=g)
+    src = torch.full((n,), float("nan"))
+    at = torch.randperm(n, generator=g)[:100].sort().values
+    src[at] = torch.randn(100, generator=g)
+    src[at[:7]] = dest[at[:7]]  # written, not changed
+    want = torch.where(torch.isnan(src), dest, src)
+    before = dest.clone()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_PARALLEL_MIN", 256)
+        mp.setattr(native, "_PART", 96)
+        mp.setattr(native, "_threads", lambda: parts)
+        assert len(native._parts(n)) - 1 == parts
+        got = native.merge(dest, src, save=save)
+    assert got is not None and torch.equal(bits(dest), bits(want))
+    assert (got.written, got.changed) == (100, 93)
+    assert got.position_sums == (int(at.sum()), int((at * at).sum()))
+    if save:
+        assert torch.equal(bits(got.before), bits(before[at]))
+
+
+@needs_compiler
+def test_a_one_part_merges_position_sums_wrap_modulo_2_64():
+    """On one thread a view of any size is one part: the squares of the last 16384 of
+    2**25 written positions add up past 2**63, and come back modulo 2**64, never
+    negative, as a merge of several parts gives them."""
+    n, k = 1 << 25, 1 << 14
+    dest = torch.zeros(n, dtype=torch.bfloat16)
+    src = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+    src[n - k:] = 1.0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "_threads", lambda: 1)
+        got = native.merge(dest, src, save=False)
+    assert got is not None and got.written == got.changed == k
+    at = range(n - k, n)
+    squares = sum(a * a for a in at)
+    assert squares >= 2**63
+    assert got.position_sums == (sum(at) % 2**64, squares % 2**64)
+    assert bool((dest[n - k:] == 1).all()) and not bool(dest[:n - k].any())
+
+
+@needs_compiler
 def test_merge_leaves_a_source_of_another_shape_to_torch():
     """As :func:`compare_copy`: a source of another shape (as many elements, or fewer) is
     not walked by the destination's shape; ``None``, nothing written."""

@@ -389,6 +389,35 @@ def test_patch_bytes_read_as_another_dtype_stay_refused_after_an_op_moves_them(
     assert torch.equal(bits(m.w.detach()), before)
 
 
+@pytest.mark.parametrize("half", [0, 1])
+def test_patch_bytes_read_as_another_dtype_from_a_buffer_of_two_patches_are_refused(half):
+    # Two float32 patches copied into one scratch buffer: its storage holds two
+    # stretches (no quick answer from one). Either half read as float16 reads float32
+    # NaN ("keep") as two float16 numbers, and is refused, naming the patch it holds.
+    class Scratch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = nn.Parameter(torch.arange(16.0).to(torch.float16), requires_grad=False)
+
+        def load_weights(self, weights):
+            w = dict(weights)
+            buf = torch.empty(16)
+            buf[:8].copy_(w["a"])
+            buf[8:].copy_(w["b"])
+            self.h.data.copy_(buf[8 * half:8 * half + 8].view(torch.float16))
+            return {"h"}
+
+    m = Scratch()
+    before = bits(m.h.detach()).clone()
+    ps = [CWP(n, (8,), torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([0, 5]))
+          for n in ("a", "b")]
+    with pytest.raises(ContractViolation, match="another dtype") as e:
+        patchkit.load_checkpoint_weight_patches(m, ps)
+    assert (e.value.position, e.value.name, e.value.reason, e.value.value) == (
+        half, "ab"[half], "reinterpreted source", (torch.float32, torch.float16))
+    assert torch.equal(bits(m.h.detach()), before)
+
+
 @pytest.mark.skipif(not native.status().startswith("compiled"),
                     reason="the positions are recomputed on the compiled path only")
 def test_a_rollback_puts_back_what_a_merge_wrote_after_the_loader_moved_the_staged_entries():
