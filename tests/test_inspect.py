@@ -997,6 +997,29 @@ class _TiedByName(torch.nn.Module):
         return {n for n, _ in weights}
 
 
+class _TiedSkips(_TiedByName):
+    """:class:`_TiedByName` whose loader takes every weight and writes none (as one that
+    leaves a weight another rank holds)."""
+
+    def load_weights(self, weights):
+        list(weights)
+        return set()
+
+
+def test_a_renamed_tied_alias_keeps_its_rename_note_when_no_write_came_from_it():
+    # The note column holds one note. That the patch went under another name is the one
+    # only this note says (the name column shows the name it went under); that no write
+    # came from it the writes table shows too.
+    from patchkit.inspect import NO_WRITE_NOTE
+
+    ps = [dense("head", torch.ones(6, 4)), dense("other", torch.ones(4))]
+    with pytest.warns(UserWarning, match="was sent as 'emb'"):
+        r = inspect_load(_TiedSkips(), ps)
+    assert r.chunks["name"].tolist() == ["emb", "other"]
+    assert r.chunks["note"].tolist() == ["renamed from 'head' (tied alias)", NO_WRITE_NOTE]
+    assert len(r.writes) == 0
+
+
 def _one_load_per_patch(model, patches, **kwargs):
     """A foreign loader that runs patchkit's own load once per patch: each call renames a
     tied alias to its first name (CONTRACT §6), and none drops one."""
