@@ -490,9 +490,9 @@ def _warn_if_quiet_calls(session: WriteSession, exc: BaseException, tree_changed
             f"the rollback put back every write it saw, but {call} {said} without a write "
             f"it saw{others}: a loader that writes on another thread, through a storage "
             "(untyped_storage().copy_) or numpy, with torch function handling off or inside "
-            f"TorchScript is not watched, and what it wrote there stays in the model{unless}. "
-            "(A call that wrote nothing, as a loader that skips weights another rank holds "
-            "yet returns their names, left nothing to put back)",
+            f"TorchScript is not watched, and what it wrote there stays in the model{unless}; "
+            "a call that wrote nothing (a loader that skips weights another rank holds yet "
+            "returns their names) left nothing to put back",
             UserWarning,
             stacklevel=_outside_patchkit(),
         )
