@@ -173,6 +173,21 @@ def main(argv=None) -> int:
     return 0
 
 
+def _staged_by_torch_ops(ps: list[CheckpointWeightPatch], device: torch.device
+                         ) -> list[tuple[str, torch.Tensor]]:
+    """The floors' staging (CONTRACT §3) with torch ops: a dense patch's values viewed as
+    its shape; a sparse one's scattered into a NaN-filled tensor of its shape."""
+    staged = []
+    for p in ps:
+        if p.indices is None:
+            staged.append((p.name, p.values.view(p.shape)))
+            continue
+        t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=device)
+        t.view(-1).index_copy_(0, p.indices, p.values)
+        staged.append((p.name, t))
+    return staged
+
+
 def _fixed_costs_table(device: torch.device, repeats: int, quick: bool) -> str:
     """What a load costs beyond its bytes, on models of many small (16 x 16 fp32) tensors:
     a load of one patch (an RL loop that sends one tensor per call pays this per tensor)
@@ -206,14 +221,7 @@ def _fixed_costs_table(device: torch.device, repeats: int, quick: bool) -> str:
                     patchkit.load_checkpoint_weight_patches(model, ps)
 
                 def bare(ps=ps, params=params):
-                    staged = []
-                    for p in ps:
-                        if p.indices is None:
-                            staged.append((p.name, p.values.view(p.shape)))
-                            continue
-                        t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=device)
-                        t.view(-1).index_copy_(0, p.indices, p.values)
-                        staged.append((p.name, t))
+                    staged = _staged_by_torch_ops(ps, device)
                     with torch.no_grad():
                         for name, t in staged:
                             w = params[name].data
@@ -270,14 +278,7 @@ def _moe_table(device: torch.device, repeats: int, quick: bool) -> str:
                 patchkit.load_checkpoint_weight_patches(model, ps)
 
             def bare(ps=patches, model=model):
-                staged = []
-                for p in ps:
-                    if p.indices is None:
-                        staged.append((p.name, p.values.view(p.shape)))
-                        continue
-                    t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=device)
-                    t.view(-1).index_copy_(0, p.indices, p.values)
-                    staged.append((p.name, t))
+                staged = _staged_by_torch_ops(ps, device)
                 with torch.no_grad():
                     model.load_weights(staged)
 
