@@ -2101,6 +2101,7 @@ def test_safetensors_own_reader_and_writer_agree_on_every_dtype(tmp_path):
             t = f.get_tensor(f"{i:06d}.values")
             assert t.dtype == p.values.dtype, p.values.dtype
             assert torch.equal(bits(t), bits(p.values)), p.values.dtype
+
     # and the other way: tensors safetensors writes read back as the dtypes it wrote, each
     # dtype its torch writer knows (from 0.8 every storable one; older ones read dtypes
     # their writer leaves out: 0.4.1 writes no float8 nor uint16/32/64, a KeyError)
