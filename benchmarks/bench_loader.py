@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import bench_args, fmt_table, median_seconds, peak_extra_bytes, vllm_loader
 
 import patchkit
-from patchkit import CheckpointWeightPatch
+from patchkit import CheckpointWeightPatch, dense_patches, random_sparse_patch
 from patchkit.patch import validate_patches
 
 
@@ -262,17 +262,12 @@ def _moe_table(device: torch.device, repeats: int, quick: bool) -> str:
         ckpt = tiny_llama_checkpoint(config, seed=0, dtype=torch.bfloat16)
         model = TinyLlamaRuntime(config, tp_rank=0, tp_size=2, device=device)
         for kind in ("dense", "sparse 2%"):
-            patches = []
-            for name, t in ckpt.items():
-                if kind == "dense":
-                    patches.append(CheckpointWeightPatch(
-                        name, tuple(t.shape), t.dtype, t.reshape(-1).to(device)))
-                    continue
-                k = max(1, t.numel() // 50)
-                idx = torch.randperm(t.numel(), generator=g)[:k].sort().values
-                values = torch.randn(k, generator=g).to(t.dtype)
-                patches.append(CheckpointWeightPatch(
-                    name, tuple(t.shape), t.dtype, values.to(device), idx.to(device)))
+            patches = (
+                dense_patches({name: t.to(device) for name, t in ckpt.items()})
+                if kind == "dense" else
+                [random_sparse_patch(name, t.shape, t.dtype, 0.02, generator=g, device=device)
+                 for name, t in ckpt.items()]
+            )
 
             def ours(ps=patches, model=model):
                 patchkit.load_checkpoint_weight_patches(model, ps)
