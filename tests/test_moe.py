@@ -51,6 +51,18 @@ def ranks_of(config: TinyLlamaConfig, tp: int) -> list[TinyLlamaRuntime]:
     return [TinyLlamaRuntime(config, r, tp) for r in range(tp)]
 
 
+def gathered_after_loading(rts: list[TinyLlamaRuntime], ckpt) -> dict[str, torch.Tensor]:
+    """``gather_checkpoint(rts)`` after a dense load of ``ckpt`` into every rank, checked
+    to be ``ckpt`` bit for bit, name for name, in its order."""
+    for rt in rts:
+        load_checkpoint_weight_patches(rt, dense_patches(ckpt))
+    got = gather_checkpoint(rts)
+    assert list(got) == list(ckpt)
+    for n, t in ckpt.items():
+        assert same_bits(got[n], t), n
+    return got
+
+
 def expected_experts(ckpt, layer: int, r: int, tp: int,
                      experts: int = E) -> tuple[torch.Tensor, torch.Tensor]:
     """(w13_weight, w2_weight) of rank ``r`` of ``tp`` for ``layer``, cut from ``ckpt``."""
@@ -180,12 +192,7 @@ def test_gather_puts_the_experts_back_together_bit_exactly(tp):
     c = TinyLlamaConfig(**MOE)
     ckpt = tiny_llama_checkpoint(c, seed=5)
     rts = ranks_of(c, tp)
-    for rt in rts:
-        load_checkpoint_weight_patches(rt, dense_patches(ckpt))
-    got = gather_checkpoint(rts)
-    assert list(got) == list(ckpt)
-    for n, t in ckpt.items():
-        assert same_bits(got[n], t), n
+    got = gathered_after_loading(rts, ckpt)
     # fresh tensors: a write into the result leaves the runtimes as they were
     got[EXPERT.format(i=0, e=1, w="down")].fill_(0)
     assert same_bits(gather_checkpoint(rts)[EXPERT.format(i=0, e=1, w="down")],
@@ -447,12 +454,7 @@ def test_gather_reads_each_expert_whole_from_the_rank_that_holds_it(tp):
     c = TinyLlamaConfig(**{**MOE, "num_experts": 8, "num_kv_heads": 4})
     ckpt = tiny_llama_checkpoint(c, seed=6)
     rts = ep_ranks(c, tp)
-    for rt in rts:
-        load_checkpoint_weight_patches(rt, dense_patches(ckpt))
-    got = gather_checkpoint(rts)
-    assert list(got) == list(ckpt)
-    for n, t in ckpt.items():
-        assert same_bits(got[n], t), n
+    got = gathered_after_loading(rts, ckpt)
     # fresh tensors: a write into the result leaves the runtimes as they were
     for n in got:
         got[n].zero_()
