@@ -2704,3 +2704,98 @@ def test_a_placement_row_of_full_height_draws_eight_checkpoint_tensors():
     assert len(ck.get_yticks()) == 8 and ck.get_title().endswith("(8 of 13 shown)")
     legend = [t.get_text() for t in rt.get_legend().get_texts()]
     assert len(legend) == 13 and legend[-1] == "… 1 more write"
+
+
+# -- branches the coverage audit found unpinned ---------------------------------------------
+
+
+def test_region_rects_of_a_flat_range_within_one_row_from_a_row_start_or_empty():
+    assert region_rects("5 elements from 2", (4, 8)) == ([(0, 1, 2, 7)], False)
+    assert region_rects("16 elements from 8", (4, 8)) == ([(1, 3, 0, 8)], False)
+    assert region_rects("12 elements from 8", (4, 8)) == ([(1, 2, 0, 8), (2, 3, 0, 4)], False)
+    assert region_rects("10 elements from 0", (4, 8)) == ([(0, 1, 0, 8), (1, 2, 0, 2)], False)
+    assert region_rects("0 elements from 3", (4, 8)) == ([], False)
+    assert region_rects("not a region", (4, 4)) == ([], False)
+
+
+@pytest.mark.parametrize(("args", "error", "match"), [
+    ((-1, (2,), (1,), 4), ValueError,
+     r"offset and shape must not be negative, got offset -1, shape \(2,\)"),
+    ((0, (-2,), (1,), 4), ValueError,
+     r"offset and shape must not be negative, got offset 0, shape \(-2,\)"),
+    ((0, (2, 2), (1, -1), 4), ValueError, r"negative stride in \(1, -1\)"),
+    ((0, iter((2,)), (1,), 4), TypeError, "shape must be a sequence of ints, got tuple_iterator"),
+    ((0, (2,), iter((1,)), 4), TypeError, "stride must be a sequence of ints, got tuple_iterator"),
+])
+def test_view_rects_refuses_a_view_no_tensor_has_by_name(args, error, match):
+    with pytest.raises(error, match=f"view_rects: {match}"):
+        view_rects(*args)
+
+
+def test_a_view_of_more_runs_than_are_listed_is_drawn_as_its_span_without_listing_them():
+    # every other element of a 4-column grid, 2**20 + 2 of them: a run each, more than
+    # plot lists, so the flat span from first to last, and no list of a million runs
+    n = (1 << 20) + 2
+    (rects, exact), allocated = bytes_allocated_by_lines(view_rects, 0, (n,), (2,), 4)
+    assert not exact
+    row, col = divmod(2 * (n - 1), 4)  # (the last element)
+    assert rects == [(0, row, 0, 4), (row, row + 1, 0, col + 1)]
+    assert allocated < 1 << 20  # (listing the runs takes 16 MiB or more)
+
+
+def test_placement_of_a_load_a_loader_partly_undid_says_which_writes_were_put_back():
+    from patchkit.toymodels import FailingModel
+
+    def undoes_a(model, patches, **kwargs):  # (a loader that puts a back when a call raises)
+        old = model.a.detach().clone()
+        try:
+            for p in patches:
+                model.load_weights([(p.name, p.values.reshape(p.shape))])
+        except RuntimeError:
+            model.a.data.copy_(old)
+            raise
+        return {p.name for p in patches}
+
+    model = FailingModel({"a": (4, 8), "b": (4, 8), "c": (2, 3)}, fail_on="c")
+    report = _failed(model, [_d("a", (4, 8)), _d("b", (4, 8), 1), _d("c", (2, 3))],
+                     loader=undoes_a)
+    assert not report.rolled_back
+    fig = report.plot_placement()
+    assert 'the writes of tensors marked "put back" were undone' in fig._suptitle.get_text()
+    titles = {ax.get_title().split()[1]: ax.get_title() for ax in fig.axes[1::2]}
+    assert "put back by the rollback" in titles["a"]
+    assert "put back" not in titles["b"]
+
+
+def test_placement_of_a_target_asked_for_that_was_not_written_says_so():
+    report, _ = load("q k v")
+    fig = plot_placement(report, ["qkv", "o"])
+    notes = [[t.get_text() for t in ax.texts] for ax in fig.axes[1::2]]
+    assert "not written" not in notes[0]
+    assert notes[1] == ["not written"]
+    assert not [p for p in fig.axes[3].patches if (p.get_gid() or "").startswith("write")]
+
+
+def test_placement_into_a_tensor_laid_out_column_major_draws_the_rows_written():
+    class Transposed(nn.Module):  # w: (4, 8) stored as the transpose of an (8, 4) tensor
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(8, 4).t(), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.data[1:3].copy_(t[1:3])  # rows 1 and 2 only
+            return {"w"}
+
+    report = inspect_load(Transposed(), [_d("w", (4, 8))])
+    assert report.writes["target_stride"].tolist() == [(1, 4)]
+    (rt,) = rects_by_gid(plot_placement(report), "write ")["write 0 runtime"]
+    assert extent(rt) == (0, 8, 1, 3)  # (x0, x1, y0, y1): every column of rows 1 and 2
+    assert rt.get_hatch() is None  # (exact)
+
+
+def test_to_png_refuses_a_dpi_that_is_no_number():
+    fig = Figure()
+    for dpi in (True, "100", None):
+        with pytest.raises(TypeError, match="to_png: dpi must be a positive number, got"):
+            to_png(fig, dpi=dpi)
