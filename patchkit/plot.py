@@ -459,12 +459,10 @@ def _known(report: LoadReport) -> dict[str, tuple[int, ...]]:
 
 def _resolve(report: LoadReport, target: str) -> str:
     """The runtime tensor ``target`` names: a tied alias (``lm_head.weight`` tied to the
-    embedding) resolves as :meth:`LoadReport.before` resolves it; other names as given."""
+    embedding) resolves as :meth:`LoadReport.before` resolves it; other names as given.
+    (Every caller has checked that ``target`` is a str.)"""
     aliases = getattr(report, "_aliases", None) or {}
-    try:
-        return aliases.get(target, target)
-    except TypeError:  # unhashable: not a name; the caller's lookup says so
-        return target
+    return aliases.get(target, target)
 
 
 def _shown_name(
