@@ -732,3 +732,11 @@ def test_false_or_none_shows_nothing(setup, monkeypatch, off):
     monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
     out, report = _loaded(model, after, monkeypatch, off, terminal=True)
     assert out == "" and report.error is None and len(report.calls) > 3
+
+
+
+def test_without_ipython_imported_there_is_no_kernel(monkeypatch):
+    # (a script: IPython never imported, and not imported to find out)
+    monkeypatch.delitem(sys.modules, "IPython", raising=False)
+    assert progress_mod._in_kernel() is False
+    assert "IPython" not in sys.modules

@@ -1158,3 +1158,39 @@ def test_the_broken_and_failing_models_name_a_count_or_name_of_the_wrong_type(ma
     # (a numpy count is an int)
     assert WritesThenFillsModel(SHAPES, pad_rows=np.int64(2)).embed.weight.shape == (8, 4)
     assert OverlappingDestinationsModel(SHAPES, overlap=np.int64(2)).overlap == 2
+
+
+# -- branches the coverage audit found unpinned ---------------------------------------------
+
+
+def test_a_fill_for_an_integer_like_dtype_with_no_limits_must_be_whole():
+    # torch.iinfo has no limits for bits8: only "whole number" is asked of the fill
+    with pytest.raises(ValueError, match=r"fill 2\.5 is not a value of torch\.bits8 "
+                                         r"\(not a whole number\)"):
+        PlainModel({"w": (2,)}, dtype=torch.bits8, fill=2.5)
+
+
+def test_from_state_dict_takes_a_dtype_over_the_first_tensors():
+    m = PlainModel.from_state_dict({"w": torch.arange(4, dtype=torch.int32)},
+                                   dtype=torch.float64)
+    assert m.w.dtype == torch.float64 and m.w.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_overlapping_destinations_refuses_a_weight_of_another_shape():
+    m = OverlappingDestinationsModel({"a": (4,), "b": (2,)})
+    with pytest.raises(ValueError, match=r"OverlappingDestinationsModel\.load_weights: 'a' "
+                                         r"has shape \(3,\), expected \(4,\)"):
+        m.load_weights([("a", torch.zeros(3))])
+
+
+def test_tiny_llama_runtime_refuses_a_config_that_is_no_tiny_llama_config():
+    with pytest.raises(TypeError, match="config must be a TinyLlamaConfig, got dict"):
+        TinyLlamaRuntime({"hidden_size": 8})
+
+
+def test_a_weight_loader_refuses_a_loaded_weight_that_is_no_tensor():
+    model = TinyLlamaRuntime(TinyLlamaConfig(), tp_rank=0, tp_size=2)
+    norm = model.get_parameter("model.norm.weight")
+    with pytest.raises(TypeError, match=r"weight_loader: loaded_weight must be a torch\.Tensor, "
+                                        "got list"):
+        norm.weight_loader(norm, [1.0, 2.0])

@@ -998,6 +998,19 @@ def test_choosing_an_entry_again_draws_no_figure_and_shows_what_it_showed(monkey
     assert len(drawn) == 7  # nothing drawn again
 
 
+def test_a_patch_of_no_elements_is_kept_and_not_drawn_again(monkeypatch):
+    drawn = _counting_figures(monkeypatch)
+    empty = CheckpointWeightPatch("e", (0, 4), torch.float32, torch.zeros(0))
+    full = CheckpointWeightPatch("w", (2, 4), torch.float32, torch.ones(8))
+    w = explore(inspect_load(PlainModel({"e": (0, 4), "w": (2, 4)}), [empty, full]))
+    assert w.dropdown.value == ("patch", 0) and len(drawn) == 2  # (plan, e's density map)
+    shown = w.output.outputs
+    w.dropdown.value = ("runtime", "w")
+    assert len(drawn) == 4
+    w.dropdown.value = ("patch", 0)
+    assert len(drawn) == 4 and w.output.outputs == shown  # nothing drawn again
+
+
 def test_a_kept_view_equals_the_view_of_a_new_explorer():
     report = inspect_load(Packed(), patches(), max_chunk_bytes=300)
     w = explore(report)
