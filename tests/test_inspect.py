@@ -3497,3 +3497,18 @@ def test_the_chunks_note_names_a_patch_its_call_took_and_wrote_nothing_from():
     assert NO_WRITE_NOTE in fig.axes[0].get_title()
     assert "no write" not in r.plot_density("a").axes[0].get_title()
     plt.close("all")
+
+
+def test_an_observed_call_given_weights_that_are_not_iterable_gets_the_models_own_error():
+    # (the model's load_weights says what is wrong, not patchkit's recorder)
+    class SaysSo(PlainModel):
+        def load_weights(self, weights):
+            if not isinstance(weights, list | tuple):
+                raise ValueError(f"SaysSo.load_weights: weights must be a list, got {weights!r}")
+            return super().load_weights(weights)
+
+    def hands_over_none(model, patches, **kwargs):
+        return model.load_weights(None)
+
+    with pytest.raises(ValueError, match=r"SaysSo\.load_weights: weights must be a list, got None"):
+        inspect_load(SaysSo({"w": (4,)}), [dense("w", torch.ones(4))], loader=hands_over_none)
