@@ -176,8 +176,14 @@ def _check_fill(fill: object, dtype: object) -> None:
     try:
         _full((2,), fill, dtype, None)  # (torch checks a fill of one element less)
     except (RuntimeError, OverflowError) as e:
+        reason = str(e).splitlines()[0]
+        try:
+            _full((2,), 0, dtype, None)
+        except (RuntimeError, OverflowError):  # (no fill at all: torch refuses the dtype)
+            raise ValueError(f"PlainModel: torch cannot make a tensor of dtype {dtype} "
+                             f"(fill {brief(fill)}: {reason})") from None
         raise ValueError(f"PlainModel: fill {brief(fill)} is not a value of {dtype} "
-                         f"({str(e).splitlines()[0]})") from None
+                         f"({reason})") from None
 
 
 def _check_mapping(value: object, what: str, of: str) -> None:

@@ -1170,6 +1170,17 @@ def test_a_fill_for_an_integer_like_dtype_with_no_limits_must_be_whole():
         PlainModel({"w": (2,)}, dtype=torch.bits8, fill=2.5)
 
 
+def test_a_dtype_torch_cannot_fill_is_named_as_such_not_the_fill():
+    # (it said "fill 0.0 is not a value of torch.bits8": 0 is one; torch.full has no
+    # kernel for bits8 at all)
+    with pytest.raises(ValueError, match=r"PlainModel: torch cannot make a tensor of dtype "
+                                         r"torch\.bits8 \(fill 0\.0: .*not implemented"):
+        PlainModel({"w": (2,)}, dtype=torch.bits8)
+    with pytest.raises(ValueError, match=r"PlainModel: fill 1000\.0 is not a value of "
+                                         r"torch\.int8"):  # (a fill the dtype cannot hold)
+        PlainModel({"w": (2,)}, dtype=torch.int8, fill=1000.0)
+
+
 def test_from_state_dict_takes_a_dtype_over_the_first_tensors():
     m = PlainModel.from_state_dict({"w": torch.arange(4, dtype=torch.int32)},
                                    dtype=torch.float64)
