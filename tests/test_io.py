@@ -359,6 +359,21 @@ def test_missing_safetensors_is_a_clear_error(tmp_path, monkeypatch, capsys):
     assert out == "" and err == f"error: {need}\n"
 
 
+def test_without_safetensors_the_storable_dtypes_are_those_torch_and_the_format_share(
+        monkeypatch):
+    import patchkit.io as pio
+
+    with_it = storable_dtypes()
+    pio._readable_codes.cache_clear()
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    try:
+        without = storable_dtypes()
+    finally:
+        pio._readable_codes.cache_clear()  # (read again with the package, by the next use)
+    assert without == frozenset(pio._CODE_TO_DTYPE.values())
+    assert with_it <= without and torch.float8_e5m2 in without
+
+
 def test_load_checks_the_device_before_reading_the_file(tmp_path, monkeypatch):
     good = sample_files(str(tmp_path))["path"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -1504,6 +1519,53 @@ def test_an_unwritable_folder_is_said_before_any_tensor_is_copied(tmp_path, monk
     assert os.listdir(tmp_path) == []
 
 
+def _refusing_the_temporary(monkeypatch, error):
+    """``os.open`` raising ``error`` (an exception or a callable making one) for a save's
+    temporary files only."""
+    real = os.open
+
+    def fake(path, *a, **k):
+        if ".patchkit-" in os.fsdecode(path):
+            raise error() if callable(error) else error
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", fake)
+
+
+def test_a_folder_that_refuses_the_temporary_file_is_named(tmp_path, monkeypatch):
+    _refusing_the_temporary(monkeypatch, PermissionError(errno.EACCES, "Permission denied"))
+    dest = tmp_path / "p.safetensors"
+    with pytest.raises(PermissionError) as e:
+        save_patches(dest, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    assert e.value.errno == errno.EACCES and e.value.filename == str(dest)
+    assert f"cannot create a temporary file in {str(tmp_path)!r}" in str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_folder_with_no_free_temporary_name_is_said(tmp_path, monkeypatch):
+    _refusing_the_temporary(monkeypatch, lambda: FileExistsError(errno.EEXIST, "File exists"))
+    dest = tmp_path / "p.safetensors"
+    with pytest.raises(FileExistsError, match="no free temporary name in") as e:
+        save_patches(dest, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    assert e.value.filename == str(dest)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_temporary_file_that_cannot_be_set_up_is_removed(tmp_path, monkeypatch):
+    import patchkit.io as pio
+
+    def refuse(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(pio.os, "fstat", refuse)
+    dest = tmp_path / "p.safetensors"
+    with pytest.raises(OSError, match="cannot set up a temporary file in") as e:
+        save_patches(dest, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    assert e.value.errno == errno.EIO and e.value.filename == str(dest)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+
+
 def test_input_errors_still_come_before_the_folder_is_touched(tmp_path, monkeypatch):
     import patchkit.io as pio
 
@@ -1964,6 +2026,22 @@ def test_metadata_errors_stay_short_and_name_the_offending_value(tmp_path):
         save_patches(path, patch, metadata={7: "step"})
     assert info.value.value == 7
     assert not path.exists()
+
+
+@pytest.mark.parametrize("reader", [read_patch_index, load_patches])
+def test_a_tensor_of_a_dtype_code_this_torch_lacks_is_named(tmp_path, monkeypatch, reader):
+    # (a code safetensors reads whose torch dtype this torch does not have: an older torch
+    # reading float8_e8m0fnu values, played here by float32's code taken off the map)
+    import patchkit.io as pio
+
+    path = tmp_path / "p.safetensors"
+    save_patches(path, [CheckpointWeightPatch("w", (2,), torch.float32, torch.ones(2))])
+    monkeypatch.delitem(pio._CODE_TO_DTYPE, "F32")
+    with pytest.raises(PatchValueError, match=re.escape(
+            "patch 0 ('w'): tensor '000000.values' has unknown dtype 'F32'")) as e:
+        reader(path)
+    assert (e.value.reason, e.value.position, e.value.name, e.value.value) == (
+        "dtype", 0, "w", "F32")
 
 
 def test_a_long_header_value_is_cut_in_the_error(tmp_path):
