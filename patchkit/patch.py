@@ -569,14 +569,13 @@ def _sparse_flags(patch: CheckpointWeightPatch, unique: bool, nan_free: bool = F
         # (read with the other patches' values; a patch read so has few indices, on the
         # CPU: it takes the path of a list of ints below, which reads this as a bool)
         has_nan = False
-    elif values.is_floating_point() or values.is_complex() or values.dtype != patch.dtype:
+    else:
         # Check the values as they will be staged: a finite value (an integer too) can
         # become NaN in the cast (float8 "fnuz" types overflow to NaN) and would then
-        # silently mean "keep". (A sparse patch's dtype is floating point.)
+        # silently mean "keep". (A sparse patch's dtype is floating point: integer or
+        # bool values are always cast.)
         cast = values if values.dtype == patch.dtype else values.to(patch.dtype)
         has_nan = nan_mask(cast).any()
-    else:
-        has_nan = torch.zeros((), dtype=torch.bool, device=device)
     if not host_waits(device) and idx.numel() <= _READ_AS_INTS:
         # On the CPU a short index list costs less read as Python ints than checked with
         # torch ops (a few microseconds each, most of a small patch's check): the same

@@ -2535,6 +2535,25 @@ def test_a_long_index_list_is_checked_as_a_short_one_is(case, count):
     assert (info.value.reason, info.value.value) == expected
 
 
+@pytest.mark.parametrize("count", [5, 200])
+def test_repeated_indices_pass_unchecked_long_or_short_when_asked(count):
+    # validate_unique_indices=False skips only the repeat check, on both sides of 128
+    # indices: a repeat passes, an index out of range is still refused
+    from patchkit.patch import validate_patches
+
+    idx = torch.cat([torch.arange(count - 1), torch.tensor([0])])  # (0 twice)
+    repeat = CWP("w", (1000,), torch.float32, torch.ones(count), idx)
+    assert validate_patches([repeat], validate_unique_indices=False) == "sparse"
+    with pytest.raises(PatchValueError) as info:
+        validate_patches([repeat])
+    assert (info.value.reason, info.value.value) == ("duplicate", 0)
+    out = CWP("w", (1000,), torch.float32, torch.ones(count), torch.cat(
+        [idx[:-1], torch.tensor([1000])]))
+    with pytest.raises(PatchValueError) as info:
+        validate_patches([out], validate_unique_indices=False)
+    assert (info.value.reason, info.value.value) == ("out-of-range", 1000)
+
+
 # On the CPU the values of small patches held in their own dtype are read for NaN together
 # (a group per dtype and 128 patches); a NaN found there has each patch checked on its
 # own, so the first offending patch is named as before, whatever its group.
