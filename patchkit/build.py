@@ -508,8 +508,6 @@ def changed_fraction(
 
 def _distinct_positions(n: int, k: int, generator: torch.Generator | None) -> torch.Tensor:
     """``k`` distinct positions in ``[0, n)``, uniformly at random, sorted (int64, CPU)."""
-    if k == 0:
-        return torch.empty(0, dtype=torch.int64, device="cpu")
     if 8 * k >= n:
         return torch.sort(torch.randperm(n, generator=generator, device="cpu")[:k]).values
     # Sparse case: sample with replacement and deduplicate; O(k log k), never O(n).
@@ -746,13 +744,13 @@ def split_patch(
     if n == 0:
         empty = torch.empty(0, dtype=idx_dtype, device=values.device)
         return [patch._replace(indices=empty)]
-    parts = min(parts, n)  # (more would only add empty parts, then drop them)
+    parts = min(parts, n)  # (more would only add empty parts)
+    # (parts <= n: each part holds at least n // parts >= 1 elements, none is empty)
     bounds = [(n * j) // parts for j in range(parts + 1)]
     out = []
     for start, stop in itertools.pairwise(bounds):
-        if stop > start:
-            idx = torch.arange(start, stop, dtype=idx_dtype, device=values.device)
-            out.append(patch._replace(values=values[start:stop], indices=idx))
+        idx = torch.arange(start, stop, dtype=idx_dtype, device=values.device)
+        out.append(patch._replace(values=values[start:stop], indices=idx))
     return out
 
 
