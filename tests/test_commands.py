@@ -818,6 +818,38 @@ def test_inspect_that_fails_part_way_says_what_it_wrote_and_exits_1(tmp_path, ca
     assert os.listdir(tmp_path / "figs") == ["chunks_dense.png"]
 
 
+@pytest.mark.parametrize("earlier", [False, True])
+def test_inspect_whose_page_cannot_be_written_keeps_an_earlier_one_and_no_temporary(
+        tmp_path, capsys, monkeypatch, earlier):
+    import errno
+
+    from patchkit.__main__ import main
+
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
+    figs = tmp_path / "figs"
+    if earlier:
+        figs.mkdir()
+        (figs / "index.html").write_text("an earlier one")
+    real = os.replace
+
+    def replace(src, dst, *a, **k):
+        if os.path.basename(dst) == "index.html":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert main(["inspect", str(f), "--out", str(figs)]) == 1
+    err = capsys.readouterr().err
+    figures = sorted(n for n in os.listdir(figs) if n.endswith(".png"))
+    assert len(figures) == 4 and err.count("\n") == 1 and "No space left on device" in err
+    page = ("index.html not written (the one there is an earlier run's, as it was)"
+            if earlier else "no index.html")
+    assert "stopped part-way: wrote 4 of 5 files (" in err and f"{str(figs)!r}, {page}" in err
+    assert sorted(os.listdir(figs)) == sorted(figures + ["index.html"] * earlier)
+    if earlier:
+        assert (figs / "index.html").read_text() == "an earlier one"
+
+
 def test_inspect_out_into_an_existing_folder_says_so_and_leaves_other_files(tmp_path, capsys):
     from patchkit.__main__ import main
 
