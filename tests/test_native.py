@@ -688,6 +688,21 @@ def test_status_says_why_torch_ops_are_used(fresh_build, monkeypatch):
     assert not list(fresh_build.glob("*.so")), "a failed build left a library behind"
 
 
+def test_a_build_that_cannot_be_loaded_is_said_and_torch_ops_are_used(fresh_build, monkeypatch):
+    # (a truncated library in the cache, as a full disk may leave: each variant is tried,
+    # then the load goes on with torch ops, saying why)
+    def truncated(cc, flags, out):
+        out.write_bytes(b"")
+        return None
+
+    monkeypatch.setattr(native, "_compile", truncated)
+    status = native.status()
+    assert status.startswith("torch ops (loading native-") and ".so failed: " in status, status
+    openmp = os.environ.get("PATCHKIT_OPENMP", "1") != "0"
+    assert len(list(fresh_build.glob("native-*.so"))) == 2 + 2 * openmp  # (tuned or not)
+    assert native.compare_copy(torch.zeros(4), torch.ones(4), None) is None
+
+
 def test_a_report_without_the_compiled_path_is_still_right(fresh_build, monkeypatch):
     monkeypatch.setenv("PATCHKIT_NATIVE", "0")
     start = _Model(torch.float32).state_dict()
