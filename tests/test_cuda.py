@@ -121,6 +121,45 @@ def test_bad_index_found_on_the_device_names_the_patch():
     assert info.value.position == 3 and info.value.name == bad.name
 
 
+@pytest.mark.parametrize(("devices", "first"), [(("cpu", "cuda", "cpu"), 0),
+                                               (("cpu", "cuda", "cpu"), 1)])
+def test_bad_patches_on_two_devices_name_the_first_by_position(devices, first):
+    # (each device's flags are read in turn, the CPU's first here: the patch named is the
+    # first bad one by position, whichever device found it)
+    def patch(k, device, bad):
+        idx = torch.tensor([1, 1] if bad else [1, 2], device=device)  # (bad: a repeat)
+        return CheckpointWeightPatch(f"w{k}", (8,), torch.float32,
+                                     torch.ones(2, device=device), idx)
+
+    patches = [patch(k, d, bad=k >= first) for k, d in enumerate(devices)]
+    with pytest.raises(ValueError, match="duplicate") as info:
+        validate_patches(patches)
+    assert (info.value.position, info.value.name) == (first, f"w{first}")
+
+
+def test_a_foreach_copy_into_a_cpu_and_a_cuda_parameter_counts_each_change():
+    # (one op writing targets on two devices: each target's changed elements are counted
+    # on its own device)
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+            self.b = torch.nn.Parameter(torch.zeros(4, device="cuda"), requires_grad=False)
+
+        def load_weights(self, weights):
+            ws = dict(weights)
+            torch._foreach_copy_([self.a, self.b], [ws["a"], ws["b"].to("cuda")])
+            return set(ws)
+
+    m = Mixed()
+    r = patchkit.inspect_load(m, [
+        CheckpointWeightPatch("a", (4,), torch.float32, torch.ones(4)),
+        CheckpointWeightPatch("b", (4,), torch.float32, torch.arange(4.0))])
+    assert r.error is None
+    assert (r.deltas.loc["a", "changed"], r.deltas.loc["b", "changed"]) == (4, 3)
+    assert m.a.eq(1).all() and m.b.cpu().equal(torch.arange(4.0))
+
+
 def test_report_on_cuda_matches_the_report_on_cpu():
     from patchkit import inspect_load
 
