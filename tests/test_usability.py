@@ -572,6 +572,32 @@ def test_a_models_error_stays_its_own_where_an_argument_cannot_be_read(extra):
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
+@pytest.mark.parametrize("shapes", [((0,), (0, 3)), ((0,), (4,))], ids=["all empty", "one"])
+def test_the_patch_at_fault_is_found_past_empty_patches_or_left_out(shapes):
+    # an empty staged tensor has no memory to find in a frame: with every one empty the
+    # note names no patch at fault; one that is not is still found
+    class Model(PlainModel):
+        def load_weights(self, weights):
+            for name, w in weights:
+                self._load_one(name, self._parameters[name], w)
+            return {n for n, _ in weights}
+
+        @staticmethod
+        def _load_one(name, param, loaded_weight):
+            if name == "w":
+                raise ValueError("refused")
+
+    m = Model({"e": shapes[0], "w": shapes[1]}, device="cpu")
+    ps = [CWP("e", shapes[0], torch.float32, torch.ones(0)),
+          CWP("w", shapes[1], torch.float32, torch.ones(4 if shapes[1] == (4,) else 0))]
+    with pytest.raises(ValueError, match="refused") as info:
+        patchkit.load_checkpoint_weight_patches(m, ps)
+    at = " at patch 1 ('w');" if shapes[1] == (4,) else ","
+    assert info.value.__notes__ == [
+        f"(raised in load_weights call 0{at} sent patch 0 ('e'), patch 1 ('w'))"]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 def test_a_models_error_stays_its_own_where_the_search_for_its_patch_fails(monkeypatch):
     # (the search reads frames and tensors it does not own: whatever it raises, the model's
     # error leaves the load as raised, with the note of the call, only not of the patch)
