@@ -1460,6 +1460,20 @@ def test_an_observed_loader_that_copies_the_nan_mask_into_the_model_is_named():
     assert exc.report.error is exc and exc.report.calls["error"].tolist() == [False]
 
 
+def test_an_observed_loader_staging_sparse_patches_in_a_generator_is_checked_the_same():
+    # (entries of a generator are taken as the model reads them: a sparse one among them
+    # makes the call's copies NaN-checked, as a list's does from the start)
+    def generator_loader(model, patches, **kwargs):
+        return set(model.load_weights((p.name, _staged(p)) for p in patches) or ())
+
+    p = sparse("a", (10,), [2, 5], [5.0, 6.0])
+    m = PlainModel({"a": (10,)}, fill=1.0)
+    with pytest.raises(ContractViolation, match="NaN-masked sparse patch") as info:
+        inspect_load(m, [p], loader=generator_loader)
+    assert (info.value.reason, info.value.value, info.value.position) == ("NaN copied", 8, 0)
+    assert torch.isnan(m.a).sum() == 8
+
+
 def test_an_observed_loader_that_copies_a_nan_mask_it_rebuilt_into_the_model_is_named():
     # A source rebuilt from the staged tensor where torch does not see it (through numpy)
     # is traced to no patch, but holds its NaN: the copy is taken for the NaN-merge it
