@@ -320,18 +320,21 @@ def test_a_tour_out_through_dot_dot_is_made_as_given(tmp_path, capsys):
 
 
 def test_commands_that_draw_say_which_extra_they_need_when_matplotlib_is_missing(tmp_path):
+    f = _mixed_patch_file(tmp_path / "p.safetensors")
     code = (
         "import sys\n"
         "sys.modules['matplotlib'] = None  # the notebooks extra not installed\n"
         "from patchkit.__main__ import main\n"
         f"print(main(['tour', '--out', {str(tmp_path / 't')!r}]))\n"
+        f"print(main(['inspect', {str(f)!r}, '--out', {str(tmp_path / 'figs')!r}]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=ROOT, timeout=300, check=False)
-    assert done.stdout.strip() == "2", done.stdout + done.stderr
-    assert done.stderr.strip() == ("error: patchkit.plot (the figures: plot_*, report.plot_*) "
-                                   "needs matplotlib: pip install 'patchkit[notebooks]'")
-    assert not (tmp_path / "t").exists()
+    assert done.stdout.split() == ["2", "2"], done.stdout + done.stderr
+    assert done.stderr.splitlines() == 2 * [
+        "error: patchkit.plot (the figures: plot_*, report.plot_*) needs matplotlib: "
+        "pip install 'patchkit[notebooks]'"]
+    assert not (tmp_path / "t").exists() and not (tmp_path / "figs").exists()
 
 
 def test_tour_result_ok_is_documented():
