@@ -1597,7 +1597,9 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     ax_rt.set_ylim(max(rows, 1), 0)
     xlabel, ylabel = _axis_words(len(tshape), "runtime")
     ax_rt.set_xlabel(xlabel)
-    ax_rt.set_ylabel(ylabel)
+    # (a row's panel is 1 to 2 inches tall: "runtime row (dims 0–1 flattened)" on one
+    # line is taller, up into the titles above it and the row above)
+    ax_rt.set_ylabel(ylabel.replace(" (", "\n(", 1))
     _integer_ticks(ax_rt, len(tshape))
     distinct = (int(report.deltas.loc[target, "elements"])
                 if target in report.deltas.index else None)

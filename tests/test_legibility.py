@@ -103,6 +103,23 @@ def test_the_helper_skips_what_is_not_drawn():
     assert legibility_problems(fig) == []
 
 
+# -- placement: what failed ----------------------------------------------------------------
+
+
+def test_placement_of_many_3d_tensors_keeps_each_rows_y_label_within_its_row():
+    # "runtime row (dims 0–1 flattened)" on one line was taller than a row's panel: in
+    # rows shrunk to fit 14 tensors it ran into the next row's label
+    shapes = {f"model.layers.{i}.mlp.experts.w13_weight": (4, 16, 8) for i in range(14)}
+    report, _ = plain_report(tuple(shapes.items()), "dense")
+    assert_legible(report.plot_placement(max_targets=32))
+
+
+def test_mixture_of_experts_placement_keeps_the_y_label_off_the_title_line():
+    # notebook 07's model: the fused w13_weight's y label reached the title line, into
+    # the checkpoint side's title "checkpoint tensors: region read (8 of 16 shown)"
+    assert_legible(moe_report("dense").plot_placement())
+
+
 # -- HTML: readable on JupyterLab's dark theme as on its light one ------------------------
 
 _FOREGROUND, _BACKGROUND = {"color"}, {"background", "background-color"}
@@ -253,7 +270,7 @@ def test_tiny_llama_figures_are_legible(tp, kind, fn):
 
 
 @pytest.mark.parametrize("fn", ["chunks", "delta w13", "delta w2", "placement w13",
-                                "density"])
+                                "placement w2", "density"])
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_mixture_of_experts_figures_are_legible(kind, fn):
     report = moe_report(kind, rank=1)
