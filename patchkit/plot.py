@@ -1374,7 +1374,8 @@ def plot_placement(
     inches, and past 16 the tensors are laid out in two columns, the first filled top to
     bottom, then the second (32 tensors: 26 by 30 inches, where one column was 84 inches
     tall); a shrunk row lists fewer writes in its legend and draws fewer checkpoint
-    tensors, those that fit its height (its notes count the rest). Right:
+    tensors, those that fit its height (its notes count the rest; a full row's eight are
+    labelled in 6-point type, fewer in 7-point). Right:
     the runtime tensor in its own (row, column) coordinates, one rectangle per write
     (gid ``"write <i> runtime"``, ``i`` the row label of ``report.writes``), so packed
     q/k/v show as horizontal bands of ``qkv_proj`` and column slices as vertical bands.
@@ -1486,7 +1487,7 @@ def plot_placement(
     names = _drawn([*chosen, *(_resolve(report, t) for t in chosen)])
     for row, target in enumerate(chosen):
         _draw_target(axes[row][0], axes[row][1], target, report, writes, shapes, names,
-                     *fits)
+                     *fits, row_inches=row_inches)
     return fig
 
 
@@ -1514,7 +1515,8 @@ def _row_fits(row_inches: float) -> tuple[int, int]:
 
 def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, writes: Any,
                  shapes: dict[int, tuple[int, ...]], row_names: Sequence[str] = (),
-                 most_sources: int = _MAX_SOURCES, most_legend: int = _MAX_LEGEND) -> None:
+                 most_sources: int = _MAX_SOURCES, most_legend: int = _MAX_LEGEND, *,
+                 row_inches: float = _ROW_INCHES) -> None:
     target = _resolve(report, asked)
     tshape = tuple(int(d) for d in _known(report)[target])
     rows, cols = grid_shape(tshape)
@@ -1634,10 +1636,14 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     ax_ck.set_xlim(0, 1)
     ax_ck.set_ylim(n_src * 1.25 - 0.25, 0)
     ax_ck.set_yticks([k * 1.25 + 0.5 for k in slot.values()])
+    # A label (name and shape) is two lines, 0.25 inches of 7-point text, 0.215 of
+    # 6-point; the panel is about 0.85 inches shorter than its row (a title of two lines
+    # above, ticks and a label below), and n labels 1.25 units apart on n * 1.25 - 0.25
+    # units fit where n - 0.2 of them do: eight in a row of 2.6 inches only at 6 points.
     ax_ck.set_yticklabels(
         [f"{_short(report.patches[p].name, 24, parts=2, among=sent)}\n{_shape_text(shapes[p])}"
          for p in slot],
-        fontsize=7, parse_math=False,
+        fontsize=7 if (len(slot) - 0.2) * 0.25 <= row_inches - 0.85 else 6, parse_math=False,
     )
     ax_ck.set_xticks([0, 0.5, 1])
     ax_ck.set_xticklabels(["0", "½", "all"], fontsize=7)

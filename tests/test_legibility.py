@@ -14,8 +14,10 @@ import pytest
 import torch
 from _legibility import assert_legible, legibility_problems
 from matplotlib.figure import Figure
+from torch import nn
 
 import patchkit
+from patchkit import CheckpointWeightPatch
 from patchkit.build import dense_patches, random_sparse_patch
 from patchkit.plot import plot_chunks, plot_density
 from patchkit.toymodels import PlainModel, TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
@@ -118,6 +120,48 @@ def test_mixture_of_experts_placement_keeps_the_y_label_off_the_title_line():
     # notebook 07's model: the fused w13_weight's y label reached the title line, into
     # the checkpoint side's title "checkpoint tensors: region read (8 of 16 shown)"
     assert_legible(moe_report("dense").plot_placement())
+
+
+class _Packed(nn.Module):
+    """Runtime tensors ``model.layers.<i>.mlp.experts.w13_weight`` of (rows, 8); a patch
+    ``model.layers.<i>.mlp.experts.<j>.up_proj.weight`` of (1, 8) is row j of tensor i."""
+
+    def __init__(self, targets: int, rows: int) -> None:
+        super().__init__()
+        self.names = [f"model.layers.{i}.mlp.experts.w13_weight" for i in range(targets)]
+        self.rows = nn.ParameterList(
+            nn.Parameter(torch.zeros(rows, 8), requires_grad=False) for _ in range(targets))
+
+    def named_parameters(self, *args, **kwargs):  # (the long names, not rows.<i>)
+        yield from zip(self.names, self.rows)
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, w in weights:
+            parts = name.split(".")
+            i, j = int(parts[2]), int(parts[5])
+            self.rows[i].data[j : j + 1].copy_(w)
+            loaded.add(self.names[i])
+        return loaded
+
+
+def packed_report(targets: int, rows: int):
+    patches = [CheckpointWeightPatch(f"model.layers.{i}.mlp.experts.{j}.up_proj.weight",
+                                     (1, 8), torch.float32, torch.tensor([1.0]),
+                                     torch.tensor([3]))
+               for i in range(targets) for j in range(rows)]
+    return patchkit.inspect_load(_Packed(targets, rows), patches)
+
+
+@pytest.mark.parametrize("case", ["moe sparse", "packed"])
+def test_a_full_placement_row_of_eight_checkpoint_tensors_labels_each_clear_of_the_next(
+        case):
+    # eight two-line labels of 7-point text need about 1.9 inches; a row of 2.6 inches
+    # with its title on two lines had a panel of 1.8: each label ran into the next
+    report = moe_report("sparse") if case == "moe sparse" else packed_report(6, 12)
+    fig = report.plot_placement()
+    assert max(len(ax.get_yticks()) for ax in fig.axes[::2]) == 8
+    assert_legible(fig)
 
 
 # -- HTML: readable on JupyterLab's dark theme as on its light one ------------------------
