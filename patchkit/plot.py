@@ -1609,9 +1609,10 @@ def _draw_target(ax_ck: Axes, ax_rt: Axes, asked: str, report: LoadReport, write
     if target in getattr(report, "_restored", ()):
         counts += ", put back by the rollback"
     # The title may spread past the axes, up to the checkpoint column's title: about
-    # 0.48 of the figure's width with the widest legend. Too long for one line, the
-    # counts get their own.
-    room = 0.48 * 72 * ax_rt.figure.get_figwidth()
+    # 0.48 of the width of a column of rows (the figure's, or half of it in two columns)
+    # with the widest legend. Too long for one line, the counts get their own.
+    columns = ax_rt.get_subplotspec().get_gridspec().ncols // 2
+    room = 0.48 * 72 * ax_rt.figure.get_figwidth() / columns
     title = f"runtime {_shown_name(asked, target)} {_shape_text(tshape)}: {counts}"
     if _text_width(title, 9) > room:
         shape = f" {_shape_text(tshape)}:"

@@ -164,6 +164,14 @@ def test_a_full_placement_row_of_eight_checkpoint_tensors_labels_each_clear_of_t
     assert_legible(fig)
 
 
+def test_a_placement_in_two_columns_cuts_each_runtime_title_to_its_own_column():
+    # past 16 tensors the rows are laid out in two columns, but a title took room from
+    # the whole figure's width, so a long one ran into the next column's titles
+    fig = moe_report("sparse").plot_placement(max_targets=32)
+    assert fig.get_size_inches()[0] == 26
+    assert_legible(fig)
+
+
 # -- HTML: readable on JupyterLab's dark theme as on its light one ------------------------
 
 _FOREGROUND, _BACKGROUND = {"color"}, {"background", "background-color"}
