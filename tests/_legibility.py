@@ -7,7 +7,8 @@ it: pyplot is never touched) and lists, from the renderer's window extents:
     labels, offset texts, texts and annotations, legend texts and titles, anywhere on
     the figure (tick labels of one axis against one another too);
 (b) a visible text that reaches past an edge of the figure;
-(c) an axes whose frame overlaps another axes' title, axis labels or tick labels.
+(c) an axes whose frame overlaps another axes' title, axis labels, tick labels or
+    legend texts.
 
 :func:`assert_legible` fails with that list. A box is shrunk by ``slack`` pixels on
 each side before comparing (boxes that only touch are no overlap: a glyph's box holds
@@ -159,7 +160,8 @@ def legibility_problems(fig: Figure, slack: float = SLACK) -> list[str]:
                             f"{tuple(round(v, 1) for v in b.extents)} of "
                             f"{tuple(round(v, 1) for v in edge.extents)}")
     # (c) an axes over another axes' titles and labels
-    labels = {id(t) for ax in fig.get_axes() for _, t in _axes_labels(ax)}
+    labels = {id(t) for ax in fig.get_axes()
+              for _, t in (*_axes_labels(ax), *_legend_texts(ax.get_legend()))}
     for ax in fig.get_axes():
         if not ax.get_visible() or not ax.axison:  # (no frame drawn)
             continue

@@ -93,6 +93,15 @@ def test_the_helper_finds_overlapping_texts_text_past_the_edge_and_axes_over_lab
     problems = legibility_problems(fig)
     assert any("covers another axes' y label 'under the left axes'" in p for p in problems)
     assert any("covers another axes' y tick label" in p for p in problems)
+    # a legend put beside its axes, over the next one
+    fig = Figure(figsize=(6, 3))
+    a = fig.add_axes((0.1, 0.1, 0.35, 0.8))
+    fig.add_axes((0.6, 0.1, 0.35, 0.8))
+    a.plot([0, 1], label="a line")
+    a.legend(loc="upper left", bbox_to_anchor=(1.5, 1.0))
+    problems = legibility_problems(fig)
+    assert problems and all("covers another axes' legend text 'a line'" in p
+                            for p in problems)
 
 
 def test_the_helper_skips_what_is_not_drawn():
