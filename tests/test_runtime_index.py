@@ -971,3 +971,17 @@ def test_what_a_loader_changed_past_the_registries_names_the_module():
     model.emb._buffers = {}
     assert index.swapped_registries() == ["emb._buffers", "head._parameters"]
     assert index.structure_changed().startswith("replaced registry 'emb._buffers' of the")
+
+
+def test_a_plain_attribute_shadowing_a_name_of_the_root_module_is_found():
+    # (the root's own registries come first in the index: dropping them from where it looks
+    # for a shadowing attribute passed every test)
+    model = _undo_model()
+    model.w = torch.nn.Parameter(torch.ones(2))
+    index = RuntimeIndex(model)
+    vars(model).update(w=_param())
+    assert index.structure_changed() == (
+        "set a plain attribute 'w' that shadows the registered one (e.g. "
+        "`module.__dict__['weight'] = w`)")
+    index.undo()
+    assert index.structure_changed() is None and model.w is model._parameters["w"]
