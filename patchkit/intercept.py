@@ -538,10 +538,12 @@ def _module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]] | 
                 return None
             plain.add(kind)
         mods.append((prefix, m))
-        children = [(f"{prefix}.{k}" if prefix else k, c, depth + 1)
-                    for k, c in _registry(m, "_modules").items() if c is not None]
-        children.reverse()
-        stack += children
+        below = m.__dict__.get("_modules")  # (as _registry reads it, without its call)
+        if isinstance(below, dict) and below:  # (most modules are leaves: nothing to list)
+            children = [(f"{prefix}.{k}" if prefix else k, c, depth + 1)
+                        for k, c in below.items() if c is not None]
+            children.reverse()
+            stack += children
     return mods
 
 
