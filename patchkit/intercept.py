@@ -2800,12 +2800,16 @@ class WriteSession:
         moved: set[str] = set()
         held = {n: index.tensors[n].data for n in rebound}
         if changed is None:
-            if index.unchanged():
-                self.tree_as_found = True
-            else:
-                with index.one_look(registries=True):
+            # (structure_changed() found every module holding its registry dicts: the
+            # looks below need not read them again)
+            with index.one_look(registries=True):
+                same = index.unchanged()
+                if not same:
                     replaced = index.replaced() + index.replaced_aliases()
                     named = index.added_tensors(replaced)
+            if same:
+                self.tree_as_found = True
+            else:
                 ties = index.ties_among(named) if named else {}
                 added = [n for n, _ in named if n not in ties]
                 held.update((n, t) for n, t in named if n not in ties)
