@@ -957,11 +957,13 @@ class RuntimeIndex:
         tensors), (empty-slot registries, keys), (alias registries, keys, the tensor each
         alias names)."""
         links = tuple(zip(*self._links)) or ((), (), ())
-        slots = tuple(zip(*((reg, key, self.tensors[n]) for n, reg, key in self._slots or ())))
+        names, regs, keys = tuple(zip(*self._slots or ())) or ((), (), ())
+        slots = (regs, keys, tuple(map(self.tensors.__getitem__, names)))
         empty = tuple(zip(*self._empty_slots)) or ((), ())
-        aliases = tuple(zip(*((reg, key, self.tensors[self.aliases[n]])
-                              for n, reg, key in self._alias_slots)))
-        return links, slots or ((), (), ()), empty, aliases or ((), (), ())
+        names, regs, keys = tuple(zip(*self._alias_slots)) or ((), (), ())
+        aliases = (regs, keys, tuple(map(self.tensors.__getitem__,
+                                         map(self.aliases.__getitem__, names))))
+        return links, slots, empty, aliases
 
     def unchanged(self) -> bool:
         """Whether the module tree is as the index found it, in all that

@@ -164,6 +164,23 @@ def _tied_models():
     return models
 
 
+@pytest.mark.parametrize("name", [n for n in _tied_models()  # (those an index is built of)
+                                  if not n.startswith(("deeper", "registry deleted"))])
+def test_the_columns_the_index_checks_a_tree_by_are_its_slots(name):
+    # (what unchanged() compares, as one column per kind: each registry, key and the
+    # tensor the index holds under that name, or under an alias's first name)
+    index = RuntimeIndex(_tied_models()[name])
+    slots = [(reg, key, index.tensors[n]) for n, reg, key in index._slots or ()]
+    aliases = [(reg, key, index.tensors[index.aliases[n]]) for n, reg, key in index._alias_slots]
+    expected = (tuple(zip(*index._links)) or ((), (), ()), tuple(zip(*slots)) or ((), (), ()),
+                tuple(zip(*index._empty_slots)) or ((), ()), tuple(zip(*aliases)) or ((), (), ()))
+    got = index._columns
+    assert [list(map(len, kind)) for kind in got] == [list(map(len, kind)) for kind in expected]
+    assert all(a is b for kind, want in zip(got, expected)
+               for column, wanted in zip(kind, want) for a, b in zip(column, wanted))
+    assert index.unchanged() is (index._slots is not None)
+
+
 @pytest.mark.parametrize("name", list(_tied_models()))
 def test_the_tied_parameters_a_dense_load_finds_are_torchs(name, monkeypatch):
     # a dense load tells a model with no tied parameter by their ids alone, without names
