@@ -16,6 +16,19 @@ from patchkit.intercept import RuntimeIndex, _byte_span, _storage_key, named_ten
 from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime
 
 
+@pytest.fixture(autouse=True, params=["columns", "one tensor at a time"])
+def _index_path(request, monkeypatch):
+    """Every test here runs on both of the ways a RuntimeIndex is built: in columns
+    (``_index_plain``, the way for a tree of ``_COLUMNS_FROM`` modules or more whose
+    tensors are all plain) and one tensor at a time (``_index_listed``, for a smaller
+    tree, and for any tree the columns decline)."""
+    import patchkit.intercept as intercept
+
+    monkeypatch.setattr(intercept, "_COLUMNS_FROM",
+                        0 if request.param == "columns" else sys.maxsize, raising=False)
+    return request.param
+
+
 def _torch_listing(model, buffers=True):
     named = list(model.named_parameters(remove_duplicate=False))
     if buffers:
@@ -1002,3 +1015,114 @@ def test_a_plain_attribute_shadowing_a_name_of_the_root_module_is_found():
         "`module.__dict__['weight'] = w`)")
     index.undo()
     assert index.structure_changed() is None and model.w is model._parameters["w"]
+
+
+class _Subclassed(torch.nn.Parameter):
+    """A Parameter subclass that keeps its values in its own storage (as vLLM's do)."""
+
+
+def _column_models():
+    """Trees for the two ways of building an index: (model, whether the columns take it)."""
+    def everything(change=None, shared=False):
+        m = _Everything()
+        if not shared:  # (else one block is listed under two parents)
+            m.right.again = _Block()
+        m.register_buffer("flat", torch.zeros(8))
+        m.v1 = torch.nn.Parameter(m.flat[:4])  # (views of one storage, beside the buffer)
+        m.v2 = torch.nn.Parameter(m.flat[4:])
+        m.meta = torch.nn.Linear(2, 2, device="meta")
+        if change is not None:
+            change(m)
+        return m
+
+    def swap_registry(m, d):
+        m.blocks[0].lin.__dict__["_parameters"] = d
+
+    return {
+        "every rule of the listing": (everything(shared=True), True),
+        "every rule but a module listed twice": (everything(), True),
+        "tiny llama, rank 0 of 2": (TinyLlamaRuntime(TinyLlamaConfig(), tp_rank=0, tp_size=2),
+                                    True),
+        "tiny llama with experts": (TinyLlamaRuntime(
+            TinyLlamaConfig(num_experts=4), tp_rank=1, tp_size=2), True),
+        "no tensors at all": (torch.nn.ReLU(), True),
+        "a Parameter subclass of its own storage": (everything(
+            lambda m: setattr(m, "sub", _Subclassed(torch.ones(2)))), True),
+        "complex, not conjugated": (everything(
+            lambda m: m.register_buffer("c", torch.ones(2, dtype=torch.cfloat))), True),
+        "one tensor as parameter and buffer of one name": (everything(
+            lambda m: m._buffers.update(empty=m.empty)), True),
+        "two tensors under one name": (everything(
+            lambda m: m._buffers.update(empty=torch.ones(1))), True),
+        "a dotted key beside the module it names": (everything(
+            lambda m: m._parameters.update({"head.weight": torch.nn.Parameter(
+                torch.ones(1))})), True),
+        "a tensor registered twice as a buffer": (everything(
+            lambda m: m.register_buffer("again", m.flat)), True),
+        "one parameter registry in two modules": (everything(
+            lambda m: m.right.norm.__dict__.update(_parameters=m.blocks[1].lin._parameters)),
+            True),
+        # (the columns decline these: the tensor at a time way builds them)
+        "a conjugated view": (everything(
+            lambda m: m.register_buffer("c", torch.ones(2, dtype=torch.cfloat).conj())), False),
+        "a negated view": (everything(
+            lambda m: m.register_buffer("n", torch._neg_view(torch.ones(2)))), False),
+        "a lazy module": (everything(lambda m: setattr(m, "lazy", torch.nn.LazyLinear(2))),
+                          False),
+        "a sparse buffer": (everything(
+            lambda m: m.register_buffer("sp", torch.ones(2).to_sparse())), False),
+        "a registry that is an OrderedDict": (everything(
+            lambda m: swap_registry(m, __import__("collections").OrderedDict(
+                m.blocks[0].lin._parameters))), False),
+    }
+
+
+def _same(x, y, top=False):
+    """Equal containers holding the same objects: the index's own dicts, lists and sets
+    (``top``) by their contents, everything they hold that is not a string, number or
+    container of those by identity (a registry dict, a module's attributes, a tensor)."""
+    if isinstance(x, (str, int, float, bool, type(None))):
+        return type(x) is type(y) and x == y
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y))
+    if top and isinstance(x, dict):
+        return list(x) == list(y) and all(_same(x[k], y[k]) for k in x)
+    if top and isinstance(x, set):
+        return x == y
+    return x is y
+
+
+@pytest.mark.parametrize("name", list(_column_models()))
+def test_both_ways_build_the_same_index(name, monkeypatch):
+    # the columns (``_index_plain``) are the tensor at a time way (``_index_listed``) done
+    # with C loops: every attribute equal, item for item, lazy ones included; where they
+    # decline a tree, they set nothing
+    import patchkit.intercept as intercept
+
+    model, taken = _column_models()[name]
+    built = {}
+    for way, start in (("columns", 0), ("one tensor at a time", sys.maxsize)):
+        monkeypatch.setattr(intercept, "_COLUMNS_FROM", start)
+        index = built[way] = RuntimeIndex(model)
+        for lazy in ("_shadow_places", "_columns", "tied_names"):
+            getattr(index, lazy)
+    columns, listed = built["columns"], built["one tensor at a time"]
+    assert vars(columns).keys() == vars(listed).keys()
+    for attr, value in vars(listed).items():
+        if attr == "_persistence":  # (the set of each module, and a copy of it)
+            assert _same([(m, now) for m, now, _ in vars(columns)[attr]],
+                         [(m, now) for m, now, _ in value])
+            assert [then for *_, then in vars(columns)[attr]] == [then for *_, then in value]
+            continue
+        assert _same(vars(columns)[attr], value, top=True), attr
+    # (where a plain attribute would shadow a name: as the registries say, unchanged since)
+    shadows = [(a, k) for a, d in zip(listed._registry_places[0], listed._registries)
+               for k in d]
+    assert _same(listed._shadow_places, tuple(zip(*shadows)) or ((), ()))
+    mods = intercept._module_tree(model)
+    bare = RuntimeIndex.__new__(RuntimeIndex)
+    assert bare._index_plain(mods) is taken
+    assert taken or vars(bare) == {}
+
