@@ -195,10 +195,13 @@ def _fixed_costs_table(device: torch.device, repeats: int, quick: bool) -> str:
     contract's own work done with torch ops and nothing else (stage, scatter, NaN-merge,
     ``copy_`` into the parameter, found in a dict made once, as a model keeps one): the
     floor. (It built that dict in every timed call: a walk over every parameter, about
-    1.2 ms at 1000 tensors, that made a one-patch load look "at the floor".)"""
+    1.2 ms at 1000 tensors, that made a one-patch load look "at the floor".) ``us per
+    tensor``: patchkit's time less the floor's, per tensor of the model: for one sparse
+    patch, what the index of the model's tensors that a watched load builds costs each
+    of them (a dense load of one patch builds none)."""
     from patchkit.toymodels import PlainModel
 
-    counts = (100,) if quick else (100, 1000)
+    counts = (100,) if quick else (100, 1000, 10000)
     rows = []
     for n in counts:
         shapes = {f"layers.{i}.w": (16, 16) for i in range(n)}
@@ -231,14 +234,15 @@ def _fixed_costs_table(device: torch.device, repeats: int, quick: bool) -> str:
                 t_ours = median_seconds(ours, device, repeats)
                 t_bare = median_seconds(bare, device, repeats)
                 rows.append([str(n), kind, what, f"{t_ours * 1e3:.2f}", f"{t_bare * 1e3:.2f}",
-                             f"{t_ours / t_bare:.1f}x"])
+                             f"{t_ours / t_bare:.1f}x", f"{(t_ours - t_bare) / n * 1e6:.2f}"])
                 print(".", end="", flush=True, file=sys.stderr)
     print(file=sys.stderr)
     return (
         "fixed costs: models of n tensors of 16 x 16 fp32 (PlainModel), median of "
         f"{repeats}; floor: the contract's work with torch ops only (stage, scatter, "
         "NaN-merge, copy_)\n"
-        + fmt_table(["tensors", "patches", "load", "patchkit ms", "floor ms", "ratio"], rows)
+        + fmt_table(["tensors", "patches", "load", "patchkit ms", "floor ms", "ratio",
+                     "us per tensor"], rows)
     )
 
 
