@@ -18,6 +18,10 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # index_copy_, index_put_ raise NotImplementedError): their bits go as the signed type.
 _SIGNED_OF_UNSIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32,
                        torch.uint64: torch.int64}
+# torch's own tensor types, and no subclass (which may answer an op its own way): where
+# ``type(t) in _PLAIN``, the loader may skip a call whose result it knows (a cast that
+# changes nothing); any other type goes through it.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

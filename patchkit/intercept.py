@@ -57,6 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import native
 from .bitwise import (
+    _PLAIN,
     bits,
     changed_mask,
     count_true,
@@ -2223,7 +2224,6 @@ _COPY_NAME = _op_name(_COPY)
 # copy into any other floating dtype is checked for numbers lost that way).
 _CASTS_KEEP_NUMBERS = frozenset(
     {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2})
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _increment_version = torch.autograd.graph.increment_version
 
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, TypeAlias
 import torch
 
 from . import native
-from .bitwise import count_true, host_waits, nan_mask
+from .bitwise import _PLAIN, count_true, host_waits, nan_mask
 from .errors import PatchTypeError, PatchValueError, brief, where
 
 __all__ = [
@@ -626,10 +626,7 @@ def _read_at_once(patch: CheckpointWeightPatch) -> bool:
     on its own)."""
     v = patch.values
     return (v.dtype == patch.dtype and v.dtype in _AT_ONCE_DTYPES
-            and type(v) in _PLAIN_TENSORS and v.numel() <= _READ_AS_INTS)
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+            and type(v) in _PLAIN and v.numel() <= _READ_AS_INTS)
 
 
 def _nan_free_at_once(patches: Sequence[CheckpointWeightPatch]) -> bool:
