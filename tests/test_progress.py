@@ -734,7 +734,6 @@ def test_false_or_none_shows_nothing(setup, monkeypatch, off):
     assert out == "" and report.error is None and len(report.calls) > 3
 
 
-
 def test_without_ipython_imported_there_is_no_kernel(monkeypatch):
     # (a script: IPython never imported, and not imported to find out)
     monkeypatch.delitem(sys.modules, "IPython", raising=False)
