@@ -252,7 +252,10 @@ class _WidgetView(_View):
         import ipywidgets as W
         from IPython.display import display
 
-        self._bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, description=label)
+        # (the label's own width: ipywidgets' default description width cut
+        # "inspect_load" to "inspect_lo…" in JupyterLab)
+        self._bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, description=label,
+                                    style={"description_width": "initial"})
         self._text = W.Label()
         display(W.HBox([self._bar, self._text]))
 

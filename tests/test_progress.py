@@ -653,6 +653,22 @@ def test_a_widget_bar_is_labelled_and_filled_by_the_share_of_bytes(monkeypatch):
     assert label.value.startswith(f"3/{len(plan)} calls, ")
 
 
+def test_a_widget_bar_gives_its_label_the_width_it_needs(monkeypatch):
+    # (in JupyterLab the bar's description got ipywidgets' default width, about 80 px,
+    # and "inspect_load" showed as "inspect_lo…": seen in a browser, not in any output)
+    pytest.importorskip("ipywidgets")
+    cfg = TinyLlamaConfig(num_layers=1)
+    model = TinyLlamaRuntime(cfg, device=torch.get_default_device())
+    monkeypatch.setattr(progress_mod, "SHOW_AFTER", 0.0)
+
+    def run():
+        inspect_load(model, dense_patches(tiny_llama_checkpoint(cfg)), progress=True)
+
+    bar, _label = _kernel_bar(run, monkeypatch)
+    assert bar.description == "inspect_load"
+    assert bar.style.description_width == "initial"
+
+
 def test_a_callable_that_raises_an_ordinary_error_stops_the_load_with_it():
     # (only the error raised when told of a *failed* call is set aside: after a call that
     # returned, whatever the callback raises stops the load, a ValueError as a Ctrl-C)
