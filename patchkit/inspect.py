@@ -1127,12 +1127,14 @@ def _head_text(df: pd.DataFrame, index: bool, floats: Any = None, *,
             + f"\n... {more} more rows")
 
 
-def _blocks_text(df: pd.DataFrame, index: bool, floats: Any, key: str | None) -> str:
+def _blocks_text(df: pd.DataFrame, index: bool, floats: Any, key: str | None,
+                 width_limit: int = _REPR_WIDTH) -> str:
     """``df`` (rows, cells cut) as :func:`_head_text` writes it: whole where it fits
-    ``_REPR_WIDTH``, else in the fewest blocks of consecutive columns that fit (a block
-    holds the labels and one column at least: with cells of ``_COLWIDTH`` characters at
-    most, that always fits), split where the widest block is narrowest (no block of one
-    last column under a full one), separated by blank lines."""
+    ``width_limit`` characters (``_REPR_WIDTH``; the explorer's tables take another),
+    else in the fewest blocks of consecutive columns that fit (a block holds the labels
+    and one column at least: with cells of ``_COLWIDTH`` characters at most, that always
+    fits), split where the widest block is narrowest (no block of one last column under
+    a full one), separated by blank lines."""
     def text(columns: list[str]) -> str:
         return shown_text(df[columns].to_string(index=index, max_colwidth=_COLWIDTH,
                                                 float_format=floats))
@@ -1142,7 +1144,7 @@ def _blocks_text(df: pd.DataFrame, index: bool, floats: Any, key: str | None) ->
 
     columns = list(df.columns)
     whole = text(columns)
-    if max(map(len, whole.splitlines())) <= _REPR_WIDTH or len(columns) < 2:
+    if max(map(len, whole.splitlines())) <= width_limit or len(columns) < 2:
         return whole
     # pandas sets each column (and the labels) to a width of its own, so a block's width
     # is the labels' plus its columns': measured once a column, not once a block
@@ -1161,7 +1163,7 @@ def _blocks_text(df: pd.DataFrame, index: bool, floats: Any, key: str | None) ->
         ways = [[columns[a:b] for a, b in zip((0, *cut), (*cut, len(columns)))]
                 for cut in cuts]
         best = min(ways, key=wide)
-        if wide(best) <= _REPR_WIDTH:
+        if wide(best) <= width_limit:
             break
     return "\n\n".join(text((lead(b) if i else []) + b) for i, b in enumerate(best))
 

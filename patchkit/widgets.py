@@ -79,6 +79,14 @@ _MAX_OPTIONS = 200
 # tensor of random values all replaced), a patch's density map about 55 KB: 16 MiB
 # keeps the views of 38 runtime tensors or more.
 _CACHE_BYTES = 16 << 20
+# The explorer's text tables are at most this many characters wide, in blocks of their
+# columns where wider (a front end wraps a longer stdout line where its output ends:
+# JupyterLab beside its file browser broke a writes row of a mixture-of-experts tensor,
+# 124 characters, inside its last column, each row's last number on a line of its own).
+# 100 characters of JupyterLab's 13 px monospace take about 780 px: an output beside the
+# file browser on a 1280 px wide screen; the writes of a name of up to 23 characters fit
+# whole.
+_TABLE_WIDTH = 100
 # (the bytes a fingerprint reads at a time: a band of a tensor on another device is
 # copied to the CPU to be read)
 _FINGERPRINT_BAND = 64 << 20
@@ -596,7 +604,8 @@ class ReportExplorer(W.VBox):
 
             def chunk_row() -> dict[str, Any]:
                 row = r.chunks[r.chunks["position"] == key]
-                return text_output(_table_text(row.drop(columns=["note"]), index=False) + "\n"
+                return text_output(_table_text(row.drop(columns=["note"]), index=False,
+                                               key="position") + "\n"
                                    + "".join(f"note: {n}\n" for n in row["note"] if n))
 
             return (
@@ -627,7 +636,7 @@ class ReportExplorer(W.VBox):
                     "elements", "written", "changed"]
             return text_output(
                 f"writes into {shown_name(key)}:\n"
-                f"{_table_text(writes[cols].head(20), index=False)}\n"
+                f"{_table_text(writes[cols].head(20), index=False, key='position')}\n"
                 + (f"… {_count(len(writes) - 20, 'more write')}\n" if len(writes) > 20 else "")
                 + _delta_text(r, key)
             )
@@ -673,14 +682,19 @@ def _is_note(output: dict[str, Any]) -> bool:
     return output["output_type"] == "stream" and ": not drawn: " in output["text"]
 
 
-def _table_text(df: Any, index: bool) -> str:
+def _table_text(df: Any, index: bool, key: str | None = None) -> str:
     """Rows of a report's table as the report's text repr writes them: names that are
     not plain as their ``repr`` (a right-to-left override escaped, ``'w '`` told from
-    ``w``: :func:`~patchkit.units.distinct_name`) and floats in 4 significant digits
-    (pandas' own format writes a tiny density as ``9.536743e-07``); names whole."""
-    from .inspect import _FLOATS, _names_shown
+    ``w``: :func:`~patchkit.units.distinct_name`), floats in 4 significant digits
+    (pandas' own format writes a tiny density as ``9.536743e-07``), and a table wider
+    than :data:`_TABLE_WIDTH` characters written as blocks of its columns, one under the
+    other, each beginning with the rows' labels (the index, or the column ``key``);
+    names whole."""
+    from .inspect import _FLOATS, _blocks_text, _names_shown
 
-    return _names_shown(df).to_string(index=index, float_format=_FLOATS)
+    if not len(df):
+        return _names_shown(df).to_string(index=index, float_format=_FLOATS)
+    return _blocks_text(_names_shown(df), index, _FLOATS, key, _TABLE_WIDTH)
 
 
 def _delta_text(report: LoadReport, target: str) -> str:

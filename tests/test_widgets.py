@@ -1175,3 +1175,41 @@ def test_closing_a_planner_frees_its_patches():
     gc.collect()
     assert alive() is None
     assert len(ipywidgets.widgets.widget._instances) == open_before
+
+
+def test_the_explorers_tables_of_long_names_fit_100_columns_in_blocks_of_columns():
+    # (a writes row of a mixture-of-experts tensor, "model.layers.0.mlp.experts.0.
+    # gate_proj.weight", took 124 characters: JupyterLab beside its file browser wrapped
+    # it inside its last column, each row's last number on a line of its own; the tables
+    # are now written as the report's text repr writes them, in blocks of columns)
+    names = [f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in range(3)]
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w13_weight = nn.Parameter(torch.zeros(3, 4, 8), requires_grad=False)
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                self.w13_weight.data[names.index(name)].copy_(t)
+            return {"w13_weight"}
+
+    report = inspect_load(Experts(), [
+        CheckpointWeightPatch(n, (4, 8), torch.float32, torch.tensor([2.0, 3.0]),
+                              torch.tensor([1, 5])) for n in names])
+    explorer = explore(report)
+    shown = {}
+    for label, value in explorer.dropdown.options:
+        explorer.dropdown.value = value
+        shown[label] = texts(explorer.output)
+        assert max(map(len, shown[label].splitlines())) <= 100, label
+    rows = shown["runtime: w13_weight"].split("writes into w13_weight:\n")[1].split(
+        "\ndelta:")[0]
+    first, second = rows.strip("\n").split("\n\n")
+    # each block begins with the patch's position, names whole, every column once
+    assert first.splitlines()[0].split()[:3] == ["chunk", "position", "name"]
+    assert first.splitlines()[2].split() == ["0", "1", names[1]]
+    assert second.splitlines()[0].split()[0] == "position"
+    assert " ".join(second.splitlines()[2].split()) == "1 [:, :] [1:2, :, :] 32 2 2"
+    patch_rows = shown[f"patch 2: {names[2]}"]
+    assert names[2] in patch_rows and " closed_by" in patch_rows
