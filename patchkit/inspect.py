@@ -1128,15 +1128,17 @@ def _head_text(df: pd.DataFrame, index: bool, floats: Any = None, *,
 
 
 def _blocks_text(df: pd.DataFrame, index: bool, floats: Any, key: str | None,
-                 width_limit: int = _REPR_WIDTH) -> str:
+                 width_limit: int = _REPR_WIDTH, colwidth: int | None = _COLWIDTH) -> str:
     """``df`` (rows, cells cut) as :func:`_head_text` writes it: whole where it fits
     ``width_limit`` characters (``_REPR_WIDTH``; the explorer's tables take another),
     else in the fewest blocks of consecutive columns that fit (a block holds the labels
     and one column at least: with cells of ``_COLWIDTH`` characters at most, that always
     fits), split where the widest block is narrowest (no block of one last column under
-    a full one), separated by blank lines."""
+    a full one), separated by blank lines. ``colwidth``: where pandas cuts a cell
+    (``None``: nowhere, for the explorer's tables, which write names whole; a block
+    with a longer name is as wide as it needs)."""
     def text(columns: list[str]) -> str:
-        return shown_text(df[columns].to_string(index=index, max_colwidth=_COLWIDTH,
+        return shown_text(df[columns].to_string(index=index, max_colwidth=colwidth,
                                                 float_format=floats))
 
     def width(columns: list[str]) -> int:

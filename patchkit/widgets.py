@@ -694,7 +694,7 @@ def _table_text(df: Any, index: bool, key: str | None = None) -> str:
 
     if not len(df):
         return _names_shown(df).to_string(index=index, float_format=_FLOATS)
-    return _blocks_text(_names_shown(df), index, _FLOATS, key, _TABLE_WIDTH)
+    return _blocks_text(_names_shown(df), index, _FLOATS, key, _TABLE_WIDTH, colwidth=None)
 
 
 def _delta_text(report: LoadReport, target: str) -> str:

@@ -447,6 +447,26 @@ def test_a_very_long_name_is_cut_in_its_dropdown_label_not_in_the_tables():
     assert report.chunks["name"].iloc[0] == name  # (the whole name, where it is data)
 
 
+def test_the_explorers_tables_write_a_name_over_60_characters_whole():
+    # (the labels cut a long name, the tables show it whole: written in blocks of columns,
+    # they took the text repr's 60-character cut of a cell, "...lin_w..." and the name
+    # was nowhere whole)
+    name = "model.language_model.layers.10.mlp.experts.63.gate_up_proj.w" + "x" * 14
+    patches = [CheckpointWeightPatch(name, (2,), torch.float32, torch.ones(2))]
+    report = inspect_load(_LongNamed(name), patches)
+    explorer = explore(report)
+    shown = {}
+    for label, value in explorer.dropdown.options:
+        explorer.dropdown.value = value
+        shown[label.split(":")[0]] = texts(explorer.output)
+    assert len(name) == 74 and set(shown) == {"patch 0", "runtime"}
+    runtime = name.replace(".", "_")
+    # (the patch's row, and the writes and the delta of the runtime tensor)
+    assert name in shown["patch 0"]
+    assert name in shown["runtime"] and runtime in shown["runtime"]
+    assert "..." not in shown["patch 0"] + shown["runtime"]
+
+
 class _LongNamed(nn.Module):
     def __init__(self, name):
         super().__init__()
