@@ -8,6 +8,7 @@ listing, and check the fallback to torch where a module lists its tensors its ow
 from __future__ import annotations
 
 import sys
+import warnings
 
 import pytest
 import torch
@@ -1021,6 +1022,27 @@ class _Subclassed(torch.nn.Parameter):
     """A Parameter subclass that keeps its values in its own storage (as vLLM's do)."""
 
 
+def _nested() -> torch.Tensor:
+    with warnings.catch_warnings():  # (torch: nested tensors are a prototype)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+
+class _Dispatching(torch.Tensor):
+    """A subclass that answers ops itself (a wrapper that may hold no memory of its own)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Flattening(torch.Tensor):
+    """A subclass that says its values live in inner tensors (``__tensor_flatten__``)."""
+
+    def __tensor_flatten__(self):
+        return [], None
+
+
 def _column_models():
     """Trees for the two ways of building an index: (model, whether the columns take it)."""
     def everything(change=None, shared=False):
@@ -1062,6 +1084,10 @@ def _column_models():
         "one parameter registry in two modules": (everything(
             lambda m: m.right.norm.__dict__.update(_parameters=m.blocks[1].lin._parameters)),
             True),
+        # (the root's buffers in the head too: paired with the head's parameters, as the
+        # last module listing them; no parameter registry is listed twice)
+        "one buffer registry in two modules": (everything(
+            lambda m: m.head.__dict__.update(_buffers=m._buffers)), True),
         # (the columns decline these: the tensor at a time way builds them)
         "a conjugated view": (everything(
             lambda m: m.register_buffer("c", torch.ones(2, dtype=torch.cfloat).conj())), False),
@@ -1071,6 +1097,11 @@ def _column_models():
                           False),
         "a sparse buffer": (everything(
             lambda m: m.register_buffer("sp", torch.ones(2).to_sparse())), False),
+        "a nested buffer": (everything(lambda m: m.register_buffer("nt", _nested())), False),
+        "a subclass that dispatches ops itself": (everything(lambda m: m.register_buffer(
+            "d", torch.Tensor._make_subclass(_Dispatching, torch.ones(2)))), False),
+        "a subclass that flattens into inner tensors": (everything(lambda m: m.register_buffer(
+            "f", torch.Tensor._make_subclass(_Flattening, torch.ones(2)))), False),
         "a registry that is an OrderedDict": (everything(
             lambda m: swap_registry(m, __import__("collections").OrderedDict(
                 m.blocks[0].lin._parameters))), False),
@@ -1126,3 +1157,48 @@ def test_both_ways_build_the_same_index(name, monkeypatch):
     assert bare._index_plain(mods) is taken
     assert taken or vars(bare) == {}
 
+
+
+def test_an_entry_that_is_not_a_tensor_is_refused_by_name_either_way():
+    # (the columns decline a registry holding something else; the old way names it)
+    from patchkit.errors import PatchTypeError
+
+    model = _undo_model()
+    model.emb._parameters["junk"] = "not a tensor"
+    with pytest.raises(PatchTypeError, match=r"parameter 'emb\.junk' is a str, not a tensor"):
+        RuntimeIndex(model)
+
+
+def test_a_module_without_its_set_of_non_persistent_buffers_raises_as_torch_does():
+    # (nn.Module keeps the set in its attributes; the columns decline a module without it,
+    # and reading it raises torch's AttributeError, not a TypeError of the columns)
+    model = _undo_model()
+    del model.emb.__dict__["_non_persistent_buffers_set"]
+    with pytest.raises(AttributeError, match="_non_persistent_buffers_set"):
+        RuntimeIndex(model)
+
+
+def test_the_walk_lists_no_children_of_a_module_whose_modules_are_not_a_dict():
+    import patchkit.intercept as intercept
+
+    model = _undo_model()
+    model.emb.__dict__["_modules"] = [torch.nn.Linear(1, 1)]  # (not a dict, not empty)
+    listed = intercept._module_tree(model)
+    assert [p for p, _ in listed] == ["", "emb", "head", "act"]
+    assert listed[1][1] is model.emb
+
+
+def test_a_name_deleted_and_set_as_a_plain_attribute_is_found_and_undone():
+    # (where a shadowing attribute may stand is worked out when a check first asks, after
+    # the loader's call: from the registries as the index found them, not as they are)
+    model = _undo_model()
+    index = RuntimeIndex(model)
+    w = model.emb.weight
+    del model.emb._parameters["weight"]
+    vars(model.emb).update(weight=_param())
+    assert index.structure_changed() == (
+        "set a plain attribute 'emb.weight' that shadows the registered one (e.g. "
+        "`module.__dict__['weight'] = w`)")
+    assert index.undo()
+    assert "weight" not in vars(model.emb) and model.emb.weight is w
+    assert index.structure_changed() is None and index.unchanged()
