@@ -447,6 +447,28 @@ def test_a_very_long_name_is_cut_in_its_dropdown_label_not_in_the_tables():
     assert report.chunks["name"].iloc[0] == name  # (the whole name, where it is data)
 
 
+def test_the_explorers_tables_are_whole_up_to_100_characters_and_in_blocks_past_that():
+    # (pandas writes " position", a name column as wide as its longest name, "elements")
+    import pandas as pd
+
+    from patchkit.widgets import _table_text
+
+    def table(n):
+        return pd.DataFrame({"position": [1, 2], "name": ["n" * n, "m"], "elements": [3, 40]})
+
+    def widths(text):
+        return [max(map(len, block.splitlines())) for block in text.split("\n\n")]
+
+    assert widths(_table_text(table(80), index=False, key="position")) == [100]
+    # (one character more: the name and its position, then the position and the rest)
+    wider = _table_text(table(81), index=False, key="position")
+    assert widths(wider) == [91, 19]
+    assert [b.split()[:2] for b in wider.split("\n\n")] == [["position", "name"],
+                                                             ["position", "elements"]]
+    # (a block of exactly 100 characters fits: two blocks, not three)
+    assert widths(_table_text(table(90), index=False, key="position")) == [100, 19]
+
+
 def test_the_explorers_tables_write_a_name_over_60_characters_whole():
     # (the labels cut a long name, the tables show it whole: written in blocks of columns,
     # they took the text repr's 60-character cut of a cell, "...lin_w..." and the name
@@ -1233,3 +1255,7 @@ def test_the_explorers_tables_of_long_names_fit_100_columns_in_blocks_of_columns
     assert " ".join(second.splitlines()[2].split()) == "1 [:, :] [1:2, :, :] 32 2 2"
     patch_rows = shown[f"patch 2: {names[2]}"]
     assert names[2] in patch_rows and " closed_by" in patch_rows
+    # (the patch's own row in blocks too, each beginning with its position)
+    blocks = patch_rows.split("\n\n")
+    assert len(blocks) == 2 and blocks[0].split()[:2] == ["chunk", "position"]
+    assert blocks[1].split()[0] == "position"
