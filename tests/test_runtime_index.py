@@ -1158,7 +1158,6 @@ def test_both_ways_build_the_same_index(name, monkeypatch):
     assert taken or vars(bare) == {}
 
 
-
 def test_an_entry_that_is_not_a_tensor_is_refused_by_name_either_way():
     # (the columns decline a registry holding something else; the old way names it)
     from patchkit.errors import PatchTypeError
