@@ -1050,3 +1050,50 @@ def test_a_call_that_only_changes_a_tied_tensor_under_its_other_name_is_no_quiet
         patchkit.load_checkpoint_weight_patches(m, ps, transactional=True, max_chunk_bytes=32)
     assert not [w for w in said if "without a write it saw" in str(w.message)]
     assert m.b is m.a and m.a.tolist() == [float(i) for i in range(8)]
+
+
+class _CopiesTwice(torch.nn.Module):
+    """Copies each weight with ``copy_(t, *args, **kwargs)``, then writes the same
+    parameter again with ``second`` (a tensor; of another shape: a copy that raises)."""
+
+    def __init__(self, second, *args, **kwargs):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.second, self.args, self.kwargs = second, args, kwargs
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w.copy_(t, *self.args, **self.kwargs)
+            if self.second is not None:
+                self.w.copy_(self.second)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("inspected", [False, True])
+def test_a_second_copy_into_a_saved_region_that_raises_is_rolled_back(inspected):
+    # (the failed copy's region was saved by the first one: the rollback has to use that
+    # save, with or without a report counting changes)
+    m = _CopiesTwice(torch.ones(3))
+    p = CheckpointWeightPatch("w", (4,), torch.float32, torch.arange(1.0, 5.0))
+    load = inspect_load if inspected else patchkit.load_checkpoint_weight_patches
+    with pytest.raises(RuntimeError, match="must match the size") as info:
+        load(m, [p], transactional=True)
+    assert m.w.tolist() == [0.0] * 4
+    if inspected:
+        assert info.value.report.rolled_back
+
+
+@pytest.mark.parametrize(("args", "kwargs"), [((False,), {}), ((), {"non_blocking": False}),
+                                              ((True,), {})])
+@pytest.mark.parametrize("inspected", [False, True])
+def test_a_copy_given_non_blocking_is_watched_as_a_copy(args, kwargs, inspected):
+    # (``copy_(t, False)``: three arguments, taken for the plain copy they are)
+    m = _CopiesTwice(None, *args, **kwargs)
+    p = CheckpointWeightPatch("w", (4,), torch.float32, torch.arange(1.0, 5.0))
+    if inspected:
+        r = inspect_load(m, [p])
+        assert r.writes[["name", "written", "changed"]].values.tolist() == [["w", 4, 4]]
+        assert r.before("w").tolist() == [0.0] * 4
+    else:
+        assert patchkit.load_checkpoint_weight_patches(m, [p], transactional=True) == {"w"}
+    assert m.w.tolist() == [1.0, 2.0, 3.0, 4.0]
