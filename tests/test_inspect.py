@@ -1460,6 +1460,33 @@ def test_an_observed_loader_that_copies_the_nan_mask_into_the_model_is_named():
     assert exc.report.error is exc and exc.report.calls["error"].tolist() == [False]
 
 
+def test_an_observed_call_of_sparse_and_dense_patches_copies_the_dense_one_plainly():
+    # (a foreign loader may send both kinds in one call: the call's copies are then
+    # NaN-checked, but a dense patch's own NaN is a value it writes, not a "keep")
+    def all_in_one(model, patches, **kwargs):
+        return set(model.load_weights([(p.name, _staged(p)) for p in patches]) or ())
+
+    class MergesSparse(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+            self.b = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+
+        def load_weights(self, weights):
+            for n, t in weights:
+                own = getattr(self, n)
+                own.copy_(torch.where(t.isnan(), own, t) if n == "a" else t)
+            return {n for n, _ in weights}
+
+    m = MergesSparse()
+    ps = [sparse("a", (4,), [1], [5.0]), dense("b", torch.tensor([1.0, math.nan, 3.0, 4.0]))]
+    r = inspect_load(m, ps, loader=all_in_one)
+    assert r.calls["names"].tolist() == [("a", "b")]
+    assert r.writes[["name", "written", "changed"]].values.tolist() == [["a", 4, 1], ["b", 4, 3]]
+    assert m.a.tolist() == [1.0, 5.0, 1.0, 1.0]
+    assert torch.equal(bits(m.b.detach()), bits(torch.tensor([1.0, math.nan, 3.0, 4.0])))
+
+
 def test_an_observed_loader_staging_sparse_patches_in_a_generator_is_checked_the_same():
     # (entries of a generator are taken as the model reads them: a sparse one among them
     # makes the call's copies NaN-checked, as a list's does from the start)
