@@ -3215,9 +3215,9 @@ class WriteSession:
 
     def _runtime_write(self, func, args, kwargs, targets, source=None):
         """A write op into runtime tensors (``targets``: each written view with its
-        owner's ``(name, owner, offset)``); ``source``: the one patch the op's arguments
-        come from, where known, or a function that finds it (see :meth:`_fed_by`; an
-        error of a sparse call names it). Signals wait until
+        owner's ``(name, owner, offset)``); ``source``: a function that finds the one patch
+        the op's arguments come from (see :meth:`_fed_by`; an error of a sparse call
+        names it), or ``None``: none given. Signals wait until
         the write is saved and recorded (see :class:`_SignalDeferral`)."""
         return self._guarded(self._unguarded_write, func, args, kwargs, targets, source)
 
@@ -3361,7 +3361,7 @@ class WriteSession:
             if not is_copy and self.provenance:
                 # index_copy_, index_put_ (``param[idx] = w``), an out= op: the one patch
                 # its other arguments come from, if one (where in it, no view says)
-                who = (source() if callable(source) else source if source is not None
+                who = (source() if source is not None
                        else self.provenance.source_of(args, kwargs))
             for k, (t, (tname, _, off)) in enumerate(targets):
                 self._record(op, t, tname, off, src, changed[k], written=written, who=who)
@@ -3895,19 +3895,18 @@ class WriteSession:
             position=pos, name=name, reason="NaN in the runtime dtype", value=index,
         )
 
-    def _fed_by(self, src: object, source: _Who | Callable[[], _Who] | None
+    def _fed_by(self, src: object, source: Callable[[], _Who] | None
                 ) -> tuple[int | None, str | None]:
         """``(position, name)`` of the patch an op served, for its error: the one its
         source (``src``, a copy's) was traced to, else ``source`` (traced from the op's
-        other arguments; a function that traces them, called only here), else the call's
+        other arguments: a function that traces them, called only here), else the call's
         only patch; ``(None, None)`` where none is known (see :meth:`_check_sparse_write`)."""
         hit = self.provenance.lookup(src) if isinstance(src, torch.Tensor) else None
         if hit is not None:
             return hit[0], hit[1]
-        if callable(source):
-            source = source()
-        if source is not None:
-            return source
+        found = source() if source is not None else None
+        if found is not None:
+            return found
         if len(self._call_patches) == 1:
             return self._call_patches[0]
         return None, None
