@@ -2044,6 +2044,160 @@ class _Provenance:
         ]
 
 
+class _LostMarks:
+    """The elements, by storage, that a cast the loader made during a sparse call turned
+    from a number into NaN: a value out of range, or an infinity, cast into a floating
+    dtype without infinities (float8 ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``). NaN there
+    is an update lost, not a patch's "keep", and a sparse copy whose source holds one is
+    refused (:meth:`WriteSession._refuse_marked`), wherever the loader's arithmetic
+    left the elements' place in their patch unknown.
+
+    A mark is the byte offset of an element in its storage, with the number it held
+    (float64), so it follows the element through every view of that storage. It is
+    carried to the output of an element-for-element copy (a cast, a clone,
+    ``.contiguous()``, a ``copy_`` into a tensor of the loader's own) and of the ops in
+    ``_MOVES`` (``cat``, ``stack``, indexing, ``repeat``, ``roll``), which move elements
+    without changing them; a ``copy_`` into a marked tensor of the loader's own takes
+    the marks of the elements it overwrote away. Other ops drop them (a number made
+    from a NaN is NaN, but at a place no mark follows). A mark whose element no longer
+    holds NaN counts for nothing.
+
+    Storages are held by weak reference: a freed one's marks are dropped when its
+    address is next looked up, since the allocator may hand it to an unrelated tensor."""
+
+    def __init__(self) -> None:
+        # storage key -> (weak storage ref, sorted byte offsets of elements, their values)
+        self._by_key: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._by_key)
+
+    def _get(self, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+        got = self._by_key.get(key)
+        if got is None:
+            return None
+        if got[0].expired():
+            del self._by_key[key]
+            return None
+        return got[1], got[2]
+
+    def of(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(marked, values)``, each shaped like ``t``: which of ``t``'s elements are
+        marked, and the number each marked one held (anything where not marked); ``None``
+        where none is."""
+        if not self._by_key or not t.numel() or t.is_meta:
+            return None
+        got = self._get(_storage_key(t))
+        if got is None:
+            return None
+        offs, vals = got
+        here = _storage_offsets(t, None) * t.element_size()
+        at = torch.searchsorted(offs, here).clamp_(max=offs.numel() - 1)
+        marked = offs[at] == here
+        if not bool(marked.any()):
+            return None
+        return marked.reshape(t.shape), vals[at].reshape(t.shape)
+
+    def unmark(self, t: torch.Tensor) -> None:
+        """``t``'s elements were overwritten: their marks go."""
+        key = _storage_key(t)
+        got = self._get(key) if self._by_key else None
+        if got is None or not t.numel():
+            return
+        offs, vals = got
+        keep = ~torch.isin(offs, _storage_offsets(t, None) * t.element_size())
+        if bool(keep.all()):
+            return
+        if bool(keep.any()):
+            self._by_key[key] = (self._by_key[key][0], offs[keep], vals[keep])
+        else:
+            del self._by_key[key]
+
+    def mark(self, t: torch.Tensor, marked: torch.Tensor, values: torch.Tensor) -> None:
+        """Mark ``t``'s elements where ``marked`` (shaped like ``t``), each with its number
+        in ``values`` (shaped like ``t``)."""
+        flat = torch.nonzero(marked.reshape(-1)).reshape(-1)
+        if not flat.numel():
+            return
+        offs = _storage_offsets(t, flat) * t.element_size()
+        vals = values.reshape(-1)[flat].to(torch.float64)
+        key = _storage_key(t)
+        got = self._get(key)
+        if got is not None:
+            offs = torch.cat([got[0], offs])
+            vals = torch.cat([got[1], vals])
+        # (sorted, one value per offset: the last marked wins)
+        offs, order = torch.sort(offs, stable=True)
+        vals = vals[order]
+        last = torch.ones_like(offs, dtype=torch.bool)
+        last[:-1] = offs[1:] != offs[:-1]
+        self._by_key[key] = (_weak_storage(t), offs[last], vals[last])
+
+    def copied(self, src: Any, out: torch.Tensor, *, whole: bool) -> None:
+        """``out`` is an element-for-element copy of ``src`` (broadcast to its shape),
+        made by a cast, a clone or a ``copy_`` (``whole``: ``out`` is a new tensor, which
+        held no marks): ``out`` takes ``src``'s marks, and new ones where this copy's own
+        cast made a number NaN."""
+        if not whole:
+            self.unmark(out)
+        if not isinstance(src, torch.Tensor) or not out.numel() or out.is_meta or src.is_meta:
+            return
+        src = src.detach().expand(out.shape)
+        carried = self.of(src)
+        lost = None
+        if (out.dtype != src.dtype and src.dtype.is_floating_point
+                and _casts_lose_numbers(out.dtype)):
+            made = _lost_in_cast(src.to(out.device), out)
+            if bool(made.any()):
+                lost = made
+        if carried is None and lost is None:
+            return
+        values = src.to(device=out.device, dtype=torch.float64)
+        if carried is None:
+            self.mark(out, lost, values)
+            return
+        marked, held = (c.to(out.device) for c in carried)
+        values = torch.where(marked, held, values)
+        self.mark(out, marked if lost is None else marked | lost, values)
+
+    def moved(self, func: Any, args: Sequence[Any], kwargs: dict, out: torch.Tensor) -> None:
+        """``out`` was made by ``func``, one of ``_MOVES``, from ``args[0]`` (a tensor or
+        a list of them): each of its elements is an element of those, unchanged, so the
+        same op on their marks says which of ``out``'s are marked."""
+        first = args[0]
+        inputs = list(first) if isinstance(first, list | tuple) else [first]
+        found = [self.of(t) if isinstance(t, torch.Tensor) else None for t in inputs]
+        if all(f is None for f in found) or out.is_meta:
+            return
+        marks = [f[0] if f is not None else torch.zeros(t.shape, dtype=torch.bool,
+                                                         device=t.device)
+                 for f, t in zip(found, inputs)]
+        values = [f[1] if f is not None else torch.zeros(t.shape, dtype=torch.float64,
+                                                          device=t.device)
+                  for f, t in zip(found, inputs)]
+
+        def again(ins: list[torch.Tensor]) -> torch.Tensor:
+            head = ins if isinstance(first, list | tuple) else ins[0]
+            return func(head, *args[1:], **kwargs)
+
+        self.mark(out, again(marks), again(values))
+
+
+def _casts_lose_numbers(dtype: torch.dtype) -> bool:
+    """Whether a cast into ``dtype`` can turn a number into NaN: a floating dtype
+    without infinities (float8 ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``, and
+    ``e4m3fn``, whose casts torch may saturate instead)."""
+    return dtype.is_floating_point and dtype not in _CASTS_KEEP_NUMBERS
+
+
+# Ops that make a new tensor of elements of their first argument (a tensor, or a list
+# of them), each unchanged: a mark of :class:`_LostMarks` goes where its element goes.
+_MOVES = frozenset({
+    _aten.cat.default, _aten.stack.default, _aten.index_select.default,
+    _aten.index.Tensor, _aten.repeat.default, _aten.roll.default,
+})
+
+
 def _may_be_masked(patch: Any | None, maybe_sparse: bool) -> bool:
     """Whether an observed call's staged tensor of ``patch`` may hold NaN meaning "keep":
     a sparse patch's, or one the observer matched to no patch (``None``) where the load
@@ -2175,6 +2329,12 @@ class _Mode(TorchDispatchMode):
                     # copy of a transposed view): that patch's, at no known offset. (Its
                     # source is looked up here only: most ops of a loader are views.)
                     s.provenance.taint(out, args, s.provenance.source_of(args, kwargs))
+            if s._sparse and isinstance(out, torch.Tensor):
+                if func in _ELEMENTWISE_COPIES:
+                    if s.lost or _casts_lose_numbers(out.dtype):
+                        s.lost.copied(args[0], out, whole=True)
+                elif func in _MOVES and s.lost:
+                    s.lost.moved(func, args, kwargs, out)
             return out
         targets = []
         others = []
@@ -2194,6 +2354,9 @@ class _Mode(TorchDispatchMode):
                     s.provenance.written(t)
                 if func is _COPY:
                     s.provenance.derive(args[1], args[0], whole=False)
+            if (s._sparse and func is _COPY
+                    and (s.lost or _casts_lose_numbers(args[0].dtype))):
+                s.lost.copied(args[1], args[0], whole=False)
             return out
         # the one patch this op's arguments come from (an error of a sparse call names it),
         # looked up only where one asks: a copy whose source is traced names that source's
@@ -2530,6 +2693,9 @@ class WriteSession:
         # both name the patch, so it is always on.
         self.track_sources = True
         self.provenance = _Provenance()
+        # numbers the loader's own casts made NaN in sparse calls (kept for the whole
+        # load: a loader may cast in one call and copy in a later one)
+        self.lost = _LostMarks()
         self.saved: list[SavedRegion] = []
         # Saves whose statistics were measured while writing, by storage (an index of
         # their spans), until a later write reaches one and makes its numbers stale (see
@@ -3729,6 +3895,8 @@ class WriteSession:
             )
         self._refuse_reinterpreted(src, pos, name, tname)
         self._refuse_lost_numbers(src, dest.dtype, pos, name, tname)
+        if self.lost:
+            self._refuse_marked(src, dest.dtype, pos, name, tname)
         region = Region.of(dest)
         earliers = self._call_regions.get(region.key)
         if earliers is None:
@@ -3815,7 +3983,8 @@ class WriteSession:
         patch's entries in it are read there; a view of the staged tensor itself is not
         read at all when none of the patch's values (its nnz, checked once per dtype) is
         lost in ``dtype``. Elsewhere (a source an op made from a patch at unknown places:
-        a scaled one, a gather), only this copy's own cast is checked."""
+        a scaled one, a gather), this copy's own cast is checked here, and the NaN that
+        a cast the loader made before put in it by :meth:`_refuse_marked`."""
         if dtype in _CASTS_KEEP_NUMBERS or not dtype.is_floating_point or src.is_meta:
             return
         # (the message's start, made only for a refusal: most float8 writes pass)
@@ -3871,6 +4040,24 @@ class WriteSession:
         k = sel[bad[0, 0]]
         raise self._lost_error(float(p.values[k].float()), int(p.indices[k]), True, s.dtype,
                                dtype, e.position, e.name, at, tname)
+
+    def _refuse_marked(self, src: torch.Tensor, dtype: torch.dtype, pos: int | None,
+                       name: str | None, tname: str) -> None:
+        """A sparse copy from ``src`` (into a view of ``dtype``) refused where an element
+        of ``src`` is NaN because a cast the loader made earlier in the load turned a
+        number into NaN (see :class:`_LostMarks`), which the merge would read as "keep":
+        the message names the number and the element of the source that holds it."""
+        got = self.lost.of(src.detach())
+        if got is None:
+            return
+        marked, values = got
+        bad = torch.nonzero((marked & nan_mask(src.detach())).reshape(-1))
+        if not bad.numel():
+            return
+        k = int(bad[0, 0])
+        raise self._lost_error(float(values.reshape(-1)[k]), k, False, src.dtype, dtype,
+                               pos, name, functools.partial(self._write_at, pos, name, tname),
+                               tname)
 
     def _checkpoint_index(self, src: torch.Tensor, flat: torch.Tensor, pos: int | None,
                           name: str | None) -> tuple[int, bool]:

@@ -94,10 +94,13 @@ def load_checkpoint_weight_patches(
        cast into a float8 ``fnuz`` or ``e8m0fnu`` parameter, or by a cast the loader
        made before: ``.to()``, a copy into a tensor of its own, a detour through another
        dtype), which would read as "keep", raises :class:`ValueError` (reason ``"NaN in
-       the runtime dtype"``), writing nothing of that copy. (Followed as far as the
-       copy's elements can be traced to the patch's: where the loader scales the values,
-       casts a strided view (a column shard) itself, gathers one into a new tensor or
-       broadcasts one, only the final copy's own cast is checked.) A call that rebinds a
+       the runtime dtype"``), writing nothing of that copy. (A number the loader's own
+       cast made NaN is followed from that cast, in the call or a later one of the load,
+       through views, casts, clones, ``copy_`` into tensors of the loader's own,
+       ``cat``, ``stack``, indexing, ``repeat`` and ``roll``, so a loader may scale,
+       cast and shard in any order; other ops on it, a loader's arithmetic on the NaN
+       after its cast, or ``index_put_`` into a buffer of its own, lose the trail, and
+       the copy's own cast is what is checked.) A call that rebinds a
        runtime tensor (``param.data = w``), registers a new one in its place
        (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) or registers
        one under a name the model did not have is caught when it returns: the original is

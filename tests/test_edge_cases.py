@@ -2022,6 +2022,131 @@ def test_a_number_lost_in_a_narrower_cast_before_the_copy_is_refused():
 
 # -- the collector's pause, the returned names, staging notes, tied aliases -----------------
 
+_F8 = torch.float8_e4m3fnuz
+_ROWS = torch.tensor([2, 3])
+
+
+@pytest.mark.parametrize("how", [
+    pytest.param(lambda t: (t.narrow(0, 2, 2) * 2).to(_F8), id="scale, then cast"),
+    pytest.param(lambda t: (t.narrow(0, 2, 2) * 2).to(_F8).to(torch.float32),
+                 id="scale, cast, then back to float32"),
+    pytest.param(lambda t: (t * 2).to(_F8).narrow(0, 2, 2), id="scale, cast whole, narrow"),
+    pytest.param(lambda t: (t * 2).narrow(1, 0, 4).t().to(_F8).t()[2:],
+                 id="cast a transposed view"),
+    pytest.param(lambda t: torch.cat([(t[2:3] * 2).to(_F8), (t[3:4] * 2).to(_F8)]),
+                 id="cat of casts"),
+    pytest.param(lambda t: torch.stack([(t[2] * 2).to(_F8), (t[3] * 2).to(_F8)]),
+                 id="stack of casts"),
+    pytest.param(lambda t: (t * 2).to(_F8)[_ROWS.to(t.device)], id="index"),
+    pytest.param(lambda t: (t * 2).to(_F8).index_select(0, _ROWS.to(t.device)),
+                 id="index_select"),
+    pytest.param(lambda t: (t * 2).to(_F8).roll(-2, 0)[:2], id="roll"),
+    pytest.param(lambda t: (t[2:] * 2).to(_F8).repeat(2, 1)[2:], id="repeat"),
+    pytest.param(lambda t: torch.empty(2, 4, dtype=_F8, device=t.device).copy_(
+        t.narrow(0, 2, 2) * 2), id="scaled into a float8 scratch"),
+    pytest.param(lambda t: torch.empty(4, 4, dtype=_F8, device=t.device).copy_(
+        t * 2).clone()[2:], id="scratch, clone, narrow"),
+])
+def test_a_number_the_loaders_own_cast_lost_after_scaling_is_refused(how):
+    # Scaled, the values are at no known place in their patch, and the copy's source is
+    # already float8, so the copy's own cast could not see the NaN that the loader's cast
+    # made of 2e6: the update at checkpoint index 13 (row 3, element 5 of rows 2-3) was
+    # lost without a word. The cast now marks it, and the mark follows it to the copy.
+    m = _Fp8Copies(how, (2, 4))
+    here = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 5 of the source "
+                       r"arrives as NaN") as e:
+        patchkit.load_checkpoint_weight_patches(m, [here])
+    assert (e.value.position, e.value.name, e.value.reason, e.value.value) == (
+        0, "w", "NaN in the runtime dtype", 5)
+    assert m.w.detach().float().eq(1).all()
+    # (a number lost in rows this rank does not load, checkpoint index 1, stops nothing)
+    elsewhere = here._replace(values=torch.tensor([1e6, 2.0]), indices=torch.tensor([1, 13]))
+    assert patchkit.load_checkpoint_weight_patches(m, [elsewhere]) == {"w"}
+    assert m.w.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
+
+
+def test_a_scratch_reused_for_the_next_patch_forgets_the_numbers_lost_in_it():
+    # A float8 scratch that held a lost number (in rows this rank does not load) is
+    # overwritten by the next patch's values, whose NaN there is a "keep": refusing it
+    # for the first patch's number would stop a good load.
+    class TwoFromOneScratch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+            self.b = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            buf = torch.empty(4, 4, dtype=_F8)
+            for n, t in weights:
+                buf.copy_(t * 2)
+                getattr(self, n).copy_(buf[:2] if n == "b" else buf[2:])
+            return {n for n, _ in weights}
+
+    a = CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13]))
+    b = CWP("b", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([0]))
+    m = TwoFromOneScratch()
+    assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
+    assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
+    assert m.b.detach().float().reshape(-1).tolist() == [1.0] + [1.0] * 7
+    # (b at checkpoint index 1, where a's number was lost: b's 0.5 lands)
+    b1 = b._replace(indices=torch.tensor([1]))
+    assert patchkit.load_checkpoint_weight_patches(m, [a, b1]) == {"a", "b"}
+    assert m.b.detach().float().reshape(-1)[1] == 1.0
+
+
+def test_a_lost_number_cast_in_one_call_is_refused_where_a_later_call_copies_it():
+    # (a loader that casts what it is sent and copies it when the next name comes: the
+    # marks are kept for the whole load, not only the call that made them)
+    class Deferred(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+            self.held = None
+
+        def load_weights(self, weights):
+            done = set()
+            for n, t in weights:
+                if n == "w":
+                    self.held = (t * 2).to(_F8)  # (nothing copied yet: it reports none)
+                else:
+                    self.w.copy_(self.held[2:])
+                    done.add("w")
+            return done
+
+    w = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    go = CWP("go", (1,), torch.float32, torch.tensor([0.0]), torch.tensor([0]))
+    m = Deferred()
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 5") as e:
+        patchkit.load_checkpoint_weight_patches(m, [w, go], max_chunk_bytes=64)
+    assert e.value.reason == "NaN in the runtime dtype"
+    assert m.w.detach().float().eq(1).all()
+
+
+def test_a_lost_number_overwritten_before_the_copy_stops_nothing():
+    # A marked element that holds a number again (the loader zeroed the row) is no
+    # "keep": the copy writes it
+    def how(t):
+        x = (t * 2).to(_F8)
+        x[3].fill_(0)
+        return x[2:]
+
+    m = _Fp8Copies(how, (2, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    assert patchkit.load_checkpoint_weight_patches(m, [p]) == {"w"}
+    assert m.w.detach().float().reshape(-1).tolist() == [1.0, 4.0] + [1.0] * 2 + [0.0] * 4
+
+
+def test_a_number_the_loaders_cast_lost_is_refused_in_a_report_and_rolled_back():
+    m = _Fp8Copies(lambda t: (t.narrow(0, 2, 2) * 2).to(_F8), (2, 4))
+    first = CWP("w", (4, 4), torch.float32, torch.tensor([3.0]), torch.tensor([8]))
+    lost = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    for run in (patchkit.load_checkpoint_weight_patches, inspect_load):
+        with pytest.raises(ValueError, match=r"2000000\.0 at element 5") as e:
+            run(m, [first, lost], transactional=True)
+        assert (e.value.position, e.value.reason) == (1, "NaN in the runtime dtype")
+        assert m.w.detach().float().eq(1).all()  # (the first call's 6.0 rolled back)
+
 
 def _pause_interrupted(*args):
     raise KeyboardInterrupt  # (a signal before the pause was counted)
