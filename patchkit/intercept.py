@@ -2332,7 +2332,7 @@ class _Mode(TorchDispatchMode):
             if s._sparse and isinstance(out, torch.Tensor):
                 if func in _ELEMENTWISE_COPIES:
                     if s.lost or _casts_lose_numbers(out.dtype):
-                        s.lost.copied(args[0], out, whole=True)
+                        s._note_copied(args[0], out, whole=True)
                 elif func in _MOVES and s.lost:
                     s.lost.moved(func, args, kwargs, out)
             return out
@@ -2356,7 +2356,7 @@ class _Mode(TorchDispatchMode):
                     s.provenance.derive(args[1], args[0], whole=False)
             if (s._sparse and func is _COPY
                     and (s.lost or _casts_lose_numbers(args[0].dtype))):
-                s.lost.copied(args[1], args[0], whole=False)
+                s._note_copied(args[1], args[0], whole=False)
             return out
         # the one patch this op's arguments come from (an error of a sparse call names it),
         # looked up only where one asks: a copy whose source is traced names that source's
@@ -4040,6 +4040,33 @@ class WriteSession:
         k = sel[bad[0, 0]]
         raise self._lost_error(float(p.values[k].float()), int(p.indices[k]), True, s.dtype,
                                dtype, e.position, e.name, at, tname)
+
+    def _note_copied(self, src: Any, out: torch.Tensor, *, whole: bool) -> None:
+        """A sparse call's element-for-element copy of ``src`` into ``out`` (see
+        :meth:`_LostMarks.copied`), marked where it loses a number. Not read where it
+        cannot: no marks yet, and ``src`` all a staged tensor's values in their own
+        dtype (an exact stretch, :class:`_Provenance`), none of whose patch's numbers
+        (its nnz, checked once per dtype) is lost in ``out``'s dtype: a loader's plain
+        ``t.to(dtype)`` reads no tensor."""
+        if not self.lost and isinstance(src, torch.Tensor) and self._keeps_numbers(
+                src, out.dtype):
+            return
+        self.lost.copied(src, out, whole=whole)
+
+    def _keeps_numbers(self, src: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether every element of ``src`` is known to be a staged element of a patch of
+        this call (in the staged dtype) none of whose values becomes NaN in ``dtype``."""
+        if not src.numel():
+            return True
+        lo, hi = _byte_span(src)
+        at = lo
+        for e in self.provenance.stretches(src):
+            if (e.lo > at or not e.exact or e.base is None or e.dtype != src.dtype
+                    or e.position not in self._patches
+                    or self._loses_numbers(e.position, dtype)):
+                return False
+            at = e.hi
+        return at >= hi
 
     def _refuse_marked(self, src: torch.Tensor, dtype: torch.dtype, pos: int | None,
                        name: str | None, tname: str) -> None:

@@ -2066,6 +2066,20 @@ def test_a_number_the_loaders_own_cast_lost_after_scaling_is_refused(how):
     assert m.w.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
 
 
+def test_a_number_lost_in_casts_of_the_staged_rows_is_followed_through_a_cat():
+    # Each row cast on its own is an exact copy of staged values: its cast is not read
+    # where none of the patch's values is lost in float8, but here 1e6 is, so the casts
+    # mark it, and the cat, which no trace to the patch survives, carries the mark
+    m = _Fp8Copies(lambda t: torch.cat([t[2:3].to(_F8), t[3:4].to(_F8)]), (2, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    with pytest.raises(ValueError, match=r"value 1000000\.0 at element 5 of the source"):
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert m.w.detach().float().eq(1).all()
+    # (values float8 holds: no cast is read, and the load writes them)
+    patchkit.load_checkpoint_weight_patches(m, [p._replace(values=torch.tensor([2.0, 3.0]))])
+    assert m.w.detach().float().reshape(-1).tolist() == [1.0, 2.0] + [1.0] * 3 + [3.0, 1.0, 1.0]
+
+
 def test_a_scratch_reused_for_the_next_patch_forgets_the_numbers_lost_in_it():
     # A float8 scratch that held a lost number (in rows this rank does not load) is
     # overwritten by the next patch's values, whose NaN there is a "keep": refusing it
