@@ -274,7 +274,8 @@ def _check_metadata(position: int | None, patch: object, *,
         )
     if not isinstance(dtype, torch.dtype):
         raise PatchTypeError(
-            f"{at}: dtype must be a torch.dtype, got {brief(dtype)} ({type(dtype).__name__})",
+            f"{at}: dtype must be a torch.dtype, got {brief(dtype)} ({type(dtype).__name__})"
+            f"{_dtype_hint(dtype)}",
             position=position, name=name, reason="dtype type", value=dtype,
         )
     if isinstance(shape, Iterator):
@@ -299,6 +300,24 @@ def _check_metadata(position: int | None, patch: object, *,
     if size:
         _check_size(at, position, name, dims, dtype)
     return dims
+
+
+def _dtype_hint(dtype: object) -> str:
+    """``"; pass torch.bfloat16"`` for a dtype given as its name (``"bfloat16"``,
+    ``"torch.bfloat16"``), the commonest way to get it wrong; else nothing."""
+    if isinstance(dtype, str):
+        attr = dtype.removeprefix("torch.")
+        if attr.isidentifier() and isinstance(getattr(torch, attr, None), torch.dtype):
+            return f"; pass torch.{attr}"
+    return ""
+
+
+def _as_tensor_hint(value: object) -> str:
+    """How to make a tensor of what was given: a list, a tuple or an array (numpy's,
+    anything with ``__array__``) converts with ``torch.as_tensor``; else nothing."""
+    if isinstance(value, list | tuple) or hasattr(value, "__array__"):
+        return " (convert it: torch.as_tensor(...))"
+    return ""
 
 
 def _shape_dims(shape: object) -> tuple[int, ...]:
@@ -346,14 +365,17 @@ def _check_structure(position: int | None, patch: object) -> None:
     at = where(position, name)
     if not isinstance(values, torch.Tensor):
         raise PatchTypeError(
-            f"{at}: values must be a torch.Tensor, got {type(values).__name__}",
+            f"{at}: values must be a torch.Tensor, got {type(values).__name__}"
+            f"{_as_tensor_hint(values)}",
             position=position, name=name, reason="values type", value=type(values).__name__,
         )
     if values.is_nested:  # (before its shape: a nested tensor has none to print)
         _refuse_layout(at, position, name, "values", values)
     if values.ndim != 1:
         raise PatchValueError(
-            f"{at}: values must be 1-D, got shape {tuple(values.shape)}",
+            f"{at}: values must be 1-D, got shape {tuple(values.shape)}: a dense patch's "
+            "values are the whole tensor flattened row-major (t.flatten()), a sparse one's "
+            "the new values at its indices",
             position=position, name=name, reason="values not 1-D", value=tuple(values.shape),
         )
     if values.layout is not torch.strided:
@@ -378,14 +400,17 @@ def _check_structure(position: int | None, patch: object) -> None:
         )
     if not isinstance(indices, torch.Tensor):
         raise PatchTypeError(
-            f"{at}: indices must be a torch.Tensor or None, got {type(indices).__name__}",
+            f"{at}: indices must be a torch.Tensor or None, got {type(indices).__name__}"
+            f"{_as_tensor_hint(indices)}",
             position=position, name=name, reason="indices type", value=type(indices).__name__,
         )
     if indices.is_nested:
         _refuse_layout(at, position, name, "indices", indices)
     if indices.ndim != 1:
         raise PatchValueError(
-            f"{at}: indices must be 1-D, got shape {tuple(indices.shape)}",
+            f"{at}: indices must be 1-D, got shape {tuple(indices.shape)}: they are flat "
+            "positions into the whole tensor, row-major (element [r, c] of a 2-D weight "
+            "is r * shape[1] + c)",
             position=position, name=name, reason="indices not 1-D", value=tuple(indices.shape),
         )
     if indices.dtype not in (torch.int32, torch.int64):

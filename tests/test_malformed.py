@@ -364,3 +364,44 @@ def test_a_huge_field_is_shown_cut_short_in_the_message():
             assert len(str(e.value)) < 300
             assert (e.value.position, e.value.reason) == (0, reason)
     assert model.a.tolist() == [0.0] * 4
+
+
+def test_a_newcomers_patch_mistakes_say_what_to_do():
+    # The natural first mistakes in building a patch: a numpy array or a list as values
+    # or indices, the 2-D tensor itself as dense values, (row, col) pairs as indices, a
+    # dtype given by its name. Each error says what to pass instead, and the model is
+    # left as it was.
+    import numpy as np
+
+    model = PlainModel({"w": (2, 3)}, fill=1.0)
+    cases = [
+        (P("w", (2, 3), torch.float32, np.ones(6, dtype=np.float32)),
+         PatchTypeError, r"values must be a torch\.Tensor, got ndarray \(convert it: "
+         r"torch\.as_tensor\(\.\.\.\)\)"),
+        (P("w", (2, 3), torch.float32, [1.0] * 6),
+         PatchTypeError, r"got list \(convert it: torch\.as_tensor"),
+        (P("w", (2, 3), torch.float32, torch.ones(1), np.array([4])),
+         PatchTypeError, r"indices must be a torch\.Tensor or None, got ndarray \(convert "
+         r"it: torch\.as_tensor"),
+        (P("w", (2, 3), torch.float32, torch.ones(2, 3)),
+         PatchValueError, r"values must be 1-D, got shape \(2, 3\): a dense patch's values "
+         r"are the whole tensor flattened row-major \(t\.flatten\(\)\)"),
+        (P("w", (2, 3), torch.float32, torch.ones(2), torch.tensor([[0, 1], [1, 2]])),
+         PatchValueError, r"indices must be 1-D, got shape \(2, 2\): they are flat "
+         r"positions into the whole tensor, row-major \(element \[r, c\] of a 2-D weight "
+         r"is r \* shape\[1\] \+ c\)"),
+        (P("w", (2, 3), "bfloat16", torch.ones(6)),
+         PatchTypeError, r"got 'bfloat16' \(str\); pass torch\.bfloat16$"),
+        (P("w", (2, 3), "torch.float16", torch.ones(6)),
+         PatchTypeError, r"got 'torch\.float16' \(str\); pass torch\.float16$"),
+    ]
+    for patch, error, message in cases:
+        with pytest.raises(error, match=r"^patch 0 \('w'\): .*" + message) as e:
+            load_checkpoint_weight_patches(model, [patch])
+        assert e.value.position == 0 and e.value.name == "w"
+        assert torch.equal(model.w, torch.ones(2, 3))
+    # a type torch.as_tensor does not take, or a str that names no dtype, gets no advice
+    with pytest.raises(PatchTypeError, match=r"got str$"):
+        load_checkpoint_weight_patches(model, [P("w", (2, 3), torch.float32, "ones")])
+    with pytest.raises(PatchTypeError, match=r"got 'bf16' \(str\)$"):
+        load_checkpoint_weight_patches(model, [P("w", (2, 3), "bf16", torch.ones(6))])
