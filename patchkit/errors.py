@@ -85,6 +85,14 @@ def where(position: int | None, name: str | None) -> str:
     return f"patch {position} ({shown})"
 
 
+# What a model's load_weights must do, for the errors that find a model without one.
+LOAD_WEIGHTS_DOES = (
+    "takes a list of (checkpoint name, tensor) pairs, writes each into the model and "
+    "returns the names it loaded (docs/CONTRACT.md; patchkit.toymodels.PlainModel is a "
+    "minimal one)"
+)
+
+
 # (longer than any real checkpoint or runtime tensor name: those are shown whole)
 _NAME_MOST = 200
 

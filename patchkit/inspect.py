@@ -107,7 +107,7 @@ from .density import (
     distinct_indices,
     region_text,
 )
-from .errors import PatchTypeError, brief, quoted, where
+from .errors import LOAD_WEIGHTS_DOES, PatchTypeError, brief, quoted, where
 from .intercept import (
     _DEFERRAL,
     RuntimeIndex,
@@ -1537,7 +1537,8 @@ def inspect_load(
         raise PatchTypeError(
             f"model {type(model).__name__} is not a torch.nn.Module with a "
             "load_weights(weights) method; the contract applies patches through the model's "
-            "own checkpoint loader, and a report watches that module's tensors",
+            "own checkpoint loader, and a report watches that module's tensors: give it one "
+            f"that {LOAD_WEIGHTS_DOES}",
             reason="no load_weights", value=type(model).__name__,
         )
     if loader is not None:

@@ -17,7 +17,14 @@ import torch
 
 from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
-from .errors import ContractViolation, PatchError, PatchTypeError, PatchValueError, where
+from .errors import (
+    LOAD_WEIGHTS_DOES,
+    ContractViolation,
+    PatchError,
+    PatchTypeError,
+    PatchValueError,
+    where,
+)
 from .intercept import (
     _DEFERRAL,
     RuntimeIndex,
@@ -239,7 +246,8 @@ def run_load(
         if not callable(load_weights):
             raise PatchTypeError(
                 f"model {type(model).__name__} has no load_weights(weights) method; the "
-                "contract applies patches through the model's own checkpoint loader",
+                "contract applies patches through the model's own checkpoint loader: give "
+                f"it one that {LOAD_WEIGHTS_DOES}",
                 reason="no load_weights", value=type(model).__name__,
             )
         sparse = kind == "sparse"

@@ -901,6 +901,23 @@ def test_a_model_that_is_not_a_module_is_refused_by_type_before_any_call(kind):
     assert info.value.reason == "no load_weights"
 
 
+def test_a_model_without_load_weights_is_told_what_load_weights_must_do():
+    # A newcomer's first try is a plain module (an nn.Linear, a Hugging Face model): the
+    # error says what the missing method takes, does and returns, and where to see one,
+    # from the loader and from inspect_load alike.
+    p = CWP("weight", (2, 2), torch.float32, torch.ones(4))
+    said = (r"give it one that takes a list of \(checkpoint name, tensor\) pairs, writes "
+            r"each into the model and returns the names it loaded \(docs/CONTRACT\.md; "
+            r"patchkit\.toymodels\.PlainModel is a minimal one\)$")
+    for load in (patchkit.load_checkpoint_weight_patches, patchkit.inspect_load):
+        model = torch.nn.Linear(2, 2)
+        before = model.weight.detach().clone()
+        with pytest.raises(patchkit.PatchTypeError, match=said) as info:
+            load(model, [p])
+        assert (info.value.reason, info.value.value) == ("no load_weights", "Linear")
+        assert torch.equal(model.weight, before)
+
+
 @pytest.mark.parametrize("transactional", [False, True])
 def test_an_empty_call_returns_an_empty_set_whatever_the_model(transactional):
     # CONTRACT §1.3: an empty call is neither dense nor sparse and makes no call, so the
