@@ -1176,9 +1176,12 @@ def read_patch_index(path: str | os.PathLike[str]) -> list[PatchFileEntry]:
 
 def read_patch_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     """The user metadata of the patch file at ``path`` (``patchkit``'s own header key
-    left out), its keys in sorted order (the same in every process).
+    left out), its keys in sorted order (the same in every process): the ``metadata``
+    given to :func:`save_patches`, ``{}`` where none was. Reads no tensor data.
 
-    The file is checked as by :func:`read_patch_index`.
+    The file is checked as by :func:`patchkit.io.read_patch_index`: a missing,
+    unreadable or malformed file raises :class:`~patchkit.errors.PatchValueError`
+    naming it; a ``path`` that is no str, bytes or ``os.PathLike``, ``TypeError``.
     """
     _check_path(path, "read_patch_metadata")
     path = os.fsdecode(path)

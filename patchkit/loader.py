@@ -167,6 +167,11 @@ def load_checkpoint_weight_patches(
     ``None`` adds nothing). An empty ``patches`` makes no call and returns ``set()``.
     Runs under :func:`torch.no_grad`.
 
+    ``model`` must be a :class:`torch.nn.Module` (or have its ``named_modules``,
+    ``named_parameters`` and ``named_buffers``) with a ``load_weights`` method, and
+    ``max_chunk_bytes`` a positive whole number of bytes (``1.5`` or ``inf`` is refused:
+    pass a large int for no limit): :class:`~patchkit.PatchTypeError` /
+    :class:`~patchkit.PatchValueError` otherwise, before any ``load_weights`` call.
     ``validate_unique_indices`` and ``transactional`` must be ``True`` or ``False``:
     anything else (``None``, ``0``, ``"no"``) raises :class:`~patchkit.PatchTypeError`
     once ``patches`` is read (the contract reads it first), before any patch is checked

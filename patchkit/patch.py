@@ -46,6 +46,15 @@ class CheckpointWeightPatch(NamedTuple):
     - ``indices``: ``None`` for a dense replacement, else a 1-D int32/int64 tensor of flat
       positions into the full tensor.
 
+    ``values`` may have another dtype than ``dtype``: it is cast when the patch is staged
+    (complex values into a real dtype are refused, and a dense integer weight's values
+    must fit its dtype). The staged tensor lives on the device of ``values``; ``indices``
+    are moved there. A sparse patch needs a floating-point ``dtype``, indices in
+    ``[0, prod(shape))``, each once, and no NaN among its values (NaN marks "unchanged").
+    Nothing is checked when a patch is made: a load checks every patch before its first
+    ``load_weights`` call (:func:`~patchkit.patch.validate_patches`), as do
+    :func:`~patchkit.stage` and :func:`~patchkit.save_patches`.
+
     An immutable NamedTuple: positional construction, ``._replace`` and unpacking work.
 
     >>> p = CheckpointWeightPatch("w", (2, 2), torch.float32, torch.zeros(4))
