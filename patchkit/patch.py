@@ -50,7 +50,9 @@ class CheckpointWeightPatch(NamedTuple):
     (complex values into a real dtype are refused, and a dense integer weight's values
     must fit its dtype). The staged tensor lives on the device of ``values``; ``indices``
     are moved there. A sparse patch needs a floating-point ``dtype``, indices in
-    ``[0, prod(shape))``, each once, and no NaN among its values (NaN marks "unchanged").
+    ``[0, prod(shape))``, each once (unless a load is given
+    ``validate_unique_indices=False``), and no NaN among its values (NaN marks
+    "unchanged").
     Nothing is checked when a patch is made: a load checks every patch before its first
     ``load_weights`` call (:func:`~patchkit.patch.validate_patches`), as do
     :func:`~patchkit.stage` and :func:`~patchkit.save_patches`.
