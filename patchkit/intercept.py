@@ -2066,8 +2066,11 @@ class _LostMarks:
     address is next looked up, since the allocator may hand it to an unrelated tensor."""
 
     def __init__(self) -> None:
-        # storage key -> (weak storage ref, sorted byte offsets of elements, their values)
+        # storage key -> (weak storage ref, sorted byte offsets of elements, what each
+        # mark says: rows of (number, patch position, checkpoint index), float64, -1
+        # where not known)
         self._by_key: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self.names: dict[int, str] = {}  # patch position -> name, of the marks' patches
 
     def __bool__(self) -> bool:
         return bool(self._by_key)
@@ -2082,21 +2085,22 @@ class _LostMarks:
         return got[1], got[2]
 
     def of(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(marked, values)``, each shaped like ``t``: which of ``t``'s elements are
-        marked, and the number each marked one held (anything where not marked); ``None``
-        where none is."""
+        """``(marked, what)``: which of ``t``'s elements are marked (shaped like ``t``),
+        and what each marked one's mark says (shaped like ``t`` plus a last dim of 3:
+        the number it held, its patch's position and its checkpoint index, ``-1`` where
+        not known; anything where not marked); ``None`` where no element is marked."""
         if not self._by_key or not t.numel() or t.is_meta:
             return None
         got = self._get(_storage_key(t))
         if got is None:
             return None
-        offs, vals = got
+        offs, what = got
         here = _storage_offsets(t, None) * t.element_size()
         at = torch.searchsorted(offs, here).clamp_(max=offs.numel() - 1)
         marked = offs[at] == here
         if not bool(marked.any()):
             return None
-        return marked.reshape(t.shape), vals[at].reshape(t.shape)
+        return marked.reshape(t.shape), what[at].reshape(*t.shape, 3)
 
     def unmark(self, t: torch.Tensor) -> None:
         """``t``'s elements were overwritten: their marks go."""
@@ -2104,40 +2108,42 @@ class _LostMarks:
         got = self._get(key) if self._by_key else None
         if got is None or not t.numel():
             return
-        offs, vals = got
+        offs, what = got
         keep = ~torch.isin(offs, _storage_offsets(t, None) * t.element_size())
         if bool(keep.all()):
             return
         if bool(keep.any()):
-            self._by_key[key] = (self._by_key[key][0], offs[keep], vals[keep])
+            self._by_key[key] = (self._by_key[key][0], offs[keep], what[keep])
         else:
             del self._by_key[key]
 
-    def mark(self, t: torch.Tensor, marked: torch.Tensor, values: torch.Tensor) -> None:
-        """Mark ``t``'s elements where ``marked`` (shaped like ``t``), each with its number
-        in ``values`` (shaped like ``t``)."""
+    def mark(self, t: torch.Tensor, marked: torch.Tensor, what: torch.Tensor) -> None:
+        """Mark ``t``'s elements where ``marked`` (shaped like ``t``), each with what
+        its mark says in ``what`` (shaped like ``t`` plus 3: see :meth:`of`)."""
         flat = torch.nonzero(marked.reshape(-1)).reshape(-1)
         if not flat.numel():
             return
         offs = _storage_offsets(t, flat) * t.element_size()
-        vals = values.reshape(-1)[flat].to(torch.float64)
+        what = what.reshape(-1, 3)[flat].to(torch.float64)
         key = _storage_key(t)
         got = self._get(key)
         if got is not None:
             offs = torch.cat([got[0], offs])
-            vals = torch.cat([got[1], vals])
-        # (sorted, one value per offset: the last marked wins)
+            what = torch.cat([got[1], what])
+        # (sorted, one mark per element: the last made wins)
         offs, order = torch.sort(offs, stable=True)
-        vals = vals[order]
+        what = what[order]
         last = torch.ones_like(offs, dtype=torch.bool)
         last[:-1] = offs[1:] != offs[:-1]
-        self._by_key[key] = (_weak_storage(t), offs[last], vals[last])
+        self._by_key[key] = (_weak_storage(t), offs[last], what[last])
 
-    def copied(self, src: Any, out: torch.Tensor, *, whole: bool) -> None:
+    def copied(self, src: Any, out: torch.Tensor, provenance: _Provenance, *,
+               whole: bool) -> None:
         """``out`` is an element-for-element copy of ``src`` (broadcast to its shape),
         made by a cast, a clone or a ``copy_`` (``whole``: ``out`` is a new tensor, which
         held no marks): ``out`` takes ``src``'s marks, and new ones where this copy's own
-        cast made a number NaN."""
+        cast made a number NaN, each naming the patch and checkpoint index where
+        ``provenance`` traces that element of ``src``."""
         if not whole:
             self.unmark(out)
         if not isinstance(src, torch.Tensor) or not out.numel() or out.is_meta or src.is_meta:
@@ -2152,13 +2158,35 @@ class _LostMarks:
                 lost = made
         if carried is None and lost is None:
             return
-        values = src.to(device=out.device, dtype=torch.float64)
-        if carried is None:
-            self.mark(out, lost, values)
+        if lost is None:
+            marked, what = (c.to(out.device) for c in carried)  # type: ignore[union-attr]
+            self.mark(out, marked, what)
             return
-        marked, held = (c.to(out.device) for c in carried)
-        values = torch.where(marked, held, values)
-        self.mark(out, marked if lost is None else marked | lost, values)
+        what = self._origins(src, provenance).to(out.device)
+        if carried is not None:
+            marked, held = (c.to(out.device) for c in carried)
+            what = torch.where(marked.unsqueeze(-1), held, what)
+            lost = lost | marked
+        self.mark(out, lost, what)
+
+    def _origins(self, src: torch.Tensor, provenance: _Provenance) -> torch.Tensor:
+        """What a mark made at each element of ``src`` says (see :meth:`of`): its number,
+        and, where ``provenance`` traces it to a patch, that patch's position and, where
+        the element's place in it is known, its checkpoint index."""
+        what = torch.full((*src.shape, 3), -1.0, dtype=torch.float64, device=src.device)
+        what[..., 0] = src
+        found = [e for e in provenance.stretches(src) if e.position is not None]
+        if not found:
+            return what
+        at = _storage_offsets(src, None).reshape(src.shape)
+        size = src.element_size()
+        for e in found:
+            inside = (at * size >= e.lo) & (at * size < e.hi)
+            what[..., 1][inside] = e.position
+            self.names[e.position] = e.name
+            if e.base is not None and e.dtype == src.dtype:
+                what[..., 2][inside] = (at[inside] - e.base).to(torch.float64)
+        return what
 
     def moved(self, func: Any, args: Sequence[Any], kwargs: dict, out: torch.Tensor) -> None:
         """``out`` was made by ``func``, one of ``_MOVES``, from ``args[0]`` (a tensor or
@@ -2172,15 +2200,16 @@ class _LostMarks:
         marks = [f[0] if f is not None else torch.zeros(t.shape, dtype=torch.bool,
                                                          device=t.device)
                  for f, t in zip(found, inputs)]
-        values = [f[1] if f is not None else torch.zeros(t.shape, dtype=torch.float64,
-                                                          device=t.device)
-                  for f, t in zip(found, inputs)]
+        what = [f[1] if f is not None else torch.zeros((*t.shape, 3), dtype=torch.float64,
+                                                        device=t.device)
+                for f, t in zip(found, inputs)]
 
         def again(ins: list[torch.Tensor]) -> torch.Tensor:
             head = ins if isinstance(first, list | tuple) else ins[0]
             return func(head, *args[1:], **kwargs)
 
-        self.mark(out, again(marks), again(values))
+        self.mark(out, again(marks),
+                  torch.stack([again([w[..., c] for w in what]) for c in range(3)], -1))
 
 
 def _casts_lose_numbers(dtype: torch.dtype) -> bool:
@@ -4051,7 +4080,7 @@ class WriteSession:
         if not self.lost and isinstance(src, torch.Tensor) and self._keeps_numbers(
                 src, out.dtype):
             return
-        self.lost.copied(src, out, whole=whole)
+        self.lost.copied(src, out, self.provenance, whole=whole)
 
     def _keeps_numbers(self, src: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether every element of ``src`` is known to be a staged element of a patch of
@@ -4073,18 +4102,24 @@ class WriteSession:
         """A sparse copy from ``src`` (into a view of ``dtype``) refused where an element
         of ``src`` is NaN because a cast the loader made earlier in the load turned a
         number into NaN (see :class:`_LostMarks`), which the merge would read as "keep":
-        the message names the number and the element of the source that holds it."""
+        the message names the number, the patch it was a number of (where the cast's
+        source was traced to one: a copy made in a later call, or from a ``cat`` of two
+        patches, is traced to no patch itself) and its checkpoint index where known,
+        else the element of the source that holds it."""
         got = self.lost.of(src.detach())
         if got is None:
             return
-        marked, values = got
+        marked, what = got
         bad = torch.nonzero((marked & nan_mask(src.detach())).reshape(-1))
         if not bad.numel():
             return
         k = int(bad[0, 0])
-        raise self._lost_error(float(values.reshape(-1)[k]), k, False, src.dtype, dtype,
-                               pos, name, functools.partial(self._write_at, pos, name, tname),
-                               tname)
+        value, of, index = what.reshape(-1, 3)[k].tolist()
+        if of >= 0:  # (the patch whose number it was, which the copy may not be traced to)
+            pos, name = int(of), self.lost.names[int(of)]
+        raise self._lost_error(value, int(index) if index >= 0 else k, index >= 0,
+                               src.dtype, dtype, pos, name,
+                               functools.partial(self._write_at, pos, name, tname), tname)
 
     def _checkpoint_index(self, src: torch.Tensor, flat: torch.Tensor, pos: int | None,
                           name: str | None) -> tuple[int, bool]:

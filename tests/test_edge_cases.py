@@ -2069,11 +2069,13 @@ def test_a_number_the_loaders_own_cast_lost_after_scaling_is_refused(how):
 def test_a_number_lost_in_casts_of_the_staged_rows_is_followed_through_a_cat():
     # Each row cast on its own is an exact copy of staged values: its cast is not read
     # where none of the patch's values is lost in float8, but here 1e6 is, so the casts
-    # mark it, and the cat, which no trace to the patch survives, carries the mark
+    # mark it, and the cat, which no trace to the patch survives, carries the mark (with
+    # the patch and the checkpoint index the cast's source was traced to)
     m = _Fp8Copies(lambda t: torch.cat([t[2:3].to(_F8), t[3:4].to(_F8)]), (2, 4))
     p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
-    with pytest.raises(ValueError, match=r"value 1000000\.0 at element 5 of the source"):
+    with pytest.raises(ValueError, match=r"value 1000000\.0 at checkpoint index 13 ") as e:
         patchkit.load_checkpoint_weight_patches(m, [p])
+    assert (e.value.position, e.value.name, e.value.value) == (0, "w", 13)
     assert m.w.detach().float().eq(1).all()
     # (values float8 holds: no cast is read, and the load writes them)
     patchkit.load_checkpoint_weight_patches(m, [p._replace(values=torch.tensor([2.0, 3.0]))])
@@ -2133,8 +2135,33 @@ def test_a_lost_number_cast_in_one_call_is_refused_where_a_later_call_copies_it(
     m = Deferred()
     with pytest.raises(ValueError, match=r"value 2000000\.0 at element 5") as e:
         patchkit.load_checkpoint_weight_patches(m, [w, go], max_chunk_bytes=64)
-    assert e.value.reason == "NaN in the runtime dtype"
+    # (the patch whose number it was, not the one the later call loads)
+    assert str(e.value).startswith("load_weights (call 1, patch 0 ('w'), runtime tensor 'w')")
+    assert (e.value.position, e.value.name, e.value.reason) == (
+        0, "w", "NaN in the runtime dtype")
     assert m.w.detach().float().eq(1).all()
+
+
+def test_a_lost_number_in_a_cat_of_two_patches_names_the_patch_it_came_from():
+    # (q and k, each scaled and cast, copied as one: the copy's source is traced to no
+    # single patch, so only the mark can say that the number was k's)
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qk = nn.Parameter(torch.ones(4, 4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            got = dict(weights)
+            self.qk.copy_(torch.cat([(got["q"] * 2).to(_F8), (got["k"] * 2).to(_F8)]))
+            return set(got)
+
+    q = CWP("q", (2, 4), torch.float32, torch.tensor([2.0]), torch.tensor([0]))
+    k = CWP("k", (2, 4), torch.float32, torch.tensor([0.5, 1e6]), torch.tensor([1, 6]))
+    m = Packed()
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 14 of the source") as e:
+        patchkit.load_checkpoint_weight_patches(m, [q, k])
+    assert (e.value.position, e.value.name, e.value.value) == (1, "k", 14)
+    assert m.qk.detach().float().eq(1).all()
 
 
 def test_a_lost_number_overwritten_before_the_copy_stops_nothing():
