@@ -422,7 +422,10 @@ class LoadReport:
       ``returned`` names (``None`` when the loader returned None), ``writes`` into runtime
       tensors, ``seconds`` (wall time of the call, the report's own work in it included;
       on CUDA the clock starts and stops with the model's and the staged tensors' devices
-      idle, so a copy still queued counts in its own call), ``error`` (the call raised).
+      idle, so a copy still queued counts in its own call), ``error`` (the call raised,
+      or patchkit refused it as it returned: a sparse call that rebound or registered a
+      runtime tensor, or returned names without copying; its ``returned`` names are then
+      not in ``loaded``).
     - ``writes``: one row per write into a runtime tensor: ``chunk``, ``position`` and
       ``name`` of the patch that fed it (``None`` when the source could not be traced to
       one staged tensor: made by an op from two patches, say), ``checkpoint_offset``
