@@ -1780,12 +1780,14 @@ class _Source(NamedTuple):
     data an op moved without changing its dtype (a clone of ``w.view(torch.int32)``), the
     dtype its input's bytes were (``None``: not known). NaN, a sparse patch's "keep", is a
     bit pattern of that dtype: a view of these bytes as another dtype does not read it as
-    NaN (see :meth:`WriteSession._refuse_reinterpreted`)."""
+    NaN (see :meth:`WriteSession._refuse_reinterpreted`). ``name`` ``None`` (``position``
+    too): data of several patches (a ``torch.cat`` of two), kept for its ``dtype`` only:
+    :meth:`_Provenance.lookup` and :meth:`_Provenance.source_of` find no patch there."""
 
     lo: int
     hi: int
     position: int | None
-    name: str
+    name: str | None
     base: int | None  # None: made from the patch's data by an op that moves elements
     exact: bool
     ref: Any = None
@@ -1923,7 +1925,7 @@ class _Provenance:
         with ``exact``, only for an exact stretch (see the class docstring). ``key``:
         ``t``'s storage key, where the caller has it already."""
         hit = self._find(t, _storage_key(t) if key is None else key)
-        if hit is None or (exact and not hit.exact):
+        if hit is None or hit.name is None or (exact and not hit.exact):
             return None
         return hit.position, hit.name, None if hit.base is None else t.storage_offset() - hit.base
 
@@ -1968,9 +1970,14 @@ class _Provenance:
         hit = self._find(src, _storage_key(src)) if self._by_key else None
         if (hit is None or hit.base is None or src.numel() != out.numel()  # (a broadcast)
                 or not (src.is_contiguous() and out.is_contiguous())):
-            if not whole and okey in self._by_key:
-                lo, hi = _byte_span(out)
-                self._forget(okey, lo, hi)
+            if not whole:
+                # A copy into a tensor of the loader's own (a scratch buffer) that cannot
+                # be followed element for element (a transposed or column-sliced source
+                # or destination, a source an op made): ``out`` holds ``src``'s data now,
+                # at offsets nobody knows, its bytes of the dtype they were (so that a
+                # view of them as another dtype is refused as it is for ``src``).
+                self._moved_into(out, [(src, e) for e in self.stretches(src)]
+                                 if self._by_key else [])
             return False
         off = src.storage_offset() - hit.base
         lo, hi = _byte_span(out)
@@ -1986,6 +1993,8 @@ class _Provenance:
             return None
         found = None
         for _, hit in self._traced((*args, *kwargs.values())):
+            if hit.name is None:  # (data of several patches already)
+                return None
             who = (hit.position, hit.name)
             if found is not None and found != who:
                 return None
@@ -2002,24 +2011,50 @@ class _Provenance:
                     if hit is not None:
                         yield t, hit
 
-    def taint(self, out: torch.Tensor, args: Sequence[Any],
-              who: tuple[int | None, str] | None) -> None:
-        """``out``, a new tensor an op made from ``args``, holds data of patch ``who``
-        (their :meth:`source_of`; ``None``: nothing to record), at offsets nobody knows."""
-        if who is None or not out.numel():
+    def taint(self, out: torch.Tensor, args: Sequence[Any], kwargs: dict | None = None
+              ) -> None:
+        """``out``, a new tensor an op made from ``args`` (and ``kwargs``' values), holds
+        the data of the patches they are traced to, at offsets nobody knows: one patch's
+        (named), or several patches' (a ``torch.cat`` of two: kept for its dtype only)."""
+        if not out.numel() or not self._by_key:
             return
         okey = _storage_key(out)
-        dtype = out.dtype
         for a in args:  # an op that hands back its input: no new data
             if isinstance(a, torch.Tensor) and _storage_key(a) == okey:
                 return
-        # (the first input traced to a patch says what its bytes were)
-        first = next(self._traced(args), None)
-        if first is not None:
-            dtype = _bits_dtype(first[1], first[0], out)
+        found = list(self._traced((*args, *kwargs.values()) if kwargs else args))
+        if found:
+            self._moved_into(out, found)
+
+    def written_from(self, t: torch.Tensor, args: Sequence[Any], kwargs: dict) -> None:
+        """``t``, a tensor that is no runtime tensor, was written in place by an op other
+        than a copy (an index put, an ``out=`` op, an ``add_``) whose arguments are
+        ``args`` and ``kwargs``: where another of them holds a patch's data, ``t`` holds
+        it too from now on, at offsets nobody knows, with what it held itself."""
+        key = _storage_key(t)
+        found = [(a, e) for a, e in self._traced((*args, *kwargs.values()))
+                 if _storage_key(a) != key]
+        if found:
+            self._moved_into(t, [(t, e) for e in self.stretches(t)] + found)
+
+    def _moved_into(self, out: torch.Tensor, found: list[tuple[torch.Tensor, _Source]]
+                    ) -> None:
+        """``out``'s bytes hold, from now on, the data of the stretches in ``found`` (each
+        with the tensor that read it), at offsets nobody knows: one patch's, named, or
+        several patches', kept for their dtype only (the first says what it is); none:
+        ``out`` holds no patch's data."""
+        okey = _storage_key(out)
         lo, hi = _byte_span(out)
+        if not found:
+            if okey in self._by_key:
+                self._forget(okey, lo, hi)
+            return
+        t, first = found[0]
+        who = (first.position, first.name)
+        if any(e.name is None or (e.position, e.name) != who for _, e in found):
+            who = (None, None)
         self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out),
-                                dtype))
+                                _bits_dtype(first, t, out)))
 
     def __bool__(self) -> bool:
         return bool(self._by_key)
@@ -2355,9 +2390,10 @@ class _Mode(TorchDispatchMode):
                     args[0], out, whole=True)
                 if not derived and not _is_view(func):
                     # A new tensor made from one patch's data (a cat, a gather, a flip, the
-                    # copy of a transposed view): that patch's, at no known offset. (Its
+                    # copy of a transposed view): that patch's, at no known offset; from
+                    # several patches' (a cat of q and k), theirs, kept for its dtype. (Its
                     # source is looked up here only: most ops of a loader are views.)
-                    s.provenance.taint(out, args, s.provenance.source_of(args, kwargs))
+                    s.provenance.taint(out, args, kwargs)
             if s._sparse and isinstance(out, torch.Tensor):
                 if func in _ELEMENTWISE_COPIES:
                     if s.lost or _casts_lose_numbers(out.dtype):
@@ -2383,6 +2419,11 @@ class _Mode(TorchDispatchMode):
                     s.provenance.written(t)
                 if func is _COPY:
                     s.provenance.derive(args[1], args[0], whole=False)
+                elif s.provenance:
+                    # (a scratch tensor written from a patch's data by another op:
+                    # ``buf[idx] = w``, ``torch.cat([q, k], out=buf)``, ``buf.add_(w)``)
+                    for t in others:
+                        s.provenance.written_from(t, args, kwargs)
             if (s._sparse and func is _COPY
                     and (s.lost or _casts_lose_numbers(args[0].dtype))):
                 s._note_copied(args[1], args[0], whole=False)
@@ -2489,7 +2530,7 @@ class _DenseMode(TorchFunctionMode):
                 # ``w[idx]`` with a tensor or list index gathers into a new tensor
                 # (a slice is a view, which the storage already names)
                 prov = self.s.provenance
-                prov.taint(out, args, prov.source_of(args, kwargs or {}))
+                prov.taint(out, args, kwargs)
             return out
         if route == _HANDLE:
             if self.shield:
@@ -4170,7 +4211,7 @@ class WriteSession:
         with torch._C.DisableTorchFunction():
             out = src.resolve_conj().resolve_neg()
         if self.provenance:
-            self.provenance.taint(out, (src,), self.provenance.source_of((src,), {}))
+            self.provenance.taint(out, (src,))
         return out
 
     def _refuse_lazy_views(self, op: str, targets, args, source=None) -> None:

@@ -1,0 +1,140 @@
+"""Sparse loads whose loaders move a patch's data into tensors of their own before a copy
+reads it: the staged NaN ("keep") must stay recognisable, or the load refused, wherever
+the data went."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import patchkit
+from patchkit import CheckpointWeightPatch as CWP
+from patchkit.bitwise import bits
+from patchkit.errors import ContractViolation
+
+# Ways a loader puts a (6, 4) float32 checkpoint tensor's data, or that of two (3, 4)
+# ones, into a (6, 4) float32 tensor of its own. None of them can be followed element
+# for element (a transposed or column-sliced copy, a gather, data of two patches), so
+# the result was once taken for data of no patch at all.
+
+
+def _transposed_into_scratch(w):
+    buf = torch.empty(6, 4)
+    buf.copy_(w["a"].reshape(4, 6).t())  # (a checkpoint kept transposed)
+    return buf
+
+
+def _into_a_transposed_scratch(w):
+    buf = torch.empty(4, 6)
+    buf.t().copy_(w["a"])
+    return buf.t().contiguous()
+
+
+def _flipped_into_scratch(w):
+    buf = torch.empty(6, 4)
+    buf.copy_(w["a"].flip(0))
+    return buf
+
+
+def _columns_into_scratch(w):
+    buf = torch.zeros(6, 4)
+    buf[:, :2].copy_(w["a"][:, 2:])
+    return buf
+
+
+def _cat_of_two(w):
+    return torch.cat([w["a"], w["b"]])
+
+
+def _cat_of_two_into_scratch(w):
+    buf = torch.empty(6, 4)
+    torch.cat([w["a"], w["b"]], out=buf)
+    return buf
+
+
+def _rows_put_into_scratch(w):
+    buf = torch.empty(6, 4)
+    buf[torch.tensor([5, 4, 3, 2, 1, 0])] = w["a"]
+    return buf
+
+
+def _added_into_zeros(w):
+    buf = torch.zeros(6, 4)
+    buf.add_(w["a"])
+    return buf
+
+
+_MOVES = {
+    "transposed into scratch": (_transposed_into_scratch, 1),
+    "into a transposed scratch": (_into_a_transposed_scratch, 1),
+    "flipped into scratch": (_flipped_into_scratch, 1),
+    "columns into scratch": (_columns_into_scratch, 1),
+    "cat of two patches": (_cat_of_two, 2),
+    "cat of two patches, out=": (_cat_of_two_into_scratch, 2),
+    "rows put into scratch": (_rows_put_into_scratch, 1),
+    "added into zeros": (_added_into_zeros, 1),
+}
+
+
+def _patches(count):
+    if count == 1:
+        return [CWP("a", (6, 4), torch.float32, torch.tensor([1.5, -2.5, 3.5]),
+                    torch.tensor([3, 7, 18]))]
+    return [CWP(n, (3, 4), torch.float32, torch.tensor([1.5 + k, -2.5]),
+                torch.tensor([1, 6 + k])) for k, n in enumerate("ab")]
+
+
+class _Words(nn.Module):
+    """Moves the staged data with ``move``, then copies it as 8-byte words (float64)
+    into its float32 parameter, or, with ``words=False``, as the float32 it is."""
+
+    def __init__(self, move, words):
+        super().__init__()
+        self.h = nn.Parameter(torch.arange(24.0).reshape(6, 4) + 0.25, requires_grad=False)
+        self.move, self.words = move, words
+
+    def load_weights(self, weights):
+        moved = self.move(dict(weights))
+        if self.words:
+            self.h.data.view(torch.float64).copy_(moved.view(torch.float64))
+        else:
+            self.h.data.copy_(moved)
+        return {"h"}
+
+
+@pytest.mark.parametrize("how", list(_MOVES))
+@pytest.mark.parametrize("inspected", [False, True])
+def test_patch_data_moved_into_a_loaders_own_tensor_then_read_as_another_dtype_is_refused(
+        how, inspected):
+    # Two float32 NaN read as one float64 are a number (0x7FC00000_7FC00000), so a merge
+    # of those words writes the staged NaN bits into the model. Before, a loader that
+    # moved the patch's data as above first left it untraced, and 20-odd NaN landed in
+    # the model without an error.
+    move, count = _MOVES[how]
+    m = _Words(move, words=True)
+    before = bits(m.h.detach()).clone()
+    with pytest.raises(ContractViolation, match="another dtype") as e:
+        if inspected:
+            patchkit.inspect_load(m, _patches(count))
+        else:
+            patchkit.load_checkpoint_weight_patches(m, _patches(count))
+    assert (e.value.reason, e.value.value) == (
+        "reinterpreted source", (torch.float32, torch.float64))
+    # one patch named where one fed it; data of two patches names none
+    assert (e.value.position, e.value.name) == ((0, "a") if count == 1 else (None, None))
+    assert torch.equal(bits(m.h.detach()), before)
+    assert not torch.isnan(m.h).any()
+
+
+@pytest.mark.parametrize("how", list(_MOVES))
+def test_patch_data_moved_into_a_loaders_own_tensor_and_copied_as_itself_still_merges(how):
+    # The same moves, read back as the float32 they are: merged as before, the runtime
+    # value kept wherever the moved data is NaN.
+    move, count = _MOVES[how]
+    m = _Words(move, words=False)
+    staged = {p.name: patchkit.stage(p) for p in _patches(count)}
+    moved = move(staged)
+    want = torch.where(moved.isnan(), m.h.detach(), moved)
+    patchkit.load_checkpoint_weight_patches(m, _patches(count))
+    assert torch.equal(bits(m.h.detach()), bits(want))
