@@ -2003,12 +2003,12 @@ class _Provenance:
 
     def _traced(self, args: Iterable[Any]) -> Iterator[tuple[torch.Tensor, _Source]]:
         """Each tensor among ``args`` (lists and tuples of tensors too) that holds a
-        patch's data, with the stretch it holds."""
+        patch's data, with each stretch it reaches (not only the one where it starts: a
+        scratch buffer whose first rows are padding holds a patch's data further on)."""
         for a in args:
             for t in a if isinstance(a, list | tuple) else (a,):
-                if isinstance(t, torch.Tensor):
-                    hit = self._find(t, _storage_key(t))
-                    if hit is not None:
+                if isinstance(t, torch.Tensor) and t.numel():
+                    for hit in self.stretches(t):
                         yield t, hit
 
     def taint(self, out: torch.Tensor, args: Sequence[Any], kwargs: dict | None = None
@@ -2385,7 +2385,13 @@ class _Mode(TorchDispatchMode):
         mutated = _mutated_args(func)
         if not mutated:
             out = func(*args, **kwargs)
-            if s.track_sources and isinstance(out, torch.Tensor) and s.provenance:
+            if (s.track_sources and isinstance(out, tuple | list) and s.provenance
+                    and not _is_view(func)):
+                # (an op of several results, a sort's values: each holds data of its input)
+                for o in out:
+                    if isinstance(o, torch.Tensor):
+                        s.provenance.taint(o, args, kwargs)
+            elif s.track_sources and isinstance(out, torch.Tensor) and s.provenance:
                 derived = func in _ELEMENTWISE_COPIES and s.provenance.derive(
                     args[0], out, whole=True)
                 if not derived and not _is_view(func):

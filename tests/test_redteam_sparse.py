@@ -65,6 +65,18 @@ def _added_into_zeros(w):
     return buf
 
 
+def _cloned_after_padding(w):
+    # (rows of padding first: the clone starts where no patch's data is)
+    buf = torch.zeros(8, 4)
+    buf[2:].copy_(w["a"])
+    return buf.clone()[2:]
+
+
+def _sorted(w):
+    # (an op of two results: values and indices)
+    return torch.sort(w["a"], dim=0, stable=True).values
+
+
 _MOVES = {
     "transposed into scratch": (_transposed_into_scratch, 1),
     "into a transposed scratch": (_into_a_transposed_scratch, 1),
@@ -74,6 +86,8 @@ _MOVES = {
     "cat of two patches, out=": (_cat_of_two_into_scratch, 2),
     "rows put into scratch": (_rows_put_into_scratch, 1),
     "added into zeros": (_added_into_zeros, 1),
+    "cloned after padding": (_cloned_after_padding, 1),
+    "sorted": (_sorted, 1),
 }
 
 
