@@ -1968,23 +1968,43 @@ class _Provenance:
             return False
         okey = _storage_key(out)
         hit = self._find(src, _storage_key(src)) if self._by_key else None
-        if (hit is None or hit.base is None or src.numel() != out.numel()  # (a broadcast)
-                or not (src.is_contiguous() and out.is_contiguous())):
-            if not whole:
-                # A copy into a tensor of the loader's own (a scratch buffer) that cannot
-                # be followed element for element (a transposed or column-sliced source
-                # or destination, a source an op made): ``out`` holds ``src``'s data now,
-                # at offsets nobody knows, its bytes of the dtype they were (so that a
-                # view of them as another dtype is refused as it is for ``src``).
-                self._moved_into(out, [(src, e) for e in self.stretches(src)]
-                                 if self._by_key else [])
-            return False
-        off = src.storage_offset() - hit.base
-        lo, hi = _byte_span(out)
-        self._put(okey, _Source(lo, hi, hit.position, hit.name, out.storage_offset() - off,
-                                hit.exact and whole, _weak_storage(out),
-                                _bits_dtype(hit, src, out)))
-        return True
+        follow = (src.numel() == out.numel()  # (not a broadcast)
+                  and src.is_contiguous() and out.is_contiguous())
+        if (follow and hit is not None and hit.base is not None
+                and _byte_span(src)[1] <= hit.hi):  # (the common case: one stretch)
+            off = src.storage_offset() - hit.base
+            lo, hi = _byte_span(out)
+            self._put(okey, _Source(lo, hi, hit.position, hit.name,
+                                    out.storage_offset() - off, hit.exact and whole,
+                                    _weak_storage(out), _bits_dtype(hit, src, out)))
+            return True
+        found = self.stretches(src) if self._by_key else []
+        if follow and found:
+            # A source that reaches several stretches, or starts where none is (a scratch
+            # buffer of two patches, or padding then a patch): each stretch is followed
+            # to the elements of ``out`` it becomes, the rest of ``out`` holds none.
+            lo, hi = _byte_span(out)
+            if not whole and okey in self._by_key:
+                self._forget(okey, lo, hi)
+            ss, os_ = src.element_size(), out.element_size()
+            s0, o0 = src.storage_offset(), out.storage_offset()
+            ref = _weak_storage(out)
+            for e in found:
+                k0 = max(e.lo - s0 * ss, 0) // ss
+                k1 = -(-(min(e.hi, _byte_span(src)[1]) - s0 * ss) // ss)
+                self._put(okey, _Source(
+                    lo + k0 * os_, lo + k1 * os_, e.position, e.name,
+                    None if e.base is None else o0 - (s0 - e.base), e.exact and whole,
+                    ref, _bits_dtype(e, src, out)))
+            return True
+        if not whole:
+            # A copy into a tensor of the loader's own (a scratch buffer) that cannot be
+            # followed element for element (a transposed or column-sliced source or
+            # destination): ``out`` holds ``src``'s data now, at offsets nobody knows, its
+            # bytes of the dtype they were (so that a view of them as another dtype is
+            # refused as it is for ``src``).
+            self._moved_into(out, [(src, e) for e in found])
+        return False
 
     def source_of(self, args: Sequence[Any], kwargs: dict) -> tuple[int | None, str] | None:
         """``(position, name)`` of the one patch that the tensor arguments of an op (lists

@@ -152,3 +152,38 @@ def test_patch_data_moved_into_a_loaders_own_tensor_and_copied_as_itself_still_m
     want = torch.where(moved.isnan(), m.h.detach(), moved)
     patchkit.load_checkpoint_weight_patches(m, _patches(count))
     assert torch.equal(bits(m.h.detach()), bits(want))
+
+
+def test_a_clone_of_a_scratch_buffer_of_two_patches_names_each_patchs_writes():
+    # The loader copies patches a and b into one scratch buffer, clones it, and copies
+    # each half into a parameter. The clone was credited whole to the patch where it
+    # starts: the report said p2's write came from patch a, at checkpoint offset 8 of
+    # its 8 elements.
+    class Halves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p1 = nn.Parameter(torch.zeros(8), requires_grad=False)
+            self.p2 = nn.Parameter(torch.zeros(8), requires_grad=False)
+
+        def load_weights(self, weights):
+            w = dict(weights)
+            buf = torch.empty(16)
+            buf[:8].copy_(w["a"])
+            buf[8:].copy_(w["b"])
+            c = buf.clone()
+            self.p1.copy_(c[:8])
+            self.p2.copy_(c[8:])
+            return {"p1", "p2"}
+
+    ps = [CWP(n, (8,), torch.float32, torch.tensor([1.0 + k]), torch.tensor([2 + k]))
+          for k, n in enumerate("ab")]
+    m = Halves()
+    r = patchkit.inspect_load(m, ps)
+    w = r.writes
+    assert w["target"].tolist() == ["p1", "p2"]
+    assert w["position"].tolist() == [0, 1]
+    assert w["name"].tolist() == ["a", "b"]
+    assert w["checkpoint_offset"].tolist() == [0, 0]
+    assert w["written"].tolist() == [1, 1]
+    assert m.p1.tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+    assert m.p2.tolist() == [0, 0, 0, 2, 0, 0, 0, 0]
