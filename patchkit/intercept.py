@@ -44,6 +44,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -1861,10 +1862,46 @@ class _Provenance:
         self._by_key: dict[tuple, list[_Source]] = {}
         # the storages whose stretches include one an op made (that may expire)
         self._weak: set[tuple] = set()
+        # the staged tensors of the call that ended last (storage key, weak reference):
+        # what the loader still holds of them is kept traced into the next call
+        self._ended: list[tuple[tuple, Any]] = []
 
     def clear(self) -> None:
         self._by_key.clear()
         self._weak.clear()
+
+    def keep_past_call(self, keys: Sequence[tuple | None], staged: Sequence[tuple[str, Any]]
+                       ) -> None:
+        """The call that staged ``staged`` (whose storage keys are ``keys``) ends. Its
+        staged tensors' stretches lived as long as the call; :meth:`prune`, before the
+        next call, keeps those of the tensors the loader still holds (one it keeps for a
+        later call, to pack it with others), as long as their storages live. (A weak
+        reference to each tensor, not to its storage: a tenth of the cost, and most are
+        freed before the next call.)"""
+        self._ended = [(key, weakref.ref(t)) for key, (_, t) in zip(keys, staged)
+                       if key is not None]
+
+    def prune(self) -> None:
+        """Before a call: forget every stretch whose storage was freed, and the staged
+        tensors of the call before it that nothing holds any more."""
+        ended, self._ended = self._ended, []
+        for key, ref in ended:
+            got = self._by_key.get(key)
+            t = ref()
+            if got is None or t is None:
+                continue  # (freed: the pass below forgets its stretches)
+            held = _weak_storage(t)
+            self._by_key[key] = [e if e.ref is not None else e._replace(ref=held)
+                                 for e in got]
+            self._weak.add(key)
+        for key in list(self._by_key):
+            alive = [e for e in self._by_key[key]
+                     if e.ref is not None and not e.ref.expired()]
+            if alive:
+                self._by_key[key] = alive
+            else:
+                del self._by_key[key]
+                self._weak.discard(key)
 
     def add_staged(self, position: int | None, name: str, staged: torch.Tensor,
                    key: tuple | None = None) -> None:
@@ -2943,7 +2980,13 @@ class WriteSession:
                 for _, t in staged]
         self._staged_keys = {k for k in keys if k is not None}
         self.tree_as_found = False
-        self.provenance.clear()
+        if sparse:
+            # What earlier calls staged stays traced while the loader keeps it (a loader
+            # that holds q until k and v come, in later calls, then packs them): its
+            # NaN are a sparse patch's "keep" still, its dtype its own.
+            self.provenance.prune()
+        else:
+            self.provenance.clear()
         if self.track_sources:
             for pos, (name, t), key in zip(positions, staged, keys):
                 # (a negative position: an observed name that matches no patch)
@@ -2987,6 +3030,8 @@ class WriteSession:
                     _wait_for(gpus)  # a GPU's copies run after their launch returns
                     self.recorder.on_call_end(
                         chunk, result.returned, time.perf_counter() - t0, error)
+                if sparse:
+                    self.provenance.keep_past_call(keys, staged)
                 self._sparse = False
                 self._nan_masked = False
             finally:

@@ -187,3 +187,54 @@ def test_a_clone_of_a_scratch_buffer_of_two_patches_names_each_patchs_writes():
     assert w["written"].tolist() == [1, 1]
     assert m.p1.tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
     assert m.p2.tolist() == [0, 0, 0, 2, 0, 0, 0, 0]
+
+
+class _Holds(nn.Module):
+    """Keeps what each call stages until both halves have come (one call or two), then
+    copies them into its parameter: as 8-byte words (``words``) or as themselves."""
+
+    def __init__(self, words):
+        super().__init__()
+        self.h = nn.Parameter(torch.arange(24.0).reshape(6, 4) + 0.25, requires_grad=False)
+        self.words = words
+        self.held = {}
+
+    def load_weights(self, weights):
+        self.held.update(weights)
+        if len(self.held) < 2:
+            return set()  # (nothing of its own loaded yet)
+        for k, n in enumerate("ab"):
+            dst = self.h.data[3 * k:3 * k + 3]
+            if self.words:
+                dst.view(torch.float64).copy_(self.held[n].view(torch.float64))
+            else:
+                dst.copy_(self.held[n])
+        self.held.clear()
+        return {"h"}
+
+
+@pytest.mark.parametrize("budget", [48, 1 << 20], ids=["a call each", "one call"])
+def test_patch_data_a_loader_keeps_for_a_later_call_read_as_another_dtype_is_refused(budget):
+    # What a call staged was traced for that call only: patch a, kept by the loader for
+    # the next call and read there as float64, went unrefused (11 NaN in the model).
+    m = _Holds(words=True)
+    before = bits(m.h.detach()).clone()
+    ps = [CWP(n, (3, 4), torch.float32, torch.tensor([5.0 + k]), torch.tensor([1 + k]))
+          for k, n in enumerate("ab")]
+    with pytest.raises(ContractViolation, match="another dtype") as e:
+        patchkit.load_checkpoint_weight_patches(m, ps, max_chunk_bytes=budget)
+    assert (e.value.position, e.value.name, e.value.reason) == (0, "a", "reinterpreted source")
+    assert torch.equal(bits(m.h.detach()), before)
+
+
+@pytest.mark.parametrize("budget", [48, 1 << 20], ids=["a call each", "one call"])
+def test_patch_data_a_loader_keeps_for_a_later_call_still_merges_and_is_named(budget):
+    m = _Holds(words=False)
+    want = m.h.detach().clone()
+    want.view(-1)[1], want.view(-1)[12 + 2] = 5.0, 6.0
+    ps = [CWP(n, (3, 4), torch.float32, torch.tensor([5.0 + k]), torch.tensor([1 + k]))
+          for k, n in enumerate("ab")]
+    r = patchkit.inspect_load(m, ps, max_chunk_bytes=budget)
+    assert torch.equal(bits(m.h.detach()), bits(want))
+    assert r.writes["name"].tolist() == ["a", "b"]
+    assert r.writes["written"].tolist() == [1, 1]
