@@ -1758,6 +1758,13 @@ def _report_of(model, patches, transactional, loader, rec, sessions, kept, posit
         # The rollback put back what the load wrote, but for the targets it could not.
         left = {t for s in sessions for t in s.unrestored}
         restored = _targets_outside(rec.events, left)
+        if left:
+            # An incomplete rollback keeps the saves of the targets it left, some of whose
+            # regions it did write back: numbers measured while writing (the compiled
+            # path's) would count those changes as still there. Read the tensors again.
+            for session in sessions:
+                for saved in session.saved:
+                    saved.diff_stats = None
     if error is not None and not rolled_back:
         # What the calls that returned before the failure reported loaded stays loaded;
         # after an incomplete rollback, only the names that wrote into a target it left.
