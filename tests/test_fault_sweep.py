@@ -1,13 +1,14 @@
 """Faults injected at every point of a load: the N-th ``load_weights`` call, the N-th
 ATen op the model's loader makes (a dispatch mode pushed inside its ``load_weights``,
-above patchkit's own), the N-th staging of a patch, the N-th save a watched write
-allocates, and the N-th region a rollback writes back; each a ``RuntimeError``, a
-``KeyboardInterrupt`` or ``torch.OutOfMemoryError``. After each failed load: the error
-that reaches the caller is the one injected; a transactional load (a report's too) left
-every runtime tensor's bits, registration and ``requires_grad`` as before, and a plain
-one left each element at its value from before or the one the load meant; no mode,
-signal handler, grad mode, default device or paused collector is left behind; a report
-attached to the error agrees with the model; and the same patches then load cleanly.
+above patchkit's own; or a SIGINT sent after it), the N-th staging of a patch, the N-th
+save a watched write allocates, and the N-th region a rollback writes back; each a
+``RuntimeError``, a ``KeyboardInterrupt`` or ``torch.OutOfMemoryError``. After each
+failed load: the error that reaches the caller is the one injected; a transactional load
+(a report's too) left every runtime tensor's bits, registration and ``requires_grad`` as
+before, and a plain one left each element at its value from before or the one the load
+meant; no mode, signal handler, held signal, grad mode, default device or paused
+collector is left behind; a report attached to the error agrees with the model; and the
+same patches then load cleanly.
 
 A seeded slice of a sweep that was run over every N (see ``test_sweep_slice``), plus the
 defects that sweep found (each test below it failed before its fix)."""
@@ -42,8 +43,9 @@ class InjectedInterrupt(KeyboardInterrupt):
 
 
 class _Points:
-    """Counts the points one kind of fault may strike at; the ``n``-th raises ``error``
-    (``n=0``: none does, the points are only counted)."""
+    """Counts the points one kind of fault may strike at; the ``n``-th raises ``error``,
+    or sends a SIGINT for ``error=signal.SIGINT`` (``n=0``: none does, the points are
+    only counted)."""
 
     def __init__(self, n: int, error: type[BaseException]) -> None:
         self.n, self.error, self.count, self.fired = n, error, 0, None
@@ -51,6 +53,10 @@ class _Points:
     def strike(self) -> None:
         self.count += 1
         if self.count == self.n:
+            if self.error is signal.SIGINT:  # a real Ctrl-C: its handler raises
+                self.fired = signal.SIGINT
+                signal.raise_signal(signal.SIGINT)
+                return
             self.fired = self.error(f"injected at point {self.n}")
             raise self.fired
 
@@ -125,7 +131,8 @@ def _process():
     return (torch._C._len_torch_dispatch_stack(), torch._C._len_torch_function_stack(),
             torch.is_grad_enabled(), str(torch.get_default_device()),
             signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), gc.isenabled(),
-            len(loader_mod._paused_by))
+            len(loader_mod._paused_by), intercept._DEFERRAL.depth,
+            list(intercept._DEFERRAL._pending), intercept._DEFERRAL._uses)
 
 
 def _load(model, patches, how: str, budget: int):
@@ -137,11 +144,11 @@ def _load(model, patches, how: str, budget: int):
 
 def _inject(fault: str, model: nn.Module, points: _Points, monkeypatch, calls: int):
     """Arm ``points`` at the fault's place; returns the rollback trigger, if any."""
-    if fault in ("op", "op-after"):
+    if fault in ("op", "op-after", "signal"):
         real = model.load_weights
 
         def load_weights(weights):
-            with _RaiseAtOp(points, after=fault == "op-after"):
+            with _RaiseAtOp(points, after=fault != "op"):
                 return real(weights)
         model.load_weights = load_weights
     elif fault in ("call", "call-after"):
@@ -210,6 +217,8 @@ def _check_failed_load(patches, how, fault, n, error, budget, reference, monkeyp
         same = {kept[k][0] for k in named}
         unrestored = {k for k in kept if kept[k][0] in same}
         assert unrestored, at
+    elif fault == "signal":
+        assert isinstance(raised, KeyboardInterrupt), (at, raised)
     else:
         assert raised is points.fired, (at, raised)
     after, kept_after = _state(model)
@@ -240,7 +249,7 @@ def _check_failed_load(patches, how, fault, n, error, budget, reference, monkeyp
 
 
 _FAULTS = [("call", InjectedInterrupt), ("call-after", Injected), ("op", Injected),
-           ("op-after", InjectedInterrupt),
+           ("op-after", InjectedInterrupt), ("signal", signal.SIGINT),
            ("stage", torch.OutOfMemoryError), ("save", torch.OutOfMemoryError),
            ("restore", Injected)]
 _HOWS = ["plain", "transactional", "inspect", "inspect transactional"]
