@@ -1661,6 +1661,14 @@ def _inspect_load(
             hold.close()  # (what waited is delivered here)
     except BaseException as late:
         if error is not None or not transactional or loader is not None or not sessions:
+            if error is not None and late.__context__ is None:
+                late.__context__ = error  # (shown first in the traceback, not lost)
+            if hasattr(late, "add_note"):
+                late.add_note(
+                    "(raised while inspect_load made its report, after the load itself "
+                    + ("had finished: what it wrote stays in the model" if error is None
+                       else f"had failed with {type(error).__name__}, this error's "
+                       "__context__") + "; no report was made)")
             raise
         # What a signal raised once the load had ended (a KeyboardInterrupt while the
         # report was made): the load is rolled back, and the report says so.
