@@ -1469,7 +1469,12 @@ def inspect_load(
     report attached as ``exc.report`` (the writes made so far stay, unless
     ``transactional=True`` restored them). The report pickles with the exception, so a
     worker process's failed load reaches its parent as itself (see :class:`LoadReport`
-    for what a pickled report keeps).
+    for what a pickled report keeps). Where making the report itself raises (out of
+    memory) after a load that finished without ``transactional=True``, or after one that
+    failed, that error propagates with no report, a note saying whether the load had
+    finished (its writes stay) or failed, and the load's own error as its
+    ``__context__``. (After a transactional load that finished, patchkit's loader rolls
+    it back and raises that error with a report, as for a signal below.)
 
     Memory: see the module docstring (the bytes written, never the whole model).
 
