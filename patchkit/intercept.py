@@ -2149,8 +2149,10 @@ class _LostMarks:
     carried to the output of an element-for-element copy (a cast, a clone,
     ``.contiguous()``, a ``copy_`` into a tensor of the loader's own) and of the ops in
     ``_MOVES`` (``cat``, ``stack``, indexing, ``repeat``, ``roll``), which move elements
-    without changing them; a ``copy_`` into a marked tensor of the loader's own takes
-    the marks of the elements it overwrote away. Other ops drop them (a number made
+    without changing them, and into a tensor of the loader's own by the puts of
+    ``_PUTS`` (``buf[rows] = x``, ``index_copy_``, ``masked_scatter_``, ``scatter_``); a
+    ``copy_`` or a put into a marked tensor of the loader's own takes the marks of the
+    elements it overwrote away. Other ops drop them (a number made
     from a NaN is NaN, but at a place no mark follows). A mark whose element no longer
     holds NaN counts for nothing.
 
@@ -2194,14 +2196,15 @@ class _LostMarks:
             return None
         return marked.reshape(t.shape), what[at].reshape(*t.shape, 3)
 
-    def unmark(self, t: torch.Tensor) -> None:
-        """``t``'s elements were overwritten: their marks go."""
+    def unmark(self, t: torch.Tensor, flat: torch.Tensor | None = None) -> None:
+        """``t``'s elements (all, or those at row-major positions ``flat``) were
+        overwritten: their marks go."""
         key = _storage_key(t)
         got = self._get(key) if self._by_key else None
         if got is None or not t.numel():
             return
         offs, what = got
-        keep = ~torch.isin(offs, _storage_offsets(t, None) * t.element_size())
+        keep = ~torch.isin(offs, _storage_offsets(t, flat) * t.element_size())
         if bool(keep.all()):
             return
         if bool(keep.any()):
@@ -2280,6 +2283,36 @@ class _LostMarks:
                 what[..., 2][inside] = (at[inside] - e.base).to(torch.float64)
         return what
 
+    def put(self, func: Any, args: Sequence[Any], kwargs: dict, at: int) -> None:
+        """``func``, one of ``_PUTS``, wrote into ``args[0]``, a tensor of the loader's own,
+        elements of its value argument ``args[at]``, each unchanged, at places its other
+        arguments pick: the marks of the elements it overwrote go (a scratch filled with
+        ``buf[rows] = x`` for the next patch keeps no mark of the last one's numbers),
+        and the value's marks come with its elements. (Done again on masks: which
+        elements were written, and which of those are marked.)"""
+        t = args[0]
+        if (at >= len(args) or not isinstance(t, torch.Tensor) or t.is_meta
+                or not t.numel() or kwargs.get("accumulate")
+                or (func is _aten.index_put_.default and len(args) > 3 and args[3])):
+            return  # (an accumulating put adds: a NaN it meets stays NaN, and marked)
+        value = args[at]
+
+        def again(into: torch.Tensor, values: Any) -> torch.Tensor:
+            return func(into, *args[1:at], values, *args[at + 1:], **kwargs)
+
+        shape = value.shape if isinstance(value, torch.Tensor) else ()
+        carried = self.of(value.detach()) if isinstance(value, torch.Tensor) else None
+        written = again(torch.zeros(t.shape, dtype=torch.bool, device=t.device),
+                        torch.ones(shape, dtype=torch.bool, device=t.device))
+        self.unmark(t, torch.nonzero(written.reshape(-1)).reshape(-1))
+        if carried is None:
+            return
+        marked, what = (c.to(t.device) for c in carried)
+        self.mark(t, again(torch.zeros(t.shape, dtype=torch.bool, device=t.device), marked),
+                  torch.stack([again(torch.zeros(t.shape, dtype=torch.float64,
+                                                 device=t.device), what[..., c])
+                               for c in range(3)], -1))
+
     def moved(self, func: Any, args: Sequence[Any], kwargs: dict, out: torch.Tensor) -> None:
         """``out`` was made by ``func``, one of ``_MOVES``, from ``args[0]`` (a tensor or
         a list of them): each of its elements is an element of those, unchanged, so the
@@ -2317,6 +2350,14 @@ _MOVES = frozenset({
     _aten.cat.default, _aten.stack.default, _aten.index_select.default,
     _aten.index.Tensor, _aten.repeat.default, _aten.roll.default,
 })
+
+# In-place ops that write elements of one argument (at the index given), each unchanged,
+# into places of their first one (a tensor of the loader's own) that their other
+# arguments pick: see :meth:`_LostMarks.put`.
+_PUTS = {
+    _aten.index_put_.default: 2, _aten.index_copy_.default: 3,
+    _aten.masked_scatter_.default: 2, _aten.scatter_.src: 3,
+}
 
 
 def _may_be_masked(patch: Any | None, maybe_sparse: bool) -> bool:
@@ -2412,6 +2453,18 @@ def _mutated_args(func: torch._ops.OpOverload) -> tuple:
     return got
 
 
+_OUT_ARGS: dict = {}
+
+
+def _out_args(func: torch._ops.OpOverload) -> tuple:
+    """``(index, name)`` of each ``out=`` argument of ``func``, which it writes whole."""
+    got = _OUT_ARGS.get(func)
+    if got is None:
+        got = _OUT_ARGS[func] = tuple(
+            (i, a.name) for i, a in enumerate(func._schema.arguments) if a.is_out)
+    return got
+
+
 _OP_NAMES: dict = {}
 
 
@@ -2490,6 +2543,17 @@ class _Mode(TorchDispatchMode):
             if (s._sparse and func is _COPY
                     and (s.lost or _casts_lose_numbers(args[0].dtype))):
                 s._note_copied(args[1], args[0], whole=False)
+            elif s._sparse and s.lost:
+                if func in _PUTS:
+                    s.lost.put(func, args, kwargs, _PUTS[func])
+                else:
+                    for i, argname in _out_args(func):
+                        # (an ``out=`` op writes all of ``out`` anew: ``torch.cat(ts,
+                        # out=buf)`` into a scratch leaves no mark of what it held)
+                        v = args[i] if i < len(args) else kwargs.get(argname)
+                        for t in v if isinstance(v, list | tuple) else (v,):
+                            if isinstance(t, torch.Tensor):
+                                s.lost.unmark(t)
             return out
         # the one patch this op's arguments come from (an error of a sparse call names it),
         # looked up only where one asks: a copy whose source is traced names that source's

@@ -2111,6 +2111,110 @@ def test_a_scratch_reused_for_the_next_patch_forgets_the_numbers_lost_in_it():
     assert m.b.detach().float().reshape(-1)[1] == 1.0
 
 
+_ALL = torch.arange(4)
+
+
+@pytest.mark.parametrize("put", [
+    pytest.param(lambda buf, x: buf.__setitem__(_ALL, x), id="buf[rows] = x"),
+    pytest.param(lambda buf, x: buf.__setitem__(torch.ones(4, 4, dtype=torch.bool),
+                                                x.reshape(-1)), id="buf[mask] = x"),
+    pytest.param(lambda buf, x: buf.t().__setitem__(_ALL, x.t()), id="transposed"),
+    pytest.param(lambda buf, x: buf.index_copy_(0, _ALL, x), id="index_copy_"),
+    pytest.param(lambda buf, x: buf.masked_scatter_(torch.ones(4, 4, dtype=torch.bool), x),
+                 id="masked_scatter_"),
+    pytest.param(lambda buf, x: buf.scatter_(0, _ALL[:, None].expand(4, 4), x),
+                 id="scatter_"),
+])
+def test_a_scratch_refilled_by_a_put_forgets_the_numbers_lost_in_it(put):
+    # A scratch that holds a's number lost by the loader's cast (in rows this rank does
+    # not load) is filled for b by a put (``buf[rows] = x``), not a copy_: b's NaN there
+    # is a "keep", and the copy of b's rows was refused for a's number (naming 'a').
+    # The put now takes the marks of what it overwrites away, and brings its value's.
+    class Refilled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+            self.b = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            buf = torch.empty(4, 4)
+            for n, t in weights:
+                if n == "a":
+                    buf.copy_((t * 2).to(_F8))
+                    self.a.copy_(buf[2:])
+                else:
+                    put(buf, t.to(_F8).float())
+                    self.b.copy_(buf[:2])
+            return {n for n, _ in weights}
+
+    a = CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13]))
+    b = CWP("b", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([0]))
+    m = Refilled()
+    assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
+    assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
+    assert m.b.detach().float().reshape(-1).tolist() == [0.5] + [1.0] * 7
+    # (b's own number lost by its cast before the put: refused, naming b's entry)
+    lost = b._replace(values=torch.tensor([0.5, 1e6]), indices=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match=r"value 1000000\.0 at checkpoint index 2 ") as e:
+        patchkit.load_checkpoint_weight_patches(m, [a, lost])
+    assert (e.value.position, e.value.name, e.value.value) == (1, "b", 2)
+    assert m.b.detach().float().reshape(-1).tolist() == [0.5] + [1.0] * 7
+
+
+@pytest.mark.parametrize("fill", [
+    pytest.param(lambda buf, x: torch.cat([x[:2], x[2:]], out=buf), id="cat"),
+    pytest.param(lambda buf, x: torch.index_select(x, 0, _ALL, out=buf), id="index_select"),
+    pytest.param(lambda buf, x: torch.mul(x, 1.0, out=buf), id="mul"),
+])
+def test_a_scratch_refilled_by_an_out_op_forgets_the_numbers_lost_in_it(fill):
+    # (as with a put: ``torch.cat(ts, out=buf)`` writes all of the scratch anew, and b's
+    # NaN there is a "keep", not a's number lost; it was refused naming 'a')
+    class Refilled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+            self.b = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            buf = torch.empty(4, 4)
+            for n, t in weights:
+                if n == "a":
+                    buf.copy_((t * 2).to(_F8))
+                    self.a.copy_(buf[2:])
+                else:
+                    fill(buf, t)
+                    self.b.copy_(buf[:2])
+            return {n for n, _ in weights}
+
+    a = CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13]))
+    b = CWP("b", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([0]))
+    m = Refilled()
+    assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
+    assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
+    assert m.b.detach().float().reshape(-1).tolist() == [0.5] + [1.0] * 7
+
+
+def test_a_number_lost_before_a_put_into_a_scratch_is_refused():
+    # (``buf[rows] = x`` of a scaled cast, then the scratch's rows copied: the put moves
+    # the elements unchanged, and their marks with them; before, it lost the trail and
+    # 2e6 was lost without a word)
+    def how(t):
+        buf = torch.zeros(4, 4)
+        back = torch.tensor([3, 2, 1, 0])
+        buf[back] = (t * 2).to(_F8).float()[back]
+        return buf[2:]
+
+    m = _Fp8Copies(how, (2, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 5 of the source") as e:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert (e.value.position, e.value.name, e.value.value) == (0, "w", 5)
+    assert m.w.detach().float().eq(1).all()
+    ok = p._replace(values=torch.tensor([2.0, 3.0]))
+    assert patchkit.load_checkpoint_weight_patches(m, [ok]) == {"w"}
+    assert m.w.detach().float().reshape(-1).tolist() == [1.0, 4.0, 1.0, 1.0, 1.0, 6.0, 1.0, 1.0]
+
+
 def test_a_lost_number_cast_in_one_call_is_refused_where_a_later_call_copies_it():
     # (a loader that casts what it is sent and copies it when the next name comes: the
     # marks are kept for the whole load, not only the call that made them)
