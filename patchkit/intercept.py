@@ -4266,8 +4266,11 @@ class WriteSession:
         lo, hi = _byte_span(src)
         at = lo
         for e in self.provenance.stretches(src):
-            if (e.lo > at or not e.exact or e.base is None or e.dtype != src.dtype
-                    or e.position not in self._patches
+            # (in the staged dtype itself: a cast of the staged values to bfloat16 rounds
+            # 247.99 to 248, which float8 cannot hold, though it holds the patch's 247.99)
+            p = self._patches.get(e.position)
+            if (e.lo > at or not e.exact or e.base is None or p is None
+                    or e.dtype != src.dtype or e.dtype != p.dtype
                     or self._loses_numbers(e.position, dtype)):
                 return False
             at = e.hi

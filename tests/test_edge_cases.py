@@ -2082,6 +2082,26 @@ def test_a_number_lost_in_casts_of_the_staged_rows_is_followed_through_a_cat():
     assert m.w.detach().float().reshape(-1).tolist() == [1.0, 2.0] + [1.0] * 3 + [3.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("via", [torch.bfloat16, torch.float16])
+def test_a_number_lost_only_through_a_cast_of_a_cast_is_followed_through_a_cat(via):
+    # 247.99 is 240 in float8 (no value of the patch is lost there), but 248 in bfloat16
+    # or float16, which float8 cannot hold: cast through either first, it is NaN. The
+    # row casts were taken for plain casts of staged values (not read), so no mark was
+    # made and the cat lost the number without a word.
+    m = _Fp8Copies(lambda t: torch.cat([t[2:3].to(via).to(_F8), t[3:4].to(via).to(_F8)]),
+                   (2, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 247.99]), torch.tensor([9, 13]))
+    with pytest.raises(ValueError, match=r"value 248\.0 at checkpoint index 13 ") as e:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert (e.value.position, e.value.name, e.value.value) == (0, "w", 13)
+    assert m.w.detach().float().eq(1).all()
+    # (straight from float32, 247.99 is 240: the load writes it)
+    direct = _Fp8Copies(lambda t: torch.cat([t[2:3].to(_F8), t[3:4].to(_F8)]), (2, 4))
+    assert patchkit.load_checkpoint_weight_patches(direct, [p]) == {"w"}
+    assert direct.w.detach().float().reshape(-1).tolist() == [1.0, 2.0] + [1.0] * 3 + [
+        240.0, 1.0, 1.0]
+
+
 def test_a_scratch_reused_for_the_next_patch_forgets_the_numbers_lost_in_it():
     # A float8 scratch that held a lost number (in rows this rank does not load) is
     # overwritten by the next patch's values, whose NaN there is a "keep": refusing it
