@@ -2148,7 +2148,8 @@ class _LostMarks:
     (float64), so it follows the element through every view of that storage. It is
     carried to the output of an element-for-element copy (a cast, a clone,
     ``.contiguous()``, a ``copy_`` into a tensor of the loader's own) and of the ops in
-    ``_MOVES`` (``cat``, ``stack``, indexing, ``repeat``, ``roll``), which move elements
+    ``_MOVES`` (``cat``, ``stack``, indexing, ``repeat``, ``roll``, ``flip``, ``gather``,
+    ``narrow_copy``), which move elements
     without changing them, and into a tensor of the loader's own by the puts of
     ``_PUTS`` (``buf[rows] = x``, ``index_copy_``, ``masked_scatter_``, ``scatter_``); a
     ``copy_`` or a put into a marked tensor of the loader's own takes the marks of the
@@ -2348,7 +2349,8 @@ def _casts_lose_numbers(dtype: torch.dtype) -> bool:
 # of them), each unchanged: a mark of :class:`_LostMarks` goes where its element goes.
 _MOVES = frozenset({
     _aten.cat.default, _aten.stack.default, _aten.index_select.default,
-    _aten.index.Tensor, _aten.repeat.default, _aten.roll.default,
+    _aten.index.Tensor, _aten.repeat.default, _aten.roll.default, _aten.flip.default,
+    _aten.gather.default, _aten.narrow_copy.default,
 })
 
 # In-place ops that write elements of one argument (at the index given), each unchanged,

@@ -2042,6 +2042,10 @@ _ROWS = torch.tensor([2, 3])
                  id="index_select"),
     pytest.param(lambda t: (t * 2).to(_F8).roll(-2, 0)[:2], id="roll"),
     pytest.param(lambda t: (t[2:] * 2).to(_F8).repeat(2, 1)[2:], id="repeat"),
+    pytest.param(lambda t: (t * 2).to(_F8).flip(0)[:2].flip(0), id="flip"),
+    pytest.param(lambda t: (t * 2).to(_F8).float().gather(0, _ROWS[:, None].expand(2, 4)),
+                 id="gather"),
+    pytest.param(lambda t: (t * 2).to(_F8).narrow_copy(0, 2, 2), id="narrow_copy"),
     pytest.param(lambda t: torch.empty(2, 4, dtype=_F8, device=t.device).copy_(
         t.narrow(0, 2, 2) * 2), id="scaled into a float8 scratch"),
     pytest.param(lambda t: torch.empty(4, 4, dtype=_F8, device=t.device).copy_(
