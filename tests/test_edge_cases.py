@@ -2068,6 +2068,11 @@ def test_a_number_the_loaders_own_cast_lost_after_scaling_is_refused(how):
     elsewhere = here._replace(values=torch.tensor([1e6, 2.0]), indices=torch.tensor([1, 13]))
     assert patchkit.load_checkpoint_weight_patches(m, [elsewhere]) == {"w"}
     assert m.w.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
+    # (two lost: the first in the source is named)
+    two = here._replace(values=torch.tensor([3e6, 1e6]))
+    with pytest.raises(ValueError, match=r"value 6000000\.0 at element 1 of the source") as e:
+        patchkit.load_checkpoint_weight_patches(m, [two])
+    assert e.value.value == 1
 
 
 def test_a_number_lost_in_casts_of_the_staged_rows_is_followed_through_a_cat():
@@ -2237,6 +2242,201 @@ def test_a_number_lost_before_a_put_into_a_scratch_is_refused():
     ok = p._replace(values=torch.tensor([2.0, 3.0]))
     assert patchkit.load_checkpoint_weight_patches(m, [ok]) == {"w"}
     assert m.w.detach().float().reshape(-1).tolist() == [1.0, 4.0, 1.0, 1.0, 1.0, 6.0, 1.0, 1.0]
+
+
+def test_a_scratch_reused_for_the_next_patchs_plain_copy_forgets_the_numbers_lost_in_it():
+    # (as above, but b's staged values are copied into the scratch as they are: a plain
+    # copy of staged values is not read for lost numbers, yet it overwrites the marks)
+    class TwoFromOneScratch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+            self.b = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            buf = torch.empty(4, 4, dtype=_F8)
+            for n, t in weights:
+                buf.copy_(t if n == "b" else t * 2)
+                getattr(self, n).copy_(buf[:2] if n == "b" else buf[2:])
+            return {n for n, _ in weights}
+
+    a = CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13]))
+    b = CWP("b", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([5]))
+    m = TwoFromOneScratch()
+    assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
+    assert m.b.detach().float().reshape(-1).tolist() == [1.0] * 5 + [0.5, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("write", [
+    pytest.param(lambda buf: buf[1].copy_(torch.zeros(4)), id="copy_"),
+    pytest.param(lambda buf: buf.__setitem__(torch.tensor([1]), torch.zeros(1, 4)),
+                 id="buf[rows] = x"),
+])
+def test_a_partial_write_of_a_float32_scratch_keeps_the_lost_numbers_it_does_not_overwrite(write):
+    # A float32 scratch holds 2e6, lost by the loader's float8 cast, at element 1 (byte
+    # 4); the loader then writes row 1 (elements 4-7) and copies rows 0-1: the mark of
+    # element 1 stays (an unmark by element, not byte, offsets, or of the whole scratch,
+    # dropped it, and the update was lost without a word)
+    def how(t):
+        buf = torch.empty(4, 4)
+        buf.copy_((t * 2).to(_F8))
+        write(buf)
+        return buf[:2]
+
+    m = _Fp8Copies(how, (2, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 1 of the source") as e:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert (e.value.position, e.value.value) == (0, 1)
+    assert m.w.detach().float().eq(1).all()
+
+
+def test_a_cast_that_loses_more_numbers_keeps_the_marks_of_those_lost_before():
+    # 2e6 is lost in float8_e5m2fnuz (largest 57344); the whole tensor is then cast to
+    # float8_e4m3fnuz (largest 240), which loses 300 in row 0, which this rank does not
+    # load: the mark of 2e6 (row 3) must stay, with its number, beside the new one
+    m = _Fp8Copies(lambda t: (t * 2).to(torch.float8_e5m2fnuz).to(_F8)[2:], (2, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([150.0, 1e6]), torch.tensor([1, 13]))
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 5 of the source") as e:
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert (e.value.position, e.value.value) == (0, 5)
+    assert m.w.detach().float().eq(1).all()
+
+
+def test_a_copy_of_a_lost_number_into_a_float32_scratch_carries_its_mark():
+    # (the scratch's dtype has infinities, so no copy into it loses a number, but the
+    # NaN it receives is one: its mark comes with it, or the copy into the float8 model
+    # sees only a NaN, "keep")
+    def how(t):
+        buf = torch.empty(2, 4)
+        buf.copy_((t[2:] * 2).to(_F8))
+        return buf
+
+    m = _Fp8Copies(how, (2, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 5 of the source"):
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert m.w.detach().float().eq(1).all()
+
+
+def test_a_number_the_loader_wrote_beside_the_patchs_rows_and_lost_is_refused():
+    # (a scratch whose rows 0-1 are the patch's staged rows, copied as they are, and rows
+    # 2-3 the loader's own 1e6: the cast of the scratch is not a plain cast of staged
+    # values, and float8 loses 1e6, which the merge would read as "keep")
+    def how(t):
+        buf = torch.full((4, 4), 1e6)
+        buf[:2].copy_(t[2:])
+        return buf.to(_F8)
+
+    m = _Fp8Copies(how, (4, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0]), torch.tensor([9]))
+    with pytest.raises(ValueError, match=r"value 1000000\.0 at element 8 of the source"):
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert m.w.detach().float().eq(1).all()
+
+
+def test_a_number_lost_in_a_cast_of_values_no_trace_reaches_is_refused():
+    # (the patch's values through numpy: a tensor no trace reaches, whose cast holds no
+    # staged values that are known to fit, so it is read, and 1e6 is marked)
+    m = _Fp8Copies(lambda t: torch.from_numpy(t.numpy().copy()).to(_F8)[2:], (2, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    with pytest.raises(ValueError, match=r"value 1000000\.0 at element 5 of the source"):
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert m.w.detach().float().eq(1).all()
+
+
+def test_a_number_lost_after_the_loader_scaled_the_staged_tensor_in_place_is_refused():
+    # (t.mul_(2) on the staged tensor: its casts are no plain casts of the patch's values
+    # any more, though they keep its trace; 200 fits float8, 400 does not)
+    def how(t):
+        t.mul_(2)
+        return torch.cat([t[2:3].to(_F8), t[3:4].to(_F8)])
+
+    m = _Fp8Copies(how, (2, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 200.0]), torch.tensor([9, 13]))
+    with pytest.raises(ValueError, match=r"value 400\.0 at "):
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert m.w.detach().float().eq(1).all()
+
+
+def test_an_accumulating_put_keeps_the_lost_numbers_it_adds_to():
+    # (buf.index_put_(rows, x, accumulate=True) adds: a NaN it meets stays NaN, and lost)
+    def how(t):
+        buf = torch.empty(4, 4)
+        buf.copy_((t * 2).to(_F8))
+        buf.index_put_((torch.tensor([2, 3]),), torch.ones(2, 4), accumulate=True)
+        return buf[2:]
+
+    m = _Fp8Copies(how, (2, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 5 of the source"):
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert m.w.detach().float().eq(1).all()
+
+
+def test_numbers_lost_in_a_freed_storage_are_not_read_at_its_address_reused():
+    # A storage the loader's cast marked, freed; a new storage over the same memory
+    # (torch.frombuffer of one reused buffer, filled outside torch) starts at the same
+    # address: the old marks are not its, and its NaN where a mark was is a "keep"
+    class Reused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            mem = bytearray(16)
+            for _, t in weights:
+                old = torch.frombuffer(mem, dtype=torch.uint8).view(_F8).view(4, 4)
+                old.copy_(torch.full((4, 4), 1e9))  # (all 16 lost, and marked)
+                del old
+                mem[:] = t.to(_F8).view(torch.uint8).reshape(-1).tolist()
+                self.w.copy_(torch.frombuffer(mem, dtype=torch.uint8).view(_F8).view(4, 4)[2:])
+            return {n for n, _ in weights}
+
+    m = Reused()
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0]), torch.tensor([9]))
+    assert patchkit.load_checkpoint_weight_patches(m, [p]) == {"w"}
+    assert m.w.detach().float().reshape(-1).tolist() == [1.0, 2.0] + [1.0] * 6
+
+
+def test_a_number_lost_into_a_transposed_scratch_is_found_by_its_place():
+    # (a copy into buf.t() marks its elements in the view's order, storage elements 9
+    # then 6: the marks are kept sorted, or element 6 was not found in rows 0-1)
+    def how(t):
+        buf = torch.empty(4, 4, dtype=_F8)
+        buf.t().copy_((t * 2).t())
+        return buf[:2]
+
+    m = _Fp8Copies(how, (2, 4))
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([1e6, 1e6]), torch.tensor([6, 9]))
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 6 of the source"):
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert m.w.detach().float().eq(1).all()
+
+
+def test_a_lost_number_in_a_packed_float32_scratch_names_its_own_patch():
+    # q and k copied into one float32 scratch (stretches of bytes 0-31 and 32-63), the
+    # scratch cast whole and its halves cat: the number lost is k's, at k's checkpoint
+    # index 6 (scratch element 14), told apart by byte, not element, offsets
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qk = nn.Parameter(torch.ones(4, 4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            got = dict(weights)
+            buf = torch.empty(4, 4)
+            buf[:2].copy_(got["q"])
+            buf[2:].copy_(got["k"])
+            x = buf.to(_F8)
+            self.qk.copy_(torch.cat([x[:2], x[2:]]))
+            return set(got)
+
+    q = CWP("q", (2, 4), torch.float32, torch.tensor([2.0]), torch.tensor([0]))
+    k = CWP("k", (2, 4), torch.float32, torch.tensor([0.5, 1e6]), torch.tensor([1, 6]))
+    with pytest.raises(ValueError, match=r"value 1000000\.0 at checkpoint index 6 ") as e:
+        patchkit.load_checkpoint_weight_patches(Packed(), [q, k])
+    assert (e.value.position, e.value.name, e.value.value) == (1, "k", 6)
 
 
 def test_a_lost_number_cast_in_one_call_is_refused_where_a_later_call_copies_it():
