@@ -2149,13 +2149,13 @@ class _LostMarks:
     carried to the output of an element-for-element copy (a cast, a clone,
     ``.contiguous()``, a ``copy_`` into a tensor of the loader's own) and of the ops in
     ``_MOVES`` (``cat``, ``stack``, indexing, ``repeat``, ``roll``, ``flip``, ``gather``,
-    ``narrow_copy``), which move elements
-    without changing them, and into a tensor of the loader's own by the puts of
-    ``_PUTS`` (``buf[rows] = x``, ``index_copy_``, ``masked_scatter_``, ``scatter_``); a
-    ``copy_`` or a put into a marked tensor of the loader's own takes the marks of the
-    elements it overwrote away. Other ops drop them (a number made
-    from a NaN is NaN, but at a place no mark follows). A mark whose element no longer
-    holds NaN counts for nothing.
+    ``narrow_copy``), which move elements without changing them, and into a tensor of
+    the loader's own by the puts of ``_PUTS`` (``buf[rows] = x``, ``index_copy_``,
+    ``masked_scatter_``, ``scatter_``); a ``copy_`` or a put into a marked tensor of the
+    loader's own takes the marks of the elements it overwrote away, and an ``out=`` op
+    all of its ``out``'s. Other ops drop them (a number made from a NaN is NaN, but at a
+    place no mark follows). A mark whose element no longer holds NaN counts for
+    nothing.
 
     Storages are held by weak reference: a freed one's marks are dropped when its
     address is next looked up, since the allocator may hand it to an unrelated tensor."""
@@ -2542,20 +2542,9 @@ class _Mode(TorchDispatchMode):
                     # ``buf[idx] = w``, ``torch.cat([q, k], out=buf)``, ``buf.add_(w)``)
                     for t in others:
                         s.provenance.written_from(t, args, kwargs)
-            if (s._sparse and func is _COPY
-                    and (s.lost or _casts_lose_numbers(args[0].dtype))):
-                s._note_copied(args[1], args[0], whole=False)
-            elif s._sparse and s.lost:
-                if func in _PUTS:
-                    s.lost.put(func, args, kwargs, _PUTS[func])
-                else:
-                    for i, argname in _out_args(func):
-                        # (an ``out=`` op writes all of ``out`` anew: ``torch.cat(ts,
-                        # out=buf)`` into a scratch leaves no mark of what it held)
-                        v = args[i] if i < len(args) else kwargs.get(argname)
-                        for t in v if isinstance(v, list | tuple) else (v,):
-                            if isinstance(t, torch.Tensor):
-                                s.lost.unmark(t)
+            if s._sparse and (s.lost or (func is _COPY
+                                         and _casts_lose_numbers(args[0].dtype))):
+                s._note_own_write(func, args, kwargs)
             return out
         # the one patch this op's arguments come from (an error of a sparse call names it),
         # looked up only where one asks: a copy whose source is traced names that source's
@@ -4247,6 +4236,23 @@ class WriteSession:
         k = sel[bad[0, 0]]
         raise self._lost_error(float(p.values[k].float()), int(p.indices[k]), True, s.dtype,
                                dtype, e.position, e.name, at, tname)
+
+    def _note_own_write(self, func: Any, args: Sequence[Any], kwargs: dict) -> None:
+        """A sparse call's in-place op on tensors of the loader's own (no runtime
+        tensor), for the lost-number marks (:class:`_LostMarks`): a ``copy_`` is a copy
+        (:meth:`_note_copied`), a put of ``_PUTS`` moves marked elements, an ``out=`` op
+        writes its ``out`` anew (``torch.cat(ts, out=buf)`` leaves no mark of what
+        ``buf`` held); other ops leave the marks as they are."""
+        if func is _COPY:
+            self._note_copied(args[1], args[0], whole=False)
+        elif func in _PUTS:
+            self.lost.put(func, args, kwargs, _PUTS[func])
+        else:
+            for i, argname in _out_args(func):
+                v = args[i] if i < len(args) else kwargs.get(argname)
+                for t in v if isinstance(v, list | tuple) else (v,):
+                    if isinstance(t, torch.Tensor):
+                        self.lost.unmark(t)
 
     def _note_copied(self, src: Any, out: torch.Tensor, *, whole: bool) -> None:
         """A sparse call's element-for-element copy of ``src`` into ``out`` (see
