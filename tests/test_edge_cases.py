@@ -2111,6 +2111,21 @@ def test_a_number_lost_only_through_a_cast_of_a_cast_is_followed_through_a_cat(v
         240.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz,
+                                   torch.float8_e5m2, torch.float8_e5m2fnuz,
+                                   torch.float8_e8m0fnu])
+def test_nan_mask_of_a_one_byte_float_reads_every_bit_pattern_as_float32_does(dtype):
+    # (one or two NaN patterns are compared byte for byte; e5m2's six go through float32)
+    from patchkit.bitwise import nan_mask
+
+    every = torch.arange(256, dtype=torch.uint8).view(dtype)
+    want = torch.isnan(every.float())
+    assert torch.equal(nan_mask(every), want)
+    grid, wants = every.reshape(16, 16), want.reshape(16, 16)
+    assert torch.equal(nan_mask(grid.t()), wants.t())
+    assert torch.equal(nan_mask(grid[1:, ::3]), wants[1:, ::3])
+
+
 def test_a_scratch_reused_for_the_next_patch_forgets_the_numbers_lost_in_it():
     # A float8 scratch that held a lost number (in rows this rank does not load) is
     # overwritten by the next patch's values, whose NaN there is a "keep": refusing it
