@@ -2158,6 +2158,34 @@ def test_a_scratch_reused_for_the_next_patch_forgets_the_numbers_lost_in_it():
 _ALL = torch.arange(4)
 
 
+class _Refilled(nn.Module):
+    """Float8 ``a`` and ``b`` loaded through one float32 scratch: ``a`` scaled by 2 and
+    cast into it (its rows 2-3 copied), then the scratch refilled for ``b`` by
+    ``fill(buf, t)`` (its rows 0-1 copied)."""
+
+    def __init__(self, fill):
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+        self.b = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+        self.fill = fill
+
+    def load_weights(self, weights):
+        buf = torch.empty(4, 4)
+        for n, t in weights:
+            if n == "a":
+                buf.copy_((t * 2).to(_F8))
+                self.a.copy_(buf[2:])
+            else:
+                self.fill(buf, t)
+                self.b.copy_(buf[:2])
+        return {n for n, _ in weights}
+
+
+# (a's 1e6, index 1, is lost by its cast in a row a's copy never reads; b's NaN there keeps)
+_REFILLED = (CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13])),
+             CWP("b", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([0])))
+
+
 @pytest.mark.parametrize("put", [
     pytest.param(lambda buf, x: buf.__setitem__(_ALL, x), id="buf[rows] = x"),
     pytest.param(lambda buf, x: buf.__setitem__(torch.ones(4, 4, dtype=torch.bool),
@@ -2174,26 +2202,8 @@ def test_a_scratch_refilled_by_a_put_forgets_the_numbers_lost_in_it(put):
     # not load) is filled for b by a put (``buf[rows] = x``), not a copy_: b's NaN there
     # is a "keep", and the copy of b's rows was refused for a's number (naming 'a').
     # The put now takes the marks of what it overwrites away, and brings its value's.
-    class Refilled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
-            self.b = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
-
-        def load_weights(self, weights):
-            buf = torch.empty(4, 4)
-            for n, t in weights:
-                if n == "a":
-                    buf.copy_((t * 2).to(_F8))
-                    self.a.copy_(buf[2:])
-                else:
-                    put(buf, t.to(_F8).float())
-                    self.b.copy_(buf[:2])
-            return {n for n, _ in weights}
-
-    a = CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13]))
-    b = CWP("b", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([0]))
-    m = Refilled()
+    a, b = _REFILLED
+    m = _Refilled(lambda buf, t: put(buf, t.to(_F8).float()))
     assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
     assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
     assert m.b.detach().float().reshape(-1).tolist() == [0.5] + [1.0] * 7
@@ -2213,26 +2223,8 @@ def test_a_scratch_refilled_by_a_put_forgets_the_numbers_lost_in_it(put):
 def test_a_scratch_refilled_by_an_out_op_forgets_the_numbers_lost_in_it(fill):
     # (as with a put: ``torch.cat(ts, out=buf)`` writes all of the scratch anew, and b's
     # NaN there is a "keep", not a's number lost; it was refused naming 'a')
-    class Refilled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
-            self.b = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
-
-        def load_weights(self, weights):
-            buf = torch.empty(4, 4)
-            for n, t in weights:
-                if n == "a":
-                    buf.copy_((t * 2).to(_F8))
-                    self.a.copy_(buf[2:])
-                else:
-                    fill(buf, t)
-                    self.b.copy_(buf[:2])
-            return {n for n, _ in weights}
-
-    a = CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13]))
-    b = CWP("b", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([0]))
-    m = Refilled()
+    a, b = _REFILLED
+    m = _Refilled(fill)
     assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
     assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
     assert m.b.detach().float().reshape(-1).tolist() == [0.5] + [1.0] * 7
