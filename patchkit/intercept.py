@@ -1795,6 +1795,23 @@ class _Source(NamedTuple):
     dtype: torch.dtype | None = None
 
 
+def _trimmed(got: list[_Source], first: int, after: int, lo: int, hi: int,
+             between: tuple[_Source, ...]) -> tuple[_Source, ...]:
+    """What replaces ``got[first:after]``, the stretches that meet ``[lo, hi)`` (bytes
+    now written with ``between``): ``between``, with the parts of the first and the last
+    that lie outside ``[lo, hi)`` kept, since those bytes still hold their data (a scratch
+    buffer that holds patch a, its first rows then overwritten with b, holds a's data in
+    the rest)."""
+    if first == after:
+        return between
+    head, tail = got[first], got[after - 1]
+    if head.lo < lo:
+        between = (head._replace(hi=lo), *between)
+    if tail.hi > hi:
+        between = (*between, tail._replace(lo=hi))
+    return between
+
+
 _LO = operator.attrgetter("lo")
 _HI = operator.attrgetter("hi")
 _START = operator.itemgetter(0)
@@ -1935,7 +1952,7 @@ class _Provenance:
             self._by_key[key] = got
         first = bisect.bisect_right(got, src.lo, key=_HI)  # the first that ends past lo
         after = bisect.bisect_left(got, src.hi, key=_LO, lo=first)  # the first at/after hi
-        got[first:after] = (src,)
+        got[first:after] = _trimmed(got, first, after, src.lo, src.hi, (src,))
 
     def _find(self, t: torch.Tensor, key: tuple) -> _Source | None:
         """The stretch where ``t`` starts, if ``t``'s storage has one that is alive."""
@@ -2117,7 +2134,12 @@ class _Provenance:
         return bool(self._by_key)
 
     def _forget(self, key: tuple, lo: int, hi: int) -> None:
-        kept = [e for e in self._by_key[key] if e.hi <= lo or hi <= e.lo]
+        """``[lo, hi)`` of storage ``key`` holds no patch's data any more (the bytes of a
+        stretch outside it still hold what they held)."""
+        got = self._by_key[key]
+        first = bisect.bisect_right(got, lo, key=_HI)
+        after = bisect.bisect_left(got, hi, key=_LO, lo=first)
+        kept = [*got[:first], *_trimmed(got, first, after, lo, hi, ()), *got[after:]]
         if kept:
             self._by_key[key] = kept
         else:

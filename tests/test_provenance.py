@@ -80,22 +80,31 @@ def test_a_loader_that_stages_a_whole_call_in_one_buffer_is_followed_by_position
 
 
 def test_stretches_of_one_storage_replace_exactly_the_ones_they_overlap():
-    # Against a plain list kept the obvious way: a put drops every stretch it overlaps;
-    # a lookup finds the stretch holding the view's first byte. Many patches staged in
-    # one bucket (bisected, not scanned) must give the same answers.
+    # Against a plain list kept the obvious way: a put (or a forget) takes the bytes it
+    # covers from every stretch it overlaps, whose bytes outside it keep their patch; a
+    # lookup finds the stretch holding the view's first byte. Many patches staged in one
+    # bucket (bisected, not scanned) must give the same answers.
     g = torch.Generator().manual_seed(7)
     flat = torch.zeros(512)
+    key = _storage_key(flat)
     prov, ref = _Provenance(), []
     for step in range(3000):
         a = int(torch.randint(0, 512, (1,), generator=g))
         b = min(512, a + int(torch.randint(1, 40, (1,), generator=g)))
-        if step % 3:
-            prov.add_staged(step, f"p{step}", flat[a:b])
-            ref = [e for e in ref if e[1] <= 4 * a or 4 * b <= e[0]] + [(4 * a, 4 * b, step, a)]
+        if step % 3 or (step % 5 == 0 and key in prov._by_key):
+            lo, hi = 4 * a, 4 * b
+            ref = ([e for e in ref if e[1] <= lo or hi <= e[0]]
+                   + [(e[0], lo, *e[2:]) for e in ref if e[0] < lo < e[1]]
+                   + [(hi, e[1], *e[2:]) for e in ref if e[0] < hi < e[1]])
+            if step % 3:
+                prov.add_staged(step, f"p{step}", flat[a:b])
+                ref.append((lo, hi, step, a))
+            else:
+                prov._forget(key, lo, hi)
         hit = [e for e in ref if e[0] <= 4 * a < e[1]]
         want = (hit[0][2], f"p{hit[0][2]}", a - hit[0][3]) if hit else None
         assert prov.lookup(flat[a:b]) == want, step
-    assert len(prov._by_key[_storage_key(flat)]) == len(ref)
+    assert len(prov._by_key.get(key, [])) == len(ref)
 
 
 # -- a storage freed during the call --------------------------------------------------

@@ -238,3 +238,84 @@ def test_patch_data_a_loader_keeps_for_a_later_call_still_merges_and_is_named(bu
     assert torch.equal(bits(m.h.detach()), bits(want))
     assert r.writes["name"].tolist() == ["a", "b"]
     assert r.writes["written"].tolist() == [1, 1]
+
+
+# A scratch buffer that holds patch a, whose first elements the loader then overwrites
+# with patch b's data: the rest still holds a's data. A write over part of a stretch once
+# dropped all of it, so a's data in the rest was taken for data of no patch.
+
+
+def _a_then_b_added_into_its_head(w):
+    buf = w["a"].clone()
+    buf[:4].add_(w["b"][:4])
+    return buf[8:]
+
+
+def _a_then_b_copied_into_its_head(w):
+    buf = w["a"].clone()
+    buf[:4].copy_(w["b"][:4])
+    return buf[8:]
+
+
+def _a_then_a_clone_of_b_into_its_head(w):
+    buf = torch.empty(16)
+    buf.copy_(w["a"])
+    buf[:4].copy_(w["b"][:4].clone())
+    return buf[8:]
+
+
+def _a_then_untraced_data_into_its_middle(w):
+    buf = torch.empty(16)
+    buf.copy_(w["a"])
+    buf[2:6].copy_(torch.ones(4))
+    return buf[8:]
+
+
+_HEADS = {
+    "b added into its head": _a_then_b_added_into_its_head,
+    "b copied into its head": _a_then_b_copied_into_its_head,
+    "a clone of b into its head": _a_then_a_clone_of_b_into_its_head,
+    "untraced data into its middle": _a_then_untraced_data_into_its_middle,
+}
+
+
+class _Tail(nn.Module):
+    """Copies what ``body`` makes of the staged data into the second half of its
+    parameter: as 8-byte words (``words``) or as the float32 it is."""
+
+    def __init__(self, body, words):
+        super().__init__()
+        self.h = nn.Parameter(torch.arange(16.0) + 0.25, requires_grad=False)
+        self.body, self.words = body, words
+
+    def load_weights(self, weights):
+        src = self.body(dict(weights))
+        if self.words:
+            self.h.data[8:].view(torch.float64).copy_(src.view(torch.float64))
+        else:
+            self.h.data[8:].copy_(src)
+        return {"h"}
+
+
+def _two_of_16():
+    return [CWP(n, (16,), torch.float32, torch.tensor([5.0 + k, 7.0 + k]),
+                torch.tensor([1 + k, 9 + k])) for k, n in enumerate("ab")]
+
+
+@pytest.mark.parametrize("how", list(_HEADS))
+def test_the_rest_of_a_scratch_buffer_partly_overwritten_keeps_its_patch(how):
+    # Read as float64, a's rest was not refused (7 NaN landed in the model); copied as
+    # itself, the report named no patch for its write.
+    m = _Tail(_HEADS[how], words=True)
+    before = bits(m.h.detach()).clone()
+    with pytest.raises(ContractViolation, match="another dtype") as e:
+        patchkit.load_checkpoint_weight_patches(m, _two_of_16())
+    assert (e.value.position, e.value.name, e.value.reason) == (0, "a", "reinterpreted source")
+    assert torch.equal(bits(m.h.detach()), before)
+    m = _Tail(_HEADS[how], words=False)
+    want = m.h.detach().clone()
+    want[9] = 7.0  # (a's entry at checkpoint index 9; the rest of a is NaN: kept)
+    r = patchkit.inspect_load(m, _two_of_16())
+    assert torch.equal(bits(m.h.detach()), bits(want))
+    assert r.writes["name"].tolist() == ["a"]
+    assert r.writes["checkpoint_offset"].tolist() == [8]
