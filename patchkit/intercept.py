@@ -44,7 +44,6 @@ import sys
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -1879,8 +1878,9 @@ class _Provenance:
         self._by_key: dict[tuple, list[_Source]] = {}
         # the storages whose stretches include one an op made (that may expire)
         self._weak: set[tuple] = set()
-        # the staged tensors of the call that ended last (storage key, weak reference):
-        # what the loader still holds of them is kept traced into the next call
+        # the staged tensors of the call that ended last (storage key, weak reference to
+        # the storage): what the loader still holds of them is kept traced into the next
+        # call
         self._ended: list[tuple[tuple, Any]] = []
 
     def clear(self) -> None:
@@ -1891,23 +1891,21 @@ class _Provenance:
                        ) -> None:
         """The call that staged ``staged`` (whose storage keys are ``keys``) ends. Its
         staged tensors' stretches lived as long as the call; :meth:`prune`, before the
-        next call, keeps those of the tensors the loader still holds (one it keeps for a
-        later call, to pack it with others), as long as their storages live. (A weak
-        reference to each tensor, not to its storage: a tenth of the cost, and most are
-        freed before the next call.)"""
-        self._ended = [(key, weakref.ref(t)) for key, (_, t) in zip(keys, staged)
+        next call, keeps those of the storages the loader still holds (a staged tensor it
+        keeps for a later call, to pack it with others, or only a ``detach()`` or
+        ``.data`` of one), as long as they live. (A weak reference to each storage, not
+        to the tensor: a loader that keeps ``w.detach()`` lets the staged tensor go.)"""
+        self._ended = [(key, _weak_storage(t)) for key, (_, t) in zip(keys, staged)
                        if key is not None]
 
     def prune(self) -> None:
         """Before a call: forget every stretch whose storage was freed, and the staged
-        tensors of the call before it that nothing holds any more."""
+        tensors of the call before it whose storages nothing holds any more."""
         ended, self._ended = self._ended, []
-        for key, ref in ended:
+        for key, held in ended:
             got = self._by_key.get(key)
-            t = ref()
-            if got is None or t is None:
+            if got is None or held.expired():
                 continue  # (freed: the pass below forgets its stretches)
-            held = _weak_storage(t)
             self._by_key[key] = [e if e.ref is not None else e._replace(ref=held)
                                  for e in got]
             self._weak.add(key)

@@ -193,14 +193,15 @@ class _Holds(nn.Module):
     """Keeps what each call stages until both halves have come (one call or two), then
     copies them into its parameter: as 8-byte words (``words``) or as themselves."""
 
-    def __init__(self, words):
+    def __init__(self, words, keep=None):
         super().__init__()
         self.h = nn.Parameter(torch.arange(24.0).reshape(6, 4) + 0.25, requires_grad=False)
         self.words = words
+        self.keep = keep  # (what of a staged tensor it keeps: the tensor itself, or this)
         self.held = {}
 
     def load_weights(self, weights):
-        self.held.update(weights)
+        self.held.update((n, t if self.keep is None else self.keep(t)) for n, t in weights)
         if len(self.held) < 2:
             return set()  # (nothing of its own loaded yet)
         for k, n in enumerate("ab"):
@@ -319,3 +320,27 @@ def test_the_rest_of_a_scratch_buffer_partly_overwritten_keeps_its_patch(how):
     assert torch.equal(bits(m.h.detach()), bits(want))
     assert r.writes["name"].tolist() == ["a"]
     assert r.writes["checkpoint_offset"].tolist() == [8]
+
+
+_KEPT = {"a detach() of it": torch.Tensor.detach, "its .data": lambda t: t.data}
+
+
+@pytest.mark.parametrize("keep", list(_KEPT))
+def test_patch_data_a_loader_keeps_only_an_alias_of_for_a_later_call_stays_traced(keep):
+    # A loader that keeps w.detach() (or w.data), not w, lets the staged tensor go while
+    # its storage lives on: a's stretch was forgotten before the next call, so read as
+    # float64 there it went unrefused until b's copy (a's NaN written first), and the
+    # report named no patch for a's write.
+    ps = [CWP(n, (3, 4), torch.float32, torch.tensor([5.0 + k]), torch.tensor([1 + k]))
+          for k, n in enumerate("ab")]
+    m = _Holds(words=True, keep=_KEPT[keep])
+    before = bits(m.h.detach()).clone()
+    with pytest.raises(ContractViolation, match="another dtype") as e:
+        patchkit.load_checkpoint_weight_patches(m, ps, max_chunk_bytes=48)
+    assert (e.value.position, e.value.name, e.value.reason) == (0, "a", "reinterpreted source")
+    assert torch.equal(bits(m.h.detach()), before)
+    m = _Holds(words=False, keep=_KEPT[keep])
+    r = patchkit.inspect_load(m, ps, max_chunk_bytes=48)
+    assert r.writes["name"].tolist() == ["a", "b"]
+    assert r.writes["checkpoint_offset"].tolist() == [0, 0]
+    assert r.writes["written"].tolist() == [1, 1]
