@@ -2064,7 +2064,7 @@ class _Provenance:
         if not self._by_key:
             return None
         found = None
-        for _, hit in self._traced((*args, *kwargs.values())):
+        for _, hit in self._traced_data((*args, *kwargs.values())):
             if hit.name is None:  # (data of several patches already)
                 return None
             who = (hit.position, hit.name)
@@ -2083,6 +2083,19 @@ class _Provenance:
                     for hit in self.stretches(t):
                         yield t, hit
 
+    def _traced_data(self, args: Iterable[Any]) -> list[tuple[torch.Tensor, _Source]]:
+        """:meth:`_traced`, less the integer and boolean tensors where a floating-point
+        one is traced too: those are an op's indices or mask (``w[order]``, a gather, a
+        ``where``), which say where the data goes, not what it is (an ``argsort`` of patch
+        a that orders patch b's rows: the result is b's data)."""
+        found = list(self._traced(args))
+        if len(found) > 1 and not all(t.is_floating_point() or t.is_complex()
+                                      for t, _ in found):
+            data = [f for f in found if f[0].is_floating_point() or f[0].is_complex()]
+            if data:
+                return data
+        return found
+
     def taint(self, out: torch.Tensor, args: Sequence[Any], kwargs: dict | None = None
               ) -> None:
         """``out``, a new tensor an op made from ``args`` (and ``kwargs``' values), holds
@@ -2094,7 +2107,7 @@ class _Provenance:
         for a in args:  # an op that hands back its input: no new data
             if isinstance(a, torch.Tensor) and _storage_key(a) == okey:
                 return
-        found = list(self._traced((*args, *kwargs.values()) if kwargs else args))
+        found = self._traced_data((*args, *kwargs.values()) if kwargs else args)
         if found:
             self._moved_into(out, found)
 
@@ -2104,7 +2117,7 @@ class _Provenance:
         ``args`` and ``kwargs``: where another of them holds a patch's data, ``t`` holds
         it too from now on, at offsets nobody knows, with what it held itself."""
         key = _storage_key(t)
-        found = [(a, e) for a, e in self._traced((*args, *kwargs.values()))
+        found = [(a, e) for a, e in self._traced_data((*args, *kwargs.values()))
                  if _storage_key(a) != key]
         if found:
             self._moved_into(t, [(t, e) for e in self.stretches(t)] + found)

@@ -344,3 +344,71 @@ def test_patch_data_a_loader_keeps_only_an_alias_of_for_a_later_call_stays_trace
     assert r.writes["name"].tolist() == ["a", "b"]
     assert r.writes["checkpoint_offset"].tolist() == [0, 0]
     assert r.writes["written"].tolist() == [1, 1]
+
+
+# Patch b's data moved by indices or a mask made from patch a (an argsort of a, a NaN
+# mask of a): the result is b's data, in a's order. The indices were counted as data, so
+# it was taken for data of two patches and named none.
+
+
+def _order_of_a(w):
+    return torch.argsort(w["a"].nan_to_num(), stable=True)
+
+
+_ORDERED = {
+    "gathered": lambda w: w["b"][_order_of_a(w)],
+    "put": lambda w: torch.empty(16).index_put_((_order_of_a(w),), w["b"]),
+    "index_copy_": lambda w: torch.empty(16).index_copy_(0, _order_of_a(w), w["b"]),
+    "where": lambda w: torch.where(w["a"].isnan(), w["b"], w["b"] * 2),
+}
+
+
+class _Whole(nn.Module):
+    def __init__(self, body, words):
+        super().__init__()
+        self.h = nn.Parameter(torch.arange(16.0) + 0.25, requires_grad=False)
+        self.body, self.words = body, words
+
+    def load_weights(self, weights):
+        src = self.body(dict(weights))
+        if self.words:
+            self.h.data.view(torch.float64).copy_(src.view(torch.float64))
+        else:
+            self.h.data.copy_(src)
+        return {"h"}
+
+
+@pytest.mark.parametrize("how", list(_ORDERED))
+def test_patch_data_moved_by_indices_or_a_mask_from_another_patch_names_its_own(how):
+    m = _Whole(_ORDERED[how], words=True)
+    before = bits(m.h.detach()).clone()
+    with pytest.raises(ContractViolation, match="another dtype") as e:
+        patchkit.load_checkpoint_weight_patches(m, _two_of_16())
+    assert (e.value.position, e.value.name, e.value.reason) == (1, "b", "reinterpreted source")
+    assert torch.equal(bits(m.h.detach()), before)
+    m = _Whole(_ORDERED[how], words=False)
+    staged = {p.name: patchkit.stage(p) for p in _two_of_16()}
+    moved = _ORDERED[how](staged)
+    want = torch.where(moved.isnan(), m.h.detach(), moved)
+    r = patchkit.inspect_load(m, _two_of_16())
+    assert torch.equal(bits(m.h.detach()), bits(want))
+    assert r.writes["position"].tolist() == [1]
+    assert r.writes["name"].tolist() == ["b"]
+
+
+def test_a_sparse_write_by_indices_from_another_patch_is_refused_naming_its_data():
+    # index_copy_ into a parameter is refused in a sparse load; its error names the
+    # patch the op's data came from (b), not the one its indices were sorted from.
+    class Indexed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = nn.Parameter(torch.zeros(16), requires_grad=False)
+
+        def load_weights(self, weights):
+            w = dict(weights)
+            self.h.data.index_copy_(0, _order_of_a(w), w["b"])
+            return {"h"}
+
+    with pytest.raises(ContractViolation, match="index_copy") as e:
+        patchkit.load_checkpoint_weight_patches(Indexed(), _two_of_16())
+    assert (e.value.position, e.value.name, e.value.reason) == (1, "b", "unsupported op")
