@@ -486,3 +486,58 @@ def test_a_rollback_puts_back_what_a_merge_wrote_from_a_scratch_part_filled_from
     with pytest.raises(RuntimeError, match="after the merge"):
         patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
     assert torch.equal(bits(m.w.detach()), start)
+
+
+# -- the provenance's own bookkeeping (a mutation pass found these untested) -----------
+
+
+def test_prune_forgets_the_stretches_of_storages_freed_since_the_last_call():
+    # A staged tensor of the call before that nothing holds, and a clone made then and
+    # freed: both forgotten before the next call (their addresses may come back as
+    # tensors of no patch). A staged tensor still held is kept.
+    prov = _Provenance()
+    kept, freed = torch.zeros(8), torch.zeros(8)
+    staged = [("kept", kept), ("freed", freed)]
+    keys = [_storage_key(t) for _, t in staged]
+    prov.add_staged(0, "kept", kept, keys[0])
+    prov.add_staged(1, "freed", freed, keys[1])
+    clone = freed.clone()
+    assert prov.derive(freed, clone, whole=True)
+    clone_key = _storage_key(clone)
+    prov.keep_past_call(keys, staged)
+    del staged, freed, clone
+    prov.prune()
+    assert set(prov._by_key) == {keys[0]}
+    assert prov.lookup(kept) == (0, "kept", 0)
+    del kept
+    prov.prune()  # (kept's stretch now lives as long as its storage)
+    assert not prov._by_key and clone_key not in prov._weak
+
+
+def test_a_float32_read_of_float16_stretches_keeps_the_element_that_holds_their_end():
+    # Three float16 elements of patch a end halfway into the second float32 element of
+    # a float32 view of them: its clone's second element still holds a's bytes (so a
+    # float32 read of them stays refused), not data of no patch.
+    prov = _Provenance()
+    flat = torch.zeros(8, dtype=torch.float16)
+    prov.add_staged(0, "a", flat[:3])
+    src = flat.view(torch.float32)[:2]
+    out = src.clone()
+    assert prov.derive(src, out, whole=True)
+    assert [(e.name, e.dtype) for e in prov.stretches(out[1:])] == [("a", torch.float16)]
+
+
+@pytest.mark.parametrize("starts", ["in its patch", "in padding"])
+def test_a_copy_into_part_of_a_scratch_buffer_is_never_exact(starts):
+    # Only a whole new tensor made from staged data (a clone, a cast) is exact; a copy
+    # into part of a buffer of the loader's own keeps the name and offset, not exactness
+    # (the one-stretch path and the one for a source that reaches several alike).
+    prov = _Provenance()
+    flat = torch.zeros(16)
+    prov.add_staged(0, "a", flat[4:12])
+    src = flat[4:12] if starts == "in its patch" else flat[2:10]
+    buf = torch.zeros(32)
+    assert prov.derive(src, buf[8:16], whole=False)
+    got = prov.stretches(buf)
+    assert [(e.name, e.exact) for e in got] == [("a", False)]
+    assert prov.lookup(buf[10:]) == (0, "a", 2 if starts == "in its patch" else 0)

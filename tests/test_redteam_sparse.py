@@ -4,6 +4,7 @@ the data went."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -412,3 +413,124 @@ def test_a_sparse_write_by_indices_from_another_patch_is_refused_naming_its_data
     with pytest.raises(ContractViolation, match="index_copy") as e:
         patchkit.load_checkpoint_weight_patches(Indexed(), _two_of_16())
     assert (e.value.position, e.value.name, e.value.reason) == (1, "b", "unsupported op")
+
+
+# Scratch copies a loader makes of patches a and b (8 elements each), two 4-element views
+# of which it copies into its two parameters: what the report names for each write.
+# (Ways a mutation pass of the provenance found untested.)
+
+
+def _two_of_8():
+    return [CWP("a", (8,), torch.float32, torch.tensor([1.0, 3.0]), torch.tensor([1, 5])),
+            CWP("b", (8,), torch.float32, torch.tensor([2.0]), torch.tensor([1]))]
+
+
+def _cast_of_two(w):
+    buf = torch.empty(16)
+    buf[:8].copy_(w["a"])
+    buf[8:].copy_(w["b"])
+    c = buf.to(torch.float64)  # (read back as float64: b's half at c[8:])
+    return c[4:8], c[8:12]
+
+
+def _padding_and_a_into_a_buffer_of_b(w):
+    scratch = torch.zeros(12)
+    scratch[4:].copy_(w["a"])
+    buf = torch.empty(16)
+    buf[8:].copy_(w["b"])
+    buf[:8].copy_(scratch[:8])  # (4 of padding, then a's first 4: b's half untouched)
+    return buf[4:8], buf[8:12]
+
+
+def _padding_then_a_over_b(w):
+    buf = w["b"].clone()
+    scratch = torch.zeros(8)
+    scratch[4:].copy_(w["a"][:4])
+    buf.copy_(scratch)  # (b's data gone: padding, then a's first 4)
+    return buf[:4], buf[4:]
+
+
+def _a_scaled_in_place(w):
+    buf = w["a"].clone()
+    buf.mul_(1.0)  # (a's data still, in its place)
+    return buf[:4], buf[4:]
+
+
+def _b_added_onto_a(w):
+    buf = w["a"].clone()
+    buf.add_(w["b"])
+    return buf[:4], buf[4:]
+
+
+def _flip_of_two(w):
+    buf = torch.empty(16)
+    buf[:8].copy_(w["a"])
+    buf[8:].copy_(w["b"])
+    f = buf.flip(0)
+    return f[:4], f[12:]
+
+
+_SCRATCH = {
+    "a cast of a buffer of two patches": (_cast_of_two, ["a", "b"], [4, 0]),
+    "padding and a into a buffer of b": (_padding_and_a_into_a_buffer_of_b, ["a", "b"], [0, 0]),
+    "padding then a over b": (_padding_then_a_over_b, [None, "a"], [None, 0]),
+    "a scaled in place": (_a_scaled_in_place, ["a", "a"], [0, 4]),
+    "b added onto a": (_b_added_onto_a, [None, None], [None, None]),
+    "a flip of a buffer of two patches": (_flip_of_two, [None, None], [None, None]),
+}
+
+
+class _Pair(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.p1 = nn.Parameter(torch.arange(4.0) + 0.5, requires_grad=False)
+        self.p2 = nn.Parameter(torch.arange(4.0) + 10.5, requires_grad=False)
+        self.body = body
+
+    def load_weights(self, weights):
+        s1, s2 = self.body(dict(weights))
+        self.p1.copy_(s1)
+        self.p2.copy_(s2)
+        return {"p1", "p2"}
+
+
+@pytest.mark.parametrize("how", list(_SCRATCH))
+def test_what_a_scratch_copy_of_two_patches_names(how):
+    body, names, offsets = _SCRATCH[how]
+    m = _Pair(body)
+    staged = {p.name: patchkit.stage(p) for p in _two_of_8()}
+    want = [torch.where(s.isnan(), p.detach(), s.float())
+            for s, p in zip(body(staged), (m.p1, m.p2))]
+    r = patchkit.inspect_load(m, _two_of_8())
+    assert torch.equal(bits(m.p1.detach()), bits(want[0]))
+    assert torch.equal(bits(m.p2.detach()), bits(want[1]))
+    w = r.writes
+    assert w["target"].tolist() == ["p1", "p2"]
+    assert [None if n is None or n != n else n for n in w["name"].tolist()] == names
+    assert [None if o is pd.NA else o for o in w["checkpoint_offset"].tolist()] == offsets
+
+
+def test_data_of_two_patches_of_two_calls_is_refused_naming_the_calls_patch():
+    # The loader keeps a (call 0) and, in call 1 (b's), copies a cat of both as float64:
+    # refused, the error naming the one patch of the call (no source names one).
+    class CatHeld(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = nn.Parameter(torch.arange(16.0) + 0.25, requires_grad=False)
+            self.held = []
+
+        def load_weights(self, weights):
+            self.held.extend(t for _, t in weights)
+            if len(self.held) < 2:
+                return set()
+            both = torch.cat(self.held)
+            self.h.data.view(torch.float64).copy_(both.view(torch.float64))
+            return {"h"}
+
+    ps = [CWP(n, (8,), torch.float32, torch.tensor([5.0 + k]), torch.tensor([1 + k]))
+          for k, n in enumerate("ab")]
+    m = CatHeld()
+    with pytest.raises(ContractViolation, match="another dtype") as e:
+        patchkit.load_checkpoint_weight_patches(m, ps, max_chunk_bytes=32)
+    assert (e.value.position, e.value.name, e.value.reason) == (1, "b", "reinterpreted source")
+    assert "call 1" in str(e.value)
