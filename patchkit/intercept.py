@@ -2089,10 +2089,9 @@ class _Provenance:
         ``where``), which say where the data goes, not what it is (an ``argsort`` of patch
         a that orders patch b's rows: the result is b's data)."""
         found = list(self._traced(args))
-        if len(found) > 1 and not all(t.is_floating_point() or t.is_complex()
-                                      for t, _ in found):
+        if len(found) > 1:
             data = [f for f in found if f[0].is_floating_point() or f[0].is_complex()]
-            if data:
+            if data:  # (none: bits moved as integers, ``w.view(torch.int32)``'s)
                 return data
         return found
 

@@ -54,6 +54,11 @@ def _cat_of_two_into_scratch(w):
     return buf
 
 
+def _cat_of_two_as_integers(w):
+    # (the bits moved as int32: data, though no floating-point tensor is traced)
+    return torch.cat([w["a"].view(torch.int32), w["b"].view(torch.int32)]).view(torch.float32)
+
+
 def _rows_put_into_scratch(w):
     buf = torch.empty(6, 4)
     buf[torch.tensor([5, 4, 3, 2, 1, 0])] = w["a"]
@@ -85,6 +90,7 @@ _MOVES = {
     "columns into scratch": (_columns_into_scratch, 1),
     "cat of two patches": (_cat_of_two, 2),
     "cat of two patches, out=": (_cat_of_two_into_scratch, 2),
+    "cat of two patches as integers": (_cat_of_two_as_integers, 2),
     "rows put into scratch": (_rows_put_into_scratch, 1),
     "added into zeros": (_added_into_zeros, 1),
     "cloned after padding": (_cloned_after_padding, 1),
@@ -361,6 +367,9 @@ _ORDERED = {
     "put": lambda w: torch.empty(16).index_put_((_order_of_a(w),), w["b"]),
     "index_copy_": lambda w: torch.empty(16).index_copy_(0, _order_of_a(w), w["b"]),
     "where": lambda w: torch.where(w["a"].isnan(), w["b"], w["b"] * 2),
+    "gathered as complex": lambda w: torch.view_as_real(torch.view_as_complex(
+        w["b"].reshape(8, 2))[torch.argsort(w["a"][:8].nan_to_num(), stable=True)]
+    ).reshape(16),
 }
 
 
