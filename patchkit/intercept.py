@@ -2446,8 +2446,9 @@ def _weak_storage(t: torch.Tensor) -> Any:
 
 
 # Ops whose output is an element-for-element copy of their first input (``.to()``,
-# ``.clone()``, ``.contiguous()`` reach the dispatcher as these).
-_ELEMENTWISE_COPIES = {_aten._to_copy.default, _aten.clone.default}
+# ``.clone()``, ``.contiguous()`` reach the dispatcher as these), told by identity (an
+# op's hash is a Python call, and the test runs for every op of a call).
+_TO_COPY_OP, _CLONE_OP = _aten._to_copy.default, _aten.clone.default
 
 
 # An op's schema never changes: which of its arguments it writes is worked out once per
@@ -2529,27 +2530,29 @@ class _Mode(TorchDispatchMode):
         mutated = _mutated_args(func)
         if not mutated:
             out = func(*args, **kwargs)
-            if (s.track_sources and isinstance(out, tuple | list) and s.provenance
+            if isinstance(out, torch.Tensor):
+                copies = func is _TO_COPY_OP or func is _CLONE_OP  # (an element-wise copy)
+                if s.track_sources and s.provenance:
+                    derived = copies and s.provenance.derive(args[0], out, whole=True)
+                    if not derived and not _is_view(func):
+                        # A new tensor made from one patch's data (a cat, a gather, a flip,
+                        # the copy of a transposed view): that patch's, at no known offset;
+                        # from several patches' (a cat of q and k), theirs, kept for its
+                        # dtype. (Its source is looked up here only: most ops of a loader
+                        # are views.)
+                        s.provenance.taint(out, args, kwargs)
+                if s._sparse:
+                    if copies:
+                        if s.lost or _casts_lose_numbers(out.dtype):
+                            s._note_copied(args[0], out, whole=True)
+                    elif s.lost and func in _MOVES:
+                        s.lost.moved(func, args, kwargs, out)
+            elif (s.track_sources and isinstance(out, tuple | list) and s.provenance
                     and not _is_view(func)):
                 # (an op of several results, a sort's values: each holds data of its input)
                 for o in out:
                     if isinstance(o, torch.Tensor):
                         s.provenance.taint(o, args, kwargs)
-            elif s.track_sources and isinstance(out, torch.Tensor) and s.provenance:
-                derived = func in _ELEMENTWISE_COPIES and s.provenance.derive(
-                    args[0], out, whole=True)
-                if not derived and not _is_view(func):
-                    # A new tensor made from one patch's data (a cat, a gather, a flip, the
-                    # copy of a transposed view): that patch's, at no known offset; from
-                    # several patches' (a cat of q and k), theirs, kept for its dtype. (Its
-                    # source is looked up here only: most ops of a loader are views.)
-                    s.provenance.taint(out, args, kwargs)
-            if s._sparse and isinstance(out, torch.Tensor):
-                if func in _ELEMENTWISE_COPIES:
-                    if s.lost or _casts_lose_numbers(out.dtype):
-                        s._note_copied(args[0], out, whole=True)
-                elif func in _MOVES and s.lost:
-                    s.lost.moved(func, args, kwargs, out)
             return out
         targets = []
         others = []
