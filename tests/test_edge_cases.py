@@ -2023,7 +2023,10 @@ def test_a_number_lost_in_a_narrower_cast_before_the_copy_is_refused():
 # -- the collector's pause, the returned names, staging notes, tied aliases -----------------
 
 _F8 = torch.float8_e4m3fnuz
-_ROWS = torch.tensor([2, 3])
+
+
+def _rows():
+    return torch.tensor([2, 3])  # (made when used: on the test's device)
 
 
 @pytest.mark.parametrize("how", [
@@ -2037,14 +2040,14 @@ _ROWS = torch.tensor([2, 3])
                  id="cat of casts"),
     pytest.param(lambda t: torch.stack([(t[2] * 2).to(_F8), (t[3] * 2).to(_F8)]),
                  id="stack of casts"),
-    pytest.param(lambda t: (t * 2).to(_F8)[_ROWS.to(t.device)], id="index"),
-    pytest.param(lambda t: (t * 2).to(_F8).index_select(0, _ROWS.to(t.device)),
+    pytest.param(lambda t: (t * 2).to(_F8)[_rows().to(t.device)], id="index"),
+    pytest.param(lambda t: (t * 2).to(_F8).index_select(0, _rows().to(t.device)),
                  id="index_select"),
     pytest.param(lambda t: (t * 2).to(_F8).roll(-2, 0)[:2], id="roll"),
     pytest.param(lambda t: (t[2:] * 2).to(_F8).repeat(2, 1)[2:], id="repeat"),
     pytest.param(lambda t: (t * 2).to(_F8).flip(0)[:2].flip(0), id="flip"),
-    pytest.param(lambda t: (t * 2).to(_F8).float().gather(0, _ROWS[:, None].expand(2, 4)),
-                 id="gather"),
+    pytest.param(lambda t: (t * 2).to(_F8).float().gather(
+        0, _rows().to(t.device)[:, None].expand(2, 4)), id="gather"),
     pytest.param(lambda t: (t * 2).to(_F8).narrow_copy(0, 2, 2), id="narrow_copy"),
     pytest.param(lambda t: torch.empty(2, 4, dtype=_F8, device=t.device).copy_(
         t.narrow(0, 2, 2) * 2), id="scaled into a float8 scratch"),
@@ -2155,7 +2158,8 @@ def test_a_scratch_reused_for_the_next_patch_forgets_the_numbers_lost_in_it():
     assert m.b.detach().float().reshape(-1)[1] == 1.0
 
 
-_ALL = torch.arange(4)
+def _all():
+    return torch.arange(4)  # (made when used: on the test's device)
 
 
 class _Refilled(nn.Module):
@@ -2181,20 +2185,22 @@ class _Refilled(nn.Module):
         return {n for n, _ in weights}
 
 
-# (a's 1e6, index 1, is lost by its cast in a row a's copy never reads; b's NaN there keeps)
-_REFILLED = (CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13])),
-             CWP("b", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([0])))
+def _refilled():
+    # (a's 1e6, index 1, is lost by its cast in a row a's copy never reads; b's NaN there
+    # keeps)
+    return (CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13])),
+            CWP("b", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([0])))
 
 
 @pytest.mark.parametrize("put", [
-    pytest.param(lambda buf, x: buf.__setitem__(_ALL, x), id="buf[rows] = x"),
+    pytest.param(lambda buf, x: buf.__setitem__(_all(), x), id="buf[rows] = x"),
     pytest.param(lambda buf, x: buf.__setitem__(torch.ones(4, 4, dtype=torch.bool),
                                                 x.reshape(-1)), id="buf[mask] = x"),
-    pytest.param(lambda buf, x: buf.t().__setitem__(_ALL, x.t()), id="transposed"),
-    pytest.param(lambda buf, x: buf.index_copy_(0, _ALL, x), id="index_copy_"),
+    pytest.param(lambda buf, x: buf.t().__setitem__(_all(), x.t()), id="transposed"),
+    pytest.param(lambda buf, x: buf.index_copy_(0, _all(), x), id="index_copy_"),
     pytest.param(lambda buf, x: buf.masked_scatter_(torch.ones(4, 4, dtype=torch.bool), x),
                  id="masked_scatter_"),
-    pytest.param(lambda buf, x: buf.scatter_(0, _ALL[:, None].expand(4, 4), x),
+    pytest.param(lambda buf, x: buf.scatter_(0, _all()[:, None].expand(4, 4), x),
                  id="scatter_"),
 ])
 def test_a_scratch_refilled_by_a_put_forgets_the_numbers_lost_in_it(put):
@@ -2202,7 +2208,7 @@ def test_a_scratch_refilled_by_a_put_forgets_the_numbers_lost_in_it(put):
     # not load) is filled for b by a put (``buf[rows] = x``), not a copy_: b's NaN there
     # is a "keep", and the copy of b's rows was refused for a's number (naming 'a').
     # The put now takes the marks of what it overwrites away, and brings its value's.
-    a, b = _REFILLED
+    a, b = _refilled()
     m = _Refilled(lambda buf, t: put(buf, t.to(_F8).float()))
     assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
     assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
@@ -2217,13 +2223,13 @@ def test_a_scratch_refilled_by_a_put_forgets_the_numbers_lost_in_it(put):
 
 @pytest.mark.parametrize("fill", [
     pytest.param(lambda buf, x: torch.cat([x[:2], x[2:]], out=buf), id="cat"),
-    pytest.param(lambda buf, x: torch.index_select(x, 0, _ALL, out=buf), id="index_select"),
+    pytest.param(lambda buf, x: torch.index_select(x, 0, _all(), out=buf), id="index_select"),
     pytest.param(lambda buf, x: torch.mul(x, 1.0, out=buf), id="mul"),
 ])
 def test_a_scratch_refilled_by_an_out_op_forgets_the_numbers_lost_in_it(fill):
     # (as with a put: ``torch.cat(ts, out=buf)`` writes all of the scratch anew, and b's
     # NaN there is a "keep", not a's number lost; it was refused naming 'a')
-    a, b = _REFILLED
+    a, b = _refilled()
     m = _Refilled(fill)
     assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
     assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
