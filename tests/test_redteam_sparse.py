@@ -4,6 +4,8 @@ the data went."""
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import pytest
 import torch
@@ -108,11 +110,14 @@ def _patches(count):
 
 class _Words(nn.Module):
     """Moves the staged data with ``move``, then copies it as 8-byte words (float64)
-    into its float32 parameter, or, with ``words=False``, as the float32 it is."""
+    into its float32 parameter of ``shape``, or, with ``words=False``, as the float32 it
+    is."""
 
-    def __init__(self, move, words):
+    def __init__(self, move, words, shape=(6, 4)):
         super().__init__()
-        self.h = nn.Parameter(torch.arange(24.0).reshape(6, 4) + 0.25, requires_grad=False)
+        n = math.prod(shape)
+        self.h = nn.Parameter(torch.arange(float(n)).reshape(shape) + 0.25,
+                              requires_grad=False)
         self.move, self.words = move, words
 
     def load_weights(self, weights):
@@ -373,30 +378,15 @@ _ORDERED = {
 }
 
 
-class _Whole(nn.Module):
-    def __init__(self, body, words):
-        super().__init__()
-        self.h = nn.Parameter(torch.arange(16.0) + 0.25, requires_grad=False)
-        self.body, self.words = body, words
-
-    def load_weights(self, weights):
-        src = self.body(dict(weights))
-        if self.words:
-            self.h.data.view(torch.float64).copy_(src.view(torch.float64))
-        else:
-            self.h.data.copy_(src)
-        return {"h"}
-
-
 @pytest.mark.parametrize("how", list(_ORDERED))
 def test_patch_data_moved_by_indices_or_a_mask_from_another_patch_names_its_own(how):
-    m = _Whole(_ORDERED[how], words=True)
+    m = _Words(_ORDERED[how], words=True, shape=(16,))
     before = bits(m.h.detach()).clone()
     with pytest.raises(ContractViolation, match="another dtype") as e:
         patchkit.load_checkpoint_weight_patches(m, _two_of_16())
     assert (e.value.position, e.value.name, e.value.reason) == (1, "b", "reinterpreted source")
     assert torch.equal(bits(m.h.detach()), before)
-    m = _Whole(_ORDERED[how], words=False)
+    m = _Words(_ORDERED[how], words=False, shape=(16,))
     staged = {p.name: patchkit.stage(p) for p in _two_of_16()}
     moved = _ORDERED[how](staged)
     want = torch.where(moved.isnan(), m.h.detach(), moved)
