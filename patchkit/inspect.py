@@ -1766,18 +1766,17 @@ def _report_of(model, patches, transactional, loader, rec, sessions, kept, posit
                    and any(s.rolled_back for s in sessions)
                    and not any(s.unrestored for s in sessions))
     restored: tuple[str, ...] = ()
+    # Whether numbers measured while writing (the compiled path's) may count changes
+    # that are gone, so the tensors are read again (see below)
+    remeasure = False
     if error is not None and transactional and loader is None and any(
             s.rolled_back for s in sessions):
         # The rollback put back what the load wrote, but for the targets it could not.
         left = {t for s in sessions for t in s.unrestored}
         restored = _targets_outside(rec.events, left)
-        if left:
-            # An incomplete rollback keeps the saves of the targets it left, some of whose
-            # regions it did write back: numbers measured while writing (the compiled
-            # path's) would count those changes as still there. Read the tensors again.
-            for session in sessions:
-                for saved in session.saved:
-                    saved.diff_stats = None
+        # (an incomplete rollback keeps the saves of the targets it left, some of whose
+        # regions it did write back)
+        remeasure = bool(left)
     if error is not None and not rolled_back:
         # What the calls that returned before the failure reported loaded stays loaded;
         # after an incomplete rollback, only the names that wrote into a target it left.
@@ -1803,11 +1802,13 @@ def _report_of(model, patches, transactional, loader, rec, sessions, kept, posit
             restored = tuple(t for t in _targets_outside(rec.events, set()) if t in gone)
             for session in sessions:  # (as patchkit's own rollback keeps them)
                 session.saved = [r for r in session.saved if r.target not in gone]
-    if loader is not None and (error is not None or rollbacks() != rollbacks_before):
+    if remeasure or (loader is not None
+                     and (error is not None or rollbacks() != rollbacks_before)):
         # An observed loader may have undone its writes unseen (patchkit's own loader with
         # transactional=True restores outside any interception, then raises, or returns
-        # where its caller catches): numbers measured while writing would show changes
-        # that are gone. Read the tensors again.
+        # where its caller catches), and an incomplete rollback of our own left some
+        # regions put back: numbers measured while writing would show changes that are
+        # gone. Read the tensors again.
         for session in sessions:
             for saved in session.saved:
                 saved.diff_stats = None
