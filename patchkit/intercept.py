@@ -2956,9 +2956,8 @@ class WriteSession:
         self._call_fed: dict[str, tuple[int | None, str] | None] = {}
         self._patches: dict[int, Any] = {}
         # (patch position, dtype) -> whether a value of that patch becomes NaN in that
-        # dtype (see _loses_numbers); the storages of the call's staged tensors
+        # dtype (see _loses_numbers)
         self._lossy: dict[tuple[int, torch.dtype], bool] = {}
-        self._staged_keys: set[tuple] = set()
         self._bindings: dict[str, torch.Tensor] | None = None
         self._model_gpus: set[torch.device] | None = None  # (see _gpus)
         # the targets a restore() could not write back (keeping what the load wrote)
@@ -3068,7 +3067,6 @@ class WriteSession:
         # (each staged tensor's storage key, taken once: the provenance keeps it too)
         keys = [_storage_key(t) if isinstance(t, torch.Tensor) and t.numel() else None
                 for _, t in staged]
-        self._staged_keys = {k for k in keys if k is not None}
         self.tree_as_found = False
         if sparse:
             # What earlier calls staged stays traced while the loader keeps it (a loader
@@ -3141,8 +3139,6 @@ class WriteSession:
         observed, maybe_sparse = self._observed_call
         pos = position if position >= 0 else None
         key = _storage_key(staged) if staged.numel() else None
-        if key is not None:
-            self._staged_keys.add(key)
         self._call_patches += ((pos, name),)
         self._patches[position] = patch
         if observed and _may_be_masked(patch, maybe_sparse):
@@ -4211,11 +4207,13 @@ class WriteSession:
         (``.to()``, a copy into a tensor of its own, a detour through another dtype).
         Where ``src``'s elements are followed to their patch (a view of the staged tensor,
         or of element-for-element copies of its parts: :class:`_Provenance`), that
-        patch's entries in it are read there; a view of the staged tensor itself is not
-        read at all when none of the patch's values (its nnz, checked once per dtype) is
-        lost in ``dtype``. Elsewhere (a source an op made from a patch at unknown places:
-        a scaled one, a gather), this copy's own cast is checked here, and the NaN that
-        a cast the loader made before put in it by :meth:`_refuse_marked`."""
+        patch's entries in it are read there; staged values as staged (exact stretches of
+        the staged dtype, :meth:`_keeps_numbers`) are not read at all when none of their
+        patch's values (its nnz, checked once per dtype) is lost in ``dtype`` (a staged
+        tensor the loader scaled in place is read). Elsewhere (a source an op made from a
+        patch at unknown places: a scaled one, a gather), this copy's own cast is checked
+        here, and the NaN that a cast the loader made before put in it by
+        :meth:`_refuse_marked`."""
         if dtype in _CASTS_KEEP_NUMBERS or not dtype.is_floating_point or src.is_meta:
             return
         # (the message's start, made only for a refusal: most float8 writes pass)
@@ -4225,9 +4223,8 @@ class WriteSession:
         followed = [e for e in self.provenance.stretches(s)
                     if e.base is not None and e.position in self._patches] if rows else []
         if followed:
-            if (_storage_key(s) in self._staged_keys
-                    and not self._loses_numbers(followed[0].position, dtype)):
-                return  # (the staged values themselves, none of which is lost)
+            if self._keeps_numbers(s, dtype):
+                return  # (the staged values as staged, none of which is lost)
             for e in followed:
                 self._refuse_lost_entries(s, dtype, e, rows, at, tname)
             return  # (the rest of s holds no patch's numbers)

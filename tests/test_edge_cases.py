@@ -2129,6 +2129,31 @@ def test_nan_mask_of_a_one_byte_float_reads_every_bit_pattern_as_float32_does(dt
     assert torch.equal(nan_mask(grid[1:, ::3]), wants[1:, ::3])
 
 
+def test_a_staged_tensor_the_loader_scaled_in_place_is_read_for_lost_numbers():
+    # (its storage is the staged one, and none of the patch's values, 150.0 among them,
+    # is lost in float8: that was taken to mean none of its elements is, and the 300.0
+    # that t.mul_(2) made arrived as NaN, a "keep", without a word)
+    class ScalesInPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                t.mul_(2)
+                self.w.copy_(t)
+            return {n for n, _ in weights}
+
+    m = ScalesInPlace()
+    p = CWP("w", (4,), torch.float32, torch.tensor([2.5, 150.0]), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match=r"value 150\.0 at checkpoint index 2 arrives as NaN"):
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert m.w.detach().float().eq(1).all()
+    # (values that still fit once doubled load)
+    patchkit.load_checkpoint_weight_patches(m, [p._replace(values=torch.tensor([2.5, 60.0]))])
+    assert m.w.detach().float().tolist() == [5.0, 1.0, 120.0, 1.0]
+
+
 def test_a_scratch_reused_for_the_next_patch_forgets_the_numbers_lost_in_it():
     # A float8 scratch that held a lost number (in rows this rank does not load) is
     # overwritten by the next patch's values, whose NaN there is a "keep": refusing it
