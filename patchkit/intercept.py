@@ -2181,13 +2181,16 @@ class _LostMarks:
     carried to the output of an element-for-element copy (a cast, a clone,
     ``.contiguous()``, a ``copy_`` into a tensor of the loader's own) and of the ops in
     ``_MOVES`` (``cat``, ``stack``, indexing, ``repeat``, ``roll``, ``flip``, ``gather``,
-    ``narrow_copy``), which move elements without changing them, and into a tensor of
-    the loader's own by the puts of ``_PUTS`` (``buf[rows] = x``, ``index_copy_``,
-    ``masked_scatter_``, ``scatter_``); a ``copy_`` or a put into a marked tensor of the
-    loader's own takes the marks of the elements it overwrote away, and an ``out=`` op
-    all of its ``out``'s. Other ops drop them (a number made from a NaN is NaN, but at a
-    place no mark follows). A mark whose element no longer holds NaN counts for
-    nothing.
+    ``narrow_copy``), which move elements without changing them, of pointwise ops
+    (arithmetic, ``clamp``, ``where``, ``masked_fill``: a NaN stays NaN through them,
+    in its place), and into a tensor of the loader's own by the puts of ``_PUTS``
+    (``buf[rows] = x``, ``index_copy_``, ``masked_scatter_``, ``scatter_``) and by
+    in-place pointwise ops (``buf.add_(x)``); a ``copy_``, a put or a fill (``fill_``,
+    ``zero_``, ``masked_fill_``) into a marked tensor of the loader's own takes the
+    marks of the elements it overwrote away, and an ``out=`` op all of its ``out``'s (a
+    pointwise one's then takes its inputs'). Other ops drop them (a number made from a
+    NaN by a matmul or a reduction is NaN, but at a place no mark follows). A mark whose
+    element no longer holds NaN counts for nothing.
 
     Storages are held by weak reference: a freed one's marks are dropped when its
     address is next looked up, since the allocator may hand it to an unrelated tensor."""
@@ -2346,6 +2349,38 @@ class _LostMarks:
                                                  device=t.device), what[..., c])
                                for c in range(3)], -1))
 
+    def pointwise(self, inputs: Sequence[Any], out: torch.Tensor, *,
+                  anew: bool = False) -> None:
+        """``out`` was made (or, in place, written) by a pointwise op of ``inputs`` (its
+        arguments but ``out``): each element of it from the elements at its place in
+        the tensors among them (broadcast). A NaN stays NaN through arithmetic, ``clamp``, or a
+        ``where`` that picks it, so an element made from a marked one takes its mark (the
+        first input's, where several are marked there); where the op made a number of it
+        (``nan_to_num``, a ``where`` that picks the other side), the mark counts for
+        nothing, as any mark on a number does. ``anew``: ``out`` is an ``out=``
+        argument, written whole: the marks it held go (after its inputs' are read: an
+        input may be ``out`` itself)."""
+        if out.is_meta or not out.numel():
+            return
+        marked = what = None
+        for t in inputs:
+            if not isinstance(t, torch.Tensor):
+                continue
+            got = self.of(t.detach())
+            if got is None:
+                continue
+            m, w = (g.to(out.device) for g in got)
+            m, w = m.expand(out.shape), w.expand(*out.shape, 3)
+            if marked is None:
+                marked, what = m, w
+            else:
+                what = torch.where((m & ~marked).unsqueeze(-1), w, what)
+                marked = marked | m
+        if anew:
+            self.unmark(out)
+        if marked is not None:
+            self.mark(out, marked, what)
+
     def moved(self, func: Any, args: Sequence[Any], kwargs: dict, out: torch.Tensor) -> None:
         """``out`` was made by ``func``, one of ``_MOVES``, from ``args[0]`` (a tensor or
         a list of them): each of its elements is an element of those, unchanged, so the
@@ -2370,6 +2405,17 @@ class _LostMarks:
                   torch.stack([again([w[..., c] for w in what]) for c in range(3)], -1))
 
 
+def _listed(v: Any) -> tuple | list:
+    """``v`` itself where it is a list or tuple, else ``(v,)``."""
+    return v if isinstance(v, list | tuple) else (v,)
+
+
+def _is_pointwise(func: Any) -> bool:
+    """Whether ``func`` computes each element of its result from the elements at that
+    place of its tensor arguments (broadcast), and nothing else."""
+    return torch.Tag.pointwise in func.tags or func in _POINTWISE_UNTAGGED
+
+
 def _casts_lose_numbers(dtype: torch.dtype) -> bool:
     """Whether a cast into ``dtype`` can turn a number into NaN: a floating dtype
     without infinities (float8 ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``, and
@@ -2384,6 +2430,13 @@ _MOVES = frozenset({
     _aten.index.Tensor, _aten.repeat.default, _aten.roll.default, _aten.flip.default,
     _aten.gather.default, _aten.narrow_copy.default,
 })
+
+# Pointwise ops that torch does not tag so (``torch.Tag.pointwise``)
+_POINTWISE_UNTAGGED = frozenset({_aten.masked_fill.Tensor, _aten.masked_fill_.Tensor})
+
+# Ops that write all of their first argument anew, from no tensor: a scratch filled so
+# keeps no mark of what it held
+_FILLS = frozenset({_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default})
 
 # In-place ops that write elements of one argument (at the index given), each unchanged,
 # into places of their first one (a tensor of the loader's own) that their other
@@ -2547,6 +2600,8 @@ class _Mode(TorchDispatchMode):
                             s._note_copied(args[0], out, whole=True)
                     elif s.lost and func in _MOVES:
                         s.lost.moved(func, args, kwargs, out)
+                    elif s.lost and _is_pointwise(func):
+                        s.lost.pointwise([*args, *kwargs.values()], out)
             elif (s.track_sources and isinstance(out, tuple | list) and s.provenance
                     and not _is_view(func)):
                 # (an op of several results, a sort's values: each holds data of its input)
@@ -4272,19 +4327,39 @@ class WriteSession:
     def _note_own_write(self, func: Any, args: Sequence[Any], kwargs: dict) -> None:
         """A sparse call's in-place op on tensors of the loader's own (no runtime
         tensor), for the lost-number marks (:class:`_LostMarks`): a ``copy_`` is a copy
-        (:meth:`_note_copied`), a put of ``_PUTS`` moves marked elements, an ``out=`` op
-        writes its ``out`` anew (``torch.cat(ts, out=buf)`` leaves no mark of what
-        ``buf`` held); other ops leave the marks as they are."""
+        (:meth:`_note_copied`), a put of ``_PUTS`` moves marked elements, a fill
+        (``fill_``, ``zero_``, ``masked_fill_``) writes what it fills anew, an ``out=`` op
+        all of its ``out`` (``torch.cat(ts, out=buf)`` leaves no mark of what ``buf``
+        held; a pointwise one's ``out`` takes its inputs' marks), and an in-place
+        pointwise op (``buf.add_(x)``) keeps the marks of its tensor and adds its
+        inputs'; other ops leave the marks as they are."""
         if func is _COPY:
             self._note_copied(args[1], args[0], whole=False)
         elif func in _PUTS:
             self.lost.put(func, args, kwargs, _PUTS[func])
-        else:
-            for i, argname in _out_args(func):
-                v = args[i] if i < len(args) else kwargs.get(argname)
-                for t in v if isinstance(v, list | tuple) else (v,):
-                    if isinstance(t, torch.Tensor):
-                        self.lost.unmark(t)
+        elif func in _FILLS:
+            self.lost.unmark(args[0])
+        elif func in (_aten.masked_fill_.Scalar, _aten.masked_fill_.Tensor):
+            # (the elements filled are written anew; the others keep their marks)
+            t = args[0]
+            filled = args[1].expand(t.shape).reshape(-1)
+            self.lost.unmark(t, torch.nonzero(filled).reshape(-1).to(t.device))
+        elif (outs := [t for i, argname in _out_args(func)
+                       for t in _listed(args[i] if i < len(args) else kwargs.get(argname))
+                       if isinstance(t, torch.Tensor)]):
+            if _is_pointwise(func):  # (``torch.mul(x, s, out=buf)``: buf takes x's marks)
+                named = {n for _, n in _out_args(func)}
+                where = {i for i, _ in _out_args(func)}
+                inputs = [*(a for i, a in enumerate(args) if i not in where),
+                          *(v for k, v in kwargs.items() if k not in named)]
+                for t in outs:
+                    self.lost.pointwise(inputs, t, anew=True)
+            else:
+                for t in outs:
+                    self.lost.unmark(t)
+        elif _is_pointwise(func) and isinstance(args[0], torch.Tensor):
+            # (``buf.add_(x)``: each element stays NaN where it was, and where x's is)
+            self.lost.pointwise([*args[1:], *kwargs.values()], args[0])
 
     def _note_copied(self, src: Any, out: torch.Tensor, *, whole: bool) -> None:
         """A sparse call's element-for-element copy of ``src`` into ``out`` (see

@@ -106,9 +106,12 @@ def load_checkpoint_weight_patches(
        through views, casts, clones, ``copy_``, ``index_put_`` (``buf[rows] = x``),
        ``index_copy_``, ``masked_scatter_`` and ``scatter_`` into tensors of the
        loader's own, ``cat``, ``stack``, indexing, ``repeat``, ``roll``, ``flip`` and
-       ``gather``, so a loader may scale, cast and shard in any order; other ops on it,
-       or a loader's arithmetic on the NaN after its cast, lose the trail, and the
-       copy's own cast is what is checked.) A call that rebinds a
+       ``gather``, and through pointwise ops (arithmetic, ``clamp``, ``where``,
+       ``masked_fill``, in place or not), through which a NaN stays NaN, so a loader may
+       scale, cast and shard in any order; a fill (``fill_``, ``zero_``,
+       ``masked_fill_``) or an ``out=`` op writes its elements anew; other ops on it
+       (a matmul, a reduction) lose the trail, and the copy's own cast is what is
+       checked.) A call that rebinds a
        runtime tensor (``param.data = w``), registers a new one in its place
        (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) or registers
        one under a name the model did not have is caught when it returns: the original is

@@ -2053,6 +2053,19 @@ def _rows():
         t.narrow(0, 2, 2) * 2), id="scaled into a float8 scratch"),
     pytest.param(lambda t: torch.empty(4, 4, dtype=_F8, device=t.device).copy_(
         t * 2).clone()[2:], id="scratch, clone, narrow"),
+    # arithmetic after the cast, read back in float32 (float8 has no arithmetic of its
+    # own): the NaN the cast made stays NaN through each of these ops
+    pytest.param(lambda t: (t * 2).to(_F8).float().clamp(-1e4, 1e4)[2:], id="clamp after"),
+    pytest.param(lambda t: (t[2:] * 2).to(_F8).float() * 1.0, id="scaled after"),
+    pytest.param(lambda t: torch.where(torch.ones(2, 4, dtype=torch.bool, device=t.device),
+                                       (t[2:] * 2).to(_F8).float(), 0.0), id="where"),
+    pytest.param(lambda t: (t[2:] * 2).to(_F8).float().masked_fill(
+        torch.zeros(2, 4, dtype=torch.bool, device=t.device), 0.0), id="masked_fill"),
+    pytest.param(lambda t: (t[2:] * 2).to(_F8).float().masked_fill(
+        torch.zeros(2, 4, dtype=torch.bool, device=t.device),
+        torch.tensor(0.0, device=t.device)), id="masked_fill of a tensor"),
+    pytest.param(lambda t: torch.zeros(2, 4, device=t.device).add_(
+        (t[2:] * 2).to(_F8).float()), id="added into a scratch"),
 ])
 def test_a_number_the_loaders_own_cast_lost_after_scaling_is_refused(how):
     # Scaled, the values are at no known place in their patch, and the copy's source is
@@ -2259,6 +2272,55 @@ def test_a_scratch_refilled_by_an_out_op_forgets_the_numbers_lost_in_it(fill):
     assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
     assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
     assert m.b.detach().float().reshape(-1).tolist() == [0.5] + [1.0] * 7
+
+
+def _first_of(buf, x):
+    buf.view(-1)[0] = x.reshape(-1)[0]  # (b's one value, at checkpoint index 0)
+
+
+@pytest.mark.parametrize("fill", [
+    pytest.param(lambda buf, x: (buf.fill_(float("nan")), _first_of(buf, x)), id="fill_"),
+    pytest.param(lambda buf, x: buf.zero_().add_(x), id="zero_, then add_"),
+    pytest.param(lambda buf, x: (buf.masked_fill_(torch.ones(4, 4, dtype=torch.bool),
+                                                  float("nan")), _first_of(buf, x)),
+                 id="masked_fill_"),
+    pytest.param(lambda buf, x: torch.add(x, 0.0, out=buf), id="add, out="),
+])
+def test_a_scratch_refilled_by_a_fill_forgets_the_numbers_lost_in_it(fill):
+    # A fill writes the scratch anew: the NaN it leaves where a's number was lost (index
+    # 1) is b's "keep". The marks stayed, and b's copy was refused naming 'a'.
+    a, b = _refilled()
+    m = _Refilled(fill)
+    assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
+    assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
+    assert m.b.detach().float().reshape(-1).tolist() == [0.5] + [1.0] * 7
+
+
+def test_a_masked_fill_keeps_the_lost_numbers_it_does_not_fill():
+    # (masked_fill_ writes only where its mask is: a number lost elsewhere stays marked)
+    class Partly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                buf = torch.empty(2, 4)
+                buf.copy_((t[2:] * 2).to(_F8))
+                mask = torch.zeros(2, 4, dtype=torch.bool, device=buf.device)
+                mask[0] = True
+                self.w.copy_(buf.masked_fill_(mask, 3.0))
+            return {n for n, _ in weights}
+
+    here = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    m = Partly()
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 5 of the source"):
+        patchkit.load_checkpoint_weight_patches(m, [here])
+    assert m.w.detach().float().eq(1).all()
+    # (lost in the row it fills: its 3.0 lands, and no mark is left to refuse)
+    there = here._replace(values=torch.tensor([1e6, 2.0]), indices=torch.tensor([9, 13]))
+    assert patchkit.load_checkpoint_weight_patches(m, [there]) == {"w"}
+    assert m.w.detach().float().reshape(-1).tolist() == [3.0] * 4 + [1.0, 4.0, 1.0, 1.0]
 
 
 def test_a_number_lost_before_a_put_into_a_scratch_is_refused():
