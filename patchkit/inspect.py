@@ -473,10 +473,24 @@ class LoadReport:
       view); for one that is not (a transposed or column-sliced parameter) the strides
       are not steps of the offset's indexing, and ``target_region`` says where the view
       is. A write through a view of another element size than its
-      runtime tensor's (fp8 values packed four to an int32 word, written through
-      ``.view(torch.float8_e4m3fn)``) is given in the runtime tensor's own elements: the
-      span its bytes reach, and for a NaN-merge, ``written`` elements that hold a byte
-      it wrote.
+      runtime tensor's (``p.data.view(torch.uint8)[rows]``, float16 halves of a float32,
+      fp8 values packed four to an int32 word, written through
+      ``.view(torch.float8_e4m3fn)``) is given in the runtime tensor's own elements:
+      ``target_offset``, ``shape``, ``target_stride`` and ``elements`` are those of the
+      box of the elements its bytes touch, each counted once, whole or in part (a write
+      of one byte of a float32 is a write of that float32: one element, ``changed`` if
+      its bits changed; the low float16 halves of a row are a write of that row), and for
+      a NaN-merge, ``written`` counts the elements that hold a byte it wrote; where those
+      elements make no box (a stride that is no whole number of them), the flat span its
+      bytes reach. Likewise a source that reads a patch's bytes as another element size
+      (``w.view(torch.uint8)[rows]``) is given in the checkpoint tensor's elements, the
+      box of those its bytes touch: ``checkpoint_offset``, ``checkpoint_region`` and
+      ``checkpoint_stride`` (``None`` for the offset where they make no box). These
+      describe the source's own box, which has another shape than ``shape`` where the
+      write packs checkpoint elements into runtime elements of another size (a bfloat16
+      patch cast to float16 and written as the halves of float32 rows: 12 checkpoint
+      elements a row, 6 runtime ones); where the two element sizes are the same (a
+      float32 patch into a float32 tensor, both read as bytes), the box is the same.
     - ``deltas``: indexed by runtime tensor name, one row per touched tensor:
       ``elements`` written, each counted once (a dense copy writes its whole view, a
       NaN-merged copy only the elements its source lets through), ``changed`` (bitwise,

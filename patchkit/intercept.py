@@ -1489,8 +1489,11 @@ class WriteEvent:
     written view in it; ``shape`` and ``elements`` the written view. When the source is
     (a view of) a staged patch tensor, ``position``/``name`` name that patch and
     ``checkpoint_offset`` is the flat element offset of the source view in the checkpoint
-    tensor; otherwise they are ``None``. ``changed`` counts elements whose bits changed,
-    when the session was asked to count. ``written``: the elements that took the
+    tensor; otherwise they are ``None``. A view of another element size than its
+    tensor's is given in that tensor's elements (the box of those its bytes touch), the
+    target's by the view recorded, the source's by ``source_shape``/``source_stride``.
+    ``changed`` counts elements whose bits changed, when the session was asked to
+    count. ``written``: the elements that took the
     source's value, where fewer than ``elements`` (a NaN-merge writes only where its
     source is not NaN); ``None`` for all of them.
     """
@@ -1772,8 +1775,9 @@ class WriteRecorder(Protocol):
 
 class _Source(NamedTuple):
     """One stretch of a storage whose elements came from one staged patch: the bytes
-    ``[lo, hi)``, the patch's position and name, ``base`` (the element offset in the
-    storage of checkpoint element 0), whether it is *exact* (see :class:`_Provenance`),
+    ``[lo, hi)``, the patch's position and name, ``base`` (the offset in the storage of
+    checkpoint element 0, in elements of ``dtype``'s size: the stretch's checkpoint
+    elements, :func:`_unit`), whether it is *exact* (see :class:`_Provenance`),
     and, for a storage an op made during the call, a weak reference that says when it
     was freed (``None`` for a staged tensor, which lives as long as the call), and
     ``dtype``, the dtype whose elements its bytes are: the staged dtype, a cast's, or, for
@@ -1975,11 +1979,38 @@ class _Provenance:
     ) -> tuple[int, str, int] | None:
         """``(position, name, checkpoint offset of t's first element)``, or ``None``;
         with ``exact``, only for an exact stretch (see the class docstring). ``key``:
-        ``t``'s storage key, where the caller has it already."""
+        ``t``'s storage key, where the caller has it already. The offset is ``None`` where
+        it is not known, and where ``t``'s elements are no checkpoint elements (a view of
+        the stretch's bytes as another element size: :meth:`locate` gives its box)."""
         hit = self._find(t, _storage_key(t) if key is None else key)
         if hit is None or hit.name is None or (exact and not hit.exact):
             return None
-        return hit.position, hit.name, None if hit.base is None else t.storage_offset() - hit.base
+        if hit.base is None or t.element_size() != _unit(hit, t):
+            return hit.position, hit.name, None
+        return hit.position, hit.name, t.storage_offset() - hit.base
+
+    def locate(self, t: torch.Tensor, key: tuple | None = None
+               ) -> tuple[int, str, int | None, tuple[int, ...] | None,
+                          tuple[int, ...] | None] | None:
+        """:meth:`lookup`, with the checkpoint elements ``t`` reads: ``(position, name,
+        checkpoint offset, shape, strides)``, the last two ``None`` where they are ``t``'s
+        own (its elements are the checkpoint's, or their place is not known), else in the
+        checkpoint's elements: the box of those that ``t``'s bytes touch
+        (:func:`_box_in_units`: rows of ``w.view(torch.uint8)`` are rows of ``w``). The
+        offset is ``None`` where not known, or where those elements make no box."""
+        hit = self._find(t, _storage_key(t) if key is None else key)
+        if hit is None or hit.name is None:
+            return None
+        if hit.base is None:
+            return hit.position, hit.name, None, None, None
+        unit = _unit(hit, t)
+        if t.element_size() == unit:
+            return hit.position, hit.name, t.storage_offset() - hit.base, None, None
+        box = _box_in_units(t, unit)
+        if box is None:
+            return hit.position, hit.name, None, None, None
+        first, shape, stride = box
+        return hit.position, hit.name, first - hit.base, shape, stride
 
     def stretches(self, t: torch.Tensor) -> list[_Source]:
         """The live stretches that ``t``'s bytes reach into, in storage order (a scratch
@@ -2024,10 +2055,9 @@ class _Provenance:
                   and src.is_contiguous() and out.is_contiguous())
         if (follow and hit is not None and hit.base is not None
                 and _byte_span(src)[1] <= hit.hi):  # (the common case: one stretch)
-            off = src.storage_offset() - hit.base
             lo, hi = _byte_span(out)
             self._put(okey, _Source(lo, hi, hit.position, hit.name,
-                                    out.storage_offset() - off, hit.exact and whole,
+                                    _carried_base(hit, src, out), hit.exact and whole,
                                     _weak_storage(out), _bits_dtype(hit, src, out)))
             return True
         found = self.stretches(src) if self._by_key else []
@@ -2039,14 +2069,14 @@ class _Provenance:
             if not whole and okey in self._by_key:
                 self._forget(okey, lo, hi)
             ss, os_ = src.element_size(), out.element_size()
-            s0, o0 = src.storage_offset(), out.storage_offset()
+            s0 = src.storage_offset()
             ref = _weak_storage(out)
             for e in found:
                 k0 = max(e.lo - s0 * ss, 0) // ss
                 k1 = -(-(min(e.hi, _byte_span(src)[1]) - s0 * ss) // ss)
                 self._put(okey, _Source(
                     lo + k0 * os_, lo + k1 * os_, e.position, e.name,
-                    None if e.base is None else o0 - (s0 - e.base), e.exact and whole,
+                    _carried_base(e, src, out), e.exact and whole,
                     ref, _bits_dtype(e, src, out)))
             return True
         if not whole:
@@ -2462,6 +2492,28 @@ def _bits_dtype(hit: _Source, src: torch.Tensor, out: torch.Tensor) -> torch.dty
     return hit.dtype if out.dtype == src.dtype else out.dtype
 
 
+def _unit(hit: _Source, t: torch.Tensor) -> int:
+    """The size in bytes of stretch ``hit``'s checkpoint elements (``t``'s own element
+    size where its dtype is not known)."""
+    return t.element_size() if hit.dtype is None else hit.dtype.itemsize
+
+
+def _carried_base(hit: _Source, src: torch.Tensor, out: torch.Tensor) -> int | None:
+    """``base`` (see :class:`_Source`) of the stretch that contiguous ``out`` gets, made
+    element for element from contiguous ``src`` (whose bytes are stretch ``hit``'s):
+    where an op moved the bits (``out`` of ``src``'s dtype, which keeps ``hit``'s), the
+    checkpoint elements keep their bytes; a cast makes one element of each of ``src``'s,
+    which are checkpoint elements only where ``src`` reads them in their own size.
+    ``None``: not known, or no whole checkpoint element in its place."""
+    if hit.base is None:
+        return None
+    unit, size = _unit(hit, src), src.element_size()
+    if out.dtype == src.dtype:
+        at = (out.storage_offset() - src.storage_offset()) * size + hit.base * unit
+        return at // unit if at % unit == 0 else None
+    return out.storage_offset() - src.storage_offset() + hit.base if size == unit else None
+
+
 _IS_VIEW: dict = {}
 
 
@@ -2471,6 +2523,62 @@ def _is_view(func: Any) -> bool:
     if got is None:
         got = _IS_VIEW[func] = bool(getattr(func, "is_view", False))
     return got
+
+
+def _box_in_units(t: torch.Tensor, size: int
+                  ) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
+    """The elements of ``size`` bytes that view ``t`` (of another element size) touches,
+    as a box of them: ``(storage offset, shape, strides)`` in elements of ``size``. Where
+    ``t``'s rows are whole such elements (rows or columns of ``x.view(torch.uint8)`` for a
+    float32 ``x``, float16 halves of float32 rows, int32 words of an 8-bit tensor), that
+    is ``t.view(dtype)`` for a dtype of ``size``; where they cover part of an element (one
+    byte of a float32, the low float16 half of each), the element they touch, once.
+    ``None`` where those elements make no box: a stride of ``t`` that is no whole number
+    of them, or boxes of neighbouring rows that would share an element."""
+    a = t.element_size()
+    b0 = t.storage_offset() * a
+    shape, stride = list(t.shape), list(t.stride())
+    # the bytes each innermost step covers: a row of t, where its last dimension is
+    # contiguous (or of one element), else one element of t
+    row = bool(shape) and (shape[-1] == 1 or stride[-1] == 1)
+    run = shape.pop() * a if row else a
+    if row:
+        stride.pop()
+    out = []
+    for n, s in zip(shape, stride):
+        if n > 1 and (s * a) % size:
+            return None
+        out.append(s * a // size)
+    first, skip = divmod(b0, size)
+    k = -(-(skip + run) // size)  # the elements a row's bytes touch
+    if row or k > 1:
+        shape.append(k)
+        out.append(1)
+    reach = 0  # the last element the smaller strides reach: each stride must pass it
+    for s, n in sorted((s, n) for s, n in zip(out, shape) if n > 1):
+        if s <= reach:
+            return None
+        reach += s * (n - 1)
+    return first, tuple(shape), tuple(out)
+
+
+def _owner_units(t: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The elements of runtime tensor ``owner`` that view ``t`` (of another element size)
+    writes, as a view of ``owner`` (of its dtype) and its row-major offset in ``owner``:
+    the box of :func:`_box_in_units` (each element ``t`` touches, once), or, where they
+    make no box inside ``owner``, the span :func:`_owner_span` gives."""
+    size = owner.element_size()
+    box = _box_in_units(t, size)
+    if box is not None:
+        first, shape, stride = box
+        at = _position_of(owner, first * size)
+        if at is not None:
+            u = owner.detach().as_strided(shape, stride, first)
+            lo, hi = _byte_span(owner)
+            u0, u1 = _byte_span(u)
+            if lo <= u0 and u1 <= hi:
+                return u, at
+    return _owner_span(t, owner)
 
 
 def _owner_span(t: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -3819,8 +3927,9 @@ class WriteSession:
         """Saves of a write through a view of another element size than its runtime
         tensor's (fp8 values packed four to an int32 word, say), made in the runtime
         tensor's own elements, so that the report, ``before()`` and a rollback read them as
-        its other saves: a dense write saves the elements its bytes reach (their span); a
-        NaN-merge saves the elements that hold a byte it writes, and says how many.
+        its other saves: a dense write saves the elements its bytes touch (as a box of
+        them, :func:`_owner_units`: their span where they make none); a NaN-merge saves
+        the elements that hold a byte it writes, and says how many.
         Returns ``(targets in those units, saves, elements the merge reaches or None)``."""
         mapped, saved, written = [], [], None
         for t, (tname, owner, off) in targets:
@@ -3828,7 +3937,7 @@ class WriteSession:
                 mapped.append((t, (tname, owner, off)))
                 saved.append(self._save(t, tname, off, write))
                 continue
-            u, uoff = _owner_span(t, owner)
+            u, uoff = _owner_units(t, owner)
             mapped.append((u, (tname, owner, uoff)))
             if write is None or u.is_meta:
                 saved.append(self._save(u, tname, uoff, None))
@@ -3938,7 +4047,7 @@ class WriteSession:
         patch entries found, and keeps the offsets."""
         hit = self.provenance.lookup(src, exact=True)
         patch = self._patches.get(hit[0]) if hit is not None else None
-        if patch is None or patch.indices is None:
+        if patch is None or patch.indices is None or hit[2] is None:
             return None
         found = native.patch_entries(patch.indices, patch.values, hit[2], dest, src)
         if found is None:
@@ -3973,16 +4082,19 @@ class WriteSession:
         fewer than the view's; ``who``: ``(position, name)`` of the one patch an op other
         than a copy wrote from, at no offset a view tells; ``same_shape``: ``src`` has
         ``t``'s shape, known to the caller)."""
-        hit = self.provenance.lookup(src, key=skey) if isinstance(src, torch.Tensor) else None
+        hit = self.provenance.locate(src, key=skey) if isinstance(src, torch.Tensor) else None
         shape = tuple(t.shape)
         if hit is None:
             position = name = checkpoint_offset = source_shape = source_stride = None
             if who is not None:
                 position, name = who
         else:
-            position, name, checkpoint_offset = hit
-            source_shape = shape if same_shape else tuple(src.shape)
-            source_stride = tuple(src.stride())
+            # (in checkpoint elements: a view of the patch's bytes as another element size,
+            # ``w.view(torch.uint8)[rows]``, as the rows of ``w`` it reads)
+            position, name, checkpoint_offset, source_shape, source_stride = hit
+            if source_shape is None:
+                source_shape = shape if same_shape else tuple(src.shape)
+                source_stride = tuple(src.stride())
         # (positional, in the order of WriteEvent's fields: a report records one per write,
         # and keywords cost more than the rest of the event)
         self.recorder.on_write(WriteEvent(

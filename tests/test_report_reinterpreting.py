@@ -1,0 +1,257 @@
+"""Reports of loaders that write through a view of another element size than the
+runtime tensor's (``p.data.view(torch.uint8)[rows].copy_(w.view(torch.uint8)[rows])``,
+float32 written as float16 halves, 8-bit values written four at a time as int32 words),
+or copy from such a view of the staged patch: ``writes`` gives offsets, shapes and
+counts in the elements of the runtime tensor (``target_*``) and of the checkpoint tensor
+(``checkpoint_offset``, ``checkpoint_region``), and ``deltas`` counts and measures
+runtime elements. Where whole elements are written, the rows are checked by
+``test_report_oracle``'s brute-force replay; a write of part of an element (one byte of
+a float32) is reported as the element it touches, counted once.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from test_report_oracle import check, snapshot
+
+import patchkit
+from patchkit import CheckpointWeightPatch as P
+from patchkit.bitwise import bits
+
+U8, I16, I32, F16, BF16, F32 = (torch.uint8, torch.int16, torch.int32, torch.float16,
+                                torch.bfloat16, torch.float32)
+F8 = torch.float8_e4m3fn
+
+
+class Viewed(torch.nn.Module):
+    """One parameter ``w`` of ``shape`` and ``dtype``; ``load_weights`` hands it and each
+    staged tensor to ``write``."""
+
+    def __init__(self, shape, dtype, write, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randn(shape, generator=g).to(dtype)
+        self.w = torch.nn.Parameter(start, requires_grad=False)
+        self.write = write
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.write(self.w, t)
+        return {n for n, _ in weights}
+
+
+# Whole elements written through views of another element size, the checkpoint and
+# runtime dtypes the same: name -> (shape, dtype, write).
+WHOLE = {
+    "uint8 rows of float32": ((4, 6), F32, lambda p, w: p.data.view(U8)[1:3].copy_(
+        w.view(U8)[1:3])),
+    "uint8 view of all of a float32": ((4, 6), F32, lambda p, w: p.data.view(U8).copy_(
+        w.view(U8))),
+    "uint8 part of a float32 row": ((4, 6), F32, lambda p, w: p.data.view(U8)[2, 8:20].copy_(
+        w.view(U8)[2, 8:20])),
+    "uint8 narrow columns of float32": ((4, 6), F32, lambda p, w: p.data.view(U8)[:, 4:12]
+                                        .copy_(w.view(U8)[:, 4:12])),
+    "uint8 rows of bfloat16": ((5, 4), BF16, lambda p, w: p.data.view(U8)[2:].copy_(
+        w.view(U8)[2:])),
+    "uint8 every other row of bfloat16": ((6, 4), BF16, lambda p, w: p.data.view(U8)[::2]
+                                          .copy_(w.view(U8)[::2])),
+    "int16 block of bfloat16 (same size)": ((4, 6), BF16, lambda p, w: p.data.view(I16)[
+        1:3, 2:5].copy_(w.view(I16)[1:3, 2:5])),
+    "float16 halves of float32 rows": ((4, 6), F32, lambda p, w: p.data.view(F16)[1:3]
+                                       .copy_(w.view(F16)[1:3])),
+    "float16 halves of float32 columns": ((4, 6), F32, lambda p, w: p.data.view(F16)[
+        :, 2:8].copy_(w.view(F16)[:, 2:8])),
+    "int32 words of float8 rows": ((4, 16), F8, lambda p, w: p.data.view(I32)[1:3].copy_(
+        w.view(I32)[1:3])),
+    "int32 words of float8 columns": ((4, 16), F8, lambda p, w: p.data.view(I32)[:, 1:3]
+                                      .copy_(w.view(I32)[:, 1:3])),
+    "int32 words of float8, one": ((4, 16), F8, lambda p, w: p.data.view(I32)[3, 2:3].copy_(
+        w.view(I32)[3, 2:3])),
+}
+
+
+def _new_values(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    new = torch.randn(shape, generator=g).to(dtype)
+    keep = torch.rand(shape, generator=g) < 0.3  # (some elements unchanged)
+    return new, keep
+
+
+def _logged_load(m, patches):
+    """``inspect_load`` of ``patches`` into ``m``, with what
+    :func:`test_report_oracle.check` needs to replay its report."""
+    before = snapshot(m)
+    sent, returned = [], []
+    own = m.load_weights
+
+    def load_weights(weights):
+        weights = list(weights)
+        sent.append(tuple(n for n, _ in weights))
+        r = own(weights)
+        returned.append(r)
+        return r
+
+    m.load_weights = load_weights
+    try:
+        report = patchkit.inspect_load(m, patches)
+    finally:
+        del m.load_weights
+    return dict(patches=patches, report=report, err=None, before=before, after=snapshot(m),
+                at_fail={}, sent=sent, returned=returned,
+                plan=patchkit.plan_chunks(patches, patchkit.DEFAULT_MAX_CHUNK_BYTES),
+                sent_as={i: p.name for i, p in enumerate(patches)}, transactional=False)
+
+
+@pytest.mark.parametrize("how", list(WHOLE))
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "sent twice"])
+def test_writes_through_views_of_another_element_size_replay_to_the_model(how, twice):
+    # Before, the checkpoint side was counted in the view's elements (checkpoint_offset
+    # 24 for rows 1:3 of a (4, 6) float32 read as bytes, and its region "48 elements
+    # from 24"), the runtime side given as the flat span the bytes reach (narrow columns:
+    # 20 elements where 8 were written, and deltas counted all 20).
+    shape, dtype, write = WHOLE[how]
+    m = Viewed(shape, dtype, write)
+    start = m.w.detach().clone()
+    patches = []
+    for k in range(1 + twice):
+        new, keep = _new_values(shape, dtype, 10 + k)
+        new = torch.where(keep, start, new) if k == 0 else new
+        patches.append(P("w", shape, dtype, new.flatten()))
+    L = _logged_load(m, patches)
+    assert not bits(L["after"]["w"]).equal(bits(start))  # (the load changed something)
+    seen: collections.Counter = collections.Counter()
+    assert check(L, seen) == []
+    assert seen["dense writes"] == len(patches)
+    # in the elements of the tensors themselves: the view's shape, never more elements
+    # than the tensors have, and the regions as boxes
+    w = L["report"].writes
+    numel = L["before"]["w"].numel()
+    assert (w["elements"] <= numel).all()
+    assert not w["target_region"].str.contains("elements from").any()
+    assert not w["checkpoint_region"].str.contains("elements from").any()
+
+
+def test_the_rows_of_a_byte_view_of_float32_read_as_rows():
+    m = Viewed((4, 6), F32, WHOLE["uint8 rows of float32"][2])
+    new = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    r = patchkit.inspect_load(m, [P("w", (4, 6), F32, new.flatten())])
+    row = r.writes.iloc[0]
+    assert (row["checkpoint_offset"], row["checkpoint_region"]) == (6, "[1:3, :]")
+    assert (row["target_offset"], row["target_region"]) == (6, "[1:3, :]")
+    assert (tuple(row["shape"]), row["elements"], row["written"]) == ((2, 6), 12, 12)
+    assert tuple(row["checkpoint_stride"]) == tuple(row["target_stride"]) == (6, 1)
+    assert r.deltas.loc["w", "elements"] == 12
+
+
+# Parts of elements: bytes 1:3 of each float32 of column 1 (two of its four bytes), one
+# byte of one element, and the low float16 half of each element of row 2.
+PARTIAL = {
+    "two bytes of each element of a column": (
+        lambda p, w: p.data.view(U8)[:, 5:7].copy_(w.view(U8)[:, 5:7]),
+        "[:, 1:2]", (4, 1)),
+    "one byte": (lambda p, w: p.data.view(U8)[1, 13:14].copy_(w.view(U8)[1, 13:14]),
+                 "[1:2, 3:4]", (1,)),
+    "low halves of a row": (lambda p, w: p.data.view(F16)[2, ::2].copy_(w.view(F16)[2, ::2]),
+                            "[2:3, :]", (6,)),
+}
+
+
+@pytest.mark.parametrize("how", list(PARTIAL))
+def test_a_write_of_part_of_each_element_is_reported_as_the_elements_it_touches(how):
+    write, region, shape = PARTIAL[how]
+    m = Viewed((4, 6), F32, write)
+    start = m.w.detach().clone()
+    new = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    r = patchkit.inspect_load(m, [P("w", (4, 6), F32, new.flatten())])
+    after = m.w.detach()
+    probe = Viewed((4, 6), F32, write)  # the same write from zeros into all-ones bits
+    probe.w.data.view(I32).fill_(-1)
+    probe.write(probe.w, torch.zeros(4, 6))
+    touched = bits(probe.w.detach()) != -1
+    want = touched & (bits(after) != bits(start))
+    n = int(touched.sum())
+    row = r.writes.iloc[0]
+    assert row["target_region"] == row["checkpoint_region"] == region
+    assert tuple(row["shape"]) == shape
+    assert row["elements"] == row["written"] == n
+    assert row["changed"] == int(want.sum()) == int((bits(after) != bits(start)).sum())
+    assert int(row["target_offset"]) == int(row["checkpoint_offset"]) == int(
+        torch.nonzero(touched.flatten())[0])
+    d = r.deltas.loc["w"]
+    assert (d["elements"], d["changed"]) == (n, int(want.sum()))
+    diff = (after.double() - start.double())[touched].abs()
+    assert d["max_abs"] == pytest.approx(float(diff.max()))
+    assert d["mean_abs"] == pytest.approx(float(diff.mean()))
+    assert torch.equal(r.written("w"), touched)
+    assert torch.equal(bits(r.before("w")), bits(start))
+
+
+def test_float32_written_as_float16_halves_cast_from_a_bfloat16_patch():
+    # The checkpoint's elements (bf16, 12 a row) land two to a runtime float32: the
+    # checkpoint side in its own elements, the runtime side in the float32's.
+    def write(p, w):
+        p.data.view(F16)[1:3].copy_(w[1:3].to(F16))
+
+    m = Viewed((4, 6), F32, write)
+    start = m.w.detach().clone()
+    new = torch.randn(4, 12, generator=torch.Generator().manual_seed(3)).to(BF16)
+    r = patchkit.inspect_load(m, [P("w", (4, 12), BF16, new.flatten())])
+    row = r.writes.iloc[0]
+    assert (row["checkpoint_offset"], row["checkpoint_region"]) == (12, "[1:3, :]")
+    assert (row["target_offset"], row["target_region"]) == (6, "[1:3, :]")
+    assert (tuple(row["shape"]), row["elements"]) == ((2, 6), 12)
+    assert tuple(row["checkpoint_stride"]) == (12, 1)
+    assert torch.equal(m.w.detach().view(F16)[1:3], new.view(4, 12)[1:3].to(F16))
+    d = r.deltas.loc["w"]
+    assert (d["elements"], d["changed"]) == (12, int((bits(m.w.detach()) != bits(start)).sum()))
+    assert torch.equal(bits(r.before("w")), bits(start))
+
+
+# NaN-merges through a view of another element size (the source a cast of the patch, as
+# a sparse load needs: a reinterpreted source is refused).
+SPARSE = {
+    # float32 rows 1:3 written as float16 halves from a float16 patch of (4, 12)
+    "float16 halves of float32 rows": ((4, 6), F32, (4, 12), F16,
+                                       lambda p, w: p.data.view(F16)[1:3].copy_(w[1:3]),
+                                       "[1:3, :]", "[1:3, :]"),
+    # column 1 of (4, 3) int32 words holding float8 (4, 12), from a bfloat16 patch
+    "float8 in int32 words, a column": ((4, 3), I32, (4, 12), BF16,
+                                        lambda p, w: p.data.view(F8)[:, 4:8].copy_(
+                                            w.to(F8)[:, 4:8]),
+                                        "[:, 1:2]", "[:, 4:8]"),
+}
+
+
+@pytest.mark.parametrize("how", list(SPARSE))
+def test_a_nan_merge_through_a_view_of_another_element_size_counts_runtime_elements(how):
+    shape, dtype, ck_shape, ck_dtype, write, tregion, cregion = SPARSE[how]
+    m = Viewed(shape, dtype, write)
+    if dtype == I32:
+        m.w.data.copy_(torch.randint(-2**31, 2**31 - 1, shape,
+                                     generator=torch.Generator().manual_seed(4)))
+    start = m.w.detach().clone()
+    g = torch.Generator().manual_seed(5)
+    numel = ck_shape[0] * ck_shape[1]
+    idx = torch.randperm(numel, generator=g)[:20].sort().values
+    vals = torch.randn(20, generator=g).to(ck_dtype)
+    r = patchkit.inspect_load(m, [P("w", ck_shape, ck_dtype, vals, idx)])
+    after = m.w.detach()
+    staged = torch.full((numel,), float("nan"), dtype=ck_dtype)
+    staged[idx] = vals
+    # which runtime elements a written (not-NaN) entry lands in: write ones, read back
+    mark = Viewed(shape, dtype, write)
+    mark.w.data.view(U8).fill_(0)
+    lit = torch.where(staged.isnan(), torch.zeros_like(staged), torch.ones_like(staged))
+    write(mark.w, lit.view(ck_shape))
+    written = mark.w.detach().view(U8).reshape(*shape, -1).ne(0).any(-1)
+    row = r.writes.iloc[0]
+    assert (row["target_region"], row["checkpoint_region"]) == (tregion, cregion)
+    assert row["written"] == int(written.sum()) > 0
+    assert row["changed"] == int((bits(after) != bits(start)).sum())
+    d = r.deltas.loc["w"]
+    assert (d["elements"], d["changed"]) == (int(written.sum()), row["changed"])
+    assert torch.equal(r.written("w"), written)
+    assert torch.equal(bits(r.before("w")), bits(start))
