@@ -1796,6 +1796,10 @@ class _Source(NamedTuple):
     exact: bool
     ref: Any = None
     dtype: torch.dtype | None = None
+    # ``(held, read as)``: the stretch was made by a cast of a view that read the patch's
+    # bytes (of dtype ``held``) as another dtype (``w.view(torch.int32).float()``): its
+    # elements hold no staged NaN where the patch keeps, whatever dtype reads them
+    misread: tuple[torch.dtype, torch.dtype] | None = None
 
 
 def _trimmed(got: list[_Source], first: int, after: int, lo: int, hi: int,
@@ -2040,7 +2044,7 @@ class _Provenance:
         if len(got) > 1:
             return False
         held = got[0].dtype
-        return held is None or held.to_real() == dtype
+        return got[0].misread is None and (held is None or held.to_real() == dtype)
 
     def derive(self, src: torch.Tensor, out: torch.Tensor, *, whole: bool) -> bool:
         """``out`` is an element-for-element copy of ``src`` (a cast, a clone, a scratch
@@ -2056,9 +2060,11 @@ class _Provenance:
         if (follow and hit is not None and hit.base is not None
                 and _byte_span(src)[1] <= hit.hi):  # (the common case: one stretch)
             lo, hi = _byte_span(out)
+            misread = _misread(hit, src, out)
             self._put(okey, _Source(lo, hi, hit.position, hit.name,
-                                    _carried_base(hit, src, out), hit.exact and whole,
-                                    _weak_storage(out), _bits_dtype(hit, src, out)))
+                                    _carried_base(hit, src, out),
+                                    hit.exact and whole and misread is None,
+                                    _weak_storage(out), _bits_dtype(hit, src, out), misread))
             return True
         found = self.stretches(src) if self._by_key else []
         if follow and found:
@@ -2074,10 +2080,11 @@ class _Provenance:
             for e in found:
                 k0 = max(e.lo - s0 * ss, 0) // ss
                 k1 = -(-(min(e.hi, _byte_span(src)[1]) - s0 * ss) // ss)
+                misread = _misread(e, src, out)
                 self._put(okey, _Source(
                     lo + k0 * os_, lo + k1 * os_, e.position, e.name,
-                    _carried_base(e, src, out), e.exact and whole,
-                    ref, _bits_dtype(e, src, out)))
+                    _carried_base(e, src, out), e.exact and whole and misread is None,
+                    ref, _bits_dtype(e, src, out), misread))
             return True
         if not whole:
             # A copy into a tensor of the loader's own (a scratch buffer) that cannot be
@@ -2168,7 +2175,7 @@ class _Provenance:
         if any(e.name is None or (e.position, e.name) != who for _, e in found):
             who = (None, None)
         self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out),
-                                _bits_dtype(first, t, out)))
+                                _bits_dtype(first, t, out), _misread(first, t, out)))
 
     def __bool__(self) -> bool:
         return bool(self._by_key)
@@ -2490,6 +2497,19 @@ def _bits_dtype(hit: _Source, src: torch.Tensor, out: torch.Tensor) -> torch.dty
     the bits: a clone of ``w.view(torch.int32)`` still holds float32 elements), else
     ``out``'s own (a cast: NaN stays NaN)."""
     return hit.dtype if out.dtype == src.dtype else out.dtype
+
+
+def _misread(hit: _Source, src: torch.Tensor, out: torch.Tensor
+             ) -> tuple[torch.dtype, torch.dtype] | None:
+    """:attr:`_Source.misread` of ``out`` made from ``src`` (whose bytes are stretch
+    ``hit``'s): ``hit``'s, or, for a cast of a ``src`` that reads ``hit``'s bytes as
+    another dtype (``w.view(torch.bfloat16).to(torch.float8_e4m3fnuz)`` of a float32
+    ``w``), ``(hit's dtype, src's)``. An op that moves the bits (``out`` of ``src``'s
+    dtype) needs no mark: its stretch keeps ``hit``'s dtype, which a read as another one
+    is refused by."""
+    if hit.misread is not None or out.dtype == src.dtype or hit.dtype is None:
+        return hit.misread
+    return None if src.dtype.to_real() == hit.dtype.to_real() else (hit.dtype, src.dtype)
 
 
 def _unit(hit: _Source, t: torch.Tensor) -> int:
@@ -4324,10 +4344,28 @@ class WriteSession:
         ("keep") is a bit pattern of its own dtype only. Two float32 NaN read as one
         float64 are a number, a float16 NaN read as bfloat16 is one too, so the merge
         would write the staged NaN bits into the model (and keep runtime values where the
-        patch has a value). A complex dtype's bytes count as its real dtype's."""
+        patch has a value). A complex dtype's bytes count as its real dtype's. So is a
+        copy from a cast of such a view (``w.view(torch.bfloat16).to(torch.float8_e4m3fnuz)``,
+        ``w.view(torch.int32).float()``: :attr:`_Source.misread`), whose elements hold
+        no staged NaN where the patch keeps, whatever dtype reads them."""
         if not self.provenance or self.provenance.read_as(src, src.dtype):
             return
         for e in self.provenance.stretches(src):
+            if e.misread is not None:
+                held, read = e.misread
+                raise ContractViolation(
+                    f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} "
+                    f"{src.dtype} source cast from a view that reads patch data held as "
+                    f"{held} as another dtype (such as `w.view({read}).to({src.dtype})`): "
+                    f"the NaN that marks 'keep' in a sparse patch is a {held} bit "
+                    f"pattern, which {read} does not read as NaN, and a cast of what it "
+                    "reads keeps none of it, so the merge would write the staged NaN "
+                    "bits, cast, into the model. Cast the patch's values from their own "
+                    f"dtype (`w.to({src.dtype})` keeps NaN). "
+                    f"This copy wrote nothing{self._no_source_note(name, tname)}",
+                    position=pos, name=name, reason="reinterpreted source",
+                    value=(held, read),
+                )
             # (a complex tensor's bytes are its real dtype's: ``torch.complex(0, w).imag``
             # reads w's own float32 elements)
             if e.dtype is not None and e.dtype.to_real() != src.dtype:

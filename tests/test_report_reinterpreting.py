@@ -7,6 +7,11 @@ counts in the elements of the runtime tensor (``target_*``) and of the checkpoin
 runtime elements. Where whole elements are written, the rows are checked by
 ``test_report_oracle``'s brute-force replay; a write of part of an element (one byte of
 a float32) is reported as the element it touches, counted once.
+
+And a sparse load whose loader casts a reinterpreted view of a patch
+(``w.view(torch.bfloat16).to(torch.float8_e4m3fnuz)``, ``w.view(torch.int32).float()``):
+the cast's elements hold no staged NaN where the patch keeps, so the copy is refused as
+a reinterpreted source, as a copy of the view itself is.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from test_report_oracle import check, snapshot
 import patchkit
 from patchkit import CheckpointWeightPatch as P
 from patchkit.bitwise import bits
+from patchkit.errors import ContractViolation
 
 U8, I16, I32, F16, BF16, F32 = (torch.uint8, torch.int16, torch.int32, torch.float16,
                                 torch.bfloat16, torch.float32)
@@ -255,3 +261,65 @@ def test_a_nan_merge_through_a_view_of_another_element_size_counts_runtime_eleme
     assert (d["elements"], d["changed"]) == (int(written.sum()), row["changed"])
     assert torch.equal(r.written("w"), written)
     assert torch.equal(bits(r.before("w")), bits(start))
+
+
+# ------------------------------------------------------------- casts of reinterpreted views
+
+class _Cast(torch.nn.Module):
+    def __init__(self, n, dtype, make):
+        super().__init__()
+        self.h = torch.nn.Parameter((torch.arange(float(n)) + 0.25).to(dtype),
+                                    requires_grad=False)
+        self.make = make
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.h.data.copy_(self.make(w))
+        return {"h"}
+
+
+FNUZ = torch.float8_e4m3fnuz
+CASTS = {
+    # the bf16 halves of the float32 staged tensor (a NaN's low half is 0.0), cast to fp8:
+    # refused as "NaN in the runtime dtype" before, for a value that is no NaN
+    "bfloat16 halves cast to float8_e4m3fnuz": (8, FNUZ, 4, lambda w: w.view(BF16).to(FNUZ)),
+    # the staged NaN's bits as an integer, cast back: before, 2.14e9 written into the model
+    # where the patch keeps, with no error
+    "int32 bits cast to float32": (4, F32, 4, lambda w: w.view(I32).to(F32)),
+    "int32 bits cast to float64": (4, torch.float64, 4, lambda w: w.view(I32).double()),
+    "int32 bits cast twice": (4, FNUZ, 4, lambda w: w.view(I32).to(F32).to(FNUZ)),
+    "bfloat16 halves cast, then cloned": (8, F32, 4, lambda w: w.view(BF16).float().clone()),
+}
+
+
+@pytest.mark.parametrize("how", list(CASTS))
+@pytest.mark.parametrize("inspected", [False, True])
+def test_a_cast_of_a_reinterpreted_view_of_a_sparse_patch_is_refused_as_reinterpreted(
+        how, inspected):
+    n, dtype, ck, make = CASTS[how]
+    m = _Cast(n, dtype, make)
+    before = bits(m.h.detach()).clone()
+    ps = [P("w", (ck,), F32, torch.tensor([1.0]), torch.tensor([1]))]
+    with pytest.raises(ContractViolation, match="another dtype") as e:
+        if inspected:
+            patchkit.inspect_load(m, ps)
+        else:
+            patchkit.load_checkpoint_weight_patches(m, ps)
+    assert (e.value.position, e.value.name, e.value.reason) == (0, "w", "reinterpreted source")
+    assert e.value.value[0] == F32
+    assert "patch 0 ('w')" in str(e.value)
+    assert torch.equal(bits(m.h.detach()), before)
+
+
+@pytest.mark.parametrize("make", [lambda w: w.to(BF16).to(FNUZ),
+                                  lambda w: w.view(I32).view(F32).to(FNUZ),
+                                  lambda w: w.view(I32).clone().view(F32).to(FNUZ)],
+                         ids=["cast twice", "viewed back", "cloned bits viewed back"])
+def test_casts_of_a_patch_read_as_its_own_dtype_still_merge(make):
+    m = _Cast(4, FNUZ, make)
+    want = m.h.detach().clone()
+    want[1] = 1.0
+    r = patchkit.inspect_load(m, [P("w", (4,), F32, torch.tensor([1.0]), torch.tensor([1]))])
+    assert torch.equal(bits(m.h.detach()), bits(want))
+    assert r.writes["written"].tolist() == [1]
+    assert r.writes["checkpoint_offset"].tolist() == [0]
