@@ -33,13 +33,18 @@ F8 = torch.float8_e4m3fn
 
 
 class Viewed(torch.nn.Module):
-    """One parameter ``w`` of ``shape`` and ``dtype``; ``load_weights`` hands it and each
-    staged tensor to ``write``."""
+    """One parameter ``w`` of ``shape`` and ``dtype`` (2-d), held row-major, as a column
+    slice of a wider buffer (``layout="columns"``) or as every other row of a taller one
+    (``"rows"``); ``load_weights`` hands it and each staged tensor to ``write``."""
 
-    def __init__(self, shape, dtype, write, seed=0):
+    def __init__(self, shape, dtype, write, seed=0, layout="contiguous"):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         start = torch.randn(shape, generator=g).to(dtype)
+        if layout == "columns":  # (4 elements each side: int32 words stay aligned)
+            start = torch.zeros(shape[0], shape[1] + 8, dtype=dtype)[:, 4:-4].copy_(start)
+        elif layout == "rows":
+            start = torch.zeros(2 * shape[0], shape[1], dtype=dtype)[::2].copy_(start)
         self.w = torch.nn.Parameter(start, requires_grad=False)
         self.write = write
 
@@ -113,13 +118,15 @@ def _logged_load(m, patches):
 
 @pytest.mark.parametrize("how", list(WHOLE))
 @pytest.mark.parametrize("twice", [False, True], ids=["once", "sent twice"])
-def test_writes_through_views_of_another_element_size_replay_to_the_model(how, twice):
+@pytest.mark.parametrize("layout", ["contiguous", "columns", "rows"])
+def test_writes_through_views_of_another_element_size_replay_to_the_model(how, twice,
+                                                                           layout):
     # Before, the checkpoint side was counted in the view's elements (checkpoint_offset
     # 24 for rows 1:3 of a (4, 6) float32 read as bytes, and its region "48 elements
     # from 24"), the runtime side given as the flat span the bytes reach (narrow columns:
     # 20 elements where 8 were written, and deltas counted all 20).
     shape, dtype, write = WHOLE[how]
-    m = Viewed(shape, dtype, write)
+    m = Viewed(shape, dtype, write, layout=layout)
     start = m.w.detach().clone()
     patches = []
     for k in range(1 + twice):
@@ -131,6 +138,7 @@ def test_writes_through_views_of_another_element_size_replay_to_the_model(how, t
     seen: collections.Counter = collections.Counter()
     assert check(L, seen) == []
     assert seen["dense writes"] == len(patches)
+    assert seen["writes into non-contiguous tensors"] == len(patches) * (layout != "contiguous")
     # in the elements of the tensors themselves: the view's shape, never more elements
     # than the tensors have, and the regions as boxes
     w = L["report"].writes
