@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 
+import pandas as pd
 import pytest
 import torch
 from test_report_oracle import check, snapshot
@@ -222,6 +223,31 @@ def test_float32_written_as_float16_halves_cast_from_a_bfloat16_patch():
     d = r.deltas.loc["w"]
     assert (d["elements"], d["changed"]) == (12, int((bits(m.w.detach()) != bits(start)).sum()))
     assert torch.equal(bits(r.before("w")), bits(start))
+
+
+# Copies the loader made of a byte view of the patch first: a clone moves the bits (its
+# rows are still the checkpoint's rows), a cast makes one number of each byte (no
+# checkpoint element is in its place: no offset). Before, the clone's rows were counted
+# in bytes ("48 elements from 24"), and the cast's said checkpoint rows 0:2.
+COPIED = {
+    "a clone of the byte view": (lambda p, w: p.data.view(U8)[1:3].copy_(
+        w.view(U8).clone()[1:3]), 6, "[1:3, :]"),
+    "a clone of the byte view, viewed back": (lambda p, w: p.data[1:3].copy_(
+        w.view(U8).clone().view(F32)[1:3]), 6, "[1:3, :]"),
+    "a cast of the bytes": (lambda p, w: p.data[1:3].copy_(
+        w.view(U8).float().reshape(-1)[:12].reshape(2, 6)), None, None),
+}
+
+
+@pytest.mark.parametrize("how", list(COPIED))
+def test_a_copy_the_loader_made_of_a_byte_view_keeps_checkpoint_rows_or_none(how):
+    write, offset, region = COPIED[how]
+    m = Viewed((4, 6), F32, write)
+    r = patchkit.inspect_load(m, [P("w", (4, 6), F32, torch.randn(24))])
+    row = r.writes.iloc[0]
+    assert (row["position"], row["name"], row["target_region"]) == (0, "w", "[1:3, :]")
+    got = None if row["checkpoint_offset"] is pd.NA else int(row["checkpoint_offset"])
+    assert (got, row["checkpoint_region"]) == (offset, region)
 
 
 # NaN-merges through a view of another element size (the source a cast of the patch, as
