@@ -1786,7 +1786,11 @@ class _Source(NamedTuple):
     bit pattern of that dtype: a view of these bytes as another dtype does not read it as
     NaN (see :meth:`WriteSession._refuse_reinterpreted`). ``name`` ``None`` (``position``
     too): data of several patches (a ``torch.cat`` of two), kept for its ``dtype`` only:
-    :meth:`_Provenance.lookup` and :meth:`_Provenance.source_of` find no patch there."""
+    :meth:`_Provenance.lookup` and :meth:`_Provenance.source_of` find no patch there.
+    ``mixed``: ``(position, name, op)`` where these floating-point bytes are data that an
+    op which mixes elements (``op``: a matmul, a reduction, a sort, a cumsum) made, in a
+    sparse call, from that patch's data while it held NaN, or anything made from such
+    data since (see :meth:`_Provenance.mixed_by`); ``None`` otherwise."""
 
     lo: int
     hi: int
@@ -1800,6 +1804,7 @@ class _Source(NamedTuple):
     # bytes (of dtype ``held``) as another dtype (``w.view(torch.int32).float()``): its
     # elements hold no staged NaN where the patch keeps, whatever dtype reads them
     misread: tuple[torch.dtype, torch.dtype] | None = None
+    mixed: tuple[int | None, str | None, str] | None = None
 
 
 def _trimmed(got: list[_Source], first: int, after: int, lo: int, hi: int,
@@ -1884,6 +1889,11 @@ class _Provenance:
 
     def __init__(self) -> None:
         self._by_key: dict[tuple, list[_Source]] = {}
+        # whether ops that mix elements make mixed data (a sparse call's NaN marks "keep";
+        # set by WriteSession._call), and whether any stretch is mixed (else a sparse write
+        # looks for none)
+        self.mixing = False
+        self.mixed_seen = False
         # the storages whose stretches include one an op made (that may expire)
         self._weak: set[tuple] = set()
         # the staged tensors of the call that ended last (storage key, weak reference to
@@ -1894,6 +1904,7 @@ class _Provenance:
     def clear(self) -> None:
         self._by_key.clear()
         self._weak.clear()
+        self.mixed_seen = False
 
     def keep_past_call(self, keys: Sequence[tuple | None], staged: Sequence[tuple[str, Any]]
                        ) -> None:
@@ -1943,6 +1954,8 @@ class _Provenance:
         A storage's stretches never overlap and are sorted by ``lo``, so by ``hi`` too:
         the ones ``src`` replaces are found by bisection, and a call that stages many
         patches in one bucket pays O(log n) a patch, not O(n)."""
+        if src.mixed is not None:
+            self.mixed_seen = True
         got = self._by_key.get(key)
         if got is None:
             self._by_key[key] = [src]
@@ -2064,7 +2077,8 @@ class _Provenance:
             self._put(okey, _Source(lo, hi, hit.position, hit.name,
                                     _carried_base(hit, src, out),
                                     hit.exact and whole and misread is None,
-                                    _weak_storage(out), _bits_dtype(hit, src, out), misread))
+                                    _weak_storage(out), _bits_dtype(hit, src, out), misread,
+                                    None if hit.mixed is None else _mixed_for(out, hit.mixed)))
             return True
         found = self.stretches(src) if self._by_key else []
         if follow and found:
@@ -2084,7 +2098,8 @@ class _Provenance:
                 self._put(okey, _Source(
                     lo + k0 * os_, lo + k1 * os_, e.position, e.name,
                     _carried_base(e, src, out), e.exact and whole and misread is None,
-                    ref, _bits_dtype(e, src, out), misread))
+                    ref, _bits_dtype(e, src, out), misread,
+                    None if e.mixed is None else _mixed_for(out, e.mixed)))
             return True
         if not whole:
             # A copy into a tensor of the loader's own (a scratch buffer) that cannot be
@@ -2132,11 +2147,12 @@ class _Provenance:
                 return data
         return found
 
-    def taint(self, out: torch.Tensor, args: Sequence[Any], kwargs: dict | None = None
-              ) -> None:
+    def taint(self, out: torch.Tensor, args: Sequence[Any], kwargs: dict | None = None,
+              func: Any = None) -> None:
         """``out``, a new tensor an op made from ``args`` (and ``kwargs``' values), holds
         the data of the patches they are traced to, at offsets nobody knows: one patch's
-        (named), or several patches' (a ``torch.cat`` of two: kept for its dtype only)."""
+        (named), or several patches' (a ``torch.cat`` of two: kept for its dtype only).
+        ``func``: the op, which in a sparse call may mix those data (see :meth:`mixed_by`)."""
         if not out.numel() or not self._by_key:
             return
         okey = _storage_key(out)
@@ -2145,7 +2161,60 @@ class _Provenance:
                 return
         found = self._traced_data((*args, *kwargs.values()) if kwargs else args)
         if found:
-            self._moved_into(out, found)
+            self._moved_into(out, found, self.mixed_by(func, found)
+                             if func is not None and self.mixing
+                             and (out.is_floating_point() or out.is_complex()) else None)
+
+    def mixed_by(self, func: Any, found: list[tuple[torch.Tensor, _Source]]
+                 ) -> tuple[int | None, str | None, str] | None:
+        """``(position, name, op)`` where ``func``, an op that makes a floating-point
+        output, mixes elements (see :func:`_mixes`) and one of its floating-point inputs
+        ``found`` (each with a stretch it reaches) is traced to a patch's data and holds
+        NaN, a sparse patch's "keep": the output holds that NaN spread over elements the
+        patch updates, or its numbers at other places, which a NaN-merge would take
+        element by element. Read only at such ops (rare in loaders); ``None`` otherwise
+        (a mixed input is carried by :meth:`_moved_into` itself)."""
+        if not _mixes(func):
+            return None
+        read: list[torch.Tensor] = []
+        for t, e in found:
+            if (e.mixed is not None or t.is_meta
+                    or not (t.is_floating_point() or t.is_complex())
+                    or any(t is r for r in read)):
+                continue
+            read.append(t)
+            if bool(nan_mask(t).any()):
+                return e.position, e.name, _op_name(func)
+        return None
+
+    def mixed_in_place(self, func: Any, args: Sequence[Any], kwargs: dict
+                       ) -> tuple[int | None, str | None, str] | None:
+        """:meth:`mixed_by` for an op that writes tensors of the loader's own in place
+        (``buf.cumsum_(0)``, ``torch.mm(w, h, out=buf)``), read before it runs: its inputs
+        are its arguments less its ``out=`` ones, whose old values it does not read."""
+        if not self._by_key or not _mixes(func):
+            return None
+        outs = _out_args(func)
+        if outs:
+            skip = {i for i, _ in outs}
+            names = {n for _, n in outs}
+            args = [a for i, a in enumerate(args) if i not in skip]
+            kwargs = {k: v for k, v in kwargs.items() if k not in names}
+        return self.mixed_by(func, self._traced_data((*args, *kwargs.values())))
+
+    def mix(self, t: torch.Tensor, mixed: tuple[int | None, str | None, str]) -> None:
+        """``t``, a tensor of the loader's own, was written by an op that mixed its
+        inputs' elements (``mixed``, see :meth:`mixed_by`): all it holds is mixed."""
+        got = self.stretches(t)
+        if got:
+            self._moved_into(t, [(t, e) for e in got], mixed)
+
+    def mixed_in(self, t: torch.Tensor) -> tuple[int | None, str | None, str] | None:
+        """The first ``mixed`` (see :class:`_Source`) among the stretches ``t`` reaches."""
+        for e in self.stretches(t):
+            if e.mixed is not None:
+                return e.mixed
+        return None
 
     def written_from(self, t: torch.Tensor, args: Sequence[Any], kwargs: dict) -> None:
         """``t``, a tensor that is no runtime tensor, was written in place by an op other
@@ -2158,12 +2227,13 @@ class _Provenance:
         if found:
             self._moved_into(t, [(t, e) for e in self.stretches(t)] + found)
 
-    def _moved_into(self, out: torch.Tensor, found: list[tuple[torch.Tensor, _Source]]
-                    ) -> None:
+    def _moved_into(self, out: torch.Tensor, found: list[tuple[torch.Tensor, _Source]],
+                    mixed: tuple[int | None, str | None, str] | None = None) -> None:
         """``out``'s bytes hold, from now on, the data of the stretches in ``found`` (each
         with the tensor that read it), at offsets nobody knows: one patch's, named, or
         several patches', kept for their dtype only (the first says what it is); none:
-        ``out`` holds no patch's data."""
+        ``out`` holds no patch's data. They are mixed (see :class:`_Source`) where
+        ``mixed`` says so or a stretch of ``found`` is, and ``out`` is floating-point."""
         okey = _storage_key(out)
         lo, hi = _byte_span(out)
         if not found:
@@ -2172,10 +2242,15 @@ class _Provenance:
             return
         t, first = found[0]
         who = (first.position, first.name)
-        if any(e.name is None or (e.position, e.name) != who for _, e in found):
-            who = (None, None)
+        for _, e in found:
+            if e.name is None or (e.position, e.name) != who:
+                who = (None, None)
+            if mixed is None and e.mixed is not None:
+                mixed = e.mixed
+        if mixed is not None:
+            mixed = _mixed_for(out, mixed)
         self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out),
-                                _bits_dtype(first, t, out), _misread(first, t, out)))
+                                _bits_dtype(first, t, out), _misread(first, t, out), mixed))
 
     def __bool__(self) -> bool:
         return bool(self._by_key)
@@ -2484,6 +2559,89 @@ _PUTS = {
 }
 
 
+def _mixed_for(out: torch.Tensor, mixed: tuple[int | None, str | None, str]
+               ) -> tuple[int | None, str | None, str] | None:
+    """``mixed`` where ``out`` is floating-point (or complex): an integer or boolean result
+    (``w.isnan()``, ``argsort(w)``) holds no patch's numbers, and is never mixed."""
+    return mixed if out.is_floating_point() or out.is_complex() else None
+
+
+# Ops (ATen names, without the in-place ``_`` or the ``_foreach_`` prefix) whose floating
+# output a NaN-merge can still take element by element, though torch does not tag them
+# pointwise: copies and casts, ops that move elements whole (each output element is one
+# input element, unchanged, or a constant: ``_MOVES``, ``_PUTS``, pads, triangles,
+# scatters), ops whose output holds none of their input's numbers (``zeros_like``,
+# ``fill_``), and NaN-aware ones, whose result holds no staged NaN.
+_KEEPS_ELEMENTS = frozenset({
+    # copies, casts and the copying forms of views
+    "copy", "_to_copy", "clone", "_copy_from", "_copy_from_and_resize", "lift_fresh_copy",
+    "_unsafe_view", "contiguous", "resolve_conj", "resolve_neg", "conj_physical",
+    "_conj_copy", "_neg_view_copy", "alias_copy", "detach_copy", "view_copy",
+    "_reshape_copy", "_reshape_alias_copy", "permute_copy", "t_copy", "transpose_copy",
+    "expand_copy", "squeeze_copy", "unsqueeze_copy", "slice_copy", "select_copy",
+    "diagonal_copy", "as_strided_copy", "unfold_copy", "split_copy",
+    "split_with_sizes_copy", "unbind_copy", "view_as_real_copy", "view_as_complex_copy",
+    "narrow_copy", "_pin_memory",
+    # element moves and puts
+    "cat", "stack", "hstack", "vstack", "index_select", "index", "repeat", "roll", "flip",
+    "gather", "take", "take_along_dim", "masked_select", "repeat_interleave", "tile",
+    "rot90", "index_put", "index_copy", "masked_scatter", "scatter", "index_fill",
+    "masked_fill", "slice_scatter", "select_scatter", "diagonal_scatter",
+    "as_strided_scatter", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
+    "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
+    "tril", "triu", "diag", "diag_embed", "block_diag", "pixel_shuffle", "pixel_unshuffle",
+    "channel_shuffle", "native_channel_shuffle", "im2col", "embedding", "lift",
+    # element-wise, though some or all of their overloads are not tagged pointwise
+    "complex", "polar", "where", "copysign", "frexp", "ldexp", "fmod", "remainder",
+    "floor_divide", "true_divide", "rsub", "isclose", "dropout", "native_dropout",
+    "alpha_dropout", "feature_dropout", "_masked_scale",
+    # no numbers of the input in the output
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+    "fill", "zero", "resize", "resize_as", "set", "random", "uniform", "normal",
+    "bernoulli", "exponential", "geometric", "cauchy", "log_normal",
+    # NaN-aware: no staged NaN in the result (nanmean and nanquantile are made of other
+    # ops before a dispatch mode sees them: see README)
+    "nansum", "nanmean", "nanmedian", "nanquantile", "nan_to_num", "isnan", "fmax", "fmin",
+})
+
+_MIXES: dict = {}
+
+
+def _mixes(func: Any) -> bool:
+    """Whether op ``func`` may mix its inputs' elements (a matmul, a reduction, a sort, a
+    cumsum, a softmax, an op torch does not describe): none of a view, an op torch tags
+    pointwise (or whose functional form it tags so: ``abs_``, ``where.self_out``), nor
+    one of ``_KEEPS_ELEMENTS`` (a ``scatter`` that reduces mixes). Once per op."""
+    got = _MIXES.get(func)
+    if got is None:
+        got = _MIXES[func] = _mixes_elements(func)
+    return got
+
+
+def _mixes_elements(func: Any) -> bool:
+    if _is_view(func) or torch.Tag.pointwise in func.tags:
+        return False
+    ns, _, op = func._schema.name.partition("::")
+    over = func._overloadname
+    if ns != "aten":
+        return True  # (an op of a library's own: what it does is not known)
+    op = op.removeprefix("_foreach_")
+    base = op[:-1] if op.endswith("_") and not op.endswith("__") else op
+    if base in _KEEPS_ELEMENTS:
+        return base == "scatter" and "reduce" in over
+    packet = getattr(torch.ops.aten, base, None)
+    if packet is not None:
+        for name in (over, over.removesuffix("_out").removesuffix("out") or "default"):
+            try:
+                functional = getattr(packet, name)
+            except AttributeError:
+                continue
+            if torch.Tag.pointwise in functional.tags:
+                return False
+    return True
+
+
 def _may_be_masked(patch: Any | None, maybe_sparse: bool) -> bool:
     """Whether an observed call's staged tensor of ``patch`` may hold NaN meaning "keep":
     a sparse patch's, or one the observer matched to no patch (``None``) where the load
@@ -2720,8 +2878,9 @@ class _Mode(TorchDispatchMode):
                         # the copy of a transposed view): that patch's, at no known offset;
                         # from several patches' (a cat of q and k), theirs, kept for its
                         # dtype. (Its source is looked up here only: most ops of a loader
-                        # are views.)
-                        s.provenance.taint(out, args, kwargs)
+                        # are views.) In a sparse call, an op that mixes elements of a
+                        # patch's data holding NaN makes mixed data (see mixed_by).
+                        s.provenance.taint(out, args, kwargs, func)
                 if s._sparse:
                     if copies:
                         if s.lost or _casts_lose_numbers(out.dtype):
@@ -2735,7 +2894,7 @@ class _Mode(TorchDispatchMode):
                 # (an op of several results, a sort's values: each holds data of its input)
                 for o in out:
                     if isinstance(o, torch.Tensor):
-                        s.provenance.taint(o, args, kwargs)
+                        s.provenance.taint(o, args, kwargs, func)
             return out
         targets = []
         others = []
@@ -2749,6 +2908,11 @@ class _Mode(TorchDispatchMode):
                     else:
                         others.append(t)
         if not targets:
+            # (an op that mixes elements in place, ``buf.cumsum_(0)``, reads its inputs
+            # before it runs)
+            mixed = (s.provenance.mixed_in_place(func, args, kwargs)
+                     if s._sparse and func is not _COPY and others and s.provenance
+                     else None)
             out = func(*args, **kwargs)
             if s.track_sources:
                 for t in others:  # a staged tensor (or a copy of one) written in place
@@ -2760,6 +2924,8 @@ class _Mode(TorchDispatchMode):
                     # ``buf[idx] = w``, ``torch.cat([q, k], out=buf)``, ``buf.add_(w)``)
                     for t in others:
                         s.provenance.written_from(t, args, kwargs)
+                        if mixed is not None:
+                            s.provenance.mix(t, mixed)
             if s._sparse and (s.lost or (func is _COPY
                                          and _casts_lose_numbers(args[0].dtype))):
                 s._note_own_write(func, args, kwargs)
@@ -3237,6 +3403,7 @@ class WriteSession:
         ``maybe_sparse``: its copies are then checked as well.
         """
         self._sparse = sparse
+        self.provenance.mixing = sparse
         self._observed_call = (observed, maybe_sparse)  # (what stage_more needs of them)
         self._patches = dict(zip(positions, patches)) if patches is not None else {}
         self._nan_masked = observed and any(
@@ -3304,6 +3471,7 @@ class WriteSession:
                 if sparse:
                     self.provenance.keep_past_call(keys, staged)
                 self._sparse = False
+                self.provenance.mixing = False
                 self._nan_masked = False
             finally:
                 if guarded:
@@ -4308,6 +4476,8 @@ class WriteSession:
                        tuple(dest.shape)),
             )
         self._refuse_reinterpreted(src, pos, name, tname)
+        if self.provenance.mixed_seen:
+            self._refuse_mixed(src, pos, name, tname)
         self._refuse_lost_numbers(src, dest.dtype, pos, name, tname)
         if self.lost:
             self._refuse_marked(src, dest.dtype, pos, name, tname)
@@ -4328,6 +4498,36 @@ class WriteSession:
                 )
         earliers.add(region, a0, a1)
         self._call_fed[tname] = (pos, name) if name is not None else None
+
+    def _refuse_mixed(self, src: torch.Tensor, pos: int | None, name: str | None,
+                      tname: str) -> None:
+        """A sparse copy from ``src`` refused where its data were mixed (see
+        :class:`_Source`): an op that mixes elements (a rotation ``w @ h``, a scale from
+        the whole tensor ``w / w.abs().amax()``, a sort, a cumsum, a softmax, a block
+        quantiser's absmax) ran on a patch's data while it held NaN, the "keep" marks, so
+        the NaN spread over elements the patch updates (which the merge would keep) and
+        numbers moved to other elements (which it would write there)."""
+        mixed = self.provenance.mixed_in(src)
+        if mixed is None:
+            return
+        mpos, mname, op = mixed
+        if mname is not None:
+            pos, name = mpos, mname
+        made = (f"{where(mpos, mname)}'s data" if mname is not None
+                else "the data of several patches")
+        raise ContractViolation(
+            f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} {src.dtype} "
+            f"source made from {made} by {op}, an op that mixes elements, while that data "
+            "held NaN, a sparse patch's 'keep' marks (the source is that op's result, or "
+            "was computed from it): the NaN spreads over elements the patch updates and "
+            "numbers move to other elements, so the NaN-merge would keep elements it "
+            "should update or write numbers where they do not belong. A sparse "
+            "(NaN-masked) load cannot support a loader that mixes a patch's elements "
+            "before its copy_ (a matmul, a scale taken from a whole tensor or block, a "
+            "sort, a cumsum, a softmax): send this weight dense. This copy wrote nothing"
+            f"{self._no_source_note(name, tname)}",
+            position=pos, name=name, reason="mixed elements", value=op,
+        )
 
     def _write_at(self, pos: int | None, name: str | None, tname: str) -> str:
         """Where a refused sparse write happened, as its message begins: the call, the

@@ -111,7 +111,13 @@ def load_checkpoint_weight_patches(
        scale, cast and shard in any order; a fill (``fill_``, ``zero_``,
        ``masked_fill_``) or an ``out=`` op writes its elements anew; other ops on it
        (a matmul, a reduction) lose the trail, and the copy's own cast is what is
-       checked.) A call that rebinds a
+       checked.) A copy whose source an op that mixes
+       elements (a matmul, a reduction such as the ``amax`` of a scale, a sort, a
+       ``cumsum``, a softmax: any op that is not a view, a copy, pointwise, an element
+       move or NaN-aware) made from a patch's data while that data held NaN, or that
+       was computed from such a result, raises :class:`NotImplementedError` (reason
+       ``"mixed elements"``, naming the op), writing nothing of that copy: the staged
+       NaN has spread over elements the patch updates. A call that rebinds a
        runtime tensor (``param.data = w``), registers a new one in its place
        (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) or registers
        one under a name the model did not have is caught when it returns: the original is

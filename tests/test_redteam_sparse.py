@@ -153,10 +153,12 @@ def test_patch_data_moved_into_a_loaders_own_tensor_then_read_as_another_dtype_i
     assert not torch.isnan(m.h).any()
 
 
-@pytest.mark.parametrize("how", list(_MOVES))
+@pytest.mark.parametrize("how", [h for h in _MOVES if h != "sorted"])
 def test_patch_data_moved_into_a_loaders_own_tensor_and_copied_as_itself_still_merges(how):
     # The same moves, read back as the float32 they are: merged as before, the runtime
-    # value kept wherever the moved data is NaN.
+    # value kept wherever the moved data is NaN. (Not the sort: a sort of a patch's data
+    # holding NaN puts its numbers at other elements, and such a copy is refused since,
+    # reason "mixed elements": tests/test_mixing_loaders.py.)
     move, count = _MOVES[how]
     m = _Words(move, words=False)
     staged = {p.name: patchkit.stage(p) for p in _patches(count)}

@@ -1,0 +1,275 @@
+"""Sparse loads whose loaders mix a patch's elements before the copy into the model (a
+rotation, a scale taken from the whole tensor or a block, a sort, a cumsum, a softmax):
+the staged NaN ("keep") spreads over the patched elements and numbers move to other
+elements, so the NaN-merge would keep elements it should update, or write numbers where
+they do not belong, without a word. Such a copy is refused before it writes
+(``ContractViolation``, reason ``"mixed elements"``, naming the patch and the op); loaders
+that only look like it (a NaN check, an index, a statistic never written, views and
+copies, NaN-aware reductions) load as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import patchkit
+from patchkit import CheckpointWeightPatch as CWP
+from patchkit.bitwise import bits
+from patchkit.errors import ContractViolation
+
+_FP8 = torch.float8_e4m3fn
+
+
+def _rotation():
+    g = torch.Generator().manual_seed(1)
+    q, _ = torch.linalg.qr(torch.randn(8, 8, generator=g))
+    return q
+
+
+_H = _rotation()
+
+
+class _Mixing(nn.Module):
+    """Two (4, 8) parameters: ``other.w`` (float32), copied as sent, then ``a.w``
+    (``dtype``), copied from ``f(weights)``, ``weights`` the call's staged tensors by
+    name (an ``f`` may also leave the source in ``self.kept``)."""
+
+    def __init__(self, f, dtype=torch.float32):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.other = nn.Parameter(torch.randn(4, 8, generator=g), requires_grad=False)
+        self.a = nn.Parameter(torch.randn(4, 8, generator=g).to(dtype), requires_grad=False)
+        self.f = f
+
+    def load_weights(self, weights):
+        w = dict(weights)
+        names = set()
+        if "other.w" in w:
+            self.other.data.copy_(w["other.w"])
+            names.add("other.w")
+        if "a.w" in w:
+            self.a.data.copy_(self.f(w))
+            names.add("a.w")
+        return names
+
+    def snapshot(self):
+        return {n: bits(p.detach()).clone() for n, p in self.named_parameters()}
+
+
+def _patches(full=False):
+    """Patch 0 ('other.w') and patch 1 ('a.w'), sparse (``full``: every element of
+    'a.w' sent, a dense update as a sparse patch, which holds no NaN)."""
+    a_idx = torch.arange(32) if full else torch.tensor([1, 9, 20, 30])
+    a_val = torch.linspace(-2.0, 2.0, a_idx.numel())
+    return [CWP("other.w", (4, 8), torch.float32, torch.tensor([0.5, -0.75]),
+                torch.tensor([3, 17])),
+            CWP("a.w", (4, 8), torch.float32, a_val, a_idx)]
+
+
+def _load(how, model, patches):
+    if how == "plain":
+        return patchkit.load_checkpoint_weight_patches(model, patches)
+    if how == "transactional":
+        return patchkit.load_checkpoint_weight_patches(model, patches, transactional=True)
+    return patchkit.inspect_load(model, patches)
+
+
+def _scratch_copy(w):
+    buf = torch.empty(4, 8)
+    buf.copy_(w["a.w"] @ _H)  # (mixed into the loader's own tensor: let through)
+    buf.mul_(1.0)
+    return buf  # (the write into the model, a later op, is refused)
+
+
+def _scratch_cumsum_in_place(w):
+    buf = torch.empty(4, 8)
+    buf.copy_(w["a.w"])
+    buf.cumsum_(1)
+    return buf
+
+
+def _scratch_mm_out(w):
+    buf = torch.zeros(4, 8)
+    torch.mm(w["a.w"], _H, out=buf)
+    return buf
+
+
+def _block_quantiser(w):
+    # float8 with one absmax scale per block of 4 (as fp8 and bitsandbytes-style
+    # quantisers take): the scale of every block that holds a staged NaN is NaN
+    blocks = w["a.w"].reshape(-1, 4)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / 448.0
+    return (blocks / scale).to(_FP8).reshape(4, 8)
+
+
+# name -> (f, op named, runtime dtype of a.w)
+_MIXING = {
+    "rotation": (lambda w: w["a.w"] @ _H, "aten::mm", torch.float32),
+    "amax scale": (lambda w: w["a.w"] / w["a.w"].abs().amax(), "aten::amax", torch.float32),
+    "sort values": (lambda w: w["a.w"].sort(dim=1).values, "aten::sort", torch.float32),
+    "cumsum": (lambda w: w["a.w"].cumsum(1), "aten::cumsum", torch.float32),
+    "softmax": (lambda w: w["a.w"].softmax(-1), "aten::_softmax", torch.float32),
+    "block absmax quantiser": (_block_quantiser, "aten::amax", _FP8),
+    "mixed scalar broadcast": (lambda w: w["a.w"] * w["a.w"].mean(), "aten::mean",
+                               torch.float32),
+    "through a scratch copy_": (_scratch_copy, "aten::mm", torch.float32),
+    "cumsum_ in a scratch": (_scratch_cumsum_in_place, "aten::cumsum_", torch.float32),
+    "mm into a scratch (out=)": (_scratch_mm_out, "aten::mm.out", torch.float32),
+}
+
+
+@pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
+@pytest.mark.parametrize("case", list(_MIXING))
+def test_a_loader_that_mixes_a_sparse_patchs_elements_is_refused_before_it_writes(case, how):
+    f, op, dtype = _MIXING[case]
+    m = _Mixing(f, dtype)
+    before = m.snapshot()
+    with pytest.raises(ContractViolation) as e:
+        _load(how, m, _patches())
+    err = e.value
+    assert isinstance(err, NotImplementedError)
+    assert (err.position, err.name, err.reason, err.value) == (1, "a.w", "mixed elements", op)
+    text = str(err)
+    assert "patch 1 ('a.w')" in text and op in text and "send this weight dense" in text
+    assert "wrote nothing" in text
+    after = m.snapshot()
+    # the refused copy wrote nothing ...
+    assert torch.equal(after["a"], before["a"])
+    if how == "transactional":
+        assert all(torch.equal(after[n], before[n]) for n in before)  # ... and rolled back
+    else:
+        assert not torch.equal(after["other"], before["other"])  # (written before it)
+    if how == "inspect":
+        assert err.report is not None
+
+
+def test_the_patch_named_is_the_one_whose_data_was_mixed():
+    # a.w scaled by a statistic of patch 0's data (which holds NaN): patch 0's NaN
+    # spread into a.w's update
+    m = _Mixing(lambda w: w["a.w"] / w["other.w"].abs().amax())
+    with pytest.raises(ContractViolation) as e:
+        patchkit.load_checkpoint_weight_patches(m, _patches())
+    assert (e.value.position, e.value.name, e.value.value) == (0, "other.w", "aten::amax")
+
+
+def _merged(f, model, patches):
+    """What the NaN-merge of ``f``'s source into ``a.w`` gives: the runtime value where
+    the source is NaN, the source elsewhere (a reference computed without any load)."""
+    staged = {p.name: patchkit.stage(p) for p in patches}
+    src = f(staged).to(model.a.dtype)
+    return torch.where(src.float().isnan(), model.a.detach(), src)
+
+
+def _checked_then_plain(w):
+    assert bool(w["a.w"].isnan().any())  # (a loader that checks for NaN: bool results)
+    return w["a.w"]
+
+
+def _argsort_round_trip(w):
+    a = w["a.w"]
+    perm = torch.argsort(a, dim=1)  # (int64: index tensors are never mixed)
+    inv = torch.argsort(perm, dim=1)
+    return a.gather(1, perm).gather(1, inv)
+
+
+def _statistic_never_written(w):
+    print("mean of the update:", w["a.w"].mean(), (w["a.w"] @ _H).abs().amax())
+    return w["a.w"]
+
+
+def _scale_after_nan_to_num(w):
+    return w["a.w"] / w["a.w"].nan_to_num().abs().amax()
+
+
+def _views_and_copies(w):
+    a = w["a.w"]
+    b = a.reshape(8, 4).t().contiguous().t().reshape(4, 8)  # (a transposed copy)
+    c = b.permute(1, 0).contiguous().permute(1, 0)
+    d = c.t().reshape(-1).reshape(8, 4).t()  # (reshape of a transposed view: a clone)
+    buf = torch.empty(8, 4)
+    buf.copy_(d.t())  # (a transposed copy into a scratch)
+    return buf.t().to(torch.float64).to(torch.float32)
+
+
+def _where_keeps_old(self_a):
+    return lambda w: torch.where(w["a.w"].isnan(), self_a.detach(), w["a.w"])
+
+
+def _nan_aware(w):
+    a = w["a.w"]
+    return (a - a.nanmean()) / a.nansum().abs().clamp(min=1.0) + a.nanmedian() * 0.0
+
+
+def _mixed_scratch_overwritten(w):
+    buf = w["a.w"] @ _H  # (mixed, then overwritten whole by a plain copy)
+    buf.copy_(w["a.w"])
+    return buf
+
+
+def _nan_mask_of_mixed_data(w):
+    lost = (w["a.w"] @ _H).isnan()  # (bool: never mixed)
+    return torch.where(lost & ~lost, w["a.w"] * 2.0, w["a.w"])
+
+
+def _element_wise_untagged(w):
+    # element-wise ops some of whose overloads torch does not tag pointwise
+    a = w["a.w"]
+    z = torch.complex(a, torch.zeros_like(a))
+    return torch.where(a < 0, a.abs().neg(), torch.fmod(z.real, 1e6))
+
+
+_NOT_MIXING = {
+    "isnan().any() check": _checked_then_plain,
+    "argsort indices": _argsort_round_trip,
+    "statistic never written": _statistic_never_written,
+    "nan_to_num then amax": _scale_after_nan_to_num,
+    "views, reshape, permute, contiguous, transposed copies": _views_and_copies,
+    "where(isnan, old, w)": "where",
+    "NaN-aware reductions": _nan_aware,
+    "mixed scratch overwritten by a plain copy": _mixed_scratch_overwritten,
+    "NaN mask of mixed data": _nan_mask_of_mixed_data,
+    "element-wise ops without torch's pointwise tag": _element_wise_untagged,
+}
+
+
+@pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
+@pytest.mark.parametrize("case", list(_NOT_MIXING))
+def test_a_loader_that_does_not_mix_loads_as_before(case, how, capsys):
+    m = _Mixing(None)
+    f = _NOT_MIXING[case]
+    m.f = _where_keeps_old(m.a) if f == "where" else f
+    patches = _patches()
+    want = bits(_merged(m.f, m, patches)).clone()
+    ref = _Mixing(lambda w: w["a.w"])  # (the same patch loaded plainly: 'other.w')
+    patchkit.load_checkpoint_weight_patches(ref, patches)
+    _load(how, m, patches)
+    assert torch.equal(bits(m.a.detach()), want)
+    assert torch.equal(bits(m.other.detach()), bits(ref.other.detach()))
+    assert not torch.equal(want, bits(_Mixing(None).a.detach()))  # (the patch landed)
+
+
+@pytest.mark.parametrize("case", ["rotation", "amax scale", "sort values", "cumsum",
+                                  "softmax", "through a scratch copy_"])
+def test_a_sparse_patch_without_nan_is_not_refused(case):
+    # every element of a.w sent as a sparse patch: no NaN to spread, so the mixing op's
+    # result is a plain copy of numbers, written whole
+    f, _, dtype = _MIXING[case]
+    m = _Mixing(f, dtype)
+    patches = _patches(full=True)
+    staged = {p.name: patchkit.stage(p) for p in patches}
+    want = bits(f(staged)).clone()
+    patchkit.load_checkpoint_weight_patches(m, patches)
+    assert torch.equal(bits(m.a.detach()), want)
+
+
+@pytest.mark.parametrize("case", list(_MIXING))
+def test_a_dense_call_through_a_mixing_loader_is_untouched(case):
+    # a dense patch has no NaN marks: the loader's result is written as it is
+    f, _, dtype = _MIXING[case]
+    m = _Mixing(f, dtype)
+    g = torch.Generator().manual_seed(3)
+    patches = [CWP("a.w", (4, 8), torch.float32, torch.randn(32, generator=g), None)]
+    want = bits(f({"a.w": patches[0].values.reshape(4, 8)})).clone()
+    patchkit.load_checkpoint_weight_patches(m, patches)
+    assert torch.equal(bits(m.a.detach()), want)
