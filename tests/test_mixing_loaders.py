@@ -30,6 +30,12 @@ def _rotation():
 _H = _rotation()
 
 
+def _h(t):
+    """The rotation, on ``t``'s device (made at import, on the CPU: under ``--device
+    cuda`` the staged tensors are on the GPU)."""
+    return _H.to(t.device)
+
+
 class _Mixing(nn.Module):
     """Two (4, 8) parameters: ``other.w`` (float32), copied as sent, then ``a.w``
     (``dtype``), copied from ``f(weights)``, ``weights`` the call's staged tensors by
@@ -38,8 +44,11 @@ class _Mixing(nn.Module):
     def __init__(self, f, dtype=torch.float32):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.other = nn.Parameter(torch.randn(4, 8, generator=g), requires_grad=False)
-        self.a = nn.Parameter(torch.randn(4, 8, generator=g).to(dtype), requires_grad=False)
+        here = torch.get_default_device()  # (a CPU generator draws on the CPU)
+        self.other = nn.Parameter(torch.randn(4, 8, generator=g).to(here),
+                                  requires_grad=False)
+        self.a = nn.Parameter(torch.randn(4, 8, generator=g).to(here, dtype),
+                              requires_grad=False)
         self.f = f
 
     def load_weights(self, weights):
@@ -77,7 +86,7 @@ def _load(how, model, patches):
 
 def _scratch_copy(w):
     buf = torch.empty(4, 8)
-    buf.copy_(w["a.w"] @ _H)  # (mixed into the loader's own tensor: let through)
+    buf.copy_(w["a.w"] @ _h(w["a.w"]))  # (mixed into the loader's own tensor: let through)
     buf.mul_(1.0)
     return buf  # (the write into the model, a later op, is refused)
 
@@ -91,7 +100,7 @@ def _scratch_cumsum_in_place(w):
 
 def _scratch_mm_out(w):
     buf = torch.zeros(4, 8)
-    torch.mm(w["a.w"], _H, out=buf)
+    torch.mm(w["a.w"], _h(w["a.w"]), out=buf)
     return buf
 
 
@@ -105,7 +114,7 @@ def _block_quantiser(w):
 
 # name -> (f, op named, runtime dtype of a.w)
 _MIXING = {
-    "rotation": (lambda w: w["a.w"] @ _H, "aten::mm", torch.float32),
+    "rotation": (lambda w: w["a.w"] @ _h(w["a.w"]), "aten::mm", torch.float32),
     "amax scale": (lambda w: w["a.w"] / w["a.w"].abs().amax(), "aten::amax", torch.float32),
     "sort values": (lambda w: w["a.w"].sort(dim=1).values, "aten::sort", torch.float32),
     "cumsum": (lambda w: w["a.w"].cumsum(1), "aten::cumsum", torch.float32),
@@ -174,7 +183,7 @@ def _argsort_round_trip(w):
 
 
 def _statistic_never_written(w):
-    print("mean of the update:", w["a.w"].mean(), (w["a.w"] @ _H).abs().amax())
+    print("mean of the update:", w["a.w"].mean(), (w["a.w"] @ _h(w["a.w"])).abs().amax())
     return w["a.w"]
 
 
@@ -202,13 +211,13 @@ def _nan_aware(w):
 
 
 def _mixed_scratch_overwritten(w):
-    buf = w["a.w"] @ _H  # (mixed, then overwritten whole by a plain copy)
+    buf = w["a.w"] @ _h(w["a.w"])  # (mixed, then overwritten whole by a plain copy)
     buf.copy_(w["a.w"])
     return buf
 
 
 def _nan_mask_of_mixed_data(w):
-    lost = (w["a.w"] @ _H).isnan()  # (bool: never mixed)
+    lost = (w["a.w"] @ _h(w["a.w"])).isnan()  # (bool: never mixed)
     return torch.where(lost & ~lost, w["a.w"] * 2.0, w["a.w"])
 
 
@@ -258,9 +267,9 @@ def test_a_sparse_patch_without_nan_is_not_refused(case):
     m = _Mixing(f, dtype)
     patches = _patches(full=True)
     staged = {p.name: patchkit.stage(p) for p in patches}
-    want = bits(f(staged)).clone()
+    want = bits(f(staged)).cpu()
     patchkit.load_checkpoint_weight_patches(m, patches)
-    assert torch.equal(bits(m.a.detach()), want)
+    assert torch.equal(bits(m.a.detach()).cpu(), want)
 
 
 @pytest.mark.parametrize("case", list(_MIXING))
@@ -269,7 +278,8 @@ def test_a_dense_call_through_a_mixing_loader_is_untouched(case):
     f, _, dtype = _MIXING[case]
     m = _Mixing(f, dtype)
     g = torch.Generator().manual_seed(3)
-    patches = [CWP("a.w", (4, 8), torch.float32, torch.randn(32, generator=g), None)]
-    want = bits(f({"a.w": patches[0].values.reshape(4, 8)})).clone()
+    values = torch.randn(32, generator=g).to(torch.get_default_device())
+    patches = [CWP("a.w", (4, 8), torch.float32, values, None)]
+    want = bits(f({"a.w": patches[0].values.reshape(4, 8)})).cpu()
     patchkit.load_checkpoint_weight_patches(m, patches)
-    assert torch.equal(bits(m.a.detach()), want)
+    assert torch.equal(bits(m.a.detach()).cpu(), want)
