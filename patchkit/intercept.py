@@ -2267,6 +2267,21 @@ class _Provenance:
         else:
             del self._by_key[key]
 
+    def filled(self, t: torch.Tensor) -> None:
+        """``t``, a tensor of the loader's own, was filled with a constant (``fill_``,
+        ``zero_``): a contiguous one's bytes hold no patch's data any more (nor data an op
+        mixed: see :class:`_Source`). A strided one keeps its stretches (they reach the
+        bytes between its elements too), as does a staged tensor filled in place (only
+        its exactness goes, :meth:`written`)."""
+        key = _storage_key(t)
+        got = self._by_key.get(key)
+        if got is None or not t.numel() or not t.is_contiguous():
+            return
+        lo, hi = _byte_span(t)
+        if any(e.ref is None and e.lo < hi and lo < e.hi for e in got):
+            return
+        self._forget(key, lo, hi)
+
     def written(self, t: torch.Tensor) -> None:
         """``t`` was written in place: its bytes no longer hold what was staged (they
         keep the patch's name, as derived from it)."""
@@ -2919,6 +2934,9 @@ class _Mode(TorchDispatchMode):
                     s.provenance.written(t)
                 if func is _COPY:
                     s.provenance.derive(args[1], args[0], whole=False)
+                elif func in _FILLS:
+                    for t in others:
+                        s.provenance.filled(t)
                 elif s.provenance:
                     # (a scratch tensor written from a patch's data by another op:
                     # ``buf[idx] = w``, ``torch.cat([q, k], out=buf)``, ``buf.add_(w)``)

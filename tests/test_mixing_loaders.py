@@ -216,6 +216,13 @@ def _mixed_scratch_overwritten(w):
     return buf
 
 
+def _mixed_scratch_filled_then_added(w):
+    buf = torch.empty(4, 8, device=w["a.w"].device)
+    torch.mm(w["a.w"], _h(w["a.w"]), out=buf)  # (mixed, then filled anew)
+    buf.zero_().add_(w["a.w"])
+    return buf
+
+
 def _nan_mask_of_mixed_data(w):
     lost = (w["a.w"] @ _h(w["a.w"])).isnan()  # (bool: never mixed)
     return torch.where(lost & ~lost, w["a.w"] * 2.0, w["a.w"])
@@ -237,6 +244,7 @@ _NOT_MIXING = {
     "where(isnan, old, w)": "where",
     "NaN-aware reductions": _nan_aware,
     "mixed scratch overwritten by a plain copy": _mixed_scratch_overwritten,
+    "mixed scratch zeroed, then added to": _mixed_scratch_filled_then_added,
     "NaN mask of mixed data": _nan_mask_of_mixed_data,
     "element-wise ops without torch's pointwise tag": _element_wise_untagged,
 }
