@@ -2161,11 +2161,13 @@ class _Provenance:
                 return
         found = self._traced_data((*args, *kwargs.values()) if kwargs else args)
         if found:
-            self._moved_into(out, found, self.mixed_by(func, found)
+            self._moved_into(out, found, self.mixed_by(func, found, args, kwargs or {},
+                                                       out.numel())
                              if func is not None and self.mixing
                              and (out.is_floating_point() or out.is_complex()) else None)
 
-    def mixed_by(self, func: Any, found: list[tuple[torch.Tensor, _Source]]
+    def mixed_by(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
+                 args: Sequence[Any], kwargs: dict, size: int
                  ) -> tuple[int | None, str | None, str] | None:
         """``(position, name, op)`` where ``func``, an op that makes a floating-point
         output, mixes elements (see :func:`_mixes`) and one of its floating-point inputs
@@ -2173,17 +2175,25 @@ class _Provenance:
         NaN, a sparse patch's "keep": the output holds that NaN spread over elements the
         patch updates, or its numbers at other places, which a NaN-merge would take
         element by element. Read only at such ops (rare in loaders); ``None`` otherwise
-        (a mixed input is carried by :meth:`_moved_into` itself)."""
-        if not _mixes(func):
+        (a mixed input is carried by :meth:`_moved_into` itself). ``args`` and ``kwargs``:
+        the op's arguments; ``size``: the number of elements of its (first) output. A put
+        that adds or reduces (:data:`_COMBINING_PUTS`) mixes only where it puts two
+        elements at one place; a reduction (``torch.Tag.reduction``) only where it reduces
+        a dim longer than 1 (an input of ``size`` elements: ``torch.stack([w]).sum(0)``)."""
+        kind = _mixes(func)
+        if not kind or (kind is _PUT and not _combines(func, args, kwargs)):
             return None
         read: list[torch.Tensor] = []
         for t, e in found:
             if (e.mixed is not None or t.is_meta
                     or not (t.is_floating_point() or t.is_complex())
+                    or (kind is _REDUCES and t.numel() == size)
                     or any(t is r for r in read)):
                 continue
             read.append(t)
             if bool(nan_mask(t).any()):
+                if kind is _PUT and not _puts_repeat(func, args, kwargs):
+                    return None
                 return e.position, e.name, _op_name(func)
         return None
 
@@ -2195,12 +2205,18 @@ class _Provenance:
         if not self._by_key or not _mixes(func):
             return None
         outs = _out_args(func)
+        ins, kins = args, kwargs
+        written = args[0] if args else None
         if outs:
             skip = {i for i, _ in outs}
             names = {n for _, n in outs}
-            args = [a for i, a in enumerate(args) if i not in skip]
-            kwargs = {k: v for k, v in kwargs.items() if k not in names}
-        return self.mixed_by(func, self._traced_data((*args, *kwargs.values())))
+            i, n = outs[0]
+            written = args[i] if i < len(args) else kwargs.get(n)
+            ins = [a for i, a in enumerate(args) if i not in skip]
+            kins = {k: v for k, v in kwargs.items() if k not in names}
+        size = written.numel() if isinstance(written, torch.Tensor) else -1
+        return self.mixed_by(func, self._traced_data((*ins, *kins.values())), args, kwargs,
+                             size)
 
     def mix(self, t: torch.Tensor, mixed: tuple[int | None, str | None, str]) -> None:
         """``t``, a tensor of the loader's own, was written by an op that mixed its
@@ -2584,9 +2600,10 @@ def _mixed_for(out: torch.Tensor, mixed: tuple[int | None, str | None, str]
 # Ops (ATen names, without the in-place ``_`` or the ``_foreach_`` prefix) whose floating
 # output a NaN-merge can still take element by element, though torch does not tag them
 # pointwise: copies and casts, ops that move elements whole (each output element is one
-# input element, unchanged, or a constant: ``_MOVES``, ``_PUTS``, pads, triangles,
-# scatters), ops whose output holds none of their input's numbers (``zeros_like``,
-# ``fill_``), and NaN-aware ones, whose result holds no staged NaN.
+# input element, unchanged, or a constant: ``_MOVES``, ``_PUTS``, pads, triangles;
+# ``index_put``, ``put`` and ``scatter`` are in ``_COMBINING_PUTS``), ops whose output
+# holds none of their input's numbers (``zeros_like``, ``fill_``), and NaN-aware ones,
+# whose result holds no staged NaN.
 _KEEPS_ELEMENTS = frozenset({
     # copies, casts and the copying forms of views
     "copy", "_to_copy", "clone", "_copy_from", "_copy_from_and_resize", "lift_fresh_copy",
@@ -2600,7 +2617,7 @@ _KEEPS_ELEMENTS = frozenset({
     # element moves and puts
     "cat", "stack", "hstack", "vstack", "index_select", "index", "repeat", "roll", "flip",
     "gather", "take", "take_along_dim", "masked_select", "repeat_interleave", "tile",
-    "rot90", "index_put", "index_copy", "masked_scatter", "scatter", "index_fill",
+    "rot90", "index_copy", "masked_scatter", "index_fill",
     "masked_fill", "slice_scatter", "select_scatter", "diagonal_scatter",
     "as_strided_scatter", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
     "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
@@ -2620,31 +2637,116 @@ _KEEPS_ELEMENTS = frozenset({
     "nansum", "nanmean", "nanmedian", "nanquantile", "nan_to_num", "isnan", "fmax", "fmin",
 })
 
+# Puts (ATen names, as for ``_KEEPS_ELEMENTS``) that may combine what they put with what
+# is there (an add, a reduce): where no index repeats, each element of the result is one
+# element put, with the destination's own (as an add of two tensors is); where one
+# repeats, several elements put are combined into one, which mixes them (see
+# :func:`_puts_repeat`). ``put``, ``index_put`` and ``scatter`` combine only with
+# ``accumulate=True`` or a ``reduce`` of a tensor (:func:`_combines`); else they move
+# elements, unchanged.
+_COMBINING_PUTS = frozenset({
+    "index_add", "index_reduce", "scatter_add", "scatter_reduce", "scatter", "put",
+    "index_put", "_index_put_impl",
+})
+
+# What :func:`_mixes` says of an op besides ``True`` (mixes) and ``False`` (keeps each
+# element): a put of ``_COMBINING_PUTS``, and a reduction, which mixes only where it
+# reduces a dim longer than 1
+_PUT = "put"
+_REDUCES = "reduces"
+
 _MIXES: dict = {}
 
 
-def _mixes(func: Any) -> bool:
+def _mixes(func: Any) -> bool | str:
     """Whether op ``func`` may mix its inputs' elements (a matmul, a reduction, a sort, a
     cumsum, a softmax, an op torch does not describe): none of a view, an op torch tags
     pointwise (or whose functional form it tags so: ``abs_``, ``where.self_out``), nor
-    one of ``_KEEPS_ELEMENTS`` (a ``scatter`` that reduces mixes). Once per op."""
+    one of ``_KEEPS_ELEMENTS``; ``_PUT`` for a put of ``_COMBINING_PUTS``, ``_REDUCES``
+    for an op torch tags a reduction (see :meth:`_Provenance.mixed_by`). Once per op."""
     got = _MIXES.get(func)
     if got is None:
         got = _MIXES[func] = _mixes_elements(func)
     return got
 
 
-def _mixes_elements(func: Any) -> bool:
+_ARG_AT: dict = {}
+
+
+def _arg(func: Any, args: Sequence[Any], kwargs: dict, name: str) -> Any:
+    """Argument ``name`` of a call of ``func`` (by its schema), or its default."""
+    at = _ARG_AT.get(func)
+    if at is None:
+        at = _ARG_AT[func] = {a.name: (i, a) for i, a in enumerate(func._schema.arguments)}
+    i, a = at[name]
+    if i < len(args):
+        return args[i]
+    if name in kwargs:
+        return kwargs[name]
+    return a.default_value if a.has_default_value() else None
+
+
+def _base_name(func: Any) -> str:
+    op = func._schema.name.partition("::")[2].removeprefix("_foreach_")
+    return op[:-1] if op.endswith("_") and not op.endswith("__") else op
+
+
+def _combines(func: Any, args: Sequence[Any], kwargs: dict) -> bool:
+    """Whether a put of ``_COMBINING_PUTS`` combines what it puts with what is there:
+    ``put`` and ``index_put`` with ``accumulate=True``, ``scatter`` with a ``reduce`` of
+    a tensor (of a scalar, ``scatter.value_reduce``, it combines no two elements put);
+    the others always."""
+    base = _base_name(func)
+    if base == "scatter":
+        return func._overloadname.startswith("reduce")
+    if base in ("put", "index_put", "_index_put_impl"):
+        return bool(_arg(func, args, kwargs, "accumulate"))
+    return True
+
+
+def _puts_repeat(func: Any, args: Sequence[Any], kwargs: dict) -> bool:
+    """Whether a put of ``_COMBINING_PUTS`` puts two elements at one place of its
+    destination: the same put, of ones into zeros, counts them (read only where a
+    patch's data with NaN in it is put). An argument it cannot count: ``True``."""
+    base = _base_name(func)
+    try:
+        dest = _arg(func, args, kwargs, "self")
+        counts = torch.zeros(dest.shape, dtype=torch.float32, device=dest.device)
+
+        def ones(t: torch.Tensor) -> torch.Tensor:
+            return torch.ones(t.shape, dtype=torch.float32, device=dest.device)
+
+        if base in ("index_add", "index_reduce"):
+            counts.index_add_(_arg(func, args, kwargs, "dim"),
+                              _arg(func, args, kwargs, "index"),
+                              ones(_arg(func, args, kwargs, "source")))
+        elif base == "put":
+            index = _arg(func, args, kwargs, "index")
+            counts.put_(index, ones(index), accumulate=True)
+        elif base in ("index_put", "_index_put_impl"):
+            counts.index_put_(_arg(func, args, kwargs, "indices"),
+                              ones(_arg(func, args, kwargs, "values")), accumulate=True)
+        else:  # (scatter_add, scatter_reduce, scatter with a reduce: index says where)
+            index = _arg(func, args, kwargs, "index")
+            counts.scatter_add_(_arg(func, args, kwargs, "dim"), index, ones(index))
+        return bool((counts > 1).any())
+    except Exception:  # (a put torch would refuse itself, a meta tensor)
+        return True
+
+
+def _mixes_elements(func: Any) -> bool | str:
     if _is_view(func) or torch.Tag.pointwise in func.tags:
         return False
-    ns, _, op = func._schema.name.partition("::")
     over = func._overloadname
-    if ns != "aten":
+    if func._schema.name.partition("::")[0] != "aten":
         return True  # (an op of a library's own: what it does is not known)
-    op = op.removeprefix("_foreach_")
-    base = op[:-1] if op.endswith("_") and not op.endswith("__") else op
+    base = _base_name(func)
+    if base in _COMBINING_PUTS:
+        return False if base == "scatter" and not over.startswith("reduce") else _PUT
     if base in _KEEPS_ELEMENTS:
-        return base == "scatter" and "reduce" in over
+        return False
+    if torch.Tag.reduction in func.tags:
+        return _REDUCES
     packet = getattr(torch.ops.aten, base, None)
     if packet is not None:
         for name in (over, over.removesuffix("_out").removesuffix("out") or "default"):

@@ -114,10 +114,12 @@ def load_checkpoint_weight_patches(
        checked.) A copy whose source an op that mixes
        elements (a matmul, a reduction such as the ``amax`` of a scale, a sort, a
        ``cumsum``, a softmax: any op that is not a view, a copy, pointwise, an element
-       move or NaN-aware) made from a patch's data while that data held NaN, or that
-       was computed from such a result, raises :class:`NotImplementedError` (reason
-       ``"mixed elements"``, naming the op), writing nothing of that copy: the staged
-       NaN has spread over elements the patch updates. A call that rebinds a
+       move or NaN-aware; a put that adds, ``index_add_``, only where an index repeats,
+       a reduction only over a dim longer than 1) made from a patch's data while that
+       data held NaN, or that was computed from such a result, raises
+       :class:`NotImplementedError` (reason ``"mixed elements"``, naming the op),
+       writing nothing of that copy: the staged NaN has spread over elements the patch
+       updates. A call that rebinds a
        runtime tensor (``param.data = w``), registers a new one in its place
        (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) or registers
        one under a name the model did not have is caught when it returns: the original is

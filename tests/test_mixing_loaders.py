@@ -112,6 +112,36 @@ def _block_quantiser(w):
     return (blocks / scale).to(_FP8).reshape(4, 8)
 
 
+def _rows(a, *rows):
+    return torch.tensor(rows, device=a.device)
+
+
+def _index_put_accumulating_at_a_repeated_row(w):
+    # rows 0 and 1 of the update summed into row 0, rows 2 and 3 into row 1
+    a = w["a.w"]
+    buf = torch.zeros(4, 8, device=a.device)
+    buf.index_put_((_rows(a, 0, 0, 1, 1),), a, accumulate=True)
+    return buf
+
+
+def _index_add_at_a_repeated_row(w):
+    a = w["a.w"]
+    return torch.zeros(4, 8, device=a.device).index_add_(0, _rows(a, 3, 2, 3, 0), a)
+
+
+def _scatter_add_at_a_repeated_column(w):
+    a = w["a.w"]
+    idx = (torch.arange(8, device=a.device) // 2).expand(4, 8)  # (columns 2k, 2k+1 -> k)
+    return torch.zeros(4, 8, device=a.device).scatter_add_(1, idx, a)
+
+
+def _put_accumulating_at_a_repeated_place(w):
+    a = w["a.w"]
+    buf = torch.zeros(32, device=a.device)
+    buf.put_(torch.arange(32, device=a.device) % 16, a.reshape(-1), accumulate=True)
+    return buf.reshape(4, 8)
+
+
 # name -> (f, op named, runtime dtype of a.w)
 _MIXING = {
     "rotation": (lambda w: w["a.w"] @ _h(w["a.w"]), "aten::mm", torch.float32),
@@ -125,6 +155,14 @@ _MIXING = {
     "through a scratch copy_": (_scratch_copy, "aten::mm", torch.float32),
     "cumsum_ in a scratch": (_scratch_cumsum_in_place, "aten::cumsum_", torch.float32),
     "mm into a scratch (out=)": (_scratch_mm_out, "aten::mm.out", torch.float32),
+    "index_put_ accumulating at a repeated row": (_index_put_accumulating_at_a_repeated_row,
+                                                  "aten::index_put_", torch.float32),
+    "index_add_ at a repeated row": (_index_add_at_a_repeated_row, "aten::index_add_",
+                                     torch.float32),
+    "scatter_add_ at a repeated column": (_scatter_add_at_a_repeated_column,
+                                          "aten::scatter_add_", torch.float32),
+    "put_ accumulating at a repeated place": (_put_accumulating_at_a_repeated_place,
+                                              "aten::put_", torch.float32),
 }
 
 
@@ -235,6 +273,44 @@ def _element_wise_untagged(w):
     return torch.where(a < 0, a.abs().neg(), torch.fmod(z.real, 1e6))
 
 
+def _adds_at_distinct_rows(w):
+    # puts that add into (or reduce with) what is there, no index repeated: each element
+    # of the result is one element of the update (with the scratch's own), as an add is
+    a = w["a.w"]
+    perm = _rows(a, 2, 0, 3, 1)  # (row i of the update to row perm[i])
+    added = torch.zeros(4, 8, device=a.device).index_add_(0, perm, a)
+    reduced = torch.zeros(4, 8, device=a.device).index_reduce_(
+        0, perm, a, "amax", include_self=False)
+    return ((added + reduced) / 2.0)[perm]
+
+
+def _scatters_at_distinct_columns(w):
+    a = w["a.w"]
+    idx = torch.arange(8, device=a.device).flip(0).expand(4, 8)
+    summed = torch.zeros(4, 8, device=a.device).scatter_add_(1, idx, a)
+    big = torch.full((4, 8), -1e30, device=a.device).scatter_reduce(1, idx, a, "amax")
+    return (summed + big.scatter(1, idx, a, reduce="add") * 0.0).flip(1)
+
+
+def _accumulating_puts_at_distinct_places(w):
+    a = w["a.w"]
+    places = torch.arange(32, device=a.device)
+    moved = torch.zeros(32, device=a.device).put_(places, a.reshape(-1))  # (no accumulate)
+    added = torch.zeros(32, device=a.device)
+    added.put_(places.flip(0), a.reshape(-1), accumulate=True)
+    flat = (moved + added.flip(0)) / 2.0  # (each element: one of the update's, twice)
+    buf = torch.zeros(4, 8, device=a.device)
+    buf.index_put_((_rows(a, 1, 0, 3, 2),), flat.reshape(4, 8), accumulate=True)
+    return buf[_rows(a, 1, 0, 3, 2)]
+
+
+def _reduced_over_a_dim_of_one(w):
+    # a stack of the one shard there is, summed (a tensor-parallel merge at tp 1), and a
+    # mean over a dim of size 1: each element of the result is one element of the update
+    a = w["a.w"]
+    return torch.stack([a]).sum(0) + a.reshape(4, 1, 8).mean(1, keepdim=False) * 0.0
+
+
 _NOT_MIXING = {
     "isnan().any() check": _checked_then_plain,
     "argsort indices": _argsort_round_trip,
@@ -247,6 +323,10 @@ _NOT_MIXING = {
     "mixed scratch zeroed, then added to": _mixed_scratch_filled_then_added,
     "NaN mask of mixed data": _nan_mask_of_mixed_data,
     "element-wise ops without torch's pointwise tag": _element_wise_untagged,
+    "index_add_ and index_reduce_ at distinct rows": _adds_at_distinct_rows,
+    "scatter_add_, scatter_reduce at distinct columns": _scatters_at_distinct_columns,
+    "put_ and index_put_ accumulating at distinct places": _accumulating_puts_at_distinct_places,
+    "a reduction over a dim of size 1": _reduced_over_a_dim_of_one,
 }
 
 
