@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import patchkit
@@ -142,6 +143,22 @@ def _put_accumulating_at_a_repeated_place(w):
     return buf.reshape(4, 8)
 
 
+def _mixed_scratch_first_and_last_rows_zeroed(w):
+    buf = w["a.w"] @ _h(w["a.w"])
+    buf[::3].zero_()  # (a strided fill: rows 1 and 2, between, still hold mixed data)
+    return buf
+
+
+def _rotation_then_cumsum(w):
+    return (w["a.w"] @ _h(w["a.w"])).cumsum(1)  # (the first op that mixed is named)
+
+
+@torch.library.custom_op("patchkit_tests::rotate", mutates_args=())
+def _rotate(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """An op of a library's own (a kernel's repacking, say): what it does is not known."""
+    return w @ h
+
+
 # name -> (f, op named, runtime dtype of a.w)
 _MIXING = {
     "rotation": (lambda w: w["a.w"] @ _h(w["a.w"]), "aten::mm", torch.float32),
@@ -163,6 +180,11 @@ _MIXING = {
                                           "aten::scatter_add_", torch.float32),
     "put_ accumulating at a repeated place": (_put_accumulating_at_a_repeated_place,
                                               "aten::put_", torch.float32),
+    "mixed scratch, first and last rows zeroed": (_mixed_scratch_first_and_last_rows_zeroed,
+                                                  "aten::mm", torch.float32),
+    "rotation then cumsum": (_rotation_then_cumsum, "aten::mm", torch.float32),
+    "an op of a library's own": (lambda w: _rotate(w["a.w"], _h(w["a.w"])),
+                                 "patchkit_tests::rotate", torch.float32),
 }
 
 
@@ -311,6 +333,47 @@ def _reduced_over_a_dim_of_one(w):
     return torch.stack([a]).sum(0) + a.reshape(4, 1, 8).mean(1, keepdim=False) * 0.0
 
 
+def _fused_weight_moves(w):
+    # a fused q/k/v weight split, k replicated for grouped-query attention and cut back,
+    # gate/up chunks put back, a pad cut off, a relu-like where with a scalar
+    a = w["a.w"]
+    q, k, v = a.split([2, 1, 1], 0)
+    k = k.repeat_interleave(2, dim=0)[:1]
+    gate, up = q.chunk(2, 1)
+    fused = torch.cat([torch.cat([gate, up], 1), torch.stack([k[0], v[0]])], 0)
+    padded = F.pad(fused, (0, 2))[:, :8]
+    return torch.where(padded > 0, padded, 0.0) + torch.where(padded > 0, 0.0, padded)
+
+
+def _in_place_pointwise_on_a_scratch(w):
+    a = w["a.w"]
+    buf = torch.empty(4, 8, device=a.device)
+    buf.copy_(a)
+    return buf.mul_(-1.0).abs_().mul_(a.sign())  # (abs_: torch tags only abs pointwise)
+
+
+def _nan_mask_of_mixed_data_as_float(w):
+    lost = (w["a.w"] @ _h(w["a.w"])).isnan().float()  # (0 or 1: none of the patch's numbers)
+    return w["a.w"] + lost * 0.0
+
+
+def _one_row_put_twice(w):
+    # a put (no accumulate) at a repeated row, of the same values: the row is moved
+    a = w["a.w"]
+    rows = _rows(a, 0, 1, 1, 2, 3)
+    buf = torch.zeros(4, 8, device=a.device)
+    buf[rows] = a[rows]
+    return buf
+
+
+def _mm_out_over_a_copy_of_the_update(w):
+    # a mixing op whose out= is a scratch that held the update: it reads none of it
+    a = w["a.w"]
+    buf = a.clone()
+    torch.mm(torch.eye(4, device=a.device), torch.zeros(4, 8, device=a.device), out=buf)
+    return buf + a
+
+
 _NOT_MIXING = {
     "isnan().any() check": _checked_then_plain,
     "argsort indices": _argsort_round_trip,
@@ -327,6 +390,12 @@ _NOT_MIXING = {
     "scatter_add_, scatter_reduce at distinct columns": _scatters_at_distinct_columns,
     "put_ and index_put_ accumulating at distinct places": _accumulating_puts_at_distinct_places,
     "a reduction over a dim of size 1": _reduced_over_a_dim_of_one,
+    "fused weight: split, chunk, cat, stack, repeat_interleave, pad, where": (
+        _fused_weight_moves),
+    "in-place pointwise ops on a scratch (abs_)": _in_place_pointwise_on_a_scratch,
+    "NaN mask of mixed data, as float": _nan_mask_of_mixed_data_as_float,
+    "a put (no accumulate) of one row twice": _one_row_put_twice,
+    "mm out= a scratch that held the update": _mm_out_over_a_copy_of_the_update,
 }
 
 
