@@ -2202,8 +2202,9 @@ class _Provenance:
         """:meth:`mixed_by` for an op that writes tensors of the loader's own in place
         (``buf.cumsum_(0)``, ``torch.mm(w, h, out=buf)``), read before it runs: its inputs
         are its arguments less its ``out=`` ones, whose old values it does not read."""
-        if not self._by_key or not _mixes(func):
-            return None
+        kind = _mixes(func) if self._by_key else False
+        if not kind or (kind is _PUT and not _combines(func, args, kwargs)):
+            return None  # (``buf[idx] = w``, a put that moves, is common: no search)
         outs = _out_args(func)
         ins, kins = args, kwargs
         written = args[0] if args else None
@@ -2686,9 +2687,16 @@ def _arg(func: Any, args: Sequence[Any], kwargs: dict, name: str) -> Any:
     return a.default_value if a.has_default_value() else None
 
 
+_BASE_NAMES: dict = {}
+
+
 def _base_name(func: Any) -> str:
-    op = func._schema.name.partition("::")[2].removeprefix("_foreach_")
-    return op[:-1] if op.endswith("_") and not op.endswith("__") else op
+    """``func``'s ATen name less its namespace, its ``_foreach_`` and in-place ``_``."""
+    got = _BASE_NAMES.get(func)
+    if got is None:
+        op = func._schema.name.partition("::")[2].removeprefix("_foreach_")
+        got = _BASE_NAMES[func] = op[:-1] if op.endswith("_") and not op.endswith("__") else op
+    return got
 
 
 def _combines(func: Any, args: Sequence[Any], kwargs: dict) -> bool:
