@@ -19,6 +19,12 @@ from patchkit import CheckpointWeightPatch as CWP
 from patchkit.bitwise import bits
 from patchkit.errors import ContractViolation
 
+# (loaders below call torch's beta index_reduce_ and scatter(reduce=), which warn)
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:index_reduce\(\) is in beta:UserWarning",
+    "ignore:The reduce argument of torch.scatter:UserWarning",
+)
+
 _FP8 = torch.float8_e4m3fn
 
 
