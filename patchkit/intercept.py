@@ -2250,7 +2250,10 @@ class _Provenance:
         with the tensor that read it), at offsets nobody knows: one patch's, named, or
         several patches', kept for their dtype only (the first says what it is); none:
         ``out`` holds no patch's data. They are mixed (see :class:`_Source`) where
-        ``mixed`` says so or a stretch of ``found`` is, and ``out`` is floating-point."""
+        ``mixed`` says so or a stretch of ``found`` is, and ``out`` is floating-point.
+        Any of them misread (:attr:`_Source.misread`) makes all of it misread: a cat of a
+        patch's own values and a cast of its bits read as another dtype holds no staged
+        NaN in its second part."""
         okey = _storage_key(out)
         lo, hi = _byte_span(out)
         if not found:
@@ -2266,8 +2269,10 @@ class _Provenance:
                 mixed = e.mixed
         if mixed is not None:
             mixed = _mixed_for(out, mixed)
+        misread = next((m for m in (_misread(e, a, out) for a, e in found) if m is not None),
+                       None)
         self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out),
-                                _bits_dtype(first, t, out), _misread(first, t, out), mixed))
+                                _bits_dtype(first, t, out), misread, mixed))
 
     def __bool__(self) -> bool:
         return bool(self._by_key)

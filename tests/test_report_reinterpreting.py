@@ -323,6 +323,10 @@ CASTS = {
     "int32 bits cast to float64": (4, torch.float64, 4, lambda w: w.view(I32).double()),
     "int32 bits cast twice": (4, FNUZ, 4, lambda w: w.view(I32).to(F32).to(FNUZ)),
     "bfloat16 halves cast, then cloned": (8, F32, 4, lambda w: w.view(BF16).float().clone()),
+    # a cat whose first part is the patch's own values, its second a cast of int32 bits:
+    # only the first part's stretch was read, and the staged NaN's bits went into the model
+    "int32 bits cast, after a plain part in a cat": (
+        4, F32, 4, lambda w: torch.cat([w[:2].clone(), w[2:].view(I32).float()])),
 }
 
 
