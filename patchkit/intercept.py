@@ -2332,7 +2332,8 @@ class _LostMarks:
     ``_MOVES`` (``cat``, ``stack``, indexing, ``repeat``, ``roll``, ``flip``, ``gather``,
     ``narrow_copy``), which move elements without changing them, of pointwise ops
     (arithmetic, ``clamp``, ``where``, ``masked_fill``: a NaN stays NaN through them,
-    in its place), and into a tensor of the loader's own by the puts of ``_PUTS``
+    in its place; a floating element such an op makes a number of, ``nan_to_num``'s,
+    loses its mark), and into a tensor of the loader's own by the puts of ``_PUTS``
     (``buf[rows] = x``, ``index_copy_``, ``masked_scatter_``, ``scatter_``) and by
     in-place pointwise ops (``buf.add_(x)``); a ``copy_``, a put or a fill (``fill_``,
     ``zero_``, ``masked_fill_``) into a marked tensor of the loader's own takes the
@@ -2498,21 +2499,22 @@ class _LostMarks:
                                                  device=t.device), what[..., c])
                                for c in range(3)], -1))
 
-    def pointwise(self, inputs: Sequence[Any], out: torch.Tensor, *,
+    def pointwise(self, func: Any, inputs: Sequence[Any], out: torch.Tensor, *,
                   anew: bool = False) -> None:
-        """``out`` was made (or, in place, written) by a pointwise op of ``inputs`` (its
-        arguments but ``out``): each element of it from the elements at its place in
-        the tensors among them (broadcast). A NaN stays NaN through arithmetic, ``clamp``, or a
-        ``where`` that picks it, so an element made from a marked one takes its mark (the
-        first input's, where several are marked there); where the op made a number of it
-        (``nan_to_num``, a ``where`` that picks the other side), the mark counts for
-        nothing, as any mark on a number does. ``anew``: ``out`` is an ``out=``
-        argument, written whole: the marks it held go (after its inputs' are read: an
-        input may be ``out`` itself)."""
+        """``out`` was made (or, in place, written) by ``func``, a pointwise op of
+        ``inputs`` (its arguments but ``out``): each element of it from the elements at
+        its place in the tensors among them (broadcast). A NaN stays NaN through
+        arithmetic and ``clamp``, so an element made from a marked one takes its mark
+        (the first input's, where several are marked there); a ``where`` or a
+        ``masked_fill`` takes each element from one side only, and only that side's mark
+        (:func:`_pointwise_sides`). A floating ``out``'s elements that are numbers now
+        keep no mark (``nan_to_num``: the NaN the next patch's values put there later is
+        theirs). ``anew``: ``out`` is an ``out=`` argument, written whole: the marks it
+        held go (after its inputs' are read: an input may be ``out`` itself)."""
         if out.is_meta or not out.numel():
             return
         marked = what = None
-        for t in inputs:
+        for t, picked in _pointwise_sides(func, inputs):
             if not isinstance(t, torch.Tensor):
                 continue
             got = self.of(t.detach())
@@ -2520,6 +2522,8 @@ class _LostMarks:
                 continue
             m, w = (g.to(out.device) for g in got)
             m, w = m.expand(out.shape), w.expand(*out.shape, 3)
+            if picked is not None:
+                m = m & picked.to(out.device).expand(out.shape)
             if marked is None:
                 marked, what = m, w
             else:
@@ -2527,6 +2531,14 @@ class _LostMarks:
                 marked = marked | m
         if anew:
             self.unmark(out)
+        if out.is_floating_point() or out.is_complex():
+            held = _storage_key(out) in self._by_key
+            if held or marked is not None:
+                nan = nan_mask(out.detach())
+                if held:
+                    self.unmark(out, torch.nonzero(~nan.reshape(-1)).reshape(-1))
+                if marked is not None:
+                    marked = marked & nan
         if marked is not None:
             self.mark(out, marked, what)
 
@@ -2559,6 +2571,20 @@ def _listed(v: Any) -> tuple | list:
     return v if isinstance(v, list | tuple) else (v,)
 
 
+def _pointwise_sides(func: Any, inputs: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """``(input, where)`` for each of pointwise op ``func``'s ``inputs``: where (a mask,
+    broadcast to the output) its elements go into the output, ``None`` everywhere. A
+    ``where``'s condition and a ``masked_fill``'s mask pick elements, and put none of
+    their own."""
+    if func in _WHERES and len(inputs) >= 3 and isinstance(inputs[0], torch.Tensor):
+        cond = inputs[0].bool()
+        return [(inputs[1], cond), (inputs[2], ~cond)]
+    if func in _MASKED_FILLS and len(inputs) >= 3 and isinstance(inputs[1], torch.Tensor):
+        mask = inputs[1].bool()
+        return [(inputs[0], ~mask), (inputs[2], mask)]
+    return [(t, None) for t in inputs]
+
+
 def _is_pointwise(func: Any) -> bool:
     """Whether ``func`` computes each element of its result from the elements at that
     place of its tensor arguments (broadcast), and nothing else."""
@@ -2581,7 +2607,13 @@ _MOVES = frozenset({
 })
 
 # Pointwise ops that torch does not tag so (``torch.Tag.pointwise``)
-_POINTWISE_UNTAGGED = frozenset({_aten.masked_fill.Tensor, _aten.masked_fill_.Tensor})
+_POINTWISE_UNTAGGED = frozenset({_aten.masked_fill.Tensor, _aten.masked_fill_.Tensor,
+                                 _aten.where.self_out, _aten.rsub.Tensor})
+
+# Pointwise ops that take each element from one of their inputs, as a condition or mask
+# picks: see :func:`_pointwise_sides`
+_WHERES = frozenset({_aten.where.self, _aten.where.self_out})
+_MASKED_FILLS = frozenset({_aten.masked_fill.Scalar, _aten.masked_fill.Tensor})
 
 # Ops that write all of their first argument anew, from no tensor: a scratch filled so
 # keeps no mark of what it held
@@ -3018,7 +3050,7 @@ class _Mode(TorchDispatchMode):
                     elif s.lost and func in _MOVES:
                         s.lost.moved(func, args, kwargs, out)
                     elif s.lost and _is_pointwise(func):
-                        s.lost.pointwise([*args, *kwargs.values()], out)
+                        s.lost.pointwise(func, [*args, *kwargs.values()], out)
             elif (s.track_sources and isinstance(out, tuple | list) and s.provenance
                     and not _is_view(func)):
                 # (an op of several results, a sort's values: each holds data of its input)
@@ -4836,13 +4868,13 @@ class WriteSession:
                 inputs = [*(a for i, a in enumerate(args) if i not in where),
                           *(v for k, v in kwargs.items() if k not in named)]
                 for t in outs:
-                    self.lost.pointwise(inputs, t, anew=True)
+                    self.lost.pointwise(func, inputs, t, anew=True)
             else:
                 for t in outs:
                     self.lost.unmark(t)
         elif _is_pointwise(func) and isinstance(args[0], torch.Tensor):
             # (``buf.add_(x)``: each element stays NaN where it was, and where x's is)
-            self.lost.pointwise([*args[1:], *kwargs.values()], args[0])
+            self.lost.pointwise(func, [*args[1:], *kwargs.values()], args[0])
 
     def _note_copied(self, src: Any, out: torch.Tensor, *, whole: bool) -> None:
         """A sparse call's element-for-element copy of ``src`` into ``out`` (see

@@ -107,9 +107,11 @@ def load_checkpoint_weight_patches(
        ``index_copy_``, ``masked_scatter_`` and ``scatter_`` into tensors of the
        loader's own, ``cat``, ``stack``, indexing, ``repeat``, ``roll``, ``flip`` and
        ``gather``, and through pointwise ops (arithmetic, ``clamp``, ``where``,
-       ``masked_fill``, in place or not), through which a NaN stays NaN, so a loader may
-       scale, cast and shard in any order; a fill (``fill_``, ``zero_``,
-       ``masked_fill_``) or an ``out=`` op writes its elements anew; other ops on it
+       ``masked_fill``, in place or not), through which a NaN stays NaN (a ``where`` or
+       a ``masked_fill`` only from the side it takes), so a loader may scale, cast and
+       shard in any order; a fill (``fill_``, ``zero_``, ``masked_fill_``) or an ``out=``
+       op writes its elements anew, and a pointwise op that makes a number of the NaN
+       (``nan_to_num``) ends its trail there; other ops on it
        (a matmul, a reduction) lose the trail, and the copy's own cast is what is
        checked.) A copy whose source an op that mixes
        elements (a matmul, a reduction such as the ``amax`` of a scale, a sort, a

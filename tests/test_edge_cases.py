@@ -2066,6 +2066,17 @@ def _rows():
         torch.tensor(0.0, device=t.device)), id="masked_fill of a tensor"),
     pytest.param(lambda t: torch.zeros(2, 4, device=t.device).add_(
         (t[2:] * 2).to(_F8).float()), id="added into a scratch"),
+    # (where picks its other side where its condition is false)
+    pytest.param(lambda t: torch.where(torch.zeros(2, 4, dtype=torch.bool, device=t.device),
+                                       0.0, (t[2:] * 2).to(_F8).float()), id="where, other"),
+    # (torch tags neither as pointwise: the trail was lost, and the update with it)
+    pytest.param(lambda t: torch.where(
+        torch.ones(2, 4, dtype=torch.bool, device=t.device), (t[2:] * 2).to(_F8).float(),
+        torch.zeros(2, 4, device=t.device), out=torch.empty(2, 4, device=t.device)),
+        id="where, out="),
+    pytest.param(lambda t: torch.rsub((t[2:] * 2).to(_F8).float(),
+                                      torch.zeros(2, 4, device=t.device)).neg(),
+                 id="rsub of a tensor"),
 ])
 def test_a_number_the_loaders_own_cast_lost_after_scaling_is_refused(how):
     # Scaled, the values are at no known place in their patch, and the copy's source is
@@ -2285,6 +2296,19 @@ def _first_of(buf, x):
                                                   float("nan")), _first_of(buf, x)),
                  id="masked_fill_"),
     pytest.param(lambda buf, x: torch.add(x, 0.0, out=buf), id="add, out="),
+    # (nan_to_num makes a number of the NaN: its mark goes, and the NaN that b's add_
+    # puts there later is b's "keep")
+    pytest.param(lambda buf, x: buf.nan_to_num_(0.0).mul_(0.0).add_(x),
+                 id="nan_to_num_, then mul_ and add_"),
+    pytest.param(lambda buf, x: torch.nan_to_num(buf, 0.0, out=buf).mul_(0.0).add_(x),
+                 id="nan_to_num, out=, then mul_ and add_"),
+    # (b's rows picked by a where, or a's filled with NaN: the mark of a's number, in
+    # row 0, where b keeps, is on the side the op did not take)
+    pytest.param(lambda buf, x: buf.copy_(torch.where(
+        torch.arange(4, device=buf.device)[:, None] < 2, x, buf)), id="where picks b's rows"),
+    pytest.param(lambda buf, x: (buf.copy_(buf.masked_fill(torch.ones(4, 1, dtype=torch.bool),
+                                                           float("nan"))), _first_of(buf, x)),
+                 id="masked_fill"),
 ])
 def test_a_scratch_refilled_by_a_fill_forgets_the_numbers_lost_in_it(fill):
     # A fill writes the scratch anew: the NaN it leaves where a's number was lost (index
