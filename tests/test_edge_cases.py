@@ -2066,6 +2066,13 @@ def _rows():
         torch.tensor(0.0, device=t.device)), id="masked_fill of a tensor"),
     pytest.param(lambda t: torch.zeros(2, 4, device=t.device).add_(
         (t[2:] * 2).to(_F8).float()), id="added into a scratch"),
+    # (two inputs marked there: the first's number is named)
+    pytest.param(lambda t: (t[2:] * 2).to(_F8).float() + (t[2:] * 3).to(_F8).float() * 0,
+                 id="sum of two casts"),
+    # (the bits of the float8 through an integer op: no NaN an integer shows, its marks
+    # stay)
+    pytest.param(lambda t: ((t[2:] * 2).to(_F8).view(torch.uint8) | 0).view(_F8),
+                 id="or-ed as bytes"),
     # (where picks its other side where its condition is false)
     pytest.param(lambda t: torch.where(torch.zeros(2, 4, dtype=torch.bool, device=t.device),
                                        0.0, (t[2:] * 2).to(_F8).float()), id="where, other"),
@@ -2100,6 +2107,20 @@ def test_a_number_the_loaders_own_cast_lost_after_scaling_is_refused(how):
     with pytest.raises(ValueError, match=r"value 6000000\.0 at element 1 of the source") as e:
         patchkit.load_checkpoint_weight_patches(m, [two])
     assert e.value.value == 1
+
+
+def test_a_sum_keeps_the_lost_numbers_of_each_input_where_only_it_is_marked():
+    # (a cast of a constant loses 1e6 in row 0 of the sum, the patch's cast its 2e6 in
+    # row 1: the sum holds both marks, and the copy of row 1 is refused for the patch's)
+    def how(t):
+        elsewhere = torch.tensor([1e6, 0.0], device=t.device).to(_F8).float()[:, None]
+        return (elsewhere + (t[2:] * 2).to(_F8).float())[1:]
+
+    m = _Fp8Copies(how, (1, 4))
+    here = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    with pytest.raises(ValueError, match=r"value 2000000\.0 at element 1 of the source"):
+        patchkit.load_checkpoint_weight_patches(m, [here])
+    assert m.w.detach().float().eq(1).all()
 
 
 def test_a_number_lost_in_casts_of_the_staged_rows_is_followed_through_a_cat():
@@ -2302,6 +2323,8 @@ def _first_of(buf, x):
                  id="nan_to_num_, then mul_ and add_"),
     pytest.param(lambda buf, x: torch.nan_to_num(buf, 0.0, out=buf).mul_(0.0).add_(x),
                  id="nan_to_num, out=, then mul_ and add_"),
+    pytest.param(lambda buf, x: buf.copy_(buf.nan_to_num(0.0) * 0.0 + x),
+                 id="nan_to_num, then scaled and added"),
     # (b's rows picked by a where, or a's filled with NaN: the mark of a's number, in
     # row 0, where b keeps, is on the side the op did not take)
     pytest.param(lambda buf, x: buf.copy_(torch.where(
