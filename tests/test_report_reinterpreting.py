@@ -149,6 +149,24 @@ def test_writes_through_views_of_another_element_size_replay_to_the_model(how, t
     assert not w["checkpoint_region"].str.contains("elements from").any()
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "columns", "rows"])
+def test_a_transposed_view_of_int32_words_of_float8_replays_to_the_model(layout):
+    # (each word of the transposed view is no row of it, but four float8 elements: the
+    # box's last dimension. A box of three dimensions is no region of two: its regions
+    # are given as the span it reaches)
+    shape = (4, 16)
+    m = Viewed(shape, F8, lambda p, w: p.data.view(I32)[:, 1:3].t().copy_(
+        w.view(I32)[:, 1:3].t()), layout=layout)
+    start = m.w.detach().clone()
+    new, keep = _new_values(shape, F8, 10)
+    L = _logged_load(m, [P("w", shape, F8, torch.where(keep, start, new).flatten())])
+    assert not bits(L["after"]["w"]).equal(bits(start))
+    assert check(L, collections.Counter()) == []
+    row = L["report"].writes.iloc[0]
+    assert (tuple(row["shape"]), row["elements"]) == ((2, 4, 4), 32)
+    assert L["report"].deltas.loc["w", "elements"] == 32
+
+
 def test_the_rows_of_a_byte_view_of_float32_read_as_rows():
     m = Viewed((4, 6), F32, WHOLE["uint8 rows of float32"][2])
     new = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
@@ -171,6 +189,11 @@ PARTIAL = {
                  "[1:2, 3:4]", (1,)),
     "low halves of a row": (lambda p, w: p.data.view(F16)[2, ::2].copy_(w.view(F16)[2, ::2]),
                             "[2:3, :]", (6,)),
+    # (a column of bytes read down the rows, as a row: its size-1 first dimension steps
+    # by one byte, no whole element, and takes no step)
+    "one byte of each element of a column, transposed": (
+        lambda p, w: p.data.view(U8)[:, 6:7].t().copy_(w.view(U8)[:, 6:7].t()),
+        "[:, 1:2]", (1, 4)),
 }
 
 
@@ -202,6 +225,54 @@ def test_a_write_of_part_of_each_element_is_reported_as_the_elements_it_touches(
     assert d["mean_abs"] == pytest.approx(float(diff.mean()))
     assert torch.equal(r.written("w"), touched)
     assert torch.equal(bits(r.before("w")), bits(start))
+
+
+def test_rows_of_bytes_across_elements_are_reported_as_the_span_they_reach():
+    # (rows of four bytes that start two bytes into an element: each touches two
+    # elements, and the second row's first is the first row's last, so they make no box
+    # of elements: the span they reach is given, each element once, and no checkpoint
+    # offset)
+    def write(p, w):
+        p.data.view(U8).reshape(-1)[2:10].view(2, 4).copy_(
+            w.view(U8).reshape(-1)[2:10].view(2, 4))
+
+    m = Viewed((4, 6), F32, write)
+    start = m.w.detach().clone()
+    r = patchkit.inspect_load(m, [P("w", (4, 6), F32, torch.randn(24) + 5)])
+    row = r.writes.iloc[0]
+    assert (row["target_offset"], row["target_region"], tuple(row["shape"])) == (
+        0, "[0:1, 0:3]", (3,))
+    assert (row["elements"], row["changed"]) == (3, 3)
+    assert (row["checkpoint_offset"] is pd.NA, row["checkpoint_region"]) == (True, None)
+    assert r.deltas.loc["w", "elements"] == 3
+    touched = torch.zeros(4, 6, dtype=torch.bool)
+    touched[0, :3] = True
+    assert torch.equal(r.written("w"), touched)
+    assert torch.equal(bits(r.before("w")), bits(start))
+
+
+def test_bytes_written_past_the_end_of_a_tensor_are_not_counted_as_its_elements():
+    # (a and b are halves of one storage: 8 bytes from a's last element on reach b's
+    # first. a's part is its last element, once; the box of both, which a's view would
+    # extend past a, is not a's)
+    class Halves(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            flat = torch.zeros(16)
+            self.a = torch.nn.Parameter(flat[:8].view(2, 4), requires_grad=False)
+            self.b = torch.nn.Parameter(flat[8:].view(2, 4), requires_grad=False)
+
+        def load_weights(self, weights):
+            self.a.data.view(U8).as_strided((8,), (1,), 28).copy_(torch.arange(1, 9, dtype=U8))
+            return {"a"}
+
+    r = patchkit.inspect_load(Halves(), [P("a", (2, 4), F32, torch.randn(8))])
+    row = r.writes.iloc[0]
+    assert (row["target"], row["target_offset"], row["target_region"]) == ("a", 7, "[1:2, 3:4]")
+    assert row["elements"] == 1
+    last = torch.zeros(2, 4, dtype=torch.bool)
+    last[1, 3] = True
+    assert torch.equal(r.written("a"), last)
 
 
 def test_float32_written_as_float16_halves_cast_from_a_bfloat16_patch():
@@ -236,7 +307,20 @@ COPIED = {
         w.view(U8).clone().view(F32)[1:3]), 6, "[1:3, :]"),
     "a cast of the bytes": (lambda p, w: p.data[1:3].copy_(
         w.view(U8).float().reshape(-1)[:12].reshape(2, 6)), None, None),
+    # (a clone of rows 1: of the bytes: its byte 0 is checkpoint element 6)
+    "a clone of the byte view's rows 1:": (lambda p, w: p.data.view(U8)[1:3].copy_(
+        w.view(U8)[1:].clone()[:2]), 6, "[1:3, :]"),
+    # (the bytes copied one byte into a scratch: no checkpoint element starts where a
+    # float32 of the scratch does, and its rows 1:3 are no checkpoint rows)
+    "the bytes one byte into a scratch": (lambda p, w: p.data.view(U8)[1:3].copy_(
+        _one_byte_in(w)[24:72].view(2, 24)), None, None),
 }
+
+
+def _one_byte_in(w):
+    scratch = torch.zeros(w.numel() * 4 + 4, dtype=U8)
+    scratch[1:-3].copy_(w.view(U8).reshape(-1))
+    return scratch
 
 
 @pytest.mark.parametrize("how", list(COPIED))
@@ -347,6 +431,18 @@ def test_a_cast_of_a_reinterpreted_view_of_a_sparse_patch_is_refused_as_reinterp
     assert e.value.value[0] == F32
     assert "patch 0 ('w')" in str(e.value)
     assert torch.equal(bits(m.h.detach()), before)
+
+
+def test_a_cast_of_a_complex_view_of_a_patch_still_merges():
+    # (a complex64 view of float32 pairs reads the patch's own float32 elements: cast to
+    # complex128 and read back as float64, each NaN is still NaN)
+    m = _Cast(4, torch.float64, lambda w: torch.view_as_real(
+        torch.view_as_complex(w.view(2, 2)).to(torch.complex128)).reshape(-1))
+    want = m.h.detach().clone()
+    want[1] = 1.0
+    patchkit.load_checkpoint_weight_patches(
+        m, [P("w", (4,), F32, torch.tensor([1.0]), torch.tensor([1]))])
+    assert torch.equal(bits(m.h.detach()), bits(want))
 
 
 @pytest.mark.parametrize("make", [lambda w: w.to(BF16).to(FNUZ),
