@@ -452,6 +452,10 @@ static inline void pk_vdiff(__m256d *sa, __m256d *sd, __m256d *mx, __m256d o, __
             uint32_t m;                                                                      \
             _mm_prefetch((const char *)ahead.d, _MM_HINT_T0);                                \
             _mm_prefetch((const char *)ahead.s, _MM_HINT_T0);                                \
+            if (sizeof(UT) > 2) { /* (32 float32: two cache lines of each stream) */         \
+                _mm_prefetch((const char *)ahead.d + 64, _MM_HINT_T0);                       \
+                _mm_prefetch((const char *)ahead.s + 64, _MM_HINT_T0);                       \
+            }                                                                                \
             pk_ahead_step(&ahead, 32, sizeof(UT));                                           \
             GROUP(j);                                                                        \
             masks[g] = m;                                                                    \
