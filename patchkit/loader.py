@@ -109,17 +109,16 @@ def load_checkpoint_weight_patches(
        ``gather``, and through pointwise ops (arithmetic, ``clamp``, ``where``,
        ``masked_fill``, in place or not), through which a NaN stays NaN (a ``where`` or
        a ``masked_fill`` only from the side it takes), so a loader may scale, cast and
-       shard in any order; a fill (``fill_``, ``zero_``, ``masked_fill_``) or an ``out=``
-       op writes its elements anew, and a pointwise op that makes a number of the NaN
-       (``nan_to_num``) ends its trail there; other ops on it
-       (a matmul, a reduction) lose the trail, and the copy's own cast is what is
-       checked.) A copy whose source an op that mixes
-       elements (a matmul, a reduction such as the ``amax`` of a scale, a sort, a
-       ``cumsum``, a softmax: any op that is not a view, a copy, pointwise, an element
-       move or NaN-aware; a put that adds, ``index_add_``, only where an index repeats,
-       a reduction only over a dim longer than 1) made from a patch's data while that
-       data held NaN, or that was computed from such a result, raises
-       :class:`NotImplementedError` (reason ``"mixed elements"``, naming the op),
+       shard in any order; a fill (``fill_``, ``zero_``, ``masked_fill_``) or an
+       ``out=`` op writes its elements anew, and a pointwise op that makes a number of
+       the NaN (``nan_to_num``) ends its trail there; other ops on it (a matmul, a
+       reduction) lose the trail, and the copy's own cast is what is checked.) A copy
+       whose source an op that mixes elements (a matmul, a reduction such as the
+       ``amax`` of a scale, a sort, a ``cumsum``, a softmax: any op that is not a view,
+       a copy, pointwise, an element move or NaN-aware; a put that adds, ``index_add_``,
+       only where an index repeats, a reduction only over a dim longer than 1) made from
+       a patch's data while that data held NaN, or that was computed from such a result,
+       raises :class:`NotImplementedError` (reason ``"mixed elements"``, naming the op),
        writing nothing of that copy: the staged NaN has spread over elements the patch
        updates. A call that rebinds a
        runtime tensor (``param.data = w``), registers a new one in its place
