@@ -1477,7 +1477,12 @@ def inspect_load(
       a sparse patch by an op (``torch.cat``, a gather) counts the same way when it holds
       NaN. A loader that merges *before* its ``copy_`` (it replaces ``Tensor.copy_`` with
       a NaN-aware one, say) copies sources without NaN, which nothing tells from plain
-      dense copies: its writes show as whole views written.
+      dense copies: its writes show as whole views written. A loader whose model mixes a
+      sparse patch's elements before the copy (``w @ H``, a scale from the whole tensor:
+      see :func:`~patchkit.load_checkpoint_weight_patches`, item 4) is let finish too,
+      and then :class:`~patchkit.ContractViolation` (``reason="mixed elements"``, naming
+      the op) is raised with the report attached: whatever its merge made of such data,
+      the updates it carried are lost.
 
     Failures: if the load raises, the exception propagates unchanged with the partial
     report attached as ``exc.report`` (the writes made so far stay, unless

@@ -3568,11 +3568,13 @@ class WriteSession:
         ``maybe_sparse``: its copies are then checked as well.
         """
         self._sparse = sparse
-        self.provenance.mixing = sparse
         self._observed_call = (observed, maybe_sparse)  # (what stage_more needs of them)
         self._patches = dict(zip(positions, patches)) if patches is not None else {}
         self._nan_masked = observed and any(
             _may_be_masked(p, maybe_sparse) for p in self._patches.values())
+        # (an observed loader merges NaN-masked patches itself: a copy of data an op mixed
+        # is recorded as a violation, :meth:`_note_mixed`)
+        self.provenance.mixing = sparse or self._nan_masked
         self._chunk = chunk
         self._call_regions = {}
         self._call_writes = 0
@@ -3659,6 +3661,7 @@ class WriteSession:
         self._patches[position] = patch
         if observed and _may_be_masked(patch, maybe_sparse):
             self._nan_masked = True
+            self.provenance.mixing = True
         if self.track_sources:
             self.provenance.add_staged(pos, name, staged, key)
         on_staged = getattr(self.recorder, "on_staged", None)
@@ -4167,6 +4170,8 @@ class WriteSession:
         kept_nan = None  # an observed copy from a NaN-masked patch: NaN where it keeps
         if self._nan_masked and is_copy:
             write, kept_nan = self._observed_mask(args, targets)
+            if self.provenance.mixed_seen:
+                self._note_mixed(args[1], targets[0][1][0])
         if self._sparse:
             dest, src = args[0], args[1]
             # (a cast that changes nothing, most loaders' copies, is no torch call)
@@ -4330,6 +4335,29 @@ class WriteSession:
             # NaN in it: a plain copy. With NaN, it is taken for the NaN-merge as well.
             return None, None
         return write, _nan_outside(dest, write)
+
+    def _note_mixed(self, src: Any, tname: str) -> None:
+        """An observed copy into runtime tensor ``tname`` from ``src``, data an op that
+        mixes elements made from a NaN-masked patch's data (see :class:`_Source`), is
+        recorded in :attr:`violations`: whatever the observed loader's NaN-merge made of
+        it, the staged NaN spread over elements the patch updates, or its numbers moved
+        to other elements (what a sparse call of patchkit's own refuses before it writes,
+        :meth:`_refuse_mixed`)."""
+        mixed = self.provenance.mixed_in(src) if isinstance(src, torch.Tensor) else None
+        if mixed is None:
+            return
+        pos, name, op = mixed
+        made = f"{where(pos, name)}'s data" if name is not None else "several patches' data"
+        self.violations.append(ContractViolation(
+            f"load_weights (call {self._chunk}, {where(pos, name)}, runtime tensor "
+            f"{quoted(tname)}) copied data that {op}, an op that mixes elements, made from "
+            f"{made} while it held NaN, a sparse patch's 'keep' marks: the NaN "
+            "spread over elements the patch updates and numbers moved to other elements, "
+            "so the observed loader's NaN-merge kept elements it should have updated or "
+            "wrote numbers where they do not belong. Those updates are lost; send this "
+            "weight dense",
+            position=pos, name=name, reason="mixed elements", value=op,
+        ))
 
     def _check_kept(self, dest, write, kept_nan, tname, src) -> None:
         """After an observed copy from a NaN-masked patch: an element the patch keeps

@@ -446,3 +446,52 @@ def test_a_dense_call_through_a_mixing_loader_is_untouched(case):
     want = bits(f({"a.w": patches[0].values.reshape(4, 8)})).cpu()
     patchkit.load_checkpoint_weight_patches(m, patches)
     assert torch.equal(bits(m.a.detach()).cpu(), want)
+
+
+def _merging_loader(model, patches, **kwargs):
+    """An observed loader written for these tests, as vLLM 0.33 merges: it stages each
+    sparse patch NaN-masked, one call for all, and has ``torch.Tensor.copy_`` replaced
+    by a NaN-merging copy while the call runs."""
+    patches = list(patches)
+    staged = []
+    for p in patches:
+        t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.values.device)
+        t.view(-1)[p.indices.long()] = p.values.to(p.dtype)
+        staged.append((p.name, t))
+    original = torch.Tensor.copy_
+
+    def merging_copy(dst, src, non_blocking=False):
+        src = src.to(dst.dtype)
+        return original(dst, torch.where(torch.isnan(src), dst, src), non_blocking)
+
+    torch.Tensor.copy_ = merging_copy
+    try:
+        return set(model.load_weights(staged) or ())
+    finally:
+        torch.Tensor.copy_ = original
+
+
+@pytest.mark.parametrize("case", ["rotation", "amax scale", "sort values"])
+def test_an_observed_loader_that_merges_mixed_data_is_reported(case):
+    # What vLLM does with such a loader: it merges what the mixing op made, keeping
+    # elements the patch updates, without a word. Observed (``loader=``), the load runs as
+    # the loader runs it, and the report raises when it finishes, naming the patch and op.
+    f, op, _ = _MIXING[case]
+    m = _Mixing(f)
+    with pytest.raises(ContractViolation) as e:
+        patchkit.inspect_load(m, _patches(), loader=_merging_loader)
+    assert (e.value.reason, e.value.position, e.value.name) == ("mixed elements", 1, "a.w")
+    assert e.value.value == op
+    assert "observed loader's NaN-merge" in str(e.value)
+    assert e.value.report.loaded == {"other.w", "a.w"}  # (it ran to the end)
+
+
+@pytest.mark.parametrize("case", ["isnan().any() check", "argsort indices",
+                                  "NaN-aware reductions"])
+def test_an_observed_loader_that_does_not_mix_is_not_reported(case):
+    m = _Mixing(_NOT_MIXING[case])
+    patches = _patches()
+    want = bits(_merged(m.f, m, patches)).clone()
+    r = patchkit.inspect_load(m, patches, loader=_merging_loader)
+    assert r.error is None
+    assert torch.equal(bits(m.a.detach()), want)
