@@ -2206,18 +2206,13 @@ class _Provenance:
         if not kind or (kind is _PUT and not _combines(func, args, kwargs)):
             return None  # (``buf[idx] = w``, a put that moves, is common: no search)
         outs = _out_args(func)
-        ins, kins = args, kwargs
         written = args[0] if args else None
         if outs:
-            skip = {i for i, _ in outs}
-            names = {n for _, n in outs}
             i, n = outs[0]
             written = args[i] if i < len(args) else kwargs.get(n)
-            ins = [a for i, a in enumerate(args) if i not in skip]
-            kins = {k: v for k, v in kwargs.items() if k not in names}
         size = written.numel() if isinstance(written, torch.Tensor) else -1
-        return self.mixed_by(func, self._traced_data((*ins, *kins.values())), args, kwargs,
-                             size)
+        return self.mixed_by(func, self._traced_data(_inputs(func, args, kwargs)), args,
+                             kwargs, size)
 
     def mix(self, t: torch.Tensor, mixed: tuple[int | None, str | None, str]) -> None:
         """``t``, a tensor of the loader's own, was written by an op that mixed its
@@ -2571,6 +2566,18 @@ def _listed(v: Any) -> tuple | list:
     return v if isinstance(v, list | tuple) else (v,)
 
 
+def _inputs(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict) -> list:
+    """The arguments of a call of ``func`` (positional, then keyword values) less its
+    ``out=`` ones, whose old values it does not read."""
+    outs = _out_args(func)
+    if not outs:
+        return [*args, *kwargs.values()]
+    at = {i for i, _ in outs}
+    names = {n for _, n in outs}
+    return [*(a for i, a in enumerate(args) if i not in at),
+            *(v for k, v in kwargs.items() if k not in names)]
+
+
 def _pointwise_sides(func: Any, inputs: Sequence[Any]) -> list[tuple[Any, Any]]:
     """``(input, where)`` for each of pointwise op ``func``'s ``inputs``: where (a mask,
     broadcast to the output) its elements go into the output, ``None`` everywhere. A
@@ -2626,6 +2633,11 @@ _PUTS = {
     _aten.index_put_.default: 2, _aten.index_copy_.default: 3,
     _aten.masked_scatter_.default: 2, _aten.scatter_.src: 3,
 }
+
+
+def _mixed_from(position: int | None, name: str | None) -> str:
+    """Whose data an op mixed, as a message says it (see :attr:`_Source.mixed`)."""
+    return f"{where(position, name)}'s data" if name is not None else "the data of several patches"
 
 
 def _mixed_for(out: torch.Tensor, mixed: tuple[int | None, str | None, str]
@@ -3062,7 +3074,7 @@ class _Mode(TorchDispatchMode):
         others = []
         for i, argname in mutated:
             v = args[i] if i < len(args) else kwargs.get(argname)
-            for t in v if isinstance(v, list | tuple) else (v,):
+            for t in _listed(v):
                 if isinstance(t, torch.Tensor) and t.numel():
                     own = s.index.owner(t)
                     if own is not None:
@@ -4347,7 +4359,7 @@ class WriteSession:
         if mixed is None:
             return
         pos, name, op = mixed
-        made = f"{where(pos, name)}'s data" if name is not None else "several patches' data"
+        made = _mixed_from(pos, name)
         self.violations.append(ContractViolation(
             f"load_weights (call {self._chunk}, {where(pos, name)}, runtime tensor "
             f"{quoted(tname)}) copied data that {op}, an op that mixes elements, made from "
@@ -4706,8 +4718,7 @@ class WriteSession:
         mpos, mname, op = mixed
         if mname is not None:
             pos, name = mpos, mname
-        made = (f"{where(mpos, mname)}'s data" if mname is not None
-                else "the data of several patches")
+        made = _mixed_from(mpos, mname)
         raise ContractViolation(
             f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} {src.dtype} "
             f"source made from {made} by {op}, an op that mixes elements, while that data "
@@ -4891,10 +4902,7 @@ class WriteSession:
                        for t in _listed(args[i] if i < len(args) else kwargs.get(argname))
                        if isinstance(t, torch.Tensor)]):
             if _is_pointwise(func):  # (``torch.mul(x, s, out=buf)``: buf takes x's marks)
-                named = {n for _, n in _out_args(func)}
-                where = {i for i, _ in _out_args(func)}
-                inputs = [*(a for i, a in enumerate(args) if i not in where),
-                          *(v for k, v in kwargs.items() if k not in named)]
+                inputs = _inputs(func, args, kwargs)
                 for t in outs:
                     self.lost.pointwise(func, inputs, t, anew=True)
             else:
