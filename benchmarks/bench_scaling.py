@@ -19,7 +19,7 @@ the plain load of the same patches (the baseline, in the same run):
 
 "growth" is the report's time at ``2n`` over its time at ``n``: about 2x for work in
 proportion to the writes; 4x is quadratic. A report's time per write is Python's (a
-few microseconds to a millisecond: see the README's "What a report costs"), so the ratio to
+few microseconds to a millisecond: see ``docs/inspection.md``, "Time"), so the ratio to
 the plain load is high here by design; what this table watches is the growth.
 
 Usage: ``python benchmarks/bench_scaling.py [--quick] [--repeats N] [--threads N]`` (CPU:

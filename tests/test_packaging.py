@@ -208,6 +208,32 @@ def test_readme_figures_exist():
         assert (ROOT / path).exists(), path
 
 
+def _heading_anchors(markdown: str) -> set[str]:
+    # GitHub's anchors: the heading's text lower-cased, punctuation but hyphens dropped,
+    # spaces made hyphens
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", markdown, re.M)}
+
+
+def test_the_links_of_the_readme_and_docs_lead_somewhere():
+    # (the README's long sections moved to docs/: a link or a contents line that names a
+    # file or a heading that is not there is a dead end for a reader)
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    checked = 0
+    for page in pages:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            assert dest.exists(), f"{page.name}: {target}"
+            if anchor:
+                assert anchor in _heading_anchors(dest.read_text()), f"{page.name}: {target}"
+            checked += 1
+    assert checked >= 8, checked  # the README's links, the figures and docs' contents lines
+
+
 def test_the_wheel_carries_the_c_file_that_patchkit_native_compiles(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
