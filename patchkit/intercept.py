@@ -2335,7 +2335,10 @@ class _LostMarks:
     marks of the elements it overwrote away, and an ``out=`` op all of its ``out``'s (a
     pointwise one's then takes its inputs'). Other ops drop them (a number made from a
     NaN by a matmul or a reduction is NaN, but at a place no mark follows). A mark whose
-    element no longer holds NaN counts for nothing.
+    element no longer holds NaN counts for nothing. A complex element's marks are on its
+    parts (each a real element of ``view_as_real``), so they follow it through
+    ``view_as_real``, ``view_as_complex``, ``.real`` and ``.imag``; ``torch.complex``
+    gives each part the marks of its own input.
 
     Storages are held by weak reference: a freed one's marks are dropped when its
     address is next looked up, since the allocator may hand it to an unrelated tensor."""
@@ -2366,6 +2369,12 @@ class _LostMarks:
         not known; anything where not marked); ``None`` where no element is marked."""
         if not self._by_key or not t.numel() or t.is_meta:
             return None
+        if t.is_complex():  # (marked where either part is: the real part's mark first)
+            got = self.of(_parts(t))
+            if got is None:
+                return None
+            m, w = got
+            return m.any(-1), torch.where(m[..., :1], w[..., 0, :], w[..., 1, :])
         got = self._get(_storage_key(t))
         if got is None:
             return None
@@ -2384,6 +2393,10 @@ class _LostMarks:
         got = self._get(key) if self._by_key else None
         if got is None or not t.numel():
             return
+        if t.is_complex():  # (both parts of each element)
+            self.unmark(_parts(t), None if flat is None else torch.stack(
+                [flat * 2, flat * 2 + 1], -1).reshape(-1))
+            return
         offs, what = got
         keep = ~torch.isin(offs, _storage_offsets(t, flat) * t.element_size())
         if bool(keep.all()):
@@ -2395,7 +2408,13 @@ class _LostMarks:
 
     def mark(self, t: torch.Tensor, marked: torch.Tensor, what: torch.Tensor) -> None:
         """Mark ``t``'s elements where ``marked`` (shaped like ``t``), each with what
-        its mark says in ``what`` (shaped like ``t`` plus 3: see :meth:`of`)."""
+        its mark says in ``what`` (shaped like ``t`` plus 3: see :meth:`of`). A complex
+        ``t`` is marked by parts, where a marked element's part is NaN."""
+        if t.is_complex():
+            parts = _parts(t)
+            self.mark(parts, marked.unsqueeze(-1) & nan_mask(parts.detach()).to(marked.device),
+                      what.unsqueeze(-2).expand(*t.shape, 2, 3))
+            return
         flat = torch.nonzero(marked.reshape(-1)).reshape(-1)
         if not flat.numel():
             return
@@ -2425,6 +2444,9 @@ class _LostMarks:
         if not isinstance(src, torch.Tensor) or not out.numel() or out.is_meta or src.is_meta:
             return
         src = src.detach().expand(out.shape)
+        if src.is_complex():  # (part by part; into a real dtype, the real part)
+            src = _parts(src) if out.is_complex() else _parts(src)[..., 0]
+            out = _parts(out) if out.is_complex() else out
         carried = self.of(src)
         lost = None
         if (out.dtype != src.dtype and src.dtype.is_floating_point
@@ -2507,6 +2529,14 @@ class _LostMarks:
         theirs). ``anew``: ``out`` is an ``out=`` argument, written whole: the marks it
         held go (after its inputs' are read: an input may be ``out`` itself)."""
         if out.is_meta or not out.numel():
+            return
+        if func in _COMPLEX and len(inputs) >= 2:
+            # (``torch.complex(re, im)``: each part from one input, and only its marks)
+            if anew:
+                self.unmark(out)
+            parts = _parts(out)
+            self.pointwise(None, inputs[:1], parts[..., 0])
+            self.pointwise(None, inputs[1:2], parts[..., 1])
             return
         marked = what = None
         for t, picked in _pointwise_sides(func, inputs):
@@ -2615,7 +2645,11 @@ _MOVES = frozenset({
 
 # Pointwise ops that torch does not tag so (``torch.Tag.pointwise``)
 _POINTWISE_UNTAGGED = frozenset({_aten.masked_fill.Tensor, _aten.masked_fill_.Tensor,
-                                 _aten.where.self_out, _aten.rsub.Tensor})
+                                 _aten.where.self_out, _aten.rsub.Tensor,
+                                 _aten.complex.default, _aten.complex.out})
+
+# ``torch.complex(real, imag)``: each part of its output from one input
+_COMPLEX = frozenset({_aten.complex.default, _aten.complex.out})
 
 # Pointwise ops that take each element from one of their inputs, as a condition or mask
 # picks: see :func:`_pointwise_sides`
@@ -2951,6 +2985,12 @@ def _lost_in_cast(src: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
     """Where ``cast`` (``src`` cast to another dtype, on its device) is NaN and ``src``
     is not: a number the cast made NaN."""
     return nan_mask(cast) & ~nan_mask(src)
+
+
+def _parts(t: torch.Tensor) -> torch.Tensor:
+    """A complex ``t``'s real and imaginary parts, as a real view (a last dim of 2) of its
+    storage: a lost number's mark is on the part that holds it."""
+    return torch.view_as_real(t.conj() if t.is_conj() else t)
 
 
 def _weak_storage(t: torch.Tensor) -> Any:
