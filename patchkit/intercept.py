@@ -2338,7 +2338,11 @@ class _LostMarks:
     element no longer holds NaN counts for nothing. A complex element's marks are on its
     parts (each a real element of ``view_as_real``), so they follow it through
     ``view_as_real``, ``view_as_complex``, ``.real`` and ``.imag``; ``torch.complex``
-    gives each part the marks of its own input.
+    gives each part the marks of its own input. An element written takes away the marks
+    of every byte it covers (a float32 write through a view of a float8 scratch those
+    of four float8 elements), and a ``copy_`` reads its source's marks before it takes
+    its destination's away (``buf.copy_(buf)`` keeps them; a source that partly
+    overlaps its destination torch refuses before it writes).
 
     Storages are held by weak reference: a freed one's marks are dropped when its
     address is next looked up, since the allocator may hand it to an unrelated tensor."""
@@ -2398,7 +2402,16 @@ class _LostMarks:
                 [flat * 2, flat * 2 + 1], -1).reshape(-1))
             return
         offs, what = got
-        keep = ~torch.isin(offs, _storage_offsets(t, flat) * t.element_size())
+        size = t.element_size()
+        starts = _storage_offsets(t, flat) * size
+        if size == 1:
+            keep = ~torch.isin(offs, starts)
+        else:
+            # (every byte an element covers: a float32 write over a float8 view's marks
+            # takes those of its bytes 1-3 away too)
+            starts = torch.sort(starts.reshape(-1)).values
+            at = torch.searchsorted(starts, offs, right=True) - 1
+            keep = (at < 0) | (offs >= starts[at.clamp(min=0)] + size)
         if bool(keep.all()):
             return
         if bool(keep.any()):
@@ -2439,15 +2452,20 @@ class _LostMarks:
         held no marks): ``out`` takes ``src``'s marks, and new ones where this copy's own
         cast made a number NaN, each naming the patch and checkpoint index where
         ``provenance`` traces that element of ``src``."""
+        readable = (isinstance(src, torch.Tensor) and out.numel() and not out.is_meta
+                    and not src.is_meta)
+        carried = None
+        if readable:
+            src = src.detach().expand(out.shape)
+            if src.is_complex():  # (part by part; into a real dtype, the real part)
+                src = _parts(src) if out.is_complex() else _parts(src)[..., 0]
+                out = _parts(out) if out.is_complex() else out
+            # (read before ``out``'s marks go: ``buf.copy_(buf)`` copies the same ones)
+            carried = self.of(src)
         if not whole:
             self.unmark(out)
-        if not isinstance(src, torch.Tensor) or not out.numel() or out.is_meta or src.is_meta:
+        if not readable:
             return
-        src = src.detach().expand(out.shape)
-        if src.is_complex():  # (part by part; into a real dtype, the real part)
-            src = _parts(src) if out.is_complex() else _parts(src)[..., 0]
-            out = _parts(out) if out.is_complex() else out
-        carried = self.of(src)
         lost = None
         if (out.dtype != src.dtype and src.dtype.is_floating_point
                 and _casts_lose_numbers(out.dtype)):

@@ -1,7 +1,8 @@
 """Numbers a cast into float8 made NaN (lost numbers, ``intercept._LostMarks``) followed
-through the ops that held the last holes: complex round trips. Each loader scales its
-patch by 2 and casts it into float8_e4m3fnuz (largest 240): 2e6 is lost; the merge
-would read its NaN as "keep"."""
+through the ops that held the last holes: complex round trips, writes through a wider
+view of a one-byte scratch, and copies whose source is their destination. Each loader
+scales its patch by 2 and casts it into float8_e4m3fnuz (largest 240): 2e6 is lost;
+the merge would read its NaN as "keep"."""
 
 from __future__ import annotations
 
@@ -91,5 +92,69 @@ def test_a_lost_number_in_one_part_of_a_complex_element_leaves_the_other_part_a_
     # (the imaginary parts hold it: refused)
     m = _Copies(lambda t: torch.complex(t[:2], _lost(t)[2:]).imag)
     with pytest.raises(ValueError, match=r"value 320\.0 at element 5 of the source"):
+        patchkit.load_checkpoint_weight_patches(m, [p])
+    assert m.w.detach().float().eq(1).all()
+
+
+# -- 5. a wider write over one-byte marks ------------------------------------------------
+
+
+def test_a_float32_write_over_float8_marks_forgets_each_byte_it_wrote():
+    # A uint8 pool holds a's float8 cast (its 1e6 at index 1, byte 1, lost); b's float8
+    # staged bytes are then written into it four at a time (as float32 words). Marks are
+    # by the byte each element starts at: the write took the mark at byte 0 away but not
+    # the one at byte 1, where b's "keep" was then refused naming 'a'.
+    class Pool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+            self.b = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            pool = torch.empty(16, dtype=torch.uint8)
+            f8 = pool.view(_F8).view(4, 4)
+            for n, t in weights:
+                if n == "a":
+                    f8.copy_(t * 2)
+                    self.a.copy_(f8[2:])
+                else:
+                    pool.view(torch.float32).copy_(t.reshape(-1).view(torch.float32))
+                    self.b.copy_(f8[:2])
+            return {n for n, _ in weights}
+
+    a = CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13]))
+    b = CWP("b", (4, 4), _F8, torch.tensor([0.5]), torch.tensor([0]))
+    m = Pool()
+    assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
+    assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
+    assert m.b.detach().float().reshape(-1).tolist() == [0.5] + [1.0] * 7
+
+
+# -- 6. a copy_ whose source is its destination -----------------------------------------
+
+
+def test_a_copy_of_a_scratch_onto_itself_keeps_its_marks():
+    # (copy_ took the destination's marks away before it read the source's: the same
+    # marks, so a self-copy dropped them all)
+    def how(t):
+        buf = _lost(t)[2:].clone()
+        buf.copy_(buf)
+        buf.view(8).copy_(buf.view(8))
+        return buf
+
+    _loads_or_refuses(how)
+
+
+def test_a_copy_whose_source_partly_overlaps_it_is_torchs_own_error():
+    # (torch refuses it before it writes: no mark is read or changed, and the error is
+    # torch's, with the model unchanged)
+    def how(t):
+        buf = _lost(t)
+        buf[1:].copy_(buf[:-1])
+        return buf[2:]
+
+    m = _Copies(how)
+    p = CWP("w", (4, 4), torch.float32, torch.tensor([2.0, 1e6]), torch.tensor([9, 13]))
+    with pytest.raises(RuntimeError, match="single memory location"):
         patchkit.load_checkpoint_weight_patches(m, [p])
     assert m.w.detach().float().eq(1).all()
