@@ -2325,15 +2325,19 @@ class _LostMarks:
     carried to the output of an element-for-element copy (a cast, a clone,
     ``.contiguous()``, a ``copy_`` into a tensor of the loader's own) and of the ops in
     ``_MOVES`` (``cat``, ``stack``, indexing, ``repeat``, ``roll``, ``flip``, ``gather``,
-    ``narrow_copy``), which move elements without changing them, of pointwise ops
-    (arithmetic, ``clamp``, ``where``, ``masked_fill``: a NaN stays NaN through them,
-    in its place; a floating element such an op makes a number of, ``nan_to_num``'s,
-    loses its mark), and into a tensor of the loader's own by the puts of ``_PUTS``
-    (``buf[rows] = x``, ``index_copy_``, ``masked_scatter_``, ``scatter_``) and by
-    in-place pointwise ops (``buf.add_(x)``); a ``copy_``, a put or a fill (``fill_``,
-    ``zero_``, ``masked_fill_``) into a marked tensor of the loader's own takes the
-    marks of the elements it overwrote away, and an ``out=`` op all of its ``out``'s (a
-    pointwise one's then takes its inputs'). Other ops drop them (a number made from a
+    ``narrow_copy``, ``take``, ``masked_select``), which move elements without changing
+    them, of pointwise ops (arithmetic, ``clamp``, ``where``, ``masked_fill``: a NaN
+    stays NaN through them, in its place; a floating element such an op makes a number
+    of, ``nan_to_num``'s, loses its mark), of the functional puts of
+    ``_FUNCTIONAL_PUTS`` (``index_copy``, ``slice_scatter``, ``index_add``...), and into
+    a tensor of the loader's own by the puts of ``_PUTS`` (``buf[rows] = x``,
+    ``index_copy_``, ``masked_scatter_``, ``scatter_``, ``put_``, ``index_fill_``, and
+    those that add or reduce: ``index_add_``, ``scatter_add_``, an accumulating
+    ``index_put_``), by a fill of a 0-d tensor (``buf.fill_(x[k])``) and by in-place
+    pointwise ops (``buf.add_(x)``); a ``copy_``, a put that replaces or a fill
+    (``fill_``, ``zero_``, ``masked_fill_``) into a marked tensor of the loader's own
+    takes the marks of the elements it overwrote away, and an ``out=`` op all of its
+    ``out``'s (a pointwise one's then takes its inputs'). Other ops drop them (a number made from a
     NaN by a matmul or a reduction is NaN, but at a place no mark follows). A mark whose
     element no longer holds NaN counts for nothing. A complex element's marks are on its
     parts (each a real element of ``view_as_real``), so they follow it through
@@ -2504,35 +2508,82 @@ class _LostMarks:
                 what[..., 2][inside] = (at[inside] - e.base).to(torch.float64)
         return what
 
-    def put(self, func: Any, args: Sequence[Any], kwargs: dict, at: int) -> None:
-        """``func``, one of ``_PUTS``, wrote into ``args[0]``, a tensor of the loader's own,
-        elements of its value argument ``args[at]``, each unchanged, at places its other
-        arguments pick: the marks of the elements it overwrote go (a scratch filled with
-        ``buf[rows] = x`` for the next patch keeps no mark of the last one's numbers),
-        and the value's marks come with its elements. (Done again on masks: which
+    def put(self, func: Any, args: Sequence[Any], kwargs: dict, out: torch.Tensor) -> None:
+        """``func``, a put of ``_PUTS`` (in place: ``out`` is ``args[0]``, a tensor of the
+        loader's own) or of ``_FUNCTIONAL_PUTS`` (``out`` a new tensor, a copy of
+        ``args[0]`` written so), wrote elements of its value argument, each unchanged (or a
+        fill value), at places its other arguments pick: the marks of the elements it
+        overwrote go (a scratch filled with ``buf[rows] = x`` for the next patch keeps no
+        mark of the last one's numbers), and the value's marks come with its elements. A
+        put that adds or reduces (``index_add_``, ``scatter_add_``, an accumulating
+        ``put_``) keeps the marks it adds to (a NaN stays NaN), and brings the value's
+        where the result is NaN. (Done again on masks, by the put that replaces: which
         elements were written, and which of those are marked.)"""
-        t = args[0]
-        if (at >= len(args) or not isinstance(t, torch.Tensor) or t.is_meta
-                or not t.numel() or kwargs.get("accumulate")
-                or (func is _aten.index_put_.default and len(args) > 3 and args[3])):
-            return  # (an accumulating put adds: a NaN it meets stays NaN, and marked)
-        value = args[at]
-
-        def again(into: torch.Tensor, values: Any) -> torch.Tensor:
-            return func(into, *args[1:at], values, *args[at + 1:], **kwargs)
-
-        shape = value.shape if isinstance(value, torch.Tensor) else ()
-        carried = self.of(value.detach()) if isinstance(value, torch.Tensor) else None
-        written = again(torch.zeros(t.shape, dtype=torch.bool, device=t.device),
-                        torch.ones(shape, dtype=torch.bool, device=t.device))
-        self.unmark(t, torch.nonzero(written.reshape(-1)).reshape(-1))
-        if carried is None:
+        dest = args[0] if args else None
+        if (not isinstance(dest, torch.Tensor) or not isinstance(out, torch.Tensor)
+                or out.is_meta or not out.numel()):
             return
-        marked, what = (c.to(t.device) for c in carried)
-        self.mark(t, again(torch.zeros(t.shape, dtype=torch.bool, device=t.device), marked),
-                  torch.stack([again(torch.zeros(t.shape, dtype=torch.float64,
-                                                 device=t.device), what[..., c])
-                               for c in range(3)], -1))
+        value = _arg(func, args, kwargs, _PUT_VALUES[func])
+        again = _put_again(func, args, kwargs)
+        combines = _put_combines(func, args, kwargs)
+        replaces = not combines or (_base_name(func) in ("scatter_reduce", "index_reduce")
+                                    and not _arg(func, args, kwargs, "include_self"))
+        in_place = out is dest
+        # (read before any mark goes: the value may be a view of the destination)
+        carried = self.of(value.detach()) if isinstance(value, torch.Tensor) else None
+        held = None if in_place else self.of(dest.detach())
+
+        def zeros(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(out.shape, dtype=dtype, device=out.device)
+
+        written = None
+        if replaces:
+            written = again(zeros(torch.bool), torch.ones(
+                value.shape, dtype=torch.bool, device=out.device)
+                if isinstance(value, torch.Tensor) else True)
+            if in_place:
+                self.unmark(out, torch.nonzero(written.reshape(-1)).reshape(-1))
+        marked = what = None
+        if held is not None:
+            marked, what = (h.to(out.device) for h in held)
+            if written is not None:
+                marked = marked & ~written
+        if carried is not None:
+            m, w = (c.to(out.device) for c in carried)
+            moved = again(zeros(torch.bool), m)
+            brought = torch.stack([again(zeros(torch.float64), w[..., c]) for c in range(3)], -1)
+            if marked is None:
+                marked, what = moved, brought
+            else:
+                what = torch.where(moved.unsqueeze(-1), brought, what)
+                marked = marked | moved
+        if marked is None:
+            return
+        if out.is_floating_point() or out.is_complex():
+            marked = marked & nan_mask(out.detach())
+        self.mark(out, marked, what)
+
+    def filled(self, t: torch.Tensor, value: Any = None, where: torch.Tensor | None = None
+               ) -> None:
+        """``t``, a tensor of the loader's own, was filled (all of it, or where ``where``
+        is true, broadcast) with ``value`` (a number, or a 0-d tensor): the marks of what
+        it held there go, and a 0-d ``value``'s mark comes to each element filled with
+        its NaN (``buf.fill_(x[k])`` of a lost number)."""
+        got = (self.of(value.detach()) if isinstance(value, torch.Tensor) and not value.is_meta
+               else None)  # (read first: the value may be an element of ``t``)
+        if where is None:
+            self.unmark(t)
+        else:
+            self.unmark(t, torch.nonzero(where.expand(t.shape).reshape(-1)).reshape(-1).to(
+                t.device))
+        if got is None or t.is_meta or not t.numel():
+            return
+        m, w = (g.to(t.device) for g in got)
+        if not bool((m & nan_mask(value.detach()).to(t.device)).all()):
+            return
+        marked = (torch.ones(t.shape, dtype=torch.bool, device=t.device) if where is None
+                  else where.to(t.device).bool().expand(t.shape))
+        self.mark(t, marked, w.expand(*t.shape, 3))
 
     def pointwise(self, func: Any, inputs: Sequence[Any], out: torch.Tensor, *,
                   anew: bool = False) -> None:
@@ -2658,7 +2709,8 @@ def _casts_lose_numbers(dtype: torch.dtype) -> bool:
 _MOVES = frozenset({
     _aten.cat.default, _aten.stack.default, _aten.index_select.default,
     _aten.index.Tensor, _aten.repeat.default, _aten.roll.default, _aten.flip.default,
-    _aten.gather.default, _aten.narrow_copy.default,
+    _aten.gather.default, _aten.narrow_copy.default, _aten.take.default,
+    _aten.masked_select.default,
 })
 
 # Pointwise ops that torch does not tag so (``torch.Tag.pointwise``)
@@ -2678,13 +2730,84 @@ _MASKED_FILLS = frozenset({_aten.masked_fill.Scalar, _aten.masked_fill.Tensor})
 # keeps no mark of what it held
 _FILLS = frozenset({_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default})
 
-# In-place ops that write elements of one argument (at the index given), each unchanged,
-# into places of their first one (a tensor of the loader's own) that their other
-# arguments pick: see :meth:`_LostMarks.put`.
-_PUTS = {
-    _aten.index_put_.default: 2, _aten.index_copy_.default: 3,
-    _aten.masked_scatter_.default: 2, _aten.scatter_.src: 3,
-}
+
+
+def _put_values() -> dict:
+    """Puts, by op, with the name of the argument whose elements (or fill value) each
+    writes into places of (a copy of) its first argument that its other arguments pick,
+    each element unchanged or added to (or reduced with) what is there: see
+    :meth:`_LostMarks.put`. Ops this torch lacks are left out."""
+    table = {}
+    for base, value, overloads in (
+        ("index_put", "values", ("default",)), ("_index_put_impl", "values", ("default",)),
+        ("index_copy", "source", ("default",)), ("masked_scatter", "source", ("default",)),
+        ("scatter", "src", ("src", "reduce")), ("scatter", "value", ("value", "value_reduce")),
+        ("scatter_add", "src", ("default",)), ("scatter_reduce", "src", ("two",)),
+        ("index_add", "source", ("default",)), ("index_reduce", "source", ("default",)),
+        ("put", "source", ("default",)), ("index_fill", "value", ("int_Scalar", "int_Tensor")),
+        ("slice_scatter", "src", ("default",)), ("select_scatter", "src", ("default",)),
+        ("diagonal_scatter", "src", ("default",)), ("as_strided_scatter", "src", ("default",)),
+    ):
+        for name in (base, base + "_"):
+            packet = getattr(_aten, name, None)
+            for overload in overloads:
+                f = getattr(packet, overload, None) if packet is not None else None
+                if f is not None:
+                    table[f] = value
+    return table
+
+
+_PUT_VALUES = _put_values()
+# The in-place puts (into a tensor of the loader's own), and the functional ones, which
+# make a new tensor
+_PUTS = frozenset(f for f in _PUT_VALUES if f._schema.name.endswith("_"))
+_FUNCTIONAL_PUTS = frozenset(f for f in _PUT_VALUES if not f._schema.name.endswith("_"))
+
+
+def _put_again(func: Any, args: Sequence[Any], kwargs: dict) -> Callable:
+    """``again(into, values)``: put ``func`` done on ``into`` (a tensor shaped like its
+    output) with ``values`` (shaped like its value argument, or a number) by the put that
+    replaces what is there, with its other arguments: where each of the values goes
+    (see :meth:`_LostMarks.put`)."""
+    base = _base_name(func)
+
+    def a(name: str) -> Any:
+        return _arg(func, args, kwargs, name)
+
+    if base in ("index_copy", "index_add", "index_reduce"):
+        return lambda into, v: _aten.index_copy_.default(into, a("dim"), a("index"), v)
+    if base in ("scatter", "scatter_add", "scatter_reduce"):
+        return lambda into, v: (
+            _aten.scatter_.src(into, a("dim"), a("index"), v) if isinstance(v, torch.Tensor)
+            else _aten.scatter_.value(into, a("dim"), a("index"), v))
+    if base == "put":
+        return lambda into, v: _aten.put_.default(into, a("index"), v)
+    if base in ("index_put", "_index_put_impl"):
+        return lambda into, v: _aten.index_put_.default(into, a("indices"), v)
+    if base == "masked_scatter":
+        return lambda into, v: _aten.masked_scatter_.default(into, a("mask"), v)
+    if base == "index_fill":
+        return lambda into, v: (
+            _aten.index_fill_.int_Tensor(into, a("dim"), a("index"), v)
+            if isinstance(v, torch.Tensor)
+            else _aten.index_fill_.int_Scalar(into, a("dim"), a("index"), v))
+    op = getattr(_aten, base).default  # (slice_scatter and its kin: functional already)
+    rest = [x.name for x in op._schema.arguments[2:]]
+    return lambda into, v: op(into, v, *[a(n) for n in rest])
+
+
+def _put_combines(func: Any, args: Sequence[Any], kwargs: dict) -> bool:
+    """Whether put ``func`` adds its values to (or reduces them with) what is there:
+    ``index_add``, ``index_reduce``, ``scatter_add``, ``scatter_reduce``, a ``scatter``
+    with a ``reduce``, an accumulating ``put`` or ``index_put``."""
+    base = _base_name(func)
+    if base in ("index_add", "index_reduce", "scatter_add", "scatter_reduce"):
+        return True
+    if base == "scatter":
+        return "reduce" in func._overloadname
+    if base in ("put", "index_put", "_index_put_impl"):
+        return bool(_arg(func, args, kwargs, "accumulate"))
+    return False
 
 
 def _mixed_from(position: int | None, name: str | None) -> str:
@@ -3119,6 +3242,8 @@ class _Mode(TorchDispatchMode):
                             s._note_copied(args[0], out, whole=True)
                     elif s.lost and func in _MOVES:
                         s.lost.moved(func, args, kwargs, out)
+                    elif s.lost and func in _FUNCTIONAL_PUTS:
+                        s.lost.put(func, args, kwargs, out)
                     elif s.lost and _is_pointwise(func):
                         s.lost.pointwise(func, [*args, *kwargs.values()], out)
             elif (s.track_sources and isinstance(out, tuple | list) and s.provenance
@@ -4940,7 +5065,8 @@ class WriteSession:
         """A sparse call's in-place op on tensors of the loader's own (no runtime
         tensor), for the lost-number marks (:class:`_LostMarks`): a ``copy_`` is a copy
         (:meth:`_note_copied`), a put of ``_PUTS`` moves marked elements, a fill
-        (``fill_``, ``zero_``, ``masked_fill_``) writes what it fills anew, an ``out=`` op
+        (``fill_``, ``zero_``, ``masked_fill_``) writes what it fills anew (with the mark
+        of a 0-d tensor it fills with), an ``out=`` op
         all of its ``out`` (``torch.cat(ts, out=buf)`` leaves no mark of what ``buf``
         held; a pointwise one's ``out`` takes its inputs' marks), and an in-place
         pointwise op (``buf.add_(x)``) keeps the marks of its tensor and adds its
@@ -4948,14 +5074,12 @@ class WriteSession:
         if func is _COPY:
             self._note_copied(args[1], args[0], whole=False)
         elif func in _PUTS:
-            self.lost.put(func, args, kwargs, _PUTS[func])
+            self.lost.put(func, args, kwargs, args[0])
         elif func in _FILLS:
-            self.lost.unmark(args[0])
+            self.lost.filled(args[0], args[1] if len(args) > 1 else None)
         elif func in (_aten.masked_fill_.Scalar, _aten.masked_fill_.Tensor):
             # (the elements filled are written anew; the others keep their marks)
-            t = args[0]
-            filled = args[1].expand(t.shape).reshape(-1)
-            self.lost.unmark(t, torch.nonzero(filled).reshape(-1).to(t.device))
+            self.lost.filled(args[0], args[2], args[1])
         elif (outs := [t for i, argname in _out_args(func)
                        for t in _listed(args[i] if i < len(args) else kwargs.get(argname))
                        if isinstance(t, torch.Tensor)]):

@@ -1,5 +1,6 @@
 """Numbers a cast into float8 made NaN (lost numbers, ``intercept._LostMarks``) followed
-through the ops that held the last holes: complex round trips, writes through a wider
+through the ops that held the last holes: complex round trips, puts that add or reduce
+and the functional forms of puts, fills of a 0-d tensor, writes through a wider
 view of a one-byte scratch, and copies whose source is their destination. Each loader
 scales its patch by 2 and casts it into float8_e4m3fnuz (largest 240): 2e6 is lost;
 the merge would read its NaN as "keep"."""
@@ -55,6 +56,37 @@ def _loads_or_refuses(how):
     assert m.w.detach().float().reshape(-1).tolist() == [1.0, 4.0, 1.0, 1.0, 1.0, 6.0, 1.0, 1.0]
 
 
+def _float8_refilled(fill):
+    """Float8 ``a`` and ``b`` loaded through one float32 scratch: ``a`` scaled, cast into
+    it (its 1e6 at index 1 lost, in a row ``a``'s copy does not read), then the scratch
+    refilled for ``b`` by ``fill(buf, t)``, whose NaN at index 1 is b's "keep"."""
+
+    class Refilled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+            self.b = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            buf = torch.empty(4, 4)
+            for n, t in weights:
+                if n == "a":
+                    buf.copy_(_lost(t))
+                    self.a.copy_(buf[2:])
+                else:
+                    fill(buf, t)
+                    self.b.copy_(buf[:2])
+            return {n for n, _ in weights}
+
+    a = CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13]))
+    b = CWP("b", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([0]))
+    m = Refilled()
+    assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
+    assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
+    assert m.b.detach().float().reshape(-1).tolist() == [0.5] + [1.0] * 7
+
+
+
 # -- 1. complex round trips --------------------------------------------------------------
 
 
@@ -94,6 +126,102 @@ def test_a_lost_number_in_one_part_of_a_complex_element_leaves_the_other_part_a_
     with pytest.raises(ValueError, match=r"value 320\.0 at element 5 of the source"):
         patchkit.load_checkpoint_weight_patches(m, [p])
     assert m.w.detach().float().eq(1).all()
+
+
+# -- 3. puts -----------------------------------------------------------------------------
+
+
+def _scratch(t):
+    return torch.zeros(4, 4, device=t.device)
+
+
+def _rows(t):
+    return torch.arange(4, device=t.device)
+
+
+def _grid(t):
+    return _rows(t)[:, None].expand(4, 4)
+
+
+@pytest.mark.parametrize("how", [
+    pytest.param(lambda t: _scratch(t).index_add_(0, _rows(t), _lost(t))[2:], id="index_add_"),
+    pytest.param(lambda t: _scratch(t).index_add(0, _rows(t), _lost(t))[2:], id="index_add"),
+    pytest.param(lambda t: _scratch(t).index_reduce_(0, _rows(t), _lost(t), "amax")[2:],
+                 id="index_reduce_", marks=pytest.mark.filterwarnings("ignore:index_reduce")),
+    pytest.param(lambda t: _scratch(t).scatter_add_(0, _grid(t), _lost(t))[2:],
+                 id="scatter_add_"),
+    pytest.param(lambda t: _scratch(t).scatter_reduce_(0, _grid(t), _lost(t), "sum")[2:],
+                 id="scatter_reduce_"),
+    pytest.param(lambda t: _scratch(t).scatter_(0, _grid(t), _lost(t), reduce="add")[2:],
+                 id="scatter_ with a reduce",
+                 marks=pytest.mark.filterwarnings("ignore:The reduce argument")),
+    pytest.param(lambda t: _scratch(t).put_(torch.arange(16, device=t.device),
+                                            _lost(t).reshape(-1))[2:], id="put_"),
+    pytest.param(lambda t: _scratch(t).put_(torch.arange(16, device=t.device),
+                                            _lost(t).reshape(-1), accumulate=True)[2:],
+                 id="put_, accumulating"),
+    pytest.param(lambda t: _scratch(t).index_put_((_rows(t),), _lost(t), accumulate=True)[2:],
+                 id="index_put_, accumulating"),
+    pytest.param(lambda t: _scratch(t).index_copy(0, _rows(t), _lost(t))[2:], id="index_copy"),
+    pytest.param(lambda t: _scratch(t).scatter(0, _grid(t), _lost(t))[2:], id="scatter"),
+    pytest.param(lambda t: _scratch(t).masked_scatter(
+        torch.ones(4, 4, dtype=torch.bool, device=t.device), _lost(t))[2:], id="masked_scatter"),
+    pytest.param(lambda t: _scratch(t).index_put((_rows(t),), _lost(t))[2:], id="index_put"),
+    pytest.param(lambda t: _scratch(t).slice_scatter(_lost(t)[2:], 0, 2)[2:],
+                 id="slice_scatter"),
+    pytest.param(lambda t: (t * 2).select_scatter(_lost(t)[3], 0, 3)[2:],
+                 id="select_scatter"),
+    pytest.param(lambda t: _lost(t).index_fill(0, _at(t, 0), 0.0)[2:], id="index_fill"),
+    pytest.param(lambda t: _lost(t).take(torch.arange(8, 16, device=t.device)).reshape(2, 4),
+                 id="take"),
+    pytest.param(lambda t: _lost(t).masked_select(
+        torch.arange(16, device=t.device).reshape(4, 4) >= 8).reshape(2, 4), id="masked_select"),
+])
+def test_a_lost_number_is_followed_through_puts_and_their_functional_forms(how):
+    # (an adding put kept the marks it added to, and took none from what it added; a
+    # functional put, or a take, made a new tensor with no marks at all)
+    _loads_or_refuses(how)
+
+
+@pytest.mark.parametrize("fill", [
+    pytest.param(lambda buf, t: buf.put_(torch.arange(16, device=t.device), t.reshape(-1)),
+                 id="put_"),
+    pytest.param(lambda buf, t: buf.index_fill_(0, _rows(t), 0.0).add_(t),
+                 id="index_fill_, then add_"),
+    pytest.param(lambda buf, t: buf.copy_(buf.slice_scatter(t[:2], 0, 0, 2)), id="slice_scatter"),
+    pytest.param(lambda buf, t: buf.copy_(buf.index_copy(0, _rows(t), t)), id="index_copy"),
+])
+def test_a_scratch_refilled_by_a_put_forgets_the_numbers_lost_where_it_put(fill):
+    _float8_refilled(fill)
+
+
+# -- 4. fills of a 0-d tensor --------------------------------------------------------------
+
+
+def _filled_at_5(fill):
+    """Rows whose element 5 is ``fill(zeros, v)``'s, ``v`` the 0-d element of the
+    loader's cast that holds the lost number, and the others the cast's own."""
+
+    def how(t):
+        v = _lost(t)[3, 1]
+        at5 = torch.arange(8, device=t.device).reshape(2, 4) == 5
+        return torch.where(at5, fill(_zeros(t), v, at5), _lost(t)[2:])
+
+    return how
+
+
+@pytest.mark.parametrize("fill", [
+    pytest.param(lambda z, v, at5: z.fill_(v), id="fill_"),
+    pytest.param(lambda z, v, at5: z.masked_fill_(at5, v), id="masked_fill_"),
+    pytest.param(lambda z, v, at5: z.index_fill_(1, torch.tensor([1], device=z.device), v),
+                 id="index_fill_"),
+    pytest.param(lambda z, v, at5: z.index_fill(1, torch.tensor([1], device=z.device), v),
+                 id="index_fill"),
+])
+def test_a_fill_of_a_lost_number_marks_what_it_fills(fill):
+    # (the fill took the marks of what it overwrote away and brought none of its value's:
+    # the element the loader filled with the lost number held a "keep")
+    _loads_or_refuses(_filled_at_5(fill))
 
 
 # -- 5. a wider write over one-byte marks ------------------------------------------------
