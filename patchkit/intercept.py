@@ -82,6 +82,7 @@ __all__ = [
 
 _aten = torch.ops.aten
 _COPY = _aten.copy_.default
+_FOREACH_COPY = getattr(getattr(_aten, "_foreach_copy_", None), "default", None)
 
 _WRAP_KINDS: dict[type, int] = {}  # a tensor subclass -> _may_wrap(it)
 
@@ -2328,7 +2329,8 @@ class _LostMarks:
     ``narrow_copy``, ``take``, ``masked_select``), which move elements without changing
     them, of pointwise ops (arithmetic, ``clamp``, ``where``, ``masked_fill``: a NaN
     stays NaN through them, in its place; a floating element such an op makes a number
-    of, ``nan_to_num``'s, loses its mark), of the functional puts of
+    of, ``nan_to_num``'s, loses its mark) and of ``torch._foreach_*`` ops, tensor by
+    tensor (:meth:`foreach`), of the functional puts of
     ``_FUNCTIONAL_PUTS`` (``index_copy``, ``slice_scatter``, ``index_add``...), and into
     a tensor of the loader's own by the puts of ``_PUTS`` (``buf[rows] = x``,
     ``index_copy_``, ``masked_scatter_``, ``scatter_``, ``put_``, ``index_fill_``, and
@@ -2585,6 +2587,46 @@ class _LostMarks:
                   else where.to(t.device).bool().expand(t.shape))
         self.mark(t, marked, w.expand(*t.shape, 3))
 
+    def foreach(self, func: Any, args: Sequence[Any], kwargs: dict, outs: Sequence[Any] | None,
+                provenance: _Provenance) -> None:
+        """``func``, a ``torch._foreach_*`` op of :func:`_foreach_kind`, made ``outs``
+        (its result, a list) or, where ``None``, wrote the tensors of its first argument
+        in place (or of its ``out=`` list, anew): each of them as the op it names would
+        from the tensors at its place in the lists among its arguments (a tensor or
+        number that is not in a list is used for each), copied, filled or made pointwise
+        (see :meth:`copied`, :meth:`filled`, :meth:`pointwise`)."""
+        kind = _foreach_kind(func)
+        inputs = _inputs(func, args, kwargs)
+        anew = False
+        if outs is None:
+            given = _out_args(func)
+            if given:
+                i, name = given[0]
+                outs, anew = (args[i] if i < len(args) else kwargs.get(name)), True
+            else:
+                outs, inputs = args[0], inputs[1:]  # (in place: ``_foreach_add_(ts, xs)``)
+                if kind == "copy":
+                    inputs = inputs[:1]
+        elif kind == "copy" and _base_name(func) == "copy":
+            inputs = inputs[1:2]  # (``_foreach_copy(ts, srcs)``: srcs, cast into ts' dtypes)
+        outs = list(outs or ())
+        n = len(outs)
+
+        def nth(a: Any, i: int) -> Any:
+            return a[i] if isinstance(a, list | tuple) and len(a) == n else a
+
+        for i, out in enumerate(outs):
+            if not isinstance(out, torch.Tensor):
+                continue
+            each = [nth(a, i) for a in inputs]
+            if kind == "fill":
+                self.filled(out)
+            elif kind == "copy":
+                self.copied(each[0] if each else None, out, provenance,
+                            whole=not (anew or out is nth(args[0], i)))
+            else:
+                self.pointwise(None, each, out, anew=anew)
+
     def pointwise(self, func: Any, inputs: Sequence[Any], out: torch.Tensor, *,
                   anew: bool = False) -> None:
         """``out`` was made (or, in place, written) by ``func``, a pointwise op of
@@ -2796,6 +2838,40 @@ def _put_again(func: Any, args: Sequence[Any], kwargs: dict) -> Callable:
     return lambda into, v: op(into, v, *[a(n) for n in rest])
 
 
+_FOREACH_KINDS: dict = {}
+# A ``_foreach_`` op's overload, as the op it does on each tensor names it
+_FOREACH_OVERLOADS = {"List": "Tensor", "ScalarList": "Scalar", "ScalarAndTensor": "Scalar"}
+
+
+def _foreach_kind(func: Any) -> str | None:
+    """What ``torch._foreach_*`` op ``func`` does to each tensor of its lists: ``"copy"``
+    (``_foreach_copy_``, ``_foreach_clone``), ``"fill"`` (``_foreach_zero_``),
+    ``"pointwise"`` (``_foreach_add``, ``_foreach_mul_``, ``_foreach_lerp``...: the op
+    it does on each is tagged pointwise); ``None`` for any other op (``_foreach_norm``,
+    a reduction, among them). Once per op."""
+    got = _FOREACH_KINDS.get(func, False)
+    if got is False:
+        got = _FOREACH_KINDS[func] = _foreach_kind_of(func)
+    return got
+
+
+def _foreach_kind_of(func: Any) -> str | None:
+    if not func._schema.name.startswith("aten::_foreach_"):
+        return None
+    base = _base_name(func)
+    if base in ("copy", "clone"):
+        return "copy"
+    if base == "zero":
+        return "fill"
+    packet = getattr(_aten, base, None)
+    over = func._overloadname.removesuffix("_out")
+    for name in (_FOREACH_OVERLOADS.get(over, over), "default"):
+        each = getattr(packet, name, None) if packet is not None else None
+        if each is not None:
+            return "pointwise" if torch.Tag.pointwise in each.tags else None
+    return None
+
+
 def _put_combines(func: Any, args: Sequence[Any], kwargs: dict) -> bool:
     """Whether put ``func`` adds its values to (or reduces them with) what is there:
     ``index_add``, ``index_reduce``, ``scatter_add``, ``scatter_reduce``, a ``scatter``
@@ -2967,7 +3043,7 @@ def _puts_repeat(func: Any, args: Sequence[Any], kwargs: dict) -> bool:
 
 
 def _mixes_elements(func: Any) -> bool | str:
-    if _is_view(func) or torch.Tag.pointwise in func.tags:
+    if _is_view(func) or torch.Tag.pointwise in func.tags or _foreach_kind(func):
         return False
     over = func._overloadname
     if func._schema.name.partition("::")[0] != "aten":
@@ -3246,12 +3322,17 @@ class _Mode(TorchDispatchMode):
                         s.lost.put(func, args, kwargs, out)
                     elif s.lost and _is_pointwise(func):
                         s.lost.pointwise(func, [*args, *kwargs.values()], out)
-            elif (s.track_sources and isinstance(out, tuple | list) and s.provenance
-                    and not _is_view(func)):
-                # (an op of several results, a sort's values: each holds data of its input)
-                for o in out:
-                    if isinstance(o, torch.Tensor):
-                        s.provenance.taint(o, args, kwargs, func)
+            else:
+                if (s.track_sources and isinstance(out, tuple | list) and s.provenance
+                        and not _is_view(func)):
+                    # (an op of several results, a sort's values: each holds data of its
+                    # input)
+                    for o in out:
+                        if isinstance(o, torch.Tensor):
+                            s.provenance.taint(o, args, kwargs, func)
+                if s._sparse and isinstance(out, list) and _foreach_kind(func):
+                    # (``torch._foreach_mul(ts, 2.0)``: each result from its inputs)
+                    s._note_foreach(func, args, kwargs, out)
             return out
         targets = []
         others = []
@@ -3287,7 +3368,9 @@ class _Mode(TorchDispatchMode):
                         if mixed is not None:
                             s.provenance.mix(t, mixed)
             if s._sparse and (s.lost or (func is _COPY
-                                         and _casts_lose_numbers(args[0].dtype))):
+                                         and _casts_lose_numbers(args[0].dtype))
+                              or (func is _FOREACH_COPY and any(
+                                  _casts_lose_numbers(t.dtype) for t in others))):
                 s._note_own_write(func, args, kwargs)
             return out
         # the one patch this op's arguments come from (an error of a sparse call names it),
@@ -5073,6 +5156,8 @@ class WriteSession:
         inputs'; other ops leave the marks as they are."""
         if func is _COPY:
             self._note_copied(args[1], args[0], whole=False)
+        elif _foreach_kind(func):
+            self._note_foreach(func, args, kwargs, None)
         elif func in _PUTS:
             self.lost.put(func, args, kwargs, args[0])
         elif func in _FILLS:
@@ -5093,6 +5178,17 @@ class WriteSession:
         elif _is_pointwise(func) and isinstance(args[0], torch.Tensor):
             # (``buf.add_(x)``: each element stays NaN where it was, and where x's is)
             self.lost.pointwise(func, [*args[1:], *kwargs.values()], args[0])
+
+    def _note_foreach(self, func: Any, args: Sequence[Any], kwargs: dict,
+                      outs: Sequence[Any] | None) -> None:
+        """A sparse call's ``torch._foreach_*`` op (see :meth:`_LostMarks.foreach`) on
+        tensors of the loader's own: read where marks exist, or where it copies into a
+        dtype whose casts may lose numbers (``_foreach_copy_`` into float8 scratches)."""
+        if not self.lost and not (_foreach_kind(func) == "copy" and any(
+                isinstance(t, torch.Tensor) and _casts_lose_numbers(t.dtype)
+                for t in (outs if outs is not None else _listed(args[0])))):
+            return
+        self.lost.foreach(func, args, kwargs, outs, self.provenance)
 
     def _note_copied(self, src: Any, out: torch.Tensor, *, whole: bool) -> None:
         """A sparse call's element-for-element copy of ``src`` into ``out`` (see

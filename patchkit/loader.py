@@ -103,15 +103,20 @@ def load_checkpoint_weight_patches(
        dtype), which would read as "keep", raises :class:`ValueError` (reason ``"NaN in
        the runtime dtype"``), writing nothing of that copy. (A number the loader's own
        cast made NaN is followed from that cast, in the call or a later one of the load,
-       through views, casts, clones, ``copy_``, ``index_put_`` (``buf[rows] = x``),
-       ``index_copy_``, ``masked_scatter_`` and ``scatter_`` into tensors of the
-       loader's own, ``cat``, ``stack``, indexing, ``repeat``, ``roll``, ``flip`` and
-       ``gather``, and through pointwise ops (arithmetic, ``clamp``, ``where``,
-       ``masked_fill``, in place or not), through which a NaN stays NaN (a ``where`` or
-       a ``masked_fill`` only from the side it takes), so a loader may scale, cast and
-       shard in any order; a fill (``fill_``, ``zero_``, ``masked_fill_``) or an
-       ``out=`` op writes its elements anew, and a pointwise op that makes a number of
-       the NaN (``nan_to_num``) ends its trail there; other ops on it (a matmul, a
+       through views, casts, clones, ``copy_``, puts into tensors of the loader's own
+       (``index_put_``, as ``buf[rows] = x``, ``index_copy_``, ``masked_scatter_``,
+       ``scatter_``, ``put_``, ``index_fill_``, and those that add or reduce,
+       ``index_add_``, ``scatter_add_``, ``scatter_reduce_``) and their functional forms
+       (``slice_scatter`` among them), ``cat``, ``stack``, indexing, ``take``,
+       ``masked_select``, ``repeat``, ``roll``, ``flip`` and ``gather``, complex round
+       trips (``torch.complex``, ``view_as_real``, ``view_as_complex``), and through
+       pointwise ops (arithmetic, ``clamp``, ``where``, ``masked_fill``, in place or
+       not, and each tensor's op in a ``torch._foreach_*`` one), through which a NaN
+       stays NaN (a ``where`` or a ``masked_fill`` only from the side it takes), so a
+       loader may scale, cast and shard in any order; a fill (``fill_``, ``zero_``,
+       ``masked_fill_``; of a 0-d tensor, with its number's trail) or an ``out=`` op
+       writes its elements anew, and a pointwise op that makes a number of the NaN
+       (``nan_to_num``) ends its trail there; other ops on it (a matmul, a
        reduction) lose the trail, and the copy's own cast is what is checked.) A copy
        whose source an op that mixes elements (a matmul, a reduction such as the
        ``amax`` of a scale, a sort, a ``cumsum``, a softmax: any op that is not a view,

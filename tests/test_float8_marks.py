@@ -1,9 +1,9 @@
 """Numbers a cast into float8 made NaN (lost numbers, ``intercept._LostMarks``) followed
-through the ops that held the last holes: complex round trips, puts that add or reduce
-and the functional forms of puts, fills of a 0-d tensor, writes through a wider
-view of a one-byte scratch, and copies whose source is their destination. Each loader
-scales its patch by 2 and casts it into float8_e4m3fnuz (largest 240): 2e6 is lost;
-the merge would read its NaN as "keep"."""
+through the ops that held the last holes: complex round trips, ``torch._foreach_*``
+ops, puts that add or reduce and the functional forms of puts, fills of a 0-d tensor,
+writes through a wider view of a one-byte scratch, and copies whose source is their
+destination. Each loader scales its patch by 2 and casts it into float8_e4m3fnuz
+(largest 240): 2e6 is lost; the merge would read its NaN as "keep"."""
 
 from __future__ import annotations
 
@@ -126,6 +126,53 @@ def test_a_lost_number_in_one_part_of_a_complex_element_leaves_the_other_part_a_
     with pytest.raises(ValueError, match=r"value 320\.0 at element 5 of the source"):
         patchkit.load_checkpoint_weight_patches(m, [p])
     assert m.w.detach().float().eq(1).all()
+
+
+# -- 2. torch._foreach_* -----------------------------------------------------------------
+
+
+def _foreach_copied(t, into, src):
+    buf = torch.zeros(2, 4, dtype=into, device=t.device)
+    torch._foreach_copy_([_zeros(t), buf], [_zeros(t), src])
+    return buf
+
+
+def _foreach_added_in_place(t):
+    ts = [_zeros(t), _zeros(t)]
+    torch._foreach_add_(ts, [_zeros(t), _lost(t)[2:]])
+    return ts[1]
+
+
+@pytest.mark.parametrize("how", [
+    pytest.param(lambda t: torch._foreach_mul([_zeros(t), _lost(t)[2:]], 1.0)[1],
+                 id="_foreach_mul"),
+    pytest.param(lambda t: torch._foreach_add([_lost(t)[2:]], [_zeros(t)])[0],
+                 id="_foreach_add of lists"),
+    pytest.param(lambda t: torch._foreach_add([_lost(t)[2:]], torch.tensor(0.0))[0],
+                 id="_foreach_add of a tensor"),
+    pytest.param(lambda t: torch._foreach_clamp_min([_lost(t)[2:]], [-1e9])[0],
+                 id="_foreach_clamp_min"),
+    pytest.param(lambda t: torch._foreach_clone([_lost(t)[2:]])[0], id="_foreach_clone"),
+    pytest.param(_foreach_added_in_place, id="_foreach_add_ into scratches"),
+    pytest.param(lambda t: _foreach_copied(t, torch.float32, _lost(t)[2:]),
+                 id="_foreach_copy_ (float32)"),
+    # (the foreach copy's own cast into float8 loses the number)
+    pytest.param(lambda t: _foreach_copied(t, _F8, t[2:] * 2), id="_foreach_copy_ (float8)"),
+])
+def test_a_lost_number_is_followed_through_foreach_ops(how):
+    # (the marks went through none of them: a list op is no pointwise op, a copy_ or a
+    # cast; _foreach_add of lists was even refused as an op that mixes elements)
+    _loads_or_refuses(how)
+
+
+@pytest.mark.parametrize("fill", [
+    pytest.param(lambda buf, t: torch._foreach_copy_([buf], [t]), id="_foreach_copy_"),
+    pytest.param(lambda buf, t: (torch._foreach_zero_([buf]), buf.add_(t)),
+                 id="_foreach_zero_, then add_"),
+])
+def test_a_scratch_refilled_by_a_foreach_op_forgets_the_numbers_lost_in_it(fill):
+    # (the marks of a's number stayed, and b's "keep" at index 1 was refused naming 'a')
+    _float8_refilled(fill)
 
 
 # -- 3. puts -----------------------------------------------------------------------------
