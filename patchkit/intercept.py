@@ -2773,7 +2773,6 @@ _MASKED_FILLS = frozenset({_aten.masked_fill.Scalar, _aten.masked_fill.Tensor})
 _FILLS = frozenset({_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default})
 
 
-
 def _put_values() -> dict:
     """Puts, by op, with the name of the argument whose elements (or fill value) each
     writes into places of (a copy of) its first argument that its other arguments pick,

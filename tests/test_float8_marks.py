@@ -86,7 +86,6 @@ def _float8_refilled(fill):
     assert m.b.detach().float().reshape(-1).tolist() == [0.5] + [1.0] * 7
 
 
-
 # -- 1. complex round trips --------------------------------------------------------------
 
 
