@@ -2163,12 +2163,13 @@ class _Provenance:
         found = self._traced_data((*args, *kwargs.values()) if kwargs else args)
         if found:
             self._moved_into(out, found, self.mixed_by(func, found, args, kwargs or {},
-                                                       out.numel())
+                                                       out.numel(), out.shape)
                              if func is not None and self.mixing
                              and (out.is_floating_point() or out.is_complex()) else None)
 
     def mixed_by(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
-                 args: Sequence[Any], kwargs: dict, size: int
+                 args: Sequence[Any], kwargs: dict, size: int,
+                 shape: Sequence[int] | None = None
                  ) -> tuple[int | None, str | None, str] | None:
         """``(position, name, op)`` where ``func``, an op that makes a floating-point
         output, mixes elements (see :func:`_mixes`) and one of its floating-point inputs
@@ -2180,9 +2181,15 @@ class _Provenance:
         the op's arguments; ``size``: the number of elements of its (first) output. A put
         that adds or reduces (:data:`_COMBINING_PUTS`) mixes only where it puts two
         elements at one place; a reduction (``torch.Tag.reduction``) only where it reduces
-        a dim longer than 1 (an input of ``size`` elements: ``torch.stack([w]).sum(0)``)."""
+        a dim longer than 1 (an input of ``size`` elements: ``torch.stack([w]).sum(0)``).
+        An element-wise op (:func:`_pairs`) mixes where it pairs different elements of
+        patches' data (see :meth:`_paired`; ``shape``: its output's)."""
         kind = _mixes(func)
-        if not kind or (kind is _PUT and not _combines(func, args, kwargs)):
+        if not kind:
+            if len(found) > 1 and shape is not None and _pairs(func):
+                return self._paired(func, found, shape)
+            return None
+        if kind is _PUT and not _combines(func, args, kwargs):
             return None
         read: list[torch.Tensor] = []
         for t, e in found:
@@ -2198,13 +2205,74 @@ class _Provenance:
                 return e.position, e.name, _op_name(func)
         return None
 
+    def _paired(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
+                shape: Sequence[int]) -> tuple[int | None, str | None, str] | None:
+        """``(position, name, op)`` where element-wise op ``func`` (its output of
+        ``shape``) pairs different elements of patches' data, one of them holding NaN (a
+        sparse patch's "keep"): ``w - w[0]``, ``w[:, 1:] - w[:, :-1]``, ``w + w.flip(0)``,
+        ``q * k``. Each output element then combines two patch elements, so a NaN in
+        either makes it NaN (the merge keeps it, and the other element's update is lost)
+        and numbers land at other elements' places. ``found``: its floating-point inputs
+        traced to patches' data (two or more), each with a stretch it reaches.
+
+        Inputs that map every output element (broadcast to ``shape``) to the same element
+        of the same patch pair nothing (``w * w``, ``w + w.clone()``, ``w[0] + w[0]``),
+        and are decided without a read. Otherwise their NaN is read (rare in loaders):
+        none holds any, none mixes. Inputs of two patches, or of one at two known places
+        (offset or strides), mix. Where an input's place in its patch is not known (the
+        result of a move, ``w.flip(0)``, or of another element-wise op, ``w.abs()``), the
+        NaN masks decide: two inputs that hold NaN at different places (broadcast) mix;
+        NaN at the same places, or in one input only, is let through (``w * w.abs()``,
+        ``torch.complex(w, torch.zeros_like(w))``)."""
+        if any(e.mixed is not None for _, e in found):
+            return None  # (mixed already: carried, the op that mixed first named)
+        data: list[tuple[torch.Tensor, list[_Source]]] = []  # (each tensor once)
+        for t, e in found:
+            if t.is_meta or not (t.is_floating_point() or t.is_complex()):
+                continue  # (a meta tensor has no values to read)
+            got = next((hits for d, hits in data if d is t), None)
+            if got is None:
+                data.append((t, [e]))
+            else:
+                got.append(e)  # (a tensor that reaches two stretches: no one place)
+        if len(data) < 2:
+            return None
+        places = [_place_in_patch(t, hits[0], shape) if len(hits) == 1 else None
+                  for t, hits in data]
+        if places[0] is not None and all(p == places[0] for p in places[1:]):
+            return None  # (the same elements of one patch: ``w * w.clone()``)
+        nan = [nan_mask(t) for t, _ in data]
+        holds = [bool(m.any()) for m in nan]
+        if not any(holds):
+            return None
+        first = holds.index(True)
+        who = data[first][1][0]
+        op = _op_name(func)
+        named = {(e.position, e.name) for _, hits in data for e in hits if e.name is not None}
+        if len(named) > 1:
+            return who.position, who.name, op  # (two patches paired)
+        known = {p for p in places if p is not None}
+        if len(known) > 1:
+            return who.position, who.name, op  # (one patch at two places)
+        masks = [m for m, h in zip(nan, holds) if h]
+        if len(masks) > 1:
+            device = masks[0].device
+            ref = masks[0].expand(shape)
+            if any(not torch.equal(ref, m.to(device).expand(shape)) for m in masks[1:]):
+                return who.position, who.name, op
+        return None
+
     def mixed_in_place(self, func: Any, args: Sequence[Any], kwargs: dict
                        ) -> tuple[int | None, str | None, str] | None:
         """:meth:`mixed_by` for an op that writes tensors of the loader's own in place
         (``buf.cumsum_(0)``, ``torch.mm(w, h, out=buf)``), read before it runs: its inputs
         are its arguments less its ``out=`` ones, whose old values it does not read."""
         kind = _mixes(func) if self._by_key else False
-        if not kind or (kind is _PUT and not _combines(func, args, kwargs)):
+        if not kind:
+            # (``buf.mul_(2)``, an element-wise op of one tensor, is common: no search)
+            if not (_pairs(func) and _tensors_in(_inputs(func, args, kwargs)) > 1):
+                return None
+        elif kind is _PUT and not _combines(func, args, kwargs):
             return None  # (``buf[idx] = w``, a put that moves, is common: no search)
         outs = _out_args(func)
         written = args[0] if args else None
@@ -2212,8 +2280,9 @@ class _Provenance:
             i, n = outs[0]
             written = args[i] if i < len(args) else kwargs.get(n)
         size = written.numel() if isinstance(written, torch.Tensor) else -1
+        shape = written.shape if isinstance(written, torch.Tensor) else None
         return self.mixed_by(func, self._traced_data(_inputs(func, args, kwargs)), args,
-                             kwargs, size)
+                             kwargs, size, shape)
 
     def mix(self, t: torch.Tensor, mixed: tuple[int | None, str | None, str]) -> None:
         """``t``, a tensor of the loader's own, was written by an op that mixed its
@@ -3039,6 +3108,77 @@ def _puts_repeat(func: Any, args: Sequence[Any], kwargs: dict) -> bool:
         return bool((counts > 1).any())
     except Exception:  # (a put torch would refuse itself, a meta tensor)
         return True
+
+
+# Element-wise ops whose result takes each element from one input only, as a condition
+# or mask picks (``where``, ``masked_fill``): they move elements and pair none
+_PICKS = frozenset({"where", "masked_fill"})
+
+# Element-wise ops (ATen names, as for ``_KEEPS_ELEMENTS``) some or all of whose
+# overloads torch does not tag pointwise
+_ELEMENT_WISE = frozenset({
+    "complex", "polar", "copysign", "frexp", "ldexp", "fmod", "remainder", "floor_divide",
+    "true_divide", "rsub", "fmax", "fmin", "nextafter", "hypot", "atan2", "xlogy",
+})
+
+_PAIRS: dict = {}
+
+
+def _pairs(func: Any) -> bool:
+    """Whether op ``func`` computes each element of its result from the elements at that
+    place of its tensor inputs (broadcast), so that two of them, taken from different
+    elements of patches' data, are paired (see :meth:`_Provenance._paired`): an op torch
+    tags pointwise (or whose functional form it tags so), or one of ``_ELEMENT_WISE``;
+    not a view, a pick (``_PICKS``), nor a ``_foreach_`` op (which pairs the tensors
+    of its lists one by one: :func:`_mixes` decides those). Once per op."""
+    got = _PAIRS.get(func)
+    if got is None:
+        got = _PAIRS[func] = _pairs_elements(func)
+    return got
+
+
+def _pairs_elements(func: Any) -> bool:
+    if (_is_view(func) or _mixes(func) is not False
+            or func._schema.name.partition("::")[2].startswith("_foreach_")):
+        return False
+    base = _base_name(func)
+    if base in _PICKS:
+        return False
+    if _is_pointwise(func) or base in _ELEMENT_WISE:
+        return True
+    packet = getattr(torch.ops.aten, base, None)
+    if packet is not None:
+        over = func._overloadname
+        for name in (over, over.removesuffix("_out").removesuffix("out") or "default"):
+            functional = getattr(packet, name, None)
+            if functional is not None and torch.Tag.pointwise in functional.tags:
+                return True
+    return False
+
+
+def _tensors_in(args: Sequence[Any]) -> int:
+    """How many of ``args`` are tensors."""
+    return sum(isinstance(a, torch.Tensor) for a in args)
+
+
+def _place_in_patch(t: torch.Tensor, e: _Source, shape: Sequence[int]) -> tuple | None:
+    """Which elements of which patch ``t`` (of stretch ``e``) puts at each element of an
+    output of ``shape`` it is broadcast to: ``(position, name, checkpoint offset of its
+    first element, its strides broadcast to shape)``, in checkpoint elements; ``None``
+    where not known (data of several patches, at no known offset, a view of its bytes as
+    another element size, or ``t`` not all in the stretch)."""
+    if e.name is None or e.base is None or t.element_size() != _unit(e, t):
+        return None
+    lo, hi = _byte_span(t)
+    if lo < e.lo or hi > e.hi:
+        return None
+    lead = len(shape) - t.dim()
+    if lead < 0:
+        return None
+    strides = tuple(
+        0 if d < lead or shape[d] == 1 or t.shape[d - lead] == 1 else t.stride(d - lead)
+        for d in range(len(shape)))
+    return e.position, e.name, t.storage_offset() - e.base, strides
 
 
 def _mixes_elements(func: Any) -> bool | str:
@@ -4993,7 +5133,8 @@ class WriteSession:
             "should update or write numbers where they do not belong. A sparse "
             "(NaN-masked) load cannot support a loader that mixes a patch's elements "
             "before its copy_ (a matmul, a scale taken from a whole tensor or block, a "
-            "sort, a cumsum, a softmax): send this weight dense. This copy wrote nothing"
+            "sort, a cumsum, a softmax, arithmetic between different elements such as "
+            "w - w[0]): send this weight dense. This copy wrote nothing"
             f"{self._no_source_note(name, tname)}",
             position=pos, name=name, reason="mixed elements", value=op,
         )

@@ -121,7 +121,9 @@ def load_checkpoint_weight_patches(
        whose source an op that mixes elements (a matmul, a reduction such as the
        ``amax`` of a scale, a sort, a ``cumsum``, a softmax: any op that is not a view,
        a copy, pointwise, an element move or NaN-aware; a put that adds, ``index_add_``,
-       only where an index repeats, a reduction only over a dim longer than 1) made from
+       only where an index repeats, a reduction only over a dim longer than 1; an
+       element-wise op, in place or ``out=`` too, only where it pairs different elements
+       of patches' data, ``w - w[0]``, ``w + w.flip(0)``, two patches' data) made from
        a patch's data while that data held NaN, or that was computed from such a result,
        raises :class:`NotImplementedError` (reason ``"mixed elements"``, naming the op),
        writing nothing of that copy: the staged NaN has spread over elements the patch

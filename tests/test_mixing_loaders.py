@@ -194,10 +194,67 @@ _MIXING = {
 }
 
 
+def _diff_of_columns(w):
+    a = w["a.w"]
+    return torch.cat([a[:, :1], a[:, 1:] - a[:, :-1]], 1)  # (torch.diff's own ops)
+
+
+def _python_sum_of_rows(w):
+    a = w["a.w"]
+    return sum(a[i] for i in range(4)).expand(4, 8)
+
+
+def _sub_in_place_of_row_0(w):
+    buf = w["a.w"].clone()
+    return buf.sub_(w["a.w"][0])  # (in place, into a copy of the update)
+
+
+def _other_added_onto_a_copy_of_a(w):
+    buf = w["a.w"].clone()
+    return buf.add_(w["other.w"])
+
+
+def _sub_out_of_a_flip(w):
+    a = w["a.w"]
+    buf = torch.empty(4, 8, device=a.device)
+    return torch.sub(a, a.flip(0), out=buf)
+
+
+# Element-wise arithmetic between *different* elements of patches' data: each element of
+# the result combines two elements, so a NaN ("keep") in either makes it NaN and numbers
+# land at other elements. name -> (f, op named, runtime dtype of a.w)
+_PAIRING = {
+    "w[:, 1:] - w[:, :-1]": (_diff_of_columns, "aten::sub.Tensor", torch.float32),
+    "torch.diff": (lambda w: torch.cat([w["a.w"][:, :1], torch.diff(w["a.w"], dim=1)], 1),
+                   "aten::sub.Tensor", torch.float32),
+    "w - w[0]": (lambda w: w["a.w"] - w["a.w"][0], "aten::sub.Tensor", torch.float32),
+    "outer of a column and a row": (lambda w: torch.outer(w["a.w"][:, 0], w["a.w"][0]),
+                                    "aten::mul.Tensor", torch.float32),
+    "w + w.flip(0)": (lambda w: w["a.w"] + w["a.w"].flip(0), "aten::add.Tensor",
+                      torch.float32),
+    "a Python sum of rows": (_python_sum_of_rows, "aten::add.Tensor", torch.float32),
+    "w * w.roll(1, 0)": (lambda w: w["a.w"] * w["a.w"].roll(1, 0), "aten::mul.Tensor",
+                         torch.float32),
+    "even plus odd columns": (
+        lambda w: (w["a.w"][:, ::2] + w["a.w"][:, 1::2]).repeat(1, 2), "aten::add.Tensor",
+        torch.float32),
+    "two patches multiplied": (lambda w: w["a.w"] * w["other.w"], "aten::mul.Tensor",
+                               torch.float32),
+    "sub_ of row 0, in place": (_sub_in_place_of_row_0, "aten::sub_.Tensor", torch.float32),
+    "other.w added onto a copy of a.w, in place": (_other_added_onto_a_copy_of_a,
+                                                   "aten::add_.Tensor", torch.float32),
+    "sub of a flip, out=": (_sub_out_of_a_flip, "aten::sub.out", torch.float32),
+    "fmax of w and w.flip(1) (NaN-aware)": (
+        lambda w: torch.fmax(w["a.w"], w["a.w"].flip(1)), "aten::fmax", torch.float32),
+}
+
+_REFUSED = {**_MIXING, **_PAIRING}
+
+
 @pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
-@pytest.mark.parametrize("case", list(_MIXING))
+@pytest.mark.parametrize("case", list(_REFUSED))
 def test_a_loader_that_mixes_a_sparse_patchs_elements_is_refused_before_it_writes(case, how):
-    f, op, dtype = _MIXING[case]
+    f, op, dtype = _REFUSED[case]
     m = _Mixing(f, dtype)
     before = m.snapshot()
     with pytest.raises(ContractViolation) as e:
@@ -226,6 +283,39 @@ def test_the_patch_named_is_the_one_whose_data_was_mixed():
     with pytest.raises(ContractViolation) as e:
         patchkit.load_checkpoint_weight_patches(m, _patches())
     assert (e.value.position, e.value.name, e.value.value) == (0, "other.w", "aten::amax")
+
+
+@pytest.mark.parametrize("full", ["a.w", "other.w"])
+def test_pairing_a_sparse_patch_with_a_fully_sent_one_is_refused(full):
+    # One of the two patches sent whole (a sparse patch of every element: no NaN), the
+    # other with NaN: where the latter keeps, the product is NaN, so the merge keeps the
+    # runtime value and the whole one's update of that element is lost. The patch named
+    # is the one whose NaN did it.
+    g = torch.Generator().manual_seed(5)
+    patches = []
+    for name in ("other.w", "a.w"):
+        idx = torch.arange(32) if name == full else torch.tensor([2, 11, 25])
+        patches.append(CWP(name, (4, 8), torch.float32, torch.randn(idx.numel(), generator=g),
+                           idx))
+    m = _Mixing(lambda w: w["a.w"] * w["other.w"])
+    with pytest.raises(ContractViolation) as e:
+        patchkit.load_checkpoint_weight_patches(m, patches)
+    sparse = "a.w" if full == "other.w" else "other.w"
+    assert (e.value.reason, e.value.name, e.value.value) == ("mixed elements", sparse,
+                                                             "aten::mul.Tensor")
+
+
+def test_pairing_two_fully_sent_patches_is_not_refused():
+    # no NaN in either: the product is numbers only, written whole
+    g = torch.Generator().manual_seed(6)
+    patches = [CWP(n, (4, 8), torch.float32, torch.randn(32, generator=g), torch.arange(32))
+               for n in ("other.w", "a.w")]
+    f = _REFUSED["two patches multiplied"][0]
+    m = _Mixing(f)
+    staged = {p.name: patchkit.stage(p) for p in patches}
+    want = bits(f(staged)).cpu()
+    patchkit.load_checkpoint_weight_patches(m, patches)
+    assert torch.equal(bits(m.a.detach()).cpu(), want)
 
 
 def _merged(f, model, patches):
@@ -380,7 +470,59 @@ def _mm_out_over_a_copy_of_the_update(w):
     return buf + a
 
 
+def _where_picks_w_or_its_flip(w):
+    # each element taken from one place of the update, as a mask picks: a move, no pair
+    a = w["a.w"]
+    pick = (torch.arange(8, device=a.device) % 2 == 0).expand(4, 8)
+    return torch.where(pick, a, a.flip(1))
+
+
+def _where_with_the_models_tensor(self_a):
+    return lambda w: torch.where(self_a.detach() > 0, w["a.w"], self_a.detach()) * 1.5
+
+
+def _scaled_by_a_tensor_of_the_loaders(w):
+    scale = torch.linspace(0.5, 2.0, 8, device=w["a.w"].device)  # (not a patch's data)
+    return w["a.w"] * scale * 2.0
+
+
+def _each_patch_on_its_own(w):
+    # both patches' data in the same ops, each with its own elements only (patch 0's is
+    # computed and dropped; the model writes it as sent)
+    print("other.w squared:", w["other.w"] * w["other.w"].clone())
+    return w["a.w"] * 2.0 - 1.0
+
+
+def _product_with_its_own_pointwise_results(w):
+    a = w["a.w"]
+    return a.sign() * a.abs().sqrt() * a.abs().sqrt() + a * 0.0  # (the same elements)
+
+
+def _same_strided_view_twice(w):
+    a = w["a.w"]
+    even = a[:, ::2] * a[:, ::2] + a[:, ::2]  # (two views of the same elements)
+    return torch.cat([even, a[:, 1::2]], 1)
+
+
+def _in_place_product_with_a_copy(w):
+    a = w["a.w"]
+    buf = a.clone()
+    return buf.mul_(a).add_(a.float()).sub_(a.clone())  # (the same elements throughout)
+
+
 _NOT_MIXING = {
+    "w * w": lambda w: w["a.w"] * w["a.w"],
+    "w + w.clone()": lambda w: w["a.w"] + w["a.w"].clone(),
+    "w * 2 and w * a loader's tensor": _scaled_by_a_tensor_of_the_loaders,
+    "where(model's mask, w, model's tensor)": "where with the model's tensor",
+    "where picking w or w.flip(1)": _where_picks_w_or_its_flip,
+    "one row expanded": lambda w: w["a.w"][0].expand(4, -1),
+    "one row repeated, plus that row": (
+        lambda w: w["a.w"][:1].repeat(4, 1) + w["a.w"][0]),
+    "each patch computed on its own": _each_patch_on_its_own,
+    "products with its own pointwise results": _product_with_its_own_pointwise_results,
+    "the same strided view twice": _same_strided_view_twice,
+    "in place, with copies of the same elements": _in_place_product_with_a_copy,
     "isnan().any() check": _checked_then_plain,
     "argsort indices": _argsort_round_trip,
     "statistic never written": _statistic_never_written,
@@ -410,7 +552,9 @@ _NOT_MIXING = {
 def test_a_loader_that_does_not_mix_loads_as_before(case, how, capsys):
     m = _Mixing(None)
     f = _NOT_MIXING[case]
-    m.f = _where_keeps_old(m.a) if f == "where" else f
+    m.f = (_where_keeps_old(m.a) if f == "where"
+           else _where_with_the_models_tensor(m.a) if f == "where with the model's tensor"
+           else f)
     patches = _patches()
     want = bits(_merged(m.f, m, patches)).clone()
     ref = _Mixing(lambda w: w["a.w"])  # (the same patch loaded plainly: 'other.w')
@@ -422,11 +566,12 @@ def test_a_loader_that_does_not_mix_loads_as_before(case, how, capsys):
 
 
 @pytest.mark.parametrize("case", ["rotation", "amax scale", "sort values", "cumsum",
-                                  "softmax", "through a scratch copy_"])
+                                  "softmax", "through a scratch copy_", "w - w[0]",
+                                  "w + w.flip(0)", "sub_ of row 0, in place"])
 def test_a_sparse_patch_without_nan_is_not_refused(case):
     # every element of a.w sent as a sparse patch: no NaN to spread, so the mixing op's
     # result is a plain copy of numbers, written whole
-    f, _, dtype = _MIXING[case]
+    f, _, dtype = _REFUSED[case]
     m = _Mixing(f, dtype)
     patches = _patches(full=True)
     staged = {p.name: patchkit.stage(p) for p in patches}
@@ -435,15 +580,17 @@ def test_a_sparse_patch_without_nan_is_not_refused(case):
     assert torch.equal(bits(m.a.detach()).cpu(), want)
 
 
-@pytest.mark.parametrize("case", list(_MIXING))
+@pytest.mark.parametrize("case", list(_REFUSED))
 def test_a_dense_call_through_a_mixing_loader_is_untouched(case):
     # a dense patch has no NaN marks: the loader's result is written as it is
-    f, _, dtype = _MIXING[case]
+    f, _, dtype = _REFUSED[case]
     m = _Mixing(f, dtype)
     g = torch.Generator().manual_seed(3)
     values = torch.randn(32, generator=g).to(torch.get_default_device())
-    patches = [CWP("a.w", (4, 8), torch.float32, values, None)]
-    want = bits(f({"a.w": patches[0].values.reshape(4, 8)})).cpu()
+    other = torch.randn(32, generator=g).to(torch.get_default_device())
+    patches = [CWP("other.w", (4, 8), torch.float32, other, None),
+               CWP("a.w", (4, 8), torch.float32, values, None)]
+    want = bits(f({p.name: p.values.reshape(4, 8) for p in patches})).cpu()
     patchkit.load_checkpoint_weight_patches(m, patches)
     assert torch.equal(bits(m.a.detach()).cpu(), want)
 
@@ -471,12 +618,13 @@ def _merging_loader(model, patches, **kwargs):
         torch.Tensor.copy_ = original
 
 
-@pytest.mark.parametrize("case", ["rotation", "amax scale", "sort values"])
+@pytest.mark.parametrize("case", ["rotation", "amax scale", "sort values", "w - w[0]",
+                                  "w + w.flip(0)", "two patches multiplied"])
 def test_an_observed_loader_that_merges_mixed_data_is_reported(case):
     # What vLLM does with such a loader: it merges what the mixing op made, keeping
     # elements the patch updates, without a word. Observed (``loader=``), the load runs as
     # the loader runs it, and the report raises when it finishes, naming the patch and op.
-    f, op, _ = _MIXING[case]
+    f, op, _ = _REFUSED[case]
     m = _Mixing(f)
     with pytest.raises(ContractViolation) as e:
         patchkit.inspect_load(m, _patches(), loader=_merging_loader)
@@ -487,7 +635,8 @@ def test_an_observed_loader_that_merges_mixed_data_is_reported(case):
 
 
 @pytest.mark.parametrize("case", ["isnan().any() check", "argsort indices",
-                                  "NaN-aware reductions"])
+                                  "NaN-aware reductions", "w * w", "one row expanded",
+                                  "products with its own pointwise results"])
 def test_an_observed_loader_that_does_not_mix_is_not_reported(case):
     m = _Mixing(_NOT_MIXING[case])
     patches = _patches()

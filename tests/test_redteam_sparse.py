@@ -457,9 +457,12 @@ def _a_scaled_in_place(w):
     return buf[:4], buf[4:]
 
 
-def _b_added_onto_a(w):
+def _b_put_into_a(w):
+    # (an add of b onto a copy of a pairs two patches' elements, refused: see
+    # tests/test_mixing_loaders.py; a put moves b's elements in)
     buf = w["a"].clone()
-    buf.add_(w["b"])
+    at = torch.tensor([2, 6])
+    buf.index_copy_(0, at, w["b"][at])
     return buf[:4], buf[4:]
 
 
@@ -476,7 +479,7 @@ _SCRATCH = {
     "padding and a into a buffer of b": (_padding_and_a_into_a_buffer_of_b, ["a", "b"], [0, 0]),
     "padding then a over b": (_padding_then_a_over_b, [None, "a"], [None, 0]),
     "a scaled in place": (_a_scaled_in_place, ["a", "a"], [0, 4]),
-    "b added onto a": (_b_added_onto_a, [None, None], [None, None]),
+    "b put into a": (_b_put_into_a, [None, None], [None, None]),
     "a flip of a buffer of two patches": (_flip_of_two, [None, None], [None, None]),
 }
 
