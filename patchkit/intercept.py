@@ -2163,13 +2163,12 @@ class _Provenance:
         found = self._traced_data((*args, *kwargs.values()) if kwargs else args)
         if found:
             self._moved_into(out, found, self.mixed_by(func, found, args, kwargs or {},
-                                                       out.numel(), out.shape)
+                                                       out.numel())
                              if func is not None and self.mixing
                              and (out.is_floating_point() or out.is_complex()) else None)
 
     def mixed_by(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
-                 args: Sequence[Any], kwargs: dict, size: int,
-                 shape: Sequence[int] | None = None
+                 args: Sequence[Any], kwargs: dict, size: int
                  ) -> tuple[int | None, str | None, str] | None:
         """``(position, name, op)`` where ``func``, an op that makes a floating-point
         output, mixes elements (see :func:`_mixes`) and one of its floating-point inputs
@@ -2183,11 +2182,11 @@ class _Provenance:
         elements at one place; a reduction (``torch.Tag.reduction``) only where it reduces
         a dim longer than 1 (an input of ``size`` elements: ``torch.stack([w]).sum(0)``).
         An element-wise op (:func:`_pairs`) mixes where it pairs different elements of
-        patches' data (see :meth:`_paired`; ``shape``: its output's)."""
+        patches' data (see :meth:`_paired`)."""
         kind = _mixes(func)
         if not kind:
-            if len(found) > 1 and shape is not None and _pairs(func):
-                return self._paired(func, found, shape)
+            if len(found) > 1 and _pairs(func):
+                return self._paired(func, found)
             return None
         if kind is _PUT and not _combines(func, args, kwargs):
             return None
@@ -2205,24 +2204,25 @@ class _Provenance:
                 return e.position, e.name, _op_name(func)
         return None
 
-    def _paired(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
-                shape: Sequence[int]) -> tuple[int | None, str | None, str] | None:
-        """``(position, name, op)`` where element-wise op ``func`` (its output of
-        ``shape``) pairs different elements of patches' data, one of them holding NaN (a
-        sparse patch's "keep"): ``w - w[0]``, ``w[:, 1:] - w[:, :-1]``, ``w + w.flip(0)``,
-        ``q * k``. Each output element then combines two patch elements, so a NaN in
-        either makes it NaN (the merge keeps it, and the other element's update is lost)
-        and numbers land at other elements' places. ``found``: its floating-point inputs
-        traced to patches' data (two or more), each with a stretch it reaches.
+    def _paired(self, func: Any, found: list[tuple[torch.Tensor, _Source]]
+                ) -> tuple[int | None, str | None, str] | None:
+        """``(position, name, op)`` where element-wise op ``func`` pairs different
+        elements of patches' data, one of them holding NaN (a sparse patch's "keep"):
+        ``w - w[0]``, ``w[:, 1:] - w[:, :-1]``, ``w + w.flip(0)``, ``q * k``. Each output
+        element then combines two patch elements, so a NaN in either makes it NaN (the
+        merge keeps it, and the other element's update is lost) and numbers land at
+        other elements' places. ``found``: its floating-point inputs traced to patches'
+        data (two or more), each with a stretch it reaches.
 
-        Inputs that map every output element (broadcast to ``shape``) to the same element
-        of the same patch pair nothing (``w * w``, ``w + w.clone()``, ``w[0] + w[0]``),
-        and are decided without a read. Otherwise their NaN is read (rare in loaders):
-        none holds any, none mixes. Inputs of two patches, or of one at two known places
-        (offset or strides), mix. Where an input's place in its patch is not known (the
-        result of a move, ``w.flip(0)``, or of another element-wise op, ``w.abs()``), the
-        NaN masks decide: two inputs that hold NaN at different places (broadcast) mix;
-        NaN at the same places, or in one input only, is let through (``w * w.abs()``,
+        Inputs that map every element of their broadcast shape (their output's, less the
+        dims only other inputs add) to the same element of the same patch pair nothing
+        (``w * w``, ``w + w.clone()``, ``w[0] + w[0]``), and are decided without a read.
+        Otherwise their NaN is read (rare in loaders): none holds any, none mixes. Inputs
+        of two patches, or of one at two known places (offset or strides), mix. Where an
+        input's place in its patch is not known (the result of a move, ``w.flip(0)``, or
+        of another element-wise op, ``w.abs()``), the NaN masks decide: two inputs that
+        hold NaN at different places (broadcast) mix; NaN at the same places, or in one
+        input only, is let through (``w * w.abs()``,
         ``torch.complex(w, torch.zeros_like(w))``)."""
         if any(e.mixed is not None for _, e in found):
             return None  # (mixed already: carried, the op that mixed first named)
@@ -2237,6 +2237,10 @@ class _Provenance:
                 got.append(e)  # (a tensor that reaches two stretches: no one place)
         if len(data) < 2:
             return None
+        try:
+            shape = torch.broadcast_shapes(*(t.shape for t, _ in data))
+        except RuntimeError:
+            return None  # (inputs that do not broadcast together: not paired so)
         places = [_place_in_patch(t, hits[0], shape) if len(hits) == 1 else None
                   for t, hits in data]
         if places[0] is not None and all(p == places[0] for p in places[1:]):
@@ -2280,9 +2284,8 @@ class _Provenance:
             i, n = outs[0]
             written = args[i] if i < len(args) else kwargs.get(n)
         size = written.numel() if isinstance(written, torch.Tensor) else -1
-        shape = written.shape if isinstance(written, torch.Tensor) else None
         return self.mixed_by(func, self._traced_data(_inputs(func, args, kwargs)), args,
-                             kwargs, size, shape)
+                             kwargs, size)
 
     def mix(self, t: torch.Tensor, mixed: tuple[int | None, str | None, str]) -> None:
         """``t``, a tensor of the loader's own, was written by an op that mixed its

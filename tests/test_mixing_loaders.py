@@ -19,9 +19,11 @@ from patchkit import CheckpointWeightPatch as CWP
 from patchkit.bitwise import bits
 from patchkit.errors import ContractViolation
 
-# (loaders below call torch's beta index_reduce_ and scatter(reduce=), which warn)
+# (loaders below call torch's beta index_reduce_ and scatter(reduce=), and resize an out=
+# tensor, which warn)
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:index_reduce\(\) is in beta:UserWarning",
+    "ignore:An output with one or more elements was resized:UserWarning",
     "ignore:The reduce argument of torch.scatter:UserWarning",
 )
 
@@ -244,6 +246,10 @@ _PAIRING = {
     "other.w added onto a copy of a.w, in place": (_other_added_onto_a_copy_of_a,
                                                    "aten::add_.Tensor", torch.float32),
     "sub of a flip, out=": (_sub_out_of_a_flip, "aten::sub.out", torch.float32),
+    "sub of a flip, out= a tensor of another shape (resized)": (
+        lambda w: torch.sub(w["a.w"], w["a.w"].flip(0),
+                            out=torch.empty(3, device=w["a.w"].device)),
+        "aten::sub.out", torch.float32),
     "fmax of w and w.flip(1) (NaN-aware)": (
         lambda w: torch.fmax(w["a.w"], w["a.w"].flip(1)), "aten::fmax", torch.float32),
 }
