@@ -2218,12 +2218,15 @@ class _Provenance:
         dims only other inputs add) to the same element of the same patch pair nothing
         (``w * w``, ``w + w.clone()``, ``w[0] + w[0]``), and are decided without a read.
         Otherwise their NaN is read (rare in loaders): none holds any, none mixes. Inputs
-        of two patches, or of one at two known places (offset or strides), mix. Where an
-        input's place in its patch is not known (the result of a move, ``w.flip(0)``, or
-        of another element-wise op, ``w.abs()``), the NaN masks decide: two inputs that
-        hold NaN at different places (broadcast) mix; NaN at the same places, or in one
-        input only, is let through (``w * w.abs()``,
-        ``torch.complex(w, torch.zeros_like(w))``)."""
+        of one patch at two known places (offset or strides) mix, as does, among inputs
+        of two patches, one that holds none of the NaN at a known place in its patch (a
+        patch sent whole, ``w * scale``: its update is lost wherever the other keeps).
+        Else (inputs whose place in their patch is not known: the result of a move,
+        ``w.flip(0)``, or of another element-wise op, ``w.abs()``; or two patches' inputs
+        that both hold NaN) the NaN masks decide: two inputs that hold NaN at different
+        places (broadcast) mix; NaN at the same places (``a + b`` of two patches that
+        keep the same elements), or in one input only, is let through
+        (``w * w.abs()``)."""
         if any(e.mixed is not None for _, e in found):
             return None  # (mixed already: carried, the op that mixed first named)
         data: list[tuple[torch.Tensor, list[_Source]]] = []  # (each tensor once)
@@ -2254,9 +2257,9 @@ class _Provenance:
         op = _op_name(func)
         named = {(e.position, e.name) for _, hits in data for e in hits if e.name is not None}
         if len(named) > 1:
-            return who.position, who.name, op  # (two patches paired)
-        known = {p for p in places if p is not None}
-        if len(known) > 1:
+            if any(p is not None and not h for p, h in zip(places, holds)):
+                return who.position, who.name, op  # (a patch's numbers, lost where NaN)
+        elif len({p for p in places if p is not None}) > 1:
             return who.position, who.name, op  # (one patch at two places)
         masks = [m for m, h in zip(nan, holds) if h]
         if len(masks) > 1:
@@ -3114,13 +3117,14 @@ def _puts_repeat(func: Any, args: Sequence[Any], kwargs: dict) -> bool:
 
 
 # Element-wise ops whose result takes each element from one input only, as a condition
-# or mask picks (``where``, ``masked_fill``): they move elements and pair none
-_PICKS = frozenset({"where", "masked_fill"})
+# or mask picks (``where``, ``masked_fill``), or each part of a complex element from one
+# (``torch.complex(re, im)``, a stack of the two): they move elements and pair none
+_PICKS = frozenset({"where", "masked_fill", "complex"})
 
 # Element-wise ops (ATen names, as for ``_KEEPS_ELEMENTS``) some or all of whose
 # overloads torch does not tag pointwise
 _ELEMENT_WISE = frozenset({
-    "complex", "polar", "copysign", "frexp", "ldexp", "fmod", "remainder", "floor_divide",
+    "polar", "copysign", "frexp", "ldexp", "fmod", "remainder", "floor_divide",
     "true_divide", "rsub", "fmax", "fmin", "nextafter", "hypot", "atan2", "xlogy",
 })
 

@@ -311,6 +311,26 @@ def test_pairing_a_sparse_patch_with_a_fully_sent_one_is_refused(full):
                                                              "aten::mul.Tensor")
 
 
+@pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
+def test_pairing_two_patches_that_keep_the_same_elements_is_not_refused(how):
+    # a.w + other.w, both updating elements 1, 9, 20 and 30: where both keep, the runtime
+    # value (the sum of the two kept) stays right; where both update, the new sum lands.
+    # (Refused at first, as any pairing of two patches' data.)
+    idx = torch.tensor([1, 9, 20, 30])
+    patches = [CWP("other.w", (4, 8), torch.float32, torch.tensor([0.5, -0.75, 0.25, 1.0]), idx),
+               CWP("a.w", (4, 8), torch.float32, torch.linspace(-2.0, 2.0, 4), idx)]
+    m = _Mixing(lambda w: w["a.w"] + w["other.w"])
+    want = bits(_merged(m.f, m, patches)).clone()
+    _load(how, m, patches)
+    assert torch.equal(bits(m.a.detach()), want)
+    assert not torch.equal(want, bits(_Mixing(None).a.detach()))  # (the patch landed)
+    # one element apart, they keep different elements: refused
+    shifted = [patches[0]._replace(indices=torch.tensor([1, 9, 20, 31])), patches[1]]
+    with pytest.raises(ContractViolation) as e:
+        _load(how, _Mixing(m.f), shifted)
+    assert (e.value.reason, e.value.value) == ("mixed elements", "aten::add.Tensor")
+
+
 def test_pairing_two_fully_sent_patches_is_not_refused():
     # no NaN in either: the product is numbers only, written whole
     g = torch.Generator().manual_seed(6)
