@@ -1803,9 +1803,17 @@ class _Source(NamedTuple):
     dtype: torch.dtype | None = None
     # ``(held, read as)``: the stretch was made by a cast of a view that read the patch's
     # bytes (of dtype ``held``) as another dtype (``w.view(torch.int32).float()``): its
-    # elements hold no staged NaN where the patch keeps, whatever dtype reads them
+    # elements hold no staged NaN where the patch keeps, whatever dtype reads them; or
+    # ``(held, held)``: made from a read of its own dtype whose elements straddle two of
+    # the patch's (see ``shift``), garbage whatever dtype reads it
     misread: tuple[torch.dtype, torch.dtype] | None = None
     mixed: tuple[int | None, str | None, str] | None = None
+    # where ``base`` is None: the byte offset, modulo the size of ``dtype``, at which the
+    # stretch's elements begin in the storage, where an op moved a patch's bytes to an
+    # offset of no whole element (a clone of ``w.view(torch.uint8)[1:13]``): each element
+    # of ``dtype`` there straddles two of the patch's (:func:`_misaligned`). 0: aligned,
+    # or not known.
+    shift: int = 0
 
 
 def _trimmed(got: list[_Source], first: int, after: int, lo: int, hi: int,
@@ -2058,7 +2066,8 @@ class _Provenance:
         if len(got) > 1:
             return False
         held = got[0].dtype
-        return got[0].misread is None and (held is None or held.to_real() == dtype)
+        return (got[0].misread is None and not got[0].shift
+                and (held is None or held.to_real() == dtype))
 
     def derive(self, src: torch.Tensor, out: torch.Tensor, *, whole: bool) -> bool:
         """``out`` is an element-for-element copy of ``src`` (a cast, a clone, a scratch
@@ -2079,7 +2088,8 @@ class _Provenance:
                                     _carried_base(hit, src, out),
                                     hit.exact and whole and misread is None,
                                     _weak_storage(out), _bits_dtype(hit, src, out), misread,
-                                    None if hit.mixed is None else _mixed_for(out, hit.mixed)))
+                                    None if hit.mixed is None else _mixed_for(out, hit.mixed),
+                                    _carried_shift(hit, src, out)))
             return True
         found = self.stretches(src) if self._by_key else []
         if follow and found:
@@ -2100,7 +2110,8 @@ class _Provenance:
                     lo + k0 * os_, lo + k1 * os_, e.position, e.name,
                     _carried_base(e, src, out), e.exact and whole and misread is None,
                     ref, _bits_dtype(e, src, out), misread,
-                    None if e.mixed is None else _mixed_for(out, e.mixed)))
+                    None if e.mixed is None else _mixed_for(out, e.mixed),
+                    _carried_shift(e, src, out)))
             return True
         if not whole:
             # A copy into a tensor of the loader's own (a scratch buffer) that cannot be
@@ -3235,10 +3246,37 @@ def _misread(hit: _Source, src: torch.Tensor, out: torch.Tensor
     another dtype (``w.view(torch.bfloat16).to(torch.float8_e4m3fnuz)`` of a float32
     ``w``), ``(hit's dtype, src's)``. An op that moves the bits (``out`` of ``src``'s
     dtype) needs no mark: its stretch keeps ``hit``'s dtype, which a read as another one
-    is refused by."""
-    if hit.misread is not None or out.dtype == src.dtype or hit.dtype is None:
+    is refused by. A ``src`` of ``hit``'s own dtype whose elements straddle two of the
+    patch's (:func:`_misaligned`) reads garbage, whatever the op makes of it: marked
+    ``(hit's dtype, src's)`` as well, two dtypes of one size."""
+    if hit.misread is not None or hit.dtype is None:
         return hit.misread
-    return None if src.dtype.to_real() == hit.dtype.to_real() else (hit.dtype, src.dtype)
+    if src.dtype.to_real() == hit.dtype.to_real():
+        return (hit.dtype, src.dtype) if _misaligned(hit, src) else None
+    return None if out.dtype == src.dtype else (hit.dtype, src.dtype)
+
+
+def _misaligned(hit: _Source, t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements begin where stretch ``hit``'s elements do not (see
+    :attr:`_Source.shift`): each then holds the end of one of the patch's elements and
+    the start of the next (the staged NaN "keep", shifted, reads as a number)."""
+    return bool(hit.shift) and (
+        t.storage_offset() * t.element_size() - hit.shift) % _unit(hit, t) != 0
+
+
+def _carried_shift(hit: _Source, src: torch.Tensor, out: torch.Tensor) -> int:
+    """:attr:`_Source.shift` of the stretch that contiguous ``out`` gets, made element
+    for element from contiguous ``src`` (whose bytes are stretch ``hit``'s): where an op
+    moved the bits (``out`` of ``src``'s dtype), the patch's elements move with them, by
+    as many bytes as ``out`` lies from ``src`` (``w.view(torch.uint8)[1:13].clone()``:
+    by one byte, so they begin 3 bytes into a float32 of the clone). A cast makes new
+    elements (:func:`_misread` marks one of misaligned bytes); 0 where not known."""
+    if out.dtype != src.dtype or hit.dtype is None or (hit.base is None and not hit.shift):
+        return 0
+    unit = hit.dtype.itemsize
+    at = (out.storage_offset() - src.storage_offset()) * src.element_size() + (
+        hit.shift if hit.base is None else hit.base * unit)
+    return at % unit
 
 
 def _unit(hit: _Source, t: torch.Tensor) -> int:
@@ -5164,10 +5202,32 @@ class WriteSession:
         patch has a value). A complex dtype's bytes count as its real dtype's. So is a
         copy from a cast of such a view (``w.view(torch.bfloat16).to(torch.float8_e4m3fnuz)``,
         ``w.view(torch.int32).float()``: :attr:`_Source.misread`), whose elements hold
-        no staged NaN where the patch keeps, whatever dtype reads them."""
+        no staged NaN where the patch keeps, whatever dtype reads them. So is a read of
+        the patch's own dtype whose elements straddle two of the patch's, its bytes moved
+        by no whole number of elements (``w.view(torch.uint8)[1:13].clone().view(
+        torch.float32)``: :attr:`_Source.shift`), or anything made from one."""
         if not self.provenance or self.provenance.read_as(src, src.dtype):
             return
         for e in self.provenance.stretches(src):
+            if e.misread is None and _misaligned(e, src):
+                e = e._replace(misread=(e.dtype, src.dtype))
+            if e.misread is not None and e.misread[0].to_real() == e.misread[1].to_real():
+                held, read = e.misread
+                size = held.itemsize
+                raise ContractViolation(
+                    f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} "
+                    f"{src.dtype} source made from patch data held as {held} moved by a "
+                    f"number of bytes that is no multiple of its {size}-byte elements "
+                    "(such as `w.view(torch.uint8)[1:13].clone().view(torch.float32)`): "
+                    f"each {read} element it reads holds the end of one of the patch's "
+                    "elements and the start of the next, so the NaN that marks 'keep' in "
+                    "a sparse patch reads as numbers, and the merge would write the "
+                    "staged NaN bits, shifted, into the model. Move a patch's values by "
+                    f"whole elements. This copy wrote nothing"
+                    f"{self._no_source_note(name, tname)}",
+                    position=pos, name=name, reason="reinterpreted source",
+                    value=(held, read),
+                )
             if e.misread is not None:
                 held, read = e.misread
                 raise ContractViolation(

@@ -427,6 +427,97 @@ def test_patch_bytes_read_as_another_dtype_from_a_buffer_of_two_patches_are_refu
     assert torch.equal(bits(m.h.detach()), before)
 
 
+_U8 = torch.uint8
+
+# A loader that moves a float32 patch's bytes by a number of bytes that is no multiple of
+# 4, then reads them as float32 again: each element it reads holds the end of one
+# element and the start of the next, so the staged NaN ("keep") reads as numbers.
+_SHIFTED = {
+    "a clone of bytes 1:13": lambda t: t.view(_U8)[1:13].clone().view(torch.float32),
+    "a clone of int16 words 1:7": lambda t: t.view(torch.int16)[1:7].clone().view(
+        torch.float32),
+    "then cast": lambda t: t.view(_U8)[1:13].clone().view(torch.float32).double(),
+    "then flipped": lambda t: t.view(_U8)[1:13].clone().view(torch.float32).flip(0),
+    "then scaled": lambda t: t.view(_U8)[1:13].clone().view(torch.float32) * 1,
+}
+
+
+def _scratch_read_3_bytes_on(t):
+    buf = torch.zeros(20, dtype=_U8)
+    buf[1:17].copy_(t.view(_U8))  # (patch element k at bytes 1+4k: read from byte 4)
+    return buf[4:16].view(torch.float32)
+
+
+_SHIFTED["a scratch copy read 3 bytes on"] = _scratch_read_3_bytes_on
+
+# The same moves by whole elements: the patch's elements, bit for bit.
+_ALIGNED = {
+    "a clone of all its bytes": lambda t: t.view(_U8).clone().view(torch.float32)[1:],
+    "a clone of bytes 4:16": lambda t: t.view(_U8)[4:16].clone().view(torch.float32),
+    "a clone of int16 words 2:8": lambda t: t.view(torch.int16)[2:8].clone().view(
+        torch.float32),
+    "moved by 1 byte, then by 3 more": lambda t: t.view(_U8)[1:].clone()[3:15].clone().view(
+        torch.float32),
+}
+
+
+class _Bytes(nn.Module):
+    """Copies patch "a" into ``p`` as it is, then what ``move`` makes of patch "b" (four
+    float32 elements) into the three elements of ``h``."""
+
+    def __init__(self, move):
+        super().__init__()
+        self.p = nn.Parameter(torch.arange(4.0) + 10.5, requires_grad=False)
+        self.h = nn.Parameter(torch.arange(3.0) + 0.5, requires_grad=False)
+        self.move = move
+
+    def load_weights(self, weights):
+        w = dict(weights)
+        self.p.data.copy_(w["a"])
+        self.h.data.copy_(self.move(w["b"]))
+        return {"p", "h"}
+
+
+def _a_and_b():
+    return [CWP("a", (4,), torch.float32, torch.tensor([9.0]), torch.tensor([1])),
+            CWP("b", (4,), torch.float32, torch.tensor([7.0, -3.0]), torch.tensor([1, 2]))]
+
+
+@pytest.mark.parametrize("how", list(_SHIFTED))
+@pytest.mark.parametrize("kind", ["plain", "transactional", "inspected"])
+def test_patch_bytes_moved_off_their_elements_then_read_as_their_dtype_are_refused(how, kind):
+    # Before, such a copy was merged: the NaN of b's staged tensor, shifted by a byte,
+    # reads as float32 numbers (1e-38 and the like), which landed in h where b keeps.
+    m = _Bytes(_SHIFTED[how])
+    before = [bits(t.detach()).clone() for t in (m.p, m.h)]
+    with pytest.raises(ContractViolation, match="no multiple of its 4-byte") as e:
+        if kind == "inspected":
+            patchkit.inspect_load(m, _a_and_b())
+        else:
+            patchkit.load_checkpoint_weight_patches(m, _a_and_b(),
+                                                    transactional=kind == "transactional")
+    assert (e.value.position, e.value.name, e.value.reason, e.value.value) == (
+        1, "b", "reinterpreted source", (torch.float32, torch.float32))
+    assert torch.equal(bits(m.h.detach()), before[1])  # (refused before it wrote)
+    # a's write, made before, stays unless the load is transactional
+    assert torch.equal(bits(m.p.detach()), before[0]) == (kind == "transactional")
+
+
+@pytest.mark.parametrize("how", list(_ALIGNED))
+def test_patch_bytes_moved_by_whole_elements_still_merge_bit_for_bit(how):
+    m = _Bytes(_ALIGNED[how])
+    staged = patchkit.stage(_a_and_b()[1])
+    moved = _ALIGNED[how](staged)
+    want = torch.where(moved.isnan(), m.h.detach(), moved)
+    assert int((~moved.isnan()).sum()) == 2  # (both of b's entries land in h)
+    r = patchkit.inspect_load(m, _a_and_b())
+    assert torch.equal(bits(m.h.detach()), bits(want))
+    assert r.writes["written"].tolist() == [1, 2]
+    m = _Bytes(_ALIGNED[how])
+    patchkit.load_checkpoint_weight_patches(m, _a_and_b(), transactional=True)
+    assert torch.equal(bits(m.h.detach()), bits(want))
+
+
 @pytest.mark.skipif(not native.status().startswith("compiled"),
                     reason="the positions are recomputed on the compiled path only")
 def test_a_rollback_puts_back_what_a_merge_wrote_after_the_loader_moved_the_staged_entries():
