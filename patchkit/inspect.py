@@ -426,7 +426,12 @@ class LoadReport:
       or patchkit refused it as it returned: a sparse call that rebound or registered a
       runtime tensor, or returned names without copying; its ``returned`` names are then
       not in ``loaded``).
-    - ``writes``: one row per write into a runtime tensor: ``chunk``, ``position`` and
+    - ``writes``: one row per write into a runtime tensor (a ``copy_`` whose view runs
+      from one runtime tensor into the next of one storage, over the end of ``q`` and
+      the start of ``k`` where both are views of one flat buffer, is a row for each
+      tensor it reaches; where a tensor's end falls inside a row of a view that is not
+      contiguous, one for its whole rows and one for the part of the next): ``chunk``,
+      ``position`` and
       ``name`` of the patch that fed it (``None`` when the source could not be traced to
       one staged tensor: made by an op from two patches, say), ``checkpoint_offset``
       (flat element offset of the source region in the checkpoint tensor; ``None`` when

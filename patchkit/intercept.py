@@ -1458,6 +1458,95 @@ class RuntimeIndex:
         return None
 
 
+def _cut_at_owners(dest: torch.Tensor, src: torch.Tensor, near: list[_Owner]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """``dest`` (a copy's destination, ``src`` its source) cut into views that each lie
+    in one of the runtime tensors ``near`` (those its bytes meet), in row-major order:
+    one per tensor where ``dest`` is contiguous and ``src`` (broadcast to its shape) can
+    be flattened, or where the tensors' bounds fall between slabs of ``dest`` (rows of a
+    matrix), else a few boxes per tensor (:func:`_row_major_boxes`). ``None`` where no
+    such cut exists: the tensors' extents overlap or are strided (column slices of a
+    fused buffer, whose extents interleave), ``dest``'s elements do not run forward
+    through its storage (a transposed view), an element of ``dest`` straddles two
+    tensors or lies in none (the loader's own space between them)."""
+    size = dest.element_size()
+    spans = sorted({(o.start, o.end) for o in near})
+    if len(spans) < 2 or not all(o.dense for o in near) or any(
+            a[1] > b[0] for a, b in itertools.pairwise(spans)):
+        return None
+    if any(a % size or b % size for a, b in spans):
+        return None
+    shape, stride = dest.shape, dest.stride()
+    inner = 0  # the span of the dims inside each: a dim must step past it
+    for n, st in zip(reversed(shape), reversed(stride)):
+        if n > 1:
+            if st <= inner:
+                return None
+            inner += st * (n - 1)
+    first = dest.storage_offset()
+    ranges = [(_count_below(first, shape, stride, a // size),
+               _count_below(first, shape, stride, b // size)) for a, b in spans]
+    ranges = [(a, b) for a, b in ranges if b > a]
+    if sum(b - a for a, b in ranges) != dest.numel():
+        return None
+    try:
+        whole = src.expand(dest.shape)
+    except RuntimeError:
+        return None
+    cuts = [_row_major_boxes(tuple(shape), a, b) for a, b in ranges]
+    if any(len(c) > 1 for c in cuts) and dest.is_contiguous():
+        try:
+            flat = whole.view(-1)
+        except RuntimeError:
+            flat = None
+        if flat is not None:
+            d = dest.view(-1)
+            return [(d[a:b], flat[a:b]) for a, b in ranges]
+    return [(dest[i], whole[i]) for c in cuts for i in c]
+
+
+def _count_below(offset: int, shape: Sequence[int], stride: Sequence[int], x: int) -> int:
+    """How many elements of the view ``(offset, shape, stride)`` (in elements of its
+    storage; each dim steps past all the dims inside it, so its row-major order runs
+    forward through the storage) lie before storage element ``x``."""
+    if offset >= x:
+        return 0
+    if not shape:
+        return 1
+    n, s = shape[0], stride[0]
+    rest = math.prod(shape[1:])
+    span = sum((m - 1) * t for m, t in zip(shape[1:], stride[1:]))
+    if offset + (n - 1) * s + span < x:
+        return n * rest
+    # the slabs that end before x, whole; then the part of the next that does
+    full = 0 if n == 1 else max(0, -(-(x - offset - span) // s))
+    return full * rest + _count_below(offset + full * s, shape[1:], stride[1:], x)
+
+
+def _row_major_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple]:
+    """Indices (ints and slices) whose views of a tensor of ``shape`` hold, in order,
+    its elements ``[a, b)`` in row-major order: the fewest such boxes, whole slabs
+    of the first dim where they may."""
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [(slice(a, b),)] if shape else [()]
+    rest = math.prod(shape[1:])
+    i0, r0 = divmod(a, rest)
+    i1, r1 = divmod(b, rest)
+    if i0 == i1:
+        return [(i0, *k) for k in _row_major_boxes(shape[1:], r0, r1)]
+    out: list[tuple] = []
+    if r0:
+        out += [(i0, *k) for k in _row_major_boxes(shape[1:], r0, rest)]
+        i0 += 1
+    if i1 > i0:
+        out.append((slice(i0, i1),))
+    if r1:
+        out += [(i1, *k) for k in _row_major_boxes(shape[1:], 0, r1)]
+    return out
+
+
 def _position_of(t: torch.Tensor, byte: int) -> int | None:
     """The row-major position in ``t`` of the element that starts at storage byte
     ``byte``, or ``None`` when no element of ``t`` starts there. Exact for views whose
@@ -4574,7 +4663,7 @@ class WriteSession:
                     and dest.element_size() == own[1].element_size()
                     and not torch._C._len_torch_dispatch_stack()):
                 skey = _comparable_source(dest, src, key)
-                if skey is not None:
+                if skey is not None and self._pieces_by_owner(dest, src, own, key) is None:
                     if not dest.is_contiguous():
                         self._refuse_self_overlap(_COPY_NAME, [(dest, own)], src)
                     if self._measured.get(key):  # (none of this storage: nothing to forget)
@@ -4586,6 +4675,29 @@ class WriteSession:
         finally:
             if version is not None and dest._version == version:
                 _increment_version(dest)
+
+    def _pieces_by_owner(self, dest: torch.Tensor, src: Any, own: tuple,
+                         key: tuple | None = None
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Where copy view ``dest`` (whose owner, as :meth:`RuntimeIndex.owner` found it,
+        is ``own``) runs past that runtime tensor into others of its storage: ``dest``
+        and ``src`` cut into views, in order, each of which lies in one runtime tensor
+        (:func:`_cut_at_owners`). ``None`` (the common case, found at once where the
+        storage has one runtime tensor): ``dest`` lies in its owner, or cannot be cut so
+        (some of it lies in no runtime tensor, or the tensors' extents interleave).
+        ``key``: ``dest``'s storage key, where the caller has it."""
+        if not isinstance(src, torch.Tensor) or dest.dim() == 0:
+            return None
+        if key is None:
+            key = _storage_key(dest)
+        owners = self.index._owners_of(key)
+        if owners is None or len(owners) < 2:
+            return None
+        lo, hi = _byte_span(dest)
+        o0, o1 = _byte_span(own[1])
+        if o0 <= lo and hi <= o1:
+            return None
+        return _cut_at_owners(dest, src, self.index.overlapping(key, lo, hi))
 
     def _runtime_write(self, func, args, kwargs, targets, source=None):
         """A write op into runtime tensors (``targets``: each written view with its
@@ -4607,7 +4719,7 @@ class WriteSession:
         finally:
             guard.leave()
 
-    def _unguarded_write(self, func, args, kwargs, targets, source=None):
+    def _unguarded_write(self, func, args, kwargs, targets, source=None, checked=False):
         op = _op_name(func)
         is_copy = func is _COPY
         self._refuse_lazy_views(op, targets, args, source)
@@ -4623,10 +4735,25 @@ class WriteSession:
         # write and may change what it writes: then the op goes on to it, and the write
         # is measured around it, never done here.
         alone = not torch._C._len_torch_dispatch_stack()
-        if self._sparse:
+        if self._sparse and not checked:
             self._check_sparse_write(func, op, args, targets, source)
-        elif (is_copy and self.save_regions and alone and not self._nan_masked
-              and _comparable_copy(args, kwargs, targets)):
+        if is_copy and len(targets) == 1 and not checked and len(args) > 1:
+            pieces = self._pieces_by_owner(args[0], args[1], targets[0][1])
+            if pieces is not None:
+                # A copy whose view runs from one runtime tensor into the next (q and k,
+                # views of one flat buffer, written by one copy_ over the end of q and the
+                # start of k): written as one copy per runtime tensor, each saved and
+                # recorded as its own (a sparse one checked whole, above: refused before
+                # any piece is written)
+                for d, piece in pieces:
+                    own = self.index.owner(d)
+                    if self._sparse:
+                        self._call_fed[own[0]] = self._call_fed.get(targets[0][1][0])
+                    self._unguarded_write(func, (d, piece, *args[2:]), kwargs, [(d, own)],
+                                          source, checked=True)
+                return args[0]
+        if (not self._sparse and is_copy and self.save_regions and alone
+                and not self._nan_masked and _comparable_copy(args, kwargs, targets)):
             return self._compared_copy(func, op, args, kwargs, targets[0])
         write = None
         kept_nan = None  # an observed copy from a NaN-masked patch: NaN where it keeps

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import random
 
 import pytest
 import torch
+from test_report_oracle import check, snapshot
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import patchkit
 import patchkit.inspect as pk_inspect
 import patchkit.intercept as pk_intercept
 from patchkit import CheckpointWeightPatch, inspect_load, load_checkpoint_weight_patches, native
@@ -689,3 +692,121 @@ def test_a_load_rebinding_after_its_saves_finds_the_rebound_saves_by_view(monkey
     # more tensors, the load's own few spread over more)
     assert per_tensor[32][1] == per_tensor[8][1], per_tensor
     assert per_tensor[32][0] <= per_tensor[8][0], per_tensor
+
+
+# -- one copy_ over the end of one runtime tensor and the start of the next --------------
+
+# q, k and v: views of one flat buffer of 3 x 24 float32 (q and k 4 x 6, v 24 flat, or q
+# of 21 elements, so that its end falls inside a row of 6); name -> (view of the
+# buffer, runtime tensors written).
+_QKV = {"q": (0, (4, 6)), "k": (24, (4, 6)), "v": (48, (24,))}
+_ACROSS = {
+    "a flat run over q's end and k's start": (lambda f: f[10:30], ["q", "k"]),
+    "rows 2:6 of the buffer as 6 wide": (lambda f: f[:48].view(8, 6)[2:6], ["q", "k"]),
+    "a block of 4 x 5 over q's end (contiguous)": (lambda f: f[10:30].view(4, 5), ["q", "k"]),
+    "columns 1:4 of rows 2:6": (lambda f: f[:48].view(8, 6)[2:6, 1:4], ["q", "k"]),
+    "over the end of q, all of k, into v": (lambda f: f[20:60], ["q", "k", "v"]),
+    "columns 0:5 of all rows, q ending inside a row": (
+        lambda f: f[:48].view(8, 6)[:, :5], ["q", "k"]),
+}
+
+
+class _Across(torch.nn.Module):
+    """q, k and v of :data:`_QKV` (``short``: q of 21 elements, k after it), views of one
+    flat buffer that is no runtime tensor; ``load_weights`` copies patch "x" with one
+    ``copy_`` into the view ``view`` makes of the buffer, then raises where ``fail``."""
+
+    def __init__(self, view, short=False, fail=False):
+        super().__init__()
+        self.flat = torch.arange(72.0) * 0.25 + 0.125
+        for name, (off, shape) in _QKV.items():
+            if short and name == "q":
+                off, shape = 0, (21,)
+            if short and name == "k":
+                off, shape = 21, (27,)
+            self.register_parameter(name, torch.nn.Parameter(
+                self.flat[off:off + math.prod(shape)].view(shape), requires_grad=False))
+        self.view, self.fail = view, fail
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.view(self.flat).copy_(t)
+        if self.fail:
+            raise RuntimeError("after the write")
+        return {"q", "k", "v"}
+
+
+def _patch_over(m, view, sparse):
+    shape = tuple(view(m.flat).shape)
+    n = math.prod(shape)
+    g = torch.Generator().manual_seed(3)
+    if sparse:  # (entries in every tensor the view reaches: its first and last few)
+        idx = torch.tensor(sorted({0, 1, n // 2 - 1, n // 2, n - 2, n - 1}))
+        return CheckpointWeightPatch("x", shape, torch.float32,
+                                     torch.randn(len(idx), generator=g) + 50, idx)
+    now = view(m.flat).reshape(-1)
+    new = torch.where(torch.rand(n, generator=g) < 0.5, torch.randn(n, generator=g), now)
+    return CheckpointWeightPatch("x", shape, torch.float32, new)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("how", list(_ACROSS))
+def test_a_copy_across_runtime_tensors_of_one_storage_is_a_row_for_each(how, sparse):
+    # Before, the write was recorded once, for the tensor where it starts: q at offset 10,
+    # 20 elements (q has 24), its counts those of the whole copy; the brute-force replay
+    # of the report's rows (test_report_oracle.check) found a region outside q.
+    view, touched = _ACROSS[how]
+    m = _Across(view, short="inside a row" in how)
+    p = _patch_over(m, view, sparse)
+    before = snapshot(m)
+    sent, returned = [], []
+    own = m.load_weights
+
+    def load_weights(weights):
+        weights = list(weights)
+        sent.append(tuple(n for n, _ in weights))
+        returned.append(own(weights))
+        return returned[-1]
+
+    m.load_weights = load_weights
+    try:
+        r = inspect_load(m, [p])
+    finally:
+        del m.load_weights
+    L = dict(patches=[p], report=r, err=None, before=before, after=snapshot(m), at_fail={},
+             sent=sent, returned=returned, plan=patchkit.plan_chunks([p], 1 << 20),
+             sent_as={0: "x"}, transactional=False)
+    seen = collections.Counter()
+    assert check(L, seen) == []
+    assert seen["writes"] == len(r.writes)
+    # a row for each tensor reached (two each for q and k where q ends inside a row of a
+    # strided view: its whole rows, and the part of the next), their elements together
+    # the copy's
+    assert list(dict.fromkeys(r.writes["target"])) == touched
+    assert len(r.writes) == len(touched) + 2 * ("inside a row" in how)
+    assert int(r.writes["elements"].sum()) == p.shape[0] * math.prod(p.shape[1:])
+    assert r.writes["written"].sum() == (len(p.indices) if sparse else r.writes["elements"]
+                                         .sum())
+    changed = {n: int((bits(before[n]) != bits(L["after"][n])).sum()) for n in before}
+    assert r.deltas["changed"].to_dict() == {n: c for n, c in changed.items() if n in touched}
+    # the same load, plain, gives the same bits
+    plain = _Across(view, short="inside a row" in how)
+    load_checkpoint_weight_patches(plain, [p])
+    assert torch.equal(bits(plain.flat), bits(m.flat))
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("how", list(_ACROSS))
+def test_a_transactional_load_puts_back_a_copy_across_runtime_tensors(how, sparse):
+    view, _ = _ACROSS[how]
+    m = _Across(view, short="inside a row" in how, fail=True)
+    p = _patch_over(m, view, sparse)
+    flat = m.flat.clone()
+    with pytest.raises(RuntimeError, match="after the write") as e:
+        inspect_load(m, [p], transactional=True)
+    assert torch.equal(bits(m.flat), bits(flat))
+    assert e.value.report.rolled_back
+    m = _Across(view, short="inside a row" in how, fail=True)
+    with pytest.raises(RuntimeError, match="after the write"):
+        load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(bits(m.flat), bits(flat))
