@@ -258,7 +258,10 @@ def region_text(
     row-major numbering (``None``: unknown). A region that is a box of the full tensor is
     written as one slice per dimension (``:`` for a whole dimension), whatever the order
     of the view's dimensions (the transpose ``w.t()[1:3]`` of an ``(8, 4)`` ``w`` is
-    ``"[:, 1:3]"``). A box that steps over every ``k``-th index of a dimension writes that
+    ``"[:, 1:3]"``), and whatever the number of its dimensions: two that step along one
+    dimension of the tensor in one run (a view of int32 words of a float8 tensor, each
+    word four elements) are read as the one they make (:func:`_merged_dims`). A box that
+    steps over every ``k``-th index of a dimension writes that
     dimension as ``start:stop:k``, a Python slice that selects exactly the indices
     written (``w[1::2]`` of an ``(8, 4)`` ``w`` is ``"[1:8:2, :]"``), ``stop`` being the
     dimension's end where the last index steps past it. A view that reshapes
@@ -273,7 +276,8 @@ def region_text(
         n *= d
     strides = _row_major_strides(full_shape)
     steps = (
-        _box_steps(full_shape, strides, view_shape, view_stride)
+        _box_steps(full_shape, strides,
+                   *_merged_dims(full_shape, strides, view_shape, view_stride))
         if view_stride is not None else None
     )
     if steps is not None:
@@ -302,6 +306,37 @@ def region_text(
         if box is not None:
             return box
     return f"{n} elements from {offset}"
+
+
+def _merged_dims(
+    full_shape: tuple[int, ...],
+    full_strides: tuple[int, ...],
+    view_shape: tuple[int, ...],
+    view_stride: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The view's dimensions, those that make one run along one full dimension merged
+    into one: where a dimension steps by exactly the span of another (``m`` elements of
+    stride ``s``, and one of stride ``m * s``) and :func:`_box_steps` reads both as steps
+    along the same full dimension, both are one of ``m`` times as many elements of stride
+    ``s``. The same elements: a box of int32 words of a float8 tensor, each word four
+    float8 elements (``p.view(torch.int32)[:, 1:3].t()`` of a ``(4, 16)`` ``p``: shape
+    ``(2, 4, 4)``, strides ``(4, 16, 1)`` in float8 elements), is columns ``4:12`` of
+    ``p``, a box of two dimensions, where unmerged its two dimensions along the columns
+    would make it none."""
+    def along(st: int) -> int | None:
+        return next((j for j, (d, fs) in enumerate(zip(full_shape, full_strides))
+                     if d > 1 and fs > 0 and st > 0 and st % fs == 0), None)
+
+    dims = sorted((int(st), int(n)) for n, st in zip(view_shape, view_stride) if n != 1)
+    merged: list[list[int]] = []
+    for st, n in dims:
+        if merged:
+            s0, n0 = merged[-1]
+            if st == s0 * n0 and along(st) is not None and along(st) == along(s0):
+                merged[-1][1] = n0 * n
+                continue
+        merged.append([st, n])
+    return tuple(n for _, n in merged), tuple(st for st, _ in merged)
 
 
 def _runs_flat(view_shape: tuple[int, ...], view_stride: Sequence[int]) -> bool:

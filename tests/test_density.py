@@ -251,9 +251,19 @@ def test_region_text_names_transposed_and_stepped_boxes_as_the_slices_they_are()
         written.view(-1)[torch.as_strided(torch.arange(32), v.shape, v.stride(),
                                           v.storage_offset()).reshape(-1)] = True
         assert torch.equal(_selected(got, (8, 4)), written), text
-    # not boxes: a diagonal, two view dimensions along one row-major dimension
+    # not boxes: a diagonal, two view dimensions along one row-major dimension that
+    # leave a row out between them (rows 0, 1, 3 and 4 of column 0)
     assert region_text((8, 4), 0, (4,), (5,)) == "4 elements from 0"
-    assert region_text((8, 4), 0, (2, 2), (8, 4)) == "4 elements from 0"
+    assert region_text((8, 4), 0, (2, 2), (12, 4)) == "4 elements from 0"
+    # ... where they make one run (rows 0 to 3 of column 0: the second steps by the
+    # span of the first), a box: a view of int32 words of a float8 tensor, each word
+    # four elements, steps so along its columns
+    assert region_text((8, 4), 0, (2, 2), (8, 4)) == "[0:4, 0:1]"
+    assert region_text((4, 16), 4, (2, 4, 4), (4, 16, 1)) == "[:, 4:12]"
+    assert torch.equal(_selected("[:, 4:12]", (4, 16)), torch.zeros(4, 16, dtype=torch.bool)
+                       .view(-1).index_fill_(0, torch.as_strided(
+                           torch.arange(64), (2, 4, 4), (4, 16, 1), 4).reshape(-1), True)
+                       .view(4, 16))
     assert region_text((8, 4), 3, (2, 2), (4, 1)) == "4 elements from 3"  # wraps rows
     # a broadcast source (row 1 expanded over 3 rows: stride 0), which a slice with a
     # step of 0 cannot select, and an empty view

@@ -152,8 +152,8 @@ def test_writes_through_views_of_another_element_size_replay_to_the_model(how, t
 @pytest.mark.parametrize("layout", ["contiguous", "columns", "rows"])
 def test_a_transposed_view_of_int32_words_of_float8_replays_to_the_model(layout):
     # (each word of the transposed view is no row of it, but four float8 elements: the
-    # box's last dimension. A box of three dimensions is no region of two: its regions
-    # are given as the span it reaches)
+    # box's last dimension. Its words and their elements step along the columns, a
+    # box of two dimensions of the tensor: its regions are "[:, 4:12]")
     shape = (4, 16)
     m = Viewed(shape, F8, lambda p, w: p.data.view(I32)[:, 1:3].t().copy_(
         w.view(I32)[:, 1:3].t()), layout=layout)
@@ -164,6 +164,7 @@ def test_a_transposed_view_of_int32_words_of_float8_replays_to_the_model(layout)
     assert check(L, collections.Counter()) == []
     row = L["report"].writes.iloc[0]
     assert (tuple(row["shape"]), row["elements"]) == ((2, 4, 4), 32)
+    assert (row["target_region"], row["checkpoint_region"]) == ("[:, 4:12]", "[:, 4:12]")
     assert L["report"].deltas.loc["w", "elements"] == 32
 
 
@@ -457,3 +458,34 @@ def test_casts_of_a_patch_read_as_its_own_dtype_still_merge(make):
     assert torch.equal(bits(m.h.detach()), bits(want))
     assert r.writes["written"].tolist() == [1]
     assert r.writes["checkpoint_offset"].tolist() == [0]
+
+
+# Boxes of int32 words whose dimensions step along one dimension of the tensor twice
+# (each word is several elements): name -> (shape, dtype, write, region).
+WORD_BOXES = {
+    "float8 columns, transposed": ((4, 16), F8, lambda p, w: p.data.view(I32)[:, 1:3].t()
+                                   .copy_(w.view(I32)[:, 1:3].t()), "[:, 4:12]"),
+    "bfloat16 rows taken in pairs": ((4, 8), BF16, lambda p, w: p.data.view(I32).view(
+        2, 2, 4)[:, :, 1:3].copy_(w.view(I32).view(2, 2, 4)[:, :, 1:3]), "[:, 2:6]"),
+    "3-d bfloat16, rows and columns swapped": (
+        (2, 4, 8), BF16, lambda p, w: p.data.view(I32)[:, :, 1:3].transpose(1, 2).copy_(
+            w.view(I32)[:, :, 1:3].transpose(1, 2)), "[:, :, 2:6]"),
+    "3-d float8, permuted": ((2, 4, 16), F8, lambda p, w: p.data.view(I32)[:, :, 1:3]
+                             .permute(2, 0, 1).copy_(w.view(I32)[:, :, 1:3].permute(2, 0, 1)),
+                             "[:, :, 4:12]"),
+}
+
+
+@pytest.mark.parametrize("how", list(WORD_BOXES))
+def test_a_box_of_int32_words_reads_as_the_box_of_the_tensor_it_is(how):
+    # Before, a box whose words and their elements step along one dimension of the
+    # tensor (the first: shape (2, 4, 4), strides (4, 16, 1) in float8 elements) was
+    # written "32 elements from 4", as if it were a flat run of the tensor.
+    shape, dtype, write, region = WORD_BOXES[how]
+    m = Viewed(shape, dtype, write)
+    start = m.w.detach().clone()
+    new, keep = _new_values(shape, dtype, 10)
+    L = _logged_load(m, [P("w", shape, dtype, torch.where(keep, start, new).flatten())])
+    assert check(L, collections.Counter()) == []
+    row = L["report"].writes.iloc[0]
+    assert (row["target_region"], row["checkpoint_region"]) == (region, region)
