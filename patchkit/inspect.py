@@ -434,9 +434,13 @@ class LoadReport:
       ``position`` and
       ``name`` of the patch that fed it (``None`` when the source could not be traced to
       one staged tensor: made by an op from two patches, say), ``checkpoint_offset``
-      (flat element offset of the source region in the checkpoint tensor; ``None`` when
-      an op moved the patch's elements first: a ``torch.cat``, a gather ``w[idx]``, a
-      flip, the copy of a transposed view; or when the write is an op other than a copy,
+      (flat element offset of the source region in the checkpoint tensor, also where
+      the source is a cast or clone of a strided view of the patch, a column slice
+      ``w[:, 2:5].to(torch.bfloat16)`` or a transposed view, or a view of such a copy
+      that is a box of it; ``None`` when an op moved the patch's elements first: a
+      ``torch.cat``, a gather ``w[idx]``, a flip; where a view of such a copy runs over
+      the ends of its rows, ``w[:, 2:5].float().reshape(-1)``, which is no box of the
+      checkpoint tensor; or when the write is an op other than a copy,
       ``index_copy_``, ``param[idx] = w``, an ``out=`` op, which names its patch but
       follows no view of it), ``checkpoint_region`` (slice notation),
       ``target`` (the

@@ -1903,6 +1903,13 @@ class _Source(NamedTuple):
     # of ``dtype`` there straddles two of the patch's (:func:`_misaligned`). 0: aligned,
     # or not known.
     shift: int = 0
+    # where ``base`` is None: ``(checkpoint offset, shape, checkpoint strides, strides,
+    # start)`` of the strided view of the patch's own elements that a cast or clone
+    # copied into this stretch, all of a new storage (``w[:, 2:5].to(torch.bfloat16)``,
+    # or ``w.t().clone()``, which keeps the view's order of dimensions), and the strides
+    # and storage offset of the copy: each element of the copy is the checkpoint element
+    # of the view at the same index (:func:`_in_layout`)
+    layout: tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int] | None = None
 
 
 def _trimmed(got: list[_Source], first: int, after: int, lo: int, hi: int,
@@ -2117,7 +2124,10 @@ class _Provenance:
         if hit is None or hit.name is None:
             return None
         if hit.base is None:
-            return hit.position, hit.name, None, None, None
+            box = None if hit.layout is None else _in_layout(hit, t)
+            if box is None:
+                return hit.position, hit.name, None, None, None
+            return hit.position, hit.name, *box
         unit = _unit(hit, t)
         if t.element_size() == unit:
             return hit.position, hit.name, t.storage_offset() - hit.base, None, None
@@ -2179,6 +2189,32 @@ class _Provenance:
                                     _weak_storage(out), _bits_dtype(hit, src, out), misread,
                                     None if hit.mixed is None else _mixed_for(out, hit.mixed),
                                     _carried_shift(hit, src, out)))
+            return True
+        box = None
+        if (whole and hit is not None and hit.name is not None and hit.misread is None
+                and (hit.base is None) is not (hit.layout is None) and not (
+                    follow and hit.base is not None)
+                and out.shape == src.shape and src.element_size() == _unit(hit, src)
+                and _byte_span(src)[1] <= hit.hi and _packed(out)):
+            # A cast or clone of a strided view of one patch's own elements (a column
+            # slice, ``w[:, 2:5].to(torch.bfloat16)``; a transposed view, whose copy keeps
+            # its order of dimensions), or of a view of such a copy: each element of
+            # ``out`` is the checkpoint element of ``src`` at the same index; no ``base``
+            # says where, but the view's place in the checkpoint does.
+            if hit.base is not None:
+                box = src.storage_offset() - hit.base, tuple(src.stride())
+            else:
+                found_box = _in_layout(hit, src)
+                if found_box is not None:
+                    box = found_box[0], found_box[2]
+        if box is not None:
+            lo, hi = _byte_span(out)
+            self._put(okey, _Source(
+                lo, hi, hit.position, hit.name, None, False, _weak_storage(out),
+                _bits_dtype(hit, src, out), None,
+                None if hit.mixed is None else _mixed_for(out, hit.mixed),
+                layout=(box[0], tuple(src.shape), box[1], tuple(out.stride()),
+                        out.storage_offset())))
             return True
         found = self.stretches(src) if self._by_key else []
         if follow and found:
@@ -3366,6 +3402,55 @@ def _carried_shift(hit: _Source, src: torch.Tensor, out: torch.Tensor) -> int:
     at = (out.storage_offset() - src.storage_offset()) * src.element_size() + (
         hit.shift if hit.base is None else hit.base * unit)
     return at % unit
+
+
+def _in_layout(hit: _Source, t: torch.Tensor
+               ) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
+    """Where view ``t`` of stretch ``hit``, the copy of a strided view of a patch's
+    elements (:attr:`_Source.layout`), reads in the checkpoint: ``(offset of its first
+    element, shape, strides)`` in checkpoint elements, or ``None`` where no such box
+    tells it (``t`` reads the bytes as another element size, or a dimension of ``t``
+    steps past the end of the copy's dimension it steps along, wrapping into the next:
+    ``w[:, 2:5].float().reshape(-1)``)."""
+    size = t.element_size()
+    if hit.layout is None or hit.dtype is None or hit.dtype.itemsize != size:
+        return None
+    first, shape, cstride, ostride, start = hit.layout
+    # the copy's dimensions, outermost first (each stride the product of the sizes of
+    # those inside it: the copy fills its storage)
+    order = sorted((d for d in range(len(shape)) if shape[d] > 1),
+                   key=lambda d: -ostride[d])
+    k = t.storage_offset() - start
+    if k < 0:
+        return None
+    at = [0] * len(shape)
+    for d in order:
+        at[d], k = divmod(k, ostride[d])
+    if k or any(i >= n for i, n in zip(at, shape)):
+        return None
+    offset = first + sum(i * c for i, c in zip(at, cstride))
+    out, used = [], set()
+    for n, st in zip(t.shape, t.stride()):
+        d = next((d for d in order if st > 0 and st % ostride[d] == 0), None)
+        if n == 1:
+            out.append(0 if d is None else st // ostride[d] * cstride[d])
+            continue
+        if d is None or d in used or at[d] + (n - 1) * (st // ostride[d]) >= shape[d]:
+            return None
+        used.add(d)
+        out.append(st // ostride[d] * cstride[d])
+    return offset, tuple(t.shape), tuple(out)
+
+
+def _packed(t: torch.Tensor) -> bool:
+    """Whether ``t`` fills its extent, one element at each place, in some order of its
+    dimensions (contiguous, or a transposed or permuted contiguous tensor)."""
+    acc = 1
+    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if st != acc:
+            return False
+        acc *= n
+    return True
 
 
 def _unit(hit: _Source, t: torch.Tensor) -> int:
