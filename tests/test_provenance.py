@@ -650,6 +650,7 @@ def _overwrite_row_0(c):
     c[0].copy_(torch.zeros(c.shape[1:], dtype=c.dtype))  # (what is left of the patch's
     return c  # data starts a row in: its copy's rows are still counted from c's start)
 
+
 # name -> (the bfloat16 parameter's shape, the loader's copy, checkpoint_region; None:
 # no box of the checkpoint tells where the source's elements are)
 _STRIDED_COPIES = {
