@@ -1491,7 +1491,10 @@ def inspect_load(
       see :func:`~patchkit.load_checkpoint_weight_patches`, item 4) is let finish too,
       and then :class:`~patchkit.ContractViolation` (``reason="mixed elements"``, naming
       the op) is raised with the report attached: whatever its merge made of such data,
-      the updates it carried are lost.
+      the updates it carried are lost. So is a copy from a patch's bytes read as other
+      numbers than they hold (``w.view(torch.int32).float()``, bytes moved by no whole
+      number of elements), whose staged NaN the merge writes as numbers
+      (``reason="reinterpreted source"``, as patchkit's own sparse call refuses it).
 
     Failures: if the load raises, the exception propagates unchanged with the partial
     report attached as ``exc.report`` (the writes made so far stay, unless

@@ -3381,6 +3381,37 @@ def _misread(hit: _Source, src: torch.Tensor, out: torch.Tensor
     return None if out.dtype == src.dtype else (hit.dtype, src.dtype)
 
 
+def _reinterpreted_words(kind: str, held: torch.dtype, read: torch.dtype,
+                         dtype: torch.dtype) -> str:
+    """What a source of :meth:`WriteSession._reinterpretation`'s ``kind`` does with a
+    patch's bytes (held as ``held``, read as ``read``; the source is of ``dtype``), and
+    why its staged NaN is lost, for a message."""
+    if kind == "shifted":
+        return (f"made from patch data held as {held} moved by a number of bytes that is "
+                f"no multiple of its {held.itemsize}-byte elements (such as "
+                "`w.view(torch.uint8)[1:13].clone().view(torch.float32)`): each "
+                f"{read} element it reads holds the end of one of the patch's elements and "
+                "the start of the next, so the NaN that marks 'keep' in a sparse patch "
+                "reads as numbers")
+    if kind == "cast":
+        return (f"cast from a view that reads patch data held as {held} as another dtype "
+                f"(such as `w.view({read}).to({dtype})`): the NaN that marks 'keep' in a "
+                f"sparse patch is a {held} bit pattern, which {read} does not read as NaN, "
+                "and a cast of what it reads keeps none of it")
+    return (f"that reads patch data held as {held} as another dtype (a view such as "
+            f"`w.view({read})`): the NaN that marks 'keep' in a sparse patch is a {held} "
+            f"bit pattern, which {read} does not read as NaN")
+
+
+# How the staged NaN bits reach the model, and what to do instead, by kind
+_REINTERPRETED_HOW = {"shifted": ", shifted,", "cast": ", cast,", "view": ""}
+_REINTERPRETED_FIX = {
+    "shifted": "Move a patch's values by whole elements.",
+    "cast": "Cast the patch's values from their own dtype (`w.to({dtype})` keeps NaN).",
+    "view": "Copy the patch's values as their own dtype (a cast, `.to()`, keeps NaN).",
+}
+
+
 def _misaligned(hit: _Source, t: torch.Tensor) -> bool:
     """Whether ``t``'s elements begin where stretch ``hit``'s elements do not (see
     :attr:`_Source.shift`): each then holds the end of one of the patch's elements and
@@ -4844,6 +4875,7 @@ class WriteSession:
         kept_nan = None  # an observed copy from a NaN-masked patch: NaN where it keeps
         if self._nan_masked and is_copy:
             write, kept_nan = self._observed_mask(args, targets)
+            self._note_reinterpreted(args[1], targets[0][1][0])
             if self.provenance.mixed_seen:
                 self._note_mixed(args[1], targets[0][1][0])
         if self._sparse:
@@ -5403,73 +5435,78 @@ class WriteSession:
         who = f"{where(pos, name)}, " if name is not None else ""
         return f"load_weights (call {self._chunk}, {who}runtime tensor {quoted(tname)})"
 
-    def _refuse_reinterpreted(self, src: torch.Tensor, pos: int | None, name: str | None,
-                              tname: str) -> None:
-        """A sparse copy from ``src`` that reads a patch's bytes as another dtype than
-        the one they hold (``w.view(torch.float64)`` of a float32 staged tensor, or of a
-        copy of it: :class:`_Provenance` keeps that dtype): refused, since the staged NaN
-        ("keep") is a bit pattern of its own dtype only. Two float32 NaN read as one
-        float64 are a number, a float16 NaN read as bfloat16 is one too, so the merge
-        would write the staged NaN bits into the model (and keep runtime values where the
-        patch has a value). A complex dtype's bytes count as its real dtype's. So is a
-        copy from a cast of such a view (``w.view(torch.bfloat16).to(torch.float8_e4m3fnuz)``,
-        ``w.view(torch.int32).float()``: :attr:`_Source.misread`), whose elements hold
-        no staged NaN where the patch keeps, whatever dtype reads them. So is a read of
-        the patch's own dtype whose elements straddle two of the patch's, its bytes moved
-        by no whole number of elements (``w.view(torch.uint8)[1:13].clone().view(
-        torch.float32)``: :attr:`_Source.shift`), or anything made from one."""
+    def _reinterpretation(self, src: torch.Tensor
+                          ) -> tuple[str, torch.dtype, torch.dtype] | None:
+        """How ``src`` reads a patch's bytes as other numbers than they hold, as
+        ``(kind, held, read)``: ``"view"``, as another dtype than they hold
+        (``w.view(torch.float64)`` of a float32 staged tensor, or of a copy of it:
+        :class:`_Provenance` keeps that dtype); ``"cast"``, a cast of such a view
+        (``w.view(torch.bfloat16).to(torch.float8_e4m3fnuz)``, ``w.view(torch.int32).float()``:
+        :attr:`_Source.misread`), whose elements hold no staged NaN where the patch keeps,
+        whatever dtype reads them; ``"shifted"``, as their own dtype with elements that
+        straddle two of the patch's, the bytes moved by no whole number of elements
+        (``w.view(torch.uint8)[1:13].clone().view(torch.float32)``:
+        :attr:`_Source.shift`), or anything made from one. ``None``: none of these. The
+        staged NaN ("keep") is a bit pattern of its own dtype only: two float32 NaN read
+        as one float64 are a number, a float16 NaN read as bfloat16 is one too. A complex
+        dtype's bytes count as its real dtype's."""
         if not self.provenance or self.provenance.read_as(src, src.dtype):
-            return
+            return None
         for e in self.provenance.stretches(src):
             if e.misread is None and _misaligned(e, src):
                 e = e._replace(misread=(e.dtype, src.dtype))
-            if e.misread is not None and e.misread[0].to_real() == e.misread[1].to_real():
-                held, read = e.misread
-                size = held.itemsize
-                raise ContractViolation(
-                    f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} "
-                    f"{src.dtype} source made from patch data held as {held} moved by a "
-                    f"number of bytes that is no multiple of its {size}-byte elements "
-                    "(such as `w.view(torch.uint8)[1:13].clone().view(torch.float32)`): "
-                    f"each {read} element it reads holds the end of one of the patch's "
-                    "elements and the start of the next, so the NaN that marks 'keep' in "
-                    "a sparse patch reads as numbers, and the merge would write the "
-                    "staged NaN bits, shifted, into the model. Move a patch's values by "
-                    f"whole elements. This copy wrote nothing"
-                    f"{self._no_source_note(name, tname)}",
-                    position=pos, name=name, reason="reinterpreted source",
-                    value=(held, read),
-                )
             if e.misread is not None:
                 held, read = e.misread
-                raise ContractViolation(
-                    f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} "
-                    f"{src.dtype} source cast from a view that reads patch data held as "
-                    f"{held} as another dtype (such as `w.view({read}).to({src.dtype})`): "
-                    f"the NaN that marks 'keep' in a sparse patch is a {held} bit "
-                    f"pattern, which {read} does not read as NaN, and a cast of what it "
-                    "reads keeps none of it, so the merge would write the staged NaN "
-                    "bits, cast, into the model. Cast the patch's values from their own "
-                    f"dtype (`w.to({src.dtype})` keeps NaN). "
-                    f"This copy wrote nothing{self._no_source_note(name, tname)}",
-                    position=pos, name=name, reason="reinterpreted source",
-                    value=(held, read),
-                )
+                same = held.to_real() == read.to_real()
+                return ("shifted" if same else "cast"), held, read
             # (a complex tensor's bytes are its real dtype's: ``torch.complex(0, w).imag``
             # reads w's own float32 elements)
             if e.dtype is not None and e.dtype.to_real() != src.dtype:
-                raise ContractViolation(
-                    f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} "
-                    f"{src.dtype} source that reads "
-                    f"patch data held as {e.dtype} as another dtype (a view such as "
-                    f"`w.view({src.dtype})`): the NaN that marks 'keep' in a sparse patch "
-                    f"is a {e.dtype} bit pattern, which {src.dtype} does not read as NaN, "
-                    "so the merge would write the staged NaN bits into the model. Copy "
-                    "the patch's values as their own dtype (a cast, `.to()`, keeps NaN). "
-                    f"This copy wrote nothing{self._no_source_note(name, tname)}",
-                    position=pos, name=name, reason="reinterpreted source",
-                    value=(e.dtype, src.dtype),
-                )
+                return "view", e.dtype, src.dtype
+        return None
+
+    def _refuse_reinterpreted(self, src: torch.Tensor, pos: int | None, name: str | None,
+                              tname: str) -> None:
+        """A sparse copy from ``src`` that reads a patch's bytes as other numbers than
+        they hold (:meth:`_reinterpretation`) is refused before it writes: the merge
+        would write the staged NaN bits into the model (and keep runtime values where the
+        patch has a value)."""
+        found = self._reinterpretation(src)
+        if found is None:
+            return
+        kind, held, read = found
+        raise ContractViolation(
+            f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} {src.dtype} "
+            f"source {_reinterpreted_words(kind, held, read, src.dtype)}, so the merge "
+            f"would write the staged NaN bits{_REINTERPRETED_HOW[kind]} into the model. "
+            f"{_REINTERPRETED_FIX[kind].format(dtype=src.dtype)} "
+            f"This copy wrote nothing{self._no_source_note(name, tname)}",
+            position=pos, name=name, reason="reinterpreted source", value=(held, read),
+        )
+
+    def _note_reinterpreted(self, src: Any, tname: str) -> None:
+        """An observed copy into runtime tensor ``tname`` from ``src``, which reads a
+        NaN-masked patch's bytes as other numbers than they hold
+        (:meth:`_reinterpretation`), is recorded in :attr:`violations`: the staged NaN
+        ("keep") read as numbers, so the observed loader's NaN-merge wrote them into the
+        model (what a sparse call of patchkit's own refuses before it writes,
+        :meth:`_refuse_reinterpreted`)."""
+        found = self._reinterpretation(src) if isinstance(src, torch.Tensor) else None
+        if found is None:
+            return
+        kind, held, read = found
+        hit = self.provenance.lookup(src)
+        pos, name = (hit[0], hit[1]) if hit else (None, None)
+        self.violations.append(ContractViolation(
+            f"load_weights (call {self._chunk}, {where(pos, name)}, runtime tensor "
+            f"{quoted(tname)}) copied a {tuple(src.shape)} {src.dtype} source "
+            f"{_reinterpreted_words(kind, held, read, src.dtype)}, so the observed "
+            f"loader's NaN-merge wrote the staged NaN bits{_REINTERPRETED_HOW[kind]} into "
+            "the model where the patch keeps. Those elements are lost; "
+            f"{_REINTERPRETED_FIX[kind].format(dtype=src.dtype)[0].lower()}"
+            f"{_REINTERPRETED_FIX[kind].format(dtype=src.dtype)[1:]}",
+            position=pos, name=name, reason="reinterpreted source", value=(held, read),
+        ))
 
     def _loses_numbers(self, pos: int | None, dtype: torch.dtype) -> bool:
         """Whether a value of the call's patch at ``pos`` (staged in its dtype) becomes

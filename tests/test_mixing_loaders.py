@@ -670,3 +670,38 @@ def test_an_observed_loader_that_does_not_mix_is_not_reported(case):
     r = patchkit.inspect_load(m, patches, loader=_merging_loader)
     assert r.error is None
     assert torch.equal(bits(m.a.detach()), want)
+
+
+# name -> (the loader's source, the dtype it reads the patch's bytes as, the reason
+# patchkit's own sparse call refuses it for: an integer source is no same-shaped
+# floating-point copy at all)
+_REINTERPRETING = {
+    "int32 view, cast": (lambda w: w["a.w"].view(torch.int32).float(), torch.int32,
+                         "reinterpreted source"),
+    "int32 view, copied as it is": (lambda w: w["a.w"].view(torch.int32), torch.int32,
+                                    "same-shaped floating-point"),
+    "bytes moved by one": (
+        lambda w: torch.cat([w["a.w"].reshape(-1).view(torch.uint8)[1:-3].clone()
+                             .view(torch.float32), w["a.w"].reshape(-1)[:1]]).reshape(4, 8),
+        torch.float32, "reinterpreted source"),
+}
+
+
+@pytest.mark.parametrize("case", list(_REINTERPRETING))
+def test_an_observed_loader_that_merges_a_reinterpreted_source_is_reported(case):
+    # The staged NaN read as other numbers (2143289344.0, the bits of a float32 NaN as an
+    # int32): the observed loader's merge writes them into the model where the patch
+    # keeps. patchkit's own sparse call refuses such a copy ("reinterpreted source");
+    # observed, it went unreported. Now the report raises when the loader finishes.
+    f, read, refused = _REINTERPRETING[case]
+    m = _Mixing(f)
+    with pytest.raises(ContractViolation) as e:
+        patchkit.inspect_load(m, _patches(), loader=_merging_loader)
+    assert (e.value.reason, e.value.position, e.value.name) == ("reinterpreted source", 1,
+                                                                 "a.w")
+    assert e.value.value == (torch.float32, read)
+    assert "observed loader's NaN-merge" in str(e.value)
+    assert e.value.report.loaded == {"other.w", "a.w"}  # (it ran to the end)
+    with pytest.raises(ContractViolation) as own:  # (patchkit's own load: refused)
+        patchkit.load_checkpoint_weight_patches(_Mixing(f), _patches())
+    assert own.value.reason == refused
