@@ -2005,6 +2005,9 @@ class _Provenance:
         # the storage): what the loader still holds of them is kept traced into the next
         # call
         self._ended: list[tuple[tuple, Any]] = []
+        # the patches of the call in progress by position (the session's: see
+        # :meth:`sent_whole`)
+        self.patches: dict[int, Any] = {}
 
     def clear(self) -> None:
         self._by_key.clear()
@@ -2340,6 +2343,15 @@ class _Provenance:
                 return e.position, e.name, _op_name(func)
         return None
 
+    def sent_whole(self, position: int | None, name: str | None) -> bool:
+        """Whether patch ``position`` (named ``name``) of the call in progress is sent
+        whole: dense, or sparse with an index for every element (its staged tensor holds
+        no NaN)."""
+        p = self.patches.get(position) if position is not None else None
+        if p is None or p.name != name:
+            return False
+        return p.indices is None or p.indices.numel() >= math.prod(p.shape)
+
     def _paired(self, func: Any, found: list[tuple[torch.Tensor, _Source]]
                 ) -> tuple[int | None, str | None, str] | None:
         """``(position, name, op)`` where element-wise op ``func`` pairs different
@@ -2355,8 +2367,9 @@ class _Provenance:
         (``w * w``, ``w + w.clone()``, ``w[0] + w[0]``), and are decided without a read.
         Otherwise their NaN is read (rare in loaders): none holds any, none mixes. Inputs
         of one patch at two known places (offset or strides) mix, as does, among inputs
-        of two patches, one that holds none of the NaN at a known place in its patch (a
-        patch sent whole, ``w * scale``: its update is lost wherever the other keeps).
+        of two patches, one that holds none of the NaN at a known place in its patch, or
+        at any place where its patch was sent whole (``w * scale``, ``w * scale.abs()``
+        of a scale sent whole: its update is lost wherever the other keeps).
         Else (inputs whose place in their patch is not known: the result of a move,
         ``w.flip(0)``, or of another element-wise op, ``w.abs()``; or two patches' inputs
         that both hold NaN) the NaN masks decide: two inputs that hold NaN at different
@@ -2393,8 +2406,12 @@ class _Provenance:
         op = _op_name(func)
         named = {(e.position, e.name) for _, hits in data for e in hits if e.name is not None}
         if len(named) > 1:
-            if any(p is not None and not h for p, h in zip(places, holds)):
-                return who.position, who.name, op  # (a patch's numbers, lost where NaN)
+            # (a patch's numbers, lost where the other's NaN are: at a known place, or,
+            # where not known, of a patch sent whole, so that no NaN was replaced there)
+            if any(not h and (p is not None or all(
+                    e.name is not None and self.sent_whole(e.position, e.name) for e in hits))
+                   for p, h, (_, hits) in zip(places, holds, data)):
+                return who.position, who.name, op
         elif len({p for p in places if p is not None}) > 1:
             return who.position, who.name, op  # (one patch at two places)
         masks = [m for m, h in zip(nan, holds) if h]
@@ -4237,6 +4254,7 @@ class WriteSession:
         self._sparse = sparse
         self._observed_call = (observed, maybe_sparse)  # (what stage_more needs of them)
         self._patches = dict(zip(positions, patches)) if patches is not None else {}
+        self.provenance.patches = self._patches
         self._nan_masked = observed and any(
             _may_be_masked(p, maybe_sparse) for p in self._patches.values())
         # (an observed loader merges NaN-masked patches itself: a copy of data an op mixed

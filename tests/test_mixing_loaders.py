@@ -291,8 +291,19 @@ def test_the_patch_named_is_the_one_whose_data_was_mixed():
     assert (e.value.position, e.value.name, e.value.value) == (0, "other.w", "aten::amax")
 
 
+@pytest.mark.parametrize("how", [
+    pytest.param(lambda a, b: a * b, id="a * b"),
+    # (the whole patch's data at a place not known: made by a pointwise op or a move, as
+    # a reciprocal of a scale is; it holds no NaN, so no NaN mask shows the pairing, and
+    # these loaded, the whole patch's update lost where the other keeps)
+    pytest.param(lambda a, b: a * b.abs(), id="a * b.abs()"),
+    pytest.param(lambda a, b: a * (b * 1.0), id="a * (b * 1.0)"),
+    pytest.param(lambda a, b: a * b.reciprocal(), id="a * b.reciprocal()"),
+    pytest.param(lambda a, b: a * b.flip(0), id="a * b.flip(0)"),
+    pytest.param(lambda a, b: a.abs() * b.t().contiguous().t(), id="a.abs() * b, copied"),
+])
 @pytest.mark.parametrize("full", ["a.w", "other.w"])
-def test_pairing_a_sparse_patch_with_a_fully_sent_one_is_refused(full):
+def test_pairing_a_sparse_patch_with_a_fully_sent_one_is_refused(full, how):
     # One of the two patches sent whole (a sparse patch of every element: no NaN), the
     # other with NaN: where the latter keeps, the product is NaN, so the merge keeps the
     # runtime value and the whole one's update of that element is lost. The patch named
@@ -303,7 +314,8 @@ def test_pairing_a_sparse_patch_with_a_fully_sent_one_is_refused(full):
         idx = torch.arange(32) if name == full else torch.tensor([2, 11, 25])
         patches.append(CWP(name, (4, 8), torch.float32, torch.randn(idx.numel(), generator=g),
                            idx))
-    m = _Mixing(lambda w: w["a.w"] * w["other.w"])
+    m = _Mixing(lambda w: how(w["a.w"], w["other.w"]) if full == "other.w"
+                else how(w["other.w"], w["a.w"]))  # (the sparse one first)
     with pytest.raises(ContractViolation) as e:
         patchkit.load_checkpoint_weight_patches(m, patches)
     sparse = "a.w" if full == "other.w" else "other.w"
