@@ -3763,8 +3763,8 @@ class _Mode(TorchDispatchMode):
                     s.provenance.written(t)
                 if func is _COPY:
                     s.provenance.derive(args[1], args[0], whole=False)
-                elif func in _FILLS:
-                    for t in others:
+                elif func in _FILLS or _foreach_kind(func) == "fill":
+                    for t in others:  # (``_foreach_zero_``: each tensor of its list)
                         s.provenance.filled(t)
                 elif s.provenance:
                     # (a scratch tensor written from a patch's data by another op:

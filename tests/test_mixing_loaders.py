@@ -548,8 +548,19 @@ def _in_place_product_with_a_copy(w):
     return buf.mul_(a).add_(a.float()).sub_(a.clone())  # (the same elements throughout)
 
 
+def _scratch_of_other_zeroed_by_foreach_then_added(w):
+    # a scratch reused: it held other.w's data, then a _foreach_zero_ fills it anew (as
+    # zero_ does), so the add_ of a.w pairs a.w with zeros, no patch's data (was refused
+    # as other.w's numbers paired with a.w's NaN)
+    buf = w["other.w"].clone()
+    torch._foreach_zero_([buf])
+    return buf.add_(w["a.w"])
+
+
 _NOT_MIXING = {
     "w * w": lambda w: w["a.w"] * w["a.w"],
+    "a scratch of other.w, _foreach_zero_, then a.w added": (
+        _scratch_of_other_zeroed_by_foreach_then_added),
     "w + w.clone()": lambda w: w["a.w"] + w["a.w"].clone(),
     "w * 2 and w * a loader's tensor": _scaled_by_a_tensor_of_the_loaders,
     "where(model's mask, w, model's tensor)": "where with the model's tensor",
