@@ -104,6 +104,17 @@ def _zeros(t):
                  id="view_as_complex, scaled, view_as_real"),
     pytest.param(lambda t: torch.view_as_real(torch.complex(_lost(t), _lost(t) * 0).to(
         torch.complex128)[2:]).float()[..., 0], id="complex, cast, real part"),
+    # (the marks of a complex tensor read by a pointwise op, whose imaginary part alone
+    # holds the lost number: what the mark says comes from that part)
+    pytest.param(lambda t: (torch.complex(_zeros(t), _lost(t)[2:]) * 1).imag,
+                 id="complex, scaled, imag"),
+    # (a complex cast into a real dtype keeps the real part, and its marks)
+    pytest.param(lambda t: torch.complex(_lost(t)[2:], _zeros(t)).to(torch.float32),
+                 id="complex, cast to real",
+                 marks=pytest.mark.filterwarnings("ignore:Casting complex values")),
+    # (a conjugate view read by a pointwise op: its parts are the storage's own)
+    pytest.param(lambda t: (torch.complex(_lost(t)[2:], _zeros(t)).conj() * 1).real,
+                 id="complex, conj, scaled, real part"),
 ])
 def test_a_lost_number_is_followed_through_complex_round_trips(how):
     # torch.complex is not tagged pointwise: its output took no mark; a complex element's
@@ -125,6 +136,41 @@ def test_a_lost_number_in_one_part_of_a_complex_element_leaves_the_other_part_a_
     with pytest.raises(ValueError, match=r"value 320\.0 at element 5 of the source"):
         patchkit.load_checkpoint_weight_patches(m, [p])
     assert m.w.detach().float().eq(1).all()
+
+
+@pytest.mark.parametrize("refill", [
+    pytest.param(lambda z, t: z.index_put_((torch.arange(2, device=t.device),),
+                                           torch.complex(t[:2], t[:2])), id="index_put_"),
+    pytest.param(lambda z, t: torch.complex(t[:2], t[:2], out=z[:2]), id="torch.complex, out="),
+])
+def test_a_complex_scratch_refilled_forgets_the_numbers_lost_in_both_parts(refill):
+    # a's 1e6 (index 1) lost in both parts of a complex scratch, in a row a's copy does
+    # not read; the scratch's rows 0-1 refilled for b, whose NaN at index 1 is b's "keep"
+    # (the imaginary part kept a's mark, and b's good load was refused naming 'a')
+
+    class Complex(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+            self.b = nn.Parameter(torch.ones(2, 4).to(_F8), requires_grad=False)
+
+        def load_weights(self, weights):
+            z = torch.zeros(4, 4, dtype=torch.complex64)
+            for n, t in weights:
+                if n == "a":
+                    z.copy_(torch.complex(_lost(t), _lost(t)))
+                    self.a.copy_(z[2:].imag)
+                else:
+                    refill(z, t)
+                    self.b.copy_(z[:2].imag)
+            return {n for n, _ in weights}
+
+    a = CWP("a", (4, 4), torch.float32, torch.tensor([1e6, 2.0]), torch.tensor([1, 13]))
+    b = CWP("b", (4, 4), torch.float32, torch.tensor([0.5]), torch.tensor([0]))
+    m = Complex()
+    assert patchkit.load_checkpoint_weight_patches(m, [a, b]) == {"a", "b"}
+    assert m.a.detach().float().reshape(-1).tolist() == [1.0] * 5 + [4.0, 1.0, 1.0]
+    assert m.b.detach().float().reshape(-1).tolist() == [0.5] + [1.0] * 7
 
 
 # -- 2. torch._foreach_* -----------------------------------------------------------------
@@ -203,6 +249,10 @@ def _grid(t):
                  marks=pytest.mark.filterwarnings("ignore:The reduce argument")),
     pytest.param(lambda t: _scratch(t).put_(torch.arange(16, device=t.device),
                                             _lost(t).reshape(-1))[2:], id="put_"),
+    # (the lost number already in the scratch, a reduce adding zeros onto it: still NaN)
+    pytest.param(lambda t: _lost(t).scatter_(0, _grid(t), _scratch(t), reduce="add")[2:],
+                 id="scatter_ with a reduce, onto it",
+                 marks=pytest.mark.filterwarnings("ignore:The reduce argument")),
     pytest.param(lambda t: _scratch(t).put_(torch.arange(16, device=t.device),
                                             _lost(t).reshape(-1), accumulate=True)[2:],
                  id="put_, accumulating"),

@@ -250,6 +250,12 @@ _PAIRING = {
         lambda w: torch.sub(w["a.w"], w["a.w"].flip(0),
                             out=torch.empty(3, device=w["a.w"].device)),
         "aten::sub.out", torch.float32),
+    "floor_divide of w and w.flip(0) (not tagged pointwise)": (
+        lambda w: torch.floor_divide(w["a.w"], w["a.w"].flip(0)), "aten::floor_divide",
+        torch.float32),
+    "heaviside_ of a copy by w.flip(0), in place (tagged only in its functional form)": (
+        lambda w: w["a.w"].clone().heaviside_(w["a.w"].flip(0)), "aten::heaviside_",
+        torch.float32),
     "fmax of w and w.flip(1) (NaN-aware)": (
         lambda w: torch.fmax(w["a.w"], w["a.w"].flip(1)), "aten::fmax", torch.float32),
 }
@@ -314,12 +320,60 @@ def test_pairing_a_sparse_patch_with_a_fully_sent_one_is_refused(full, how):
         idx = torch.arange(32) if name == full else torch.tensor([2, 11, 25])
         patches.append(CWP(name, (4, 8), torch.float32, torch.randn(idx.numel(), generator=g),
                            idx))
-    m = _Mixing(lambda w: how(w["a.w"], w["other.w"]) if full == "other.w"
-                else how(w["other.w"], w["a.w"]))  # (the sparse one first)
+    m = _Mixing(lambda w: how(w["a.w"], w["other.w"]))
     with pytest.raises(ContractViolation) as e:
         patchkit.load_checkpoint_weight_patches(m, patches)
     sparse = "a.w" if full == "other.w" else "other.w"
     assert (e.value.reason, e.value.name, e.value.value) == ("mixed elements", sparse,
+                                                             "aten::mul.Tensor")
+
+
+def test_pairing_a_fully_updated_row_of_a_sparse_patch_with_another_patchs_nan_is_refused():
+    # other.w is sparse, but its row 0 is all updated (no NaN there): a.w * other.w[0]
+    # pairs those numbers with a.w's NaN, so other.w's row-0 update would be lost
+    # wherever a.w keeps (its place is known: a view of the staged tensor)
+    patches = [CWP("other.w", (4, 8), torch.float32, torch.linspace(1.0, 2.0, 8),
+                   torch.arange(8)), _patches()[1]]
+    m = _Mixing(lambda w: w["a.w"] * w["other.w"][0])
+    with pytest.raises(ContractViolation) as e:
+        patchkit.load_checkpoint_weight_patches(m, patches)
+    assert (e.value.reason, e.value.name, e.value.value) == ("mixed elements", "a.w",
+                                                             "aten::mul.Tensor")
+
+
+def _observed_dense_and_sparse(model, patches, **kwargs):
+    """An observed loader that stages a dense patch whole and a sparse one NaN-masked in
+    one call (as an engine's own loader may), with a NaN-merging ``copy_``."""
+    staged = []
+    for p in patches:
+        if p.indices is None:
+            t = p.values.to(p.dtype).reshape(p.shape).clone()
+        else:
+            t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.values.device)
+            t.view(-1)[p.indices.long()] = p.values.to(p.dtype)
+        staged.append((p.name, t))
+    original = torch.Tensor.copy_
+
+    def merging_copy(dst, src, non_blocking=False):
+        src = src.to(dst.dtype)
+        return original(dst, torch.where(torch.isnan(src), dst, src), non_blocking)
+
+    torch.Tensor.copy_ = merging_copy
+    try:
+        return set(model.load_weights(staged) or ())
+    finally:
+        torch.Tensor.copy_ = original
+
+
+def test_an_observed_loader_pairing_a_dense_patch_with_a_sparse_one_is_reported():
+    # other.w sent dense (no NaN), its data at a place not known (abs) times a.w's NaN:
+    # other.w's update is lost wherever a.w keeps
+    patches = [CWP("other.w", (4, 8), torch.float32, torch.linspace(1.0, 2.0, 32)),
+               _patches()[1]]
+    m = _Mixing(lambda w: w["a.w"] * w["other.w"].abs())
+    with pytest.raises(ContractViolation) as e:
+        patchkit.inspect_load(m, patches, loader=_observed_dense_and_sparse)
+    assert (e.value.reason, e.value.name, e.value.value) == ("mixed elements", "a.w",
                                                              "aten::mul.Tensor")
 
 
@@ -559,6 +613,13 @@ def _scratch_of_other_zeroed_by_foreach_then_added(w):
 
 _NOT_MIXING = {
     "w * w": lambda w: w["a.w"] * w["a.w"],
+    "masked_fill with a 0-d element of w (a pick)": (
+        lambda w: w["a.w"].masked_fill(torch.arange(8, device=w["a.w"].device) < 2,
+                                       w["a.w"][0, 1])),
+    "_foreach_mul of [w, other.w] by itself (each with its own elements)": (
+        lambda w: torch._foreach_mul([w["a.w"], w["other.w"]], [w["a.w"], w["other.w"]])[0]),
+    "one row, broadcast, plus that row expanded": (
+        lambda w: w["a.w"][:1] + w["a.w"][0].expand(4, -1)),
     "a scratch of other.w, _foreach_zero_, then a.w added": (
         _scratch_of_other_zeroed_by_foreach_then_added),
     "w + w.clone()": lambda w: w["a.w"] + w["a.w"].clone(),
