@@ -3290,7 +3290,8 @@ def _pairs(func: Any) -> bool:
     elements of patches' data, are paired (see :meth:`_Provenance._paired`): an op torch
     tags pointwise (or whose functional form it tags so), or one of ``_ELEMENT_WISE``;
     not a view, a pick (``_PICKS``), nor a ``_foreach_`` op (which pairs the tensors
-    of its lists one by one: :func:`_mixes` decides those). Once per op."""
+    of its lists one by one: a pairing inside one, ``torch._foreach_add([w],
+    [w.flip(0)])``, is not checked). Once per op."""
     got = _PAIRS.get(func)
     if got is None:
         got = _PAIRS[func] = _pairs_elements(func)
