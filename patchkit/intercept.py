@@ -2365,17 +2365,20 @@ class _Provenance:
         Inputs that map every element of their broadcast shape (their output's, less the
         dims only other inputs add) to the same element of the same patch pair nothing
         (``w * w``, ``w + w.clone()``, ``w[0] + w[0]``), and are decided without a read.
-        Otherwise their NaN is read (rare in loaders): none holds any, none mixes. Inputs
-        of one patch at two known places (offset or strides) mix, as does, among inputs
-        of two patches, one that holds none of the NaN at a known place in its patch, or
-        at any place where its patch was sent whole (``w * scale``, ``w * scale.abs()``
-        of a scale sent whole: its update is lost wherever the other keeps).
-        Else (inputs whose place in their patch is not known: the result of a move,
-        ``w.flip(0)``, or of another element-wise op, ``w.abs()``; or two patches' inputs
-        that both hold NaN) the NaN masks decide: two inputs that hold NaN at different
-        places (broadcast) mix; NaN at the same places (``a + b`` of two patches that
-        keep the same elements), or in one input only, is let through
-        (``w * w.abs()``)."""
+        Otherwise their NaN is read (rare in loaders): none holds any, none mixes. An
+        input that holds none of the NaN mixes where it is at a known place in its patch
+        (offset and strides), or at any place where its patch was sent whole
+        (``w * scale``, ``w * scale.abs()`` of a scale sent whole, ``w[2:] * w[:2]``
+        where rows 2-3 are all updated): its update is lost wherever another keeps.
+        Else the NaN masks decide: two inputs that hold NaN at different places
+        (broadcast) mix (``w - w[0]``, ``w + w.flip(0)``, two patches that keep
+        different elements); NaN at the same places is let through, since the result is
+        then right: where all keep, the runtime value made of the kept elements stays,
+        and where all update, the new one lands (``a + b`` of two patches that keep the
+        same elements, ``w[:, ::2] + w[:, 1::2]`` where even and odd columns keep alike,
+        ``w * w.abs()``). So is NaN in one input only where the others' place is not
+        known and their patches were not sent whole (a scratch the loader made anew from
+        an earlier patch's data, ``buf.copy_(x.nan_to_num())``, then added to)."""
         if any(e.mixed is not None for _, e in found):
             return None  # (mixed already: carried, the op that mixed first named)
         data: list[tuple[torch.Tensor, list[_Source]]] = []  # (each tensor once)
@@ -2404,16 +2407,12 @@ class _Provenance:
         first = holds.index(True)
         who = data[first][1][0]
         op = _op_name(func)
-        named = {(e.position, e.name) for _, hits in data for e in hits if e.name is not None}
-        if len(named) > 1:
-            # (a patch's numbers, lost where the other's NaN are: at a known place, or,
-            # where not known, of a patch sent whole, so that no NaN was replaced there)
-            if any(not h and (p is not None or all(
-                    e.name is not None and self.sent_whole(e.position, e.name) for e in hits))
-                   for p, h, (_, hits) in zip(places, holds, data)):
-                return who.position, who.name, op
-        elif len({p for p in places if p is not None}) > 1:
-            return who.position, who.name, op  # (one patch at two places)
+        # (a patch's numbers, lost where another input's NaN are: at a known place, or,
+        # where not known, of a patch sent whole, so that no NaN was replaced there)
+        if any(not h and (p is not None or all(
+                e.name is not None and self.sent_whole(e.position, e.name) for e in hits))
+               for p, h, (_, hits) in zip(places, holds, data)):
+            return who.position, who.name, op
         masks = [m for m, h in zip(nan, holds) if h]
         if len(masks) > 1:
             device = masks[0].device

@@ -123,11 +123,12 @@ def load_checkpoint_weight_patches(
        a copy, pointwise, an element move or NaN-aware; a put that adds, ``index_add_``,
        only where an index repeats, a reduction only over a dim longer than 1; an
        element-wise op, in place or ``out=`` too, only where it pairs different elements
-       of patches' data, ``w - w[0]``, ``w + w.flip(0)``, two patches' data) made from
-       a patch's data while that data held NaN, or that was computed from such a result,
-       raises :class:`NotImplementedError` (reason ``"mixed elements"``, naming the op),
-       writing nothing of that copy: the staged NaN has spread over elements the patch
-       updates. A call that rebinds a
+       of patches' data that do not keep alike, ``w - w[0]``, ``w + w.flip(0)``, or data
+       without NaN of a patch's own place or a patch sent whole with data that holds
+       NaN, ``w * s``) made from a patch's data while that data held NaN, or that was
+       computed from such a result, raises :class:`NotImplementedError` (reason
+       ``"mixed elements"``, naming the op), writing nothing of that copy: the staged NaN
+       has spread over elements the patch updates. A call that rebinds a
        runtime tensor (``param.data = w``), registers a new one in its place
        (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) or registers
        one under a name the model did not have is caught when it returns: the original is

@@ -789,3 +789,43 @@ def test_an_observed_loader_that_merges_a_reinterpreted_source_is_reported(case)
     with pytest.raises(ContractViolation) as own:  # (patchkit's own load: refused)
         patchkit.load_checkpoint_weight_patches(_Mixing(f), _patches())
     assert own.value.reason == refused
+
+
+@pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
+def test_one_patch_paired_at_two_places_that_keep_alike_loads_right(how):
+    # Even and odd columns of a.w, added: the patch updates columns 2 and 3 of row 0 and
+    # 4 and 5 of row 2, so each pair keeps or updates both. Where both keep, the runtime
+    # value (the sum of the two kept) stays right; where both update, the new sum lands.
+    # (Refused at first, as any pairing of one patch at two places.)
+    idx = torch.tensor([2, 3, 20, 21])
+    patches = [_patches()[0], CWP("a.w", (4, 8), torch.float32, torch.linspace(-2.0, 2.0, 4),
+                                  idx)]
+
+    def f(w):
+        return torch.cat([w["a.w"][:, ::2] + w["a.w"][:, 1::2]] * 2, 1)
+
+    m = _Mixing(f)
+    want = bits(_merged(f, m, patches)).clone()
+    _load(how, m, patches)
+    assert torch.equal(bits(m.a.detach()), want)
+    assert not torch.equal(want, bits(_Mixing(None).a.detach()))  # (the patch landed)
+    # one column apart, a pair keeps one and updates the other: refused
+    apart = [patches[0], patches[1]._replace(indices=torch.tensor([2, 3, 20, 22]))]
+    with pytest.raises(ContractViolation) as e:
+        _load(how, _Mixing(f), apart)
+    assert (e.value.reason, e.value.name, e.value.value) == ("mixed elements", "a.w",
+                                                             "aten::add.Tensor")
+
+
+def test_rows_of_one_patch_all_updated_paired_with_rows_that_keep_are_refused():
+    # rows 2-3 of a.w all sent (no NaN), times rows 0-1 (NaN but at 1 and 9): where rows
+    # 0-1 keep, the product is NaN and the merge keeps it, losing rows 2-3's update
+    idx = torch.cat([torch.tensor([1, 9]), torch.arange(16, 32)])
+    patches = [_patches()[0], CWP("a.w", (4, 8), torch.float32,
+                                  torch.linspace(-2.0, 2.0, idx.numel()), idx)]
+    m = _Mixing(lambda w: torch.cat([w["a.w"][2:] * w["a.w"][:2]] * 2))
+    with pytest.raises(ContractViolation) as e:
+        patchkit.load_checkpoint_weight_patches(m, patches)
+    assert (e.value.reason, e.value.name, e.value.value) == ("mixed elements", "a.w",
+                                                             "aten::mul.Tensor")
+    assert torch.equal(bits(m.a.detach()), bits(_Mixing(None).a.detach()))
