@@ -2960,10 +2960,61 @@ def _pointwise_sides(func: Any, inputs: Sequence[Any]) -> list[tuple[Any, Any]]:
     return [(t, None) for t in inputs]
 
 
-def _is_pointwise(func: Any) -> bool:
-    """Whether ``func`` computes each element of its result from the elements at that
-    place of its tensor arguments (broadcast), and nothing else."""
-    return torch.Tag.pointwise in func.tags or func in _POINTWISE_UNTAGGED
+_ELEMENT_WISE_OPS: dict = {}
+
+
+def _element_wise(func: Any) -> bool:
+    """Whether ATen op ``func`` computes each element of its result(s) from the elements
+    at that place of its tensor arguments (broadcast), and nothing else: an op torch tags
+    pointwise, one whose functional form it tags so (an in-place ``heaviside_``, an
+    ``out=`` ``add.Scalar_out``: see :func:`_functional_form`), or one of
+    ``_ELEMENT_WISE``, which it does not tag (``floor_divide``, ``polar``, ``where``);
+    not a view, nor a ``_foreach_`` op (see :func:`_foreach_kind`). The one notion of
+    the checks that follow an element by its place: the lost-number marks
+    (:meth:`_LostMarks.pointwise`), the mixed-elements refusal (:func:`_mixes`) and the
+    pairing check (:func:`_pairs`, less the picks of ``_PICKS``). Once per op."""
+    got = _ELEMENT_WISE_OPS.get(func)
+    if got is None:
+        got = _ELEMENT_WISE_OPS[func] = _element_wise_of(func)
+    return got
+
+
+def _element_wise_of(func: Any) -> bool:
+    name = func._schema.name
+    if "::_foreach_" in name or _is_view(func):
+        return False
+    if torch.Tag.pointwise in func.tags:
+        return True  # (of a library's own too: its author says so)
+    returns = func._schema.returns
+    if (not name.startswith("aten::") or not returns
+            or any(str(r.type) != "Tensor" for r in returns)):
+        return False  # (``where(cond)``: a list of the places of its true elements)
+    if _base_name(func) in _ELEMENT_WISE:
+        return True
+    functional = _functional_form(func)
+    return functional is not None and torch.Tag.pointwise in functional.tags
+
+
+def _functional_form(func: Any) -> Any:
+    """The overload that computes what in-place or ``out=`` op ``func`` writes, into a
+    new tensor: of the op named without the in-place ``_``, with the arguments of
+    ``func`` less its ``out=`` ones, by name (``heaviside_`` -> ``heaviside``,
+    ``add.Scalar_out`` -> ``add.Scalar``, ``threshold_backward.grad_input`` ->
+    ``threshold_backward``); ``None`` where there is none, or ``func`` writes nothing."""
+    args = func._schema.arguments
+    in_place = func._schema.name.endswith("_") and not func._schema.name.endswith("__")
+    if not in_place and not any(a.is_out for a in args):
+        return None
+    packet = getattr(_aten, _base_name(func), None)
+    if packet is None:
+        return None
+    names = [a.name for a in args if not a.is_out]
+    for overload in packet.overloads():
+        other = getattr(packet, overload)
+        if (other is not func and not other._schema.is_mutable
+                and [a.name for a in other._schema.arguments] == names):
+            return other
+    return None
 
 
 def _casts_lose_numbers(dtype: torch.dtype) -> bool:
@@ -2982,18 +3033,16 @@ _MOVES = frozenset({
     _aten.masked_select.default,
 })
 
-# Pointwise ops that torch does not tag so (``torch.Tag.pointwise``)
-_POINTWISE_UNTAGGED = frozenset({_aten.masked_fill.Tensor, _aten.masked_fill_.Tensor,
-                                 _aten.where.self_out, _aten.rsub.Tensor,
-                                 _aten.complex.default, _aten.complex.out})
-
 # ``torch.complex(real, imag)``: each part of its output from one input
 _COMPLEX = frozenset({_aten.complex.default, _aten.complex.out})
 
 # Pointwise ops that take each element from one of their inputs, as a condition or mask
 # picks: see :func:`_pointwise_sides`
-_WHERES = frozenset({_aten.where.self, _aten.where.self_out})
-_MASKED_FILLS = frozenset({_aten.masked_fill.Scalar, _aten.masked_fill.Tensor})
+# (every overload of each: ``where.ScalarOther``, ``masked_fill.Scalar_out``; not
+# ``where(cond)``, which is not element-wise)
+_WHERES = frozenset(getattr(_aten.where, o) for o in _aten.where.overloads()
+                    if o != "default")
+_MASKED_FILLS = frozenset(getattr(_aten.masked_fill, o) for o in _aten.masked_fill.overloads())
 
 # Ops that write all of their first argument anew, from no tensor: a scratch filled so
 # keeps no mark of what it held
@@ -3125,12 +3174,12 @@ def _mixed_for(out: torch.Tensor, mixed: tuple[int | None, str | None, str]
 
 
 # Ops (ATen names, without the in-place ``_`` or the ``_foreach_`` prefix) whose floating
-# output a NaN-merge can still take element by element, though torch does not tag them
-# pointwise: copies and casts, ops that move elements whole (each output element is one
-# input element, unchanged, or a constant: ``_MOVES``, ``_PUTS``, pads, triangles;
-# ``index_put``, ``put`` and ``scatter`` are in ``_COMBINING_PUTS``), ops whose output
-# holds none of their input's numbers (``zeros_like``, ``fill_``), and NaN-aware ones,
-# whose result holds no staged NaN.
+# output a NaN-merge can still take element by element, though they are not element-wise
+# (:func:`_element_wise`): copies and casts, ops that move elements whole (each output
+# element is one input element, unchanged, or a constant: ``_MOVES``, ``_PUTS``, pads,
+# triangles; ``index_put``, ``put`` and ``scatter`` are in ``_COMBINING_PUTS``), ops
+# whose output holds none of their input's numbers (``zeros_like``, ``fill_``), and
+# NaN-aware ones, whose result holds no staged NaN.
 _KEEPS_ELEMENTS = frozenset({
     # copies, casts and the copying forms of views
     "copy", "_to_copy", "clone", "_copy_from", "_copy_from_and_resize", "lift_fresh_copy",
@@ -3144,16 +3193,12 @@ _KEEPS_ELEMENTS = frozenset({
     # element moves and puts
     "cat", "stack", "hstack", "vstack", "index_select", "index", "repeat", "roll", "flip",
     "gather", "take", "take_along_dim", "masked_select", "repeat_interleave", "tile",
-    "rot90", "index_copy", "masked_scatter", "index_fill",
-    "masked_fill", "slice_scatter", "select_scatter", "diagonal_scatter",
-    "as_strided_scatter", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
-    "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
+    "rot90", "index_copy", "masked_scatter", "index_fill", "slice_scatter",
+    "select_scatter", "diagonal_scatter", "as_strided_scatter", "constant_pad_nd",
+    "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d",
+    "replication_pad2d", "replication_pad3d",
     "tril", "triu", "diag", "diag_embed", "block_diag", "pixel_shuffle", "pixel_unshuffle",
     "channel_shuffle", "native_channel_shuffle", "im2col", "embedding", "lift",
-    # element-wise, though some or all of their overloads are not tagged pointwise
-    "complex", "polar", "where", "copysign", "frexp", "ldexp", "fmod", "remainder",
-    "floor_divide", "true_divide", "rsub", "isclose", "dropout", "native_dropout",
-    "alpha_dropout", "feature_dropout", "_masked_scale",
     # no numbers of the input in the output
     "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
     "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
@@ -3161,7 +3206,7 @@ _KEEPS_ELEMENTS = frozenset({
     "bernoulli", "exponential", "geometric", "cauchy", "log_normal",
     # NaN-aware: no staged NaN in the result (nanmean and nanquantile are made of other
     # ops before a dispatch mode sees them: see README)
-    "nansum", "nanmean", "nanmedian", "nanquantile", "nan_to_num", "isnan", "fmax", "fmin",
+    "nansum", "nanmean", "nanmedian", "nanquantile", "nan_to_num", "isnan",
 })
 
 # Puts (ATen names, as for ``_KEEPS_ELEMENTS``) that may combine what they put with what
@@ -3187,9 +3232,9 @@ _MIXES: dict = {}
 
 def _mixes(func: Any) -> bool | str:
     """Whether op ``func`` may mix its inputs' elements (a matmul, a reduction, a sort, a
-    cumsum, a softmax, an op torch does not describe): none of a view, an op torch tags
-    pointwise (or whose functional form it tags so: ``abs_``, ``where.self_out``), nor
-    one of ``_KEEPS_ELEMENTS``; ``_PUT`` for a put of ``_COMBINING_PUTS``, ``_REDUCES``
+    cumsum, a softmax, an op torch does not describe): none of a view, an element-wise op
+    (:func:`_element_wise`), a ``_foreach_`` op of :func:`_foreach_kind`, nor one of
+    ``_KEEPS_ELEMENTS``; ``_PUT`` for a put of ``_COMBINING_PUTS``, ``_REDUCES``
     for an op torch tags a reduction (see :meth:`_Provenance.mixed_by`). Once per op."""
     got = _MIXES.get(func)
     if got is None:
@@ -3274,10 +3319,12 @@ def _puts_repeat(func: Any, args: Sequence[Any], kwargs: dict) -> bool:
 _PICKS = frozenset({"where", "masked_fill", "complex"})
 
 # Element-wise ops (ATen names, as for ``_KEEPS_ELEMENTS``) some or all of whose
-# overloads torch does not tag pointwise
+# overloads (functional ones too) torch does not tag pointwise: see :func:`_element_wise`
 _ELEMENT_WISE = frozenset({
     "polar", "copysign", "frexp", "ldexp", "fmod", "remainder", "floor_divide",
     "true_divide", "rsub", "fmax", "fmin", "nextafter", "hypot", "atan2", "xlogy",
+    "complex", "where", "masked_fill", "isclose", "dropout", "native_dropout",
+    "alpha_dropout", "feature_dropout", "_masked_scale",
 })
 
 _PAIRS: dict = {}
@@ -3286,11 +3333,10 @@ _PAIRS: dict = {}
 def _pairs(func: Any) -> bool:
     """Whether op ``func`` computes each element of its result from the elements at that
     place of its tensor inputs (broadcast), so that two of them, taken from different
-    elements of patches' data, are paired (see :meth:`_Provenance._paired`): an op torch
-    tags pointwise (or whose functional form it tags so), or one of ``_ELEMENT_WISE``;
-    not a view, a pick (``_PICKS``), nor a ``_foreach_`` op (which pairs the tensors
-    of its lists one by one: a pairing inside one, ``torch._foreach_add([w],
-    [w.flip(0)])``, is not checked). Once per op."""
+    elements of patches' data, are paired (see :meth:`_Provenance._paired`): an
+    element-wise op (:func:`_element_wise`) but a pick (``_PICKS``); not a ``_foreach_``
+    op (which pairs the tensors of its lists one by one: a pairing inside one,
+    ``torch._foreach_add([w], [w.flip(0)])``, is not checked). Once per op."""
     got = _PAIRS.get(func)
     if got is None:
         got = _PAIRS[func] = _pairs_elements(func)
@@ -3298,22 +3344,7 @@ def _pairs(func: Any) -> bool:
 
 
 def _pairs_elements(func: Any) -> bool:
-    if (_is_view(func) or _mixes(func) is not False
-            or func._schema.name.partition("::")[2].startswith("_foreach_")):
-        return False
-    base = _base_name(func)
-    if base in _PICKS:
-        return False
-    if _is_pointwise(func) or base in _ELEMENT_WISE:
-        return True
-    packet = getattr(torch.ops.aten, base, None)
-    if packet is not None:
-        over = func._overloadname
-        for name in (over, over.removesuffix("_out").removesuffix("out") or "default"):
-            functional = getattr(packet, name, None)
-            if functional is not None and torch.Tag.pointwise in functional.tags:
-                return True
-    return False
+    return _element_wise(func) and _base_name(func) not in _PICKS
 
 
 def _tensors_in(args: Sequence[Any]) -> int:
@@ -3342,27 +3373,18 @@ def _place_in_patch(t: torch.Tensor, e: _Source, shape: Sequence[int]) -> tuple 
 
 
 def _mixes_elements(func: Any) -> bool | str:
-    if _is_view(func) or torch.Tag.pointwise in func.tags or _foreach_kind(func):
+    if _is_view(func) or _element_wise(func) or _foreach_kind(func):
         return False
-    over = func._overloadname
     if func._schema.name.partition("::")[0] != "aten":
         return True  # (an op of a library's own: what it does is not known)
     base = _base_name(func)
     if base in _COMBINING_PUTS:
-        return False if base == "scatter" and not over.startswith("reduce") else _PUT
+        return False if base == "scatter" and not func._overloadname.startswith(
+            "reduce") else _PUT
     if base in _KEEPS_ELEMENTS:
         return False
     if torch.Tag.reduction in func.tags:
         return _REDUCES
-    packet = getattr(torch.ops.aten, base, None)
-    if packet is not None:
-        for name in (over, over.removesuffix("_out").removesuffix("out") or "default"):
-            try:
-                functional = getattr(packet, name)
-            except AttributeError:
-                continue
-            if torch.Tag.pointwise in functional.tags:
-                return False
     return True
 
 
@@ -3726,7 +3748,7 @@ class _Mode(TorchDispatchMode):
                         s.lost.moved(func, args, kwargs, out)
                     elif s.lost and func in _FUNCTIONAL_PUTS:
                         s.lost.put(func, args, kwargs, out)
-                    elif s.lost and _is_pointwise(func):
+                    elif s.lost and _element_wise(func):
                         s.lost.pointwise(func, [*args, *kwargs.values()], out)
             else:
                 if (s.track_sources and isinstance(out, tuple | list) and s.provenance
@@ -5642,14 +5664,14 @@ class WriteSession:
         elif (outs := [t for i, argname in _out_args(func)
                        for t in _listed(args[i] if i < len(args) else kwargs.get(argname))
                        if isinstance(t, torch.Tensor)]):
-            if _is_pointwise(func):  # (``torch.mul(x, s, out=buf)``: buf takes x's marks)
+            if _element_wise(func):  # (``torch.mul(x, s, out=buf)``: buf takes x's marks)
                 inputs = _inputs(func, args, kwargs)
                 for t in outs:
                     self.lost.pointwise(func, inputs, t, anew=True)
             else:
                 for t in outs:
                     self.lost.unmark(t)
-        elif _is_pointwise(func) and isinstance(args[0], torch.Tensor):
+        elif _element_wise(func) and isinstance(args[0], torch.Tensor):
             # (``buf.add_(x)``: each element stays NaN where it was, and where x's is)
             self.lost.pointwise(func, [*args[1:], *kwargs.values()], args[0])
 

@@ -622,6 +622,9 @@ _NOT_MIXING = {
         lambda w: w["a.w"][:1] + w["a.w"][0].expand(4, -1)),
     "a scratch of other.w, _foreach_zero_, then a.w added": (
         _scratch_of_other_zeroed_by_foreach_then_added),
+    "gelu_backward into grad_input= (an out= op not named so)": (
+        lambda w: torch.ops.aten.gelu_backward.grad_input(
+            w["a.w"], w["a.w"], grad_input=torch.empty(4, 8, device=w["a.w"].device))),
     "w + w.clone()": lambda w: w["a.w"] + w["a.w"].clone(),
     "w * 2 and w * a loader's tensor": _scaled_by_a_tensor_of_the_loaders,
     "where(model's mask, w, model's tensor)": "where with the model's tensor",
