@@ -2422,14 +2422,26 @@ class _Provenance:
         return None
 
     def mixed_in_place(self, func: Any, args: Sequence[Any], kwargs: dict
-                       ) -> tuple[int | None, str | None, str] | None:
+                       ) -> tuple[int | None, str | None, str] | list | None:
         """:meth:`mixed_by` for an op that writes tensors of the loader's own in place
         (``buf.cumsum_(0)``, ``torch.mm(w, h, out=buf)``), read before it runs: its inputs
-        are its arguments less its ``out=`` ones, whose old values it does not read."""
+        are its arguments less its ``out=`` ones, whose old values it does not read. For
+        a ``_foreach_`` op of element-wise ops (``_foreach_add_(bufs, xs)``), a list: what
+        each tensor it writes is mixed by, from the inputs at its place (see
+        :meth:`written_each`)."""
         kind = _mixes(func) if self._by_key else False
         if not kind:
             # (``buf.mul_(2)``, an element-wise op of one tensor, is common: no search)
-            if not (_pairs(func) and _tensors_in(_inputs(func, args, kwargs)) > 1):
+            if not _pairs(func):
+                return None
+            if _foreach_kind(func):
+                written = _foreach_written(func, args, kwargs)
+                n = len(written)
+                inputs = _inputs(func, args, kwargs)
+                return [self.mixed_by(func, self._traced_data(_nth(inputs, i, n)), (), {},
+                                      t.numel()) if isinstance(t, torch.Tensor) else None
+                        for i, t in enumerate(written)]
+            if _tensors_in(_inputs(func, args, kwargs)) < 2:
                 return None
         elif kind is _PUT and not _combines(func, args, kwargs):
             return None  # (``buf[idx] = w``, a put that moves, is common: no search)
@@ -2441,6 +2453,32 @@ class _Provenance:
         size = written.numel() if isinstance(written, torch.Tensor) else -1
         return self.mixed_by(func, self._traced_data(_inputs(func, args, kwargs)), args,
                              kwargs, size)
+
+    def taint_each(self, func: Any, args: Sequence[Any], kwargs: dict, outs: list) -> None:
+        """:meth:`taint` for the results ``outs`` of a functional ``_foreach_`` op: each
+        made from the arguments at its place in the lists (``torch._foreach_add(ws,
+        others)``: ``ws[i] + others[i]``, paired as that add is)."""
+        n = len(outs)
+        keys = list(kwargs)
+        for i, o in enumerate(outs):
+            if isinstance(o, torch.Tensor):
+                self.taint(o, _nth(args, i, n), dict(zip(keys, _nth(list(kwargs.values()), i, n))),
+                           func)
+
+    def written_each(self, func: Any, args: Sequence[Any], kwargs: dict,
+                     mixed: list | None) -> None:
+        """:meth:`written_from` (and :meth:`mix`, where ``mixed``, a list from
+        :meth:`mixed_in_place`, says so) for each tensor a ``_foreach_`` op wrote in place
+        (or into its ``out=`` list), from the arguments at its place in the lists."""
+        written = _foreach_written(func, args, kwargs)
+        n = len(written)
+        keys = list(kwargs)
+        for i, t in enumerate(written):
+            if isinstance(t, torch.Tensor) and t.numel():
+                self.written_from(t, _nth(args, i, n),
+                                  dict(zip(keys, _nth(list(kwargs.values()), i, n))))
+                if mixed is not None and mixed[i] is not None:
+                    self.mix(t, mixed[i])
 
     def mix(self, t: torch.Tensor, mixed: tuple[int | None, str | None, str]) -> None:
         """``t``, a tensor of the loader's own, was written by an op that mixed its
@@ -3000,12 +3038,14 @@ def _functional_form(func: Any) -> Any:
     new tensor: of the op named without the in-place ``_``, with the arguments of
     ``func`` less its ``out=`` ones, by name (``heaviside_`` -> ``heaviside``,
     ``add.Scalar_out`` -> ``add.Scalar``, ``threshold_backward.grad_input`` ->
-    ``threshold_backward``); ``None`` where there is none, or ``func`` writes nothing."""
+    ``threshold_backward``, ``_foreach_add_.List`` -> ``_foreach_add.List``); ``None``
+    where there is none, or ``func`` writes nothing."""
     args = func._schema.arguments
-    in_place = func._schema.name.endswith("_") and not func._schema.name.endswith("__")
+    name = func._schema.name.partition("::")[2]
+    in_place = name.endswith("_") and not name.endswith("__")
     if not in_place and not any(a.is_out for a in args):
         return None
-    packet = getattr(_aten, _base_name(func), None)
+    packet = getattr(_aten, name[:-1] if in_place else name, None)
     if packet is None:
         return None
     names = [a.name for a in args if not a.is_out]
@@ -3138,13 +3178,49 @@ def _foreach_kind_of(func: Any) -> str | None:
         return "copy"
     if base == "zero":
         return "fill"
-    packet = getattr(_aten, base, None)
-    over = func._overloadname.removesuffix("_out")
+    functional = _functional_form(func)  # (``_foreach_max.out``: as ``_foreach_max``)
+    if functional is not None:
+        return _foreach_kind(functional)
+    each = _foreach_each(func)
+    return "pointwise" if each is not None and _element_wise(each) else None
+
+
+def _foreach_each(func: Any) -> Any:
+    """The op that functional ``_foreach_`` op ``func`` does on the tensors at each place
+    of its lists: its overload named so (``List`` -> ``Tensor``, ``ScalarList`` ->
+    ``Scalar``), the default one, or the one whose arguments are named as ``func``'s
+    (``_foreach_pow.List`` -> ``pow.Tensor_Tensor``); ``None`` where none is."""
+    packet = getattr(_aten, _base_name(func), None)
+    if packet is None:
+        return None
+    over = func._overloadname
     for name in (_FOREACH_OVERLOADS.get(over, over), "default"):
-        each = getattr(packet, name, None) if packet is not None else None
+        each = getattr(packet, name, None)
         if each is not None:
-            return "pointwise" if torch.Tag.pointwise in each.tags else None
+            return each
+    names = [a.name for a in func._schema.arguments]
+    for overload in packet.overloads():
+        each = getattr(packet, overload)
+        if [a.name for a in each._schema.arguments] == names:
+            return each
     return None
+
+
+def _nth(args: Sequence[Any], i: int, n: int) -> list:
+    """``args`` of a ``_foreach_`` op with each list of ``n`` (tensors, numbers) in
+    place of its ``i``-th element: the arguments of the op it does at place ``i`` (a
+    tensor or number not in a list is used at each)."""
+    return [a[i] if isinstance(a, list | tuple) and len(a) == n else a for a in args]
+
+
+def _foreach_written(func: Any, args: Sequence[Any], kwargs: dict) -> list:
+    """The tensors an in-place or ``out=`` ``_foreach_`` op writes: its ``out=`` list,
+    or its first."""
+    outs = _out_args(func)
+    if outs:
+        i, name = outs[0]
+        return list(_listed(args[i] if i < len(args) else kwargs.get(name)))
+    return list(_listed(args[0])) if args else []
 
 
 def _put_combines(func: Any, args: Sequence[Any], kwargs: dict) -> bool:
@@ -3334,9 +3410,10 @@ def _pairs(func: Any) -> bool:
     """Whether op ``func`` computes each element of its result from the elements at that
     place of its tensor inputs (broadcast), so that two of them, taken from different
     elements of patches' data, are paired (see :meth:`_Provenance._paired`): an
-    element-wise op (:func:`_element_wise`) but a pick (``_PICKS``); not a ``_foreach_``
-    op (which pairs the tensors of its lists one by one: a pairing inside one,
-    ``torch._foreach_add([w], [w.flip(0)])``, is not checked). Once per op."""
+    element-wise op (:func:`_element_wise`) but a pick (``_PICKS``), or a ``_foreach_`` op
+    of such ops (``_foreach_add``, ``_foreach_lerp_``), which pairs the tensors at each
+    place of its lists (and a tensor not in a list with each): its callers hand
+    :meth:`_Provenance.mixed_by` the inputs of one place at a time. Once per op."""
     got = _PAIRS.get(func)
     if got is None:
         got = _PAIRS[func] = _pairs_elements(func)
@@ -3344,6 +3421,8 @@ def _pairs(func: Any) -> bool:
 
 
 def _pairs_elements(func: Any) -> bool:
+    if _foreach_kind(func):
+        return _foreach_kind(func) == "pointwise"
     return _element_wise(func) and _base_name(func) not in _PICKS
 
 
@@ -3754,10 +3833,13 @@ class _Mode(TorchDispatchMode):
                 if (s.track_sources and isinstance(out, tuple | list) and s.provenance
                         and not _is_view(func)):
                     # (an op of several results, a sort's values: each holds data of its
-                    # input)
-                    for o in out:
-                        if isinstance(o, torch.Tensor):
-                            s.provenance.taint(o, args, kwargs, func)
+                    # input; a _foreach_ op's, the data of its inputs at its place)
+                    if isinstance(out, list) and _foreach_kind(func):
+                        s.provenance.taint_each(func, args, kwargs, out)
+                    else:
+                        for o in out:
+                            if isinstance(o, torch.Tensor):
+                                s.provenance.taint(o, args, kwargs, func)
                 if s._sparse and isinstance(out, list) and _foreach_kind(func):
                     # (``torch._foreach_mul(ts, 2.0)``: each result from its inputs)
                     s._note_foreach(func, args, kwargs, out)
@@ -3788,6 +3870,9 @@ class _Mode(TorchDispatchMode):
                 elif func in _FILLS or _foreach_kind(func) == "fill":
                     for t in others:  # (``_foreach_zero_``: each tensor of its list)
                         s.provenance.filled(t)
+                elif s.provenance and _foreach_kind(func):
+                    # (``_foreach_add_(bufs, ws)``: each from the tensors at its place)
+                    s.provenance.written_each(func, args, kwargs, mixed)
                 elif s.provenance:
                     # (a scratch tensor written from a patch's data by another op:
                     # ``buf[idx] = w``, ``torch.cat([q, k], out=buf)``, ``buf.add_(w)``)

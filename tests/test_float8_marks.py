@@ -198,6 +198,10 @@ def _foreach_added_in_place(t):
     pytest.param(lambda t: torch._foreach_clamp_min([_lost(t)[2:]], [-1e9])[0],
                  id="_foreach_clamp_min"),
     pytest.param(lambda t: torch._foreach_clone([_lost(t)[2:]])[0], id="_foreach_clone"),
+    # (_foreach_pow.List, whose op on each tensor is pow.Tensor_Tensor, was taken for an op
+    # that mixes elements, and refused so)
+    pytest.param(lambda t: torch._foreach_pow([_lost(t)[2:]], [_zeros(t) + 1])[0],
+                 id="_foreach_pow of lists"),
     pytest.param(_foreach_added_in_place, id="_foreach_add_ into scratches"),
     pytest.param(lambda t: _foreach_copied(t, torch.float32, _lost(t)[2:]),
                  id="_foreach_copy_ (float32)"),

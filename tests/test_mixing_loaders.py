@@ -260,7 +260,46 @@ _PAIRING = {
         lambda w: torch.fmax(w["a.w"], w["a.w"].flip(1)), "aten::fmax", torch.float32),
 }
 
-_REFUSED = {**_MIXING, **_PAIRING}
+
+
+def _foreach_add_in_place_of_a_flip(w):
+    a = w["a.w"]
+    buf = a.clone()
+    torch._foreach_add_([buf], [a.flip(0)])
+    return buf
+
+
+def _foreach_add_at_the_second_place(w):
+    # (other.w with itself at place 0, a.w with its flip at place 1)
+    a, o = w["a.w"], w["other.w"]
+    return torch._foreach_add([o, a], [o, a.flip(0)])[1]
+
+
+# A _foreach_ op pairs the tensors at each place of its lists as the op it names does
+# (these loaded without a word: the check saw no pairing inside a list op).
+_FOREACH_PAIRING = {
+    "_foreach_add of [w] and [w.flip(0)]": (
+        lambda w: torch._foreach_add([w["a.w"]], [w["a.w"].flip(0)])[0],
+        "aten::_foreach_add.List", torch.float32),
+    "_foreach_mul of [w] and [w.roll(1, 0)]": (
+        lambda w: torch._foreach_mul([w["a.w"]], [w["a.w"].roll(1, 0)])[0],
+        "aten::_foreach_mul.List", torch.float32),
+    "_foreach_add_ of w.flip(0) into a copy of w, in place": (
+        _foreach_add_in_place_of_a_flip, "aten::_foreach_add_.List", torch.float32),
+    "_foreach_lerp of [w] towards [w.flip(0)]": (
+        lambda w: torch._foreach_lerp([w["a.w"]], [w["a.w"].flip(0)], 0.5)[0],
+        "aten::_foreach_lerp.Scalar", torch.float32),
+    "_foreach_mul of [w] by an element of w (a tensor not in a list)": (
+        lambda w: torch._foreach_mul([w["a.w"]], w["a.w"][0, 0])[0],
+        "aten::_foreach_mul.Tensor", torch.float32),
+    "_foreach_pow of [w] by [w.flip(1)]": (
+        lambda w: torch._foreach_pow([w["a.w"]], [w["a.w"].flip(1)])[0],
+        "aten::_foreach_pow.List", torch.float32),
+    "_foreach_add of two places, the second a pairing": (
+        _foreach_add_at_the_second_place, "aten::_foreach_add.List", torch.float32),
+}
+
+_REFUSED = {**_MIXING, **_PAIRING, **_FOREACH_PAIRING}
 
 
 @pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
@@ -611,6 +650,21 @@ def _scratch_of_other_zeroed_by_foreach_then_added(w):
     return buf.add_(w["a.w"])
 
 
+def _foreach_add_in_place_of_each_own(w):
+    # each scratch, a copy of its patch's data, added to by that data: the same elements
+    a, o = w["a.w"], w["other.w"]
+    bufs = [o.clone(), a.clone()]
+    torch._foreach_add_(bufs, [o, a])
+    return bufs[1]
+
+
+def _foreach_copied_then_added_to_its_source(w):
+    a, o = w["a.w"], w["other.w"]
+    bufs = [torch.empty(4, 8, device=a.device), torch.empty(4, 8, device=a.device)]
+    torch._foreach_copy_(bufs, [o, a])
+    return bufs[1] + a
+
+
 _NOT_MIXING = {
     "w * w": lambda w: w["a.w"] * w["a.w"],
     "masked_fill with a 0-d element of w (a pick)": (
@@ -618,6 +672,15 @@ _NOT_MIXING = {
                                        w["a.w"][0, 1])),
     "_foreach_mul of [w, other.w] by itself (each with its own elements)": (
         lambda w: torch._foreach_mul([w["a.w"], w["other.w"]], [w["a.w"], w["other.w"]])[0]),
+    "_foreach_mul of [w] by 2.0": lambda w: torch._foreach_mul([w["a.w"]], 2.0)[0],
+    "_foreach_add of [w] and [w]": lambda w: torch._foreach_add([w["a.w"]], [w["a.w"]])[0],
+    "_foreach_add_ of each patch into a copy of it, in place": (
+        _foreach_add_in_place_of_each_own),
+    "_foreach_copy_ into scratches, then one added to its source": (
+        _foreach_copied_then_added_to_its_source),
+    # (was refused as 'mixed elements': _foreach_pow.List names pow.Tensor_Tensor)
+    "_foreach_pow of [w.abs()] by [w]": (
+        lambda w: torch._foreach_pow([w["a.w"].abs()], [w["a.w"]])[0]),
     "one row, broadcast, plus that row expanded": (
         lambda w: w["a.w"][:1] + w["a.w"][0].expand(4, -1)),
     "a scratch of other.w, _foreach_zero_, then a.w added": (
