@@ -795,7 +795,8 @@ def _merging_loader(model, patches, **kwargs):
 
 
 @pytest.mark.parametrize("case", ["rotation", "amax scale", "sort values", "w - w[0]",
-                                  "w + w.flip(0)", "two patches multiplied"])
+                                  "w + w.flip(0)", "two patches multiplied",
+                                  "_foreach_add of [w] and [w.flip(0)]"])
 def test_an_observed_loader_that_merges_mixed_data_is_reported(case):
     # What vLLM does with such a loader: it merges what the mixing op made, keeping
     # elements the patch updates, without a word. Observed (``loader=``), the load runs as
