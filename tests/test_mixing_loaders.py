@@ -261,7 +261,6 @@ _PAIRING = {
 }
 
 
-
 def _foreach_add_in_place_of_a_flip(w):
     a = w["a.w"]
     buf = a.clone()
