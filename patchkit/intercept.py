@@ -3857,10 +3857,10 @@ class _Mode(TorchDispatchMode):
                         others.append(t)
         if not targets:
             # (an op that mixes elements in place, ``buf.cumsum_(0)``, reads its inputs
-            # before it runs)
+            # before it runs; in a sparse call, or an observed one of NaN-masked patches)
             mixed = (s.provenance.mixed_in_place(func, args, kwargs)
-                     if s._sparse and func is not _COPY and others and s.provenance
-                     else None)
+                     if s.provenance.mixing and func is not _COPY and others
+                     and s.provenance else None)
             out = func(*args, **kwargs)
             if s.track_sources:
                 for t in others:  # a staged tensor (or a copy of one) written in place

@@ -795,7 +795,13 @@ def _merging_loader(model, patches, **kwargs):
 
 @pytest.mark.parametrize("case", ["rotation", "amax scale", "sort values", "w - w[0]",
                                   "w + w.flip(0)", "two patches multiplied",
-                                  "_foreach_add of [w] and [w.flip(0)]"])
+                                  "_foreach_add of [w] and [w.flip(0)]",
+                                  # (in place into a scratch: not seen when observed at
+                                  # first; a cumsum_ of a scratch copied into is not here,
+                                  # since this loader's copy_ merges into the scratch too)
+                                  "mm into a scratch (out=)",
+                                  "sub_ of row 0, in place",
+                                  "_foreach_add_ of w.flip(0) into a copy of w, in place"])
 def test_an_observed_loader_that_merges_mixed_data_is_reported(case):
     # What vLLM does with such a loader: it merges what the mixing op made, keeping
     # elements the patch updates, without a word. Observed (``loader=``), the load runs as
