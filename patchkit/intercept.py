@@ -2369,7 +2369,10 @@ class _Provenance:
         input that holds none of the NaN mixes where it is at a known place in its patch
         (offset and strides), or at any place where its patch was sent whole
         (``w * scale``, ``w * scale.abs()`` of a scale sent whole, ``w[2:] * w[:2]``
-        where rows 2-3 are all updated): its update is lost wherever another keeps.
+        where rows 2-3 are all updated), or where it is a part of a stretch of a patch's
+        data the loader made (a move's result, ``x = w.flip(0)``) that another input,
+        holding NaN, lies in too (``x - x[0]``, :func:`_place_in_stretch`): its update
+        is lost wherever another keeps.
         Else the NaN masks decide: two inputs that hold NaN at different places
         (broadcast) mix (``w - w[0]``, ``w + w.flip(0)``, two patches that keep
         different elements); NaN at the same places is let through, since the result is
@@ -2408,10 +2411,15 @@ class _Provenance:
         who = data[first][1][0]
         op = _op_name(func)
         # (a patch's numbers, lost where another input's NaN are: at a known place, or,
-        # where not known, of a patch sent whole, so that no NaN was replaced there)
-        if any(not h and (p is not None or all(
+        # where not known, of a patch sent whole, so that no NaN was replaced there, or
+        # beside that NaN in one stretch the loader made, ``x - x[0]`` of ``x =
+        # w.flip(0)``: no NaN was replaced in a part of what holds NaN in another)
+        near = [_place_in_stretch(t, hits[0]) if p is None and len(hits) == 1 else None
+                for (t, hits), p in zip(data, places)]
+        nan_near = {n for n, h in zip(near, holds) if h and n is not None}
+        if any(not h and (p is not None or n in nan_near or all(
                 e.name is not None and self.sent_whole(e.position, e.name) for e in hits))
-               for p, h, (_, hits) in zip(places, holds, data)):
+               for p, n, h, (_, hits) in zip(places, near, holds, data)):
             return who.position, who.name, op
         masks = [m for m, h in zip(nan, holds) if h]
         if len(masks) > 1:
@@ -3449,6 +3457,20 @@ def _place_in_patch(t: torch.Tensor, e: _Source, shape: Sequence[int]) -> tuple 
         0 if d < lead or shape[d] == 1 or t.shape[d - lead] == 1 else t.stride(d - lead)
         for d in range(len(shape)))
     return e.position, e.name, t.storage_offset() - e.base, strides
+
+
+def _place_in_stretch(t: torch.Tensor, e: _Source) -> tuple | None:
+    """Which stretch of a patch's data, at no known place in the patch (``e``, made by an
+    op that moved or computed it), ``t`` lies in: ``(storage key, its first byte)``, or
+    ``None`` where ``e`` is no one patch's, or has a known place (``base``), or ``t``
+    reaches past it. Two inputs of an element-wise op in one such stretch are parts of
+    one tensor the loader made (``x`` and ``x[0]``)."""
+    if e.name is None or e.base is not None or e.mixed is not None:
+        return None
+    lo, hi = _byte_span(t)
+    if lo < e.lo or hi > e.hi:
+        return None
+    return _storage_key(t), e.lo
 
 
 def _mixes_elements(func: Any) -> bool | str:
