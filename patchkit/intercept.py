@@ -1910,6 +1910,21 @@ class _Source(NamedTuple):
     # and storage offset of the copy: each element of the copy is the checkpoint element
     # of the view at the same index (:func:`_in_layout`)
     layout: tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int] | None = None
+    # where ``base`` is None, in a sparse call: every element of the stretch is an element
+    # of patches' staged data, unchanged, put there by element moves and copies only
+    # (``w.flip(0)``, ``b[[0]]``, a cat of two patches) from data at a known place or such
+    # data, with no tensor of the loader's among their inputs: no NaN was replaced there,
+    # so a part of it without NaN holds updates (see :meth:`_Provenance._paired`). Not
+    # set where an op wrote it in place since (``buf.nan_to_num_()``).
+    moved: bool = False
+
+
+def _unchanged(e: _Source) -> bool:
+    """Whether stretch ``e`` holds its patches' staged elements unchanged: at a known
+    place (``base``, ``layout``), or moved there (:attr:`_Source.moved`); not misread,
+    shifted, nor mixed."""
+    return (e.misread is None and e.mixed is None and not e.shift
+            and (e.base is not None or e.layout is not None or e.moved))
 
 
 def _trimmed(got: list[_Source], first: int, after: int, lo: int, hi: int,
@@ -2217,7 +2232,7 @@ class _Provenance:
                 _bits_dtype(hit, src, out), None,
                 None if hit.mixed is None else _mixed_for(out, hit.mixed),
                 layout=(box[0], tuple(src.shape), box[1], tuple(out.stride()),
-                        out.storage_offset())))
+                        out.storage_offset()), moved=_unchanged(hit)))
             return True
         found = self.stretches(src) if self._by_key else []
         if follow and found:
@@ -2239,7 +2254,7 @@ class _Provenance:
                     _carried_base(e, src, out), e.exact and whole and misread is None,
                     ref, _bits_dtype(e, src, out), misread,
                     None if e.mixed is None else _mixed_for(out, e.mixed),
-                    _carried_shift(e, src, out)))
+                    _carried_shift(e, src, out), moved=misread is None and _unchanged(e)))
             return True
         if not whole:
             # A copy into a tensor of the loader's own (a scratch buffer) that cannot be
@@ -2247,7 +2262,8 @@ class _Provenance:
             # destination): ``out`` holds ``src``'s data now, at offsets nobody knows, its
             # bytes of the dtype they were (so that a view of them as another dtype is
             # refused as it is for ``src``).
-            self._moved_into(out, [(src, e) for e in found])
+            self._moved_into(out, [(src, e) for e in found],
+                             moved=self.mixing and self._all_unchanged((src,)))
         return False
 
     def source_of(self, args: Sequence[Any], kwargs: dict) -> tuple[int | None, str] | None:
@@ -2304,7 +2320,29 @@ class _Provenance:
             self._moved_into(out, found, self.mixed_by(func, found, args, kwargs or {},
                                                        out.numel())
                              if func is not None and self.mixing
-                             and (out.is_floating_point() or out.is_complex()) else None)
+                             and (out.is_floating_point() or out.is_complex()) else None,
+                             moved=self.mixing and (func is None or _rearranges(func))
+                             and self._all_unchanged(args))
+
+    def _all_unchanged(self, args: Sequence[Any]) -> bool:
+        """Whether every floating-point tensor among ``args`` (lists of tensors too) lies
+        in one stretch whose elements are its patches' staged ones, unchanged
+        (:func:`_unchanged`): an element move of them makes :attr:`_Source.moved` data.
+        A tensor of the loader's (untraced) among them: ``False``."""
+        seen = False
+        for a in args:
+            for t in _listed(a):
+                if not isinstance(t, torch.Tensor) or not (
+                        t.is_floating_point() or t.is_complex()) or not t.numel():
+                    continue
+                got = self.stretches(t)
+                if len(got) != 1 or not _unchanged(got[0]):
+                    return False
+                lo, hi = _byte_span(t)
+                if lo < got[0].lo or hi > got[0].hi:
+                    return False
+                seen = True
+        return seen
 
     def mixed_by(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
                  args: Sequence[Any], kwargs: dict, size: int
@@ -2369,7 +2407,9 @@ class _Provenance:
         input that holds none of the NaN mixes where it is at a known place in its patch
         (offset and strides), or at any place where its patch was sent whole
         (``w * scale``, ``w * scale.abs()`` of a scale sent whole, ``w[2:] * w[:2]``
-        where rows 2-3 are all updated), or where it is a part of a stretch of a patch's
+        where rows 2-3 are all updated), where it is patches' staged elements moved or
+        copied alone (:attr:`_Source.moved`: ``a * b.flip(1)[0]``), or where it is a
+        part of a stretch of a patch's
         data the loader made (a move's result, ``x = w.flip(0)``) that another input,
         holding NaN, lies in too (``x - x[0]``, :func:`_place_in_stretch`): its update
         is lost wherever another keeps.
@@ -2417,9 +2457,9 @@ class _Provenance:
         near = [_place_in_stretch(t, hits[0]) if p is None and len(hits) == 1 else None
                 for (t, hits), p in zip(data, places)]
         nan_near = {n for n, h in zip(near, holds) if h and n is not None}
-        if any(not h and (p is not None or n in nan_near or all(
+        if any(not h and (p is not None or n in nan_near or _moved_whole(t, hits) or all(
                 e.name is not None and self.sent_whole(e.position, e.name) for e in hits))
-               for p, n, h, (_, hits) in zip(places, near, holds, data)):
+               for p, n, h, (t, hits) in zip(places, near, holds, data)):
             return who.position, who.name, op
         masks = [m for m, h in zip(nan, holds) if h]
         if len(masks) > 1:
@@ -2514,7 +2554,8 @@ class _Provenance:
             self._moved_into(t, [(t, e) for e in self.stretches(t)] + found)
 
     def _moved_into(self, out: torch.Tensor, found: list[tuple[torch.Tensor, _Source]],
-                    mixed: tuple[int | None, str | None, str] | None = None) -> None:
+                    mixed: tuple[int | None, str | None, str] | None = None,
+                    moved: bool = False) -> None:
         """``out``'s bytes hold, from now on, the data of the stretches in ``found`` (each
         with the tensor that read it), at offsets nobody knows: one patch's, named, or
         several patches', kept for their dtype only (the first says what it is); none:
@@ -2541,7 +2582,8 @@ class _Provenance:
         misread = next((m for m in (_misread(e, a, out) for a, e in found) if m is not None),
                        None)
         self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out),
-                                _bits_dtype(first, t, out), misread, mixed))
+                                _bits_dtype(first, t, out), misread, mixed,
+                                moved=moved and misread is None and mixed is None))
 
     def __bool__(self) -> bool:
         return bool(self._by_key)
@@ -2582,7 +2624,8 @@ class _Provenance:
             return
         lo, hi = _byte_span(t)
         self._by_key[key] = [
-            e._replace(exact=False) if e.exact and e.lo < hi and lo < e.hi else e for e in got
+            e._replace(exact=False, moved=False) if (e.exact or e.moved) and e.lo < hi
+            and lo < e.hi else e for e in got
         ]
 
 
@@ -3457,6 +3500,41 @@ def _place_in_patch(t: torch.Tensor, e: _Source, shape: Sequence[int]) -> tuple 
         0 if d < lead or shape[d] == 1 or t.shape[d - lead] == 1 else t.stride(d - lead)
         for d in range(len(shape)))
     return e.position, e.name, t.storage_offset() - e.base, strides
+
+
+def _moved_whole(t: torch.Tensor, hits: list[_Source]) -> bool:
+    """Whether ``t`` lies in one stretch of :attr:`_Source.moved` data (its patches'
+    staged elements, unchanged, at no known place)."""
+    if len(hits) != 1 or not hits[0].moved:
+        return False
+    lo, hi = _byte_span(t)
+    return hits[0].lo <= lo and hi <= hits[0].hi
+
+
+# Ops (ATen names, as for ``_KEEPS_ELEMENTS``) whose result holds elements of their
+# tensor inputs only, each unchanged: element moves, copies and casts (no pad, fill,
+# pick with a number, put into another tensor: those hold the loader's own too)
+_REARRANGES = frozenset({
+    "cat", "stack", "hstack", "vstack", "index_select", "index", "repeat", "roll", "flip",
+    "gather", "take", "take_along_dim", "masked_select", "repeat_interleave", "tile",
+    "rot90", "narrow_copy", "clone", "_to_copy", "contiguous", "_unsafe_view",
+    "permute_copy", "t_copy", "transpose_copy", "expand_copy", "slice_copy", "select_copy",
+    "view_copy", "_reshape_copy", "alias_copy", "detach_copy", "lift_fresh_copy",
+    "unbind_copy", "split_copy", "split_with_sizes_copy", "diagonal_copy", "unfold_copy",
+})
+
+_REARRANGING: dict = {}
+
+
+def _rearranges(func: Any) -> bool:
+    """Whether op ``func`` is one of :data:`_REARRANGES` (not in place). Once per op."""
+    got = _REARRANGING.get(func)
+    if got is None:
+        name = func._schema.name
+        got = _REARRANGING[func] = (name.partition("::")[0] == "aten"
+                                    and not name.endswith("_")
+                                    and _base_name(func) in _REARRANGES)
+    return got
 
 
 def _place_in_stretch(t: torch.Tensor, e: _Source) -> tuple | None:

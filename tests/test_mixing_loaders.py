@@ -945,3 +945,41 @@ def test_a_fully_updated_row_of_a_moved_patch_paired_with_its_nan_is_refused(f, 
     assert (e.value.reason, e.value.name) == ("mixed elements", "a.w")
     assert e.value.value in ("aten::sub.Tensor", "aten::mul.Tensor")
     assert torch.equal(bits(m.a.detach()), before)
+
+
+@pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
+@pytest.mark.parametrize("f", [
+    pytest.param(lambda w: w["a.w"] * w["other.w"].flip(1)[0], id="a * b.flip(1)[0]"),
+    pytest.param(lambda w: w["a.w"] * w["other.w"][[0]], id="a * b[[0]]"),
+    pytest.param(lambda w: w["a.w"] - w["other.w"].roll(1, 1).clone()[0],
+                 id="a - b.roll(1, 1).clone()[0]"),
+    pytest.param(lambda w: w["a.w"] + torch.cat([w["other.w"][:1], w["a.w"]])[0],
+                 id="a + cat([b[:1], a])[0]"),
+    pytest.param(lambda w: torch.cat([w["a.w"][2:].flip(0) * w["a.w"][:2]] * 2),
+                 id="a[2:].flip(0) * a[:2], rows 2-3 of a all updated"),
+])
+def test_a_fully_updated_row_moved_then_paired_with_nan_is_refused(f, how):
+    # (found by tests/test_mixing_fuzz.py, seed 1005: a * b.flip(1)[0]) other.w's row 0
+    # all updated (and a.w's rows 2-3 for the last case): a move of it (a flip, an index,
+    # a cat: data at no known place in its patch) holds no NaN there, and pairing it with
+    # a.w's NaN loses that update wherever a.w keeps. It loaded without a word: a NaN-free
+    # input at no known place was let through, as a scratch whose NaN the loader replaced
+    # is; a move replaces no NaN.
+    patches = [CWP("other.w", (4, 8), torch.float32, torch.linspace(1.0, 2.0, 8),
+                   torch.arange(8)),
+               CWP("a.w", (4, 8), torch.float32, torch.linspace(-2.0, 2.0, 20),
+                   torch.cat([torch.tensor([1, 9, 12, 14]), torch.arange(16, 32)]))]
+    m = _Mixing(f)
+    old = {"a.w": m.a.detach().clone(), "other.w": m.other.detach().clone()}
+    new = {n: t.clone() for n, t in old.items()}
+    for p in patches:
+        here = new[p.name].device
+        new[p.name].view(-1)[p.indices.to(here)] = p.values.to(here)
+    m.a.data.copy_(f(old))  # (the runtime value: as loaded from the old checkpoint)
+    assert not torch.equal(bits(_merged(f, m, patches)), bits(f(new)))  # (a loss)
+    before = bits(m.a.detach()).clone()
+    with pytest.raises(ContractViolation) as e:
+        _load(how, m, patches)
+    assert (e.value.reason, e.value.name) == ("mixed elements", "a.w")
+    assert e.value.value in ("aten::sub.Tensor", "aten::mul.Tensor", "aten::add.Tensor")
+    assert torch.equal(bits(m.a.detach()), before)
