@@ -1910,21 +1910,22 @@ class _Source(NamedTuple):
     # and storage offset of the copy: each element of the copy is the checkpoint element
     # of the view at the same index (:func:`_in_layout`)
     layout: tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int] | None = None
-    # where ``base`` is None, in a sparse call: every element of the stretch is an element
-    # of patches' staged data, unchanged, put there by element moves and copies only
-    # (``w.flip(0)``, ``b[[0]]``, a cat of two patches) from data at a known place or such
-    # data, with no tensor of the loader's among their inputs: no NaN was replaced there,
-    # so a part of it without NaN holds updates (see :meth:`_Provenance._paired`). Not
-    # set where an op wrote it in place since (``buf.nan_to_num_()``).
-    moved: bool = False
+    # where ``base`` is None, in a sparse call: no NaN of patches' staged data was
+    # replaced by a number on the way here, so a part of the stretch without NaN is made
+    # of updates only (see :meth:`_Provenance._paired`): it was made by element moves
+    # and copies (``w.flip(0)``, ``b[[0]]``, a cat of two patches) with no tensor of the
+    # loader's among their inputs, or by element-wise ops that keep NaN NaN
+    # (``w.abs()``, ``w * 2.0``, :data:`_NAN_KEEPING`), from staged data at a known place
+    # or such data. Not set where an op wrote it in place since (``buf.nan_to_num_()``).
+    nan_kept: bool = False
 
 
 def _unchanged(e: _Source) -> bool:
     """Whether stretch ``e`` holds its patches' staged elements unchanged: at a known
-    place (``base``, ``layout``), or moved there (:attr:`_Source.moved`); not misread,
-    shifted, nor mixed."""
+    place (``base``, ``layout``), or no NaN of them replaced (:attr:`_Source.nan_kept`);
+    not misread, shifted, nor mixed."""
     return (e.misread is None and e.mixed is None and not e.shift
-            and (e.base is not None or e.layout is not None or e.moved))
+            and (e.base is not None or e.layout is not None or e.nan_kept))
 
 
 def _trimmed(got: list[_Source], first: int, after: int, lo: int, hi: int,
@@ -2232,7 +2233,7 @@ class _Provenance:
                 _bits_dtype(hit, src, out), None,
                 None if hit.mixed is None else _mixed_for(out, hit.mixed),
                 layout=(box[0], tuple(src.shape), box[1], tuple(out.stride()),
-                        out.storage_offset()), moved=_unchanged(hit)))
+                        out.storage_offset()), nan_kept=_unchanged(hit)))
             return True
         found = self.stretches(src) if self._by_key else []
         if follow and found:
@@ -2254,7 +2255,7 @@ class _Provenance:
                     _carried_base(e, src, out), e.exact and whole and misread is None,
                     ref, _bits_dtype(e, src, out), misread,
                     None if e.mixed is None else _mixed_for(out, e.mixed),
-                    _carried_shift(e, src, out), moved=misread is None and _unchanged(e)))
+                    _carried_shift(e, src, out), nan_kept=misread is None and _unchanged(e)))
             return True
         if not whole:
             # A copy into a tensor of the loader's own (a scratch buffer) that cannot be
@@ -2263,7 +2264,7 @@ class _Provenance:
             # bytes of the dtype they were (so that a view of them as another dtype is
             # refused as it is for ``src``).
             self._moved_into(out, [(src, e) for e in found],
-                             moved=self.mixing and self._all_unchanged((src,)))
+                             nan_kept=self.mixing and self._all_unchanged((src,)))
         return False
 
     def source_of(self, args: Sequence[Any], kwargs: dict) -> tuple[int | None, str] | None:
@@ -2317,17 +2318,22 @@ class _Provenance:
                 return
         found = self._traced_data((*args, *kwargs.values()) if kwargs else args)
         if found:
+            kept = False  # (whether no NaN of the patches' data is replaced in out)
+            if self.mixing:
+                if func is None or _rearranges(func):
+                    kept = self._all_unchanged(args)
+                elif _keeps_nan(func):
+                    kept = _traced_unchanged(found)
             self._moved_into(out, found, self.mixed_by(func, found, args, kwargs or {},
                                                        out.numel())
                              if func is not None and self.mixing
                              and (out.is_floating_point() or out.is_complex()) else None,
-                             moved=self.mixing and (func is None or _rearranges(func))
-                             and self._all_unchanged(args))
+                             nan_kept=kept)
 
     def _all_unchanged(self, args: Sequence[Any]) -> bool:
         """Whether every floating-point tensor among ``args`` (lists of tensors too) lies
         in one stretch whose elements are its patches' staged ones, unchanged
-        (:func:`_unchanged`): an element move of them makes :attr:`_Source.moved` data.
+        (:func:`_unchanged`): an element move of them makes :attr:`_Source.nan_kept` data.
         A tensor of the loader's (untraced) among them: ``False``."""
         seen = False
         for a in args:
@@ -2407,8 +2413,10 @@ class _Provenance:
         input that holds none of the NaN mixes where it is at a known place in its patch
         (offset and strides), or at any place where its patch was sent whole
         (``w * scale``, ``w * scale.abs()`` of a scale sent whole, ``w[2:] * w[:2]``
-        where rows 2-3 are all updated), where it is patches' staged elements moved or
-        copied alone (:attr:`_Source.moved`: ``a * b.flip(1)[0]``), or where it is a
+        where rows 2-3 are all updated), where it is made from patches' staged elements
+        by moves, copies and element-wise ops that keep NaN NaN, so that no NaN was
+        replaced (:attr:`_Source.nan_kept`: ``a * b.flip(1)[0]``, ``a * b.abs()[0]``),
+        or where it is a
         part of a stretch of a patch's
         data the loader made (a move's result, ``x = w.flip(0)``) that another input,
         holding NaN, lies in too (``x - x[0]``, :func:`_place_in_stretch`): its update
@@ -2457,7 +2465,7 @@ class _Provenance:
         near = [_place_in_stretch(t, hits[0]) if p is None and len(hits) == 1 else None
                 for (t, hits), p in zip(data, places)]
         nan_near = {n for n, h in zip(near, holds) if h and n is not None}
-        if any(not h and (p is not None or n in nan_near or _moved_whole(t, hits) or all(
+        if any(not h and (p is not None or n in nan_near or _kept_whole(t, hits) or all(
                 e.name is not None and self.sent_whole(e.position, e.name) for e in hits))
                for p, n, h, (t, hits) in zip(places, near, holds, data)):
             return who.position, who.name, op
@@ -2555,7 +2563,7 @@ class _Provenance:
 
     def _moved_into(self, out: torch.Tensor, found: list[tuple[torch.Tensor, _Source]],
                     mixed: tuple[int | None, str | None, str] | None = None,
-                    moved: bool = False) -> None:
+                    nan_kept: bool = False) -> None:
         """``out``'s bytes hold, from now on, the data of the stretches in ``found`` (each
         with the tensor that read it), at offsets nobody knows: one patch's, named, or
         several patches', kept for their dtype only (the first says what it is); none:
@@ -2563,7 +2571,8 @@ class _Provenance:
         ``mixed`` says so or a stretch of ``found`` is, and ``out`` is floating-point.
         Any of them misread (:attr:`_Source.misread`) makes all of it misread: a cat of a
         patch's own values and a cast of its bits read as another dtype holds no staged
-        NaN in its second part."""
+        NaN in its second part. ``nan_kept``: no NaN of theirs was replaced in ``out``
+        (:attr:`_Source.nan_kept`)."""
         okey = _storage_key(out)
         lo, hi = _byte_span(out)
         if not found:
@@ -2583,7 +2592,7 @@ class _Provenance:
                        None)
         self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out),
                                 _bits_dtype(first, t, out), misread, mixed,
-                                moved=moved and misread is None and mixed is None))
+                                nan_kept=nan_kept and misread is None and mixed is None))
 
     def __bool__(self) -> bool:
         return bool(self._by_key)
@@ -2624,7 +2633,7 @@ class _Provenance:
             return
         lo, hi = _byte_span(t)
         self._by_key[key] = [
-            e._replace(exact=False, moved=False) if (e.exact or e.moved) and e.lo < hi
+            e._replace(exact=False, nan_kept=False) if (e.exact or e.nan_kept) and e.lo < hi
             and lo < e.hi else e for e in got
         ]
 
@@ -3502,10 +3511,47 @@ def _place_in_patch(t: torch.Tensor, e: _Source, shape: Sequence[int]) -> tuple 
     return e.position, e.name, t.storage_offset() - e.base, strides
 
 
-def _moved_whole(t: torch.Tensor, hits: list[_Source]) -> bool:
-    """Whether ``t`` lies in one stretch of :attr:`_Source.moved` data (its patches'
-    staged elements, unchanged, at no known place)."""
-    if len(hits) != 1 or not hits[0].moved:
+def _traced_unchanged(found: list[tuple[torch.Tensor, _Source]]) -> bool:
+    """Whether each floating-point tensor of ``found`` (an op's inputs traced to
+    patches' data, each with a stretch it reaches) lies in one stretch whose elements
+    are its patches' staged ones, unchanged (:func:`_unchanged`)."""
+    seen: list[torch.Tensor] = []
+    for t, e in found:
+        if not (t.is_floating_point() or t.is_complex()) or any(t is d for d in seen):
+            return False  # (an integer view of the bits; a tensor that reaches two)
+        seen.append(t)
+        lo, hi = _byte_span(t)
+        if not _unchanged(e) or lo < e.lo or hi > e.hi:
+            return False
+    return bool(seen)
+
+
+# Element-wise ops (ATen names, as for ``_KEEPS_ELEMENTS``, not in place) whose result
+# is NaN wherever an input is: a number there comes from numbers only (not ``sign``,
+# ``nan_to_num``, ``pow``, ``fmax``, ``where``, which may make a number of a NaN)
+_NAN_KEEPING = frozenset({
+    "abs", "neg", "mul", "div", "add", "sub", "clamp", "clamp_min", "clamp_max", "tanh",
+    "sigmoid", "exp", "reciprocal", "sqrt", "rsqrt",
+})
+
+_KEEPING_NAN: dict = {}
+
+
+def _keeps_nan(func: Any) -> bool:
+    """Whether op ``func`` is one of :data:`_NAN_KEEPING` (not in place). Once per op."""
+    got = _KEEPING_NAN.get(func)
+    if got is None:
+        name = func._schema.name
+        got = _KEEPING_NAN[func] = (name.partition("::")[0] == "aten"
+                                    and not name.endswith("_")
+                                    and _base_name(func) in _NAN_KEEPING)
+    return got
+
+
+def _kept_whole(t: torch.Tensor, hits: list[_Source]) -> bool:
+    """Whether ``t`` lies in one stretch of :attr:`_Source.nan_kept` data (made at no
+    known place from its patches' staged elements, no NaN of them replaced)."""
+    if len(hits) != 1 or not hits[0].nan_kept:
         return False
     lo, hi = _byte_span(t)
     return hits[0].lo <= lo and hi <= hits[0].hi

@@ -124,9 +124,10 @@ def load_checkpoint_weight_patches(
        only where an index repeats, a reduction only over a dim longer than 1; an
        element-wise op, in place or ``out=`` too, only where it pairs different elements
        of patches' data that do not keep alike, ``w - w[0]``, ``w + w.flip(0)``, or data
-       without NaN of a patch's own place, of a patch sent whole, moved or copied from
-       patches' data alone, or of a part of a tensor the loader made with data that holds
-       NaN, ``w * s``, ``a * b.flip(1)[0]``, ``x - x[0]``) made
+       without NaN of a patch's own place, of a patch sent whole, made from patches'
+       data by moves, copies and ops that keep NaN alone, or of a part of a tensor the
+       loader made with data that holds NaN, ``w * s``, ``a * b.abs()[0]``,
+       ``x - x[0]``) made
        from a patch's data while that data held NaN, or that was computed from such a
        result, raises :class:`NotImplementedError` (reason
        ``"mixed elements"``, naming the op), writing nothing of that copy: the staged NaN
