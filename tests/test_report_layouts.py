@@ -708,6 +708,9 @@ _ACROSS = {
     "over the end of q, all of k, into v": (lambda f: f[20:60], ["q", "k", "v"]),
     "columns 0:5 of all rows, q ending inside a row": (
         lambda f: f[:48].view(8, 6)[:, :5], ["q", "k"]),
+    # (q's part two boxes, k's two, v's one: still one flat run each)
+    "a block of 8 x 5 over q's end, k and v's start (contiguous)": (
+        lambda f: f[18:58].view(8, 5), ["q", "k", "v"]),
 }
 
 
@@ -810,3 +813,74 @@ def test_a_transactional_load_puts_back_a_copy_across_runtime_tensors(how, spars
     with pytest.raises(RuntimeError, match="after the write"):
         load_checkpoint_weight_patches(m, [p], transactional=True)
     assert torch.equal(bits(m.flat), bits(flat))
+
+
+class _Gapped(torch.nn.Module):
+    """q and k, 2 x 6 views of one flat buffer with the loader's own 4 elements between
+    them; ``load_weights`` copies patch "x" into the view ``view`` makes of the buffer."""
+
+    def __init__(self, view):
+        super().__init__()
+        self.flat = torch.arange(32.0) * 0.25 + 0.125
+        self.q = torch.nn.Parameter(self.flat[0:12].view(2, 6), requires_grad=False)
+        self.k = torch.nn.Parameter(self.flat[16:28].view(2, 6), requires_grad=False)
+        self.view = view
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.view(self.flat).copy_(t)
+        return {"q", "k"}
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("view", [lambda f: f[8:20], lambda f: f[8:20].view(3, 4)],
+                         ids=["flat", "3 x 4"])
+@pytest.mark.parametrize("inspected", [False, True], ids=["plain", "inspected"])
+def test_a_copy_over_the_loaders_space_between_two_runtime_tensors_writes_it_too(
+        view, sparse, inspected):
+    # A copy from q's end over the 4 elements between q and k (no runtime tensor's) into
+    # k's start cannot be cut into one copy per runtime tensor: cut, the elements
+    # between them would not be written. It is written as one copy, as torch writes it.
+    m = _Gapped(view)
+    shape = tuple(view(m.flat).shape)
+    n = math.prod(shape)
+    if sparse:
+        p = CheckpointWeightPatch("x", shape, torch.float32, torch.tensor([50.0, 55.0, 60.0]),
+                                  torch.tensor([1, 5, 10]))
+        new = torch.full((n,), float("nan"))
+        new[p.indices] = p.values
+    else:
+        p = CheckpointWeightPatch("x", shape, torch.float32, torch.arange(n) + 100.0)
+        new = p.values
+    want = m.flat.clone()
+    w = view(want)
+    w.copy_(torch.where(new.isnan(), w.reshape(-1), new).view(shape))
+    if inspected:
+        r = inspect_load(m, [p])
+        assert r.writes["elements"].sum() == n
+    else:
+        load_checkpoint_weight_patches(m, [p])
+    assert torch.equal(bits(m.flat), bits(want))
+
+
+def test_a_refused_op_after_a_copy_across_runtime_tensors_tells_that_copy_for_each():
+    # A sparse copy over q's end and k's start, then a fill of k (refused, no patch its
+    # source): the error tells that the call last copied patch 0 into k, as it would
+    # after a copy into k alone.
+    class FillK(_Across):
+        def load_weights(self, weights):
+            for name, t in weights:
+                if name == "x":
+                    self.flat[10:30].copy_(t)
+                else:
+                    self.v.data.copy_(t)
+            self.k.data[3:].fill_(0.0)
+            return {"q", "k", "v"}
+
+    m = FillK(lambda f: f[10:30])
+    x = _patch_over(m, lambda f: f[10:30], sparse=True)
+    y = CheckpointWeightPatch("y", (24,), torch.float32, torch.tensor([1.0]), torch.tensor([0]))
+    with pytest.raises(NotImplementedError, match="fill_") as e:
+        load_checkpoint_weight_patches(m, [x, y])
+    assert (e.value.position, e.value.name) == (None, None)
+    assert "the call last copied patch 0 ('x') into runtime tensor 'k'" in str(e.value)
