@@ -264,6 +264,8 @@ def test_region_text_names_transposed_and_stepped_boxes_as_the_slices_they_are()
                        .view(-1).index_fill_(0, torch.as_strided(
                            torch.arange(64), (2, 4, 4), (4, 16, 1), 4).reshape(-1), True)
                        .view(4, 16))
+    # (a dimension of one element between them, whatever its stride, changes nothing)
+    assert region_text((4, 16), 4, (2, 1, 4, 4), (4, 2, 16, 1)) == "[:, 4:12]"
     assert region_text((8, 4), 3, (2, 2), (4, 1)) == "4 elements from 3"  # wraps rows
     # a broadcast source (row 1 expanded over 3 rows: stride 0), which a slice with a
     # step of 0 cannot select, and an empty view

@@ -446,6 +446,9 @@ _SHIFTED = {
     "then cast": lambda t: t.view(_U8)[1:13].clone().view(torch.float32).double(),
     "then flipped": lambda t: t.view(_U8)[1:13].clone().view(torch.float32).flip(0),
     "then scaled": lambda t: t.view(_U8)[1:13].clone().view(torch.float32) * 1,
+    # (the clone of a clone keeps the shift its source's elements have)
+    "a clone of bytes 1:13, cloned again": lambda t: t.view(_U8)[1:13].clone().clone().view(
+        torch.float32),
 }
 
 
@@ -457,6 +460,13 @@ def _scratch_read_3_bytes_on(t):
 
 _SHIFTED["a scratch copy read 3 bytes on"] = _scratch_read_3_bytes_on
 
+
+def _scratch_copy_of_bytes_1_on_to_byte_1(t):
+    buf = torch.zeros(20, dtype=_U8)
+    buf[1:16].copy_(t.view(_U8)[1:])  # (patch element k at bytes 4k, as in t)
+    return buf[4:16].view(torch.float32)
+
+
 # The same moves by whole elements: the patch's elements, bit for bit.
 _ALIGNED = {
     "a clone of all its bytes": lambda t: t.view(_U8).clone().view(torch.float32)[1:],
@@ -466,6 +476,7 @@ _ALIGNED = {
     "moved by 1 byte, then by 3 more": lambda t: t.view(_U8)[1:].clone()[3:15].clone().view(
         torch.float32),
 }
+_ALIGNED["bytes 1: copied to byte 1 of a scratch"] = _scratch_copy_of_bytes_1_on_to_byte_1
 
 
 class _Bytes(nn.Module):
@@ -670,6 +681,13 @@ _STRIDED_COPIES = {
     # (a flat view of the cast runs over the ends of its rows: no box)
     "a column slice's cast, flattened": ((12,), lambda w: w[:, 2:5].to(_BF).reshape(-1),
                                          None),
+    # (nor do 3 of it from its element 1, over the end of its row 0)
+    "3 of a column slice's cast, flattened, over a row's end": (
+        (3,), lambda w: w[:, 2:5].to(_BF).reshape(-1)[1:4], None),
+    # (nor 2 x 2 of it: two dimensions that both step along its columns, together past
+    # their end)
+    "4 of a column slice's cast, flattened, as 2 x 2": (
+        (2, 2), lambda w: w[:, 2:5].to(_BF).reshape(-1)[:4].view(2, 2), None),
 }
 
 
@@ -708,3 +726,48 @@ def test_a_cast_of_a_strided_view_of_a_patch_names_where_its_elements_are(how, k
         return
     assert row["checkpoint_region"] == region
     assert check(L, collections.Counter()) == []
+
+
+_F8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("how", [
+    # (bytes 1:4 of element 0: inside one element, of a stretch not moved)
+    pytest.param(lambda t: t.view(_F8)[1:4], id="bytes 1:4 of the patch"),
+    # (a clone of bytes 1:13, whose byte 3 starts patch element 1: its bytes 3:6 are
+    # three of that element's four)
+    pytest.param(lambda t: t.view(_U8)[1:13].clone()[3:6].view(_F8),
+                 id="bytes 3:6 of a byte-shifted clone"),
+])
+def test_a_float8_view_of_patch_data_is_refused_as_read_as_float8_not_as_shifted(how):
+    # Bytes read as one-byte float8 hold no part of two elements: the refusal says the
+    # patch's float32 bit patterns are read as another dtype, not that its elements are
+    # shifted.
+    m = _Bytes(how)
+    with pytest.raises(ContractViolation, match="as another dtype \\(a view such as") as e:
+        patchkit.load_checkpoint_weight_patches(m, _a_and_b())
+    assert "no multiple of its" not in str(e.value)
+    assert (e.value.reason, e.value.value) == ("reinterpreted source", (torch.float32, _F8))
+
+
+@pytest.mark.parametrize("how", ["of the patch", "of a column slice's cast"])
+def test_a_row_of_a_strided_copy_has_the_checkpoint_strides_of_the_same_row_of_the_patch(how):
+    # (a dimension of one element steps as the patch's rows do: 8 elements)
+    make = ((lambda w: w[1:2, 2:5].to(_BF)) if how == "of the patch"
+            else (lambda w: w[:, 2:5].to(_BF)[1:2]))
+    p = CWP("w", (4, 8), torch.float32, torch.arange(32.0) * 1.5)
+    L = _logged_load(_StridedCopy((1, 3), make), [p])
+    row = L["report"].writes.iloc[0]
+    assert (row["checkpoint_offset"], row["checkpoint_region"]) == (10, "[1:2, 2:5]")
+    assert tuple(row["checkpoint_stride"]) == (8, 1)
+
+
+def test_a_strided_copy_read_as_halves_of_its_elements_names_no_checkpoint_box():
+    # (bfloat16 halves of the float32 copy of a column slice are no checkpoint elements:
+    # no offset, no region, where a box counted in halves would name other elements)
+    p = CWP("w", (4, 8), torch.float32, torch.arange(32.0) * 1.5)
+    L = _logged_load(_StridedCopy((2, 2), lambda w: w[:, 2:5].clone().view(_BF)[0:2, 0:2]),
+                     [p])
+    row = L["report"].writes.iloc[0]
+    assert (row["position"], row["name"]) == (0, "w")
+    assert pd.isna(row["checkpoint_offset"]) and row["checkpoint_region"] is None

@@ -408,6 +408,9 @@ CASTS = {
     "int32 bits cast to float64": (4, torch.float64, 4, lambda w: w.view(I32).double()),
     "int32 bits cast twice": (4, FNUZ, 4, lambda w: w.view(I32).to(F32).to(FNUZ)),
     "bfloat16 halves cast, then cloned": (8, F32, 4, lambda w: w.view(BF16).float().clone()),
+    # (a strided view: its cast is no element-for-element copy of the patch's elements)
+    "every other bfloat16 half cast to float32": (4, F32, 4,
+                                                  lambda w: w.view(BF16)[0::2].float()),
     # a cat whose first part is the patch's own values, its second a cast of int32 bits:
     # only the first part's stretch was read, and the staged NaN's bits went into the model
     "int32 bits cast, after a plain part in a cat": (
@@ -444,6 +447,38 @@ def test_a_cast_of_a_complex_view_of_a_patch_still_merges():
     patchkit.load_checkpoint_weight_patches(
         m, [P("w", (4,), F32, torch.tensor([1.0]), torch.tensor([1]))])
     assert torch.equal(bits(m.h.detach()), bits(want))
+
+
+class _ComplexScratch(torch.nn.Module):
+    """Casts patches "a" and "b" to complex64 into one scratch of 8, then copies the real
+    part of each half into its own parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.arange(4.0) + 10.5, requires_grad=False)
+        self.b = torch.nn.Parameter(torch.arange(4.0) + 0.5, requires_grad=False)
+
+    def load_weights(self, weights):
+        w = dict(weights)
+        buf = torch.zeros(8, dtype=torch.complex64)
+        buf[:4].copy_(w["a"])
+        buf[4:].copy_(w["b"])
+        self.a.data.copy_(buf[:4].real)
+        self.b.data.copy_(buf[4:].real)
+        return {"a", "b"}
+
+
+def test_the_real_parts_of_a_complex_scratch_of_two_patches_still_merge():
+    # (the scratch holds two stretches, so each read is searched: a complex64 stretch
+    # read as float32 reads its parts' own numbers, each NaN still NaN)
+    m = _ComplexScratch()
+    want = [m.a.detach().clone(), m.b.detach().clone()]
+    want[0][1], want[1][1:3] = 9.0, torch.tensor([7.0, -3.0])
+    patchkit.load_checkpoint_weight_patches(m, [
+        P("a", (4,), F32, torch.tensor([9.0]), torch.tensor([1])),
+        P("b", (4,), F32, torch.tensor([7.0, -3.0]), torch.tensor([1, 2]))])
+    assert torch.equal(bits(m.a.detach()), bits(want[0]))
+    assert torch.equal(bits(m.b.detach()), bits(want[1]))
 
 
 @pytest.mark.parametrize("make", [lambda w: w.to(BF16).to(FNUZ),
