@@ -430,7 +430,10 @@ class LoadReport:
       from one runtime tensor into the next of one storage, over the end of ``q`` and
       the start of ``k`` where both are views of one flat buffer, is a row for each
       tensor it reaches; where a tensor's end falls inside a row of a view that is not
-      contiguous, one for its whole rows and one for the part of the next): ``chunk``,
+      contiguous, one for its whole rows and one for the part of the next; but where it
+      falls inside one of the view's elements, a float32 view over two bfloat16 tensors
+      cut at an odd element, a row for the tensor it starts in only, and ``deltas``
+      misses the next one's changes): ``chunk``,
       ``position`` and
       ``name`` of the patch that fed it (``None`` when the source could not be traced to
       one staged tensor: made by an op from two patches, say), ``checkpoint_offset``
