@@ -379,30 +379,6 @@ def test_pairing_a_fully_updated_row_of_a_sparse_patch_with_another_patchs_nan_i
                                                              "aten::mul.Tensor")
 
 
-def _observed_dense_and_sparse(model, patches, **kwargs):
-    """An observed loader that stages a dense patch whole and a sparse one NaN-masked in
-    one call (as an engine's own loader may), with a NaN-merging ``copy_``."""
-    staged = []
-    for p in patches:
-        if p.indices is None:
-            t = p.values.to(p.dtype).reshape(p.shape).clone()
-        else:
-            t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.values.device)
-            t.view(-1)[p.indices.long()] = p.values.to(p.dtype)
-        staged.append((p.name, t))
-    original = torch.Tensor.copy_
-
-    def merging_copy(dst, src, non_blocking=False):
-        src = src.to(dst.dtype)
-        return original(dst, torch.where(torch.isnan(src), dst, src), non_blocking)
-
-    torch.Tensor.copy_ = merging_copy
-    try:
-        return set(model.load_weights(staged) or ())
-    finally:
-        torch.Tensor.copy_ = original
-
-
 def test_an_observed_loader_pairing_a_dense_patch_with_a_sparse_one_is_reported():
     # other.w sent dense (no NaN), its data at a place not known (abs) times a.w's NaN:
     # other.w's update is lost wherever a.w keeps
@@ -410,7 +386,7 @@ def test_an_observed_loader_pairing_a_dense_patch_with_a_sparse_one_is_reported(
                _patches()[1]]
     m = _Mixing(lambda w: w["a.w"] * w["other.w"].abs())
     with pytest.raises(ContractViolation) as e:
-        patchkit.inspect_load(m, patches, loader=_observed_dense_and_sparse)
+        patchkit.inspect_load(m, patches, loader=_merging_loader)
     assert (e.value.reason, e.value.name, e.value.value) == ("mixed elements", "a.w",
                                                              "aten::mul.Tensor")
 
@@ -772,13 +748,17 @@ def test_a_dense_call_through_a_mixing_loader_is_untouched(case):
 
 def _merging_loader(model, patches, **kwargs):
     """An observed loader written for these tests, as vLLM 0.33 merges: it stages each
-    sparse patch NaN-masked, one call for all, and has ``torch.Tensor.copy_`` replaced
-    by a NaN-merging copy while the call runs."""
+    sparse patch NaN-masked (a dense one whole, as an engine's own loader may), one call
+    for all, and has ``torch.Tensor.copy_`` replaced by a NaN-merging copy while the
+    call runs."""
     patches = list(patches)
     staged = []
     for p in patches:
-        t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.values.device)
-        t.view(-1)[p.indices.long()] = p.values.to(p.dtype)
+        if p.indices is None:
+            t = p.values.to(p.dtype).reshape(p.shape).clone()
+        else:
+            t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.values.device)
+            t.view(-1)[p.indices.long()] = p.values.to(p.dtype)
         staged.append((p.name, t))
     original = torch.Tensor.copy_
 
