@@ -430,10 +430,11 @@ class LoadReport:
       from one runtime tensor into the next of one storage, over the end of ``q`` and
       the start of ``k`` where both are views of one flat buffer, is a row for each
       tensor it reaches; where a tensor's end falls inside a row of a view that is not
-      contiguous, one for its whole rows and one for the part of the next; but where it
-      falls inside one of the view's elements, a float32 view over two bfloat16 tensors
-      cut at an odd element, a row for the tensor it starts in only, and ``deltas``
-      misses the next one's changes): ``chunk``,
+      contiguous, one for its whole rows and one for the part of the next; where it
+      falls inside one of a contiguous view's elements, a float32 view over two bfloat16
+      tensors cut at an odd element, a row for each tensor, of its own elements that the
+      view's bytes reach, which a sparse call refuses, reason ``"straddling view"``):
+      ``chunk``,
       ``position`` and
       ``name`` of the patch that fed it (``None`` when the source could not be traced to
       one staged tensor: made by an op from two patches, say), ``checkpoint_offset``

@@ -5086,6 +5086,34 @@ class WriteSession:
             return None
         return _cut_at_owners(dest, src, self.index.overlapping(key, lo, hi))
 
+    def _straddled(self, dest: torch.Tensor, targets: list) -> list:
+        """``targets`` (``dest`` with the one runtime tensor it starts in), and the others
+        of its storage that ``dest``'s elements reach, where no cut into pieces of one
+        tensor each exists because an element of ``dest`` straddles two of them (a
+        float32 view over two bfloat16 parameters of one flat buffer, cut at an odd
+        element): the write is one, and each tensor records and saves the part of it in
+        its own elements."""
+        own = targets[0][1]
+        if dest.dim() == 0 or not dest.numel() or not dest.is_contiguous():
+            return targets  # (a strided view's elements: see _cut_at_owners)
+        key = _storage_key(dest)
+        owners = self.index._owners_of(key)
+        if owners is None or len(owners) < 2:
+            return targets
+        lo, hi = _byte_span(dest)
+        o0, o1 = _byte_span(own[1])
+        if o0 <= lo and hi <= o1:
+            return targets
+        size = dest.element_size()
+        near = [o for o in self.index.overlapping(key, lo, hi)
+                if o.dense and not (o.start <= lo and hi <= o.end)]
+        if not any(lo < b < hi and (b - lo) % size
+                   for o in near for b in (o.start, o.end)):
+            return targets  # (no element of dest holds parts of two)
+        more = [(dest, (o.name, o.tensor, (lo - o.start) // o.step))
+                for o in near if o.name != own[0]]
+        return targets + more if more else targets
+
     def _runtime_write(self, func, args, kwargs, targets, source=None):
         """A write op into runtime tensors (``targets``: each written view with its
         owner's ``(name, owner, offset)``); ``source``: a function that finds the one patch
@@ -5139,6 +5167,11 @@ class WriteSession:
                     self._unguarded_write(func, (d, piece, *args[2:]), kwargs, [(d, own)],
                                           source, checked=True)
                 return args[0]
+            straddled = self._straddled(args[0], targets)
+            if len(straddled) > 1 and self._sparse:
+                self._refuse_straddling(op, straddled, args[1], source)
+            if not self._nan_masked:
+                targets = straddled
         if (not self._sparse and is_copy and self.save_regions and alone
                 and not self._nan_masked and _comparable_copy(args, kwargs, targets)):
             return self._compared_copy(func, op, args, kwargs, targets[0])
@@ -6065,6 +6098,26 @@ class WriteSession:
                 position=pos, name=name, reason="self-overlapping view",
                 value=tuple(dest.stride()),
             )
+
+    def _refuse_straddling(self, op: str, targets, src: object, source=None) -> None:
+        """``ContractViolation`` before a sparse write through a view one of whose
+        elements straddles two runtime tensors of one storage (``targets``: the view with
+        each tensor it reaches, :meth:`_straddled`): the NaN-merge takes the view's
+        elements whole, and its save and count would each need both tensors' parts of
+        one element. Nothing is written."""
+        dest = targets[0][0]
+        names = [own[0] for _, own in targets]
+        pos, name = self._fed_by(src, source)
+        raise ContractViolation(
+            f"{self._write_at(pos, name, names[0])} wrote with {op} through a "
+            f"{tuple(dest.shape)} {dest.dtype} view whose elements straddle runtime "
+            f"tensors {' and '.join(quoted(n) for n in names[:2])} of one storage (an "
+            "element holds the end of one and the start of the next): a sparse load can "
+            "neither NaN-merge nor save such a write tensor by tensor. Copy into each "
+            "tensor through a view of its own elements, or send the weight dense. This op "
+            f"wrote nothing{self._no_source_note(name, names[0])}",
+            position=pos, name=name, reason="straddling view", value=tuple(names),
+        )
 
     def _no_source_note(self, name: str | None, tname: str, shown: int = 5) -> str:
         """What a refused op's error adds when it names no patch (``name`` is ``None``):

@@ -884,3 +884,68 @@ def test_a_refused_op_after_a_copy_across_runtime_tensors_tells_that_copy_for_ea
         load_checkpoint_weight_patches(m, [x, y])
     assert (e.value.position, e.value.name) == (None, None)
     assert "the call last copied patch 0 ('x') into runtime tensor 'k'" in str(e.value)
+
+
+class _Straddled(torch.nn.Module):
+    """Two bfloat16 parameters of one flat buffer, p0 = elements 0-2 and p1 = 3-15, and a
+    loader that copies through a float32 view of the buffer's first 8 elements: its
+    second element holds p0's last element and p1's first."""
+
+    def __init__(self, fail=False):
+        super().__init__()
+        self.flat = torch.zeros(16, dtype=torch.bfloat16)
+        self.p0 = torch.nn.Parameter(self.flat[0:3], requires_grad=False)
+        self.p1 = torch.nn.Parameter(self.flat[3:16], requires_grad=False)
+        self.fail = fail
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.flat.view(torch.float32)[0:4].copy_(w)
+        if self.fail:
+            raise RuntimeError("late")
+        return {n for n, _ in weights}
+
+
+def test_a_dense_copy_whose_elements_straddle_two_runtime_tensors_is_a_row_for_each():
+    # Before, the write was recorded for p0 only: p1's 3 changed elements were in
+    # neither writes nor deltas (the cut into pieces of one tensor each cannot split an
+    # element)
+    m = _Straddled()
+    p = CheckpointWeightPatch("x", (4,), torch.float32, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    before = {n: t.detach().clone() for n, t in m.named_parameters()}
+    r = patchkit.inspect_load(m, [p])
+    changed = {n: int((t.detach() != before[n]).sum()) for n, t in m.named_parameters()}
+    assert changed == {"p0": 1, "p1": 3}
+    assert r.writes["target"].tolist() == ["p0", "p1"]
+    assert r.writes["elements"].tolist() == [3, 5]  # (8 bfloat16 elements written)
+    assert r.writes["changed"].tolist() == [1, 3]
+    assert r.deltas["changed"].to_dict() == changed
+
+
+def test_a_failed_transactional_load_restores_both_tensors_a_straddling_copy_wrote():
+    # Before, only p0's part was saved: p1's bytes kept the copy's values after rollback
+    m = _Straddled(fail=True)
+    before = m.flat.clone()
+    p = CheckpointWeightPatch("x", (4,), torch.float32, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    with pytest.raises(RuntimeError, match="late"):
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(m.flat.view(torch.int16), before.view(torch.int16))
+
+
+@pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
+def test_a_sparse_copy_whose_elements_straddle_two_runtime_tensors_is_refused(how):
+    # The merge takes the float32 elements whole, and neither tensor could save or count
+    # its half of one: refused before anything is written (before, p1's part was written
+    # unrecorded, and a transactional rollback left it)
+    m = _Straddled()
+    before = m.flat.clone()
+    p = CheckpointWeightPatch("x", (4,), torch.float32, torch.tensor([1.0, 3.0]),
+                              torch.tensor([1, 3]))
+    with pytest.raises(patchkit.ContractViolation) as e:
+        if how == "inspect":
+            patchkit.inspect_load(m, [p])
+        else:
+            patchkit.load_checkpoint_weight_patches(m, [p], transactional=how != "plain")
+    assert (e.value.reason, e.value.value, e.value.name) == ("straddling view", ("p0", "p1"),
+                                                             "x")
+    assert torch.equal(m.flat.view(torch.int16), before.view(torch.int16))
