@@ -2344,8 +2344,7 @@ class _Provenance:
                 got = self.stretches(t)
                 if len(got) != 1 or not _unchanged(got[0]):
                     return False
-                lo, hi = _byte_span(t)
-                if lo < got[0].lo or hi > got[0].hi:
+                if not _inside(t, got[0]):
                     return False
                 seen = True
         return seen
@@ -3499,8 +3498,7 @@ def _place_in_patch(t: torch.Tensor, e: _Source, shape: Sequence[int]) -> tuple 
     another element size, or ``t`` not all in the stretch)."""
     if e.name is None or e.base is None or t.element_size() != _unit(e, t):
         return None
-    lo, hi = _byte_span(t)
-    if lo < e.lo or hi > e.hi:
+    if not _inside(t, e):
         return None
     lead = len(shape) - t.dim()
     if lead < 0:
@@ -3509,6 +3507,12 @@ def _place_in_patch(t: torch.Tensor, e: _Source, shape: Sequence[int]) -> tuple 
         0 if d < lead or shape[d] == 1 or t.shape[d - lead] == 1 else t.stride(d - lead)
         for d in range(len(shape)))
     return e.position, e.name, t.storage_offset() - e.base, strides
+
+
+def _inside(t: torch.Tensor, e: _Source) -> bool:
+    """Whether all of ``t``'s bytes lie in stretch ``e``."""
+    lo, hi = _byte_span(t)
+    return e.lo <= lo and hi <= e.hi
 
 
 def _traced_unchanged(found: list[tuple[torch.Tensor, _Source]]) -> bool:
@@ -3520,8 +3524,7 @@ def _traced_unchanged(found: list[tuple[torch.Tensor, _Source]]) -> bool:
         if not (t.is_floating_point() or t.is_complex()) or any(t is d for d in seen):
             return False  # (an integer view of the bits; a tensor that reaches two)
         seen.append(t)
-        lo, hi = _byte_span(t)
-        if not _unchanged(e) or lo < e.lo or hi > e.hi:
+        if not _unchanged(e) or not _inside(t, e):
             return False
     return bool(seen)
 
@@ -3534,27 +3537,31 @@ _NAN_KEEPING = frozenset({
     "sigmoid", "exp", "reciprocal", "sqrt", "rsqrt",
 })
 
-_KEEPING_NAN: dict = {}
+
+def _functional_aten_in(names: frozenset) -> Callable[[Any], bool]:
+    """A test, cached per op, of whether an op is an ATen op of one of ``names`` (ATen
+    names, as for ``_KEEPS_ELEMENTS``), not in place."""
+    cache: dict = {}
+
+    def test(func: Any) -> bool:
+        got = cache.get(func)
+        if got is None:
+            name = func._schema.name
+            got = cache[func] = (name.partition("::")[0] == "aten" and not name.endswith("_")
+                                 and _base_name(func) in names)
+        return got
+
+    return test
 
 
-def _keeps_nan(func: Any) -> bool:
-    """Whether op ``func`` is one of :data:`_NAN_KEEPING` (not in place). Once per op."""
-    got = _KEEPING_NAN.get(func)
-    if got is None:
-        name = func._schema.name
-        got = _KEEPING_NAN[func] = (name.partition("::")[0] == "aten"
-                                    and not name.endswith("_")
-                                    and _base_name(func) in _NAN_KEEPING)
-    return got
+# Whether an op is one of :data:`_NAN_KEEPING` (not in place)
+_keeps_nan = _functional_aten_in(_NAN_KEEPING)
 
 
 def _kept_whole(t: torch.Tensor, hits: list[_Source]) -> bool:
     """Whether ``t`` lies in one stretch of :attr:`_Source.nan_kept` data (made at no
     known place from its patches' staged elements, no NaN of them replaced)."""
-    if len(hits) != 1 or not hits[0].nan_kept:
-        return False
-    lo, hi = _byte_span(t)
-    return hits[0].lo <= lo and hi <= hits[0].hi
+    return len(hits) == 1 and hits[0].nan_kept and _inside(t, hits[0])
 
 
 # Ops (ATen names, as for ``_KEEPS_ELEMENTS``) whose result holds elements of their
@@ -3569,18 +3576,8 @@ _REARRANGES = frozenset({
     "unbind_copy", "split_copy", "split_with_sizes_copy", "diagonal_copy", "unfold_copy",
 })
 
-_REARRANGING: dict = {}
-
-
-def _rearranges(func: Any) -> bool:
-    """Whether op ``func`` is one of :data:`_REARRANGES` (not in place). Once per op."""
-    got = _REARRANGING.get(func)
-    if got is None:
-        name = func._schema.name
-        got = _REARRANGING[func] = (name.partition("::")[0] == "aten"
-                                    and not name.endswith("_")
-                                    and _base_name(func) in _REARRANGES)
-    return got
+# Whether an op is one of :data:`_REARRANGES` (not in place)
+_rearranges = _functional_aten_in(_REARRANGES)
 
 
 def _place_in_stretch(t: torch.Tensor, e: _Source) -> tuple | None:
@@ -3591,8 +3588,7 @@ def _place_in_stretch(t: torch.Tensor, e: _Source) -> tuple | None:
     one tensor the loader made (``x`` and ``x[0]``)."""
     if e.name is None or e.base is not None or e.mixed is not None:
         return None
-    lo, hi = _byte_span(t)
-    if lo < e.lo or hi > e.hi:
+    if not _inside(t, e):
         return None
     return _storage_key(t), e.lo
 
@@ -5073,7 +5069,18 @@ class WriteSession:
         storage has one runtime tensor): ``dest`` lies in its owner, or cannot be cut so
         (some of it lies in no runtime tensor, or the tensors' extents interleave).
         ``key``: ``dest``'s storage key, where the caller has it."""
-        if not isinstance(src, torch.Tensor) or dest.dim() == 0:
+        if not isinstance(src, torch.Tensor):
+            return None
+        beyond = self._beyond_owner(dest, own, key)
+        return None if beyond is None else self._cut(dest, src, beyond)
+
+    def _beyond_owner(self, dest: torch.Tensor, own: tuple, key: tuple | None = None
+                      ) -> tuple[tuple, int, int] | None:
+        """``(storage key, first byte, end byte)`` of write view ``dest`` where it reaches
+        past ``own`` (its owner, as :meth:`RuntimeIndex.owner` found it) into other bytes
+        of a storage that several runtime tensors share; ``None`` (the common case, found
+        at once where the storage has one runtime tensor) where it lies in its owner."""
+        if dest.dim() == 0:
             return None
         if key is None:
             key = _storage_key(dest)
@@ -5084,26 +5091,28 @@ class WriteSession:
         o0, o1 = _byte_span(own[1])
         if o0 <= lo and hi <= o1:
             return None
+        return key, lo, hi
+
+    def _cut(self, dest: torch.Tensor, src: torch.Tensor, beyond: tuple[tuple, int, int]
+             ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """:func:`_cut_at_owners` of ``dest`` (which :meth:`_beyond_owner` found reaches
+        past its owner, ``beyond``) among the runtime tensors its bytes meet."""
+        key, lo, hi = beyond
         return _cut_at_owners(dest, src, self.index.overlapping(key, lo, hi))
 
-    def _straddled(self, dest: torch.Tensor, targets: list) -> list:
-        """``targets`` (``dest`` with the one runtime tensor it starts in), and the others
-        of its storage that ``dest``'s elements reach, where no cut into pieces of one
-        tensor each exists because an element of ``dest`` straddles two of them (a
-        float32 view over two bfloat16 parameters of one flat buffer, cut at an odd
-        element): the write is one, and each tensor records and saves the part of it in
-        its own elements."""
+    def _straddled(self, dest: torch.Tensor, targets: list, beyond: tuple[tuple, int, int]
+                   ) -> list:
+        """``targets`` (``dest`` with the one runtime tensor it starts in, which
+        :meth:`_beyond_owner` found it reaches past: ``beyond``), and the others of its
+        storage that ``dest``'s elements reach, where no cut into pieces of one tensor
+        each exists because an element of ``dest`` straddles two of them (a float32 view
+        over two bfloat16 parameters of one flat buffer, cut at an odd element): the
+        write is one, and each tensor records and saves the part of it in its own
+        elements."""
         own = targets[0][1]
-        if dest.dim() == 0 or not dest.numel() or not dest.is_contiguous():
+        if not dest.numel() or not dest.is_contiguous():
             return targets  # (a strided view's elements: see _cut_at_owners)
-        key = _storage_key(dest)
-        owners = self.index._owners_of(key)
-        if owners is None or len(owners) < 2:
-            return targets
-        lo, hi = _byte_span(dest)
-        o0, o1 = _byte_span(own[1])
-        if o0 <= lo and hi <= o1:
-            return targets
+        key, lo, hi = beyond
         size = dest.element_size()
         near = [o for o in self.index.overlapping(key, lo, hi)
                 if o.dense and not (o.start <= lo and hi <= o.end)]
@@ -5152,8 +5161,12 @@ class WriteSession:
         alone = not torch._C._len_torch_dispatch_stack()
         if self._sparse and not checked:
             self._check_sparse_write(func, op, args, targets, source)
-        if is_copy and len(targets) == 1 and not checked and len(args) > 1:
-            pieces = self._pieces_by_owner(args[0], args[1], targets[0][1])
+        beyond = (self._beyond_owner(args[0], targets[0][1])
+                  if is_copy and len(targets) == 1 and not checked and len(args) > 1
+                  else None)  # (None at once where a storage holds one runtime tensor)
+        if beyond is not None:
+            pieces = (self._cut(args[0], args[1], beyond)
+                      if isinstance(args[1], torch.Tensor) else None)
             if pieces is not None:
                 # A copy whose view runs from one runtime tensor into the next (q and k,
                 # views of one flat buffer, written by one copy_ over the end of q and the
@@ -5167,7 +5180,7 @@ class WriteSession:
                     self._unguarded_write(func, (d, piece, *args[2:]), kwargs, [(d, own)],
                                           source, checked=True)
                 return args[0]
-            straddled = self._straddled(args[0], targets)
+            straddled = self._straddled(args[0], targets, beyond)
             if len(straddled) > 1 and self._sparse:
                 self._refuse_straddling(op, straddled, args[1], source)
             if not self._nan_masked:
@@ -5801,14 +5814,14 @@ class WriteSession:
         kind, held, read = found
         hit = self.provenance.lookup(src)
         pos, name = (hit[0], hit[1]) if hit else (None, None)
+        fix = _REINTERPRETED_FIX[kind].format(dtype=src.dtype)
         self.violations.append(ContractViolation(
             f"load_weights (call {self._chunk}, {where(pos, name)}, runtime tensor "
             f"{quoted(tname)}) copied a {tuple(src.shape)} {src.dtype} source "
             f"{_reinterpreted_words(kind, held, read, src.dtype)}, so the observed "
             f"loader's NaN-merge wrote the staged NaN bits{_REINTERPRETED_HOW[kind]} into "
-            "the model where the patch keeps. Those elements are lost; "
-            f"{_REINTERPRETED_FIX[kind].format(dtype=src.dtype)[0].lower()}"
-            f"{_REINTERPRETED_FIX[kind].format(dtype=src.dtype)[1:]}",
+            f"the model where the patch keeps. Those elements are lost; {fix[0].lower()}"
+            f"{fix[1:]}",
             position=pos, name=name, reason="reinterpreted source", value=(held, read),
         ))
 
