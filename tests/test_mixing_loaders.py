@@ -898,6 +898,27 @@ def _outer_of_a_flips_column_and_row(w):
     return torch.outer(x[:, 0], x[0])
 
 
+def _refused_with_a_loss(f, patches, how):
+    """Load ``patches`` through ``f`` into a model whose ``a.w`` starts as ``f`` of its
+    old values (as loaded from the old checkpoint), after checking that the plain
+    NaN-merge would lose an update there (it differs from ``f`` of the new values); the
+    load must be refused as "mixed elements", naming a.w. Returns the model, the
+    ``pytest.raises`` record and a.w's bits before the load."""
+    m = _Mixing(f)
+    old = {"a.w": m.a.detach().clone(), "other.w": m.other.detach().clone()}
+    new = {n: t.clone() for n, t in old.items()}
+    for p in patches:
+        here = new[p.name].device
+        new[p.name].view(-1)[p.indices.to(here)] = p.values.to(here)
+    m.a.data.copy_(f(old))
+    assert not torch.equal(bits(_merged(f, m, patches)), bits(f(new)))  # (a loss)
+    before = bits(m.a.detach()).clone()
+    with pytest.raises(ContractViolation) as e:
+        _load(how, m, patches)
+    assert (e.value.reason, e.value.name) == ("mixed elements", "a.w")
+    return m, e, before
+
+
 @pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
 @pytest.mark.parametrize("f", [_flip_minus_its_row_0, _roll_minus_its_row_0,
                                _outer_of_a_flips_column_and_row])
@@ -911,18 +932,7 @@ def test_a_fully_updated_row_of_a_moved_patch_paired_with_its_nan_is_refused(f, 
     idx = torch.cat([torch.tensor([1]), torch.arange(24, 32)])
     patches = [_patches()[0], CWP("a.w", (4, 8), torch.float32,
                                   torch.linspace(-2.0, 2.0, idx.numel()), idx)]
-    m = _Mixing(f)
-    old = {"a.w": m.a.detach().clone(), "other.w": m.other.detach().clone()}
-    new = {n: t.clone() for n, t in old.items()}
-    for p in patches:
-        here = new[p.name].device
-        new[p.name].view(-1)[p.indices.to(here)] = p.values.to(here)
-    m.a.data.copy_(f(old))  # (the runtime value: as loaded from the old checkpoint)
-    assert not torch.equal(bits(_merged(f, m, patches)), bits(f(new)))  # (a loss)
-    before = bits(m.a.detach()).clone()
-    with pytest.raises(ContractViolation) as e:
-        _load(how, m, patches)
-    assert (e.value.reason, e.value.name) == ("mixed elements", "a.w")
+    m, e, before = _refused_with_a_loss(f, patches, how)
     assert e.value.value in ("aten::sub.Tensor", "aten::mul.Tensor")
     assert torch.equal(bits(m.a.detach()), before)
 
@@ -958,17 +968,6 @@ def test_a_fully_updated_row_moved_then_paired_with_nan_is_refused(f, how):
                    torch.arange(8)),
                CWP("a.w", (4, 8), torch.float32, torch.linspace(-2.0, 2.0, 20),
                    torch.cat([torch.tensor([1, 9, 12, 14]), torch.arange(16, 32)]))]
-    m = _Mixing(f)
-    old = {"a.w": m.a.detach().clone(), "other.w": m.other.detach().clone()}
-    new = {n: t.clone() for n, t in old.items()}
-    for p in patches:
-        here = new[p.name].device
-        new[p.name].view(-1)[p.indices.to(here)] = p.values.to(here)
-    m.a.data.copy_(f(old))  # (the runtime value: as loaded from the old checkpoint)
-    assert not torch.equal(bits(_merged(f, m, patches)), bits(f(new)))  # (a loss)
-    before = bits(m.a.detach()).clone()
-    with pytest.raises(ContractViolation) as e:
-        _load(how, m, patches)
-    assert (e.value.reason, e.value.name) == ("mixed elements", "a.w")
+    m, e, before = _refused_with_a_loss(f, patches, how)
     assert e.value.value in ("aten::sub.Tensor", "aten::mul.Tensor", "aten::add.Tensor")
     assert torch.equal(bits(m.a.detach()), before)

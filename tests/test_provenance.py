@@ -10,8 +10,7 @@ import math
 import pandas as pd
 import pytest
 import torch
-from test_report_oracle import check
-from test_report_reinterpreting import _logged_load
+from test_report_oracle import check, logged_load
 from torch import nn
 
 import patchkit
@@ -718,7 +717,7 @@ def test_a_cast_of_a_strided_view_of_a_patch_names_where_its_elements_are(how, k
         p = CWP("w", (4, 8), torch.float32, torch.tensor([3.0, 12.0, 21.0, 26.0]),
                 torch.tensor([3, 12, 21, 26]))
     m = _StridedCopy(shape, make)
-    L = _logged_load(m, [p])
+    L = logged_load(m, [p])
     row = L["report"].writes.iloc[0]
     assert (row["position"], row["name"]) == (0, "w")
     if region is None:
@@ -756,7 +755,7 @@ def test_a_row_of_a_strided_copy_has_the_checkpoint_strides_of_the_same_row_of_t
     make = ((lambda w: w[1:2, 2:5].to(_BF)) if how == "of the patch"
             else (lambda w: w[:, 2:5].to(_BF)[1:2]))
     p = CWP("w", (4, 8), torch.float32, torch.arange(32.0) * 1.5)
-    L = _logged_load(_StridedCopy((1, 3), make), [p])
+    L = logged_load(_StridedCopy((1, 3), make), [p])
     row = L["report"].writes.iloc[0]
     assert (row["checkpoint_offset"], row["checkpoint_region"]) == (10, "[1:2, 2:5]")
     assert tuple(row["checkpoint_stride"]) == (8, 1)
@@ -766,7 +765,7 @@ def test_a_strided_copy_read_as_halves_of_its_elements_names_no_checkpoint_box()
     # (bfloat16 halves of the float32 copy of a column slice are no checkpoint elements:
     # no offset, no region, where a box counted in halves would name other elements)
     p = CWP("w", (4, 8), torch.float32, torch.arange(32.0) * 1.5)
-    L = _logged_load(_StridedCopy((2, 2), lambda w: w[:, 2:5].clone().view(_BF)[0:2, 0:2]),
+    L = logged_load(_StridedCopy((2, 2), lambda w: w[:, 2:5].clone().view(_BF)[0:2, 0:2]),
                      [p])
     row = L["report"].writes.iloc[0]
     assert (row["position"], row["name"]) == (0, "w")

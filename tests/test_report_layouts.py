@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from test_report_oracle import check, snapshot
+from test_report_oracle import check, logged_load, snapshot
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -762,23 +762,8 @@ def test_a_copy_across_runtime_tensors_of_one_storage_is_a_row_for_each(how, spa
     m = _Across(view, short="inside a row" in how)
     p = _patch_over(m, view, sparse)
     before = snapshot(m)
-    sent, returned = [], []
-    own = m.load_weights
-
-    def load_weights(weights):
-        weights = list(weights)
-        sent.append(tuple(n for n, _ in weights))
-        returned.append(own(weights))
-        return returned[-1]
-
-    m.load_weights = load_weights
-    try:
-        r = inspect_load(m, [p])
-    finally:
-        del m.load_weights
-    L = dict(patches=[p], report=r, err=None, before=before, after=snapshot(m), at_fail={},
-             sent=sent, returned=returned, plan=patchkit.plan_chunks([p], 1 << 20),
-             sent_as={0: "x"}, transactional=False)
+    L = logged_load(m, [p])
+    r = L["report"]
     seen = collections.Counter()
     assert check(L, seen) == []
     assert seen["writes"] == len(r.writes)

@@ -280,6 +280,31 @@ def load(rng, g, seed, k, model, shapes, base, reuse):
                 transactional=transactional)
 
 
+def logged_load(m, patches):
+    """``inspect_load`` of ``patches`` into ``m``, with what
+    :func:`check` needs to replay its report."""
+    before = snapshot(m)
+    sent, returned = [], []
+    own = m.load_weights
+
+    def load_weights(weights):
+        weights = list(weights)
+        sent.append(tuple(n for n, _ in weights))
+        r = own(weights)
+        returned.append(r)
+        return r
+
+    m.load_weights = load_weights
+    try:
+        report = patchkit.inspect_load(m, patches)
+    finally:
+        del m.load_weights
+    return dict(patches=patches, report=report, err=None, before=before, after=snapshot(m),
+                at_fail={}, sent=sent, returned=returned,
+                plan=patchkit.plan_chunks(patches, patchkit.DEFAULT_MAX_CHUNK_BYTES),
+                sent_as={i: p.name for i, p in enumerate(patches)}, transactional=False)
+
+
 def check(L, seen: collections.Counter) -> list[str]:
     patches, report, err = L["patches"], L["report"], L["err"]
     before, after, sent, returned, plan = (L[k] for k in ("before", "after", "sent",

@@ -21,7 +21,7 @@ import collections
 import pandas as pd
 import pytest
 import torch
-from test_report_oracle import check, snapshot
+from test_report_oracle import check, logged_load
 
 import patchkit
 from patchkit import CheckpointWeightPatch as P
@@ -92,31 +92,6 @@ def _new_values(shape, dtype, seed):
     return new, keep
 
 
-def _logged_load(m, patches):
-    """``inspect_load`` of ``patches`` into ``m``, with what
-    :func:`test_report_oracle.check` needs to replay its report."""
-    before = snapshot(m)
-    sent, returned = [], []
-    own = m.load_weights
-
-    def load_weights(weights):
-        weights = list(weights)
-        sent.append(tuple(n for n, _ in weights))
-        r = own(weights)
-        returned.append(r)
-        return r
-
-    m.load_weights = load_weights
-    try:
-        report = patchkit.inspect_load(m, patches)
-    finally:
-        del m.load_weights
-    return dict(patches=patches, report=report, err=None, before=before, after=snapshot(m),
-                at_fail={}, sent=sent, returned=returned,
-                plan=patchkit.plan_chunks(patches, patchkit.DEFAULT_MAX_CHUNK_BYTES),
-                sent_as={i: p.name for i, p in enumerate(patches)}, transactional=False)
-
-
 @pytest.mark.parametrize("how", list(WHOLE))
 @pytest.mark.parametrize("twice", [False, True], ids=["once", "sent twice"])
 @pytest.mark.parametrize("layout", ["contiguous", "columns", "rows"])
@@ -134,7 +109,7 @@ def test_writes_through_views_of_another_element_size_replay_to_the_model(how, t
         new, keep = _new_values(shape, dtype, 10 + k)
         new = torch.where(keep, start, new) if k == 0 else new
         patches.append(P("w", shape, dtype, new.flatten()))
-    L = _logged_load(m, patches)
+    L = logged_load(m, patches)
     assert not bits(L["after"]["w"]).equal(bits(start))  # (the load changed something)
     seen: collections.Counter = collections.Counter()
     assert check(L, seen) == []
@@ -159,7 +134,7 @@ def test_a_transposed_view_of_int32_words_of_float8_replays_to_the_model(layout)
         w.view(I32)[:, 1:3].t()), layout=layout)
     start = m.w.detach().clone()
     new, keep = _new_values(shape, F8, 10)
-    L = _logged_load(m, [P("w", shape, F8, torch.where(keep, start, new).flatten())])
+    L = logged_load(m, [P("w", shape, F8, torch.where(keep, start, new).flatten())])
     assert not bits(L["after"]["w"]).equal(bits(start))
     assert check(L, collections.Counter()) == []
     row = L["report"].writes.iloc[0]
@@ -520,7 +495,7 @@ def test_a_box_of_int32_words_reads_as_the_box_of_the_tensor_it_is(how):
     m = Viewed(shape, dtype, write)
     start = m.w.detach().clone()
     new, keep = _new_values(shape, dtype, 10)
-    L = _logged_load(m, [P("w", shape, dtype, torch.where(keep, start, new).flatten())])
+    L = logged_load(m, [P("w", shape, dtype, torch.where(keep, start, new).flatten())])
     assert check(L, collections.Counter()) == []
     row = L["report"].writes.iloc[0]
     assert (row["target_region"], row["checkpoint_region"]) == (region, region)
