@@ -142,6 +142,15 @@ def _load(model, patches, how: str, budget: int):
     return patchkit.load_checkpoint_weight_patches(model, patches, **kw)
 
 
+def _save_point() -> tuple[object, str]:
+    """Where a watched write allocates its save: the compiled path's buffers
+    (``native._empty``), or, on the torch-ops path (a GPU, ``PATCHKIT_NATIVE=0``), the
+    record made of the copy it has just taken, before the write."""
+    if torch.get_default_device().type == "cpu" and native._library() is not None:
+        return native, "_empty"
+    return intercept.SavedRegion, "__init__"
+
+
 def _inject(fault: str, model: nn.Module, points: _Points, monkeypatch, calls: int):
     """Arm ``points`` at the fault's place; returns the rollback trigger, if any."""
     if fault in ("op", "op-after", "signal"):
@@ -163,7 +172,7 @@ def _inject(fault: str, model: nn.Module, points: _Points, monkeypatch, calls: i
             return out
         model.load_weights = load_weights
     elif fault in ("stage", "save"):
-        module, attr = (loader_mod, "_stage") if fault == "stage" else (native, "_empty")
+        module, attr = (loader_mod, "_stage") if fault == "stage" else _save_point()
         real = getattr(module, attr)
 
         def allocate(*a, **k):

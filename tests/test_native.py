@@ -664,8 +664,11 @@ def test_a_failed_transactional_load_restores_what_the_compiled_path_wrote(
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
-    """A build attempt of its own, in an empty cache folder; the process's build after."""
+    """A build attempt of its own, in an empty cache folder; the process's build after.
+    (``PATCHKIT_NATIVE`` cleared: a run of the suite with it set to 0, the torch-ops path
+    as a GPU runs it, still tests the build.)"""
     monkeypatch.setenv("PATCHKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PATCHKIT_NATIVE", raising=False)
     native._reset_for_tests()
     yield tmp_path
     monkeypatch.undo()
