@@ -431,9 +431,10 @@ class LoadReport:
       the start of ``k`` where both are views of one flat buffer, is a row for each
       tensor it reaches; where a tensor's end falls inside a row of a view that is not
       contiguous, one for its whole rows and one for the part of the next; where it
-      falls inside one of a contiguous view's elements, a float32 view over two bfloat16
-      tensors cut at an odd element, a row for each tensor, of its own elements that the
-      view's bytes reach, which a sparse call refuses, reason ``"straddling view"``):
+      falls inside one of the view's elements, a float32 view over two bfloat16
+      tensors cut at an odd element (contiguous, strided or transposed), rows for each
+      tensor, of its own elements that the view's bytes reach, which a sparse call
+      refuses, reason ``"straddling view"``):
       ``chunk``,
       ``position`` and
       ``name`` of the patch that fed it (``None`` when the source could not be traced to

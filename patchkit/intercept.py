@@ -456,6 +456,15 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, Region.of(t).extent()[1]
 
 
+def _element_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The first storage byte of each element of ``t``, in row-major order (a CPU int64
+    tensor of ``t.numel()``, worked out from its shape and strides alone)."""
+    at = torch.tensor(t.storage_offset(), dtype=torch.long)
+    for n, s in zip(t.shape, t.stride()):
+        at = at.unsqueeze(-1) + torch.arange(n) * s
+    return at.reshape(-1) * t.element_size()
+
+
 def _span_of(view: torch.Tensor, key: tuple | None = None) -> tuple[tuple, int, int, int]:
     """``(storage key, start, end, element size)``: where ``view`` sits in its storage
     (the byte extent of :func:`_byte_span`); ``key``: its storage key, where the caller
@@ -5101,27 +5110,73 @@ class WriteSession:
         return _cut_at_owners(dest, src, self.index.overlapping(key, lo, hi))
 
     def _straddled(self, dest: torch.Tensor, targets: list, beyond: tuple[tuple, int, int]
-                   ) -> list:
-        """``targets`` (``dest`` with the one runtime tensor it starts in, which
-        :meth:`_beyond_owner` found it reaches past: ``beyond``), and the others of its
-        storage that ``dest``'s elements reach, where no cut into pieces of one tensor
-        each exists because an element of ``dest`` straddles two of them (a float32 view
-        over two bfloat16 parameters of one flat buffer, cut at an odd element): the
+                   ) -> tuple[list, bool]:
+        """``(targets, straddles)``: ``targets`` (``dest`` with the one runtime tensor it
+        starts in, which :meth:`_beyond_owner` found it reaches past: ``beyond``), and the
+        others of its storage that ``dest``'s elements reach, where no cut into pieces of
+        one tensor each was found (:meth:`_cut`) and the write's save in the first
+        tensor's elements would miss them: an element of ``dest`` straddles two of them
+        (``straddles``: a float32 view over two bfloat16 parameters of one flat buffer,
+        cut at an odd element; a strided view, ``[1::2]`` of it, one of whose elements
+        does), or ``dest`` has another element size than that tensor's and reaches the
+        buffer's space beside the tensors too, or runs backward (a transposed view). The
         write is one, and each tensor records and saves the part of it in its own
-        elements."""
+        elements (:meth:`_owner_pieces`)."""
         own = targets[0][1]
-        if not dest.numel() or not dest.is_contiguous():
-            return targets  # (a strided view's elements: see _cut_at_owners)
+        if not dest.numel():
+            return targets, False
         key, lo, hi = beyond
         size = dest.element_size()
         near = [o for o in self.index.overlapping(key, lo, hi)
                 if o.dense and not (o.start <= lo and hi <= o.end)]
-        if not any(lo < b < hi and (b - lo) % size
-                   for o in near for b in (o.start, o.end)):
-            return targets  # (no element of dest holds parts of two)
+        cuts = {b - b % size for o in near for b in (o.start, o.end) if lo < b < hi and b % size}
+        other_size = size != own[1].element_size()
+        if not cuts and not other_size:
+            return targets, False  # (no element of dest holds parts of two)
+        straddles = bool(cuts)
+        if not dest.is_contiguous():
+            # A strided view's extent holds bytes of its own elements and others: does
+            # one of its elements hold a boundary, and which tensors do they reach?
+            at = _element_bytes(dest)
+            straddles = straddles and bool(torch.isin(at, torch.tensor(sorted(cuts))).any())
+            if not straddles and not other_size:
+                return targets, False
+            near = [o for o in near if bool(((at < o.end) & (at + size > o.start)).any())]
         more = [(dest, (o.name, o.tensor, (lo - o.start) // o.step))
                 for o in near if o.name != own[0]]
-        return targets + more if more else targets
+        return (targets + more if more else targets), straddles
+
+    def _owner_pieces(self, dest: torch.Tensor, straddled: list) -> list:
+        """The write of view ``dest`` whose elements straddle the runtime tensors of
+        ``straddled`` (:meth:`_straddled`), as views in those tensors' own elements, each
+        in one of them: the elements of their size that ``dest``'s bytes touch
+        (:func:`_box_in_units`), put in storage order and cut at the tensors' bounds
+        (:func:`_cut_at_owners`), each tensor's part exactly (a strided view's, a few
+        boxes). ``straddled`` itself where no such cut exists (the tensors differ in
+        element size, or the elements touched make no box or reach the buffer's space
+        outside them): each tensor then saves and records the span of its elements that
+        ``dest``'s bytes reach (:func:`_owner_units`), every byte the write may change."""
+        size = straddled[0][1][1].element_size()
+        if any(own[1].element_size() != size for _, own in straddled):
+            return straddled
+        box = _box_in_units(dest, size)
+        if box is None:
+            return straddled
+        first, shape, stride = box
+        order = sorted(range(len(shape)), key=lambda d: stride[d], reverse=True)
+        units = straddled[0][1][1].detach().as_strided(
+            [shape[d] for d in order], [stride[d] for d in order], first)
+        key = _storage_key(dest)
+        pieces = _cut_at_owners(units, units, self.index.overlapping(key, *_byte_span(units)))
+        if pieces is None:
+            return straddled
+        out = []
+        for d, _ in pieces:
+            own = self.index.owner(d, key)
+            if own is None:
+                return straddled
+            out.append((d, own))
+        return out
 
     def _runtime_write(self, func, args, kwargs, targets, source=None):
         """A write op into runtime tensors (``targets``: each written view with its
@@ -5161,6 +5216,7 @@ class WriteSession:
         alone = not torch._C._len_torch_dispatch_stack()
         if self._sparse and not checked:
             self._check_sparse_write(func, op, args, targets, source)
+        straddling = None
         beyond = (self._beyond_owner(args[0], targets[0][1])
                   if is_copy and len(targets) == 1 and not checked and len(args) > 1
                   else None)  # (None at once where a storage holds one runtime tensor)
@@ -5180,11 +5236,16 @@ class WriteSession:
                     self._unguarded_write(func, (d, piece, *args[2:]), kwargs, [(d, own)],
                                           source, checked=True)
                 return args[0]
-            straddled = self._straddled(args[0], targets, beyond)
-            if len(straddled) > 1 and self._sparse:
+            straddled, straddles = self._straddled(args[0], targets, beyond)
+            if straddles and self._sparse:
                 self._refuse_straddling(op, straddled, args[1], source)
-            if not self._nan_masked:
-                targets = straddled
+            if len(straddled) > 1:
+                if self._nan_masked:
+                    straddling = straddled  # (an observed merge's mask: see below)
+                elif self._sparse:  # (each saves the elements of its own the merge writes)
+                    targets = straddled
+                else:
+                    targets = self._owner_pieces(args[0], straddled)
         if (not self._sparse and is_copy and self.save_regions and alone
                 and not self._nan_masked and _comparable_copy(args, kwargs, targets)):
             return self._compared_copy(func, op, args, kwargs, targets[0])
@@ -5192,6 +5253,12 @@ class WriteSession:
         kept_nan = None  # an observed copy from a NaN-masked patch: NaN where it keeps
         if self._nan_masked and is_copy:
             write, kept_nan = self._observed_mask(args, targets)
+            if straddling is not None:
+                # (a plain copy, the observed loader's merge made before it: each
+                # tensor's part, as a dense call's; a copy taken for the merge: each
+                # saves the elements of its own that it writes)
+                targets = (self._owner_pieces(args[0], straddling) if write is None
+                           else straddling)
             self._note_reinterpreted(args[1], targets[0][1][0])
             if self.provenance.mixed_seen:
                 self._note_mixed(args[1], targets[0][1][0])
@@ -5275,7 +5342,7 @@ class WriteSession:
             src = args[1] if is_copy else None
             written = None
             if reinterpreted_written is not None:
-                written = reinterpreted_written
+                written = reinterpreted_written  # (one count per target)
             elif write is not None and not dry:
                 one = saved[0] if len(saved) == 1 else None
                 if one is not None and one.index is not None:
@@ -5301,7 +5368,9 @@ class WriteSession:
                 who = (source() if source is not None
                        else self.provenance.source_of(args, kwargs))
             for k, (t, (tname, _, off)) in enumerate(targets):
-                self._record(op, t, tname, off, src, changed[k], written=written, who=who)
+                self._record(op, t, tname, off, src, changed[k], who=who,
+                             written=written if reinterpreted_written is None
+                             else reinterpreted_written[k])
         return out
 
     def _save_in_owner_units(self, targets, write):
@@ -5310,22 +5379,37 @@ class WriteSession:
         tensor's own elements, so that the report, ``before()`` and a rollback read them as
         its other saves: a dense write saves the elements its bytes touch (as a box of
         them, :func:`_owner_units`: their span where they make none); a NaN-merge saves
-        the elements that hold a byte it writes, and says how many.
-        Returns ``(targets in those units, saves, elements the merge reaches or None)``."""
-        mapped, saved, written = [], [], None
+        the elements that hold a byte it writes (each of them, where an element it writes
+        is wider than the tensor's: a float32 view of a bfloat16 one; of this tensor's
+        own, where its view reaches others of the storage, :meth:`_straddled`), and says
+        how many. Returns ``(targets in those units, saves, None or, for a NaN-merge, the
+        elements each target's merge reaches)``."""
+        mapped, saved = [], []
+        written: list | None = None if write is None else []
         for t, (tname, owner, off) in targets:
             if t.element_size() == owner.element_size():
                 mapped.append((t, (tname, owner, off)))
                 saved.append(self._save(t, tname, off, write))
+                if written is not None:
+                    written.append(None if t.is_meta else int(count_true(write)))
                 continue
             u, uoff = _owner_units(t, owner)
             mapped.append((u, (tname, owner, uoff)))
             if write is None or u.is_meta:
                 saved.append(self._save(u, tname, uoff, None))
+                if written is not None:
+                    written.append(None)
                 continue
             at = _storage_offsets(t, torch.nonzero(write.reshape(-1)).reshape(-1))
-            reached = torch.unique(at * t.element_size() // owner.element_size())
-            written = (written or 0) + int(reached.numel())
+            a, o = t.element_size(), owner.element_size()
+            reached = at * a // o
+            if a > o:  # (each of the tensor's elements a wider one holds)
+                reached = (reached[:, None] + torch.arange(a // o, device=at.device)).reshape(-1)
+            if owner.is_contiguous():  # (this tensor's part: a view may reach past it)
+                first = owner.storage_offset()
+                reached = reached[(reached >= first) & (reached < first + owner.numel())]
+            reached = torch.unique(reached)
+            written.append(int(reached.numel()))
             if self.save_regions:
                 sr = SavedRegion.elements(tname, uoff, u, reached)
                 self.saved.append(sr)

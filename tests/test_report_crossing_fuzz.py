@@ -21,6 +21,12 @@ from patchkit import CheckpointWeightPatch, inspect_load, load_checkpoint_weight
 from patchkit.errors import ContractViolation
 
 DTYPES = [torch.float32, torch.bfloat16]
+# (buffer dtype, dtype of the view the loader writes through): a float32 / int32 / int16
+# view of a bfloat16 or float16 buffer (a 4-byte element of the view may hold the end of
+# one tensor and the start of the next), a bfloat16 view of a float32 one
+REINTERPRETED = [(b, v) for b in (torch.bfloat16, torch.float16)
+                 for v in (torch.float32, torch.int32, torch.int16)] + [
+    (torch.float32, torch.bfloat16)]
 
 
 class Failed(RuntimeError):
@@ -81,6 +87,8 @@ def _apply(ops, t):
             t = t.t()
         elif op == "index":
             t = t[a[0]]
+        elif op == "as":  # (the buffer's bytes as another dtype)
+            t = t.view(a[0])
     return t
 
 
@@ -168,7 +176,7 @@ def _brute(flat, views, sources, patches):
     return flat
 
 
-def _case(seed):
+def _case(seed, reinterpret=False):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     size, layout = _layout(rng)
@@ -176,9 +184,19 @@ def _case(seed):
     sparse = rng.random() < 0.5
     k = rng.randint(1, 2)
     views, sources, shapes = [], [], []
-    probe = torch.zeros(size)
+    head, units = [], size
+    if reinterpret:
+        # (an observed loader's merge casts to the view's dtype first: an integer view
+        # has no NaN to keep, so it is only sent dense patches)
+        dtype, as_ = rng.choice([(b, v) for b, v in REINTERPRETED
+                                 if v.is_floating_point or not sparse or seed % 4 != 3])
+        wide, narrow = as_.itemsize, dtype.itemsize
+        if wide > narrow:
+            size += -size % (wide // narrow)  # (a tail of the buffer: no tensor's)
+        head, units = [("as", as_)], size * narrow // wide
+    probe = torch.zeros(size, dtype=dtype)
     for _ in range(k):
-        v = _random_view(rng, size)
+        v = head + _random_view(rng, units)
         shape, src = _random_source(rng, tuple(_apply(v, probe).shape))
         views.append(v)
         sources.append(src)
@@ -209,23 +227,43 @@ def _logged(m):
     return sent, returned, at_fail
 
 
-def _covered(size, layout, views):
-    """Whether every element each view writes lies in a runtime tensor (a view that
+def _bytes_of(t):
+    """The storage bytes each element of view ``t`` holds: ``(numel, element size)``."""
+    at = torch.tensor(t.storage_offset())
+    for n, s in zip(t.shape, t.stride()):
+        at = at[..., None] + torch.arange(n) * s
+    return (at.reshape(-1, 1) * t.element_size()
+            + torch.arange(t.element_size())).reshape(-1, t.element_size())
+
+
+def _covered(size, layout, views, dtype):
+    """Whether every element each view writes lies in runtime tensors (a view that
     reaches the buffer's space between or after them is reported as one row, for the
     tensor where it starts: not checked by the oracle here)."""
-    owned = torch.zeros(size, dtype=torch.bool)
+    step = dtype.itemsize
+    owned = torch.zeros(size * step, dtype=torch.bool)
     for off, shape in layout:
-        owned[off:off + math.prod(shape)] = True
-    at = torch.arange(size)
-    return all(bool(owned[_apply(v, at).reshape(-1)].all()) for v in views)
+        owned[off * step:(off + math.prod(shape)) * step] = True
+    probe = torch.zeros(size, dtype=dtype)
+    return all(bool(owned[_bytes_of(_apply(v, probe))].all()) for v in views)
 
 
-def _forward(size, views):
+def _touched(m, views):
+    """Each runtime tensor's elements that a byte of a view lies in, as a bool mask."""
+    hit = torch.zeros(m.flat.numel() * m.flat.element_size(), dtype=torch.bool)
+    for v in views:
+        hit[_bytes_of(_apply(v, m.flat))] = True
+    hit = hit.view(-1, m.flat.element_size()).any(1)
+    return {n: hit[t.storage_offset():t.storage_offset() + t.numel()].view(t.shape)
+            for n, t in m.named_parameters()}
+
+
+def _forward(size, views, dtype=torch.float32):
     """Whether each view's row-major order runs forward through the buffer (each dim
     steps past all those inside it): a transposed view over several tensors is reported
     as one row, for the tensor where it starts (the writes docstring says so)."""
     for v in views:
-        t = _apply(v, torch.zeros(size))
+        t = _apply(v, torch.zeros(size, dtype=dtype))
         inner = 0
         for n, st in zip(reversed(t.shape), reversed(t.stride())):
             if n > 1:
@@ -249,12 +287,12 @@ def _owned_bits(m):
     return [bits(t.detach()).clone() for _, t in m.named_parameters()]
 
 
-def _run(seed, seen):
-    size, layout, dtype, views, sources, patches = _case(seed)
+def _run(seed, seen, reinterpret=False):
+    size, layout, dtype, views, sources, patches = _case(seed, reinterpret)
     mode = ["plain", "inspect", "transactional", "observed"][seed % 4]
-    covered = _covered(size, layout, views)
+    covered = _covered(size, layout, views, dtype)
     seen["covered" if covered else "reaching outside the tensors"] += 1
-    forward = _forward(size, views)
+    forward = _forward(size, views, dtype)
     seen["forward" if forward else "transposed"] += 1
     fail = mode == "transactional"
     m = Flat(size, layout, dtype, views, sources, fail=fail)
@@ -297,9 +335,30 @@ def _run(seed, seen):
         assert all(map(torch.equal, _owned_bits(m), owned0)), (seed, "rollback")
     else:
         assert torch.equal(*_owned(m, want)), (seed, mode)
-    broadcast = any(_apply(s, _staged(p)).shape != _apply(v, torch.zeros(size)).shape
+    broadcast = any(_apply(s, _staged(p)).shape != _apply(v, torch.zeros(size, dtype=dtype)
+                                                          ).shape
                     for p, v, s in zip(patches, views, sources))
     seen["broadcast"] += broadcast
+    if reinterpret:
+        # (rows in the tensors' own elements, of a copy from the patch's: no replay of
+        # theirs; each tensor's changes counted, and within the elements it wrote, which
+        # a dense copy through views of whole elements that stay in the tensors gives
+        # exactly; a narrower view's bytes that make no box of them, the span they reach)
+        changed = {n: bits(before[n]) != bits(t.detach()) for n, t in m.named_parameters()}
+        if not fail:
+            assert r.deltas["changed"].to_dict() == {
+                n: int(c.sum()) for n, c in changed.items()
+                if c.any() or n in r.deltas.index}, (seed, mode, views)
+            touched = _touched(m, views)
+            for n in r.deltas.index:
+                w = r.written(n)
+                assert not (changed[n] & ~w).any(), (seed, mode, n, "changed, not written")
+                if (covered and patches[0].indices is None and mode != "observed"
+                        and views[0][0][1].itemsize >= dtype.itemsize):
+                    assert torch.equal(w, touched[n]), (seed, mode, n, views)
+                    seen["reinterpreted, written exactly"] += 1
+        seen["reinterpreted " + mode] += 1
+        return
     # (a broadcast source's row keeps the source's own strides, by design:
     # test_inspect.py's test_a_broadcast_copy_names_the_checkpoint_region_it_read_...;
     # the oracle replays only sources of the row's shape)
@@ -329,6 +388,18 @@ def test_copies_across_runtime_tensors_of_one_buffer_agree_with_brute_force(bloc
     for seed in range(block * 400, block * 400 + 400):
         _run(seed, seen)
     print(dict(seen))
+
+
+@pytest.mark.parametrize("block", range(2))
+def test_copies_through_views_of_another_dtype_across_runtime_tensors(block):
+    # The buffer's bytes written as another dtype (a float32 view of bfloat16
+    # parameters, cut at an odd element: a float32 element holds parts of two), through
+    # contiguous, strided, 2-d and transposed views
+    seen = collections.Counter()
+    for seed in range(10**5 + block * 400, 10**5 + block * 400 + 400):
+        _run(seed, seen, reinterpret=True)
+    print(dict(seen))
+    assert seen["reinterpreted transactional"] > 50 and seen["refused"] > 10, seen
 
 
 # -- casts and clones of strided views of a patch, read through views of their own --------

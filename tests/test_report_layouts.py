@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from test_inspect import vllm_style_loader
 from test_report_oracle import check, logged_load, snapshot
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -934,3 +935,190 @@ def test_a_sparse_copy_whose_elements_straddle_two_runtime_tensors_is_refused(ho
     assert (e.value.reason, e.value.value, e.value.name) == ("straddling view", ("p0", "p1"),
                                                              "x")
     assert torch.equal(m.flat.view(torch.int16), before.view(torch.int16))
+
+
+class _StraddledStrided(_Straddled):
+    """:class:`_Straddled` with a loader that copies through ``view`` of the buffer's
+    float32 view (p0 = bfloat16 elements 0-2, p1 = 3-15)."""
+
+    def __init__(self, view, fail=False):
+        super().__init__(fail)
+        self.view = view
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.view(self.flat.view(torch.float32)).copy_(w)
+        if self.fail:
+            raise RuntimeError("late")
+        return {n for n, _ in weights}
+
+
+class _StraddledThree(_StraddledStrided):
+    """Three bfloat16 parameters of one flat buffer, p0 = 0-2, p1 = 3-8, p2 = 9-15: a
+    float32 view's elements 1 and 4 each hold two tensors' elements."""
+
+    def __init__(self, view, fail=False):
+        torch.nn.Module.__init__(self)
+        self.flat = torch.zeros(16, dtype=torch.bfloat16)
+        self.p0 = torch.nn.Parameter(self.flat[0:3], requires_grad=False)
+        self.p1 = torch.nn.Parameter(self.flat[3:9], requires_grad=False)
+        self.p2 = torch.nn.Parameter(self.flat[9:16], requires_grad=False)
+        self.fail, self.view = fail, view
+
+
+# name -> (model class, view of the float32 buffer, its shape)
+STRIDED_STRADDLES = {
+    "every other element": (_StraddledStrided, lambda f: f[1:8:2], (4,)),
+    "a column slice of a matrix": (_StraddledStrided, lambda f: f.view(4, 2)[:, 1:], (4, 1)),
+    "a transposed matrix": (_StraddledStrided, lambda f: f[:6].view(3, 2).t(), (2, 3)),
+    "straddling at two places": (_StraddledThree, lambda f: f[1:8:3], (3,)),
+    "columns straddling at two places": (_StraddledThree, lambda f: f.view(4, 2)[:3, 1:],
+                                         (3, 1)),
+}
+
+
+def _touched_bf16(view, model):
+    """Each parameter's elements that a byte of ``view`` of the float32 buffer lies in."""
+    probe = torch.zeros(16, dtype=torch.bfloat16)
+    view(probe.view(torch.float32)).view(torch.int32).fill_(-1)
+    hit = probe.view(torch.int16) != 0
+    return {n: hit[t.storage_offset():t.storage_offset() + t.numel()]
+            for n, t in model.named_parameters()}
+
+
+@pytest.mark.parametrize("how", list(STRIDED_STRADDLES))
+@pytest.mark.parametrize("mode", ["inspect", "observed"])
+def test_a_dense_copy_through_a_strided_straddling_view_is_rows_for_each_tensor(how, mode):
+    # Before, a strided view whose element holds two tensors' elements was recorded for
+    # the tensor it starts in only: deltas missed the others' changes (the contiguous
+    # view's fix, _straddled, stopped at views that are not contiguous)
+    cls, view, shape = STRIDED_STRADDLES[how]
+    m = cls(view)
+    before = {n: t.detach().clone() for n, t in m.named_parameters()}
+    p = CheckpointWeightPatch("x", shape, torch.float32,  # (both halves of each change)
+                              torch.arange(1.0, math.prod(shape) + 1) + 1 / 3)
+    if mode == "observed":
+        r = patchkit.inspect_load(m, [p], loader=vllm_style_loader)
+    else:
+        r = patchkit.inspect_load(m, [p])
+    changed = {n: int((bits(t.detach()) != bits(before[n])).sum())
+               for n, t in m.named_parameters()}
+    touched = _touched_bf16(view, m)
+    assert all(changed.values())
+    assert r.deltas["changed"].to_dict() == changed
+    assert r.deltas["elements"].to_dict() == {n: int(t.sum()) for n, t in touched.items()}
+    for n, t in touched.items():
+        assert torch.equal(r.written(n), t), n
+        assert torch.equal(bits(r.before(n)), bits(before[n])), n
+    assert set(r.writes["target"]) == set(changed)
+
+
+@pytest.mark.parametrize("how", list(STRIDED_STRADDLES))
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_a_failed_transactional_load_restores_each_tensor_a_strided_straddling_copy_wrote(
+        how, sparse):
+    # Before, only the first tensor's part was saved: the others kept the copy's values
+    # after the rollback (a sparse copy is refused before it writes: restored as well)
+    cls, view, shape = STRIDED_STRADDLES[how]
+    m = cls(view, fail=True)
+    before = m.flat.clone()
+    n = math.prod(shape)
+    p = (CheckpointWeightPatch("x", shape, torch.float32, torch.arange(1.0, n + 1),
+                               torch.arange(n)) if sparse
+         else CheckpointWeightPatch("x", shape, torch.float32, torch.arange(1.0, n + 1)))
+    with pytest.raises((RuntimeError, patchkit.ContractViolation)):
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(m.flat.view(torch.int16), before.view(torch.int16))
+
+
+@pytest.mark.parametrize("how", list(STRIDED_STRADDLES))
+@pytest.mark.parametrize("mode", ["plain", "inspect", "transactional"])
+def test_a_sparse_copy_through_a_strided_straddling_view_is_refused(how, mode):
+    # Before, it loaded without a word (the contiguous one is refused), its writes
+    # into the tensors after the first neither saved nor recorded
+    cls, view, shape = STRIDED_STRADDLES[how]
+    m = cls(view)
+    before = m.flat.clone()
+    p = CheckpointWeightPatch("x", shape, torch.float32, torch.tensor([7.0, 9.0]),
+                              torch.tensor([0, math.prod(shape) - 1]))
+    with pytest.raises(patchkit.ContractViolation) as e:
+        if mode == "inspect":
+            patchkit.inspect_load(m, [p])
+        else:
+            patchkit.load_checkpoint_weight_patches(m, [p], transactional=mode != "plain")
+    assert (e.value.reason, e.value.value[0], e.value.name) == ("straddling view", "p0", "x")
+    assert torch.equal(m.flat.view(torch.int16), before.view(torch.int16))
+
+
+class _PastTheTensors(torch.nn.Module):
+    """float16 p0 = elements 0-19 and p1 = 20-21 of a buffer of 26, and a loader that
+    copies through its int32 view's elements 2-12: from p0, over all of p1, into the
+    buffer's own tail (no tensor's), no element holding two tensors' parts."""
+
+    def __init__(self, fail=False):
+        super().__init__()
+        self.flat = torch.zeros(26, dtype=torch.float16)
+        self.p0 = torch.nn.Parameter(self.flat[0:20], requires_grad=False)
+        self.p1 = torch.nn.Parameter(self.flat[20:22], requires_grad=False)
+        self.fail = fail
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.flat.view(torch.int32)[2:13].copy_(w)
+        if self.fail:
+            raise RuntimeError("late")
+        return {n for n, _ in weights}
+
+
+def test_a_copy_of_another_dtype_past_two_tensors_into_the_buffer_is_saved_for_both():
+    # Before (the fuzz's reinterpreting views found it), it was saved and recorded in
+    # p0's elements only, where the cut into pieces failed (the tail is no tensor's):
+    # p1 was missing from deltas, and a failed transactional load left p1 as written
+    p = CheckpointWeightPatch("x", (11,), torch.float32, torch.arange(1.0, 12.0))
+    m = _PastTheTensors()
+    r = patchkit.inspect_load(m, [p])
+    assert r.deltas["changed"].to_dict() == {"p0": 8, "p1": 1}
+    assert r.deltas["elements"].to_dict() == {"p0": 16, "p1": 2}
+    m = _PastTheTensors(fail=True)
+    before = m.flat.clone()
+    with pytest.raises(RuntimeError, match="late"):
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(m.flat[:22].view(torch.int16), before[:22].view(torch.int16))
+
+
+class _WideView(torch.nn.Module):
+    """A bfloat16 parameter of 8 written through its float32 view (two of its elements
+    to one of the view's)."""
+
+    def __init__(self, fail=False):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.p = torch.nn.Parameter(torch.randn(8, generator=g).to(torch.bfloat16),
+                                    requires_grad=False)
+        self.fail = fail
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.p.data.view(torch.float32).copy_(w)
+        if self.fail:
+            raise RuntimeError("late")
+        return {n for n, _ in weights}
+
+
+def test_a_sparse_merge_through_a_wider_view_saves_both_halves_of_each_element():
+    # Before, the merge saved only the first bfloat16 element of each float32 it wrote:
+    # deltas counted 2 elements of 4 changed, and a rollback left the other halves
+    p = CheckpointWeightPatch("p", (4,), torch.float32, torch.tensor([5.0, 7.0]),
+                              torch.tensor([0, 2]))
+    m = _WideView()
+    start = m.p.detach().clone()
+    r = patchkit.inspect_load(m, [p])
+    changed = bits(m.p.detach()) != bits(start)
+    assert int(changed.sum()) == 4
+    assert (r.writes["written"].tolist(), r.deltas.loc["p", "elements"]) == ([4], 4)
+    assert r.deltas.loc["p", "changed"] == 4
+    assert torch.equal(r.written("p"), torch.tensor([1, 1, 0, 0, 1, 1, 0, 0]).bool())
+    m = _WideView(fail=True)
+    with pytest.raises(RuntimeError, match="late"):
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(bits(m.p.detach()), bits(start))
