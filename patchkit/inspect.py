@@ -1499,7 +1499,10 @@ def inspect_load(
       the updates it carried are lost. So is a copy from a patch's bytes read as other
       numbers than they hold (``w.view(torch.int32).float()``, bytes moved by no whole
       number of elements), whose staged NaN the merge writes as numbers
-      (``reason="reinterpreted source"``, as patchkit's own sparse call refuses it).
+      (``reason="reinterpreted source"``, as patchkit's own sparse call refuses it), and
+      a copy from data whose NaN an op made numbers of (``w.nan_to_num()``), which the
+      merge writes where the patch keeps with other bits than the model holds there
+      (``reason="replaced NaN marks"``).
 
     Failures: if the load raises, the exception propagates unchanged with the partial
     report attached as ``exc.report`` (the writes made so far stay, unless

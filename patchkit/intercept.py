@@ -1927,6 +1927,18 @@ class _Source(NamedTuple):
     # (``w.abs()``, ``w * 2.0``, :data:`_NAN_KEEPING`), from staged data at a known place
     # or such data. Not set where an op wrote it in place since (``buf.nan_to_num_()``).
     nan_kept: bool = False
+    # in a sparse call: ``(position, name, op, at)`` where these floating-point bytes are
+    # data that an op which may make a number of a NaN (``op``: ``nan_to_num``, ``fmax``,
+    # a ``where`` or ``masked_fill`` whose condition comes from patches' data, a put at
+    # places it does: :func:`_replaces_nan`) made from that patch's data, or anything
+    # made from such data since: the staged NaN, "keep", may be numbers here, which a
+    # NaN-merge writes (see :meth:`WriteSession._refuse_replaced`). ``at``: which of
+    # the stretch's elements hold a patch's "keep" (NaN before the op, or a number made
+    # of one), as ``(mask, first, size)``: a flat boolean mask over the storage's
+    # elements of ``size`` bytes from element ``first`` on, which a view of the stretch
+    # reads with its own strides (:func:`_keep_in`); ``None`` where not known (after an
+    # op that mixes elements: ``w.nan_to_num() @ h``)
+    replaced: tuple[int | None, str | None, str, tuple | None] | None = None
 
 
 def _unchanged(e: _Source) -> bool:
@@ -2024,6 +2036,9 @@ class _Provenance:
         # looks for none)
         self.mixing = False
         self.mixed_seen = False
+        # whether any stretch holds data an op may have made numbers of its NaN in (see
+        # :attr:`_Source.replaced`; else a sparse write compares none)
+        self.replaced_seen = False
         # the storages whose stretches include one an op made (that may expire)
         self._weak: set[tuple] = set()
         # the staged tensors of the call that ended last (storage key, weak reference to
@@ -2038,6 +2053,7 @@ class _Provenance:
         self._by_key.clear()
         self._weak.clear()
         self.mixed_seen = False
+        self.replaced_seen = False
 
     def keep_past_call(self, keys: Sequence[tuple | None], staged: Sequence[tuple[str, Any]]
                        ) -> None:
@@ -2089,6 +2105,8 @@ class _Provenance:
         patches in one bucket pays O(log n) a patch, not O(n)."""
         if src.mixed is not None:
             self.mixed_seen = True
+        if src.replaced is not None:
+            self.replaced_seen = True
         got = self._by_key.get(key)
         if got is None:
             self._by_key[key] = [src]
@@ -2216,7 +2234,8 @@ class _Provenance:
                                     hit.exact and whole and misread is None,
                                     _weak_storage(out), _bits_dtype(hit, src, out), misread,
                                     None if hit.mixed is None else _mixed_for(out, hit.mixed),
-                                    _carried_shift(hit, src, out)))
+                                    _carried_shift(hit, src, out),
+                                    replaced=_carried_replaced(hit, src, out)))
             return True
         box = None
         if (whole and hit is not None and hit.name is not None and hit.misread is None
@@ -2242,7 +2261,8 @@ class _Provenance:
                 _bits_dtype(hit, src, out), None,
                 None if hit.mixed is None else _mixed_for(out, hit.mixed),
                 layout=(box[0], tuple(src.shape), box[1], tuple(out.stride()),
-                        out.storage_offset()), nan_kept=_unchanged(hit)))
+                        out.storage_offset()), nan_kept=_unchanged(hit),
+                replaced=_carried_replaced(hit, src, out)))
             return True
         found = self.stretches(src) if self._by_key else []
         if follow and found:
@@ -2264,7 +2284,8 @@ class _Provenance:
                     _carried_base(e, src, out), e.exact and whole and misread is None,
                     ref, _bits_dtype(e, src, out), misread,
                     None if e.mixed is None else _mixed_for(out, e.mixed),
-                    _carried_shift(e, src, out), nan_kept=misread is None and _unchanged(e)))
+                    _carried_shift(e, src, out), nan_kept=misread is None and _unchanged(e),
+                    replaced=_carried_replaced(e, src, out)))
             return True
         if not whole:
             # A copy into a tensor of the loader's own (a scratch buffer) that cannot be
@@ -2325,6 +2346,14 @@ class _Provenance:
         for a in args:  # an op that hands back its input: no new data
             if isinstance(a, torch.Tensor) and _storage_key(a) == okey:
                 return
+        if self.mixing and func is not None and _makes_anew(func):
+            # (``torch.zeros_like(w)``: a tensor of the loader's own, none of w's numbers;
+            # in a sparse call, no element of it keeps: where it replaces a NaN,
+            # ``torch.where(w.isnan(), torch.zeros_like(w), w)``, the constant is the
+            # loader's)
+            if okey in self._by_key:
+                self._forget(okey, *_byte_span(out))
+            return
         found = self._traced_data((*args, *kwargs.values()) if kwargs else args)
         if found:
             kept = False  # (whether no NaN of the patches' data is replaced in out)
@@ -2333,11 +2362,13 @@ class _Provenance:
                     kept = self._all_unchanged(args)
                 elif _keeps_nan(func):
                     kept = _traced_unchanged(found)
+            floating = out.is_floating_point() or out.is_complex()
             self._moved_into(out, found, self.mixed_by(func, found, args, kwargs or {},
                                                        out.numel())
-                             if func is not None and self.mixing
-                             and (out.is_floating_point() or out.is_complex()) else None,
-                             nan_kept=kept)
+                             if func is not None and self.mixing and floating else None,
+                             nan_kept=kept,
+                             replaced=self._replaced_by(func, args, kwargs or {}, found, out)
+                             if self.mixing and floating else None)
 
     def _all_unchanged(self, args: Sequence[Any]) -> bool:
         """Whether every floating-point tensor among ``args`` (lists of tensors too) lies
@@ -2357,6 +2388,166 @@ class _Provenance:
                     return False
                 seen = True
         return seen
+
+    def _replaced_by(self, func: Any, args: Sequence[Any], kwargs: dict,
+                     found: list[tuple[torch.Tensor, _Source]], out: torch.Tensor
+                     ) -> tuple[int | None, str | None, str, tuple | None] | None:
+        """What :attr:`_Source.replaced` says of ``out``, the floating-point result of op
+        ``func`` (``None``: a copy or cast) of ``args`` and ``kwargs`` in a sparse call,
+        whose inputs traced to patches' data are ``found`` (each with a stretch it
+        reaches): carried from an input that says one, or made by ``func`` where it may
+        make a number of a NaN of a patch that may hold NaN (:meth:`_replacing`);
+        ``None`` otherwise. Which of its elements keep: :meth:`_keep_made`."""
+        got = (next((e.replaced for _, e in found if e.replaced is not None), None)
+               if self.replaced_seen else None)
+        if got is None:
+            if func is None or not _replaces_nan(func):
+                return None  # (most ops: no search)
+            who = self._replacing(func, _inputs(func, args, kwargs), found)
+            if who is None:
+                return None
+            got = (*who, _op_name(func), None)
+        keep = self._keep_made(func, args, kwargs, out)
+        return (*got[:3], None if keep is None else _keep_at(keep, out))
+
+    def _replacing(self, func: Any, inputs: Sequence[Any],
+                   found: list[tuple[torch.Tensor, _Source]]
+                   ) -> tuple[int | None, str | None] | None:
+        """``(position, name)`` of the patch whose NaN op ``func`` may make numbers of,
+        reading ``inputs`` (``found``: those traced to patches' data, with a stretch
+        each): a floating-point one of a patch not sent whole (``None, None``: of data of
+        several patches), where ``func`` is one of :func:`_replaces_nan` (a pick or put
+        only where its condition, mask or index is traced to patches' data); else
+        ``None``."""
+        kind = _replaces_nan(func)
+        if not kind:
+            return None
+        if kind is _SELECTS and not any(
+                not (t.is_floating_point() or t.is_complex()) for t, _ in self._traced(inputs)):
+            return None  # (a mask of the loader's own picks, as a move does)
+        for t, e in found:
+            if (t.is_floating_point() or t.is_complex()) and e.mixed is None and (
+                    e.name is None or not self.sent_whole(e.position, e.name)):
+                return e.position, e.name
+        return None
+
+    def _keep_of(self, t: Any) -> torch.Tensor | bool | None:
+        """Which elements of ``t``, an input of an op, hold a patch's "keep": where it
+        is data an op made numbers of NaN in, the stretch's mask (:func:`_keep_in`);
+        other patches' data, its NaN; ``None`` where it holds no patch's data (a tensor
+        of the loader's or the model's own, a number); ``False`` where not known."""
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+            return None
+        hits = self.stretches(t) if t.numel() else []
+        if not hits:
+            return None
+        if all(e.replaced is None for e in hits):
+            return False if t.is_meta else nan_mask(t.detach())
+        got = _keep_in(hits[0], t) if len(hits) == 1 else None
+        return False if got is None else got
+
+    def _keep_made(self, func: Any, args: Sequence[Any], kwargs: dict, out: torch.Tensor
+                   ) -> torch.Tensor | None:
+        """Which elements of ``out`` hold a patch's "keep", ``out`` made (or, in place,
+        about to be written: read before) by ``func`` of ``args`` and ``kwargs``: an
+        element-wise op's, where an input's element at that place does (broadcast; a
+        ``where``'s too: ``torch.where(w.isnan(), param, w)`` holds ``param``'s values
+        where ``w`` keeps); a move's (``flip``, ``cat``, indexing), the same move of its
+        inputs' masks; a put's, its destination's (all of one of the loader's own, which
+        holds no update), with the value's where it puts a patch's data. ``None``: not
+        known (a matmul's, a reduction's), or ``func`` is none of these. An element
+        made of several patches' elements keeps where all of them keep (where one
+        updates, the merge should write it: ``buf.nan_to_num_().mul_(0.0).add_(b)``
+        holds b's updates where a kept); the pairing check sees the others
+        (:meth:`_paired`). An input whose mask is not known constrains none (a scale
+        made of them, ``w / w.nan_to_num().abs().amax()``), unless all are such."""
+        if func is None or out.is_meta or not out.numel():
+            return None
+        try:
+            if func in _PUT_VALUES:
+                dest = self._keep_of(args[0] if args else None)
+                if dest is False:
+                    return None
+                keep = (torch.ones(out.shape, dtype=torch.bool, device=out.device)
+                        if dest is None else dest.to(out.device).expand(out.shape).clone())
+                value = _arg(func, args, kwargs, _PUT_VALUES[func])
+                put = self._keep_of(value)
+                if put is False:
+                    return None
+                if put is not None:
+                    _put_again(func, args, kwargs)(keep, put.to(out.device))
+                return keep
+            if _element_wise(func):
+                keep, unknown = None, False
+                for t in _inputs(func, args, kwargs):
+                    got = self._keep_of(t)
+                    if got is False:
+                        unknown = True
+                    elif got is not None:
+                        got = got.to(out.device)
+                        keep = got if keep is None else keep & got
+                if keep is None:
+                    return None if unknown else torch.zeros(
+                        out.shape, dtype=torch.bool, device=out.device)
+                return keep.expand(out.shape)
+            if func in _MOVES:
+                first = args[0]
+                ins = list(first) if isinstance(first, list | tuple) else [first]
+                masks = []
+                for t in ins:
+                    got = self._keep_of(t)
+                    if got is False:
+                        return None
+                    masks.append(torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+                                 if got is None else got)
+                return func(masks if isinstance(first, list | tuple) else masks[0],
+                            *args[1:], **kwargs).to(out.device)
+        except (RuntimeError, TypeError, IndexError, ValueError):
+            return None  # (an op the masks cannot replay: not known)
+        return None
+
+    def replacing_in_place(self, func: Any, args: Sequence[Any], kwargs: dict,
+                           written: Sequence[torch.Tensor]) -> list | None:
+        """Before op ``func`` writes ``written`` (tensors of the loader's own, or staged
+        ones) in place or as its ``out=``, in a sparse call: ``(tensor, replaced)`` for
+        each floating-point one of them, where ``func`` may make a number of a NaN of a
+        patch's data among its inputs (see :meth:`_replacing`; ``buf.nan_to_num_()``,
+        ``w.masked_fill_(w.isnan(), 0.0)``, ``w[w.isnan()] = 0.0``), or an input holds
+        such data already (``buf.mul_(2.0)`` of one), each with which of its elements
+        keep (:meth:`_keep_made`) read now; ``None`` where neither. Handed to
+        :meth:`replaced_in_place` once the op has run."""
+        if not self.replaced_seen and not _replaces_nan(func):
+            return None  # (``buf.mul_(2.0)`` before any such op: no search)
+        inputs = _inputs(func, args, kwargs)
+        found = self._traced_data(inputs)
+        got = next((e.replaced for _, e in found if e.replaced is not None), None)
+        if got is None:
+            if not _replaces_nan(func):
+                return None
+            who = self._replacing(func, inputs, found)
+            if who is None:
+                return None
+            got = (*who, _op_name(func), None)
+        out = []
+        for t in written:
+            if t.is_floating_point() or t.is_complex():
+                keep = self._keep_made(func, args, kwargs, t)
+                out.append((t, (*got[:3], None if keep is None else _keep_at(keep, t))))
+        return out
+
+    def replaced_in_place(self, marks: list) -> None:
+        """Each tensor of ``marks`` (from :meth:`replacing_in_place`) holds, from now on,
+        data whose NaN an op may have made numbers of: its stretches say so (with which
+        of its elements keep, read before the op)."""
+        for t, r in marks:
+            key = _storage_key(t)
+            got = self._by_key.get(key)
+            if not got:
+                continue
+            lo, hi = _byte_span(t)
+            self._by_key[key] = [e._replace(replaced=r) if e.lo < hi and lo < e.hi
+                                 and e.mixed is None else e for e in got]
+            self.replaced_seen = True
 
     def mixed_by(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
                  args: Sequence[Any], kwargs: dict, size: int
@@ -2571,7 +2762,7 @@ class _Provenance:
 
     def _moved_into(self, out: torch.Tensor, found: list[tuple[torch.Tensor, _Source]],
                     mixed: tuple[int | None, str | None, str] | None = None,
-                    nan_kept: bool = False) -> None:
+                    nan_kept: bool = False, replaced: tuple | None = None) -> None:
         """``out``'s bytes hold, from now on, the data of the stretches in ``found`` (each
         with the tensor that read it), at offsets nobody knows: one patch's, named, or
         several patches', kept for their dtype only (the first says what it is); none:
@@ -2580,7 +2771,10 @@ class _Provenance:
         Any of them misread (:attr:`_Source.misread`) makes all of it misread: a cat of a
         patch's own values and a cast of its bits read as another dtype holds no staged
         NaN in its second part. ``nan_kept``: no NaN of theirs was replaced in ``out``
-        (:attr:`_Source.nan_kept`)."""
+        (:attr:`_Source.nan_kept`). ``replaced``: what :attr:`_Source.replaced` says of
+        ``out``; ``None``: that of the first stretch of ``found`` that says one, where
+        ``out`` is floating-point (with no place: ``out`` holds it at offsets nobody
+        knows)."""
         okey = _storage_key(out)
         lo, hi = _byte_span(out)
         if not found:
@@ -2598,9 +2792,13 @@ class _Provenance:
             mixed = _mixed_for(out, mixed)
         misread = next((m for m in (_misread(e, a, out) for a, e in found) if m is not None),
                        None)
+        if replaced is None and (out.is_floating_point() or out.is_complex()):
+            replaced = next(((*e.replaced[:3], None) for _, e in found
+                             if e.replaced is not None), None)
         self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out),
                                 _bits_dtype(first, t, out), misread, mixed,
-                                nan_kept=nan_kept and misread is None and mixed is None))
+                                nan_kept=nan_kept and misread is None and mixed is None,
+                                replaced=replaced))
 
     def __bool__(self) -> bool:
         return bool(self._by_key)
@@ -3588,6 +3786,13 @@ _REARRANGES = frozenset({
 # Whether an op is one of :data:`_REARRANGES` (not in place)
 _rearranges = _functional_aten_in(_REARRANGES)
 
+# Whether an op makes a new tensor of none of its input's numbers, only of its shape and
+# dtype (ATen names, not in place)
+_makes_anew = _functional_aten_in(frozenset({
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+}))
+
 
 def _place_in_stretch(t: torch.Tensor, e: _Source) -> tuple | None:
     """Which stretch of a patch's data, at no known place in the patch (``e``, made by an
@@ -3600,6 +3805,111 @@ def _place_in_stretch(t: torch.Tensor, e: _Source) -> tuple | None:
     if not _inside(t, e):
         return None
     return _storage_key(t), e.lo
+
+
+# Picks and puts (ATen names, as for ``_KEEPS_ELEMENTS``) whose result takes each
+# element from one of their inputs, unchanged, at places a condition, mask or index
+# says: they make a number of a patch's NaN only where that condition comes from the
+# patch's data (``torch.where(w.isnan(), 0.0, w)``, ``w[w.isnan()] = 0.0``); one of the
+# loader's own picks as a move does (``torch.where(mask, w, old)``)
+_SELECTING = frozenset({
+    "where", "masked_fill", "index_put", "_index_put_impl", "masked_scatter", "index_copy",
+    "index_fill", "scatter", "put", "index_add", "index_reduce", "scatter_add",
+    "scatter_reduce",
+})
+
+# What :func:`_replaces_nan` says of a pick or put of ``_SELECTING``
+_SELECTS = "selects"
+
+_REPLACES: dict = {}
+
+
+def _replaces_nan(func: Any) -> bool | str:
+    """Whether op ``func`` may make a number of a NaN of its floating-point input, so that
+    a sparse patch's "keep" mark reaches the copy as a number the NaN-merge writes: an
+    element-wise op (:func:`_element_wise`, in place too) that is not one of
+    :data:`_NAN_KEEPING` nor a copy or cast (``nan_to_num``, ``fmax``, ``pow``,
+    ``heaviside``, ``dropout``); ``_SELECTS`` for a pick or put of :data:`_SELECTING`
+    (which does only where the condition, mask or index it picks by comes from patches'
+    data). Not a view, a move or a ``copy_``, a fill, an op that mixes elements (which
+    holds the NaN, or is refused for mixing them; what it makes of such data carries the
+    mark, :meth:`_Provenance._replaced_by`), nor a NaN-aware reduction (a statistic,
+    ``nansum``, which places no number at a kept element). Once per op."""
+    got = _REPLACES.get(func)
+    if got is None:
+        got = _REPLACES[func] = _replaces_nan_of(func)
+    return got
+
+
+def _replaces_nan_of(func: Any) -> bool | str:
+    name = func._schema.name
+    if _is_view(func) or func is _COPY or "::_foreach_" in name or not name.startswith(
+            "aten::"):
+        return False
+    base = _base_name(func)
+    if base in _SELECTING:
+        return _SELECTS
+    if base == "nan_to_num":
+        return True  # (element-wise, though one of _KEEPS_ELEMENTS for the mixing check)
+    return (_element_wise(func) and base not in _NAN_KEEPING and base not in _PICKS
+            and base not in _REARRANGES and base not in _KEEPS_ELEMENTS)
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """The index, in a tensor of ``shape``, of its row-major element ``flat``."""
+    at = []
+    for n in reversed(shape):
+        at.append(flat % n)
+        flat //= n
+    return tuple(reversed(at))
+
+
+def _keep_at(keep: torch.Tensor, out: torch.Tensor) -> tuple | None:
+    """The ``at`` of :attr:`_Source.replaced` for ``out``, whose elements that hold a
+    patch's "keep" are those of mask ``keep`` (broadcast to ``out``'s shape); ``None``
+    where ``out``'s elements overlap. A complex ``out``'s mask is of its parts (each part
+    of an element keeping as the element does), which its real views read."""
+    if out.is_complex():
+        return _keep_at(keep.to(out.device).expand(out.shape).unsqueeze(-1).expand(
+            *out.shape, 2), _parts(out))
+    span = 1 + sum((n - 1) * st for n, st in zip(out.shape, out.stride()))
+    flat = torch.zeros(span, dtype=torch.bool, device=out.device)
+    try:
+        flat.as_strided(out.shape, out.stride()).copy_(keep.to(out.device).expand(out.shape))
+    except RuntimeError:
+        return None
+    return flat, out.storage_offset(), out.element_size()
+
+
+def _keep_in(e: _Source, t: torch.Tensor) -> torch.Tensor | None:
+    """Which elements of ``t``, a view of stretch ``e``'s bytes, hold a patch's "keep"
+    (:attr:`_Source.replaced`), shaped like ``t``; ``None`` where not known (nor where
+    ``t`` reads them as another element size or reaches past them)."""
+    at = e.replaced[3] if e.replaced is not None else None
+    if at is not None and t.is_complex() and t.element_size() == 2 * at[2]:
+        got = _keep_in(e, _parts(t))  # (an element keeps where its parts do)
+        return None if got is None else got.all(-1)
+    if at is None or t.element_size() != at[2] or not _inside(t, e):
+        return None
+    off = t.storage_offset() - at[1]
+    if off < 0:
+        return None
+    try:
+        return at[0].as_strided(t.shape, t.stride(), off)
+    except RuntimeError:
+        return None  # (past the mask's end)
+
+
+def _carried_replaced(e: _Source, src: torch.Tensor, out: torch.Tensor) -> tuple | None:
+    """:attr:`_Source.replaced` of what ``out``, an element-for-element copy of ``src``
+    (of stretch ``e``), holds: ``e``'s, with ``out``'s mask of the elements that keep."""
+    r = e.replaced
+    if r is None or not (out.is_floating_point() or out.is_complex()):
+        return None
+    keep = _keep_in(e, src)
+    if keep is not None and keep.shape != out.shape:
+        keep = keep.reshape(out.shape) if keep.numel() == out.numel() else None
+    return (*r[:3], None if keep is None or out.is_meta else _keep_at(keep, out))
 
 
 def _mixes_elements(func: Any) -> bool | str:
@@ -4012,6 +4322,11 @@ class _Mode(TorchDispatchMode):
             mixed = (s.provenance.mixed_in_place(func, args, kwargs)
                      if s.provenance.mixing and func is not _COPY and others
                      and s.provenance else None)
+            # (an op that may make numbers of a patch's NaN in place, ``w.nan_to_num_()``:
+            # which tensors it writes, and where they lie, read before it runs)
+            replacing = (s.provenance.replacing_in_place(func, args, kwargs, others)
+                         if s.provenance.mixing and func is not _COPY and others
+                         and s.provenance else None)
             out = func(*args, **kwargs)
             if s.track_sources:
                 for t in others:  # a staged tensor (or a copy of one) written in place
@@ -4031,6 +4346,8 @@ class _Mode(TorchDispatchMode):
                         s.provenance.written_from(t, args, kwargs)
                         if mixed is not None:
                             s.provenance.mix(t, mixed)
+                if replacing:
+                    s.provenance.replaced_in_place(replacing)
             if s._sparse and (s.lost or (func is _COPY
                                          and _casts_lose_numbers(args[0].dtype))
                               or (func is _FOREACH_COPY and any(
@@ -5262,6 +5579,8 @@ class WriteSession:
             self._note_reinterpreted(args[1], targets[0][1][0])
             if self.provenance.mixed_seen:
                 self._note_mixed(args[1], targets[0][1][0])
+            if self.provenance.replaced_seen:
+                self._note_replaced(args[1], args[0], targets[0][1][0])
         if self._sparse:
             dest, src = args[0], args[1]
             # (a cast that changes nothing, most loaders' copies, is no torch call)
@@ -5778,6 +6097,8 @@ class WriteSession:
         self._refuse_reinterpreted(src, pos, name, tname)
         if self.provenance.mixed_seen:
             self._refuse_mixed(src, pos, name, tname)
+        if self.provenance.replaced_seen:
+            self._refuse_replaced(src, dest, pos, name, tname)
         self._refuse_lost_numbers(src, dest.dtype, pos, name, tname)
         if self.lost:
             self._refuse_marked(src, dest.dtype, pos, name, tname)
@@ -5828,6 +6149,98 @@ class WriteSession:
             f"{self._no_source_note(name, tname)}",
             position=pos, name=name, reason="mixed elements", value=op,
         )
+
+    def _replaced_loss(self, src: Any, dest: torch.Tensor) -> tuple | None:
+        """Where a copy from ``src`` into ``dest`` (same shapes), whose data an op may
+        have made numbers of a patch's NaN in (:attr:`_Source.replaced`), would write a
+        number the NaN-merge takes over an element the patch keeps with other bits than
+        it holds: ``(position, name, op, what)`` (the patch whose NaN, the op, and what
+        it would write, as a message says it), or ``None``: where that patch keeps, the
+        source is NaN or the runtime tensor's own bits (a loader that merges on purpose,
+        ``torch.where(w.isnan(), param, w)``). Where the stretch says which of the
+        source's elements keep (:func:`_keep_in`), those are compared; elsewhere (after
+        a matmul of such data, or a source of several stretches) any element it changes
+        may be one: refused unless it changes none. Read only for such sources, once
+        each (one host wait on a GPU)."""
+        if (not isinstance(src, torch.Tensor) or src.is_meta or dest.is_meta
+                or not src.numel() or src.shape != dest.shape):
+            return None
+        hits = self.provenance.stretches(src)
+        rep = next((e.replaced for e in hits if e.replaced is not None), None)
+        if rep is None:
+            return None
+        rpos, rname, op, _ = rep
+        cast = src.to(device=dest.device, dtype=dest.dtype)  # (what the merge reads)
+        changed = nan_mask(cast).logical_not_()
+        changed &= bits(cast) != bits(dest)
+        keep = _keep_in(hits[0], src) if len(hits) == 1 else None
+        if keep is None:
+            # (which elements keep is not followed here: the op's result was mixed, a
+            # matmul of it, or copied where its elements cannot be followed)
+            n = int(count_true(changed))  # (the one host wait)
+            if not n:
+                return None
+            flat = int(torch.nonzero(changed.reshape(-1))[0])
+            return rpos, rname, op, (
+                f"which of its elements the patch keeps is not known at this copy (an op "
+                f"after {op} mixed them, as a matmul does, or moved them where they were "
+                f"not followed), and it changes {n} elements of the runtime tensor (its "
+                f"element {_unravel(flat, src.shape)} holds "
+                f"{float(cast.reshape(-1)[flat])!r} where the runtime tensor holds "
+                f"{float(dest.reshape(-1)[flat])!r}), any of which may be one it keeps")
+        lost = changed & keep.to(dest.device)
+        if not bool(lost.any()):  # (the one host wait)
+            return None
+        flat = int(torch.nonzero(lost.reshape(-1))[0])
+        return rpos, rname, op, (
+            f"its element {_unravel(flat, src.shape)}, which the patch keeps, holds "
+            f"{float(cast.reshape(-1)[flat])!r} where the runtime tensor holds "
+            f"{float(dest.reshape(-1)[flat])!r}")
+
+    def _refuse_replaced(self, src: torch.Tensor, dest: torch.Tensor, pos: int | None,
+                         name: str | None, tname: str) -> None:
+        """A sparse copy from ``src`` into ``dest`` refused before it writes where an op
+        made numbers of a patch's NaN, its "keep" marks, on the way (``w.nan_to_num()``,
+        ``torch.where(w.isnan(), 0.0, w)``) and the NaN-merge would write one over an
+        element the patch keeps (see :meth:`_replaced_loss`)."""
+        got = self._replaced_loss(src, dest)
+        if got is None:
+            return
+        rpos, rname, op, what = got
+        if rname is not None:
+            pos, name = rpos, rname
+        made = _mixed_from(rpos, rname)
+        raise ContractViolation(
+            f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} {src.dtype} "
+            f"source made from {made} by {op}, an op that may make a number of a NaN, a "
+            "sparse patch's 'keep' mark (the source is that op's result, or was computed "
+            f"from it), and the NaN-merge would write numbers where the patch keeps: {what}. "
+            "Those elements would be lost without a word (vLLM writes them). A loader that "
+            "merges on purpose writes the runtime value there (torch.where(w.isnan(), "
+            "param, w)); else let the NaN reach the copy_, or send this weight dense. This "
+            f"copy wrote nothing{self._no_source_note(name, tname)}",
+            position=pos, name=name, reason="replaced NaN marks", value=op,
+        )
+
+    def _note_replaced(self, src: Any, dest: torch.Tensor, tname: str) -> None:
+        """An observed copy into runtime tensor ``tname`` from ``src``, data whose NaN an
+        op made numbers of on the way, that would write one over an element the patch
+        keeps (:meth:`_replaced_loss`, read before the write), is recorded in
+        :attr:`violations` (what a sparse call of patchkit's own refuses,
+        :meth:`_refuse_replaced`)."""
+        got = self._replaced_loss(src, dest)
+        if got is None:
+            return
+        pos, name, op, what = got
+        self.violations.append(ContractViolation(
+            f"load_weights (call {self._chunk}, {where(pos, name)}, runtime tensor "
+            f"{quoted(tname)}) copied data that {op}, an op that may make a number of a "
+            f"NaN, made from {_mixed_from(pos, name)} while it held NaN, a sparse patch's "
+            f"'keep' marks, so the observed loader's NaN-merge wrote numbers where the "
+            f"patch keeps: {what}. Those elements are lost; a loader that merges on "
+            "purpose writes the runtime value there, else send this weight dense",
+            position=pos, name=name, reason="replaced NaN marks", value=op,
+        ))
 
     def _write_at(self, pos: int | None, name: str | None, tname: str) -> str:
         """Where a refused sparse write happened, as its message begins: the call, the

@@ -131,7 +131,14 @@ def load_checkpoint_weight_patches(
        from a patch's data while that data held NaN, or that was computed from such a
        result, raises :class:`NotImplementedError` (reason
        ``"mixed elements"``, naming the op), writing nothing of that copy: the staged NaN
-       has spread over elements the patch updates. A call that rebinds a
+       has spread over elements the patch updates. So does a copy whose source an op that
+       may make a number of a NaN (``nan_to_num``, ``fmax``, a ``where``, ``masked_fill``
+       or index put by a condition taken from patches' data) made from a patch's data,
+       or that was computed from such a result, where at an element the patch keeps it
+       would write a number other than the runtime tensor's own bits (reason
+       ``"replaced NaN marks"``, naming the op): a merge on purpose,
+       ``torch.where(w.isnan(), param, w)``, writes those bits and loads. A call that
+       rebinds a
        runtime tensor (``param.data = w``), registers a new one in its place
        (``module.w = nn.Parameter(w)``, under any of a tied tensor's names) or registers
        one under a name the model did not have is caught when it returns: the original is
