@@ -5,10 +5,11 @@ runtime tensor's value) over two patches, ``a.w`` and ``b.w``, of one shape and 
 a move or an element-wise op of one input on each patch's data (or none), then an op of
 one family (moves and views, element-wise ops with one input, pairings of the same or
 of different elements, reductions, matmuls, sort and cumsum, a part of a
-``torch.complex``), then perhaps a move; and two sparse patches of varied densities
-(none, about 3 %, half, all) and index patterns made to line the NaN masks up (whole
-rows or columns, pairs of columns, symmetric places, the same indices in both patches),
-or a dense call. The model's runtime tensor starts as ``f(old)``, ``old`` the
+``torch.complex``, ops that replace the NaN marks with a number, merges that replace
+them with the runtime tensor's own values), then perhaps a move; and two sparse patches
+of varied densities (none, about 3 %, half, all) and index patterns made to line the NaN
+masks up (whole rows or columns, pairs of columns, symmetric places, the same indices
+in both patches), or a dense call. The model's runtime tensor starts as ``f(old)``, ``old`` the
 full checkpoint it was loaded from by the same loader; the right result of the sparse
 load is then ``f(new)``, ``new`` the old checkpoint with the patches' values put in.
 
@@ -47,7 +48,7 @@ SEEDS = range(1000)  # (about 3 ms a program on one CPU core)
 # plain NaN-merge is always right there, and docs/sparse-limits.md says they are let
 # through, so a refusal is a bug.
 _LET_THROUGH = frozenset({"move", "unary", "pair same", "reduce over a dim of 1",
-                          "complex part"})
+                          "complex part", "self-merge"})
 
 Fn = Callable[[dict, nn.Module], torch.Tensor]
 
@@ -196,6 +197,36 @@ def _main_op(family: str, r: random.Random, g: torch.Generator, rows: int, cols:
             "{x}.cumsum(1)": lambda x, y, m: x.cumsum(1),
             "{x}.cumsum(0)": lambda x, y, m: x.cumsum(0),
         }
+    elif family == "replace":
+        # the NaN marks made numbers before the copy (a constant where the patch keeps):
+        # the plain NaN-merge writes them (refused, reason 'replaced NaN marks')
+        c = r.choice([0.0, 1.0])
+        low = torch.full((rows, cols), -1e4).to(dtype)
+        h = torch.randn(cols, cols, generator=g).to(dtype)
+        choices = {
+            f"{{x}}.nan_to_num({c})": lambda x, y, m: x.nan_to_num(c),
+            f"torch.where({{x}}.isnan(), {c}, {{x}})": (
+                lambda x, y, m: torch.where(x.isnan(), c, x)),
+            f"{{x}}.masked_fill({{x}}.isnan(), {c})": (
+                lambda x, y, m: x.masked_fill(x.isnan(), c)),
+            "torch.fmax({x}, <loader's -1e4>)": lambda x, y, m: torch.fmax(x, _dev(low)),
+            f"v = {{x}}.clone(); v[v.isnan()] = {c}": lambda x, y, m: _put_where_nan(x, c),
+            "{x}.clone().nan_to_num_()": lambda x, y, m: x.clone().nan_to_num_(),
+            "{x}.nan_to_num() @ H": lambda x, y, m: x.nan_to_num() @ _dev(h),
+        }
+    elif family == "self-merge":
+        # the NaN marks replaced by the runtime tensor's own values (its post move is
+        # none: m.t is this op's result): the merge a loader may make on purpose
+        choices = {
+            "torch.where({x}.isnan(), m.t, {x})": (
+                lambda x, y, m: torch.where(x.isnan(), _runtime(m, x), x)),
+            "torch.where({x}.isnan(), m.t.clone(), {x})": (
+                lambda x, y, m: torch.where(x.isnan(), _runtime(m, x).clone(), x)),
+            "m.t.masked_scatter(~{x}.isnan(), {x}[~{x}.isnan()])": (
+                lambda x, y, m: _runtime(m, x).masked_scatter(~x.isnan(), x[~x.isnan()])),
+            "v = {x}.clone(); v[v.isnan()] = m.t[v.isnan()]": (
+                lambda x, y, m: _put_where_nan(x, _runtime(m, x))),
+        }
     else:  # complex part
         choices = {
             "torch.complex({x}, {y}).real": lambda x, y, m: torch.complex(x, y).real,
@@ -214,9 +245,26 @@ def _of_float32(op: Callable) -> Callable:
     return lambda x, y, m: op(x.float(), y.float(), m)
 
 
+def _runtime(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The runtime tensor ``m.t`` (while the model is made, before it has one: ``x``,
+    which then holds no NaN)."""
+    t = m._parameters.get("t")
+    return x.clone() if t is None else t.detach()
+
+
+def _put_where_nan(x: torch.Tensor, value: float | torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` whose NaN are put ``value`` (a number, or the elements of a
+    tensor of ``x``'s shape at their places), by an index put."""
+    v = x.clone()
+    nan = v.isnan()
+    v[nan] = value if isinstance(value, float) else value[nan]
+    return v
+
+
 _FAMILIES = ["move", "unary", "pair same", "pair different", "reduce",
-             "reduce over a dim of 1", "matmul", "sort, cumsum", "complex part"]
-_WEIGHTS = [3, 2, 2, 4, 2, 1, 2, 2, 1]
+             "reduce over a dim of 1", "matmul", "sort, cumsum", "complex part", "replace",
+             "self-merge"]
+_WEIGHTS = [3, 2, 2, 4, 2, 1, 2, 2, 1, 2, 2]
 _PATTERNS = ["empty", "sparse", "sparse", "half", "full", "rows", "columns",
              "column pairs", "symmetric"]
 
@@ -263,6 +311,8 @@ def _program(seed: int) -> tuple[_Program, dict, dict]:
         my_text, my = mx_text, mx  # (both moved alike)
     op_text, op = _main_op(family, r, g, rows, cols, dtype)
     post = r.choice(["", "", "", ".t()", ".flip(0)", ".clone()", "[::2]"])
+    if family == "self-merge":
+        post = ""  # (its op reads m.t at its own places)
 
     def f(w: dict, m: nn.Module) -> torch.Tensor:
         out = op(mx(w["a.w"]), my(w["b.w"]), m)
@@ -370,7 +420,10 @@ def test_a_fuzzed_loader_loads_right_or_is_refused(seed):
         assert out.loaded_right, f"{what}: loaded without a word, but t != f(new)"
         return
     err = out.refused
-    assert err.reason == "mixed elements", f"{what}: refused for {err.reason!r}: {err}"
+    assert err.reason in ("mixed elements", "replaced NaN marks"), (
+        f"{what}: refused for {err.reason!r}: {err}")
+    if prog.family == "replace":  # (its matmul too: the NaN are numbers before it)
+        assert err.reason == "replaced NaN marks", f"{what}: refused for {err.reason!r}: {err}"
     assert prog.patterns != ("dense", "dense"), f"{what}: a dense call refused: {err}"
     assert out.t_unchanged, f"{what}: refused, but wrote: {err}"
     if prog.family in _LET_THROUGH:
