@@ -2048,6 +2048,9 @@ class _Provenance:
         # the patches of the call in progress by position (the session's: see
         # :meth:`sent_whole`)
         self.patches: dict[int, Any] = {}
+        # the session's marks of numbers a cast made NaN (see :class:`_LostMarks`): NaN
+        # there is no "keep", which :meth:`_sliced` must not take one for
+        self.lost: _LostMarks | None = None
 
     def clear(self) -> None:
         self._by_key.clear()
@@ -2363,10 +2366,14 @@ class _Provenance:
                 elif _keeps_nan(func):
                     kept = _traced_unchanged(found)
             floating = out.is_floating_point() or out.is_complex()
-            self._moved_into(out, found, self.mixed_by(func, found, args, kwargs or {},
-                                                       out.numel())
-                             if func is not None and self.mixing and floating else None,
-                             nan_kept=kept,
+            mixed = (self.mixed_by(func, found, args, kwargs or {}, out.numel(), out)
+                     if func is not None and self.mixing and floating else None)
+            if (mixed is None and not kept and self.mixing and floating
+                    and func is not None and _slices_of(func)):
+                # (a sum of rows kept or updated whole: where it holds no NaN, updates
+                # only, as an element-wise op's that keeps NaN NaN)
+                kept = _traced_unchanged(found)
+            self._moved_into(out, found, mixed, nan_kept=kept,
                              replaced=self._replaced_by(func, args, kwargs or {}, found, out)
                              if self.mixing and floating else None)
 
@@ -2550,8 +2557,9 @@ class _Provenance:
             self.replaced_seen = True
 
     def mixed_by(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
-                 args: Sequence[Any], kwargs: dict, size: int
-                 ) -> tuple[int | None, str | None, str] | None:
+                 args: Sequence[Any], kwargs: dict, size: int,
+                 out: torch.Tensor | None = None
+                 ) -> tuple[int | None, str | None, str] | _Sliced | None:
         """``(position, name, op)`` where ``func``, an op that makes a floating-point
         output, mixes elements (see :func:`_mixes`) and one of its floating-point inputs
         ``found`` (each with a stretch it reaches) is traced to a patch's data and holds
@@ -2562,7 +2570,11 @@ class _Provenance:
         the op's arguments; ``size``: the number of elements of its (first) output. A put
         that adds or reduces (:data:`_COMBINING_PUTS`) mixes only where it puts two
         elements at one place; a reduction (``torch.Tag.reduction``) only where it reduces
-        a dim longer than 1 (an input of ``size`` elements: ``torch.stack([w]).sum(0)``).
+        a dim longer than 1 (an input of ``size`` elements: ``torch.stack([w]).sum(0)``);
+        an op over slices (:func:`_slices_of`: a reduction, a scan, a softmax, a sort, a
+        matmul) only where a slice both keeps and updates, or its result ``out`` (``None``:
+        in place, decided once it has run) is not NaN exactly where they keep
+        (:meth:`_sliced`).
         An element-wise op (:func:`_pairs`) mixes where it pairs different elements of
         patches' data (see :meth:`_paired`)."""
         kind = _mixes(func)
@@ -2572,19 +2584,90 @@ class _Provenance:
             return None
         if kind is _PUT and not _combines(func, args, kwargs):
             return None
-        read: list[torch.Tensor] = []
+        read: list[tuple[torch.Tensor, _Source]] = []
         for t, e in found:
             if (e.mixed is not None or t.is_meta
                     or not (t.is_floating_point() or t.is_complex())
                     or (kind is _REDUCES and t.numel() == size)
-                    or any(t is r for r in read)):
+                    or any(t is r for r, _ in read)):
                 continue
-            read.append(t)
+            read.append((t, e))
+        if read and kind is not _PUT and _slices_of(func):
+            return self._sliced(func, read, args, kwargs, out)
+        for t, e in read:
             if bool(nan_mask(t).any()):
                 if kind is _PUT and not _puts_repeat(func, args, kwargs):
                     return None
                 return e.position, e.name, _op_name(func)
         return None
+
+    def _sliced(self, func: Any, read: list[tuple[torch.Tensor, _Source]],
+                args: Sequence[Any], kwargs: dict, out: torch.Tensor | None
+                ) -> tuple[int | None, str | None, str] | _Sliced | None:
+        """:meth:`mixed_by` for op ``func`` of :func:`_slices_of`, whose floating-point
+        inputs traced to patches' data are ``read`` (each tensor once, with a stretch it
+        reaches): it mixes (``(position, name, op)``, of the first that holds NaN) where
+        one holds NaN and, for an element of its result ``out``, the elements of all of
+        them it is computed from (its slices: a row of ``w.sum(1)``, ``w.amax(1,
+        keepdim=True)``, ``w.sort(1)``, ``w.cumsum(1)``, ``w.softmax(1)``, ``w @ h``; the
+        whole of ``w`` for ``w.amax()``; row i of ``a`` and column j of ``b`` for
+        element (i, j) of ``a @ b``) both keep (NaN) and update (none), or ``out`` is not
+        NaN exactly where they all keep, or a complex input's parts do not keep alike.
+        Otherwise the merge keeps the runtime value where they all keep, made by the
+        same op of the same kept elements, and writes the others, made of updates only
+        (so not ``nansum``'s sum of a kept row, a number, nor a matmul whose other
+        operand holds an infinity, which makes NaN of an update). One host wait.
+        ``out`` ``None`` (an in-place or ``out=`` op, read before it runs): what was
+        read, for :meth:`settled`."""
+        keeps = [nan_mask(t) for t, _ in read]
+        lo = hi = None
+        exact = False
+        try:
+            for (t, _), keep in zip(read, keeps):
+                got = _slice_masks(func, args, kwargs, t, keep)
+                if got is None:
+                    lo = hi = None
+                    break
+                exact = exact or got[2]
+                lo = got[0] if lo is None else lo & got[0]
+                hi = got[1] if hi is None else hi | got[1]
+        except (RuntimeError, TypeError, IndexError, ValueError):
+            lo = hi = None  # (masks that do not broadcast together: mixed)
+        op = _op_name(func)
+        if lo is not None and self.lost and any(self.lost.of(t) is not None for t, _ in read):
+            lo = None  # (a number a cast made NaN: no "keep", a lost update; rare)
+        if lo is None:
+            for (_, e), keep in zip(read, keeps):
+                if bool(keep.any()):
+                    return e.position, e.name, op
+            return None
+        device = keeps[0].device
+        parts = torch.ones((), dtype=torch.bool, device=device)
+        for t, _ in read:
+            if t.is_complex():
+                parts = parts & (torch.isnan(t.real) == torch.isnan(t.imag)).all().to(device)
+        holds = torch.stack([k.any().to(device) for k in keeps])
+        got = _Sliced([(e.position, e.name, op) for _, e in read], holds, parts,
+                      (lo, hi, exact))
+        return got if out is None else self.settled(got, [out])
+
+    def settled(self, sliced: _Sliced, outs: Sequence[Any]
+                ) -> tuple[int | None, str | None, str] | None:
+        """What :meth:`_sliced` read (``sliced``), decided now that the op has made (or
+        written) ``outs``: ``None`` where no input held NaN, or where each
+        floating-point tensor of ``outs`` is NaN exactly where its slices keep
+        (:func:`_slices_agree`); else what it mixes. One host wait."""
+        ok = sliced.parts
+        try:
+            for o in outs:
+                if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex()):
+                    ok = ok & _slices_agree(sliced.masks, o).to(ok.device)
+        except (RuntimeError, TypeError, IndexError, ValueError):
+            ok = torch.zeros((), dtype=torch.bool, device=ok.device)
+        *holds, ok = torch.cat([sliced.holds, ok.reshape(1)]).tolist()
+        if ok:
+            return None
+        return next((who for who, h in zip(sliced.mixed, holds) if h), None)
 
     def sent_whole(self, position: int | None, name: str | None) -> bool:
         """Whether patch ``position`` (named ``name``) of the call in progress is sent
@@ -3521,7 +3604,7 @@ def _mixed_for(out: torch.Tensor, mixed: tuple[int | None, str | None, str]
 # element is one input element, unchanged, or a constant: ``_MOVES``, ``_PUTS``, pads,
 # triangles; ``index_put``, ``put`` and ``scatter`` are in ``_COMBINING_PUTS``), ops
 # whose output holds none of their input's numbers (``zeros_like``, ``fill_``), and
-# NaN-aware ones, whose result holds no staged NaN.
+# ``nan_to_num``, ``isnan`` (the replaced-marks and integer checks see them).
 _KEEPS_ELEMENTS = frozenset({
     # copies, casts and the copying forms of views
     "copy", "_to_copy", "clone", "_copy_from", "_copy_from_and_resize", "lift_fresh_copy",
@@ -3546,9 +3629,11 @@ _KEEPS_ELEMENTS = frozenset({
     "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
     "fill", "zero", "resize", "resize_as", "set", "random", "uniform", "normal",
     "bernoulli", "exponential", "geometric", "cauchy", "log_normal",
-    # NaN-aware: no staged NaN in the result (nanmean and nanquantile are made of other
-    # ops before a dispatch mode sees them: see README)
-    "nansum", "nanmean", "nanmedian", "nanquantile", "nan_to_num", "isnan",
+    # element-wise and NaN-aware (``nan_to_num``: see :func:`_replaces_nan`), or no
+    # numbers (nanmean and nanquantile are made of other ops before a dispatch mode sees
+    # them; ``nansum`` and ``nanmedian`` skip the staged NaN of a slice, so that the sum
+    # of a row that keeps some elements is written as a number: see :data:`_REDUCES_OVER`)
+    "nanmean", "nanquantile", "nan_to_num", "isnan",
 })
 
 # Puts (ATen names, as for ``_KEEPS_ELEMENTS``) that may combine what they put with what
@@ -3928,6 +4013,132 @@ def _mixes_elements(func: Any) -> bool | str:
     return True
 
 
+# Ops (ATen base names, see :func:`_base_name`) that mix elements only within slices of
+# their one input, each output element computed from one slice, and which a sparse
+# call lets through where each slice is all "keep" (NaN) or all "update" (none), and the
+# result is NaN exactly where its slices keep (see :meth:`_Provenance._sliced`): the
+# reductions over the dims of their ``dim`` (all where none is given: ``w.amax()``,
+# ``_foreach_norm``), keeping them as size 1 where ``keepdim`` says so ...
+_REDUCES_OVER = frozenset({
+    "sum", "mean", "amax", "amin", "prod", "max", "min", "norm", "linalg_vector_norm",
+    "var", "std", "var_mean", "std_mean", "logsumexp", "median", "nanmedian", "mode",
+    "kthvalue", "aminmax", "nansum",
+})
+# ... the ops along one ``dim`` whose result keeps that dim (a scan, which reads a
+# prefix: its slice is the whole row; a softmax; a sort's values; a ``topk``'s) ...
+_ALONG = frozenset({
+    "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "_softmax", "_log_softmax",
+    "softmax", "log_softmax", "sort", "topk",
+})
+# ... and the products, by the argument holding the patch's data: the dims of it each
+# output element is summed over (``None``: all), whether they stay as size 1 in the
+# result (else dropped), and how many leading dims of that are then dropped (a batch
+# ``addbmm`` sums over); an ``add``'s own term (``self``) is read element by element
+_CONTRACTS: dict[tuple[str, str], tuple[tuple[int, ...] | None, bool, int]] = {
+    ("mm", "self"): ((1,), True, 0), ("mm", "mat2"): ((0,), True, 0),
+    ("addmm", "mat1"): ((1,), True, 0), ("addmm", "mat2"): ((0,), True, 0),
+    ("bmm", "self"): ((2,), True, 0), ("bmm", "mat2"): ((1,), True, 0),
+    ("baddbmm", "batch1"): ((2,), True, 0), ("baddbmm", "batch2"): ((1,), True, 0),
+    ("addbmm", "batch1"): ((0, 2), True, 1), ("addbmm", "batch2"): ((0, 1), True, 1),
+    ("mv", "self"): ((1,), False, 0), ("mv", "vec"): (None, False, 0),
+    ("addmv", "mat"): ((1,), False, 0), ("addmv", "vec"): (None, False, 0),
+    ("dot", "self"): (None, False, 0), ("dot", "tensor"): (None, False, 0),
+    ("vdot", "self"): (None, False, 0), ("vdot", "other"): (None, False, 0),
+    ("addmm", "self"): ((), True, 0), ("addmv", "self"): ((), True, 0),
+    ("baddbmm", "self"): ((), True, 0), ("addbmm", "self"): ((), True, 0),
+}
+_CONTRACTING = frozenset(op for op, _ in _CONTRACTS)
+
+
+def _slices_of(func: Any) -> bool:
+    """Whether op ``func`` mixes elements within slices of one input only (see
+    :data:`_REDUCES_OVER`, :data:`_ALONG`, :data:`_CONTRACTS`)."""
+    if not func._schema.name.startswith("aten::"):
+        return False  # (an op of a library's own, whatever its name)
+    base = _base_name(func)
+    return base in _REDUCES_OVER or base in _ALONG or base in _CONTRACTING
+
+
+def _arg_or(func: Any, args: Sequence[Any], kwargs: dict, name: str, default: Any) -> Any:
+    """:func:`_arg`, or ``default`` where ``func`` has no argument ``name``."""
+    try:
+        got = _arg(func, args, kwargs, name)
+    except KeyError:
+        return default
+    return default if got is None else got
+
+
+def _slice_masks(func: Any, args: Sequence[Any], kwargs: dict, t: torch.Tensor,
+                 keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """For op ``func`` of ``_slices_of`` reading ``t`` (among ``args`` and ``kwargs``),
+    whose "keep" marks are ``keep``: ``(all, any, exact)``, for each element of its
+    result (broadcast to it, or of its shape exactly where ``exact``), whether all, and
+    whether any, of the elements of ``t`` it is computed from keep. On ``t``'s device,
+    no host wait. ``None``: an argument it cannot read so (then the op mixes)."""
+    base = _base_name(func)
+    k = keep.to(torch.uint8)  # (amin and amax over several dims: no bool kernels)
+    if base in _REDUCES_OVER:
+        if t is not _arg_or(func, args, kwargs, "self", None):
+            return None
+        dims = _arg_or(func, args, kwargs, "dim", None)
+        dims = (() if dims is None else (dims,) if isinstance(dims, int) else tuple(dims))
+        keepdim = bool(_arg_or(func, args, kwargs, "keepdim", False))
+        if not dims:  # (no dim: the whole tensor is one slice)
+            dims = tuple(range(t.dim()))
+        if t.dim() == 0:
+            return keep, keep, True
+        return k.amin(dims, keepdim=keepdim).bool(), k.amax(dims, keepdim=keepdim).bool(), True
+    if base in _ALONG:
+        if t is not _arg_or(func, args, kwargs, "self", None):
+            return None
+        dim = _arg_or(func, args, kwargs, "dim", -1)
+        if t.dim() == 0:
+            return keep, keep, False
+        return k.amin(dim, keepdim=True).bool(), k.amax(dim, keepdim=True).bool(), False
+    at = next((a.name for i, a in enumerate(func._schema.arguments)
+               if (args[i] if i < len(args) else kwargs.get(a.name)) is t), None)
+    rule = _CONTRACTS.get((base, at))
+    if rule is None:
+        return None
+    dims, keepdim, drop = rule
+    if dims == ():  # (an add's own term: element by element)
+        return keep, keep, False
+    dims = tuple(range(t.dim())) if dims is None else dims
+    lo, hi = k.amin(dims, keepdim=keepdim), k.amax(dims, keepdim=keepdim)
+    for _ in range(drop):
+        lo, hi = lo.squeeze(0), hi.squeeze(0)
+    return lo.bool(), hi.bool(), False
+
+
+def _slices_agree(masks: tuple[torch.Tensor, torch.Tensor, bool], out: torch.Tensor
+                  ) -> torch.Tensor:
+    """A 0-dim bool tensor on ``out``'s device (no host wait): whether ``out``, the
+    result of an op whose :func:`_slice_masks` are ``masks``, is NaN exactly where its
+    slices all keep, and no slice both keeps and updates. Raises where the masks do not
+    fit ``out``'s shape (the caller then takes the op as mixing)."""
+    lo, hi, exact = masks
+    if exact and lo.shape != out.shape:
+        raise ValueError("not the result's shape")
+    nan = nan_mask(out)
+    lo, hi = lo.to(nan.device).expand(nan.shape), hi.to(nan.device).expand(nan.shape)
+    return ((nan == lo) & (nan == hi)).all()
+
+
+class _Sliced(NamedTuple):
+    """What :meth:`_Provenance._sliced` read of the inputs that hold patches' data of an
+    op of :func:`_slices_of` (before it ran, where it writes in place or ``out=``), for
+    :meth:`_Provenance.settled` to decide once the op has made or written its result:
+    what it mixes where each input holds NaN (``mixed``, one an input), whether each does
+    (``holds``, a bool tensor of one element each), whether complex ones' parts keep
+    alike (``parts``, 0-dim) and their :func:`_slice_masks` combined (all: ``&``; any:
+    ``|``)."""
+
+    mixed: list[tuple[int | None, str | None, str]]
+    holds: torch.Tensor
+    parts: torch.Tensor
+    masks: tuple[torch.Tensor, torch.Tensor, bool]
+
+
 def _may_be_masked(patch: Any | None, maybe_sparse: bool) -> bool:
     """Whether an observed call's staged tensor of ``patch`` may hold NaN meaning "keep":
     a sparse patch's, or one the observer matched to no patch (``None``) where the load
@@ -4294,8 +4505,10 @@ class _Mode(TorchDispatchMode):
                 if (s.track_sources and isinstance(out, tuple | list) and s.provenance
                         and not _is_view(func)):
                     # (an op of several results, a sort's values: each holds data of its
-                    # input; a _foreach_ op's, the data of its inputs at its place)
-                    if isinstance(out, list) and _foreach_kind(func):
+                    # input; a _foreach_ op's, ``_foreach_norm``'s too, the data of its
+                    # inputs at its place)
+                    if isinstance(out, list) and (_foreach_kind(func)
+                                                  or "::_foreach_" in func._schema.name):
                         s.provenance.taint_each(func, args, kwargs, out)
                     else:
                         for o in out:
@@ -4328,6 +4541,8 @@ class _Mode(TorchDispatchMode):
                          if s.provenance.mixing and func is not _COPY and others
                          and s.provenance else None)
             out = func(*args, **kwargs)
+            if isinstance(mixed, _Sliced):  # (``buf.cumsum_(1)``: decided by what it wrote)
+                mixed = s.provenance.settled(mixed, others)
             if s.track_sources:
                 for t in others:  # a staged tensor (or a copy of one) written in place
                     s.provenance.written(t)
@@ -4692,6 +4907,7 @@ class WriteSession:
         # numbers the loader's own casts made NaN in sparse calls (kept for the whole
         # load: a loader may cast in one call and copy in a later one)
         self.lost = _LostMarks()
+        self.provenance.lost = self.lost  # (read by _Provenance._sliced)
         self.saved: list[SavedRegion] = []
         # Saves whose statistics were measured while writing, by storage (an index of
         # their spans), until a later write reaches one and makes its numbers stale (see

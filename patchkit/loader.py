@@ -120,8 +120,10 @@ def load_checkpoint_weight_patches(
        reduction) lose the trail, and the copy's own cast is what is checked.) A copy
        whose source an op that mixes elements (a matmul, a reduction such as the
        ``amax`` of a scale, a sort, a ``cumsum``, a softmax: any op that is not a view,
-       a copy, pointwise, an element move or NaN-aware; a put that adds, ``index_add_``,
-       only where an index repeats, a reduction only over a dim longer than 1; an
+       a copy, pointwise or an element move; a put that adds, ``index_add_``, only where
+       an index repeats, a reduction only over a dim longer than 1; a reduction, scan,
+       softmax, sort or matmul only where a slice it reduces both keeps and updates, or
+       its result is not NaN exactly where its slices keep; an
        element-wise op, in place or ``out=`` too, only where it pairs different elements
        of patches' data that do not keep alike, ``w - w[0]``, ``w + w.flip(0)``, or data
        without NaN of a patch's own place, of a patch sent whole, made from patches'

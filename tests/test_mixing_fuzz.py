@@ -19,9 +19,10 @@ load is then ``f(new)``, ``new`` the old checkpoint with the patches' values put
 - False refusals (measured): a refused program whose plain NaN-merge, computed without
   patchkit, would have equalled ``f(new)``. Asserted absent only in the families the
   docs say are let through (:data:`_LET_THROUGH`); ``python tests/test_mixing_fuzz.py``
-  prints the counts per family. (Elsewhere the check refuses by the op, not by what
-  reaches the model: a sum of a row updated whole, a matmul of rows that keep or update
-  whole, or a pairing whose lost rows a later slice drops, merge right and are refused.)
+  prints the counts per family. (Elsewhere the check refuses by the NaN pattern an op
+  reads, not by what reaches the model: a whole tensor's ``amax`` whose largest element
+  is kept, or a pairing or a row sum whose mixed rows a later slice drops, merge right
+  and are refused.)
 """
 
 from __future__ import annotations

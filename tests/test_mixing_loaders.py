@@ -5,7 +5,8 @@ elements, so the NaN-merge would keep elements it should update, or write number
 they do not belong, without a word. Such a copy is refused before it writes
 (``ContractViolation``, reason ``"mixed elements"``, naming the patch and the op); loaders
 that only look like it (a NaN check, an index, a statistic never written, views and
-copies, NaN-aware reductions) load as before."""
+copies) load as before; a reduction, sort, scan or matmul over slices the patch keeps or
+updates whole loads too (see test_mixing_slices.py)."""
 
 from __future__ import annotations
 
@@ -161,6 +162,11 @@ def _rotation_then_cumsum(w):
     return (w["a.w"] @ _h(w["a.w"])).cumsum(1)  # (the first op that mixed is named)
 
 
+def _nan_aware(w):
+    a = w["a.w"]
+    return (a - a.nanmean()) / a.nansum().abs().clamp(min=1.0) + a.nanmedian() * 0.0
+
+
 @torch.library.custom_op("patchkit_tests::rotate", mutates_args=())
 def _rotate(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """An op of a library's own (a kernel's repacking, say): what it does is not known."""
@@ -193,6 +199,9 @@ _MIXING = {
     "rotation then cumsum": (_rotation_then_cumsum, "aten::mm", torch.float32),
     "an op of a library's own": (lambda w: _rotate(w["a.w"], _h(w["a.w"])),
                                  "patchkit_tests::rotate", torch.float32),
+    # (NaN-aware: a sum or mean of the updates only, a number where the patch keeps some
+    # elements, written into every element; was let through, a silent loss)
+    "NaN-aware reductions": (_nan_aware, "aten::nansum", torch.float32),
 }
 
 
@@ -467,11 +476,6 @@ def _where_keeps_old(self_a):
     return lambda w: torch.where(w["a.w"].isnan(), self_a.detach(), w["a.w"])
 
 
-def _nan_aware(w):
-    a = w["a.w"]
-    return (a - a.nanmean()) / a.nansum().abs().clamp(min=1.0) + a.nanmedian() * 0.0
-
-
 def _mixed_scratch_overwritten(w):
     buf = w["a.w"] @ _h(w["a.w"])  # (mixed, then overwritten whole by a plain copy)
     buf.copy_(w["a.w"])
@@ -680,7 +684,6 @@ _NOT_MIXING = {
     "nan_to_num then amax": _scale_after_nan_to_num,
     "views, reshape, permute, contiguous, transposed copies": _views_and_copies,
     "where(isnan, old, w)": "where",
-    "NaN-aware reductions": _nan_aware,
     "mixed scratch overwritten by a plain copy": _mixed_scratch_overwritten,
     "mixed scratch zeroed, then added to": _mixed_scratch_filled_then_added,
     "NaN mask of mixed data": _nan_mask_of_mixed_data,
@@ -797,7 +800,7 @@ def test_an_observed_loader_that_merges_mixed_data_is_reported(case):
 
 
 @pytest.mark.parametrize("case", ["isnan().any() check", "argsort indices",
-                                  "NaN-aware reductions", "w * w", "one row expanded",
+                                  "w * w", "one row expanded",
                                   "products with its own pointwise results"])
 def test_an_observed_loader_that_does_not_mix_is_not_reported(case):
     m = _Mixing(_NOT_MIXING[case])
