@@ -6361,7 +6361,8 @@ class WriteSession:
             "(NaN-masked) load cannot support a loader that mixes a patch's elements "
             "before its copy_ (a matmul, a scale taken from a whole tensor or block, a "
             "sort, a cumsum, a softmax, arithmetic between different elements such as "
-            "w - w[0]): send this weight dense. This copy wrote nothing"
+            "w - w[0]) except over rows (slices) that the patch keeps or updates whole: "
+            "send this weight dense. This copy wrote nothing"
             f"{self._no_source_note(name, tname)}",
             position=pos, name=name, reason="mixed elements", value=op,
         )
