@@ -130,6 +130,16 @@ def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
     return (t.device, start) if start else (t.device, t.untyped_storage()._cdata)
 
 
+def _region_key(t: torch.Tensor, key: tuple | None = None) -> tuple:
+    """:meth:`Region.of` ``t``'s fields as a plain tuple, which hashes and compares as that
+    Region does (``key``: ``t``'s storage key, where the caller has it). The set of
+    regions a load saved whole takes one per dense write: a frozen dataclass cost five
+    times as much to make and to hash."""
+    size = t.element_size()
+    return (_storage_key(t) if key is None else key, t.storage_offset() * size,
+            tuple(t.shape), t.stride(), size)
+
+
 @dataclass(frozen=True)
 class Region:
     """Where a view sits in its storage: byte offset, shape, element strides, itemsize."""
@@ -4913,7 +4923,8 @@ class WriteSession:
         # their spans), until a later write reaches one and makes its numbers stale (see
         # _forget_measured).
         self._measured: dict[tuple, _RegionIndex] = {}
-        self._saved_regions: set[Region] = set()
+        # The views saved whole, as _region_key()s (see _unguarded_compared_copy).
+        self._saved_regions: set[tuple] = set()
         # The saves by the id of the tensor they were saved through (the view, alive in
         # the save), for _note_rebinding: indexed up to _by_view_upto of ``saved``, as
         # the saves come (a list that ``saved`` no longer is is indexed anew).
@@ -6141,8 +6152,9 @@ class WriteSession:
     def _unguarded_compared_copy(self, func, op, args, kwargs, target, key, skey):
         dest, src = args[0], args[1]
         tname, owner, off = target[1]
+        region = None
         if self.recorder is None and self._saved_regions:
-            region = Region.of(dest)
+            region = _region_key(dest, key)
             if region in self._saved_regions:
                 # Saving for a rollback only (nothing counts this write's changes), into
                 # a view saved whole earlier in this load: that save already holds what
@@ -6181,8 +6193,8 @@ class WriteSession:
             self.saved.append(saved)
             if diff is not None:
                 self._measure(saved, key)
-            if self.recorder is None and fast.index is None:
-                self._saved_regions.add(Region.of(dest))  # saved whole (see above)
+            if self.recorder is None and fast.index is None:  # saved whole (see above)
+                self._saved_regions.add(_region_key(dest, key) if region is None else region)
             out = dest
         elif dest.is_meta:  # a dry run: nothing to save or count
             n_changed, out = None, func(*args, **kwargs)
@@ -6221,7 +6233,7 @@ class WriteSession:
                     if self.saved[k] is saved:
                         del self.saved[k]
                         if region_added:
-                            self._saved_regions.discard(Region.of(t))
+                            self._saved_regions.discard(_region_key(t))
                         break
             return
         self._call_writes += 1
@@ -6256,7 +6268,7 @@ class WriteSession:
             del diff  # before the clone: the two never need to exist at once
             saved = SavedRegion(tname, off, dest, dest.clone(), view_sum_squares=squares)
             if self.recorder is None:
-                self._saved_regions.add(Region.of(dest))  # saved whole: see _compared_copy
+                self._saved_regions.add(_region_key(dest))  # saved whole: see _compared_copy
         self.saved.append(saved)
         return n_changed, func(*args, **kwargs)
 
@@ -6876,7 +6888,7 @@ class WriteSession:
         if not self.save_regions or t.is_meta:  # (a dry run's tensors hold nothing to keep)
             return None
         if write is None:
-            region = Region.of(t)
+            region = _region_key(t)
             if region in self._saved_regions:
                 return None
             self._saved_regions.add(region)
