@@ -5586,7 +5586,23 @@ class WriteSession:
         if not dest.numel():
             return None
         key = _storage_key(dest)
-        own = self.index.owner(dest, key)
+        owners = self.index._owners_of(key)
+        if not owners:
+            return None
+        # A storage of one runtime tensor (the common case) decided here as
+        # RuntimeIndex.owner decides it, with no cut into pieces to look for (one owner:
+        # _pieces_by_owner finds none); else owner() and the pieces are asked.
+        size = dest.element_size()
+        alone = len(owners) == 1
+        if alone:
+            o = owners[0]
+            b = dest.storage_offset() * size
+            if o.dense and o.start <= b < o.end:
+                own = (o.name, o.tensor, (b - o.start) // o.step)
+            else:
+                own = self.index.owner(dest, key)
+        else:
+            own = self.index.owner(dest, key)
         if own is None:
             return None
         # The version counter moves once, as torch's copy_ moves it: a write done by torch
@@ -5596,17 +5612,20 @@ class WriteSession:
             # The common case, decided as _runtime_write decides it, with the keys taken
             # once: a same-shaped copy from another storage, saved, no dispatch mode below.
             if (self.save_regions and not self._sparse and not self._nan_masked
-                    and dest.element_size() == own[1].element_size()
+                    and size == own[1].element_size()
                     and not torch._C._len_torch_dispatch_stack()):
                 skey = _comparable_source(dest, src, key)
-                if skey is not None and self._pieces_by_owner(dest, src, own, key) is None:
+                if skey is not None and (
+                        alone or self._pieces_by_owner(dest, src, own, key) is None):
                     if not dest.is_contiguous():
                         self._refuse_self_overlap(_COPY_NAME, [(dest, own)], src)
                     if self._measured.get(key):  # (none of this storage: nothing to forget)
                         self._forget_measured_in(dest, key)
-                    return self._compared_copy(
-                        _COPY, _COPY_NAME, args, {}, (dest, own), key, skey
-                    )
+                    target = (dest, own)
+                    if self._guard is None:  # (what _compared_copy does, one call less)
+                        return self._unguarded_compared_copy(
+                            _COPY, _COPY_NAME, args, {}, target, key, skey)
+                    return self._compared_copy(_COPY, _COPY_NAME, args, {}, target, key, skey)
             return self._runtime_write(_COPY, args, {}, [(dest, own)])
         finally:
             if version is not None and dest._version == version:
