@@ -391,6 +391,12 @@ def run_load(
                 if session is not None:
                     session.end_calls()
             finally:  # (a signal in end_calls still finds the collector back on)
+                # The session and the index (thousands of objects of this load, made with
+                # the collector off) are let go while it is still off: the collection that
+                # the next allocation sets off once it is back on walked them all first,
+                # 0.4 ms of a transactional load of 291 small tensors. (A caller that
+                # passed them in, or took the session, keeps its own.)
+                session = index = None
                 if pause is not None:  # (written out: see _pause_collector)
                     with _PAUSE_LOCK:
                         counted, resume = pause in _paused_by, _resume_after

@@ -833,6 +833,45 @@ def test_a_watched_load_runs_with_the_cyclic_collector_off_and_puts_it_back():
     assert seen == [False, False, True] and gc.isenabled()
 
 
+@pytest.mark.parametrize("kind", ["sparse", "transactional"])
+def test_a_watched_load_lets_go_of_its_session_and_index_before_the_collector_resumes(
+        kind, monkeypatch):
+    # The collection that the collector's return sets off walks every young object still
+    # alive: the load's session and index (thousands of objects on a model of many small
+    # tensors) were, until the load's frame returned.
+    import gc
+    import weakref
+
+    import patchkit
+    import patchkit.intercept as pk_intercept
+    from patchkit.toymodels import PlainModel
+
+    made = []
+    for cls in (pk_intercept.WriteSession, pk_intercept.RuntimeIndex):
+        real_init = cls.__init__
+
+        def init(self, *a, _real=real_init, **k):
+            made.append(weakref.ref(self))
+            _real(self, *a, **k)
+        monkeypatch.setattr(cls, "__init__", init)
+    alive_at_enable = []
+    real_enable = gc.enable
+
+    def enable():
+        alive_at_enable.append([r() is not None for r in made])
+        real_enable()
+    monkeypatch.setattr(gc, "enable", enable)
+    p = patchkit.CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(1),
+                                       torch.tensor([2]))
+    if kind == "transactional":
+        p = p._replace(values=torch.ones(4), indices=None)
+    assert gc.isenabled()
+    patchkit.load_checkpoint_weight_patches(PlainModel({"w": (4,)}), [p],
+                                            transactional=kind == "transactional")
+    assert gc.isenabled() and len(made) == 2
+    assert alive_at_enable == [[False, False]]
+
+
 def test_a_sparse_load_reads_its_bindings_pointers_once_not_at_every_call(monkeypatch):
     # (after each call every runtime tensor's data pointer is read, to see a rebinding;
     # the pointers of the bindings it compares with do not move: read once per load)
