@@ -1850,7 +1850,9 @@ def _comparable_source(dest: torch.Tensor, src: Any, key: tuple) -> tuple | None
     covers; else ``None``."""
     if not isinstance(src, torch.Tensor):
         return None
-    skey = _storage_key(src)  # (its device, compared with the one in dest's key)
+    # (_storage_key written out; its device is compared with the one in dest's key)
+    start = src.data_ptr() - src.storage_offset() * src.element_size()
+    skey = (src.device, start) if start else _storage_key(src)
     if src.shape != dest.shape or src.dtype != dest.dtype or skey[0] != key[0]:
         return None
     if src.dtype.is_complex or src.element_size() not in (1, 2, 4, 8):
@@ -5585,18 +5587,23 @@ class WriteSession:
             return None
         if not dest.numel():
             return None
-        key = _storage_key(dest)
-        owners = self.index._owners_of(key)
+        # (_storage_key, written out: its reads are the ones this needs)
+        size = dest.element_size()
+        b = dest.storage_offset() * size
+        start = dest.data_ptr() - b
+        key = (dest.device, start) if start else _storage_key(dest)
+        index = self.index
+        owners = index._owners.get(key)
+        if owners is None:  # (made when a write first reaches the storage)
+            owners = index._owners_of(key)
         if not owners:
             return None
         # A storage of one runtime tensor (the common case) decided here as
         # RuntimeIndex.owner decides it, with no cut into pieces to look for (one owner:
         # _pieces_by_owner finds none); else owner() and the pieces are asked.
-        size = dest.element_size()
         alone = len(owners) == 1
         if alone:
             o = owners[0]
-            b = dest.storage_offset() * size
             if o.dense and o.start <= b < o.end:
                 own = (o.name, o.tensor, (b - o.start) // o.step)
             else:
@@ -6206,9 +6213,12 @@ class WriteSession:
                     step = dest.element_size()
                     a0 = dest.storage_offset() * step
                     span = (key, a0, a0 + dest.numel() * step, step)
-            # (positional, in the order of SavedRegion's fields: one per write)
+            # (positional, in the order of SavedRegion's fields: one per write; the view's
+            # geometry from its region where that was taken)
             saved = SavedRegion(tname, off, dest, fast.before, fast.index,
-                                fast.index is not None, fast.squares, diff, None, span)
+                                fast.index is not None, fast.squares, diff, None, span,
+                                None if region is None else
+                                (region[2], region[3], region[1] // region[4]))
             self.saved.append(saved)
             if diff is not None:
                 self._measure(saved, key)
