@@ -121,10 +121,17 @@ def resolved(patch: Any) -> Any:
     for validation to name; a patch with nothing to resolve is returned itself.
     """
     values, indices = getattr(patch, "values", None), getattr(patch, "indices", None)
-    fix = {f: t.resolve_neg() for f, t in (("values", values), ("indices", indices))
-           if isinstance(t, torch.Tensor) and t.is_neg()}
-    if not fix or not hasattr(patch, "_replace"):
+    # (the common case, nothing to resolve, decided without building anything: a load
+    # asks once per patch, a report twice)
+    neg_values = isinstance(values, torch.Tensor) and values.is_neg()
+    neg_indices = isinstance(indices, torch.Tensor) and indices.is_neg()
+    if not (neg_values or neg_indices) or not hasattr(patch, "_replace"):
         return patch
+    fix = {}
+    if neg_values:
+        fix["values"] = values.resolve_neg()
+    if neg_indices:
+        fix["indices"] = indices.resolve_neg()
     return patch._replace(**fix)
 
 
