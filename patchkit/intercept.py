@@ -475,6 +475,20 @@ def _element_bytes(t: torch.Tensor) -> torch.Tensor:
     return at.reshape(-1) * t.element_size()
 
 
+def _holds(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Whether each of storage elements ``x`` (offsets in elements of ``t``'s size) is
+    an element of view ``t``: :func:`_position_of`, for many at once (exact where the
+    strides nest, as a parameter's do: a column slice of a fused matrix)."""
+    rel = x - t.storage_offset()
+    ok = rel >= 0
+    if not t.numel():
+        return ok & False
+    for s, n in sorted(((s, n) for n, s in zip(t.shape, t.stride()) if n > 1 and s > 0),
+                       reverse=True):
+        rel = rel - (rel // s).clamp(0, n - 1) * s
+    return ok & (rel == 0)
+
+
 def _span_of(view: torch.Tensor, key: tuple | None = None) -> tuple[tuple, int, int, int]:
     """``(storage key, start, end, element size)``: where ``view`` sits in its storage
     (the byte extent of :func:`_byte_span`); ``key``: its storage key, where the caller
@@ -4370,7 +4384,9 @@ def _owner_units(t: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, in
             u = owner.detach().as_strided(shape, stride, first)
             lo, hi = _byte_span(owner)
             u0, u1 = _byte_span(u)
-            if lo <= u0 and u1 <= hi:
+            # (a column slice's extent holds its neighbours' columns too)
+            if lo <= u0 and u1 <= hi and (owner.is_contiguous() or bool(
+                    _holds(owner, _storage_offsets(u, None)).all())):
                 return u, at
     return _owner_span(t, owner)
 
@@ -5658,7 +5674,11 @@ class WriteSession:
         """``(storage key, first byte, end byte)`` of write view ``dest`` where it reaches
         past ``own`` (its owner, as :meth:`RuntimeIndex.owner` found it) into other bytes
         of a storage that several runtime tensors share; ``None`` (the common case, found
-        at once where the storage has one runtime tensor) where it lies in its owner."""
+        at once where the storage has one runtime tensor) where it lies in its owner. A
+        view of another element size than a strided owner's (a float32 view of a
+        bfloat16 column slice of a fused matrix, whose extent holds the other slices'
+        columns too) is taken to reach past it wherever it lies: :meth:`_straddled`
+        finds which tensors its elements reach."""
         if dest.dim() == 0:
             return None
         if key is None:
@@ -5668,7 +5688,8 @@ class WriteSession:
             return None
         lo, hi = _byte_span(dest)
         o0, o1 = _byte_span(own[1])
-        if o0 <= lo and hi <= o1:
+        if o0 <= lo and hi <= o1 and (dest.element_size() == own[1].element_size()
+                                      or own[1].is_contiguous()):
             return None
         return key, lo, hi
 
@@ -5697,14 +5718,27 @@ class WriteSession:
             return targets, False
         key, lo, hi = beyond
         size = dest.element_size()
-        near = [o for o in self.index.overlapping(key, lo, hi)
-                if o.dense and not (o.start <= lo and hi <= o.end)]
+        meet = self.index.overlapping(key, lo, hi)
+        near = [o for o in meet if o.dense and not (o.start <= lo and hi <= o.end)]
+        # (column slices of one matrix: their extents interleave, no bound cuts them)
+        strided = [o for o in meet if not o.dense]
         cuts = {b - b % size for o in near for b in (o.start, o.end) if lo < b < hi and b % size}
         other_size = size != own[1].element_size()
         if not cuts and not other_size:
             return targets, False  # (no element of dest holds parts of two)
         straddles = bool(cuts)
-        if not dest.is_contiguous():
+        if strided:
+            # Which tensor holds each byte of each of dest's elements (-1: none)?
+            every = (_element_bytes(dest)[:, None] + torch.arange(size)).reshape(-1)
+            who = torch.full_like(every, -1)
+            for i, o in enumerate(near + strided):
+                who[_holds(o.tensor, every // o.step) if not o.dense
+                    else (every >= o.start) & (every < o.end)] = i
+            who = who.view(-1, size)
+            straddles = bool((who != who[:, :1]).any())
+            held = set(who.unique().tolist())
+            near = [o for i, o in enumerate(near + strided) if i in held]
+        elif not dest.is_contiguous():
             # A strided view's extent holds bytes of its own elements and others: does
             # one of its elements hold a boundary, and which tensors do they reach?
             at = _element_bytes(dest)
@@ -5980,6 +6014,8 @@ class WriteSession:
             if owner.is_contiguous():  # (this tensor's part: a view may reach past it)
                 first = owner.storage_offset()
                 reached = reached[(reached >= first) & (reached < first + owner.numel())]
+            else:  # (a column slice's: its extent holds its neighbours' columns too)
+                reached = reached[_holds(owner, reached)]
             reached = torch.unique(reached)
             written.append(int(reached.numel()))
             if self.save_regions:

@@ -1122,3 +1122,118 @@ def test_a_sparse_merge_through_a_wider_view_saves_both_halves_of_each_element()
     with pytest.raises(RuntimeError, match="late"):
         patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
     assert torch.equal(bits(m.p.detach()), bits(start))
+
+
+class _Columns(torch.nn.Module):
+    """Column slices of one bfloat16 matrix W (4, 8), p0 = W[:, :cut] and p1 =
+    W[:, cut:] (strided runtime tensors, whose extents interleave), and a loader that
+    copies through ``view`` of W's float32 view (4, 4)."""
+
+    def __init__(self, cut, view, fail=False):
+        super().__init__()
+        g = torch.Generator().manual_seed(cut)
+        self.W = torch.randn(4, 8, generator=g).to(torch.bfloat16)
+        self.p0 = torch.nn.Parameter(self.W[:, :cut], requires_grad=False)
+        self.p1 = torch.nn.Parameter(self.W[:, cut:], requires_grad=False)
+        self.view, self.fail = view, fail
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.view(self.W.view(torch.float32)).copy_(w)
+        if self.fail:
+            raise RuntimeError("late")
+        return {n for n, _ in weights}
+
+
+# name -> (p0's columns, view of W's float32 view, its shape, whether an element of the
+# view holds a column of each)
+COLUMN_VIEWS = {
+    "a float32 column over two column slices": (3, lambda f: f[:, 1], (4,), True),
+    "float32 columns, one straddling": (3, lambda f: f[:, 1:3], (4, 2), True),
+    "a transposed float32 block, straddling": (3, lambda f: f[:3, 1:3].t(), (2, 3), True),
+    "float32 columns over two column slices": (2, lambda f: f[:, 0:2], (4, 2), False),
+}
+
+
+def _touched_columns(cut, view):
+    """Each column slice's elements that a byte of ``view`` of W's float32 view lies in."""
+    probe = torch.zeros(4, 8, dtype=torch.bfloat16)
+    view(probe.view(torch.float32)).view(torch.int32).fill_(-1)
+    hit = probe.view(torch.int16) != 0
+    return {"p0": hit[:, :cut], "p1": hit[:, cut:]}
+
+
+@pytest.mark.parametrize("how", list(COLUMN_VIEWS))
+@pytest.mark.parametrize("mode", ["inspect", "observed"])
+def test_a_dense_copy_through_a_float32_view_over_two_column_slices_is_rows_for_each(
+        how, mode):
+    # Before, the strided runtime tensors (column slices, not dense) were left out of
+    # the tensors a view of another element size reaches: the write was recorded and
+    # saved for p0 only, in p0's elements: deltas missed p1's changes
+    cut, view, shape, _ = COLUMN_VIEWS[how]
+    m = _Columns(cut, view)
+    before = {n: t.detach().clone() for n, t in m.named_parameters()}
+    n = math.prod(shape)
+    p = CheckpointWeightPatch("x", shape, torch.float32, torch.arange(1.0, n + 1) + 1 / 3)
+    if mode == "observed":
+        r = patchkit.inspect_load(m, [p], loader=vllm_style_loader)
+    else:
+        r = patchkit.inspect_load(m, [p])
+    changed = {k: bits(t.detach()) != bits(before[k]) for k, t in m.named_parameters()}
+    assert all(c.any() for c in changed.values())
+    assert r.deltas["changed"].to_dict() == {k: int(c.sum()) for k, c in changed.items()}
+    assert r.writes.groupby("target")["changed"].sum().to_dict() == {
+        k: int(c.sum()) for k, c in changed.items()}  # (each row of its own elements)
+    touched = _touched_columns(cut, view)
+    for k in ("p0", "p1"):
+        assert torch.equal(bits(r.before(k)), bits(before[k])), k
+        assert bool((r.written(k) | ~touched[k]).all()), k  # (at least what it touched)
+
+
+@pytest.mark.parametrize("how", list(COLUMN_VIEWS))
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_a_failed_transactional_load_restores_both_column_slices_a_float32_view_wrote(
+        how, sparse):
+    # Before, only p0's elements were saved: p1's columns kept the copy's values
+    cut, view, shape, _ = COLUMN_VIEWS[how]
+    m = _Columns(cut, view, fail=True)
+    before = m.W.clone()
+    n = math.prod(shape)
+    p = (CheckpointWeightPatch("x", shape, torch.float32, torch.arange(1.0, n + 1) + 1 / 3,
+                               torch.arange(n)) if sparse
+         else CheckpointWeightPatch("x", shape, torch.float32,
+                                    torch.arange(1.0, n + 1) + 1 / 3))
+    with pytest.raises((RuntimeError, patchkit.ContractViolation)):
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(bits(m.W), bits(before))
+
+
+@pytest.mark.parametrize("how", list(COLUMN_VIEWS))
+def test_a_sparse_copy_through_a_float32_view_over_two_column_slices(how):
+    # Before, one whose elements each hold a column of both loaded without a word (its
+    # merge saved and counted p1's elements as p0's); now it is refused before it
+    # writes, as over two dense tensors. One with no such element is rows for each
+    # tensor, of its own elements
+    cut, view, shape, straddles = COLUMN_VIEWS[how]
+    m = _Columns(cut, view)
+    before = {k: t.detach().clone() for k, t in m.named_parameters()}
+    w0 = m.W.clone()
+    n = math.prod(shape)
+    p = CheckpointWeightPatch("x", shape, torch.float32, torch.tensor([7.25, 9.75]),
+                              torch.tensor([0, n - 1]))
+    if straddles:
+        with pytest.raises(patchkit.ContractViolation) as e:
+            patchkit.inspect_load(m, [p])
+        assert (e.value.reason, e.value.value[:2], e.value.name) == (
+            "straddling view", ("p0", "p1"), "x")
+        assert torch.equal(bits(m.W), bits(w0))
+        return
+    r = patchkit.inspect_load(m, [p])
+    changed = {k: bits(t.detach()) != bits(before[k]) for k, t in m.named_parameters()}
+    assert r.deltas["changed"].to_dict() == {k: int(c.sum()) for k, c in changed.items()
+                                             if c.any()}
+    for k in r.deltas.index:
+        assert not bool((changed[k] & ~r.written(k)).any()), k
+        assert torch.equal(bits(r.before(k)), bits(before[k])), k
+    assert r.writes.set_index("target")["written"].to_dict() == {"p0": 2, "p1": 2}
+
