@@ -489,6 +489,13 @@ def _holds(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return ok & (rel == 0)
 
 
+def _span_in(t: torch.Tensor, owner: torch.Tensor) -> bool:
+    """Whether view ``t``'s byte extent lies in ``owner``'s."""
+    lo, hi = _byte_span(t)
+    o0, o1 = _byte_span(owner)
+    return o0 <= lo and hi <= o1
+
+
 def _span_of(view: torch.Tensor, key: tuple | None = None) -> tuple[tuple, int, int, int]:
     """``(storage key, start, end, element size)``: where ``view`` sits in its storage
     (the byte extent of :func:`_byte_span`); ``key``: its storage key, where the caller
@@ -5993,7 +6000,9 @@ class WriteSession:
         mapped, saved = [], []
         written: list | None = None if write is None else []
         for t, (tname, owner, off) in targets:
-            if t.element_size() == owner.element_size():
+            # (one of the tensor's size that a view reaching others of another size
+            # reaches too, :meth:`_straddled`: its own elements, as the others')
+            if t.element_size() == owner.element_size() and _span_in(t, owner):
                 mapped.append((t, (tname, owner, off)))
                 saved.append(self._save(t, tname, off, write))
                 if written is not None:

@@ -1237,3 +1237,66 @@ def test_a_sparse_copy_through_a_float32_view_over_two_column_slices(how):
         assert torch.equal(bits(r.before(k)), bits(before[k])), k
     assert r.writes.set_index("target")["written"].to_dict() == {"p0": 2, "p1": 2}
 
+
+class _MixedSizes(torch.nn.Module):
+    """Tensors of two element sizes in one uint8 buffer of 16 bytes, bfloat16 p0 = bytes
+    0-6 and p1 = 6-8, float32 p2 = 8-16, and a loader that copies through ``view`` of its
+    float32 view (whose element 1 holds p0's last element and p1)."""
+
+    def __init__(self, view, fail=False):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.flat = torch.randint(0, 64, (16,), dtype=torch.uint8, generator=g)
+        self.p0 = torch.nn.Parameter(self.flat[0:6].view(torch.bfloat16), requires_grad=False)
+        self.p1 = torch.nn.Parameter(self.flat[6:8].view(torch.bfloat16), requires_grad=False)
+        self.p2 = torch.nn.Parameter(self.flat[8:16].view(torch.float32), requires_grad=False)
+        self.view, self.fail = view, fail
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.view(self.flat.view(torch.float32)).copy_(w)
+        if self.fail:
+            raise RuntimeError("late")
+        return {n for n, _ in weights}
+
+
+# name -> (view of the float32 view, its shape). (A view that starts in a tensor of its
+# own element size, float32 [0:4:2] over float32 bytes 0-8 and bfloat16 8-14, 14-16, is
+# one row for that tensor where no cut into pieces exists, as one over the loader's space
+# between two tensors is: test_a_copy_over_the_loaders_space_between_...)
+MIXED_SIZES = {
+    "contiguous": (lambda f: f[1:4], (3,)),
+    "strided": (lambda f: f[1:4:2], (2,)),
+}
+
+
+@pytest.mark.parametrize("how", list(MIXED_SIZES))
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_a_copy_over_tensors_of_two_element_sizes_is_a_row_in_each_ones_elements(
+        how, sparse):
+    # Before, a reached tensor of the view's own element size (float32 p2) was saved and
+    # recorded as the whole view: its row at target_offset -1, of 3 elements (p2 has 2),
+    # counting p0's and p1's changes as its own (the rollback was exact)
+    view, shape = MIXED_SIZES[how]
+    n = math.prod(shape)
+    p = (CheckpointWeightPatch("x", shape, torch.float32, torch.tensor([3.0, 7.0]),
+                               torch.tensor([0, n - 1])) if sparse
+         else CheckpointWeightPatch("x", shape, torch.float32, torch.arange(1.0, n + 1) + 1 / 3))
+    m = _MixedSizes(view)
+    before = {k: t.detach().clone() for k, t in m.named_parameters()}
+    # (an observed loader's NaN-merge: patchkit's own refuses the straddling one)
+    r = patchkit.inspect_load(m, [p], loader=vllm_style_loader if sparse else None)
+    changed = {k: int((bits(t.detach()) != bits(before[k])).sum())
+               for k, t in m.named_parameters()}
+    rows = r.writes.groupby("target")
+    assert set(r.writes["target"]) == {k for k, c in changed.items() if c} | {"p0"}
+    assert rows["changed"].sum().to_dict() == {k: changed[k] for k in rows.groups}
+    numel = {k: t.numel() for k, t in m.named_parameters()}
+    for _, w in r.writes.iterrows():  # (each row in its tensor's own elements)
+        assert w["target_offset"] >= 0, dict(w)
+        assert w["target_offset"] + w["elements"] <= numel[w["target"]], dict(w)
+    m = _MixedSizes(view, fail=True)
+    start = m.flat.clone()
+    with pytest.raises((RuntimeError, patchkit.ContractViolation)):  # (or refused)
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(m.flat, start)
