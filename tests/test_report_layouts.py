@@ -1086,6 +1086,36 @@ def test_a_copy_of_another_dtype_past_two_tensors_into_the_buffer_is_saved_for_b
     assert torch.equal(m.flat[:22].view(torch.int16), before[:22].view(torch.int16))
 
 
+class _PastTheTensorsAsFloat32(_PastTheTensors):
+    """:class:`_PastTheTensors` copying through the buffer's float32 view, which a
+    NaN-merge can take."""
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.flat.view(torch.float32)[2:13].copy_(w)
+        if self.fail:
+            raise RuntimeError("late")
+        return {n for n, _ in weights}
+
+
+def test_a_sparse_copy_of_another_dtype_past_two_tensors_is_no_straddling_view():
+    # No element of the view holds two tensors' parts (p0's and p1's bounds fall between
+    # float32 elements): a sparse one loads, a row for each tensor, each of its own
+    # elements that the merge wrote (float32 element 8 is p1's, 9 the buffer's tail)
+    p = CheckpointWeightPatch("x", (11,), torch.float32, torch.tensor([1.5, 2.5, 3.5]),
+                              torch.tensor([0, 8, 9]))
+    m = _PastTheTensorsAsFloat32()
+    r = patchkit.inspect_load(m, [p])
+    assert r.writes.set_index("target")["written"].to_dict() == {"p0": 2, "p1": 2}
+    assert torch.equal(r.written("p1"), torch.tensor([True, True]))
+    assert r.written("p0").nonzero().reshape(-1).tolist() == [4, 5]
+    m = _PastTheTensorsAsFloat32(fail=True)
+    before = m.flat.clone()
+    with pytest.raises(RuntimeError, match="late"):
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(m.flat[:22].view(torch.int16), before[:22].view(torch.int16))
+
+
 class _WideView(torch.nn.Module):
     """A bfloat16 parameter of 8 written through its float32 view (two of its elements
     to one of the view's)."""
@@ -1261,9 +1291,8 @@ class _MixedSizes(torch.nn.Module):
 
 
 # name -> (view of the float32 view, its shape). (A view that starts in a tensor of its
-# own element size, float32 [0:4:2] over float32 bytes 0-8 and bfloat16 8-14, 14-16, is
-# one row for that tensor where no cut into pieces exists, as one over the loader's space
-# between two tensors is: test_a_copy_over_the_loaders_space_between_...)
+# own element size is one row for that tensor where no cut into pieces exists:
+# test_a_view_starting_in_a_tensor_of_its_own_size_over_others_is_one_row_for_it)
 MIXED_SIZES = {
     "contiguous": (lambda f: f[1:4], (3,)),
     "strided": (lambda f: f[1:4:2], (2,)),
@@ -1300,3 +1329,133 @@ def test_a_copy_over_tensors_of_two_element_sizes_is_a_row_in_each_ones_elements
     with pytest.raises((RuntimeError, patchkit.ContractViolation)):  # (or refused)
         patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
     assert torch.equal(m.flat, start)
+
+
+class _SkippedStraddle(_StraddledStrided):
+    """Three bfloat16 parameters of a flat buffer of 24, p0 = 0-2, p1 = 3-7, p2 = 8-23,
+    copied through ``view`` of its float32 view: element 1 holds p0's last element and
+    p1's first."""
+
+    def __init__(self, view, fail=False):
+        torch.nn.Module.__init__(self)
+        self.flat = torch.zeros(24, dtype=torch.bfloat16)
+        self.p0 = torch.nn.Parameter(self.flat[0:3], requires_grad=False)
+        self.p1 = torch.nn.Parameter(self.flat[3:8], requires_grad=False)
+        self.p2 = torch.nn.Parameter(self.flat[8:24], requires_grad=False)
+        self.fail, self.view = fail, view
+
+
+@pytest.mark.parametrize("mode", ["inspect", "transactional"])
+def test_a_sparse_copy_through_a_strided_view_that_skips_the_straddling_element(mode):
+    # float32 elements 0, 4 and 8: p0's first two, p2's; none holds two tensors' parts,
+    # and none lies in p1, which the view's extent spans. A sparse one is no straddling
+    # view: it loads, a row for p0 and p2 (not p1), each of its own elements and count
+    view = lambda f: f[0:12:4]  # noqa: E731
+    m = _SkippedStraddle(view, fail=mode == "transactional")
+    start = m.flat.clone()
+    p = CheckpointWeightPatch("x", (3,), torch.float32, torch.tensor([1.5, 2.5, 3.5]) + 1 / 3,
+                              torch.arange(3))
+    if mode == "transactional":
+        with pytest.raises(RuntimeError, match="late"):
+            patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+        assert torch.equal(bits(m.flat), bits(start))
+        return
+    r = patchkit.inspect_load(m, [p])
+    want = start.clone()
+    view(want.view(torch.float32)).copy_(p.values)
+    assert torch.equal(bits(m.flat), bits(want))
+    assert r.writes.set_index("target")["written"].to_dict() == {"p0": 2, "p2": 4}
+    assert r.deltas["changed"].to_dict() == {"p0": 2, "p2": 4}
+    touched = _touched_bf16_of(view, m)
+    for n in ("p0", "p2"):
+        assert torch.equal(r.written(n), touched[n]), n
+
+
+def _touched_bf16_of(view, model):
+    """:func:`_touched_bf16` for a buffer of any length."""
+    probe = torch.zeros_like(model.flat)
+    view(probe.view(torch.float32)).view(torch.int32).fill_(-1)
+    hit = probe.view(torch.int16) != 0
+    return {n: hit[t.storage_offset():t.storage_offset() + t.numel()]
+            for n, t in model.named_parameters()}
+
+
+class _DenseBesideSparse(_StraddledStrided):
+    """:class:`_StraddledStrided` with a parameter q of its own, which patch "q" merges
+    into (NaN where it keeps q), while patch "x" is copied through ``view``."""
+
+    def __init__(self, view):
+        super().__init__(view)
+        self.q = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "q":
+                self.q.copy_(torch.where(w.isnan(), self.q, w))
+            else:
+                self.view(self.flat.view(torch.float32)).copy_(w)
+        return {n for n, _ in weights}
+
+
+def _stage_all(model, patches, **_):
+    """An observed loader that stages every patch in one call, a sparse one as NaN
+    where it keeps the runtime value."""
+    staged = []
+    for p in patches:
+        if p.indices is None:
+            t = p.values.to(p.dtype).reshape(p.shape)
+        else:
+            t = torch.full(p.shape, float("nan"), dtype=p.dtype)
+            t.view(-1)[p.indices.long()] = p.values.to(p.dtype)
+        staged.append((p.name, t))
+    return model.load_weights(staged)
+
+
+def test_an_observed_call_with_a_sparse_patch_copies_a_dense_one_through_a_straddling_view():
+    # A call the observer watches for NaN-merges (it holds a sparse patch) whose dense
+    # patch's copy goes through a strided straddling view: a plain copy, each tensor's
+    # part of it as in a dense call, its own elements exactly (not the span they reach)
+    view = lambda f: f[1:8:2]  # noqa: E731
+    m = _DenseBesideSparse(view)
+    before = {n: t.detach().clone() for n, t in m.named_parameters()}
+    ps = [CheckpointWeightPatch("q", (4,), torch.float32, torch.tensor([5.0]),
+                                torch.tensor([2])),
+          CheckpointWeightPatch("x", (4,), torch.float32, torch.arange(1.0, 5.0) + 1 / 3)]
+    r = patchkit.inspect_load(m, ps, loader=_stage_all)
+    touched = _touched_bf16(view, m)
+    changed = {n: int((bits(t.detach()) != bits(before[n])).sum())
+               for n, t in m.named_parameters()}
+    assert r.deltas["changed"].to_dict() == changed
+    for n in ("p0", "p1"):
+        assert torch.equal(r.written(n), touched[n]), n
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_a_view_starting_in_a_tensor_of_its_own_size_over_others_is_one_row_for_it(sparse):
+    # float32 p0 = bytes 0-8, bfloat16 p1 = 8-10 and p2 = 10-16, written through the
+    # float32 view's elements 0 and 3 (p0's first, p2's last two): no cut into pieces
+    # exists (p1 ends inside float32 element 2, which the view skips), and the view has
+    # p0's element size, so it is one row for p0, saved as the view, as one over the
+    # loader's space between two tensors is; dense or sparse alike. The rollback is exact
+    def model(fail=False):
+        m = _MixedSizes(lambda f: f[0:4:3], fail)
+        for k in ("p0", "p1", "p2"):
+            delattr(m, k)
+        m.p0 = torch.nn.Parameter(m.flat[0:8].view(torch.float32), requires_grad=False)
+        m.p1 = torch.nn.Parameter(m.flat[8:10].view(torch.bfloat16), requires_grad=False)
+        m.p2 = torch.nn.Parameter(m.flat[10:16].view(torch.bfloat16), requires_grad=False)
+        return m
+
+    p = (CheckpointWeightPatch("x", (2,), torch.float32, torch.tensor([3.0, 7.0]),
+                               torch.tensor([0, 1])) if sparse
+         else CheckpointWeightPatch("x", (2,), torch.float32, torch.tensor([3.0, 7.0])))
+    m = model()
+    r = patchkit.inspect_load(m, [p])
+    assert r.writes[["target", "target_offset", "elements", "written"]].values.tolist() == [
+        ["p0", 0, 2, 2]]
+    m = model(fail=True)
+    start = m.flat.clone()
+    with pytest.raises(RuntimeError, match="late"):
+        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
+    assert torch.equal(m.flat, start)
+
