@@ -4377,6 +4377,31 @@ def _box_in_units(t: torch.Tensor, size: int
     return first, tuple(shape), tuple(out)
 
 
+def _in_elements_of(t: torch.Tensor, owner: torch.Tensor) -> bool:
+    """Whether every byte of view ``t`` (of another element size) lies in ``owner``'s
+    elements, decided on the box of :func:`_box_in_units` alone: each of its dimensions
+    one of ``owner``'s, of the same stride, and within its bounds (``t.view(torch.int32)``
+    of a bfloat16 column slice of a fused matrix). ``False`` where that is not shown."""
+    size = owner.element_size()
+    box = _box_in_units(t, size)
+    if box is None:
+        return False
+    first, shape, stride = box
+    at = _position_of(owner, first * size)
+    if at is None:
+        return False
+    index = []
+    for n in reversed(owner.shape):
+        at, k = divmod(at, n)
+        index.append(k)
+    index.reverse()
+    dims = {s: d for d, (n, s) in enumerate(zip(owner.shape, owner.stride())) if n > 1}
+    for n, s in zip(shape, stride):
+        if n > 1 and (s not in dims or index[dims[s]] + n > owner.shape[dims[s]]):
+            return False
+    return True
+
+
 def _owner_units(t: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The elements of runtime tensor ``owner`` that view ``t`` (of another element size)
     writes, as a view of ``owner`` (of its dtype) and its row-major offset in ``owner``:
@@ -5684,8 +5709,8 @@ class WriteSession:
         at once where the storage has one runtime tensor) where it lies in its owner. A
         view of another element size than a strided owner's (a float32 view of a
         bfloat16 column slice of a fused matrix, whose extent holds the other slices'
-        columns too) is taken to reach past it wherever it lies: :meth:`_straddled`
-        finds which tensors its elements reach."""
+        columns too) is taken to reach past it unless it is shown to lie in its elements
+        (:func:`_in_elements_of`): :meth:`_straddled` finds which tensors they reach."""
         if dest.dim() == 0:
             return None
         if key is None:
@@ -5696,7 +5721,8 @@ class WriteSession:
         lo, hi = _byte_span(dest)
         o0, o1 = _byte_span(own[1])
         if o0 <= lo and hi <= o1 and (dest.element_size() == own[1].element_size()
-                                      or own[1].is_contiguous()):
+                                      or own[1].is_contiguous()
+                                      or _in_elements_of(dest, own[1])):
             return None
         return key, lo, hi
 

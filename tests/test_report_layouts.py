@@ -1459,3 +1459,29 @@ def test_a_view_starting_in_a_tensor_of_its_own_size_over_others_is_one_row_for_
         patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
     assert torch.equal(m.flat, start)
 
+
+@pytest.mark.parametrize("view", [lambda p: p.view(torch.int32),
+                                  lambda p: p.view(torch.int32)[1:, :1]],
+                         ids=["whole", "a block"])
+def test_a_view_of_another_size_inside_a_column_slice_is_decided_at_once(view, monkeypatch):
+    # An int32 view of p1 = W[:, 4:8] (bfloat16 columns of a fused matrix) lies in p1's
+    # elements: shown on its box, without looking for tensors its elements reach
+    # (_straddled: every byte of every element, O(size) each) though p1's extent holds
+    # p0's columns too. One row for p1, of the elements it wrote
+    m = _Columns(4, lambda f: f)
+    m.load_weights = lambda weights: [view(m.p1).copy_(w) for _, w in weights] and {"x"}
+    calls = []
+    real = patchkit.intercept.WriteSession._straddled
+    monkeypatch.setattr(patchkit.intercept.WriteSession, "_straddled",
+                        lambda *a: calls.append(1) or real(*a))
+    shape = tuple(view(m.p1).shape)
+    p = CheckpointWeightPatch("x", shape, torch.float32,
+                              torch.arange(math.prod(shape)).float() * 3e7 + 1e7 + 1)
+    before = m.p1.detach().clone()
+    r = patchkit.inspect_load(m, [p])
+    assert not calls
+    assert r.writes["target"].tolist() == ["p1"]
+    probe = torch.zeros(4, 4, dtype=torch.bfloat16)
+    view(probe).fill_(-1)
+    assert torch.equal(r.written("p1"), probe.view(torch.int16) != 0)
+    assert r.deltas.loc["p1", "changed"] == int((bits(m.p1.detach()) != bits(before)).sum())
