@@ -1181,6 +1181,8 @@ COLUMN_VIEWS = {
     "a float32 column over two column slices": (3, lambda f: f[:, 1], (4,), True),
     "float32 columns, one straddling": (3, lambda f: f[:, 1:3], (4, 2), True),
     "a transposed float32 block, straddling": (3, lambda f: f[:3, 1:3].t(), (2, 3), True),
+    # (inside p0's extent, its box one column past p0's last)
+    "a float32 column of three rows, straddling": (3, lambda f: f[:3, 1], (3,), True),
     "float32 columns over two column slices": (2, lambda f: f[:, 0:2], (4, 2), False),
 }
 
