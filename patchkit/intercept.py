@@ -2407,8 +2407,9 @@ class _Provenance:
                 # only, as an element-wise op's that keeps NaN NaN)
                 kept = _traced_unchanged(found)
             self._moved_into(out, found, mixed, nan_kept=kept,
-                             replaced=self._replaced_by(func, args, kwargs or {}, found, out)
-                             if self.mixing and floating else None)
+                             replaced=(self._replaced_by(func, args, kwargs or {}, found, out)
+                                       if floating else self._counted_marks(func, found))
+                             if self.mixing else None)
 
     def _all_unchanged(self, args: Sequence[Any]) -> bool:
         """Whether every floating-point tensor among ``args`` (lists of tensors too) lies
@@ -2450,6 +2451,28 @@ class _Provenance:
         keep = self._keep_made(func, args, kwargs, out)
         return (*got[:3], None if keep is None else _keep_at(keep, out))
 
+    def _counted_marks(self, func: Any, found: list[tuple[torch.Tensor, _Source]]
+                       ) -> tuple[int | None, str | None, str, None] | None:
+        """:attr:`_Source.replaced` of an integer or boolean result of op ``func``
+        (``None``: a copy or cast) in a sparse call, whose inputs traced to patches' data
+        are ``found``: an op that reads a patch's floating-point data not sent whole
+        makes numbers of its NaN, the "keep" marks, as ``argmax``, ``w > 0``, a sort's or
+        a ``max``'s indices do (a kept row's index is 0, not the runtime tensor's; ``NaN
+        > 0`` is ``False``), at places not known; made from such a result, the same
+        (``~(w > 0)``). ``isnan`` and ``isfinite`` say where the marks are and make
+        none. A copy into the model of it, or of what a cast, a ``where`` or a pick of
+        the loader's own data by it makes, is refused where it changes an element
+        (:meth:`WriteSession._replaced_loss`); as the indices of a move of a patch's
+        data (``w.gather(1, perm)``) it is none of the result's data
+        (:meth:`_keep_made`)."""
+        for t, e in found:
+            if (func is not None and (t.is_floating_point() or t.is_complex())
+                    and _base_name(func) not in _EXACT_MARKS
+                    and (e.name is None or not self.sent_whole(e.position, e.name))):
+                return e.position, e.name, _op_name(func), None
+        return next(((*e.replaced[:3], None) for _, e in found if e.replaced is not None),
+                    None)
+
     def _replacing(self, func: Any, inputs: Sequence[Any],
                    found: list[tuple[torch.Tensor, _Source]]
                    ) -> tuple[int | None, str | None] | None:
@@ -2476,8 +2499,12 @@ class _Provenance:
         is data an op made numbers of NaN in, the stretch's mask (:func:`_keep_in`);
         other patches' data, its NaN; ``None`` where it holds no patch's data (a tensor
         of the loader's or the model's own, a number); ``False`` where not known."""
-        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+        if not isinstance(t, torch.Tensor):
             return None
+        if not (t.is_floating_point() or t.is_complex()):
+            # (indices or a mask made of the marks, :meth:`_counted_marks`: not known)
+            return (False if t.numel() and any(e.replaced is not None
+                                               for e in self.stretches(t)) else None)
         hits = self.stretches(t) if t.numel() else []
         if not hits:
             return None
@@ -2540,6 +2567,9 @@ class _Provenance:
                         return None
                     masks.append(torch.zeros(t.shape, dtype=torch.bool, device=t.device)
                                  if got is None else got)
+                if all(self._keep_of(t) is None for t in ins) and any(
+                        self._keep_of(a) is False for a in (*args[1:], *kwargs.values())):
+                    return None  # (``h.gather(1, w.argsort(1))``: picked by the marks)
                 return func(masks if isinstance(first, list | tuple) else masks[0],
                             *args[1:], **kwargs).to(out.device)
         except (RuntimeError, TypeError, IndexError, ValueError):
@@ -3936,6 +3966,11 @@ _SELECTING = frozenset({
     "scatter_reduce",
 })
 
+# Ops (ATen base names) whose boolean result says where a patch's "keep" marks are and
+# makes no number of them (:meth:`_Provenance._counted_marks`): a ``where`` by it is a
+# merge on purpose, or a replacement :func:`_replaces_nan` follows
+_EXACT_MARKS = frozenset({"isnan", "isfinite"})
+
 # What :func:`_replaces_nan` says of a pick or put of ``_SELECTING``
 _SELECTS = "selects"
 
@@ -4022,8 +4057,10 @@ def _carried_replaced(e: _Source, src: torch.Tensor, out: torch.Tensor) -> tuple
     """:attr:`_Source.replaced` of what ``out``, an element-for-element copy of ``src``
     (of stretch ``e``), holds: ``e``'s, with ``out``'s mask of the elements that keep."""
     r = e.replaced
-    if r is None or not (out.is_floating_point() or out.is_complex()):
+    if r is None:
         return None
+    if not (out.is_floating_point() or out.is_complex()):
+        return (*r[:3], None)  # (its bytes as integers: which keep is not followed)
     keep = _keep_in(e, src)
     if keep is not None and keep.shape != out.shape:
         keep = keep.reshape(out.shape) if keep.numel() == out.numel() else None

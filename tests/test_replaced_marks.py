@@ -89,6 +89,22 @@ _REPLACING = {
     # replaced, where which elements keep is no longer known)
     "nan_to_num, then @ H": (lambda w: w["a.w"].nan_to_num() @ _h(w["a.w"]),
                              "aten::nan_to_num"),
+    # (the marks made integers or booleans, then floats: a kept row's index is 0, not
+    # the runtime tensor's, NaN > 0 is False; which elements keep is not followed, so a
+    # copy that changes any element is refused. Before, these loaded without a word)
+    "nan_to_num, its bytes cloned": (
+        lambda w: w["a.w"].nan_to_num().view(torch.uint8).clone().view(torch.float32),
+        "aten::nan_to_num"),
+    "max's indices, cast": (
+        lambda w: w["a.w"].max(1, keepdim=True).indices.expand(4, 8).float(),
+        "aten::max.dim"),
+    "sort's indices, cast": (lambda w: w["a.w"].sort(1).indices.float(), "aten::sort"),
+    "(w > 0), cast": (lambda w: (w["a.w"] > 0).float(), "aten::gt.Scalar"),
+    "where(w > 0) of the loader's own": (
+        lambda w: torch.where(w["a.w"] > 0, _h(w["a.w"])[:4], _h(w["a.w"])[4:]),
+        "aten::gt.Scalar"),
+    "the loader's own gathered by w.argsort(1)": (
+        lambda w: _h(w["a.w"])[:4].gather(1, w["a.w"].argsort(1)), "aten::sort"),
 }
 
 
