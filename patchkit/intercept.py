@@ -2568,8 +2568,11 @@ class _Provenance:
                     masks.append(torch.zeros(t.shape, dtype=torch.bool, device=t.device)
                                  if got is None else got)
                 if all(self._keep_of(t) is None for t in ins) and any(
-                        self._keep_of(a) is False for a in (*args[1:], *kwargs.values())):
-                    return None  # (``h.gather(1, w.argsort(1))``: picked by the marks)
+                        self._keep_of(i) is False for a in (*args[1:], *kwargs.values())
+                        for i in (a if isinstance(a, list | tuple) else (a,))):
+                    # (``h.gather(1, w.argsort(1))``, ``h[w.argmax(1)]``: picked by the
+                    # marks)
+                    return None
                 return func(masks if isinstance(first, list | tuple) else masks[0],
                             *args[1:], **kwargs).to(out.device)
         except (RuntimeError, TypeError, IndexError, ValueError):

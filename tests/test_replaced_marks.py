@@ -105,6 +105,8 @@ _REPLACING = {
         "aten::gt.Scalar"),
     "the loader's own gathered by w.argsort(1)": (
         lambda w: _h(w["a.w"])[:4].gather(1, w["a.w"].argsort(1)), "aten::sort"),
+    "the loader's own rows picked by w.argmax(1)": (
+        lambda w: _h(w["a.w"])[w["a.w"].argmax(1)], "aten::argmax"),
 }
 
 
