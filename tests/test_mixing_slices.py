@@ -222,6 +222,10 @@ _LOADS = {
         ROWS, COLS),
     "linear(x, w) (mm of w.t())": lambda w: F.linear(_dev(_X), w["w"]),
     "linear(x, w, bias) (addmm)": lambda w: F.linear(_dev(_X), w["w"], _dev(_X[0, :ROWS])),
+    "linear(x, w, w[:, 0]) (addmm whose bias keeps where w's rows do)": (
+        lambda w: F.linear(_dev(_X), w["w"], w["w"][:, 0])),
+    "addbmm of w as one batch (sums over the batch too)": lambda w: torch.addbmm(
+        _dev(torch.zeros(ROWS, COLS)), w["w"].unsqueeze(0), _dev(_H).unsqueeze(0)),
     "einsum('ij,kj->ik', x, w)": lambda w: torch.einsum("ij,kj->ik", _dev(_X), w["w"]),
     "matmul whose other operand has a zero column": _with_zero_column,
     "cumsum_ in place on a scratch": _cumsum_in_place,

@@ -53,6 +53,18 @@ def _scratch_copy(w):
     return buf
 
 
+def _scratch_columns(w):
+    buf = torch.zeros(4, 16, device=w["a.w"].device)
+    buf[:, 4:12].copy_(w["a.w"].nan_to_num())  # (not followed element for element)
+    return buf[:, 4:12]
+
+
+def _scratch_transposed(w):
+    buf = torch.zeros(8, 4, device=w["a.w"].device)
+    buf.t().copy_(w["a.w"].nan_to_num())
+    return buf.t()
+
+
 def _scattered_into_zeros(w):
     a = w["a.w"]
     return torch.zeros_like(a).masked_scatter(~a.isnan(), a[~a.isnan()])
@@ -105,6 +117,8 @@ _REPLACING = {
         "aten::gt.Scalar"),
     "the loader's own gathered by w.argsort(1)": (
         lambda w: _h(w["a.w"])[:4].gather(1, w["a.w"].argsort(1)), "aten::sort"),
+    "nan_to_num copied into a scratch's columns": (_scratch_columns, "aten::nan_to_num"),
+    "nan_to_num copied into a transposed scratch": (_scratch_transposed, "aten::nan_to_num"),
     "the loader's own rows picked by w.argmax(1)": (
         lambda w: _h(w["a.w"])[w["a.w"].argmax(1)], "aten::argmax"),
 }
@@ -176,6 +190,9 @@ _MERGING = {
         w["a.w"].flip(0).isnan(), p.detach().flip(0), w["a.w"].flip(0)).flip(0),
     "where(isnan, param, w), cast and back": lambda p: lambda w: torch.where(
         w["a.w"].isnan(), p.detach(), w["a.w"]).double().float(),
+    "where(isnan, param, w) in a padded scratch, copied from its view": (
+        lambda p: lambda w: torch.cat([torch.zeros_like(w["a.w"][:1]), torch.where(
+            w["a.w"].isnan(), p.detach(), w["a.w"])])[1:]),
     "clamp": lambda p: lambda w: w["a.w"].clamp(-1.0, 1.0),
     "abs": lambda p: lambda w: w["a.w"].abs(),
     "mul by a number": lambda p: lambda w: w["a.w"] * 3.0,
