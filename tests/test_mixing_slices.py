@@ -224,6 +224,8 @@ _LOADS = {
     "linear(x, w, bias) (addmm)": lambda w: F.linear(_dev(_X), w["w"], _dev(_X[0, :ROWS])),
     "linear(x, w, w[:, 0]) (addmm whose bias keeps where w's rows do)": (
         lambda w: F.linear(_dev(_X), w["w"], w["w"][:, 0])),
+    "median of single elements (0-d) of a kept and an updated row": lambda w: torch.stack(
+        [w["w"][0, 0].median(), w["w"][1, 0].median()]),
     "addbmm of w as one batch (sums over the batch too)": lambda w: torch.addbmm(
         _dev(torch.zeros(ROWS, COLS)), w["w"].unsqueeze(0), _dev(_H).unsqueeze(0)),
     "einsum('ij,kj->ik', x, w)": lambda w: torch.einsum("ij,kj->ik", _dev(_X), w["w"]),

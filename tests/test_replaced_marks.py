@@ -286,3 +286,17 @@ def test_a_copy_of_data_that_keeps_nan_is_not_compared():
     finally:
         intercept.WriteSession._replaced_loss = saved
     assert calls == []  # (no replaced data: the check never ran)
+
+
+@pytest.mark.parametrize("case", ["nan_to_num, then @ H", "max's indices, cast",
+                                  "the loader's own rows picked by w.argmax(1)"])
+def test_a_patch_sent_whole_makes_no_replaced_marks(case):
+    # (a sparse patch with an index for every element holds no NaN: nothing to replace,
+    # though which elements keep is not followed after the matmul or as indices; a
+    # mark there refused any copy that changes an element)
+    f, _ = _REPLACING[case]
+    m = _Mixing(f)
+    patches = _patches(full=True)
+    want = bits(_merged(f, m, patches)).clone()
+    _load("plain", m, patches)
+    assert torch.equal(bits(m.a.detach()), want)
