@@ -872,7 +872,24 @@ def test_a_refused_op_after_a_copy_across_runtime_tensors_tells_that_copy_for_ea
     assert "the call last copied patch 0 ('x') into runtime tensor 'k'" in str(e.value)
 
 
-class _Straddled(torch.nn.Module):
+class _CopiesThrough(torch.nn.Module):
+    """A model whose loader copies each weight it is sent through ``target()`` (a view
+    of its memory), then raises ``RuntimeError("late")`` where ``fail`` says so."""
+
+    fail = False
+
+    def target(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.target().copy_(w)
+        if self.fail:
+            raise RuntimeError("late")
+        return {n for n, _ in weights}
+
+
+class _Straddled(_CopiesThrough):
     """Two bfloat16 parameters of one flat buffer, p0 = elements 0-2 and p1 = 3-15, and a
     loader that copies through a float32 view of the buffer's first 8 elements: its
     second element holds p0's last element and p1's first."""
@@ -884,12 +901,8 @@ class _Straddled(torch.nn.Module):
         self.p1 = torch.nn.Parameter(self.flat[3:16], requires_grad=False)
         self.fail = fail
 
-    def load_weights(self, weights):
-        for _, w in weights:
-            self.flat.view(torch.float32)[0:4].copy_(w)
-        if self.fail:
-            raise RuntimeError("late")
-        return {n for n, _ in weights}
+    def target(self):
+        return self.flat.view(torch.float32)[0:4]
 
 
 def test_a_dense_copy_whose_elements_straddle_two_runtime_tensors_is_a_row_for_each():
@@ -945,12 +958,8 @@ class _StraddledStrided(_Straddled):
         super().__init__(fail)
         self.view = view
 
-    def load_weights(self, weights):
-        for _, w in weights:
-            self.view(self.flat.view(torch.float32)).copy_(w)
-        if self.fail:
-            raise RuntimeError("late")
-        return {n for n, _ in weights}
+    def target(self):
+        return self.view(self.flat.view(torch.float32))
 
 
 class _StraddledThree(_StraddledStrided):
@@ -1050,7 +1059,7 @@ def test_a_sparse_copy_through_a_strided_straddling_view_is_refused(how, mode):
     assert torch.equal(m.flat.view(torch.int16), before.view(torch.int16))
 
 
-class _PastTheTensors(torch.nn.Module):
+class _PastTheTensors(_CopiesThrough):
     """float16 p0 = elements 0-19 and p1 = 20-21 of a buffer of 26, and a loader that
     copies through its int32 view's elements 2-12: from p0, over all of p1, into the
     buffer's own tail (no tensor's), no element holding two tensors' parts."""
@@ -1062,12 +1071,8 @@ class _PastTheTensors(torch.nn.Module):
         self.p1 = torch.nn.Parameter(self.flat[20:22], requires_grad=False)
         self.fail = fail
 
-    def load_weights(self, weights):
-        for _, w in weights:
-            self.flat.view(torch.int32)[2:13].copy_(w)
-        if self.fail:
-            raise RuntimeError("late")
-        return {n for n, _ in weights}
+    def target(self):
+        return self.flat.view(torch.int32)[2:13]
 
 
 def test_a_copy_of_another_dtype_past_two_tensors_into_the_buffer_is_saved_for_both():
@@ -1090,12 +1095,8 @@ class _PastTheTensorsAsFloat32(_PastTheTensors):
     """:class:`_PastTheTensors` copying through the buffer's float32 view, which a
     NaN-merge can take."""
 
-    def load_weights(self, weights):
-        for _, w in weights:
-            self.flat.view(torch.float32)[2:13].copy_(w)
-        if self.fail:
-            raise RuntimeError("late")
-        return {n for n, _ in weights}
+    def target(self):
+        return self.flat.view(torch.float32)[2:13]
 
 
 def test_a_sparse_copy_of_another_dtype_past_two_tensors_is_no_straddling_view():
@@ -1116,7 +1117,7 @@ def test_a_sparse_copy_of_another_dtype_past_two_tensors_is_no_straddling_view()
     assert torch.equal(m.flat[:22].view(torch.int16), before[:22].view(torch.int16))
 
 
-class _WideView(torch.nn.Module):
+class _WideView(_CopiesThrough):
     """A bfloat16 parameter of 8 written through its float32 view (two of its elements
     to one of the view's)."""
 
@@ -1127,12 +1128,8 @@ class _WideView(torch.nn.Module):
                                     requires_grad=False)
         self.fail = fail
 
-    def load_weights(self, weights):
-        for _, w in weights:
-            self.p.data.view(torch.float32).copy_(w)
-        if self.fail:
-            raise RuntimeError("late")
-        return {n for n, _ in weights}
+    def target(self):
+        return self.p.data.view(torch.float32)
 
 
 def test_a_sparse_merge_through_a_wider_view_saves_both_halves_of_each_element():
@@ -1154,7 +1151,7 @@ def test_a_sparse_merge_through_a_wider_view_saves_both_halves_of_each_element()
     assert torch.equal(bits(m.p.detach()), bits(start))
 
 
-class _Columns(torch.nn.Module):
+class _Columns(_CopiesThrough):
     """Column slices of one bfloat16 matrix W (4, 8), p0 = W[:, :cut] and p1 =
     W[:, cut:] (strided runtime tensors, whose extents interleave), and a loader that
     copies through ``view`` of W's float32 view (4, 4)."""
@@ -1167,12 +1164,8 @@ class _Columns(torch.nn.Module):
         self.p1 = torch.nn.Parameter(self.W[:, cut:], requires_grad=False)
         self.view, self.fail = view, fail
 
-    def load_weights(self, weights):
-        for _, w in weights:
-            self.view(self.W.view(torch.float32)).copy_(w)
-        if self.fail:
-            raise RuntimeError("late")
-        return {n for n, _ in weights}
+    def target(self):
+        return self.view(self.W.view(torch.float32))
 
 
 # name -> (p0's columns, view of W's float32 view, its shape, whether an element of the
@@ -1270,7 +1263,7 @@ def test_a_sparse_copy_through_a_float32_view_over_two_column_slices(how):
     assert r.writes.set_index("target")["written"].to_dict() == {"p0": 2, "p1": 2}
 
 
-class _MixedSizes(torch.nn.Module):
+class _MixedSizes(_CopiesThrough):
     """Tensors of two element sizes in one uint8 buffer of 16 bytes, bfloat16 p0 = bytes
     0-6 and p1 = 6-8, float32 p2 = 8-16, and a loader that copies through ``view`` of its
     float32 view (whose element 1 holds p0's last element and p1)."""
@@ -1284,12 +1277,8 @@ class _MixedSizes(torch.nn.Module):
         self.p2 = torch.nn.Parameter(self.flat[8:16].view(torch.float32), requires_grad=False)
         self.view, self.fail = view, fail
 
-    def load_weights(self, weights):
-        for _, w in weights:
-            self.view(self.flat.view(torch.float32)).copy_(w)
-        if self.fail:
-            raise RuntimeError("late")
-        return {n for n, _ in weights}
+    def target(self):
+        return self.view(self.flat.view(torch.float32))
 
 
 # name -> (view of the float32 view, its shape). (A view that starts in a tensor of its
