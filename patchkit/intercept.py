@@ -2441,6 +2441,15 @@ class _Provenance:
         ``None`` otherwise. Which of its elements keep: :meth:`_keep_made`."""
         got = (next((e.replaced for _, e in found if e.replaced is not None), None)
                if self.replaced_seen else None)
+        if got is None and self.replaced_seen and func is not None and _pairs(func):
+            # (an integer or boolean operand made of a patch's marks, which found leaves
+            # out as a mask: ``(a > 0) * b`` of a ``b`` all updated, where ``a`` keeps,
+            # writes 0.0 or b, not known which is right)
+            got = next((e.replaced for t, e in self._traced(_inputs(func, args, kwargs))
+                        if e.replaced is not None
+                        and not (t.is_floating_point() or t.is_complex())), None)
+            if got is not None:
+                return (*got[:3], None)
         if got is None:
             if func is None or not _replaces_nan(func):
                 return None  # (most ops: no search)
@@ -2548,6 +2557,9 @@ class _Provenance:
                 keep, unknown = None, False
                 for t in _inputs(func, args, kwargs):
                     got = self._keep_of(t)
+                    if got is False and _pairs(func) and not (
+                            t.is_floating_point() or t.is_complex()):
+                        return None  # (``(w > 0) * b``: b's update, times which w's mark?)
                     if got is False:
                         unknown = True
                     elif got is not None:
@@ -2645,6 +2657,10 @@ class _Provenance:
         patches' data (see :meth:`_paired`)."""
         kind = _mixes(func)
         if not kind:
+            if _pairs(func):
+                masked = self._masked_by_patch(func, found, args, kwargs)
+                if masked is not None:
+                    return masked
             if len(found) > 1 and _pairs(func):
                 return self._paired(func, found)
             return None
@@ -2664,6 +2680,25 @@ class _Provenance:
             if bool(nan_mask(t).any()):
                 if kind is _PUT and not _puts_repeat(func, args, kwargs):
                     return None
+                return e.position, e.name, _op_name(func)
+        return None
+
+    def _masked_by_patch(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
+                         args: Sequence[Any], kwargs: dict
+                         ) -> tuple[int | None, str | None, str] | None:
+        """``(position, name, op)`` where element-wise op ``func`` pairs an integer or
+        boolean operand made of a patch's data (``w > 0``, ``w.isnan()``, of any patch,
+        sent whole too) with floating-point data of patches ``found`` that holds NaN:
+        ``(a > 0) * b`` is NaN where ``b`` keeps, so an update of ``a`` there is lost,
+        and where ``b`` updates it is paired with an element of ``a``'s that may keep
+        (as :meth:`_paired` refuses ``a * b``). ``None`` where there is none such."""
+        if not found or not any(
+                not (t.is_floating_point() or t.is_complex())
+                for t, _ in self._traced(_inputs(func, args, kwargs))):
+            return None
+        for t, e in found:
+            if (not t.is_meta and (t.is_floating_point() or t.is_complex())
+                    and e.mixed is None and bool(nan_mask(t).any())):
                 return e.position, e.name, _op_name(func)
         return None
 

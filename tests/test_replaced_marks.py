@@ -300,3 +300,56 @@ def test_a_patch_sent_whole_makes_no_replaced_marks(case):
     want = bits(_merged(f, m, patches)).clone()
     _load("plain", m, patches)
     assert torch.equal(bits(m.a.detach()), want)
+
+
+# name -> (the loader's source, whether 'a.w' is sent whole, the refusal's reason, the
+# patch it names, its op). A boolean made of one patch's data, in an element-wise op
+# with another's: found by the "indices, masks" family of test_mixing_fuzz.py; before,
+# each loaded without a word, writing what f(new) does not hold
+_MASK_TIMES_DATA = {
+    # where other.w keeps, its mark made False: a.w's update there is written as 0.0
+    # (not (old other > 0) * update); a.w holds no NaN, so it is its replaced marks
+    "(other > 0) * a, a sent whole": (
+        lambda w: (w["other.w"] > 0) * w["a.w"], True, "replaced NaN marks", 0,
+        "other.w", "aten::gt.Scalar"),
+    # where a.w keeps (NaN), its update of other.w through the mask is lost; where it
+    # updates, it is paired with other.w's mark
+    "(other > 0) * a, a sparse": (
+        lambda w: (w["other.w"] > 0) * w["a.w"], False, "mixed elements", 1, "a.w",
+        "aten::mul.Tensor"),
+    # a.w sent whole: its mask exact, but other.w's NaN hides a.w's updates
+    "(a > 0) * other, a sent whole": (
+        lambda w: (w["a.w"] > 0) * w["other.w"], True, "mixed elements", 0, "other.w",
+        "aten::mul.Tensor"),
+    "a.isnan() * other": (
+        lambda w: w["a.w"].isnan() * w["other.w"], False, "mixed elements", 0, "other.w",
+        "aten::mul.Tensor"),
+}
+
+
+@pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
+@pytest.mark.parametrize("case", list(_MASK_TIMES_DATA))
+def test_a_mask_of_one_patch_times_anothers_data_is_refused(case, how):
+    f, full, reason, pos, name, op = _MASK_TIMES_DATA[case]
+    m = _Mixing(f)
+    before = m.snapshot()
+    with pytest.raises(ContractViolation) as e:
+        _load(how, m, _patches(full=full))
+    err = e.value
+    assert (err.reason, err.position, err.name, err.value) == (reason, pos, name, op)
+    assert torch.equal(m.snapshot()["a"], before["a"])  # (the refused copy wrote nothing)
+
+
+@pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
+def test_a_mask_of_a_patch_times_the_loaders_own_loads_or_is_refused(how):
+    # (the mask alone: refused as before where it changes an element; made of a patch
+    # sent whole, it loads bit for bit)
+    f = lambda w: (w["a.w"] > 0) * _h(w["a.w"])[:4]  # noqa: E731
+    m = _Mixing(f)
+    with pytest.raises(ContractViolation) as e:
+        _load(how, m, _patches())
+    assert (e.value.reason, e.value.value) == ("replaced NaN marks", "aten::gt.Scalar")
+    m = _Mixing(f)
+    want = bits(_merged(f, m, _patches(full=True))).clone()
+    _load(how, m, _patches(full=True))
+    assert torch.equal(bits(m.a.detach()), want)
