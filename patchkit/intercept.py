@@ -2445,9 +2445,8 @@ class _Provenance:
             # (an integer or boolean operand made of a patch's marks, which found leaves
             # out as a mask: ``(a > 0) * b`` of a ``b`` all updated, where ``a`` keeps,
             # writes 0.0 or b, not known which is right)
-            got = next((e.replaced for t, e in self._traced(_inputs(func, args, kwargs))
-                        if e.replaced is not None
-                        and not (t.is_floating_point() or t.is_complex())), None)
+            got = next((e.replaced for _, e in self._mask_operands(func, args, kwargs)
+                        if e.replaced is not None), None)
             if got is not None:
                 return (*got[:3], None)
         if got is None:
@@ -2683,6 +2682,18 @@ class _Provenance:
                 return e.position, e.name, _op_name(func)
         return None
 
+    def _mask_operands(self, func: Any, args: Sequence[Any], kwargs: dict
+                       ) -> list[tuple[torch.Tensor, _Source]]:
+        """The integer and boolean tensors among op ``func``'s inputs that hold a
+        patch's data (``w > 0``, ``w.argmax(1)``), each with a stretch it reaches: what
+        :meth:`_traced_data` leaves out as an op's mask or indices. Most element-wise ops
+        (``w * scale``) have none, found without a look-up."""
+        masks = [t for a in _inputs(func, args, kwargs)
+                 for t in (a if isinstance(a, list | tuple) else (a,))
+                 if isinstance(t, torch.Tensor)
+                 and not (t.is_floating_point() or t.is_complex())]
+        return list(self._traced(masks)) if masks else []
+
     def _masked_by_patch(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
                          args: Sequence[Any], kwargs: dict
                          ) -> tuple[int | None, str | None, str] | None:
@@ -2692,9 +2703,7 @@ class _Provenance:
         ``(a > 0) * b`` is NaN where ``b`` keeps, so an update of ``a`` there is lost,
         and where ``b`` updates it is paired with an element of ``a``'s that may keep
         (as :meth:`_paired` refuses ``a * b``). ``None`` where there is none such."""
-        if not found or not any(
-                not (t.is_floating_point() or t.is_complex())
-                for t, _ in self._traced(_inputs(func, args, kwargs))):
+        if not found or not self._mask_operands(func, args, kwargs):
             return None
         for t, e in found:
             if (not t.is_meta and (t.is_floating_point() or t.is_complex())
@@ -6534,24 +6543,33 @@ class WriteSession:
         mixed = self.provenance.mixed_in(src)
         if mixed is None:
             return
-        mpos, mname, op = mixed
+        self._refuse_made_by(
+            src, pos, name, tname, mixed, "mixed elements",
+            "an op that mixes elements, while that data held NaN, a sparse patch's 'keep' "
+            "marks (the source is that op's result, or was computed from it): the NaN "
+            "spreads over elements the patch updates and numbers move to other elements, "
+            "so the NaN-merge would keep elements it should update or write numbers where "
+            "they do not belong. A sparse (NaN-masked) load cannot support a loader that "
+            "mixes a patch's elements before its copy_ (a matmul, a scale taken from a "
+            "whole tensor or block, a sort, a cumsum, a softmax, arithmetic between "
+            "different elements such as w - w[0]) except over rows (slices) that the "
+            "patch keeps or updates whole: send this weight dense")
+
+    def _refuse_made_by(self, src: torch.Tensor, pos: int | None, name: str | None,
+                        tname: str, made: tuple, reason: str, why: str) -> None:
+        """Refuse a sparse copy from ``src`` into runtime tensor ``tname`` before it
+        writes, its data made from a patch's by an op that lost the patch's updates:
+        ``made`` is ``(position, name, op)`` of that patch and op (the patch named where
+        known, else the call's ``pos`` and ``name``), ``why`` what the op did and what to
+        do instead, ``reason`` the error's."""
+        mpos, mname, op = made
         if mname is not None:
             pos, name = mpos, mname
-        made = _mixed_from(mpos, mname)
         raise ContractViolation(
             f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} {src.dtype} "
-            f"source made from {made} by {op}, an op that mixes elements, while that data "
-            "held NaN, a sparse patch's 'keep' marks (the source is that op's result, or "
-            "was computed from it): the NaN spreads over elements the patch updates and "
-            "numbers move to other elements, so the NaN-merge would keep elements it "
-            "should update or write numbers where they do not belong. A sparse "
-            "(NaN-masked) load cannot support a loader that mixes a patch's elements "
-            "before its copy_ (a matmul, a scale taken from a whole tensor or block, a "
-            "sort, a cumsum, a softmax, arithmetic between different elements such as "
-            "w - w[0]) except over rows (slices) that the patch keeps or updates whole: "
-            "send this weight dense. This copy wrote nothing"
-            f"{self._no_source_note(name, tname)}",
-            position=pos, name=name, reason="mixed elements", value=op,
+            f"source made from {_mixed_from(mpos, mname)} by {op}, {why}. This copy wrote "
+            f"nothing{self._no_source_note(name, tname)}",
+            position=pos, name=name, reason=reason, value=op,
         )
 
     def _replaced_loss(self, src: Any, dest: torch.Tensor) -> tuple | None:
@@ -6610,21 +6628,15 @@ class WriteSession:
         got = self._replaced_loss(src, dest)
         if got is None:
             return
-        rpos, rname, op, what = got
-        if rname is not None:
-            pos, name = rpos, rname
-        made = _mixed_from(rpos, rname)
-        raise ContractViolation(
-            f"{self._write_at(pos, name, tname)} copied a {tuple(src.shape)} {src.dtype} "
-            f"source made from {made} by {op}, an op that may make a number of a NaN, a "
-            "sparse patch's 'keep' mark (the source is that op's result, or was computed "
-            f"from it), and the NaN-merge would write numbers where the patch keeps: {what}. "
-            "Those elements would be lost without a word (vLLM writes them). A loader that "
-            "merges on purpose writes the runtime value there (torch.where(w.isnan(), "
-            "param, w)); else let the NaN reach the copy_, or send this weight dense. This "
-            f"copy wrote nothing{self._no_source_note(name, tname)}",
-            position=pos, name=name, reason="replaced NaN marks", value=op,
-        )
+        *made, what = got
+        self._refuse_made_by(
+            src, pos, name, tname, tuple(made), "replaced NaN marks",
+            "an op that may make a number of a NaN, a sparse patch's 'keep' mark (the "
+            "source is that op's result, or was computed from it), and the NaN-merge would "
+            f"write numbers where the patch keeps: {what}. Those elements would be lost "
+            "without a word (vLLM writes them). A loader that merges on purpose writes the "
+            "runtime value there (torch.where(w.isnan(), param, w)); else let the NaN "
+            "reach the copy_, or send this weight dense")
 
     def _note_replaced(self, src: Any, dest: torch.Tensor, tname: str) -> None:
         """An observed copy into runtime tensor ``tname`` from ``src``, data whose NaN an
