@@ -1871,9 +1871,7 @@ def _comparable_source(dest: torch.Tensor, src: Any, key: tuple) -> tuple | None
     covers; else ``None``."""
     if not isinstance(src, torch.Tensor):
         return None
-    # (_storage_key written out; its device is compared with the one in dest's key)
-    start = src.data_ptr() - src.storage_offset() * src.element_size()
-    skey = (src.device, start) if start else _storage_key(src)
+    skey = _storage_key(src)  # (its device, compared with the one in dest's key)
     if src.shape != dest.shape or src.dtype != dest.dtype or skey[0] != key[0]:
         return None
     if src.dtype.is_complex or src.element_size() not in (1, 2, 4, 8):
@@ -5719,31 +5717,14 @@ class WriteSession:
             return None
         if not dest.numel():
             return None
-        # (_storage_key, written out: its reads are the ones this needs)
-        size = dest.element_size()
-        b = dest.storage_offset() * size
-        start = dest.data_ptr() - b
-        key = (dest.device, start) if start else _storage_key(dest)
-        index = self.index
-        owners = index._owners.get(key)
-        if owners is None:  # (made when a write first reaches the storage)
-            owners = index._owners_of(key)
-        if not owners:
-            return None
-        # A storage of one runtime tensor (the common case) decided here as
-        # RuntimeIndex.owner decides it, with no cut into pieces to look for (one owner:
-        # _pieces_by_owner finds none); else owner() and the pieces are asked.
-        alone = len(owners) == 1
-        if alone:
-            o = owners[0]
-            if o.dense and o.start <= b < o.end:
-                own = (o.name, o.tensor, (b - o.start) // o.step)
-            else:
-                own = self.index.owner(dest, key)
-        else:
-            own = self.index.owner(dest, key)
+        key = _storage_key(dest)
+        own = self.index.owner(dest, key)
         if own is None:
             return None
+        # (a storage of one runtime tensor, the common case: no cut into pieces to look
+        # for, _pieces_by_owner finds none; owner() has listed the storage's tensors)
+        alone = len(self.index._owners[key]) == 1
+        size = dest.element_size()
         # The version counter moves once, as torch's copy_ moves it: a write done by torch
         # ops moves it itself, one done by the compiled path (outside torch) does not.
         version = None if dest.is_inference() else dest._version  # (no counter to move)
