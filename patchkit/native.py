@@ -680,9 +680,9 @@ def _compare_copy(
     if (n * size < _WHOLE_BELOW and _lib is not None and dest.is_contiguous()
             and src.is_contiguous()):
         # The common case (a small contiguous view, a built path: a layer's shard, saved
-        # whole) with _ready's checks and _whole's work written out: a load of many small
-        # tensors makes this call for each, and the calls it went through cost about as
-        # much as the copy. (The save is still allocated by _empty.)
+        # whole) with _ready's checks written out: a load of many small tensors makes
+        # this call for each, and the calls it went through cost about as much as the
+        # copy.
         if _off or not n or not dest.is_cpu or not src.is_cpu:
             return None
         try:
@@ -691,14 +691,7 @@ def _compare_copy(
             return None
         if not dptr or not sptr:
             return None
-        whole = _empty(n, dest.dtype, dest.shape)
-        total = _Acc()
-        _lib.kinds[kind].copy(dptr, sptr, n, n, n, dest.storage_offset(), 0, n, None,
-                              whole.data_ptr(), 0, 1, want, total)
-        if not want:
-            return CopyResult(None, whole, total.count)
-        return CopyResult(None, whole, total.count, total.b2, total.sum_abs, total.sum_d2,
-                          total.max_abs)
+        return _whole(_lib.kinds[kind], dest, (n, n, n), (0, n), want, dptr, sptr)
     ready = _ready(dest, src)
     if ready is None:
         return None
