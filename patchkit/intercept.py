@@ -467,12 +467,10 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _element_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The first storage byte of each element of ``t``, in row-major order (a CPU int64
-    tensor of ``t.numel()``, worked out from its shape and strides alone)."""
-    at = torch.tensor(t.storage_offset(), dtype=torch.long)
-    for n, s in zip(t.shape, t.stride()):
-        at = at.unsqueeze(-1) + torch.arange(n) * s
-    return at.reshape(-1) * t.element_size()
+    """The first storage byte of each element of ``t``, in row-major order: its
+    :func:`_storage_offsets` in bytes, on the CPU (worked out from its shape and
+    strides alone, whatever its device)."""
+    return _storage_offsets(t, torch.arange(t.numel())) * t.element_size()
 
 
 def _holds(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -3706,6 +3704,13 @@ def _mixed_for(out: torch.Tensor, mixed: tuple[int | None, str | None, str]
     return mixed if out.is_floating_point() or out.is_complex() else None
 
 
+# Ops (ATen base names) that make a new tensor of none of their input's numbers, only of
+# its shape and dtype
+_ANEW = frozenset({
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+})
+
 # Ops (ATen names, without the in-place ``_`` or the ``_foreach_`` prefix) whose floating
 # output a NaN-merge can still take element by element, though they are not element-wise
 # (:func:`_element_wise`): copies and casts, ops that move elements whole (each output
@@ -3732,9 +3737,8 @@ _KEEPS_ELEMENTS = frozenset({
     "replication_pad2d", "replication_pad3d",
     "tril", "triu", "diag", "diag_embed", "block_diag", "pixel_shuffle", "pixel_unshuffle",
     "channel_shuffle", "native_channel_shuffle", "im2col", "embedding", "lift",
-    # no numbers of the input in the output
-    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
-    "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+    # no numbers of the input in the output (_ANEW, and:)
+    *_ANEW,
     "fill", "zero", "resize", "resize_as", "set", "random", "uniform", "normal",
     "bernoulli", "exponential", "geometric", "cauchy", "log_normal",
     # element-wise and NaN-aware (``nan_to_num``: see :func:`_replaces_nan`), or no
@@ -3981,10 +3985,7 @@ _rearranges = _functional_aten_in(_REARRANGES)
 
 # Whether an op makes a new tensor of none of its input's numbers, only of its shape and
 # dtype (ATen names, not in place)
-_makes_anew = _functional_aten_in(frozenset({
-    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
-    "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
-}))
+_makes_anew = _functional_aten_in(_ANEW)
 
 
 def _place_in_stretch(t: torch.Tensor, e: _Source) -> tuple | None:
