@@ -4166,13 +4166,20 @@ _CONTRACTS: dict[tuple[str, str], tuple[tuple[int, ...] | None, bool, int]] = {
 _CONTRACTING = frozenset(op for op, _ in _CONTRACTS)
 
 
+_SLICES: dict = {}
+
+
 def _slices_of(func: Any) -> bool:
     """Whether op ``func`` mixes elements within slices of one input only (see
-    :data:`_REDUCES_OVER`, :data:`_ALONG`, :data:`_CONTRACTS`)."""
-    if not func._schema.name.startswith("aten::"):
-        return False  # (an op of a library's own, whatever its name)
-    base = _base_name(func)
-    return base in _REDUCES_OVER or base in _ALONG or base in _CONTRACTING
+    :data:`_REDUCES_OVER`, :data:`_ALONG`, :data:`_CONTRACTS`). Once per op: a sparse
+    call asks it of most ops whose result is floating-point."""
+    got = _SLICES.get(func)
+    if got is None:
+        base = _base_name(func)
+        # (an op of a library's own is none of these, whatever its name)
+        got = _SLICES[func] = func._schema.name.startswith("aten::") and (
+            base in _REDUCES_OVER or base in _ALONG or base in _CONTRACTING)
+    return got
 
 
 def _arg_or(func: Any, args: Sequence[Any], kwargs: dict, name: str, default: Any) -> Any:
