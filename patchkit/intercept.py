@@ -120,6 +120,12 @@ def _holds_no_memory(t: torch.Tensor) -> bool:
         return True
 
 
+def _inexact(t: torch.Tensor) -> bool:
+    """Whether ``t``'s dtype holds NaN (a floating-point or complex dtype): the tensors
+    that can carry a sparse patch's marks, and whose results a patch's marks can reach."""
+    return t.is_floating_point() or t.is_complex()
+
+
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
     """Which storage ``t`` views: its device and the address where the storage starts
     (``t``'s own address less its offset: the same number as
@@ -2361,7 +2367,7 @@ class _Provenance:
         a that orders patch b's rows: the result is b's data)."""
         found = list(self._traced(args))
         if len(found) > 1:
-            data = [f for f in found if f[0].is_floating_point() or f[0].is_complex()]
+            data = [f for f in found if _inexact(f[0])]
             if data:  # (none: bits moved as integers, ``w.view(torch.int32)``'s)
                 return data
         return found
@@ -2394,7 +2400,7 @@ class _Provenance:
                     kept = self._all_unchanged(args)
                 elif _keeps_nan(func):
                     kept = _traced_unchanged(found)
-            floating = out.is_floating_point() or out.is_complex()
+            floating = _inexact(out)
             mixed = (self.mixed_by(func, found, args, kwargs or {}, out.numel(), out)
                      if func is not None and self.mixing and floating else None)
             if (mixed is None and not kept and self.mixing and floating
@@ -2415,8 +2421,7 @@ class _Provenance:
         seen = False
         for a in args:
             for t in _listed(a):
-                if not isinstance(t, torch.Tensor) or not (
-                        t.is_floating_point() or t.is_complex()) or not t.numel():
+                if not isinstance(t, torch.Tensor) or not _inexact(t) or not t.numel():
                     continue
                 got = self.stretches(t)
                 if len(got) != 1 or not _unchanged(got[0]):
@@ -2470,7 +2475,7 @@ class _Provenance:
         data (``w.gather(1, perm)``) it is none of the result's data
         (:meth:`_keep_made`)."""
         for t, e in found:
-            if (func is not None and (t.is_floating_point() or t.is_complex())
+            if (func is not None and _inexact(t)
                     and _base_name(func) not in _EXACT_MARKS
                     and (e.name is None or not self.sent_whole(e.position, e.name))):
                 return e.position, e.name, _op_name(func), None
@@ -2490,10 +2495,10 @@ class _Provenance:
         if not kind:
             return None
         if kind is _SELECTS and not any(
-                not (t.is_floating_point() or t.is_complex()) for t, _ in self._traced(inputs)):
+                not _inexact(t) for t, _ in self._traced(inputs)):
             return None  # (a mask of the loader's own picks, as a move does)
         for t, e in found:
-            if (t.is_floating_point() or t.is_complex()) and e.mixed is None and (
+            if _inexact(t) and e.mixed is None and (
                     e.name is None or not self.sent_whole(e.position, e.name)):
                 return e.position, e.name
         return None
@@ -2505,7 +2510,7 @@ class _Provenance:
         of the loader's or the model's own, a number); ``False`` where not known."""
         if not isinstance(t, torch.Tensor):
             return None
-        if not (t.is_floating_point() or t.is_complex()):
+        if not _inexact(t):
             # (indices or a mask made of the marks, :meth:`_counted_marks`: not known)
             return (False if t.numel() and any(e.replaced is not None
                                                for e in self.stretches(t)) else None)
@@ -2552,8 +2557,7 @@ class _Provenance:
                 keep, unknown = None, False
                 for t in _inputs(func, args, kwargs):
                     got = self._keep_of(t)
-                    if got is False and _pairs(func) and not (
-                            t.is_floating_point() or t.is_complex()):
+                    if got is False and _pairs(func) and not _inexact(t):
                         return None  # (``(w > 0) * b``: b's update, times which w's mark?)
                     if got is False:
                         unknown = True
@@ -2610,7 +2614,7 @@ class _Provenance:
             got = (*who, _op_name(func), None)
         out = []
         for t in written:
-            if t.is_floating_point() or t.is_complex():
+            if _inexact(t):
                 keep = self._keep_made(func, args, kwargs, t)
                 out.append((t, (*got[:3], None if keep is None else _keep_at(keep, t))))
         return out
@@ -2664,7 +2668,7 @@ class _Provenance:
         read: list[tuple[torch.Tensor, _Source]] = []
         for t, e in found:
             if (e.mixed is not None or t.is_meta
-                    or not (t.is_floating_point() or t.is_complex())
+                    or not _inexact(t)
                     or (kind is _REDUCES and t.numel() == size)
                     or any(t is r for r, _ in read)):
                 continue
@@ -2687,7 +2691,7 @@ class _Provenance:
         masks = [t for a in _inputs(func, args, kwargs)
                  for t in (a if isinstance(a, list | tuple) else (a,))
                  if isinstance(t, torch.Tensor)
-                 and not (t.is_floating_point() or t.is_complex())]
+                 and not _inexact(t)]
         return list(self._traced(masks)) if masks else []
 
     def _masked_by_patch(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
@@ -2702,7 +2706,7 @@ class _Provenance:
         if not found or not self._mask_operands(func, args, kwargs):
             return None
         for t, e in found:
-            if (not t.is_meta and (t.is_floating_point() or t.is_complex())
+            if (not t.is_meta and _inexact(t)
                     and e.mixed is None and bool(nan_mask(t).any())):
                 return e.position, e.name, _op_name(func)
         return None
@@ -2766,7 +2770,7 @@ class _Provenance:
         ok = sliced.parts
         try:
             for o in outs:
-                if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex()):
+                if isinstance(o, torch.Tensor) and _inexact(o):
                     ok = ok & _slices_agree(sliced.masks, o).to(ok.device)
         except (RuntimeError, TypeError, IndexError, ValueError):
             ok = torch.zeros((), dtype=torch.bool, device=ok.device)
@@ -2822,7 +2826,7 @@ class _Provenance:
             return None  # (mixed already: carried, the op that mixed first named)
         data: list[tuple[torch.Tensor, list[_Source]]] = []  # (each tensor once)
         for t, e in found:
-            if t.is_meta or not (t.is_floating_point() or t.is_complex()):
+            if t.is_meta or not _inexact(t):
                 continue  # (a meta tensor has no values to read)
             got = next((hits for d, hits in data if d is t), None)
             if got is None:
@@ -2981,7 +2985,7 @@ class _Provenance:
             mixed = _mixed_for(out, mixed)
         misread = next((m for m in (_misread(e, a, out) for a, e in found) if m is not None),
                        None)
-        if replaced is None and (out.is_floating_point() or out.is_complex()):
+        if replaced is None and _inexact(out):
             replaced = next(((*e.replaced[:3], None) for _, e in found
                              if e.replaced is not None), None)
         self._put(okey, _Source(lo, hi, who[0], who[1], None, False, _weak_storage(out),
@@ -3281,7 +3285,7 @@ class _LostMarks:
                 marked = marked | moved
         if marked is None:
             return
-        if out.is_floating_point() or out.is_complex():
+        if _inexact(out):
             marked = marked & nan_mask(out.detach())
         self.mark(out, marked, what)
 
@@ -3387,7 +3391,7 @@ class _LostMarks:
                 marked = marked | m
         if anew:
             self.unmark(out)
-        if out.is_floating_point() or out.is_complex():
+        if _inexact(out):
             held = _storage_key(out) in self._by_key
             if held or marked is not None:
                 nan = nan_mask(out.detach())
@@ -3701,7 +3705,7 @@ def _mixed_for(out: torch.Tensor, mixed: tuple[int | None, str | None, str]
                ) -> tuple[int | None, str | None, str] | None:
     """``mixed`` where ``out`` is floating-point (or complex): an integer or boolean result
     (``w.isnan()``, ``argsort(w)``) holds no patch's numbers, and is never mixed."""
-    return mixed if out.is_floating_point() or out.is_complex() else None
+    return mixed if _inexact(out) else None
 
 
 # Ops (ATen base names) that make a new tensor of none of their input's numbers, only of
@@ -3925,7 +3929,7 @@ def _traced_unchanged(found: list[tuple[torch.Tensor, _Source]]) -> bool:
     are its patches' staged ones, unchanged (:func:`_unchanged`)."""
     seen: list[torch.Tensor] = []
     for t, e in found:
-        if not (t.is_floating_point() or t.is_complex()) or any(t is d for d in seen):
+        if not _inexact(t) or any(t is d for d in seen):
             return False  # (an integer view of the bits; a tensor that reaches two)
         seen.append(t)
         if not _unchanged(e) or not _inside(t, e):
@@ -4105,7 +4109,7 @@ def _carried_replaced(e: _Source, src: torch.Tensor, out: torch.Tensor) -> tuple
     r = e.replaced
     if r is None:
         return None
-    if not (out.is_floating_point() or out.is_complex()):
+    if not _inexact(out):
         return (*r[:3], None)  # (its bytes as integers: which keep is not followed)
     keep = _keep_in(e, src)
     if keep is not None and keep.shape != out.shape:
