@@ -52,6 +52,7 @@ from .patch import (
     _shape_dims,
     _shape_text,
     check_flag,
+    not_a_patch,
     numel,
     patch_list,
     validate_patches,
@@ -779,11 +780,7 @@ def wire_bytes(patches: PatchLike | Iterable[PatchLike]) -> int:
     total = 0
     for i, p in items:
         if not (isinstance(p, tuple) and len(p) == 5):
-            raise PatchTypeError(
-                f"patch {i}: expected a CheckpointWeightPatch (name, shape, dtype, values, "
-                f"indices), got {type(p).__name__}",
-                position=i, reason="not a patch", value=type(p).__name__,
-            )
+            raise not_a_patch(i, p)
         _check_structure(i, p)
         values, indices = p[3], p[4]
         total += values.numel() * values.element_size()

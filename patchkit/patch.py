@@ -238,6 +238,35 @@ def _given_name(p: object) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def not_a_patch(position: int | None, item: object) -> PatchTypeError:
+    """The error for an item of a patch list that is no 5-tuple. A tuple of another
+    length is named by its first field where that is a str, and counted: a plain tuple
+    needs all five fields (a dense patch written without its ``indices``, which only the
+    NamedTuple defaults), and a ``(name, tensor)`` pair is what ``load_weights`` takes,
+    not a patch."""
+    if not isinstance(item, tuple):
+        at = "patch" if position is None else f"patch {position}"
+        return PatchTypeError(
+            f"{at}: expected a CheckpointWeightPatch "
+            f"(name, shape, dtype, values, indices), got {type(item).__name__}",
+            position=position, reason="not a patch", value=type(item).__name__,
+        )
+    name = _given_name(item)
+    at = where(position, name) if name is not None else (
+        "patch" if position is None else f"patch {position}")
+    if len(item) == 2 and isinstance(item[1], torch.Tensor):
+        got = ("a (name, tensor) pair, what load_weights takes; "
+               "patchkit.dense_patches(dict(pairs)) makes dense patches of such pairs")
+    else:
+        got = (f"a tuple of {len(item)} items; a plain tuple needs all five (indices None "
+               "for a dense patch): pass CheckpointWeightPatch(*item)")
+    return PatchTypeError(
+        f"{at}: expected a CheckpointWeightPatch (name, shape, dtype, values, indices), "
+        f"got {got}",
+        position=position, name=name, reason="not a patch", value=len(item),
+    )
+
+
 _NO_FIELD = object()
 
 
@@ -248,14 +277,7 @@ def _check_metadata(position: int | None, patch: object, *,
     str, the dtype a ``torch.dtype``, the shape ints none negative whose bytes stay below
     2**63 (that last one only with ``size``). Returns the shape's dims as ints."""
     if not isinstance(patch, tuple) or len(patch) != 5:
-        at = "patch" if position is None else f"patch {position}"
-        raise PatchTypeError(
-            f"{at}: expected a CheckpointWeightPatch "
-            f"(name, shape, dtype, values, indices), got {type(patch).__name__}",
-            position=position,
-            reason="not a patch",
-            value=type(patch).__name__,
-        )
+        raise not_a_patch(position, patch)
     if type(patch) is not CheckpointWeightPatch and type(patch) is not tuple and any(
             getattr(patch, f, _NO_FIELD) is not patch[i]
             for i, f in enumerate(CheckpointWeightPatch._fields)):

@@ -79,6 +79,41 @@ def test_one_patch_where_a_list_is_expected_says_to_pass_a_list():
     assert validate_patches(iter([_p()])) == "dense"  # (an iterable of patches is taken)
 
 
+_NOT_FIVE = {
+    "four": (("b", (4,), torch.float32, torch.ones(4)),
+             "got a tuple of 4 items; a plain tuple needs all five (indices None for a dense "
+             "patch): pass CheckpointWeightPatch(*item)"),
+    "pair": (("b", torch.ones(4)),
+             "got a (name, tensor) pair, what load_weights takes; "
+             "patchkit.dense_patches(dict(pairs)) makes dense patches of such pairs"),
+}
+
+
+@pytest.mark.parametrize("kind", list(_NOT_FIVE))
+@pytest.mark.parametrize("call", ["load", "inspect", "plan", "wire", "save"])
+def test_a_tuple_of_the_wrong_length_is_named_and_counted(call, kind, tmp_path):
+    # A plain tuple is a patch only with all five fields: a dense one written without its
+    # indices (the NamedTuple's default), or the (name, tensor) pairs load_weights takes,
+    # said only "expected a CheckpointWeightPatch (...), got tuple" (a tuple is what it
+    # takes), with no name and no count.
+    m = PlainModel({"a": (4,), "b": (4,)})
+    bad, says = _NOT_FIVE[kind]
+    run = {
+        "load": lambda: patchkit.load_checkpoint_weight_patches(m, [_p(), bad]),
+        "inspect": lambda: inspect_load(m, [_p(), bad]),
+        "plan": lambda: plan_chunks([_p(), bad]),
+        "wire": lambda: wire_bytes([_p(), bad]),
+        "save": lambda: patchkit.save_patches(str(tmp_path / "p.safetensors"), [_p(), bad]),
+    }[call]
+    with pytest.raises(PatchTypeError) as info:
+        run()
+    e = info.value
+    assert "patch 1 ('b'): expected a CheckpointWeightPatch (name, shape, dtype, values, " \
+           "indices), " + says in str(e)
+    assert (e.position, e.name, e.reason, e.value) == (1, "b", "not a patch", len(bad))
+    assert not m.a.detach().any()  # (refused before any call)
+
+
 def test_plan_chunks_names_an_item_that_is_not_a_patch():
     with pytest.raises(PatchTypeError, match=r"patch 1: expected a CheckpointWeightPatch"):
         plan_chunks([_p(), "b"])
