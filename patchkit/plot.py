@@ -694,6 +694,15 @@ def _as_source(source: Any, fn: str) -> Any:
     naming the argument for anything else (a string, a number, an item not a patch)."""
     if _is_report(source):
         return source
+    if isinstance(source, CheckpointWeightPatch) or (
+            isinstance(source, tuple) and len(source) == 5 and isinstance(source[0], str)):
+        # (one patch on its own, whose five fields would read as five patches)
+        raise PatchTypeError(
+            f"{fn}: expected a LoadReport or a list of CheckpointWeightPatch, got one patch "
+            f"({brief(source[0])}): pass [patch]",
+            name=source[0] if isinstance(source[0], str) else None,
+            reason="not a list", value=type(source).__name__,
+        )
     if hasattr(source, "keys") and hasattr(source, "items"):
         raise PatchTypeError(
             f"{fn}: expected a LoadReport or a list of CheckpointWeightPatch, got "

@@ -2505,6 +2505,24 @@ def test_an_item_that_is_no_patch_is_patchkits_type_error_naming_its_position():
     assert (e.position, e.reason, e.value) == (None, "not a patch", "str")
 
 
+@pytest.mark.parametrize("one", ["patch", "5-tuple"])
+def test_one_patch_not_in_a_list_is_named_as_one_patch(one):
+    # plot_chunks(p) read a patch's five fields as five patches and said "patch 0 must be
+    # a CheckpointWeightPatch, got str: 'w'; to draw a patch of a report by name use
+    # report.plot_density(name)", where the loader, plan_chunks and patch_summary say
+    # "got one patch ('w'): pass [patch]"
+    from patchkit import PatchTypeError
+
+    p = CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(4))
+    item = p if one == "patch" else tuple(p)
+    with pytest.raises(PatchTypeError) as info:
+        plot_chunks(item)
+    e = info.value
+    assert str(e) == ("plot_chunks: expected a LoadReport or a list of "
+                      "CheckpointWeightPatch, got one patch ('w'): pass [patch]")
+    assert (e.position, e.name, e.reason) == (None, "w", "not a list")
+
+
 def _texts_outside(fig: Figure) -> list[str]:
     """The drawn texts (titles, labels, tick labels of ticks in view, notes) that reach
     past the figure's edges, as drawn once with Agg."""

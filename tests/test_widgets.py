@@ -12,6 +12,7 @@ from torch import nn
 import patchkit.plot
 from patchkit import (
     CheckpointWeightPatch,
+    PatchTypeError,
     format_bytes,
     inspect_load,
     native,
@@ -91,6 +92,14 @@ def test_planner_flags_a_patch_over_the_budget():
     w = chunk_planner(patches(), max_chunk_bytes=1024)
     w.slider.value = 100
     assert "over budget (travels alone)" in texts(w.output)
+
+
+def test_planner_names_one_patch_not_in_a_list():
+    # (it read the patch's five fields as patches: "patch 0 must be a
+    # CheckpointWeightPatch, got str: 'q'; to draw a patch of a report by name ...")
+    with pytest.raises(PatchTypeError, match=r"chunk_planner: expected a LoadReport or a "
+                       r"list of CheckpointWeightPatch, got one patch \('q'\): pass \[patch\]$"):
+        chunk_planner(patches()[0])
 
 
 def test_planner_slider_spans_half_the_smallest_patch_to_twice_the_total():
