@@ -2,6 +2,13 @@
 
 This is the only place the walk exists. The loader and every inspection helper call
 :func:`plan_chunks`, so what a notebook shows is what the loader does.
+
+``DEFAULT_MAX_CHUNK_BYTES`` (``512 << 20``, 512 MiB, the contract's default) is the
+budget of a call that gives no ``max_chunk_bytes``: of
+:func:`~patchkit.load_checkpoint_weight_patches`, :func:`~patchkit.inspect_load`,
+:func:`plan_chunks` and :func:`patchkit.io.print_patch_file_summary` (``python -m
+patchkit inspect``); ``patchkit.plot.plot_chunks`` of a list of patches plans with it
+where its ``max_chunk_bytes`` is ``None``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from .patch import (
 
 __all__ = ["DEFAULT_MAX_CHUNK_BYTES", "Chunk", "plan_chunks"]
 
+#: The budget of a load that gives no ``max_chunk_bytes``: 512 MiB (the contract's).
 DEFAULT_MAX_CHUNK_BYTES = 512 << 20
 """512 MiB, the contract's default budget for one ``load_weights`` call."""
 
