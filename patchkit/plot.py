@@ -2269,6 +2269,9 @@ def plot_delta(
             "numbers, and report.before() and report.after() its values"
         )
     fig = _new_figure(17.0, 4.4)
+    # (more room between panels than constrained layout's default: a colorbar's label
+    # sat against the next panel's y label, the third's "Δ" against the histogram's)
+    fig.get_layout_engine().set(w_pad=10 / 72)
     axes = fig.subplots(1, 4, width_ratios=[1, 1, 1, 1.1])
     xlabel, ylabel = _axis_words(len(shape), "runtime")
     how = f" ({br} × {bc} block means)" if pooled else ""
