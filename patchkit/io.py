@@ -249,11 +249,18 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
         )
     out: dict[str, str] = {}
     for k, v in metadata.items():
-        if not isinstance(k, str) or not isinstance(v, str):
+        if not isinstance(k, str):
             raise PatchTypeError(
-                f"metadata keys and values must be str, got {brief(k, 80)}: "
-                f"{brief(v, 80)} ({type(k).__name__}: {type(v).__name__})",
-                reason="metadata type", value=k if not isinstance(k, str) else v,
+                "metadata keys must be str (a safetensors header holds strings only), got "
+                f"the key {brief(k, 80)}, of type {type(k).__name__}",
+                reason="metadata type", value=k,
+            )
+        if not isinstance(v, str):
+            raise PatchTypeError(
+                "metadata values must be str (a safetensors header holds strings only): "
+                f"{brief(k, 80)} maps to {brief(v, 80)}, of type {type(v).__name__}; pass "
+                "str(value), or json.dumps(value) for a structure",
+                reason="metadata type", value=v,
             )
         if k == FORMAT_KEY:
             raise PatchValueError(

@@ -2022,9 +2022,17 @@ def test_metadata_errors_stay_short_and_name_the_offending_value(tmp_path):
     with pytest.raises(PatchTypeError) as info:
         save_patches(path, patch, metadata={"step": 7})
     assert info.value.value == 7
+    # (which of the two is not a str, and what to do: "got 'step': 7 (str: int)" said it
+    # as types only)
+    assert str(info.value) == (
+        "metadata values must be str (a safetensors header holds strings only): 'step' "
+        "maps to 7, of type int; pass str(value), or json.dumps(value) for a structure")
     with pytest.raises(PatchTypeError) as info:
         save_patches(path, patch, metadata={7: "step"})
     assert info.value.value == 7
+    assert str(info.value) == (
+        "metadata keys must be str (a safetensors header holds strings only), got the key "
+        "7, of type int")
     assert not path.exists()
 
 
