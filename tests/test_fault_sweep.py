@@ -34,6 +34,20 @@ from patchkit.build import dense_patches, random_sparse_patch
 from patchkit.toymodels import PlainModel, TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """Python's own SIGINT handler for each test (the "signal" fault raises a real
+    SIGINT, which must become KeyboardInterrupt): a process started in the background of
+    a shell script (``cmd &``), or under nohup or some runners, inherits SIGINT ignored,
+    and Python then installs no handler of its own; the sweep's signal points failed
+    there. As in test_interrupts."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class Injected(RuntimeError):
     pass
 
