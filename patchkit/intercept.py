@@ -4045,9 +4045,10 @@ def _replaces_nan(func: Any) -> bool | str:
 
 
 def _replaces_nan_of(func: Any) -> bool | str:
-    name = func._schema.name
-    if _is_view(func) or func is _COPY or "::_foreach_" in name or not name.startswith(
-            "aten::"):
+    # (views, _foreach_ ops and copy_ are none of these: _element_wise leaves out the
+    # first two and every op of _REARRANGES, copy_ is one of _KEEPS_ELEMENTS, and no name
+    # below is one of theirs)
+    if not func._schema.name.startswith("aten::"):
         return False
     base = _base_name(func)
     if base in _SELECTING:
@@ -4055,7 +4056,7 @@ def _replaces_nan_of(func: Any) -> bool | str:
     if base == "nan_to_num":
         return True  # (element-wise, though one of _KEEPS_ELEMENTS for the mixing check)
     return (_element_wise(func) and base not in _NAN_KEEPING and base not in _PICKS
-            and base not in _REARRANGES and base not in _KEEPS_ELEMENTS)
+            and base not in _KEEPS_ELEMENTS)
 
 
 def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
