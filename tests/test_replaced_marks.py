@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_mixing_loaders import _h, _load, _merged, _merging_loader, _Mixing, _patches
+from test_mixing_loaders import CWP, _h, _load, _merged, _merging_loader, _Mixing, _patches
 
 import patchkit
 from patchkit import intercept, native
@@ -127,6 +127,11 @@ _REPLACING = {
     "nan_to_num, then @ H, then an index put": (
         lambda w: (w["a.w"].nan_to_num() @ _h(w["a.w"])).index_put_(
             (torch.tensor([0]),), torch.tensor(1.0)),
+        "aten::nan_to_num"),
+    # (a put of such data: which elements of the value keep is not known either)
+    "(nan_to_num, then @ H) put into zeros": (
+        lambda w: torch.zeros(4, 8, device=w["a.w"].device).index_put_(
+            (torch.arange(4, device=w["a.w"].device),), w["a.w"].nan_to_num() @ _h(w["a.w"])),
         "aten::nan_to_num"),
     "~(w > 0), cast": (lambda w: (~(w["a.w"] > 0)).float(), "aten::gt.Scalar"),
     "argmax(1) + 1, cast": (
@@ -389,4 +394,19 @@ def test_an_op_that_keeps_nan_nan_makes_no_replaced_marks(case):
     finally:
         intercept.WriteSession._replaced_loss = saved
     assert calls == []  # (no replaced marks: the check never ran)
+    assert torch.equal(bits(m.a.detach()), want)
+
+
+@pytest.mark.parametrize("how", ["plain", "inspect", "transactional"])
+def test_an_element_keeps_only_where_each_of_its_patches_elements_keeps(how):
+    # w.nan_to_num() * 0.0 + other, other sent whole (no NaN, every element updated):
+    # each element is other's update, which the merge writes where w keeps too. Taking
+    # an element as kept where any input's does (a mutation: | for &) refused it
+    def f(w):
+        return w["a.w"].nan_to_num() * 0.0 + w["other.w"]
+    patches = [CWP("other.w", (4, 8), torch.float32, torch.linspace(-1.0, 1.0, 32),
+                   torch.arange(32)), _patches()[1]]
+    m = _Mixing(f)
+    want = bits(_merged(f, m, patches)).clone()
+    _load(how, m, patches)
     assert torch.equal(bits(m.a.detach()), want)
