@@ -340,6 +340,11 @@ _MASK_TIMES_DATA = {
     "a.isnan() * other": (
         lambda w: w["a.w"].isnan() * w["other.w"], False, "mixed elements", 0, "other.w",
         "aten::mul.Tensor"),
+    # (a's data mixed before the mask meets it: the refusal names the op that mixed it,
+    # not the product; _masked_by_patch leaves mixed data to that refusal)
+    "(other > 0) * (a @ H)": (
+        lambda w: (w["other.w"] > 0) * (w["a.w"] @ _h(w["a.w"])), False, "mixed elements",
+        1, "a.w", "aten::mm"),
 }
 
 
