@@ -433,6 +433,35 @@ def test_without_statistics_any_dtype_of_2_4_or_8_bytes_is_copied_bitwise(dtype)
 
 
 @needs_compiler
+class _CopiesTransposed(torch.nn.Module):
+    """Copies each weight from a transposed layout of its values (strides (1, 4))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(3, 4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w.data.copy_(t.t().contiguous().t())  # (t's values, not contiguous)
+        return {n for n, _ in weights}
+
+
+@needs_compiler
+@pytest.mark.parametrize("how", ["transactional", "inspect"])
+def test_a_small_dense_copy_from_a_transposed_source_writes_its_values(how):
+    # A small contiguous destination and a strided source: the short path of
+    # _compare_copy (one row, no geometry) takes contiguous pairs only. Without its
+    # src.is_contiguous() (a mutation) the copy wrote the source's storage order, and
+    # no test failed.
+    patch = CheckpointWeightPatch("w", (3, 4), torch.float32, torch.arange(12.0))
+    model = _CopiesTransposed()
+    if how == "transactional":
+        patchkit.load_checkpoint_weight_patches(model, [patch], transactional=True)
+    else:
+        inspect_load(model, [patch])
+    assert torch.equal(model.w, torch.arange(12.0).reshape(3, 4))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16])
 @pytest.mark.parametrize("view", ["contiguous", "columns"])
 def test_a_small_view_is_saved_whole_in_one_pass(dtype, view):
