@@ -3778,7 +3778,7 @@ def _mixes(func: Any) -> bool | str:
     cumsum, a softmax, an op torch does not describe): none of a view, an element-wise op
     (:func:`_element_wise`), a ``_foreach_`` op of :func:`_foreach_kind`, nor one of
     ``_KEEPS_ELEMENTS``; ``_PUT`` for a put of ``_COMBINING_PUTS``, ``_REDUCES``
-    for an op torch tags a reduction (see :meth:`_Provenance.mixed_by`). Once per op."""
+    for a reduction (:func:`_is_reduction`; see :meth:`_Provenance.mixed_by`). Once per op."""
     got = _MIXES.get(func)
     if got is None:
         got = _MIXES[func] = _mixes_elements(func)
@@ -4129,9 +4129,26 @@ def _mixes_elements(func: Any) -> bool | str:
             "reduce") else _PUT
     if base in _KEEPS_ELEMENTS:
         return False
-    if torch.Tag.reduction in func.tags:
+    if _is_reduction(func, base):
         return _REDUCES
     return True
+
+
+# The ATen reductions by base name (:func:`_base_name`): those of which torch 2.13 and
+# 2.14 tag an overload ``torch.Tag.reduction``, for a torch without that tag (2.4)
+_REDUCTIONS = frozenset({
+    "all", "amax", "amin", "aminmax", "any", "argmax", "argmin", "count_nonzero",
+    "linalg_vector_norm", "logsumexp", "max", "mean", "min", "nansum", "norm", "prod",
+    "std", "std_mean", "sum", "var", "var_mean",
+})
+
+
+def _is_reduction(func: Any, base: str) -> bool:
+    """Whether torch tags op ``func`` (base name ``base``) a reduction; on a torch that has
+    no such tag, whether it is one of ``_REDUCTIONS`` (an ``out=`` overload too, which
+    torch leaves untagged: a reduction over dims of one element mixes none either way)."""
+    tag = getattr(torch.Tag, "reduction", None)
+    return tag in func.tags if tag is not None else base in _REDUCTIONS
 
 
 # Ops (ATen base names, see :func:`_base_name`) that mix elements only within slices of

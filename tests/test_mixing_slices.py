@@ -21,7 +21,7 @@ from torch import nn
 
 import patchkit
 from patchkit import CheckpointWeightPatch as CWP
-from patchkit import native
+from patchkit import intercept, native
 from patchkit.bitwise import bits, device_passes
 from patchkit.build import random_sparse_patch
 from patchkit.errors import ContractViolation
@@ -336,3 +336,32 @@ def test_a_row_a_cast_made_nan_is_no_keep_for_a_sum_over_rows():
         patchkit.load_checkpoint_weight_patches(m, [patch])
     assert (e.value.reason, e.value.value) == ("mixed elements", "aten::sum.dim_IntList")
     assert torch.equal(m.snapshot()["outs.0"], before["outs.0"])
+
+
+@pytest.mark.parametrize("case", ["a sum over a dim of one element", "sum(1), mixed rows"])
+def test_a_reduction_is_told_on_a_torch_that_tags_none(monkeypatch, case):
+    # torch 2.4 has no torch.Tag.reduction: patchkit read it for every op that mixes, and
+    # a sparse load through any such op raised AttributeError; there a reduction is told
+    # by its name, and loads or is refused as where torch tags it (ops decided afresh)
+    monkeypatch.delattr(torch.Tag, "reduction", raising=False)
+    monkeypatch.setattr(intercept, "_MIXES", {})
+    if case == "sum(1), mixed rows":
+        _refused(lambda w: w["w"].sum(1), "mixed", "plain", "aten::sum.dim_IntList")
+    else:
+        # (a reduction that mixes no two elements: each output element is one input's)
+        _loads_right(lambda w: torch.stack([w["w"]]).sum(0), "mixed", "plain")
+    assert intercept._MIXES[torch.ops.aten.sum.dim_IntList] == intercept._REDUCES
+
+
+def test_the_reductions_told_by_name_are_those_torch_tags():
+    tag = getattr(torch.Tag, "reduction", None)
+    if tag is None:
+        pytest.skip("this torch tags no op a reduction (torch 2.4)")
+    tagged = set()
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in getattr(packet, "overloads", list)():
+            op = getattr(packet, overload)
+            if tag in op.tags:
+                tagged.add(intercept._base_name(op))
+    assert tagged == intercept._REDUCTIONS
