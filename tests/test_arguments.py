@@ -14,6 +14,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from _torch_features import E8M0, NO_E8M0
 
 import patchkit
 from patchkit import CheckpointWeightPatch as CWP
@@ -28,10 +29,6 @@ from patchkit.toymodels import (
     tiny_llama_checkpoint,
 )
 from patchkit.units import format_bytes
-
-# (torch 2.7 added float8_e8m0fnu: older torch cannot name it in a parametrization)
-E8M0 = getattr(torch, "float8_e8m0fnu", None)
-NO_E8M0 = "this torch has no float8_e8m0fnu (torch 2.7 has it)"
 
 
 def _p(name="a", n=4):

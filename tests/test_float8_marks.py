@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _torch_features import needs_foreach_clone
 from torch import nn
 
 import patchkit
@@ -197,7 +198,8 @@ def _foreach_added_in_place(t):
                  id="_foreach_add of a tensor"),
     pytest.param(lambda t: torch._foreach_clamp_min([_lost(t)[2:]], [-1e9])[0],
                  id="_foreach_clamp_min"),
-    pytest.param(lambda t: torch._foreach_clone([_lost(t)[2:]])[0], id="_foreach_clone"),
+    pytest.param(lambda t: torch._foreach_clone([_lost(t)[2:]])[0], id="_foreach_clone",
+                 marks=needs_foreach_clone),
     # (_foreach_pow.List, whose op on each tensor is pow.Tensor_Tensor, was taken for an op
     # that mixes elements, and refused so)
     pytest.param(lambda t: torch._foreach_pow([_lost(t)[2:]], [_zeros(t) + 1])[0],

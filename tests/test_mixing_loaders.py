@@ -167,7 +167,10 @@ def _nan_aware(w):
     return (a - a.nanmean()) / a.nansum().abs().clamp(min=1.0) + a.nanmedian() * 0.0
 
 
-@torch.library.custom_op("patchkit_tests::rotate", mutates_args=())
+# (the schema is written out: torch 2.4 infers none from the string annotations that
+# ``from __future__ import annotations`` makes; later torch evaluates them)
+@torch.library.custom_op("patchkit_tests::rotate", mutates_args=(),
+                         schema="(Tensor w, Tensor h) -> Tensor")
 def _rotate(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """An op of a library's own (a kernel's repacking, say): what it does is not known."""
     return w @ h

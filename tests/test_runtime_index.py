@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from _torch_features import MODULES_KEEP_DICTS
 
 from patchkit.intercept import RuntimeIndex, _byte_span, _storage_key, named_tensors
 from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime
@@ -1083,7 +1084,11 @@ class _Flattening(torch.Tensor):
 
 
 def _column_models():
-    """Trees for the two ways of building an index: (model, whether the columns take it)."""
+    """Trees for the two ways of building an index: (model, whether the columns take it).
+    The columns take plain dicts only: on a torch whose modules keep their registries in
+    OrderedDicts (2.4) they decline every tree, and the tensor at a time way builds it."""
+    plain = MODULES_KEEP_DICTS
+
     def everything(change=None, shared=False):
         m = _Everything()
         if not shared:  # (else one block is listed under two parents)
@@ -1100,33 +1105,33 @@ def _column_models():
         m.blocks[0].lin.__dict__["_parameters"] = d
 
     return {
-        "every rule of the listing": (everything(shared=True), True),
-        "every rule but a module listed twice": (everything(), True),
+        "every rule of the listing": (everything(shared=True), plain),
+        "every rule but a module listed twice": (everything(), plain),
         "tiny llama, rank 0 of 2": (TinyLlamaRuntime(TinyLlamaConfig(), tp_rank=0, tp_size=2),
-                                    True),
+                                    plain),
         "tiny llama with experts": (TinyLlamaRuntime(
-            TinyLlamaConfig(num_experts=4), tp_rank=1, tp_size=2), True),
-        "no tensors at all": (torch.nn.ReLU(), True),
+            TinyLlamaConfig(num_experts=4), tp_rank=1, tp_size=2), plain),
+        "no tensors at all": (torch.nn.ReLU(), plain),
         "a Parameter subclass of its own storage": (everything(
-            lambda m: setattr(m, "sub", _Subclassed(torch.ones(2)))), True),
+            lambda m: setattr(m, "sub", _Subclassed(torch.ones(2)))), plain),
         "complex, not conjugated": (everything(
-            lambda m: m.register_buffer("c", torch.ones(2, dtype=torch.cfloat))), True),
+            lambda m: m.register_buffer("c", torch.ones(2, dtype=torch.cfloat))), plain),
         "one tensor as parameter and buffer of one name": (everything(
-            lambda m: m._buffers.update(empty=m.empty)), True),
+            lambda m: m._buffers.update(empty=m.empty)), plain),
         "two tensors under one name": (everything(
-            lambda m: m._buffers.update(empty=torch.ones(1))), True),
+            lambda m: m._buffers.update(empty=torch.ones(1))), plain),
         "a dotted key beside the module it names": (everything(
             lambda m: m._parameters.update({"head.weight": torch.nn.Parameter(
-                torch.ones(1))})), True),
+                torch.ones(1))})), plain),
         "a tensor registered twice as a buffer": (everything(
-            lambda m: m.register_buffer("again", m.flat)), True),
+            lambda m: m.register_buffer("again", m.flat)), plain),
         "one parameter registry in two modules": (everything(
             lambda m: m.right.norm.__dict__.update(_parameters=m.blocks[1].lin._parameters)),
-            True),
+            plain),
         # (the root's buffers in the head too: paired with the head's parameters, as the
         # last module listing them; no parameter registry is listed twice)
         "one buffer registry in two modules": (everything(
-            lambda m: m.head.__dict__.update(_buffers=m._buffers)), True),
+            lambda m: m.head.__dict__.update(_buffers=m._buffers)), plain),
         # (the columns decline these: the tensor at a time way builds them)
         "a conjugated view": (everything(
             lambda m: m.register_buffer("c", torch.ones(2, dtype=torch.cfloat).conj())), False),
