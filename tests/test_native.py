@@ -432,7 +432,6 @@ def test_without_statistics_any_dtype_of_2_4_or_8_bytes_is_copied_bitwise(dtype)
     assert torch.equal(got.before, start[start != src])
 
 
-@needs_compiler
 class _CopiesTransposed(torch.nn.Module):
     """Copies each weight from a transposed layout of its values (strides (1, 4))."""
 
@@ -462,6 +461,7 @@ def test_a_small_dense_copy_from_a_transposed_source_writes_its_values(how):
     assert torch.equal(model.w, torch.arange(12.0).reshape(3, 4))
 
 
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16])
 @pytest.mark.parametrize("view", ["contiguous", "columns"])
 def test_a_small_view_is_saved_whole_in_one_pass(dtype, view):
