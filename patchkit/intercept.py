@@ -3726,7 +3726,7 @@ _KEEPS_ELEMENTS = frozenset({
     # copies, casts and the copying forms of views
     "copy", "_to_copy", "clone", "_copy_from", "_copy_from_and_resize", "lift_fresh_copy",
     "_unsafe_view", "contiguous", "resolve_conj", "resolve_neg", "conj_physical",
-    "_conj_copy", "_neg_view_copy", "alias_copy", "detach_copy", "view_copy",
+    "_conj_physical", "_conj_copy", "_neg_view_copy", "alias_copy", "detach_copy", "view_copy",
     "_reshape_copy", "_reshape_alias_copy", "permute_copy", "t_copy", "transpose_copy",
     "expand_copy", "squeeze_copy", "unsqueeze_copy", "slice_copy", "select_copy",
     "diagonal_copy", "as_strided_copy", "unfold_copy", "split_copy",
