@@ -34,7 +34,6 @@ from .patch import (
 
 __all__ = ["DEFAULT_MAX_CHUNK_BYTES", "Chunk", "plan_chunks"]
 
-#: The budget of a load that gives no ``max_chunk_bytes``: 512 MiB (the contract's).
 DEFAULT_MAX_CHUNK_BYTES = 512 << 20
 """512 MiB, the contract's default budget for one ``load_weights`` call."""
 
