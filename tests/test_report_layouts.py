@@ -1084,7 +1084,12 @@ def test_a_copy_of_another_dtype_past_two_tensors_into_the_buffer_is_saved_for_b
     r = patchkit.inspect_load(m, [p])
     assert r.deltas["changed"].to_dict() == {"p0": 8, "p1": 1}
     assert r.deltas["elements"].to_dict() == {"p0": 16, "p1": 2}
-    m = _PastTheTensors(fail=True)
+    _rolled_back_bit_for_bit(_PastTheTensors(fail=True), p)
+
+
+def _rolled_back_bit_for_bit(m, p) -> None:
+    """A transactional load of ``p`` into ``m`` (a model made with ``fail=True``) fails
+    late, and p0 and p1 (the buffer's first 22 elements) are put back bit for bit."""
     before = m.flat.clone()
     with pytest.raises(RuntimeError, match="late"):
         patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
@@ -1110,11 +1115,7 @@ def test_a_sparse_copy_of_another_dtype_past_two_tensors_is_no_straddling_view()
     assert r.writes.set_index("target")["written"].to_dict() == {"p0": 2, "p1": 2}
     assert torch.equal(r.written("p1"), torch.tensor([True, True]))
     assert r.written("p0").nonzero().reshape(-1).tolist() == [4, 5]
-    m = _PastTheTensorsAsFloat32(fail=True)
-    before = m.flat.clone()
-    with pytest.raises(RuntimeError, match="late"):
-        patchkit.load_checkpoint_weight_patches(m, [p], transactional=True)
-    assert torch.equal(m.flat[:22].view(torch.int16), before[:22].view(torch.int16))
+    _rolled_back_bit_for_bit(_PastTheTensorsAsFloat32(fail=True), p)
 
 
 class _WideView(_CopiesThrough):
