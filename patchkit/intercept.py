@@ -2690,8 +2690,7 @@ class _Provenance:
         (``w * scale``) have none, found without a look-up."""
         masks = [t for a in _inputs(func, args, kwargs)
                  for t in (a if isinstance(a, list | tuple) else (a,))
-                 if isinstance(t, torch.Tensor)
-                 and not _inexact(t)]
+                 if isinstance(t, torch.Tensor) and not _inexact(t)]
         return list(self._traced(masks)) if masks else []
 
     def _masked_by_patch(self, func: Any, found: list[tuple[torch.Tensor, _Source]],
