@@ -776,7 +776,7 @@ def wire_bytes(patches: PatchLike | Iterable[PatchLike]) -> int:
         isinstance(patches, tuple) and len(patches) == 5 and isinstance(patches[0], str))
     # (one patch, a CheckpointWeightPatch or a plain 5-tuple, named by its name alone: a
     # CheckpointWeightPatch of a bad name was read as a list of its five fields)
-    items = [(None, patches)] if one else enumerate(patch_list(patches))
+    items = [(None, patches)] if one else enumerate(patch_list(patches, ordered=False))
     total = 0
     for i, p in items:
         if not (isinstance(p, tuple) and len(p) == 5):

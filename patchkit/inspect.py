@@ -213,7 +213,7 @@ def patch_summary(patches: Iterable[PatchLike]) -> pd.DataFrame:
     refuse, though a load would: dense and sparse patches in one list, NaN values, a
     repeated index (counted once in ``nnz``) and integer values out of their dtype's range.
     """
-    patches = [_as_patch(p) for p in patch_list(patches)]
+    patches = [_as_patch(p) for p in patch_list(patches, ordered=False)]
     for i, p in enumerate(patches):
         _check_structure(i, p)
     for i, p in enumerate(patches):

@@ -75,6 +75,9 @@ def load_checkpoint_weight_patches(
        loader call; a failure raises :class:`ValueError`/:class:`TypeError` naming the
        patch (position and name), the reason and one offending value, and the model is
        untouched. Dense and sparse patches cannot be mixed in one call.
+       **[patchkit]** A ``set`` (or ``frozenset``) in which two patches share a name is
+       refused (reason ``"unordered"``): which of them wins depends on the set's order,
+       which can change from run to run.
     2. Patches are grouped into ``load_weights`` calls in input order by
        :func:`~patchkit.plan_chunks`: a chunk closes before a patch that would push it past
        ``max_chunk_bytes`` (staged bytes) or that repeats a name already in it.

@@ -139,12 +139,20 @@ def resolved(patch: Any) -> Any:
 _STATE_DICT_HINT = " (a state dict? patchkit.build.dense_patches makes patches of one)"
 
 
-def patch_list(patches: object, what: str = "patches") -> list:
+def patch_list(patches: object, what: str = "patches", *, ordered: bool = True) -> list:
     """``patches`` as a list (its items unchecked), or
     :class:`~patchkit.errors.PatchTypeError` when it is not a collection of patches:
     ``None`` or another non-iterable, a ``str``, a mapping (a state dict: see
     :func:`~patchkit.build.dense_patches`), or one patch on its own (pass ``[patch]``).
-    ``what`` names the argument in the message."""
+    ``what`` names the argument in the message.
+
+    With ``ordered`` (for a caller whose result depends on the order: a load, a chunk
+    plan, a file), a ``set`` or ``frozenset`` in which two patches share a name is a
+    :class:`~patchkit.errors.PatchValueError` (reason ``"unordered"``): a later patch
+    wins where two touch the same element, and a set's order is that of its items'
+    hashes, which for tensors are their addresses, so it can change from run to run. A
+    set of distinct names loads the same in any order and is taken.
+    """
     if isinstance(patches, CheckpointWeightPatch) or (  # (whatever its name holds)
             isinstance(patches, tuple) and len(patches) == 5 and isinstance(patches[0], str)):
         raise PatchTypeError(
@@ -156,13 +164,36 @@ def patch_list(patches: object, what: str = "patches") -> list:
         hint = _STATE_DICT_HINT
     elif not isinstance(patches, str | bytes):
         try:
-            return list(patches)  # type: ignore[call-overload]
+            listed = list(patches)  # type: ignore[call-overload]
         except TypeError:
             pass
+        else:
+            if ordered and isinstance(patches, set | frozenset):
+                _refuse_repeats_without_order(listed, what, type(patches).__name__)
+            return listed
     raise PatchTypeError(
         f"{what} must be a list of patches, got {type(patches).__name__}{hint}",
         reason="not a list", value=type(patches).__name__,
     )
+
+
+def _refuse_repeats_without_order(listed: list, what: str, kind: str) -> None:
+    """:func:`patch_list`'s check of a set: the first patch whose name an earlier one of
+    the set's order has, as a :class:`~patchkit.errors.PatchValueError`."""
+    first: dict[str, int] = {}
+    for i, p in enumerate(listed):
+        name = getattr(p, "name", None)
+        if not isinstance(name, str):  # (validation names a patch with no str name)
+            continue
+        j = first.setdefault(name, i)
+        if j != i:
+            raise PatchValueError(
+                f"{where(i, name)}: {what} came as a {kind}, which has no order, and "
+                f"patch {j} has the same name; which of them the model ends with depends "
+                f"on that order, which can change from run to run (a later patch wins): "
+                f"pass a list, in the order to apply them",
+                position=i, name=name, reason="unordered", value=kind,
+            )
 
 
 def _checked_device(device: object, *, allow_meta: bool = False) -> torch.device:

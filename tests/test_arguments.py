@@ -76,6 +76,55 @@ def test_one_patch_where_a_list_is_expected_says_to_pass_a_list():
     assert validate_patches(iter([_p()])) == "dense"  # (an iterable of patches is taken)
 
 
+@pytest.mark.parametrize("kind", [set, frozenset])
+@pytest.mark.parametrize("call", ["load", "transactional", "inspect", "plan", "save"])
+def test_a_set_of_patches_that_repeat_a_name_is_refused(call, kind, tmp_path):
+    """Two patches of one name in a set: which wins (CONTRACT §2: the later one) depends
+    on the set's order, that of the patches' hashes (their tensors' addresses), so the
+    model could end with either from run to run; refused before anything is written or
+    saved, naming the second of the two in the set's order."""
+    m = PlainModel({"a": (4,), "b": (4,)})
+    one = CWP("a", (4,), torch.float32, torch.full((4,), 1.0))
+    other = CWP("a", (4,), torch.float32, torch.full((4,), 2.0))
+    patches = kind([one, _p("b"), other])
+    path = tmp_path / "p.safetensors"
+    run = {
+        "load": lambda: patchkit.load_checkpoint_weight_patches(m, patches),
+        "transactional": lambda: patchkit.load_checkpoint_weight_patches(
+            m, patches, transactional=True),
+        "inspect": lambda: inspect_load(m, patches),
+        "plan": lambda: plan_chunks(patches),
+        "save": lambda: patchkit.save_patches(str(path), patches),
+    }[call]
+    with pytest.raises(PatchValueError) as e:
+        run()
+    order = [p.name for p in patches]
+    second = max(i for i, n in enumerate(order) if n == "a")
+    first = order.index("a")
+    assert (e.value.position, e.value.name, e.value.reason, e.value.value) == (
+        second, "a", "unordered", kind.__name__)
+    assert str(e.value) == (
+        f"patch {second} ('a'): patches came as a {kind.__name__}, which has no order, and "
+        f"patch {first} has the same name; which of them the model ends with depends on "
+        "that order, which can change from run to run (a later patch wins): pass a list, "
+        "in the order to apply them")
+    assert m.a.tolist() == m.b.tolist() == [0.0] * 4
+    assert not path.exists()
+
+
+def test_a_set_of_distinct_names_loads_and_order_free_helpers_take_any_set():
+    """A set whose names are distinct loads as its list would (no element is written
+    twice, so the order changes nothing but the chunks); wire_bytes and patch_summary,
+    whose results do not depend on the order, take a set that repeats a name too."""
+    m = PlainModel({"a": (4,), "b": (4,)})
+    assert patchkit.load_checkpoint_weight_patches(m, {_p("a"), _p("b")}) == {"a", "b"}
+    assert m.a.tolist() == m.b.tolist() == [1.0] * 4
+    twice = {_p("a"), _p("a"), _p("b")}  # (three patches: a NamedTuple of tensors hashes
+    assert len(twice) == 3               # by the tensors' identity)
+    assert wire_bytes(twice) == 48
+    assert sorted(patchkit.patch_summary(twice)["name"]) == ["a", "a", "b"]
+
+
 _NOT_FIVE = {
     "four": (("b", (4,), torch.float32, torch.ones(4)),
              "got a tuple of 4 items; a plain tuple needs all five (indices None for a dense "
