@@ -325,6 +325,9 @@ def test_parts_from_several_python_threads_at_once(parts_build):
 
 
 @needs_compiler
+# (Python 3.12+ warns of a fork in a process with threads running: forking after the
+# threads have started is what this test is about)
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_parts_in_a_forked_child(parts_build):
     """A child forked after the parent's threads started has none of them (fork copies
     one thread): its copy still finishes, right (an OpenMP team started there would wait
