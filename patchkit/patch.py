@@ -169,7 +169,7 @@ def patch_list(patches: object, what: str = "patches", *, ordered: bool = True) 
             pass
         else:
             if ordered and isinstance(patches, set | frozenset):
-                _refuse_repeats_without_order(listed, what, type(patches).__name__)
+                refuse_repeats_without_order(listed, what, type(patches).__name__)
             return listed
     raise PatchTypeError(
         f"{what} must be a list of patches, got {type(patches).__name__}{hint}",
@@ -177,21 +177,22 @@ def patch_list(patches: object, what: str = "patches", *, ordered: bool = True) 
     )
 
 
-def _refuse_repeats_without_order(listed: list, what: str, kind: str) -> None:
+def refuse_repeats_without_order(listed: list, what: str, kind: str) -> None:
     """:func:`patch_list`'s check of a set: the first patch whose name an earlier one of
     the set's order has, as a :class:`~patchkit.errors.PatchValueError`."""
     first: dict[str, int] = {}
     for i, p in enumerate(listed):
-        name = getattr(p, "name", None)
-        if not isinstance(name, str):  # (validation names a patch with no str name)
+        # (a patch, or a plain 5-tuple, with a str name: validation names the others)
+        name = _given_name(p) if isinstance(p, tuple) and len(p) == 5 else None
+        if name is None:
             continue
         j = first.setdefault(name, i)
         if j != i:
             raise PatchValueError(
                 f"{where(i, name)}: {what} came as a {kind}, which has no order, and "
-                f"patch {j} has the same name; which of them the model ends with depends "
-                f"on that order, which can change from run to run (a later patch wins): "
-                f"pass a list, in the order to apply them",
+                f"patch {j} has the same name; which of them a load applies last, and so "
+                f"which wins where both write, depends on that order, which can change from "
+                f"run to run: pass a list, in the order to apply them",
                 position=i, name=name, reason="unordered", value=kind,
             )
 

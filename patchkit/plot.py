@@ -69,6 +69,7 @@ from .patch import (
     _ordered,
     check_flag,
     numel,
+    refuse_repeats_without_order,
     staged_nbytes,
 )
 from .patch import (
@@ -713,6 +714,8 @@ def _as_source(source: Any, fn: str) -> Any:
         if isinstance(source, str | bytes):
             raise TypeError
         patches = list(source)
+        if isinstance(source, set | frozenset):  # (a plan depends on the order)
+            refuse_repeats_without_order(patches, f"{fn}'s patches", type(source).__name__)
     except TypeError:
         raise PatchTypeError(
             f"{fn}: expected a LoadReport or a list of CheckpointWeightPatch, "

@@ -77,7 +77,8 @@ def test_one_patch_where_a_list_is_expected_says_to_pass_a_list():
 
 
 @pytest.mark.parametrize("kind", [set, frozenset])
-@pytest.mark.parametrize("call", ["load", "transactional", "inspect", "plan", "save"])
+@pytest.mark.parametrize(
+    "call", ["load", "transactional", "inspect", "plan", "save", "plot_chunks", "chunk_planner"])
 def test_a_set_of_patches_that_repeat_a_name_is_refused(call, kind, tmp_path):
     """Two patches of one name in a set: which wins (CONTRACT §2: the later one) depends
     on the set's order, that of the patches' hashes (their tensors' addresses), so the
@@ -85,7 +86,7 @@ def test_a_set_of_patches_that_repeat_a_name_is_refused(call, kind, tmp_path):
     saved, naming the second of the two in the set's order."""
     m = PlainModel({"a": (4,), "b": (4,)})
     one = CWP("a", (4,), torch.float32, torch.full((4,), 1.0))
-    other = CWP("a", (4,), torch.float32, torch.full((4,), 2.0))
+    other = ("a", (4,), torch.float32, torch.full((4,), 2.0), None)  # (a plain 5-tuple too)
     patches = kind([one, _p("b"), other])
     path = tmp_path / "p.safetensors"
     run = {
@@ -95,21 +96,37 @@ def test_a_set_of_patches_that_repeat_a_name_is_refused(call, kind, tmp_path):
         "inspect": lambda: inspect_load(m, patches),
         "plan": lambda: plan_chunks(patches),
         "save": lambda: patchkit.save_patches(str(path), patches),
+        "plot_chunks": lambda: _plot_chunks()(patches),
+        "chunk_planner": lambda: _chunk_planner()(patches),
     }[call]
+    what = {"plot_chunks": "plot_chunks's patches",
+            "chunk_planner": "chunk_planner's patches"}.get(call, "patches")
     with pytest.raises(PatchValueError) as e:
         run()
-    order = [p.name for p in patches]
+    order = [p[0] for p in patches]
     second = max(i for i, n in enumerate(order) if n == "a")
     first = order.index("a")
     assert (e.value.position, e.value.name, e.value.reason, e.value.value) == (
         second, "a", "unordered", kind.__name__)
     assert str(e.value) == (
-        f"patch {second} ('a'): patches came as a {kind.__name__}, which has no order, and "
-        f"patch {first} has the same name; which of them the model ends with depends on "
-        "that order, which can change from run to run (a later patch wins): pass a list, "
-        "in the order to apply them")
+        f"patch {second} ('a'): {what} came as a {kind.__name__}, which has no order, and "
+        f"patch {first} has the same name; which of them a load applies last, and so which "
+        "wins where both write, depends on that order, which can change from run to run: "
+        "pass a list, in the order to apply them")
     assert m.a.tolist() == m.b.tolist() == [0.0] * 4
     assert not path.exists()
+
+
+def _plot_chunks():
+    pytest.importorskip("matplotlib")
+    from patchkit.plot import plot_chunks
+    return plot_chunks
+
+
+def _chunk_planner():
+    pytest.importorskip("ipywidgets")
+    from patchkit.widgets import chunk_planner
+    return chunk_planner
 
 
 def test_a_set_of_distinct_names_loads_and_order_free_helpers_take_any_set():
