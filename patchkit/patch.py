@@ -178,8 +178,10 @@ def patch_list(patches: object, what: str = "patches", *, ordered: bool = True) 
 
 
 def refuse_repeats_without_order(listed: list, what: str, kind: str) -> None:
-    """:func:`patch_list`'s check of a set: the first patch whose name an earlier one of
-    the set's order has, as a :class:`~patchkit.errors.PatchValueError`."""
+    """:func:`patch_list`'s check of a set: a :class:`~patchkit.errors.PatchValueError`
+    (reason ``"unordered"``) at the first of ``listed`` (the set's items, in the order it
+    gave them) whose name an earlier one has; ``what`` names the set in the message and
+    ``kind`` is its type's name."""
     first: dict[str, int] = {}
     for i, p in enumerate(listed):
         # (a patch, or a plain 5-tuple, with a str name: validation names the others)
