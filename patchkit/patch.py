@@ -168,8 +168,8 @@ def patch_list(patches: object, what: str = "patches", *, ordered: bool = True) 
         except TypeError:
             pass
         else:
-            if ordered and isinstance(patches, set | frozenset):
-                refuse_repeats_without_order(listed, what, type(patches).__name__)
+            if ordered:
+                refuse_unordered_repeats(patches, listed, what)
             return listed
     raise PatchTypeError(
         f"{what} must be a list of patches, got {type(patches).__name__}{hint}",
@@ -177,11 +177,15 @@ def patch_list(patches: object, what: str = "patches", *, ordered: bool = True) 
     )
 
 
-def refuse_repeats_without_order(listed: list, what: str, kind: str) -> None:
-    """:func:`patch_list`'s check of a set: a :class:`~patchkit.errors.PatchValueError`
-    (reason ``"unordered"``) at the first of ``listed`` (the set's items, in the order it
-    gave them) whose name an earlier one has; ``what`` names the set in the message and
-    ``kind`` is its type's name."""
+def refuse_unordered_repeats(source: object, listed: list, what: str) -> None:
+    """:func:`patch_list`'s check of order: where ``source`` is a ``set`` or
+    ``frozenset`` (``listed``: its items, in the order it gave them), a
+    :class:`~patchkit.errors.PatchValueError` (reason ``"unordered"``) at the first item
+    whose name an earlier one has; ``what`` names ``source`` in the message. Anything
+    else passes unread."""
+    if not isinstance(source, set | frozenset):
+        return
+    kind = type(source).__name__
     first: dict[str, int] = {}
     for i, p in enumerate(listed):
         # (a patch, or a plain 5-tuple, with a str name: validation names the others)

@@ -69,7 +69,7 @@ from .patch import (
     _ordered,
     check_flag,
     numel,
-    refuse_repeats_without_order,
+    refuse_unordered_repeats,
     staged_nbytes,
 )
 from .patch import (
@@ -714,14 +714,13 @@ def _as_source(source: Any, fn: str) -> Any:
         if isinstance(source, str | bytes):
             raise TypeError
         patches = list(source)
-        if isinstance(source, set | frozenset):  # (a plan depends on the order)
-            refuse_repeats_without_order(patches, f"{fn}'s patches", type(source).__name__)
     except TypeError:
         raise PatchTypeError(
             f"{fn}: expected a LoadReport or a list of CheckpointWeightPatch, "
             f"got {_what(source)}",
             reason="not a list", value=type(source).__name__,
         ) from None
+    refuse_unordered_repeats(source, patches, f"{fn}'s patches")  # (a plan depends on the order)
     return [_as_patch(p, fn, i) for i, p in enumerate(patches)]
 
 
