@@ -4817,12 +4817,6 @@ class _DenseMode(TorchFunctionMode):
         # session's own buffers), the session's work runs with function modes off.
         self.shield = torch._C._len_torch_function_stack() > 0
 
-    @property
-    def below(self) -> _Mode:
-        if self._below is None:
-            self._below = _Mode(self.s)
-        return self._below
-
     @staticmethod
     def fits() -> bool:
         """Whether this mode can stand in for :class:`_Mode` on this thread now: no
@@ -4852,7 +4846,13 @@ class _DenseMode(TorchFunctionMode):
                 out = self.s._plain_copy(args, kwargs)
             if out is not None:
                 return out
-        with self.below:
+        # (a plain attribute, made here: no property, which torch.compile's dynamo,
+        # tracing a compiled loader's op into this method, fails on with an
+        # AssertionError, "cls_source must not be None for MRO walk")
+        below = self._below
+        if below is None:
+            below = self._below = _Mode(self.s)
+        with below:
             return func(*args, **(kwargs or {}))
 
 
