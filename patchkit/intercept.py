@@ -4797,6 +4797,30 @@ def _route(func) -> int:
     return route
 
 
+_dynamo_told = False
+
+
+def _keep_dynamo_out() -> None:
+    """Where torch.compile's dynamo is loaded, have it skip patchkit's own code.
+
+    A loader compiled with ``torch.compile`` runs its ops through this module's modes
+    while dynamo traces it; traced into, the watch's bookkeeping was compiled along with
+    the loader (dynamo warned of its caches, failed on a property, and left half-made
+    objects whose cleanup printed errors). Skipped, each of the watch's frames runs as
+    plain Python: the loader's graph breaks there, as at any code dynamo does not trace.
+    Nothing is imported for it: a process without dynamo loaded is asked again at the
+    next watched call (a dict lookup), and told once it has."""
+    global _dynamo_told
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    if rules is None:
+        return
+    _dynamo_told = True
+    # (torch's own list of folders dynamo never traces; private, so a torch whose list
+    # has moved or fails keeps tracing the watch, as before, and the load goes on)
+    with contextlib.suppress(Exception):
+        rules.add(__package__)
+
+
 class _DenseMode(TorchFunctionMode):
     """A dense call's interception: the same writes as :class:`_Mode`, at less cost.
 
@@ -5259,6 +5283,8 @@ class WriteSession:
         error = True
         guarded = self.save_regions and _DEFERRAL.install()
         self._guard = _DEFERRAL if guarded else None
+        if not _dynamo_told:
+            _keep_dynamo_out()
         try:
             try:
                 with _Mode(self) if sparse or not _DenseMode.fits() else _DenseMode(self):
