@@ -329,8 +329,9 @@ class ChunkPlanner(W.VBox):
     message), and a plan that cannot be made leaves ``plan`` empty and the output that
     line alone, so the output never shows an earlier budget's view.
 
-    ``max_chunk_bytes``, when given, must be a positive int (``TypeError`` /
-    ``ValueError`` otherwise, as for a load); anything but a report or a list of patches
+    ``max_chunk_bytes``, when given, must be a positive whole number of bytes, as for a
+    load (an int; a whole float such as ``1e9`` is taken too, ``1.5`` or ``inf`` is not:
+    ``TypeError`` / ``ValueError``); anything but a report or a list of patches
     raises ``TypeError``. A report whose own budget was rejected (its load raised for
     ``max_chunk_bytes=0``) starts at the default budget, planning its patches as given.
     Like every ipywidgets widget, a planner stays open, and keeps its patches (or report)
