@@ -1099,7 +1099,7 @@ class LoadReport:
     ) -> Figure:
         """Checkpoint regions → runtime regions: :func:`patchkit.plot.plot_placement`
         (``targets``: the runtime tensors to draw, default those written, at most
-        ``max_targets``)."""
+        ``max_targets``; ``None``, the default, is that function's own default, 6)."""
         from . import plot
 
         kw = {} if max_targets is None else {"max_targets": max_targets}
