@@ -571,7 +571,8 @@ def random_sparse_patch(
       dimensions are multiples of the block size. Costs O(numel) memory for a mask.
 
     A density above 0 that rounds to no position (0.3 of a 1-D tensor's one row) gives
-    an empty patch, with a ``UserWarning`` saying so.
+    an empty patch, with a ``UserWarning`` saying so; a shape with no elements
+    (``(0, 5)``) gives an empty patch at any density, without one.
 
     Values are ``std``-scaled standard normal numbers drawn from ``generator`` on the CPU
     (``None``: torch's global CPU generator) in float32 (in float64 for a float64 patch),
