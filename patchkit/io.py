@@ -114,7 +114,10 @@ def storable_dtypes() -> frozenset[torch.dtype]:
     0.8.0 reads them all): those this one cannot read are left out, as this machine
     could not read such a file back. Without the package, the dtypes this torch and the
     format share. A patch's checkpoint
-    ``dtype`` may be any torch dtype: it is stored by name.
+    ``dtype`` may be any torch dtype its values can be staged as: it is stored by name
+    (``complex128``, ``uint16`` with values of a storable dtype). Not the packed
+    ``float4_e2m1fn_x2``: a patch of it stages only from values of that dtype, which no
+    patch file holds, so :func:`save_patches` refuses every such patch.
     """
     return frozenset(d for d, code in _DTYPE_TO_CODE.items() if code in _readable_codes())
 
