@@ -474,9 +474,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m patchkit`` and the ``patchkit`` script; returns the
     exit status (see the module docstring). As with any argparse program, ``--help``,
     ``--version`` and a usage error exit through ``SystemExit`` (status 0, 0 and 2)
-    instead of returning."""
+    instead of returning; ``--help`` or ``--version`` whose stdout cannot be written
+    (a closed pipe, a full disk) exits with 1, as a command does."""
     with _escaping_output():
-        return _main(argv)
+        try:
+            return _main(argv)
+        except SystemExit:
+            _flush_after_argparse()
+            raise
+
+
+def _flush_after_argparse() -> None:
+    """Flush what argparse printed (``--help``, ``--version``) before it exits through
+    ``SystemExit``: a reader that went away raises ``SystemExit(1)`` quietly, and a
+    stdout that cannot be written (a full disk) says ``error: ...`` and raises
+    ``SystemExit(1)``, as a command does, instead of a traceback at the flush that
+    follows (status 120)."""
+    if sys.stdout is None:  # (``>&-``: argparse printed to stderr)
+        return
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        raise SystemExit(1) from None
+    except OSError as e:
+        _stdout_to_devnull()
+        print(f"error: {_said(e)}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -916,6 +916,37 @@ def test_demo_into_a_closed_pipe_stops_quietly():
     assert (done.returncode, done.stderr) == (1, "")
 
 
+@pytest.mark.parametrize("option", [["--help"], ["--version"], ["inspect", "--help"]])
+@pytest.mark.parametrize("stdout", ["closed pipe", "full disk"])
+def test_help_and_version_into_a_closed_pipe_or_a_full_disk_exit_1_without_a_traceback(
+        option, stdout):
+    # (``patchkit --help | true``, ``patchkit --version > /dev/full``: argparse prints into
+    # stdout's buffer and exits through SystemExit; the buffer was flushed as main put
+    # stdout's error handler back, so the failure came out as two chained tracebacks,
+    # SystemExit then BrokenPipeError or OSError, and status 120)
+    code = f"import sys\nfrom patchkit.__main__ import main\nsys.exit(main({option!r}))\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (buffered)
+    if stdout == "full disk":
+        if not os.path.exists("/dev/full"):
+            pytest.skip("no /dev/full here")
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, "-c", code], stdout=full,
+                                  stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120,
+                                  check=False, env=env)
+        said = "error: No space left on device\n"
+    else:
+        r, w = os.pipe()
+        os.close(r)  # the reader is gone before the first write
+        try:
+            done = subprocess.run([sys.executable, "-c", code], stdout=w,
+                                  stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120,
+                                  check=False, env=env)
+        finally:
+            os.close(w)
+        said = ""  # (it stops quietly, as a command does)
+    assert (done.returncode, done.stderr) == (1, said)
+
+
 @pytest.mark.parametrize("error", ["OSError(28, 'No space left on device')", "MemoryError()",
                                    "KeyboardInterrupt()"])
 def test_the_error_line_comes_after_what_the_command_printed(error):
