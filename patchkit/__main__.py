@@ -266,7 +266,7 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
     files were written before it."""
     from .io import _escaped, _print_summary, _read_each, _stand_in, _validated
     from .plot import plot_chunks, plot_density
-    from .tour import _out_folder, _stopped, _write_page
+    from .tour import _out_folder, _save_figure, _stopped, _write_page
     from .units import distinct_name as _shown
 
     existed = os.path.isdir(out)
@@ -300,7 +300,7 @@ def _write_inspect_figures(path: str, out: str, max_chunk_bytes: int, entries: S
                 fig = plot_density(patch)
                 del patch  # (the figure keeps its pixels, not the patch)
             try:
-                fig.savefig(target, dpi=110, bbox_inches="tight")
+                _save_figure(fig, target, dpi=110, bbox_inches="tight")
             except OSError as e:
                 raise _stopped(e, done, len(figures) + 1, folder) from e
             done.append(target.name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import html
+import io
 import os
 import stat
 import time
@@ -150,6 +151,15 @@ def _write_page(page: Path, data: bytes) -> None:
         raise
 
 
+def _save_figure(fig, path: Path, **kwargs) -> None:
+    """``fig.savefig`` as a PNG at ``path`` (``kwargs``: savefig's), written as
+    :func:`_write_page` writes a page: a write that fails (a full disk) leaves no part of
+    the figure, and an earlier figure of that name whole."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **kwargs)
+    _write_page(path, buf.getvalue())
+
+
 def _stopped(e: OSError, done: list[str], of: int, folder: Path) -> OSError:
     """``e`` (a write into ``folder`` that failed) with what was written before it: the
     error a command stopped part-way through reports."""
@@ -256,8 +266,8 @@ def run_tour(
         # The figure's words go into the file (no version or time): a test compares them
         # with the README's copies, which `make readme-figures` takes from here.
         try:
-            fig.savefig(path, dpi=110, bbox_inches="tight",
-                        metadata={"Software": None, "Description": figure_words(fig)})
+            _save_figure(fig, path, dpi=110, bbox_inches="tight",
+                         metadata={"Software": None, "Description": figure_words(fig)})
         except OSError as e:
             raise _stopped(e, [f.name for f in result.figures], len(OUTPUTS), out) from e
         result.figures.append(path)

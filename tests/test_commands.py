@@ -821,6 +821,38 @@ def test_inspect_that_fails_part_way_says_what_it_wrote_and_exits_1(tmp_path, ca
     assert os.listdir(tmp_path / "figs") == ["chunks_dense.png"]
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+@pytest.mark.parametrize("command", ["tour", "inspect"])
+def test_a_figure_whose_write_fails_leaves_the_earlier_one_whole_and_no_part_of_it(
+        command, tmp_path):
+    # (a real failed write, not a savefig that writes nothing: no file may grow past 20 kB,
+    # and every figure is larger. savefig wrote into the figure's own name, so the run
+    # left a cut-off PNG there, over the earlier run's figure, while its message said
+    # "wrote none of its files")
+    import resource
+    import signal
+
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    first = {"tour": "dense_chunks.png", "inspect": "chunks_dense.png"}[command]
+    (figs / first).write_bytes(b"an earlier figure")
+    args = ["tour", "--device", "cpu"] if command == "tour" else [
+        "inspect", str(_mixed_patch_file(tmp_path / "p.safetensors"))]
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past it fails: EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    code = ("import sys\nfrom patchkit.__main__ import main\n"
+            f"sys.exit(main({[*args, '--out', str(figs)]!r}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, check=False, preexec_fn=small_files)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: File too large; stopped part-way: wrote none of ")
+    assert os.listdir(figs) == [first]  # (no temporary either)
+    assert (figs / first).read_bytes() == b"an earlier figure"
+
+
 @pytest.mark.parametrize("earlier", [False, True])
 def test_inspect_whose_page_cannot_be_written_keeps_an_earlier_one_and_no_temporary(
         tmp_path, capsys, monkeypatch, earlier):
