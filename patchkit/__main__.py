@@ -515,7 +515,7 @@ def _main(argv: Sequence[str] | None) -> int:
         "demo", help="a dense, a sparse and a repeated-name load, shown in the terminal",
         description="Load a tiny tensor-parallel Llama-shaped model densely, sparsely and "
                     "with a repeated name, and print what each load did and whether its "
-                    "checks held (exit 0; 1 when a check failed).",
+                    "checks held (exit 0; 1 when a check failed; 2 for a bad --device).",
     )
     demo.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     demo.set_defaults(run=_cmd_demo)
