@@ -20,7 +20,8 @@ holds a folder where ``index.html`` or a figure goes), a closed stdout (``>&-``)
 matplotlib missing for a command that draws (``tour``, ``inspect --out``), with
 ``error: ...`` on stderr;
 130 when interrupted (Ctrl-C): ``interrupted`` on stderr, the files written so far
-left in ``--out``.
+left in ``--out`` (a Ctrl-C in the second or so before the command starts, while
+Python imports torch, shows Python's own traceback instead, with 130 all the same).
 """
 
 from __future__ import annotations
