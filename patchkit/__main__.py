@@ -541,8 +541,9 @@ def _main(argv: Sequence[str] | None) -> int:
         description="Print one line per patch of a file written by patchkit.save_patches "
                     "(kind, shape, dtype, density, bytes), its metadata and the chunk plan "
                     "a load of it would make (exit 0; 2 when the file is unreadable or "
-                    "load_patches would refuse it; 1 when the system could not read it or "
-                    "an output could not be written).",
+                    "load_patches would refuse it, for a bad option or --out, or for --out "
+                    "without matplotlib; 1 when the system could not read it or an output "
+                    "could not be written).",
     )
     insp.add_argument("file", help="a patch file written by patchkit.save_patches")
     insp.add_argument(
