@@ -85,6 +85,28 @@ def where(position: int | None, name: str | None) -> str:
     return f"patch {position} ({shown})"
 
 
+def add_note(exc: BaseException, text: str) -> None:
+    """Add ``text`` to ``exc``'s notes (PEP 678): ``exc.add_note(text)`` on Python 3.11+;
+    on 3.10, which has no ``add_note``, appended to ``exc.__notes__`` (a list of str, made
+    where there is none), as 3.11's method does, so code that reads ``__notes__`` finds
+    the same list (a traceback printer that reads them shows it: IPython 8.14+'s does,
+    3.10's own does not). An exception that takes no attribute (a ``__setattr__`` that
+    refuses), or whose ``__notes__`` is no list, gets no note there: never an error of
+    its own in place of the one being raised."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(text)
+        return
+    try:
+        notes = getattr(exc, "__notes__", None)
+        if notes is None:
+            notes = exc.__notes__ = []  # type: ignore[attr-defined]
+        if isinstance(notes, list):
+            notes.append(text)
+    except Exception:  # (the note is dropped, as 3.10 dropped every note before)
+        pass
+
+
 # What a model's load_weights must do, for the errors that find a model without one.
 LOAD_WEIGHTS_DOES = (
     "takes a list of (checkpoint name, tensor) pairs, writes each into the model and "

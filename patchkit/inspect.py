@@ -107,7 +107,7 @@ from .density import (
     distinct_indices,
     region_text,
 )
-from .errors import LOAD_WEIGHTS_DOES, PatchTypeError, brief, quoted, where
+from .errors import LOAD_WEIGHTS_DOES, PatchTypeError, add_note, brief, quoted, where
 from .intercept import (
     _DEFERRAL,
     RuntimeIndex,
@@ -1553,7 +1553,7 @@ def inspect_load(
     with a :class:`~patchkit.LoadProgress` after every call instead (an exception it
     raises stops the load like the loader's own would; after a call that raised, it is
     told so, ``failed=True``, and what it raises then is added to the load's error as a
-    note, on Python 3.11+, not raised in its place). See :mod:`patchkit.progress`.
+    note, not raised in its place). See :mod:`patchkit.progress`.
 
     ``validate_unique_indices`` and ``transactional`` must be ``True`` or ``False``, with
     ``loader=`` too (:class:`~patchkit.PatchTypeError` before anything is read or run).
@@ -1677,9 +1677,9 @@ def _inspect_load(
             )
     except BaseException as exc:
         error = exc
-        if tracker is not None and tracker.suppressed is not None and hasattr(exc, "add_note"):
-            exc.add_note("(the progress callback, told of the failed call, raised too: "
-                         f"{type(tracker.suppressed).__name__}: {tracker.suppressed})")
+        if tracker is not None and tracker.suppressed is not None:
+            add_note(exc, "(the progress callback, told of the failed call, raised too: "
+                     f"{type(tracker.suppressed).__name__}: {tracker.suppressed})")
     finally:
         for session in sessions:
             session.end_calls()  # (a call a signal left open: its modes go first)
@@ -1707,12 +1707,11 @@ def _inspect_load(
         if error is not None or not transactional or loader is not None or not sessions:
             if error is not None and late.__context__ is None:
                 late.__context__ = error  # (shown first in the traceback, not lost)
-            if hasattr(late, "add_note"):
-                late.add_note(
-                    "(raised while inspect_load made its report, after the load itself "
-                    + ("had finished: what it wrote stays in the model" if error is None
-                       else f"had failed with {type(error).__name__}, this error's "
-                       "__context__") + "; no report was made)")
+            add_note(late, (
+                "(raised while inspect_load made its report, after the load itself "
+                + ("had finished: what it wrote stays in the model" if error is None
+                   else f"had failed with {type(error).__name__}, this error's "
+                   "__context__") + "; no report was made)"))
             raise
         # What a signal raised once the load had ended (a KeyboardInterrupt while the
         # report was made): the load is rolled back, and the report says so.

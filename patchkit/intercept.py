@@ -68,7 +68,14 @@ from .bitwise import (
     select,
     squares_on_device,
 )
-from .errors import ContractViolation, PatchTypeError, PatchValueError, quoted, where
+from .errors import (
+    ContractViolation,
+    PatchTypeError,
+    PatchValueError,
+    add_note,
+    quoted,
+    where,
+)
 from .units import _count
 
 __all__ = [
@@ -5617,9 +5624,9 @@ class WriteSession:
         (``module.w = nn.Parameter(w)``) or changed in the module tree may hold the staged
         NaN, so it is put back (:meth:`_put_back`), as after a call that returns (where it
         is refused); the copies it made stay (CONTRACT §5). ``exc`` propagates, with a
-        note that says what was put back (a warning before Python 3.11, which has no
-        notes). A transactional load's rollback puts back all of it, and its copies too:
-        nothing to do here."""
+        note that says what was put back (on Python 3.10, whose traceback shows no notes,
+        in ``__notes__`` and as a warning too). A transactional load's rollback puts back
+        all of it, and its copies too: nothing to do here."""
         if self.bindings is not None:
             return
         back = self._put_back(bindings)
@@ -5635,8 +5642,9 @@ class WriteSession:
                 f"{did}, which may hold the staged NaN; that was put back as it was" + (
                     "" if not back.left else f", except {back.left[0]!r}, which the model "
                     "does not keep in nn.Module's registries") + "; the call's copies stay)")
-        if hasattr(exc, "add_note"):
-            exc.add_note(note)
+        native = hasattr(exc, "add_note")  # (before add_note: False on Python 3.10)
+        add_note(exc, note)  # (on 3.10 into __notes__, which its own traceback omits)
+        if native:
             return
         from .loader import _outside_patchkit  # (Python 3.10; loader imports this module)
 

@@ -38,7 +38,7 @@ from typing import Any, NoReturn, TextIO
 import torch
 
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, plan_chunks
-from .errors import PatchError, PatchTypeError, PatchValueError, brief, where
+from .errors import PatchError, PatchTypeError, PatchValueError, add_note, brief, where
 from .patch import (
     CheckpointWeightPatch,
     PatchLike,
@@ -996,8 +996,7 @@ def _reading_failed(path: str, e: Exception) -> NoReturn:
     as itself, with a note naming the file; anything else as the file's fault, a
     PatchValueError naming it."""
     if _out_of_memory(e):
-        if hasattr(e, "add_note"):
-            e.add_note(f"(raised reading patch file {_path_text(path)})")
+        add_note(e, f"(raised reading patch file {_path_text(path)})")
         raise e
     raise _fail(path, f"unreadable: {e}") from None
 

@@ -23,6 +23,7 @@ from .errors import (
     PatchError,
     PatchTypeError,
     PatchValueError,
+    add_note,
     where,
 )
 from .intercept import (
@@ -149,7 +150,8 @@ def load_checkpoint_weight_patches(
        one under a name the model did not have is caught when it returns: the original is
        put back, a new name removed, and :class:`NotImplementedError` raised. A call that
        raises instead has them put back too (they may hold the staged NaN), and its own
-       exception propagates with a note saying so (a warning on Python 3.10); its
+       exception propagates with a note saying so (on Python 3.10, whose traceback shows
+       no notes, a warning too); its
        copies stay, as item 5 says. Writes the loader makes on
        another thread, or with torch's dispatch modes switched off (its private
        ``_disable_current_modes()``, ``torch._C._DisableTorchDispatch()``), are not seen:
@@ -157,9 +159,9 @@ def load_checkpoint_weight_patches(
     5. ``transactional=False`` (the default, as in vLLM): a loader failure leaves the
        writes made so far in place and propagates unchanged (**[patchkit]** an error the
        model's ``load_weights`` raised, its own ``KeyError`` for a name it lacks, torch's
-       for a shape, gets a note on Python 3.11+ naming the call and the patches it was
-       sent: ``(raised in load_weights call 1, sent patch 3 ('x'))``, and in a call of
-       several, where a function the error passed through was handed one patch's staged
+       for a shape, gets a note (``__notes__``, on 3.10 too) naming the call and the
+       patches it was sent: ``(raised in load_weights call 1, sent patch 3 ('x'))``, and in
+       a call of several, where a function the error passed through was handed one patch's staged
        tensor, that patch first: ``(raised in load_weights call 1 at patch 9 ('y'); sent
        ...)``; patchkit's own errors name their patch already). **[patchkit]**
        ``transactional=True``: every runtime region is saved before its first write, and
@@ -532,7 +534,7 @@ def _warn_if_quiet_calls(session: WriteSession, exc: BaseException, tree_changed
     which the rollback put back with it. The warning also says that such a call may have
     written nothing at all (a loader that skips weights another rank holds, experts under
     expert parallelism say, and returns their names anyway), which loses nothing. Where warnings
-    are errors, the warning goes onto ``exc`` as a note (Python 3.11+) instead: the
+    are errors, the warning goes onto ``exc`` as a note (``__notes__``) instead: the
     load's own error stays the one raised."""
     if session.first_quiet is None:
         return
@@ -555,8 +557,7 @@ def _warn_if_quiet_calls(session: WriteSession, exc: BaseException, tree_changed
             stacklevel=_outside_patchkit(),
         )
     except Warning as w:
-        if hasattr(exc, "add_note"):
-            exc.add_note(str(w))
+        add_note(exc, str(w))
 
 
 def _check_meta(model: Any, patches: Sequence[CheckpointWeightPatch]) -> None:
@@ -700,7 +701,7 @@ def _called(load_weights: Any, staged: list[tuple[str, torch.Tensor]], chunk: Ch
 def _note_the_call(exc: BaseException, chunk: Chunk,
                    staged: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Add to an error the model's ``load_weights`` raised (its own ``KeyError`` for a
-    name it lacks, torch's for a shape it cannot take, a Ctrl-C) a note (Python 3.11+)
+    name it lacks, torch's for a shape it cannot take, a Ctrl-C) a note (its ``__notes__``)
     naming the call and the patches it was sent: ``"(raised in load_weights call 2, sent
     patch 4 ('a'), patch 5 ('b'))"``, the first five and how many more; and, in a call
     of several, where :func:`_patch_at_fault` finds the patch the model was at (a
@@ -709,7 +710,7 @@ def _note_the_call(exc: BaseException, chunk: Chunk,
     patch 4 ('a'), ...)"``. The error is otherwise as raised. patchkit's own errors (a
     :class:`~patchkit.errors.PatchError`: a write refused inside the call, a return
     value outside the contract) name their patch already and get none."""
-    if isinstance(exc, PatchError) or not hasattr(exc, "add_note"):
+    if isinstance(exc, PatchError):
         return
     sent = _patches_named(chunk.positions, chunk.names, len(chunk.positions))
     try:
@@ -717,7 +718,7 @@ def _note_the_call(exc: BaseException, chunk: Chunk,
     except Exception:  # (a search that fails only leaves the patch at fault out: never
         k = None  # an error of its own in place of the model's)
     at = "," if k is None else f" at {where(chunk.positions[k], chunk.names[k])};"
-    exc.add_note(f"(raised in load_weights call {chunk.index}{at} sent {sent})")
+    add_note(exc, f"(raised in load_weights call {chunk.index}{at} sent {sent})")
 
 
 def _patch_at_fault(exc: BaseException, staged: Sequence[tuple[str, torch.Tensor]]
@@ -789,7 +790,7 @@ def _staged(
     its whole checkpoint-shaped tensor (and a dense one whose values need a cast, a copy):
     where that fails (out of memory, a shape mistyped by orders of magnitude), the error
     is torch's own (``RuntimeError``, ``torch.OutOfMemoryError``), raised before this
-    call's ``load_weights``, with a note (Python 3.11+) naming the patch, the call and
+    call's ``load_weights``, with a note (its ``__notes__``) naming the patch, the call and
     its staged size."""
     out = []
     for p in chunk.positions:
@@ -800,14 +801,13 @@ def _staged(
             out.clear()  # (the call's tensors staged so far: not held by the traceback)
             if not isinstance(exc, (RuntimeError, MemoryError)):
                 raise
-            if hasattr(exc, "add_note"):
-                kind = "dense" if patch.indices is None else "sparse"
-                staged = format_bytes(staged_nbytes(patch))
-                exc.add_note(
-                    f"(raised staging {where(p, patch.name)} for load_weights call "
-                    f"{chunk.index}, before that call: a {kind} patch of shape "
-                    f"{_shape_text(_shape_dims(patch.shape))} {patch.dtype} stages {staged})"
-                )
+            kind = "dense" if patch.indices is None else "sparse"
+            staged = format_bytes(staged_nbytes(patch))
+            add_note(exc, (
+                f"(raised staging {where(p, patch.name)} for load_weights call "
+                f"{chunk.index}, before that call: a {kind} patch of shape "
+                f"{_shape_text(_shape_dims(patch.shape))} {patch.dtype} stages {staged})"
+            ))
             raise
     return out
 

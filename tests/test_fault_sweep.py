@@ -363,7 +363,6 @@ def test_deltas_after_an_incomplete_rollback_count_what_the_model_holds(monkeypa
     assert row["max_abs"] == 1.0 and row["mean_abs"] == 0.5
 
 
-@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="notes: Python 3.11+")
 @pytest.mark.parametrize("fails", [False, True])
 def test_an_error_while_the_report_is_made_says_what_became_of_the_load(monkeypatch, fails):
     # (the report's own failure, an out-of-memory say, reached the caller saying nothing
@@ -380,7 +379,7 @@ def test_an_error_while_the_report_is_made_says_what_became_of_the_load(monkeypa
     p = CWP("w", (4,), torch.float32, torch.tensor([2.0]), torch.tensor([1]))
     with pytest.raises(RuntimeError, match="out of memory") as e:
         patchkit.inspect_load(m, [p])
-    note = " ".join(getattr(e.value, "__notes__", []))
+    note = " ".join(e.value.__notes__)
     if fails:
         assert "had failed with KeyError, this error's __context__" in note
         assert isinstance(e.value.__context__, KeyError)

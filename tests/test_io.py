@@ -1980,8 +1980,7 @@ def test_running_out_of_memory_while_reading_is_no_bad_file(tmp_path, monkeypatc
     good = sample_files(str(tmp_path))["path"]
     e = _loading_out_of_memory(monkeypatch, good, torch.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 2.00 GiB"), "CUDA out of memory")
-    if sys.version_info >= (3, 11):
-        assert any(good in note for note in e.__notes__)
+    assert any(good in note for note in e.__notes__)
     _loading_out_of_memory(monkeypatch, good, RuntimeError(
         "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
         "you tried to allocate 268435456 bytes"), "can't allocate memory")
@@ -2620,8 +2619,7 @@ def test_running_out_of_host_memory_on_windows_is_no_bad_file_either(tmp_path, m
     e = _loading_out_of_memory(monkeypatch, good, RuntimeError(
         "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
         "you tried to allocate 268435456 bytes."), "not enough memory")
-    if sys.version_info >= (3, 11):
-        assert any(good in note for note in e.__notes__)
+    assert any(good in note for note in e.__notes__)
 
 
 def test_patches_sharing_memory_save_through_safetensors_own_writer_too(tmp_path, monkeypatch):

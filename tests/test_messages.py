@@ -379,10 +379,9 @@ def test_a_call_of_many_patches_is_named_by_its_first_five_and_a_count_in_every_
         def load_weights(self, weights):
             raise KeyError("x")
 
-    if hasattr(KeyError(), "add_note"):
-        with pytest.raises(KeyError) as raised:
-            patchkit.load_checkpoint_weight_patches(Raises({n: (4,) for n in names}), dense)
-        assert raised.value.__notes__ == [f"(raised in load_weights call 0, sent {five})"]
+    with pytest.raises(KeyError) as raised:
+        patchkit.load_checkpoint_weight_patches(Raises({n: (4,) for n in names}), dense)
+    assert raised.value.__notes__ == [f"(raised in load_weights call 0, sent {five})"]
 
 
 class _CopiesThenFills(PlainModel):

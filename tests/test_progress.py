@@ -295,12 +295,11 @@ def test_a_callback_that_raises_when_told_of_a_failed_call_leaves_the_loads_erro
         inspect_load(model, dense_patches(ckpt), max_chunk_bytes=BUDGET, progress=callback)
     assert told == [False, False, True]
     assert e.value.report.summary()["error"].startswith("RuntimeError: third call")
-    if sys.version_info >= (3, 11):
-        assert e.value.__notes__ == [
-            "(raised in load_weights call 2, sent patch 4 "
-            "('model.layers.0.self_attn.o_proj.weight'))",
-            "(the progress callback, told of the failed call, raised too: KeyError: "
-            "'callback')"]
+    assert e.value.__notes__ == [
+        "(raised in load_weights call 2, sent patch 4 "
+        "('model.layers.0.self_attn.o_proj.weight'))",
+        "(the progress callback, told of the failed call, raised too: KeyError: "
+        "'callback')"]
 
 
 class _BrokenView:

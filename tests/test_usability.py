@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import gc
-import sys
 import weakref
 
 import pytest
@@ -16,7 +15,6 @@ from patchkit.patch import validate_patches
 from patchkit.toymodels import PlainModel
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 @pytest.mark.parametrize("inspect", [False, True])
 def test_a_patch_whose_staging_runs_out_of_memory_is_named_in_the_error(inspect):
     m = PlainModel({"a": (4,), "b": (4,)}, device="cpu")
@@ -35,7 +33,6 @@ def test_a_patch_whose_staging_runs_out_of_memory_is_named_in_the_error(inspect)
         assert info.value.report.calls["names"].tolist() == [("a",)]
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 def test_the_out_of_memory_note_of_a_shape_of_many_dims_is_short():
     # 1000 ones and 50 twos: 4 PiB staged, and a shape that printed whole is 3 kB
     m = PlainModel({"b": (4,)}, device="cpu")
@@ -58,7 +55,6 @@ class _KnowsOnly(PlainModel):
         return {n for n, _ in weights}
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 @pytest.mark.parametrize("how", ["dense", "sparse", "transactional", "inspect"])
 def test_an_error_of_the_models_own_loader_is_noted_with_the_call_and_its_patches(how):
     m = _KnowsOnly({"a": (16,), **{n: (2,) for n in "bcdef"}}, device="cpu")
@@ -89,7 +85,6 @@ def test_an_error_of_the_models_own_loader_is_noted_with_the_call_and_its_patche
         [] if sparse else ["(raised in load_weights call 1, sent patch 1 ('b'))"])
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 def test_patchkits_own_errors_from_inside_a_call_get_no_note_of_the_call():
     # (they name their patch already: a return value outside the contract, here)
     class ReturnsANumber(PlainModel):
@@ -159,7 +154,7 @@ def test_a_kept_error_of_a_failed_call_does_not_keep_its_staged_tensors(kind, ho
         tb = tb.tb_next
     assert {"run_load", "_called"} <= set(frames)
     assert ("load_weights" in frames) == (how != "returns")
-    if sys.version_info >= (3, 11) and how == "raise":
+    if how == "raise":
         assert kept.__notes__ == [
             "(raised in load_weights call 0, sent patch 0 ('a'), patch 1 ('b'), patch 2 "
             "('c'), patch 3 ('d'))"]
@@ -463,7 +458,6 @@ class _AssertsLikeVllm(PlainModel):
         param.data.copy_(loaded_weight)
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 @pytest.mark.parametrize("how", ["dense", "sparse", "transactional", "inspect", "one buffer"])
 def test_a_models_error_that_names_no_weight_is_noted_with_the_patch_it_was_loading(how):
     # A trainer's patch with a wrong shape on one rank, in a call of eight: the model's
@@ -515,7 +509,6 @@ class _ChecksAfterItsLoop(PlainModel):
         raise RuntimeError("cannot fuse")
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 @pytest.mark.parametrize("how", ["after", "two"])
 def test_a_models_error_not_at_one_patch_is_noted_without_one(how):
     m = _ChecksAfterItsLoop({"a": (4,), "b": (4,), "c": (4,)}, how)
@@ -546,7 +539,6 @@ def _a_then_b_of_a_wrong_shape():
             CWP("b", (2, 2), torch.float32, torch.ones(4))]
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 @pytest.mark.parametrize("extra", [_Unreadable, _UnreadableList])
 def test_a_models_error_stays_its_own_where_an_argument_cannot_be_read(extra):
     # (was: the search for the patch at fault read each argument of the traceback's frames,
@@ -571,7 +563,6 @@ def test_a_models_error_stays_its_own_where_an_argument_cannot_be_read(extra):
         "(raised in load_weights call 0 at patch 1 ('b'); sent patch 0 ('a'), patch 1 ('b'))"]
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 @pytest.mark.parametrize("shapes", [((0,), (0, 3)), ((0,), (4,))], ids=["all empty", "one"])
 def test_the_patch_at_fault_is_found_past_empty_patches_or_left_out(shapes):
     # an empty staged tensor has no memory to find in a frame: with every one empty the
@@ -597,7 +588,6 @@ def test_the_patch_at_fault_is_found_past_empty_patches_or_left_out(shapes):
         f"(raised in load_weights call 0{at} sent patch 0 ('e'), patch 1 ('w'))"]
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 def test_a_models_error_stays_its_own_where_the_search_for_its_patch_fails(monkeypatch):
     # (the search reads frames and tensors it does not own: whatever it raises, the model's
     # error leaves the load as raised, with the note of the call, only not of the patch)
@@ -660,7 +650,6 @@ class _LoadsThrough(PlainModel):
         raise AssertionError("shapes differ: cannot fuse")
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in 3.11")
 @pytest.mark.parametrize("how, at", [
     ("varargs", 1), ("list", 1), ("scale", 1),
     # (the innermost frame handed a staged tensor was handed two: no patch, though the
