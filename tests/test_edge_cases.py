@@ -985,30 +985,33 @@ def test_a_sparse_call_that_raises_after_swapping_a_registry_says_what_it_did():
     assert said in note and "that was put back as it was" in note
 
 
+class _NoNotes(Exception):
+    """An exception type whose ``add_note`` is not there: Python 3.10's, on 3.11+."""
+
+    def __getattribute__(self, name):
+        if name == "add_note":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
 def test_the_note_of_an_undone_sparse_call_never_replaces_the_loaders_error(monkeypatch):
     # Python 3.10 has no notes: a warning says it, and where warnings are errors the
     # loader's own error still propagates (an exception type without add_note stands in)
-    class NoNotes(Exception):
-        def __getattribute__(self, name):
-            if name == "add_note":
-                raise AttributeError(name)
-            return super().__getattribute__(name)
-
     class Rebinds(PlainModel):
         def load_weights(self, weights):
             for _, w in weights:
                 self.a.data = w.clone()
-            raise NoNotes("the loader's own")
+            raise _NoNotes("the loader's own")
 
     patch = CWP("a", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([1]))
     model = Rebinds({"a": (4,)})
     with (pytest.warns(UserWarning, match="rebound or registered runtime tensors") as caught,
-          pytest.raises(NoNotes)):
+          pytest.raises(_NoNotes)):
         patchkit.load_checkpoint_weight_patches(model, [patch])
     assert caught[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(NoNotes, match="the loader's own"):
+        with pytest.raises(_NoNotes, match="the loader's own"):
             patchkit.load_checkpoint_weight_patches(model, [patch])
     assert model.a.tolist() == [0.0] * 4
 
@@ -1018,17 +1021,11 @@ def test_add_note_puts_the_note_in_notes_without_add_note_too():
     # it (an exception type whose add_note is not there stands in for 3.10 on 3.11+)
     from patchkit.errors import add_note
 
-    class NoNotes(Exception):
-        def __getattribute__(self, name):
-            if name == "add_note":
-                raise AttributeError(name)
-            return super().__getattribute__(name)
-
-    class NoAttributes(NoNotes):
+    class NoAttributes(_NoNotes):
         def __setattr__(self, name, value):
             raise TypeError("read-only")
 
-    for exc in (KeyError("k"), NoNotes("n")):
+    for exc in (KeyError("k"), _NoNotes("n")):
         add_note(exc, "first")
         add_note(exc, "second")
         assert exc.__notes__ == ["first", "second"]
@@ -1036,7 +1033,7 @@ def test_add_note_puts_the_note_in_notes_without_add_note_too():
     refuses = NoAttributes("r")
     add_note(refuses, "dropped")
     assert not hasattr(refuses, "__notes__")
-    odd = NoNotes("o")
+    odd = _NoNotes("o")
     odd.__notes__ = ("not", "a list")
     add_note(odd, "dropped")
     assert odd.__notes__ == ("not", "a list")
