@@ -495,12 +495,10 @@ def _flush_after_argparse() -> None:
         return
     try:
         sys.stdout.flush()
-    except BrokenPipeError:
-        _stdout_to_devnull()
-        raise SystemExit(1) from None
     except OSError as e:
         _stdout_to_devnull()
-        print(f"error: {_said(e)}", file=sys.stderr)
+        if not isinstance(e, BrokenPipeError):  # (the reader went away: quietly)
+            print(f"error: {_said(e)}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
