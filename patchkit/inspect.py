@@ -84,6 +84,8 @@ import pandas as pd
 import torch
 
 from . import native
+from ._regions import _Owner, _RegionIndex, _span_of, _storage_key, _storage_offsets
+from ._runtime_index import RuntimeIndex, named_tensors
 from .bitwise import (
     _INT_OF_SIZE,
     _masked,
@@ -108,21 +110,7 @@ from .density import (
     region_text,
 )
 from .errors import LOAD_WEIGHTS_DOES, PatchTypeError, add_note, brief, quoted, where
-from .intercept import (
-    _DEFERRAL,
-    RuntimeIndex,
-    SavedRegion,
-    WriteEvent,
-    WriteSession,
-    _Owner,
-    _RegionIndex,
-    _saved_region,
-    _span_of,
-    _storage_key,
-    _storage_offsets,
-    named_tensors,
-    rollbacks,
-)
+from .intercept import _DEFERRAL, SavedRegion, WriteEvent, WriteSession, _saved_region, rollbacks
 from .loader import (
     _canonicalized,
     _names,

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ._regions import _span_of
+from ._runtime_index import RuntimeIndex, _registers_twice, named_tensors
 from .bitwise import bits
 from .chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, plan_chunks
 from .errors import (
@@ -26,17 +28,7 @@ from .errors import (
     add_note,
     where,
 )
-from .intercept import (
-    _DEFERRAL,
-    RuntimeIndex,
-    WriteRecorder,
-    WriteSession,
-    _patches_named,
-    _registers_twice,
-    _returned_text,
-    _span_of,
-    named_tensors,
-)
+from .intercept import _DEFERRAL, WriteRecorder, WriteSession, _patches_named, _returned_text
 from .patch import (
     CheckpointWeightPatch,
     PatchLike,

@@ -11,8 +11,8 @@ import torch
 
 import patchkit
 from patchkit import CheckpointWeightPatch, inspect_load, load_checkpoint_weight_patches
+from patchkit._regions import _storage_key
 from patchkit.build import AdamLikeTrainer, dense_patches, sparse_patches_from_diff
-from patchkit.intercept import _storage_key
 from patchkit.toymodels import PlainModel, TinyLlamaConfig, TinyLlamaRuntime, tiny_llama_checkpoint
 
 META = torch.device("meta")

@@ -1756,7 +1756,7 @@ def test_an_unsupported_op_from_one_of_a_calls_patches_is_refused_naming_that_pa
                              "with aten::index_copy_")
 
 
-# -- storage beside the runtime tensors (intercept.py, RuntimeIndex.owner) ----------------
+# -- storage beside the runtime tensors (_runtime_index.py, RuntimeIndex.owner) ----------------
 
 
 class _FlatScratch(nn.Module):

@@ -1,4 +1,4 @@
-"""Numbers a cast into float8 made NaN (lost numbers, ``intercept._LostMarks``) followed
+"""Numbers a cast into float8 made NaN (lost numbers, ``_marks._LostMarks``) followed
 through the ops that held the last holes: complex round trips, ``torch._foreach_*``
 ops, puts that add or reduce and the functional forms of puts, fills of a 0-d tensor,
 writes through a wider view of a one-byte scratch, and copies whose source is their

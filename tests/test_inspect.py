@@ -209,8 +209,9 @@ def test_deltas_of_a_matrix_written_piecewise_in_any_order_match_the_snapshot(se
 
 
 def test_the_sweep_for_overlapping_saves_agrees_with_testing_every_pair():
+    from patchkit._regions import _span_of
     from patchkit.inspect import _any_overlap
-    from patchkit.intercept import Region, _span_of
+    from patchkit.intercept import Region
 
     g = torch.Generator().manual_seed(3)
     w = torch.zeros(40, 12)

@@ -21,7 +21,7 @@ from torch import nn
 
 import patchkit
 from patchkit import CheckpointWeightPatch as CWP
-from patchkit import intercept, native
+from patchkit import _marks, native
 from patchkit.bitwise import bits, device_passes
 from patchkit.build import random_sparse_patch
 from patchkit.errors import ContractViolation
@@ -344,13 +344,13 @@ def test_a_reduction_is_told_on_a_torch_that_tags_none(monkeypatch, case):
     # a sparse load through any such op raised AttributeError; there a reduction is told
     # by its name, and loads or is refused as where torch tags it (ops decided afresh)
     monkeypatch.delattr(torch.Tag, "reduction", raising=False)
-    monkeypatch.setattr(intercept, "_MIXES", {})
+    monkeypatch.setattr(_marks, "_MIXES", {})
     if case == "sum(1), mixed rows":
         _refused(lambda w: w["w"].sum(1), "mixed", "plain", "aten::sum.dim_IntList")
     else:
         # (a reduction that mixes no two elements: each output element is one input's)
         _loads_right(lambda w: torch.stack([w["w"]]).sum(0), "mixed", "plain")
-    assert intercept._MIXES[torch.ops.aten.sum.dim_IntList] == intercept._REDUCES
+    assert _marks._MIXES[torch.ops.aten.sum.dim_IntList] == _marks._REDUCES
 
 
 def test_the_reductions_told_by_name_are_those_torch_tags():
@@ -367,5 +367,5 @@ def test_the_reductions_told_by_name_are_those_torch_tags():
         base, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, base), overload or "default", None)
         if op is not None and tag in op.tags:
-            tagged.add(intercept._base_name(op))
-    assert tagged >= intercept._REDUCTIONS
+            tagged.add(_marks._base_name(op))
+    assert tagged >= _marks._REDUCTIONS

@@ -1413,7 +1413,7 @@ def test_column_slices_of_one_matrix_are_apart():
 def test_a_view_says_which_storage_element_is_its_which_element(shape, starts, steps, perm):
     """``_position_of`` (how a write is placed in a strided parameter) against brute
     force, for slices with steps and permutes of a dense tensor."""
-    from patchkit.intercept import _position_of
+    from patchkit._regions import _position_of
 
     base = torch.zeros(shape)
     view = base[tuple(slice(a, None, s) for a, s in zip(starts, steps))].permute(*perm)

@@ -16,9 +16,10 @@ from torch import nn
 import patchkit
 from patchkit import CheckpointWeightPatch as CWP
 from patchkit import native
+from patchkit._marks import _Provenance
+from patchkit._regions import _storage_key
 from patchkit.bitwise import bits
 from patchkit.errors import ContractViolation
-from patchkit.intercept import _Provenance, _storage_key
 
 
 def _dev():

@@ -19,11 +19,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import patchkit
+import patchkit._marks as pk_marks
+import patchkit._regions as pk_regions
+import patchkit._runtime_index as pk_runtime_index
 import patchkit.inspect as pk_inspect
 import patchkit.intercept as pk_intercept
 from patchkit import CheckpointWeightPatch, inspect_load, load_checkpoint_weight_patches, native
+from patchkit._regions import _storage_offsets
 from patchkit.bitwise import bits, device_passes
-from patchkit.intercept import _storage_offsets
+
+# The modules of the session that look up a helper by name, each for its own uses (a
+# test that counts a helper's calls patches it in each)
+_SESSION_MODULES = (pk_regions, pk_runtime_index, pk_marks, pk_intercept)
 
 
 class Flat(torch.nn.Module):
@@ -298,8 +305,8 @@ def test_views_written_whole_are_rebuilt_without_an_index_of_their_size(
     patches = _patches(model, writes, 1.0, torch.float32, seed=2)  # every element changes
     smallest = min(t.numel() for t in model.parameters())
     indices: list[int] = []
-    for module, name in ((pk_intercept, "_storage_offsets"), (pk_inspect, "_storage_offsets"),
-                         (pk_inspect, "_positions")):
+    for module, name in (*((m, "_storage_offsets") for m in (pk_regions, pk_marks, pk_intercept)),
+                         (pk_inspect, "_storage_offsets"), (pk_inspect, "_positions")):
         original = getattr(module, name)
 
         def recording(*a, _original=original):
@@ -608,7 +615,8 @@ def test_a_load_rebinding_one_tensor_per_call_looks_at_each_rebinding_once(
         keys["n"] += 1
         return _original(t)
 
-    monkeypatch.setattr(pk_intercept, "_storage_key", keyed)
+    for module in _SESSION_MODULES:
+        monkeypatch.setattr(module, "_storage_key", keyed)
     per_tensor = {}
     for n in (16, 64):
         model = _Rebinds(n)
@@ -670,7 +678,8 @@ def test_a_load_rebinding_after_its_saves_finds_the_rebound_saves_by_view(monkey
         looked["n"] += len(saved)
         return _original(saved, t)
 
-    monkeypatch.setattr(pk_intercept, "id", counted_id, raising=False)
+    for module in (pk_regions, pk_runtime_index, pk_intercept):  # (the ones that call id)
+        monkeypatch.setattr(module, "id", counted_id, raising=False)
     monkeypatch.setattr(pk_inspect, "_sharing", sharing)
     per_tensor = {}
     for n in (8, 32):

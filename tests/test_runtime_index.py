@@ -14,7 +14,9 @@ import pytest
 import torch
 from _torch_features import MODULES_KEEP_DICTS
 
-from patchkit.intercept import RuntimeIndex, _byte_span, _storage_key, named_tensors
+from patchkit._regions import _byte_span, _storage_key
+from patchkit._runtime_index import named_tensors
+from patchkit.intercept import RuntimeIndex
 from patchkit.toymodels import TinyLlamaConfig, TinyLlamaRuntime
 
 
@@ -24,10 +26,10 @@ def _index_path(request, monkeypatch):
     (``_index_plain``, the way for a tree of ``_COLUMNS_FROM`` modules or more whose
     tensors are all plain) and one tensor at a time (``_index_listed``, for a smaller
     tree, and for any tree the columns decline)."""
-    import patchkit.intercept as intercept
+    import patchkit._runtime_index as runtime_index
 
-    monkeypatch.setattr(intercept, "_COLUMNS_FROM",
-                        0 if request.param == "columns" else sys.maxsize, raising=False)
+    monkeypatch.setattr(runtime_index, "_COLUMNS_FROM",
+                        0 if request.param == "columns" else sys.maxsize)
     return request.param
 
 
@@ -227,7 +229,7 @@ def test_the_tied_parameters_a_dense_load_finds_are_torchs(name, monkeypatch):
 def test_a_module_tree_that_loops_raises_as_torch_does(links):
     # (with two links back, each level of the tied-name search was twice the last: it ran
     # out of memory where torch raises at once)
-    from patchkit.intercept import _registers_twice
+    from patchkit._runtime_index import _registers_twice
     from patchkit.loader import _tied_aliases
 
     model = torch.nn.Linear(1, 1)
@@ -307,11 +309,11 @@ _ADDITIONS = {
 def test_the_index_finds_names_registered_after_it_and_removes_them(how, fallback, monkeypatch):
     # a name registered during a load was not known: a sparse call's NaN reached the model
     # through it, and a rollback left it
-    import patchkit.intercept as intercept
+    import patchkit._runtime_index as runtime_index
 
     model = _with_slots()
     if fallback:  # (as for a model whose modules list their tensors their own way)
-        monkeypatch.setattr(intercept, "_module_tree", lambda m: None)
+        monkeypatch.setattr(runtime_index, "_module_tree", lambda m: None)
     before = _listing(model)
     index = RuntimeIndex(model)
     assert index.added() == []
@@ -342,12 +344,12 @@ def test_a_tensor_moved_to_the_other_registry_is_replaced_on_either_path(move, f
                                                                          monkeypatch):
     # the torch walk lists parameters and then buffers as one list: a tensor moved from
     # one to the other under its own name looked unchanged there (the tree path saw it)
-    import patchkit.intercept as intercept
+    import patchkit._runtime_index as runtime_index
 
     model = _with_slots()
     model.register_buffer("frozen", torch.nn.Parameter(torch.ones(1), requires_grad=False))
     if fallback:
-        monkeypatch.setattr(intercept, "_module_tree", lambda m: None)
+        monkeypatch.setattr(runtime_index, "_module_tree", lambda m: None)
     before = _tree(model)
     index = RuntimeIndex(model)
     do, name = _MOVES[move]
@@ -753,7 +755,8 @@ def test_a_region_index_offers_every_region_that_meets_a_new_one():
     # (what the overlap checks rely on: a region the index leaves out is never compared)
     import random
 
-    from patchkit.intercept import Region, _RegionIndex
+    from patchkit._regions import _RegionIndex
+    from patchkit.intercept import Region
 
     base = torch.zeros(64, 16)
     rng = random.Random(0)
@@ -778,7 +781,8 @@ def test_a_region_index_offers_every_region_that_meets_a_new_one():
 
 
 def test_a_region_index_of_columns_offers_only_the_columns_a_region_meets():
-    from patchkit.intercept import Region, _RegionIndex
+    from patchkit._regions import _RegionIndex
+    from patchkit.intercept import Region
 
     base = torch.zeros(8, 500)
     index = _RegionIndex()
@@ -797,15 +801,15 @@ def test_a_region_index_of_columns_offers_only_the_columns_a_region_meets():
 
 
 def test_a_call_that_rebinds_nothing_reads_no_storage_keys(monkeypatch):
-    import patchkit.intercept as pk_intercept
+    import patchkit._runtime_index as runtime_index
     from patchkit.toymodels import PlainModel
 
     m = PlainModel({f"w{i}": (4,) for i in range(50)})
-    index = pk_intercept.RuntimeIndex(m)
+    index = runtime_index.RuntimeIndex(m)
     bindings = index.bindings()
     keys = []
-    real = pk_intercept._storage_key
-    monkeypatch.setattr(pk_intercept, "_storage_key", lambda t: keys.append(1) or real(t))
+    real = runtime_index._storage_key
+    monkeypatch.setattr(runtime_index, "_storage_key", lambda t: keys.append(1) or real(t))
     assert index.rebound(bindings) == [] and keys == []
     m.w7.data = torch.ones(4)  # rebound: found, by its key
     assert index.rebound(bindings) == ["w7"] and 0 < len(keys) <= 2
@@ -877,6 +881,7 @@ def test_a_sparse_load_reads_its_bindings_pointers_once_not_at_every_call(monkey
     # (after each call every runtime tensor's data pointer is read, to see a rebinding;
     # the pointers of the bindings it compares with do not move: read once per load)
     import patchkit
+    import patchkit._runtime_index as runtime_index
     import patchkit.intercept as pk_intercept
     from patchkit.toymodels import PlainModel
 
@@ -886,7 +891,8 @@ def test_a_sparse_load_reads_its_bindings_pointers_once_not_at_every_call(monkey
                                          torch.tensor([1])) for i in range(calls)]
     reads = []
     real = pk_intercept._DATA_PTR
-    monkeypatch.setattr(pk_intercept, "_DATA_PTR", lambda t: reads.append(1) or real(t))
+    for module in (pk_intercept, runtime_index):  # (where it is read: the session, the index)
+        monkeypatch.setattr(module, "_DATA_PTR", lambda t: reads.append(1) or real(t))
     patchkit.load_checkpoint_weight_patches(m, ps, max_chunk_bytes=16)  # one call each
     assert all(m.get_parameter(f"w{i}")[1] == 1 for i in range(calls))
     assert len(reads) <= n * (calls + 1) + 4 * calls  # (was 2 n per call)
@@ -1174,12 +1180,12 @@ def test_both_ways_build_the_same_index(name, monkeypatch):
     # the columns (``_index_plain``) are the tensor at a time way (``_index_listed``) done
     # with C loops: every attribute equal, item for item, lazy ones included; where they
     # decline a tree, they set nothing
-    import patchkit.intercept as intercept
+    import patchkit._runtime_index as runtime_index
 
     model, taken = _column_models()[name]
     built = {}
     for way, start in (("columns", 0), ("one tensor at a time", sys.maxsize)):
-        monkeypatch.setattr(intercept, "_COLUMNS_FROM", start)
+        monkeypatch.setattr(runtime_index, "_COLUMNS_FROM", start)
         index = built[way] = RuntimeIndex(model)
         for lazy in ("_shadow_places", "_columns", "tied_names"):
             getattr(index, lazy)
@@ -1196,7 +1202,7 @@ def test_both_ways_build_the_same_index(name, monkeypatch):
     shadows = [(a, k) for a, d in zip(listed._registry_places[0], listed._registries)
                for k in d]
     assert _same(listed._shadow_places, tuple(zip(*shadows)) or ((), ()))
-    mods = intercept._module_tree(model)
+    mods = runtime_index._module_tree(model)
     bare = RuntimeIndex.__new__(RuntimeIndex)
     assert bare._index_plain(mods) is taken
     assert taken or vars(bare) == {}
@@ -1222,11 +1228,11 @@ def test_a_module_without_its_set_of_non_persistent_buffers_raises_as_torch_does
 
 
 def test_the_walk_lists_no_children_of_a_module_whose_modules_are_not_a_dict():
-    import patchkit.intercept as intercept
+    import patchkit._runtime_index as runtime_index
 
     model = _undo_model()
     model.emb.__dict__["_modules"] = [torch.nn.Linear(1, 1)]  # (not a dict, not empty)
-    listed = intercept._module_tree(model)
+    listed = runtime_index._module_tree(model)
     assert [p for p, _ in listed] == ["", "emb", "head", "act"]
     assert listed[1][1] is model.emb
 
