@@ -624,7 +624,7 @@ class LoadReport:
     # seen (WriteSession.quiet_calls): their indices.
     _quiet: tuple[int, ...] = field(default=(), repr=False, init=False)
     # runtime tensors with no strided memory of their own, each with what it is (see
-    # patchkit.intercept.RuntimeIndex.storageless): only a load that did not watch sees one
+    # patchkit._runtime_index.RuntimeIndex.storageless): only a load that did not watch sees one
     _storageless: dict[str, str] = field(default_factory=dict, repr=False, init=False)
     # Runtime tensors the load wrote and its transactional rollback put back as they were
     # (their saves went with the rollback: no deltas row, nothing written()).
@@ -1938,7 +1938,7 @@ def _observe_foreign(
     as :class:`Chunk` records with a provisional ``closed_by``, go to ``observed``. When a
     call raises, ``(calls made, targets its writes left changed)`` goes to ``failed``
     before the loader sees the error (and may undo writes unseen). ``index``: the model's
-    :class:`~patchkit.intercept.RuntimeIndex`, where the caller built it (else ``None``).
+    :class:`~patchkit._runtime_index.RuntimeIndex`, where the caller built it (else ``None``).
     Where the load fails, the lists of the calls that raised (the copy of a call's list
     this wrapper passed on, and the entries it watched) are emptied before the error
     leaves it, as :func:`~patchkit.loader.run_load` empties its own: a kept error's
@@ -3147,7 +3147,7 @@ def _delta_rows(saved: list[SavedRegion], index: RuntimeIndex) -> list[dict[str,
 def _any_overlap(regions: Sequence[SavedRegion], ext: Sequence[tuple]) -> bool:
     """Whether two of ``regions`` (of one storage; ``ext``: their ``(key, start, end)``
     byte extents) share an element. Each is compared only with those a
-    :class:`~patchkit.intercept._RegionIndex` of the ones before it says it may meet, so
+    :class:`~patchkit._regions._RegionIndex` of the ones before it says it may meet, so
     regions side by side (a tensor written row by row) or column slices of one matrix
     cost O(n log n), not a test of every pair."""
     if all(e[2] <= f[1] for e, f in itertools.pairwise(ext)):

@@ -28,6 +28,13 @@ either a same-shaped floating-point ``copy_``, which is NaN-merged, or it is rej
 before it writes. Every runtime write can also be saved before it happens (for
 ``transactional=True`` and before/after deltas) and reported to a recorder (for
 inspection); observing never changes a value.
+
+What the session builds on lives beside it: the runtime tensors and who owns each piece
+of storage in :mod:`patchkit._runtime_index`, where views sit in their storage and which
+regions meet in :mod:`patchkit._regions`, and what each ATen op does with a sparse
+patch's NaN marks in :mod:`patchkit._marks`. The public names of all four
+(:class:`Region`, :class:`RuntimeIndex`, :class:`SavedRegion`, :class:`WriteEvent`,
+:class:`WriteRecorder`, :class:`WriteSession`) are importable from here.
 """
 
 from __future__ import annotations

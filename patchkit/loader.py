@@ -251,7 +251,7 @@ def run_load(
     ``(kept, positions, chunks)`` as :func:`canonicalize_tied` and
     :func:`~patchkit.chunking.plan_chunks` make them for these patches, model and budget
     (a caller that has them already), used once the patches are valid; ``index``, when
-    given, is a :class:`~patchkit.intercept.RuntimeIndex` of ``model`` as it is now (the
+    given, is a :class:`~patchkit._runtime_index.RuntimeIndex` of ``model`` as it is now (the
     caller's, built for the same load), which a watched load uses instead of its own.
     """
     with torch.no_grad():
@@ -598,7 +598,7 @@ def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """Each alias of a Parameter registered under several names -> its first name.
 
     A model with no tensor registered twice (most) is told by
-    :func:`~patchkit.intercept._registers_twice`, a walk that builds no names (at 1000
+    :func:`~patchkit._runtime_index._registers_twice`, a walk that builds no names (at 1000
     modules, less than half of a named walk's cost, which every dense load paid); a
     model that has one pays for the names too, after that walk stops at the first
     repeat (which a tied ``lm_head`` beside ``model.embed_tokens`` reaches early)."""
@@ -617,7 +617,7 @@ def _canonicalized(
     patches: Sequence[CheckpointWeightPatch], alias_of: dict[str, str], *, warn: bool = True
 ) -> tuple[list[CheckpointWeightPatch], list[int]]:
     """:func:`canonicalize_tied` with the model's tied parameters known already
-    (``alias_of``: each alias's first name, as a :class:`~patchkit.intercept.RuntimeIndex`
+    (``alias_of``: each alias's first name, as a :class:`~patchkit._runtime_index.RuntimeIndex`
     has them in ``tied_parameters``), so that a load that builds an index walks the
     module tree once."""
     if not alias_of:
@@ -764,7 +764,7 @@ def _entries_in(arg: object, spans: dict[tuple, list[tuple[int, int, int]]]
 
 def _span(t: torch.Tensor) -> tuple[tuple, int, int] | None:
     """``(storage key, first byte, end byte)`` of the memory ``t``'s elements lie in
-    (:func:`~patchkit.intercept._span_of`), or ``None`` (no memory: empty, meta, a
+    (:func:`~patchkit._regions._span_of`), or ``None`` (no memory: empty, meta, a
     wrapper subclass)."""
     try:
         if t.numel() == 0 or t.is_meta:
