@@ -52,13 +52,14 @@ class _Source(NamedTuple):
     data an op moved without changing its dtype (a clone of ``w.view(torch.int32)``), the
     dtype its input's bytes were (``None``: not known). NaN, a sparse patch's "keep", is a
     bit pattern of that dtype: a view of these bytes as another dtype does not read it as
-    NaN (see :meth:`WriteSession._refuse_reinterpreted`). ``name`` ``None`` (``position``
-    too): data of several patches (a ``torch.cat`` of two), kept for its ``dtype`` only:
-    :meth:`_Provenance.lookup` and :meth:`_Provenance.source_of` find no patch there.
-    ``mixed``: ``(position, name, op)`` where these floating-point bytes are data that an
-    op which mixes elements (``op``: a matmul, a reduction, a sort, a cumsum) made, in a
-    sparse call, from that patch's data while it held NaN, or anything made from such
-    data since (see :meth:`_Provenance.mixed_by`); ``None`` otherwise."""
+    NaN (see :meth:`~patchkit.intercept.WriteSession._refuse_reinterpreted`). ``name``
+    ``None`` (``position`` too): data of several patches (a ``torch.cat`` of two), kept
+    for its ``dtype`` only: :meth:`_Provenance.lookup` and :meth:`_Provenance.source_of`
+    find no patch there. ``mixed``: ``(position, name, op)`` where these floating-point
+    bytes are data that an op which mixes elements (``op``: a matmul, a reduction, a
+    sort, a cumsum) made, in a sparse call, from that patch's data while it held NaN, or
+    anything made from such data since (see :meth:`_Provenance.mixed_by`); ``None``
+    otherwise."""
 
     lo: int
     hi: int
@@ -101,12 +102,12 @@ class _Source(NamedTuple):
     # a ``where`` or ``masked_fill`` whose condition comes from patches' data, a put at
     # places it does: :func:`_replaces_nan`) made from that patch's data, or anything
     # made from such data since: the staged NaN, "keep", may be numbers here, which a
-    # NaN-merge writes (see :meth:`WriteSession._refuse_replaced`). ``at``: which of
-    # the stretch's elements hold a patch's "keep" (NaN before the op, or a number made
-    # of one), as ``(mask, first, size)``: a flat boolean mask over the storage's
-    # elements of ``size`` bytes from element ``first`` on, which a view of the stretch
-    # reads with its own strides (:func:`_keep_in`); ``None`` where not known (after an
-    # op that mixes elements: ``w.nan_to_num() @ h``)
+    # NaN-merge writes (see :meth:`~patchkit.intercept.WriteSession._refuse_replaced`).
+    # ``at``: which of the stretch's elements hold a patch's "keep" (NaN before the op,
+    # or a number made of one), as ``(mask, first, size)``: a flat boolean mask over the
+    # storage's elements of ``size`` bytes from element ``first`` on, which a view of
+    # the stretch reads with its own strides (:func:`_keep_in`); ``None`` where not
+    # known (after an op that mixes elements: ``w.nan_to_num() @ h``)
     replaced: tuple[int | None, str | None, str, tuple | None] | None = None
 
 
@@ -152,7 +153,8 @@ class _Provenance:
     element at checkpoint index (element offset - base): a staged tensor, or a cast or
     clone of (a contiguous part of) one, never written to since. Only an exact source
     lets a saved NaN-merge recompute where it wrote from its patch
-    (:class:`PatchPositions`); any name is good enough for the ``writes`` table.
+    (:class:`~patchkit.intercept.PatchPositions`); any name is good enough for the
+    ``writes`` table.
     """
 
     def __init__(self) -> None:
@@ -562,8 +564,8 @@ class _Provenance:
         (``~(w > 0)``). ``isnan`` and ``isfinite`` say where the marks are and make
         none. A copy into the model of it, or of what a cast, a ``where`` or a pick of
         the loader's own data by it makes, is refused where it changes an element
-        (:meth:`WriteSession._replaced_loss`); as the indices of a move of a patch's
-        data (``w.gather(1, perm)``) it is none of the result's data
+        (:meth:`~patchkit.intercept.WriteSession._replaced_loss`); as the indices of a
+        move of a patch's data (``w.gather(1, perm)``) it is none of the result's data
         (:meth:`_keep_made`)."""
         for t, e in found:
             if (func is not None and _inexact(t)
@@ -1132,8 +1134,8 @@ class _LostMarks:
     from a number into NaN: a value out of range, or an infinity, cast into a floating
     dtype without infinities (float8 ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``). NaN there
     is an update lost, not a patch's "keep", and a sparse copy whose source holds one is
-    refused (:meth:`WriteSession._refuse_marked`), wherever the loader's arithmetic
-    left the elements' place in their patch unknown.
+    refused (:meth:`~patchkit.intercept.WriteSession._refuse_marked`), wherever the
+    loader's arithmetic left the elements' place in their patch unknown.
 
     A mark is the byte offset of an element in its storage, with the number it held
     (float64), so it follows the element through every view of that storage. It is
@@ -2408,9 +2410,9 @@ def _misread(hit: _Source, src: torch.Tensor, out: torch.Tensor
 
 def _reinterpreted_words(kind: str, held: torch.dtype, read: torch.dtype,
                          dtype: torch.dtype) -> str:
-    """What a source of :meth:`WriteSession._reinterpretation`'s ``kind`` does with a
-    patch's bytes (held as ``held``, read as ``read``; the source is of ``dtype``), and
-    why its staged NaN is lost, for a message."""
+    """What a source of :meth:`~patchkit.intercept.WriteSession._reinterpretation`'s
+    ``kind`` does with a patch's bytes (held as ``held``, read as ``read``; the source
+    is of ``dtype``), and why its staged NaN is lost, for a message."""
     if kind == "shifted":
         return (f"made from patch data held as {held} moved by a number of bytes that is "
                 f"no multiple of its {held.itemsize}-byte elements (such as "

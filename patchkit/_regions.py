@@ -435,8 +435,9 @@ class _Owner(NamedTuple):
 
 
 class _PutBack(NamedTuple):
-    """What :meth:`WriteSession._put_back` undid after a sparse call: a change of the
-    module tree's structure (:meth:`RuntimeIndex.structure_changed`, or ``None``), the
+    """What :meth:`~patchkit.intercept.WriteSession._put_back` undid after a sparse
+    call: a change of the module tree's structure
+    (:meth:`~patchkit._runtime_index.RuntimeIndex.structure_changed`, or ``None``), the
     names rebound, replaced and added (not tied: ``ties``, which stay), which replaced
     names were gone or moved, the names it could not register again, and what the
     rebound, replaced and added names held before they were put back (where known)."""
