@@ -801,6 +801,7 @@ def test_a_region_index_of_columns_offers_only_the_columns_a_region_meets():
 
 
 def test_a_call_that_rebinds_nothing_reads_no_storage_keys(monkeypatch):
+    import patchkit._regions as regions
     import patchkit._runtime_index as runtime_index
     from patchkit.toymodels import PlainModel
 
@@ -809,7 +810,8 @@ def test_a_call_that_rebinds_nothing_reads_no_storage_keys(monkeypatch):
     bindings = index.bindings()
     keys = []
     real = runtime_index._storage_key
-    monkeypatch.setattr(runtime_index, "_storage_key", lambda t: keys.append(1) or real(t))
+    for module in (runtime_index, regions):  # (the index's own reads, and its helpers')
+        monkeypatch.setattr(module, "_storage_key", lambda t: keys.append(1) or real(t))
     assert index.rebound(bindings) == [] and keys == []
     m.w7.data = torch.ones(4)  # rebound: found, by its key
     assert index.rebound(bindings) == ["w7"] and 0 < len(keys) <= 2
