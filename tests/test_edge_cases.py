@@ -1881,7 +1881,7 @@ def test_a_registry_entry_that_is_not_a_tensor_is_named_by_a_watched_load(how):
     assert patchkit.load_checkpoint_weight_patches(m, dense) == {"w"}
 
 
-# -- numbers a narrower runtime dtype makes NaN (intercept.py, _mark_lost_numbers) -------
+# -- numbers a narrower runtime dtype makes NaN (_marks.py: _LostMarks, _lost_in_cast) -
 
 
 class _Fp8Rows(nn.Module):
